@@ -1,0 +1,12 @@
+"""Clients of the shard servers: ClusterSpec, ShardClient (collectives and flat buffers).
+
+Knows servers, not models: imports protos and grpc, never torch (torch tensors are accepted
+and returned when the caller has torch loaded).
+"""
+
+from client.buffers import ParamInfo, StepArgs
+from client.cluster import ClusterSpec
+from client.rpc import ShardClientError
+from client.shard_client import ShardClient
+
+__all__ = ["ClusterSpec", "ShardClient", "ShardClientError", "ParamInfo", "StepArgs"]

@@ -1,0 +1,182 @@
+"""The flat-buffer API: register, initialise, push gradients, pull parameters, step.
+
+A flat buffer of n elements lives as N slices (protos/slicing.py); these calls take and return
+the *whole* buffer (or, for ``push_grads``/``pull_params``, any range of it) and split the work
+over the servers and into ``chunk_bytes`` messages, all in flight together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from client.rpc import Call, RpcCore
+from protos import codec, slicing
+from protos import shard_pb2 as pb
+
+__all__ = ["FlatBuffers", "ParamInfo", "StepArgs"]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One original parameter inside a flat buffer (the manifest entry)."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    dtype: str = "float32"
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class StepArgs:
+    """Hyper-parameters of one optimizer step (torch param_group names) and the clip coefficient."""
+
+    hyper: Mapping[str, float]
+    clip_coef: float = 1.0
+
+    def to_pb(self) -> pb.StepArgs:
+        return pb.StepArgs(hyper={k: float(v) for k, v in self.hyper.items()},
+                           clip_coef=float(self.clip_coef))
+
+
+def _to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 values as the raw elements of a wire dtype."""
+    if dtype == "float32":
+        return np.ascontiguousarray(values, dtype=np.float32)
+    if dtype == "bfloat16":
+        return codec.f32_to_bf16_bits(values)
+    return values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)))
+
+
+class FlatBuffers(RpcCore):
+    rank: int
+    world_size: int
+
+    def _ref(self, job: str, buffer: str) -> pb.BufferRef:
+        return pb.BufferRef(job=job, buffer=buffer)
+
+    def register_buffer(
+        self,
+        job: str,
+        buffer: str,
+        numel: int,
+        *,
+        params: Sequence[ParamInfo] = (),
+        optimizer: str = "sgd",
+        hyper: Mapping[str, float] | None = None,
+        contributors: int | None = None,
+    ) -> list[pb.RegisterBufferReply]:
+        """Declares the buffer on every server (idempotent); returns each server's reply."""
+        entries = [pb.ParamEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=p.offset,
+                                 numel=p.numel) for p in params]
+        spec = pb.OptimizerSpec(name=optimizer, hyper={k: float(v) for k, v in (hyper or {}).items()})
+        return self.run(
+            Call(i, "RegisterBuffer", pb.RegisterBufferRequest(
+                ref=self._ref(job, buffer), numel=numel, num_servers=self.num_servers,
+                server_index=i, contributors=contributors or self.world_size, params=entries,
+                optimizer=spec))
+            for i in range(self.num_servers)
+        )
+
+    def _chunked(self, numel: int, start: int, stop: int, itemsize: int):
+        """(server, local offset, global offset, length) chunks of the range [start, stop)."""
+        chunk = max(1, self.chunk_bytes // itemsize)
+        for piece in slicing.pieces(numel, self.num_servers, start, stop):
+            for o, n in slicing.chunk_ranges(piece.numel, chunk):
+                if n:
+                    yield piece.server, piece.local_offset + o, piece.global_offset + o, n
+
+    def set_params(self, job: str, buffer: str, flat: np.ndarray, *, version: int = 0) -> None:
+        """Writes the whole buffer's values (fp32) and sets every slice's version."""
+        values = np.ascontiguousarray(flat, dtype=np.float32).reshape(-1)
+        ref = self._ref(job, buffer)
+        calls = []
+        for server, local, glob, n in self._chunked(values.size, 0, values.size, 4):
+            header = pb.SetParamsHeader(ref=ref, version=version,
+                                        chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32))
+            calls.append(Call(server, "SetParams", (header, values[glob : glob + n])))
+        self.run(calls)
+
+    def push_calls(
+        self, job: str, buffer: str, flat: np.ndarray, step: int, *, micro: int = 0,
+        num_micro: int = 1, step_args: StepArgs | None = None, dtype: str = "float32",
+        start: int = 0, numel: int | None = None,
+    ) -> list[Call]:
+        """The calls that push gradient ``flat`` (covering [start, start+len) of a buffer of
+        ``numel`` elements) for ``step``; run them with ``run`` (or batch with other calls)."""
+        grads = flat.reshape(-1)
+        total = start + grads.size if numel is None else numel
+        wire = codec.wire_dtype(dtype)
+        ref = self._ref(job, buffer)
+        args = step_args.to_pb() if step_args is not None else None
+        calls = []
+        for server, local, glob, n in self._chunked(total, start, start + grads.size, 4):
+            def build(local: int = local, a: int = glob - start, n: int = n) -> tuple:
+                header = pb.PushGradHeader(
+                    ref=ref, step=step, contributor=self.rank, micro=micro, num_micro=num_micro,
+                    chunk=pb.Chunk(offset=local, numel=n, dtype=wire), step_args=args)
+                return header, _to_wire(grads[a : a + n], dtype)
+
+            calls.append(Call(server, "PushGrad", build))
+        return calls
+
+    def push_grads(self, job: str, buffer: str, flat: np.ndarray, step: int, **kw: Any) -> None:
+        """Pushes this rank's gradient for the whole buffer (see ``push_calls`` for options)."""
+        self.run(self.push_calls(job, buffer, flat, step, **kw))
+
+    def pull_calls(
+        self, job: str, buffer: str, out: np.ndarray, min_version: int, *, dtype: str = "float32",
+        start: int = 0, numel: int | None = None,
+    ) -> list[Call]:
+        """Calls filling ``out`` (wire dtype elements; uint16 for bfloat16) with the buffer's
+        range [start, start + out.size) at a version >= ``min_version``."""
+        total = start + out.size if numel is None else numel
+        wire = codec.wire_dtype(dtype)
+        ref = self._ref(job, buffer)
+        calls = []
+        for server, local, glob, n in self._chunked(total, start, start + out.size, out.itemsize):
+            def store(reply: Any, a: int = glob - start, n: int = n) -> None:
+                out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
+
+            req = pb.PullParamsRequest(ref=ref, min_version=min_version,
+                                       chunk=pb.Chunk(offset=local, numel=n, dtype=wire))
+            calls.append(Call(server, "PullParams", req, store))
+        return calls
+
+    def pull_params(
+        self, job: str, buffer: str, numel: int, min_version: int = 0, *, dtype: str = "float32",
+    ) -> np.ndarray:
+        """The whole buffer at a version >= ``min_version`` (waits for it), as ``dtype``
+        (bfloat16 comes back as uint16 bits)."""
+        out = np.empty(numel, dtype=codec.numpy_dtype(codec.wire_dtype(dtype)))
+        self.run(self.pull_calls(job, buffer, out, min_version, dtype=dtype))
+        return out
+
+    def grad_sum_squares(self, job: str, buffers: Sequence[str], step: int) -> list[float]:
+        """Sum of squares of each buffer's reduced gradient of ``step``, over all servers."""
+        replies = self.run(Call(i, "GradNorm", pb.GradNormRequest(job=job, buffers=buffers,
+                                                                  step=step))
+                           for i in range(self.num_servers))
+        return [float(sum(r.sum_squares[k] for r in replies)) for k in range(len(buffers))]
+
+    def step(self, job: str, step: int, args: Mapping[str, StepArgs]) -> None:
+        """Applies step ``step`` to the named buffers on every server (first caller wins)."""
+        req = pb.StepRequest(job=job, step=step,
+                             buffers=[pb.BufferStep(buffer=b, args=a.to_pb()) for b, a in args.items()])
+        self.run(Call(i, "Step", req) for i in range(self.num_servers))
+
+    def drop_job(self, job: str) -> None:
+        """Drops the job on every server that has it."""
+        for i in range(self.num_servers):
+            try:
+                self.call(i, "DropJob", pb.DropJobRequest(job=job))
+            except Exception as exc:  # noqa: BLE001 - a server without the job is fine
+                if "NOT_FOUND" not in str(exc):
+                    raise

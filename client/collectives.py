@@ -1,0 +1,214 @@
+"""Collectives carried out through the shard servers' reduction slots (DESIGN section 1).
+
+- reduce-scatter: rank j's slice of the tensor (the slice rule over the ranks) is reduced on
+  server j mod N, where only rank j reads it.
+- all-reduce: part i of the tensor (the slice rule over the servers) is reduced on server i and
+  read back by every rank; reads of chunk k overlap with contributions of chunk k+1.
+- all-gather / broadcast / send: a SET slot (one contributor) read by the other ranks.
+
+Every rank must call the collectives in the same order (as with torch.distributed): each call
+takes the next sequence number, and slot keys are ``<run>:<seq>/<part>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from client.rpc import Call, RpcCore, ShardClientError
+from client.tensors import Flat, as_flat
+from protos import codec, slicing
+from protos import shard_pb2 as pb
+
+__all__ = ["Collectives", "REDUCE_OPS"]
+
+REDUCE_OPS = {"sum": pb.SUM, "mean": pb.MEAN, "max": pb.MAX, "min": pb.MIN}
+
+
+def _freed_slot(err: ShardClientError) -> bool:
+    """A retried contribution whose first attempt completed the slot (and everyone read it)."""
+    return err.method == "Contribute" and "freed" in err.details
+
+
+class Collectives(RpcCore):
+    rank: int
+    world_size: int
+    run_id: str
+
+    def _next_key(self, kind: str) -> str:
+        self._seq = getattr(self, "_seq", 0) + 1
+        return f"{self.run_id}:{kind}{self._seq}"
+
+    def _chunk_numel(self, dtype: str) -> int:
+        return max(1, self.chunk_bytes // codec.numpy_dtype(codec.wire_dtype(dtype)).itemsize)
+
+    def _contributions(
+        self, server: int, key: str, arr: np.ndarray, dtype: str, op: int, expected: int,
+        readers: int, shape: tuple[int, ...] = (), contributor: int | None = None,
+    ) -> Iterator[Call]:
+        chunk_numel = self._chunk_numel(dtype)
+        wire = codec.wire_dtype(dtype)
+        for offset, numel in slicing.chunk_ranges(arr.size, chunk_numel):
+            header = pb.SlotHeader(
+                key=key, op=op, expected=expected, readers=readers, total_numel=arr.size,
+                shape=shape, chunk=pb.Chunk(offset=offset, numel=numel, dtype=wire),
+                contributor=self.rank if contributor is None else contributor,
+                chunk_numel=chunk_numel,
+            )
+            yield Call(server, "Contribute", (header, arr[offset : offset + numel]),
+                       retry_ok=_freed_slot)
+
+    def _reads(self, server: int, key: str, out: np.ndarray, dtype: str) -> Iterator[Call]:
+        for offset, numel in slicing.chunk_ranges(out.size, self._chunk_numel(dtype)):
+
+            def store(reply: Any, o: int = offset, n: int = numel) -> None:
+                _, data = reply
+                out[o : o + n] = np.frombuffer(data, dtype=out.dtype)
+
+            yield Call(server, "ReadSlot", pb.ReadSlotRequest(key=key, offset=offset,
+                                                              reader=self.rank), store)
+
+    def _read_unknown(self, parts: list[tuple[int, str]]) -> list[tuple[np.ndarray, tuple, str]]:
+        """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest."""
+        firsts = self.run([Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank))
+                           for s, k in parts])
+        outs, rest = [], []
+        for (server, key), (header, data) in zip(parts, firsts, strict=True):
+            dtype = codec.dtype_name(header.chunk.dtype)
+            out = np.empty(header.total_numel, dtype=codec.numpy_dtype(header.chunk.dtype))
+            head = np.frombuffer(data, dtype=out.dtype)
+            out[: head.size] = head
+            for call in self._reads(server, key, out, dtype):
+                if call.request.offset:
+                    rest.append(call)
+            outs.append((out, tuple(header.shape), dtype))
+        self.run(rest)
+        return outs
+
+    # -- public collectives ----------------------------------------------------------------
+    def all_reduce(self, x: Any, op: str = "sum") -> Any:
+        """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``)."""
+        code = self._op(op)
+        flat = as_flat(x)
+        key = self._next_key("ar")
+        out = np.empty_like(flat.array)
+        n, sends, reads = flat.array.size, [], []
+        for piece in slicing.pieces(n, self.num_servers, 0, n) or [slicing.SlicePiece(0, 0, 0, 0)]:
+            a, b = piece.global_offset, piece.global_offset + piece.numel
+            part_key = f"{key}/{piece.server}"
+            sends += self._contributions(piece.server, part_key, flat.array[a:b], flat.dtype, code,
+                                         self.world_size, self.world_size)
+            reads += self._reads(piece.server, part_key, out[a:b], flat.dtype)
+        # All contributions are queued before any read, so a window full of waiting reads can
+        # never hold back a contribution another rank waits for.
+        self.run(sends + reads)
+        return flat.wrap(out)
+
+    def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
+        """Reduces ``x`` over all ranks and returns this rank's slice of the result (1-D):
+        elements [start, stop) of ``slicing.slice_bounds(x.numel, world_size, rank)``."""
+        code = self._op(op)
+        flat = as_flat(x)
+        key = self._next_key("rs")
+        calls = []
+        for j in range(self.world_size):
+            a, b = slicing.slice_bounds(flat.array.size, self.world_size, j)
+            calls += self._contributions(j % self.num_servers, f"{key}/{j}", flat.array[a:b],
+                                         flat.dtype, code, self.world_size, 1)
+        a, b = slicing.slice_bounds(flat.array.size, self.world_size, self.rank)
+        out = np.empty(b - a, dtype=flat.array.dtype)
+        calls += self._reads(self.rank % self.num_servers, f"{key}/{self.rank}", out, flat.dtype)
+        self.run(calls)
+        return flat.wrap(out, (b - a,))
+
+    def all_gather(self, x: Any) -> list[Any]:
+        """Every rank's ``x``, in rank order (shapes may differ between ranks)."""
+        flat = as_flat(x)
+        key = self._next_key("ag")
+        if self.world_size > 1:
+            self.run(self._contributions(self.rank % self.num_servers, f"{key}/{self.rank}",
+                                         flat.array, flat.dtype, pb.SET, 1, self.world_size - 1,
+                                         flat.shape, contributor=0))
+        others = [(j % self.num_servers, f"{key}/{j}") for j in range(self.world_size)
+                  if j != self.rank]
+        got = iter(self._read_unknown(others))
+        out = []
+        for j in range(self.world_size):
+            if j == self.rank:
+                out.append(flat.wrap(flat.array.copy()))
+            else:
+                arr, shape, _ = next(got)
+                out.append(flat.wrap(arr, shape))
+        return out
+
+    def broadcast(self, x: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``x`` on every rank. Every rank passes a tensor of the same shape and
+        dtype (as torch.distributed.broadcast); only src's values matter."""
+        self._check_rank(src, "src")
+        flat = as_flat(x)
+        key = self._next_key("bc")
+        n = flat.array.size
+        if self.world_size == 1:
+            return flat.wrap(flat.array.copy())
+        out = flat.array.copy()
+        calls = []
+        for piece in slicing.pieces(n, self.num_servers, 0, n) or [slicing.SlicePiece(0, 0, 0, 0)]:
+            a, b = piece.global_offset, piece.global_offset + piece.numel
+            part_key = f"{key}/{piece.server}"
+            if self.rank == src:
+                calls += self._contributions(piece.server, part_key, flat.array[a:b], flat.dtype,
+                                             pb.SET, 1, self.world_size - 1, contributor=0)
+            else:
+                calls += self._reads(piece.server, part_key, out[a:b], flat.dtype)
+        self.run(calls)
+        return flat.wrap(out)
+
+    def barrier(self) -> None:
+        """Returns once every rank has entered the barrier."""
+        self.all_reduce(np.zeros(1, dtype=np.int64))
+
+    def send(self, x: Any, dst: int) -> None:
+        """Puts ``x`` in rank ``dst``'s mailbox on its server; returns once it is stored."""
+        self._check_rank(dst, "dst")
+        flat = as_flat(x)
+        key = self._p2p_key(self.rank, dst)
+        self.run(self._contributions(dst % self.num_servers, key, flat.array, flat.dtype, pb.SET,
+                                     1, 1, flat.shape, contributor=0))
+
+    def recv(self, src: int, like: Any = None) -> Any:
+        """Takes the next tensor rank ``src`` sent to this rank (waits for it). The result is a
+        torch tensor if ``like`` is one or torch is loaded and the sender sent bfloat16,
+        else a NumPy array."""
+        self._check_rank(src, "src")
+        key = self._p2p_key(src, self.rank)
+        ((arr, shape, dtype),) = self._read_unknown([(self.rank % self.num_servers, key)])
+        return _wrap_received(arr, shape, dtype, like)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _p2p_key(self, src: int, dst: int) -> str:
+        counters = self.__dict__.setdefault("_p2p_seq", {})
+        counters[(src, dst)] = counters.get((src, dst), 0) + 1
+        return f"{self.run_id}:p2p{src}-{dst}/{counters[(src, dst)]}"
+
+    def _check_rank(self, r: int, what: str) -> None:
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"{what}={r} is outside ranks 0..{self.world_size - 1}")
+
+    @staticmethod
+    def _op(op: str) -> int:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
+        return REDUCE_OPS[op]
+
+
+def _wrap_received(arr: np.ndarray, shape: tuple, dtype: str, like: Any) -> Any:
+    if like is not None:
+        template = as_flat(like)
+        return Flat(arr, dtype, shape, template._back).wrap(arr, shape)
+    if dtype == "bfloat16":
+        import torch  # bfloat16 has no NumPy dtype
+
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(shape)
+    return arr.reshape(shape)

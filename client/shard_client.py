@@ -1,0 +1,67 @@
+"""``ShardClient``: one per rank; collectives and flat buffers over all the shard servers."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from google.protobuf.json_format import MessageToDict
+
+from client.buffers import FlatBuffers
+from client.cluster import ClusterSpec
+from client.collectives import Collectives
+from client.rpc import ShardClientError
+from protos import shard_pb2 as pb
+
+__all__ = ["ShardClient"]
+
+
+class ShardClient(Collectives, FlatBuffers):
+    """Rank ``rank`` of ``world_size`` talking to the servers of ``spec``.
+
+    ``run_id`` names this run's collective slots: all ranks of one run must agree on it, and two
+    runs on the same servers must differ (``paramshard launch`` sets ``PARAMSHARD_RUN``).
+    """
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        run_id: str | None = None,
+        timeout_s: float = 120.0,
+        retries: int = 5,
+        max_in_flight: int = 8,
+        chunk_bytes: int = 4 * 2**20,
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+        super().__init__(spec, timeout_s=timeout_s, retries=retries,
+                         max_in_flight=max_in_flight, chunk_bytes=chunk_bytes)
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id or os.environ.get("PARAMSHARD_RUN", "run")
+
+    @classmethod
+    def from_env(cls, **kw: Any) -> ShardClient:
+        """Reads PARAMSHARD_SERVERS, RANK and WORLD_SIZE like torchrun's env:// init."""
+        return cls(ClusterSpec.from_env(), rank=int(os.environ.get("RANK", "0")),
+                   world_size=int(os.environ.get("WORLD_SIZE", "1")), **kw)
+
+    def status(self) -> list[dict[str, Any]]:
+        """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable."""
+        out = []
+        for i, address in enumerate(self.spec.addresses):
+            try:
+                reply = self.call(i, "Status", pb.StatusRequest())
+                row = MessageToDict(reply, preserving_proto_field_name=True,
+                                    always_print_fields_with_no_presence=True)
+            except ShardClientError as exc:
+                row = {"error": f"{exc.code.name}: {exc.details}"}
+            out.append({"address": address, "index": i, **row})
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ShardClient(rank={self.rank}, world_size={self.world_size}, "
+                f"servers={list(self.spec.addresses)})")

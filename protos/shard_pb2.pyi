@@ -1,0 +1,405 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    INT64: _ClassVar[DType]
+    INT32: _ClassVar[DType]
+    FLOAT64: _ClassVar[DType]
+
+class ReduceOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUM: _ClassVar[ReduceOp]
+    MEAN: _ClassVar[ReduceOp]
+    MAX: _ClassVar[ReduceOp]
+    MIN: _ClassVar[ReduceOp]
+    SET: _ClassVar[ReduceOp]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+INT64: DType
+INT32: DType
+FLOAT64: DType
+SUM: ReduceOp
+MEAN: ReduceOp
+MAX: ReduceOp
+MIN: ReduceOp
+SET: ReduceOp
+
+class BufferRef(_message.Message):
+    __slots__ = ("job", "buffer")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    buffer: str
+    def __init__(self, job: _Optional[str] = ..., buffer: _Optional[str] = ...) -> None: ...
+
+class ParamEntry(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "offset", "numel")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    offset: int
+    numel: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "hyper")
+    class HyperEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hyper: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class RegisterBufferRequest(_message.Message):
+    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    ref: BufferRef
+    numel: int
+    num_servers: int
+    server_index: int
+    contributors: int
+    params: _containers.RepeatedCompositeFieldContainer[ParamEntry]
+    optimizer: OptimizerSpec
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+
+class RegisterBufferReply(_message.Message):
+    __slots__ = ("slice_start", "slice_numel", "version", "initialized")
+    SLICE_START_FIELD_NUMBER: _ClassVar[int]
+    SLICE_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    slice_start: int
+    slice_numel: int
+    version: int
+    initialized: bool
+    def __init__(self, slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "numel", "dtype")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    numel: int
+    dtype: DType
+    def __init__(self, offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class SetParamsHeader(_message.Message):
+    __slots__ = ("ref", "chunk", "version")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ref: BufferRef
+    chunk: Chunk
+    version: int
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SetParamsRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SetParamsHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SetParamsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SetParamsReply(_message.Message):
+    __slots__ = ("initialized",)
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    initialized: bool
+    def __init__(self, initialized: _Optional[bool] = ...) -> None: ...
+
+class StepArgs(_message.Message):
+    __slots__ = ("hyper", "clip_coef")
+    class HyperEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    HYPER_FIELD_NUMBER: _ClassVar[int]
+    CLIP_COEF_FIELD_NUMBER: _ClassVar[int]
+    hyper: _containers.ScalarMap[str, float]
+    clip_coef: float
+    def __init__(self, hyper: _Optional[_Mapping[str, float]] = ..., clip_coef: _Optional[float] = ...) -> None: ...
+
+class PushGradHeader(_message.Message):
+    __slots__ = ("ref", "chunk", "step", "contributor", "micro", "num_micro", "step_args")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    MICRO_FIELD_NUMBER: _ClassVar[int]
+    NUM_MICRO_FIELD_NUMBER: _ClassVar[int]
+    STEP_ARGS_FIELD_NUMBER: _ClassVar[int]
+    ref: BufferRef
+    chunk: Chunk
+    step: int
+    contributor: int
+    micro: int
+    num_micro: int
+    step_args: StepArgs
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[int] = ..., contributor: _Optional[int] = ..., micro: _Optional[int] = ..., num_micro: _Optional[int] = ..., step_args: _Optional[_Union[StepArgs, _Mapping]] = ...) -> None: ...
+
+class PushGradRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushGradHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushGradHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushGradReply(_message.Message):
+    __slots__ = ("duplicate", "reduced", "version")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    REDUCED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    reduced: bool
+    version: int
+    def __init__(self, duplicate: _Optional[bool] = ..., reduced: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullParamsRequest(_message.Message):
+    __slots__ = ("ref", "min_version", "chunk")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ref: BufferRef
+    min_version: int
+    chunk: Chunk
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., min_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+
+class PullParamsHeader(_message.Message):
+    __slots__ = ("ref", "chunk", "version")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ref: BufferRef
+    chunk: Chunk
+    version: int
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PullParamsReply(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PullParamsHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PullParamsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GradNormRequest(_message.Message):
+    __slots__ = ("job", "buffers", "step")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    buffers: _containers.RepeatedScalarFieldContainer[str]
+    step: int
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class GradNormReply(_message.Message):
+    __slots__ = ("sum_squares",)
+    SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    sum_squares: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sum_squares: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class BufferStep(_message.Message):
+    __slots__ = ("buffer", "args")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    args: StepArgs
+    def __init__(self, buffer: _Optional[str] = ..., args: _Optional[_Union[StepArgs, _Mapping]] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("job", "step", "buffers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    step: int
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferStep]
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStep, _Mapping]]] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SlotHeader(_message.Message):
+    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    op: ReduceOp
+    expected: int
+    readers: int
+    total_numel: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    chunk: Chunk
+    contributor: int
+    chunk_numel: int
+    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ...) -> None: ...
+
+class ContributeRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SlotHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SlotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ContributeReply(_message.Message):
+    __slots__ = ("duplicate",)
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
+
+class ReadSlotRequest(_message.Message):
+    __slots__ = ("key", "offset", "reader")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    READER_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    reader: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., reader: _Optional[int] = ...) -> None: ...
+
+class ReadSlotReply(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SlotHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SlotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DropJobRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class DropJobReply(_message.Message):
+    __slots__ = ("buffers",)
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    buffers: int
+    def __init__(self, buffers: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BufferStatus(_message.Message):
+    __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper")
+    class HyperEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    NUMEL_FIELD_NUMBER: _ClassVar[int]
+    SLICE_START_FIELD_NUMBER: _ClassVar[int]
+    SLICE_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GRAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    HYPER_FIELD_NUMBER: _ClassVar[int]
+    buffer: str
+    numel: int
+    slice_start: int
+    slice_numel: int
+    dtype: str
+    version: int
+    initialized: bool
+    optimizer: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    params: _containers.RepeatedCompositeFieldContainer[ParamEntry]
+    last_step_seconds: float
+    last_step_unix: float
+    contributors: int
+    hyper: _containers.ScalarMap[str, float]
+    def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job", "buffers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferStatus]
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid")
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    server_index: int
+    num_servers: int
+    device: str
+    device_memory_used: int
+    device_memory_total: int
+    uptime_seconds: float
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    slot_bytes: int
+    open_slots: int
+    version: str
+    pid: int
+    def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,69 @@
+"""Slice arithmetic: how a flat buffer of n elements is cut over N servers.
+
+The seeds' rule (ShardedModelBase.InitializeSharding): split evenly, and the first
+``n mod N`` servers get one extra element. Slice i lives on server i.
+
+This is the one place for that arithmetic. The client, the server, the CLI and export
+all import it; it depends on nothing but the standard library, so the server never
+pulls in torch through it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["SlicePiece", "slice_bounds", "slice_sizes", "pieces", "chunk_ranges"]
+
+
+class SlicePiece(NamedTuple):
+    """Part of a global range [start, stop) that falls on one server's slice."""
+
+    server: int
+    local_offset: int  # offset inside that server's slice
+    global_offset: int  # offset inside the flat buffer
+    numel: int
+
+
+def slice_sizes(n: int, num_slices: int) -> list[int]:
+    """Sizes of the ``num_slices`` slices of a buffer of ``n`` elements."""
+    if num_slices <= 0:
+        raise ValueError(f"num_slices must be positive, got {num_slices}")
+    if n < 0:
+        raise ValueError(f"buffer length must be >= 0, got {n}")
+    base, extra = divmod(n, num_slices)
+    return [base + 1 if i < extra else base for i in range(num_slices)]
+
+
+def slice_bounds(n: int, num_slices: int, index: int) -> tuple[int, int]:
+    """(start, stop) of slice ``index`` of a buffer of ``n`` elements."""
+    if not 0 <= index < num_slices:
+        raise ValueError(f"slice index {index} is outside 0..{num_slices - 1}")
+    base, extra = divmod(n, num_slices)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+def pieces(n: int, num_slices: int, start: int, stop: int) -> list[SlicePiece]:
+    """The slices that hold the global range [start, stop), in order."""
+    if not 0 <= start <= stop <= n:
+        raise ValueError(f"range [{start}, {stop}) is outside a buffer of {n} elements")
+    out = []
+    for i in range(num_slices):
+        lo, hi = slice_bounds(n, num_slices, i)
+        a, b = max(lo, start), min(hi, stop)
+        if a < b:
+            out.append(SlicePiece(i, a - lo, a, b - a))
+    return out
+
+
+def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
+    """Cut [0, numel) into (offset, length) chunks of at most ``chunk_numel``.
+
+    Every rank cuts the same way, so chunks of the same tensor line up across ranks and a
+    server can complete (and free) a reduction chunk by chunk.
+    """
+    if chunk_numel <= 0:
+        raise ValueError(f"chunk_numel must be positive, got {chunk_numel}")
+    if numel == 0:
+        return [(0, 0)]
+    return [(o, min(chunk_numel, numel - o)) for o in range(0, numel, chunk_numel)]

@@ -1,0 +1,224 @@
+"""The gRPC face of the store: decode, check, call the store, encode; never crash on a request.
+
+Handlers are registered as generic handlers with our own (de)serialisers so tensor payloads take
+the hand-encoded fast path of protos/codec.py; with ``fast_codec=False`` the same methods go
+through the protobuf runtime instead (the benchmark compares the two). A deserialiser never
+raises: a malformed request becomes INVALID_ARGUMENT with the parser's complaint, not grpcio's
+generic INTERNAL "Exception deserializing request!".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from protos import codec
+from protos import shard_pb2 as pb
+from server import backend
+from server.errors import ShardError
+from server.slots import SlotStore
+from server.store import BufferStore
+
+__all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
+
+SERVICE_NAME = "paramshard.v1.Shard"
+VERSION = "0.1.0"
+log = logging.getLogger("paramshard.server")
+
+
+class _Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _plain(cls: Any) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return cls.FromString(raw)
+        except Exception as exc:
+            return _Malformed(exc)
+
+    return parse
+
+
+def _tensor(header_cls: Any, request_cls: Any, fast: bool) -> Callable[[bytes], Any]:
+    """Deserialiser of a tensor message into (header, payload memoryview)."""
+
+    def parse(raw: bytes) -> Any:
+        try:
+            if fast:
+                return codec.decode(raw, header_cls)
+            msg = request_cls.FromString(raw)
+            return msg.header, memoryview(msg.data)
+        except Exception as exc:
+            return _Malformed(exc)
+
+    return parse
+
+
+def _tensor_reply(reply_cls: Any, fast: bool) -> Callable[[Any], bytes]:
+    def serialize(msg: Any) -> bytes:
+        if fast:
+            return codec.encode(*msg)
+        header, payload = msg
+        return reply_cls(header=header, data=payload).SerializeToString()
+
+    return serialize
+
+
+class ShardServicer:
+    """Implements the Shard service over a BufferStore and a SlotStore."""
+
+    def __init__(
+        self,
+        *,
+        max_wait_s: float = 600.0,
+        max_job_bytes: int = 0,
+        max_slot_bytes: int = 0,
+    ) -> None:
+        self.buffers = BufferStore(max_job_bytes=max_job_bytes)
+        self.slots = SlotStore(max_bytes=max_slot_bytes)
+        self.max_wait_s = max_wait_s
+        self.started = time.time()
+        self.server_index = 0
+        self.num_servers = 0
+
+    # -- plumbing ------------------------------------------------------------------------
+    def _timeout(self, context: grpc.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self.max_wait_s
+        return max(0.0, min(remaining, self.max_wait_s))
+
+    def generic_handler(self, fast_codec: bool = True) -> grpc.GenericRpcHandler:
+        fast = fast_codec
+        unary = grpc.unary_unary_rpc_method_handler
+        plain_reply = codec.serialize
+        table = {
+            "RegisterBuffer": (self.register_buffer, _plain(pb.RegisterBufferRequest), plain_reply),
+            "SetParams": (
+                self.set_params,
+                _tensor(pb.SetParamsHeader, pb.SetParamsRequest, fast),
+                plain_reply,
+            ),
+            "PushGrad": (
+                self.push_grad,
+                _tensor(pb.PushGradHeader, pb.PushGradRequest, fast),
+                plain_reply,
+            ),
+            "PullParams": (
+                self.pull_params,
+                _plain(pb.PullParamsRequest),
+                _tensor_reply(pb.PullParamsReply, fast),
+            ),
+            "GradNorm": (self.grad_norm, _plain(pb.GradNormRequest), plain_reply),
+            "Step": (self.step, _plain(pb.StepRequest), plain_reply),
+            "Contribute": (
+                self.contribute,
+                _tensor(pb.SlotHeader, pb.ContributeRequest, fast),
+                plain_reply,
+            ),
+            "ReadSlot": (
+                self.read_slot,
+                _plain(pb.ReadSlotRequest),
+                _tensor_reply(pb.ReadSlotReply, fast),
+            ),
+            "DropJob": (self.drop_job, _plain(pb.DropJobRequest), plain_reply),
+            "Status": (self.status, _plain(pb.StatusRequest), plain_reply),
+        }
+        handlers = {
+            name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
+            for name, (fn, de, ser) in table.items()
+        }
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    @staticmethod
+    def _guard(name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
+        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Malformed):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{name}: request does not parse as a {name} message: {request.error}",
+                )
+            try:
+                return fn(request, context)
+            except ShardError as exc:
+                context.abort(exc.code, f"{name}: {exc.message}")
+            except Exception as exc:  # a bug, not bad input: report it, keep serving
+                log.exception("%s failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+
+        return handle
+
+    # -- buffers ---------------------------------------------------------------------------
+    def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:
+        b = self.buffers.register(req)
+        self.server_index, self.num_servers = req.server_index, req.num_servers
+        with b.cond:
+            return pb.RegisterBufferReply(
+                slice_start=b.start,
+                slice_numel=b.slice_numel,
+                version=b.version,
+                initialized=b.initialized,
+            )
+
+    def set_params(self, msg: tuple[pb.SetParamsHeader, memoryview], context: Any) -> Any:
+        header, data = msg
+        b = self.buffers.get(header.ref.job, header.ref.buffer)
+        return pb.SetParamsReply(initialized=b.set_params(header, data))
+
+    def push_grad(self, msg: tuple[pb.PushGradHeader, memoryview], context: Any) -> Any:
+        header, data = msg
+        return self.buffers.get(header.ref.job, header.ref.buffer).push_grad(header, data)
+
+    def pull_params(self, req: pb.PullParamsRequest, context: Any) -> Any:
+        b = self.buffers.get(req.ref.job, req.ref.buffer)
+        return b.pull(req, self._timeout(context))
+
+    def grad_norm(self, req: pb.GradNormRequest, context: Any) -> Any:
+        slices = [self.buffers.get(req.job, name) for name in req.buffers]
+        timeout = self._timeout(context)
+        return pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
+
+    def step(self, req: pb.StepRequest, context: Any) -> Any:
+        slices = [(self.buffers.get(req.job, s.buffer), s.args) for s in req.buffers]
+        for b, args in slices:  # check every buffer's arguments before stepping any
+            b.check_step_args(args)
+        timeout = self._timeout(context)
+        return pb.StepReply(versions=[b.step(req.step, args, timeout) for b, args in slices])
+
+    # -- slots ---------------------------------------------------------------------------
+    def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:
+        header, data = msg
+        return pb.ContributeReply(duplicate=self.slots.contribute(header, data))
+
+    def read_slot(self, req: pb.ReadSlotRequest, context: Any) -> Any:
+        return self.slots.read(req, self._timeout(context))
+
+    # -- administration ------------------------------------------------------------------
+    def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:
+        return pb.DropJobReply(buffers=self.buffers.drop(req.job))
+
+    def status(self, req: pb.StatusRequest, context: Any) -> Any:
+        memory = backend.device_memory()
+        slot_bytes, open_slots = self.slots.usage()
+        return pb.StatusReply(
+            server_index=self.server_index,
+            num_servers=self.num_servers,
+            device=backend.device,
+            device_memory_used=memory["used"],
+            device_memory_total=memory["total"],
+            uptime_seconds=time.time() - self.started,
+            jobs=self.buffers.status(),
+            slot_bytes=slot_bytes,
+            open_slots=open_slots,
+            version=VERSION,
+            pid=os.getpid(),
+        )

@@ -1,0 +1,255 @@
+"""Reduction slots: keyed accumulators behind the collectives, broadcasts and mailboxes.
+
+A slot is one tensor (or one server's part of it) cut into chunks of ``chunk_numel`` elements.
+Each chunk completes on its own when ``expected`` contributors have added it, and is freed once
+``readers`` distinct readers have read it. Because every rank cuts a tensor the same way, a
+reader can fetch chunk k while chunk k+1 is still being reduced: the reduce-scatter and the
+all-gather halves of an all-reduce overlap.
+
+A contribution is identified by (key, chunk offset, contributor) and counted once; recently
+freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from protos import shard_pb2 as pb
+from server import arrays, backend
+from server.errors import ShardError
+
+__all__ = ["SlotStore"]
+
+_FORGET_AFTER = 65536  # freed keys remembered for late retries
+
+
+class _Chunk:
+    __slots__ = ("numel", "acc", "contributors", "readers")
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.acc: Any = None
+        self.contributors: set[int] = set()
+        self.readers: set[int] = set()
+
+
+class _Slot:
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.meta: pb.SlotHeader | None = None  # from the first contribution, without its chunk
+        self.dtype = 0  # wire dtype of every contribution and read
+        self.chunks: dict[int, _Chunk] = {}
+        self.freed: set[int] = set()  # offsets of chunks read by all their readers
+        self.cond = threading.Condition()
+
+    def num_chunks(self) -> int:
+        assert self.meta is not None
+        m = self.meta
+        return max(1, -(-m.total_numel // m.chunk_numel)) if m.chunk_numel else 1
+
+
+class SlotStore:
+    """Every reduction slot and mailbox on this server."""
+
+    def __init__(self, max_bytes: int = 0) -> None:
+        self.max_bytes = max_bytes  # 0: unbounded
+        self._lock = threading.Lock()
+        self._slots: dict[str, _Slot] = {}
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        self._bytes = 0
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, open slots)."""
+        with self._lock:
+            return self._bytes, len(self._slots)
+
+    def _slot(self, key: str) -> _Slot | None:
+        """The slot for ``key``, created on first use; None when it was freed already."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None and key not in self._freed:
+                slot = self._slots[key] = _Slot(key)
+            return slot
+
+    @staticmethod
+    def _check_header(h: pb.SlotHeader) -> None:
+        label = f"slot '{h.key}'"
+        if not h.key:
+            raise ShardError.invalid("Contribute needs a slot key")
+        if h.expected == 0 or h.readers == 0:
+            raise ShardError.invalid(f"{label}: expected contributors and readers must be >= 1")
+        if h.op not in (pb.SUM, pb.MEAN, pb.MAX, pb.MIN, pb.SET):
+            raise ShardError.invalid(f"{label}: unknown reduce op {h.op}")
+        if h.op == pb.SET and h.expected != 1:
+            raise ShardError.invalid(
+                f"{label}: SET takes exactly one contributor, not {h.expected}"
+            )
+        if h.contributor >= h.expected:
+            raise ShardError.invalid(
+                f"{label}: contributor {h.contributor} is outside 0..{h.expected - 1}"
+            )
+        if h.op == pb.MEAN and h.chunk.dtype in (pb.INT64, pb.INT32):
+            raise ShardError.invalid(f"{label}: MEAN needs a floating dtype, got integers")
+        c = h.chunk
+        if h.total_numel and h.chunk_numel == 0:
+            raise ShardError.invalid(f"{label}: chunk_numel must be positive")
+        if h.total_numel and (c.offset % h.chunk_numel or c.offset >= h.total_numel):
+            raise ShardError.invalid(
+                f"{label}: offset {c.offset:,} does not start a chunk of {h.chunk_numel:,}"
+                f" inside {h.total_numel:,} elements"
+            )
+        want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
+        if c.numel != want:
+            raise ShardError.invalid(
+                f"{label}: the chunk at offset {c.offset:,} has {want:,} elements, not {c.numel:,}"
+            )
+
+    @staticmethod
+    def _check_same(slot: _Slot, h: pb.SlotHeader) -> None:
+        meta = slot.meta
+        assert meta is not None
+        mine = [
+            (n, getattr(meta, n))
+            for n in ("op", "expected", "readers", "total_numel", "chunk_numel")
+        ]
+        mine += [("shape", list(meta.shape)), ("dtype", slot.dtype)]
+        theirs = [getattr(h, n) for n, _ in mine[:5]] + [list(h.shape), h.chunk.dtype]
+        for (name, old), new in zip(mine, theirs):
+            if old != new:
+                raise ShardError.precondition(
+                    f"slot '{h.key}': {name} is {old} for earlier contributors, {new} for"
+                    f" contributor {h.contributor}"
+                )
+
+    def contribute(self, h: pb.SlotHeader, data: memoryview) -> bool:
+        """Adds a contribution; returns True when it had been counted before."""
+        self._check_header(h)
+        host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
+        slot = self._slot(h.key)
+        if slot is None:
+            return True  # read by everyone and freed: a late retry
+        with slot.cond:
+            if slot.meta is not None:
+                self._check_same(slot, h)
+            if h.chunk.offset in slot.freed:
+                return True
+            chunk = slot.chunks.get(h.chunk.offset)
+            if chunk is not None and h.contributor in chunk.contributors:
+                return True
+            # -- all checks passed: mutate --
+            if slot.meta is None:
+                slot.meta = pb.SlotHeader()
+                slot.meta.CopyFrom(h)
+                slot.meta.ClearField("chunk")
+                slot.meta.ClearField("contributor")
+                slot.dtype = h.chunk.dtype
+            if chunk is None:
+                chunk = slot.chunks[h.chunk.offset] = _Chunk(h.chunk.numel)
+            if chunk.acc is None:
+                fresh = host.copy() if h.op == pb.SET else None
+                acc = backend.to_device(fresh) if fresh is not None else None
+                if acc is None:
+                    acc = arrays.to_compute(host, h.chunk.dtype)
+                    if acc.base is not None or not acc.flags.writeable:
+                        acc = acc.copy()
+                self._reserve(int(acc.nbytes), h.key)
+                chunk.acc = acc
+            else:
+                values = arrays.to_compute(host, h.chunk.dtype)
+                if h.op in (pb.SUM, pb.MEAN):
+                    chunk.acc += values
+                elif h.op == pb.MAX:
+                    backend.xp.maximum(chunk.acc, values, out=chunk.acc)
+                else:
+                    backend.xp.minimum(chunk.acc, values, out=chunk.acc)
+            chunk.contributors.add(h.contributor)
+            if len(chunk.contributors) == h.expected:
+                if h.op == pb.MEAN and h.expected > 1:
+                    chunk.acc /= chunk.acc.dtype.type(h.expected)
+                slot.cond.notify_all()
+            return False
+
+    def _reserve(self, nbytes: int, key: str) -> None:
+        with self._lock:
+            if self.max_bytes and self._bytes + nbytes > self.max_bytes:
+                raise ShardError.exhausted(
+                    f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
+                    f" limit of {self.max_bytes:,} bytes ({self._bytes:,} in use)"
+                )
+            self._bytes += nbytes
+
+    def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
+        """Waits for the chunk at ``req.offset`` to complete and returns it."""
+        if not req.key:
+            raise ShardError.invalid("ReadSlot needs a slot key")
+        slot = self._slot(req.key)
+        if slot is None:
+            raise ShardError.not_found(f"slot '{req.key}' was read by all its readers and freed")
+
+        def complete() -> bool:
+            chunk = slot.chunks.get(req.offset)
+            return chunk is not None and len(chunk.contributors) == slot.meta.expected
+
+        with slot.cond:
+            if req.offset in slot.freed:
+                raise ShardError.not_found(
+                    f"slot '{req.key}': the chunk at {req.offset:,} was read by all its readers"
+                )
+            if slot.meta is not None and req.offset >= max(slot.meta.total_numel, 1):
+                raise ShardError.invalid(
+                    f"slot '{req.key}': offset {req.offset:,} is past its"
+                    f" {slot.meta.total_numel:,} elements"
+                )
+            if not slot.cond.wait_for(complete, timeout=timeout):
+                chunk = slot.chunks.get(req.offset)
+                got = 0 if chunk is None else len(chunk.contributors)
+                self._forget_if_unused(slot)
+                raise ShardError.deadline(
+                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s;"
+                    f" {got} of its contributions arrived"
+                )
+            meta = slot.meta
+            chunk = slot.chunks[req.offset]
+            header = pb.SlotHeader()
+            header.CopyFrom(meta)
+            header.chunk.CopyFrom(pb.Chunk(offset=req.offset, numel=chunk.numel, dtype=slot.dtype))
+            if meta.op == pb.SET:
+                payload = backend.to_host(chunk.acc).tobytes()
+            else:
+                payload = arrays.from_compute(chunk.acc, slot.dtype)
+            chunk.readers.add(req.reader)
+            if len(chunk.readers) >= meta.readers:
+                self._free_chunk(slot, req.offset)
+        return header, payload
+
+    def _free_chunk(self, slot: _Slot, offset: int) -> None:
+        """Caller holds slot.cond."""
+        chunk = slot.chunks.pop(offset)
+        slot.freed.add(offset)
+        with self._lock:
+            self._bytes -= int(chunk.acc.nbytes)
+            if len(slot.freed) == slot.num_chunks():
+                self._slots.pop(slot.key, None)
+                self._freed[slot.key] = None
+                while len(self._freed) > _FORGET_AFTER:
+                    self._freed.popitem(last=False)
+
+    def _forget_if_unused(self, slot: _Slot) -> None:
+        """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
+        if slot.meta is None and not slot.chunks:
+            with self._lock:
+                if self._slots.get(slot.key) is slot:
+                    del self._slots[slot.key]
+
+    def drop(self, prefix: str) -> int:
+        """Frees every slot whose key starts with ``prefix`` (a crashed job's leftovers)."""
+        with self._lock:
+            keys = [k for k in self._slots if k.startswith(prefix)]
+            for k in keys:
+                slot = self._slots.pop(k)
+                self._bytes -= sum(
+                    int(c.acc.nbytes) for c in slot.chunks.values() if c.acc is not None
+                )
+        return len(keys)

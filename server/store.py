@@ -1,0 +1,378 @@
+"""Flat-buffer slices: master params, gradient accumulation, versions, optimizer steps.
+
+Wire semantics (DESIGN section 3):
+- A slice's *version* counts optimizer steps applied. Gradient pushes for step s are accepted
+  only while the version is s; pushes for an already applied step are acknowledged as duplicates.
+- A *contribution* is (step, contributor, micro-batch, chunk offset) and is added exactly once,
+  so a client may retry any push.
+- When contributors x micro-batches contributions have covered the whole slice, the gradient is
+  *reduced*: micro-batches summed, contributors averaged (what DDP does). The optimizer then
+  runs either at once (the pushes carried step arguments) or when a Step request arrives
+  (global gradient clipping needs the norm first).
+Every check happens before any state changes, so a rejected request leaves the slice as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protos import codec, slicing
+from protos import shard_pb2 as pb
+from server import arrays, backend
+from server.errors import ShardError
+from server.optimizers import OptimizerError, ServerOptimizer, make_optimizer
+
+__all__ = ["BufferSlice", "BufferStore"]
+
+
+@dataclass
+class PendingStep:
+    """Gradient contributions of the step being accumulated."""
+
+    step: int
+    num_micro: int
+    received: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    received_numel: int = 0
+    reduced: bool = False
+    sum_squares: float | None = None
+
+
+class BufferSlice:
+    """Slice ``index`` of one job's flat buffer, with its optimizer."""
+
+    def __init__(self, req: pb.RegisterBufferRequest, optimizer: ServerOptimizer) -> None:
+        self.job, self.name = req.ref.job, req.ref.buffer
+        self.label = f"buffer '{self.job}/{self.name}'"
+        self.spec = req
+        self.numel = req.numel
+        self.start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
+        self.slice_numel = stop - self.start
+        self.contributors = req.contributors
+        self.optimizer = optimizer
+        self.master = backend.xp.zeros(self.slice_numel, dtype=backend.xp.float32)
+        self.grad: Any = None  # fp32 accumulator, allocated at the first push
+        self.version = 0
+        self.written: dict[int, int] = {}  # SetParams chunks of the current version
+        self.initialized = self.slice_numel == 0
+        self.pending: PendingStep | None = None
+        self.last_step_seconds = 0.0
+        self.last_step_unix = 0.0
+        self.cond = threading.Condition()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def check_chunk(self, chunk: pb.Chunk, what: str) -> None:
+        if chunk.offset + chunk.numel > self.slice_numel:
+            raise ShardError.invalid(
+                f"{self.label}: {what} chunk [{chunk.offset:,}, {chunk.offset + chunk.numel:,})"
+                f" is outside this server's slice of {self.slice_numel:,} elements"
+            )
+        if chunk.dtype not in arrays.FLOAT_WIRE:
+            raise ShardError.invalid(
+                f"{self.label}: {what} dtype must be float32, float16, bfloat16 or float64,"
+                f" got wire dtype {chunk.dtype}"
+            )
+
+    def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
+        """Wait on the slice's condition (caller holds it) until ``ready()``, or fail."""
+        if not self.cond.wait_for(ready, timeout=timeout):
+            raise ShardError.deadline(
+                f"{self.label} is at version {self.version}; waited {timeout:.1f} s for {waiting_for}"
+            )
+
+    def bytes_by_kind(self) -> tuple[int, int, int]:
+        grad = 0 if self.grad is None else int(self.grad.nbytes)
+        return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
+
+    # -- requests --------------------------------------------------------------------------
+    def set_params(self, header: pb.SetParamsHeader, data: memoryview) -> bool:
+        self.check_chunk(header.chunk, "SetParams")
+        host = arrays.payload_array(data, header.chunk.dtype, header.chunk.numel, self.label)
+        with self.cond:
+            if header.version != self.version:
+                # A new version of the values (restore): start counting coverage again.
+                self.written = {}
+                self.initialized = self.slice_numel == 0
+                self.version = header.version
+                self.pending = None
+            o, n = header.chunk.offset, header.chunk.numel
+            arrays.to_compute(host, header.chunk.dtype, into=self.master[o : o + n])
+            self.written[o] = n
+            if sum(self.written.values()) >= self.slice_numel:
+                self.initialized = True
+            self.cond.notify_all()
+            return self.initialized
+
+    def push_grad(self, h: pb.PushGradHeader, data: memoryview) -> pb.PushGradReply:
+        self.check_chunk(h.chunk, "PushGrad")
+        host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
+        if h.num_micro == 0 or h.micro >= h.num_micro:
+            raise ShardError.invalid(
+                f"{self.label}: micro-batch {h.micro} of num_micro={h.num_micro} is out of range"
+            )
+        if h.contributor >= self.contributors:
+            raise ShardError.invalid(
+                f"{self.label}: contributor {h.contributor} is outside 0..{self.contributors - 1}"
+            )
+        with self.cond:
+            if h.step < self.version:
+                return pb.PushGradReply(duplicate=True, reduced=True, version=self.version)
+            if h.step > self.version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}; cannot take gradients of step"
+                    f" {h.step} before step {self.version} is applied"
+                )
+            if not self.initialized:
+                raise ShardError.precondition(f"{self.label} has no parameters yet (SetParams)")
+            pending = self.pending or PendingStep(h.step, h.num_micro)
+            if pending.num_micro != h.num_micro:
+                raise ShardError.precondition(
+                    f"{self.label}: step {h.step} accumulates {pending.num_micro} micro-batches"
+                    f" per contributor, this push says {h.num_micro}"
+                )
+            key = (h.contributor, h.micro, h.chunk.offset)
+            if key in pending.received:
+                if pending.received[key] != h.chunk.numel:
+                    raise ShardError.invalid(
+                        f"{self.label}: contribution {key} was {pending.received[key]:,} elements,"
+                        f" the retry has {h.chunk.numel:,}"
+                    )
+                return pb.PushGradReply(
+                    duplicate=True, reduced=pending.reduced, version=self.version
+                )
+            expected = self.contributors * pending.num_micro * self.slice_numel
+            if pending.received_numel + h.chunk.numel > expected:
+                raise ShardError.invalid(
+                    f"{self.label}: step {h.step} would receive more than {expected:,} elements"
+                    " (overlapping chunks)"
+                )
+            if h.HasField("step_args"):
+                self.check_step_args(h.step_args)
+            # -- all checks passed: mutate --
+            if self.grad is None:
+                self.grad = backend.xp.zeros(self.slice_numel, dtype=backend.xp.float32)
+            if not pending.received:
+                self.grad.fill(0)
+            o, n = h.chunk.offset, h.chunk.numel
+            self.grad[o : o + n] += arrays.to_compute(host, h.chunk.dtype)
+            pending.received[key] = n
+            pending.received_numel += n
+            self.pending = pending
+            if pending.received_numel == expected:
+                if self.contributors > 1:
+                    self.grad /= backend.xp.float32(self.contributors)
+                pending.reduced = True
+                if h.HasField("step_args"):
+                    self._apply_step(h.step_args)
+                self.cond.notify_all()
+            return pb.PushGradReply(reduced=pending.reduced, version=self.version)
+
+    def pull(self, req: pb.PullParamsRequest, timeout: float) -> tuple[pb.PullParamsHeader, bytes]:
+        chunk = req.chunk
+        self.check_chunk(chunk, "PullParams")
+        with self.cond:
+            self.wait_for(
+                lambda: self.initialized and self.version >= req.min_version,
+                timeout,
+                f"version {req.min_version}",
+            )
+            o, n = chunk.offset, chunk.numel
+            payload = arrays.from_compute(self.master[o : o + n], chunk.dtype)
+            header = pb.PullParamsHeader(ref=req.ref, chunk=chunk, version=self.version)
+        return header, payload
+
+    def sum_squares(self, step: int, timeout: float) -> float:
+        with self.cond:
+            if step < self.version:
+                raise ShardError.precondition(
+                    f"{self.label}: step {step} is already applied (version {self.version});"
+                    " its gradient is gone"
+                )
+            self.wait_for(
+                lambda: (
+                    self.version > step
+                    or (
+                        self.pending is not None
+                        and self.pending.step == step
+                        and self.pending.reduced
+                    )
+                ),
+                timeout,
+                f"the reduced gradient of step {step}",
+            )
+            if self.version > step:
+                raise ShardError.precondition(f"{self.label}: step {step} was applied meanwhile")
+            pending = self.pending
+            assert pending is not None
+            if pending.sum_squares is None:
+                g = self.grad
+                pending.sum_squares = float(backend.xp.dot(g, g)) if self.slice_numel else 0.0
+            return pending.sum_squares
+
+    def step(self, step: int, args: pb.StepArgs, timeout: float) -> int:
+        self.check_step_args(args)
+        with self.cond:
+            if step < self.version:
+                return self.version  # applied already: the first request won
+            if step > self.version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}; cannot apply step {step}"
+                )
+            self.wait_for(
+                lambda: self.version > step or (self.pending is not None and self.pending.reduced),
+                timeout,
+                f"all gradient contributions of step {step}",
+            )
+            if self.version == step:
+                self._apply_step(args)
+                self.cond.notify_all()
+            return self.version
+
+    # -- the optimizer step ----------------------------------------------------------------
+    def check_step_args(self, args: pb.StepArgs) -> None:
+        try:
+            self.optimizer.check_hyper(dict(args.hyper))
+        except OptimizerError as exc:
+            raise ShardError.invalid(f"{self.label}: {exc}") from None
+        if not np.isfinite(args.clip_coef) or args.clip_coef < 0:
+            raise ShardError.invalid(f"{self.label}: clip_coef must be >= 0, got {args.clip_coef}")
+
+    def _apply_step(self, args: pb.StepArgs) -> None:
+        """Caller holds the lock and has checked ``args``."""
+        began = time.perf_counter()
+        self.optimizer.update_hyper(dict(args.hyper))
+        if args.clip_coef and args.clip_coef != 1.0:
+            self.grad *= backend.xp.float32(args.clip_coef)
+        if self.slice_numel:
+            self.optimizer.step(self.master, self.grad)
+        self.version += 1
+        self.pending = None
+        self.last_step_seconds = time.perf_counter() - began
+        self.last_step_unix = time.time()
+
+
+class BufferStore:
+    """All buffers of all jobs on this server."""
+
+    def __init__(self, max_job_bytes: int = 0) -> None:
+        self.max_job_bytes = max_job_bytes  # 0: unbounded
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[str, BufferSlice]] = {}
+
+    def get(self, job: str, buffer: str) -> BufferSlice:
+        with self._lock:
+            buffers = self._jobs.get(job)
+            if buffers is None:
+                known = ", ".join(sorted(self._jobs)) or "none"
+                raise ShardError.not_found(f"job '{job}' is not on this server (jobs: {known})")
+            found = buffers.get(buffer)
+        if found is None:
+            raise ShardError.not_found(f"job '{job}' has no buffer '{buffer}'")
+        return found
+
+    def jobs(self) -> dict[str, list[BufferSlice]]:
+        with self._lock:
+            return {job: list(b.values()) for job, b in self._jobs.items()}
+
+    def register(self, req: pb.RegisterBufferRequest) -> BufferSlice:
+        label = f"buffer '{req.ref.job}/{req.ref.buffer}'"
+        if not req.ref.job or not req.ref.buffer:
+            raise ShardError.invalid("RegisterBuffer needs a job name and a buffer name")
+        if req.num_servers == 0 or req.server_index >= req.num_servers:
+            raise ShardError.invalid(
+                f"{label}: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
+            )
+        if req.contributors == 0:
+            raise ShardError.invalid(f"{label}: contributors must be at least 1")
+        for p in req.params:
+            if p.offset + p.numel > req.numel or int(np.prod(p.shape)) != p.numel:
+                raise ShardError.invalid(
+                    f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
+                    f" does not fit a buffer of {req.numel:,} elements"
+                )
+        with self._lock:
+            existing = self._jobs.get(req.ref.job, {}).get(req.ref.buffer)
+        if existing is not None:
+            old = existing.spec
+            same = (
+                old.numel == req.numel
+                and old.num_servers == req.num_servers
+                and old.server_index == req.server_index
+                and old.contributors == req.contributors
+                and list(old.params) == list(req.params)
+                and old.optimizer.name == req.optimizer.name
+            )
+            if not same:
+                raise ShardError.precondition(
+                    f"{label} exists with another layout (numel {old.numel:,} over"
+                    f" {old.num_servers} servers, {old.contributors} contributors, optimizer"
+                    f" '{old.optimizer.name}'); drop the job first"
+                )
+            return existing
+        start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
+        slice_numel = stop - start
+        try:
+            optimizer = make_optimizer(req.optimizer.name, slice_numel, dict(req.optimizer.hyper))
+        except OptimizerError as exc:
+            raise ShardError.invalid(f"{label}: {exc}") from None
+        if self.max_job_bytes:
+            # params + grad accumulator + up to three optimizer-state arrays, all fp32
+            need = slice_numel * 4 * 5 + self._job_bytes(req.ref.job)
+            if need > self.max_job_bytes:
+                raise ShardError.exhausted(
+                    f"{label}: job '{req.ref.job}' would need about {need:,} bytes on this server,"
+                    f" over its quota of {self.max_job_bytes:,}"
+                )
+        created = BufferSlice(req, optimizer)
+        with self._lock:
+            buffers = self._jobs.setdefault(req.ref.job, {})
+            return buffers.setdefault(req.ref.buffer, created)
+
+    def _job_bytes(self, job: str) -> int:
+        with self._lock:
+            buffers = list(self._jobs.get(job, {}).values())
+        return sum(sum(b.bytes_by_kind()) for b in buffers)
+
+    def drop(self, job: str) -> int:
+        with self._lock:
+            dropped = self._jobs.pop(job, None)
+        if dropped is None:
+            raise ShardError.not_found(f"job '{job}' is not on this server")
+        for b in dropped.values():  # wake waiters so they fail fast instead of timing out
+            with b.cond:
+                b.cond.notify_all()
+        return len(dropped)
+
+    def status(self) -> list[pb.JobStatus]:
+        out = []
+        for job, buffers in sorted(self.jobs().items()):
+            rows = []
+            for b in buffers:
+                with b.cond:
+                    params, grads, opt = b.bytes_by_kind()
+                    rows.append(
+                        pb.BufferStatus(
+                            buffer=b.name,
+                            numel=b.numel,
+                            slice_start=b.start,
+                            slice_numel=b.slice_numel,
+                            dtype=codec.dtype_name(pb.FLOAT32),
+                            version=b.version,
+                            initialized=b.initialized,
+                            optimizer=b.optimizer.name,
+                            param_bytes=params,
+                            grad_bytes=grads,
+                            optimizer_bytes=opt,
+                            params=b.spec.params,
+                            last_step_seconds=b.last_step_seconds,
+                            last_step_unix=b.last_step_unix,
+                            contributors=b.contributors,
+                            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
+                        )
+                    )
+            out.append(pb.JobStatus(job=job, buffers=rows))
+        return out
