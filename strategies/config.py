@@ -1,0 +1,215 @@
+"""ShardingConfiguration: every knob of a sharded training run, validated once at construction.
+
+The first four fields keep the seeds' names and order (``client``, ``auto_sync_gradients``,
+``minimum_parameter_group_size``, ``enable_gradient_compression``) so code written against the
+seeds still works, positionally too; everything after them is keyword-only. The dataclass is
+frozen: a configuration that was valid when built stays valid, and
+``dataclasses.replace(config, ...)`` re-runs the checks.
+
+This module is pure logic: dtypes are names, not torch dtypes, and the client is only used
+for its ``rank`` and ``world_size``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from client import ShardClient
+
+__all__ = ["ShardingConfiguration", "DType"]
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES: tuple[str, ...] = get_args(DType)
+_JOB_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+@dataclass(frozen=True)
+class ShardingConfiguration:
+    """How a model is sharded over the servers and how its gradients travel."""
+
+    client: ShardClient
+    """Connection to the shard servers; also says which rank this process is."""
+    auto_sync_gradients: bool = True
+    """Synchronise gradients automatically during backward/step (False: call sync yourself)."""
+    minimum_parameter_group_size: int = 1024
+    """Modules with fewer parameters than this are not gathered as a unit of their own."""
+    enable_gradient_compression: bool = False
+    """Send gradients as bfloat16, halving gradient traffic (see ``effective_reduce_dtype``)."""
+    _: KW_ONLY
+    job: str = "default"
+    """Name of the training job on the servers; letters, digits, '_', '.', '-'."""
+    bucket_size_bytes: int = 25 * 2**20
+    """Gradient bucket size for DDP / ZeRO-2, like torch DDP's bucket_cap_mb (25 MiB)."""
+    param_dtype: DType = "float32"
+    """Dtype of gathered parameters used for compute (mixed precision)."""
+    reduce_dtype: DType = "float32"
+    """Dtype of gradients on the wire."""
+    reshard_after_forward: bool = True
+    """FSDP: free a unit's gathered parameters after its forward, gather again for backward."""
+    prefetch: bool = True
+    """FSDP: gather the next unit while this one computes."""
+    wrap_min_params: int | None = None
+    """FSDP size-based wrap policy threshold; None wraps by module class only."""
+    timeout_s: float = 120.0
+    """Deadline in seconds for every wait on the servers."""
+
+    def __post_init__(self) -> None:
+        self._check_client()
+        for name in (
+            "auto_sync_gradients",
+            "enable_gradient_compression",
+            "reshard_after_forward",
+            "prefetch",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(
+                    f"ShardingConfiguration.{name} must be True or False, got {value!r}"
+                )
+        _check_int("minimum_parameter_group_size", self.minimum_parameter_group_size, minimum=0)
+        _check_int("bucket_size_bytes", self.bucket_size_bytes, minimum=1)
+        if self.wrap_min_params is not None:
+            _check_int("wrap_min_params", self.wrap_min_params, minimum=1, none_ok=True)
+        if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
+            raise ValueError(
+                f"ShardingConfiguration.job must be a non-empty name made of "
+                f"letters, digits, '_', '.' or '-', got {self.job!r}"
+            )
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise ValueError(
+                    f"ShardingConfiguration.{name} must be one of "
+                    f"{', '.join(_DTYPES)}, got {value!r}"
+                )
+        timeout = self.timeout_s
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
+            raise ValueError(
+                f"ShardingConfiguration.timeout_s must be a positive finite "
+                f"number of seconds, got {timeout!r}"
+            )
+
+    def _check_client(self) -> None:
+        client = self.client
+        if client is None:
+            raise ValueError(
+                "ShardingConfiguration.client is required; "
+                "use ShardingConfiguration.from_env() to build one from RANK, "
+                "WORLD_SIZE and PARAMSHARD_SERVERS"
+            )
+        rank = getattr(client, "rank", None)
+        world_size = getattr(client, "world_size", None)
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(
+                f"ShardingConfiguration.client.world_size must be an int >= 1, got {world_size!r}"
+            )
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(
+                f"ShardingConfiguration.client.rank must be an int in "
+                f"0..{world_size - 1}, got {rank!r}"
+            )
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, from the client."""
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of training processes, from the client."""
+        return self.client.world_size
+
+    @property
+    def effective_reduce_dtype(self) -> DType:
+        """Dtype gradients actually travel in: the one fact strategies should read.
+
+        Compression means bfloat16 unless ``reduce_dtype`` already names a 16-bit type. This
+        is derived rather than written back into ``reduce_dtype`` so that
+        ``replace(config, enable_gradient_compression=False)`` really turns compression off.
+        """
+        if self.enable_gradient_compression and self.reduce_dtype == "float32":
+            return "bfloat16"
+        return self.reduce_dtype
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ShardingConfiguration:
+        """Build the client from the environment a launcher (torchrun style) sets.
+
+        RANK and WORLD_SIZE default to 0 and 1 (a single process); the server addresses come
+        from PARAMSHARD_SERVERS, and ``ClusterSpec.from_env`` says clearly when it is unset.
+        """
+        from client import ClusterSpec, ShardClient
+
+        spec = ClusterSpec.from_env()
+        rank = _env_int("RANK", 0)
+        world_size = _env_int("WORLD_SIZE", 1)
+        return cls(ShardClient(spec, rank=rank, world_size=world_size), **overrides)
+
+    @classmethod
+    def create_default(cls, client: ShardClient, **overrides: Any) -> ShardingConfiguration:
+        """The defaults: full-precision gradients, 25 MiB buckets, reshard after forward."""
+        return cls(client, **overrides)
+
+    @classmethod
+    def create_for_high_bandwidth(
+        cls, client: ShardClient, **overrides: Any
+    ) -> ShardingConfiguration:
+        """For fast links (same host, datacenter network): spend bandwidth and memory.
+
+        Large (100 MiB) buckets mean fewer round trips, whose fixed cost dominates on a fast
+        link; gradients stay float32 because compressing costs time and saves little; and
+        FSDP keeps parameters gathered after forward so backward does not fetch them again.
+        """
+        settings: dict[str, Any] = {
+            "bucket_size_bytes": 100 * 2**20,
+            "enable_gradient_compression": False,
+            "reshard_after_forward": False,
+        }
+        return cls(client, **{**settings, **overrides})
+
+    @classmethod
+    def create_for_low_bandwidth(
+        cls, client: ShardClient, **overrides: Any
+    ) -> ShardingConfiguration:
+        """For slow links (across sites, shared networks): send as few bytes as possible.
+
+        bfloat16 gradients halve the traffic and keep float32's exponent range, so they need
+        no loss scaling. Buckets are small (4 MiB) because each one takes long to send: the
+        first bucket leaves while backward is still computing later layers, so more of the
+        transfer hides behind compute, and a retried request resends little. The timeout is
+        longer because a full transfer legitimately takes longer.
+        """
+        settings: dict[str, Any] = {
+            "enable_gradient_compression": True,
+            "reduce_dtype": "bfloat16",
+            "bucket_size_bytes": 4 * 2**20,
+            "reshard_after_forward": True,
+            "timeout_s": 600.0,
+        }
+        return cls(client, **{**settings, **overrides})
+
+
+def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if none_ok else "")
+        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {value!r}")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
