@@ -176,7 +176,8 @@ class ShardServicer:
 
     def push_grad(self, msg: tuple[pb.PushGradHeader, memoryview], context: Any) -> Any:
         header, data = msg
-        return self.buffers.get(header.ref.job, header.ref.buffer).push_grad(header, data)
+        b = self.buffers.get(header.ref.job, header.ref.buffer)
+        return b.push_grad(header, data, self._timeout(context))
 
     def pull_params(self, req: pb.PullParamsRequest, context: Any) -> Any:
         b = self.buffers.get(req.ref.job, req.ref.buffer)

@@ -107,7 +107,9 @@ class BufferSlice:
             self.cond.notify_all()
             return self.initialized
 
-    def push_grad(self, h: pb.PushGradHeader, data: memoryview) -> pb.PushGradReply:
+    def push_grad(
+        self, h: pb.PushGradHeader, data: memoryview, timeout: float
+    ) -> pb.PushGradReply:
         self.check_chunk(h.chunk, "PushGrad")
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
         if h.num_micro == 0 or h.micro >= h.num_micro:
@@ -126,8 +128,12 @@ class BufferSlice:
                     f"{self.label} is at version {self.version}; cannot take gradients of step"
                     f" {h.step} before step {self.version} is applied"
                 )
-            if not self.initialized:
-                raise ShardError.precondition(f"{self.label} has no parameters yet (SetParams)")
+            # Another rank may still be writing the initial values: wait for them, bounded.
+            self.wait_for(lambda: self.initialized, timeout, "its initial parameters (SetParams)")
+            if h.step != self.version:
+                raise ShardError.precondition(
+                    f"{self.label} moved to version {self.version} while step {h.step} waited"
+                )
             pending = self.pending or PendingStep(h.step, h.num_micro)
             if pending.num_micro != h.num_micro:
                 raise ShardError.precondition(
