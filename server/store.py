@@ -60,6 +60,7 @@ class BufferSlice:
         self.written: dict[int, int] = {}  # SetParams chunks of the current version
         self.initialized = self.slice_numel == 0
         self.pending: PendingStep | None = None
+        self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.cond = threading.Condition()
@@ -194,6 +195,9 @@ class BufferSlice:
     def sum_squares(self, step: int, timeout: float) -> float:
         with self.cond:
             if step < self.version:
+                # A faster rank already stepped; the norm of that step was kept for the others.
+                if self.applied_sum_squares is not None and self.applied_sum_squares[0] == step:
+                    return self.applied_sum_squares[1]
                 raise ShardError.precondition(
                     f"{self.label}: step {step} is already applied (version {self.version});"
                     " its gradient is gone"
@@ -211,13 +215,18 @@ class BufferSlice:
                 f"the reduced gradient of step {step}",
             )
             if self.version > step:
-                raise ShardError.precondition(f"{self.label}: step {step} was applied meanwhile")
-            pending = self.pending
-            assert pending is not None
-            if pending.sum_squares is None:
-                g = self.grad
-                pending.sum_squares = float(backend.xp.dot(g, g)) if self.slice_numel else 0.0
-            return pending.sum_squares
+                assert self.applied_sum_squares is not None
+                return self.applied_sum_squares[1]
+            return self._sum_squares()
+
+    def _sum_squares(self) -> float:
+        """Of the pending reduced gradient (caller holds the lock)."""
+        pending = self.pending
+        assert pending is not None and pending.reduced
+        if pending.sum_squares is None:
+            g = self.grad
+            pending.sum_squares = float(backend.xp.dot(g, g)) if self.slice_numel else 0.0
+        return pending.sum_squares
 
     def step(self, step: int, args: pb.StepArgs, timeout: float) -> int:
         self.check_step_args(args)
@@ -250,6 +259,8 @@ class BufferSlice:
     def _apply_step(self, args: pb.StepArgs) -> None:
         """Caller holds the lock and has checked ``args``."""
         began = time.perf_counter()
+        # kept for ranks that ask for this step's norm after a faster rank stepped
+        self.applied_sum_squares = (self.version, self._sum_squares())
         self.optimizer.update_hyper(dict(args.hyper))
         if args.clip_coef and args.clip_coef != 1.0:
             self.grad *= backend.xp.float32(args.clip_coef)

@@ -1,0 +1,503 @@
+"""The ``paramshard`` command: ``serve`` a shard, check its ``health``, show cluster ``status``.
+
+Every subcommand is one function registered with ``@command``; its arguments are declared next to
+it, the first docstring line is its ``--help`` summary and the rest its description::
+
+    @command(arg("address", help="host:port of the server"))
+    def ping(args: argparse.Namespace) -> int:
+        \"\"\"One line for the command list.\"\"\"
+        ...
+        return 0
+
+A command returns its exit code, or raises ``CommandError`` to print one line (no traceback) and
+exit with the error's code. Commands import what they need inside the function, so ``health``
+never loads NumPy and ``serve`` never loads the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from inspect import cleandoc
+from typing import TYPE_CHECKING, Any
+
+from paramshard import __version__
+
+if TYPE_CHECKING:
+    from client import ClusterSpec
+
+__all__ = ["main", "build_parser", "command", "arg", "CommandError", "COMMANDS"]
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # argparse's code for bad arguments; also ours for settings that cannot work
+
+# Set in the re-executed ``serve`` process so it never re-executes itself again.
+_REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
+
+
+class CommandError(Exception):
+    """A failure reported as ``paramshard CMD: error: MESSAGE`` with exit code ``exit_code``."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One ``ArgumentParser.add_argument(*flags, **options)`` call."""
+
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    """Declares an argument of a command (same parameters as ``add_argument``)."""
+    return Arg(flags, options)
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    run: Callable[[argparse.Namespace], int]
+    args: tuple[Arg, ...]
+
+
+COMMANDS: dict[str, Command] = {}
+"""Subcommands in registration order (the order ``paramshard --help`` lists them)."""
+
+
+def command(*args: Arg, name: str | None = None) -> Callable[[Callable], Callable]:
+    """Registers the decorated function as subcommand ``name`` (default: the function's name)."""
+
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        cmd = name or fn.__name__.replace("_", "-")
+        COMMANDS[cmd] = Command(cmd, fn, args)
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------------------ argument types
+def port_number(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535 (0 picks a free one)")
+    return port
+
+
+def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
+    return value
+
+
+# ------------------------------------------------------------------------------------- serve
+@command(
+    arg(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s; any non-loopback address needs"
+        " --insecure until TLS and tokens exist)",
+    ),
+    arg(
+        "--port",
+        type=port_number,
+        default=50051,
+        help="port (default: %(default)s; 0 picks a free one, printed when serving)",
+    ),
+    arg("--device", default="cpu", help="where slices live: cpu or cuda:N (default: %(default)s)"),
+    arg(
+        "--max-receive-mb",
+        type=positive,
+        default=256.0,
+        help="largest request accepted, MiB (default: %(default)g)",
+    ),
+    arg(
+        "--max-job-gb",
+        type=non_negative,
+        default=0.0,
+        help="memory one job may hold on this server, GiB (default: 0 = unlimited)",
+    ),
+    arg(
+        "--workers",
+        type=positive_int,
+        default=128,
+        help="handler threads; every waiting pull holds one (default: %(default)s)",
+    ),
+    arg(
+        "--grace",
+        type=non_negative,
+        default=5.0,
+        help="seconds running calls get to finish on SIGINT/SIGTERM (default: %(default)g)",
+    ),
+    arg(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS or a token: anyone who reaches the port"
+        " can read or overwrite the model",
+    ),
+)
+def serve(args: argparse.Namespace) -> int:
+    """Run one shard server until SIGINT or SIGTERM.
+
+    Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls.
+    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
+    one ends the process at once. The MALLOC_* settings of DESIGN section 7 are applied by
+    re-executing the interpreter when they are missing from the environment.
+    """
+    _reexec_with_malloc_env(args.argv)
+    host = args.host.strip("[]")
+    exposed = _check_exposure(host, args.port, args.insecure)
+
+    from server import ShardServer, backend
+
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    listen = _join_host_port(host or "0.0.0.0", args.port)
+    try:
+        server = ShardServer(
+            host,
+            args.port,
+            device=args.device,
+            max_workers=args.workers,
+            max_receive_bytes=int(args.max_receive_mb * 2**20),
+            max_job_bytes=int(args.max_job_gb * 2**30),
+        )
+    except backend.BackendError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
+        raise CommandError(f"cannot listen on {listen}: {exc}") from None
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        address = _join_host_port(host or "0.0.0.0", server.port)
+        if exposed:
+            _warn(
+                f"listening on {address} with no TLS and no token (--insecure): anyone who"
+                " can reach this port can read or overwrite the model"
+            )
+        print(
+            f"paramshard serve: listening on {address} (device {backend.device},"
+            f" pid {os.getpid()})",
+            flush=True,
+        )
+        while not stop.wait(1.0):
+            pass
+        why = signal.Signals(received[0]).name
+        print(f"paramshard serve: {why}: stopping (grace {args.grace:g} s)", flush=True)
+        server.stop(args.grace)
+        print("paramshard serve: stopped", flush=True)
+    except BaseException:
+        server.stop(0)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
+    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
+
+    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
+    reads them only when the process starts, so setting ``os.environ`` now would do nothing.
+    Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
+    """
+    from server.app import MALLOC_ENV
+
+    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    if os.environ.pop(_REEXEC_GUARD, None) is not None:  # we are the re-executed process
+        if missing:
+            _warn(f"{', '.join(missing)} still unset after re-executing; serving without them")
+        return
+    if not missing:
+        return
+    if not sys.executable:
+        _warn(f"cannot re-execute to set {', '.join(missing)}: no sys.executable")
+        return
+    env = {**os.environ, **missing, _REEXEC_GUARD: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
+    except OSError as exc:
+        _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
+
+
+def _check_exposure(host: str, port: int, insecure: bool) -> bool:
+    """DESIGN section 6: a server holds the model, so only loopback is open without --insecure.
+
+    Returns whether the server will be reachable beyond this host (worth a warning)."""
+    if _is_loopback(host):
+        return False
+    where = _join_host_port(host or "0.0.0.0", port)
+    if not insecure:
+        raise CommandError(
+            f"refusing to listen on {where} without --insecure: a shard server holds the whole"
+            " model, and whoever can reach the port can read or overwrite it. TLS and tokens are"
+            " not available yet; keep the default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or"
+            " pass --insecure on a network you trust.",
+            EXIT_USAGE,
+        )
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost, or "" (all interfaces)
+        return False
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _warn(message: str) -> None:
+    print(f"paramshard: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------ status
+STATUS_COLUMNS = (
+    "SERVER",
+    "HEALTH",
+    "DEVICE",
+    "JOBS",
+    "BUFFERS",
+    "MAX VERSION",
+    "PARAMS",
+    "GRADS",
+    "OPTIMIZER",
+    "DEVICE MEMORY",
+    "UPTIME",
+)
+_RIGHT_ALIGNED = frozenset(range(3, len(STATUS_COLUMNS)))
+
+
+@command(
+    arg("--servers", metavar="HOST:PORT,...", help="servers to ask (default: $PARAMSHARD_SERVERS)"),
+    arg("--json", action="store_true", help="print the servers' Status replies as JSON"),
+    arg(
+        "--timeout",
+        type=positive,
+        default=5.0,
+        help="deadline per server, seconds (default: %(default)g)",
+    ),
+)
+def status(args: argparse.Namespace) -> int:
+    """Show what each shard server holds: jobs, buffers, versions, bytes, memory, uptime.
+
+    A server that does not answer gets an error row; the exit code is then 1.
+    """
+    from client import ShardClient
+
+    client = ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=1)
+    try:
+        replies = client.status()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(replies, indent=2))
+    else:
+        print(_table(STATUS_COLUMNS, [_status_row(r) for r in replies], _RIGHT_ALIGNED))
+        for r in replies:
+            if "error" in r:
+                print(f"{r['address']}: {r['error']}")
+    return EXIT_FAILURE if any("error" in r for r in replies) else 0
+
+
+def _status_row(reply: dict[str, Any]) -> list[str]:
+    if "error" in reply:
+        return [reply["address"], "error", *["-"] * (len(STATUS_COLUMNS) - 2)]
+    jobs = reply.get("jobs", [])
+    buffers = [b for job in jobs for b in job.get("buffers", [])]
+
+    def total(key: str) -> str:  # uint64 fields arrive as strings (protobuf JSON mapping)
+        return _bytes(sum(int(b.get(key, 0)) for b in buffers))
+
+    version = max((int(b.get("version", 0)) for b in buffers), default=None)
+    memory = (
+        f"{_bytes(int(reply.get('device_memory_used', 0)))}"
+        f" / {_bytes(int(reply.get('device_memory_total', 0)))}"
+    )
+    return [
+        reply["address"],
+        "ok",
+        reply.get("device", "?"),
+        str(len(jobs)),
+        str(len(buffers)),
+        "-" if version is None else str(version),
+        total("param_bytes"),
+        total("grad_bytes"),
+        total("optimizer_bytes"),
+        memory,
+        _duration(float(reply.get("uptime_seconds", 0.0))),
+    ]
+
+
+def _cluster_spec(servers: str | None) -> ClusterSpec:
+    """The cluster as ``paramshard launch`` describes it in the environment (token, TLS files),
+    with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given."""
+    from client import ClusterSpec
+
+    if servers is None and not os.environ.get("PARAMSHARD_SERVERS", "").strip():
+        raise CommandError(
+            "no servers: pass --servers HOST:PORT,... or set PARAMSHARD_SERVERS", EXIT_USAGE
+        )
+    saved = os.environ.get("PARAMSHARD_SERVERS")
+    if servers is not None:  # ClusterSpec.from_env stays the one reader of PARAMSHARD_*
+        os.environ["PARAMSHARD_SERVERS"] = servers
+    try:
+        return ClusterSpec.from_env()
+    except (ValueError, OSError) as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    finally:
+        if saved is None:
+            os.environ.pop("PARAMSHARD_SERVERS", None)
+        else:
+            os.environ["PARAMSHARD_SERVERS"] = saved
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]) -> str:
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    return "\n".join([line(headers), *(line(row) for row in rows)])
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+# ------------------------------------------------------------------------------------ health
+@command(
+    arg("address", metavar="HOST:PORT", help="the server to check"),
+    arg(
+        "--timeout",
+        type=positive,
+        default=3.0,
+        help="seconds to wait for the answer (default: %(default)g)",
+    ),
+    arg("--service", default="", help="service to check (default: the whole server)"),
+)
+def health(args: argparse.Namespace) -> int:
+    """Exit 0 if the server's grpc.health.v1 check says SERVING, else 1.
+
+    Made for Docker HEALTHCHECK, which reserves exit code 2: every failure, including a
+    malformed address, exits 1.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if "," in args.address:
+        raise CommandError(f"one address, not a list: {args.address!r}")
+    try:
+        spec = _cluster_spec(args.address)
+    except CommandError as exc:
+        raise CommandError(str(exc)) from None
+    address = spec.addresses[0]
+    try:
+        reply = health_pb2_grpc.HealthStub(spec.channel(0)).Check(
+            health_pb2.HealthCheckRequest(service=args.service),
+            timeout=args.timeout,
+            metadata=spec.metadata(),
+        )
+    except grpc.RpcError as exc:
+        raise CommandError(f"{address}: {exc.code().name}: {exc.details()}") from None
+    finally:
+        spec.close()
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {state}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
+
+
+# -------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="paramshard",
+        description="Train PyTorch models over gRPC shard servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"paramshard {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS.values():
+        doc = cleandoc(cmd.run.__doc__ or "")
+        p = sub.add_parser(
+            cmd.name,
+            help=doc.split("\n", 1)[0],
+            description=doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        for a in cmd.args:
+            p.add_argument(*a.flags, **a.options)
+        p.set_defaults(run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``paramshard ARGS``: returns the exit code (argparse exits 2 itself on bad arguments)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # serve re-executes itself with exactly these arguments
+    try:
+        return args.run(args)
+    except CommandError as exc:
+        print(f"paramshard {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,38 @@
+"""Training strategies over the shard servers: DDP, ZeRO-1, ZeRO-2, FSDP (ZeRO-3).
+
+Knows models (torch) and talks to the servers only through ``client``.
+"""
+
+from strategies.base import ShardedModelBase
+from strategies.config import ShardingConfiguration
+from strategies.ddp import DDPModel
+from strategies.fsdp import FSDPModel, ZeRO3Model
+from strategies.optim import (
+    DDPOptimizer,
+    FSDPOptimizer,
+    OptimizationInputData,
+    OptimizationResult,
+    ShardedOptimizer,
+    ZeRO1Optimizer,
+    ZeRO2Optimizer,
+    ZeRO3Optimizer,
+)
+from strategies.zero import ZeRO1Model, ZeRO2Model
+
+__all__ = [
+    "ShardingConfiguration",
+    "ShardedModelBase",
+    "ShardedOptimizer",
+    "DDPModel",
+    "DDPOptimizer",
+    "ZeRO1Model",
+    "ZeRO1Optimizer",
+    "ZeRO2Model",
+    "ZeRO2Optimizer",
+    "FSDPModel",
+    "FSDPOptimizer",
+    "ZeRO3Model",
+    "ZeRO3Optimizer",
+    "OptimizationInputData",
+    "OptimizationResult",
+]

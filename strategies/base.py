@@ -1,0 +1,343 @@
+"""``ShardedModelBase``: the seeds' surface (AiDotNet ShardedModelBase), once for all strategies.
+
+A strategy supplies four primitives: ``_full_state()`` (the wrapped model's full parameters, as
+tensors under its own names), ``_load_full_state(...)``, ``clip_grad_norm_`` and
+``_optimizer_step``. Everything else the seeds ask for (flat parameter vectors, gradients
+without an update, (de)serialisation, save/load, metadata, ``train_on_batch``) is written here
+against those, so every strategy behaves the same way.
+
+The seeds' "local shard" is this rank's slice of the flat vector of all parameters by the slice
+rule (protos/slicing.py); the servers' real shards are per buffer and shown by ``status``.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import nn
+
+from protos import slicing
+from strategies.config import ShardingConfiguration
+
+__all__ = ["ShardedModelBase", "owner_of"]
+
+_FORMAT = "paramshard-model/1"
+# parameter id -> the wrapper holding it, so an optimizer wrapper built from
+# ``model.parameters()`` finds its model (torch's optimizers know only parameters).
+_OWNERS: weakref.WeakValueDictionary[int, ShardedModelBase] = weakref.WeakValueDictionary()
+
+
+def owner_of(params: list[nn.Parameter]) -> ShardedModelBase:
+    """The sharded model wrapper that holds ``params``."""
+    owners = {id(_OWNERS[id(p)]) : _OWNERS[id(p)] for p in params if id(p) in _OWNERS}
+    if len(owners) != 1:
+        raise ValueError(
+            "the optimizer's parameters must come from exactly one sharded model's parameters()"
+            f" (found {len(owners)} models); build the optimizer from model.parameters()"
+        )
+    return next(iter(owners.values()))
+
+
+def _default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for class targets (any number of leading dims), MSE for float targets."""
+    if target.is_floating_point():
+        return nn.functional.mse_loss(output, target)
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+class ShardedModelBase(nn.Module):
+    """A torch model wrapped for training over the shard servers.
+
+    The wrapper is an ``nn.Module``: ``model(x)``, ``parameters()``, ``state_dict()`` (full
+    tensors under the wrapped model's own names) and ``load_state_dict()`` work as usual.
+    """
+
+    strategy = "base"
+
+    def __init__(self, model: nn.Module, config: ShardingConfiguration) -> None:
+        if model is None or config is None:
+            raise TypeError(f"{type(self).__name__} needs a model and a ShardingConfiguration")
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.client = config.client
+        self.default_loss_function: Callable[[Any, Any], torch.Tensor] = _default_loss
+        self.optimizer: Any = None  # the attached optimizer wrapper
+        self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later
+        self._shapes = {n: p.shape for n, p in self._named}
+        self._cache: torch.Tensor | None = None
+        for _, p in self._named:
+            _OWNERS[id(p)] = self
+
+    # -- the seeds' properties -------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.client.world_size
+
+    @property
+    def wrapped_model(self) -> nn.Module:
+        return self.module
+
+    @property
+    def sharding_configuration(self) -> ShardingConfiguration:
+        return self.config
+
+    @property
+    def parameter_count(self) -> int:
+        return sum(e.numel() for _, e in self._named_shapes())
+
+    def _named_shapes(self) -> list[tuple[str, torch.Size]]:
+        return list(self._shapes.items())
+
+    @property
+    def shard_start_index(self) -> int:
+        return slicing.slice_bounds(self.parameter_count, self.world_size, self.rank)[0]
+
+    @property
+    def shard_size(self) -> int:
+        start, stop = slicing.slice_bounds(self.parameter_count, self.world_size, self.rank)
+        return stop - start
+
+    @property
+    def local_parameter_shard(self) -> torch.Tensor:
+        start = self.shard_start_index
+        return self.gather_full_parameters()[start : start + self.shard_size].clone()
+
+    # -- primitives each strategy provides -----------------------------------------------
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        """Full fp32 copies of the trainable parameters, by name (gathered if sharded)."""
+        raise NotImplementedError
+
+    def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Sets every trainable parameter (on the servers too, if they hold it)."""
+        raise NotImplementedError
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def synchronize_gradients(self) -> None:
+        """Reduces this step's gradients over the data-parallel ranks now."""
+        raise NotImplementedError
+
+    def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        """Runs ``run_backward`` without reducing anything; this rank's gradients by name."""
+        raise NotImplementedError
+
+    def _attach(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    def _invalidate(self) -> None:
+        self._cache = None
+
+    # -- flat parameter vectors ----------------------------------------------------------
+    def gather_full_parameters(self) -> torch.Tensor:
+        """All trainable parameters as one flat fp32 vector (named_parameters order); cached
+        until the parameters change."""
+        if self._cache is None:
+            state = self._full_state()
+            self._cache = torch.cat([state[n].reshape(-1).float() for n, _ in self._named])
+        return self._cache
+
+    def get_parameters(self) -> torch.Tensor:
+        return self.gather_full_parameters().clone()
+
+    def set_parameters(self, parameters: torch.Tensor) -> None:
+        vec = torch.as_tensor(parameters).reshape(-1)
+        if vec.numel() != self.parameter_count:
+            raise ValueError(
+                f"set_parameters: the model has {self.parameter_count:,} parameters,"
+                f" the vector has {vec.numel():,}"
+            )
+        tensors, offset = {}, 0
+        for name, shape in self._named_shapes():
+            n = shape.numel()
+            tensors[name] = vec[offset : offset + n].reshape(shape).float().clone()
+            offset += n
+        self._load_full_state(tensors)
+        self._invalidate()
+
+    def with_parameters(self, parameters: torch.Tensor) -> nn.Module:
+        """A plain (unwrapped) copy of the model holding ``parameters``; self is unchanged."""
+        clone = self.deep_copy()
+        vec = torch.as_tensor(parameters).reshape(-1)
+        if vec.numel() != self.parameter_count:
+            raise ValueError(
+                f"with_parameters: the model has {self.parameter_count:,} parameters,"
+                f" the vector has {vec.numel():,}"
+            )
+        torch.nn.utils.vector_to_parameters(
+            vec.float(), [p for p in clone.parameters() if p.requires_grad]
+        )
+        return clone
+
+    def deep_copy(self) -> nn.Module:
+        """A plain copy of the wrapped model with the current full parameters. A wrapped copy
+        would need its own job on the servers; wrap the copy yourself if you want one."""
+        state = self.state_dict()
+        # The strategy's hooks on the modules point back at this wrapper (and its channels):
+        # copy the modules without them.
+        memo: dict[int, Any] = {id(self): None}
+        for m in self.module.modules():
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                hooks = getattr(m, attr)
+                memo[id(hooks)] = type(hooks)()
+        clone = copy.deepcopy(self.module, memo)
+        for p in clone.parameters():  # FSDP leaves freed (empty) storage in the original
+            p.data = torch.empty(0)
+        clone.load_state_dict(state, strict=False, assign=True)
+        return clone
+
+    # -- gradients ---------------------------------------------------------------------------
+    def compute_gradients(self, x: Any, y: Any, loss_fn: Callable | None = None) -> torch.Tensor:
+        """This rank's gradients for (x, y) as one flat vector; parameters, gradients already
+        accumulated and the servers are left unchanged."""
+        loss_fn = loss_fn or self.default_loss_function
+
+        def run() -> None:
+            loss_fn(self(x), y).backward()
+
+        grads = self._local_gradients(run)
+        return torch.cat(
+            [grads[n].reshape(-1).float() if n in grads else torch.zeros(s.numel())
+             for n, s in self._named_shapes()]
+        )
+
+    def apply_gradients(self, gradients: torch.Tensor, learning_rate: float) -> None:
+        """Plain SGD on the full vector: theta <- theta - lr * g (the seeds' ApplyGradients)."""
+        grads = torch.as_tensor(gradients).reshape(-1).float()
+        self.set_parameters(self.gather_full_parameters() - learning_rate * grads)
+
+    # -- training and prediction -----------------------------------------------------------
+    def predict(self, x: Any) -> Any:
+        with torch.no_grad():
+            return self(x)
+
+    def train_on_batch(self, x: Any, y: Any) -> float:
+        """The seeds' Train: forward, backward with the default loss, step the attached
+        optimizer wrapper; returns the loss."""
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.train_on_batch needs an optimizer wrapper: build one"
+                " from model.parameters() first"
+            )
+        loss = self.default_loss_function(self(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return float(loss.detach())
+
+    # -- state dicts -------------------------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        """Full tensors under the wrapped model's own names (no wrapper prefix)."""
+        full = self._full_state()
+        out = {}
+        by_id = {id(p): n for n, p in self._named}
+        for name, t in self.module.state_dict(keep_vars=True).items():
+            canonical = by_id.get(id(t))
+            out[name] = full[canonical].clone() if canonical else t.detach().clone()
+        return out
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        by_id = {id(p): n for n, p in self._named}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in own.items():
+            if name not in state_dict:
+                continue
+            value = torch.as_tensor(state_dict[name])
+            canonical = by_id.get(id(t))
+            if canonical is None:
+                with torch.no_grad():
+                    t.copy_(value)
+            elif canonical not in tensors:
+                tensors[canonical] = value.float().clone()
+        if tensors:
+            current = self._full_state() if len(tensors) < len(self._named) else {}
+            self._load_full_state({**current, **tensors})
+        self._invalidate()
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # -- serialisation ------------------------------------------------------------------------
+    def serialize(self) -> bytes:
+        """The full model (safetensors bytes with the strategy's metadata)."""
+        meta = {"format": _FORMAT, "metadata": json.dumps(self.get_model_metadata())}
+        state = {k: v.contiguous() for k, v in self.state_dict().items()}
+        shared: dict[int, str] = {}
+        for k, v in list(state.items()):  # safetensors refuses shared storage
+            if v.data_ptr() in shared:
+                state[k] = v.clone()
+            shared[state[k].data_ptr()] = k
+        return st_save(state, metadata=meta)
+
+    def deserialize(self, data: bytes) -> None:
+        try:
+            state = st_load(bytes(data))
+        except Exception as exc:
+            raise ValueError(f"deserialize: not a paramshard model ({exc})") from None
+        self.load_state_dict(state)
+
+    def save_model(self, path: str | os.PathLike) -> None:
+        """Writes ``serialize()`` to ``path`` atomically (temporary file, fsync, rename)."""
+        data = self.serialize()
+        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def load_model(self, path: str | os.PathLike) -> None:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"load_model: no model file at {os.fspath(path)!r}")
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            self.deserialize(data)
+        except ValueError as exc:
+            raise ValueError(f"load_model: {os.fspath(path)!r} is corrupt or not a model: {exc}")
+
+    def save_state(self, stream: io.RawIOBase | Any) -> None:
+        stream.write(self.serialize())
+
+    def load_state(self, stream: io.RawIOBase | Any) -> None:
+        self.deserialize(stream.read())
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "model": type(self.module).__name__,
+            "parameter_count": self.parameter_count,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "job": self.config.job,
+            "parameters": {n: list(s) for n, s in self._named_shapes()},
+        }
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}/{self.world_size}, {self.module!r})"

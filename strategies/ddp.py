@@ -1,0 +1,150 @@
+"""DDP: full replica per rank; gradients averaged through the servers in buckets, overlapped
+with backward (as torch DistributedDataParallel); the trainer's own torch optimizer steps.
+
+Buckets are filled in reverse parameter order (gradients arrive roughly in that order) up to
+``bucket_size_bytes``. When a bucket's last gradient is accumulated, its all-reduce starts on a
+single background thread (one thread, so every rank issues the collectives in the same order)
+while backward goes on; the end of backward waits for them and writes the averages back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from strategies.base import ShardedModelBase
+from strategies.config import ShardingConfiguration
+
+__all__ = ["DDPModel"]
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    future: Future | None = None
+
+
+class DDPModel(ShardedModelBase):
+    """Distributed data parallel: replicas kept equal by averaging gradients every step."""
+
+    strategy = "ddp"
+
+    def __init__(self, model: nn.Module, config: ShardingConfiguration) -> None:
+        super().__init__(model, config)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="allreduce")
+        self._sync = True
+        self._in_backward = False
+        self._collect: dict[int, torch.Tensor] | None = None
+        params = [p for _, p in self._named]
+        # every replica starts from rank 0's values (torch DDP broadcasts them too)
+        flat = torch.nn.utils.parameters_to_vector([p.detach() for p in params])
+        torch.nn.utils.vector_to_parameters(self.client.broadcast(flat, src=0), params)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        limit, size = config.bucket_size_bytes, 0
+        for p in reversed(params):
+            if not self._buckets or size + p.numel() * 4 > limit:
+                self._buckets.append(_Bucket([]))
+                size = 0
+            self._buckets[-1].params.append(p)
+            self._bucket_of[id(p)] = self._buckets[-1]
+            size += p.numel() * 4
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no communication) until the context ends; the next
+        backward outside it averages the accumulated sums, as torch DDP's no_sync."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # -- gradient hooks ----------------------------------------------------------------------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self._collect is not None:
+            self._collect[id(p)] = p.grad.detach().clone()
+            p.grad = None
+            return
+        if not (self._sync and self.config.auto_sync_gradients):
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        bucket = self._bucket_of[id(p)]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        dtype = _TORCH_DTYPES[self.config.effective_reduce_dtype]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.detach().reshape(-1) for g in grads]).to(dtype)
+        bucket.future = self._pool.submit(self.client.all_reduce, flat, "mean")
+
+    def _finish(self, bucket: _Bucket) -> None:
+        fut, bucket.future = bucket.future, None
+        bucket.ready.clear()
+        if fut is None:
+            return
+        averaged = fut.result().float()
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            value = averaged[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = value.clone()
+            else:
+                p.grad.copy_(value)
+            offset += n
+
+    def _end_backward(self) -> None:
+        for bucket in self._buckets:  # unused parameters: their buckets go now, in order
+            if bucket.future is None:
+                self._launch(bucket)
+        for bucket in self._buckets:
+            self._finish(bucket)
+        self._in_backward = False
+
+    def synchronize_gradients(self) -> None:
+        """Averages the current gradients over all ranks now (e.g. after backward under
+        ``no_sync`` or with ``auto_sync_gradients=False``)."""
+        for bucket in self._buckets:
+            self._launch(bucket)
+        for bucket in self._buckets:
+            self._finish(bucket)
+
+    # -- the strategy primitives -----------------------------------------------------------
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().clone() for n, p in self._named}
+
+    def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for n, p in self._named:
+                p.copy_(tensors[n])
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Gradients are already averaged, so torch's own clipping gives the global norm."""
+        params = [p for _, p in self._named if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def _optimizer_step(self) -> None:
+        self.optimizer.inner.step()
+        self._invalidate()
+
+    def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        self._collect = {}
+        try:
+            run_backward()
+            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
+        finally:
+            self._collect = None

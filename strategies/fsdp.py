@@ -1,0 +1,242 @@
+"""FSDP (ZeRO stage 3): parameters, gradients and optimizer state all sharded over the servers.
+
+The model is cut into units (wrap policy; the root unit holds what is left, e.g. embeddings).
+Per unit, as in PyTorch FSDP:
+- before its forward: gather (pull its buffers at the current version), and start gathering
+  the next unit in the background (prefetch);
+- after its forward: free the gathered parameters when ``reshard_after_forward``, and hook the
+  outputs so the unit is gathered again just before its backward (prefetching the unit before);
+- once every parameter of the unit has its gradient: push the unit's gradients (server i gets
+  slice i: a reduce-scatter), free them and the parameters.
+The root unit is gathered at the start of forward and freed when its gradients are pushed.
+A parameter "freed" keeps its Python object (optimizers and hooks hold it) with empty storage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from strategies.config import ShardingConfiguration
+from strategies.layout import BufferSpec, flat_views
+from strategies.sharded import ServerShardedModel
+
+__all__ = ["FSDPModel", "ZeRO3Model"]
+
+
+@dataclass
+class _Unit:
+    index: int
+    name: str
+    module: nn.Module
+    buffers: list[BufferSpec] = field(default_factory=list)
+    params: list[nn.Parameter] = field(default_factory=list)
+    nbytes: int = 0
+    materialized: bool = False
+    fetch: Future | None = None  # a prefetch in flight
+    ready: set[int] = field(default_factory=set)  # params whose gradient arrived
+    pushed_micro: int = -1
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+class FSDPModel(ServerShardedModel):
+    """Fully sharded data parallel over the shard servers (``wrap``: module classes that
+    become units, e.g. ``(Block,)``; ``config.wrap_min_params`` adds a size policy)."""
+
+    strategy = "fsdp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardingConfiguration,
+        wrap: tuple[type[nn.Module], ...] | None = None,
+    ) -> None:
+        super().__init__(model, config, wrap=wrap)
+        self._unit_list = [_Unit(i, name, m) for i, (name, m) in enumerate(self._units)]
+        self._unit_of: dict[int, _Unit] = {}
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="gather")
+        self._collect: dict[int, torch.Tensor] | None = None
+        self._in_backward = False
+        self.live_bytes = 0  # gathered parameter bytes held right now
+        self.peak_live_bytes = 0
+        for unit in self._unit_list[1:]:
+            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
+            unit.module.register_forward_hook(self._make_post_forward(unit))
+
+    def _num_micro(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    # -- registration: after it, the trainer keeps no parameters -------------------------------
+    def _after_register(self) -> None:
+        by_unit = {u.name: u for u in self._unit_list}
+        for b in self._buffers:
+            unit = by_unit[b.unit]
+            unit.buffers.append(b)
+            unit.params += b.params
+            unit.nbytes += b.numel * 4
+            for p in b.params:
+                self._unit_of[id(p)] = unit
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        for unit in self._unit_list:
+            self._free(unit)
+
+    # -- gather and free ---------------------------------------------------------------------
+    def _fetch(self, unit: _Unit) -> dict[str, torch.Tensor]:
+        return self._pull(unit.buffers, self._step)
+
+    def _prefetch(self, unit: _Unit) -> None:
+        if self.config.prefetch and not unit.materialized and unit.fetch is None:
+            unit.fetch = self._fetcher.submit(self._fetch, unit)
+
+    def _gather(self, unit: _Unit) -> None:
+        if unit.materialized or not unit.buffers:
+            return
+        fetch, unit.fetch = unit.fetch, None
+        flats = fetch.result() if fetch is not None else self._fetch(unit)
+        for b in unit.buffers:
+            for view, p in zip(flat_views(flats[b.name], b.entries), b.params, strict=True):
+                p.data = view
+        unit.materialized = True
+        self.live_bytes += unit.nbytes
+        self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+
+    def _free(self, unit: _Unit) -> None:
+        if unit.fetch is not None:  # a prefetch nobody used: let it finish, drop it
+            unit.fetch.result()
+            unit.fetch = None
+        for p in unit.params:
+            p.data = torch.empty(0, dtype=p.dtype)
+        if unit.materialized:
+            self.live_bytes -= unit.nbytes
+        unit.materialized = False
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.registered:  # no optimizer yet: still the plain local model
+            return self.module(*args, **kwargs)
+        root = self._unit_list[0]
+        self._gather(root)
+        if len(self._unit_list) > 1:
+            self._prefetch(self._unit_list[1])
+        out = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():  # no backward will come to free anything
+            for unit in self._unit_list:
+                self._free(unit)
+        return out
+
+    def _make_pre_forward(self, unit: _Unit) -> Callable:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            if not self.registered:
+                return
+            self._gather(unit)
+            if unit.index + 1 < len(self._unit_list):
+                self._prefetch(self._unit_list[unit.index + 1])
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: _Unit) -> Callable:
+        def post_forward(module: nn.Module, args: Any, output: Any) -> None:
+            if not self.registered:
+                return
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+            if self.config.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(unit)
+
+        return post_forward
+
+    # -- backward ------------------------------------------------------------------------------
+    def _make_pre_backward(self, unit: _Unit) -> Callable:
+        def pre_backward(grad: torch.Tensor) -> None:
+            self._start_backward()
+            self._gather(unit)
+            if unit.index > 1:  # the unit before it runs its backward next
+                self._prefetch(self._unit_list[unit.index - 1])
+
+        return pre_backward
+
+    def _start_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit = self._unit_of[id(p)]
+        self._start_backward()
+        if self._collect is not None:
+            self._collect[id(p)] = p.grad.detach().clone()
+            p.grad = None
+            return
+        unit.ready.add(id(p))
+        if len(unit.ready) == len(unit.params):
+            self._push_unit(unit)
+
+    def _push_unit(self, unit: _Unit) -> None:
+        for b in unit.buffers:
+            grads = [p.grad if p.grad is not None else torch.zeros(e.shape)
+                     for p, e in zip(b.params, b.entries, strict=True)]
+            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            for p in b.params:
+                p.grad = None
+            self._push_async(b, flat)
+        unit.ready.clear()
+        unit.pushed_micro = self._micro
+        self._free(unit)
+
+    def _end_backward(self) -> None:
+        """After each backward: units with unused parameters push what they have (zeros for
+        the rest) so the servers see every contribution; nothing stays gathered."""
+        if self._collect is None:
+            for unit in self._unit_list:
+                if unit.buffers and unit.pushed_micro != self._micro:
+                    self._push_unit(unit)
+            self._micro += 1
+        for unit in self._unit_list:
+            self._free(unit)
+        self._in_backward = False
+
+    def _ensure_reduced(self) -> None:
+        self._wait_pushes()
+        want = self._num_micro()
+        if self._micro != want:
+            raise RuntimeError(
+                f"FSDPModel: {self._micro} backward passes since the last step, but"
+                f" gradient_accumulation_steps={want} (the servers wait for that many)"
+            )
+
+    def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        if not self.registered:
+            saved = {n: p.grad for n, p in self._named}
+            try:
+                for _, p in self._named:
+                    p.grad = None
+                run_backward()
+                return {n: p.grad.clone() for n, p in self._named if p.grad is not None}
+            finally:
+                for n, p in self._named:
+                    p.grad = saved[n]
+        self._collect = {}
+        try:
+            run_backward()
+            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
+        finally:
+            self._collect = None
+
+
+ZeRO3Model = FSDPModel

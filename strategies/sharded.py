@@ -1,0 +1,242 @@
+"""What ZeRO-1, ZeRO-2 and FSDP share: optimizer state and fp32 master on the servers.
+
+Each (unit, param group) is a flat buffer registered on every server with the torch optimizer's
+type and that group's hyper-parameters; server i owns slice i and runs the optimizer there
+(ZeRO, arXiv 1910.02054). One training step is:
+
+1. gradients pushed (how and when is the strategy's business) for step ``_step``;
+2. optionally ``clip_grad_norm_``: each server reports its slices' sum of squares, every rank
+   computes the same global norm and clip coefficient;
+3. ``optimizer.step()``: one Step request per server carrying each buffer's current
+   hyper-parameters (so torch LR schedulers drive the servers) and the clip coefficient;
+4. parameters pulled at version ``_step + 1`` (ZeRO: right away; FSDP: unit by unit, later).
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from client import ParamInfo, StepArgs
+from protos import codec
+from strategies.base import ShardedModelBase
+from strategies.config import ShardingConfiguration
+from strategies.layout import BufferSpec, plan_buffers, plan_units
+
+__all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
+
+_SERVER_OPTIMIZERS = {
+    torch.optim.SGD: "sgd",
+    torch.optim.AdamW: "adamw",
+    torch.optim.Adam: "adam",
+    torch.optim.Adagrad: "adagrad",
+    torch.optim.RMSprop: "rmsprop",
+}
+_HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize"),
+    "adam": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adamw": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value", "maximize"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+}
+
+
+def server_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """The server-side name of a torch optimizer, or a clear error."""
+    for cls, name in _SERVER_OPTIMIZERS.items():
+        if type(optimizer) is cls:
+            if name == "adam" and optimizer.defaults.get("decoupled_weight_decay"):
+                return "adamw"
+            return name
+    supported = ", ".join(c.__name__ for c in _SERVER_OPTIMIZERS)
+    raise TypeError(
+        f"{type(optimizer).__name__} does not run on the shard servers; supported: {supported}"
+    )
+
+
+def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
+    """A torch param group's hyper-parameters under the servers' names (betas split)."""
+    out = {k: float(group[k]) for k in _HYPER[name] if k in group}
+    if "betas" in group:
+        out["beta1"], out["beta2"] = (float(b) for b in group["betas"])
+    return out
+
+
+def wire_to_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """Pulled wire elements as an fp32 torch tensor (bf16 bits decoded)."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).float()
+    return torch.from_numpy(arr).float()
+
+
+class ServerShardedModel(ShardedModelBase):
+    """Base of the strategies whose optimizer runs on the servers."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ShardingConfiguration,
+        wrap: tuple[type[nn.Module], ...] | None = None,
+    ) -> None:
+        super().__init__(model, config)
+        self._units = plan_units(
+            model, wrap, config.wrap_min_params,
+            min_unit_params=config.minimum_parameter_group_size if wrap or
+            config.wrap_min_params else 0,
+        )
+        self._buffers: list[BufferSpec] = []
+        self._opt_name = ""
+        self._step = 0  # optimizer steps applied: the servers' version
+        self._micro = 0  # backward passes since the last step
+        self._clip_coef = 1.0
+        self._pending: list[Future] = []
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
+
+    @property
+    def registered(self) -> bool:
+        return bool(self._buffers)
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps applied so far (the servers' version of every buffer)."""
+        return self._step
+
+    # -- registration --------------------------------------------------------------------
+    def _attach(self, optimizer: Any) -> None:
+        super()._attach(optimizer)
+        inner = optimizer.inner
+        self._opt_name = server_optimizer(inner)
+        buffers = plan_buffers(self.module, self._units, inner.param_groups)
+        job, versions, initialized = self.config.job, set(), True
+        for b in buffers:
+            hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
+            replies = self.client.register_buffer(
+                job, b.name, b.numel, optimizer=self._opt_name, hyper=hyper,
+                params=[ParamInfo(e.name, e.shape, e.offset, e.dtype) for e in b.entries],
+            )
+            versions |= {r.version for r in replies}
+            initialized &= all(r.initialized for r in replies)
+        if len(versions) > 1:
+            raise RuntimeError(
+                f"job '{job}' is on the servers at several versions {sorted(versions)}:"
+                " restore a snapshot or drop the job"
+            )
+        self._buffers = buffers
+        self._step = versions.pop() if initialized and versions else 0
+        if not initialized and self.rank == 0:
+            for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
+                flat = torch.cat([p.detach().reshape(-1).float() for p in b.params])
+                self.client.set_params(job, b.name, flat.numpy(), version=0)
+        self._after_register()
+
+    def _after_register(self) -> None:
+        """ZeRO: pull the servers' values into the replica; FSDP: free the local copy."""
+
+    # -- pulling ------------------------------------------------------------------------------
+    def _pull(self, buffers: list[BufferSpec], version: int) -> dict[str, torch.Tensor]:
+        """Each buffer's full values at ``version`` (waits for it), as fp32 tensors."""
+        dtype = self.config.param_dtype
+        outs, calls = {}, []
+        for b in buffers:
+            arr = np.empty(b.numel, dtype=codec.numpy_dtype(codec.wire_dtype(dtype)))
+            calls += self.client.pull_calls(self.config.job, b.name, arr, version, dtype=dtype)
+            outs[b.name] = arr
+        self.client.run(calls)
+        return {name: wire_to_tensor(arr, dtype) for name, arr in outs.items()}
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        if not self.registered:
+            return {n: p.detach().float().clone() for n, p in self._named}
+        flats = self._pull(self._buffers, self._step)
+        out = {}
+        for b in self._buffers:
+            for e in b.entries:
+                out[e.name] = flats[b.name][e.offset : e.offset + e.numel].view(e.shape)
+        return out
+
+    def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if not self.registered:
+            with torch.no_grad():
+                for n, p in self._named:
+                    p.copy_(tensors[n])
+            return
+        for b in self._buffers:
+            flat = torch.cat([tensors[e.name].reshape(-1).float() for e in b.entries])
+            self.client.set_params(self.config.job, b.name, flat.numpy(), version=self._step)
+        self._after_load()
+
+    def _after_load(self) -> None:
+        """ZeRO: refresh the replica from the servers; FSDP: nothing is held locally."""
+
+    # -- pushing --------------------------------------------------------------------------
+    def _push_async(self, b: BufferSpec, grads: torch.Tensor, start: int = 0) -> None:
+        """Sends this micro-batch's gradient for [start, start + len) of buffer ``b``."""
+        calls = self.client.push_calls(
+            self.config.job, b.name, grads.detach().float().numpy(), self._step,
+            micro=self._micro, num_micro=self._num_micro(), dtype=self.config.effective_reduce_dtype,
+            start=start, numel=b.numel,
+        )
+        self._pending.append(self._pool.submit(self.client.run, calls))
+
+    def _num_micro(self) -> int:
+        return 1
+
+    def _wait_pushes(self) -> None:
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def _ensure_reduced(self) -> None:
+        """Every gradient of this step is on the servers (strategy-specific)."""
+        raise NotImplementedError
+
+    def synchronize_gradients(self) -> None:
+        self._ensure_reduced()
+
+    # -- clipping and stepping ------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clips by the global 2-norm over all shards (as torch.nn.utils.clip_grad_norm_ on the
+        whole model) and returns that norm. The servers scale their slices at the step."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
+        if not self.registered:
+            raise RuntimeError("clip_grad_norm_ needs an optimizer wrapper attached first")
+        self._ensure_reduced()
+        sums = self.client.grad_sum_squares(
+            self.config.job, [b.name for b in self._buffers], self._step
+        )
+        total = math.sqrt(sum(sums))
+        self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
+        return torch.tensor(total)
+
+    def _optimizer_step(self) -> None:
+        self._ensure_reduced()
+        groups = self.optimizer.param_groups
+        args = {
+            b.name: StepArgs(server_hyper(self._opt_name, groups[b.group_index]), self._clip_coef)
+            for b in self._buffers
+        }
+        self.client.step(self.config.job, self._step, args)
+        self._step += 1
+        self._micro = 0
+        self._clip_coef = 1.0
+        self._invalidate()
+        self._after_step()
+
+    def _after_step(self) -> None:
+        """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
+
+    def get_model_metadata(self) -> dict[str, Any]:
+        meta = super().get_model_metadata()
+        meta.update(
+            step=self._step,
+            optimizer=self._opt_name,
+            units=[name for name, _ in self._units],
+            buffers={b.name: b.numel for b in self._buffers},
+        )
+        return meta

@@ -1,0 +1,168 @@
+"""ZeRO stages 1 and 2 (arXiv 1910.02054): replicated parameters, optimizer state on the servers.
+
+- ZeRO-1: the trainer keeps full gradients until backward ends; ``optimizer.step()`` pushes them
+  (server i receives slice i: a reduce-scatter), the servers step, the trainer pulls the new
+  parameters (an all-gather).
+- ZeRO-2 (§5.2): gradients are pushed bucket by bucket *during* backward, as soon as a bucket's
+  gradients are complete, and freed, so no rank ever holds the full gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from strategies.config import ShardingConfiguration
+from strategies.layout import BufferSpec
+from strategies.sharded import ServerShardedModel
+
+__all__ = ["ZeRO1Model", "ZeRO2Model"]
+
+
+class _ReplicatedParams(ServerShardedModel):
+    """ZeRO-1 and ZeRO-2 keep a full replica of the parameters on every rank."""
+
+    def _refresh_replica(self) -> None:
+        flats = self._pull(self._buffers, self._step)
+        with torch.no_grad():
+            for b in self._buffers:
+                flat = flats[b.name]
+                for e, p in zip(b.entries, b.params, strict=True):
+                    p.copy_(flat[e.offset : e.offset + e.numel].view(e.shape))
+
+    _after_register = _refresh_replica
+    _after_step = _refresh_replica
+    _after_load = _refresh_replica
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().clone() for n, p in self._named}
+
+
+class ZeRO1Model(_ReplicatedParams):
+    """ZeRO stage 1: optimizer state and fp32 master sharded over the servers."""
+
+    strategy = "zero1"
+
+    def __init__(self, model: nn.Module, config: ShardingConfiguration) -> None:
+        super().__init__(model, config)
+        self._pushed = False
+
+    def _ensure_reduced(self) -> None:
+        if self._pushed:
+            return
+        calls = []
+        for b in self._buffers:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            calls += self.client.push_calls(
+                self.config.job, b.name, flat.numpy(), self._step,
+                dtype=self.config.effective_reduce_dtype,
+            )
+        self.client.run(calls)
+        self._pushed = True
+
+    def _after_step(self) -> None:
+        self._pushed = False
+        self._refresh_replica()
+
+    def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        saved = {n: p.grad for n, p in self._named}
+        for _, p in self._named:
+            p.grad = None
+        try:
+            run_backward()
+            return {n: p.grad.clone() for n, p in self._named if p.grad is not None}
+        finally:
+            for n, p in self._named:
+                p.grad = saved[n]
+
+
+@dataclass
+class _Bucket:
+    buffer: BufferSpec
+    start: int  # offset in the buffer
+    numel: int
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    pushed_micro: int = -1  # the micro-batch this bucket was last pushed for
+
+
+class ZeRO2Model(_ReplicatedParams):
+    """ZeRO stage 2: gradients reduce-scattered bucket by bucket during backward, then freed."""
+
+    strategy = "zero2"
+
+    def __init__(self, model: nn.Module, config: ShardingConfiguration) -> None:
+        super().__init__(model, config)
+        self._buckets: list[_Bucket] = []
+        self._bucket_of: dict[int, _Bucket] = {}
+        self._collect: dict[int, torch.Tensor] | None = None  # compute_gradients mode
+        self._in_backward = False
+
+    def _num_micro(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def _after_register(self) -> None:
+        self._refresh_replica()
+        limit = max(1, self.config.bucket_size_bytes // 4)
+        for b in self._buffers:
+            bucket: _Bucket | None = None
+            for e, p in zip(b.entries, b.params, strict=True):
+                if bucket is None or bucket.numel + e.numel > limit:
+                    bucket = _Bucket(b, e.offset, 0, [])
+                    self._buckets.append(bucket)
+                bucket.numel += e.numel
+                bucket.params.append(p)
+                self._bucket_of[id(p)] = bucket
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self._collect is not None:
+            self._collect[id(p)] = p.grad.detach().clone()
+            p.grad = None
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        bucket = self._bucket_of[id(p)]
+        bucket.ready.add(id(p))
+        if len(bucket.ready) == len(bucket.params):
+            self._push_bucket(bucket)
+
+    def _push_bucket(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+        for p in bucket.params:
+            p.grad = None  # ZeRO-2: the full gradient never stays on the trainer
+        bucket.ready.clear()
+        bucket.pushed_micro = self._micro
+        self._push_async(bucket.buffer, flat, bucket.start)
+
+    def _end_backward(self) -> None:
+        """After each backward: buckets whose parameters got no gradient (unused) go now, so
+        the servers see every contribution they wait for."""
+        for bucket in self._buckets:
+            if bucket.pushed_micro != self._micro:
+                self._push_bucket(bucket)
+        self._in_backward = False
+        self._micro += 1
+
+    def _ensure_reduced(self) -> None:
+        self._wait_pushes()
+        want = self._num_micro()
+        if self._micro != want:
+            raise RuntimeError(
+                f"{type(self).__name__}: {self._micro} backward passes since the last step,"
+                f" but gradient_accumulation_steps={want} (the servers wait for that many)"
+            )
+
+    def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        self._collect = {}
+        try:
+            run_backward()
+            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
+        finally:
+            self._collect = None
