@@ -42,8 +42,9 @@ class StepArgs:
     clip_coef: float = 1.0
 
     def to_pb(self) -> pb.StepArgs:
-        return pb.StepArgs(hyper={k: float(v) for k, v in self.hyper.items()},
-                           clip_coef=float(self.clip_coef))
+        return pb.StepArgs(
+            hyper={k: float(v) for k, v in self.hyper.items()}, clip_coef=float(self.clip_coef)
+        )
 
 
 def _to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
@@ -74,14 +75,27 @@ class FlatBuffers(RpcCore):
         contributors: int | None = None,
     ) -> list[pb.RegisterBufferReply]:
         """Declares the buffer on every server (idempotent); returns each server's reply."""
-        entries = [pb.ParamEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=p.offset,
-                                 numel=p.numel) for p in params]
-        spec = pb.OptimizerSpec(name=optimizer, hyper={k: float(v) for k, v in (hyper or {}).items()})
+        entries = [
+            pb.ParamEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=p.offset, numel=p.numel)
+            for p in params
+        ]
+        spec = pb.OptimizerSpec(
+            name=optimizer, hyper={k: float(v) for k, v in (hyper or {}).items()}
+        )
         return self.run(
-            Call(i, "RegisterBuffer", pb.RegisterBufferRequest(
-                ref=self._ref(job, buffer), numel=numel, num_servers=self.num_servers,
-                server_index=i, contributors=contributors or self.world_size, params=entries,
-                optimizer=spec))
+            Call(
+                i,
+                "RegisterBuffer",
+                pb.RegisterBufferRequest(
+                    ref=self._ref(job, buffer),
+                    numel=numel,
+                    num_servers=self.num_servers,
+                    server_index=i,
+                    contributors=contributors or self.world_size,
+                    params=entries,
+                    optimizer=spec,
+                ),
+            )
             for i in range(self.num_servers)
         )
 
@@ -99,15 +113,25 @@ class FlatBuffers(RpcCore):
         ref = self._ref(job, buffer)
         calls = []
         for server, local, glob, n in self._chunked(values.size, 0, values.size, 4):
-            header = pb.SetParamsHeader(ref=ref, version=version,
-                                        chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32))
+            header = pb.SetParamsHeader(
+                ref=ref, version=version, chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32)
+            )
             calls.append(Call(server, "SetParams", (header, values[glob : glob + n])))
         self.run(calls)
 
     def push_calls(
-        self, job: str, buffer: str, flat: np.ndarray, step: int, *, micro: int = 0,
-        num_micro: int = 1, step_args: StepArgs | None = None, dtype: str = "float32",
-        start: int = 0, numel: int | None = None,
+        self,
+        job: str,
+        buffer: str,
+        flat: np.ndarray,
+        step: int,
+        *,
+        micro: int = 0,
+        num_micro: int = 1,
+        step_args: StepArgs | None = None,
+        dtype: str = "float32",
+        start: int = 0,
+        numel: int | None = None,
     ) -> list[Call]:
         """The calls that push gradient ``flat`` (covering [start, start+len) of a buffer of
         ``numel`` elements) for ``step``; run them with ``run`` (or batch with other calls)."""
@@ -118,10 +142,17 @@ class FlatBuffers(RpcCore):
         args = step_args.to_pb() if step_args is not None else None
         calls = []
         for server, local, glob, n in self._chunked(total, start, start + grads.size, 4):
+
             def build(local: int = local, a: int = glob - start, n: int = n) -> tuple:
                 header = pb.PushGradHeader(
-                    ref=ref, step=step, contributor=self.rank, micro=micro, num_micro=num_micro,
-                    chunk=pb.Chunk(offset=local, numel=n, dtype=wire), step_args=args)
+                    ref=ref,
+                    step=step,
+                    contributor=self.rank,
+                    micro=micro,
+                    num_micro=num_micro,
+                    chunk=pb.Chunk(offset=local, numel=n, dtype=wire),
+                    step_args=args,
+                )
                 return header, _to_wire(grads[a : a + n], dtype)
 
             calls.append(Call(server, "PushGrad", build))
@@ -132,8 +163,15 @@ class FlatBuffers(RpcCore):
         self.run(self.push_calls(job, buffer, flat, step, **kw))
 
     def pull_calls(
-        self, job: str, buffer: str, out: np.ndarray, min_version: int, *, dtype: str = "float32",
-        start: int = 0, numel: int | None = None,
+        self,
+        job: str,
+        buffer: str,
+        out: np.ndarray,
+        min_version: int,
+        *,
+        dtype: str = "float32",
+        start: int = 0,
+        numel: int | None = None,
     ) -> list[Call]:
         """Calls filling ``out`` (wire dtype elements; uint16 for bfloat16) with the buffer's
         range [start, start + out.size) at a version >= ``min_version``."""
@@ -142,16 +180,24 @@ class FlatBuffers(RpcCore):
         ref = self._ref(job, buffer)
         calls = []
         for server, local, glob, n in self._chunked(total, start, start + out.size, out.itemsize):
+
             def store(reply: Any, a: int = glob - start, n: int = n) -> None:
                 out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
 
-            req = pb.PullParamsRequest(ref=ref, min_version=min_version,
-                                       chunk=pb.Chunk(offset=local, numel=n, dtype=wire))
+            req = pb.PullParamsRequest(
+                ref=ref, min_version=min_version, chunk=pb.Chunk(offset=local, numel=n, dtype=wire)
+            )
             calls.append(Call(server, "PullParams", req, store))
         return calls
 
     def pull_params(
-        self, job: str, buffer: str, numel: int, min_version: int = 0, *, dtype: str = "float32",
+        self,
+        job: str,
+        buffer: str,
+        numel: int,
+        min_version: int = 0,
+        *,
+        dtype: str = "float32",
     ) -> np.ndarray:
         """The whole buffer at a version >= ``min_version`` (waits for it), as ``dtype``
         (bfloat16 comes back as uint16 bits)."""
@@ -161,15 +207,19 @@ class FlatBuffers(RpcCore):
 
     def grad_sum_squares(self, job: str, buffers: Sequence[str], step: int) -> list[float]:
         """Sum of squares of each buffer's reduced gradient of ``step``, over all servers."""
-        replies = self.run(Call(i, "GradNorm", pb.GradNormRequest(job=job, buffers=buffers,
-                                                                  step=step))
-                           for i in range(self.num_servers))
+        replies = self.run(
+            Call(i, "GradNorm", pb.GradNormRequest(job=job, buffers=buffers, step=step))
+            for i in range(self.num_servers)
+        )
         return [float(sum(r.sum_squares[k] for r in replies)) for k in range(len(buffers))]
 
     def step(self, job: str, step: int, args: Mapping[str, StepArgs]) -> None:
         """Applies step ``step`` to the named buffers on every server (first caller wins)."""
-        req = pb.StepRequest(job=job, step=step,
-                             buffers=[pb.BufferStep(buffer=b, args=a.to_pb()) for b, a in args.items()])
+        req = pb.StepRequest(
+            job=job,
+            step=step,
+            buffers=[pb.BufferStep(buffer=b, args=a.to_pb()) for b, a in args.items()],
+        )
         self.run(Call(i, "Step", req) for i in range(self.num_servers))
 
     def drop_job(self, job: str) -> None:

@@ -45,20 +45,34 @@ class Collectives(RpcCore):
         return max(1, self.chunk_bytes // codec.numpy_dtype(codec.wire_dtype(dtype)).itemsize)
 
     def _contributions(
-        self, server: int, key: str, arr: np.ndarray, dtype: str, op: int, expected: int,
-        readers: int, shape: tuple[int, ...] = (), contributor: int | None = None,
+        self,
+        server: int,
+        key: str,
+        arr: np.ndarray,
+        dtype: str,
+        op: int,
+        expected: int,
+        readers: int,
+        shape: tuple[int, ...] = (),
+        contributor: int | None = None,
     ) -> Iterator[Call]:
         chunk_numel = self._chunk_numel(dtype)
         wire = codec.wire_dtype(dtype)
         for offset, numel in slicing.chunk_ranges(arr.size, chunk_numel):
             header = pb.SlotHeader(
-                key=key, op=op, expected=expected, readers=readers, total_numel=arr.size,
-                shape=shape, chunk=pb.Chunk(offset=offset, numel=numel, dtype=wire),
+                key=key,
+                op=op,
+                expected=expected,
+                readers=readers,
+                total_numel=arr.size,
+                shape=shape,
+                chunk=pb.Chunk(offset=offset, numel=numel, dtype=wire),
                 contributor=self.rank if contributor is None else contributor,
                 chunk_numel=chunk_numel,
             )
-            yield Call(server, "Contribute", (header, arr[offset : offset + numel]),
-                       retry_ok=_freed_slot)
+            yield Call(
+                server, "Contribute", (header, arr[offset : offset + numel]), retry_ok=_freed_slot
+            )
 
     def _reads(self, server: int, key: str, out: np.ndarray, dtype: str) -> Iterator[Call]:
         for offset, numel in slicing.chunk_ranges(out.size, self._chunk_numel(dtype)):
@@ -67,13 +81,18 @@ class Collectives(RpcCore):
                 _, data = reply
                 out[o : o + n] = np.frombuffer(data, dtype=out.dtype)
 
-            yield Call(server, "ReadSlot", pb.ReadSlotRequest(key=key, offset=offset,
-                                                              reader=self.rank), store)
+            yield Call(
+                server,
+                "ReadSlot",
+                pb.ReadSlotRequest(key=key, offset=offset, reader=self.rank),
+                store,
+            )
 
     def _read_unknown(self, parts: list[tuple[int, str]]) -> list[tuple[np.ndarray, tuple, str]]:
         """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest."""
-        firsts = self.run([Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank))
-                           for s, k in parts])
+        firsts = self.run(
+            [Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank)) for s, k in parts]
+        )
         outs, rest = [], []
         for (server, key), (header, data) in zip(parts, firsts, strict=True):
             dtype = codec.dtype_name(header.chunk.dtype)
@@ -98,8 +117,15 @@ class Collectives(RpcCore):
         for piece in slicing.pieces(n, self.num_servers, 0, n) or [slicing.SlicePiece(0, 0, 0, 0)]:
             a, b = piece.global_offset, piece.global_offset + piece.numel
             part_key = f"{key}/{piece.server}"
-            sends += self._contributions(piece.server, part_key, flat.array[a:b], flat.dtype, code,
-                                         self.world_size, self.world_size)
+            sends += self._contributions(
+                piece.server,
+                part_key,
+                flat.array[a:b],
+                flat.dtype,
+                code,
+                self.world_size,
+                self.world_size,
+            )
             reads += self._reads(piece.server, part_key, out[a:b], flat.dtype)
         # All contributions are queued before any read, so a window full of waiting reads can
         # never hold back a contribution another rank waits for.
@@ -115,8 +141,15 @@ class Collectives(RpcCore):
         calls = []
         for j in range(self.world_size):
             a, b = slicing.slice_bounds(flat.array.size, self.world_size, j)
-            calls += self._contributions(j % self.num_servers, f"{key}/{j}", flat.array[a:b],
-                                         flat.dtype, code, self.world_size, 1)
+            calls += self._contributions(
+                j % self.num_servers,
+                f"{key}/{j}",
+                flat.array[a:b],
+                flat.dtype,
+                code,
+                self.world_size,
+                1,
+            )
         a, b = slicing.slice_bounds(flat.array.size, self.world_size, self.rank)
         out = np.empty(b - a, dtype=flat.array.dtype)
         calls += self._reads(self.rank % self.num_servers, f"{key}/{self.rank}", out, flat.dtype)
@@ -128,11 +161,22 @@ class Collectives(RpcCore):
         flat = as_flat(x)
         key = self._next_key("ag")
         if self.world_size > 1:
-            self.run(self._contributions(self.rank % self.num_servers, f"{key}/{self.rank}",
-                                         flat.array, flat.dtype, pb.SET, 1, self.world_size - 1,
-                                         flat.shape, contributor=0))
-        others = [(j % self.num_servers, f"{key}/{j}") for j in range(self.world_size)
-                  if j != self.rank]
+            self.run(
+                self._contributions(
+                    self.rank % self.num_servers,
+                    f"{key}/{self.rank}",
+                    flat.array,
+                    flat.dtype,
+                    pb.SET,
+                    1,
+                    self.world_size - 1,
+                    flat.shape,
+                    contributor=0,
+                )
+            )
+        others = [
+            (j % self.num_servers, f"{key}/{j}") for j in range(self.world_size) if j != self.rank
+        ]
         got = iter(self._read_unknown(others))
         out = []
         for j in range(self.world_size):
@@ -158,8 +202,16 @@ class Collectives(RpcCore):
             a, b = piece.global_offset, piece.global_offset + piece.numel
             part_key = f"{key}/{piece.server}"
             if self.rank == src:
-                calls += self._contributions(piece.server, part_key, flat.array[a:b], flat.dtype,
-                                             pb.SET, 1, self.world_size - 1, contributor=0)
+                calls += self._contributions(
+                    piece.server,
+                    part_key,
+                    flat.array[a:b],
+                    flat.dtype,
+                    pb.SET,
+                    1,
+                    self.world_size - 1,
+                    contributor=0,
+                )
             else:
                 calls += self._reads(piece.server, part_key, out[a:b], flat.dtype)
         self.run(calls)
@@ -173,24 +225,37 @@ class Collectives(RpcCore):
         """Puts ``x`` in rank ``dst``'s mailbox on its server; returns once it is stored."""
         self._check_rank(dst, "dst")
         flat = as_flat(x)
-        key = self._p2p_key(self.rank, dst)
-        self.run(self._contributions(dst % self.num_servers, key, flat.array, flat.dtype, pb.SET,
-                                     1, 1, flat.shape, contributor=0))
+        key = self._p2p_key(self.rank, dst, "send")
+        self.run(
+            self._contributions(
+                dst % self.num_servers,
+                key,
+                flat.array,
+                flat.dtype,
+                pb.SET,
+                1,
+                1,
+                flat.shape,
+                contributor=0,
+            )
+        )
 
     def recv(self, src: int, like: Any = None) -> Any:
         """Takes the next tensor rank ``src`` sent to this rank (waits for it). The result is a
         torch tensor if ``like`` is one or torch is loaded and the sender sent bfloat16,
         else a NumPy array."""
         self._check_rank(src, "src")
-        key = self._p2p_key(src, self.rank)
+        key = self._p2p_key(src, self.rank, "recv")
         ((arr, shape, dtype),) = self._read_unknown([(self.rank % self.num_servers, key)])
         return _wrap_received(arr, shape, dtype, like)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _p2p_key(self, src: int, dst: int) -> str:
+    def _p2p_key(self, src: int, dst: int, side: str) -> str:
+        """The n-th message from src to dst; senders and receivers count separately, so a
+        rank sending to itself takes the same keys on both sides."""
         counters = self.__dict__.setdefault("_p2p_seq", {})
-        counters[(src, dst)] = counters.get((src, dst), 0) + 1
-        return f"{self.run_id}:p2p{src}-{dst}/{counters[(src, dst)]}"
+        n = counters[(side, src, dst)] = counters.get((side, src, dst), 0) + 1
+        return f"{self.run_id}:p2p{src}-{dst}/{n}"
 
     def _check_rank(self, r: int, what: str) -> None:
         if not 0 <= r < self.world_size:

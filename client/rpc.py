@@ -131,6 +131,8 @@ class RpcCore:
             i, call, fut, attempt = in_flight.popleft()
             try:
                 reply = fut.result()
+            except grpc.FutureCancelledError:
+                continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
@@ -141,6 +143,8 @@ class RpcCore:
                     continue
                 else:
                     first_error = first_error or err
+                    for _, _, other, _ in in_flight:  # e.g. reads that would wait for ever
+                        other.cancel()
                     continue
             if call.on_result is not None and reply is not None:
                 call.on_result(reply)

@@ -37,8 +37,13 @@ class ShardClient(Collectives, FlatBuffers):
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
-        super().__init__(spec, timeout_s=timeout_s, retries=retries,
-                         max_in_flight=max_in_flight, chunk_bytes=chunk_bytes)
+        super().__init__(
+            spec,
+            timeout_s=timeout_s,
+            retries=retries,
+            max_in_flight=max_in_flight,
+            chunk_bytes=chunk_bytes,
+        )
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id or os.environ.get("PARAMSHARD_RUN", "run")
@@ -46,8 +51,12 @@ class ShardClient(Collectives, FlatBuffers):
     @classmethod
     def from_env(cls, **kw: Any) -> ShardClient:
         """Reads PARAMSHARD_SERVERS, RANK and WORLD_SIZE like torchrun's env:// init."""
-        return cls(ClusterSpec.from_env(), rank=int(os.environ.get("RANK", "0")),
-                   world_size=int(os.environ.get("WORLD_SIZE", "1")), **kw)
+        return cls(
+            ClusterSpec.from_env(),
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            **kw,
+        )
 
     def status(self) -> list[dict[str, Any]]:
         """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable."""
@@ -55,13 +64,18 @@ class ShardClient(Collectives, FlatBuffers):
         for i, address in enumerate(self.spec.addresses):
             try:
                 reply = self.call(i, "Status", pb.StatusRequest())
-                row = MessageToDict(reply, preserving_proto_field_name=True,
-                                    always_print_fields_with_no_presence=True)
+                row = MessageToDict(
+                    reply,
+                    preserving_proto_field_name=True,
+                    always_print_fields_with_no_presence=True,
+                )
             except ShardClientError as exc:
                 row = {"error": f"{exc.code.name}: {exc.details}"}
             out.append({"address": address, "index": i, **row})
         return out
 
     def __repr__(self) -> str:
-        return (f"ShardClient(rank={self.rank}, world_size={self.world_size}, "
-                f"servers={list(self.spec.addresses)})")
+        return (
+            f"ShardClient(rank={self.rank}, world_size={self.world_size}, "
+            f"servers={list(self.spec.addresses)})"
+        )

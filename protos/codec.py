@@ -142,12 +142,12 @@ def decode(raw: bytes, header_cls: type[H]) -> tuple[H, memoryview]:
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wire = key >> 3, key & 7
-        if field == 0:
-            raise DecodeError("field number 0")
+        if field == 0 or field > 0x1FFFFFFF:
+            raise DecodeError(f"field number {field} is outside 1..2**29-1")
         if wire == 0:
             _, pos = _read_varint(buf, pos)
             continue
-        if wire == 1 or wire == 5:
+        if wire in {1, 5}:
             pos += 8 if wire == 1 else 4
             if pos > end:
                 raise DecodeError("truncated fixed-width field")

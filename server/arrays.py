@@ -1,4 +1,4 @@
-"""Wire payload <-> backend arrays. All conversions between wire dtypes and the fp32 master live here.
+"""Wire payload <-> backend arrays: every wire-dtype conversion of the fp32 master lives here.
 
 Uses only ``backend`` for device specifics, so the same code runs on NumPy and CuPy.
 """

@@ -116,7 +116,7 @@ class SlotStore:
         ]
         mine += [("shape", list(meta.shape)), ("dtype", slot.dtype)]
         theirs = [getattr(h, n) for n, _ in mine[:5]] + [list(h.shape), h.chunk.dtype]
-        for (name, old), new in zip(mine, theirs):
+        for (name, old), new in zip(mine, theirs, strict=True):
             if old != new:
                 raise ShardError.precondition(
                     f"slot '{h.key}': {name} is {old} for earlier contributors, {new} for"
@@ -138,6 +138,21 @@ class SlotStore:
             chunk = slot.chunks.get(h.chunk.offset)
             if chunk is not None and h.contributor in chunk.contributors:
                 return True
+            acc = None
+            if chunk is None or chunk.acc is None:
+                # The first contribution of a chunk becomes its accumulator. Its memory is
+                # reserved before anything changes, so a rejected contribution leaves no trace.
+                if h.op == pb.SET:
+                    acc = backend.to_device(host.copy())
+                else:
+                    acc = arrays.to_compute(host, h.chunk.dtype)
+                    if acc.base is not None or not acc.flags.writeable:
+                        acc = acc.copy()
+                try:
+                    self._reserve(int(acc.nbytes), h.key)
+                except ShardError:
+                    self._forget_if_unused(slot)
+                    raise
             # -- all checks passed: mutate --
             if slot.meta is None:
                 slot.meta = pb.SlotHeader()
@@ -147,14 +162,7 @@ class SlotStore:
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = _Chunk(h.chunk.numel)
-            if chunk.acc is None:
-                fresh = host.copy() if h.op == pb.SET else None
-                acc = backend.to_device(fresh) if fresh is not None else None
-                if acc is None:
-                    acc = arrays.to_compute(host, h.chunk.dtype)
-                    if acc.base is not None or not acc.flags.writeable:
-                        acc = acc.copy()
-                self._reserve(int(acc.nbytes), h.key)
+            if acc is not None:
                 chunk.acc = acc
             else:
                 values = arrays.to_compute(host, h.chunk.dtype)

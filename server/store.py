@@ -63,6 +63,7 @@ class BufferSlice:
         self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
+        self.dropped = False
         self.cond = threading.Condition()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -80,9 +81,13 @@ class BufferSlice:
 
     def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
         """Wait on the slice's condition (caller holds it) until ``ready()``, or fail."""
-        if not self.cond.wait_for(ready, timeout=timeout):
+        done = self.cond.wait_for(lambda: self.dropped or ready(), timeout=timeout)
+        if self.dropped:
+            raise ShardError.not_found(f"{self.label} was dropped while waiting for {waiting_for}")
+        if not done:
             raise ShardError.deadline(
-                f"{self.label} is at version {self.version}; waited {timeout:.1f} s for {waiting_for}"
+                f"{self.label} is at version {self.version};"
+                f" waited {timeout:.1f} s for {waiting_for}"
             )
 
     def bytes_by_kind(self) -> tuple[int, int, int]:
@@ -108,9 +113,7 @@ class BufferSlice:
             self.cond.notify_all()
             return self.initialized
 
-    def push_grad(
-        self, h: pb.PushGradHeader, data: memoryview, timeout: float
-    ) -> pb.PushGradReply:
+    def push_grad(self, h: pb.PushGradHeader, data: memoryview, timeout: float) -> pb.PushGradReply:
         self.check_chunk(h.chunk, "PushGrad")
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
         if h.num_micro == 0 or h.micro >= h.num_micro:
@@ -203,24 +206,31 @@ class BufferSlice:
                     " its gradient is gone"
                 )
             self.wait_for(
-                lambda: (
-                    self.version > step
-                    or (
-                        self.pending is not None
-                        and self.pending.step == step
-                        and self.pending.reduced
-                    )
-                ),
+                lambda: self.version > step or self._reduced(step),
                 timeout,
                 f"the reduced gradient of step {step}",
             )
             if self.version > step:
-                assert self.applied_sum_squares is not None
-                return self.applied_sum_squares[1]
+                kept = self.applied_sum_squares
+                if kept is None or kept[0] != step:
+                    raise ShardError.precondition(
+                        f"{self.label} moved to version {self.version} while waiting; the"
+                        f" gradient of step {step} is gone"
+                    )
+                return kept[1]
             return self._sum_squares()
+
+    def _reduced(self, step: int) -> bool:
+        """All contributions of ``step`` are in. An empty slice (a buffer with fewer elements
+        than servers) receives no pushes, so it is reduced whenever it is asked."""
+        if self.slice_numel == 0:
+            return self.version == step
+        return self.pending is not None and self.pending.step == step and self.pending.reduced
 
     def _sum_squares(self) -> float:
         """Of the pending reduced gradient (caller holds the lock)."""
+        if self.slice_numel == 0:
+            return 0.0
         pending = self.pending
         assert pending is not None and pending.reduced
         if pending.sum_squares is None:
@@ -238,7 +248,7 @@ class BufferSlice:
                     f"{self.label} is at version {self.version}; cannot apply step {step}"
                 )
             self.wait_for(
-                lambda: self.version > step or (self.pending is not None and self.pending.reduced),
+                lambda: self.version > step or self._reduced(step),
                 timeout,
                 f"all gradient contributions of step {step}",
             )
@@ -306,7 +316,11 @@ class BufferStore:
         if req.contributors == 0:
             raise ShardError.invalid(f"{label}: contributors must be at least 1")
         for p in req.params:
-            if p.offset + p.numel > req.numel or int(np.prod(p.shape)) != p.numel:
+            if (
+                any(d < 0 for d in p.shape)
+                or p.offset + p.numel > req.numel
+                or int(np.prod(p.shape)) != p.numel
+            ):
                 raise ShardError.invalid(
                     f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
                     f" does not fit a buffer of {req.numel:,} elements"
@@ -336,6 +350,10 @@ class BufferStore:
             optimizer = make_optimizer(req.optimizer.name, slice_numel, dict(req.optimizer.hyper))
         except OptimizerError as exc:
             raise ShardError.invalid(f"{label}: {exc}") from None
+        except (MemoryError, ValueError) as exc:
+            raise ShardError.exhausted(
+                f"{label}: cannot allocate optimizer state for {slice_numel:,} elements ({exc})"
+            ) from None
         if self.max_job_bytes:
             # params + grad accumulator + up to three optimizer-state arrays, all fp32
             need = slice_numel * 4 * 5 + self._job_bytes(req.ref.job)
@@ -344,7 +362,12 @@ class BufferStore:
                     f"{label}: job '{req.ref.job}' would need about {need:,} bytes on this server,"
                     f" over its quota of {self.max_job_bytes:,}"
                 )
-        created = BufferSlice(req, optimizer)
+        try:
+            created = BufferSlice(req, optimizer)
+        except (MemoryError, ValueError) as exc:
+            raise ShardError.exhausted(
+                f"{label}: cannot allocate {slice_numel * 4:,} bytes of parameters ({exc})"
+            ) from None
         with self._lock:
             buffers = self._jobs.setdefault(req.ref.job, {})
             return buffers.setdefault(req.ref.buffer, created)
@@ -361,6 +384,7 @@ class BufferStore:
             raise ShardError.not_found(f"job '{job}' is not on this server")
         for b in dropped.values():  # wake waiters so they fail fast instead of timing out
             with b.cond:
+                b.dropped = True
                 b.cond.notify_all()
         return len(dropped)
 

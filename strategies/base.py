@@ -38,7 +38,7 @@ _OWNERS: weakref.WeakValueDictionary[int, ShardedModelBase] = weakref.WeakValueD
 
 def owner_of(params: list[nn.Parameter]) -> ShardedModelBase:
     """The sharded model wrapper that holds ``params``."""
-    owners = {id(_OWNERS[id(p)]) : _OWNERS[id(p)] for p in params if id(p) in _OWNERS}
+    owners = {id(_OWNERS[id(p)]): _OWNERS[id(p)] for p in params if id(p) in _OWNERS}
     if len(owners) != 1:
         raise ValueError(
             "the optimizer's parameters must come from exactly one sharded model's parameters()"
@@ -199,9 +199,10 @@ class ShardedModelBase(nn.Module):
                 hooks = getattr(m, attr)
                 memo[id(hooks)] = type(hooks)()
         clone = copy.deepcopy(self.module, memo)
-        for p in clone.parameters():  # FSDP leaves freed (empty) storage in the original
-            p.data = torch.empty(0)
-        clone.load_state_dict(state, strict=False, assign=True)
+        for n, p in clone.named_parameters():  # FSDP leaves freed (empty) storage behind
+            if n in self._shapes:
+                p.data = torch.empty(self._shapes[n])
+        clone.load_state_dict(state)
         return clone
 
     # -- gradients ---------------------------------------------------------------------------
@@ -215,8 +216,10 @@ class ShardedModelBase(nn.Module):
 
         grads = self._local_gradients(run)
         return torch.cat(
-            [grads[n].reshape(-1).float() if n in grads else torch.zeros(s.numel())
-             for n, s in self._named_shapes()]
+            [
+                grads[n].reshape(-1).float() if n in grads else torch.zeros(s.numel())
+                for n, s in self._named_shapes()
+            ]
         )
 
     def apply_gradients(self, gradients: torch.Tensor, learning_rate: float) -> None:
@@ -317,7 +320,9 @@ class ShardedModelBase(nn.Module):
         try:
             self.deserialize(data)
         except ValueError as exc:
-            raise ValueError(f"load_model: {os.fspath(path)!r} is corrupt or not a model: {exc}")
+            raise ValueError(
+                f"load_model: {os.fspath(path)!r} is corrupt or not a model: {exc}"
+            ) from None
 
     def save_state(self, stream: io.RawIOBase | Any) -> None:
         stream.write(self.serialize())

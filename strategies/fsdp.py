@@ -189,8 +189,10 @@ class FSDPModel(ServerShardedModel):
 
     def _push_unit(self, unit: _Unit) -> None:
         for b in unit.buffers:
-            grads = [p.grad if p.grad is not None else torch.zeros(e.shape)
-                     for p, e in zip(b.params, b.entries, strict=True)]
+            grads = [
+                p.grad if p.grad is not None else torch.zeros(e.shape)
+                for p, e in zip(b.params, b.entries, strict=True)
+            ]
             flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
             for p in b.params:
                 p.grad = None

@@ -148,8 +148,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Hyper-parameters and the trainer-side state (torch.save bytes). For ZeRO / FSDP the
         optimizer moments live on the servers: snapshots capture those."""
         buf = io.BytesIO()
-        torch.save({"options": self.get_options(), "state_dict": self.inner.state_dict(),
-                    "validation_losses": self._validation_losses}, buf)
+        torch.save(
+            {
+                "options": self.get_options(),
+                "state_dict": self.inner.state_dict(),
+                "validation_losses": self._validation_losses,
+            },
+            buf,
+        )
         return buf.getvalue()
 
     def deserialize(self, data: bytes) -> None:
@@ -183,7 +189,7 @@ class DDPOptimizer(ShardedOptimizer):
         client = self.model.client
         for group in self.param_groups:
             for p in group["params"]:
-                for key, value in sorted(self.state.get(p, {}).items()):
+                for _, value in sorted(self.state.get(p, {}).items()):
                     if torch.is_tensor(value):
                         value.copy_(client.broadcast(value, src=0))
 

@@ -85,9 +85,12 @@ class ServerShardedModel(ShardedModelBase):
     ) -> None:
         super().__init__(model, config)
         self._units = plan_units(
-            model, wrap, config.wrap_min_params,
-            min_unit_params=config.minimum_parameter_group_size if wrap or
-            config.wrap_min_params else 0,
+            model,
+            wrap,
+            config.wrap_min_params,
+            min_unit_params=config.minimum_parameter_group_size
+            if wrap or config.wrap_min_params
+            else 0,
         )
         self._buffers: list[BufferSpec] = []
         self._opt_name = ""
@@ -108,15 +111,19 @@ class ServerShardedModel(ShardedModelBase):
 
     # -- registration --------------------------------------------------------------------
     def _attach(self, optimizer: Any) -> None:
-        super()._attach(optimizer)
         inner = optimizer.inner
-        self._opt_name = server_optimizer(inner)
+        self._opt_name = server_optimizer(inner)  # before attaching: a rejected one stays out
+        super()._attach(optimizer)
         buffers = plan_buffers(self.module, self._units, inner.param_groups)
         job, versions, initialized = self.config.job, set(), True
         for b in buffers:
             hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
             replies = self.client.register_buffer(
-                job, b.name, b.numel, optimizer=self._opt_name, hyper=hyper,
+                job,
+                b.name,
+                b.numel,
+                optimizer=self._opt_name,
+                hyper=hyper,
                 params=[ParamInfo(e.name, e.shape, e.offset, e.dtype) for e in b.entries],
             )
             versions |= {r.version for r in replies}
@@ -177,9 +184,15 @@ class ServerShardedModel(ShardedModelBase):
     def _push_async(self, b: BufferSpec, grads: torch.Tensor, start: int = 0) -> None:
         """Sends this micro-batch's gradient for [start, start + len) of buffer ``b``."""
         calls = self.client.push_calls(
-            self.config.job, b.name, grads.detach().float().numpy(), self._step,
-            micro=self._micro, num_micro=self._num_micro(), dtype=self.config.effective_reduce_dtype,
-            start=start, numel=b.numel,
+            self.config.job,
+            b.name,
+            grads.detach().float().numpy(),
+            self._step,
+            micro=self._micro,
+            num_micro=self._num_micro(),
+            dtype=self.config.effective_reduce_dtype,
+            start=start,
+            numel=b.numel,
         )
         self._pending.append(self._pool.submit(self.client.run, calls))
 

@@ -58,7 +58,10 @@ class ZeRO1Model(_ReplicatedParams):
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
             calls += self.client.push_calls(
-                self.config.job, b.name, flat.numpy(), self._step,
+                self.config.job,
+                b.name,
+                flat.numpy(),
+                self._step,
                 dtype=self.config.effective_reduce_dtype,
             )
         self.client.run(calls)

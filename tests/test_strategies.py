@@ -84,13 +84,15 @@ def train_sharded(strategy: str, opt_name: str, world: int, servers: int, init, 
     model_cls, opt_cls = STRATEGIES[strategy]
 
     def rank(r: int):
-        client = ShardClient(ClusterSpec(addresses), rank=r, world_size=world, run_id=run,
-                             timeout_s=60)
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
+        )
         config = ShardingConfiguration(client, job=job)
         net = GPT(CFG)
         net.load_state_dict(init)
-        model = model_cls(net, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(
-            net, config)
+        model = (
+            model_cls(net, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(net, config)
+        )
         opt = opt_cls(make_optimizer(opt_name, net), config)
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
         per = BATCH // world
@@ -140,9 +142,7 @@ def reference(setup, opt_name):
     return cache[opt_name]
 
 
-@pytest.mark.parametrize(
-    "strategy,world", list(itertools.product(STRATEGIES, (1, 2, 3, 4)))
-)
+@pytest.mark.parametrize("strategy,world", list(itertools.product(STRATEGIES, (1, 2, 3, 4))))
 def test_adamw_two_groups_clipping_scheduler(setup, strategy, world):
     init, data, _ = setup
     results = train_sharded(strategy, "adamw", world, world, init, data)

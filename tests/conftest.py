@@ -1,0 +1,158 @@
+"""Shared fixtures: in-process shard servers, one ShardClient per rank in threads, markers.
+
+- ``servers(n, **kw)``: starts ``n`` fresh ShardServer on 127.0.0.1:0 (stopped at teardown).
+- ``shared_servers``: five servers shared by the whole session (hypothesis tests; every call of
+  ``run_ranks`` uses its own run_id, so worlds never share slots).
+- ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
+  its own thread and returns the results in rank order; the first exception is re-raised.
+- ``gpu`` marker: skipped unless CuPy imports and sees a CUDA device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from client import ClusterSpec, ShardClient
+from server import ShardServer
+
+_runs = itertools.count()
+
+
+def _cuda_available() -> bool:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # noqa: BLE001 - no CuPy, no driver, no device: all mean "no GPU"
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu_items and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs CuPy and a CUDA device")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+def _start(n: int, started: list[ShardServer], **kw: Any) -> list[ShardServer]:
+    new = [ShardServer("127.0.0.1", 0, **kw).start() for _ in range(n)]
+    started.extend(new)
+    return new
+
+
+@pytest.fixture
+def servers() -> Any:
+    """Factory: ``servers(n, **ShardServer_kwargs)`` -> n started servers (stopped afterwards)."""
+    started: list[ShardServer] = []
+    yield lambda n, **kw: _start(n, started, **kw)
+    for s in started:
+        s.stop(0)
+
+
+@pytest.fixture(scope="session")
+def shared_servers() -> Any:
+    """Addresses of five servers shared by the session (use distinct run_ids / job names)."""
+    started: list[ShardServer] = []
+    _start(5, started)
+    yield [s.address for s in started]
+    for s in started:
+        s.stop(0)
+
+
+def unique_id(prefix: str = "run") -> str:
+    return f"{prefix}{next(_runs)}-{uuid.uuid4().hex[:8]}"
+
+
+def run_ranks(
+    fn: Callable[[ShardClient], Any],
+    world_size: int,
+    addresses: Sequence[str],
+    *,
+    run_id: str | None = None,
+    wait_s: float = 60.0,
+    **client_kw: Any,
+) -> list[Any]:
+    """``fn(client)`` for ranks 0..world_size-1, each in its own thread with its own client.
+
+    Returns the results in rank order. If a rank raises, the clients are closed (cancelling
+    the other ranks' pending calls) and the exception propagates. Every wait is bounded: the
+    clients' deadline defaults to 20 s and the whole run to ``wait_s``.
+    """
+    run_id = run_id or unique_id()
+    client_kw.setdefault("timeout_s", 20.0)
+    clients = [
+        ShardClient(
+            ClusterSpec(list(addresses)), rank=r, world_size=world_size, run_id=run_id, **client_kw
+        )
+        for r in range(world_size)
+    ]
+    pool = cf.ThreadPoolExecutor(world_size, thread_name_prefix=f"rank-{run_id}")
+    try:
+        futures = [pool.submit(fn, c) for c in clients]
+        done, pending = cf.wait(futures, timeout=wait_s, return_when=cf.FIRST_EXCEPTION)
+        for f in futures:
+            if f in done and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        if pending:
+            raise TimeoutError(
+                f"{len(pending)} of {world_size} ranks still running after {wait_s} s"
+            )
+        return [f.result() for f in futures]
+    finally:
+        for c in clients:
+            c.close()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(name="run_ranks")
+def run_ranks_fixture() -> Callable[..., list[Any]]:
+    return run_ranks
+
+
+@pytest.fixture
+def job_name(request: pytest.FixtureRequest) -> str:
+    """A job name unique to the test (servers may be shared)."""
+    return unique_id(request.node.name[:40].replace("[", "_").replace("]", "_") + "-")
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for subprocesses: the repository on the path."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def collective_worker(addresses: list[str], rank: int, world_size: int, run_id: str) -> dict:
+    """One rank of the multi-process collectives test (top level: picklable for 'spawn')."""
+    import numpy as np
+
+    c = ShardClient(
+        ClusterSpec(addresses),
+        rank=rank,
+        world_size=world_size,
+        run_id=run_id,
+        timeout_s=30.0,
+        chunk_bytes=1024,
+    )
+    try:
+        x = np.arange(1001, dtype=np.float32) * (rank + 1)
+        out = {"all_reduce": c.all_reduce(x), "max": c.all_reduce(x, op="max")}
+        out["all_gather"] = c.all_gather(np.full(rank + 2, rank, dtype=np.int64))
+        out["broadcast"] = c.broadcast(x, src=world_size - 1)
+        out["reduce_scatter"] = c.reduce_scatter(x)
+        c.send(x + 0.5, (rank + 1) % world_size)
+        out["recv"] = c.recv((rank - 1) % world_size)
+        c.barrier()
+        out["pid"] = os.getpid()
+        return out
+    finally:
+        c.close()

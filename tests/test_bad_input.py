@@ -1,0 +1,739 @@
+"""Bad input: malformed bytes on every method, semantic errors with documented codes, fuzzing.
+
+A rejected request must get its documented status code with a message naming the thing, change
+nothing, and leave the server answering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import ClusterSpec, ShardClient, ShardClientError, StepArgs
+from protos import codec
+from protos import shard_pb2 as pb
+from server import ShardServer
+
+METHODS = [
+    "RegisterBuffer",
+    "SetParams",
+    "PushGrad",
+    "PullParams",
+    "GradNorm",
+    "Step",
+    "Contribute",
+    "ReadSlot",
+    "DropJob",
+    "Status",
+]
+JOB, BUF, NUMEL = "badjob", "buf", 10
+CRASHES = {
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ShardServer]:
+    """One server for this module, with a job 'badjob' holding buffer 'buf' (10 elements)."""
+    s = ShardServer().start()
+    c = ShardClient(ClusterSpec([s.address]), timeout_s=10)
+    c.register_buffer(JOB, BUF, NUMEL, hyper={"lr": 0.1})
+    c.set_params(JOB, BUF, np.arange(NUMEL, dtype=np.float32))
+    c.close()
+    yield s
+    s.stop(0)
+
+
+@pytest.fixture(scope="module")
+def channel(server: ShardServer) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(server.address) as chan:
+        yield chan
+
+
+def raw(channel: grpc.Channel, method: str, payload: bytes, timeout: float = 5.0) -> tuple:
+    """Sends raw bytes; returns (status code, details, reply bytes or None)."""
+    stub = channel.unary_unary(
+        "/paramshard.v1.Shard/" + method,
+        request_serializer=lambda b: b,
+        response_deserializer=lambda b: b,
+    )
+    try:
+        return grpc.StatusCode.OK, "", stub(payload, timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details(), None
+
+
+def status_ok(channel: grpc.Channel) -> pb.StatusReply:
+    code, details, reply = raw(channel, "Status", b"")
+    assert code == grpc.StatusCode.OK, details
+    return pb.StatusReply.FromString(reply)
+
+
+def rpc_error(fn: Any, *args: Any, **kw: Any) -> ShardClientError:
+    with pytest.raises(ShardClientError) as info:
+        fn(*args, **kw)
+    return info.value
+
+
+def make_client(addresses: list[str], rank: int = 0, world: int = 1, **kw: Any) -> ShardClient:
+    kw.setdefault("timeout_s", 5.0)
+    return ShardClient(ClusterSpec(list(addresses)), rank=rank, world_size=world, **kw)
+
+
+@pytest.fixture
+def c(server: ShardServer) -> Iterator[ShardClient]:
+    cl = make_client([server.address])
+    yield cl
+    cl.close()
+
+
+# --- malformed bytes, every method -----------------------------------------------------------
+
+
+def valid_request(method: str) -> bytes:
+    """A well-formed request whose last field is length-delimited (so a cut truncates it)."""
+    ref = pb.BufferRef(job=JOB, buffer=BUF)
+    chunk = pb.Chunk(offset=0, numel=2, dtype=pb.FLOAT32)
+    payload = np.ones(2, np.float32)
+    return {
+        "RegisterBuffer": pb.RegisterBufferRequest(
+            ref=ref,
+            numel=NUMEL,
+            num_servers=1,
+            contributors=1,
+            optimizer=pb.OptimizerSpec(name="sgd"),
+        ).SerializeToString(),
+        "SetParams": codec.encode(pb.SetParamsHeader(ref=ref, chunk=chunk), payload),
+        "PushGrad": codec.encode(pb.PushGradHeader(ref=ref, chunk=chunk, num_micro=1), payload),
+        "PullParams": pb.PullParamsRequest(ref=ref, chunk=chunk).SerializeToString(),
+        "GradNorm": pb.GradNormRequest(job=JOB, buffers=[BUF]).SerializeToString(),
+        "Step": pb.StepRequest(job=JOB, buffers=[pb.BufferStep(buffer=BUF)]).SerializeToString(),
+        "Contribute": codec.encode(
+            pb.SlotHeader(
+                key="k", expected=1, readers=1, total_numel=2, chunk_numel=2, chunk=chunk
+            ),
+            payload,
+        ),
+        "ReadSlot": pb.ReadSlotRequest(key="k").SerializeToString(),
+        "DropJob": pb.DropJobRequest(job=JOB).SerializeToString(),
+        "Status": b"",
+    }[method]
+
+
+GARBAGE = {
+    "unterminated varint": b"\xff" * 9,
+    "random bytes": bytes(np.random.default_rng(1).integers(0, 256, 300, dtype=np.uint8)),
+    "huge declared length (field 1)": b"\x0a\xff\xff\xff\xff\x0f" + b"abc",
+    "huge declared length (field 15)": b"\x7a\xff\xff\xff\xff\xff\xff\xff\xff\x01" + b"abc",
+    "huge length of an unknown field": b"\x5a\xff\xff\xff\xff\x07" + b"x" * 10,
+    "field number 0": b"\x00\x01",
+    "bad wire type": b"\x0f\x01",
+}
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("kind", list(GARBAGE))
+def test_garbage_is_invalid_argument(channel: grpc.Channel, method: str, kind: str) -> None:
+    code, details, _ = raw(channel, method, GARBAGE[kind])
+    if method == "Status" and code == grpc.StatusCode.OK:
+        pass  # StatusRequest has no fields: the runtime may skip what it does not know
+    else:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, details)
+        assert method in details
+    status_ok(channel)
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "Status"])
+def test_truncated_valid_message_is_invalid_argument(channel: grpc.Channel, method: str) -> None:
+    whole = valid_request(method)
+    for cut in (1, 2):  # inside the last field
+        code, details, _ = raw(channel, method, whole[:-cut], timeout=2)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (cut, code, details)
+    status_ok(channel)
+
+
+def test_status_ignores_well_formed_unknown_fields(channel: grpc.Channel) -> None:
+    code, details, reply = raw(channel, "Status", b"\x08\x01\x12\x03abc")
+    assert code == grpc.StatusCode.OK, details
+    assert pb.StatusReply.FromString(reply).version
+
+
+def test_unknown_method_is_unimplemented(channel: grpc.Channel) -> None:
+    code, _, _ = raw(channel, "Shutdown", b"")
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+    status_ok(channel)
+
+
+# --- unknown things ------------------------------------------------------------------------
+
+
+def test_unknown_job_and_buffer_are_not_found(c: ShardClient) -> None:
+    g = np.ones(NUMEL, np.float32)
+    for job, buf, named in (("nosuchjob", BUF, "nosuchjob"), (JOB, "nosuchbuf", "nosuchbuf")):
+        calls = {
+            "SetParams": lambda j=job, b=buf: c.set_params(j, b, g),
+            "PushGrad": lambda j=job, b=buf: c.push_grads(j, b, g, 0),
+            "PullParams": lambda j=job, b=buf: c.pull_params(j, b, NUMEL),
+            "GradNorm": lambda j=job, b=buf: c.grad_sum_squares(j, [b], 0),
+            "Step": lambda j=job, b=buf: c.step(j, 0, {b: StepArgs({"lr": 0.1})}),
+        }
+        for method, call in calls.items():
+            err = rpc_error(call)
+            assert err.code == grpc.StatusCode.NOT_FOUND, (method, err)
+            assert err.method == method and named in err.details
+    err = rpc_error(c.call, 0, "DropJob", pb.DropJobRequest(job="nosuchjob"))
+    assert err.code == grpc.StatusCode.NOT_FOUND and "nosuchjob" in err.details
+    np.testing.assert_array_equal(c.pull_params(JOB, BUF, NUMEL), np.arange(NUMEL))
+
+
+# --- payloads and chunks -------------------------------------------------------------------
+
+
+def set_params_request(
+    offset: int, numel: int, payload: np.ndarray, dtype: int = pb.FLOAT32, version: int = 0
+) -> tuple:
+    header = pb.SetParamsHeader(
+        ref=pb.BufferRef(job=JOB, buffer=BUF),
+        version=version,
+        chunk=pb.Chunk(offset=offset, numel=numel, dtype=dtype),
+    )
+    return header, payload
+
+
+def push_request(
+    payload: np.ndarray,
+    *,
+    offset: int = 0,
+    numel: int | None = None,
+    dtype: int = pb.FLOAT32,
+    step: int = 0,
+    contributor: int = 0,
+    micro: int = 0,
+    num_micro: int = 1,
+    job: str = JOB,
+    buf: str = BUF,
+    step_args: pb.StepArgs | None = None,
+) -> tuple:
+    numel = payload.size if numel is None else numel
+    header = pb.PushGradHeader(
+        ref=pb.BufferRef(job=job, buffer=buf),
+        step=step,
+        contributor=contributor,
+        micro=micro,
+        num_micro=num_micro,
+        chunk=pb.Chunk(offset=offset, numel=numel, dtype=dtype),
+        step_args=step_args,
+    )
+    return header, payload
+
+
+def unchanged(c: ShardClient, job: str = JOB, buf: str = BUF, numel: int = NUMEL) -> tuple:
+    """The buffer's values and version, to compare before and after a rejected request."""
+    (row,) = c.status()
+    version = next(
+        int(b["version"])
+        for j in row["jobs"]
+        if j["job"] == job
+        for b in j["buffers"]
+        if b["buffer"] == buf
+    )
+    return c.pull_params(job, buf, numel).tobytes(), version
+
+
+@pytest.mark.parametrize(("numel", "payload_elems"), [(10, 9), (9, 10), (2, 0), (0, 1)])
+def test_set_params_payload_size_mismatch(c: ShardClient, numel: int, payload_elems: int) -> None:
+    before = unchanged(c)
+    req = set_params_request(0, numel, np.full(payload_elems, 7.0, np.float32), version=4)
+    err = rpc_error(c.call, 0, "SetParams", req)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{JOB}/{BUF}" in err.details and f"{payload_elems * 4:,} bytes" in err.details
+    assert unchanged(c) == before  # neither values nor version moved
+
+
+def test_set_params_chunk_outside_slice_and_bad_dtype(c: ShardClient) -> None:
+    before = unchanged(c)
+    for offset, numel in ((9, 2), (10, 1), (2**63, 1)):
+        err = rpc_error(
+            c.call, 0, "SetParams", set_params_request(offset, numel, np.zeros(numel, np.float32))
+        )
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "outside this server's slice of 10 elements" in err.details
+    err = rpc_error(
+        c.call, 0, "SetParams", set_params_request(0, 2, np.zeros(2, np.int64), dtype=pb.INT64)
+    )
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in err.details
+    err = rpc_error(
+        c.call,
+        0,
+        "PullParams",
+        pb.PullParamsRequest(
+            ref=pb.BufferRef(job=JOB, buffer=BUF),
+            chunk=pb.Chunk(offset=5, numel=6, dtype=pb.FLOAT32),
+        ),
+    )
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "outside" in err.details
+    err = rpc_error(
+        c.call,
+        0,
+        "PullParams",
+        pb.PullParamsRequest(
+            ref=pb.BufferRef(job=JOB, buffer=BUF), chunk=pb.Chunk(offset=0, numel=2, dtype=99)
+        ),
+    )
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert unchanged(c) == before
+
+
+@pytest.fixture
+def fresh(servers) -> Iterator[tuple[ShardClient, str]]:
+    """A client (2 contributors) on a fresh server with buffer JOB/BUF initialised to 0..9."""
+    (s,) = servers(1)
+    cl = make_client([s.address], 0, 2)
+    cl.register_buffer(JOB, BUF, NUMEL, hyper={"lr": 0.5})
+    cl.set_params(JOB, BUF, np.arange(NUMEL, dtype=np.float32))
+    yield cl, s.address
+    cl.close()
+
+
+def test_rejected_pushes_change_nothing(fresh: tuple[ShardClient, str]) -> None:
+    c, _ = fresh
+    g = np.ones(NUMEL, np.float32)
+    bad = {
+        "payload size": (
+            push_request(g[:9], numel=10),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "payload has 36 bytes",
+        ),
+        "chunk outside slice": (
+            push_request(g[:3], offset=8),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "outside",
+        ),
+        "contributor": (
+            push_request(g, contributor=2),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "contributor 2 is outside 0..1",
+        ),
+        "micro": (
+            push_request(g, micro=2, num_micro=2),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "micro-batch 2",
+        ),
+        "num_micro 0": (
+            push_request(g, num_micro=0),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "num_micro=0",
+        ),
+        "integer dtype": (
+            push_request(g.astype(np.int32), dtype=pb.INT32),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "dtype",
+        ),
+        "future step": (push_request(g, step=1), grpc.StatusCode.FAILED_PRECONDITION, "version 0"),
+        "bad lr": (
+            push_request(g, step_args=pb.StepArgs(hyper={"lr": -1.0})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lr",
+        ),
+        "nan lr": (
+            push_request(g, step_args=pb.StepArgs(hyper={"lr": float("nan")})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "lr",
+        ),
+        "unknown hyper": (
+            push_request(g, step_args=pb.StepArgs(hyper={"betas": 0.9})),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "betas",
+        ),
+        "negative clip": (
+            push_request(g, step_args=pb.StepArgs(clip_coef=-1.0)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "clip_coef",
+        ),
+        "nan clip": (
+            push_request(g, step_args=pb.StepArgs(clip_coef=float("inf"))),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "clip_coef",
+        ),
+    }
+    before = unchanged(c)
+    for name, (req, code, text) in bad.items():
+        err = rpc_error(c.call, 0, "PushGrad", req)
+        assert err.code == code, (name, err)
+        assert text in err.details, (name, err.details)
+        if code == grpc.StatusCode.INVALID_ARGUMENT and name != "integer dtype":
+            assert f"{JOB}/{BUF}" in err.details, name
+    assert unchanged(c) == before
+    # none of them was counted: two good pushes (one per contributor) make exactly one step
+    first = c.call(0, "PushGrad", push_request(g, contributor=0))
+    assert not first.duplicate and not first.reduced
+    last = c.call(
+        0, "PushGrad", push_request(3 * g, contributor=1, step_args=pb.StepArgs(hyper={"lr": 0.5}))
+    )
+    assert last.reduced and last.version == 1
+    np.testing.assert_array_equal(
+        c.pull_params(JOB, BUF, NUMEL, 1), np.arange(NUMEL, dtype=np.float32) - 0.5 * 2.0
+    )
+
+
+def test_num_micro_must_agree_within_a_step(fresh: tuple[ShardClient, str]) -> None:
+    c, _ = fresh
+    g = np.ones(NUMEL, np.float32)
+    c.call(0, "PushGrad", push_request(g, micro=0, num_micro=2))
+    err = rpc_error(c.call, 0, "PushGrad", push_request(g, contributor=1, micro=0, num_micro=3))
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "2 micro-batches" in err.details
+    # a retry with another size for the same contribution is refused, not double counted
+    err = rpc_error(c.call, 0, "PushGrad", push_request(g[:5], micro=0, num_micro=2))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_step_and_grad_norm_errors(fresh: tuple[ShardClient, str]) -> None:
+    c, _ = fresh
+    before = unchanged(c)
+    err = rpc_error(c.step, JOB, 1, {BUF: StepArgs({"lr": 0.1})})
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "version 0" in err.details
+    for hyper in ({"lr": -0.1}, {"lr": float("inf")}, {"momentum": -1.0}, {"nesterov": 1.0}):
+        err = rpc_error(c.step, JOB, 0, {BUF: StepArgs(hyper)})
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, hyper
+        assert f"{JOB}/{BUF}" in err.details, hyper
+    err = rpc_error(c.step, JOB, 0, {BUF: StepArgs({"lr": 0.1}, clip_coef=float("nan"))})
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "clip_coef" in err.details
+    assert unchanged(c) == before
+    # the step still happens normally afterwards
+    g = np.ones(NUMEL, np.float32)
+    c.call(0, "PushGrad", push_request(g, contributor=0))
+    c.call(0, "PushGrad", push_request(g, contributor=1))
+    assert c.grad_sum_squares(JOB, [BUF], 0) == [10.0]
+    c.step(JOB, 0, {BUF: StepArgs({"lr": 0.5})})
+    np.testing.assert_array_equal(
+        c.pull_params(JOB, BUF, NUMEL, 1), np.arange(NUMEL, dtype=np.float32) - 0.5
+    )
+    # the norm of the step just applied is kept for slower ranks; older ones are gone
+    assert c.grad_sum_squares(JOB, [BUF], 0) == [10.0]
+    args = pb.StepArgs(hyper={"lr": 0.5})
+    c.call(0, "PushGrad", push_request(g, step=1, contributor=0, step_args=args))
+    c.call(0, "PushGrad", push_request(g, step=1, contributor=1, step_args=args))
+    assert c.grad_sum_squares(JOB, [BUF], 1) == [10.0]
+    err = rpc_error(c.grad_sum_squares, JOB, [BUF], 0)
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION and "already applied" in err.details
+
+
+def test_register_buffer_errors(c: ShardClient) -> None:
+    def register(**kw: Any) -> ShardClientError:
+        req = pb.RegisterBufferRequest(
+            ref=pb.BufferRef(job="regjob", buffer="b"),
+            numel=10,
+            num_servers=1,
+            server_index=0,
+            contributors=1,
+            optimizer=pb.OptimizerSpec(name="sgd"),
+        )
+        for k, v in kw.items():
+            if k == "optimizer":
+                req.optimizer.CopyFrom(v)
+            elif k == "params":
+                req.params.extend(v)
+            elif k == "ref":
+                req.ref.CopyFrom(v)
+            else:
+                setattr(req, k, v)
+        return rpc_error(c.call, 0, "RegisterBuffer", req)
+
+    cases = {
+        "unknown optimizer": ({"optimizer": pb.OptimizerSpec(name="lion")}, "lion"),
+        "bad lr": ({"optimizer": pb.OptimizerSpec(name="sgd", hyper={"lr": -1.0})}, "lr"),
+        "nan eps": (
+            {"optimizer": pb.OptimizerSpec(name="adam", hyper={"eps": float("nan")})},
+            "eps",
+        ),
+        "bad beta": ({"optimizer": pb.OptimizerSpec(name="adam", hyper={"beta1": 1.0})}, "beta1"),
+        "unknown hyper": ({"optimizer": pb.OptimizerSpec(name="sgd", hyper={"betas": 1})}, "betas"),
+        "no job": ({"ref": pb.BufferRef(job="", buffer="b")}, "job name"),
+        "server index": ({"server_index": 1}, "server_index 1"),
+        "no servers": ({"num_servers": 0}, "server_index"),
+        "no contributors": ({"contributors": 0}, "contributors"),
+        "param past end": (
+            {"params": [pb.ParamEntry(name="w", shape=[4], offset=8, numel=4)]},
+            "'w'",
+        ),
+        "shape and numel": ({"params": [pb.ParamEntry(name="w", shape=[2, 2], numel=5)]}, "'w'"),
+    }
+    for name, (kw, text) in cases.items():
+        err = register(**kw)
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (name, err)
+        assert text in err.details, (name, err.details)
+    (row,) = c.status()
+    assert "regjob" not in [j["job"] for j in row["jobs"]]
+
+
+def test_register_rejects_negative_dimensions(c: ShardClient) -> None:
+    req = pb.RegisterBufferRequest(
+        ref=pb.BufferRef(job="negjob", buffer="b"),
+        numel=5,
+        num_servers=1,
+        contributors=1,
+        optimizer=pb.OptimizerSpec(name="sgd"),
+        params=[pb.ParamEntry(name="w", shape=[-1, -5], numel=5)],
+    )
+    err = rpc_error(c.call, 0, "RegisterBuffer", req)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "'w'" in err.details
+
+
+@pytest.mark.parametrize("numel", [2**45, 2**62], ids=["128TiB", "huge"])
+def test_register_unallocatable_buffer(c: ShardClient, numel: int) -> None:
+    err = rpc_error(c.register_buffer, "hugejob", "b", numel)
+    assert err.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT)
+    assert "hugejob/b" in err.details
+
+
+# --- slots -------------------------------------------------------------------------------------
+
+
+def slot(
+    key: str,
+    *,
+    op: int = pb.SUM,
+    expected: int = 2,
+    readers: int = 1,
+    total: int = 4,
+    chunk_numel: int = 4,
+    offset: int = 0,
+    numel: int | None = None,
+    dtype: int = pb.FLOAT32,
+    contributor: int = 0,
+    shape: tuple = (),
+) -> pb.SlotHeader:
+    numel = min(chunk_numel, total - offset) if numel is None else numel
+    return pb.SlotHeader(
+        key=key,
+        op=op,
+        expected=expected,
+        readers=readers,
+        total_numel=total,
+        chunk_numel=chunk_numel,
+        shape=shape,
+        contributor=contributor,
+        chunk=pb.Chunk(offset=offset, numel=numel, dtype=dtype),
+    )
+
+
+def payload_for(h: pb.SlotHeader) -> np.ndarray:
+    return np.ones(h.chunk.numel, dtype=codec.numpy_dtype(h.chunk.dtype))
+
+
+def test_slot_header_errors(c: ShardClient) -> None:
+    cases = {
+        "no key": (slot(""), "slot key"),
+        "contributor": (slot("s1", contributor=2), "contributor 2 is outside 0..1"),
+        "no contributors": (slot("s1", expected=0), "expected"),
+        "no readers": (slot("s1", readers=0), "readers"),
+        "unknown op": (slot("s1", op=9), "op 9"),
+        "SET with two": (slot("s1", op=pb.SET, expected=2), "SET"),
+        "MEAN of ints": (slot("s1", op=pb.MEAN, dtype=pb.INT64), "MEAN"),
+        "chunk numel": (slot("s1", numel=3), "has 4 elements, not 3"),
+        "chunk offset": (slot("s1", offset=2, numel=2), "offset 2"),
+        "chunk_numel 0": (slot("s1", chunk_numel=0, numel=4), "chunk_numel"),
+        "unknown dtype": (slot("s1", dtype=42), "dtype"),
+    }
+    for name, (h, text) in cases.items():
+        payload = np.ones(max(h.chunk.numel, 0), np.float32)
+        err = rpc_error(c.call, 0, "Contribute", (h, payload))
+        assert err.code == grpc.StatusCode.INVALID_ARGUMENT, (name, err)
+        assert text in err.details, (name, err.details)
+        if h.key:
+            assert f"slot '{h.key}'" in err.details, name
+    err = rpc_error(c.call, 0, "Contribute", (slot("s2"), np.ones(3, np.float32)))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "payload has 12 bytes" in err.details
+    err = rpc_error(c.call, 0, "ReadSlot", pb.ReadSlotRequest(key=""))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_slot_meta_mismatch_is_failed_precondition(c: ShardClient) -> None:
+    first = slot("meta", shape=(2, 2))
+    assert not c.call(0, "Contribute", (first, payload_for(first))).duplicate
+    mismatches = {
+        "op": slot("meta", op=pb.MAX, contributor=1, shape=(2, 2)),
+        "expected": slot("meta", expected=3, contributor=1, shape=(2, 2)),
+        "readers": slot("meta", readers=2, contributor=1, shape=(2, 2)),
+        "shape": slot("meta", contributor=1, shape=(4,)),
+        "dtype": slot("meta", contributor=1, dtype=pb.FLOAT16, shape=(2, 2)),
+        "total_numel": slot("meta", total=8, contributor=1, shape=(2, 2)),
+    }
+    for name, h in mismatches.items():
+        err = rpc_error(c.call, 0, "Contribute", (h, payload_for(h)))
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION, (name, err)
+        assert "slot 'meta'" in err.details and name in err.details, (name, err.details)
+    # a retry of the first contribution is a duplicate; the matching second one completes it
+    assert c.call(0, "Contribute", (first, payload_for(first))).duplicate
+    second = slot("meta", contributor=1, shape=(2, 2))
+    c.call(0, "Contribute", (second, 2 * payload_for(second)))
+    header, data = c.call(0, "ReadSlot", pb.ReadSlotRequest(key="meta"))
+    assert list(header.shape) == [2, 2]
+    np.testing.assert_array_equal(np.frombuffer(data, np.float32), [3, 3, 3, 3])
+    err = rpc_error(c.call, 0, "ReadSlot", pb.ReadSlotRequest(key="meta"))
+    assert err.code == grpc.StatusCode.NOT_FOUND and "meta" in err.details
+
+
+# --- limits ------------------------------------------------------------------------------------
+
+
+def test_message_over_max_receive_bytes(servers) -> None:
+    (s,) = servers(1, max_receive_bytes=1 << 20)
+    c = make_client([s.address])
+    try:
+        numel = 300_000  # 1.2 MB in a single SetParams message (chunk_bytes is 4 MiB)
+        c.register_buffer("bigmsg", "b", numel)
+        err = rpc_error(c.set_params, "bigmsg", "b", np.ones(numel, np.float32))
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        (row,) = c.status()  # still serving; nothing was written
+        (b,) = row["jobs"][0]["buffers"]
+        assert b["initialized"] is False
+        # the same values in messages under the limit go through
+        small = make_client([s.address], chunk_bytes=1 << 19)
+        small.set_params("bigmsg", "b", np.ones(numel, np.float32))
+        assert small.pull_params("bigmsg", "b", numel)[::1000].tolist() == [1.0] * 300
+        small.close()
+    finally:
+        c.close()
+
+
+def test_max_job_bytes_quota(servers) -> None:
+    (s,) = servers(1, max_job_bytes=10_000)
+    c = make_client([s.address])
+    try:
+        err = rpc_error(c.register_buffer, "quota", "big", 1000)  # ~20 kB of fp32 arrays
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "quota" in err.details and "10,000" in err.details and "quota/big" in err.details
+        c.register_buffer("quota", "small", 100)  # ~2 kB fits
+        (row,) = c.status()
+        assert [b["buffer"] for j in row["jobs"] for b in j["buffers"]] == ["small"]
+        c.register_buffer("other", "small", 400)  # the quota is per job
+    finally:
+        c.close()
+
+
+def test_slot_memory_limit_rejects_without_side_effects(servers) -> None:
+    (s,) = servers(1, max_slot_bytes=1024)
+    c = make_client([s.address])
+    try:
+        big = slot("quota", total=512, chunk_numel=512)
+        err = rpc_error(c.call, 0, "Contribute", (big, payload_for(big)))
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "1,024" in err.details
+        (row,) = c.status()
+        assert int(row["open_slots"]) == 0 and int(row["slot_bytes"]) == 0
+    finally:
+        c.close()
+
+
+def test_slot_memory_limit(servers) -> None:
+    (s,) = servers(1, max_slot_bytes=1024)
+    c = make_client([s.address])
+    try:
+        big = slot("quota", total=512, chunk_numel=512)
+        err = rpc_error(c.call, 0, "Contribute", (big, payload_for(big)))
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "slot 'quota'" in err.details
+        ok = slot("fits", expected=1, total=128, chunk_numel=128)
+        c.call(0, "Contribute", (ok, payload_for(ok)))
+        (row,) = c.status()
+        assert int(row["slot_bytes"]) == 512
+    finally:
+        c.close()
+
+
+# --- fuzzing ---------------------------------------------------------------------------------
+
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@FUZZ
+@given(method=st.sampled_from(["PushGrad", "Contribute"]), data=st.binary(max_size=200))
+def test_fuzz_random_bytes(channel: grpc.Channel, method: str, data: bytes) -> None:
+    code, details, _ = raw(channel, method, data, timeout=5)
+    assert code not in CRASHES, (code, details)
+
+
+small = st.integers(0, 12)
+anything = st.one_of(small, st.integers(0, 2**64 - 1))
+floats = st.one_of(st.floats(), st.sampled_from([0.0, 0.1, -1.0, 1e308]))
+
+
+@st.composite
+def push_messages(draw: Any) -> bytes:
+    args = draw(
+        st.none()
+        | st.builds(
+            pb.StepArgs,
+            hyper=st.dictionaries(
+                st.sampled_from(["lr", "momentum", "nesterov", "bogus"]), floats, max_size=2
+            ),
+            clip_coef=floats,
+        )
+    )
+    header = pb.PushGradHeader(
+        ref=pb.BufferRef(job=draw(st.sampled_from([JOB, "fuzz-none"])), buffer=BUF),
+        chunk=pb.Chunk(offset=draw(anything), numel=draw(small), dtype=draw(st.integers(0, 8))),
+        step=draw(st.integers(0, 3)),
+        contributor=draw(st.integers(0, 3)),
+        micro=draw(st.integers(0, 3)),
+        num_micro=draw(st.integers(0, 3)),
+        step_args=args,
+    )
+    return codec.encode(header, draw(payloads(header.chunk)))
+
+
+def payloads(chunk: pb.Chunk) -> st.SearchStrategy[bytes]:
+    try:
+        size = chunk.numel * codec.numpy_dtype(chunk.dtype).itemsize
+    except ValueError:
+        size = chunk.numel * 4
+    return st.one_of(st.binary(min_size=size, max_size=size), st.binary(max_size=40))
+
+
+@st.composite
+def contribute_messages(draw: Any) -> bytes:
+    header = pb.SlotHeader(
+        key=draw(st.sampled_from(["f1", "f2", ""])),
+        op=draw(st.integers(0, 6)),
+        expected=draw(st.integers(0, 3)),
+        readers=draw(st.integers(0, 3)),
+        total_numel=draw(small),
+        shape=draw(st.lists(st.integers(-3, 5), max_size=3)),
+        chunk=pb.Chunk(offset=draw(small), numel=draw(small), dtype=draw(st.integers(0, 8))),
+        contributor=draw(st.integers(0, 3)),
+        chunk_numel=draw(small),
+    )
+    return codec.encode(header, draw(payloads(header.chunk)))
+
+
+@FUZZ
+@given(message=push_messages())
+def test_fuzz_push_grad_headers(channel: grpc.Channel, message: bytes) -> None:
+    code, details, _ = raw(channel, "PushGrad", message, timeout=5)
+    assert code not in CRASHES, (code, details)
+
+
+@FUZZ
+@given(message=contribute_messages())
+def test_fuzz_contribute_headers(channel: grpc.Channel, message: bytes) -> None:
+    code, details, _ = raw(channel, "Contribute", message, timeout=5)
+    assert code not in CRASHES, (code, details)
+
+
+def test_server_still_serves_after_fuzzing(channel: grpc.Channel, c: ShardClient) -> None:
+    reply = status_ok(channel)
+    assert reply.jobs and reply.jobs[0].job == JOB
+    assert c.pull_params(JOB, BUF, NUMEL).shape == (NUMEL,)

@@ -1,0 +1,540 @@
+"""The flat-buffer API: register, set/pull params, push grads exactly once, step, clip, versions."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
+from protos.slicing import slice_bounds
+
+BUF = "unit0"
+TOL = {"rtol": 1e-6, "atol": 1e-7}
+
+
+def client(addresses: list[str], rank: int = 0, world: int = 1, **kw: Any) -> ShardClient:
+    kw.setdefault("timeout_s", 20.0)
+    return ShardClient(ClusterSpec(list(addresses)), rank=rank, world_size=world, **kw)
+
+
+def grads(rank: int, numel: int, step: int = 0, micro: int = 0) -> np.ndarray:
+    """Dyadic gradients: every fp32 sum of them is exact, whatever the order of arrival."""
+    rng = np.random.default_rng([rank, numel, step, micro])
+    return (rng.integers(-1000, 1001, numel) * 2.0**-10).astype(np.float32)
+
+
+def initial(numel: int) -> np.ndarray:
+    return np.random.default_rng(numel).standard_normal(numel).astype(np.float32)
+
+
+def sgd(params: np.ndarray, grad: np.ndarray, lr: float) -> np.ndarray:
+    return (params.astype(np.float64) - np.float64(np.float32(lr)) * grad).astype(np.float32)
+
+
+def average(per_rank: list[np.ndarray]) -> np.ndarray:
+    return np.sum(per_rank, axis=0, dtype=np.float32) / np.float32(len(per_rank))
+
+
+def setup_buffer(
+    addresses: list[str],
+    job: str,
+    numel: int,
+    world: int,
+    *,
+    optimizer: str = "sgd",
+    hyper: dict | None = None,
+    buffers: tuple[str, ...] = (BUF,),
+) -> dict[str, np.ndarray]:
+    """Registers and initialises the buffers from a rank-0 client; returns their values."""
+    values = {}
+    with_client = client(addresses, 0, world)
+    try:
+        for b in buffers:
+            with_client.register_buffer(
+                job, b, numel, optimizer=optimizer, hyper=hyper or {"lr": 0.1}
+            )
+            values[b] = initial(numel)
+            with_client.set_params(job, b, values[b])
+    finally:
+        with_client.close()
+    return values
+
+
+def statuses(addresses: list[str]) -> list[dict[str, Any]]:
+    c = client(addresses)
+    try:
+        return c.status()
+    finally:
+        c.close()
+
+
+def buffer_status(row: dict[str, Any], job: str, buffer: str = BUF) -> dict[str, Any] | None:
+    for j in row.get("jobs", []):
+        if j["job"] == job:
+            for b in j["buffers"]:
+                if b["buffer"] == buffer:
+                    return b
+    return None
+
+
+def versions(addresses: list[str], job: str, buffer: str = BUF) -> list[int]:
+    return [int(buffer_status(row, job, buffer)["version"]) for row in statuses(addresses)]
+
+
+# --- register, set, pull ---------------------------------------------------------------------
+
+
+def test_register_manifest_set_and_pull(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(3)]
+    numel = 1000  # not divisible by 3: slices of 334, 333, 333
+    params = [ParamInfo("w", (10, 50), 0), ParamInfo("b", (500,), 500, "bfloat16")]
+    c = client(addresses)
+    try:
+        replies = c.register_buffer(
+            job_name, BUF, numel, params=params, optimizer="adam", hyper={"lr": 1e-3}
+        )
+        for i, r in enumerate(replies):
+            lo, hi = slice_bounds(numel, 3, i)
+            assert (r.slice_start, r.slice_numel, r.version, r.initialized) == (
+                lo,
+                hi - lo,
+                0,
+                False,
+            )
+        assert [r.slice_numel for r in replies] == [334, 333, 333]
+        for i, row in enumerate(statuses(addresses)):
+            b = buffer_status(row, job_name)
+            assert b is not None and int(b["numel"]) == numel and b["optimizer"] == "adam"
+            assert int(row["server_index"]) == i and int(row["num_servers"]) == 3
+            assert b["initialized"] is False
+            manifest = [
+                (
+                    p["name"],
+                    [int(d) for d in p["shape"]],
+                    p["dtype"],
+                    int(p["offset"]),
+                    int(p["numel"]),
+                )
+                for p in b["params"]
+            ]
+            assert manifest == [
+                ("w", [10, 50], "float32", 0, 500),
+                ("b", [500], "bfloat16", 500, 500),
+            ]
+        values = initial(numel)
+        c.set_params(job_name, BUF, values)
+        np.testing.assert_array_equal(c.pull_params(job_name, BUF, numel), values)
+        assert all(buffer_status(row, job_name)["initialized"] for row in statuses(addresses))
+        # any range of the buffer, across slice boundaries
+        out = np.empty(400, dtype=np.float32)
+        c.run(c.pull_calls(job_name, BUF, out, 0, start=300, numel=numel))
+        np.testing.assert_array_equal(out, values[300:700])
+    finally:
+        c.close()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_pull_in_half_precision(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(2)]
+    numel = 777
+    values = setup_buffer(addresses, job_name, numel, 1)[BUF]
+    values[:4] = [1.00390625, 1.01171875, -3.0e38, 1e-40]  # ties, overflow, subnormal
+    c = client(addresses)
+    try:
+        c.set_params(job_name, BUF, values)
+        bf16 = c.pull_params(job_name, BUF, numel, dtype="bfloat16")
+        assert bf16.dtype == np.uint16
+        want = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
+        np.testing.assert_array_equal(bf16, want.view(np.uint16))
+        fp16 = c.pull_params(job_name, BUF, numel, dtype="float16")
+        assert fp16.dtype == np.float16
+        np.testing.assert_array_equal(fp16, values.astype(np.float16))
+        # the fp32 master is untouched by lower-precision reads
+        np.testing.assert_array_equal(c.pull_params(job_name, BUF, numel), values)
+    finally:
+        c.close()
+
+
+def test_register_again_is_idempotent_other_layout_is_refused(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(3)]
+    c = client(addresses, 0, 2)
+    try:
+        first = c.register_buffer(job_name, BUF, 100, optimizer="sgd", hyper={"lr": 0.1})
+        c.set_params(job_name, BUF, np.ones(100, np.float32), version=3)
+        again = c.register_buffer(job_name, BUF, 100, optimizer="sgd", hyper={"lr": 0.1})
+        assert [(r.slice_start, r.slice_numel) for r in again] == [
+            (r.slice_start, r.slice_numel) for r in first
+        ]
+        assert all(r.version == 3 and r.initialized for r in again)  # the existing buffer
+        for change in ({"numel": 101}, {"optimizer": "adam"}, {"contributors": 3}):
+            kw = {"numel": 100, "optimizer": "sgd", "contributors": None} | change
+            numel = kw.pop("numel")
+            with pytest.raises(ShardClientError) as info:
+                c.register_buffer(job_name, BUF, numel, hyper={"lr": 0.1}, **kw)
+            assert info.value.code.name == "FAILED_PRECONDITION"
+            assert f"{job_name}/{BUF}" in info.value.details
+        np.testing.assert_array_equal(c.pull_params(job_name, BUF, 100, 3), np.ones(100))
+        assert versions(addresses, job_name) == [3, 3, 3]
+    finally:
+        c.close()
+
+
+def test_set_params_with_a_new_version_restores(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(2)]
+    numel = 50
+    setup_buffer(addresses, job_name, numel, 1)
+    c = client(addresses)
+    try:
+        restored = np.arange(numel, dtype=np.float32)
+        c.set_params(job_name, BUF, restored, version=5)
+        assert versions(addresses, job_name) == [5, 5]
+        np.testing.assert_array_equal(c.pull_params(job_name, BUF, numel, 5), restored)
+        # gradients are now taken for step 5, not 0
+        replies = c.run(c.push_calls(job_name, BUF, grads(0, numel), 5))
+        assert all(r.reduced and not r.duplicate for r in replies)
+        with pytest.raises(ShardClientError) as info:
+            c.push_grads(job_name, BUF, grads(0, numel), 6)
+        assert info.value.code.name == "FAILED_PRECONDITION"
+    finally:
+        c.close()
+
+
+def test_pull_times_out_with_deadline_exceeded(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(2)]
+    setup_buffer(addresses, job_name, 10, 1)
+    c = client(addresses, timeout_s=0.5)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ShardClientError) as info:
+            c.pull_params(job_name, BUF, 10, min_version=1)
+        assert info.value.code.name == "DEADLINE_EXCEEDED"
+        assert 0.4 < time.monotonic() - began < 5.0
+    finally:
+        c.close()
+
+
+def test_drop_job(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(2)]
+    setup_buffer(addresses, job_name, 10, 1, buffers=("a", "b"))
+    c = client(addresses)
+    try:
+        c.drop_job(job_name)
+        assert all(buffer_status(row, job_name, "a") is None for row in statuses(addresses))
+        with pytest.raises(ShardClientError) as info:
+            c.pull_params(job_name, "a", 10)
+        assert info.value.code.name == "NOT_FOUND" and job_name in info.value.details
+        c.drop_job(job_name)  # dropping again is fine: NOT_FOUND is ignored
+    finally:
+        c.close()
+
+
+def test_drop_job_wakes_waiting_pulls(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(1)]
+    setup_buffer(addresses, job_name, 10, 1)
+    waiter = client(addresses, timeout_s=2.5)
+    c = client(addresses)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(waiter.pull_params, job_name, BUF, 10, 1)
+            time.sleep(0.2)
+            assert not pending.done()
+            began = time.monotonic()
+            c.drop_job(job_name)
+            with pytest.raises(ShardClientError) as info:
+                pending.result(timeout=10)
+            assert time.monotonic() - began < 1.5
+            assert info.value.code.name in ("NOT_FOUND", "ABORTED", "FAILED_PRECONDITION")
+    finally:
+        waiter.close()
+        c.close()
+
+
+# --- gradients and steps ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("auto_step", [False, True], ids=["explicit-step", "step-args"])
+def test_every_push_twice_counts_once(servers, run_ranks, job_name: str, auto_step: bool) -> None:
+    world, numel, lr = 3, 1000, 0.5
+    addresses = [s.address for s in servers(3)]
+    params = setup_buffer(addresses, job_name, numel, world)[BUF]
+    args = StepArgs({"lr": lr})
+
+    def rank(c: ShardClient) -> tuple[list, list]:
+        g = grads(c.rank, numel)
+        kw = {"step_args": args} if auto_step else {}
+        first = c.run(c.push_calls(job_name, BUF, g, 0, **kw))
+        second = c.run(c.push_calls(job_name, BUF, g, 0, **kw))  # a retry of every message
+        if not auto_step:
+            c.step(job_name, 0, {BUF: args})  # every rank: the first wins, the rest are acks
+        return first, second
+
+    results = run_ranks(rank, world, addresses)
+    for first, second in results:
+        assert all(r.duplicate for r in second)
+        assert not any(r.duplicate for r in first)
+    c = client(addresses)
+    try:
+        got = c.pull_params(job_name, BUF, numel, min_version=1)
+        want = sgd(params, average([grads(r, numel) for r in range(world)]), lr)
+        np.testing.assert_allclose(got, want, **TOL)
+        assert versions(addresses, job_name) == [1, 1, 1]
+        # a retry arriving after the step is still acknowledged as a duplicate, changing nothing
+        late = c.run(c.push_calls(job_name, BUF, grads(0, numel), 0))
+        assert all(r.duplicate for r in late)
+        np.testing.assert_array_equal(c.pull_params(job_name, BUF, numel), got)
+    finally:
+        c.close()
+
+
+def test_steps_versions_and_changing_lr(servers, run_ranks, job_name: str) -> None:
+    """Scheduler-like: the lr travels with every step's pushes; versions count the steps."""
+    world, numel, steps = 2, 1001, 4
+    lrs = [0.1 * 0.5**s for s in range(steps)]
+    addresses = [s.address for s in servers(3)]
+    params = setup_buffer(addresses, job_name, numel, world)[BUF]
+
+    def rank(c: ShardClient) -> list[np.ndarray]:
+        seen = []
+        for s in range(steps):
+            c.push_grads(
+                job_name, BUF, grads(c.rank, numel, s), s, step_args=StepArgs({"lr": lrs[s]})
+            )
+            seen.append(c.pull_params(job_name, BUF, numel, min_version=s + 1))
+        return seen
+
+    results = run_ranks(rank, world, addresses)
+    want = params
+    for s in range(steps):
+        want = sgd(want, average([grads(r, numel, s) for r in range(world)]), lrs[s])
+        for r in range(world):
+            np.testing.assert_allclose(results[r][s], want, **TOL, err_msg=f"step {s}")
+    assert versions(addresses, job_name) == [steps] * 3
+    lr_now = [buffer_status(row, job_name)["hyper"]["lr"] for row in statuses(addresses)]
+    assert lr_now == [pytest.approx(lrs[-1])] * 3
+
+
+def test_pull_waits_until_the_step_lands(servers, run_ranks, job_name: str) -> None:
+    world, numel, lr = 2, 300, 0.25
+    addresses = [s.address for s in servers(2)]
+    params = setup_buffer(addresses, job_name, numel, world)[BUF]
+    waiter = client(addresses, timeout_s=15)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(waiter.pull_params, job_name, BUF, numel, 1)
+            time.sleep(0.2)
+            assert not pending.done()  # version 1 does not exist yet
+            run_ranks(
+                lambda c: c.push_grads(
+                    job_name, BUF, grads(c.rank, numel), 0, step_args=StepArgs({"lr": lr})
+                ),
+                world,
+                addresses,
+            )
+            got = pending.result(timeout=15)
+        want = sgd(params, average([grads(r, numel) for r in range(world)]), lr)
+        np.testing.assert_allclose(got, want, **TOL)
+    finally:
+        waiter.close()
+
+
+def test_gradient_accumulation_sums_micro_batches(servers, run_ranks, job_name: str) -> None:
+    world, numel, lr = 2, 501, 0.5
+    addresses = [s.address for s in servers(2)]
+    params = setup_buffer(addresses, job_name, numel, world)[BUF]
+    args = StepArgs({"lr": lr})
+
+    def micro(m: int):
+        def push(c: ShardClient) -> None:
+            c.push_grads(
+                job_name, BUF, grads(c.rank, numel, 0, m), 0, micro=m, num_micro=2, step_args=args
+            )
+
+        return push
+
+    run_ranks(micro(0), world, addresses)
+    assert versions(addresses, job_name) == [0, 0]  # half the micro-batches: no step yet
+    run_ranks(micro(1), world, addresses)
+    per_rank = [grads(r, numel, 0, 0) + grads(r, numel, 0, 1) for r in range(world)]
+    want = sgd(params, average(per_rank), lr)  # micro-batches summed, contributors averaged
+    c = client(addresses)
+    try:
+        np.testing.assert_allclose(c.pull_params(job_name, BUF, numel, 1), want, **TOL)
+    finally:
+        c.close()
+    assert versions(addresses, job_name) == [1, 1]
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16"])
+def test_half_precision_gradients(servers, run_ranks, job_name: str, wire: str) -> None:
+    world, numel, lr = 2, 640, 0.5
+    addresses = [s.address for s in servers(2)]
+    params = setup_buffer(addresses, job_name, numel, world)[BUF]
+
+    def rough(rank: int) -> np.ndarray:  # not representable in 16 bits: the client rounds
+        return np.random.default_rng(rank).standard_normal(numel).astype(np.float32)
+
+    run_ranks(
+        lambda c: c.push_grads(
+            job_name, BUF, rough(c.rank), 0, dtype=wire, step_args=StepArgs({"lr": lr})
+        ),
+        world,
+        addresses,
+    )
+    if wire == "bfloat16":
+        rounded = [
+            torch.from_numpy(rough(r)).to(torch.bfloat16).float().numpy() for r in range(world)
+        ]
+    else:
+        rounded = [rough(r).astype(np.float16).astype(np.float32) for r in range(world)]
+    want = sgd(params, average(rounded), lr)
+    c = client(addresses)
+    try:
+        np.testing.assert_allclose(c.pull_params(job_name, BUF, numel, 1), want, **TOL)
+    finally:
+        c.close()
+
+
+def test_grad_sum_squares_over_servers(servers, run_ranks, job_name: str) -> None:
+    world, numel = 2, 1001
+    addresses = [s.address for s in servers(3)]
+    setup_buffer(addresses, job_name, numel, world, buffers=("a", "b"))
+
+    def rank(c: ShardClient) -> list[float]:
+        c.run(
+            c.push_calls(job_name, "a", grads(c.rank, numel), 0)
+            + c.push_calls(job_name, "b", 3 * grads(c.rank, numel), 0)
+        )
+        return c.grad_sum_squares(job_name, ["a", "b"], 0)
+
+    results = run_ranks(rank, world, addresses)
+    g = average([grads(r, numel) for r in range(world)]).astype(np.float64)
+    want = [float(g @ g), float(9 * g @ g)]
+    for got in results:
+        assert got == pytest.approx(want, rel=1e-5)
+    assert versions(addresses, job_name, "a") == [0, 0, 0]  # no step without step args
+
+
+def test_clipped_step_and_repeated_step_is_idempotent(servers, run_ranks, job_name: str) -> None:
+    world, numel, lr, max_norm = 2, 1001, 0.5, 1.0
+    addresses = [s.address for s in servers(3)]
+    init = setup_buffer(addresses, job_name, numel, world, buffers=("a", "b"))
+
+    def rank(c: ShardClient) -> float:
+        c.run(
+            c.push_calls(job_name, "a", grads(c.rank, numel), 0)
+            + c.push_calls(job_name, "b", 3 * grads(c.rank, numel), 0)
+        )
+        norm = float(np.sqrt(sum(c.grad_sum_squares(job_name, ["a", "b"], 0))))
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        c.step(job_name, 0, {b: StepArgs({"lr": lr}, clip_coef=coef) for b in ("a", "b")})
+        return coef
+
+    coefs = run_ranks(rank, world, addresses)
+    assert coefs[0] == coefs[1] < 1.0  # the gradient really is clipped
+    g = average([grads(r, numel) for r in range(world)])
+    c = client(addresses)
+    try:
+        got_a = c.pull_params(job_name, "a", numel, 1)
+        got_b = c.pull_params(job_name, "b", numel, 1)
+        np.testing.assert_allclose(got_a, sgd(init["a"], g * np.float32(coefs[0]), lr), **TOL)
+        np.testing.assert_allclose(
+            got_b, sgd(init["b"], 3 * g * np.float32(coefs[0]), lr), rtol=1e-6, atol=1e-6
+        )
+        # a late Step for the applied step (even with other arguments) is acknowledged only
+        c.step(job_name, 0, {b: StepArgs({"lr": 10.0}, clip_coef=0.5) for b in ("a", "b")})
+        np.testing.assert_array_equal(c.pull_params(job_name, "a", numel), got_a)
+        np.testing.assert_array_equal(c.pull_params(job_name, "b", numel), got_b)
+        assert versions(addresses, job_name, "a") == [1, 1, 1]
+    finally:
+        c.close()
+
+
+def test_concurrent_pushers(servers, run_ranks, job_name: str) -> None:
+    """Four ranks pushing two buffers in small chunks at once, for three steps."""
+    world, numel, steps, lr = 4, 3001, 3, 0.125
+    addresses = [s.address for s in servers(3)]
+    init = setup_buffer(addresses, job_name, numel, world, buffers=("a", "b"))
+
+    def rank(c: ShardClient) -> None:
+        for s in range(steps):
+            args = StepArgs({"lr": lr})
+            c.run(
+                c.push_calls(job_name, "a", grads(c.rank, numel, s), s, step_args=args)
+                + c.push_calls(job_name, "b", -grads(c.rank, numel, s), s, step_args=args)
+            )
+            c.run(
+                c.pull_calls(job_name, "a", np.empty(numel, np.float32), s + 1)
+                + c.pull_calls(job_name, "b", np.empty(numel, np.float32), s + 1)
+            )
+
+    run_ranks(rank, world, addresses, chunk_bytes=1024, max_in_flight=4)
+    want_a, want_b = init["a"], init["b"]
+    for s in range(steps):
+        g = average([grads(r, numel, s) for r in range(world)])
+        want_a, want_b = sgd(want_a, g, lr), sgd(want_b, -g, lr)
+    c = client(addresses)
+    try:
+        np.testing.assert_allclose(c.pull_params(job_name, "a", numel, steps), want_a, **TOL)
+        np.testing.assert_allclose(c.pull_params(job_name, "b", numel, steps), want_b, **TOL)
+    finally:
+        c.close()
+
+
+def test_concurrent_pushes_without_steps_sum_exactly(servers, job_name: str) -> None:
+    """Eight threads, each its own client and contributor, racing on the same slices."""
+    world, numel = 8, 2049
+    addresses = [s.address for s in servers(2)]
+    setup_buffer(addresses, job_name, numel, world)
+    barrier = threading.Barrier(world)
+
+    def push(rank: int) -> list[float]:
+        c = client(addresses, rank, world, chunk_bytes=512)
+        try:
+            barrier.wait(10)
+            c.push_grads(job_name, BUF, grads(rank, numel), 0)
+            c.push_grads(job_name, BUF, grads(rank, numel), 0)
+            return c.grad_sum_squares(job_name, [BUF], 0)
+        finally:
+            c.close()
+
+    with cf.ThreadPoolExecutor(world) as pool:
+        results = list(pool.map(push, range(world), timeout=60))
+    g = average([grads(r, numel) for r in range(world)]).astype(np.float64)
+    assert all(r == pytest.approx([float(g @ g)], rel=1e-6) for r in results)
+
+
+def test_buffer_smaller_than_the_number_of_servers(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(3)]
+    numel = 2  # slices of 1, 1 and 0 elements
+    setup_buffer(addresses, job_name, numel, 1)
+    c = client(addresses, timeout_s=2)
+    try:
+        g = np.array([3.0, 4.0], dtype=np.float32)
+        c.push_grads(job_name, BUF, g, 0)
+        assert c.grad_sum_squares(job_name, [BUF], 0) == [25.0]
+    finally:
+        c.close()
+
+
+def test_grad_norm_waiting_through_a_restore(servers, job_name: str) -> None:
+    addresses = [s.address for s in servers(1)]
+    setup_buffer(addresses, job_name, 10, 1)
+    waiter = client(addresses, timeout_s=2.5)
+    c = client(addresses)
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(waiter.grad_sum_squares, job_name, [BUF], 0)
+            time.sleep(0.2)
+            c.set_params(job_name, BUF, np.ones(10, np.float32), version=5)  # a restore
+            with pytest.raises(ShardClientError) as info:
+                pending.result(timeout=10)
+        assert info.value.code.name == "FAILED_PRECONDITION"
+    finally:
+        waiter.close()
+        c.close()

@@ -1,0 +1,449 @@
+"""Collectives through the shard servers' reduction slots, against NumPy references.
+
+Data are dyadic values small enough that every fp32 sum is exact whatever order the server
+adds contributions in; the only rounding is the one the contract promises (float16 / bfloat16
+sums accumulate in fp32 and are rounded once, at the end), so results compare exactly.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import collective_worker, unique_id
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import ShardClient, ShardClientError
+from protos.slicing import slice_bounds
+
+# (world size, number of servers): one server per rank for 1..5, and fewer servers than ranks
+WORLDS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (3, 2)]
+WORLD_IDS = [f"W{w}-N{n}" for w, n in WORLDS]
+P2P_WORLDS = [w for w in WORLDS if w[0] > 1]  # sending to oneself: see test_send_to_self
+P2P_IDS = [f"W{w}-N{n}" for w, n in P2P_WORLDS]
+TIMEOUT_S = 10.0  # every call here completes in milliseconds; fail fast when one does not
+LENGTHS = [0, 1, 2, 7, 1001, 4099]
+DTYPES = ["float32", "float16", "int64", "bfloat16"]
+SETTINGS = settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    n: int
+    seed: int
+    torch_in: bool  # pass torch tensors (always for bfloat16)
+    matrix: bool  # a 2-D shape instead of 1-D
+
+    def shape(self, n: int | None = None) -> tuple[int, ...]:
+        n = self.n if n is None else n
+        return (7, n // 7) if self.matrix and n and n % 7 == 0 else (n,)
+
+    def values(self, rank: int, n: int | None = None, salt: int = 0) -> np.ndarray:
+        """Exact values of rank ``rank``'s tensor (float32 for bfloat16), in its shape."""
+        n = self.n if n is None else n
+        rng = np.random.default_rng([self.seed, rank, n, salt])
+        if self.dtype == "int64":
+            v = rng.integers(-(2**40), 2**40, n, dtype=np.int64)
+        elif self.dtype == "float16":
+            v = (rng.integers(-2047, 2048, n) * 2.0**-4).astype(np.float16)
+        elif self.dtype == "bfloat16":
+            v = (rng.integers(-255, 256, n) * 2.0**-3).astype(np.float32)
+        else:
+            v = (rng.integers(-2000, 2001, n) * 0.25).astype(np.float32)
+        return v.reshape(self.shape(n))
+
+    def tensor(self, rank: int, n: int | None = None, salt: int = 0) -> Any:
+        v = self.values(rank, n, salt)
+        if self.dtype == "bfloat16":
+            return torch.from_numpy(v).to(torch.bfloat16)
+        return torch.from_numpy(v.copy()) if self.torch_in else v
+
+
+cases = st.builds(
+    Case,
+    dtype=st.sampled_from(DTYPES),
+    n=st.sampled_from(LENGTHS),
+    seed=st.integers(0, 2**16),
+    torch_in=st.booleans(),
+    matrix=st.booleans(),
+)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+    return np.asarray(x)
+
+
+def check_type(out: Any, case: Case, shape: tuple[int, ...]) -> None:
+    """Torch in -> torch out of the same dtype; NumPy in -> NumPy out of the same dtype."""
+    assert tuple(out.shape) == shape
+    if case.dtype == "bfloat16":
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    elif case.torch_in:
+        assert isinstance(out, torch.Tensor) and out.dtype == getattr(torch, case.dtype)
+    else:
+        assert isinstance(out, np.ndarray) and out.dtype == np.dtype(case.dtype)
+
+
+def round_to(values: np.ndarray, dtype: str) -> np.ndarray:
+    """fp32 results rounded once to the wire dtype (as exact values, float32 or int64)."""
+    if dtype == "float16":
+        return values.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(values)).to(torch.bfloat16).float().numpy()
+    return values
+
+
+def reference(case: Case, world: int, op: str) -> np.ndarray:
+    """What the servers compute: fp32 (int64 for integers) accumulation, rounded once."""
+    stack = np.stack([case.values(r) for r in range(world)])
+    acc = stack if case.dtype == "int64" else stack.astype(np.float32)
+    if op in ("sum", "mean"):
+        out = acc.sum(axis=0, dtype=acc.dtype)
+        if op == "mean":
+            out = out / acc.dtype.type(world)
+    else:
+        out = acc.max(axis=0) if op == "max" else acc.min(axis=0)
+    return round_to(out, case.dtype)
+
+
+def ops_for(case: Case) -> list[str]:
+    return ["sum", "max", "min"] + ([] if case.dtype == "int64" else ["mean"])
+
+
+def world_addresses(shared: list[str], num_servers: int) -> list[str]:
+    return shared[:num_servers]
+
+
+# --- the collectives, every world size ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
+@SETTINGS
+@given(case=cases)
+def test_all_reduce(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+    ops = ops_for(case)
+    results = run_ranks(
+        lambda c: [c.all_reduce(case.tensor(c.rank), op=op) for op in ops],
+        world,
+        world_addresses(shared_servers, num_servers),
+        timeout_s=TIMEOUT_S,
+    )
+    for op_index, op in enumerate(ops):
+        want = reference(case, world, op)
+        for rank, outs in enumerate(results):
+            out = outs[op_index]
+            check_type(out, case, case.shape())
+            np.testing.assert_array_equal(to_numpy(out), want, err_msg=f"{op} rank {rank}")
+
+
+@pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
+@SETTINGS
+@given(case=cases)
+def test_reduce_scatter(
+    shared_servers, run_ranks, world: int, num_servers: int, case: Case
+) -> None:
+    ops = ops_for(case)
+    results = run_ranks(
+        lambda c: [c.reduce_scatter(case.tensor(c.rank), op=op) for op in ops],
+        world,
+        world_addresses(shared_servers, num_servers),
+        timeout_s=TIMEOUT_S,
+    )
+    for op_index, op in enumerate(ops):
+        full = reference(case, world, op).reshape(-1)
+        for rank, outs in enumerate(results):
+            a, b = slice_bounds(case.n, world, rank)
+            check_type(outs[op_index], case, (b - a,))
+            np.testing.assert_array_equal(
+                to_numpy(outs[op_index]), full[a:b], err_msg=f"{op} rank {rank}"
+            )
+
+
+@pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
+@SETTINGS
+@given(case=cases)
+def test_all_gather(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+    # every rank's tensor has its own length (n + rank) and so its own shape
+    results = run_ranks(
+        lambda c: c.all_gather(case.tensor(c.rank, case.n + c.rank)),
+        world,
+        world_addresses(shared_servers, num_servers),
+        timeout_s=TIMEOUT_S,
+    )
+    for rank, gathered in enumerate(results):
+        assert len(gathered) == world
+        for j, got in enumerate(gathered):
+            want = case.values(j, case.n + j)
+            check_type(got, case, want.shape)
+            np.testing.assert_array_equal(
+                to_numpy(got),
+                want.astype(to_numpy(got).dtype),
+                err_msg=f"rank {rank} got rank {j}'s tensor wrong",
+            )
+
+
+@pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
+@SETTINGS
+@given(case=cases)
+def test_broadcast(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+    # broadcast from every rank in turn; each rank passes its own values
+    results = run_ranks(
+        lambda c: [c.broadcast(case.tensor(c.rank), src=s) for s in range(world)],
+        world,
+        world_addresses(shared_servers, num_servers),
+        timeout_s=TIMEOUT_S,
+    )
+    for rank, outs in enumerate(results):
+        for src, out in enumerate(outs):
+            check_type(out, case, case.shape())
+            np.testing.assert_array_equal(
+                to_numpy(out), case.values(src), err_msg=f"rank {rank}, src {src}"
+            )
+
+
+@pytest.mark.parametrize(("world", "num_servers"), P2P_WORLDS, ids=P2P_IDS)
+@SETTINGS
+@given(spec=st.tuples(cases, st.integers(1, 3)))
+def test_send_recv_in_order(
+    shared_servers, run_ranks, world: int, num_servers: int, spec: tuple[Case, int]
+) -> None:
+    """Each rank sends ``count`` tensors (of different lengths) to the next rank, in a ring."""
+    case, count = spec
+
+    def ring(c: ShardClient) -> list[Any]:
+        dst, src = (c.rank + 1) % world, (c.rank - 1) % world
+        for k in range(count):
+            c.send(case.tensor(c.rank, case.n + k, salt=k), dst)
+        like = case.tensor(c.rank) if case.torch_in else None
+        return [c.recv(src, like=like) for _ in range(count)]
+
+    results = run_ranks(
+        ring, world, world_addresses(shared_servers, num_servers), timeout_s=TIMEOUT_S
+    )
+    for rank, received in enumerate(results):
+        src = (rank - 1) % world
+        for k, got in enumerate(received):
+            want = case.values(src, case.n + k, salt=k)
+            if case.torch_in or case.dtype == "bfloat16":
+                check_type(got, case, want.shape)
+            else:  # NumPy in, no ``like``: a NumPy array of the sender's dtype
+                assert isinstance(got, np.ndarray) and got.dtype == np.dtype(case.dtype)
+                assert got.shape == want.shape
+            np.testing.assert_array_equal(
+                to_numpy(got), want.astype(to_numpy(got).dtype), err_msg=f"rank {rank}, message {k}"
+            )
+
+
+# --- specific behaviour ------------------------------------------------------------------
+
+
+def test_half_precision_sums_accumulate_in_fp32_and_round_once(shared_servers, run_ranks) -> None:
+    # fp16: 2048 + 1 + 1 == 2048 when accumulated in fp16 (each +1 is a tie to even), 2050 in fp32
+    values = [2048.0, 1.0, 1.0]
+    out = run_ranks(
+        lambda c: c.all_reduce(np.array([values[c.rank]], dtype=np.float16)), 3, shared_servers[:3]
+    )
+    assert all(o.dtype == np.float16 and o[0] == 2050.0 for o in out)
+    # bf16: 256 + 1 + 1 == 256 in bf16 arithmetic, 258 in fp32 then rounded once
+    bf_values = [256.0, 1.0, 1.0]
+    bf = run_ranks(
+        lambda c: c.all_reduce(torch.tensor([bf_values[c.rank]], dtype=torch.bfloat16)),
+        3,
+        shared_servers[:3],
+    )
+    assert all(o.dtype == torch.bfloat16 and o.item() == 258.0 for o in bf)
+    # bf16 mean rounds the fp32 quotient once: (1 + 2^-7 + 0) / 3 in fp32, then to bf16
+    parts = [1.0, 2.0**-7, 0.0]
+    mean = run_ranks(
+        lambda c: c.all_reduce(torch.tensor([parts[c.rank]], dtype=torch.bfloat16), op="mean"),
+        3,
+        shared_servers[:3],
+    )
+    want = torch.tensor([np.float32(1.0 + 2.0**-7) / np.float32(3)]).to(torch.bfloat16)
+    assert all(torch.equal(m, want) for m in mean)
+
+
+def test_large_tensor_many_chunks(shared_servers, run_ranks) -> None:
+    """A tensor far bigger than chunk_bytes: many chunks per server, few in flight."""
+    world, n = 3, 10_007  # 40 KB of float32 over 4 KiB chunks
+
+    def values(rank: int) -> np.ndarray:
+        return (np.arange(n, dtype=np.float32) % 1000 - 500) * (rank + 1)
+
+    def work(c: ShardClient) -> dict[str, Any]:
+        x = values(c.rank)
+        return {
+            "sum": c.all_reduce(x),
+            "bf16": c.all_reduce(torch.from_numpy(x).to(torch.bfloat16), op="max"),
+            "rs": c.reduce_scatter(x),
+            "ag": c.all_gather(x),
+            "bc": c.broadcast(x, src=1),
+            "p2p": (c.send(x, (c.rank + 1) % world), c.recv((c.rank - 1) % world))[1],
+        }
+
+    results = run_ranks(work, world, shared_servers[:3], chunk_bytes=4096, max_in_flight=2)
+    total = sum(values(r) for r in range(world))
+    top = torch.from_numpy(np.maximum.reduce([values(r) for r in range(world)])).to(torch.bfloat16)
+    for rank, out in enumerate(results):
+        np.testing.assert_array_equal(out["sum"], total)
+        assert torch.equal(out["bf16"], top)
+        a, b = slice_bounds(n, world, rank)
+        np.testing.assert_array_equal(out["rs"], total[a:b])
+        for j in range(world):
+            np.testing.assert_array_equal(out["ag"][j], values(j))
+        np.testing.assert_array_equal(out["bc"], values(1))
+        np.testing.assert_array_equal(out["p2p"], values((rank - 1) % world))
+
+
+def test_barrier_waits_for_every_rank(shared_servers, run_ranks) -> None:
+    entered: dict[int, float] = {}
+
+    def work(c: ShardClient) -> float:
+        if c.rank == 2:
+            time.sleep(0.3)
+        entered[c.rank] = time.monotonic()
+        c.barrier()
+        return time.monotonic()
+
+    left = run_ranks(work, 3, shared_servers[:3])
+    assert min(left) >= entered[2]
+
+
+def test_separate_processes(servers) -> None:
+    """Three ranks in three spawned processes, each building its own client."""
+    world = 3
+    addresses = [s.address for s in servers(world)]
+    run_id = unique_id("mp")
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(world, mp_context=ctx) as pool:
+        futures = [
+            pool.submit(collective_worker, addresses, r, world, run_id) for r in range(world)
+        ]
+        results = [f.result(timeout=120) for f in futures]
+    assert len({r["pid"] for r in results} | {os.getpid()}) == world + 1
+    xs = [np.arange(1001, dtype=np.float32) * (r + 1) for r in range(world)]
+    for rank, out in enumerate(results):
+        np.testing.assert_array_equal(out["all_reduce"], sum(xs))
+        np.testing.assert_array_equal(out["max"], xs[-1])
+        for j in range(world):
+            np.testing.assert_array_equal(out["all_gather"][j], np.full(j + 2, j, np.int64))
+        np.testing.assert_array_equal(out["broadcast"], xs[world - 1])
+        a, b = slice_bounds(1001, world, rank)
+        np.testing.assert_array_equal(out["reduce_scatter"], sum(xs)[a:b])
+        np.testing.assert_array_equal(out["recv"], xs[(rank - 1) % world] + 0.5)
+
+
+def test_servers_hold_no_slot_memory_afterwards(servers, run_ranks) -> None:
+    world = 3
+    addresses = [s.address for s in servers(world)]
+
+    def work(c: ShardClient) -> None:
+        for n in (0, 1, 1001, 5000):
+            x = np.ones(n, dtype=np.float32)
+            c.all_reduce(x)
+            c.all_reduce(torch.from_numpy(x).to(torch.bfloat16), op="mean")
+            c.reduce_scatter(x)
+            c.all_gather(x[: n // 2])
+            c.broadcast(x, src=n % world)
+            c.send(x, (c.rank + 1) % world)
+            c.recv((c.rank - 1) % world)
+        c.barrier()
+
+    run_ranks(work, world, addresses, chunk_bytes=4096)
+    statuses = run_ranks(lambda c: c.status(), 1, addresses)[0]
+    for st_ in statuses:
+        assert "error" not in st_
+        assert int(st_["open_slots"]) == 0, st_
+        assert int(st_["slot_bytes"]) == 0, st_
+
+
+def test_two_worlds_on_the_same_servers_do_not_mix(shared_servers, run_ranks) -> None:
+    results: dict[str, list[Any]] = {}
+
+    def world_run(name: str, scale: float) -> None:
+        results[name] = run_ranks(
+            lambda c: c.all_reduce(np.full(100, scale * (c.rank + 1), np.float32)),
+            2,
+            shared_servers[:2],
+        )
+
+    threads = [threading.Thread(target=world_run, args=(n, s)) for n, s in (("a", 1), ("b", 10))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(np.all(o == 3.0) for o in results["a"])
+    assert all(np.all(o == 30.0) for o in results["b"])
+
+
+def test_mean_of_integers_is_rejected(shared_servers, run_ranks) -> None:
+    with pytest.raises(ShardClientError) as info:
+        run_ranks(
+            lambda c: c.all_reduce(np.arange(5, dtype=np.int64), op="mean"),
+            1,
+            shared_servers[:1],
+            timeout_s=2,
+        )
+    assert info.value.code.name == "INVALID_ARGUMENT"
+    assert "MEAN" in info.value.details
+
+
+def test_rejected_collective_fails_fast(shared_servers, run_ranks) -> None:
+    began = time.monotonic()
+    with pytest.raises(ShardClientError) as info:
+        run_ranks(
+            lambda c: c.all_reduce(np.arange(5, dtype=np.int64), op="mean"),
+            1,
+            shared_servers[:1],
+            timeout_s=4,
+        )
+    assert info.value.code.name == "INVALID_ARGUMENT"
+    assert time.monotonic() - began < 2.0
+
+
+def test_send_to_self(shared_servers, run_ranks) -> None:
+    def work(c: ShardClient) -> list[np.ndarray]:
+        c.send(np.arange(3, dtype=np.float32), c.rank)
+        c.send(np.arange(4, dtype=np.float32), c.rank)
+        return [c.recv(c.rank), c.recv(c.rank)]
+
+    (got,) = run_ranks(work, 1, shared_servers[:1], timeout_s=2)
+    np.testing.assert_array_equal(got[0], np.arange(3, dtype=np.float32))
+    np.testing.assert_array_equal(got[1], np.arange(4, dtype=np.float32))
+
+
+def test_argument_errors_are_raised_before_any_call(shared_servers) -> None:
+    from client import ClusterSpec
+
+    c = ShardClient(
+        ClusterSpec(shared_servers[:2]), rank=0, world_size=2, run_id=unique_id(), timeout_s=2
+    )
+    try:
+        with pytest.raises(ValueError, match="op must be one of"):
+            c.all_reduce(np.ones(3, np.float32), op="prod")
+        with pytest.raises(ValueError, match="src=2"):
+            c.broadcast(np.ones(3, np.float32), src=2)
+        with pytest.raises(ValueError, match="dst=-1"):
+            c.send(np.ones(3, np.float32), dst=-1)
+        with pytest.raises(TypeError, match="unsupported"):
+            c.all_reduce(np.ones(3, dtype=np.complex64))
+        with pytest.raises(ValueError, match="outside a world"):
+            ShardClient(ClusterSpec(shared_servers[:1]), rank=2, world_size=2)
+    finally:
+        c.close()
