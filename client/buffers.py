@@ -28,6 +28,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     offset: int
     dtype: str = "float32"
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
 
     @property
     def numel(self) -> int:
@@ -76,7 +77,14 @@ class FlatBuffers(RpcCore):
     ) -> list[pb.RegisterBufferReply]:
         """Declares the buffer on every server (idempotent); returns each server's reply."""
         entries = [
-            pb.ParamEntry(name=p.name, shape=p.shape, dtype=p.dtype, offset=p.offset, numel=p.numel)
+            pb.ParamEntry(
+                name=p.name,
+                shape=p.shape,
+                dtype=p.dtype,
+                offset=p.offset,
+                numel=p.numel,
+                aliases=p.aliases,
+            )
             for p in params
         ]
         spec = pb.OptimizerSpec(

@@ -48,6 +48,10 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "ReadSlot": codec.deserializer(pb.SlotHeader),
     "DropJob": pb.DropJobReply.FromString,
     "Status": pb.StatusReply.FromString,
+    "Snapshot": pb.SnapshotReply.FromString,
+    "CommitSnapshot": pb.CommitSnapshotReply.FromString,
+    "Restore": pb.RestoreReply.FromString,
+    "ListSnapshots": pb.ListSnapshotsReply.FromString,
 }
 
 

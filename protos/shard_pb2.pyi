@@ -46,18 +46,20 @@ class BufferRef(_message.Message):
     def __init__(self, job: _Optional[str] = ..., buffer: _Optional[str] = ...) -> None: ...
 
 class ParamEntry(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "offset", "numel")
+    __slots__ = ("name", "shape", "dtype", "offset", "numel", "aliases")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     offset: int
     numel: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ...) -> None: ...
+    aliases: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "hyper")
@@ -403,3 +405,97 @@ class StatusReply(_message.Message):
     version: str
     pid: int
     def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("job", "tag", "version", "server_index", "num_servers")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tag: str
+    version: int
+    server_index: int
+    num_servers: int
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ...) -> None: ...
+
+class SnapshotReply(_message.Message):
+    __slots__ = ("file", "bytes", "sha256", "version", "buffers")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    bytes: int
+    sha256: str
+    version: int
+    buffers: _containers.RepeatedCompositeFieldContainer[BufferStatus]
+    def __init__(self, file: _Optional[str] = ..., bytes: _Optional[int] = ..., sha256: _Optional[str] = ..., version: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ...) -> None: ...
+
+class CommitSnapshotRequest(_message.Message):
+    __slots__ = ("job", "tag", "manifest_json")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tag: str
+    manifest_json: str
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., manifest_json: _Optional[str] = ...) -> None: ...
+
+class CommitSnapshotReply(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("job", "tag", "server_index", "num_servers", "contributors")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tag: str
+    server_index: int
+    num_servers: int
+    contributors: int
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class RestoreReply(_message.Message):
+    __slots__ = ("tag", "version", "buffers")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    version: int
+    buffers: int
+    def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ..., buffers: _Optional[int] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("job", "tag", "version", "num_servers", "created_unix")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tag: str
+    version: int
+    num_servers: int
+    created_unix: float
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+
+class ListSnapshotsReply(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...

@@ -84,6 +84,26 @@ class ShardStub:
                 request_serializer=protos_dot_shard__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_shard__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Snapshot = channel.unary_unary(
+                '/paramshard.v1.Shard/Snapshot',
+                request_serializer=protos_dot_shard__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.SnapshotReply.FromString,
+                _registered_method=True)
+        self.CommitSnapshot = channel.unary_unary(
+                '/paramshard.v1.Shard/CommitSnapshot',
+                request_serializer=protos_dot_shard__pb2.CommitSnapshotRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.CommitSnapshotReply.FromString,
+                _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/paramshard.v1.Shard/Restore',
+                request_serializer=protos_dot_shard__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.RestoreReply.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/paramshard.v1.Shard/ListSnapshots',
+                request_serializer=protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ListSnapshotsReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -168,6 +188,36 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Snapshot(self, request, context):
+        """Captures every buffer of a job at exactly `version` (waiting for training to get there,
+        without stopping it) and writes this server's shard file of snapshot `tag`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitSnapshot(self, request, context):
+        """Writes the snapshot's manifest.json once every shard is written; only then it counts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """Loads this server's part of a snapshot (any number of servers: resharded through the
+        manifest), replacing the job's buffers, their optimizer state and versions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """The complete snapshots in this server's snapshot directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +270,26 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_shard__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_shard__pb2.StatusReply.SerializeToString,
+            ),
+            'Snapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.Snapshot,
+                    request_deserializer=protos_dot_shard__pb2.SnapshotRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.SnapshotReply.SerializeToString,
+            ),
+            'CommitSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitSnapshot,
+                    request_deserializer=protos_dot_shard__pb2.CommitSnapshotRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.CommitSnapshotReply.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=protos_dot_shard__pb2.RestoreRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.RestoreReply.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=protos_dot_shard__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.ListSnapshotsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -492,6 +562,114 @@ class Shard:
             '/paramshard.v1.Shard/Status',
             protos_dot_shard__pb2.StatusRequest.SerializeToString,
             protos_dot_shard__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Snapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/Snapshot',
+            protos_dot_shard__pb2.SnapshotRequest.SerializeToString,
+            protos_dot_shard__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/CommitSnapshot',
+            protos_dot_shard__pb2.CommitSnapshotRequest.SerializeToString,
+            protos_dot_shard__pb2.CommitSnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/Restore',
+            protos_dot_shard__pb2.RestoreRequest.SerializeToString,
+            protos_dot_shard__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ListSnapshots',
+            protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
+            protos_dot_shard__pb2.ListSnapshotsReply.FromString,
             options,
             channel_credentials,
             insecure,

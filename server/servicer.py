@@ -21,8 +21,10 @@ from protos import codec
 from protos import shard_pb2 as pb
 from server import backend
 from server.errors import ShardError
+from protos import slicing
 from server.slots import SlotStore
-from server.store import BufferStore
+from server.snapshots import SnapshotDir
+from server.store import BufferSlice, BufferStore
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
@@ -82,8 +84,10 @@ class ShardServicer:
         max_wait_s: float = 600.0,
         max_job_bytes: int = 0,
         max_slot_bytes: int = 0,
+        snapshot_dir: str | None = None,
     ) -> None:
         self.buffers = BufferStore(max_job_bytes=max_job_bytes)
+        self.snapshots = SnapshotDir(snapshot_dir)
         self.slots = SlotStore(max_bytes=max_slot_bytes)
         self.max_wait_s = max_wait_s
         self.started = time.time()
@@ -132,6 +136,10 @@ class ShardServicer:
             ),
             "DropJob": (self.drop_job, _plain(pb.DropJobRequest), plain_reply),
             "Status": (self.status, _plain(pb.StatusRequest), plain_reply),
+            "Snapshot": (self.snapshot, _plain(pb.SnapshotRequest), plain_reply),
+            "CommitSnapshot": (self.commit_snapshot, _plain(pb.CommitSnapshotRequest), plain_reply),
+            "Restore": (self.restore, _plain(pb.RestoreRequest), plain_reply),
+            "ListSnapshots": (self.list_snapshots, _plain(pb.ListSnapshotsRequest), plain_reply),
         }
         handlers = {
             name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
@@ -222,4 +230,83 @@ class ShardServicer:
             open_slots=open_slots,
             version=VERSION,
             pid=os.getpid(),
+        )
+
+    # -- snapshots -------------------------------------------------------------------------
+    def _job_slices(self, job: str) -> list[BufferSlice]:
+        slices = self.buffers.jobs().get(job)
+        if not slices:
+            raise ShardError.not_found(f"job '{job}' is not on this server")
+        return slices
+
+    def snapshot(self, req: pb.SnapshotRequest, context: Any) -> Any:
+        slices = self._job_slices(req.job)
+        if req.num_servers == 0 or req.server_index >= req.num_servers:
+            raise ShardError.invalid(
+                f"snapshot: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
+            )
+        self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
+        timeout = self._timeout(context)
+        captured = [b.capture(req.version, timeout) for b in slices]
+        file, nbytes, sha = self.snapshots.write_shard(
+            req.job, req.tag, req.server_index, req.num_servers, req.version, captured
+        )
+        (rows,) = [j.buffers for j in self.buffers.status() if j.job == req.job] or [[]]
+        return pb.SnapshotReply(
+            file=file, bytes=nbytes, sha256=sha, version=req.version, buffers=rows
+        )
+
+    def commit_snapshot(self, req: pb.CommitSnapshotRequest, context: Any) -> Any:
+        return pb.CommitSnapshotReply(
+            path=self.snapshots.commit(req.job, req.tag, req.manifest_json)
+        )
+
+    def restore(self, req: pb.RestoreRequest, context: Any) -> Any:
+        if req.num_servers == 0 or req.server_index >= req.num_servers:
+            raise ShardError.invalid(
+                f"restore: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
+            )
+        tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
+        manifest = self.snapshots.load_manifest(req.job, tag)
+        layout = self.snapshots.layout(req.job, tag, manifest)
+        slices = []
+        for name, info in manifest["buffers"].items():
+            start, stop = slicing.slice_bounds(info["numel"], req.num_servers, req.server_index)
+            read = lambda kind, n=name: self.snapshots.read_range(  # noqa: E731
+                req.job, tag, manifest, n, kind, start, stop
+            )
+            spec = pb.RegisterBufferRequest(
+                ref=pb.BufferRef(job=req.job, buffer=name),
+                numel=info["numel"],
+                num_servers=req.num_servers,
+                server_index=req.server_index,
+                contributors=req.contributors or info["contributors"],
+                params=[pb.ParamEntry(**p) for p in info["params"]],
+                optimizer=pb.OptimizerSpec(
+                    name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
+                ),
+            )
+            row = layout.get(name, {"state": set(), "step_count": 0})
+            state = {k: read(f"state.{k}") for k in sorted(row["state"])}
+            slices.append(
+                BufferSlice.restored(
+                    spec, manifest["version"], read("params"), state, row["step_count"]
+                )
+            )
+        self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
+        self.server_index, self.num_servers = req.server_index, req.num_servers
+        return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
+
+    def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
+        return pb.ListSnapshotsReply(
+            snapshots=[
+                pb.SnapshotInfo(
+                    job=m["job"],
+                    tag=m["tag"],
+                    version=m["version"],
+                    num_servers=m["num_servers"],
+                    created_unix=m["created_unix"],
+                )
+                for m in self.snapshots.list(req.job)
+            ]
         )

@@ -26,6 +26,7 @@ from protos import shard_pb2 as pb
 from server import arrays, backend
 from server.errors import ShardError
 from server.optimizers import OptimizerError, ServerOptimizer, make_optimizer
+from server.snapshots import Captured
 
 __all__ = ["BufferSlice", "BufferStore"]
 
@@ -64,6 +65,8 @@ class BufferSlice:
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
+        self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
+        self.captures: dict[int, Captured] = {}
         self.cond = threading.Condition()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -257,6 +260,60 @@ class BufferSlice:
                 self.cond.notify_all()
             return self.version
 
+    # -- snapshots ------------------------------------------------------------------------------
+    def capture(self, version: int, timeout: float) -> Captured:
+        """Host copies of params and optimizer state at exactly ``version``: now if the slice
+        is there, else when it gets there (just before the next step), without stopping it."""
+        with self.cond:
+            if self.version > version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}, past the snapshot's {version}"
+                )
+            self.capture_requests.add(version)
+            try:
+                self.wait_for(
+                    lambda: version in self.captures or self.version >= version,
+                    timeout,
+                    f"version {version} to snapshot it",
+                )
+                if version not in self.captures:
+                    self._capture()
+                return self.captures.pop(version)
+            finally:
+                self.capture_requests.discard(version)
+
+    def _capture(self) -> None:
+        """Caller holds the lock."""
+        state = {k: backend.to_host(v).copy() for k, v in self.optimizer.state_arrays().items()}
+        self.captures[self.version] = Captured(
+            self.name,
+            self.start,
+            backend.to_host(self.master).copy(),
+            state,
+            self.optimizer.step_count,
+        )
+
+    @classmethod
+    def restored(
+        cls,
+        req: pb.RegisterBufferRequest,
+        version: int,
+        params: Any,
+        state: dict[str, Any],
+        step_count: int,
+    ) -> BufferSlice:
+        """A slice rebuilt from a snapshot (the store swaps it in)."""
+        try:
+            optimizer = make_optimizer(req.optimizer.name, len(params), dict(req.optimizer.hyper))
+            optimizer.load_state(state, step_count)
+        except OptimizerError as exc:
+            raise ShardError.precondition(f"buffer '{req.ref.job}/{req.ref.buffer}': {exc}")
+        b = cls(req, optimizer)
+        b.master[...] = backend.to_device(params)
+        b.version = version
+        b.initialized = True
+        return b
+
     # -- the optimizer step ----------------------------------------------------------------
     def check_step_args(self, args: pb.StepArgs) -> None:
         try:
@@ -268,6 +325,8 @@ class BufferSlice:
 
     def _apply_step(self, args: pb.StepArgs) -> None:
         """Caller holds the lock and has checked ``args``."""
+        if self.version in self.capture_requests and self.version not in self.captures:
+            self._capture()  # a snapshot wants the state before this step
         began = time.perf_counter()
         # kept for ranks that ask for this step's norm after a faster rank stepped
         self.applied_sum_squares = (self.version, self._sum_squares())
@@ -376,6 +435,16 @@ class BufferStore:
         with self._lock:
             buffers = list(self._jobs.get(job, {}).values())
         return sum(sum(b.bytes_by_kind()) for b in buffers)
+
+    def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
+        """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
+        with self._lock:
+            old = self._jobs.pop(job, {})
+            self._jobs[job] = {b.name: b for b in slices}
+        for b in old.values():
+            with b.cond:
+                b.dropped = True
+                b.cond.notify_all()
 
     def drop(self, job: str) -> int:
         with self._lock:

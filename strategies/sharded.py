@@ -116,6 +116,9 @@ class ServerShardedModel(ShardedModelBase):
         super()._attach(optimizer)
         buffers = plan_buffers(self.module, self._units, inner.param_groups)
         job, versions, initialized = self.config.job, set(), True
+        names: dict[int, list[str]] = {}  # tied weights: every name a parameter has
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
         for b in buffers:
             hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
             replies = self.client.register_buffer(
@@ -124,7 +127,16 @@ class ServerShardedModel(ShardedModelBase):
                 b.numel,
                 optimizer=self._opt_name,
                 hyper=hyper,
-                params=[ParamInfo(e.name, e.shape, e.offset, e.dtype) for e in b.entries],
+                params=[
+                    ParamInfo(
+                        e.name,
+                        e.shape,
+                        e.offset,
+                        e.dtype,
+                        tuple(n for n in names[id(p)] if n != e.name),
+                    )
+                    for e, p in zip(b.entries, b.params, strict=True)
+                ],
             )
             versions |= {r.version for r in replies}
             initialized &= all(r.initialized for r in replies)
@@ -243,6 +255,48 @@ class ServerShardedModel(ShardedModelBase):
 
     def _after_step(self) -> None:
         """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
+
+    # -- checkpoints (the servers' snapshots) -----------------------------------------------
+    def save_checkpoint(self, tag: str) -> int:
+        """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
+        in each server's --snapshot-dir. Every rank calls it at the same point; returns the
+        version captured."""
+        from client import tools
+
+        self._ensure_idle()
+        version = self._step
+        if self.rank == 0:
+            version = tools.snapshot(self.client, self.config.job, tag)["version"]
+        self.client.barrier()
+        return version
+
+    def load_checkpoint(self, tag: str = "latest") -> int:
+        """Restores snapshot ``tag`` into the servers (resharded if their number changed) and
+        continues from its step. Every rank calls it at the same point; returns that step."""
+        from client import tools
+
+        if not self.registered:
+            raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
+        self._ensure_idle()
+        if self.rank == 0:
+            tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
+        self.client.barrier()
+        versions = {b.version for b in tools.job_params(self.client, self.config.job)}
+        if len(versions) != 1:
+            raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
+        self._step = versions.pop()
+        self._micro, self._clip_coef = 0, 1.0
+        self._invalidate()
+        self._after_load()
+        return self._step
+
+    def _ensure_idle(self) -> None:
+        self._wait_pushes()
+        if self._micro:
+            raise RuntimeError(
+                f"{type(self).__name__}: checkpoints are taken between steps; {self._micro}"
+                " backward passes are waiting for optimizer.step()"
+            )
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()
