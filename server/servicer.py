@@ -17,11 +17,10 @@ from typing import Any
 
 import grpc
 
-from protos import codec
+from protos import codec, slicing
 from protos import shard_pb2 as pb
 from server import backend
 from server.errors import ShardError
-from protos import slicing
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
 from server.store import BufferSlice, BufferStore
@@ -272,9 +271,10 @@ class ShardServicer:
         slices = []
         for name, info in manifest["buffers"].items():
             start, stop = slicing.slice_bounds(info["numel"], req.num_servers, req.server_index)
-            read = lambda kind, n=name: self.snapshots.read_range(  # noqa: E731
-                req.job, tag, manifest, n, kind, start, stop
-            )
+
+            def read(kind: str, n: str = name, a: int = start, b: int = stop) -> Any:
+                return self.snapshots.read_range(req.job, tag, manifest, n, kind, a, b)
+
             spec = pb.RegisterBufferRequest(
                 ref=pb.BufferRef(job=req.job, buffer=name),
                 numel=info["numel"],

@@ -128,7 +128,9 @@ class SnapshotDir:
         try:
             manifest = json.loads(manifest_json)
         except ValueError as exc:
-            raise ShardError.invalid(f"snapshot '{job}/{tag}': manifest is not JSON ({exc})")
+            raise ShardError.invalid(
+                f"snapshot '{job}/{tag}': manifest is not JSON ({exc})"
+            ) from None
         if manifest.get("format") != FORMAT:
             raise ShardError.invalid(f"snapshot '{job}/{tag}': manifest format is not {FORMAT}")
         folder = self.path(job, tag)
@@ -172,7 +174,9 @@ class SnapshotDir:
         except FileNotFoundError:
             raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
         except (OSError, ValueError) as exc:
-            raise ShardError.precondition(f"snapshot '{job}/{tag}': {path} is corrupt ({exc})")
+            raise ShardError.precondition(
+                f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
+            ) from None
         if manifest.get("format") != FORMAT or manifest.get("job") != job:
             raise ShardError.precondition(f"{path} is not a {FORMAT} manifest of job '{job}'")
         for shard in manifest["shards"]:
@@ -199,7 +203,7 @@ class SnapshotDir:
                 with safe_open(str(file), framework="numpy") as f:
                     meta = json.loads(f.metadata()["paramshard"])
             except (OSError, ValueError, KeyError, RuntimeError) as exc:
-                raise ShardError.precondition(f"{file}: not a paramshard shard ({exc})")
+                raise ShardError.precondition(f"{file}: not a paramshard shard ({exc})") from None
             if meta.get("version") != manifest["version"]:
                 raise ShardError.precondition(
                     f"{file} holds version {meta.get('version')}, the manifest says"
@@ -236,7 +240,9 @@ class SnapshotDir:
                         continue  # optimizer state not allocated yet at that version
                     part = f.get_slice(key)[piece.local_offset : piece.local_offset + piece.numel]
             except (OSError, ValueError, RuntimeError) as exc:
-                raise ShardError.precondition(f"{file}: cannot read {buffer} {kind} ({exc})")
+                raise ShardError.precondition(
+                    f"{file}: cannot read {buffer} {kind} ({exc})"
+                ) from None
             a = piece.global_offset - start
             out[a : a + piece.numel] = part
         return out

@@ -307,7 +307,9 @@ class BufferSlice:
             optimizer = make_optimizer(req.optimizer.name, len(params), dict(req.optimizer.hyper))
             optimizer.load_state(state, step_count)
         except OptimizerError as exc:
-            raise ShardError.precondition(f"buffer '{req.ref.job}/{req.ref.buffer}': {exc}")
+            raise ShardError.precondition(
+                f"buffer '{req.ref.job}/{req.ref.buffer}': {exc}"
+            ) from None
         b = cls(req, optimizer)
         b.master[...] = backend.to_device(params)
         b.version = version
