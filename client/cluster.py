@@ -28,7 +28,8 @@ class ClusterSpec:
     tls_ca: bytes | None = None
     """PEM root certificate(s) to verify the servers; setting it switches channels to TLS."""
     tls_cert: bytes | None = None
-    """PEM client certificate, for servers that require mutual TLS."""
+    """PEM client certificate, for servers that require mutual TLS (TLS with the system's root
+    certificates when ``tls_ca`` is not given)."""
     tls_key: bytes | None = None
     """PEM private key of ``tls_cert``."""
     tls_server_name: str | None = None
@@ -42,11 +43,29 @@ class ClusterSpec:
         for a in self.addresses:
             if ":" not in a:
                 raise ValueError(f"server address {a!r} is not host:port")
+        if self.token is not None:
+            self.token = self.token.strip() or None  # read from a file: no trailing newline
+            if self.token is not None and (
+                not self.token.isascii() or any(c.isspace() for c in self.token)
+            ):
+                raise ValueError("the token has whitespace or non-ASCII characters")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (mutual TLS needs both)")
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, value.encode())
+
+    @property
+    def tls(self) -> bool:
+        """Whether channels use TLS (a CA or a client certificate is set)."""
+        return self.tls_ca is not None or self.tls_cert is not None
 
     @classmethod
     def from_env(cls) -> ClusterSpec:
         """Reads ``PARAMSHARD_SERVERS=host:port,...`` (and ``PARAMSHARD_TOKEN``,
-        ``PARAMSHARD_TLS_CA/CERT/KEY`` file paths) as set by ``paramshard launch``."""
+        ``PARAMSHARD_TLS_CA/CERT/KEY`` file paths, ``PARAMSHARD_TLS_SERVER_NAME``) as set by
+        ``paramshard launch``."""
         servers = os.environ.get("PARAMSHARD_SERVERS", "")
         if not servers.strip():
             raise ValueError(
@@ -67,6 +86,7 @@ class ClusterSpec:
             tls_ca=read("PARAMSHARD_TLS_CA"),
             tls_cert=read("PARAMSHARD_TLS_CERT"),
             tls_key=read("PARAMSHARD_TLS_KEY"),
+            tls_server_name=os.environ.get("PARAMSHARD_TLS_SERVER_NAME") or None,
         )
 
     def __len__(self) -> int:
@@ -80,7 +100,7 @@ class ClusterSpec:
         if index not in self._channels:
             address = self.addresses[index]
             options = list(CHANNEL_OPTIONS)
-            if self.tls_ca is None:
+            if not self.tls:
                 chan = grpc.insecure_channel(address, options=options)
             else:
                 creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)

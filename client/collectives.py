@@ -37,6 +37,13 @@ class Collectives(RpcCore):
     world_size: int
     run_id: str
 
+    def restart_collectives(self, epoch: int) -> None:
+        """Starts collective numbering afresh under ``<run_id>.e<epoch>``, after a failure left
+        ranks at different sequence numbers. Every rank calls it with the same epoch."""
+        self.run_id = f"{self.run_id.split('.e')[0]}.e{epoch}"
+        self._seq = 0
+        self.__dict__.pop("_p2p_seq", None)
+
     def _next_key(self, kind: str) -> str:
         self._seq = getattr(self, "_seq", 0) + 1
         return f"{self.run_id}:{kind}{self._seq}"

@@ -120,8 +120,8 @@ def positive_int(text: str) -> int:
     arg(
         "--host",
         default="127.0.0.1",
-        help="address to listen on (default: %(default)s; any non-loopback address needs"
-        " --insecure until TLS and tokens exist)",
+        help="address to listen on (default: %(default)s; any non-loopback address needs TLS,"
+        " a --token-file, or --insecure)",
     ),
     arg(
         "--port",
@@ -154,6 +154,43 @@ def positive_int(text: str) -> int:
         default=5.0,
         help="seconds running calls get to finish on SIGINT/SIGTERM (default: %(default)g)",
     ),
+    arg("--tls-cert", metavar="FILE", help="PEM certificate (chain) of this server: serve TLS"),
+    arg("--tls-key", metavar="FILE", help="PEM private key of --tls-cert"),
+    arg(
+        "--tls-ca",
+        metavar="FILE",
+        help="PEM CA certificate(s): require client certificates signed by it (mutual TLS)",
+    ),
+    arg(
+        "--token-file",
+        metavar="FILE",
+        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin); every"
+        " call then needs 'authorization: Bearer TOKEN' (clients: PARAMSHARD_TOKEN)",
+    ),
+    arg(
+        "--metrics-port",
+        type=port_number,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+    ),
+    arg(
+        "--metrics-host",
+        metavar="HOST",
+        help="address of the metrics endpoint (default: --host)",
+    ),
+    arg("--snapshot-dir", metavar="DIR", help="where snapshots are written and read"),
+    arg(
+        "--restore",
+        metavar="TAG",
+        help="at start, load this server's part of snapshot TAG ('latest': the newest complete"
+        " one) of every job in --snapshot-dir",
+    ),
+    arg("--index", type=int, help="this server's index in the cluster (with --restore)"),
+    arg(
+        "--num-servers",
+        type=int,
+        help="servers in the cluster (with --restore; default: as in the snapshot)",
+    ),
     arg(
         "--insecure",
         action="store_true",
@@ -164,16 +201,49 @@ def positive_int(text: str) -> int:
 def serve(args: argparse.Namespace) -> int:
     """Run one shard server until SIGINT or SIGTERM.
 
-    Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls.
+    Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls
+    (then 'paramshard serve: metrics at URL' with --metrics-port).
     The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
     one ends the process at once. The MALLOC_* settings of DESIGN section 7 are applied by
     re-executing the interpreter when they are missing from the environment.
+
+    Security (DESIGN section 6): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
+    --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
+    train (pushes, steps, collectives), admin (DropJob, snapshots, restore). Health checks and
+    reflection stay open. Without TLS or tokens only loopback addresses are allowed, unless
+    --insecure.
     """
     _reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
-    exposed = _check_exposure(host, args.port, args.insecure)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CommandError("--tls-cert and --tls-key go together", EXIT_USAGE)
+    if args.tls_ca is not None and args.tls_cert is None:
+        raise CommandError(
+            "--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key", EXIT_USAGE
+        )
+    tls = args.tls_cert is not None
+    exposed = _check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
+    tls_files = {
+        name: _read_file(path, flag)
+        for name, path, flag in (
+            ("tls_cert", args.tls_cert, "--tls-cert"),
+            ("tls_key", args.tls_key, "--tls-key"),
+            ("tls_ca", args.tls_ca, "--tls-ca"),
+        )
+        if path is not None
+    }
 
     from server import ShardServer, backend
+    from server.auth import load_token_file, token_file_is_private
+
+    tokens = None
+    if args.token_file is not None:
+        try:
+            tokens = load_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
+        if not token_file_is_private(args.token_file):
+            _warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
 
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -187,8 +257,18 @@ def serve(args: argparse.Namespace) -> int:
             max_workers=args.workers,
             max_receive_bytes=int(args.max_receive_mb * 2**20),
             max_job_bytes=int(args.max_job_gb * 2**30),
+            tokens=tokens,
+            insecure=args.insecure,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            snapshot_dir=args.snapshot_dir,
+            **tls_files,
         )
     except backend.BackendError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except ImportError as exc:  # --metrics-port without prometheus_client
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except ValueError as exc:  # PEM that is not PEM, and the like
         raise CommandError(str(exc), EXIT_USAGE) from None
     except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
         raise CommandError(f"cannot listen on {listen}: {exc}") from None
@@ -203,18 +283,32 @@ def serve(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.start()
+        try:
+            server.start()
+        except OSError as exc:  # the metrics port is taken
+            raise CommandError(str(exc)) from None
         address = _join_host_port(host or "0.0.0.0", server.port)
         if exposed:
             _warn(
                 f"listening on {address} with no TLS and no token (--insecure): anyone who"
                 " can reach this port can read or overwrite the model"
             )
+        elif tokens and not tls and not _is_loopback(host):
+            _warn(
+                f"listening on {address} with tokens but no TLS: tokens and the model travel"
+                " in clear text (add --tls-cert/--tls-key)"
+            )
+        if args.restore:
+            _restore_at_start(server, args)
         print(
             f"paramshard serve: listening on {address} (device {backend.device},"
             f" pid {os.getpid()})",
             flush=True,
         )
+        if server.metrics_port is not None:
+            metrics_host = host if args.metrics_host is None else args.metrics_host.strip("[]")
+            where = _join_host_port(metrics_host or "0.0.0.0", server.metrics_port)
+            print(f"paramshard serve: metrics at http://{where}/metrics", flush=True)
         while not stop.wait(1.0):
             pass
         why = signal.Signals(received[0]).name
@@ -228,6 +322,36 @@ def serve(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
+
+
+def _read_file(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+
+
+def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
+    """``serve --restore TAG``: this server's part of TAG for every job with a snapshot."""
+    from protos import shard_pb2 as pb
+    from server.errors import ShardError
+
+    if not args.snapshot_dir or args.index is None:
+        raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
+    snaps = server.servicer.snapshots
+    jobs = sorted({m["job"] for m in snaps.list()}) if snaps.root.is_dir() else []
+    for job in jobs:
+        tag = snaps.latest(job) if args.restore == "latest" else args.restore
+        num = args.num_servers or snaps.load_manifest(job, tag)["num_servers"]
+        request = pb.RestoreRequest(job=job, tag=tag, server_index=args.index, num_servers=num)
+        try:
+            reply = server.servicer.restore(request, None)
+        except ShardError as exc:
+            raise CommandError(f"--restore {job}/{tag}: {exc.message}") from None
+        print(
+            f"paramshard serve: restored {job}/{reply.tag} at version {reply.version}", flush=True
+        )
 
 
 def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
@@ -258,19 +382,24 @@ def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
         _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
 
 
-def _check_exposure(host: str, port: int, insecure: bool) -> bool:
-    """DESIGN section 6: a server holds the model, so only loopback is open without --insecure.
+def _check_exposure(
+    host: str, port: int, insecure: bool, tls: bool = False, token: bool = False
+) -> bool:
+    """DESIGN section 6: a server holds the model, so beyond loopback it needs TLS or a token,
+    or an explicit --insecure.
 
-    Returns whether the server will be reachable beyond this host (worth a warning)."""
-    if _is_loopback(host):
+    Returns whether the server will be reachable beyond this host unprotected (worth a warning).
+    """
+    if _is_loopback(host) or tls or token:
         return False
     where = _join_host_port(host or "0.0.0.0", port)
     if not insecure:
         raise CommandError(
-            f"refusing to listen on {where} without --insecure: a shard server holds the whole"
-            " model, and whoever can reach the port can read or overwrite it. TLS and tokens are"
-            " not available yet; keep the default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or"
-            " pass --insecure on a network you trust.",
+            f"refusing to listen on {where} without TLS or a token: a shard server holds the"
+            " whole model, and whoever can reach the port can read or overwrite it. Give"
+            " --tls-cert/--tls-key (and --tls-ca for mutual TLS) or --token-file, keep the"
+            " default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or pass --insecure on a"
+            " network you trust.",
             EXIT_USAGE,
         )
     return True
@@ -469,6 +598,9 @@ def health(args: argparse.Namespace) -> int:
 
 # -------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
+    import paramshard.launch  # noqa: F401 - registers launch
+    import paramshard.tools_cli  # noqa: F401 - registers inspect, get, snapshot, restore, export
+
     parser = argparse.ArgumentParser(
         prog="paramshard",
         description="Train PyTorch models over gRPC shard servers.",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent import futures
 from typing import Any
 
@@ -9,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from server import backend
+from server import auth, backend
 from server.servicer import SERVICE_NAME, ShardServicer
 
 __all__ = ["ShardServer", "MALLOC_ENV"]
@@ -27,7 +28,8 @@ class ShardServer:
     """A shard server bound to ``host:port`` (port 0 picks a free one; see ``.address``).
 
     Binds 127.0.0.1 by default: a server holds the whole model's slice, so whoever reaches the
-    port can read or overwrite it (DESIGN section 6).
+    port can read or overwrite it (DESIGN section 6). Another address needs TLS or tokens, or
+    ``insecure=True``.
     """
 
     def __init__(
@@ -41,15 +43,55 @@ class ShardServer:
         max_wait_s: float = 600.0,
         max_job_bytes: int = 0,
         max_slot_bytes: int = 0,
+        snapshot_dir: str | None = None,
         fast_codec: bool = True,
+        tls_cert: bytes | str | None = None,
+        tls_key: bytes | str | None = None,
+        tls_ca: bytes | str | None = None,
+        tokens: Mapping[str, str] | None = None,
+        insecure: bool = False,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: list[Any] | None = None,
     ) -> None:
+        """``tls_cert``/``tls_key`` (PEM) serve TLS; ``tls_ca`` (PEM) also requires client
+        certificates it signed (mutual TLS). ``credentials`` may stand in for all three.
+        ``tokens`` ({token: role}, roles read < train < admin) require an ``authorization:
+        Bearer TOKEN`` header on every Shard call (server/auth.py). A ``host`` other than
+        loopback needs TLS or tokens unless ``insecure=True`` (ValueError otherwise).
+        ``metrics_port`` (0 picks one) serves Prometheus metrics at
+        ``http://metrics_host:port/metrics``; ``metrics_host`` defaults to ``host``.
+        """
+        if credentials is not None and (tls_cert or tls_key or tls_ca):
+            raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
+        if credentials is None:
+            credentials = auth.server_credentials(tls_cert, tls_key, tls_ca)
+        checked_tokens = auth.check_tokens(tokens or {})
+        self.exposed = auth.check_binding(
+            host, tls=credentials is not None, tokens=bool(checked_tokens), insecure=insecure
+        )
+        self.tls = credentials is not None
+        self.mutual_tls = self.tls and tls_ca is not None
         backend.use_device(device)
         self.host = host
         self.servicer = ShardServicer(
-            max_wait_s=max_wait_s, max_job_bytes=max_job_bytes, max_slot_bytes=max_slot_bytes
+            max_wait_s=max_wait_s,
+            max_job_bytes=max_job_bytes,
+            max_slot_bytes=max_slot_bytes,
+            snapshot_dir=snapshot_dir,
         )
+        # First is outermost: metrics also see the calls that authentication rejects.
+        chain: list[Any] = []
+        self.metrics = None
+        if metrics_port is not None:
+            from server.metrics import ServerMetrics  # needs prometheus_client: only on demand
+
+            self.metrics = ServerMetrics(self.servicer)
+            chain.append(self.metrics.interceptor)
+        if checked_tokens:
+            chain.append(auth.TokenAuthInterceptor(checked_tokens))
+        chain.extend(interceptors or [])
         options = [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", max_receive_bytes),
@@ -60,7 +102,7 @@ class ShardServer:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard"),
             options=options,
             maximum_concurrent_rpcs=None,
-            interceptors=interceptors or [],
+            interceptors=chain,
         )
         self._server.add_generic_rpc_handlers((self.servicer.generic_handler(fast_codec),))
         self.health = health.HealthServicer()
@@ -75,13 +117,33 @@ class ShardServer:
             self.port = self._server.add_secure_port(target, credentials)
         if self.port == 0:
             raise OSError(f"cannot bind a shard server to {target}")
+        self.metrics_host = host if metrics_host is None else metrics_host
+        self._metrics_port = metrics_port
+        self.metrics_port: int | None = None
+        """The bound metrics port once started (None without metrics)."""
 
     @property
     def address(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        host = "127.0.0.1" if self.metrics_host in ("0.0.0.0", "") else self.metrics_host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.metrics_port}/metrics"
+
     def start(self) -> ShardServer:
+        if self.metrics is not None and self.metrics_port is None:
+            assert self._metrics_port is not None
+            try:
+                self.metrics_port = self.metrics.serve(self.metrics_host, self._metrics_port)
+            except OSError as exc:
+                self._server.stop(0)  # release the gRPC port bound in __init__
+                where = f"{self.metrics_host}:{self._metrics_port}"
+                raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
         self._server.start()
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -90,6 +152,8 @@ class ShardServer:
     def stop(self, grace: float | None = None) -> None:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.close()
 
     def wait(self) -> None:
         self._server.wait_for_termination()

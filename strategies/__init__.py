@@ -17,6 +17,7 @@ from strategies.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
+from strategies.recovery import RecoveryReport, train_with_recovery
 from strategies.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
@@ -35,4 +36,6 @@ __all__ = [
     "ZeRO3Optimizer",
     "OptimizationInputData",
     "OptimizationResult",
+    "train_with_recovery",
+    "RecoveryReport",
 ]

@@ -213,6 +213,17 @@ class FSDPModel(ServerShardedModel):
             self._free(unit)
         self._in_backward = False
 
+    def _abandon_local(self) -> None:
+        for unit in self._unit_list:
+            try:
+                self._free(unit)
+            except Exception:  # noqa: BLE001 - a prefetch from the dead server
+                unit.fetch = None
+                self._free(unit)
+            unit.ready.clear()
+            unit.pushed_micro = -1
+        self._in_backward = False
+
     def _ensure_reduced(self) -> None:
         self._wait_pushes()
         want = self._num_micro()

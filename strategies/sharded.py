@@ -290,6 +290,22 @@ class ServerShardedModel(ShardedModelBase):
         self._after_load()
         return self._step
 
+    def abandon_step(self) -> None:
+        """Drops a step that cannot finish (a server died): waits out pushes in flight,
+        ignoring their errors, and forgets gradients pushed so far."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
+                pass
+        self._micro, self._clip_coef = 0, 1.0
+        self._invalidate()
+        self._abandon_local()
+
+    def _abandon_local(self) -> None:
+        """Strategy-specific local state of a half-done step (pushed flags, gathered units)."""
+
     def _ensure_idle(self) -> None:
         self._wait_pushes()
         if self._micro:

@@ -71,6 +71,9 @@ class ZeRO1Model(_ReplicatedParams):
         self._pushed = False
         self._refresh_replica()
 
+    def _abandon_local(self) -> None:
+        self._pushed = False
+
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
         saved = {n: p.grad for n, p in self._named}
         for _, p in self._named:
@@ -152,6 +155,12 @@ class ZeRO2Model(_ReplicatedParams):
                 self._push_bucket(bucket)
         self._in_backward = False
         self._micro += 1
+
+    def _abandon_local(self) -> None:
+        for bucket in self._buckets:
+            bucket.ready.clear()
+            bucket.pushed_micro = -1
+        self._in_backward = False
 
     def _ensure_reduced(self) -> None:
         self._wait_pushes()

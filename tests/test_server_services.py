@@ -35,6 +35,10 @@ METHODS = {
     "ReadSlot",
     "DropJob",
     "Status",
+    "Snapshot",
+    "CommitSnapshot",
+    "Restore",
+    "ListSnapshots",
 }
 
 

@@ -1,0 +1,267 @@
+"""Prometheus metrics of one shard server, served over HTTP (``ShardServer(metrics_port=P)``).
+
+Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
+
+- ``paramshard_rpc_request_bytes_total{method}`` / ``paramshard_rpc_response_bytes_total{method}``:
+  bytes of the serialised messages received and sent (gRPC framing not included);
+- ``paramshard_rpc_duration_seconds{method,code}``: handler time of unary calls, waits included
+  (a pull at a future version counts the time it waited);
+- ``paramshard_held_bytes{kind}``: params / grads / optimizer / slots held now;
+- ``paramshard_last_step_seconds{job,buffer}`` and ``paramshard_buffer_version{job,buffer}``:
+  the duration of each buffer slice's latest optimizer step and its version;
+- ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
+  the ``process_*`` metrics (memory, CPU, file descriptors) of the server process.
+
+Held bytes and step times are read from the store at scrape time, so nothing is added to the
+hot path but two counter increments and one histogram observation per call. Methods are labelled
+by name (``PushGrad``) for the Shard service and ``service/Method`` for the others (health).
+
+Needs ``prometheus_client`` (pure Python); only imported when metrics are asked for.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
+    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "shard server metrics need the prometheus-client package: pip install prometheus-client"
+    ) from exc
+
+from server.servicer import SERVICE_NAME
+
+if TYPE_CHECKING:
+    from server.servicer import ShardServicer
+
+__all__ = ["ServerMetrics", "MetricsInterceptor", "LATENCY_BUCKETS"]
+
+# Pulls and slot reads may wait for a step (up to the server's max wait): buckets reach 10 min.
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+
+
+def method_label(full_method: str) -> str:
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return method if service == SERVICE_NAME else f"{service}/{method}"
+
+
+class _StoreCollector:
+    """Reads held bytes, step times and versions from the servicer at scrape time."""
+
+    def __init__(self, servicer: ShardServicer) -> None:
+        self.servicer = servicer
+
+    def describe(self) -> list:
+        return []  # computed at scrape time: nothing to check at registration
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = {"params": 0, "grads": 0, "optimizer": 0}
+        step = GaugeMetricFamily(
+            "paramshard_last_step_seconds",
+            "Duration of the latest optimizer step of each buffer slice on this server",
+            labels=["job", "buffer"],
+        )
+        version = GaugeMetricFamily(
+            "paramshard_buffer_version",
+            "Optimizer steps applied to each buffer slice on this server",
+            labels=["job", "buffer"],
+        )
+        jobs = self.servicer.buffers.jobs()
+        n_buffers = 0
+        for job, buffers in sorted(jobs.items()):
+            for b in buffers:
+                # No lock: a scrape must not wait behind a long optimizer step; these are
+                # single attribute reads, at worst one step stale.
+                params, grads, opt = b.bytes_by_kind()
+                held["params"] += params
+                held["grads"] += grads
+                held["optimizer"] += opt
+                step.add_metric([job, b.name], b.last_step_seconds)
+                version.add_metric([job, b.name], b.version)
+                n_buffers += 1
+        slot_bytes, open_slots = self.servicer.slots.usage()
+        held["slots"] = slot_bytes
+        by_kind = GaugeMetricFamily(
+            "paramshard_held_bytes",
+            "Bytes held on this server by kind: params, grads, optimizer state, collective slots",
+            labels=["kind"],
+        )
+        for kind, value in held.items():
+            by_kind.add_metric([kind], value)
+        yield by_kind
+        yield step
+        yield version
+        yield GaugeMetricFamily("paramshard_jobs", "Jobs on this server", value=len(jobs))
+        yield GaugeMetricFamily("paramshard_buffers", "Buffer slices on this server", n_buffers)
+        yield GaugeMetricFamily("paramshard_open_slots", "Open collective slots", open_slots)
+        yield GaugeMetricFamily(
+            "paramshard_uptime_seconds",
+            "Seconds since this server started",
+            time.time() - self.servicer.started,
+        )
+
+
+class ServerMetrics:
+    """The metrics of one server: its own registry, so several servers can share a process."""
+
+    def __init__(self, servicer: ShardServicer) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.request_bytes = Counter(
+            "paramshard_rpc_request_bytes",
+            "Bytes of serialised request messages received, by method",
+            ["method"],
+            registry=self.registry,
+        )
+        self.response_bytes = Counter(
+            "paramshard_rpc_response_bytes",
+            "Bytes of serialised response messages sent, by method",
+            ["method"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "paramshard_rpc_duration_seconds",
+            "Time in the handler of unary calls (waits included), by method and status code",
+            ["method", "code"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_StoreCollector(servicer))  # type: ignore[arg-type]
+        ProcessCollector(registry=self.registry)
+        self.interceptor = MetricsInterceptor(self)
+        self._http: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def render(self) -> bytes:
+        """The current metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+    # -- HTTP ------------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> int:
+        """Serves ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
+        render = self.render
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.send_error(404, "only /metrics is served here")
+                    return
+                body = render()
+                self.send_response(200)
+                self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+                pass  # one line per scrape on stderr helps no one
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            address_family = _family(host)
+
+        self._http = Server((host, port), Handler)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, name="shard-metrics", daemon=True
+        )
+        self._thread.start()
+        return int(self._http.server_address[1])
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _family(host: str) -> Any:
+    import socket
+
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+class MetricsInterceptor(grpc.ServerInterceptor):
+    """Counts message bytes (by wrapping the (de)serialisers) and times unary handlers."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = method_label(handler_call_details.method)
+        m = self.metrics
+        received = m.request_bytes.labels(method)
+        sent = m.response_bytes.labels(method)
+
+        deserialize = handler.request_deserializer
+        serialize = handler.response_serializer
+
+        def counted_request(raw: bytes) -> Any:
+            received.inc(len(raw))
+            return deserialize(raw) if deserialize is not None else raw
+
+        def counted_response(msg: Any) -> bytes:
+            raw = serialize(msg) if serialize is not None else msg
+            sent.inc(len(raw))
+            return raw
+
+        if handler.request_streaming or handler.response_streaming:
+            behavior, make = _streaming(handler)
+            return make(
+                behavior, request_deserializer=counted_request, response_serializer=counted_response
+            )
+
+        behavior = handler.unary_unary
+        latency = m.latency
+
+        def timed(request: Any, context: grpc.ServicerContext) -> Any:
+            began = time.perf_counter()
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                reply = behavior(request, context)
+                code = _code(context) or grpc.StatusCode.OK
+                return reply
+            except BaseException:
+                code = _code(context) or grpc.StatusCode.UNKNOWN
+                raise
+            finally:
+                latency.labels(method, code.name).observe(time.perf_counter() - began)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=counted_request, response_serializer=counted_response
+        )
+
+
+def _code(context: grpc.ServicerContext) -> grpc.StatusCode | None:
+    try:
+        code = context.code()  # type: ignore[attr-defined]
+    except (AttributeError, NotImplementedError):  # an older grpcio
+        return None
+    return code if isinstance(code, grpc.StatusCode) else None
+
+
+def _streaming(handler: grpc.RpcMethodHandler) -> tuple[Any, Callable[..., Any]]:
+    """The behaviour of a streaming handler and the constructor of its kind (untimed: a Watch
+    stream lasts as long as the client likes)."""
+    if handler.request_streaming and handler.response_streaming:
+        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    if handler.request_streaming:
+        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    return handler.unary_stream, grpc.unary_stream_rpc_method_handler

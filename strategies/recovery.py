@@ -1,0 +1,112 @@
+"""Training that survives a shard server dying: checkpoint every k steps, restore and replay.
+
+``train_with_recovery`` runs ``train_step(step)`` for each step. Every ``checkpoint_every``
+steps it snapshots the job on the servers (``save_checkpoint``). When a call fails because a
+server died (UNAVAILABLE after the client's retries, a restarted server that lost the job:
+NOT_FOUND, or a wait that can no longer finish: DEADLINE_EXCEEDED), every rank:
+
+1. drops the half-done step (pending pushes, gradients, gathered units);
+2. waits, bounded, until every server answers again;
+3. restarts collective numbering in a new epoch (ranks may have failed at different calls);
+4. restores the newest complete snapshot into all servers (rank 0) and adopts its step;
+5. replays from there.
+
+``train_step`` must be a function of the step number (the same data for the same step), so
+the replayed steps are the ones that were lost and training ends where it would have without
+the failure. At most ``checkpoint_every`` steps are recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from client import ShardClientError
+from protos import shard_pb2 as pb
+from strategies.sharded import ServerShardedModel
+
+__all__ = ["train_with_recovery", "RecoveryReport"]
+
+log = logging.getLogger("paramshard.recovery")
+
+RECOVERABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.FAILED_PRECONDITION,  # a push for a step the restarted server is not at
+    grpc.StatusCode.CANCELLED,
+}
+
+
+@dataclass
+class RecoveryReport:
+    """What happened: losses by step (replayed steps overwrite), recoveries and their cost."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    recoveries: int = 0
+    recovery_seconds: list[float] = field(default_factory=list)
+    replayed_steps: int = 0
+
+
+def _wait_for_servers(model: ServerShardedModel, wait_s: float) -> None:
+    client = model.client
+    deadline = time.monotonic() + wait_s
+    for i in range(client.num_servers):
+        while True:
+            try:
+                client.call(i, "Status", pb.StatusRequest())
+                break
+            except ShardClientError as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"server {i} ({client.spec.addresses[i]}) did not come back within"
+                        f" {wait_s:.0f} s: {exc.details}"
+                    ) from exc
+                time.sleep(0.2)
+
+
+def train_with_recovery(
+    model: ServerShardedModel,
+    train_step: Callable[[int], float],
+    steps: int,
+    *,
+    checkpoint_every: int = 10,
+    tag_prefix: str = "auto",
+    wait_s: float = 120.0,
+    max_recoveries: int = 5,
+) -> RecoveryReport:
+    """Runs ``train_step(step)`` for steps ``model.step_count .. steps-1`` surviving server
+    failures (see the module docstring). ``train_step`` does forward, backward and the
+    optimizer step and returns the loss. Every rank calls this the same way."""
+    if not model.registered:
+        raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
+    report = RecoveryReport()
+    epoch = 0
+    if model.step_count % checkpoint_every == 0:
+        model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
+    while model.step_count < steps:
+        step = model.step_count
+        try:
+            report.losses[step] = train_step(step)
+            if model.step_count % checkpoint_every == 0:
+                model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
+        except ShardClientError as exc:
+            if exc.code not in RECOVERABLE or report.recoveries >= max_recoveries:
+                raise
+            began = time.monotonic()
+            log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
+            report.recoveries += 1
+            epoch += 1
+            model.abandon_step()
+            if model.optimizer is not None:
+                model.optimizer.zero_grad()
+            _wait_for_servers(model, wait_s)
+            model.client.restart_collectives(epoch)
+            restored = model.load_checkpoint("latest")
+            report.replayed_steps += step - restored
+            report.recovery_seconds.append(time.monotonic() - began)
+    return report
