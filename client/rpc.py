@@ -52,6 +52,11 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "CommitSnapshot": pb.CommitSnapshotReply.FromString,
     "Restore": pb.RestoreReply.FromString,
     "ListSnapshots": pb.ListSnapshotsReply.FromString,
+    "ConfigureReplication": pb.ReplicationConfigReply.FromString,
+    "ListReplicas": pb.ListReplicasReply.FromString,
+    "FetchReplica": pb.ReplicaChunk.FromString,
+    "LoadReplica": pb.ReplicaAck.FromString,
+    "RollbackToReplica": pb.RestoreReply.FromString,
 }
 
 

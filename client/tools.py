@@ -32,6 +32,8 @@ __all__ = [
     "snapshot",
     "restore",
     "list_snapshots",
+    "configure_replication",
+    "recover_from_replicas",
     "export",
     "write_safetensors",
 ]
@@ -227,6 +229,60 @@ def list_snapshots(client: ShardClient, job: str = "") -> list[dict[str, Any]]:
         }
         for s in reply.snapshots
     ]
+
+
+# -- neighbour replication ----------------------------------------------------------------
+def configure_replication(client: ShardClient, job: str, every: int) -> None:
+    """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops)."""
+    n = client.num_servers
+    client.run(
+        Call(
+            i,
+            "ConfigureReplication",
+            pb.ReplicationConfig(
+                job=job,
+                every=every,
+                neighbour=client.spec.addresses[(i + 1) % n],
+                server_index=i,
+                num_servers=n,
+                token=client.spec.token or "",
+            ),
+        )
+        for i in range(n)
+    )
+
+
+def recover_from_replicas(client: ShardClient, job: str) -> int:
+    """Brings every server back to the newest version all of them can reach: a server with
+    its own copy rolls back to it, a restarted one gets its copy from its neighbour. Returns
+    that version; LookupError when there is none (fall back to a snapshot)."""
+    n = client.num_servers
+    lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
+    own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
+    held = [
+        {r.version for r in lists[(i + 1) % n].replicas if not r.own and r.source_index == i}
+        for i in range(n)
+    ]
+    reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
+    if not reachable:
+        raise LookupError(f"no version of job '{job}' is replicated for every server")
+    version = max(reachable)
+    for i in range(n):
+        if version in own[i]:
+            client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
+            continue
+        holder, offset, total = (i + 1) % n, 0, None
+        while total is None or offset < total:
+            chunk = client.call(
+                holder,
+                "FetchReplica",
+                pb.FetchReplicaRequest(job=job, source_index=i, version=version, offset=offset),
+            )
+            client.call(i, "LoadReplica", chunk)
+            total, offset = chunk.total, offset + len(chunk.data)
+            if not chunk.data:
+                break
+    return version
 
 
 # -- export -----------------------------------------------------------------------------------

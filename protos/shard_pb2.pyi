@@ -499,3 +499,93 @@ class ListSnapshotsReply(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
+
+class ReplicationConfig(_message.Message):
+    __slots__ = ("job", "every", "neighbour", "server_index", "num_servers", "token")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    EVERY_FIELD_NUMBER: _ClassVar[int]
+    NEIGHBOUR_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    every: int
+    neighbour: str
+    server_index: int
+    num_servers: int
+    token: str
+    def __init__(self, job: _Optional[str] = ..., every: _Optional[int] = ..., neighbour: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., token: _Optional[str] = ...) -> None: ...
+
+class ReplicationConfigReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaChunk(_message.Message):
+    __slots__ = ("job", "source_index", "version", "offset", "total", "data")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    source_index: int
+    version: int
+    offset: int
+    total: int
+    data: bytes
+    def __init__(self, job: _Optional[str] = ..., source_index: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicaAck(_message.Message):
+    __slots__ = ("complete",)
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    complete: bool
+    def __init__(self, complete: _Optional[bool] = ...) -> None: ...
+
+class ListReplicasRequest(_message.Message):
+    __slots__ = ("job",)
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    def __init__(self, job: _Optional[str] = ...) -> None: ...
+
+class ReplicaInfo(_message.Message):
+    __slots__ = ("source_index", "version", "bytes", "own")
+    SOURCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWN_FIELD_NUMBER: _ClassVar[int]
+    source_index: int
+    version: int
+    bytes: int
+    own: bool
+    def __init__(self, source_index: _Optional[int] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., own: _Optional[bool] = ...) -> None: ...
+
+class ListReplicasReply(_message.Message):
+    __slots__ = ("server_index", "replicas")
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    server_index: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
+    def __init__(self, server_index: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+
+class FetchReplicaRequest(_message.Message):
+    __slots__ = ("job", "source_index", "version", "offset", "max_bytes")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    source_index: int
+    version: int
+    offset: int
+    max_bytes: int
+    def __init__(self, job: _Optional[str] = ..., source_index: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class RollbackRequest(_message.Message):
+    __slots__ = ("job", "version")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    version: int
+    def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...

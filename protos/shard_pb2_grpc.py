@@ -104,6 +104,36 @@ class ShardStub:
                 request_serializer=protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
                 response_deserializer=protos_dot_shard__pb2.ListSnapshotsReply.FromString,
                 _registered_method=True)
+        self.ConfigureReplication = channel.unary_unary(
+                '/paramshard.v1.Shard/ConfigureReplication',
+                request_serializer=protos_dot_shard__pb2.ReplicationConfig.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ReplicationConfigReply.FromString,
+                _registered_method=True)
+        self.StoreReplica = channel.unary_unary(
+                '/paramshard.v1.Shard/StoreReplica',
+                request_serializer=protos_dot_shard__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.ListReplicas = channel.unary_unary(
+                '/paramshard.v1.Shard/ListReplicas',
+                request_serializer=protos_dot_shard__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ListReplicasReply.FromString,
+                _registered_method=True)
+        self.FetchReplica = channel.unary_unary(
+                '/paramshard.v1.Shard/FetchReplica',
+                request_serializer=protos_dot_shard__pb2.FetchReplicaRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ReplicaChunk.FromString,
+                _registered_method=True)
+        self.LoadReplica = channel.unary_unary(
+                '/paramshard.v1.Shard/LoadReplica',
+                request_serializer=protos_dot_shard__pb2.ReplicaChunk.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ReplicaAck.FromString,
+                _registered_method=True)
+        self.RollbackToReplica = channel.unary_unary(
+                '/paramshard.v1.Shard/RollbackToReplica',
+                request_serializer=protos_dot_shard__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.RestoreReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -218,6 +248,50 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConfigureReplication(self, request, context):
+        """Neighbour replication (DESIGN section 5): every `every` steps this server copies a job's
+        slices and optimizer state (one version, all buffers) to host memory and to its neighbour.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreReplica(self, request, context):
+        """A chunk of a neighbour's replica (server to server).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListReplicas(self, request, context):
+        """Versions of the job this server can restore: its own copies and those it holds for its
+        neighbour.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FetchReplica(self, request, context):
+        """A chunk of a replica this server holds (its own, or a neighbour's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadReplica(self, request, context):
+        """A chunk of this server's own replica, sent back to it after a restart; loaded when whole.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackToReplica(self, request, context):
+        """Rolls this server's part of a job back to one of its own replicas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -290,6 +364,36 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.ListSnapshots,
                     request_deserializer=protos_dot_shard__pb2.ListSnapshotsRequest.FromString,
                     response_serializer=protos_dot_shard__pb2.ListSnapshotsReply.SerializeToString,
+            ),
+            'ConfigureReplication': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfigureReplication,
+                    request_deserializer=protos_dot_shard__pb2.ReplicationConfig.FromString,
+                    response_serializer=protos_dot_shard__pb2.ReplicationConfigReply.SerializeToString,
+            ),
+            'StoreReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreReplica,
+                    request_deserializer=protos_dot_shard__pb2.ReplicaChunk.FromString,
+                    response_serializer=protos_dot_shard__pb2.ReplicaAck.SerializeToString,
+            ),
+            'ListReplicas': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListReplicas,
+                    request_deserializer=protos_dot_shard__pb2.ListReplicasRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.ListReplicasReply.SerializeToString,
+            ),
+            'FetchReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchReplica,
+                    request_deserializer=protos_dot_shard__pb2.FetchReplicaRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.ReplicaChunk.SerializeToString,
+            ),
+            'LoadReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadReplica,
+                    request_deserializer=protos_dot_shard__pb2.ReplicaChunk.FromString,
+                    response_serializer=protos_dot_shard__pb2.ReplicaAck.SerializeToString,
+            ),
+            'RollbackToReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackToReplica,
+                    request_deserializer=protos_dot_shard__pb2.RollbackRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.RestoreReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -670,6 +774,168 @@ class Shard:
             '/paramshard.v1.Shard/ListSnapshots',
             protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
             protos_dot_shard__pb2.ListSnapshotsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfigureReplication(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ConfigureReplication',
+            protos_dot_shard__pb2.ReplicationConfig.SerializeToString,
+            protos_dot_shard__pb2.ReplicationConfigReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/StoreReplica',
+            protos_dot_shard__pb2.ReplicaChunk.SerializeToString,
+            protos_dot_shard__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListReplicas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ListReplicas',
+            protos_dot_shard__pb2.ListReplicasRequest.SerializeToString,
+            protos_dot_shard__pb2.ListReplicasReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/FetchReplica',
+            protos_dot_shard__pb2.FetchReplicaRequest.SerializeToString,
+            protos_dot_shard__pb2.ReplicaChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/LoadReplica',
+            protos_dot_shard__pb2.ReplicaChunk.SerializeToString,
+            protos_dot_shard__pb2.ReplicaAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackToReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/RollbackToReplica',
+            protos_dot_shard__pb2.RollbackRequest.SerializeToString,
+            protos_dot_shard__pb2.RestoreReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,7 @@ METHOD_ROLES: dict[str, str] = {
     "Status": "read",
     "PullParams": "read",  # trainers pull too, but so do inspect/get/export
     "ListSnapshots": "read",
+    "ListReplicas": "read",
     # train: everything a training step does, collectives included
     "RegisterBuffer": "train",
     "SetParams": "train",
@@ -61,11 +62,16 @@ METHOD_ROLES: dict[str, str] = {
     "Step": "train",
     "Contribute": "train",
     "ReadSlot": "train",
+    "ConfigureReplication": "train",
+    "StoreReplica": "train",  # server to server, with the token the trainers configured
     # admin: destroys, writes or replaces state
     "DropJob": "admin",
     "Snapshot": "admin",
     "CommitSnapshot": "admin",
     "Restore": "admin",
+    "FetchReplica": "admin",
+    "LoadReplica": "admin",
+    "RollbackToReplica": "admin",
 }
 """Role needed by each method of the Shard service; any method not listed needs ``DEFAULT_ROLE``
 (Snapshot*, Restore*, Replica*, Shutdown* are admin through this default)."""

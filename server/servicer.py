@@ -21,6 +21,7 @@ from protos import codec, slicing
 from protos import shard_pb2 as pb
 from server import backend
 from server.errors import ShardError
+from server.replication import Replicator
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
 from server.store import BufferSlice, BufferStore
@@ -87,6 +88,7 @@ class ShardServicer:
     ) -> None:
         self.buffers = BufferStore(max_job_bytes=max_job_bytes)
         self.snapshots = SnapshotDir(snapshot_dir)
+        self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes)
         self.max_wait_s = max_wait_s
         self.started = time.time()
@@ -139,6 +141,16 @@ class ShardServicer:
             "CommitSnapshot": (self.commit_snapshot, _plain(pb.CommitSnapshotRequest), plain_reply),
             "Restore": (self.restore, _plain(pb.RestoreRequest), plain_reply),
             "ListSnapshots": (self.list_snapshots, _plain(pb.ListSnapshotsRequest), plain_reply),
+            "ConfigureReplication": (
+                self.configure_replication,
+                _plain(pb.ReplicationConfig),
+                plain_reply,
+            ),
+            "StoreReplica": (self.store_replica, _plain(pb.ReplicaChunk), plain_reply),
+            "ListReplicas": (self.list_replicas, _plain(pb.ListReplicasRequest), plain_reply),
+            "FetchReplica": (self.fetch_replica, _plain(pb.FetchReplicaRequest), plain_reply),
+            "LoadReplica": (self.load_replica, _plain(pb.ReplicaChunk), plain_reply),
+            "RollbackToReplica": (self.rollback, _plain(pb.RollbackRequest), plain_reply),
         }
         handlers = {
             name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
@@ -310,3 +322,27 @@ class ShardServicer:
                 for m in self.snapshots.list(req.job)
             ]
         )
+
+    # -- neighbour replication ---------------------------------------------------------------
+    def configure_replication(self, req: pb.ReplicationConfig, context: Any) -> Any:
+        self.replicator.configure(req)
+        return pb.ReplicationConfigReply()
+
+    def store_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
+        return pb.ReplicaAck(complete=self.replicator.store_chunk(req))
+
+    def list_replicas(self, req: pb.ListReplicasRequest, context: Any) -> Any:
+        cfg = self.replicator.configs.get(req.job)
+        return pb.ListReplicasReply(
+            server_index=cfg.server_index if cfg else 0, replicas=self.replicator.list(req.job)
+        )
+
+    def fetch_replica(self, req: pb.FetchReplicaRequest, context: Any) -> Any:
+        return self.replicator.fetch(req)
+
+    def load_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
+        return pb.ReplicaAck(complete=self.replicator.load_chunk(req))
+
+    def rollback(self, req: pb.RollbackRequest, context: Any) -> Any:
+        version = self.replicator.rollback(req.job, req.version)
+        return pb.RestoreReply(tag="replica", version=version)

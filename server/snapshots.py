@@ -14,6 +14,7 @@ names the file, and nothing is loaded.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -25,13 +26,14 @@ from typing import Any
 
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from protos import slicing
 from protos.manifest import FORMAT
 from server.errors import ShardError
 
-__all__ = ["Captured", "SnapshotDir"]
+__all__ = ["Captured", "SnapshotDir", "encode_shard", "decode_shard"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -99,27 +101,7 @@ class SnapshotDir:
         """Writes this server's shard; returns (relative path, bytes, sha256)."""
         folder = self.path(job, tag)
         folder.mkdir(parents=True, exist_ok=True)
-        tensors: dict[str, np.ndarray] = {}
-        layout = {}
-        for c in captured:
-            tensors[_key(c.buffer, "params")] = c.params
-            for name, arr in c.state.items():
-                tensors[_key(c.buffer, f"state.{name}")] = arr
-            layout[c.buffer] = {
-                "slice_start": c.slice_start,
-                "slice_numel": int(c.params.size),
-                "step_count": c.step_count,
-                "state": sorted(c.state),
-            }
-        meta = {
-            "job": job,
-            "tag": tag,
-            "version": version,
-            "server_index": index,
-            "num_servers": num,
-            "buffers": layout,
-        }
-        data = st_save(tensors, metadata={"paramshard": json.dumps(meta)})
+        data = encode_shard(job, tag, index, num, version, captured)
         name = f"shard-{index}-of-{num}.safetensors"
         _atomic_write(folder / name, data)
         return f"{job}/{tag}/{name}", len(data), hashlib.sha256(data).hexdigest()
@@ -246,3 +228,52 @@ class SnapshotDir:
             a = piece.global_offset - start
             out[a : a + piece.numel] = part
         return out
+
+
+def encode_shard(
+    job: str,
+    tag: str,
+    index: int,
+    num: int,
+    version: int,
+    captured: list[Captured],
+    specs: dict[str, bytes] | None = None,
+) -> bytes:
+    """One server's slices as safetensors bytes: ``<buffer>::params`` and
+    ``<buffer>::state.<name>`` tensors, layout in the ``paramshard`` metadata. ``specs``
+    (buffer -> serialised RegisterBufferRequest) makes the shard loadable on its own, as a
+    neighbour replica is (a snapshot's manifest holds that instead)."""
+    tensors: dict[str, np.ndarray] = {}
+    layout = {}
+    for c in captured:
+        tensors[_key(c.buffer, "params")] = c.params
+        for name, arr in c.state.items():
+            tensors[_key(c.buffer, f"state.{name}")] = arr
+        layout[c.buffer] = {
+            "slice_start": c.slice_start,
+            "slice_numel": int(c.params.size),
+            "step_count": c.step_count,
+            "state": sorted(c.state),
+        }
+        if specs is not None:
+            layout[c.buffer]["spec"] = base64.b64encode(specs[c.buffer]).decode()
+    meta = {
+        "job": job,
+        "tag": tag,
+        "version": version,
+        "server_index": index,
+        "num_servers": num,
+        "buffers": layout,
+    }
+    return st_save(tensors, metadata={"paramshard": json.dumps(meta)})
+
+
+def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(metadata, tensors) of ``encode_shard`` bytes."""
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["paramshard"])
+    except Exception as exc:  # safetensors raises its own error types
+        raise ShardError.invalid(f"not a paramshard shard ({exc})") from None
+    return meta, tensors

@@ -65,6 +65,7 @@ class BufferSlice:
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
+        self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
         self.captures: dict[int, Captured] = {}
         self.cond = threading.Condition()
@@ -284,8 +285,12 @@ class BufferSlice:
 
     def _capture(self) -> None:
         """Caller holds the lock."""
+        self.captures[self.version] = self.copy_state()
+
+    def copy_state(self) -> Captured:
+        """Host copies of params and optimizer state as they are now (caller holds the lock)."""
         state = {k: backend.to_host(v).copy() for k, v in self.optimizer.state_arrays().items()}
-        self.captures[self.version] = Captured(
+        return Captured(
             self.name,
             self.start,
             backend.to_host(self.master).copy(),
@@ -341,6 +346,8 @@ class BufferSlice:
         self.pending = None
         self.last_step_seconds = time.perf_counter() - began
         self.last_step_unix = time.time()
+        if self.replicator is not None:
+            self.replicator.on_version(self)
 
 
 class BufferStore:

@@ -57,6 +57,9 @@ class ShardingConfiguration:
     """FSDP size-based wrap policy threshold; None wraps by module class only."""
     timeout_s: float = 120.0
     """Deadline in seconds for every wait on the servers."""
+    replicate_every: int = 0
+    """Neighbour replication: every this many steps each server copies its slices and
+    optimizer state to server (i+1) mod N, so a dead server is rebuilt from it (0: off)."""
     gradient_accumulation_steps: int = 1
     """ZeRO-2 / FSDP: backward passes per optimizer step; each micro-batch's gradients are
     pushed during its backward and summed on the servers, which must know how many to expect."""
@@ -77,6 +80,7 @@ class ShardingConfiguration:
         _check_int("minimum_parameter_group_size", self.minimum_parameter_group_size, minimum=0)
         _check_int("bucket_size_bytes", self.bucket_size_bytes, minimum=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
+        _check_int("replicate_every", self.replicate_every, minimum=0)
         if self.wrap_min_params is not None:
             _check_int("wrap_min_params", self.wrap_min_params, minimum=1, none_ok=True)
         if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):

@@ -8,7 +8,9 @@ NOT_FOUND, or a wait that can no longer finish: DEADLINE_EXCEEDED), every rank:
 1. drops the half-done step (pending pushes, gradients, gathered units);
 2. waits, bounded, until every server answers again;
 3. restarts collective numbering in a new epoch (ranks may have failed at different calls);
-4. restores the newest complete snapshot into all servers (rank 0) and adopts its step;
+4. brings every server back to one version (rank 0): from neighbour replicas when the job
+   replicates (``replicate_every``; at most that many steps back), else from the newest
+   complete snapshot; every rank adopts that step;
 5. replays from there.
 
 ``train_step`` must be a function of the step number (the same data for the same step), so
@@ -74,7 +76,7 @@ def train_with_recovery(
     train_step: Callable[[int], float],
     steps: int,
     *,
-    checkpoint_every: int = 10,
+    checkpoint_every: int = 10,  # 0: no snapshots (neighbour replicas only)
     tag_prefix: str = "auto",
     wait_s: float = 120.0,
     max_recoveries: int = 5,
@@ -86,13 +88,13 @@ def train_with_recovery(
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
     report = RecoveryReport()
     epoch = 0
-    if model.step_count % checkpoint_every == 0:
+    if checkpoint_every and model.step_count % checkpoint_every == 0:
         model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
     while model.step_count < steps:
         step = model.step_count
         try:
             report.losses[step] = train_step(step)
-            if model.step_count % checkpoint_every == 0:
+            if checkpoint_every and model.step_count % checkpoint_every == 0:
                 model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
         except ShardClientError as exc:
             if exc.code not in RECOVERABLE or report.recoveries >= max_recoveries:
@@ -106,7 +108,9 @@ def train_with_recovery(
                 model.optimizer.zero_grad()
             _wait_for_servers(model, wait_s)
             model.client.restart_collectives(epoch)
-            restored = model.load_checkpoint("latest")
-            report.replayed_steps += step - restored
+            restored = model.recover()
+            # a rank whose failed call was the last of a step another rank completed may find
+            # the servers one step ahead of it: nothing to replay then
+            report.replayed_steps += max(0, step - restored)
             report.recovery_seconds.append(time.monotonic() - began)
     return report

@@ -151,6 +151,10 @@ class ServerShardedModel(ShardedModelBase):
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 flat = torch.cat([p.detach().reshape(-1).float() for p in b.params])
                 self.client.set_params(job, b.name, flat.numpy(), version=0)
+        if self.config.replicate_every and self.rank == 0:
+            from client import tools
+
+            tools.configure_replication(self.client, job, self.config.replicate_every)
         self._after_register()
 
     def _after_register(self) -> None:
@@ -280,7 +284,36 @@ class ServerShardedModel(ShardedModelBase):
         self._ensure_idle()
         if self.rank == 0:
             tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
+            if self.config.replicate_every:
+                tools.configure_replication(
+                    self.client, self.config.job, self.config.replicate_every
+                )
         self.client.barrier()
+        return self._adopt_server_version()
+
+    def recover(self) -> int:
+        """After a server died and came back: every server returns to the newest version they
+        can all reach, from neighbour replicas when configured, else from the newest snapshot.
+        Every rank calls it at the same point; returns the step to continue from."""
+        from client import tools
+
+        self._ensure_idle()
+        if self.rank == 0:
+            job = self.config.job
+            try:
+                if not self.config.replicate_every:
+                    raise LookupError("replication is off")
+                tools.recover_from_replicas(self.client, job)
+            except LookupError:
+                tools.restore(self.client, job, "latest", contributors=self.world_size)
+            if self.config.replicate_every:
+                tools.configure_replication(self.client, job, self.config.replicate_every)
+        self.client.barrier()
+        return self._adopt_server_version()
+
+    def _adopt_server_version(self) -> int:
+        from client import tools
+
         versions = {b.version for b in tools.job_params(self.client, self.config.job)}
         if len(versions) != 1:
             raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")

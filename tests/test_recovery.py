@@ -100,7 +100,7 @@ def cluster(tmp_path):
         s.stop()
 
 
-def train(addresses, init, data, on_step=None):
+def train(addresses, init, data, on_step=None, replicate_every=0):
     """W ranks of FSDP training with recovery; returns (final state dict, reports)."""
     job, run = f"recover-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
@@ -108,7 +108,7 @@ def train(addresses, init, data, on_step=None):
         client = ShardClient(
             ClusterSpec(addresses), rank=r, world_size=W, run_id=run, timeout_s=15, retries=3
         )
-        config = ShardingConfiguration(client, job=job)
+        config = ShardingConfiguration(client, job=job, replicate_every=replicate_every)
         net = GPT(CFG)
         net.load_state_dict(init)
         model = FSDPModel(net, config, wrap=(Block,))
@@ -125,14 +125,16 @@ def train(addresses, init, data, on_step=None):
             opt.zero_grad()
             return loss.item()
 
-        report = train_with_recovery(model, step, STEPS, checkpoint_every=EVERY, wait_s=60)
+        every = 0 if replicate_every else EVERY  # replicas alone, or snapshots alone
+        report = train_with_recovery(model, step, STEPS, checkpoint_every=every, wait_s=60)
         return model.state_dict(), report
 
     with ThreadPoolExecutor(W) as pool:
         return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(W)]]
 
 
-def test_server_killed_mid_training_recovers_from_snapshot(cluster):
+@pytest.mark.parametrize("replicate_every", [0, 1, 4], ids=["snapshot", "replica-k1", "replica-k4"])
+def test_server_killed_mid_training_recovers(cluster, replicate_every):
     torch.manual_seed(0)
     init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
     data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(1))
@@ -156,18 +158,20 @@ def test_server_killed_mid_training_recovers_from_snapshot(cluster):
                 daemon=True,
             ).start()
 
-    recovered = train(addresses, init, data, on_step=kill_server_1)
+    recovered = train(addresses, init, data, on_step=kill_server_1, replicate_every=replicate_every)
     assert killed.is_set() and restarted_after, "the server was not killed and restarted"
     for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
         assert report.recoveries == 1
         # a rank may fail finishing step KILL_AT-1 or at KILL_AT; either way at most
         # checkpoint_every steps are recomputed
-        assert 1 <= report.replayed_steps <= EVERY
+        assert 0 <= report.replayed_steps <= (replicate_every or EVERY)
         for name, ref in ref_state.items():
             assert torch.allclose(state[name], ref, rtol=0, atol=1e-6), name
     print(
-        f"recovery took {max(r.recovery_seconds[0] for _, r in recovered):.2f} s "
-        f"(server restart {restarted_after[0]:.2f} s)",
+        f"recovery ({f'replica k={replicate_every}' if replicate_every else 'snapshot'})"
+        f" took {max(r.recovery_seconds[0] for _, r in recovered):.2f} s, replayed"
+        f" {max(r.replayed_steps for _, r in recovered)} steps"
+        f" (server restart {restarted_after[0]:.2f} s)",
         file=sys.stderr,
     )
     assert os.listdir(cluster[0].snapshot_dir)

@@ -39,6 +39,12 @@ METHODS = {
     "CommitSnapshot",
     "Restore",
     "ListSnapshots",
+    "ConfigureReplication",
+    "StoreReplica",
+    "ListReplicas",
+    "FetchReplica",
+    "LoadReplica",
+    "RollbackToReplica",
 }
 
 
