@@ -58,6 +58,28 @@ class ShardClient(Collectives, FlatBuffers):
             **kw,
         )
 
+    def subgroup(self, ranks: list[int], name: str) -> ShardClient:
+        """A client for collectives among ``ranks`` only (a tensor-, pipeline- or data-parallel
+        group): this rank's index in the group is its rank, the group's size its world size,
+        and its slot keys live under ``<run_id>/<name>`` so groups never collide. Shares this
+        client's channels. Every member calls it with the same ranks and name."""
+        if self.rank not in ranks:
+            raise ValueError(f"rank {self.rank} is not in group {name!r} {list(ranks)}")
+        if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+            raise ValueError(
+                f"group {name!r}: ranks {list(ranks)} must be distinct and inside"
+                f" 0..{self.world_size - 1}"
+            )
+        group = ShardClient.__new__(ShardClient)
+        group.__dict__.update(
+            {k: v for k, v in self.__dict__.items() if k not in ("_seq", "_p2p_seq")}
+        )
+        group.rank = list(ranks).index(self.rank)
+        group.world_size = len(ranks)
+        group.run_id = f"{self.run_id}/{name}"
+        group.global_ranks = list(ranks)
+        return group
+
     def status(self) -> list[dict[str, Any]]:
         """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable."""
         out = []
