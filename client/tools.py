@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from client.rpc import Call
+from client.rpc import Call, ShardClientError
 from client.shard_client import ShardClient
 from protos import codec, slicing
 from protos import shard_pb2 as pb
@@ -168,14 +168,24 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
         raise KeyError(f"job '{job}' is not on the servers")
     version = max(versions)
     n = client.num_servers
-    replies = client.run(
-        Call(
-            i,
-            "Snapshot",
-            pb.SnapshotRequest(job=job, tag=tag, version=version, server_index=i, num_servers=n),
-        )
-        for i in range(n)
-    )
+    for attempt in range(5):
+        try:
+            replies = client.run(
+                Call(
+                    i,
+                    "Snapshot",
+                    pb.SnapshotRequest(
+                        job=job, tag=tag, version=version, server_index=i, num_servers=n
+                    ),
+                )
+                for i in range(n)
+            )
+            break
+        except ShardClientError as exc:
+            # training stepped past the version between Status and Snapshot: aim further
+            if "past the snapshot's" not in exc.details or attempt == 4:
+                raise
+            version += 1
     buffers = {
         b.buffer: {
             "numel": b.numel,
@@ -201,16 +211,25 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
 def restore(client: ShardClient, job: str, tag: str = "latest", contributors: int = 0) -> int:
     """Loads snapshot ``tag`` into these servers (any number: resharded); returns its version."""
     n = client.num_servers
-    replies = client.run(
-        Call(
-            i,
-            "Restore",
-            pb.RestoreRequest(
-                job=job, tag=tag, server_index=i, num_servers=n, contributors=contributors
-            ),
+
+    def request(i: int, tag: str, check_only: bool) -> pb.RestoreRequest:
+        return pb.RestoreRequest(
+            job=job,
+            tag=tag,
+            server_index=i,
+            num_servers=n,
+            contributors=contributors,
+            check_only=check_only,
         )
-        for i in range(n)
-    )
+
+    # Phase one: every server reads and checks its part; only then does any server swap, so a
+    # snapshot that one server cannot load leaves every server as it was.
+    checks = client.run(Call(i, "Restore", request(i, tag, True)) for i in range(n))
+    tags = {c.tag for c in checks}
+    if len(tags) != 1:
+        raise RuntimeError(f"servers resolve {tag!r} to different snapshots {sorted(tags)}")
+    resolved = tags.pop()
+    replies = client.run(Call(i, "Restore", request(i, resolved, False)) for i in range(n))
     versions = {r.version for r in replies}
     if len(versions) != 1:
         raise RuntimeError(f"servers restored different versions {sorted(versions)}")

@@ -258,7 +258,14 @@ class ShardServicer:
             )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
         timeout = self._timeout(context)
-        captured = [b.capture(req.version, timeout) for b in slices]
+        try:  # every buffer asks first, so none can step past the version while we wait
+            for b in slices:
+                b.request_capture(req.version)
+            captured = [b.capture(req.version, timeout) for b in slices]
+        except ShardError:
+            for b in slices:
+                b.cancel_capture(req.version)
+            raise
         file, nbytes, sha = self.snapshots.write_shard(
             req.job, req.tag, req.server_index, req.num_servers, req.version, captured
         )
@@ -305,6 +312,8 @@ class ShardServicer:
                     spec, manifest["version"], read("params"), state, row["step_count"]
                 )
             )
+        if req.check_only:
+            return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
         self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
         self.server_index, self.num_servers = req.server_index, req.num_servers
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))

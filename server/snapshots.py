@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load as st_load
@@ -100,6 +101,11 @@ class SnapshotDir:
     ) -> tuple[str, int, str]:
         """Writes this server's shard; returns (relative path, bytes, sha256)."""
         folder = self.path(job, tag)
+        if (folder / "manifest.json").exists():  # never overwrite a committed snapshot
+            raise ShardError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"snapshot '{job}/{tag}' exists already; pick another tag",
+            )
         folder.mkdir(parents=True, exist_ok=True)
         data = encode_shard(job, tag, index, num, version, captured)
         name = f"shard-{index}-of-{num}.safetensors"
@@ -126,7 +132,9 @@ class SnapshotDir:
     def list(self, job: str = "") -> list[dict[str, Any]]:
         """Complete snapshots (manifest present and every shard named in it), oldest first."""
         root = self._require()
-        jobs = [job] if job else sorted(p.name for p in root.iterdir() if p.is_dir())
+        jobs = (
+            [_checked(job, "job")] if job else sorted(p.name for p in root.iterdir() if p.is_dir())
+        )
         found = []
         for j in jobs:
             jdir = root / j
@@ -135,9 +143,12 @@ class SnapshotDir:
             for tdir in jdir.iterdir():
                 try:
                     manifest = json.loads((tdir / "manifest.json").read_text())
-                except (OSError, ValueError):
-                    continue
-                if all((tdir / Path(s["file"]).name).is_file() for s in manifest["shards"]):
+                    complete = manifest.get("format") == FORMAT and all(
+                        (tdir / Path(s["file"]).name).is_file() for s in manifest["shards"]
+                    )
+                except (OSError, ValueError, AttributeError, KeyError, TypeError):
+                    continue  # not a manifest of ours: not a snapshot
+                if complete:
                     found.append(manifest)
         return sorted(found, key=lambda m: (m["version"], m["created_unix"]))
 
@@ -159,7 +170,13 @@ class SnapshotDir:
             raise ShardError.precondition(
                 f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
             ) from None
-        if manifest.get("format") != FORMAT or manifest.get("job") != job:
+        if (
+            not isinstance(manifest, dict)
+            or manifest.get("format") != FORMAT
+            or manifest.get("job") != job
+            or not isinstance(manifest.get("shards"), list)
+            or not isinstance(manifest.get("buffers"), dict)
+        ):
             raise ShardError.precondition(f"{path} is not a {FORMAT} manifest of job '{job}'")
         for shard in manifest["shards"]:
             file = folder / Path(shard["file"]).name

@@ -262,15 +262,25 @@ class BufferSlice:
             return self.version
 
     # -- snapshots ------------------------------------------------------------------------------
-    def capture(self, version: int, timeout: float) -> Captured:
-        """Host copies of params and optimizer state at exactly ``version``: now if the slice
-        is there, else when it gets there (just before the next step), without stopping it."""
+    def request_capture(self, version: int) -> None:
+        """Asks for a copy at ``version`` (taken just before the step that would leave it)."""
         with self.cond:
             if self.version > version:
                 raise ShardError.precondition(
                     f"{self.label} is at version {self.version}, past the snapshot's {version}"
                 )
             self.capture_requests.add(version)
+
+    def cancel_capture(self, version: int) -> None:
+        with self.cond:
+            self.capture_requests.discard(version)
+            self.captures.pop(version, None)
+
+    def capture(self, version: int, timeout: float) -> Captured:
+        """Host copies of params and optimizer state at exactly ``version``: now if the slice
+        is there, else when it gets there (just before the next step), without stopping it."""
+        self.request_capture(version)
+        with self.cond:
             try:
                 self.wait_for(
                     lambda: version in self.captures or self.version >= version,

@@ -282,6 +282,7 @@ class ServerShardedModel(ShardedModelBase):
         if not self.registered:
             raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
         self._ensure_idle()
+        self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
         if self.rank == 0:
             tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
             if self.config.replicate_every:
@@ -298,6 +299,7 @@ class ServerShardedModel(ShardedModelBase):
         from client import tools
 
         self._ensure_idle()
+        self.client.barrier()  # every rank has dropped its half-done step
         if self.rank == 0:
             job = self.config.job
             try:
