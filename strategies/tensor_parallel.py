@@ -58,7 +58,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.client.all_reduce(grad, "sum"), None
+        return grad, None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
@@ -275,7 +275,7 @@ class ParallelCausalSelfAttention(nn.Module):
             dropout=attn.attn_dropout.p,
         )
         new = cls(config, tp_client)
-        new.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, tp_client, num_packed=1)
+        new.c_attn = ColumnParallelLinear.from_linear(attn.c_attn, tp_client, num_packed=3)
         new.c_proj = RowParallelLinear.from_linear(attn.c_proj, tp_client)
         new.resid_dropout.p = attn.resid_dropout.p
         return new

@@ -439,7 +439,7 @@ def test_snapshot_refusals(servers, tmp_path, trained):
         c.close()
 
 
-# -- known bugs (strict xfail: they start passing when fixed) -------------------------------------
+# -- regressions: bugs these tests found, fixed
 def test_load_checkpoint_waits_for_every_rank(servers, tmp_path, monkeypatch):
     """The documented flow: every rank builds its wrappers, then calls load_checkpoint. Here
     rank 1 is slower to register (deterministically: it pauses after its first buffer)."""
