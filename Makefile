@@ -3,7 +3,7 @@
 #
 #   make test        the whole suite, slow-marked tests included (what CI runs)
 #   make test-fast   everything except tests marked slow
-#   make demo        GPT on 2 FSDP ranks for 60 steps
+#   make demo        GPT on 2 FSDP ranks (paramshard launch: 2 servers + 2 trainers), 300 steps
 #   make lint        ruff check + ruff format --check
 #   make bench       collective benchmarks against torch.distributed gloo
 
@@ -62,7 +62,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 demo: venv
-	$(PY) examples/train_gpt.py --strategy fsdp --world-size 2 --steps 60
+	$(VENV)/bin/paramshard launch --nproc 2 examples/train_gpt.py --strategy fsdp --steps 300
 
 # Both checks run even when the first fails, so one pass shows everything to fix.
 lint: venv

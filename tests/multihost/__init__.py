@@ -1,0 +1,1 @@
+"""Multi-host tests: shard servers and trainers on separate network namespaces ("hosts")."""

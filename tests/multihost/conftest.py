@@ -1,0 +1,253 @@
+"""A private network of "hosts" (network namespaces) on one bridge, and processes inside them.
+
+``netlab`` (module scope) builds, with a random suffix S and a random X:
+
+- a switch namespace ``ps-S-sw`` holding the bridge ``br-psS`` (the bridge lives in a namespace
+  of its own, so the host's bridge netfilter/iptables rules never see the test traffic and the
+  root namespace gets no new interface);
+- host namespaces ``ps-S-s0``, ``ps-S-s1`` (shard servers), ``ps-S-t0``, ``ps-S-t1`` (trainers),
+  each with ``eth0`` = 10.231.X.k/24, a veth whose other end ``vpsS-NAME`` is a bridge port.
+
+Only addresses inside these namespaces are ever used. Teardown (also after a failure or an
+error halfway through the setup) stops every process the lab started, kills whatever is still
+inside its namespaces, and deletes the namespaces (which removes the veths and the bridge).
+
+The whole directory is skipped, with the reason, when not root, when ``ip`` is missing or when
+``ip netns add`` fails.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PORT = 50051
+CMD_TIMEOUT_S = 15.0
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        ["ip", *args], check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S
+    )
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def _skip_reason() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "multi-host tests need root (ip netns, bridges, veths)"
+    if shutil.which("ip") is None:
+        return "multi-host tests need iproute2's `ip`"
+    probe = f"ps-probe-{secrets.token_hex(3)}"
+    try:
+        done = _ip("netns", "add", probe, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`ip netns add` failed: {exc}"
+    if done.returncode != 0:
+        return f"`ip netns add` failed: {done.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+class Proc:
+    """A process the lab started (in a namespace), its output kept in memory and in a file."""
+
+    def __init__(self, name: str, cmd: Sequence[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self.lines: list[str] = []
+        self._queue: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.proc = subprocess.Popen(
+            list(cmd),
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group: stopped by that id, nothing else
+        )
+        self._reader = threading.Thread(target=self._read, name=f"read {name}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        with open(self.log, "a", encoding="utf-8") as f:
+            for line in iter(self.proc.stdout.readline, ""):
+                self.lines.append(line.rstrip("\n"))
+                self._queue.put(line)
+                f.write(line)
+                f.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_for_line(self, needle: str, timeout: float) -> str:
+        """Returns the first new output line containing ``needle`` (bounded by ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: no line with {needle!r} in {timeout:g} s")
+            try:
+                line = self._queue.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                if not self.alive() and self._queue.empty():
+                    self._reader.join(2)
+                    if self._queue.empty():
+                        raise RuntimeError(
+                            f"{self.name} exited ({self.proc.returncode}) before {needle!r}:\n"
+                            + self.output()
+                        ) from None
+                continue
+            if needle in line:
+                return line
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"{self.name} still running after {timeout:g} s") from None
+        self._reader.join(5)
+        return code
+
+    def output(self, last: int = 60) -> str:
+        return "\n".join(self.lines[-last:])
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self) -> None:
+        """SIGKILL this process only (the server itself: `ip netns exec` execs it, same pid)."""
+        if self.alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.alive():
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                self.signal_group(signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self._reader.join(5)
+
+
+class NetLab:
+    """The namespaces, their addresses and the processes started in them."""
+
+    def __init__(self, workdir: Path, hosts: Sequence[str]) -> None:
+        self.suffix = secrets.token_hex(2)
+        self.subnet = secrets.randbelow(254) + 1  # 10.231.X.0/24, X in 1..254
+        self.workdir = workdir
+        self.switch = f"ps-{self.suffix}-sw"
+        self.bridge = f"br-ps{self.suffix}"
+        self.hosts = list(hosts)
+        self.ns = {h: f"ps-{self.suffix}-{h}" for h in hosts}
+        self.veth = {h: f"vps{self.suffix}-{h}" for h in hosts}  # the bridge-side ends
+        self.ip = {h: f"10.231.{self.subnet}.{i + 1}" for i, h in enumerate(hosts)}
+        self.procs: list[Proc] = []
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------------ the network
+    def build(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        sw = ("-n", self.switch)
+        _ip(*sw, "link", "set", "lo", "up")
+        _ip(*sw, "link", "add", self.bridge, "type", "bridge")
+        _ip(*sw, "link", "set", self.bridge, "up")
+        for h in self.hosts:
+            ns, veth = self.ns[h], self.veth[h]
+            _ip("netns", "add", ns)
+            self._made.append(ns)
+            _ip(*sw, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip(*sw, "link", "set", veth, "master", self.bridge)
+            _ip(*sw, "link", "set", veth, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"{self.ip[h]}/24", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+
+    def set_link(self, host: str, up: bool) -> None:
+        """Cuts (or restores) ``host``'s cable: its bridge-side veth end goes down (up)."""
+        _ip("-n", self.switch, "link", "set", self.veth[host], "up" if up else "down")
+
+    def teardown(self) -> None:
+        for p in self.procs:
+            try:
+                p.stop(grace=5)
+            except Exception as exc:  # noqa: BLE001 - keep tearing down the rest
+                print(f"netlab: stopping {p.name} failed: {exc}", file=sys.stderr)
+        for ns in reversed(self._made):
+            leftovers = _ip("netns", "pids", ns, check=False).stdout.split()
+            for pid in leftovers:  # started by this lab (children of its processes)
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            deadline = time.monotonic() + 5
+            while _ip("netns", "pids", ns, check=False).stdout.split():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            _ip("netns", "del", ns, check=False)
+        self._made.clear()
+
+    # ------------------------------------------------------------------ processes
+    def env(self, **extra: str) -> dict[str, str]:
+        from server.app import MALLOC_ENV
+
+        env = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **extra}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        for var in ("PARAMSHARD_SERVERS", "PARAMSHARD_RUN", "RANK", "WORLD_SIZE"):
+            env.pop(var, None)
+        return env
+
+    def run_in(self, host: str, name: str, cmd: Sequence[str], **env: str) -> Proc:
+        """Starts ``cmd`` inside ``host``'s namespace (``ip netns exec`` execs it: same pid)."""
+        proc = Proc(
+            name,
+            ["ip", "netns", "exec", self.ns[host], *cmd],
+            self.env(**env),
+            self.workdir / f"{len(self.procs):02d}-{name}.log",
+        )
+        self.procs.append(proc)
+        return proc
+
+    def address(self, host: str) -> str:
+        return f"{self.ip[host]}:{PORT}"
+
+
+@pytest.fixture(scope="module")
+def netlab(tmp_path_factory: pytest.TempPathFactory):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = NetLab(tmp_path_factory.mktemp("netlab"), ["s0", "s1", "t0", "t1"])
+    try:
+        lab.build()
+        yield lab
+    finally:
+        lab.teardown()
