@@ -76,6 +76,8 @@ class ShardedModelBase(nn.Module):
         # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later
         self._shapes = {n: p.shape for n, p in self._named}
         self._cache: torch.Tensor | None = None
+        self._collect: dict[int, torch.Tensor] | None = None  # see _keep_local
+        self._in_backward = False
         for _, p in self._named:
             _OWNERS[id(p)] = self
 
@@ -139,6 +141,47 @@ class ShardedModelBase(nn.Module):
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
         """Runs ``run_backward`` without reducing anything; this rank's gradients by name."""
         raise NotImplementedError
+
+    # -- gradient-hook helpers the strategies share --------------------------------------------
+    def _keep_local(self, p: nn.Parameter) -> bool:
+        """In ``compute_gradients`` a gradient hook keeps the gradient here instead of
+        reducing it; returns True when it did."""
+        if self._collect is None:
+            return False
+        self._collect[id(p)] = p.grad.detach().clone()
+        p.grad = None
+        return True
+
+    def _start_backward(self) -> None:
+        """First gradient hook of a backward pass: run ``_end_backward`` when it finishes."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+
+    def _gradients_from_hooks(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        """``_local_gradients`` for strategies whose gradient hooks call ``_keep_local``."""
+        self._collect = {}
+        try:
+            run_backward()
+            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
+        finally:
+            self._collect = None
+
+    def _gradients_by_swapping(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
+        """``_local_gradients`` for strategies without gradient hooks: set the accumulated
+        gradients aside, run backward, put them back."""
+        saved = {n: p.grad for n, p in self._named}
+        for _, p in self._named:
+            p.grad = None
+        try:
+            run_backward()
+            return {n: p.grad.clone() for n, p in self._named if p.grad is not None}
+        finally:
+            for n, p in self._named:
+                p.grad = saved[n]
 
     def _attach(self, optimizer: Any) -> None:
         self.optimizer = optimizer

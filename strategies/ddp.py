@@ -41,8 +41,6 @@ class DDPModel(ShardedModelBase):
         super().__init__(model, config)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="allreduce")
         self._sync = True
-        self._in_backward = False
-        self._collect: dict[int, torch.Tensor] | None = None
         params = [p for _, p in self._named]
         # every replica starts from rank 0's values (torch DDP broadcasts them too)
         flat = torch.nn.utils.parameters_to_vector([p.detach() for p in params])
@@ -71,15 +69,9 @@ class DDPModel(ShardedModelBase):
 
     # -- gradient hooks ----------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
-        if self._collect is not None:
-            self._collect[id(p)] = p.grad.detach().clone()
-            p.grad = None
+        if self._keep_local(p) or not (self._sync and self.config.auto_sync_gradients):
             return
-        if not (self._sync and self.config.auto_sync_gradients):
-            return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._start_backward()
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
@@ -113,7 +105,7 @@ class DDPModel(ShardedModelBase):
                 self._launch(bucket)
         for bucket in self._buckets:
             self._finish(bucket)
-        self._in_backward = False
+        super()._end_backward()
 
     def synchronize_gradients(self) -> None:
         """Averages the current gradients over all ranks now (e.g. after backward under
@@ -142,9 +134,4 @@ class DDPModel(ShardedModelBase):
         self._invalidate()
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
-        self._collect = {}
-        try:
-            run_backward()
-            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
-        finally:
-            self._collect = None
+        return self._gradients_from_hooks(run_backward)

@@ -69,8 +69,6 @@ class FSDPModel(ServerShardedModel):
         self._unit_list = [_Unit(i, name, m) for i, (name, m) in enumerate(self._units)]
         self._unit_of: dict[int, _Unit] = {}
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="gather")
-        self._collect: dict[int, torch.Tensor] | None = None
-        self._in_backward = False
         self.live_bytes = 0  # gathered parameter bytes held right now
         self.peak_live_bytes = 0
         for unit in self._unit_list[1:]:
@@ -171,17 +169,10 @@ class FSDPModel(ServerShardedModel):
 
         return pre_backward
 
-    def _start_backward(self) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
     def _on_grad(self, p: nn.Parameter) -> None:
         unit = self._unit_of[id(p)]
         self._start_backward()
-        if self._collect is not None:
-            self._collect[id(p)] = p.grad.detach().clone()
-            p.grad = None
+        if self._keep_local(p):
             return
         unit.ready.add(id(p))
         if len(unit.ready) == len(unit.params):
@@ -211,7 +202,7 @@ class FSDPModel(ServerShardedModel):
             self._micro += 1
         for unit in self._unit_list:
             self._free(unit)
-        self._in_backward = False
+        super()._end_backward()
 
     def _abandon_local(self) -> None:
         for unit in self._unit_list:
@@ -226,30 +217,12 @@ class FSDPModel(ServerShardedModel):
 
     def _ensure_reduced(self) -> None:
         self._wait_pushes()
-        want = self._num_micro()
-        if self._micro != want:
-            raise RuntimeError(
-                f"FSDPModel: {self._micro} backward passes since the last step, but"
-                f" gradient_accumulation_steps={want} (the servers wait for that many)"
-            )
+        self._check_micro_count()
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
-        if not self.registered:
-            saved = {n: p.grad for n, p in self._named}
-            try:
-                for _, p in self._named:
-                    p.grad = None
-                run_backward()
-                return {n: p.grad.clone() for n, p in self._named if p.grad is not None}
-            finally:
-                for n, p in self._named:
-                    p.grad = saved[n]
-        self._collect = {}
-        try:
-            run_backward()
-            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
-        finally:
-            self._collect = None
+        if not self.registered:  # no optimizer yet: the plain local model, no hooks
+            return self._gradients_by_swapping(run_backward)
+        return self._gradients_from_hooks(run_backward)
 
 
 ZeRO3Model = FSDPModel

@@ -224,6 +224,15 @@ class ServerShardedModel(ShardedModelBase):
         """Every gradient of this step is on the servers (strategy-specific)."""
         raise NotImplementedError
 
+    def _check_micro_count(self) -> None:
+        """ZeRO-2 / FSDP pushed each backward as a micro-batch: as many as the servers wait for?"""
+        want = self._num_micro()
+        if self._micro != want:
+            raise RuntimeError(
+                f"{type(self).__name__}: {self._micro} backward passes since the last step,"
+                f" but gradient_accumulation_steps={want} (the servers wait for that many)"
+            )
+
     def synchronize_gradients(self) -> None:
         self._ensure_reduced()
 

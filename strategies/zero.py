@@ -75,15 +75,7 @@ class ZeRO1Model(_ReplicatedParams):
         self._pushed = False
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
-        saved = {n: p.grad for n, p in self._named}
-        for _, p in self._named:
-            p.grad = None
-        try:
-            run_backward()
-            return {n: p.grad.clone() for n, p in self._named if p.grad is not None}
-        finally:
-            for n, p in self._named:
-                p.grad = saved[n]
+        return self._gradients_by_swapping(run_backward)
 
 
 @dataclass
@@ -105,8 +97,6 @@ class ZeRO2Model(_ReplicatedParams):
         super().__init__(model, config)
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
-        self._collect: dict[int, torch.Tensor] | None = None  # compute_gradients mode
-        self._in_backward = False
 
     def _num_micro(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -126,13 +116,9 @@ class ZeRO2Model(_ReplicatedParams):
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if self._collect is not None:
-            self._collect[id(p)] = p.grad.detach().clone()
-            p.grad = None
+        if self._keep_local(p):
             return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._start_backward()
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
@@ -153,8 +139,8 @@ class ZeRO2Model(_ReplicatedParams):
         for bucket in self._buckets:
             if bucket.pushed_micro != self._micro:
                 self._push_bucket(bucket)
-        self._in_backward = False
         self._micro += 1
+        super()._end_backward()
 
     def _abandon_local(self) -> None:
         for bucket in self._buckets:
@@ -164,17 +150,7 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _ensure_reduced(self) -> None:
         self._wait_pushes()
-        want = self._num_micro()
-        if self._micro != want:
-            raise RuntimeError(
-                f"{type(self).__name__}: {self._micro} backward passes since the last step,"
-                f" but gradient_accumulation_steps={want} (the servers wait for that many)"
-            )
+        self._check_micro_count()
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
-        self._collect = {}
-        try:
-            run_backward()
-            return {n: self._collect[id(p)] for n, p in self._named if id(p) in self._collect}
-        finally:
-            self._collect = None
+        return self._gradients_from_hooks(run_backward)
