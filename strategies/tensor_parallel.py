@@ -58,7 +58,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+        return ctx.client.all_reduce(grad, "sum"), None
 
 
 class _ReduceFromTensorParallel(torch.autograd.Function):
