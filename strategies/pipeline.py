@@ -143,9 +143,7 @@ class GPTStage(nn.Module):
         return x
 
 
-def split_gpt(
-    model: GPT, num_stages: int, partition: PartitionName = "uniform"
-) -> list[GPTStage]:
+def split_gpt(model: GPT, num_stages: int, partition: PartitionName = "uniform") -> list[GPTStage]:
     """The ``num_stages`` stage modules of ``model``; each runs only its own layers.
 
     - ``uniform``: equal block counts (the first stages take the remainder).
@@ -244,9 +242,7 @@ class PipelineParallelModel(nn.Module):
         self.stage_index, self.num_stages = self.pp.rank, self.pp.world_size
         self.micro_batch_count = micro_batch_count
         self.schedule_name = schedule
-        self.steps = build_schedule(
-            schedule, self.num_stages, self.stage_index, micro_batch_count
-        )
+        self.steps = build_schedule(schedule, self.num_stages, self.stage_index, micro_batch_count)
         stages = _split(model, self.num_stages, partition)
         # Every rank knows every stage's names and shapes: enough to unpack the all-gather
         # of ``gather_full_state_dict`` without sending any names.
@@ -360,7 +356,9 @@ class PipelineParallelModel(nn.Module):
         self.last_peak_activations = peak
         if self.num_stages == 1:
             return loss_sum
-        loss = self.pp.broadcast(torch.tensor([loss_sum], dtype=torch.float64), src=self.num_stages - 1)
+        loss = self.pp.broadcast(
+            torch.tensor([loss_sum], dtype=torch.float64), src=self.num_stages - 1
+        )
         return float(loss[0])
 
     def _micro_batches(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:
@@ -416,9 +414,7 @@ class PipelineParallelModel(nn.Module):
             # one spare element: a stage without tensors of this dtype still sends something
             pieces = [t.detach().reshape(-1) for t in mine.values() if t.dtype == dt]
             flat = torch.cat([*pieces, torch.zeros(1, dtype=dt)])
-            gathered = (
-                [flat] if self.num_stages == 1 else self.pp.all_gather(flat)
-            )
+            gathered = [flat] if self.num_stages == 1 else self.pp.all_gather(flat)
             for layout, buf in zip(layouts, gathered, strict=True):
                 offset = 0
                 for name, shape, d in layout:

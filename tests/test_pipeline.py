@@ -1,0 +1,271 @@
+"""Pipeline parallelism: schedules as step lists, GPT partitions, and the pipeline against its
+plain PyTorch twin (loss, gradients, AdamW training, gathered state dict)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from examples.gpt import GPT, GPTConfig, lm_loss
+from strategies.config import ShardingConfiguration
+from strategies.pipeline import (
+    PipelineParallelModel,
+    balanced_partition,
+    split_gpt,
+    split_sequential,
+)
+from strategies.schedules import (
+    build_schedule,
+    gpipe_schedule,
+    one_f_one_b_schedule,
+    peak_live_activations,
+    theoretical_bubble_fraction,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    """Ranks are threads of one process: one torch thread each, so they do not oversubscribe
+    the cores (OpenMP spin-waits make a loaded machine 100x slower otherwise)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# -- schedules ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+def test_schedule_runs_each_micro_batch_once_forward_before_backward(name, p, m):
+    for stage in range(p):
+        steps = build_schedule(name, p, stage, m)
+        assert sorted(i for k, i in steps if k == "F") == list(range(m))
+        assert sorted(i for k, i in steps if k == "B") == list(range(m))
+        for i in range(m):
+            assert steps.index(("F", i)) < steps.index(("B", i))
+        # neighbours exchange tensors in micro-batch order: forwards and backwards ascend
+        assert [i for k, i in steps if k == "F"] == list(range(m))
+        assert [i for k, i in steps if k == "B"] == list(range(m))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_1f1b_bounds_live_activations(p, m):
+    for stage in range(p):
+        assert peak_live_activations(one_f_one_b_schedule(p, stage, m)) == min(p - stage, m)
+        assert peak_live_activations(gpipe_schedule(p, stage, m)) == m
+
+
+def test_1f1b_shape():
+    assert one_f_one_b_schedule(4, 0, 6)[:4] == [("F", 0), ("F", 1), ("F", 2), ("F", 3)]
+    assert one_f_one_b_schedule(4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
+                                             ("B", 2)]  # fmt: skip
+    assert theoretical_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b"):
+        build_schedule("zigzag", 2, 0, 2)  # type: ignore[arg-type]
+
+
+# -- partitions --------------------------------------------------------------------------------
+
+
+def test_balanced_partition_minimises_the_largest_stage():
+    assert balanced_partition([5, 1, 1, 1, 1, 5], 3) == [range(0, 1), range(1, 5), range(5, 6)]
+    parts = balanced_partition([3, 1, 4, 1, 5, 9, 2, 6], 3)
+    assert [r.start for r in parts] == [0, *[r.stop for r in parts[:-1]]]
+    assert max(sum([3, 1, 4, 1, 5, 9, 2, 6][r.start : r.stop]) for r in parts) == 14
+
+
+@pytest.mark.parametrize("partition", ["uniform", "balanced"])
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_split_gpt_covers_every_block_once(partition, p):
+    model = GPT(GPTConfig.tiny(vocab_size=50, n_layer=6))
+    stages = split_gpt(model, p, partition)
+    blocks = [int(k) for s in stages for k in s.blocks]
+    assert blocks == list(range(6))
+    names = [k for s in stages for k in s.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())  # tied lm_head.weight on the last
+    x = torch.randint(0, 50, (2, 8))
+    h = x
+    for s in stages:
+        h = s(h)
+    torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+    if partition == "uniform":
+        assert [len(s.blocks) for s in stages] == [len(r) for r in _even(6, p)]
+
+
+def _even(n, p):
+    return [range(n // p + (1 if s < n % p else 0)) for s in range(p)]
+
+
+def test_balanced_gives_the_end_stages_fewer_blocks():
+    # a large vocabulary makes embedding and head heavy: end stages get fewer blocks
+    model = GPT(GPTConfig.tiny(vocab_size=2000, n_layer=8))
+    counts = [len(s.blocks) for s in split_gpt(model, 4, "balanced")]
+    assert sum(counts) == 8 and counts[0] < counts[1] and counts[-1] < counts[1]
+
+
+def test_split_errors_name_the_numbers():
+    model = GPT(GPTConfig.tiny(n_layer=2))
+    with pytest.raises(ValueError, match="2 blocks, 3 stages"):
+        split_gpt(model, 3)
+    with pytest.raises(ValueError, match="partition must be one of uniform, balanced"):
+        split_gpt(model, 2, "random")  # type: ignore[arg-type]
+
+
+def test_split_sequential_keeps_names():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    stages = split_sequential(model, 2, "balanced")
+    assert [k for s in stages for k in s.state_dict()] == list(model.state_dict())
+
+
+# -- the pipeline against a single process -----------------------------------------------------
+
+B, T, M = 8, 16, 4
+
+
+def _reference_and_batches(steps: int, n_layer: int = 4, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig.tiny(vocab_size=50, bias=False, n_layer=n_layer))
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        (torch.randint(0, 50, (B, T), generator=g), torch.randint(0, 50, (B, T), generator=g))
+        for _ in range(steps)
+    ]
+    return model, batches
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize(
+    ("pp", "schedule", "partition"),
+    [
+        (2, "gpipe", "uniform"),
+        (2, "1f1b", "balanced"),
+        (3, "1f1b", "uniform"),
+        (4, "gpipe", "balanced"),
+        (4, "1f1b", "uniform"),
+    ],
+)
+def test_loss_and_gradients_equal_single_process(servers, run_ranks, pp, schedule, partition):
+    ref, [(x, y)] = _reference_and_batches(1)
+    initial = copy.deepcopy(ref)
+    loss_ref = lm_loss(ref(x), y)
+    loss_ref.backward()
+    addresses = [s.address for s in servers(2)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            copy.deepcopy(initial),
+            ShardingConfiguration(client),
+            micro_batch_count=M,
+            partition=partition,
+            schedule=schedule,
+        )
+        loss = model.train_step(x, y)
+        return loss, model.gather_full_grads(), model.last_peak_activations
+
+    results = run_ranks(rank, pp, addresses)
+    for stage, (loss, grads, peak) in enumerate(results):
+        assert loss == pytest.approx(loss_ref.item(), abs=1e-5)
+        assert peak == (M if schedule == "gpipe" else min(pp - stage, M))
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("pp", "schedule"), [(2, "1f1b"), (3, "gpipe")])
+def test_adamw_training_equals_single_process(servers, run_ranks, pp, schedule):
+    steps = 5
+    ref, batches = _reference_and_batches(steps)
+    initial = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = lm_loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    addresses = [s.address for s in servers(2)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            copy.deepcopy(initial), ShardingConfiguration(client), M, schedule=schedule
+        )
+        stage_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x, y in batches:
+            stage_opt.zero_grad(set_to_none=True)
+            losses.append(model.train_step(x, y))
+            stage_opt.step()
+        return losses, model.gather_full_state_dict()
+
+    results = run_ranks(rank, pp, addresses)
+    expected = ref.state_dict()
+    for losses, state in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert list(state) == list(expected)
+        for name, value in expected.items():
+            assert _rel(state[name], value) < 1e-5, name
+        # the last stage's copy of the tied weight stayed equal to the embedding
+        torch.testing.assert_close(state["lm_head.weight"], state["wte.weight"], rtol=0, atol=0)
+
+
+def test_gather_full_state_dict_equals_the_model(servers, run_ranks):
+    ref, _ = _reference_and_batches(0)
+    addresses = [s.address for s in servers(1)]
+
+    def rank(client):
+        model = PipelineParallelModel(copy.deepcopy(ref), ShardingConfiguration(client), 2)
+        return model.stage_state_dict(), model.gather_full_state_dict()
+
+    results = run_ranks(rank, 3, addresses)
+    expected = ref.state_dict()
+    assert sorted(k for stage, _ in results for k in stage) == sorted(expected)
+    for _, full in results:
+        assert list(full) == list(expected)
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value, rtol=0, atol=0)
+
+
+def test_pipeline_groups_inside_a_larger_world(servers, run_ranks):
+    """Two independent pipelines of 2 stages in a world of 4 (pp_client = a subgroup)."""
+    ref, [(x, y)] = _reference_and_batches(1)
+    initial = copy.deepcopy(ref)
+    lm_loss(ref(x), y).backward()
+    addresses = [s.address for s in servers(2)]
+
+    def rank(client):
+        members = [0, 1] if client.rank < 2 else [2, 3]
+        pp = client.subgroup(members, f"pp{members[0]}")
+        model = PipelineParallelModel(
+            copy.deepcopy(initial), ShardingConfiguration(client), M, pp_client=pp
+        )
+        model.train_step(x, y)
+        return model.gather_full_grads()
+
+    for grads in run_ranks(rank, 4, addresses):
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_bad_batch_and_micro_batch_count(servers, run_ranks):
+    ref, _ = _reference_and_batches(0)
+    addresses = [s.address for s in servers(1)]
+
+    def rank(client):
+        config = ShardingConfiguration(client)
+        with pytest.raises(ValueError, match="micro_batch_count must be an int >= 1, got 0"):
+            PipelineParallelModel(copy.deepcopy(ref), config, 0)
+        model = PipelineParallelModel(copy.deepcopy(ref), config, 3)
+        with pytest.raises(ValueError, match="batch size 8 of x is not divisible by"):
+            model.train_step(torch.zeros(8, 4, dtype=torch.long), torch.zeros(8, 4).long())
+
+    run_ranks(rank, 1, addresses)
