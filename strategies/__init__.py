@@ -7,6 +7,7 @@ from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.ddp import DDPModel
 from strategies.fsdp import FSDPModel, ZeRO3Model
+from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
 from strategies.optim import (
     DDPOptimizer,
     FSDPOptimizer,
@@ -17,7 +18,16 @@ from strategies.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
+from strategies.pipeline import PipelineParallelModel, split_gpt
 from strategies.recovery import RecoveryReport, train_with_recovery
+from strategies.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelCausalSelfAttention,
+    ParallelMLP,
+    RowParallelLinear,
+    parallelize_gpt_blocks,
+)
+from strategies.topology import Topology
 from strategies.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
@@ -38,4 +48,14 @@ __all__ = [
     "OptimizationResult",
     "train_with_recovery",
     "RecoveryReport",
+    "Topology",
+    "PipelineParallelModel",
+    "split_gpt",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelCausalSelfAttention",
+    "ParallelMLP",
+    "parallelize_gpt_blocks",
+    "HybridShardedModel",
+    "HybridShardedOptimizer",
 ]

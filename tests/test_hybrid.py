@@ -1,0 +1,109 @@
+"""3D parallelism equals single-process training: every (pp, tp, dp) the issue names, 10 steps.
+
+Ranks are threads (torch limited to one thread each), servers in-process; the global batch is
+split over the data-parallel replicas and over micro-batches inside each pipeline.
+"""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from client import ClusterSpec, ShardClient
+from examples.gpt import GPT, GPTConfig, lm_loss
+from server import ShardServer
+from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+
+STEPS, BATCH = 10, 8
+CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # bias=False: see test_strategies
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+    data = torch.randint(0, 50, (STEPS, BATCH, 17), generator=torch.Generator().manual_seed(1))
+    model = GPT(CFG)
+    model.load_state_dict(init)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for s in range(STEPS):
+        loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return init, data, losses, model.state_dict()
+
+
+def train_hybrid(pp, tp, dp, init, data, servers=2):
+    world = pp * tp * dp
+    nodes = [ShardServer().start() for _ in range(servers)]
+    addresses = [n.address for n in nodes]
+    run, job = uuid.uuid4().hex[:6], f"hybrid-{uuid.uuid4().hex[:6]}"
+
+    def rank(r):
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
+        )
+        config = ShardingConfiguration(client, job=job)
+        net = GPT(CFG)
+        net.load_state_dict(init)
+        model = HybridShardedModel(
+            net,
+            config,
+            pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
+            data_parallel_size=-1,
+            micro_batch_count=2,
+        )
+        opt = HybridShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+        per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
+        losses = []
+        for s in range(STEPS):
+            part = data[s, d * per : (d + 1) * per]
+            losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
+        assert opt.param_groups[0]["lr"] == 3e-3
+        return losses, model.state_dict(), str(model)
+
+    try:
+        with ThreadPoolExecutor(world) as pool:
+            return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(world)]]
+    finally:
+        for n in nodes:
+            n.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pp,tp,dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+)
+def test_equals_single_process(reference, pp, tp, dp):
+    init, data, ref_losses, ref_state = reference
+    results = train_hybrid(pp, tp, dp, init, data)
+    for r, (losses, state, described) in enumerate(results):
+        assert described.endswith(f"Rank({r})")
+        for a, b in zip(losses, ref_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
+        assert list(state) == list(ref_state)  # whole model, own names, on every rank
+        for name, ref in ref_state.items():
+            rel = (state[name] - ref).norm() / ref.norm()
+            assert rel <= 1e-5, f"rank {r} {name}: relative difference {rel:.2e}"
+
+
+def test_sizes_must_multiply_to_the_world():
+    client = ShardClient(ClusterSpec(["127.0.0.1:1"]), rank=0, world_size=6)
+    config = ShardingConfiguration(client, job="x")
+    with pytest.raises(ValueError, match=r"\(2\).*\(2\).*\(2\).*6"):
+        HybridShardedModel(GPT(CFG), config, 2, 2, 2)
