@@ -8,14 +8,17 @@ them travel at once. Requests are built lazily, so a large tensor is never encod
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import numpy as np
 
 from client.cluster import ClusterSpec
 from protos import codec
@@ -60,6 +63,96 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
+# Data-plane methods a client may call directly on a server of its own process.
+_LOCAL_METHODS = {
+    "Contribute": "contribute",
+    "ReadSlot": "read_slot",
+    "PushGrad": "push_grad",
+    "PullParams": "pull_params",
+    "SetParams": "set_params",
+}
+_local_pool: ThreadPoolExecutor | None = None
+_local_pool_lock = threading.Lock()
+
+
+class _LocalRpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _LocalContext:
+    """The little of grpc.ServicerContext the servicer uses."""
+
+    def __init__(self, timeout: float) -> None:
+        self._deadline = time.monotonic() + timeout
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _LocalRpcError(code, details)
+
+
+class _LocalFuture:
+    """What RpcCore.run needs of a grpc.Future: result() and a cancel() that wakes result()."""
+
+    def __init__(self, fut: Future) -> None:
+        self._fut = fut
+        self._wake = threading.Event()
+        self._cancelled = False
+        fut.add_done_callback(lambda _: self._wake.set())
+
+    def cancel(self) -> bool:
+        self._cancelled = True
+        self._wake.set()
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._wake.wait(timeout)
+        if self._cancelled:
+            raise grpc.FutureCancelledError()
+        return self._fut.result(0)
+
+
+def _local_call(address: str, method: str, request: Any, timeout: float) -> Any:
+    """Runs a data-plane call on a server of this process, or returns None (use gRPC). The
+    payload is handed over as a memoryview (the server adds straight from the caller's array)
+    and is never encoded; messages over the server's receive limit still go through gRPC."""
+    global _local_pool
+    app = sys.modules.get("server.app")  # only if this process runs servers at all
+    entry = None if app is None else app.LOCAL_SERVERS.get(address)
+    if entry is None:
+        return None
+    servicer, max_bytes = entry
+    if isinstance(request, tuple):
+        header, payload = request
+        if isinstance(payload, np.ndarray):
+            payload = np.ascontiguousarray(payload)
+        view = memoryview(payload).cast("B")
+        if view.nbytes + header.ByteSize() + 32 > max_bytes:
+            return None
+        request = (header, view)
+    with _local_pool_lock:
+        if _local_pool is None:  # waiting calls (ReadSlot, PullParams) hold a thread each
+            _local_pool = ThreadPoolExecutor(64, thread_name_prefix="local-shard")
+    handler = servicer._guard(method, getattr(servicer, _LOCAL_METHODS[method]))
+
+    def run() -> Any:
+        reply = handler(request, _LocalContext(timeout))
+        if isinstance(reply, bytes) and method == "PullParams":  # encoded under the slice lock
+            reply = codec.decode(reply, pb.PullParamsHeader)
+        return reply
+
+    return _LocalFuture(_local_pool.submit(run))
+
+
 @dataclass
 class Call:
     """One RPC to one server. ``request`` is a message, a (header, payload) tuple, or a
@@ -83,7 +176,7 @@ class RpcCore:
         timeout_s: float = 120.0,
         retries: int = 5,
         max_in_flight: int = 8,
-        chunk_bytes: int = 4 * 2**20,
+        chunk_bytes: int = 16 * 2**20,
     ) -> None:
         self.spec = spec
         self.timeout_s = timeout_s
@@ -110,6 +203,12 @@ class RpcCore:
 
     def _send(self, call: Call) -> grpc.Future:
         request = call.request() if callable(call.request) else call.request
+        if call.method in _LOCAL_METHODS and not self.spec.metadata() and self.spec.tls_ca is None:
+            local = _local_call(
+                self.spec.addresses[call.server], call.method, request, self.timeout_s
+            )
+            if local is not None:
+                return local
         return self._stub(call.server, call.method).future(
             request, timeout=self.timeout_s, metadata=self.spec.metadata()
         )

@@ -33,7 +33,7 @@ class ShardClient(Collectives, FlatBuffers):
         timeout_s: float = 120.0,
         retries: int = 5,
         max_in_flight: int = 8,
-        chunk_bytes: int = 4 * 2**20,
+        chunk_bytes: int = 16 * 2**20,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")

@@ -105,14 +105,16 @@ def _varint(n: int) -> bytes:
 def encode(header: Any, payload: Any = b"") -> bytes:
     """Serialise ``header`` (a protobuf message) and a raw payload into one wire message.
 
-    ``payload`` is bytes or a C-contiguous array; an array costs one copy (``tobytes``), the
-    join another. grpcio accepts only ``bytes`` (DESIGN section 7), so two copies is the floor.
+    ``payload`` is bytes, or any C-contiguous buffer (a NumPy array): the join reads it in place,
+    so the payload is copied once, into the message grpcio needs as ``bytes`` (DESIGN section 7).
     """
     head = header.SerializeToString()
-    data = payload.tobytes() if isinstance(payload, np.ndarray) else bytes(payload)
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload)
+    data = memoryview(payload).cast("B")
     parts = [_HEADER_TAG, _varint(len(head)), head]  # the header is always present
-    if data:
-        parts += [_DATA_TAG, _varint(len(data)), data]
+    if data.nbytes:
+        parts += [_DATA_TAG, _varint(data.nbytes), data]
     return b"".join(parts)
 
 

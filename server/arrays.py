@@ -14,7 +14,14 @@ from protos import shard_pb2 as pb
 from server import backend
 from server.errors import ShardError
 
-__all__ = ["payload_array", "to_compute", "from_compute", "accumulator_dtype", "FLOAT_WIRE"]
+__all__ = [
+    "payload_array",
+    "to_compute",
+    "from_compute",
+    "wire_array",
+    "accumulator_dtype",
+    "FLOAT_WIRE",
+]
 
 FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16, pb.FLOAT64)
 
@@ -56,10 +63,16 @@ def to_compute(host: np.ndarray, dtype: int, into: Any = None) -> Any:
     return dev.astype(acc, copy=False)
 
 
-def from_compute(values: Any, dtype: int) -> bytes:
-    """Device values converted to a wire dtype, as the bytes of a payload."""
+def wire_array(values: Any, dtype: int) -> np.ndarray:
+    """Device values as a host array of a wire dtype: a view of ``values`` when nothing needs
+    converting (on CPU), so the caller must not let it change before it is serialised."""
     if dtype == pb.BFLOAT16:
         out = backend.f32_to_bf16_bits(values.astype(backend.xp.float32, copy=False))
     else:
         out = values.astype(codec.numpy_dtype(dtype), copy=False)
-    return backend.to_host(out).tobytes()
+    return backend.to_host(out)
+
+
+def from_compute(values: Any, dtype: int) -> bytes:
+    """Device values converted to a wire dtype, as the bytes of a payload."""
+    return wire_array(values, dtype).tobytes()

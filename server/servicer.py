@@ -67,9 +67,13 @@ def _tensor(header_cls: Any, request_cls: Any, fast: bool) -> Callable[[bytes], 
 
 def _tensor_reply(reply_cls: Any, fast: bool) -> Callable[[Any], bytes]:
     def serialize(msg: Any) -> bytes:
+        if isinstance(msg, bytes):
+            return msg  # the handler encoded it already
         if fast:
             return codec.encode(*msg)
         header, payload = msg
+        if not isinstance(payload, bytes):
+            payload = memoryview(payload).cast("B").tobytes()
         return reply_cls(header=header, data=payload).SerializeToString()
 
     return serialize
@@ -104,6 +108,7 @@ class ShardServicer:
 
     def generic_handler(self, fast_codec: bool = True) -> grpc.GenericRpcHandler:
         fast = fast_codec
+        self._encode_pull = codec.encode if fast else None
         unary = grpc.unary_unary_rpc_method_handler
         plain_reply = codec.serialize
         table = {
@@ -200,7 +205,7 @@ class ShardServicer:
 
     def pull_params(self, req: pb.PullParamsRequest, context: Any) -> Any:
         b = self.buffers.get(req.ref.job, req.ref.buffer)
-        return b.pull(req, self._timeout(context))
+        return b.pull(req, self._timeout(context), getattr(self, "_encode_pull", None))
 
     def grad_norm(self, req: pb.GradNormRequest, context: Any) -> Any:
         slices = [self.buffers.get(req.job, name) for name in req.buffers]

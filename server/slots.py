@@ -223,10 +223,12 @@ class SlotStore:
             header = pb.SlotHeader()
             header.CopyFrom(meta)
             header.chunk.CopyFrom(pb.Chunk(offset=req.offset, numel=chunk.numel, dtype=slot.dtype))
+            # A complete chunk is never written again, so the reply may hold a view of it: the
+            # serialiser copies it once, straight into the message.
             if meta.op == pb.SET:
-                payload = backend.to_host(chunk.acc).tobytes()
+                payload = backend.to_host(chunk.acc)
             else:
-                payload = arrays.from_compute(chunk.acc, slot.dtype)
+                payload = arrays.wire_array(chunk.acc, slot.dtype)
             chunk.readers.add(req.reader)
             if len(chunk.readers) >= meta.readers:
                 self._free_chunk(slot, req.offset)

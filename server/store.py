@@ -185,7 +185,9 @@ class BufferSlice:
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
 
-    def pull(self, req: pb.PullParamsRequest, timeout: float) -> tuple[pb.PullParamsHeader, bytes]:
+    def pull(self, req: pb.PullParamsRequest, timeout: float, encode: Any = None) -> Any:
+        """(header, payload bytes), or ``encode(header, payload view)`` run under the lock (a
+        later step rewrites master, so the one copy must be taken before it is released)."""
         chunk = req.chunk
         self.check_chunk(chunk, "PullParams")
         with self.cond:
@@ -195,8 +197,10 @@ class BufferSlice:
                 f"version {req.min_version}",
             )
             o, n = chunk.offset, chunk.numel
-            payload = arrays.from_compute(self.master[o : o + n], chunk.dtype)
             header = pb.PullParamsHeader(ref=req.ref, chunk=chunk, version=self.version)
+            if encode is not None:
+                return encode(header, arrays.wire_array(self.master[o : o + n], chunk.dtype))
+            payload = arrays.from_compute(self.master[o : o + n], chunk.dtype)
         return header, payload
 
     def sum_squares(self, step: int, timeout: float) -> float:
