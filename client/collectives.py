@@ -24,6 +24,7 @@ from protos import shard_pb2 as pb
 
 __all__ = ["Collectives", "REDUCE_OPS"]
 
+SMALL_TENSOR_BYTES = 256 * 2**10  # all-reduces up to this size use one server
 REDUCE_OPS = {"sum": pb.SUM, "mean": pb.MEAN, "max": pb.MAX, "min": pb.MIN}
 
 
@@ -121,7 +122,7 @@ class Collectives(RpcCore):
         key = self._next_key("ar")
         out = np.empty_like(flat.array)
         n, sends, reads = flat.array.size, [], []
-        for piece in slicing.pieces(n, self.num_servers, 0, n) or [slicing.SlicePiece(0, 0, 0, 0)]:
+        for piece in self._parts(n, flat.array.nbytes):
             a, b = piece.global_offset, piece.global_offset + piece.numel
             part_key = f"{key}/{piece.server}"
             sends += self._contributions(
@@ -223,6 +224,14 @@ class Collectives(RpcCore):
                 calls += self._reads(piece.server, part_key, out[a:b], flat.dtype)
         self.run(calls)
         return flat.wrap(out)
+
+    def _parts(self, n: int, nbytes: int) -> list[slicing.SlicePiece]:
+        """Where an all-reduce of ``n`` elements goes: spread over every server by the slice
+        rule, except a small tensor, which costs one round trip per rank on a single server
+        (rotating with the sequence number, so small collectives spread out too)."""
+        if nbytes <= SMALL_TENSOR_BYTES or n == 0:
+            return [slicing.SlicePiece(self._seq % self.num_servers, 0, 0, n)]
+        return slicing.pieces(n, self.num_servers, 0, n)
 
     def barrier(self) -> None:
         """Returns once every rank has entered the barrier."""
