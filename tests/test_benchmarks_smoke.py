@@ -1,0 +1,87 @@
+"""Smoke test of ``python -m benchmarks.strategies --quick``: it runs, and its JSON is complete.
+
+Runs the benchmark as a user would, in its own process group, so that on a timeout the whole
+group (benchmark, trainers, servers, gloo ranks: every process it started) is stopped by id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 600  # --quick takes < 2 minutes on an idle 2-core machine; allow for a busy one
+OURS = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def run_quick() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.strategies", "--quick"],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test started, by its id
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"benchmark still running after {TIMEOUT_S} s; stderr:\n{err[-3000:]}")
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstderr:\n{err[-3000:]}"
+    try:
+        return json.loads(out)
+    except json.JSONDecodeError:
+        pytest.fail(f"stdout is not JSON:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_reports_every_strategy() -> None:
+    report = run_quick()
+    rows = report["results"]
+    assert {r["model"] for r in rows} == {"tiny"}
+    assert {r["world_size"] for r in rows} == {2}
+
+    single = [r for r in rows if r["strategy"] == "single"]
+    assert len(single) == 1 and single[0]["torch_ms"] > 0, single
+
+    psi = report["models"]["tiny"]["n_params"]
+    assert 0.8e6 < psi < 0.95e6  # sized like the anchors' tiny GPT
+
+    for strategy in OURS:
+        found = [r for r in rows if r["strategy"] == strategy]
+        assert len(found) == 1, (strategy, found)
+        row = found[0]
+        assert row["error"] is None, row
+        assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
+        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
+        # the benchmark trains correctly: same losses as single-process torch
+        assert row["loss_rel_diff_vs_single"] < 1e-4, row
+
+        memory = row["memory"]
+        assert [m["rank"] for m in memory] == [0, 1]
+        for m in memory:
+            assert m["trainer"]["param_bytes"] > 0, m
+            assert m["total_bytes"] > 0 and m["formula_bytes"] > 0, m
+            assert m["ratio_to_formula"] > 0, m
+            assert m["peak_rss_mb"] > 0, m
+            server_state = sum(
+                m["server"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")
+            )
+            if strategy == "ddp":
+                assert m["trainer"]["optimizer_bytes"] > 0, m  # DDP steps its own AdamW
+            else:
+                # ZeRO / FSDP: master params + grad accumulator + Adam moments on the server
+                assert server_state > 0 and m["trainer"]["optimizer_bytes"] == 0, m
+        assert row["torch_memory"] and all(t["param_bytes"] > 0 for t in row["torch_memory"])
