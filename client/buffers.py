@@ -29,6 +29,12 @@ class ParamInfo:
     offset: int
     dtype: str = "float32"
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+    # Tensor parallelism (see ParamEntry in shard.proto): part ``split_index`` of
+    # ``split_parts`` along ``split_dim``, of ``split_packed`` blocks; 0 parts: whole.
+    split_dim: int = 0
+    split_parts: int = 0
+    split_index: int = 0
+    split_packed: int = 0
 
     @property
     def numel(self) -> int:
@@ -84,6 +90,10 @@ class FlatBuffers(RpcCore):
                 offset=p.offset,
                 numel=p.numel,
                 aliases=p.aliases,
+                split_dim=p.split_dim,
+                split_parts=p.split_parts,
+                split_index=p.split_index,
+                split_packed=p.split_packed,
             )
             for p in params
         ]
@@ -220,6 +230,29 @@ class FlatBuffers(RpcCore):
             for i in range(self.num_servers)
         )
         return [float(sum(r.sum_squares[k] for r in replies)) for k in range(len(buffers))]
+
+    def param_sum_squares(
+        self, job: str, buffers: Mapping[str, int], step: int
+    ) -> dict[str, list[float]]:
+        """Per buffer (name -> how many parameters it registered), each parameter's sum of
+        squares of the reduced gradient of ``step``, in registration order, over all servers."""
+        names = list(buffers)
+        req = pb.GradNormRequest(job=job, buffers=names, step=step, per_param=True)
+        replies = self.run(Call(i, "GradNorm", req) for i in range(self.num_servers))
+        expected = sum(buffers.values())
+        for i, r in enumerate(replies):
+            if len(r.param_sum_squares) != expected:
+                raise RuntimeError(
+                    f"server {i} ({self.spec.addresses[i]}) GradNorm returned"
+                    f" {len(r.param_sum_squares)} per-parameter sums for job '{job}',"
+                    f" expected {expected}: a server older than this client?"
+                )
+        totals = np.sum([np.asarray(r.param_sum_squares, np.float64) for r in replies], axis=0)
+        out, start = {}, 0
+        for name in names:
+            out[name] = totals[start : start + buffers[name]].tolist()
+            start += buffers[name]
+        return out
 
     def step(self, job: str, step: int, args: Mapping[str, StepArgs]) -> None:
         """Applies step ``step`` to the named buffers on every server (first caller wins)."""

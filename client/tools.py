@@ -140,7 +140,7 @@ def inspect(client: ShardClient, job: str) -> list[dict[str, Any]]:
 
 # -- snapshots --------------------------------------------------------------------------------
 def _entry(p: pb.ParamEntry) -> dict[str, Any]:
-    return {
+    entry = {
         "name": p.name,
         "shape": list(p.shape),
         "dtype": p.dtype,
@@ -148,6 +148,14 @@ def _entry(p: pb.ParamEntry) -> dict[str, Any]:
         "numel": p.numel,
         "aliases": list(p.aliases),
     }
+    if p.split_parts > 1:  # a tensor-parallel part (see ParamEntry in shard.proto)
+        entry.update(
+            split_dim=p.split_dim,
+            split_parts=p.split_parts,
+            split_index=p.split_index,
+            split_packed=p.split_packed,
+        )
+    return entry
 
 
 def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:

@@ -46,20 +46,28 @@ class BufferRef(_message.Message):
     def __init__(self, job: _Optional[str] = ..., buffer: _Optional[str] = ...) -> None: ...
 
 class ParamEntry(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "offset", "numel", "aliases")
+    __slots__ = ("name", "shape", "dtype", "offset", "numel", "aliases", "split_dim", "split_parts", "split_index", "split_packed")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_DIM_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_PARTS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_PACKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     offset: int
     numel: int
     aliases: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ...) -> None: ...
+    split_dim: int
+    split_parts: int
+    split_index: int
+    split_packed: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ..., split_dim: _Optional[int] = ..., split_parts: _Optional[int] = ..., split_index: _Optional[int] = ..., split_packed: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "hyper")
@@ -220,20 +228,24 @@ class PullParamsReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullParamsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("job", "buffers", "step")
+    __slots__ = ("job", "buffers", "step", "per_param")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PER_PARAM_FIELD_NUMBER: _ClassVar[int]
     job: str
     buffers: _containers.RepeatedScalarFieldContainer[str]
     step: int
-    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ...) -> None: ...
+    per_param: bool
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., per_param: _Optional[bool] = ...) -> None: ...
 
 class GradNormReply(_message.Message):
-    __slots__ = ("sum_squares",)
+    __slots__ = ("sum_squares", "param_sum_squares")
     SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    PARAM_SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
     sum_squares: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, sum_squares: _Optional[_Iterable[float]] = ...) -> None: ...
+    param_sum_squares: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sum_squares: _Optional[_Iterable[float]] = ..., param_sum_squares: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class BufferStep(_message.Message):
     __slots__ = ("buffer", "args")

@@ -3,6 +3,9 @@
 The seeds' rule (ShardedModelBase.InitializeSharding): split evenly, and the first
 ``n mod N`` servers get one extra element. Slice i lives on server i.
 
+Tensor parallelism cuts whole tensors rather than flat buffers (Megatron's equal parts along
+one dim, ``tensor_parallel_ranges``); that rule lives here too.
+
 This is the one place for that arithmetic. The client, the server, the CLI and export
 all import it; it depends on nothing but the standard library, so the server never
 pulls in torch through it.
@@ -12,7 +15,14 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["SlicePiece", "slice_bounds", "slice_sizes", "pieces", "chunk_ranges"]
+__all__ = [
+    "SlicePiece",
+    "slice_bounds",
+    "slice_sizes",
+    "pieces",
+    "chunk_ranges",
+    "tensor_parallel_ranges",
+]
 
 
 class SlicePiece(NamedTuple):
@@ -67,3 +77,25 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     if numel == 0:
         return [(0, 0)]
     return [(o, min(chunk_numel, numel - o)) for o in range(0, numel, chunk_numel)]
+
+
+def tensor_parallel_ranges(size: int, parts: int, index: int, packed: int = 1) -> list[range]:
+    """The ranges along the split dim (of length ``size`` in the whole tensor) that
+    tensor-parallel part ``index`` of ``parts`` holds, in order.
+
+    Megatron's split: equal parts. When the dim is ``packed`` equal blocks side by side (a
+    fused q|k|v projection), each part takes its slice of every block, so it holds
+    ``packed`` ranges; otherwise one.
+    """
+    packed = packed or 1
+    if parts < 1 or not 0 <= index < parts:
+        raise ValueError(f"tensor-parallel part {index} is outside 0..{parts - 1}")
+    if size % (packed * parts):
+        raise ValueError(
+            f"a dim of {size} does not split into {packed} block(s) of {parts} equal parts"
+        )
+    block = size // packed
+    width = block // parts
+    return [
+        range(b * block + index * width, b * block + (index + 1) * width) for b in range(packed)
+    ]

@@ -210,7 +210,11 @@ class ShardServicer:
     def grad_norm(self, req: pb.GradNormRequest, context: Any) -> Any:
         slices = [self.buffers.get(req.job, name) for name in req.buffers]
         timeout = self._timeout(context)
-        return pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
+        reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
+        if req.per_param:
+            for b in slices:
+                reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout))
+        return reply
 
     def step(self, req: pb.StepRequest, context: Any) -> Any:
         slices = [(self.buffers.get(req.job, s.buffer), s.args) for s in req.buffers]

@@ -41,6 +41,7 @@ class PendingStep:
     received_numel: int = 0
     reduced: bool = False
     sum_squares: float | None = None
+    param_sum_squares: list[float] | None = None
 
 
 class BufferSlice:
@@ -62,6 +63,15 @@ class BufferSlice:
         self.initialized = self.slice_numel == 0
         self.pending: PendingStep | None = None
         self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
+        self.applied_param_sum_squares: tuple[int, list[float]] | None = None
+        # Each registered parameter's elements inside this slice, as local [lo, hi) ranges.
+        self.param_ranges = [
+            (
+                min(max(p.offset - self.start, 0), self.slice_numel),
+                min(max(p.offset + p.numel - self.start, 0), self.slice_numel),
+            )
+            for p in req.params
+        ]
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
@@ -204,11 +214,21 @@ class BufferSlice:
         return header, payload
 
     def sum_squares(self, step: int, timeout: float) -> float:
+        """This slice's sum of squares of the reduced gradient of ``step``."""
+        return self._norm_of(step, timeout, "applied_sum_squares", self._sum_squares)
+
+    def param_sum_squares(self, step: int, timeout: float) -> list[float]:
+        """The same, one value per registered parameter (its elements in this slice)."""
+        return self._norm_of(step, timeout, "applied_param_sum_squares", self._param_sum_squares)
+
+    def _norm_of(self, step: int, timeout: float, kept_attr: str, compute: Any) -> Any:
+        """``compute()`` of the reduced gradient of ``step``, waiting for it, or the value
+        kept when the step was applied (a faster rank already stepped)."""
         with self.cond:
             if step < self.version:
-                # A faster rank already stepped; the norm of that step was kept for the others.
-                if self.applied_sum_squares is not None and self.applied_sum_squares[0] == step:
-                    return self.applied_sum_squares[1]
+                kept = getattr(self, kept_attr)
+                if kept is not None and kept[0] == step:
+                    return kept[1]
                 raise ShardError.precondition(
                     f"{self.label}: step {step} is already applied (version {self.version});"
                     " its gradient is gone"
@@ -219,14 +239,14 @@ class BufferSlice:
                 f"the reduced gradient of step {step}",
             )
             if self.version > step:
-                kept = self.applied_sum_squares
+                kept = getattr(self, kept_attr)
                 if kept is None or kept[0] != step:
                     raise ShardError.precondition(
                         f"{self.label} moved to version {self.version} while waiting; the"
                         f" gradient of step {step} is gone"
                     )
                 return kept[1]
-            return self._sum_squares()
+            return compute()
 
     def _reduced(self, step: int) -> bool:
         """All contributions of ``step`` are in. An empty slice (a buffer with fewer elements
@@ -245,6 +265,20 @@ class BufferSlice:
             g = self.grad
             pending.sum_squares = float(backend.xp.dot(g, g)) if self.slice_numel else 0.0
         return pending.sum_squares
+
+    def _param_sum_squares(self) -> list[float]:
+        """Per registered parameter, of the pending reduced gradient (caller holds the lock)."""
+        if self.slice_numel == 0:
+            return [0.0] * len(self.param_ranges)
+        pending = self.pending
+        assert pending is not None and pending.reduced
+        if pending.param_sum_squares is None:
+            g = self.grad
+            pending.param_sum_squares = [
+                float(backend.xp.dot(g[lo:hi], g[lo:hi])) if hi > lo else 0.0
+                for lo, hi in self.param_ranges
+            ]
+        return pending.param_sum_squares
 
     def step(self, step: int, args: pb.StepArgs, timeout: float) -> int:
         self.check_step_args(args)
@@ -351,6 +385,7 @@ class BufferSlice:
         began = time.perf_counter()
         # kept for ranks that ask for this step's norm after a faster rank stepped
         self.applied_sum_squares = (self.version, self._sum_squares())
+        self.applied_param_sum_squares = (self.version, self._param_sum_squares())
         self.optimizer.update_hyper(dict(args.hyper))
         if args.clip_coef and args.clip_coef != 1.0:
             self.grad *= backend.xp.float32(args.clip_coef)
@@ -406,6 +441,14 @@ class BufferStore:
                 raise ShardError.invalid(
                     f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
                     f" does not fit a buffer of {req.numel:,} elements"
+                )
+            if p.split_parts > 1 and (
+                p.split_index >= p.split_parts or p.split_dim >= len(p.shape)
+            ):
+                raise ShardError.invalid(
+                    f"{label}: parameter '{p.name}' is part {p.split_index} of {p.split_parts}"
+                    f" along dim {p.split_dim} in {p.split_packed} packed blocks, which does not"
+                    f" fit its shape {list(p.shape)}"
                 )
         with self._lock:
             existing = self._jobs.get(req.ref.job, {}).get(req.ref.buffer)

@@ -14,6 +14,7 @@ Composition (as torchtitan's parallelize step and Megatron-LM do it):
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,7 +25,12 @@ from strategies.config import ShardingConfiguration
 from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.pipeline import PartitionName, PipelineParallelModel
 from strategies.schedules import ScheduleName
-from strategies.tensor_parallel import gather_tensor_parallel_state, parallelize_gpt_blocks
+from strategies.tensor_parallel import (
+    gather_tensor_parallel_state,
+    parallelize_gpt_blocks,
+    tensor_parallel_part,
+    tensor_parallel_splits,
+)
 from strategies.topology import Topology
 from strategies.zero import ZeRO1Model
 
@@ -79,6 +85,8 @@ class HybridShardedModel(ShardedModelBase):
             param_dtype=config.param_dtype,
         )
         self.replica = ZeRO1Model(self.stage, dp_config)
+        # The servers' manifests say which tensors are tensor-parallel parts (export joins them).
+        self.replica.param_splits = tensor_parallel_splits(self.stage, self.groups.tp)
         self._named = [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
         self._shapes = {n: p.shape for n, p in self._named}
         for _, p in self._named:  # an optimizer on parameters() belongs to this wrapper
@@ -100,17 +108,27 @@ class HybridShardedModel(ShardedModelBase):
         """This stage's layers only; the whole model runs through ``train_on_batch``."""
         return self.stage(*args, **kwargs)
 
-    def train_on_batch(self, x: Any, y: Any) -> float:
-        """Forward and backward through the pipeline schedule over micro-batches, then the
-        optimizer step; returns the global batch's loss (the same on every rank)."""
-        if self.optimizer is None:
-            raise RuntimeError("HybridShardedModel.train_on_batch needs a HybridShardedOptimizer")
+    def forward_backward(self, x: Any, y: Any) -> float:
+        """Forward and backward of this replica's batch through the pipeline schedule, without
+        the optimizer step (so ``clip_grad_norm_`` can run in between); returns the global
+        batch's loss, the same on every rank."""
         loss = self.pipeline.train_step(x, y, self.default_loss_function)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
         if self.data_parallel_size > 1:  # the global batch's loss: mean over the replicas
             loss = self.groups.dp.all_reduce(torch.tensor([float(loss)]), "mean")[0]
         return float(loss)
+
+    def train_on_batch(self, x: Any, y: Any, max_grad_norm: float | None = None) -> float:
+        """Forward and backward through the pipeline schedule over micro-batches, then (with
+        ``max_grad_norm``) clipping by the global norm, then the optimizer step; returns the
+        global batch's loss (the same on every rank)."""
+        if self.optimizer is None:
+            raise RuntimeError("HybridShardedModel.train_on_batch needs a HybridShardedOptimizer")
+        loss = self.forward_backward(x, y)
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return loss
 
     def _attach(self, optimizer: Any) -> None:
         super()._attach(optimizer)
@@ -123,10 +141,42 @@ class HybridShardedModel(ShardedModelBase):
         self._invalidate()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        raise NotImplementedError(
-            "HybridShardedModel does not clip yet: the global norm must count tensor-parallel"
-            " replicated parameters once across stages and tensor ranks"
-        )
+        """Clips by the whole model's 2-norm, as ``torch.nn.utils.clip_grad_norm_`` on the
+        unsplit model would, and returns that norm (the same on every rank). Collective: every
+        rank calls it between ``forward_backward`` and the optimizer step.
+
+        Each parameter counts once: the servers give each parameter's sum of squares of its
+        data-parallel-averaged gradient (``GradNorm`` per parameter); a tensor-parallel part
+        counts on every tensor rank (the parts make up the whole), a replicated tensor only on
+        tensor rank 0, the last stage's copy of a tied embedding not at all (the first stage
+        counts it), and each (stage, tensor rank) once, from data rank 0. One all-reduce of
+        that scalar over the world sums it; the servers scale their slices at the step.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
+        replica = self.replica
+        if not replica.registered:
+            raise RuntimeError("clip_grad_norm_ needs a HybridShardedOptimizer attached first")
+        replica._ensure_reduced()
+        mine = 0.0
+        _, tp, dp = self.coords
+        if dp == 0:
+            sums = replica.client.param_sum_squares(
+                replica.config.job,
+                {b.name: len(b.entries) for b in replica._buffers},
+                replica._step,
+            )
+            tied_copy = self.pipeline._tied if not self.pipeline.is_first else None
+            for b in replica._buffers:
+                for e, p, sq in zip(b.entries, b.params, sums[b.name], strict=True):
+                    if p is tied_copy or (tp != 0 and e.name not in replica.param_splits):
+                        continue
+                    mine += sq
+        world = self.config.client
+        total_sq = world.all_reduce(torch.tensor([mine], dtype=torch.float64), "sum")[0]
+        total = math.sqrt(float(total_sq))
+        replica._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
+        return torch.tensor(total)
 
     def synchronize_gradients(self) -> None:
         self.replica.synchronize_gradients()
@@ -146,10 +196,55 @@ class HybridShardedModel(ShardedModelBase):
         return {n: t.float() for n, t in self.state_dict().items()}
 
     def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
-        raise NotImplementedError(
-            "HybridShardedModel cannot load a full state dict yet: load it into the model"
-            " before wrapping it"
-        )
+        self.load_state_dict(tensors, strict=False)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):  # type: ignore[override]
+        """Loads the whole model's state dict (as ``state_dict()`` returns it): each rank takes
+        its stage's tensors, and of those its tensor-parallel parts, into its replica and its
+        data group's servers. Every rank calls it with the same dict."""
+        keys = self.pipeline._full_keys
+        missing = [k for k in keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
+            )
+        splits = self.replica.param_splits
+        local = {}
+        for name, t in self.stage.state_dict().items():
+            if name not in state_dict:
+                continue
+            value = torch.as_tensor(state_dict[name])
+            if name in splits:
+                value = tensor_parallel_part(value, **splits[name])
+            if value.shape != t.shape:
+                raise ValueError(
+                    f"load_state_dict: '{name}' has shape {list(value.shape)}, this rank's"
+                    f" stage holds {list(t.shape)}"
+                )
+            local[name] = value
+        self.replica.load_state_dict(local, strict=False)
+        self._invalidate()
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, tag: str) -> int:
+        """Snapshot of the whole model on the servers under ``tag``: one snapshot per (stage,
+        tensor rank) job (``<job>.pp<s>.tp<t>``), all at the same version, tensor-parallel
+        parts marked in their manifests. ``paramshard export --snapshot <dir>/<job>/<tag>``
+        puts the whole model back together. Every rank calls it at the same point; returns
+        the version captured."""
+        version = self.replica.save_checkpoint(tag)
+        self.config.client.barrier()
+        return version
+
+    def load_checkpoint(self, tag: str = "latest") -> int:
+        """Restores snapshot ``tag`` of every (stage, tensor rank) job (resharded over these
+        servers if their number changed) and continues from its step. Every rank calls it."""
+        version = self.replica.load_checkpoint(tag)
+        self._invalidate()
+        self.config.client.barrier()
+        return version
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

@@ -97,6 +97,10 @@ class ServerShardedModel(ShardedModelBase):
         self._step = 0  # optimizer steps applied: the servers' version
         self._micro = 0  # backward passes since the last step
         self._clip_coef = 1.0
+        self.param_splits: dict[str, dict[str, int]] = {}
+        """Parameter name -> ParamInfo split fields, for parameters that are one
+        tensor-parallel part of a larger tensor (set by HybridShardedModel before attaching);
+        they go into the servers' manifests so export can put the whole tensor together."""
         self._pending: list[Future] = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
 
@@ -134,6 +138,7 @@ class ServerShardedModel(ShardedModelBase):
                         e.offset,
                         e.dtype,
                         tuple(n for n in names[id(p)] if n != e.name),
+                        **self.param_splits.get(e.name, {}),
                     )
                     for e, p in zip(b.entries, b.params, strict=True)
                 ],

@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protos import slicing
+
 __all__ = [
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
@@ -43,6 +45,8 @@ __all__ = [
     "parallelize_gpt_blocks",
     "gather_tensor_parallel_state",
     "gather_tensor_parallel_grads",
+    "tensor_parallel_splits",
+    "tensor_parallel_part",
 ]
 
 
@@ -396,3 +400,33 @@ def gather_tensor_parallel_grads(module: nn.Module, tp_client: Any) -> dict[str,
         for name, p in module.named_parameters()
     }
     return _gather(grads, module, tp_client)
+
+
+def tensor_parallel_splits(module: nn.Module, tp_client: Any) -> dict[str, dict[str, int]]:
+    """Parameter name -> how this rank's tensor is a part of the whole one (the split fields of
+    ``client.ParamInfo`` / ``ParamEntry``), for every sharded parameter under ``module``;
+    empty on a group of one. The servers keep this in their manifests, so export can put
+    the whole tensors back together without the model's code."""
+    if tp_client.world_size == 1:
+        return {}
+    return {
+        name: {
+            "split_dim": dim,
+            "split_parts": tp_client.world_size,
+            "split_index": tp_client.rank,
+            "split_packed": packed,
+        }
+        for name, (dim, packed) in _split_dims(module).items()
+    }
+
+
+def tensor_parallel_part(
+    whole: torch.Tensor, split_dim: int, split_parts: int, split_index: int, split_packed: int = 1
+) -> torch.Tensor:
+    """Part ``split_index`` of the whole tensor (the inverse of the gather): its slice of each
+    of ``split_packed`` blocks along ``split_dim``, concatenated."""
+    ranges = slicing.tensor_parallel_ranges(
+        whole.shape[split_dim], split_parts, split_index, split_packed
+    )
+    parts = [whole.narrow(split_dim, r.start, len(r)) for r in ranges]
+    return torch.cat(parts, split_dim).clone()

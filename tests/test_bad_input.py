@@ -467,6 +467,14 @@ def test_register_buffer_errors(c: ShardClient) -> None:
             "'w'",
         ),
         "shape and numel": ({"params": [pb.ParamEntry(name="w", shape=[2, 2], numel=5)]}, "'w'"),
+        "split index": (
+            {"params": [pb.ParamEntry(name="w", shape=[4], numel=4, split_parts=2, split_index=2)]},
+            "part 2 of 2",
+        ),
+        "split dim": (
+            {"params": [pb.ParamEntry(name="w", shape=[4], numel=4, split_parts=2, split_dim=1)]},
+            "along dim 1",
+        ),
     }
     for name, (kw, text) in cases.items():
         err = register(**kw)

@@ -420,6 +420,32 @@ def test_grad_sum_squares_over_servers(servers, run_ranks, job_name: str) -> Non
     assert versions(addresses, job_name, "a") == [0, 0, 0]  # no step without step args
 
 
+def test_per_parameter_sum_squares_kept_after_the_step(servers, run_ranks, job_name: str) -> None:
+    """GradNorm per_param: each registered parameter's part, summed over the servers (a
+    parameter may straddle two slices), and still there for a rank asking after the step."""
+    world, numel = 2, 1001
+    addresses = [s.address for s in servers(3)]  # slices 334/334/333: "w" straddles two
+    params = [ParamInfo("w", (20, 20), 0), ParamInfo("b", (1,), 400), ParamInfo("v", (600,), 401)]
+    c0 = client(addresses, 0, world)
+    try:
+        c0.register_buffer(job_name, BUF, numel, params=params, optimizer="sgd", hyper={"lr": 0.1})
+        c0.set_params(job_name, BUF, initial(numel))
+    finally:
+        c0.close()
+
+    def rank(c: ShardClient) -> tuple[dict, dict]:
+        c.run(c.push_calls(job_name, BUF, grads(c.rank, numel), 0))
+        before = c.param_sum_squares(job_name, {BUF: 3}, 0)
+        c.step(job_name, 0, {BUF: StepArgs({"lr": 0.1})})
+        return before, c.param_sum_squares(job_name, {BUF: 3}, 0)
+
+    g = average([grads(r, numel) for r in range(world)]).astype(np.float64)
+    want = [float(g[:400] @ g[:400]), float(g[400] ** 2), float(g[401:] @ g[401:])]
+    for before, after in run_ranks(rank, world, addresses):
+        assert before[BUF] == pytest.approx(want, rel=1e-5)
+        assert after == before
+
+
 def test_clipped_step_and_repeated_step_is_idempotent(servers, run_ranks, job_name: str) -> None:
     world, numel, lr, max_norm = 2, 1001, 0.5, 1.0
     addresses = [s.address for s in servers(3)]

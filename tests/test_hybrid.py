@@ -29,25 +29,55 @@ def one_thread_per_rank():
     torch.set_num_threads(before)
 
 
+MAX_NORM = 0.3  # below the tiny GPT's gradient norms here (0.6 to 2.5): every step clips
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def single_process(init, data, max_norm=None, make_opt=adamw):
+    """Losses, final state and (with ``max_norm``) the clipped norms of plain torch training."""
+    model = GPT(CFG)
+    model.load_state_dict(init)
+    opt = make_opt(model.parameters())
+    losses, norms = [], []
+    for s in range(STEPS):
+        loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
+        loss.backward()
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict(), norms
+
+
 @pytest.fixture(scope="module")
 def reference():
     torch.manual_seed(0)
     init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
     data = torch.randint(0, 50, (STEPS, BATCH, 17), generator=torch.Generator().manual_seed(1))
-    model = GPT(CFG)
-    model.load_state_dict(init)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for s in range(STEPS):
-        loss = lm_loss(model(data[s, :, :-1]), data[s, :, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return init, data, losses, model.state_dict()
+    losses, state, _ = single_process(init, data)
+    return init, data, losses, state
 
 
-def train_hybrid(pp, tp, dp, init, data, servers=2):
+def _close(a, b, what):
+    assert abs(a - b) <= 1e-5 * abs(b), f"{what}: {a} vs {b}"
+
+
+def _same_state(state, ref_state, who):
+    assert list(state) == list(ref_state)  # whole model, own names
+    for name, ref in ref_state.items():
+        rel = (state[name] - ref).norm() / ref.norm()
+        assert rel <= 1e-5, f"{who} {name}: relative difference {rel:.2e}"
+
+
+def train_hybrid(pp, tp, dp, init, data, servers=2, max_norm=None, make_opt=adamw):
     world = pp * tp * dp
     nodes = [ShardServer().start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
@@ -68,14 +98,19 @@ def train_hybrid(pp, tp, dp, init, data, servers=2):
             data_parallel_size=-1,
             micro_batch_count=2,
         )
-        opt = HybridShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+        opt = HybridShardedOptimizer(make_opt(model.parameters()), config)
         per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
-        losses = []
+        losses, norms = [], []
         for s in range(STEPS):
             part = data[s, d * per : (d + 1) * per]
-            losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
-        assert opt.param_groups[0]["lr"] == 3e-3
-        return losses, model.state_dict(), str(model)
+            if max_norm is None:
+                losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
+            else:  # the torchtitan order: forward/backward, clip, step
+                losses.append(model.forward_backward(part[:, :-1], part[:, 1:]))
+                norms.append(float(model.clip_grad_norm_(max_norm)))
+                opt.step()
+                opt.zero_grad()
+        return losses, model.state_dict(), str(model), norms
 
     try:
         with ThreadPoolExecutor(world) as pool:
@@ -92,14 +127,34 @@ def train_hybrid(pp, tp, dp, init, data, servers=2):
 def test_equals_single_process(reference, pp, tp, dp):
     init, data, ref_losses, ref_state = reference
     results = train_hybrid(pp, tp, dp, init, data)
-    for r, (losses, state, described) in enumerate(results):
+    for r, (losses, state, described, _) in enumerate(results):
         assert described.endswith(f"Rank({r})")
         for a, b in zip(losses, ref_losses, strict=True):
-            assert abs(a - b) <= 1e-5 * abs(b), (losses, ref_losses)
-        assert list(state) == list(ref_state)  # whole model, own names, on every rank
-        for name, ref in ref_state.items():
-            rel = (state[name] - ref).norm() / ref.norm()
-            assert rel <= 1e-5, f"rank {r} {name}: relative difference {rel:.2e}"
+            _close(a, b, f"rank {r} loss")
+        _same_state(state, ref_state, f"rank {r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pp,tp,dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+)
+def test_clipping_equals_single_process(reference, pp, tp, dp):
+    """The global norm counts every parameter once: tensor-parallel parts summed, replicated
+    tensors and the tied embedding's two copies once; clipped training stays equal.
+
+    SGD with momentum, not Adam: Adam's update hardly depends on the gradient's scale, so it
+    would hide a wrong clip coefficient; SGD's step is proportional to it."""
+    init, data, _, _ = reference
+    ref_losses, ref_state, ref_norms = single_process(init, data, MAX_NORM, sgd)
+    assert min(ref_norms) > MAX_NORM  # clipping is active at every step
+    for r, (losses, state, _, norms) in enumerate(
+        train_hybrid(pp, tp, dp, init, data, max_norm=MAX_NORM, make_opt=sgd)
+    ):
+        for a, b in zip(norms, ref_norms, strict=True):
+            _close(a, b, f"rank {r} norm")
+        for a, b in zip(losses, ref_losses, strict=True):
+            _close(a, b, f"rank {r} loss")
+        _same_state(state, ref_state, f"rank {r}")
 
 
 def test_sizes_must_multiply_to_the_world():

@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protos.slicing import SlicePiece, chunk_ranges, pieces, slice_bounds, slice_sizes
+from protos.slicing import (
+    SlicePiece,
+    chunk_ranges,
+    pieces,
+    slice_bounds,
+    slice_sizes,
+    tensor_parallel_ranges,
+)
 
 SIZES = st.integers(0, 10**7)
 COUNTS = st.integers(1, 64)
@@ -115,3 +122,15 @@ def test_hypothesis_chunk_ranges(data: st.DataObject, numel: int) -> None:
     assert position == numel
     assert len(got) == -(-numel // chunk)
     assert all(length == chunk for _, length in got[:-1])
+
+
+def test_tensor_parallel_ranges_take_a_slice_of_each_packed_block():
+    assert tensor_parallel_ranges(8, 2, 1) == [range(4, 8)]
+    # q|k|v of 4 rows each over 2 ranks: rank 1 holds rows 2-3 of each block
+    assert tensor_parallel_ranges(12, 2, 1, packed=3) == [range(2, 4), range(6, 8), range(10, 12)]
+    covered = sorted(i for r in range(4) for rg in tensor_parallel_ranges(24, 4, r, 3) for i in rg)
+    assert covered == list(range(24))  # the parts tile the whole dim exactly once
+    with pytest.raises(ValueError, match="3 block"):
+        tensor_parallel_ranges(10, 2, 0, packed=3)
+    with pytest.raises(ValueError, match="part 2"):
+        tensor_parallel_ranges(8, 2, 2)
