@@ -20,6 +20,7 @@ from strategies.optim import (
 )
 from strategies.pipeline import PipelineParallelModel, split_gpt
 from strategies.recovery import RecoveryReport, train_with_recovery
+from strategies.tensor_model import TensorParallelModel
 from strategies.tensor_parallel import (
     ColumnParallelLinear,
     ParallelCausalSelfAttention,
@@ -56,6 +57,7 @@ __all__ = [
     "ParallelCausalSelfAttention",
     "ParallelMLP",
     "parallelize_gpt_blocks",
+    "TensorParallelModel",
     "HybridShardedModel",
     "HybridShardedOptimizer",
 ]
