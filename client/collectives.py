@@ -237,11 +237,13 @@ class Collectives(RpcCore):
         """Returns once every rank has entered the barrier."""
         self.all_reduce(np.zeros(1, dtype=np.int64))
 
-    def send(self, x: Any, dst: int) -> None:
-        """Puts ``x`` in rank ``dst``'s mailbox on its server; returns once it is stored."""
+    def send(self, x: Any, dst: int, tag: str = "") -> None:
+        """Puts ``x`` in rank ``dst``'s mailbox on its server; returns once it is stored.
+        Messages from one rank to another arrive in the order sent, per ``tag``: a tag is a
+        separate queue (a pipeline's activations and gradients between the same two ranks)."""
         self._check_rank(dst, "dst")
         flat = as_flat(x)
-        key = self._p2p_key(self.rank, dst, "send")
+        key = self._p2p_key(self.rank, dst, "send", tag)
         self.run(
             self._contributions(
                 dst % self.num_servers,
@@ -256,22 +258,22 @@ class Collectives(RpcCore):
             )
         )
 
-    def recv(self, src: int, like: Any = None) -> Any:
-        """Takes the next tensor rank ``src`` sent to this rank (waits for it). The result is a
-        torch tensor if ``like`` is one or torch is loaded and the sender sent bfloat16,
-        else a NumPy array."""
+    def recv(self, src: int, like: Any = None, tag: str = "") -> Any:
+        """Takes the next tensor rank ``src`` sent to this rank with ``tag`` (waits for it).
+        The result is a torch tensor if ``like`` is one or torch is loaded and the sender sent
+        bfloat16, else a NumPy array."""
         self._check_rank(src, "src")
-        key = self._p2p_key(src, self.rank, "recv")
+        key = self._p2p_key(src, self.rank, "recv", tag)
         ((arr, shape, dtype),) = self._read_unknown([(self.rank % self.num_servers, key)])
         return _wrap_received(arr, shape, dtype, like)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _p2p_key(self, src: int, dst: int, side: str) -> str:
-        """The n-th message from src to dst; senders and receivers count separately, so a
-        rank sending to itself takes the same keys on both sides."""
+    def _p2p_key(self, src: int, dst: int, side: str, tag: str = "") -> str:
+        """The n-th message from src to dst under ``tag``; senders and receivers count
+        separately, so a rank sending to itself takes the same keys on both sides."""
         counters = self.__dict__.setdefault("_p2p_seq", {})
-        n = counters[(side, src, dst)] = counters.get((side, src, dst), 0) + 1
-        return f"{self.run_id}:p2p{src}-{dst}/{n}"
+        n = counters[(side, src, dst, tag)] = counters.get((side, src, dst, tag), 0) + 1
+        return f"{self.run_id}:p2p{src}-{dst}{'.' + tag if tag else ''}/{n}"
 
     def _check_rank(self, r: int, what: str) -> None:
         if not 0 <= r < self.world_size:

@@ -56,6 +56,7 @@ class HybridShardedModel(ShardedModelBase):
         micro_batch_count: int = 4,
         schedule: ScheduleName = "1f1b",
         partition: PartitionName = "uniform",
+        virtual_stages: int | None = None,
     ) -> None:
         self.topology = Topology(
             config.client.world_size,
@@ -69,7 +70,13 @@ class HybridShardedModel(ShardedModelBase):
         self.coords = self.topology.coords(rank)
         pp, tp, _ = self.coords
         self.pipeline = PipelineParallelModel(
-            model, config, micro_batch_count, partition, schedule, pp_client=self.groups.pp
+            model,
+            config,
+            micro_batch_count,
+            partition,
+            schedule,
+            pp_client=self.groups.pp,
+            virtual_stages=virtual_stages,
         )
         if self.topology.tensor_parallel_size > 1:
             parallelize_gpt_blocks(list(self.pipeline.stage.blocks.values()), self.groups.tp)

@@ -203,6 +203,31 @@ def _split(model: nn.Module, num_stages: int, partition: PartitionName) -> list[
     )
 
 
+class ChunkedStage(nn.Module):
+    """The chunks (virtual stages) one rank holds under the interleaved schedule, as one
+    module with the whole model's names: each chunk's submodules are registered here (a GPT's
+    ``blocks`` dicts merged), so ``parameters()`` and ``state_dict()`` cover every chunk once.
+    ``chunks[c](x)`` runs chunk ``c``; the chunks themselves are not submodules."""
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        super().__init__()
+        self.chunks = tuple(chunks)
+        for chunk in chunks:
+            for name, child in chunk.named_children():
+                mine = self._modules.get(name)
+                if isinstance(mine, nn.ModuleDict) and isinstance(child, nn.ModuleDict):
+                    mine.update(child)
+                elif mine is None:
+                    # a new dict: merging into the chunk's own would make it run every block
+                    fresh = nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child
+                    self.add_module(name, fresh)
+                else:
+                    raise ValueError(f"two pipeline chunks of one rank both hold '{name}'")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a rank's interleaved chunks run one at a time: call chunks[c](x)")
+
+
 def _default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy for class targets (any leading dims), MSE for float targets."""
     if target.is_floating_point():
@@ -231,6 +256,7 @@ class PipelineParallelModel(nn.Module):
         partition: PartitionName = "uniform",
         schedule: ScheduleName = "1f1b",
         pp_client: ShardClient | None = None,
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(micro_batch_count, bool) or not isinstance(micro_batch_count, int):
@@ -242,8 +268,17 @@ class PipelineParallelModel(nn.Module):
         self.stage_index, self.num_stages = self.pp.rank, self.pp.world_size
         self.micro_batch_count = micro_batch_count
         self.schedule_name = schedule
-        self.steps = build_schedule(schedule, self.num_stages, self.stage_index, micro_batch_count)
-        stages = _split(model, self.num_stages, partition)
+        if virtual_stages is None:
+            virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
+        if schedule == "interleaved_1f1b" and self.num_stages < 2:
+            raise ValueError("the interleaved schedule needs at least 2 pipeline stages")
+        self.virtual_stages = virtual_stages
+        """Model chunks per rank (the interleaved schedule's v; 1 otherwise)."""
+        p, v = self.num_stages, virtual_stages
+        self.steps = build_schedule(schedule, p, self.stage_index, micro_batch_count, v)
+        # Virtual stage k = c * p + rank: chunk c of rank ``rank`` (plain schedules: k = rank).
+        virtual = _split(model, p * v, partition)
+        stages = [virtual[r] if v == 1 else ChunkedStage(virtual[r::p]) for r in range(p)]
         # Every rank knows every stage's names and shapes: enough to unpack the all-gather
         # of ``gather_full_state_dict`` without sending any names.
         self._full_keys = list(model.state_dict().keys())
@@ -251,9 +286,11 @@ class PipelineParallelModel(nn.Module):
         self._state_layouts = [_layout(s.state_dict()) for s in stages]
         self._grad_layouts = [_layout(dict(s.named_parameters())) for s in stages]
         self.stage = stages[self.stage_index]
+        self._chunks = virtual[self.stage_index :: p]
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == self.num_stages - 1
-        tied = getattr(self.stage, "tied_weight", lambda: None)()
+        ends = [c for c in (self._chunks[0], self._chunks[-1]) if hasattr(c, "tied_weight")]
+        tied = next((w for c in ends if (w := c.tied_weight()) is not None), None)
         self._tied: nn.Parameter | None = tied
         self._tied_group = (
             self.pp.subgroup([0, self.num_stages - 1], "tied-embedding")
@@ -269,16 +306,19 @@ class PipelineParallelModel(nn.Module):
 
     @property
     def theoretical_bubble_fraction(self) -> float:
-        """(p - 1) / (m + p - 1): GPipe's and 1F1B's idle share of the wall time."""
-        return theoretical_bubble_fraction(self.num_stages, self.micro_batch_count)
+        """(p - 1) / (v m + p - 1): the schedule's idle share of the wall time (v = 1 but
+        for the interleaved schedule)."""
+        return theoretical_bubble_fraction(
+            self.num_stages, self.micro_batch_count, self.virtual_stages
+        )
 
     @property
     def paper_bubble_ratio(self) -> float:
-        """(p - 1) / m: the bubble over ideal compute time, as GPipe and Megatron quote it."""
-        return (self.num_stages - 1) / self.micro_batch_count
+        """(p - 1) / (v m): the bubble over ideal compute time, as GPipe and Megatron quote it."""
+        return (self.num_stages - 1) / (self.virtual_stages * self.micro_batch_count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's layers only (no communication)."""
+        """This stage's layers only (no communication); one chunk per rank only."""
         return self.stage(x)
 
     # -- training ----------------------------------------------------------------------------
@@ -296,57 +336,60 @@ class PipelineParallelModel(nn.Module):
         and only the last reads ``y``; the last stage broadcasts the loss so every stage
         returns it. Gradients add to existing ``.grad`` like ``loss.backward()``.
         """
-        m = self.micro_batch_count
+        m, p = self.micro_batch_count, self.num_stages
+        last_virtual = p * self.virtual_stages - 1
         xs = self._micro_batches(x, "x") if self.is_first else [None] * m
         ys = self._micro_batches(y, "y") if self.is_last else [None] * m
         loss_fn = loss_fn or _default_loss
-        prev, nxt = self.stage_index - 1, self.stage_index + 1
+        # Neighbours on the ring: with chunks, the last rank's chunk c feeds rank 0's c + 1.
+        prev, nxt = (self.stage_index - 1) % p, (self.stage_index + 1) % p
         # The tied weight's earlier gradient is set aside so that only this batch's
         # contributions are all-reduced (else both copies' old gradients would be summed).
         stashed = None
         if self._tied is not None:
             stashed, self._tied.grad = self._tied.grad, None
 
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        inputs: dict[tuple[int, int], torch.Tensor] = {}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum, compute, comm, peak = 0.0, 0.0, 0.0, 0
         wall_start = time.perf_counter()
-        for kind, i in self.steps:
+        for kind, i, c in self.steps:
+            k = c * p + self.stage_index  # the virtual stage
             if kind == "F":
-                if self.is_first:
+                if k == 0:
                     inp = xs[i]
                 else:
                     t0 = time.perf_counter()
-                    inp = self.pp.recv(prev, like=_LIKE)
+                    inp = self.pp.recv(prev, like=_LIKE, tag="act")
                     comm += time.perf_counter() - t0
                     if inp.is_floating_point():
                         inp.requires_grad_()
                 t0 = time.perf_counter()
-                out = self.stage(inp)
-                if self.is_last:
+                out = self._chunks[c](inp)
+                if k == last_virtual:
                     out = loss_fn(out, ys[i]) / m
                     loss_sum += out.item()
                 compute += time.perf_counter() - t0
-                if not self.is_last:
+                if k != last_virtual:
                     t0 = time.perf_counter()
-                    self.pp.send(out.detach(), nxt)
+                    self.pp.send(out.detach(), nxt, tag="act")
                     comm += time.perf_counter() - t0
-                inputs[i], outputs[i] = inp, out
+                inputs[c, i], outputs[c, i] = inp, out
                 peak = max(peak, len(outputs))
             else:
-                inp, out = inputs.pop(i), outputs.pop(i)
+                inp, out = inputs.pop((c, i)), outputs.pop((c, i))
                 grad = None
-                if not self.is_last:
+                if k != last_virtual:
                     t0 = time.perf_counter()
-                    grad = self.pp.recv(nxt, like=_LIKE)
+                    grad = self.pp.recv(nxt, like=_LIKE, tag="grad")
                     comm += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 torch.autograd.backward(out, grad)
                 compute += time.perf_counter() - t0
-                if not self.is_first:
+                if k != 0:
                     t0 = time.perf_counter()
                     g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                    self.pp.send(g, prev)
+                    self.pp.send(g, prev, tag="grad")
                     comm += time.perf_counter() - t0
         wall = time.perf_counter() - wall_start
 

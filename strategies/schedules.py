@@ -12,9 +12,17 @@ neighbour's tensors in the same micro-batch order runs without deadlock.
   then the remaining backwards. Same bubble as GPipe, but at most ``pp - stage`` micro-batches
   of activations alive on a stage.
 
-Both have the bubble fraction ``(p - 1) / (m + p - 1)`` of the schedule's wall time (idle time
-over total, with equal forward/backward cost per stage); the papers quote it as ``(p - 1) / m``
-of the ideal compute time.
+- Interleaved 1F1B (Megatron-LM arXiv 2104.04473 §2.2.2): each rank holds ``v`` model chunks
+  (virtual stages ``rank, rank + p, ...`` of ``p * v``) and runs 1F1B over (chunk,
+  micro-batch) pairs, micro-batches in groups of ``p`` per chunk. Each chunk is 1/v of a
+  stage, so the bubble shrinks by ``v``; activations cross ranks ``v`` times as often.
+
+GPipe and 1F1B have the bubble fraction ``(p - 1) / (m + p - 1)`` of the schedule's wall time
+(idle time over total, with equal forward/backward cost per stage); the papers quote it as
+``(p - 1) / m`` of the ideal compute time, and ``(p - 1) / (v m)`` interleaved.
+
+GPipe's and 1F1B's steps are ``(kind, micro-batch)``; interleaved steps carry the chunk too,
+``(kind, micro-batch, chunk)``.
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ __all__ = [
     "ScheduleName",
     "gpipe_schedule",
     "one_f_one_b_schedule",
+    "interleaved_schedule",
     "build_schedule",
     "peak_live_activations",
     "theoretical_bubble_fraction",
 ]
 
 Step = tuple[Literal["F", "B"], int]
-ScheduleName = Literal["gpipe", "1f1b"]
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]
+ChunkStep = tuple[Literal["F", "B"], int, int]
 SCHEDULES: tuple[str, ...] = get_args(ScheduleName)
 
 
@@ -72,26 +82,74 @@ def one_f_one_b_schedule(num_stages: int, stage: int, num_microbatches: int) -> 
     return steps
 
 
+def interleaved_schedule(
+    num_stages: int, stage: int, num_microbatches: int, num_chunks: int
+) -> list[ChunkStep]:
+    """Interleaved 1F1B for rank ``stage`` holding ``num_chunks`` chunks.
+
+    The k-th forward of a rank is micro-batch ``(k // (p v)) p + k % p`` of chunk
+    ``(k % (p v)) // p``: groups of ``p`` micro-batches go through chunk 0, then chunk 1, ...
+    The k-th backward takes the same micro-batch with the chunks in reverse. Rank ``s`` warms
+    up with ``2 (p - s - 1) + (v - 1) p`` forwards (all of them when ``m == p``), then
+    alternates one forward and one backward, then drains the backwards. Every rank runs the
+    forwards (and the backwards) in the same (chunk, micro-batch) order, so each pair of ranks
+    exchanges activations, and gradients, in the order they were sent.
+    """
+    _check(num_stages, stage, num_microbatches)
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if v < 1:
+        raise ValueError(f"the interleaved schedule needs >= 1 chunks per rank, got {v}")
+    if m % p:
+        raise ValueError(
+            f"the interleaved schedule needs micro_batch_count ({m}) divisible by the number"
+            f" of pipeline stages ({p})"
+        )
+    total = m * v
+
+    def unit(k: int, forward: bool) -> tuple[int, int]:
+        in_group = k % (p * v)
+        chunk = in_group // p
+        return (k // (p * v)) * p + in_group % p, chunk if forward else v - 1 - chunk
+
+    warmup = total if m == p else min(2 * (p - stage - 1) + (v - 1) * p, total)
+    steps: list[ChunkStep] = [("F", *unit(k, True)) for k in range(warmup)]
+    for k in range(total - warmup):
+        steps.append(("F", *unit(warmup + k, True)))
+        steps.append(("B", *unit(k, False)))
+    steps += [("B", *unit(k, False)) for k in range(total - warmup, total)]
+    return steps
+
+
 def build_schedule(
-    name: ScheduleName, num_stages: int, stage: int, num_microbatches: int
-) -> list[Step]:
-    """The steps of schedule ``name`` ("gpipe" or "1f1b") for one stage."""
+    name: ScheduleName, num_stages: int, stage: int, num_microbatches: int, num_chunks: int = 1
+) -> list[ChunkStep]:
+    """The steps of schedule ``name`` for one rank, as ``(kind, micro-batch, chunk)``; the
+    chunk is 0 but for "interleaved_1f1b" (``num_chunks`` chunks per rank)."""
+    if name == "interleaved_1f1b":
+        return interleaved_schedule(num_stages, stage, num_microbatches, num_chunks)
+    if num_chunks != 1:
+        raise ValueError(f"schedule {name!r} runs one chunk per rank, got {num_chunks}")
     if name == "gpipe":
-        return gpipe_schedule(num_stages, stage, num_microbatches)
-    if name == "1f1b":
-        return one_f_one_b_schedule(num_stages, stage, num_microbatches)
-    raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+        steps = gpipe_schedule(num_stages, stage, num_microbatches)
+    elif name == "1f1b":
+        steps = one_f_one_b_schedule(num_stages, stage, num_microbatches)
+    else:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    return [(kind, i, 0) for kind, i in steps]
 
 
-def peak_live_activations(steps: list[Step]) -> int:
-    """Most micro-batches whose forward ran and backward did not yet, at any point."""
+def peak_live_activations(steps: list[Step] | list[ChunkStep]) -> int:
+    """Most (chunk, micro-batch)es whose forward ran and backward did not yet, at any point."""
     live = peak = 0
-    for kind, _ in steps:
+    for kind, *_ in steps:
         live += 1 if kind == "F" else -1
         peak = max(peak, live)
     return peak
 
 
-def theoretical_bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """Idle share of a GPipe / 1F1B step's wall time: (p - 1) / (m + p - 1)."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def theoretical_bubble_fraction(
+    num_stages: int, num_microbatches: int, num_chunks: int = 1
+) -> float:
+    """Idle share of a step's wall time: (p - 1) / (m + p - 1) for GPipe and 1F1B, and
+    (p - 1) / (v m + p - 1) interleaved with v chunks per rank."""
+    return (num_stages - 1) / (num_chunks * num_microbatches + num_stages - 1)

@@ -77,7 +77,7 @@ def _same_state(state, ref_state, who):
         assert rel <= 1e-5, f"{who} {name}: relative difference {rel:.2e}"
 
 
-def train_hybrid(pp, tp, dp, init, data, servers=2, max_norm=None, make_opt=adamw):
+def train_hybrid(pp, tp, dp, init, data, servers=2, max_norm=None, make_opt=adamw, schedule="1f1b"):
     world = pp * tp * dp
     nodes = [ShardServer().start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
@@ -97,6 +97,7 @@ def train_hybrid(pp, tp, dp, init, data, servers=2, max_norm=None, make_opt=adam
             tensor_parallel_size=tp,
             data_parallel_size=-1,
             micro_batch_count=2,
+            schedule=schedule,
         )
         opt = HybridShardedOptimizer(make_opt(model.parameters()), config)
         per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
@@ -129,6 +130,18 @@ def test_equals_single_process(reference, pp, tp, dp):
     results = train_hybrid(pp, tp, dp, init, data)
     for r, (losses, state, described, _) in enumerate(results):
         assert described.endswith(f"Rank({r})")
+        for a, b in zip(losses, ref_losses, strict=True):
+            _close(a, b, f"rank {r} loss")
+        _same_state(state, ref_state, f"rank {r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp,dp", [(2, 1, 1), (2, 2, 2)])
+def test_interleaved_schedule_equals_single_process(reference, pp, tp, dp):
+    """Interleaved 1F1B: 2 chunks per rank (blocks 0 and 2 on stage 0, 1 and 3 on stage 1)."""
+    init, data, ref_losses, ref_state = reference
+    results = train_hybrid(pp, tp, dp, init, data, schedule="interleaved_1f1b")
+    for r, (losses, state, _, _) in enumerate(results):
         for a, b in zip(losses, ref_losses, strict=True):
             _close(a, b, f"rank {r} loss")
         _same_state(state, ref_state, f"rank {r}")

@@ -45,13 +45,87 @@ def _one_intra_op_thread():
 def test_schedule_runs_each_micro_batch_once_forward_before_backward(name, p, m):
     for stage in range(p):
         steps = build_schedule(name, p, stage, m)
-        assert sorted(i for k, i in steps if k == "F") == list(range(m))
-        assert sorted(i for k, i in steps if k == "B") == list(range(m))
+        assert sorted(i for k, i, _ in steps if k == "F") == list(range(m))
+        assert sorted(i for k, i, _ in steps if k == "B") == list(range(m))
         for i in range(m):
-            assert steps.index(("F", i)) < steps.index(("B", i))
+            assert steps.index(("F", i, 0)) < steps.index(("B", i, 0))
         # neighbours exchange tensors in micro-batch order: forwards and backwards ascend
-        assert [i for k, i in steps if k == "F"] == list(range(m))
-        assert [i for k, i in steps if k == "B"] == list(range(m))
+        assert [i for k, i, _ in steps if k == "F"] == list(range(m))
+        assert [i for k, i, _ in steps if k == "B"] == list(range(m))
+
+
+def simulate(name, p, m, v=1):
+    """Runs every rank's schedule against FIFO mailboxes (one per sender, receiver and tag,
+    as the servers keep them), picking any rank that can go on; fails on a deadlock or when a
+    receiver would take another (chunk, micro-batch)'s tensor than it expects. Returns the
+    order in which (virtual stage, micro-batch) forwards ran."""
+    from collections import deque
+
+    schedules = [build_schedule(name, p, r, m, v) for r in range(p)]
+    at = [0] * p
+    boxes: dict = {}
+    ran = []
+    last = p * v - 1
+    while any(at[r] < len(schedules[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            if at[r] == len(schedules[r]):
+                continue
+            kind, i, c = schedules[r][at[r]]
+            k = c * p + r
+            if kind == "F":
+                needs = None if k == 0 else ((r - 1) % p, r, "act")
+                expect, sends = (k - 1, i), (None if k == last else (r, (r + 1) % p, "act"))
+            else:
+                needs = None if k == last else ((r + 1) % p, r, "grad")
+                expect, sends = (k + 1, i), (None if k == 0 else (r, (r - 1) % p, "grad"))
+            if needs is not None:
+                box = boxes.get(needs)
+                if not box:
+                    continue
+                assert box.popleft() == expect, (name, p, m, v, r, kind, i, c)
+            if sends is not None:
+                boxes.setdefault(sends, deque()).append((k, i))
+            if kind == "F":
+                ran.append((k, i))
+            at[r] += 1
+            progressed = True
+        assert progressed, f"{name} p={p} m={m} v={v} deadlocks at {at}"
+    assert all(not b for b in boxes.values())
+    return ran
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_plain_schedules_pass_every_tensor_in_order(p, m):
+    for name in ("gpipe", "1f1b"):
+        simulate(name, p, m)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2, 3])
+@pytest.mark.parametrize("mult", [1, 2, 3])
+def test_interleaved_schedule_runs_without_deadlock_in_order(p, v, mult):
+    m = p * mult
+    ran = simulate("interleaved_1f1b", p, m, v)
+    assert sorted(ran) == [(k, i) for k in range(p * v) for i in range(m)]
+    for r in range(p):
+        steps = build_schedule("interleaved_1f1b", p, r, m, v)
+        for i in range(m):
+            for c in range(v):
+                assert steps.index(("F", i, c)) < steps.index(("B", i, c))
+
+
+def test_interleaved_schedule_shape_and_errors():
+    # Megatron's warm-up: 2 (p - rank - 1) + (v - 1) p forwards, then 1F1B
+    steps = build_schedule("interleaved_1f1b", 2, 0, 4, 2)
+    assert steps[:5] == [("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1), ("F", 2, 0)]
+    assert steps[5] == ("B", 0, 1)  # backwards start with the last chunk
+    assert theoretical_bubble_fraction(4, 8, 2) == pytest.approx(3 / 19)
+    with pytest.raises(ValueError, match=r"micro_batch_count \(3\) divisible.*\(2\)"):
+        build_schedule("interleaved_1f1b", 2, 0, 3, 2)
+    with pytest.raises(ValueError, match="one chunk per rank"):
+        build_schedule("1f1b", 2, 0, 4, 2)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -67,7 +141,7 @@ def test_1f1b_shape():
     assert one_f_one_b_schedule(4, 3, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2),
                                              ("B", 2)]  # fmt: skip
     assert theoretical_bubble_fraction(4, 8) == pytest.approx(3 / 11)
-    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b"):
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):
         build_schedule("zigzag", 2, 0, 2)  # type: ignore[arg-type]
 
 
@@ -152,6 +226,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         (3, "1f1b", "uniform"),
         (4, "gpipe", "balanced"),
         (4, "1f1b", "uniform"),
+        (2, "interleaved_1f1b", "uniform"),
+        (2, "interleaved_1f1b", "balanced"),
     ],
 )
 def test_loss_and_gradients_equal_single_process(servers, run_ranks, pp, schedule, partition):
@@ -170,17 +246,20 @@ def test_loss_and_gradients_equal_single_process(servers, run_ranks, pp, schedul
             schedule=schedule,
         )
         loss = model.train_step(x, y)
-        return loss, model.gather_full_grads(), model.last_peak_activations
+        return loss, model.gather_full_grads(), model.last_peak_activations, model.steps
 
     results = run_ranks(rank, pp, addresses)
-    for stage, (loss, grads, peak) in enumerate(results):
+    for stage, (loss, grads, peak, steps) in enumerate(results):
         assert loss == pytest.approx(loss_ref.item(), abs=1e-5)
-        assert peak == (M if schedule == "gpipe" else min(pp - stage, M))
+        if schedule == "interleaved_1f1b":  # v = 2 chunks of micro-batches
+            assert peak == peak_live_activations(steps) <= 2 * M
+        else:
+            assert peak == (M if schedule == "gpipe" else min(pp - stage, M))
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("pp", "schedule"), [(2, "1f1b"), (3, "gpipe")])
+@pytest.mark.parametrize(("pp", "schedule"), [(2, "1f1b"), (3, "gpipe"), (2, "interleaved_1f1b")])
 def test_adamw_training_equals_single_process(servers, run_ranks, pp, schedule):
     steps = 5
     ref, batches = _reference_and_batches(steps)
@@ -269,3 +348,23 @@ def test_bad_batch_and_micro_batch_count(servers, run_ranks):
             model.train_step(torch.zeros(8, 4, dtype=torch.long), torch.zeros(8, 4).long())
 
     run_ranks(rank, 1, addresses)
+
+
+def test_interleaved_ranks_hold_every_pth_chunk(servers, run_ranks):
+    """p = 2, v = 2 over 4 blocks: rank 0 runs blocks 0 and 2 (with the embedding), rank 1
+    blocks 1 and 3 (with ln_f and the head); parameters() covers both chunks once."""
+    ref, _ = _reference_and_batches(0)
+    addresses = [s.address for s in servers(1)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            copy.deepcopy(ref), ShardingConfiguration(client), 4, schedule="interleaved_1f1b"
+        )
+        names = {n for n, _ in model.named_parameters()}
+        return list(model.stage.blocks), model.virtual_stages, len(names), model.paper_bubble_ratio
+
+    (b0, v0, n0, r0), (b1, v1, n1, _) = run_ranks(rank, 2, addresses)
+    assert (b0, b1, v0, v1) == (["0", "2"], ["1", "3"], 2, 2)
+    assert r0 == pytest.approx(1 / 8)  # (p - 1) / (v m)
+    tied_copy = 1  # the last rank's own lm_head copy of the embedding
+    assert n0 + n1 == len(list(ref.parameters())) + tied_copy
