@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from concurrent import futures
 from typing import Any
@@ -161,7 +162,11 @@ class ShardServer:
     def stop(self, grace: float | None = None) -> None:
         if LOCAL_SERVERS.get(self.address, (None,))[0] is self.servicer:
             del LOCAL_SERVERS[self.address]
-        self.health.enter_graceful_shutdown()
+        # Health watchers learn NOT_SERVING first. Bounded: once, with outside clients holding
+        # Health.Watch streams, this call did not return; the stop must not depend on them.
+        notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True)
+        notify.start()
+        notify.join(timeout=2.0)
         self._server.stop(grace).wait()
         if self.metrics is not None:
             self.metrics.close()
