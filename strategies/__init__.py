@@ -18,7 +18,12 @@ from strategies.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
-from strategies.pipeline import PipelineParallelModel, split_gpt
+from strategies.pipeline import (
+    LoadBalancedPartitionStrategy,
+    PipelineParallelModel,
+    UniformPartitionStrategy,
+    split_gpt,
+)
 from strategies.recovery import RecoveryReport, train_with_recovery
 from strategies.tensor_model import TensorParallelModel
 from strategies.tensor_parallel import (
@@ -52,6 +57,8 @@ __all__ = [
     "Topology",
     "PipelineParallelModel",
     "split_gpt",
+    "UniformPartitionStrategy",
+    "LoadBalancedPartitionStrategy",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ParallelCausalSelfAttention",

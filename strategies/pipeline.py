@@ -29,7 +29,12 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.schedules import ScheduleName, build_schedule, theoretical_bubble_fraction
+from strategies.schedules import (
+    ScheduleName,
+    build_schedule,
+    schedule_name,
+    theoretical_bubble_fraction,
+)
 
 if TYPE_CHECKING:
     from client import ShardClient
@@ -42,11 +47,50 @@ __all__ = [
     "split_sequential",
     "balanced_partition",
     "uniform_partition",
+    "partition_name",
+    "UniformPartitionStrategy",
+    "LoadBalancedPartitionStrategy",
     "PipelineParallelModel",
 ]
 
 PartitionName = Literal["uniform", "balanced"]
 _PARTITIONS: tuple[str, ...] = get_args(PartitionName)
+
+
+class UniformPartitionStrategy:
+    """Equal block counts per stage (``partition="uniform"``)."""
+
+    name: PartitionName = "uniform"
+
+
+class LoadBalancedPartitionStrategy:
+    """Stages of near-equal parameter cost, the seeds' LoadBalancedPartitionStrategy
+    (``partition="balanced"``; see ``balanced_partition``)."""
+
+    name: PartitionName = "balanced"
+
+
+_PARTITION_ALIASES = {"load_balanced": "balanced", "loadbalanced": "balanced"}
+
+
+def partition_name(partition: Any) -> PartitionName:
+    """ "uniform" or "balanced", from a name (case, '-' and "load_balanced" accepted) or a
+    partition strategy class or instance."""
+    if isinstance(partition, (UniformPartitionStrategy, LoadBalancedPartitionStrategy)):
+        return partition.name
+    if isinstance(partition, type) and issubclass(
+        partition, (UniformPartitionStrategy, LoadBalancedPartitionStrategy)
+    ):
+        return partition.name
+    if isinstance(partition, str):
+        key = partition.lower().replace("-", "_")
+        key = _PARTITION_ALIASES.get(key, key)
+        if key in _PARTITIONS:
+            return key  # type: ignore[return-value]
+    raise ValueError(
+        f"partition must be one of {', '.join(_PARTITIONS)} (or a partition strategy),"
+        f" got {partition!r}"
+    )
 
 
 # -- partitioning ------------------------------------------------------------------------------
@@ -153,8 +197,7 @@ def split_gpt(model: GPT, num_stages: int, partition: PartitionName = "uniform")
       last stage computes with and keeps a copy of it) weigh in, so the end stages get fewer
       blocks; they may get none.
     """
-    if partition not in _PARTITIONS:
-        raise ValueError(f"partition must be one of {', '.join(_PARTITIONS)}, got {partition!r}")
+    partition = partition_name(partition)
     n = len(model.blocks)
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
@@ -181,8 +224,7 @@ def split_sequential(
     model: nn.Sequential, num_stages: int, partition: PartitionName = "uniform"
 ) -> list[nn.Sequential]:
     """Generic fallback: cut an ``nn.Sequential`` by its children (names kept)."""
-    if partition not in _PARTITIONS:
-        raise ValueError(f"partition must be one of {', '.join(_PARTITIONS)}, got {partition!r}")
+    partition = partition_name(partition)
     children = list(model.named_children())
     if len(children) < num_stages:
         raise ValueError(f"{len(children)} layers cannot fill {num_stages} pipeline stages")
@@ -267,7 +309,7 @@ class PipelineParallelModel(nn.Module):
         self.pp = pp_client if pp_client is not None else config.client
         self.stage_index, self.num_stages = self.pp.rank, self.pp.world_size
         self.micro_batch_count = micro_batch_count
-        self.schedule_name = schedule
+        self.schedule_name = schedule = schedule_name(schedule)
         if virtual_stages is None:
             virtual_stages = 2 if schedule == "interleaved_1f1b" else 1
         if schedule == "interleaved_1f1b" and self.num_stages < 2:

@@ -36,6 +36,7 @@ __all__ = [
     "one_f_one_b_schedule",
     "interleaved_schedule",
     "build_schedule",
+    "schedule_name",
     "peak_live_activations",
     "theoretical_bubble_fraction",
 ]
@@ -120,11 +121,24 @@ def interleaved_schedule(
     return steps
 
 
+_ALIASES = {"interleaved": "interleaved_1f1b", "pipedream_flush": "1f1b"}
+
+
+def schedule_name(name: str) -> ScheduleName:
+    """The canonical name of a schedule: case, '-' for '_' and "interleaved" accepted."""
+    key = str(name).lower().replace("-", "_")
+    key = _ALIASES.get(key, key)
+    if key not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+    return key  # type: ignore[return-value]
+
+
 def build_schedule(
     name: ScheduleName, num_stages: int, stage: int, num_microbatches: int, num_chunks: int = 1
 ) -> list[ChunkStep]:
     """The steps of schedule ``name`` for one rank, as ``(kind, micro-batch, chunk)``; the
     chunk is 0 but for "interleaved_1f1b" (``num_chunks`` chunks per rank)."""
+    name = schedule_name(name)
     if name == "interleaved_1f1b":
         return interleaved_schedule(num_stages, stage, num_microbatches, num_chunks)
     if num_chunks != 1:

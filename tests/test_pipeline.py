@@ -368,3 +368,21 @@ def test_interleaved_ranks_hold_every_pth_chunk(servers, run_ranks):
     assert r0 == pytest.approx(1 / 8)  # (p - 1) / (v m)
     tied_copy = 1  # the last rank's own lm_head copy of the embedding
     assert n0 + n1 == len(list(ref.parameters())) + tied_copy
+
+
+def test_partition_and_schedule_names_are_lenient():
+    from strategies import LoadBalancedPartitionStrategy, UniformPartitionStrategy
+    from strategies.pipeline import partition_name
+    from strategies.schedules import schedule_name
+
+    for given in ("balanced", "load_balanced", "Load-Balanced", LoadBalancedPartitionStrategy):
+        assert partition_name(given) == "balanced"
+    assert partition_name(LoadBalancedPartitionStrategy()) == "balanced"
+    assert partition_name(UniformPartitionStrategy) == "uniform"
+    for given, want in [("GPipe", "gpipe"), ("1F1B", "1f1b"), ("interleaved", "interleaved_1f1b")]:
+        assert schedule_name(given) == want
+    with pytest.raises(ValueError, match="partition must be one of uniform, balanced"):
+        partition_name("random")
+    model = GPT(GPTConfig.tiny(n_layer=4))
+    a = [list(s.blocks) for s in split_gpt(model, 2, "load-balanced")]
+    assert a == [list(s.blocks) for s in split_gpt(model, 2, LoadBalancedPartitionStrategy())]
