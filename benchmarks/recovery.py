@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks._processes import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(port: int, snapshots: str) -> subprocess.Popen:
@@ -81,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
     numel = int(opts.mb * 1e6 / 4)
     snapshots = tempfile.mkdtemp(prefix="paramshard-recovery-")
-    ports = [_free_port() for _ in range(opts.servers)]
+    ports = [free_port() for _ in range(opts.servers)]
     procs = [_serve(p, snapshots) for p in ports]
     client = ShardClient(ClusterSpec([f"127.0.0.1:{p}" for p in ports]), timeout_s=300)
     results: dict[str, list[float]] = {"replica_s": [], "snapshot_s": [], "server_restart_s": []}

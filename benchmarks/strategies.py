@@ -51,24 +51,53 @@ parent (it exits when the parent dies or its lifetime runs out) and is stopped b
 from __future__ import annotations
 
 import argparse
-import atexit
-import ctypes
-import json
 import os
 import platform
-import queue
-import resource
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks._processes import (
+    Child,
+    Load,
+    child_env,
+    child_guard,
+    cpu_self_s,
+    emit,
+    free_port,
+    install_cleanup,
+    logger,
+    peak_rss_bytes,
+    proc_cpu_s,
+    stop_all,
+)
+from benchmarks._training import (
+    ADAMW,
+    MODELS,
+    STARTUP_S,
+    adamw,
+    attempt_cell,
+    build_gpt,
+    end_gloo,
+    hosted_server,
+    init_gloo,
+    launch_ranks,
+    make_batches,
+    max_rel_diff,
+    mean_losses,
+    measured,
+    median_ms,
+    model_info,
+    models_and_worlds,
+    print_report,
+    run_main,
+    set_threads,
+    steps_and_warmup,
+    wait_exit_then_close,
+)
+
 OURS = ("ddp", "zero1", "zero2", "fsdp")
 # our strategy -> the torch mode it is compared with
 TORCH_PEER = {"ddp": "ddp", "zero1": "zero1", "zero2": "fsdp2_zero2", "fsdp": "fsdp2"}
@@ -79,28 +108,6 @@ TORCH_LABEL = {
     "fsdp2_zero2": "fully_shard(reshard_after_forward=False) per Block + root",
     "fsdp2": "fully_shard per Block + root",
 }
-MODELS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "preset": "tiny",
-        "overrides": dict(
-            vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128, tie_weights=False
-        ),
-        "batch_per_rank": 8,
-        "steps": 20,
-        "warmup": 5,
-        "step_budget_s": 10.0,
-    },
-    "small": {
-        "preset": "small",
-        "overrides": dict(
-            vocab_size=4096, block_size=128, n_layer=6, n_head=6, n_embd=384, tie_weights=False
-        ),
-        "batch_per_rank": 4,
-        "steps": 9,
-        "warmup": 3,
-        "step_budget_s": 40.0,
-    },
-}
 SERVER_MODE_NOTE = (
     "inprocess: a ShardServer in each trainer process; process: W `python -m paramshard serve"
     " --port 0` processes. Default inprocess: measured with --server-mode both on this idle"
@@ -108,87 +115,7 @@ SERVER_MODE_NOTE = (
     " ZeRO-1/ZeRO-2/FSDP at W=2, small ZeRO-1/FSDP at W=4; by 4-18%; slower by 4% and 14% in"
     " the other two) and used less CPU per step in all (no extra processes to schedule)."
 )
-LR, BETAS, EPS, WD, SEED = 1e-3, (0.9, 0.95), 1e-8, 0.01, 1234
-STARTUP_S = 120.0  # bound on starting a cell's processes (imports, servers, process group)
-
-
-def log(msg: str) -> None:
-    print(f"[strategies {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# =============================================================================== children
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the parent exits (and exit now if it already did)."""
-    ppid = os.getppid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != ppid or ppid == 1:
-        os._exit(3)
-
-
-def child_guard(lifetime: float) -> None:
-    """Exits on its own if the lifetime runs out (no orphans even without prctl)."""
-    _die_with_parent()
-
-    def watch() -> None:
-        time.sleep(lifetime)
-        print(f"child {os.getpid()}: lifetime {lifetime:.0f} s exceeded", file=sys.stderr)
-        os._exit(4)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def emit(tag: str, payload: Any) -> None:
-    sys.stdout.write(f"{tag} {json.dumps(payload)}\n")
-    sys.stdout.flush()
-
-
-def read_line(expect: str, timeout: float) -> str:
-    """The payload of the next stdin line starting with ``expect`` (EOF: the parent is gone)."""
-    box: queue.Queue[str | None] = queue.Queue()
-
-    def reader() -> None:
-        box.put(sys.stdin.readline())
-
-    threading.Thread(target=reader, daemon=True).start()
-    try:
-        line = box.get(timeout=timeout)
-    except queue.Empty:
-        raise TimeoutError(f"no {expect} from the parent within {timeout:.0f} s") from None
-    if not line:
-        os._exit(5)  # parent closed our stdin: stop at once
-    if not line.startswith(expect):
-        raise RuntimeError(f"expected {expect}, got {line.strip()!r}")
-    return line[len(expect) :].strip()
-
-
-def build_gpt(model: str):
-    from examples.gpt import GPT, GPTConfig
-
-    spec = MODELS[model]
-    cfg = getattr(GPTConfig, spec["preset"])(**spec["overrides"])
-    import torch
-
-    torch.manual_seed(SEED)
-    return GPT(cfg)
-
-
-def make_batches(model: str, world: int, steps: int):
-    """``steps`` fixed random (x, y) global batches of W x per-rank sequences."""
-    import torch
-
-    spec = MODELS[model]
-    B = world * spec["batch_per_rank"]
-    T = spec["overrides"]["block_size"]
-    V = spec["overrides"]["vocab_size"]
-    out = []
-    for s in range(steps):
-        g = torch.Generator().manual_seed(SEED * 1000 + s)
-        seq = torch.randint(0, V, (B, T + 1), generator=g)
-        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
-    return out
+log = logger("strategies")
 
 
 def tensor_bytes(t: Any) -> int:
@@ -204,26 +131,6 @@ def tensor_bytes(t: Any) -> int:
 def optimizer_state_bytes(opt: Any) -> int:
     inner = getattr(opt, "optim", opt)  # ZeroRedundancyOptimizer keeps its shard's in .optim
     return sum(tensor_bytes(v) for st in inner.state.values() for v in st.values())
-
-
-def cpu_self_s() -> float:
-    """CPU seconds used so far by this process (all its threads)."""
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def proc_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by process ``pid`` (all threads), from /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 class GradTracker:
@@ -274,7 +181,6 @@ def timed_steps(
 def ours_main(a: argparse.Namespace) -> None:
     t_start = time.monotonic()
     child_guard(a.lifetime)
-    import torch
 
     from client import ClusterSpec, ShardClient
     from examples.gpt import Block, lm_loss
@@ -290,16 +196,12 @@ def ours_main(a: argparse.Namespace) -> None:
         ZeRO2Optimizer,
     )
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // a.world))
+    set_threads(a.world)
     server = None
     if a.servers:
         addresses = a.servers.split(",")
     else:  # in-process: host one server, learn the others' addresses from the parent
-        from server import ShardServer
-
-        server = ShardServer("127.0.0.1", 0).start()
-        emit("ADDR", server.address)
-        addresses = read_line("SERVERS ", STARTUP_S).split(",")
+        server, addresses = hosted_server()
     client = ShardClient(
         ClusterSpec(addresses), rank=a.rank, world_size=a.world, run_id=a.run, timeout_s=120.0
     )
@@ -318,7 +220,7 @@ def ours_main(a: argparse.Namespace) -> None:
     )
     params = [p for p in gpt.parameters() if p.requires_grad]
     tracker = GradTracker(params)  # before the optimizer: ZeRO-2 / FSDP hook in at attach
-    inner = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    inner = adamw(params)
     opt = opt_cls(inner, config)
 
     per = MODELS[a.model]["batch_per_rank"]
@@ -384,43 +286,24 @@ def ours_main(a: argparse.Namespace) -> None:
             },
         },
     )
-    # others may still pull from our server: stay until the parent says every rank is done
-    try:
-        read_line("EXIT", 120.0)
-    finally:
-        client.close()
-        if server is not None:
-            server.stop(0)
+    wait_exit_then_close([client], server)
 
 
 # ----------------------------------------------------------------------------- torch
 def torch_main(a: argparse.Namespace) -> None:
     t_start = time.monotonic()
     child_guard(a.lifetime)
-    import datetime
-
     import torch
-    import torch.distributed as dist
 
     from examples.gpt import Block, lm_loss
 
     W = a.world
     single = a.strategy == "single"
-    cores = os.cpu_count() or 1
-    torch.set_num_threads(cores if single else max(1, cores // W))
+    set_threads(1 if single else W)
     if not single:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{a.port}",
-            rank=a.rank,
-            world_size=W,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        init_gloo(a.port, a.rank, W)
     gpt = build_gpt(a.model)
     n_params = gpt.num_params()
-
-    def adamw(ps: Any) -> Any:
-        return torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
 
     if single:
         model, opt = gpt, adamw(gpt.parameters())
@@ -434,10 +317,7 @@ def torch_main(a: argparse.Namespace) -> None:
             opt = ZeroRedundancyOptimizer(
                 model.parameters(),
                 optimizer_class=torch.optim.AdamW,
-                lr=LR,
-                betas=BETAS,
-                eps=EPS,
-                weight_decay=WD,
+                **ADAMW,
             )
         else:
             opt = adamw(model.parameters())
@@ -488,274 +368,10 @@ def torch_main(a: argparse.Namespace) -> None:
         },
     )
     if not single:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-# =============================================================================== the parent
-class ChildError(RuntimeError):
-    pass
-
-
-class Child:
-    """A child process whose stdout we read line by line (other lines go to stderr)."""
-
-    live: list[Child] = []
-
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str]) -> None:
-        self.name = name
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        Child.live.append(self)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def expect(self, marker: str, deadline: float, others: list[Child] = ()) -> str:
-        """Text after ``marker`` in the next line containing it, before ``deadline``
-        (monotonic). Fails early if this child or one of ``others`` exits."""
-        while True:
-            if time.monotonic() >= deadline:
-                raise ChildError(f"{self.name}: no '{marker.strip()}' in time")
-            for o in others:
-                if o.proc.poll() not in (None, 0):
-                    raise ChildError(f"{o.name} exited (rc={o.proc.returncode})")
-            try:
-                line = self.lines.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-            except queue.Empty:
-                continue
-            if line is None:
-                rc = self.proc.wait(timeout=10)
-                raise ChildError(f"{self.name} exited (rc={rc}) before '{marker.strip()}'")
-            if marker in line:
-                return line.split(marker, 1)[1].strip()
-            print(f"  [{self.name}] {line}", file=sys.stderr, flush=True)
-
-    def send(self, line: str) -> None:
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(line + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError) as exc:
-            raise ChildError(f"{self.name}: cannot write to it ({exc})") from None
-
-    def stop(self, grace: float = 10.0) -> None:
-        """Closes stdin (our children's cue to exit; servers get SIGTERM at once), then
-        SIGTERM, then SIGKILL this PID; always reaps it."""
-        if self.proc.poll() is None:
-            try:
-                if self.proc.stdin is not None:
-                    self.proc.stdin.close()
-            except OSError:
-                pass
-            if self.name.startswith("server"):
-                self.proc.terminate()
-            try:
-                self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait(timeout=5)
-        if self in Child.live:
-            Child.live.remove(self)
-
-
-def stop_all() -> None:
-    for c in list(Child.live):
-        try:
-            c.stop(grace=2.0)
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-
-
-def _on_signal(signum: int, _frame: Any) -> None:
-    stop_all()
-    raise SystemExit(128 + signum)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_for(tuned: bool) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if tuned:
-        from server import MALLOC_ENV
-
-        env.update(MALLOC_ENV)
-    return env
-
-
-SERVE_SHIM = (
-    "import ctypes,os,signal,sys;"
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM);"  # die with the benchmark
-    "os.getppid()==int(sys.argv[1]) or sys.exit(3);"
-    "from paramshard.cli import main;"
-    "sys.exit(main(['serve','--port','0','--grace','0']))"
-)
-
-
-def start_servers(world: int, deadline: float) -> tuple[list[Child], list[str]]:
-    """``python -m paramshard serve --port 0`` x W (via a shim that only adds a parent-death
-    signal), with MALLOC_ENV set; returns them and their addresses."""
-    env = env_for(tuned=True)
-    servers = [
-        Child(f"server{i}", [sys.executable, "-c", SERVE_SHIM, str(os.getpid())], env)
-        for i in range(world)
-    ]
-    addresses = []
-    for s in servers:
-        text = s.expect("listening on ", deadline)
-        addresses.append(text.split()[0])
-    return servers, addresses
-
-
-def wait_quiet(max_wait: float, thresh: float = 0.15) -> float:
-    """Waits (at most ``max_wait`` s) until other processes use < ``thresh`` of the CPUs;
-    returns the last measured fraction."""
-    end = time.monotonic() + max_wait
-    while True:
-        b0, o0, t0 = cpu_busy_s(), own_cpu_s(), time.monotonic()
-        time.sleep(2.0)
-        frac = max(0.0, (cpu_busy_s() - b0) - (own_cpu_s() - o0)) / (
-            (time.monotonic() - t0) * (os.cpu_count() or 1)
-        )
-        if frac < thresh or time.monotonic() >= end:
-            return round(frac, 3)
-        time.sleep(3.0)
-
-
-def run_cell(
-    side: str,
-    strategy: str,
-    model: str,
-    world: int,
-    a: argparse.Namespace,
-    server_mode: str = "inprocess",
-) -> list[dict[str, Any]]:
-    """Runs one (side, strategy, model, W); returns every rank's RESULT in rank order, each
-    with ``foreign_cpu_frac``: the share of the CPUs other processes used meanwhile."""
-    if a.wait_quiet > 0:
-        frac = wait_quiet(a.wait_quiet)
-        if frac >= 0.15:
-            log(f"    machine still busy ({100 * frac:.0f}% of CPUs used by others)")
-    busy0, own0, t0 = cpu_busy_s(), own_cpu_s(), time.monotonic()
-    results = _run_cell(side, strategy, model, world, a, server_mode)
-    foreign = max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (
-        (time.monotonic() - t0) * (os.cpu_count() or 1)
-    )
-    for r in results:
-        r["foreign_cpu_frac"] = round(foreign, 3)
-    return results
-
-
-def _run_cell(
-    side: str, strategy: str, model: str, world: int, a: argparse.Namespace, server_mode: str
-) -> list[dict[str, Any]]:
-    spec = MODELS[model]
-    steps, lifetime = a.steps_for[model], 0.0
-    budget = STARTUP_S + (steps + 1) * spec["step_budget_s"]
-    lifetime = budget + 60
-    deadline = time.monotonic() + budget
-    kids: list[Child] = []
-    try:
-        base = [sys.executable, "-m", "benchmarks.strategies"]
-        common = [
-            "--model",
-            model,
-            "--world",
-            str(world),
-            "--steps",
-            str(steps),
-            "--lifetime",
-            str(lifetime),
-            "--strategy",
-            strategy,
-        ]
-        if side == "torch":
-            n = 1 if strategy == "single" else world
-            port = str(free_port())
-            env = env_for(tuned=a.gloo_env == "tuned")
-            for r in range(n):
-                kids.append(
-                    Child(
-                        f"torch-{strategy}-r{r}",
-                        base + ["_torch", *common, "--rank", str(r), "--port", port],
-                        env,
-                    )
-                )
-        else:
-            run = f"b{uuid.uuid4().hex[:10]}"
-            env = env_for(tuned=True)
-            # a rank whose in-process server stops first makes the others' channels log GOAWAY
-            env.setdefault("GRPC_VERBOSITY", "ERROR")
-            srv_arg: list[str] = []
-            if server_mode == "process":
-                servers, addresses = start_servers(world, time.monotonic() + STARTUP_S)
-                kids += servers
-                srv_arg = ["--servers", ",".join(addresses)]
-            trainers = [
-                Child(
-                    f"{strategy}-r{r}",
-                    base + ["_ours", *common, "--rank", str(r), "--run", run, *srv_arg],
-                    env,
-                )
-                for r in range(world)
-            ]
-            kids += trainers
-            if server_mode == "inprocess":
-                addresses = [t.expect("ADDR ", deadline, kids) for t in trainers]
-                addresses = [json.loads(x) for x in addresses]
-                for t in trainers:
-                    t.send("SERVERS " + ",".join(addresses))
-        workers = [k for k in kids if not k.name.startswith("server")]
-        results = [json.loads(w.expect("RESULT ", deadline, kids)) for w in workers]
-        # servers: CPU over the whole run (registration and the accounting step included)
-        server_cpu = sum(proc_cpu_s(k.proc.pid) for k in kids if k.name.startswith("server"))
-        for r in results:
-            r["servers_cpu_s"] = server_cpu
-        t_done = time.monotonic()
-        for w in workers:
-            if side == "ours":
-                w.send("EXIT")
-        for w in workers:
-            w.proc.wait(timeout=max(5.0, deadline - time.monotonic()))
-        ph = results[0].get("phases_s", {})
-        log(
-            f"    rank 0: setup {ph.get('setup')} s, train {ph.get('train')} s, accounting"
-            f" {ph.get('accounting')} s; exit {time.monotonic() - t_done:.1f} s"
-        )
-        return results
-    finally:
-        for k in reversed(kids):
-            k.stop()
+        end_gloo()
 
 
 # ----------------------------------------------------------------------------- summaries
-def median_ms(results: list[dict[str, Any]], warmup: int) -> tuple[float, list[float]]:
-    per_step = [max(r["times_s"][i] for r in results) for i in range(len(results[0]["times_s"]))]
-    timed = per_step[warmup:] or per_step
-    return round(statistics.median(timed) * 1e3, 2), [round(t * 1e3, 1) for t in per_step]
-
-
 def phase_ms(results: list[dict[str, Any]], warmup: int) -> dict[str, float]:
     """Rank 0's median forward / backward / optimizer-step milliseconds after warm-up."""
     rows = results[0]["phases"][warmup:] or results[0]["phases"]
@@ -772,17 +388,6 @@ def cpu_ms_per_step(results: list[dict[str, Any]], steps: int) -> dict[str, floa
     if results[0].get("servers_cpu_s"):
         out["servers"] = round(results[0]["servers_cpu_s"] / (steps + 1) * 1e3, 1)
     return out
-
-
-def mean_losses(results: list[dict[str, Any]]) -> list[float]:
-    n = len(results)
-    return [sum(r["losses"][i] for r in results) / n for i in range(len(results[0]["losses"]))]
-
-
-def max_rel_diff(a: list[float], b: list[float] | None) -> float | None:
-    if not b:
-        return None
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=False))
 
 
 def formula_bytes(strategy: str, psi: int, n: int, extra: dict[str, Any]) -> tuple[int, str]:
@@ -828,45 +433,112 @@ def torch_memory(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def cpu_busy_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (sum(v[:8]) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK")
+SERVE_SHIM = (
+    "import ctypes,os,signal,sys;"
+    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM);"  # die with the benchmark
+    "os.getppid()==int(sys.argv[1]) or sys.exit(3);"
+    "from paramshard.cli import main;"
+    "sys.exit(main(['serve','--port','0','--grace','0']))"
+)
 
 
-def own_cpu_s() -> float:
-    a = resource.getrusage(resource.RUSAGE_SELF)
-    b = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+def start_servers(world: int, timeout: float) -> tuple[list[Child], list[str]]:
+    """``python -m paramshard serve --port 0`` x W (via a shim that only adds a parent-death
+    signal), with MALLOC_ENV set; returns them and their addresses."""
+    env = child_env(tuned=True)
+    cmd = [sys.executable, "-c", SERVE_SHIM, str(os.getpid())]
+    servers = [Child(f"server{i}", cmd, env, terminate_on_stop=True) for i in range(world)]
+    addresses = []
+    for s in servers:
+        text = s.expect("listening on ", timeout, watch=servers, anywhere=True)
+        addresses.append(text.split()[0])
+    return servers, addresses
+
+
+def run_cell(
+    side: str,
+    strategy: str,
+    model: str,
+    world: int,
+    a: argparse.Namespace,
+    server_mode: str = "inprocess",
+) -> list[dict[str, Any]]:
+    """Runs one (side, strategy, model, W); returns every rank's RESULT in rank order, each
+    with ``foreign_cpu_frac``: the share of the CPUs other processes used meanwhile."""
+    return measured(
+        a.wait_quiet, log, lambda: _run_cell(side, strategy, model, world, a, server_mode)
+    )
+
+
+def _run_cell(
+    side: str, strategy: str, model: str, world: int, a: argparse.Namespace, server_mode: str
+) -> list[dict[str, Any]]:
+    steps = a.steps_for[model]
+    budget = STARTUP_S + (steps + 1) * MODELS[model]["step_budget_s"]
+    argv = ["--model", model, "--world", str(world), "--steps", str(steps)]
+    argv += ["--strategy", strategy]
+    if side == "torch":
+        n = 1 if strategy == "single" else world
+        return launch_ranks(
+            "benchmarks.strategies",
+            "_torch",
+            f"torch-{strategy}",
+            n,
+            [*argv, "--port", str(free_port())],
+            budget,
+            tuned=a.gloo_env == "tuned",
+            hosted_servers=False,
+            log=log,
+        )
+    argv += ["--run", f"b{uuid.uuid4().hex[:10]}"]
+    if server_mode == "inprocess":
+        return launch_ranks(
+            "benchmarks.strategies",
+            "_ours",
+            strategy,
+            world,
+            argv,
+            budget,
+            tuned=True,
+            hosted_servers=True,
+            log=log,
+        )
+    servers: list[Child] = []
+    try:
+        servers, addresses = start_servers(world, STARTUP_S)
+        results = launch_ranks(
+            "benchmarks.strategies",
+            "_ours",
+            strategy,
+            world,
+            [*argv, "--servers", ",".join(addresses)],
+            budget,
+            tuned=True,
+            hosted_servers=False,
+            log=log,
+            watch=servers,
+            send_exit=True,
+        )
+        # servers: CPU over the whole run (registration and the accounting step included)
+        server_cpu = sum(proc_cpu_s(k.proc.pid) for k in servers)
+        for r in results:
+            r["servers_cpu_s"] = server_cpu
+        return results
+    finally:
+        stop_all(servers)
 
 
 def parent_main(a: argparse.Namespace) -> int:
-    atexit.register(stop_all)
-    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(s, _on_signal)
-    if a.quick:
-        models, worlds = ["tiny"], [2]
-    else:
-        models = [m.strip() for m in a.models.split(",") if m.strip()]
-        worlds = [int(w) for w in a.world_sizes.split(",") if w.strip()]
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    install_cleanup()
+    models, worlds = models_and_worlds(a, [2])
     strategies = [s.strip() for s in a.strategies.split(",") if s.strip()]
     for s in strategies:
         if s not in OURS:
             raise SystemExit(f"unknown strategy {s!r}; choose from {', '.join(OURS)}")
     modes = ["process", "inprocess"] if a.server_mode == "both" else [a.server_mode]
-    a.steps_for = {m: a.steps or (8 if a.quick else MODELS[m]["steps"]) for m in models}
-    warmups = {
-        m: a.warmup if a.warmup is not None else (3 if a.quick else MODELS[m]["warmup"])
-        for m in models
-    }
-    for m in models:
-        if warmups[m] >= a.steps_for[m]:
-            raise SystemExit(f"--steps ({a.steps_for[m]}) must exceed --warmup ({warmups[m]})")
+    a.steps_for, warmups = steps_and_warmup(a, models, 8, 3)
 
-    t_start, busy0, own0 = time.time(), cpu_busy_s(), own_cpu_s()
+    t_start, load = time.time(), Load().start()
     out: dict[str, Any] = {
         "benchmark": "strategies",
         "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
@@ -880,25 +552,10 @@ def parent_main(a: argparse.Namespace) -> int:
 
     out["host"]["torch"] = torch.__version__
     for m in models:
-        spec = MODELS[m]
-        out["models"][m] = {
-            "config": f"GPTConfig.{spec['preset']}(**{spec['overrides']})",
-            "n_params": build_gpt(m).num_params(),
-            "batch_per_rank": spec["batch_per_rank"],
-            "seq_len": spec["overrides"]["block_size"],
-            "steps": a.steps_for[m],
-            "warmup": warmups[m],
-        }
+        out["models"][m] = model_info(m, a.steps_for[m], warmups[m])
 
     def attempt(label: str, *args: Any, **kw: Any) -> Any:
-        t0 = time.monotonic()
-        try:
-            res = run_cell(*args, a=a, **kw)
-            log(f"  {label}: done in {time.monotonic() - t0:.0f} s")
-            return res, None
-        except Exception as exc:  # noqa: BLE001 - one failed cell must not end the run
-            log(f"  {label}: FAILED: {exc}")
-            return None, f"{type(exc).__name__}: {exc}"
+        return attempt_cell(label, log, lambda: run_cell(*args, a=a, **kw))
 
     for m in models:
         for w in worlds:
@@ -978,46 +635,12 @@ def parent_main(a: argparse.Namespace) -> int:
                     out["results"].append(row)
     wall = time.time() - t_start
     out["wall_s"] = round(wall, 1)
-    out["foreign_cpu_frac"] = round(
-        max(0.0, (cpu_busy_s() - busy0) - (own_cpu_s() - own0)) / (wall * (os.cpu_count() or 1)),
-        3,
-    )
-    print(json.dumps(out, indent=1))
-    failed = [r for r in out["results"] if r.get("error")]
-    return 1 if failed else 0
+    out["foreign_cpu_frac"] = load.stop()
+    return print_report(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("_ours", "_torch"):
-        p = argparse.ArgumentParser()
-        for k in ("--model", "--strategy", "--run", "--servers"):
-            p.add_argument(k, default="")
-        for k in ("--world", "--rank", "--steps", "--port"):
-            p.add_argument(k, type=int, default=0)
-        p.add_argument("--lifetime", type=float, default=600.0)
-        a = p.parse_args(argv[1:])
-        (ours_main if argv[0] == "_ours" else torch_main)(a)
-        return 0
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("--quick", action="store_true", help="tiny model, W=2, 8 steps (< 2 minutes)")
-    p.add_argument("--models", default="tiny,small", help="default: %(default)s")
-    p.add_argument("--world-sizes", default="2,4", help="default: %(default)s")
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default=",".join(OURS), help="default: %(default)s")
-    p.add_argument(
-        "--steps",
-        type=int,
-        default=0,
-        help="steps per run, warm-up included (default: tiny 20, small 9)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=None,
-        help="steps left out of the median (default: tiny 5, small 3)",
-    )
     p.add_argument(
         "--server-mode",
         choices=("process", "inprocess", "both"),
@@ -1025,19 +648,25 @@ def main(argv: list[str] | None = None) -> int:
         help="where our shard servers run (default: %(default)s)",
     )
     p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        help="before each run, wait up to this many seconds for other processes to"
-        " leave the CPUs idle (default: 0, don't wait)",
-    )
-    p.add_argument(
         "--gloo-env",
         choices=("plain", "tuned"),
         default="plain",
         help="torch ranks' environment: plain, or with MALLOC_ENV (default: plain)",
     )
-    return parent_main(p.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(
+        argv,
+        __doc__,
+        {"_ours": ours_main, "_torch": torch_main},
+        (["--strategy", "--run", "--servers"], []),
+        "tiny model, W=2, 8 steps (< 2 minutes)",
+        "tiny,small",
+        "2,4",
+        options,
+        parent_main,
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,368 @@
+"""Child processes for the benchmarks: start them, talk to them line by line, stop them by PID.
+
+Shared by ``benchmarks.collectives``, ``benchmarks.strategies``, ``benchmarks.hybrid`` (and
+``benchmarks.recovery`` for ``free_port``). Conventions:
+
+- A child runs one hidden mode of a benchmark module (``python -m benchmarks.X _mode ...``),
+  is started with ``subprocess`` (so environment variables such as ``server.MALLOC_ENV`` are
+  set before its interpreter starts) and answers on stdout with ``TAG payload`` lines
+  (``emit``); other stdout lines are passed on to our stderr. The parent writes to its stdin.
+- Every child calls ``child_guard`` first: it dies with its parent (``PR_SET_PDEATHSIG``, and
+  a thread that watches ``getppid``) and exits on its own when its lifetime runs out.
+- The parent stops children by PID only (``stop_all``): close stdin (their cue to exit), wait,
+  then SIGTERM, then SIGKILL; ``install_cleanup`` does it at exit and on SIGINT/TERM/HUP.
+- CPU accounting: ``Load`` measures the share of the machine other processes used meanwhile
+  (``foreign``); ``wait_quiet`` waits for that share to drop before a measurement.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import os
+import queue
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
+
+
+def logger(name: str) -> Callable[[str], None]:
+    """A ``log(msg)`` that prints ``[name HH:MM:SS] msg`` to stderr."""
+
+    def log(msg: str) -> None:
+        print(f"[{name} {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    return log
+
+
+log = logger("benchmarks")
+
+
+# =============================================================================== parent side
+class ChildError(RuntimeError):
+    pass
+
+
+class ChildTimeout(ChildError):
+    pass
+
+
+class Child:
+    """A child process whose stdout we read line by line (other lines go to our stderr).
+
+    ``terminate_on_stop``: the child does not exit when its stdin closes (a server process),
+    so ``stop_all`` sends it SIGTERM at once."""
+
+    registry: list[Child] = []
+
+    def __init__(
+        self, name: str, cmd: list[str], env: dict[str, str], terminate_on_stop: bool = False
+    ) -> None:
+        self.name = name
+        self.terminate_on_stop = terminate_on_stop
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        Child.registry.append(self)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    @classmethod
+    def module(
+        cls, name: str, module: str, argv: list[str], env: dict[str, str], lifetime: float
+    ) -> Child:
+        """``python -m module *argv --lifetime L``."""
+        cmd = [sys.executable, "-m", module, *argv, "--lifetime", str(lifetime)]
+        return cls(name, cmd, env)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def expect(
+        self, tag: str, timeout: float, watch: Iterable[Child] = (), anywhere: bool = False
+    ) -> str:
+        """The payload of the next ``TAG payload`` line (``anywhere``: the text after ``tag``
+        in the next line containing it), within ``timeout`` seconds. Fails early when a
+        ``watch``ed child exits with an error."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChildTimeout(f"{self.name}: no {tag.strip()} within {timeout:.0f} s")
+            for w in watch:
+                if w is not self and w.proc.poll() not in (None, 0):
+                    raise ChildError(f"{w.name} exited (rc={w.proc.returncode})")
+            try:
+                line = self.lines.get(timeout=min(1.0, left))
+            except queue.Empty:
+                continue
+            if line is None:
+                rc = self.proc.wait(timeout=10)
+                raise ChildError(f"{self.name} exited (rc={rc}) before sending {tag.strip()}")
+            if anywhere and tag in line:
+                return line.split(tag, 1)[1].strip()
+            if not anywhere and line.startswith(tag + " "):
+                return line[len(tag) + 1 :]
+            print(f"  [{self.name}] {line}", file=sys.stderr, flush=True)
+
+    def send(self, line: str) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError) as exc:
+            raise ChildError(f"{self.name}: cannot write to it ({exc})") from None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        stop_all([self], timeout)
+
+
+def expect_all(
+    kids: list[Child], tag: str, timeout: float, watch: Iterable[Child] = ()
+) -> list[str]:
+    """Every kid's next ``tag`` payload, in order; fails as soon as a kid or a watched child
+    exits (a kid's own exit surfaces through its ``expect`` once its output is drained)."""
+    deadline = time.monotonic() + timeout
+    watch = list(watch)
+    got: dict[int, str] = {}
+    while len(got) < len(kids):
+        for i, k in enumerate(kids):
+            if i not in got:
+                try:
+                    got[i] = k.expect(tag, 0.1)
+                except ChildTimeout:
+                    pass
+        for w in watch:
+            if w not in kids and w.proc.poll() is not None:
+                raise ChildError(
+                    f"{w.name} exited (rc={w.proc.returncode}) while waiting for {tag}"
+                )
+        if time.monotonic() > deadline and len(got) < len(kids):
+            missing = [k.name for i, k in enumerate(kids) if i not in got]
+            raise ChildError(f"no {tag} from {missing} within {timeout:.0f} s")
+    return [got[i] for i in range(len(kids))]
+
+
+def stop_all(children: Iterable[Child] | None = None, timeout: float = 15.0) -> None:
+    """Stops the given children (default: every one still registered), all at once: close
+    their stdin (their cue to exit; ``terminate_on_stop`` ones also get SIGTERM), wait up to
+    ``timeout`` s, then SIGTERM, then SIGKILL, each by its PID; reaps them."""
+    kids = list(Child.registry if children is None else children)
+    for c in kids:
+        try:
+            if c.proc.poll() is None:
+                if c.proc.stdin is not None:
+                    c.proc.stdin.close()
+                if c.terminate_on_stop:
+                    c.proc.terminate()
+        except OSError:
+            pass
+    for grace, action in ((timeout, "terminate"), (5.0, "kill"), (5.0, None)):
+        deadline = time.monotonic() + grace
+        for c in kids:
+            try:
+                c.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        alive = [c for c in kids if c.proc.poll() is None]
+        if not alive:
+            break
+        if action is None:
+            log(f"could not stop {[c.name for c in alive]}")
+            break
+        for c in alive:
+            getattr(c.proc, action)()
+    for c in kids:
+        if c in Child.registry and c.proc.poll() is not None:
+            Child.registry.remove(c)
+
+
+def install_cleanup(grace: float = 3.0) -> None:
+    """Stop every child at exit and on SIGINT / SIGTERM / SIGHUP (then exit 128 + signal)."""
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stop_all(timeout=grace)
+        os._exit(128 + signum)
+
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    atexit.register(stop_all, None, grace)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(tuned: bool) -> dict[str, str]:
+    """Our environment for a child: the allocator settings of ``server.MALLOC_ENV`` when
+    ``tuned``, else none of them (even if we have them); the repository on PYTHONPATH; gRPC
+    quiet (a rank whose in-process server stops first makes the others' channels log)."""
+    env = {k: v for k, v in os.environ.items() if k not in MALLOC_KEYS}
+    if tuned:
+        from server import MALLOC_ENV
+
+        env.update(MALLOC_ENV)
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    env.setdefault("GRPC_VERBOSITY", "ERROR")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def malloc_env_state() -> dict[str, str]:
+    """The allocator settings this process was started with."""
+    return {k: os.environ[k] for k in MALLOC_KEYS if k in os.environ}
+
+
+# ================================================================================ child side
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the parent exits (and exit now if it already did)."""
+    ppid = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != ppid or ppid == 1:
+        os._exit(3)
+
+
+def child_guard(lifetime: float) -> None:
+    """Dies with the parent; exits on its own when ``lifetime`` s run out (no orphans)."""
+    _die_with_parent()
+    parent = os.getppid()
+
+    def watch() -> None:
+        end = time.monotonic() + lifetime
+        while time.monotonic() < end:
+            if os.getppid() != parent:
+                os._exit(5)
+            time.sleep(0.5)
+        print(f"child {os.getpid()}: lifetime {lifetime:.0f} s exceeded", file=sys.stderr)
+        os._exit(4)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def emit(tag: str, payload: Any) -> None:
+    """Writes ``TAG payload`` (a string as is, anything else as JSON) to stdout."""
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    sys.stdout.write(f"{tag} {text}\n")
+    sys.stdout.flush()
+
+
+def read_line(expect: str, timeout: float) -> str:
+    """The payload of the next stdin line starting with ``expect`` (EOF: the parent is gone)."""
+    box: queue.Queue[str | None] = queue.Queue()
+
+    def reader() -> None:
+        box.put(sys.stdin.readline())
+
+    threading.Thread(target=reader, daemon=True).start()
+    try:
+        line = box.get(timeout=timeout)
+    except queue.Empty:
+        raise TimeoutError(f"no {expect} from the parent within {timeout:.0f} s") from None
+    if not line:
+        os._exit(5)  # parent closed our stdin: stop at once
+    if not line.startswith(expect):
+        raise RuntimeError(f"expected {expect}, got {line.strip()!r}")
+    return line[len(expect) :].strip()
+
+
+def wait_parent_eof() -> None:
+    """Blocks until the parent closes our stdin (or writes EXIT)."""
+    for line in sys.stdin:
+        if line.strip() == "EXIT":
+            return
+
+
+# ==================================================================================== CPU use
+def cpu_busy_s() -> float:
+    """System-wide busy CPU seconds (all cores, steal included) from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its reaped children."""
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def cpu_self_s() -> float:
+    """CPU seconds used so far by this process (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by process ``pid`` (all threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Load:
+    """``with Load() as load: ...`` (or ``load = Load().start(); ...; load.stop()``); then
+    ``load.foreign`` is the share of the machine's CPU that processes other than ours (this
+    one and its reaped children) used meanwhile."""
+
+    foreign = 0.0
+
+    def start(self) -> Load:
+        self.t, self.busy, self.own = time.monotonic(), cpu_busy_s(), own_cpu_s()
+        return self
+
+    def stop(self) -> float:
+        dt = max(1e-9, time.monotonic() - self.t)
+        foreign = (cpu_busy_s() - self.busy) - (own_cpu_s() - self.own)
+        self.foreign = round(max(0.0, foreign) / (dt * (os.cpu_count() or 1)), 3)
+        return self.foreign
+
+    def __enter__(self) -> Load:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.15) -> float:
+    """Waits (at most ``max_wait`` s) until other processes use < ``threshold`` of the CPUs;
+    returns the last measured share."""
+    end = time.monotonic() + max_wait
+    while True:
+        with Load() as load:
+            time.sleep(2.0)
+        if load.foreign < threshold or time.monotonic() >= end:
+            return load.foreign
+        time.sleep(3.0)
