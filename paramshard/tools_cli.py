@@ -35,7 +35,9 @@ def _run(fn: Any, *a: Any) -> Any:
     try:
         return fn(*a)
     except (KeyError, ShardClientError, RuntimeError) as exc:
-        raise CommandError(str(exc).strip("'\"")) from None
+        # a KeyError's str() is its message quoted: take the message itself
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+        raise CommandError(str(message)) from None
 
 
 @command(arg("job", help="the job name (see paramshard status)"), SERVERS, JSON, TIMEOUT)
@@ -109,6 +111,12 @@ def snapshot(args: argparse.Namespace) -> int:
     manifest = _run(tools.snapshot, _client(args), args.job, args.tag)
     if args.json:
         print(json.dumps(manifest, indent=1))
+    elif "parts" in manifest:  # a 3D job: one snapshot per (stage, tensor rank) part
+        print(
+            f"snapshot {args.job}/{args.tag}: version {manifest['version']},"
+            f" {len(manifest['parts'])} parts ({', '.join(manifest['parts'])}),"
+            f" {manifest['num_servers']} shards each"
+        )
     else:
         print(
             f"snapshot {args.job}/{args.tag}: version {manifest['version']},"
@@ -119,18 +127,28 @@ def snapshot(args: argparse.Namespace) -> int:
 
 @command(arg("--job", default="", help="only this job"), SERVERS, JSON, TIMEOUT)
 def snapshots(args: argparse.Namespace) -> int:
-    """The complete snapshots in server 0's snapshot directory."""
+    """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
+    tag: one row, by the base name)."""
     from client import tools
 
-    rows = _run(tools.list_snapshots, _client(args), args.job)
+    rows = _run(tools.list_snapshots, _client(args), args.job, True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(
         _table(
-            ["JOB", "TAG", "VERSION", "SERVERS"],
-            [[r["job"], r["tag"], str(r["version"]), str(r["num_servers"])] for r in rows],
-            frozenset({2, 3}),
+            ["JOB", "TAG", "VERSION", "SERVERS", "PARTS"],
+            [
+                [
+                    r["job"],
+                    r["tag"],
+                    str(r["version"]),
+                    str(r["num_servers"]),
+                    str(len(r.get("parts", [r["job"]]))),
+                ]
+                for r in rows
+            ],
+            frozenset({2, 3, 4}),
         )
     )
     return 0
@@ -184,8 +202,10 @@ def export(args: argparse.Namespace) -> int:
 
 
 def export_snapshot(folder: Path, out: str | os.PathLike) -> int:
-    """Offline export of a snapshot folder; checks every shard's checksum first."""
-    from client.tools import write_safetensors
+    """Offline export of a snapshot folder ``<snapshot-dir>/<job>/<tag>``; checks every shard's
+    checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
+    ``<job>.pp<s>.tp<t>/<tag>``), the whole model, joined from every part's snapshot."""
+    from client.tensor_parts import find_parts
     from server.errors import ShardError
     from server.snapshots import SnapshotDir
 
@@ -193,9 +213,19 @@ def export_snapshot(folder: Path, out: str | os.PathLike) -> int:
     snaps = SnapshotDir(folder.parent.parent)
     job, tag = folder.parent.name, folder.name
     try:
-        manifest = snaps.load_manifest(job, tag)
+        if not folder.parent.exists() and folder.parent.parent.is_dir():
+            parts = find_parts(job, (p.name for p in folder.parent.parent.iterdir() if p.is_dir()))
+            if parts:
+                return _export_parts(snaps, job, tag, parts, out)
+        return _export_plain(snaps, job, tag, out)
     except ShardError as exc:
         raise CommandError(exc.message) from None
+
+
+def _export_plain(snaps: Any, job: str, tag: str, out: str | os.PathLike) -> int:
+    from client.tools import export_dtype, write_safetensors
+
+    manifest = snaps.load_manifest(job, tag)
     items = []
     for buffer, info in manifest["buffers"].items():
         for p in info["params"]:
@@ -205,11 +235,69 @@ def export_snapshot(folder: Path, out: str | os.PathLike) -> int:
                     job, tag, manifest, b, "params", p["offset"], p["offset"] + p["numel"]
                 )
 
-            dtype = p["dtype"] if p["dtype"] in ("float32", "float16", "bfloat16") else "float32"
+            dtype = export_dtype(p["dtype"])
             for name in (p["name"], *p.get("aliases", [])):
                 items.append((name, dtype, tuple(p["shape"]), produce))
+    write_safetensors(out, items, {"job": job, "tag": tag, "version": str(manifest["version"])})
+    return len(items)
+
+
+def _export_parts(
+    snaps: Any, base: str, tag: str, parts: dict[tuple[int, int], str], out: str | os.PathLike
+) -> int:
+    """The whole model from the snapshots ``tag`` of a 3D job's parts (each checked first)."""
+    from client.tensor_parts import PartParam, PartsError, check_complete, join_parts
+    from client.tools import whole_items, write_safetensors
+
+    root = snaps.root
+    with_tag = {k: name for k, name in parts.items() if (root / name / tag).is_dir()}
+    if not with_tag:
+        raise CommandError(
+            f"{root / base / tag} does not exist, and no part of the 3D job '{base}'"
+            f" ({', '.join(parts.values())}) has a snapshot '{tag}'"
+        )
+    what = f"snapshot '{tag}' of job '{base}'"
     try:
-        write_safetensors(out, items, {"job": job, "tag": tag, "version": str(manifest["version"])})
-    except ShardError as exc:
-        raise CommandError(exc.message) from None
+        check_complete(base, with_tag, (), what)  # none between the parts found lacks the tag
+        manifests = {k: snaps.load_manifest(name, tag) for k, name in with_tag.items()}
+        expected = [
+            name
+            for m in manifests.values()
+            if isinstance(m.get("hybrid"), dict) and m["hybrid"].get("base") == base
+            for name in m["hybrid"].get("parts", [])
+        ]
+        versions = {with_tag[k]: m["version"] for k, m in manifests.items()}
+        if len(set(versions.values())) != 1:
+            raise PartsError(
+                f"the parts of snapshot '{base}/{tag}' hold different versions"
+                f" ({', '.join(f'{j}: {v}' for j, v in versions.items())})"
+            )
+        params = {}
+        for k, m in manifests.items():
+            job = with_tag[k]
+            params[k] = [
+                PartParam(
+                    p["name"],
+                    tuple(p["shape"]),
+                    p["dtype"],
+                    tuple(p.get("aliases", [])),
+                    lambda job=job, m=m, b=buffer, p=p: snaps.read_range(
+                        job, tag, m, b, "params", p["offset"], p["offset"] + p["numel"]
+                    ),
+                    p.get("split_dim", 0),
+                    p.get("split_parts", 0),
+                    p.get("split_index", 0),
+                    p.get("split_packed", 0),
+                )
+                for buffer, info in m["buffers"].items()
+                for p in info["params"]
+            ]
+        whole = join_parts(base, params, with_tag, expected, what)
+        version = next(iter(versions.values()))
+        parts_meta = ",".join(with_tag.values())
+        meta = {"job": base, "tag": tag, "version": str(version), "parts": parts_meta}
+        items = whole_items(whole)
+        write_safetensors(out, items, meta)
+    except (PartsError, KeyError, TypeError) as exc:
+        raise CommandError(f"{root}: {str(exc).strip(chr(39))}") from None
     return len(items)

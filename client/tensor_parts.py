@@ -1,0 +1,263 @@
+"""The parts of a 3D-parallel job, put back together into the whole model (NumPy only).
+
+``HybridShardedModel`` registers one server job per (pipeline stage, tensor rank), named
+``<job>.pp<s>.tp<t>``; each holds that stage's parameters under the whole model's own names.
+A tensor-parallel parameter is one part of the whole tensor: its ``ParamEntry`` says which
+(``split_dim``, ``split_parts``, ``split_index``, ``split_packed``, see shard.proto), and
+``protos.slicing.tensor_parallel_ranges`` says where the part sits in the whole tensor. Any
+other tensor is replicated on every tensor rank: tensor rank 0's copy is the one taken.
+
+This module is the one place for that: finding the parts of a base job name (``find_parts``),
+checking that none is missing (``check_complete``) and joining them (``join_parts``). Live
+export (``client.tools``) and offline export of snapshot folders (``paramshard export
+--snapshot``) both go through it; they only differ in how a part's values are read.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos import slicing
+
+__all__ = [
+    "PartsError",
+    "PartParam",
+    "WholeParam",
+    "part_job",
+    "parse_part_job",
+    "find_parts",
+    "check_complete",
+    "join_parts",
+]
+
+_PART = re.compile(r"(?P<base>.+)\.pp(?P<s>\d+)\.tp(?P<t>\d+)")
+
+
+class PartsError(RuntimeError):
+    """The parts of a 3D job are missing or do not fit together."""
+
+
+def part_job(base: str, stage: int, tensor_rank: int) -> str:
+    """The server job of one (pipeline stage, tensor rank) of ``base``."""
+    return f"{base}.pp{stage}.tp{tensor_rank}"
+
+
+def parse_part_job(name: str) -> tuple[str, int, int] | None:
+    """(base, stage, tensor rank) of a part job's name; None for any other name."""
+    m = _PART.fullmatch(name)
+    if m is None:
+        return None
+    return m["base"], int(m["s"]), int(m["t"])
+
+
+def find_parts(base: str, names: Iterable[str]) -> dict[tuple[int, int], str]:
+    """(stage, tensor rank) -> job name, for the names among ``names`` that are parts of
+    ``base``; empty when there are none (``base`` is not a 3D job there)."""
+    out = {}
+    for name in names:
+        parsed = parse_part_job(name)
+        if parsed is not None and parsed[0] == base and part_job(*parsed) == name:
+            out[parsed[1], parsed[2]] = name
+    return dict(sorted(out.items()))
+
+
+def check_complete(
+    base: str, found: Iterable[tuple[int, int]], expected: Iterable[str] = (), what: str = ""
+) -> tuple[int, int]:
+    """(pipeline size, tensor size) when the parts ``found`` make a full grid: every stage
+    0..S-1 with every tensor rank 0..T-1. ``expected`` (part job names known to exist, e.g.
+    those a snapshot's manifests list) widens the grid. PartsError names what is missing;
+    ``what`` says what is checked (default: "job '<base>'")."""
+    what = what or f"job '{base}'"
+    have = set(found)
+    if not have:
+        raise PartsError(f"{what}: no parts ({base}.pp<stage>.tp<rank>)")
+    want = set(have)
+    for name in expected:
+        parsed = parse_part_job(name)
+        if parsed is not None and parsed[0] == base:
+            want.add((parsed[1], parsed[2]))
+    stages = max(s for s, _ in want) + 1
+    ranks = max(t for _, t in want) + 1
+    missing = [(s, t) for s in range(stages) for t in range(ranks) if (s, t) not in have]
+    if missing:
+        raise PartsError(
+            f"{what} is incomplete: {len(have)} of {stages * ranks} parts"
+            f" ({stages} stage(s) x {ranks} tensor rank(s)); missing "
+            + ", ".join(part_job(base, s, t) for s, t in missing)
+        )
+    return stages, ranks
+
+
+@dataclass(frozen=True)
+class PartParam:
+    """One parameter as one part job holds it; ``read()`` gives its values (any shape, fp32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...]
+    read: Callable[[], np.ndarray]
+    split_dim: int = 0
+    split_parts: int = 0
+    split_index: int = 0
+    split_packed: int = 0
+
+    @property
+    def is_split(self) -> bool:
+        return self.split_parts > 1
+
+
+@dataclass(frozen=True)
+class WholeParam:
+    """One whole parameter of the model; ``produce()`` joins it (flat fp32)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...]
+    produce: Callable[[], np.ndarray]
+    source: tuple[str, ...]  # the part jobs it comes from
+
+
+def _join(shape: tuple[int, ...], dim: int, packed: int, parts: Sequence[PartParam]) -> np.ndarray:
+    """The whole tensor from its tensor-parallel parts, one part in memory besides it."""
+    whole = np.empty(shape, dtype=np.float32)
+    count = len(parts)
+    for t, p in enumerate(parts):
+        values = np.asarray(p.read(), dtype=np.float32)
+        if values.size != math.prod(p.shape):
+            raise PartsError(
+                f"'{p.name}' part {t}: read {values.size} values, its shape {list(p.shape)}"
+                f" holds {math.prod(p.shape)}"
+            )
+        values = values.reshape(p.shape)
+        ranges = slicing.tensor_parallel_ranges(shape[dim], count, t, packed)
+        width = p.shape[dim] // len(ranges)
+        for b, r in enumerate(ranges):
+            into = [slice(None)] * len(shape)
+            into[dim] = slice(r.start, r.stop)
+            take = [slice(None)] * len(shape)
+            take[dim] = slice(b * width, (b + 1) * width)
+            whole[tuple(into)] = values[tuple(take)]
+        del values
+    return whole.reshape(-1)
+
+
+def _flat(p: PartParam) -> np.ndarray:
+    values = np.asarray(p.read(), dtype=np.float32).reshape(-1)
+    if values.size != math.prod(p.shape):
+        raise PartsError(
+            f"'{p.name}': read {values.size} values, its shape {list(p.shape)} holds"
+            f" {math.prod(p.shape)}"
+        )
+    return values
+
+
+def join_parts(
+    base: str,
+    parts: Mapping[tuple[int, int], Sequence[PartParam]],
+    names: Mapping[tuple[int, int], str] | None = None,
+    expected: Iterable[str] = (),
+    what: str = "",
+) -> list[WholeParam]:
+    """The whole model's parameters, stage by stage, from the parameters of each (stage,
+    tensor rank) part. Nothing is read here: each ``WholeParam.produce`` reads its parts.
+
+    Checks first that no part is missing (``check_complete``), that every stage's tensor ranks
+    hold the same names, that every tensor-parallel parameter is split in as many parts as
+    there are tensor ranks (each rank its own index, same dim, shape and packing) and that
+    replicated tensors have the same shape everywhere; PartsError otherwise.
+    """
+    names = dict(names or {k: part_job(base, *k) for k in parts})
+    stages, ranks = check_complete(base, parts, expected, what)
+    out: list[WholeParam] = []
+    seen: dict[str, str] = {}
+    any_split = False
+    for s in range(stages):
+        by_rank = [{p.name: p for p in parts[s, t]} for t in range(ranks)]
+        first = by_rank[0]
+        for t in range(1, ranks):
+            if set(by_rank[t]) != set(first):
+                only0 = sorted(set(first) - set(by_rank[t]))
+                only_t = sorted(set(by_rank[t]) - set(first))
+                raise PartsError(
+                    f"parts {names[s, 0]} and {names[s, t]} hold different parameters"
+                    f" (only in the first: {only0}; only in the second: {only_t})"
+                )
+        for name, p0 in first.items():
+            group = [by_rank[t][name] for t in range(ranks)]
+            source = tuple(names[s, t] for t in range(ranks))
+            for each in (name, *p0.aliases):
+                if each in seen:
+                    raise PartsError(
+                        f"'{each}' is held by both {seen[each]} and {names[s, 0]}: the parts"
+                        " belong to different models"
+                    )
+                seen[each] = names[s, 0]
+            if any(p.is_split for p in group):
+                any_split = True
+                out.append(_split_param(group, ranks, source))
+            else:
+                for t, p in enumerate(group[1:], 1):
+                    if p.shape != p0.shape:
+                        raise PartsError(
+                            f"'{name}' is replicated but has shape {list(p0.shape)} in"
+                            f" {source[0]} and {list(p.shape)} in {source[t]}"
+                        )
+                out.append(
+                    WholeParam(
+                        name, p0.shape, p0.dtype, p0.aliases, lambda p=p0: _flat(p), source[:1]
+                    )
+                )
+    if ranks > 1 and not any_split:
+        raise PartsError(
+            f"job '{base}' has {ranks} tensor ranks but no parameter says how it is split"
+            " (split_parts in the manifests): written by a paramshard older than the split"
+            " fields, its parts cannot be joined"
+        )
+    return out
+
+
+def _split_param(group: Sequence[PartParam], ranks: int, source: tuple[str, ...]) -> WholeParam:
+    p0 = group[0]
+    for t, p in enumerate(group):
+        problem = None
+        if p.split_parts != ranks:
+            problem = f"is split in {p.split_parts} part(s), but there are {ranks} tensor ranks"
+        elif p.split_index != t:
+            problem = f"says it is part {p.split_index}"
+        elif (p.split_dim, p.split_packed or 1, p.shape, p.dtype) != (
+            p0.split_dim,
+            p0.split_packed or 1,
+            p0.shape,
+            p0.dtype,
+        ):
+            problem = (
+                f"is split along dim {p.split_dim} in {p.split_packed or 1} block(s) with shape"
+                f" {list(p.shape)} ({p.dtype}), but {source[0]}'s part along dim"
+                f" {p0.split_dim} in {p0.split_packed or 1} block(s) with shape"
+                f" {list(p0.shape)} ({p0.dtype})"
+            )
+        elif p.split_dim >= len(p.shape) or p.shape[p.split_dim] % (p.split_packed or 1):
+            problem = (
+                f"cannot be split along dim {p.split_dim} in {p.split_packed or 1} block(s):"
+                f" its shape is {list(p.shape)}"
+            )
+        if problem:
+            raise PartsError(f"'{p.name}' in {source[t]} {problem}")
+    dim, packed = p0.split_dim, p0.split_packed or 1
+    shape = tuple(n * ranks if d == dim else n for d, n in enumerate(p0.shape))
+    return WholeParam(
+        p0.name,
+        shape,
+        p0.dtype,
+        p0.aliases,
+        lambda: _join(shape, dim, packed, group),
+        source,
+    )

@@ -1,0 +1,394 @@
+"""Snapshots, export, get and restore of 3D-parallel jobs by their base name.
+
+A ``HybridShardedModel`` job ``J`` is one server job per (pipeline stage, tensor rank),
+``J.pp<s>.tp<t>``; the tools join the tensor-parallel parts (fused q|k|v blocks included) and
+take replicated tensors from tensor rank 0, every stage, the tied embedding's two copies as
+``wte.weight`` and ``lm_head.weight``. Ranks are threads (torch limited to one thread each),
+servers in-process with one shared snapshot directory, as in test_hybrid.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from client import ClusterSpec, ShardClient, ShardClientError, tools
+from examples.gpt import GPT, GPTConfig, lm_loss
+from paramshard.cli import main
+from server import ShardServer
+from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+
+BATCH = 8
+FIRST, AGAIN = 3, 2  # steps before the checkpoint, steps after it (done twice)
+CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # tied embeddings (the default)
+TOPOLOGIES = [(2, 2, 2), (1, 2, 1), (2, 1, 1)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread_per_rank():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def initial_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+
+
+def batches(steps: int) -> torch.Tensor:
+    return torch.randint(0, 50, (steps, BATCH, 17), generator=torch.Generator().manual_seed(1))
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-3)
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.3, momentum=0.9)
+
+
+def run_hybrid(
+    pp: int, tp: int, dp: int, addresses: list[str], job: str, body: Any, make_opt: Any = adamw
+) -> list:
+    """``body(model, opt, train)`` on every rank of a (pp, tp, dp) world, as threads; ``train(s)``
+    runs step ``s`` of ``batches`` on this rank's share and returns the loss."""
+    world = pp * tp * dp
+    run = uuid.uuid4().hex[:6]
+    data = batches(FIRST + AGAIN)
+    init = initial_weights()  # once: the threads share torch's global generator
+
+    def rank(r: int) -> Any:
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
+        )
+        try:
+            config = ShardingConfiguration(client, job=job)
+            net = GPT(CFG)
+            net.load_state_dict(init)
+            model = HybridShardedModel(
+                net,
+                config,
+                pipeline_parallel_size=pp,
+                tensor_parallel_size=tp,
+                data_parallel_size=dp,
+                micro_batch_count=2,
+            )
+            opt = HybridShardedOptimizer(make_opt(model.parameters()), config)
+            per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
+
+            def train(s: int) -> float:
+                part = data[s, d * per : (d + 1) * per]
+                return model.train_on_batch(part[:, :-1], part[:, 1:])
+
+            return body(model, opt, train)
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(world) as pool:
+        return [f.result(timeout=300) for f in [pool.submit(rank, r) for r in range(world)]]
+
+
+def checkpoint_and_replay(model: Any, opt: Any, train: Any) -> dict[str, Any]:
+    """Train FIRST steps, save "t1", train AGAIN steps, load "t1", train them again."""
+    for s in range(FIRST):
+        train(s)
+    version = model.save_checkpoint("t1")
+    at_t1 = model.state_dict()
+    first = [train(s) for s in range(FIRST, FIRST + AGAIN)]
+    after_first = model.state_dict()
+    assert model.load_checkpoint("t1") == version
+    reloaded = model.state_dict()
+    again = [train(s) for s in range(FIRST, FIRST + AGAIN)]
+    return {
+        "version": version,
+        "t1": at_t1,
+        "first": first,
+        "after_first": after_first,
+        "reloaded": reloaded,
+        "again": again,
+        "final": model.state_dict(),
+    }
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES, ids=lambda t: "pp{}-tp{}-dp{}".format(*t))
+def trained(request, tmp_path_factory) -> Any:
+    pp, tp, dp = request.param
+    root = tmp_path_factory.mktemp("snaps")
+    nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(root)).start() for _ in range(2)]
+    addresses = [n.address for n in nodes]
+    job = f"gpt3d-{uuid.uuid4().hex[:6]}"
+    try:
+        results = run_hybrid(pp, tp, dp, addresses, job, checkpoint_and_replay)
+        yield {
+            "topology": (pp, tp, dp),
+            "addresses": addresses,
+            "job": job,
+            "root": root,
+            "results": results,
+            "parts": [f"{job}.pp{s}.tp{t}" for s in range(pp) for t in range(tp)],
+        }
+    finally:
+        for n in nodes:
+            n.stop(0)
+
+
+def client_for(addresses: list[str]) -> ShardClient:
+    return ShardClient(ClusterSpec(addresses), timeout_s=30.0)
+
+
+def assert_equal_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], who: str):
+    assert set(got) == set(want), (who, set(got) ^ set(want))
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and got[name].shape == value.shape, (who, name)
+        assert torch.equal(got[name], value), f"{who}: {name} differs"
+
+
+def cli(*args: str) -> int:
+    return main([str(a) for a in args])
+
+
+def live_export(addresses: list[str], job: str, out: Path) -> dict[str, torch.Tensor]:
+    c = client_for(addresses)
+    try:
+        count = tools.export(c, job, out)
+    finally:
+        c.close()
+    loaded = load_file(str(out))
+    assert count == len(loaded)
+    return loaded
+
+
+# -- export -----------------------------------------------------------------------------------
+def test_live_export_is_the_whole_model(trained, tmp_path):
+    job, results = trained["job"], trained["results"]
+    final = results[0]["final"]
+    for r, res in enumerate(results):  # every rank's state_dict() is the whole model
+        assert_equal_state(res["final"], final, f"rank {r}")
+    assert set(final) == set(GPT(CFG).state_dict())  # lm_head.weight included
+    loaded = live_export(trained["addresses"], job, tmp_path / "live.safetensors")
+    assert_equal_state(loaded, final, "live export")
+    with safe_open(str(tmp_path / "live.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    assert meta["job"] == job and meta["version"] == str(FIRST + AGAIN)
+    assert meta["parts"].split(",") == trained["parts"]
+
+    fresh = GPT(CFG)
+    fresh.load_state_dict(loaded, strict=True)
+    reference = GPT(CFG)
+    reference.load_state_dict(final)
+    x = batches(1)[0, :, :-1]
+    with torch.no_grad():
+        assert torch.equal(fresh(x), reference(x))
+
+
+def test_get_and_inspect_by_the_base_name(trained, tmp_path):
+    job, final = trained["job"], trained["results"][0]["final"]
+    c = client_for(trained["addresses"])
+    try:
+        for name in ("blocks.1.attn.c_attn.weight", "blocks.3.mlp.c_proj.weight", "lm_head.weight"):
+            np.testing.assert_array_equal(tools.get_param(c, job, name), final[name].numpy())
+        with pytest.raises(KeyError, match="nosuch.weight"):
+            tools.get_param(c, job, "nosuch.weight")
+        rows = {r["name"]: r for r in tools.inspect(c, job)}
+    finally:
+        c.close()
+    assert set(rows) | {"lm_head.weight"} >= set(final)
+    w = final["blocks.0.attn.c_attn.weight"].double()
+    assert rows["blocks.0.attn.c_attn.weight"]["shape"] == list(w.shape)
+    assert rows["blocks.0.attn.c_attn.weight"]["norm"] == pytest.approx(float(w.norm()), 1e-6)
+
+    out = tmp_path / "w.npy"
+    assert cli("get", job, "blocks.2.attn.c_attn.weight", "--out", out, "--servers",
+               ",".join(trained["addresses"])) == 0  # fmt: skip
+    np.testing.assert_array_equal(np.load(out), final["blocks.2.attn.c_attn.weight"].numpy())
+
+
+def test_offline_export_of_a_checkpoint(trained, tmp_path):
+    job, root = trained["job"], trained["root"]
+    assert not (root / job).exists() and all((root / p / "t1").is_dir() for p in trained["parts"])
+    out = tmp_path / "offline.safetensors"
+    assert cli("export", "--snapshot", root / job / "t1", "--out", out) == 0
+    assert_equal_state(load_file(str(out)), trained["results"][0]["t1"], "offline export")
+    with safe_open(str(out), framework="pt") as f:
+        assert f.metadata()["version"] == str(FIRST) and f.metadata()["tag"] == "t1"
+
+
+def test_load_checkpoint_replays_the_same_steps(trained):
+    for r, res in enumerate(trained["results"]):
+        assert res["version"] == FIRST
+        assert_equal_state(res["reloaded"], res["t1"], f"rank {r} after load_checkpoint")
+        assert res["again"] == res["first"], f"rank {r}"
+        assert_equal_state(res["final"], res["after_first"], f"rank {r}")
+
+
+# -- snapshot and restore through the tools, by the base name ---------------------------------
+def test_snapshot_restore_by_the_base_name(trained, tmp_path, capsys):
+    job, root, addresses = trained["job"], trained["root"], trained["addresses"]
+    servers = ",".join(addresses)
+    res = trained["results"][0]
+    c = client_for(addresses)
+    try:
+        summary = tools.snapshot(c, job, "t2")
+        assert summary["job"] == job and summary["tag"] == "t2"
+        assert summary["version"] == FIRST + AGAIN and summary["parts"] == trained["parts"]
+        rows = [r for r in tools.list_snapshots(c, job, combine_parts=True) if r["tag"] == "t2"]
+        assert rows == [{**rows[0], "job": job, "parts": trained["parts"]}]
+
+        # back to t1 with the CLI, then the live servers hold t1's model
+        assert cli("restore", job, "--tag", "t1", "--servers", servers) == 0
+        assert f"version {FIRST}" in capsys.readouterr().out
+        loaded = live_export(addresses, job, tmp_path / "t1.safetensors")
+        assert_equal_state(loaded, res["t1"], "restored t1")
+
+        # a copy of t2 whose last part is corrupt: refused before any part is swapped
+        for part in trained["parts"]:
+            shutil.copytree(root / part / "t2", root / part / "bad")
+            manifest = json.loads((root / part / "bad" / "manifest.json").read_text())
+            (root / part / "bad" / "manifest.json").write_text(
+                json.dumps({**manifest, "tag": "bad"})
+            )
+        shard = root / trained["parts"][-1] / "bad" / "shard-1-of-2.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-3] ^= 0x01
+        shard.write_bytes(bytes(raw))
+        with pytest.raises(ShardClientError, match="checksum"):
+            tools.restore(c, job, "bad")
+        loaded = live_export(addresses, job, tmp_path / "still-t1.safetensors")
+        assert_equal_state(loaded, res["t1"], "after the refused restore")
+
+        # latest: t2 (the newest every part has); the CLI snapshot of the base name
+        assert tools.restore(c, job) == FIRST + AGAIN
+        loaded = live_export(addresses, job, tmp_path / "t2.safetensors")
+        assert_equal_state(loaded, res["final"], "restored latest")
+        assert cli("snapshot", job, "--tag", "t3", "--servers", servers) == 0
+        assert f"{len(trained['parts'])} parts" in capsys.readouterr().out
+        out = tmp_path / "t3.safetensors"
+        assert cli("export", "--snapshot", root / job / "t3", "--out", out) == 0
+        assert_equal_state(load_file(str(out)), res["final"], "offline export of t3")
+    finally:
+        c.close()
+
+
+def test_missing_parts_are_named(trained, tmp_path, capsys):
+    pp, tp, _ = trained["topology"]
+    job, root, parts = trained["job"], trained["root"], trained["parts"]
+    copy = tmp_path / "copy"
+    for part in parts:
+        shutil.copytree(root / part / "t1", copy / part / "t1")
+    last = parts[-1]
+    shutil.rmtree(copy / last)
+    out = tmp_path / "x.safetensors"
+    # the manifests list every part, so even a missing last stage or rank is noticed
+    assert cli("export", "--snapshot", copy / job / "t1", "--out", out) == 1
+    err = capsys.readouterr().err
+    assert f"missing {last}" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    if pp > 1:  # a whole stage gone
+        for t in range(tp):
+            shutil.rmtree(copy / f"{job}.pp{pp - 1}.tp{t}", ignore_errors=True)
+        assert cli("export", "--snapshot", copy / job / "t1", "--out", out) == 1
+        err = capsys.readouterr().err
+        assert all(f"{job}.pp{pp - 1}.tp{t}" in err for t in range(tp)), err
+    assert cli("export", "--snapshot", copy / job / "nosuchtag", "--out", out) == 1
+    assert "nosuchtag" in capsys.readouterr().err and not out.exists()
+
+
+# -- load_state_dict --------------------------------------------------------------------------
+def test_load_state_dict_round_trip_and_training_continues():
+    """SGD, not Adam: Adam's first steps turn round-off in a gradient below its eps into
+    visible differences (seed 7 has one of 2e-9), which would hide nothing but flake."""
+    other = initial_weights(seed=7)
+    data = batches(FIRST + AGAIN)
+    reference = GPT(CFG)
+    reference.load_state_dict(other)
+    opt = sgd(reference.parameters())
+    ref_losses = []
+    for s in range(AGAIN):
+        loss = lm_loss(reference(data[s, :, :-1]), data[s, :, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    def body(model: Any, opt: Any, train: Any) -> Any:
+        model.load_state_dict(other)
+        loaded = model.state_dict()
+        return loaded, [train(s) for s in range(AGAIN)], model.state_dict()
+
+    nodes = [ShardServer().start() for _ in range(2)]
+    try:
+        job = f"gpt3d-{uuid.uuid4().hex[:6]}"
+        results = run_hybrid(2, 2, 1, [n.address for n in nodes], job, body, sgd)
+    finally:
+        for n in nodes:
+            n.stop(0)
+    for r, (loaded, losses, state) in enumerate(results):
+        assert_equal_state(loaded, other, f"rank {r} state_dict after load_state_dict")
+        for a, b in zip(losses, ref_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r, losses, ref_losses)
+        ref_state = reference.state_dict()
+        for name, ref in ref_state.items():
+            rel = (state[name] - ref).norm() / ref.norm()
+            assert rel <= 1e-5, f"rank {r} {name}: relative difference {rel:.2e}"
+
+
+# -- the join itself ----------------------------------------------------------------------------
+@pytest.mark.parametrize("ranks,dim,packed", [(2, 0, 1), (4, 0, 3), (4, 1, 1), (2, 1, 2)])
+def test_join_parts_inverts_the_split(ranks, dim, packed):
+    from client.tensor_parts import PartParam, join_parts
+    from strategies.tensor_parallel import tensor_parallel_part
+
+    whole = torch.randn(24, 12) if dim == 0 else torch.randn(6, 24)
+    norm = torch.randn(12)
+
+    def part(name: str, t: int, value: torch.Tensor, split: bool) -> PartParam:
+        fields = (dim, ranks, t, packed) if split else (0, 0, 0, 0)
+        arr = value.numpy().copy()
+        return PartParam(name, tuple(arr.shape), "float32", (), lambda: arr.reshape(-1), *fields)
+
+    parts = {
+        (0, t): [
+            part("w", t, tensor_parallel_part(whole, dim, ranks, t, packed), True),
+            part("ln", t, norm, False),
+        ]
+        for t in range(ranks)
+    }
+    parts[1, 0] = [part("head", 0, norm * 2, False)]  # a second stage, tensor ranks of its own
+    for t in range(1, ranks):
+        parts[1, t] = [part("head", t, norm * 2, False)]
+    joined = {w.name: w for w in join_parts("m", parts)}
+    assert list(joined) == ["w", "ln", "head"]
+    assert joined["w"].shape == tuple(whole.shape)
+    assert joined["w"].source == tuple(f"m.pp0.tp{t}" for t in range(ranks))
+    np.testing.assert_array_equal(joined["w"].produce().reshape(whole.shape), whole.numpy())
+    np.testing.assert_array_equal(joined["ln"].produce(), norm.numpy())
+
+
+def test_join_parts_refuses_parts_that_do_not_fit():
+    from client.tensor_parts import PartParam, PartsError, join_parts
+
+    def p(name: str, shape: tuple, t: int = 0, parts: int = 0) -> PartParam:
+        return PartParam(name, shape, "float32", (), lambda: np.zeros(shape), 0, parts, t, 1)
+
+    with pytest.raises(PartsError, match=r"missing m\.pp0\.tp1"):
+        join_parts("m", {(0, 0): [p("w", (2, 2), 0, 2)], (1, 1): [p("v", (2,))]})
+    with pytest.raises(PartsError, match="split in 3 part"):
+        join_parts("m", {(0, 0): [p("w", (2, 2), 0, 3)], (0, 1): [p("w", (2, 2), 1, 3)]})
+    with pytest.raises(PartsError, match="hold different parameters"):
+        join_parts("m", {(0, 0): [p("w", (2, 2), 0, 2)], (0, 1): [p("v", (2, 2), 1, 2)]})
+    with pytest.raises(PartsError, match="no parameter says how it is split"):
+        join_parts("m", {(0, 0): [p("w", (2, 2))], (0, 1): [p("w", (2, 2))]})
+    with pytest.raises(PartsError, match="held by both"):
+        join_parts("m", {(0, 0): [p("w", (2,))], (1, 0): [p("w", (2,))]})
