@@ -1,4 +1,5 @@
-"""Smoke test of ``python -m benchmarks.strategies --quick``: it runs, and its JSON is complete.
+"""Smoke tests of ``python -m benchmarks.strategies --quick`` and ``python -m benchmarks.hybrid
+--quick``: they run, and their JSON is complete.
 
 Runs the benchmark as a user would, in its own process group, so that on a timeout the whole
 group (benchmark, trainers, servers, gloo ranks: every process it started) is stopped by id.
@@ -7,6 +8,7 @@ group (benchmark, trainers, servers, gloo ranks: every process it started) is st
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -16,15 +18,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 600  # --quick takes < 2 minutes on an idle 2-core machine; allow for a busy one
+TIMEOUT_S = 600  # --quick takes < 2 (hybrid: < 3) minutes on an idle 2-core machine
 OURS = ("ddp", "zero1", "zero2", "fsdp")
+HYBRID_CELLS = {"pp_gpipe": (4, 1, 1), "pp_1f1b": (4, 1, 1), "tp": (1, 4, 1), "3d": (2, 2, 1)}
 
 
-def run_quick() -> dict:
+def run_quick(module: str = "benchmarks.strategies") -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.strategies", "--quick"],
+        [sys.executable, "-m", module, "--quick"],
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -85,3 +88,48 @@ def test_quick_benchmark_reports_every_strategy() -> None:
                 # ZeRO / FSDP: master params + grad accumulator + Adam moments on the server
                 assert server_state > 0 and m["trainer"]["optimizer_bytes"] == 0, m
         assert row["torch_memory"] and all(t["param_bytes"] > 0 for t in row["torch_memory"])
+
+
+@pytest.mark.slow
+def test_quick_hybrid_benchmark_reports_every_cell() -> None:
+    report = run_quick("benchmarks.hybrid")
+    rows = report["results"]
+    assert {(r["model"], r["world_size"]) for r in rows} == {("tiny", 4)}
+    single = [r for r in rows if r["cell"] == "single"]
+    assert len(single) == 1 and single[0]["torch_ms"] > 0 and single[0]["error"] is None
+
+    for cell, (pp, tp, dp) in HYBRID_CELLS.items():
+        found = [r for r in rows if r["cell"] == cell]
+        assert len(found) == 1, (cell, found)
+        row = found[0]
+        assert row["error"] is None and "skipped" not in row, row
+        assert row["layout"] == {"pp": pp, "tp": tp, "dp": dp}, row
+        assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
+        assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
+        # both sides train exactly: the same losses as single-process torch
+        assert row["loss_rel_diff_vs_single"] < 1e-5, row
+        assert row["torch_loss_rel_diff_vs_single"] < 1e-5, row
+        if pp == 1:
+            assert "bubble" not in row
+            continue
+        bubble = row["bubble"]
+        m = row["micro_batches"]
+        assert bubble["theoretical_fraction"] == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-3)
+        assert bubble["paper_ratio"] == pytest.approx((pp - 1) / m, abs=1e-3)
+        assert len(bubble["per_stage"]) == pp * tp * dp
+        assert {s["stage"] for s in bubble["per_stage"]} == set(range(pp))
+        for s in [bubble, *bubble["per_stage"]]:
+            key = "measured_fraction_mean" if s is bubble else "measured_fraction"
+            assert 0.0 <= s[key] <= 1.0, s
+
+    sweep = report["bubble_sweep"]
+    assert {(r["stages"], r["micro_batches"]) for r in sweep} == {
+        (p, m) for p in (2, 4) for m in (1, 2, 4, 8)
+    }
+    for r in sweep:
+        p, m = r["stages"], r["micro_batches"]
+        assert r["error"] is None and r["ours_ms"] > 0, r
+        assert 0.0 <= r["measured_fraction_mean"] <= 1.0, r
+        assert r["theoretical_fraction"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-3)
+        assert r["measured_idle_over_compute_mean"] >= 0.0, r

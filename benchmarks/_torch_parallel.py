@@ -1,0 +1,193 @@
+"""PyTorch's own pipeline, tensor and 3D parallelism on our GPT, the torch side of
+``benchmarks.hybrid`` (one gloo process per rank; the process group is already up).
+
+- **pipeline**: ``torch.distributed.pipelining.PipelineStage`` over the stage modules of
+  ``strategies.pipeline.split_gpt`` (the same cut as ours), ``ScheduleGPipe`` or
+  ``Schedule1F1B`` with ``m`` micro-batches and ``lm_loss``; torch scales the gradients by 1/m
+  (``scale_grads=True``), as ours scales each micro-batch's loss.
+- **tensor**: DTensor ``parallelize_module`` on every Block. Our ``c_attn`` packs q|k|v in one
+  Linear and ours gives each rank its heads' rows of each of q, k and v; a plain
+  ``ColwiseParallel`` on ``c_attn`` would instead give rank 0 all of q and part of k, which
+  is not head-parallel attention. So the torch side first rewrites each attention as
+  ``SplitQKVAttention``: three Linears q, k, v holding the same weights (the arithmetic of
+  ``examples.gpt.CausalSelfAttention``, head count taken from the local width), then shards
+  q, k, v with ``ColwiseParallel`` and ``c_proj`` with ``RowwiseParallel``; the MLP's
+  ``c_fc`` / ``c_proj`` are Colwise / Rowwise. That is Megatron's split, the same as ours
+  (two all-reduces per block forward, two backward); embeddings, layer norms and ``lm_head``
+  stay replicated.
+- **3D**: a device mesh (pp, tp, dp) laid out as our ``Topology`` (rank = (pp * tp_size + tp)
+  * dp_size + dp), pipelining over the mesh's pp group, DTensor TP over its tp sub-mesh, and
+  one flat all-reduce (sum / dp) of the gradients over its dp group before the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks._training import adamw
+from examples.gpt import lm_loss
+from strategies.pipeline import split_gpt
+
+
+class SplitQKVAttention(nn.Module):
+    """``examples.gpt.CausalSelfAttention`` with ``c_attn`` as three Linears q, k, v (its
+    three row blocks, copied), so that ``ColwiseParallel`` on each splits by heads."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        C = attn.c_attn.in_features
+        self.head_dim = C // attn.n_head
+        has_bias = attn.c_attn.bias is not None
+        self.q, self.k, self.v = (nn.Linear(C, C, bias=has_bias) for _ in range(3))
+        with torch.no_grad():
+            ws = attn.c_attn.weight.chunk(3, 0)
+            bs = attn.c_attn.bias.chunk(3, 0) if has_bias else (None,) * 3
+            for lin, w, b in zip((self.q, self.k, self.v), ws, bs, strict=True):
+                lin.weight.copy_(w)
+                if b is not None:
+                    lin.bias.copy_(b)
+        self.c_proj = attn.c_proj
+        self.attn_dropout, self.resid_dropout = attn.attn_dropout, attn.resid_dropout
+        self.register_buffer("mask", attn.mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        hd = self.head_dim
+        q = self.q(x).view(B, T, -1, hd).transpose(1, 2)  # -1: this rank's heads
+        k = self.k(x).view(B, T, -1, hd).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, hd).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
+        return self.resid_dropout(self.c_proj(y))
+
+
+def tensor_parallel(blocks: Iterable[nn.Module], mesh: Any) -> None:
+    """Megatron's split of every Block over the 1-D ``mesh`` with DTensor (see the module
+    docstring)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    for block in blocks:
+        block.attn = SplitQKVAttention(block.attn)
+        plan = {
+            "attn.q": ColwiseParallel(),
+            "attn.k": ColwiseParallel(),
+            "attn.v": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(),
+            "mlp.c_fc": ColwiseParallel(),
+            "mlp.c_proj": RowwiseParallel(),
+        }
+        parallelize_module(block, mesh, plan)
+
+
+def _pipeline(
+    stage_mod: nn.Module, index: int, stages: int, m: int, schedule: str, group: Any = None
+) -> Callable[[torch.Tensor, torch.Tensor], float | None]:
+    """One pipeline step's forward and backward (no optimizer step); returns the batch's
+    loss on the last stage, else None."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    stage = PipelineStage(stage_mod, index, stages, torch.device("cpu"), group=group)
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, n_microbatches=m, loss_fn=lm_loss)
+    first, last = index == 0, index == stages - 1
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> float | None:
+        losses: list[torch.Tensor] = []
+        if first:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=losses)
+        else:
+            sched.step()
+        return float(torch.stack([v.detach() for v in losses]).mean()) if last else None
+
+    return run
+
+
+def _average_grads(params: list[nn.Parameter], group: Any, size: int) -> None:
+    """Mean of the gradients over ``group``: one flat all-reduce of this rank's (local) parts."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    flat = torch.cat([g.reshape(-1) for g in local])
+    dist.all_reduce(flat, group=group)
+    flat /= size
+    offset = 0
+    for g in local:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+
+
+def build_cell(
+    cell: str,
+    gpt: nn.Module,
+    rank: int,
+    world: int,
+    sizes: tuple[int, int, int],
+    micro_batches: int,
+    schedule: str,
+    global_batch: int,
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], float | None], slice]:
+    """``(step, rows)``: ``step(x, y)`` is one training step (zero_grad, forward and backward,
+    optimizer step) on this rank's rows ``x[rows]`` of the global batch; it returns the loss
+    where this rank has it (the last pipeline stage; every rank without a pipeline)."""
+    pp, tp, dp = sizes
+    every_row = slice(0, global_batch)
+    if cell in ("single", "tp"):
+        if cell == "tp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            tensor_parallel(gpt.blocks, init_device_mesh("cpu", (world,)))
+        opt = adamw(gpt.parameters())
+
+        def plain(x: torch.Tensor, y: torch.Tensor) -> float:
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(gpt(x), y)
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        return plain, every_row
+
+    if cell in ("pp_gpipe", "pp_1f1b"):
+        stage_mod = split_gpt(gpt, world)[rank]
+        run = _pipeline(stage_mod, rank, world, micro_batches, schedule)
+        group, rows = None, every_row
+    elif cell == "3d":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (pp, tp, dp), mesh_dim_names=("pp", "tp", "dp"))
+        p, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+        stage_mod = split_gpt(gpt, pp)[p]
+        tensor_parallel(stage_mod.blocks.values(), mesh["tp"])
+        run = _pipeline(stage_mod, p, pp, micro_batches, schedule, group=mesh.get_group("pp"))
+        group = mesh.get_group("dp") if dp > 1 else None
+        per = global_batch // dp
+        rows = slice(d * per, (d + 1) * per)
+    else:
+        raise ValueError(f"unknown cell {cell!r}")
+    params = list(stage_mod.parameters())
+    opt = adamw(params)
+
+    def piped(x: torch.Tensor, y: torch.Tensor) -> float | None:
+        opt.zero_grad(set_to_none=True)
+        loss = run(x, y)
+        if group is not None:
+            _average_grads(params, group, dp)
+        opt.step()
+        return loss
+
+    return piped, rows
