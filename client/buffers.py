@@ -125,14 +125,29 @@ class FlatBuffers(RpcCore):
                 if n:
                     yield piece.server, piece.local_offset + o, piece.global_offset + o, n
 
-    def set_params(self, job: str, buffer: str, flat: np.ndarray, *, version: int = 0) -> None:
-        """Writes the whole buffer's values (fp32) and sets every slice's version."""
+    def set_params(
+        self,
+        job: str,
+        buffer: str,
+        flat: np.ndarray,
+        *,
+        version: int = 0,
+        state: str = "",
+        optimizer_steps: int = 0,
+    ) -> None:
+        """Writes the whole buffer's values (fp32) and sets every slice's version; with
+        ``state``, writes that optimizer state array instead (at the servers' current
+        ``version``) and sets the optimizer's step count."""
         values = np.ascontiguousarray(flat, dtype=np.float32).reshape(-1)
         ref = self._ref(job, buffer)
         calls = []
         for server, local, glob, n in self._chunked(values.size, 0, values.size, 4):
             header = pb.SetParamsHeader(
-                ref=ref, version=version, chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32)
+                ref=ref,
+                version=version,
+                chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32),
+                state=state,
+                optimizer_steps=optimizer_steps,
             )
             calls.append(Call(server, "SetParams", (header, values[glob : glob + n])))
         self.run(calls)
@@ -190,9 +205,13 @@ class FlatBuffers(RpcCore):
         dtype: str = "float32",
         start: int = 0,
         numel: int | None = None,
+        state: str = "",
+        headers: list[Any] | None = None,
     ) -> list[Call]:
         """Calls filling ``out`` (wire dtype elements; uint16 for bfloat16) with the buffer's
-        range [start, start + out.size) at a version >= ``min_version``."""
+        range [start, start + out.size) at a version >= ``min_version``; with ``state``, that
+        optimizer state array instead. ``headers`` collects the reply headers (version,
+        optimizer step count)."""
         total = start + out.size if numel is None else numel
         wire = codec.wire_dtype(dtype)
         ref = self._ref(job, buffer)
@@ -201,9 +220,14 @@ class FlatBuffers(RpcCore):
 
             def store(reply: Any, a: int = glob - start, n: int = n) -> None:
                 out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
+                if headers is not None:
+                    headers.append(reply[0])
 
             req = pb.PullParamsRequest(
-                ref=ref, min_version=min_version, chunk=pb.Chunk(offset=local, numel=n, dtype=wire)
+                ref=ref,
+                min_version=min_version,
+                chunk=pb.Chunk(offset=local, numel=n, dtype=wire),
+                state=state,
             )
             calls.append(Call(server, "PullParams", req, store))
         return calls
@@ -253,6 +277,15 @@ class FlatBuffers(RpcCore):
             out[name] = totals[start : start + buffers[name]].tolist()
             start += buffers[name]
         return out
+
+    def optimizer_state_info(self, job: str) -> dict[str, tuple[list[str], int]]:
+        """Buffer -> (the optimizer state arrays that exist, the optimizer's step count), from
+        server 0 (which holds a slice of every non-empty buffer)."""
+        reply = self.call(0, "Status", pb.StatusRequest())
+        for j in reply.jobs:
+            if j.job == job:
+                return {b.buffer: (list(b.state_keys), b.optimizer_steps) for b in j.buffers}
+        raise KeyError(f"job '{job}' is not on server 0 ({self.spec.addresses[0]})")
 
     def step(self, job: str, step: int, args: Mapping[str, StepArgs]) -> None:
         """Applies step ``step`` to the named buffers on every server (first caller wins)."""

@@ -125,14 +125,18 @@ class Chunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SetParamsHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "version")
+    __slots__ = ("ref", "chunk", "version", "state", "optimizer_steps")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     version: int
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    state: str
+    optimizer_steps: int
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
 
 class SetParamsRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -200,24 +204,28 @@ class PushGradReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., reduced: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullParamsRequest(_message.Message):
-    __slots__ = ("ref", "min_version", "chunk")
+    __slots__ = ("ref", "min_version", "chunk", "state")
     REF_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     min_version: int
     chunk: Chunk
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., min_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    state: str
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., min_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
 
 class PullParamsHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "version")
+    __slots__ = ("ref", "chunk", "version", "optimizer_steps")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     version: int
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    optimizer_steps: int
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
 
 class PullParamsReply(_message.Message):
     __slots__ = ("header", "data")
@@ -342,7 +350,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper")
+    __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper", "state_keys", "optimizer_steps")
     class HyperEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -366,6 +374,8 @@ class BufferStatus(_message.Message):
     LAST_STEP_UNIX_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     HYPER_FIELD_NUMBER: _ClassVar[int]
+    STATE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     numel: int
     slice_start: int
@@ -382,7 +392,9 @@ class BufferStatus(_message.Message):
     last_step_unix: float
     contributors: int
     hyper: _containers.ScalarMap[str, float]
-    def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    state_keys: _containers.RepeatedScalarFieldContainer[str]
+    optimizer_steps: int
+    def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ..., state_keys: _Optional[_Iterable[str]] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
     __slots__ = ("job", "buffers")

@@ -183,6 +183,10 @@ class ServerOptimizer:
         """State arrays that exist once the optimizer is initialised under hyper ``h``."""
         return ()
 
+    def _usable_state(self, h: Mapping[str, float]) -> tuple[str, ...]:
+        """State arrays that may exist under hyper ``h`` (also those created lazily)."""
+        return self._required_state(h)
+
     def _initialized(self) -> bool:
         """Whether torch would consider the per-parameter state created."""
         return self.step_count > 0
@@ -216,6 +220,44 @@ class ServerOptimizer:
         self.step_count = step_count
         if not loaded:
             self._init_state()
+
+    def read_state(self, key: str) -> Any:
+        """The live state array ``key`` (torch's state key); copy it before the next step."""
+        self._check_state_key(key)
+        if key not in self._state:
+            raise OptimizerError(
+                f"{self.name}: state {key!r} does not exist yet (step count {self.step_count});"
+                " torch creates it at the first step"
+            )
+        return self._state[key]
+
+    def write_state(self, key: str, offset: int, values: Any, step_count: int) -> None:
+        """Writes ``values`` into state array ``key`` at ``offset`` and sets the step count;
+        the arrays the hyper-parameters use are created as zeros first (as torch's first
+        step would), so a partly loaded state still steps."""
+        self._check_state_key(key)
+        if key not in self._usable_state(self.hyper):
+            raise OptimizerError(
+                f"{self.name}: state {key!r} is not used with these hyper-parameters; used:"
+                f" {', '.join(self._usable_state(self.hyper)) or 'none'}"
+            )
+        step_count = self._count("step_count", step_count)
+        n = int(values.size)
+        if offset < 0 or offset + n > self.numel:
+            raise OptimizerError(
+                f"{self.name}: state range [{offset}, {offset + n}) is outside {self.numel}"
+            )
+        xp = backend.xp
+        for k in (*self._required_state(self.hyper), key):
+            if k not in self._state:
+                self._state[k] = xp.zeros(self.numel, dtype=xp.float32)
+        self._state[key][offset : offset + n] = values
+        self.step_count = step_count
+
+    def _check_state_key(self, key: str) -> None:
+        if key not in self.state_names:
+            known = ", ".join(self.state_names) or "none"
+            raise OptimizerError(f"{self.name}: unknown state {key!r}; known: {known}")
 
     def state_bytes(self) -> int:
         """Bytes held by allocated state arrays."""
@@ -262,6 +304,9 @@ class SGD(ServerOptimizer):
             raise self._error(
                 "nesterov", h["nesterov"], "Nesterov momentum requires momentum > 0 and dampening 0"
             )
+
+    def _usable_state(self, h: Mapping[str, float]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if h["momentum"] != 0 else ()
 
     def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
         if h["weight_decay"] != 0:

@@ -112,6 +112,8 @@ class BufferSlice:
     def set_params(self, header: pb.SetParamsHeader, data: memoryview) -> bool:
         self.check_chunk(header.chunk, "SetParams")
         host = arrays.payload_array(data, header.chunk.dtype, header.chunk.numel, self.label)
+        if header.state:
+            return self._set_state(header, host)
         with self.cond:
             if header.version != self.version:
                 # A new version of the values (restore): start counting coverage again.
@@ -125,6 +127,23 @@ class BufferSlice:
             if sum(self.written.values()) >= self.slice_numel:
                 self.initialized = True
             self.cond.notify_all()
+            return self.initialized
+
+    def _set_state(self, header: pb.SetParamsHeader, host: Any) -> bool:
+        """SetParams into an optimizer state array (at the current version only)."""
+        with self.cond:
+            if header.version != self.version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}; optimizer state for version"
+                    f" {header.version} cannot be written"
+                )
+            values = arrays.to_compute(host, header.chunk.dtype)
+            try:
+                self.optimizer.write_state(
+                    header.state, header.chunk.offset, values, header.optimizer_steps
+                )
+            except OptimizerError as exc:
+                raise ShardError.invalid(f"{self.label}: {exc}") from None
             return self.initialized
 
     def push_grad(self, h: pb.PushGradHeader, data: memoryview, timeout: float) -> pb.PushGradReply:
@@ -207,10 +226,21 @@ class BufferSlice:
                 f"version {req.min_version}",
             )
             o, n = chunk.offset, chunk.numel
-            header = pb.PullParamsHeader(ref=req.ref, chunk=chunk, version=self.version)
+            header = pb.PullParamsHeader(
+                ref=req.ref,
+                chunk=chunk,
+                version=self.version,
+                optimizer_steps=self.optimizer.step_count,
+            )
+            source = self.master
+            if req.state:
+                try:
+                    source = self.optimizer.read_state(req.state)
+                except OptimizerError as exc:
+                    raise ShardError.precondition(f"{self.label}: {exc}") from None
             if encode is not None:
-                return encode(header, arrays.wire_array(self.master[o : o + n], chunk.dtype))
-            payload = arrays.from_compute(self.master[o : o + n], chunk.dtype)
+                return encode(header, arrays.wire_array(source[o : o + n], chunk.dtype))
+            payload = arrays.from_compute(source[o : o + n], chunk.dtype)
         return header, payload
 
     def sum_squares(self, step: int, timeout: float) -> float:
@@ -548,6 +578,8 @@ class BufferStore:
                             last_step_unix=b.last_step_unix,
                             contributors=b.contributors,
                             hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
+                            state_keys=sorted(b.optimizer.state_arrays()),
+                            optimizer_steps=b.optimizer.step_count,
                         )
                     )
             out.append(pb.JobStatus(job=job, buffers=rows))

@@ -234,6 +234,16 @@ class HybridShardedModel(ShardedModelBase):
         self._invalidate()
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
+    # -- optimizer state (this rank's parameters: its stage's tensor parts) ---------------------
+    def optimizer_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """id(parameter) -> torch-format optimizer state of this rank's parameters (its stage,
+        its tensor parts), read from its data group's servers."""
+        return self.replica.optimizer_state()
+
+    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """The inverse, on the same topology (collective over the data group)."""
+        self.replica.load_optimizer_state(states)
+
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, tag: str) -> int:
         """Snapshot of the whole model on the servers under ``tag``: one snapshot per (stage,

@@ -144,14 +144,52 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """ZeRO / FSDP: each slice's state has one owner (its server), so it is consistent by
         construction and nothing moves. DDP overrides this with a broadcast from rank 0."""
 
+    # -- torch's state dict, with the servers' moments --------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's optimizer state dict: the param groups, and for strategies whose servers
+        step (ZeRO, FSDP, hybrid) each parameter's state read from the servers, whole tensors
+        as a plain torch optimizer on the unsharded model would hold them (FSDP users know
+        this as ``FSDP.optim_state_dict``). Collective for ZeRO/FSDP: every rank calls it."""
+        sd = self.inner.state_dict()
+        read = getattr(self.model, "optimizer_state", None)
+        if read is None:  # DDP: the trainer's own optimizer holds the state
+            return sd
+        states = read()
+        sd["state"] = {
+            index: states[id(p)]
+            for group, saved in zip(self.inner.param_groups, sd["param_groups"], strict=True)
+            for p, index in zip(group["params"], saved["params"], strict=True)
+            if id(p) in states
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Loads what ``state_dict`` gave (here or from a plain torch optimizer over the same
+        parameters): hyper-parameters into the param groups, moments into the servers."""
+        write = getattr(self.model, "load_optimizer_state", None)
+        if write is None:
+            self.inner.load_state_dict(state_dict)
+        else:
+            groups = state_dict["param_groups"]
+            self.inner.load_state_dict({"state": {}, "param_groups": groups})
+            by_index = {
+                index: p
+                for group, saved in zip(self.inner.param_groups, groups, strict=True)
+                for p, index in zip(group["params"], saved["params"], strict=True)
+            }
+            write({id(by_index[i]): st for i, st in state_dict["state"].items()})
+        # torch's load makes new group dicts: share them again, so schedulers drive both
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+
     def serialize(self) -> bytes:
-        """Hyper-parameters and the trainer-side state (torch.save bytes). For ZeRO / FSDP the
-        optimizer moments live on the servers: snapshots capture those."""
+        """Options and ``state_dict()`` (torch.save bytes): hyper-parameters and every
+        parameter's optimizer state, read from the servers for ZeRO / FSDP / hybrid."""
         buf = io.BytesIO()
         torch.save(
             {
                 "options": self.get_options(),
-                "state_dict": self.inner.state_dict(),
+                "state_dict": self.state_dict(),
                 "validation_losses": self._validation_losses,
             },
             buf,
@@ -161,9 +199,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def deserialize(self, data: bytes) -> None:
         try:
             saved = torch.load(io.BytesIO(bytes(data)), weights_only=False)
-            self.inner.load_state_dict(saved["state_dict"])
+            state_dict = saved["state_dict"]
         except Exception as exc:
             raise ValueError(f"deserialize: not a serialized optimizer ({exc})") from None
+        self.load_state_dict(state_dict)
         self._validation_losses = list(saved.get("validation_losses", []))
 
     def save_model(self, path: str | os.PathLike) -> None:

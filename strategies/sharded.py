@@ -363,6 +363,80 @@ class ServerShardedModel(ShardedModelBase):
                 " backward passes are waiting for optimizer.step()"
             )
 
+    # -- optimizer state in torch's format ------------------------------------------------
+    def optimizer_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """id(parameter) -> its optimizer state as torch keeps it ("step" and the moments,
+        whole tensors), read from the servers at the current step; empty before the first
+        step. What ``optimizer.state_dict()`` holds for a plain torch optimizer."""
+        if not self.registered:
+            return {}
+        self._ensure_idle()
+        info = self.client.optimizer_state_info(self.config.job)
+        arrays: dict[tuple[str, str], np.ndarray] = {}
+        calls = []
+        for b in self._buffers:
+            for key in info[b.name][0]:
+                arr = arrays[b.name, key] = np.empty(b.numel, dtype=np.float32)
+                calls += self.client.pull_calls(self.config.job, b.name, arr, self._step, state=key)
+        self.client.run(calls)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for b in self._buffers:
+            keys, steps = info[b.name]
+            if not keys:
+                continue
+            for e, p in zip(b.entries, b.params, strict=True):
+                state: dict[str, torch.Tensor] = {}
+                if self._opt_name != "sgd":  # torch's SGD keeps no step count
+                    state["step"] = torch.tensor(float(steps))
+                for key in keys:
+                    flat = arrays[b.name, key][e.offset : e.offset + e.numel]
+                    state[key] = torch.from_numpy(flat.copy()).view(e.shape)
+                out[id(p)] = state
+        return out
+
+    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """Writes torch-format optimizer state (id(parameter) -> "step" and moments, whole
+        tensors) into the servers' slices; a parameter without state gets zeros, as before
+        torch's first step. Every rank calls it with the same state (rank 0 writes)."""
+        if not self.registered:
+            raise RuntimeError("load_optimizer_state needs the optimizer wrapper attached first")
+        self._ensure_idle()
+        writes = []  # every rank checks (and fails) alike; rank 0 writes
+        for b in self._buffers:
+            present = [states.get(id(p), {}) for p in b.params]
+            keys = sorted({k for st in present for k in st if k != "step"})
+            steps = {int(float(st["step"])) for st in present if "step" in st}
+            if len(steps) > 1:
+                raise ValueError(
+                    f"load_optimizer_state: parameters of buffer '{b.name}' are at different"
+                    f" optimizer steps {sorted(steps)}; the servers step a buffer as one"
+                )
+            count = steps.pop() if steps else (self._step if keys else 0)
+            for key in keys:
+                flat = torch.zeros(b.numel)
+                for e, st in zip(b.entries, present, strict=True):
+                    value = st.get(key)
+                    if value is None:
+                        continue
+                    if tuple(value.shape) != tuple(e.shape):
+                        raise ValueError(
+                            f"load_optimizer_state: state '{key}' of '{e.name}' has shape"
+                            f" {list(value.shape)}, the parameter {list(e.shape)}"
+                        )
+                    flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1).float()
+                writes.append((b.name, key, flat, count))
+        if self.rank == 0:
+            for name, key, flat, count in writes:
+                self.client.set_params(
+                    self.config.job,
+                    name,
+                    flat.numpy(),
+                    version=self._step,
+                    state=key,
+                    optimizer_steps=count,
+                )
+        self.client.barrier()
+
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()
         meta.update(

@@ -745,3 +745,28 @@ def test_server_still_serves_after_fuzzing(channel: grpc.Channel, c: ShardClient
     reply = status_ok(channel)
     assert reply.jobs and reply.jobs[0].job == JOB
     assert c.pull_params(JOB, BUF, NUMEL).shape == (NUMEL,)
+
+
+# --- optimizer state reads and writes ----------------------------------------------------------
+
+
+def test_optimizer_state_errors_leave_the_buffer_unchanged(c: ShardClient) -> None:
+    """The module's buffer runs plain SGD (no momentum): it has no state to read or write."""
+    before = c.pull_params(JOB, BUF, NUMEL)
+    out = np.empty(NUMEL, dtype=np.float32)
+    cases = [
+        (lambda: c.run(c.pull_calls(JOB, BUF, out, 0, state="exp_avg")), "unknown state"),
+        (lambda: c.run(c.pull_calls(JOB, BUF, out, 0, state="momentum_buffer")), "does not exist"),
+        (
+            lambda: c.set_params(JOB, BUF, out, version=0, state="momentum_buffer"),
+            "not used with these hyper-parameters",
+        ),
+        (lambda: c.set_params(JOB, BUF, out, version=0, state="sum"), "unknown state"),
+        (lambda: c.set_params(JOB, BUF, out, version=7, state="x"), "version 7"),
+    ]
+    for call, text in cases:
+        err = rpc_error(call)
+        assert err.code not in CRASHES, err
+        assert text in err.details, err.details
+    np.testing.assert_array_equal(c.pull_params(JOB, BUF, NUMEL), before)
+    assert c.optimizer_state_info(JOB)[BUF] == ([], 0)
