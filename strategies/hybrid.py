@@ -247,20 +247,41 @@ class HybridShardedModel(ShardedModelBase):
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, tag: str) -> int:
         """Snapshot of the whole model on the servers under ``tag``: one snapshot per (stage,
-        tensor rank) job (``<job>.pp<s>.tp<t>``), all at the same version, tensor-parallel
-        parts marked in their manifests. ``paramshard export --snapshot <dir>/<job>/<tag>``
-        puts the whole model back together. Every rank calls it at the same point; returns
-        the version captured."""
-        version = self.replica.save_checkpoint(tag)
-        self.config.client.barrier()
+        tensor rank) job (``<job>.pp<s>.tp<t>``), all at one version and committed only once
+        every part is written, tensor-parallel parts marked in their manifests.
+        ``paramshard export --snapshot <dir>/<job>/<tag>`` puts the whole model back together.
+        Every rank calls it at the same point; returns the version captured."""
+        from client import tools
+
+        world = self.config.client
+        self.replica._ensure_idle()
+        world.barrier()  # every part has stepped as far as it will before the capture
+        version = self.replica.step_count
+        if world.rank == 0:
+            version = tools.snapshot(self.replica.client, self.config.job, tag)["version"]
+        world.barrier()
         return version
 
     def load_checkpoint(self, tag: str = "latest") -> int:
-        """Restores snapshot ``tag`` of every (stage, tensor rank) job (resharded over these
-        servers if their number changed) and continues from its step. Every rank calls it."""
-        version = self.replica.load_checkpoint(tag)
+        """Restores snapshot ``tag`` of the whole model (resharded over these servers if their
+        number changed) and continues from its step. All parts are checked on every server
+        before any is swapped in, and "latest" is the newest tag every part has. Every rank
+        calls it."""
+        from client import tools
+
+        replica, world = self.replica, self.config.client
+        if not replica.registered:
+            raise RuntimeError("load_checkpoint needs a HybridShardedOptimizer attached first")
+        replica._ensure_idle()
+        world.barrier()  # nobody still reads the old state when rank 0 replaces it
+        if world.rank == 0:
+            tools.restore(
+                replica.client, self.config.job, tag, contributors=self.data_parallel_size
+            )
+        world.barrier()
+        version = replica._adopt_server_version()
         self._invalidate()
-        self.config.client.barrier()
+        world.barrier()
         return version
 
     def get_model_metadata(self) -> dict[str, Any]:
