@@ -3,9 +3,11 @@
 ``split_gpt`` cuts a GPT into stages (embeddings + first blocks, ..., last blocks + ln_f +
 lm_head); ``PipelineParallelModel`` keeps this rank's stage and runs a schedule
 (``strategies/schedules.py``) over micro-batches. Activations travel forward and their
-gradients backward through the receivers' server mailboxes (``client.send`` / ``client.recv``);
-each pair of neighbours sends and receives in micro-batch order, so the per-pair message
-counters of the mailboxes line up without tags.
+gradients backward through the receivers' server mailboxes (``client.send`` / ``client.recv``),
+activations under tag "act" and gradients under "grad"; per pair of ranks and tag, both sides
+go in the schedule's order, so the mailboxes' message counters line up. Sends run in the
+background and receives are posted ahead of their steps (``_Mailroom``), so transfers overlap
+compute on a real cluster.
 
 Tied weights (Megatron-LM, arXiv 2104.04473 §2.1 / ``_allreduce_word_embedding_grads``): with
 more than one stage, the last stage holds its own copy of the token embedding for ``lm_head``.
@@ -23,6 +25,7 @@ import copy
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
@@ -280,6 +283,36 @@ def _default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 _LIKE = torch.empty(0)  # recv template: "give me a torch tensor"
 
 
+class _Mailroom:
+    """A stage's traffic for one schedule: sends go out in the background (one thread, in
+    order, like Megatron's isend) and receives are posted ahead, all in the schedule's order
+    (one thread), so a tensor is usually here by the time its step needs it. Per sender,
+    receiver and tag the order is the schedule's on both sides, which is what the mailboxes'
+    message counters need."""
+
+    def __init__(self, pp: Any, pools: tuple[Any, Any], recvs: list[tuple[int, str]]) -> None:
+        self.pp, (self._send_pool, recv_pool) = pp, pools
+        self._incoming = [recv_pool.submit(pp.recv, src, _LIKE, tag) for src, tag in recvs]
+        self._incoming.reverse()  # pop() takes the earliest
+        self._sent: list[Any] = []
+
+    def send(self, t: torch.Tensor, dst: int, tag: str) -> None:
+        self._sent.append(self._send_pool.submit(self.pp.send, t, dst, tag))
+
+    def recv(self) -> torch.Tensor:
+        return self._incoming.pop().result()
+
+    def finish(self) -> None:
+        """Waits for every send (raising the first error)."""
+        for fut in self._sent:
+            fut.result()
+
+    def abandon(self) -> None:
+        """After an error: receives not started yet are never posted."""
+        for fut in self._incoming:
+            fut.cancel()
+
+
 # -- the pipeline ------------------------------------------------------------------------------
 class PipelineParallelModel(nn.Module):
     """This rank's stage of ``model``, trained with a pipeline schedule over micro-batches.
@@ -339,10 +372,12 @@ class PipelineParallelModel(nn.Module):
             if tied is not None
             else None
         )
+        self._comm_pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self.last_bubble_fraction: float | None = None
         """Share of the last schedule's wall time this stage spent not computing."""
         self.last_timing: dict[str, float] = {}
-        """compute_s, comm_s (send + waiting in recv) and wall_s of the last schedule."""
+        """compute_s, comm_s (waiting for receives and, at the end, for sends) and wall_s of
+        the last schedule."""
         self.last_peak_activations = 0
         """Most micro-batches whose activations this stage held at once in the last step."""
 
@@ -395,44 +430,48 @@ class PipelineParallelModel(nn.Module):
         outputs: dict[tuple[int, int], torch.Tensor] = {}
         loss_sum, compute, comm, peak = 0.0, 0.0, 0.0, 0
         wall_start = time.perf_counter()
-        for kind, i, c in self.steps:
-            k = c * p + self.stage_index  # the virtual stage
-            if kind == "F":
-                if k == 0:
-                    inp = xs[i]
+        mail = _Mailroom(self.pp, self._pools(), self._receives)
+        try:
+            for kind, i, c in self.steps:
+                k = c * p + self.stage_index  # the virtual stage
+                if kind == "F":
+                    if k == 0:
+                        inp = xs[i]
+                    else:
+                        t0 = time.perf_counter()
+                        inp = mail.recv()
+                        comm += time.perf_counter() - t0
+                        if inp.is_floating_point():
+                            inp.requires_grad_()
+                    t0 = time.perf_counter()
+                    out = self._chunks[c](inp)
+                    if k == last_virtual:
+                        out = loss_fn(out, ys[i]) / m
+                        loss_sum += out.item()
+                    compute += time.perf_counter() - t0
+                    if k != last_virtual:
+                        mail.send(out.detach(), nxt, "act")
+                    inputs[c, i], outputs[c, i] = inp, out
+                    peak = max(peak, len(outputs))
                 else:
+                    inp, out = inputs.pop((c, i)), outputs.pop((c, i))
+                    grad = None
+                    if k != last_virtual:
+                        t0 = time.perf_counter()
+                        grad = mail.recv()
+                        comm += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    inp = self.pp.recv(prev, like=_LIKE, tag="act")
-                    comm += time.perf_counter() - t0
-                    if inp.is_floating_point():
-                        inp.requires_grad_()
-                t0 = time.perf_counter()
-                out = self._chunks[c](inp)
-                if k == last_virtual:
-                    out = loss_fn(out, ys[i]) / m
-                    loss_sum += out.item()
-                compute += time.perf_counter() - t0
-                if k != last_virtual:
-                    t0 = time.perf_counter()
-                    self.pp.send(out.detach(), nxt, tag="act")
-                    comm += time.perf_counter() - t0
-                inputs[c, i], outputs[c, i] = inp, out
-                peak = max(peak, len(outputs))
-            else:
-                inp, out = inputs.pop((c, i)), outputs.pop((c, i))
-                grad = None
-                if k != last_virtual:
-                    t0 = time.perf_counter()
-                    grad = self.pp.recv(nxt, like=_LIKE, tag="grad")
-                    comm += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                torch.autograd.backward(out, grad)
-                compute += time.perf_counter() - t0
-                if k != 0:
-                    t0 = time.perf_counter()
-                    g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                    self.pp.send(g, prev, tag="grad")
-                    comm += time.perf_counter() - t0
+                    torch.autograd.backward(out, grad)
+                    compute += time.perf_counter() - t0
+                    if k != 0:
+                        g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+                        mail.send(g, prev, "grad")
+            t0 = time.perf_counter()
+            mail.finish()
+            comm += time.perf_counter() - t0
+        except BaseException:
+            mail.abandon()
+            raise
         wall = time.perf_counter() - wall_start
 
         self._sync_tied_grad(stashed)
@@ -445,6 +484,29 @@ class PipelineParallelModel(nn.Module):
             torch.tensor([loss_sum], dtype=torch.float64), src=self.num_stages - 1
         )
         return float(loss[0])
+
+    @property
+    def _receives(self) -> list[tuple[int, str]]:
+        """(source rank, tag) of every tensor this stage receives, in schedule order."""
+        p, last = self.num_stages, self.num_stages * self.virtual_stages - 1
+        prev, nxt = (self.stage_index - 1) % p, (self.stage_index + 1) % p
+        out = []
+        for kind, _, c in self.steps:
+            k = c * p + self.stage_index
+            if kind == "F" and k != 0:
+                out.append((prev, "act"))
+            elif kind == "B" and k != last:
+                out.append((nxt, "grad"))
+        return out
+
+    def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """The send and receive threads, kept for the model's life."""
+        if self._comm_pools is None:
+            self._comm_pools = (
+                ThreadPoolExecutor(1, thread_name_prefix="pp-send"),
+                ThreadPoolExecutor(1, thread_name_prefix="pp-recv"),
+            )
+        return self._comm_pools
 
     def _micro_batches(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:
         m = self.micro_batch_count
