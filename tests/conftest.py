@@ -156,3 +156,15 @@ def collective_worker(addresses: list[str], rank: int, world_size: int, run_id: 
         return out
     finally:
         c.close()
+
+
+@pytest.fixture
+def one_torch_thread() -> Any:
+    """Ranks as threads of one process: one torch thread each, so they do not oversubscribe
+    the two cores (OpenMP spin-waits make a loaded machine many times slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -20,13 +20,7 @@ from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfi
 STEPS, BATCH = 10, 8
 CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # bias=False: see test_strategies
 
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 MAX_NORM = 0.3  # below the tiny GPT's gradient norms here (0.6 to 2.5): every step clips

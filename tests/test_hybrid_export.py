@@ -33,13 +33,7 @@ FIRST, AGAIN = 3, 2  # steps before the checkpoint, steps after it (done twice)
 CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # tied embeddings (the default)
 TOPOLOGIES = [(2, 2, 2), (1, 2, 1), (2, 1, 1)]
 
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def initial_weights(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -40,13 +40,7 @@ OPTIMIZERS = {
 _gen = torch.Generator().manual_seed(7)
 DATA = torch.randint(0, 50, (2 * STEPS, 2 * W, 17), generator=_gen)
 
-
-@pytest.fixture(autouse=True)
-def one_thread_per_rank():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
