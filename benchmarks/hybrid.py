@@ -367,22 +367,26 @@ def cell_row(
     return row
 
 
-def sweep(model: str, stages: int, a: argparse.Namespace) -> list[dict[str, Any]]:
-    """Ours alone, 1F1B, ``stages`` ranks, every m of SWEEP_MICRO in one launch."""
+def sweep(
+    model: str, stages: int, a: argparse.Namespace, schedule: str = "1f1b"
+) -> list[dict[str, Any]]:
+    """Ours alone, ``stages`` ranks, every m of SWEEP_MICRO the schedule allows (interleaved:
+    multiples of the stages, 2 chunks per rank) in one launch."""
+    micro = [m for m in SWEEP_MICRO if schedule != "interleaved_1f1b" or m % stages == 0]
     steps = 3 if a.quick else min(8, a.steps_for[model])
     warm = 1 if steps <= 3 else 2
-    log(f"{model}: bubble sweep, {stages} stages, m in {list(SWEEP_MICRO)}, {steps} steps")
+    log(f"{model}: bubble sweep, {schedule}, {stages} stages, m in {micro}, {steps} steps")
     res, err = attempt_cell(
-        f"sweep p={stages}",
+        f"sweep {schedule} p={stages}",
         log,
         lambda: run_ranks(
-            "ours", "sweep", model, stages, (stages, 1, 1), list(SWEEP_MICRO), "1f1b", steps, a
+            "ours", "sweep", model, stages, (stages, 1, 1), micro, schedule, steps, a
         ),
     )
     rows = []
-    for i, m in enumerate(SWEEP_MICRO):
+    for i, m in enumerate(micro):
         row: dict[str, Any] = {"model": model, "stages": stages, "micro_batches": m}
-        row.update(schedule="1f1b", global_batch=stages * MODELS[model]["batch_per_rank"])
+        row.update(schedule=schedule, global_batch=stages * MODELS[model]["batch_per_rank"])
         if res:
             view = run_view(res, i)
             row["ours_ms"] = median_ms(view, warm)[0]
@@ -452,6 +456,9 @@ def parent_main(a: argparse.Namespace) -> int:
         if not a.no_sweep:
             for p in SWEEP_STAGES:
                 out["bubble_sweep"] += sweep(m, p, a)
+            # interleaved: 2 chunks per rank, so p x 2 virtual stages of at least one block
+            for p in (q for q in SWEEP_STAGES if 2 * q <= MODELS[m]["overrides"]["n_layer"]):
+                out["bubble_sweep"] += sweep(m, p, a, "interleaved_1f1b")
     out["wall_s"] = round(time.time() - t_start, 1)
     out["foreign_cpu_frac"] = load.stop()
     failed = [r for r in out["bubble_sweep"] if r.get("error")]

@@ -124,12 +124,13 @@ def test_quick_hybrid_benchmark_reports_every_cell() -> None:
             assert 0.0 <= s[key] <= 1.0, s
 
     sweep = report["bubble_sweep"]
-    assert {(r["stages"], r["micro_batches"]) for r in sweep} == {
-        (p, m) for p in (2, 4) for m in (1, 2, 4, 8)
-    }
+    assert {(r["schedule"], r["stages"], r["micro_batches"]) for r in sweep} == {
+        ("1f1b", p, m) for p in (2, 4) for m in (1, 2, 4, 8)
+    } | {("interleaved_1f1b", 2, m) for m in (2, 4, 8)}  # 4 blocks: 2 chunks of 1 per rank
     for r in sweep:
         p, m = r["stages"], r["micro_batches"]
+        v = 2 if r["schedule"] == "interleaved_1f1b" else 1
         assert r["error"] is None and r["ours_ms"] > 0, r
         assert 0.0 <= r["measured_fraction_mean"] <= 1.0, r
-        assert r["theoretical_fraction"] == pytest.approx((p - 1) / (m + p - 1), abs=1e-3)
+        assert r["theoretical_fraction"] == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-3)
         assert r["measured_idle_over_compute_mean"] >= 0.0, r
