@@ -153,6 +153,21 @@ def _local_call(address: str, method: str, request: Any, timeout: float) -> Any:
     return _LocalFuture(_local_pool.submit(run))
 
 
+class _Done:
+    """A call already finished (see ``RpcCore._send``'s blocking path), as a future."""
+
+    def __init__(self, reply: Any = None, error: grpc.RpcError | None = None) -> None:
+        self._reply, self._error = reply, error
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._reply
+
+
 @dataclass
 class Call:
     """One RPC to one server. ``request`` is a message, a (header, payload) tuple, or a
@@ -201,7 +216,11 @@ class RpcCore:
                 )
             return self._stubs[key]
 
-    def _send(self, call: Call) -> grpc.Future:
+    def _send(self, call: Call, alone: bool = False) -> Any:
+        """Starts ``call``; returns a future. ``alone`` (the only call of its batch): run it
+        to completion here instead, with grpcio's blocking path. That path waits on its own
+        completion queue, while every future on an idle channel makes grpcio start (and
+        then end) a polling thread: for one call that thread costs more than the call."""
         request = call.request() if callable(call.request) else call.request
         if call.method in _LOCAL_METHODS and not self.spec.metadata() and self.spec.tls_ca is None:
             local = _local_call(
@@ -209,9 +228,13 @@ class RpcCore:
             )
             if local is not None:
                 return local
-        return self._stub(call.server, call.method).future(
-            request, timeout=self.timeout_s, metadata=self.spec.metadata()
-        )
+        stub = self._stub(call.server, call.method)
+        if alone:
+            try:
+                return _Done(stub(request, timeout=self.timeout_s, metadata=self.spec.metadata()))
+            except grpc.RpcError as exc:
+                return _Done(error=exc)
+        return stub.future(request, timeout=self.timeout_s, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
         return ShardClientError(
@@ -226,13 +249,14 @@ class RpcCore:
         """
         results: list[Any] = []
         queue = deque(enumerate(calls))
-        in_flight: deque[tuple[int, Call, grpc.Future, int]] = deque()
+        alone = len(queue) == 1
+        in_flight: deque[tuple[int, Call, Any, int]] = deque()
         first_error: ShardClientError | None = None
 
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
                 i, call = queue.popleft()
-                in_flight.append((i, call, self._send(call), 0))
+                in_flight.append((i, call, self._send(call, alone), 0))
 
         submit()
         while in_flight:
@@ -247,7 +271,7 @@ class RpcCore:
                     reply = None  # the first attempt went through before the connection broke
                 elif err.code in RETRYABLE and attempt < self.retries:
                     time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
-                    in_flight.appendleft((i, call, self._send(call), attempt + 1))
+                    in_flight.appendleft((i, call, self._send(call, alone), attempt + 1))
                     continue
                 else:
                     first_error = first_error or err
