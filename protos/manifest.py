@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["FORMAT", "new_manifest"]
+__all__ = ["FORMAT", "new_manifest", "recorded_placement"]
 
 FORMAT = "paramshard-snapshot/1"
 
@@ -21,9 +21,14 @@ def new_manifest(
     num_servers: int,
     buffers: dict[str, Any],
     shards: list[dict[str, Any]],
+    servers: list[int] | None = None,
+    cluster_servers: int | None = None,
 ) -> dict[str, Any]:
     """``buffers``: name -> {numel, contributors, optimizer: {name, hyper}, params: [entries]};
-    ``shards``: [{file, server, bytes, sha256}] in server order."""
+    ``shards``: [{file, server, bytes, sha256}] in slice order (``server`` is the slice's
+    index); ``servers``: which server of the cluster (``cluster_servers`` of them) held each
+    slice, so a restore into the same cluster puts every slice back where it was (default:
+    slice i on server i)."""
     return {
         "format": FORMAT,
         "job": job,
@@ -33,4 +38,23 @@ def new_manifest(
         "created_unix": time.time(),
         "buffers": buffers,
         "shards": shards,
+        "servers": list(range(num_servers)) if servers is None else list(servers),
+        "cluster_servers": num_servers if cluster_servers is None else cluster_servers,
     }
+
+
+def recorded_placement(manifest: dict[str, Any]) -> tuple[list[int], int]:
+    """(servers, cluster_servers) of a manifest: which server of the cluster held each slice.
+    A manifest without them (older, or not written by us) reads as slice i on server i of
+    ``num_servers``, as does one whose entries do not make sense."""
+    n = manifest["num_servers"]
+    servers, cluster = manifest.get("servers"), manifest.get("cluster_servers")
+    if (
+        isinstance(servers, list)
+        and len(servers) == n
+        and isinstance(cluster, int)
+        and all(isinstance(s, int) and 0 <= s < cluster for s in servers)
+        and len(set(servers)) == n
+    ):
+        return servers, cluster
+    return list(range(n)), n

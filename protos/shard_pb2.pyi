@@ -397,12 +397,16 @@ class BufferStatus(_message.Message):
     def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ..., state_keys: _Optional[_Iterable[str]] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "buffers")
+    __slots__ = ("job", "buffers", "server_index", "num_servers")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
     job: str
     buffers: _containers.RepeatedCompositeFieldContainer[BufferStatus]
-    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ...) -> None: ...
+    server_index: int
+    num_servers: int
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid")
@@ -507,18 +511,22 @@ class ListSnapshotsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("job", "tag", "version", "num_servers", "created_unix")
+    __slots__ = ("job", "tag", "version", "num_servers", "created_unix", "servers", "cluster_servers")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    SERVERS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_SERVERS_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
     version: int
     num_servers: int
     created_unix: float
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ...) -> None: ...
+    servers: _containers.RepeatedScalarFieldContainer[int]
+    cluster_servers: int
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ..., servers: _Optional[_Iterable[int]] = ..., cluster_servers: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsReply(_message.Message):
     __slots__ = ("snapshots",)

@@ -19,6 +19,7 @@ import grpc
 
 from protos import codec, slicing
 from protos import shard_pb2 as pb
+from protos.manifest import recorded_placement
 from server import backend
 from server.errors import ShardError
 from server.replication import Replicator
@@ -328,18 +329,21 @@ class ShardServicer:
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
 
     def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
-        return pb.ListSnapshotsReply(
-            snapshots=[
+        infos = []
+        for m in self.snapshots.list(req.job):
+            servers, cluster = recorded_placement(m)
+            infos.append(
                 pb.SnapshotInfo(
                     job=m["job"],
                     tag=m["tag"],
                     version=m["version"],
                     num_servers=m["num_servers"],
                     created_unix=m["created_unix"],
+                    servers=servers,
+                    cluster_servers=cluster,
                 )
-                for m in self.snapshots.list(req.job)
-            ]
-        )
+            )
+        return pb.ListSnapshotsReply(snapshots=infos)
 
     # -- neighbour replication ---------------------------------------------------------------
     def configure_replication(self, req: pb.ReplicationConfig, context: Any) -> Any:

@@ -481,7 +481,19 @@ class BufferStore:
                     f" fit its shape {list(p.shape)}"
                 )
         with self._lock:
-            existing = self._jobs.get(req.ref.job, {}).get(req.ref.buffer)
+            siblings = self._jobs.get(req.ref.job, {})
+            existing = siblings.get(req.ref.buffer)
+            other = next(iter(siblings.values()), None)
+        if other is not None and (other.spec.server_index, other.spec.num_servers) != (
+            req.server_index,
+            req.num_servers,
+        ):
+            raise ShardError.precondition(
+                f"{label}: job '{req.ref.job}' is on this server as slice"
+                f" {other.spec.server_index} of {other.spec.num_servers}, this buffer says"
+                f" {req.server_index} of {req.num_servers}: every buffer of a job has the same"
+                " servers"
+            )
         if existing is not None:
             old = existing.spec
             same = (
@@ -582,5 +594,13 @@ class BufferStore:
                             optimizer_steps=b.optimizer.step_count,
                         )
                     )
-            out.append(pb.JobStatus(job=job, buffers=rows))
+            first = buffers[0].spec if buffers else None
+            out.append(
+                pb.JobStatus(
+                    job=job,
+                    buffers=rows,
+                    server_index=first.server_index if first else 0,
+                    num_servers=first.num_servers if first else 0,
+                )
+            )
         return out

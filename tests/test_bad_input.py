@@ -497,6 +497,30 @@ def test_register_rejects_negative_dimensions(c: ShardClient) -> None:
     assert err.code == grpc.StatusCode.INVALID_ARGUMENT and "'w'" in err.details
 
 
+def test_register_refuses_a_second_placement_of_a_job(c: ShardClient) -> None:
+    """Every buffer of a job on a server is the same slice of the same number of servers:
+    Status reports one placement per job, which the tools rely on to find a job's servers."""
+
+    def req(buffer: str, index: int, count: int) -> pb.RegisterBufferRequest:
+        return pb.RegisterBufferRequest(
+            ref=pb.BufferRef(job="placejob", buffer=buffer),
+            numel=4,
+            num_servers=count,
+            server_index=index,
+            contributors=1,
+            optimizer=pb.OptimizerSpec(name="sgd"),
+        )
+
+    c.call(0, "RegisterBuffer", req("a", 1, 2))
+    for index, count in ((0, 2), (1, 3)):
+        err = rpc_error(c.call, 0, "RegisterBuffer", req("b", index, count))
+        assert err.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "slice 1 of 2" in err.details and f"{index} of {count}" in err.details
+    (job,) = [j for j in c.call(0, "Status", pb.StatusRequest()).jobs if j.job == "placejob"]
+    assert [b.buffer for b in job.buffers] == ["a"]  # nothing registered
+    assert (job.server_index, job.num_servers) == (1, 2)
+
+
 @pytest.mark.parametrize("numel", [2**45, 2**62], ids=["128TiB", "huge"])
 def test_register_unallocatable_buffer(c: ShardClient, numel: int) -> None:
     err = rpc_error(c.register_buffer, "hugejob", "b", numel)
