@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -34,7 +34,7 @@ class ClusterSpec:
     """PEM private key of ``tls_cert``."""
     tls_server_name: str | None = None
     """Override of the name checked against the server certificate."""
-    _channels: dict[int, grpc.Channel] = field(default_factory=dict, repr=False, compare=False)
+    _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.addresses = [a.strip() for a in self.addresses if a and a.strip()]
@@ -95,10 +95,22 @@ class ClusterSpec:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
+    def subset(self, indices: Sequence[int]) -> ClusterSpec:
+        """The servers ``indices`` of this spec (in that order) as a spec of their own, with
+        the same credentials and sharing this spec's channels: server i of the subset is
+        server ``indices[i]`` here. A group of ranks uses its members' servers this way."""
+        for i in indices:
+            if not 0 <= i < len(self.addresses):
+                raise ValueError(f"server {i} is outside 0..{len(self.addresses) - 1}")
+        view = replace(self, addresses=[self.addresses[i] for i in indices])
+        view._channels = self._channels
+        return view
+
     def channel(self, index: int) -> grpc.Channel:
-        """A channel to server ``index`` (one per server, shared by all calls of this spec)."""
-        if index not in self._channels:
-            address = self.addresses[index]
+        """A channel to server ``index`` (one per address, shared by all calls of this spec
+        and of its subsets)."""
+        address = self.addresses[index]
+        if address not in self._channels:
             options = list(CHANNEL_OPTIONS)
             if not self.tls:
                 chan = grpc.insecure_channel(address, options=options)
@@ -107,8 +119,8 @@ class ClusterSpec:
                 if self.tls_server_name:
                     options.append(("grpc.ssl_target_name_override", self.tls_server_name))
                 chan = grpc.secure_channel(address, creds, options=options)
-            self._channels[index] = chan
-        return self._channels[index]
+            self._channels[address] = chan
+        return self._channels[address]
 
     def close(self) -> None:
         for chan in self._channels.values():

@@ -1,10 +1,14 @@
 """Collectives carried out through the shard servers' reduction slots (DESIGN section 1).
 
 - reduce-scatter: rank j's slice of the tensor (the slice rule over the ranks) is reduced on
-  server j mod N, where only rank j reads it.
+  rank j's own server (``server_of``: j mod N), where only rank j reads it.
 - all-reduce: part i of the tensor (the slice rule over the servers) is reduced on server i and
   read back by every rank; reads of chunk k overlap with contributions of chunk k+1.
-- all-gather / broadcast / send: a SET slot (one contributor) read by the other ranks.
+- all-gather / broadcast / send: a SET slot (one contributor) read by the other ranks; a send
+  goes to the receiver's own server, an all-gather contribution to the sender's.
+
+A group's client (``ShardClient.subgroup``) has only its members' servers, so a group's
+collectives stay on them.
 
 Every rank must call the collectives in the same order (as with torch.distributed): each call
 takes the next sequence number, and slot keys are ``<run>:<seq>/<part>``.
@@ -37,6 +41,13 @@ class Collectives(RpcCore):
     rank: int
     world_size: int
     run_id: str
+    rank_servers: list[int] | None
+
+    def server_of(self, rank: int) -> int:
+        """The index, among this client's servers, of rank ``rank``'s own server: ``rank mod
+        N``, or in a group (``ShardClient.subgroup``) that member's server. Mailboxes, and
+        the slices a reduce-scatter hands out, are kept on the receiving rank's server."""
+        return rank % self.num_servers if self.rank_servers is None else self.rank_servers[rank]
 
     def restart_collectives(self, epoch: int) -> None:
         """Starts collective numbering afresh under ``<run_id>.e<epoch>``, after a failure left
@@ -150,7 +161,7 @@ class Collectives(RpcCore):
         for j in range(self.world_size):
             a, b = slicing.slice_bounds(flat.array.size, self.world_size, j)
             calls += self._contributions(
-                j % self.num_servers,
+                self.server_of(j),
                 f"{key}/{j}",
                 flat.array[a:b],
                 flat.dtype,
@@ -160,7 +171,7 @@ class Collectives(RpcCore):
             )
         a, b = slicing.slice_bounds(flat.array.size, self.world_size, self.rank)
         out = np.empty(b - a, dtype=flat.array.dtype)
-        calls += self._reads(self.rank % self.num_servers, f"{key}/{self.rank}", out, flat.dtype)
+        calls += self._reads(self.server_of(self.rank), f"{key}/{self.rank}", out, flat.dtype)
         self.run(calls)
         return flat.wrap(out, (b - a,))
 
@@ -171,7 +182,7 @@ class Collectives(RpcCore):
         if self.world_size > 1:
             self.run(
                 self._contributions(
-                    self.rank % self.num_servers,
+                    self.server_of(self.rank),
                     f"{key}/{self.rank}",
                     flat.array,
                     flat.dtype,
@@ -183,7 +194,7 @@ class Collectives(RpcCore):
                 )
             )
         others = [
-            (j % self.num_servers, f"{key}/{j}") for j in range(self.world_size) if j != self.rank
+            (self.server_of(j), f"{key}/{j}") for j in range(self.world_size) if j != self.rank
         ]
         got = iter(self._read_unknown(others))
         out = []
@@ -246,7 +257,7 @@ class Collectives(RpcCore):
         key = self._p2p_key(self.rank, dst, "send", tag)
         self.run(
             self._contributions(
-                dst % self.num_servers,
+                self.server_of(dst),
                 key,
                 flat.array,
                 flat.dtype,
@@ -264,7 +275,7 @@ class Collectives(RpcCore):
         bfloat16, else a NumPy array."""
         self._check_rank(src, "src")
         key = self._p2p_key(src, self.rank, "recv", tag)
-        ((arr, shape, dtype),) = self._read_unknown([(self.rank % self.num_servers, key)])
+        ((arr, shape, dtype),) = self._read_unknown([(self.server_of(self.rank), key)])
         return _wrap_received(arr, shape, dtype, like)
 
     # -- helpers -----------------------------------------------------------------------------

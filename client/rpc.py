@@ -198,7 +198,7 @@ class RpcCore:
         self.retries = retries
         self.max_in_flight = max_in_flight
         self.chunk_bytes = chunk_bytes
-        self._stubs: dict[tuple[int, str], Any] = {}
+        self._stubs: dict[tuple[str, str], Any] = {}  # (address, method): groups share them
         self._lock = threading.Lock()
 
     @property
@@ -206,7 +206,7 @@ class RpcCore:
         return len(self.spec)
 
     def _stub(self, server: int, method: str) -> Any:
-        key = (server, method)
+        key = (self.spec.addresses[server], method)
         with self._lock:
             if key not in self._stubs:
                 self._stubs[key] = self.spec.channel(server).unary_unary(

@@ -46,6 +46,13 @@ class ShardClient(Collectives, FlatBuffers):
         )
         self.rank = rank
         self.world_size = world_size
+        self.cluster_size = len(spec)
+        """How many servers the cluster this client was made for has."""
+        self.servers = list(range(len(spec)))
+        """The global index (in the cluster this client was made for) of each of its servers;
+        a group's client has its members' servers only."""
+        self.rank_servers: list[int] | None = None
+        """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
         self.run_id = run_id or os.environ.get("PARAMSHARD_RUN", "run")
 
     @classmethod
@@ -61,8 +68,14 @@ class ShardClient(Collectives, FlatBuffers):
     def subgroup(self, ranks: list[int], name: str) -> ShardClient:
         """A client for collectives among ``ranks`` only (a tensor-, pipeline- or data-parallel
         group): this rank's index in the group is its rank, the group's size its world size,
-        and its slot keys live under ``<run_id>/<name>`` so groups never collide. Shares this
-        client's channels. Every member calls it with the same ranks and name."""
+        and its slot keys live under ``<run_id>/<name>`` so groups never collide.
+
+        The group works on its members' own servers (rank r's is server ``r mod N``), in
+        member order without repeats: a mailbox for a member is on that member's server, and a
+        flat buffer registered through the group is sharded over the group's servers only (a
+        3D job's data-parallel replicas shard their part over their own servers, as ZeRO
+        shards within its data-parallel group). Shares this client's channels; makes no RPC.
+        Every member calls it with the same ranks and name."""
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in group {name!r} {list(ranks)}")
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
@@ -70,15 +83,30 @@ class ShardClient(Collectives, FlatBuffers):
                 f"group {name!r}: ranks {list(ranks)} must be distinct and inside"
                 f" 0..{self.world_size - 1}"
             )
-        group = ShardClient.__new__(ShardClient)
-        group.__dict__.update(
-            {k: v for k, v in self.__dict__.items() if k not in ("_seq", "_p2p_seq")}
-        )
+        own = [self.server_of(r) for r in ranks]  # each member's server, in this client's spec
+        servers = list(dict.fromkeys(own))
+        group = self.on_servers(servers)
+        group.rank_servers = [servers.index(s) for s in own]
         group.rank = list(ranks).index(self.rank)
         group.world_size = len(ranks)
         group.run_id = f"{self.run_id}/{name}"
-        group.global_ranks = list(ranks)
+        parent = getattr(self, "global_ranks", None)
+        group.global_ranks = [parent[r] for r in ranks] if parent else list(ranks)
         return group
+
+    def on_servers(self, servers: list[int]) -> ShardClient:
+        """This client (same rank, world and run) on the servers ``servers`` only, in that
+        order: server i of the result is server ``servers[i]`` here. A job held by some
+        servers only is driven through such a view (``client.tools``); channels and stubs are
+        shared, and collective numbering starts afresh."""
+        view = ShardClient.__new__(ShardClient)
+        view.__dict__.update(
+            {k: v for k, v in self.__dict__.items() if k not in ("_seq", "_p2p_seq")}
+        )
+        view.spec = self.spec.subset(servers)
+        view.servers = [self.servers[s] for s in servers]
+        view.rank_servers = None
+        return view
 
     def status(self) -> list[dict[str, Any]]:
         """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable."""

@@ -10,6 +10,12 @@ rank), ``<job>.pp<s>.tp<t>``. Given the base name ``<job>`` (no job of that exac
 its parts on the servers), ``get_param``, ``inspect`` and ``export`` join the parts into the
 whole model (``client.tensor_parts``), ``snapshot`` takes every part at one version and
 ``restore`` checks every part on every server before any server swaps.
+
+A job need not be on every server: each server's Status says which slice of a job it holds
+and of how many (a 3D job's part lives on its data-parallel group's servers), so these tools
+ask every server and drive each job through a view of the client on its own servers
+(``ShardClient.on_servers``). Snapshots record those servers, and a restore into the same
+cluster puts every slice back where it was.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -81,15 +87,78 @@ class ParamRef:
         return math.prod(self.shape)
 
 
-def _jobs(client: ShardClient) -> dict[str, Any]:
-    """Server 0's jobs, name -> JobStatus (every server holds the same manifests)."""
-    reply = client.call(0, "Status", pb.StatusRequest())
-    return {j.job: j for j in reply.jobs}
+@dataclass
+class _Held:
+    """What the servers of a client hold: each job's status and the servers of its slices."""
+
+    client: ShardClient
+    replies: list[Any]  # every server's StatusReply, in server order
+    status: dict[str, Any] = field(default_factory=dict)  # job -> JobStatus of one holder
+    slices: dict[str, dict[int, int]] = field(default_factory=dict)  # job -> slice -> server
+    counts: dict[str, set[int]] = field(default_factory=dict)  # job -> num_servers reported
+
+    def __post_init__(self) -> None:
+        n = self.client.num_servers
+        for i, reply in enumerate(self.replies):
+            for j in reply.jobs:
+                # a server that does not report its slice holds slice i of all n (older servers)
+                index, count = (j.server_index, j.num_servers) if j.num_servers else (i, n)
+                self.status.setdefault(j.job, j)
+                self.slices.setdefault(j.job, {})[index] = i
+                self.counts.setdefault(j.job, set()).add(count)
+
+    @property
+    def jobs(self) -> list[str]:
+        return sorted(self.status)
+
+    def placement(self, job: str) -> list[int] | None:
+        """The server (index in this client) of each slice of ``job`` in slice order; None
+        when some slice is on no server (a restarted server lost it) or holders disagree."""
+        counts, slices = self.counts.get(job, set()), self.slices.get(job, {})
+        if len(counts) != 1:
+            return None
+        (count,) = counts
+        if sorted(slices) != list(range(count)):
+            return None
+        return [slices[k] for k in range(count)]
+
+    def servers_of(self, job: str) -> list[int]:
+        """``placement``, or an error that says which slices are missing."""
+        if job not in self.status:
+            raise self.not_found(job)
+        found = self.placement(job)
+        if found is None:
+            held = ", ".join(
+                f"slice {k} on server {i}" for k, i in sorted(self.slices[job].items())
+            )
+            counts = " or ".join(str(c) for c in sorted(self.counts[job]))
+            raise RuntimeError(
+                f"job '{job}' is split into {counts} slices but the servers hold only {held}:"
+                " a server lost its slice (restarted?); restore a snapshot"
+            )
+        return found
+
+    def view(self, job: str) -> ShardClient:
+        """The client on ``job``'s servers, slice i on server i."""
+        servers = self.servers_of(job)
+        if servers == list(range(self.client.num_servers)):
+            return self.client
+        return self.client.on_servers(servers)
+
+    def versions(self, job: str) -> list[int]:
+        """Every buffer version of ``job`` that any server reports."""
+        return [b.version for r in self.replies for j in r.jobs if j.job == job for b in j.buffers]
+
+    def not_found(self, job: str) -> KeyError:
+        known = ", ".join(self.jobs) or "none"
+        addresses = ", ".join(self.client.spec.addresses)
+        return KeyError(f"job '{job}' is not on the servers ({addresses}); jobs: {known}")
 
 
-def _not_found(client: ShardClient, job: str, jobs: Iterable[str]) -> KeyError:
-    known = ", ".join(jobs) or "none"
-    return KeyError(f"job '{job}' is not on server 0 ({client.spec.addresses[0]}); jobs: {known}")
+def _held(client: ShardClient) -> _Held:
+    """Asks every server what it holds."""
+    n = client.num_servers
+    return _Held(client, client.run(Call(i, "Status", pb.StatusRequest()) for i in range(n)))
 
 
 def _refs(status: Any) -> list[ParamRef]:
@@ -116,10 +185,10 @@ def _refs(status: Any) -> list[ParamRef]:
 
 def job_params(client: ShardClient, job: str) -> list[ParamRef]:
     """Every original parameter of ``job``, in buffer order."""
-    jobs = _jobs(client)
-    if job not in jobs:
-        raise _not_found(client, job, jobs)
-    return _refs(jobs[job])
+    held = _held(client)
+    if job not in held.status:
+        raise held.not_found(job)
+    return _refs(held.status[job])
 
 
 def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
@@ -136,47 +205,85 @@ def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
     )
 
 
-def _live_hybrid(client: ShardClient, job: str) -> tuple[list[WholeParam], int] | None:
-    """The whole parameters of a 3D job's base name and its parts' newest version; None when
-    ``job`` is a plain job. KeyError when the servers hold neither, PartsError when a part is
-    missing or they do not fit together."""
-    jobs = _jobs(client)
-    if job in jobs:
-        return None
-    parts = find_parts(job, jobs)
+def _holders(held: _Held, job: str, ref: ParamRef) -> list[int]:
+    """The servers (indices in the tools' client) holding pieces of ``ref``."""
+    servers = held.servers_of(job)
+    pieces = slicing.pieces(ref.buffer_numel, len(servers), ref.offset, ref.offset + ref.numel)
+    return [servers[p.server] for p in pieces]
+
+
+@dataclass(frozen=True)
+class _LiveParam:
+    """One whole parameter of a live job: where it is and how to read it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...]
+    version: int
+    buffer: str  # its buffer; of a 3D job's base name, the part jobs it is joined from
+    servers: list[int]
+    produce: Callable[[], np.ndarray]  # flat fp32 values
+
+
+def _live_params(client: ShardClient, job: str) -> tuple[list[_LiveParam], list[str]]:
+    """Every whole parameter of ``job`` and the server jobs it is read from: the job itself,
+    or, for a 3D job's base name, its parts (tensor-parallel slices joined). KeyError when the
+    servers hold neither, PartsError when a part is missing or they do not fit together."""
+    held = _held(client)
+    if job in held.status:
+        view = held.view(job)
+        return [
+            _LiveParam(
+                r.name,
+                r.shape,
+                r.dtype,
+                r.aliases,
+                r.version,
+                r.buffer,
+                _holders(held, job, r),
+                lambda r=r: _pull_param(view, job, r),
+            )
+            for r in _refs(held.status[job])
+        ], [job]
+    parts = find_parts(job, held.jobs)
     if not parts:
-        raise _not_found(client, job, jobs)
+        raise held.not_found(job)
     check_complete(job, parts)
-    refs = {k: _refs(jobs[name]) for k, name in parts.items()}
-    params = {k: [_part_param(client, parts[k], r) for r in rs] for k, rs in refs.items()}
+    refs = {k: _refs(held.status[name]) for k, name in parts.items()}
     version = max((r.version for rs in refs.values() for r in rs), default=0)
-    return join_parts(job, params, parts), version
-
-
-def _find(client: ShardClient, job: str, name: str) -> ParamRef:
-    for p in job_params(client, job):
-        if name == p.name or name in p.aliases:
-            return p
-    raise KeyError(f"job '{job}' has no parameter '{name}'")
+    where: dict[tuple[str, str], list[int]] = {}
+    params = {}
+    for k, rs in refs.items():
+        view = held.view(parts[k])
+        params[k] = [_part_param(view, parts[k], r) for r in rs]
+        where.update(((parts[k], r.name), _holders(held, parts[k], r)) for r in rs)
+    whole = join_parts(job, params, parts)
+    out = [
+        _LiveParam(
+            w.name,
+            w.shape,
+            w.dtype,
+            w.aliases,
+            version,
+            ",".join(w.source),
+            sorted({s for part in w.source for s in where[part, w.name]}),
+            w.produce,
+        )
+        for w in whole
+    ]
+    return out, list(parts.values())
 
 
 def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
     """One full parameter (fp32), gathered from the servers holding its pieces; of a 3D job's
     base name, joined from its tensor-parallel parts."""
-    hybrid = _live_hybrid(client, job)
-    if hybrid is None:
-        ref = _find(client, job, name)
-        return _pull_param(client, job, ref).reshape(ref.shape)
-    for w in hybrid[0]:
-        if name == w.name or name in w.aliases:
-            return w.produce().reshape(w.shape)
-    raise KeyError(
-        f"job '{job}' (parts {', '.join(_part_names(hybrid[0]))}) has no parameter '{name}'"
-    )
-
-
-def _part_names(params: Iterable[WholeParam]) -> list[str]:
-    return sorted({s for w in params for s in w.source})
+    params, jobs = _live_params(client, job)
+    for p in params:
+        if name == p.name or name in p.aliases:
+            return p.produce().reshape(p.shape)
+    parts = f" (parts {', '.join(jobs)})" if jobs != [job] else ""
+    raise KeyError(f"job '{job}'{parts} has no parameter '{name}'")
 
 
 def _pull_param(client: ShardClient, job: str, ref: ParamRef) -> np.ndarray:
@@ -198,44 +305,20 @@ def inspect(client: ShardClient, job: str) -> list[dict[str, Any]]:
     """One row per parameter: name, shape, dtype, servers holding it, version, norm, min, max,
     all finite. Pulls one parameter at a time (of a 3D job's base name: the whole tensors,
     joined from the parts listed in "buffer")."""
-    rows = []
-    n = client.num_servers
-    hybrid = _live_hybrid(client, job)
-    if hybrid is not None:
-        params, version = hybrid
-        for w in params:
-            rows.append(
-                {
-                    "name": w.name,
-                    "shape": list(w.shape),
-                    "dtype": w.dtype,
-                    "servers": list(range(n)),  # every part is sharded over every server
-                    "version": version,
-                    "buffer": ",".join(w.source),
-                    **_stats(w.produce()),
-                    "aliases": list(w.aliases),
-                }
-            )
-        return rows
-    for ref in job_params(client, job):
-        values = _pull_param(client, job, ref)
-        holders = [
-            p.server
-            for p in slicing.pieces(ref.buffer_numel, n, ref.offset, ref.offset + ref.numel)
-        ]
-        rows.append(
-            {
-                "name": ref.name,
-                "shape": list(ref.shape),
-                "dtype": ref.dtype,
-                "servers": holders,
-                "version": ref.version,
-                "buffer": ref.buffer,
-                **_stats(values),
-                "aliases": list(ref.aliases),
-            }
-        )
-    return rows
+    params, _ = _live_params(client, job)
+    return [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": p.dtype,
+            "servers": p.servers,
+            "version": p.version,
+            "buffer": p.buffer,
+            **_stats(p.produce()),
+            "aliases": list(p.aliases),
+        }
+        for p in params
+    ]
 
 
 # -- snapshots --------------------------------------------------------------------------------
@@ -259,39 +342,37 @@ def _entry(p: pb.ParamEntry) -> dict[str, Any]:
 
 
 def _snapshot_jobs(
-    client: ShardClient,
-    jobs: list[str],
-    tag: str,
-    statuses: list[Any],
-    hybrid: dict[str, Any] | None = None,
+    held: _Held, jobs: list[str], tag: str, hybrid: dict[str, Any] | None = None
 ) -> tuple[int, dict[str, dict[str, Any]]]:
     """Snapshots every job of ``jobs`` at one version (the newest any of their buffers has
     reached, on any server); returns it and each job's committed manifest. ``hybrid`` (the
     base name and its part jobs) goes into each manifest, so offline export knows every part."""
-    versions = {
-        job: [b.version for st in statuses for j in st.jobs if j.job == job for b in j.buffers]
-        for job in jobs
-    }
+    client = held.client
+    versions = {job: held.versions(job) for job in jobs}
     for job, found in versions.items():
         if not found:
             raise KeyError(f"job '{job}' is not on the servers")
+    servers = {job: held.servers_of(job) for job in jobs}
     version = max(max(v) for v in versions.values())
     # The jobs furthest on first: each is captured as soon as its call arrives, before the
     # others' steps let it move past the version.
     order = sorted(jobs, key=lambda job: -max(versions[job]))
-    n = client.num_servers
     for attempt in range(5):
         try:
             flat = client.run(
                 Call(
-                    i,
+                    server,
                     "Snapshot",
                     pb.SnapshotRequest(
-                        job=job, tag=tag, version=version, server_index=i, num_servers=n
+                        job=job,
+                        tag=tag,
+                        version=version,
+                        server_index=i,
+                        num_servers=len(servers[job]),
                     ),
                 )
                 for job in order
-                for i in range(n)
+                for i, server in enumerate(servers[job])
             )
             break
         except ShardClientError as exc:
@@ -299,9 +380,10 @@ def _snapshot_jobs(
             if "past the snapshot's" not in exc.details or attempt == 4:
                 raise
             version += 1
-    manifests = {}
-    for k, job in enumerate(order):
-        replies = flat[k * n : (k + 1) * n]
+    manifests, k = {}, 0
+    for job in order:
+        n = len(servers[job])
+        replies, k = flat[k : k + n], k + n
         buffers = {
             b.buffer: {
                 "numel": b.numel,
@@ -315,19 +397,20 @@ def _snapshot_jobs(
             {"file": r.file, "server": i, "bytes": r.bytes, "sha256": r.sha256}
             for i, r in enumerate(replies)
         ]
-        manifest = new_manifest(job, tag, version, n, buffers, shards)
+        where = [client.servers[s] for s in servers[job]]  # in the whole cluster
+        manifest = new_manifest(job, tag, version, n, buffers, shards, where, client.cluster_size)
         if hybrid is not None:
             manifest["hybrid"] = hybrid
         manifests[job] = manifest
     # committed only once every job's shards are written
     client.run(
         Call(
-            i,
+            server,
             "CommitSnapshot",
             pb.CommitSnapshotRequest(job=job, tag=tag, manifest_json=json.dumps(manifests[job])),
         )
         for job in jobs
-        for i in range(n)
+        for server in servers[job]
     )
     return version, manifests
 
@@ -335,21 +418,20 @@ def _snapshot_jobs(
 def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
     """Takes a snapshot of ``job`` on one version while training runs; returns the manifest.
 
-    The version is the newest any buffer has reached: every server captures each buffer as
-    it arrives there (before its next step), writes its shard, and then the manifest is
-    committed on every server.
+    The version is the newest any buffer has reached: every server holding the job captures
+    each buffer as it arrives there (before its next step), writes its shard, and then the
+    manifest is committed on every one of them.
 
     Of a 3D job's base name: every part ``job.pp<s>.tp<t>`` at one version (the parts step in
     lockstep), each a snapshot of its own under ``tag``, committed once all are written;
     returns a summary: job, tag, version, num_servers, parts.
     """
-    statuses = [client.call(i, "Status", pb.StatusRequest()) for i in range(client.num_servers)]
-    on_first = [j.job for j in statuses[0].jobs]
-    parts = find_parts(job, on_first) if job not in on_first else {}
+    held = _held(client)
+    parts = find_parts(job, held.jobs) if job not in held.status else {}
     if parts:
         check_complete(job, parts)
         names = list(parts.values())
-        version, _ = _snapshot_jobs(client, names, tag, statuses, {"base": job, "parts": names})
+        version, _ = _snapshot_jobs(held, names, tag, {"base": job, "parts": names})
         return {
             "job": job,
             "tag": tag,
@@ -357,27 +439,22 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
             "num_servers": client.num_servers,
             "parts": names,
         }
+    if job not in held.status:
+        raise held.not_found(job)
     hybrid = None
     parsed = parse_part_job(job)
     if parsed is not None:  # one part of a 3D job (HybridShardedModel.save_checkpoint)
-        hybrid = {"base": parsed[0], "parts": list(find_parts(parsed[0], on_first).values())}
-    _, manifests = _snapshot_jobs(client, [job], tag, statuses, hybrid)
+        hybrid = {"base": parsed[0], "parts": list(find_parts(parsed[0], held.jobs).values())}
+    _, manifests = _snapshot_jobs(held, [job], tag, hybrid)
     return manifests[job]
 
 
 def _snapshot_parts(
-    client: ShardClient, job: str, tag: str
+    held: _Held, rows: list[dict[str, Any]], job: str, tag: str
 ) -> tuple[dict[tuple[int, int], str], str]:
     """For restoring ``job``: its parts with snapshot ``tag`` and that tag resolved, when
     ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job."""
-    try:
-        live = _jobs(client)
-        if job in live:
-            return {}, tag
-        rows = list_snapshots(client)
-    except ShardClientError:
-        return {}, tag  # no snapshot directory and the like: the plain restore says so
-    if any(r["job"] == job for r in rows):
+    if job in held.status or any(r["job"] == job for r in rows):
         return {}, tag
     by_tag: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
     for r in rows:
@@ -386,7 +463,7 @@ def _snapshot_parts(
             by_tag.setdefault(r["tag"], {})[parsed[1], parsed[2]] = r
     if not by_tag:
         return {}, tag
-    expected = list(find_parts(job, live).values())  # a job still registered has all its parts
+    expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
     if tag == "latest":
         complete = []
         for t, found in by_tag.items():
@@ -410,47 +487,76 @@ def _snapshot_parts(
     return {k: r["job"] for k, r in sorted(found.items())}, tag
 
 
+def _restore_servers(held: _Held, row: dict[str, Any] | None, job: str) -> list[int]:
+    """Where to restore ``job``: the servers it is registered on (a trainer registered it
+    before restoring); else, in the cluster the snapshot was taken in, the servers it was on
+    (a server restarted empty gets its own slice back); else every server (resharded)."""
+    client = held.client
+    live = held.placement(job)
+    if live is not None:
+        return live
+    if row is not None and row["cluster_servers"] == client.cluster_size:
+        if all(g in client.servers for g in row["servers"]):
+            return [client.servers.index(g) for g in row["servers"]]
+    return list(range(client.num_servers))
+
+
 def restore(client: ShardClient, job: str, tag: str = "latest", contributors: int = 0) -> int:
-    """Loads snapshot ``tag`` into these servers (any number: resharded); returns its version.
+    """Loads snapshot ``tag`` into the servers (any number: resharded); returns its version.
 
+    A job registered on the servers is restored into its own servers; one that is not, into
+    the servers it was snapshotted from when the cluster is the same, else into every server.
     Of a 3D job's base name: every part's snapshot ``tag`` ("latest": the newest tag every
-    part has); all parts are read and checked on every server before any server swaps any."""
-    n = client.num_servers
-    parts, tag = _snapshot_parts(client, job, tag)
+    part has). Every job is read and checked on every server before any server swaps any."""
+    held = _held(client)
+    try:
+        rows = list_snapshots(client)
+    except ShardClientError:
+        rows = []  # no snapshot directory and the like: the servers' Restore says so
+    parts, tag = _snapshot_parts(held, rows, job, tag)
     jobs = list(parts.values()) or [job]
+    if tag == "latest" and not parts:  # the newest, as the servers would resolve it
+        tag = next((r["tag"] for r in reversed(rows) if r["job"] == job), tag)
+    recorded = {r["job"]: r for r in rows if r["tag"] == tag}
+    servers = {j: _restore_servers(held, recorded.get(j), j) for j in jobs}
 
-    def request(job: str, i: int, tag: str, check_only: bool) -> pb.RestoreRequest:
-        return pb.RestoreRequest(
-            job=job,
-            tag=tag,
-            server_index=i,
-            num_servers=n,
-            contributors=contributors,
-            check_only=check_only,
-        )
+    def calls(tag: str, check_only: bool) -> list[Call]:
+        return [
+            Call(
+                server,
+                "Restore",
+                pb.RestoreRequest(
+                    job=j,
+                    tag=tag,
+                    server_index=i,
+                    num_servers=len(servers[j]),
+                    contributors=contributors,
+                    check_only=check_only,
+                ),
+            )
+            for j in jobs
+            for i, server in enumerate(servers[j])
+        ]
 
     # Phase one: every server reads and checks its part of every job; only then does any
     # server swap, so a snapshot that one server cannot load leaves every server as it was.
-    checks = client.run(
-        Call(i, "Restore", request(j, i, tag, True)) for j in jobs for i in range(n)
-    )
+    checks = client.run(calls(tag, True))
     tags = {c.tag for c in checks}
     if len(tags) != 1:
         raise RuntimeError(f"servers resolve {tag!r} to different snapshots {sorted(tags)}")
     resolved = tags.pop()
-    held = {j: checks[k * n].version for k, j in enumerate(jobs)}
-    if len(set(held.values())) != 1:
+    first = dict(zip([j for j in jobs for _ in servers[j]], checks, strict=True))
+    versions = {j: first[j].version for j in jobs}
+    if len(set(versions.values())) != 1:
         raise RuntimeError(
             f"the parts of snapshot '{job}/{resolved}' hold different versions"
-            f" ({', '.join(f'{j}: {v}' for j, v in held.items())}); nothing was restored"
+            f" ({', '.join(f'{j}: {v}' for j, v in versions.items())}); nothing was restored"
         )
-    replies = client.run(
-        Call(i, "Restore", request(j, i, resolved, False)) for j in jobs for i in range(n)
-    )
-    versions = {r.version for r in replies}
-    if len(versions) != 1:
-        raise RuntimeError(f"servers restored different versions {sorted(versions)}")
-    return versions.pop()
+    replies = client.run(calls(resolved, False))
+    restored = {r.version for r in replies}
+    if len(restored) != 1:
+        raise RuntimeError(f"servers restored different versions {sorted(restored)}")
+    return restored.pop()
 
 
 def list_snapshots(
@@ -467,6 +573,8 @@ def list_snapshots(
             "version": s.version,
             "num_servers": s.num_servers,
             "created_unix": s.created_unix,
+            "servers": list(s.servers) or list(range(s.num_servers)),
+            "cluster_servers": s.cluster_servers or s.num_servers,
         }
         for s in reply.snapshots
     ]
@@ -509,7 +617,8 @@ def list_snapshots(
 
 # -- neighbour replication ----------------------------------------------------------------
 def configure_replication(client: ShardClient, job: str, every: int) -> None:
-    """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops)."""
+    """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops).
+    ``client``'s servers are the job's (a model's own client), slice i on server i."""
     n = client.num_servers
     client.run(
         Call(
@@ -531,7 +640,8 @@ def configure_replication(client: ShardClient, job: str, every: int) -> None:
 def recover_from_replicas(client: ShardClient, job: str) -> int:
     """Brings every server back to the newest version all of them can reach: a server with
     its own copy rolls back to it, a restarted one gets its copy from its neighbour. Returns
-    that version; LookupError when there is none (fall back to a snapshot)."""
+    that version; LookupError when there is none (fall back to a snapshot). ``client``'s
+    servers are the job's, as for ``configure_replication``."""
     n = client.num_servers
     lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
     own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
@@ -645,27 +755,14 @@ def export(client: ShardClient, job: str, out: str | os.PathLike) -> int:
 
     Of a 3D job's base name: the whole model, each tensor joined from its parts (tensor
     rank 0's copy of a replicated one), every stage; one whole tensor in memory at a time."""
-    hybrid = _live_hybrid(client, job)
-    if hybrid is not None:
-        params, version = hybrid
-        items = whole_items(params)
-        meta = {"job": job, "version": str(version), "parts": ",".join(_part_names(params))}
-        write_safetensors(out, items, meta)
-        return len(items)
-    refs = job_params(client, job)
+    params, jobs = _live_params(client, job)
     items = list(
         _export_items(
-            (
-                r.name,
-                export_dtype(r.dtype),
-                r.shape,
-                r.aliases,
-                lambda r=r: _pull_param(client, job, r),
-            )
-            for r in refs
+            (p.name, export_dtype(p.dtype), p.shape, p.aliases, p.produce) for p in params
         )
     )
-    write_safetensors(
-        out, items, {"job": job, "version": str(max((r.version for r in refs), default=0))}
-    )
+    meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
+    if jobs != [job]:
+        meta["parts"] = ",".join(jobs)
+    write_safetensors(out, items, meta)
     return len(items)

@@ -333,8 +333,14 @@ def _read_file(path: str, flag: str) -> bytes:
 
 
 def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
-    """``serve --restore TAG``: this server's part of TAG for every job with a snapshot."""
+    """``serve --restore TAG``: this server's part of TAG for every job with a snapshot.
+
+    A snapshot records which servers of the cluster held the job: in a cluster of that size,
+    this server takes back its own slice and skips jobs it did not hold (a 3D job's parts live
+    on their data-parallel groups' servers). With another ``--num-servers``, every job is
+    resharded over all of them."""
     from protos import shard_pb2 as pb
+    from protos.manifest import recorded_placement
     from server.errors import ShardError
 
     if not args.snapshot_dir or args.index is None:
@@ -342,9 +348,22 @@ def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
     snaps = server.servicer.snapshots
     jobs = sorted({m["job"] for m in snaps.list()}) if snaps.root.is_dir() else []
     for job in jobs:
+        complete = {m["tag"]: m for m in snaps.list(job)}
         tag = snaps.latest(job) if args.restore == "latest" else args.restore
-        num = args.num_servers or snaps.load_manifest(job, tag)["num_servers"]
-        request = pb.RestoreRequest(job=job, tag=tag, server_index=args.index, num_servers=num)
+        if tag not in complete:  # the restore below says what is wrong with it
+            index, num = args.index, max(args.num_servers or 0, args.index + 1)
+        else:
+            servers, cluster = recorded_placement(complete[tag])
+            if args.num_servers in (None, cluster) and args.index < cluster:
+                if args.index not in servers:
+                    print(
+                        f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True
+                    )
+                    continue
+                index, num = servers.index(args.index), len(servers)
+            else:
+                index, num = args.index, args.num_servers or cluster
+        request = pb.RestoreRequest(job=job, tag=tag, server_index=index, num_servers=num)
         try:
             reply = server.servicer.restore(request, None)
         except ShardError as exc:

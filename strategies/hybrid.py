@@ -7,9 +7,13 @@ Composition (as torchtitan's parallelize step and Megatron-LM do it):
    (``PipelineParallelModel``: activations travel through the servers' mailboxes);
 3. the tensor group splits that stage's attention heads and MLP columns/rows (Megatron's f and
    g: partial sums all-reduced through the servers);
-4. the data group shards what is left, this (stage, tensor-rank)'s parameters, over the
-   servers ZeRO-1 style: one job per (stage, tensor rank), fp32 master and optimizer state on
-   the servers, gradients averaged over the data-parallel replicas.
+4. the data group shards what is left, this (stage, tensor-rank)'s parameters, over its own
+   servers ZeRO-1 style (ZeRO partitions over the N_d data-parallel ranks, arXiv 1910.02054):
+   one job per (stage, tensor rank), fp32 master and optimizer state on the servers of the
+   ranks that hold it, gradients averaged over the data-parallel replicas.
+
+Each group's client has its members' servers only (``ShardClient.subgroup``), so a mailbox
+is on the receiver's server and a part's slices are on its replicas' servers.
 """
 
 from __future__ import annotations
@@ -258,7 +262,7 @@ class HybridShardedModel(ShardedModelBase):
         world.barrier()  # every part has stepped as far as it will before the capture
         version = self.replica.step_count
         if world.rank == 0:
-            version = tools.snapshot(self.replica.client, self.config.job, tag)["version"]
+            version = tools.snapshot(world, self.config.job, tag)["version"]
         world.barrier()
         return version
 
@@ -275,9 +279,7 @@ class HybridShardedModel(ShardedModelBase):
         replica._ensure_idle()
         world.barrier()  # nobody still reads the old state when rank 0 replaces it
         if world.rank == 0:
-            tools.restore(
-                replica.client, self.config.job, tag, contributors=self.data_parallel_size
-            )
+            tools.restore(world, self.config.job, tag, contributors=self.data_parallel_size)
         world.barrier()
         version = replica._adopt_server_version()
         self._invalidate()

@@ -9,6 +9,7 @@ servers in-process with one shared snapshot directory, as in test_hybrid.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import uuid
@@ -23,10 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from client import ClusterSpec, ShardClient, ShardClientError, tools
+from client.tensor_parts import parse_part_job
 from examples.gpt import GPT, GPTConfig, lm_loss
 from paramshard.cli import main
+from protos import shard_pb2 as pb
 from server import ShardServer
 from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+from strategies.topology import Topology
 
 BATCH = 8
 FIRST, AGAIN = 3, 2  # steps before the checkpoint, steps after it (done twice)
@@ -253,7 +257,8 @@ def test_snapshot_restore_by_the_base_name(trained, tmp_path, capsys):
             (root / part / "bad" / "manifest.json").write_text(
                 json.dumps({**manifest, "tag": "bad"})
             )
-        shard = root / trained["parts"][-1] / "bad" / "shard-1-of-2.safetensors"
+        # (each part has a shard per server of its data-parallel group: the last of them)
+        shard = sorted((root / trained["parts"][-1] / "bad").glob("shard-*.safetensors"))[-1]
         raw = bytearray(shard.read_bytes())
         raw[-3] ^= 0x01
         shard.write_bytes(bytes(raw))
@@ -273,6 +278,96 @@ def test_snapshot_restore_by_the_base_name(trained, tmp_path, capsys):
         assert_equal_state(load_file(str(out)), res["final"], "offline export of t3")
     finally:
         c.close()
+
+
+def part_servers(addresses: list[str], job: str) -> dict[str, dict[int, int]]:
+    """part job -> {slice index: server} as the servers' Status says."""
+    out: dict[str, dict[int, int]] = {}
+    c = client_for(addresses)
+    try:
+        for i in range(len(addresses)):
+            for j in c.call(i, "Status", pb.StatusRequest()).jobs:
+                if j.job.startswith(f"{job}.pp"):
+                    assert j.num_servers > 0, j.job
+                    out.setdefault(j.job, {})[j.server_index] = i
+    finally:
+        c.close()
+    return out
+
+
+def data_group_servers(trained: Any, stage: int, tensor_rank: int) -> list[int]:
+    """The servers of the data-parallel group of (stage, tensor rank): its ranks' own."""
+    pp, tp, dp = trained["topology"]
+    topo = Topology(pp * tp * dp, pp, tp, dp)
+    n = len(trained["addresses"])
+    ranks = [topo.rank_of(stage, tensor_rank, d) for d in range(dp)]
+    return list(dict.fromkeys(r % n for r in ranks))
+
+
+def test_each_part_lives_on_its_data_parallel_groups_servers(trained):
+    """ZeRO within the data-parallel group: part (s, t) is sharded over the servers of the
+    ranks that hold it, slice k on the k-th of them, and on no other server."""
+    pp, tp, _ = trained["topology"]
+    held = part_servers(trained["addresses"], trained["job"])
+    assert sorted(held) == sorted(trained["parts"])
+    for s in range(pp):
+        for t in range(tp):
+            want = data_group_servers(trained, s, t)
+            got = held[f"{trained['job']}.pp{s}.tp{t}"]
+            assert [got[k] for k in sorted(got)] == want, (s, t, got)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_restore_into_fresh_servers(trained, tmp_path, count):
+    """A restore into a new cluster of the same size puts each part back on the servers it
+    was on (by their index); into another size, every part is resharded over every server.
+    Either way the live model is t1's."""
+    job, root = trained["job"], trained["root"]
+    nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(root)).start() for _ in range(count)]
+    addresses = [n.address for n in nodes]
+    try:
+        c = client_for(addresses)
+        try:
+            assert tools.restore(c, job, "t1") == FIRST
+        finally:
+            c.close()
+        held = part_servers(addresses, job)
+        assert sorted(held) == sorted(trained["parts"])
+        for name, where in held.items():
+            _, s, t = parse_part_job(name)
+            want = data_group_servers(trained, s, t) if count == 2 else list(range(count))
+            assert [where[k] for k in sorted(where)] == want, (name, where)
+        loaded = live_export(addresses, job, tmp_path / f"fresh{count}.safetensors")
+        assert_equal_state(loaded, trained["results"][0]["t1"], f"restored into {count}")
+    finally:
+        for n in nodes:
+            n.stop(0)
+
+
+def test_serve_restore_at_start_takes_back_only_its_own_parts(trained, tmp_path, capsys):
+    """``serve --restore t1 --index I`` on each server of a new cluster of the old size: a
+    server loads the slices it held of the parts it held, and skips the others."""
+    from paramshard.cli import _restore_at_start
+
+    job, root = trained["job"], trained["root"]
+    nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(root)).start() for _ in range(2)]
+    addresses = [n.address for n in nodes]
+    try:
+        for i, node in enumerate(nodes):
+            args = argparse.Namespace(
+                snapshot_dir=str(root), restore="t1", index=i, num_servers=None
+            )
+            _restore_at_start(node, args)
+        held = part_servers(addresses, job)
+        for name, where in held.items():
+            _, s, t = parse_part_job(name)
+            assert [where[k] for k in sorted(where)] == data_group_servers(trained, s, t)
+        assert sorted(held) == sorted(trained["parts"])
+        loaded = live_export(addresses, job, tmp_path / "served.safetensors")
+        assert_equal_state(loaded, trained["results"][0]["t1"], "serve --restore")
+    finally:
+        for n in nodes:
+            n.stop(0)
 
 
 def test_missing_parts_are_named(trained, tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -163,3 +164,68 @@ def test_group_clients_run_collectives_in_each_group(servers, run_ranks):
         ):
             assert out[axis] == (index, 2, group, float(sum(group)))
         assert out["tp2"] == 10.0 * sum(topo.tensor_group(rank))
+
+
+def _open_slots(addresses: list[str]) -> list[int]:
+    from protos import shard_pb2 as pb
+
+    c = ShardClient(ClusterSpec(addresses))
+    try:
+        return [c.call(i, "Status", pb.StatusRequest()).open_slots for i in range(len(addresses))]
+    finally:
+        c.close()
+
+
+def test_groups_use_their_members_own_servers(servers, run_ranks):
+    """A group's client has its members' servers only: a pipeline send waits in the
+    receiver's own server's mailbox (DESIGN section 1), and a buffer registered through a
+    data-parallel group is sharded over that group's servers, slice k on member k's."""
+    from protos import shard_pb2 as pb
+
+    topo = Topology(4, 2, 1, 2)  # pipeline groups [0, 2] and [1, 3]; data groups [0, 1], [2, 3]
+    addresses = [s.address for s in servers(4)]
+    sent = threading.Event()
+
+    def rank_fn(client):
+        groups = topo.group_clients(client)
+        assert groups.pp.spec.addresses == [addresses[r] for r in topo.pipeline_group(client.rank)]
+        assert groups.pp.servers == topo.pipeline_group(client.rank)
+        got = None
+        if client.rank == 1:  # stage 0 of pipeline [1, 3] sends to stage 1 (rank 3)
+            groups.pp.send(torch.arange(5.0), 1, "act")
+            sent.set()
+        if client.rank == 3:
+            assert sent.wait(20)
+            slots = _open_slots(addresses)
+            got = groups.pp.recv(0, torch.empty(0), "act")
+        groups.dp.register_buffer(f"j{groups.dp.servers[0]}", "b", 10, optimizer="sgd")
+        return got, slots if client.rank == 3 else None
+
+    results = run_ranks(rank_fn, 4, addresses)
+    got, slots = results[3]
+    assert torch.equal(got, torch.arange(5.0))
+    assert slots == [0, 0, 0, 1]  # the mailbox of rank 3, on server 3 only
+    c = ShardClient(ClusterSpec(addresses))
+    try:
+        for i in range(4):
+            (job,) = c.call(i, "Status", pb.StatusRequest()).jobs
+            # data group [0, 1] on servers 0 and 1, [2, 3] on 2 and 3
+            assert (job.job, job.server_index, job.num_servers) == (f"j{i - i % 2}", i % 2, 2)
+    finally:
+        c.close()
+
+
+def test_a_group_on_fewer_servers_shares_them(servers, run_ranks):
+    """With fewer servers than ranks (rank r's server is r mod N), members sharing a server
+    make a group of fewer servers, and collectives still sum exactly the members."""
+    topo = Topology(4, 1, 2, 2)  # tensor groups [0, 2] and [1, 3]: each on one server of two
+    addresses = [s.address for s in servers(2)]
+
+    def rank_fn(client):
+        groups = topo.group_clients(client)
+        total = groups.tp.all_reduce(torch.tensor([float(client.rank)]))
+        return groups.tp.spec.addresses, float(total)
+
+    for rank, (group_servers, total) in enumerate(run_ranks(rank_fn, 4, addresses)):
+        assert group_servers == [addresses[rank % 2]]
+        assert total == float(sum(topo.tensor_group(rank)))
