@@ -60,6 +60,7 @@ class ShardServer:
         metrics_host: str | None = None,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: list[Any] | None = None,
+        local_calls: bool = True,
     ) -> None:
         """``tls_cert``/``tls_key`` (PEM) serve TLS; ``tls_ca`` (PEM) also requires client
         certificates it signed (mutual TLS). ``credentials`` may stand in for all three.
@@ -68,6 +69,9 @@ class ShardServer:
         loopback needs TLS or tokens unless ``insecure=True`` (ValueError otherwise).
         ``metrics_port`` (0 picks one) serves Prometheus metrics at
         ``http://metrics_host:port/metrics``; ``metrics_host`` defaults to ``host``.
+        ``local_calls=False`` makes clients in this process go through gRPC like any other
+        (tests of the wire path; otherwise a plain server is called directly, see
+        ``LOCAL_SERVERS``).
         """
         if credentials is not None and (tls_cert or tls_key or tls_ca):
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
@@ -98,7 +102,7 @@ class ShardServer:
         if checked_tokens:
             chain.append(auth.TokenAuthInterceptor(checked_tokens))
         chain.extend(interceptors or [])
-        self._local_ok = not chain and credentials is None
+        self._local_ok = local_calls and not chain and credentials is None
         self._max_receive_bytes = max_receive_bytes
         options = [
             ("grpc.max_send_message_length", -1),

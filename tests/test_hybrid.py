@@ -71,9 +71,22 @@ def _same_state(state, ref_state, who):
         assert rel <= 1e-5, f"{who} {name}: relative difference {rel:.2e}"
 
 
-def train_hybrid(pp, tp, dp, init, data, servers=2, max_norm=None, make_opt=adamw, schedule="1f1b"):
+def train_hybrid(
+    pp,
+    tp,
+    dp,
+    init,
+    data,
+    servers=2,
+    max_norm=None,
+    make_opt=adamw,
+    schedule="1f1b",
+    local_calls=True,
+):
+    """``local_calls=False``: activations, partial sums and the ZeRO traffic all cross gRPC
+    (else ranks call the servers of their own process directly)."""
     world = pp * tp * dp
-    nodes = [ShardServer().start() for _ in range(servers)]
+    nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
     run, job = uuid.uuid4().hex[:6], f"hybrid-{uuid.uuid4().hex[:6]}"
 
@@ -124,6 +137,19 @@ def test_equals_single_process(reference, pp, tp, dp):
     results = train_hybrid(pp, tp, dp, init, data)
     for r, (losses, state, described, _) in enumerate(results):
         assert described.endswith(f"Rank({r})")
+        for a, b in zip(losses, ref_losses, strict=True):
+            _close(a, b, f"rank {r} loss")
+        _same_state(state, ref_state, f"rank {r}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_over_the_wire_with_a_server_per_rank(reference, schedule):
+    """(2, 2, 2) with one server per rank and every call through gRPC: each group's traffic
+    on its members' own servers, as on a cluster."""
+    init, data, ref_losses, ref_state = reference
+    results = train_hybrid(2, 2, 2, init, data, servers=8, schedule=schedule, local_calls=False)
+    for r, (losses, state, _, _) in enumerate(results):
         for a, b in zip(losses, ref_losses, strict=True):
             _close(a, b, f"rank {r} loss")
         _same_state(state, ref_state, f"rank {r}")

@@ -77,8 +77,12 @@ def train_single(opt_name: str, init: dict, data: torch.Tensor):
     return losses, model.state_dict()
 
 
-def train_sharded(strategy: str, opt_name: str, world: int, servers: int, init, data):
-    nodes = [ShardServer().start() for _ in range(servers)]
+def train_sharded(
+    strategy: str, opt_name: str, world: int, servers: int, init, data, local_calls=True
+):
+    """``local_calls=False``: every push, pull and collective crosses gRPC, though ranks and
+    servers share this process (else a rank calls the servers in-process directly)."""
+    nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
     run, job = uuid.uuid4().hex[:8], f"numerics-{uuid.uuid4().hex[:8]}"
     model_cls, opt_cls = STRATEGIES[strategy]
@@ -169,4 +173,12 @@ def test_other_optimizers(setup, strategy, opt_name):
 def test_fewer_servers_than_ranks(setup):
     init, data, _ = setup
     results = train_sharded("fsdp", "adamw", 4, 2, init, data)
+    assert_matches(reference(setup, "adamw"), results)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_over_the_wire(setup, strategy):
+    """The same training with every data-plane call through gRPC and the codec."""
+    init, data, _ = setup
+    results = train_sharded(strategy, "adamw", 2, 2, init, data, local_calls=False)
     assert_matches(reference(setup, "adamw"), results)
