@@ -14,6 +14,7 @@ The data helpers train on the text of Python's own documentation topics
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "CausalSelfAttention",
     "MLP",
     "lm_loss",
+    "param_groups",
     "load_text",
     "CharTokenizer",
     "get_batch",
@@ -181,16 +183,22 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """Optimizer groups as nanoGPT's configure_optimizers makes them.
+        """Optimizer groups of this model's parameters (see ``param_groups``)."""
+        return param_groups(self.parameters(), weight_decay)
 
-        Matrices (dim >= 2: Linear weights, embeddings) decay; biases and LayerNorm weights
-        do not, since shrinking a scale or an offset toward zero is not regularisation.
-        """
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict[str, Any]]:
+    """Optimizer groups as nanoGPT's configure_optimizers makes them, of any parameters (a
+    pipeline stage's, say).
+
+    Matrices (dim >= 2: Linear weights, embeddings) decay; biases and LayerNorm weights
+    do not, since shrinking a scale or an offset toward zero is not regularisation.
+    """
+    params = [p for p in params if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

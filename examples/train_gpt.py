@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                        # FSDP, 2 ranks, 2 local servers
     python examples/train_gpt.py --strategy ddp --world-size 4 --steps 200 --model small
+    python examples/train_gpt.py --strategy hybrid --pp 2 --tp 2 --world-size 4   # 3D
     python examples/train_gpt.py --servers host1:50051,host2:50051   # use running servers
 
 By default this script is the launcher: it starts ``--world-size`` local shard servers
@@ -46,12 +47,14 @@ from examples.gpt import (  # noqa: E402
     get_batch,
     lm_loss,
     load_text,
+    param_groups,
 )
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hybrid")
 PROGRESS = "@progress "  # rank 0 -> launcher: "redraw the progress line with this text"
 TTY_ENV = "TRAIN_GPT_TTY"  # launcher -> rank 0: the launcher's stdout is a terminal
 SERVER_START_TIMEOUT_S = 60.0
+BETAS = (0.9, 0.95)
 STOP_TIMEOUT_S = 5.0
 
 
@@ -62,6 +65,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--strategy", choices=STRATEGIES, default="fsdp", help="default: %(default)s")
     p.add_argument("--world-size", type=int, default=2, help="trainer processes (default: 2)")
+    p.add_argument("--pp", type=int, default=1, help="hybrid: pipeline stages (default: 1)")
+    p.add_argument("--tp", type=int, default=1, help="hybrid: tensor-parallel ranks (default: 1)")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=4,
+        help="hybrid: micro-batches per step in the pipeline (default: 4)",
+    )
+    p.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved_1f1b"),
+        default="1f1b",
+        help="hybrid: pipeline schedule (default: 1f1b)",
+    )
     p.add_argument("--steps", type=int, default=60, help="optimizer steps (default: 60)")
     p.add_argument(
         "--batch-size",
@@ -80,15 +97,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if os.environ.get("RANK") and os.environ.get("WORLD_SIZE", "").isdigit():
+        args.world_size = int(os.environ["WORLD_SIZE"])  # one trainer of a launcher's world
     if args.world_size < 1:
         p.error("--world-size must be >= 1")
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    if args.batch_size < 1 or args.batch_size % args.world_size:
+    if args.strategy != "hybrid" and (args.pp, args.tp) != (1, 1):
+        p.error("--pp and --tp need --strategy hybrid")
+    if args.pp < 1 or args.tp < 1 or args.world_size % (args.pp * args.tp):
         p.error(
-            f"--batch-size {args.batch_size} must be a positive multiple of --world-size "
-            f"{args.world_size}"
+            f"--pp {args.pp} x --tp {args.tp} must divide --world-size {args.world_size}"
+            " (the data-parallel size is the rest)"
         )
+    if args.strategy == "hybrid":  # each replica's share is cut into the micro-batches
+        replicas = args.world_size // (args.pp * args.tp)
+        per = replicas * args.micro_batches
+        what = f"{replicas} data-parallel replica(s) x --micro-batches {args.micro_batches}"
+    else:
+        per, what = args.world_size, f"--world-size {args.world_size}"
+    if args.batch_size < 1 or args.batch_size % per:
+        p.error(f"--batch-size {args.batch_size} must be a positive multiple of {what}")
     if args.block_size < 2:
         p.error("--block-size must be >= 2")
     if args.lr <= 0:
@@ -97,9 +126,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- one trainer -------------------------------------------------------------------------------
-def build(strategy: str, gpt: GPT, config: Any, lr: float) -> tuple[Any, Any]:
+def build(strategy: str, gpt: GPT, config: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     import strategies as s
 
+    if strategy == "hybrid":  # this rank keeps only its stage and its tensor part of it
+        model = s.HybridShardedModel(
+            gpt,
+            config,
+            pipeline_parallel_size=args.pp,
+            tensor_parallel_size=args.tp,
+            data_parallel_size=-1,
+            micro_batch_count=args.micro_batches,
+            schedule=args.schedule,
+        )
+        inner = torch.optim.AdamW(param_groups(model.parameters(), 0.1), lr=args.lr, betas=BETAS)
+        return model, s.HybridShardedOptimizer(inner, config)
     model_cls, opt_cls = {
         "ddp": (s.DDPModel, s.DDPOptimizer),
         "zero1": (s.ZeRO1Model, s.ZeRO1Optimizer),
@@ -108,7 +149,7 @@ def build(strategy: str, gpt: GPT, config: Any, lr: float) -> tuple[Any, Any]:
     }[strategy]
     model = model_cls(gpt, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(gpt, config)
     # Param groups come from the wrapped model's own parameters (decay on matrices only).
-    inner = torch.optim.AdamW(model.module.param_groups(0.1), lr=lr, betas=(0.9, 0.95))
+    inner = torch.optim.AdamW(model.module.param_groups(0.1), lr=args.lr, betas=BETAS)
     return model, opt_cls(inner, config)
 
 
@@ -127,8 +168,9 @@ def lr_lambda(steps: int) -> Any:
 def generate(model: Any, tok: CharTokenizer, prompt: str, n: int, block_size: int) -> str:
     """Greedy decoding, one character at a time (each forward gathers what it needs)."""
     ids = tok.encode(prompt)[None, :]
+    forward = getattr(model, "predict", model)  # a strategy's, or a plain GPT
     for _ in range(n):
-        logits = model.predict(ids[:, -block_size:])
+        logits = forward(ids[:, -block_size:])
         ids = torch.cat([ids, logits[:, -1, :].argmax(dim=-1, keepdim=True)], dim=1)
     return tok.decode(ids[0].tolist())
 
@@ -145,9 +187,6 @@ def run_rank(args: argparse.Namespace) -> int:
 
     config = ShardingConfiguration.from_env(job=f"gpt-{args.strategy}-{run}")
     rank, world = config.rank, config.world_size
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by WORLD_SIZE {world}")
-    local_batch = args.batch_size // world
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
     text = load_text()
@@ -159,17 +198,28 @@ def run_rank(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     gpt = GPT(cfg)
     n_params = gpt.num_params()  # counted before wrapping: FSDP frees the local copies
-    model, opt = build(args.strategy, gpt, config, args.lr)
+    model, opt = build(args.strategy, gpt, config, args)
+    hybrid = args.strategy == "hybrid"
+    # Each data-parallel replica trains on its own share of every global batch (in 3D, the
+    # ranks of one replica, its stages and tensor ranks, all read that replica's share).
+    if hybrid:
+        replicas, replica = model.data_parallel_size, model.data_parallel_rank
+    else:
+        replicas, replica = world, rank
+    if args.batch_size % replicas:
+        raise SystemExit(f"--batch-size {args.batch_size} is not divisible by {replicas} replicas")
+    local_batch = args.batch_size // replicas
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps))
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own batches
+    gen = torch.Generator().manual_seed(args.seed + 1 + replica)
     client = config.client
 
     tty_mode = "direct" if sys.stdout.isatty() else "relay" if os.environ.get(TTY_ENV) else ""
     if rank == 0:
+        layout = f" (pp {args.pp} x tp {args.tp} x dp {replicas})" if hybrid else ""
         print(
             f"{args.strategy}: GPT {args.model} ({n_params:,} parameters, "
-            f"vocab {tok.vocab_size}), world size {world}, global batch {args.batch_size} x "
-            f"{args.block_size} tokens, {len(client.spec.addresses)} servers",
+            f"vocab {tok.vocab_size}), world size {world}{layout}, global batch"
+            f" {args.batch_size} x {args.block_size} tokens, {len(client.spec.addresses)} servers",
             flush=True,
         )
 
@@ -178,12 +228,18 @@ def run_rank(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     for step in range(args.steps):
         x, y = get_batch(data, local_batch, args.block_size, gen)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        t0 = time.perf_counter()
-        model.clip_grad_norm_(1.0)
-        opt.step()
-        mean_loss = float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
+        if hybrid:  # the pipeline schedule: forward and backward, the global batch's loss
+            mean_loss = model.forward_backward(x, y)
+            t0 = time.perf_counter()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+        else:
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            t0 = time.perf_counter()
+            model.clip_grad_norm_(1.0)
+            opt.step()
+            mean_loss = float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
         comm += time.perf_counter() - t0
         opt.zero_grad()
         sched.step()
@@ -208,6 +264,10 @@ def run_rank(args: argparse.Namespace) -> int:
             elif done % 10 == 0 or done in (1, args.steps):
                 print(line, flush=True)
 
+    if hybrid:  # every rank gathers the whole model (collective); rank 0 samples from it
+        whole = GPT(cfg)
+        whole.load_state_dict(model.state_dict())
+        model = whole
     if rank != 0:
         return 0
     elapsed = time.perf_counter() - start

@@ -14,18 +14,16 @@ TIMEOUT_S = 180
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_train_gpt_loss_goes_down(strategy: str) -> None:
-    cmd = [
-        sys.executable,
-        str(SCRIPT),
-        "--strategy",
-        strategy,
-        "--world-size",
-        "2",
-        "--steps",
-        "20",
-    ]
+@pytest.mark.parametrize(
+    "strategy,extra",
+    [
+        ("fsdp", ["--world-size", "2"]),
+        ("ddp", ["--world-size", "2"]),
+        ("hybrid", ["--world-size", "4", "--pp", "2", "--tp", "2", "--schedule", "gpipe"]),
+    ],
+)
+def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
+    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, *extra, "--steps", "20"]
     proc = subprocess.run(
         cmd,
         check=False,
