@@ -199,7 +199,11 @@ def test_write_safetensors_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    monkeypatch.setattr(tools, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False)
+    import client.export  # where write_safetensors opens its file
+
+    monkeypatch.setattr(
+        client.export, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False
+    )
 
     def producer(i: int) -> Any:
         def produce() -> np.ndarray:

@@ -1,0 +1,379 @@
+"""Keep a job and bring it back: ``snapshot``, ``restore``, ``list_snapshots``, and
+neighbour replication (``configure_replication``, ``recover_from_replicas``).
+
+A snapshot captures every buffer of a job at one version while training runs; every server
+holding the job writes its shard, and the client commits the manifest (DESIGN section 5),
+which records the servers the slices came from: a restore into a cluster of the same size
+puts every slice back where it was, into another size it reshards over every server. Of a
+3D job's base name, ``snapshot`` takes every part at one version and ``restore`` checks every
+part on every server before any server swaps any.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from client.jobs import ServerJobs, server_jobs
+from client.rpc import Call, ShardClientError
+from client.shard_client import ShardClient
+from client.tensor_parts import PartsError, check_complete, find_parts, parse_part_job
+from protos import shard_pb2 as pb
+from protos.manifest import new_manifest
+
+__all__ = [
+    "snapshot",
+    "restore",
+    "list_snapshots",
+    "configure_replication",
+    "recover_from_replicas",
+]
+
+
+def _entry(p: pb.ParamEntry) -> dict[str, Any]:
+    entry = {
+        "name": p.name,
+        "shape": list(p.shape),
+        "dtype": p.dtype,
+        "offset": p.offset,
+        "numel": p.numel,
+        "aliases": list(p.aliases),
+    }
+    if p.split_parts > 1:  # a tensor-parallel part (see ParamEntry in shard.proto)
+        entry.update(
+            split_dim=p.split_dim,
+            split_parts=p.split_parts,
+            split_index=p.split_index,
+            split_packed=p.split_packed,
+        )
+    return entry
+
+
+def _snapshot_jobs(
+    held: ServerJobs, jobs: list[str], tag: str, hybrid: dict[str, Any] | None = None
+) -> tuple[int, dict[str, dict[str, Any]]]:
+    """Snapshots every job of ``jobs`` at one version (the newest any of their buffers has
+    reached, on any server); returns it and each job's committed manifest. ``hybrid`` (the
+    base name and its part jobs) goes into each manifest, so offline export knows every part."""
+    client = held.client
+    versions = {job: held.versions(job) for job in jobs}
+    for job, found in versions.items():
+        if not found:
+            raise KeyError(f"job '{job}' is not on the servers")
+    servers = {job: held.servers_of(job) for job in jobs}
+    version = max(max(v) for v in versions.values())
+    # The jobs furthest on first: each is captured as soon as its call arrives, before the
+    # others' steps let it move past the version.
+    order = sorted(jobs, key=lambda job: -max(versions[job]))
+    for attempt in range(5):
+        try:
+            flat = client.run(
+                Call(
+                    server,
+                    "Snapshot",
+                    pb.SnapshotRequest(
+                        job=job,
+                        tag=tag,
+                        version=version,
+                        server_index=i,
+                        num_servers=len(servers[job]),
+                    ),
+                )
+                for job in order
+                for i, server in enumerate(servers[job])
+            )
+            break
+        except ShardClientError as exc:
+            # training stepped past the version between Status and Snapshot: aim further
+            if "past the snapshot's" not in exc.details or attempt == 4:
+                raise
+            version += 1
+    manifests, k = {}, 0
+    for job in order:
+        n = len(servers[job])
+        replies, k = flat[k : k + n], k + n
+        buffers = {
+            b.buffer: {
+                "numel": b.numel,
+                "contributors": b.contributors,
+                "optimizer": {"name": b.optimizer, "hyper": dict(b.hyper)},
+                "params": [_entry(p) for p in b.params],
+            }
+            for b in replies[0].buffers
+        }
+        shards = [
+            {"file": r.file, "server": i, "bytes": r.bytes, "sha256": r.sha256}
+            for i, r in enumerate(replies)
+        ]
+        where = [client.servers[s] for s in servers[job]]  # in the whole cluster
+        manifest = new_manifest(job, tag, version, n, buffers, shards, where, client.cluster_size)
+        if hybrid is not None:
+            manifest["hybrid"] = hybrid
+        manifests[job] = manifest
+    # committed only once every job's shards are written
+    client.run(
+        Call(
+            server,
+            "CommitSnapshot",
+            pb.CommitSnapshotRequest(job=job, tag=tag, manifest_json=json.dumps(manifests[job])),
+        )
+        for job in jobs
+        for server in servers[job]
+    )
+    return version, manifests
+
+
+def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
+    """Takes a snapshot of ``job`` on one version while training runs; returns the manifest.
+
+    The version is the newest any buffer has reached: every server holding the job captures
+    each buffer as it arrives there (before its next step), writes its shard, and then the
+    manifest is committed on every one of them.
+
+    Of a 3D job's base name: every part ``job.pp<s>.tp<t>`` at one version (the parts step in
+    lockstep), each a snapshot of its own under ``tag``, committed once all are written;
+    returns a summary: job, tag, version, num_servers, parts.
+    """
+    held = server_jobs(client)
+    parts = find_parts(job, held.jobs) if job not in held.status else {}
+    if parts:
+        check_complete(job, parts)
+        names = list(parts.values())
+        version, _ = _snapshot_jobs(held, names, tag, {"base": job, "parts": names})
+        return {
+            "job": job,
+            "tag": tag,
+            "version": version,
+            "num_servers": client.num_servers,
+            "parts": names,
+        }
+    if job not in held.status:
+        raise held.not_found(job)
+    hybrid = None
+    parsed = parse_part_job(job)
+    if parsed is not None:  # one part of a 3D job (HybridShardedModel.save_checkpoint)
+        hybrid = {"base": parsed[0], "parts": list(find_parts(parsed[0], held.jobs).values())}
+    _, manifests = _snapshot_jobs(held, [job], tag, hybrid)
+    return manifests[job]
+
+
+def _snapshot_parts(
+    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str
+) -> tuple[dict[tuple[int, int], str], str]:
+    """For restoring ``job``: its parts with snapshot ``tag`` and that tag resolved, when
+    ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job."""
+    if job in held.status or any(r["job"] == job for r in rows):
+        return {}, tag
+    by_tag: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
+    for r in rows:
+        parsed = parse_part_job(r["job"])
+        if parsed is not None and parsed[0] == job:
+            by_tag.setdefault(r["tag"], {})[parsed[1], parsed[2]] = r
+    if not by_tag:
+        return {}, tag
+    expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
+    if tag == "latest":
+        complete = []
+        for t, found in by_tag.items():
+            try:
+                check_complete(job, found, expected)
+            except PartsError:
+                continue
+            complete.append((max((r["version"], r["created_unix"]) for r in found.values()), t))
+        if not complete:
+            raise PartsError(
+                f"job '{job}' has snapshots of its parts ({', '.join(sorted(by_tag))}) but none"
+                " with every part"
+            )
+        tag = max(complete)[1]
+    if tag not in by_tag:
+        raise KeyError(
+            f"job '{job}' has no snapshot '{tag}' of its parts; tags: {', '.join(sorted(by_tag))}"
+        )
+    found = by_tag[tag]
+    check_complete(job, found, expected, f"snapshot '{tag}' of job '{job}'")
+    return {k: r["job"] for k, r in sorted(found.items())}, tag
+
+
+def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> list[int]:
+    """Where to restore ``job``: the servers it is registered on (a trainer registered it
+    before restoring); else, in the cluster the snapshot was taken in, the servers it was on
+    (a server restarted empty gets its own slice back); else every server (resharded)."""
+    client = held.client
+    live = held.placement(job)
+    if live is not None:
+        return live
+    if row is not None and row["cluster_servers"] == client.cluster_size:
+        if all(g in client.servers for g in row["servers"]):
+            return [client.servers.index(g) for g in row["servers"]]
+    return list(range(client.num_servers))
+
+
+def restore(client: ShardClient, job: str, tag: str = "latest", contributors: int = 0) -> int:
+    """Loads snapshot ``tag`` into the servers (any number: resharded); returns its version.
+
+    A job registered on the servers is restored into its own servers; one that is not, into
+    the servers it was snapshotted from when the cluster is the same, else into every server.
+    Of a 3D job's base name: every part's snapshot ``tag`` ("latest": the newest tag every
+    part has). Every job is read and checked on every server before any server swaps any."""
+    held = server_jobs(client)
+    try:
+        rows = list_snapshots(client)
+    except ShardClientError:
+        rows = []  # no snapshot directory and the like: the servers' Restore says so
+    parts, tag = _snapshot_parts(held, rows, job, tag)
+    jobs = list(parts.values()) or [job]
+    if tag == "latest" and not parts:  # the newest, as the servers would resolve it
+        tag = next((r["tag"] for r in reversed(rows) if r["job"] == job), tag)
+    recorded = {r["job"]: r for r in rows if r["tag"] == tag}
+    servers = {j: _restore_servers(held, recorded.get(j), j) for j in jobs}
+
+    def calls(tag: str, check_only: bool) -> list[Call]:
+        return [
+            Call(
+                server,
+                "Restore",
+                pb.RestoreRequest(
+                    job=j,
+                    tag=tag,
+                    server_index=i,
+                    num_servers=len(servers[j]),
+                    contributors=contributors,
+                    check_only=check_only,
+                ),
+            )
+            for j in jobs
+            for i, server in enumerate(servers[j])
+        ]
+
+    # Phase one: every server reads and checks its part of every job; only then does any
+    # server swap, so a snapshot that one server cannot load leaves every server as it was.
+    checks = client.run(calls(tag, True))
+    tags = {c.tag for c in checks}
+    if len(tags) != 1:
+        raise RuntimeError(f"servers resolve {tag!r} to different snapshots {sorted(tags)}")
+    resolved = tags.pop()
+    first = dict(zip([j for j in jobs for _ in servers[j]], checks, strict=True))
+    versions = {j: first[j].version for j in jobs}
+    if len(set(versions.values())) != 1:
+        raise RuntimeError(
+            f"the parts of snapshot '{job}/{resolved}' hold different versions"
+            f" ({', '.join(f'{j}: {v}' for j, v in versions.items())}); nothing was restored"
+        )
+    replies = client.run(calls(resolved, False))
+    restored = {r.version for r in replies}
+    if len(restored) != 1:
+        raise RuntimeError(f"servers restored different versions {sorted(restored)}")
+    return restored.pop()
+
+
+def list_snapshots(
+    client: ShardClient, job: str = "", combine_parts: bool = False
+) -> list[dict[str, Any]]:
+    """The complete snapshots in server 0's snapshot directory, oldest first. With
+    ``combine_parts``, the part snapshots of a 3D job under one tag (every part there, all at
+    one version) make one row under the base name, with "parts"; ``job`` may then be a base."""
+    reply = client.call(0, "ListSnapshots", pb.ListSnapshotsRequest(job=job))
+    rows = [
+        {
+            "job": s.job,
+            "tag": s.tag,
+            "version": s.version,
+            "num_servers": s.num_servers,
+            "created_unix": s.created_unix,
+            "servers": list(s.servers) or list(range(s.num_servers)),
+            "cluster_servers": s.cluster_servers or s.num_servers,
+        }
+        for s in reply.snapshots
+    ]
+    if not combine_parts:
+        return rows
+    if job and not rows:  # maybe a 3D job's base name
+        rows = [
+            r
+            for r in list_snapshots(client)
+            if (parsed := parse_part_job(r["job"])) is not None and parsed[0] == job
+        ]
+    groups: dict[tuple[str, str], dict[tuple[int, int], dict[str, Any]]] = {}
+    for r in rows:
+        parsed = parse_part_job(r["job"])
+        if parsed is not None:
+            groups.setdefault((parsed[0], r["tag"]), {})[parsed[1], parsed[2]] = r
+    out, merged = [], set()
+    for (base, tag), found in groups.items():
+        try:
+            check_complete(base, found)
+        except PartsError:
+            continue
+        if len({(r["version"], r["num_servers"]) for r in found.values()}) != 1:
+            continue
+        first = next(iter(found.values()))
+        out.append(
+            {
+                "job": base,
+                "tag": tag,
+                "version": first["version"],
+                "num_servers": first["num_servers"],
+                "created_unix": max(r["created_unix"] for r in found.values()),
+                "parts": [r["job"] for _, r in sorted(found.items())],
+            }
+        )
+        merged |= {id(r) for r in found.values()}
+    out += [r for r in rows if id(r) not in merged]
+    return sorted(out, key=lambda r: (r["version"], r["created_unix"]))
+
+
+# -- neighbour replication ----------------------------------------------------------------
+def configure_replication(client: ShardClient, job: str, every: int) -> None:
+    """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops).
+    ``client``'s servers are the job's (a model's own client), slice i on server i."""
+    n = client.num_servers
+    client.run(
+        Call(
+            i,
+            "ConfigureReplication",
+            pb.ReplicationConfig(
+                job=job,
+                every=every,
+                neighbour=client.spec.addresses[(i + 1) % n],
+                server_index=i,
+                num_servers=n,
+                token=client.spec.token or "",
+            ),
+        )
+        for i in range(n)
+    )
+
+
+def recover_from_replicas(client: ShardClient, job: str) -> int:
+    """Brings every server back to the newest version all of them can reach: a server with
+    its own copy rolls back to it, a restarted one gets its copy from its neighbour. Returns
+    that version; LookupError when there is none (fall back to a snapshot). ``client``'s
+    servers are the job's, as for ``configure_replication``."""
+    n = client.num_servers
+    lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
+    own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
+    held = [
+        {r.version for r in lists[(i + 1) % n].replicas if not r.own and r.source_index == i}
+        for i in range(n)
+    ]
+    reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
+    if not reachable:
+        raise LookupError(f"no version of job '{job}' is replicated for every server")
+    version = max(reachable)
+    for i in range(n):
+        if version in own[i]:
+            client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
+            continue
+        holder, offset, total = (i + 1) % n, 0, None
+        while total is None or offset < total:
+            chunk = client.call(
+                holder,
+                "FetchReplica",
+                pb.FetchReplicaRequest(job=job, source_index=i, version=version, offset=offset),
+            )
+            client.call(i, "LoadReplica", chunk)
+            total, offset = chunk.total, offset + len(chunk.data)
+            if not chunk.data:
+                break
+    return version

@@ -1,0 +1,301 @@
+"""Where a job is and what it holds, read from the live servers: ``job_params``,
+``get_param``, ``inspect``.
+
+Everything works from the manifests the servers hold (names, shapes, offsets of every
+original parameter), so none of it needs the model's code or torch.
+
+A job need not be on every server: each server's Status says which slice of a job it holds
+and of how many (a 3D job's part lives on its data-parallel group's servers), so
+``server_jobs`` asks every server, and each job is driven through a view of the client on its
+own servers (``ShardClient.on_servers``).
+
+A 3D-parallel job (``HybridShardedModel``) is one server job per (pipeline stage, tensor
+rank), ``<job>.pp<s>.tp<t>``. Given the base name ``<job>`` (no job of that exact name, but
+its parts on the servers), ``live_params`` joins the parts into the whole model
+(``client.tensor_parts``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from client.rpc import Call
+from client.shard_client import ShardClient
+from client.tensor_parts import PartParam, check_complete, find_parts, join_parts
+from protos import shard_pb2 as pb
+from protos import slicing
+
+__all__ = [
+    "ParamRef",
+    "ServerJobs",
+    "LiveParam",
+    "server_jobs",
+    "param_refs",
+    "job_params",
+    "live_params",
+    "pull_param",
+    "get_param",
+    "inspect",
+]
+
+
+@dataclass(frozen=True)
+class ParamRef:
+    """Where one original parameter lives: its buffer, offset and shape."""
+
+    name: str
+    buffer: str
+    buffer_numel: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...]
+    version: int
+    # tensor-parallel part (see ParamEntry in shard.proto); split_parts 0: the whole tensor
+    split_dim: int = 0
+    split_parts: int = 0
+    split_index: int = 0
+    split_packed: int = 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class ServerJobs:
+    """What the servers of a client hold: each job's status and the servers of its slices."""
+
+    client: ShardClient
+    replies: list[Any]  # every server's StatusReply, in server order
+    status: dict[str, Any] = field(default_factory=dict)  # job -> JobStatus of one holder
+    slices: dict[str, dict[int, int]] = field(default_factory=dict)  # job -> slice -> server
+    counts: dict[str, set[int]] = field(default_factory=dict)  # job -> num_servers reported
+
+    def __post_init__(self) -> None:
+        n = self.client.num_servers
+        for i, reply in enumerate(self.replies):
+            for j in reply.jobs:
+                # a server that does not report its slice holds slice i of all n (older servers)
+                index, count = (j.server_index, j.num_servers) if j.num_servers else (i, n)
+                self.status.setdefault(j.job, j)
+                self.slices.setdefault(j.job, {})[index] = i
+                self.counts.setdefault(j.job, set()).add(count)
+
+    @property
+    def jobs(self) -> list[str]:
+        return sorted(self.status)
+
+    def placement(self, job: str) -> list[int] | None:
+        """The server (index in this client) of each slice of ``job`` in slice order; None
+        when some slice is on no server (a restarted server lost it) or holders disagree."""
+        counts, slices = self.counts.get(job, set()), self.slices.get(job, {})
+        if len(counts) != 1:
+            return None
+        (count,) = counts
+        if sorted(slices) != list(range(count)):
+            return None
+        return [slices[k] for k in range(count)]
+
+    def servers_of(self, job: str) -> list[int]:
+        """``placement``, or an error that says which slices are missing."""
+        if job not in self.status:
+            raise self.not_found(job)
+        found = self.placement(job)
+        if found is None:
+            held = ", ".join(
+                f"slice {k} on server {i}" for k, i in sorted(self.slices[job].items())
+            )
+            counts = " or ".join(str(c) for c in sorted(self.counts[job]))
+            raise RuntimeError(
+                f"job '{job}' is split into {counts} slices but the servers hold only {held}:"
+                " a server lost its slice (restarted?); restore a snapshot"
+            )
+        return found
+
+    def view(self, job: str) -> ShardClient:
+        """The client on ``job``'s servers, slice i on server i."""
+        servers = self.servers_of(job)
+        if servers == list(range(self.client.num_servers)):
+            return self.client
+        return self.client.on_servers(servers)
+
+    def versions(self, job: str) -> list[int]:
+        """Every buffer version of ``job`` that any server reports."""
+        return [b.version for r in self.replies for j in r.jobs if j.job == job for b in j.buffers]
+
+    def not_found(self, job: str) -> KeyError:
+        known = ", ".join(self.jobs) or "none"
+        addresses = ", ".join(self.client.spec.addresses)
+        return KeyError(f"job '{job}' is not on the servers ({addresses}); jobs: {known}")
+
+
+def server_jobs(client: ShardClient) -> ServerJobs:
+    """Asks every server what it holds."""
+    n = client.num_servers
+    return ServerJobs(client, client.run(Call(i, "Status", pb.StatusRequest()) for i in range(n)))
+
+
+def param_refs(status: Any) -> list[ParamRef]:
+    """The parameters of one JobStatus, in buffer order."""
+    return [
+        ParamRef(
+            p.name,
+            b.buffer,
+            b.numel,
+            p.offset,
+            tuple(p.shape),
+            p.dtype,
+            tuple(p.aliases),
+            b.version,
+            p.split_dim,
+            p.split_parts,
+            p.split_index,
+            p.split_packed,
+        )
+        for b in status.buffers
+        for p in b.params
+    ]
+
+
+def job_params(client: ShardClient, job: str) -> list[ParamRef]:
+    """Every original parameter of ``job``, in buffer order."""
+    held = server_jobs(client)
+    if job not in held.status:
+        raise held.not_found(job)
+    return param_refs(held.status[job])
+
+
+def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
+    return PartParam(
+        r.name,
+        r.shape,
+        r.dtype,
+        r.aliases,
+        lambda: pull_param(client, job, r),
+        r.split_dim,
+        r.split_parts,
+        r.split_index,
+        r.split_packed,
+    )
+
+
+def _holders(held: ServerJobs, job: str, ref: ParamRef) -> list[int]:
+    """The servers (indices in the tools' client) holding pieces of ``ref``."""
+    servers = held.servers_of(job)
+    pieces = slicing.pieces(ref.buffer_numel, len(servers), ref.offset, ref.offset + ref.numel)
+    return [servers[p.server] for p in pieces]
+
+
+@dataclass(frozen=True)
+class LiveParam:
+    """One whole parameter of a live job: where it is and how to read it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...]
+    version: int
+    buffer: str  # its buffer; of a 3D job's base name, the part jobs it is joined from
+    servers: list[int]
+    produce: Callable[[], np.ndarray]  # flat fp32 values
+
+
+def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[str]]:
+    """Every whole parameter of ``job`` and the server jobs it is read from: the job itself,
+    or, for a 3D job's base name, its parts (tensor-parallel slices joined). KeyError when the
+    servers hold neither, PartsError when a part is missing or they do not fit together."""
+    held = server_jobs(client)
+    if job in held.status:
+        view = held.view(job)
+        return [
+            LiveParam(
+                r.name,
+                r.shape,
+                r.dtype,
+                r.aliases,
+                r.version,
+                r.buffer,
+                _holders(held, job, r),
+                lambda r=r: pull_param(view, job, r),
+            )
+            for r in param_refs(held.status[job])
+        ], [job]
+    parts = find_parts(job, held.jobs)
+    if not parts:
+        raise held.not_found(job)
+    check_complete(job, parts)
+    refs = {k: param_refs(held.status[name]) for k, name in parts.items()}
+    version = max((r.version for rs in refs.values() for r in rs), default=0)
+    where: dict[tuple[str, str], list[int]] = {}
+    params = {}
+    for k, rs in refs.items():
+        view = held.view(parts[k])
+        params[k] = [_part_param(view, parts[k], r) for r in rs]
+        where.update(((parts[k], r.name), _holders(held, parts[k], r)) for r in rs)
+    whole = join_parts(job, params, parts)
+    out = [
+        LiveParam(
+            w.name,
+            w.shape,
+            w.dtype,
+            w.aliases,
+            version,
+            ",".join(w.source),
+            sorted({s for part in w.source for s in where[part, w.name]}),
+            w.produce,
+        )
+        for w in whole
+    ]
+    return out, list(parts.values())
+
+
+def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
+    """One full parameter (fp32), gathered from the servers holding its pieces; of a 3D job's
+    base name, joined from its tensor-parallel parts."""
+    params, jobs = live_params(client, job)
+    for p in params:
+        if name == p.name or name in p.aliases:
+            return p.produce().reshape(p.shape)
+    parts = f" (parts {', '.join(jobs)})" if jobs != [job] else ""
+    raise KeyError(f"job '{job}'{parts} has no parameter '{name}'")
+
+
+def pull_param(client: ShardClient, job: str, ref: ParamRef) -> np.ndarray:
+    out = np.empty(ref.numel, dtype=np.float32)
+    client.run(client.pull_calls(job, ref.buffer, out, 0, start=ref.offset, numel=ref.buffer_numel))
+    return out
+
+
+def _stats(values: np.ndarray) -> dict[str, Any]:
+    return {
+        "norm": float(np.linalg.norm(values.astype(np.float64))),
+        "min": float(values.min()) if values.size else 0.0,
+        "max": float(values.max()) if values.size else 0.0,
+        "finite": bool(np.isfinite(values).all()),
+    }
+
+
+def inspect(client: ShardClient, job: str) -> list[dict[str, Any]]:
+    """One row per parameter: name, shape, dtype, servers holding it, version, norm, min, max,
+    all finite. Pulls one parameter at a time (of a 3D job's base name: the whole tensors,
+    joined from the parts listed in "buffer")."""
+    params, _ = live_params(client, job)
+    return [
+        {
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": p.dtype,
+            "servers": p.servers,
+            "version": p.version,
+            "buffer": p.buffer,
+            **_stats(p.produce()),
+            "aliases": list(p.aliases),
+        }
+        for p in params
+    ]
