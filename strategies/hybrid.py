@@ -68,6 +68,13 @@ class HybridShardedModel(ShardedModelBase):
             tensor_parallel_size,
             data_parallel_size,
         )
+        if self.topology.tensor_parallel_size > 1 and not hasattr(model, "blocks"):
+            raise TypeError(
+                f"tensor_parallel_size={self.topology.tensor_parallel_size} splits a GPT's"
+                " blocks (attention by heads, the MLP by columns and rows), and"
+                f" {type(model).__name__} has none: use tensor_parallel_size=1 (pipeline and"
+                " data parallelism take an nn.Sequential)"
+            )
         super().__init__(model, config)
         rank = config.client.rank
         self.groups = self.topology.group_clients(config.client)

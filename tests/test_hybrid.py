@@ -195,3 +195,68 @@ def test_sizes_must_multiply_to_the_world():
     config = ShardingConfiguration(client, job="x")
     with pytest.raises(ValueError, match=r"\(2\).*\(2\).*\(2\).*6"):
         HybridShardedModel(GPT(CFG), config, 2, 2, 2)
+
+
+def test_tensor_parallelism_needs_gpt_blocks():
+    client = ShardClient(ClusterSpec(["127.0.0.1:1"]), rank=0, world_size=2)
+    config = ShardingConfiguration(client, job="x")
+    seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with pytest.raises(
+        TypeError, match=r"tensor_parallel_size=2 splits a GPT's blocks.*Sequential"
+    ):
+        HybridShardedModel(seq, config, 1, 2, 1)
+
+
+@pytest.mark.slow
+def test_sequential_model_over_pipeline_and_data():
+    """The docstring's other model: an nn.Sequential cut into 2 stages, 2 data-parallel
+    replicas, MSE on float targets; equal to single-process training."""
+    torch.manual_seed(5)
+
+    def net():
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        )
+
+    init = net().state_dict()
+    xs, ys = torch.randn(STEPS, 8, 6), torch.randn(STEPS, 8, 3)
+    ref = net()
+    ref.load_state_dict(init)
+    opt = sgd(ref.parameters())
+    ref_losses = []
+    for s in range(STEPS):
+        loss = torch.nn.functional.mse_loss(ref(xs[s]), ys[s])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    nodes = [ShardServer().start() for _ in range(4)]
+    run, job = uuid.uuid4().hex[:6], f"seq-{uuid.uuid4().hex[:6]}"
+
+    def rank(r):
+        client = ShardClient(
+            ClusterSpec([n.address for n in nodes]), rank=r, world_size=4, run_id=run
+        )
+        config = ShardingConfiguration(client, job=job)
+        model = net()
+        model.load_state_dict(init)
+        model = HybridShardedModel(model, config, 2, 1, 2, micro_batch_count=2)
+        HybridShardedOptimizer(sgd(model.parameters()), config)
+        per, d = 8 // model.data_parallel_size, model.data_parallel_rank
+        losses = [
+            model.train_on_batch(xs[s, d * per : (d + 1) * per], ys[s, d * per : (d + 1) * per])
+            for s in range(STEPS)
+        ]
+        return losses, model.state_dict()
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            results = [f.result(timeout=300) for f in [pool.submit(rank, r) for r in range(4)]]
+    finally:
+        for n in nodes:
+            n.stop()
+    for r, (losses, state) in enumerate(results):
+        for a, b in zip(losses, ref_losses, strict=True):
+            _close(a, b, f"rank {r} loss")
+        _same_state(state, ref.state_dict(), f"rank {r}")
