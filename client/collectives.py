@@ -50,9 +50,11 @@ class Collectives(RpcCore):
         return rank % self.num_servers if self.rank_servers is None else self.rank_servers[rank]
 
     def restart_collectives(self, epoch: int) -> None:
-        """Starts collective numbering afresh under ``<run_id>.e<epoch>``, after a failure left
-        ranks at different sequence numbers. Every rank calls it with the same epoch."""
-        self.run_id = f"{self.run_id.split('.e')[0]}.e{epoch}"
+        """Starts collective numbering afresh under ``<run_id>.e<epoch>`` (the run id this
+        client started with), after a failure left ranks at different sequence numbers. Every
+        rank calls it with the same epoch."""
+        base = self.__dict__.setdefault("_base_run_id", self.run_id)
+        self.run_id = f"{base}.e{epoch}"
         self._seq = 0
         self.__dict__.pop("_p2p_seq", None)
 

@@ -101,7 +101,11 @@ class ShardClient(Collectives, FlatBuffers):
         shared, and collective numbering starts afresh."""
         view = ShardClient.__new__(ShardClient)
         view.__dict__.update(
-            {k: v for k, v in self.__dict__.items() if k not in ("_seq", "_p2p_seq")}
+            {
+                k: v
+                for k, v in self.__dict__.items()
+                if k not in ("_seq", "_p2p_seq", "_base_run_id")
+            }
         )
         view.spec = self.spec.subset(servers)
         view.servers = [self.servers[s] for s in servers]

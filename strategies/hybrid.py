@@ -75,6 +75,12 @@ class HybridShardedModel(ShardedModelBase):
                 f" {type(model).__name__} has none: use tensor_parallel_size=1 (pipeline and"
                 " data parallelism take an nn.Sequential)"
             )
+        if config.replicate_every:
+            raise ValueError(
+                f"replicate_every={config.replicate_every}: neighbour replication is not built"
+                " for 3D jobs (with dp = 1 a part's only server would hold its own replica);"
+                " recover from snapshots: train_with_recovery(model, step, n, checkpoint_every=k)"
+            )
         super().__init__(model, config)
         rank = config.client.rank
         self.groups = self.topology.group_clients(config.client)
@@ -292,6 +298,38 @@ class HybridShardedModel(ShardedModelBase):
         self._invalidate()
         world.barrier()
         return version
+
+    # -- recovery (strategies.train_with_recovery) -----------------------------------------------
+    @property
+    def registered(self) -> bool:
+        """Whether the optimizer is attached (this rank's part registered on its servers)."""
+        return self.replica.registered
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps applied (the servers' version of this rank's part)."""
+        return self.replica.step_count
+
+    def restart_collectives(self, epoch: int) -> None:
+        """After a failure left ranks at different collectives: every group this rank is in
+        numbers its collectives afresh in ``epoch`` (the same on every rank)."""
+        groups = (self.groups.tp, self.groups.pp, self.groups.dp, self.pipeline.tied_group)
+        for client in (self.config.client, *groups):
+            if client is not None:
+                client.restart_collectives(epoch)
+
+    def abandon_step(self) -> None:
+        """Drops a step that cannot finish (a server died): pushes in flight, the pipeline's
+        pending transfers, gradients pushed so far."""
+        self.replica.abandon_step()
+        self.pipeline.abandon()
+        self._invalidate()
+
+    def recover(self) -> int:
+        """After a server died and came back: every part returns to the newest snapshot all
+        parts have (``load_checkpoint("latest")``; a restarted server gets its own slices
+        back); returns the step to continue from. Every rank calls it."""
+        return self.load_checkpoint("latest")
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

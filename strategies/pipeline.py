@@ -367,11 +367,12 @@ class PipelineParallelModel(nn.Module):
         ends = [c for c in (self._chunks[0], self._chunks[-1]) if hasattr(c, "tied_weight")]
         tied = next((w for c in ends if (w := c.tied_weight()) is not None), None)
         self._tied: nn.Parameter | None = tied
-        self._tied_group = (
+        self.tied_group = (
             self.pp.subgroup([0, self.num_stages - 1], "tied-embedding")
             if tied is not None
             else None
         )
+        """The first and last stage, which sum the tied embedding's gradient (None without)."""
         self._comm_pools: tuple[ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self.last_bubble_fraction: float | None = None
         """Share of the last schedule's wall time this stage spent not computing."""
@@ -508,6 +509,13 @@ class PipelineParallelModel(nn.Module):
             )
         return self._comm_pools
 
+    def abandon(self) -> None:
+        """After a failed step: a transfer still waiting (a receive from a rank that failed)
+        is left to end on its own thread, and the next step gets fresh threads."""
+        pools, self._comm_pools = self._comm_pools, None
+        for pool in pools or ():
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _micro_batches(self, t: torch.Tensor | None, what: str) -> list[torch.Tensor]:
         m = self.micro_batch_count
         if t is None:
@@ -521,11 +529,11 @@ class PipelineParallelModel(nn.Module):
 
     def _sync_tied_grad(self, stashed: torch.Tensor | None) -> None:
         """Megatron's embedding all-reduce: both copies get the sum of both gradients."""
-        if self._tied is None or self._tied_group is None:
+        if self._tied is None or self.tied_group is None:
             return
         w = self._tied
         local = w.grad if w.grad is not None else torch.zeros_like(w)
-        total = self._tied_group.all_reduce(local.detach())
+        total = self.tied_group.all_reduce(local.detach())
         w.grad = total if stashed is None else stashed + total
 
     # -- state -------------------------------------------------------------------------------

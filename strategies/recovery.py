@@ -13,6 +13,9 @@ NOT_FOUND, or a wait that can no longer finish: DEADLINE_EXCEEDED), every rank:
    complete snapshot; every rank adopts that step;
 5. replays from there.
 
+A 3D job (``HybridShardedModel``) recovers the same way, every group's collectives restarted,
+all its parts restored from their newest common snapshot (it has no neighbour replicas).
+
 ``train_step`` must be a function of the step number (the same data for the same step), so
 the replayed steps are the ones that were lost and training ends where it would have without
 the failure. At most ``checkpoint_every`` steps are recomputed.
@@ -24,12 +27,16 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
 from client import ShardClientError
 from protos import shard_pb2 as pb
 from strategies.sharded import ServerShardedModel
+
+if TYPE_CHECKING:
+    from strategies.hybrid import HybridShardedModel
 
 __all__ = ["train_with_recovery", "RecoveryReport"]
 
@@ -54,7 +61,7 @@ class RecoveryReport:
     replayed_steps: int = 0
 
 
-def _wait_for_servers(model: ServerShardedModel, wait_s: float) -> None:
+def _wait_for_servers(model: ServerShardedModel | HybridShardedModel, wait_s: float) -> None:
     client = model.client
     deadline = time.monotonic() + wait_s
     for i in range(client.num_servers):
@@ -72,7 +79,7 @@ def _wait_for_servers(model: ServerShardedModel, wait_s: float) -> None:
 
 
 def train_with_recovery(
-    model: ServerShardedModel,
+    model: ServerShardedModel | HybridShardedModel,
     train_step: Callable[[int], float],
     steps: int,
     *,
@@ -107,8 +114,16 @@ def train_with_recovery(
             if model.optimizer is not None:
                 model.optimizer.zero_grad()
             _wait_for_servers(model, wait_s)
-            model.client.restart_collectives(epoch)
-            restored = model.recover()
+            model.restart_collectives(epoch)
+            # Ranks notice the failure at different times: one waiting for a failed rank's
+            # tensor finds out only at its call's deadline. The others wait for it at the
+            # recovery's first barrier, so that wait may last up to ``wait_s``.
+            client = model.client
+            deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
+            try:
+                restored = model.recover()
+            finally:
+                client.timeout_s = deadline
             # a rank whose failed call was the last of a step another rank completed may find
             # the servers one step ahead of it: nothing to replay then
             report.replayed_steps += max(0, step - restored)

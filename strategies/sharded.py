@@ -339,6 +339,11 @@ class ServerShardedModel(ShardedModelBase):
         self._after_load()
         return self._step
 
+    def restart_collectives(self, epoch: int) -> None:
+        """After a failure left ranks at different collectives: numbering starts afresh in
+        ``epoch`` (the same on every rank)."""
+        self.client.restart_collectives(epoch)
+
     def abandon_step(self) -> None:
         """Drops a step that cannot finish (a server died): waits out pushes in flight,
         ignoring their errors, and forgets gradients pushed so far."""

@@ -24,7 +24,14 @@ import torch
 
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration, train_with_recovery
+from strategies import (
+    FSDPModel,
+    FSDPOptimizer,
+    HybridShardedModel,
+    HybridShardedOptimizer,
+    ShardingConfiguration,
+    train_with_recovery,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_AT, EVERY, W = 30, 12, 5, 2
@@ -91,13 +98,44 @@ class ServerProcess:
 
 
 @pytest.fixture()
-def cluster(tmp_path):
-    servers = [ServerProcess(free_port(), tmp_path / "snapshots") for _ in range(W)]
-    for s in servers:
-        s.start()
-    yield servers
-    for s in servers:
+def cluster_of(tmp_path):
+    """``cluster_of(n)``: n server processes sharing one snapshot directory."""
+    started: list[ServerProcess] = []
+
+    def start(n: int) -> list[ServerProcess]:
+        servers = [ServerProcess(free_port(), tmp_path / "snapshots") for _ in range(n)]
+        started.extend(servers)
+        for s in servers:
+            s.start()
+        return servers
+
+    yield start
+    for s in started:
         s.stop()
+
+
+@pytest.fixture()
+def cluster(cluster_of):
+    return cluster_of(W)
+
+
+def killer(server: ServerProcess, at: int):
+    """An ``on_step`` that SIGKILLs ``server`` when step ``at`` begins and restarts it at its
+    address on another thread; returns it, the event set at the kill and the restart times."""
+    killed = threading.Event()
+    restarted_after: list[float] = []
+
+    def on_step(step: int) -> None:
+        if step == at and not killed.is_set():
+            killed.set()
+            server.kill()
+            began = time.monotonic()
+            threading.Thread(
+                target=lambda: (server.start(), restarted_after.append(time.monotonic() - began)),
+                daemon=True,
+            ).start()
+
+    return on_step, killed, restarted_after
 
 
 def train(addresses, init, data, on_step=None, replicate_every=0):
@@ -142,22 +180,7 @@ def test_server_killed_mid_training_recovers(cluster, replicate_every):
 
     reference = train(addresses, init, data)
 
-    killed = threading.Event()
-    restarted_after: list[float] = []
-
-    def kill_server_1(step: int) -> None:
-        if step == KILL_AT and not killed.is_set():
-            killed.set()
-            cluster[1].kill()
-            began = time.monotonic()
-            threading.Thread(
-                target=lambda: (
-                    cluster[1].start(),
-                    restarted_after.append(time.monotonic() - began),
-                ),
-                daemon=True,
-            ).start()
-
+    kill_server_1, killed, restarted_after = killer(cluster[1], KILL_AT)
     recovered = train(addresses, init, data, on_step=kill_server_1, replicate_every=replicate_every)
     assert killed.is_set() and restarted_after, "the server was not killed and restarted"
     for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
@@ -175,6 +198,68 @@ def test_server_killed_mid_training_recovers(cluster, replicate_every):
         file=sys.stderr,
     )
     assert os.listdir(cluster[0].snapshot_dir)
+
+
+def train_3d(addresses, init, data, on_step=None):
+    """(pp, tp, dp) = (2, 2, 1) over 4 servers, each part on its own rank's server, with
+    recovery from snapshots every EVERY steps; returns (final state dict, report) per rank."""
+    job, run = f"recover3d-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
+
+    def rank(r: int):
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=4, run_id=run, timeout_s=15, retries=3
+        )
+        config = ShardingConfiguration(client, job=job)
+        net = GPT(CFG)
+        net.load_state_dict(init)
+        model = HybridShardedModel(net, config, 2, 2, 1, micro_batch_count=2)
+        HybridShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), config)
+
+        def step(s: int) -> float:
+            if on_step is not None and r == 0:
+                on_step(s)
+            return model.train_on_batch(data[s, :, :-1], data[s, :, 1:], max_grad_norm=1.0)
+
+        report = train_with_recovery(model, step, STEPS, checkpoint_every=EVERY, wait_s=60)
+        return model.state_dict(), report
+
+    with ThreadPoolExecutor(4) as pool:
+        return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(4)]]
+
+
+def test_3d_job_recovers_from_a_killed_server(cluster_of):
+    """Server 1 holds part pp0.tp1 alone (dp = 1) and the mailboxes and tensor-parallel
+    sums of rank 1: killed mid-training and restarted, it gets its part back from the newest
+    snapshot, every group's collectives restart, and training ends where it would have."""
+    torch.manual_seed(0)
+    init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+    data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(2))
+    cluster = cluster_of(4)
+    addresses = [s.address for s in cluster]
+    reference = train_3d(addresses, init, data)
+
+    kill_server_1, killed, restarted_after = killer(cluster[1], KILL_AT)
+    recovered = train_3d(addresses, init, data, on_step=kill_server_1)
+    assert killed.is_set() and restarted_after, "the server was not killed and restarted"
+    for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
+        assert report.recoveries == 1
+        assert 0 <= report.replayed_steps <= EVERY
+        assert list(state) == list(ref_state)
+        for name, ref in ref_state.items():
+            assert torch.allclose(state[name], ref, rtol=0, atol=1e-6), name
+    print(
+        f"3D recovery took {max(r.recovery_seconds[0] for _, r in recovered):.2f} s, replayed"
+        f" {max(r.replayed_steps for _, r in recovered)} steps"
+        f" (server restart {restarted_after[0]:.2f} s)",
+        file=sys.stderr,
+    )
+
+
+def test_3d_job_refuses_neighbour_replication():
+    client = ShardClient(ClusterSpec(["127.0.0.1:1"]), rank=0, world_size=2)
+    config = ShardingConfiguration(client, job="x", replicate_every=1)
+    with pytest.raises(ValueError, match="replicate_every=1.*checkpoint_every"):
+        HybridShardedModel(GPT(CFG), config, 2, 1, 1)
 
 
 def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
