@@ -11,6 +11,9 @@ so a non-loopback address needs no --insecure), and namespaces t0 and t1 each ru
 3. SIGKILLing s1's server mid-training and restarting it at the same address: the ranks'
    ``train_with_recovery`` restores the newest snapshot and replays, and the result equals the
    uninterrupted run (1e-6). The measured recovery time is printed.
+4. A 2-stage pipeline (``HybridShardedModel``, stage R on host tR): activations and their
+   gradients cross hosts through the receiver's server, and the result equals
+   single-process training too.
 """
 
 from __future__ import annotations
@@ -325,3 +328,16 @@ def test_server_killed_mid_training_recovers(
         )
     assert os.listdir(servers.snapshot_dir)
     assert_close_absolute(load_file(str(out)), uninterrupted)
+
+
+def test_pipeline_stages_on_two_hosts_equal_single_process(
+    netlab: NetLab, shared: Shared, servers: Servers
+) -> None:
+    """Stage 0 on t0, stage 1 on t1: each activation goes from t0 to s1 (the receiver's
+    server), each gradient from t1 to s0, and each stage's ZeRO part stays on its own
+    server; the whole model, gathered by rank 0, is the single-process one."""
+    began = time.monotonic()
+    procs, out = start_trainers(netlab, shared, servers, "pipeline", "--pipeline")
+    finish(procs)
+    report("2-stage pipeline run (launch to exit)", time.monotonic() - began)
+    assert_close_relative(load_file(str(out)), shared.reference)

@@ -3,6 +3,8 @@
 FSDP over the shard servers of ``PARAMSHARD_SERVERS`` (RANK, WORLD_SIZE, PARAMSHARD_RUN and
 PARAMSHARD_TOKEN come from the launcher) trains a tiny GPT with AdamW and global-norm clipping
 on data that is a function of the step number only, so a replayed step sees the same batch.
+``--pipeline``: the GPT is cut into one pipeline stage per rank instead
+(``HybridShardedModel``, 2 micro-batches), each rank computing its own stage on its own host.
 Rank 0 writes ``model.state_dict()`` to ``--out`` (safetensors) and every rank prints one
 ``RESULT {json}`` line (timings, recoveries).
 
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from examples.gpt import GPT, Block, GPTConfig, lm_loss, param_groups
 
 CFG = GPTConfig.tiny(vocab_size=50, bias=False)
 WORLD = 2
@@ -42,8 +44,8 @@ def batch(step: int) -> torch.Tensor:
     return torch.randint(0, CFG.vocab_size, (BATCH, SEQ + 1), generator=g)
 
 
-def make_optimizer(net: GPT) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(net.param_groups(0.1), lr=LR)
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(param_groups(params, 0.1), lr=LR)
 
 
 def initial_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -56,7 +58,7 @@ def train_single(init: dict[str, torch.Tensor], steps: int) -> dict[str, torch.T
     """The reference: one process, the whole batch, plain torch."""
     net = GPT(CFG)
     net.load_state_dict(init)
-    opt = make_optimizer(net)
+    opt = make_optimizer(net.parameters())
     for s in range(steps):
         data = batch(s)
         loss = lm_loss(net(data[:, :-1]), data[:, 1:])
@@ -77,7 +79,14 @@ def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file, save_file
 
     from client import ShardClient
-    from strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration, train_with_recovery
+    from strategies import (
+        FSDPModel,
+        FSDPOptimizer,
+        HybridShardedModel,
+        HybridShardedOptimizer,
+        ShardingConfiguration,
+        train_with_recovery,
+    )
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--init", required=True, help="initial state dict (safetensors)")
@@ -85,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", required=True)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--recovery", action="store_true", help="use train_with_recovery")
+    p.add_argument("--pipeline", action="store_true", help="one pipeline stage per rank")
     p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--retries", type=int, default=5)
     p.add_argument("--timeout", type=float, default=30.0)
@@ -101,8 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     config = ShardingConfiguration(client, job=args.job, timeout_s=args.timeout)
     net = GPT(CFG)
     net.load_state_dict(load_file(args.init))
-    model = FSDPModel(net, config, wrap=(Block,))
-    opt = FSDPOptimizer(make_optimizer(net), config)
+    if args.pipeline:  # every rank a stage: the whole batch goes through the pipeline
+        model = HybridShardedModel(net, config, world, 1, 1, micro_batch_count=2)
+        opt = HybridShardedOptimizer(make_optimizer(model.parameters()), config)
+    else:
+        model = FSDPModel(net, config, wrap=(Block,))
+        opt = FSDPOptimizer(make_optimizer(net.parameters()), config)
     markers = Path(args.marker_dir) if args.marker_dir else None
     step_seconds: dict[int, float] = {}
     paused = False
@@ -122,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
                         raise TimeoutError(f"no {go} within {PAUSE_LIMIT_S:.0f} s")
                     time.sleep(0.02)
                 t0 = time.monotonic()  # the step's time counts from the release
+        if args.pipeline:
+            data = batch(s)
+            loss = model.train_on_batch(data[:, :-1], data[:, 1:], max_grad_norm=CLIP)
+            step_seconds[s] = round(time.monotonic() - t0, 4)
+            return loss
         part = batch(s)[rank * per : (rank + 1) * per]
         loss = lm_loss(model(part[:, :-1]), part[:, 1:])
         loss.backward()
