@@ -17,9 +17,17 @@ from typing import Any
 from client.jobs import ServerJobs, server_jobs
 from client.rpc import Call, ShardClientError
 from client.shard_client import ShardClient
-from client.tensor_parts import PartsError, check_complete, find_parts, parse_part_job
+from client.tensor_parts import (
+    PartsError,
+    check_complete,
+    find_parts,
+    newest_complete_tag,
+    parse_part_job,
+    part_snapshots,
+    recorded_parts,
+)
 from protos import shard_pb2 as pb
-from protos.manifest import new_manifest
+from protos.manifest import new_manifest, restore_placement
 
 __all__ = [
     "snapshot",
@@ -132,20 +140,20 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
 
     Of a 3D job's base name: every part ``job.pp<s>.tp<t>`` at one version (the parts step in
     lockstep), each a snapshot of its own under ``tag``, committed once all are written;
-    returns a summary: job, tag, version, num_servers, parts.
+    returns a summary: job, tag, version, parts and each part's servers (in the cluster).
     """
     held = server_jobs(client)
     parts = find_parts(job, held.jobs) if job not in held.status else {}
     if parts:
         check_complete(job, parts)
         names = list(parts.values())
-        version, _ = _snapshot_jobs(held, names, tag, {"base": job, "parts": names})
+        version, manifests = _snapshot_jobs(held, names, tag, {"base": job, "parts": names})
         return {
             "job": job,
             "tag": tag,
             "version": version,
-            "num_servers": client.num_servers,
             "parts": names,
+            "servers": {name: manifests[name]["servers"] for name in names},
         }
     if job not in held.status:
         raise held.not_found(job)
@@ -164,33 +172,18 @@ def _snapshot_parts(
     ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job."""
     if job in held.status or any(r["job"] == job for r in rows):
         return {}, tag
-    by_tag: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
-    for r in rows:
-        parsed = parse_part_job(r["job"])
-        if parsed is not None and parsed[0] == job:
-            by_tag.setdefault(r["tag"], {})[parsed[1], parsed[2]] = r
+    by_tag = part_snapshots(job, rows)
     if not by_tag:
         return {}, tag
     expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
     if tag == "latest":
-        complete = []
-        for t, found in by_tag.items():
-            try:
-                check_complete(job, found, expected)
-            except PartsError:
-                continue
-            complete.append((max((r["version"], r["created_unix"]) for r in found.values()), t))
-        if not complete:
-            raise PartsError(
-                f"job '{job}' has snapshots of its parts ({', '.join(sorted(by_tag))}) but none"
-                " with every part"
-            )
-        tag = max(complete)[1]
+        tag = newest_complete_tag(job, by_tag, expected)
     if tag not in by_tag:
         raise KeyError(
             f"job '{job}' has no snapshot '{tag}' of its parts; tags: {', '.join(sorted(by_tag))}"
         )
     found = by_tag[tag]
+    expected += recorded_parts(found.values())
     check_complete(job, found, expected, f"snapshot '{tag}' of job '{job}'")
     return {k: r["job"] for k, r in sorted(found.items())}, tag
 
@@ -203,9 +196,9 @@ def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> 
     live = held.placement(job)
     if live is not None:
         return live
-    if row is not None and row["cluster_servers"] == client.cluster_size:
-        if all(g in client.servers for g in row["servers"]):
-            return [client.servers.index(g) for g in row["servers"]]
+    home = None if row is None else restore_placement(row, client.cluster_size)
+    if home is not None and all(g in client.servers for g in home):
+        return [client.servers.index(g) for g in home]
     return list(range(client.num_servers))
 
 
@@ -283,6 +276,7 @@ def list_snapshots(
             "created_unix": s.created_unix,
             "servers": list(s.servers) or list(range(s.num_servers)),
             "cluster_servers": s.cluster_servers or s.num_servers,
+            **({"hybrid": {"parts": list(s.parts)}} if s.parts else {}),
         }
         for s in reply.snapshots
     ]

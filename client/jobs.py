@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from client.rpc import Call
+from client.rpc import ShardClientError
 from client.shard_client import ShardClient
 from client.tensor_parts import PartParam, check_complete, find_parts, join_parts
 from protos import shard_pb2 as pb
@@ -72,19 +72,20 @@ class ServerJobs:
     """What the servers of a client hold: each job's status and the servers of its slices."""
 
     client: ShardClient
-    replies: list[Any]  # every server's StatusReply, in server order
+    replies: list[Any]  # each server's StatusReply in server order; None: it did not answer
+    down: dict[int, str] = field(default_factory=dict)  # server -> why it did not answer
     status: dict[str, Any] = field(default_factory=dict)  # job -> JobStatus of one holder
-    slices: dict[str, dict[int, int]] = field(default_factory=dict)  # job -> slice -> server
+    claims: dict[str, dict[int, list[int]]] = field(default_factory=dict)  # slice -> servers
     counts: dict[str, set[int]] = field(default_factory=dict)  # job -> num_servers reported
 
     def __post_init__(self) -> None:
         n = self.client.num_servers
         for i, reply in enumerate(self.replies):
-            for j in reply.jobs:
+            for j in reply.jobs if reply is not None else ():
                 # a server that does not report its slice holds slice i of all n (older servers)
                 index, count = (j.server_index, j.num_servers) if j.num_servers else (i, n)
                 self.status.setdefault(j.job, j)
-                self.slices.setdefault(j.job, {})[index] = i
+                self.claims.setdefault(j.job, {}).setdefault(index, []).append(i)
                 self.counts.setdefault(j.job, set()).add(count)
 
     @property
@@ -93,30 +94,38 @@ class ServerJobs:
 
     def placement(self, job: str) -> list[int] | None:
         """The server (index in this client) of each slice of ``job`` in slice order; None
-        when some slice is on no server (a restarted server lost it) or holders disagree."""
-        counts, slices = self.counts.get(job, set()), self.slices.get(job, {})
+        unless every slice is on exactly one server and all agree on their number (a
+        restarted server lost its slice, or a job of that name is on other servers too)."""
+        counts, claims = self.counts.get(job, set()), self.claims.get(job, {})
         if len(counts) != 1:
             return None
         (count,) = counts
-        if sorted(slices) != list(range(count)):
+        if sorted(claims) != list(range(count)) or any(len(c) != 1 for c in claims.values()):
             return None
-        return [slices[k] for k in range(count)]
+        return [claims[k][0] for k in range(count)]
 
     def servers_of(self, job: str) -> list[int]:
-        """``placement``, or an error that says which slices are missing."""
+        """``placement``, or an error that says what does not fit."""
         if job not in self.status:
             raise self.not_found(job)
         found = self.placement(job)
-        if found is None:
-            held = ", ".join(
-                f"slice {k} on server {i}" for k, i in sorted(self.slices[job].items())
-            )
-            counts = " or ".join(str(c) for c in sorted(self.counts[job]))
+        if found is not None:
+            return found
+        claims = self.claims[job]
+        twice = {k: c for k, c in claims.items() if len(c) > 1}
+        if twice:
+            k, c = min(twice.items())
             raise RuntimeError(
-                f"job '{job}' is split into {counts} slices but the servers hold only {held}:"
-                " a server lost its slice (restarted?); restore a snapshot"
+                f"job '{job}': slice {k} is on servers {', '.join(map(str, c))}: a job of that"
+                " name was registered on two sets of servers; drop the stale one"
             )
-        return found
+        held = ", ".join(f"slice {k} on server {c[0]}" for k, c in sorted(claims.items()))
+        counts = " or ".join(str(c) for c in sorted(self.counts[job]))
+        down = "".join(f"; server {i} did not answer ({why})" for i, why in self.down.items())
+        raise RuntimeError(
+            f"job '{job}' is split into {counts} slices but the servers hold only {held}{down}:"
+            " a server lost its slice (restarted?) or is unreachable; restore a snapshot"
+        )
 
     def view(self, job: str) -> ShardClient:
         """The client on ``job``'s servers, slice i on server i."""
@@ -127,18 +136,38 @@ class ServerJobs:
 
     def versions(self, job: str) -> list[int]:
         """Every buffer version of ``job`` that any server reports."""
-        return [b.version for r in self.replies for j in r.jobs if j.job == job for b in j.buffers]
+        return [
+            b.version
+            for r in self.replies
+            if r is not None
+            for j in r.jobs
+            if j.job == job
+            for b in j.buffers
+        ]
 
     def not_found(self, job: str) -> KeyError:
         known = ", ".join(self.jobs) or "none"
         addresses = ", ".join(self.client.spec.addresses)
-        return KeyError(f"job '{job}' is not on the servers ({addresses}); jobs: {known}")
+        down = f" ({len(self.down)} did not answer)" if self.down else ""
+        return KeyError(f"job '{job}' is not on the servers ({addresses}){down}; jobs: {known}")
 
 
 def server_jobs(client: ShardClient) -> ServerJobs:
-    """Asks every server what it holds."""
-    n = client.num_servers
-    return ServerJobs(client, client.run(Call(i, "Status", pb.StatusRequest()) for i in range(n)))
+    """Asks every server what it holds. A server that does not answer only matters to the
+    jobs it holds a slice of (their placement is then incomplete); if none answers, the
+    error is raised."""
+    replies: list[Any] = []
+    down: dict[int, str] = {}
+    error: ShardClientError | None = None
+    for i in range(client.num_servers):
+        try:
+            replies.append(client.call(i, "Status", pb.StatusRequest()))
+        except ShardClientError as exc:
+            replies.append(None)
+            down[i], error = f"{exc.code.name}: {exc.details}", exc
+    if error is not None and len(down) == client.num_servers:
+        raise error
+    return ServerJobs(client, replies, down)
 
 
 def param_refs(status: Any) -> list[ParamRef]:

@@ -32,6 +32,9 @@ __all__ = [
     "parse_part_job",
     "find_parts",
     "check_complete",
+    "part_snapshots",
+    "recorded_parts",
+    "newest_complete_tag",
     "join_parts",
 ]
 
@@ -92,6 +95,51 @@ def check_complete(
             + ", ".join(part_job(base, s, t) for s, t in missing)
         )
     return stages, ranks
+
+
+def part_snapshots(base: str, rows: Iterable[Mapping]) -> dict[str, dict[tuple[int, int], Mapping]]:
+    """tag -> (stage, tensor rank) -> row, of the snapshot rows (``job``, ``tag``, ...) that
+    are of ``base``'s parts."""
+    by_tag: dict[str, dict[tuple[int, int], Mapping]] = {}
+    for r in rows:
+        parsed = parse_part_job(r["job"])
+        if parsed is not None and parsed[0] == base:
+            by_tag.setdefault(r["tag"], {})[parsed[1], parsed[2]] = r
+    return by_tag
+
+
+def recorded_parts(rows: Iterable[Mapping]) -> list[str]:
+    """Every part the snapshots ``rows`` (manifests, or snapshot listings) say their 3D job
+    had when they were taken (``{"hybrid": {"parts": [...]}}``)."""
+    out: set[str] = set()
+    for r in rows:
+        hybrid = r.get("hybrid")
+        parts = hybrid.get("parts") if isinstance(hybrid, Mapping) else None
+        if isinstance(parts, list):
+            out.update(p for p in parts if isinstance(p, str))
+    return sorted(out)
+
+
+def newest_complete_tag(
+    base: str, by_tag: Mapping[str, Mapping[tuple[int, int], Mapping]], expected: Iterable[str] = ()
+) -> str:
+    """The newest tag (by version, then time taken) of ``part_snapshots`` that has every part
+    (``check_complete``, with the parts its snapshots recorded and ``expected``): what "latest"
+    means for a 3D job. PartsError when none has."""
+    expected = list(expected)
+    complete = []
+    for tag, found in by_tag.items():
+        try:
+            check_complete(base, found, expected + recorded_parts(found.values()))
+        except PartsError:
+            continue
+        complete.append((max((r["version"], r["created_unix"]) for r in found.values()), tag))
+    if not complete:
+        raise PartsError(
+            f"job '{base}' has snapshots of its parts ({', '.join(sorted(by_tag))}) but none"
+            " with every part"
+        )
+    return max(complete)[1]
 
 
 @dataclass(frozen=True)

@@ -339,30 +339,38 @@ def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
     this server takes back its own slice and skips jobs it did not hold (a 3D job's parts live
     on their data-parallel groups' servers). With another ``--num-servers``, every job is
     resharded over all of them."""
+    from client.tensor_parts import PartsError, newest_complete_tag, parse_part_job, part_snapshots
     from protos import shard_pb2 as pb
-    from protos.manifest import recorded_placement
+    from protos.manifest import recorded_placement, restore_placement
     from server.errors import ShardError
 
     if not args.snapshot_dir or args.index is None:
         raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
     snaps = server.servicer.snapshots
-    jobs = sorted({m["job"] for m in snaps.list()}) if snaps.root.is_dir() else []
-    for job in jobs:
-        complete = {m["tag"]: m for m in snaps.list(job)}
-        tag = snaps.latest(job) if args.restore == "latest" else args.restore
+    listed = snaps.list() if snaps.root.is_dir() else []
+    for job in sorted({m["job"] for m in listed}):
+        complete = {m["tag"]: m for m in listed if m["job"] == job}
+        tag = args.restore
+        part = parse_part_job(job)
+        if tag == "latest" and part is not None:  # the newest tag every part of it has
+            try:
+                tag = newest_complete_tag(part[0], part_snapshots(part[0], listed))
+            except PartsError as exc:
+                raise CommandError(f"--restore latest of {job}: {exc}") from None
+        elif tag == "latest":
+            tag = snaps.latest(job)
         if tag not in complete:  # the restore below says what is wrong with it
             index, num = args.index, max(args.num_servers or 0, args.index + 1)
         else:
-            servers, cluster = recorded_placement(complete[tag])
-            if args.num_servers in (None, cluster) and args.index < cluster:
-                if args.index not in servers:
-                    print(
-                        f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True
-                    )
-                    continue
-                index, num = servers.index(args.index), len(servers)
+            size = args.num_servers or recorded_placement(complete[tag])[1]
+            home = restore_placement(complete[tag], size)
+            if home is None or args.index >= size:  # resharded over all (or refused below)
+                index, num = args.index, size
+            elif args.index in home:
+                index, num = home.index(args.index), len(home)
             else:
-                index, num = args.index, args.num_servers or cluster
+                print(f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True)
+                continue
         request = pb.RestoreRequest(job=job, tag=tag, server_index=index, num_servers=num)
         try:
             reply = server.servicer.restore(request, None)

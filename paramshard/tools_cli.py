@@ -112,10 +112,11 @@ def snapshot(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(manifest, indent=1))
     elif "parts" in manifest:  # a 3D job: one snapshot per (stage, tensor rank) part
+        shards = sorted({len(s) for s in manifest["servers"].values()})
         print(
             f"snapshot {args.job}/{args.tag}: version {manifest['version']},"
             f" {len(manifest['parts'])} parts ({', '.join(manifest['parts'])}),"
-            f" {manifest['num_servers']} shards each"
+            f" {' or '.join(map(str, shards))} shards each (their data-parallel group's servers)"
         )
     else:
         print(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-__all__ = ["FORMAT", "new_manifest", "recorded_placement"]
+__all__ = ["FORMAT", "new_manifest", "recorded_placement", "restore_placement"]
 
 FORMAT = "paramshard-snapshot/1"
 
@@ -58,3 +58,12 @@ def recorded_placement(manifest: dict[str, Any]) -> tuple[list[int], int]:
     ):
         return servers, cluster
     return list(range(n)), n
+
+
+def restore_placement(manifest: dict[str, Any], cluster_size: int) -> list[int] | None:
+    """Where a restore into a cluster of ``cluster_size`` servers puts the slices of a
+    snapshot (a manifest, or a ListSnapshots row): back on the servers that held them when the
+    cluster has the size it had (a restarted server gets its own slices back); None when it
+    has another size, and the job is resharded over every server."""
+    servers, cluster = recorded_placement(manifest)
+    return servers if cluster == cluster_size else None

@@ -511,7 +511,7 @@ class ListSnapshotsRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("job", "tag", "version", "num_servers", "created_unix", "servers", "cluster_servers")
+    __slots__ = ("job", "tag", "version", "num_servers", "created_unix", "servers", "cluster_servers", "parts")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -519,6 +519,7 @@ class SnapshotInfo(_message.Message):
     CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
     version: int
@@ -526,7 +527,8 @@ class SnapshotInfo(_message.Message):
     created_unix: float
     servers: _containers.RepeatedScalarFieldContainer[int]
     cluster_servers: int
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ..., servers: _Optional[_Iterable[int]] = ..., cluster_servers: _Optional[int] = ...) -> None: ...
+    parts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ..., servers: _Optional[_Iterable[int]] = ..., cluster_servers: _Optional[int] = ..., parts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListSnapshotsReply(_message.Message):
     __slots__ = ("snapshots",)

@@ -266,6 +266,12 @@ class ShardServicer:
             raise ShardError.invalid(
                 f"snapshot: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
             )
+        held = (slices[0].spec.server_index, slices[0].spec.num_servers)
+        if (req.server_index, req.num_servers) != held:
+            raise ShardError.precondition(
+                f"snapshot of job '{req.job}': this server holds slice {held[0]} of {held[1]},"
+                f" the request names shard {req.server_index} of {req.num_servers}"
+            )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
         timeout = self._timeout(context)
         try:  # every buffer asks first, so none can step past the version while we wait
@@ -332,6 +338,10 @@ class ShardServicer:
         infos = []
         for m in self.snapshots.list(req.job):
             servers, cluster = recorded_placement(m)
+            hybrid = m.get("hybrid")
+            parts = hybrid.get("parts") if isinstance(hybrid, dict) else None
+            if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+                parts = []
             infos.append(
                 pb.SnapshotInfo(
                     job=m["job"],
@@ -341,6 +351,7 @@ class ShardServicer:
                     created_unix=m["created_unix"],
                     servers=servers,
                     cluster_servers=cluster,
+                    parts=parts,
                 )
             )
         return pb.ListSnapshotsReply(snapshots=infos)

@@ -481,35 +481,8 @@ class BufferStore:
                     f" fit its shape {list(p.shape)}"
                 )
         with self._lock:
-            siblings = self._jobs.get(req.ref.job, {})
-            existing = siblings.get(req.ref.buffer)
-            other = next(iter(siblings.values()), None)
-        if other is not None and (other.spec.server_index, other.spec.num_servers) != (
-            req.server_index,
-            req.num_servers,
-        ):
-            raise ShardError.precondition(
-                f"{label}: job '{req.ref.job}' is on this server as slice"
-                f" {other.spec.server_index} of {other.spec.num_servers}, this buffer says"
-                f" {req.server_index} of {req.num_servers}: every buffer of a job has the same"
-                " servers"
-            )
+            existing = self._fitting(req, label)
         if existing is not None:
-            old = existing.spec
-            same = (
-                old.numel == req.numel
-                and old.num_servers == req.num_servers
-                and old.server_index == req.server_index
-                and old.contributors == req.contributors
-                and list(old.params) == list(req.params)
-                and old.optimizer.name == req.optimizer.name
-            )
-            if not same:
-                raise ShardError.precondition(
-                    f"{label} exists with another layout (numel {old.numel:,} over"
-                    f" {old.num_servers} servers, {old.contributors} contributors, optimizer"
-                    f" '{old.optimizer.name}'); drop the job first"
-                )
             return existing
         start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
         slice_numel = stop - start
@@ -535,9 +508,49 @@ class BufferStore:
             raise ShardError.exhausted(
                 f"{label}: cannot allocate {slice_numel * 4:,} bytes of parameters ({exc})"
             ) from None
-        with self._lock:
-            buffers = self._jobs.setdefault(req.ref.job, {})
-            return buffers.setdefault(req.ref.buffer, created)
+        with self._lock:  # again: another call may have registered meanwhile
+            existing = self._fitting(req, label)
+            if existing is not None:
+                return existing
+            self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
+            return created
+
+    def _fitting(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice | None:
+        """The buffer ``req`` registers again, None if it is new; FAILED_PRECONDITION when it
+        does not fit what the job holds here: every buffer of a job is the same slice of the
+        same number of servers (its placement), and a buffer keeps its layout. Called under
+        the store's lock."""
+        siblings = self._jobs.get(req.ref.job, {})
+        other = next(iter(siblings.values()), None)
+        if other is not None and (other.spec.server_index, other.spec.num_servers) != (
+            req.server_index,
+            req.num_servers,
+        ):
+            raise ShardError.precondition(
+                f"{label}: job '{req.ref.job}' is on this server as slice"
+                f" {other.spec.server_index} of {other.spec.num_servers}, this buffer says"
+                f" {req.server_index} of {req.num_servers}: every buffer of a job has the same"
+                " servers"
+            )
+        existing = siblings.get(req.ref.buffer)
+        if existing is None:
+            return None
+        old = existing.spec
+        same = (
+            old.numel == req.numel
+            and old.num_servers == req.num_servers
+            and old.server_index == req.server_index
+            and old.contributors == req.contributors
+            and list(old.params) == list(req.params)
+            and old.optimizer.name == req.optimizer.name
+        )
+        if not same:
+            raise ShardError.precondition(
+                f"{label} exists with another layout (numel {old.numel:,} over"
+                f" {old.num_servers} servers, {old.contributors} contributors, optimizer"
+                f" '{old.optimizer.name}'); drop the job first"
+            )
+        return existing
 
     def _job_bytes(self, job: str) -> int:
         with self._lock:
