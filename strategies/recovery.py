@@ -95,14 +95,21 @@ def train_with_recovery(
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
     report = RecoveryReport()
     epoch = 0
+
+    def checkpoint() -> None:
+        # A failure may leave a tag half-written (a 3D job's parts are committed one by
+        # one), so after a recovery the tags carry the epoch and are never reused.
+        suffix = f"-e{epoch}" if epoch else ""
+        model.save_checkpoint(f"{tag_prefix}-{model.step_count}{suffix}")
+
     if checkpoint_every and model.step_count % checkpoint_every == 0:
-        model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
+        checkpoint()
     while model.step_count < steps:
         step = model.step_count
         try:
             report.losses[step] = train_step(step)
             if checkpoint_every and model.step_count % checkpoint_every == 0:
-                model.save_checkpoint(f"{tag_prefix}-{model.step_count}")
+                checkpoint()
         except ShardClientError as exc:
             if exc.code not in RECOVERABLE or report.recoveries >= max_recoveries:
                 raise

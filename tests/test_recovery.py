@@ -200,10 +200,10 @@ def test_server_killed_mid_training_recovers(cluster, replicate_every):
     assert os.listdir(cluster[0].snapshot_dir)
 
 
-def train_3d(addresses, init, data, on_step=None):
+def train_3d(addresses, init, data, on_step=None, job=None):
     """(pp, tp, dp) = (2, 2, 1) over 4 servers, each part on its own rank's server, with
     recovery from snapshots every EVERY steps; returns (final state dict, report) per rank."""
-    job, run = f"recover3d-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
+    job, run = job or f"recover3d-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
     def rank(r: int):
         client = ShardClient(
@@ -239,8 +239,19 @@ def test_3d_job_recovers_from_a_killed_server(cluster_of):
     reference = train_3d(addresses, init, data)
 
     kill_server_1, killed, restarted_after = killer(cluster[1], KILL_AT)
-    recovered = train_3d(addresses, init, data, on_step=kill_server_1)
+    job = f"recover3d-{uuid.uuid4().hex[:6]}"
+    recovered = train_3d(addresses, init, data, on_step=kill_server_1, job=job)
     assert killed.is_set() and restarted_after, "the server was not killed and restarted"
+    # after the recovery, checkpoint tags carry the epoch: a tag some parts committed before
+    # the failure is never written again
+    from client import tools
+
+    c = ShardClient(ClusterSpec(addresses))
+    try:
+        tags = {r["tag"] for r in tools.list_snapshots(c, job, combine_parts=True)}
+    finally:
+        c.close()
+    assert {"auto-10", "auto-15-e1", "auto-30-e1"} <= tags, tags
     for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
         assert report.recoveries == 1
         assert 0 <= report.replayed_steps <= EVERY

@@ -18,6 +18,7 @@ import torch
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from server import ShardServer
+from server.app import LOCAL_SERVERS
 from strategies import (
     DDPModel,
     DDPOptimizer,
@@ -84,6 +85,7 @@ def train_sharded(
     servers share this process (else a rank calls the servers in-process directly)."""
     nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
+    assert local_calls or not set(addresses) & set(LOCAL_SERVERS)  # no in-process shortcut
     run, job = uuid.uuid4().hex[:8], f"numerics-{uuid.uuid4().hex[:8]}"
     model_cls, opt_cls = STRATEGIES[strategy]
 
