@@ -344,20 +344,24 @@ def test_restore_into_fresh_servers(trained, tmp_path, count):
             n.stop(0)
 
 
+def serve_restore(nodes: list[ShardServer], root: Path, tag: str) -> None:
+    """What ``paramshard serve --snapshot-dir root --restore tag --index i`` does at start,
+    on each of ``nodes`` (i its place in the list)."""
+    from paramshard.cli import _restore_at_start
+
+    for i, node in enumerate(nodes):
+        args = argparse.Namespace(snapshot_dir=str(root), restore=tag, index=i, num_servers=None)
+        _restore_at_start(node, args)
+
+
 def test_serve_restore_at_start_takes_back_only_its_own_parts(trained, tmp_path, capsys):
     """``serve --restore t1 --index I`` on each server of a new cluster of the old size: a
     server loads the slices it held of the parts it held, and skips the others."""
-    from paramshard.cli import _restore_at_start
-
     job, root = trained["job"], trained["root"]
     nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(root)).start() for _ in range(2)]
     addresses = [n.address for n in nodes]
     try:
-        for i, node in enumerate(nodes):
-            args = argparse.Namespace(
-                snapshot_dir=str(root), restore="t1", index=i, num_servers=None
-            )
-            _restore_at_start(node, args)
+        serve_restore(nodes, root, "t1")
         held = part_servers(addresses, job)
         for name, where in held.items():
             _, s, t = parse_part_job(name)
@@ -373,8 +377,6 @@ def test_serve_restore_at_start_takes_back_only_its_own_parts(trained, tmp_path,
 def test_serve_restore_latest_is_the_newest_tag_every_part_has(trained, tmp_path):
     """A newer snapshot of one part alone (the others' commits lost) is not "latest" of a 3D
     job: ``serve --restore latest`` gives every part the newest tag they all have."""
-    from paramshard.cli import _restore_at_start
-
     job, parts = trained["job"], trained["parts"]
     copy = tmp_path / "snaps"
     for part in parts:
@@ -387,11 +389,7 @@ def test_serve_restore_latest_is_the_newest_tag_every_part_has(trained, tmp_path
     nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(copy)).start() for _ in range(2)]
     addresses = [n.address for n in nodes]
     try:
-        for i, node in enumerate(nodes):
-            args = argparse.Namespace(
-                snapshot_dir=str(copy), restore="latest", index=i, num_servers=None
-            )
-            _restore_at_start(node, args)
+        serve_restore(nodes, copy, "latest")
         c = client_for(addresses)
         try:
             for i in range(2):
