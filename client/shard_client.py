@@ -97,7 +97,7 @@ class ShardClient(Collectives, FlatBuffers):
     def on_servers(self, servers: list[int]) -> ShardClient:
         """This client (same rank, world and run) on the servers ``servers`` only, in that
         order: server i of the result is server ``servers[i]`` here. A job held by some
-        servers only is driven through such a view (``client.tools``); channels and stubs are
+        servers only is driven through such a view (``client.jobs``); channels and stubs are
         shared, and collective numbering starts afresh."""
         view = ShardClient.__new__(ShardClient)
         view.__dict__.update(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protos import slicing
+from protos import manifest, slicing
 
 __all__ = [
     "PartsError",
@@ -111,13 +111,7 @@ def part_snapshots(base: str, rows: Iterable[Mapping]) -> dict[str, dict[tuple[i
 def recorded_parts(rows: Iterable[Mapping]) -> list[str]:
     """Every part the snapshots ``rows`` (manifests, or snapshot listings) say their 3D job
     had when they were taken (``{"hybrid": {"parts": [...]}}``)."""
-    out: set[str] = set()
-    for r in rows:
-        hybrid = r.get("hybrid")
-        parts = hybrid.get("parts") if isinstance(hybrid, Mapping) else None
-        if isinstance(parts, list):
-            out.update(p for p in parts if isinstance(p, str))
-    return sorted(out)
+    return sorted({p for r in rows for p in manifest.recorded_parts(r)})
 
 
 def newest_complete_tag(

@@ -7,9 +7,16 @@ servers restoring it and by offline export.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["FORMAT", "new_manifest", "recorded_placement", "restore_placement"]
+__all__ = [
+    "FORMAT",
+    "new_manifest",
+    "recorded_placement",
+    "recorded_parts",
+    "restore_placement",
+]
 
 FORMAT = "paramshard-snapshot/1"
 
@@ -67,3 +74,13 @@ def restore_placement(manifest: dict[str, Any], cluster_size: int) -> list[int] 
     has another size, and the job is resharded over every server."""
     servers, cluster = recorded_placement(manifest)
     return servers if cluster == cluster_size else None
+
+
+def recorded_parts(manifest: Mapping[str, Any]) -> list[str]:
+    """Of a 3D job's part snapshot: every part its job had when it was taken
+    (``{"hybrid": {"parts": [...]}}``, written by ``client.checkpoints``); [] otherwise."""
+    hybrid = manifest.get("hybrid")
+    parts = hybrid.get("parts") if isinstance(hybrid, Mapping) else None
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        return []
+    return list(parts)

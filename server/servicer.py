@@ -19,7 +19,7 @@ import grpc
 
 from protos import codec, slicing
 from protos import shard_pb2 as pb
-from protos.manifest import recorded_placement
+from protos.manifest import recorded_parts, recorded_placement
 from server import backend
 from server.errors import ShardError
 from server.replication import Replicator
@@ -338,10 +338,6 @@ class ShardServicer:
         infos = []
         for m in self.snapshots.list(req.job):
             servers, cluster = recorded_placement(m)
-            hybrid = m.get("hybrid")
-            parts = hybrid.get("parts") if isinstance(hybrid, dict) else None
-            if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
-                parts = []
             infos.append(
                 pb.SnapshotInfo(
                     job=m["job"],
@@ -351,7 +347,7 @@ class ShardServicer:
                     created_unix=m["created_unix"],
                     servers=servers,
                     cluster_servers=cluster,
-                    parts=parts,
+                    parts=recorded_parts(m),
                 )
             )
         return pb.ListSnapshotsReply(snapshots=infos)
