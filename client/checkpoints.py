@@ -246,8 +246,8 @@ def restore(client: ShardClient, job: str, tag: str = "latest", contributors: in
     if len(tags) != 1:
         raise RuntimeError(f"servers resolve {tag!r} to different snapshots {sorted(tags)}")
     resolved = tags.pop()
-    first = dict(zip([j for j in jobs for _ in servers[j]], checks, strict=True))
-    versions = {j: first[j].version for j in jobs}
+    owners = [j for j in jobs for _ in servers[j]]  # the job of each check, in call order
+    versions = {j: c.version for j, c in zip(owners, checks, strict=True)}
     if len(set(versions.values())) != 1:
         raise RuntimeError(
             f"the parts of snapshot '{job}/{resolved}' hold different versions"
