@@ -85,7 +85,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterBufferRequest(_message.Message):
-    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer")
+    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order")
     REF_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class RegisterBufferRequest(_message.Message):
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    MASTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     numel: int
     num_servers: int
@@ -100,7 +102,9 @@ class RegisterBufferRequest(_message.Message):
     contributors: int
     params: _containers.RepeatedCompositeFieldContainer[ParamEntry]
     optimizer: OptimizerSpec
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ...) -> None: ...
+    master_dtype: DType
+    arrival_order: bool
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
     __slots__ = ("slice_start", "slice_numel", "version", "initialized")
@@ -280,7 +284,7 @@ class StepReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotHeader(_message.Message):
-    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel")
+    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +294,7 @@ class SlotHeader(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_NUMEL_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
     key: str
     op: ReduceOp
     expected: int
@@ -299,7 +304,8 @@ class SlotHeader(_message.Message):
     chunk: Chunk
     contributor: int
     chunk_numel: int
-    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ...) -> None: ...
+    arrival_order: bool
+    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ..., arrival_order: _Optional[bool] = ...) -> None: ...
 
 class ContributeRequest(_message.Message):
     __slots__ = ("header", "data")
