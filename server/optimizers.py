@@ -1,4 +1,4 @@
-"""Server-side optimizers: torch.optim's update rules, run in place on flat fp32 shards.
+"""Server-side optimizers: torch.optim's update rules, run in place on flat shards.
 
 Each class reproduces the *single-tensor* CPU path of its torch.optim counterpart
 (``_single_tensor_sgd`` / ``_adam`` / ``_adagrad`` / ``_rmsprop`` in torch 2.13, the path
@@ -10,6 +10,11 @@ ATen's kernels fuse a multiply and an add into one FMA (``add`` with alpha, ``ad
 few float32 ulps; the remaining difference is ``sqrt``: torch's CPU build uses a vectorised
 (MKL) routine that is not correctly rounded (about 1 result in 6 is 1 ulp off), while
 NumPy/CuPy round correctly.
+
+float64 shards (the master of a float64 model) run the same formulas with every scalar a
+float64, as torch's kernels receive it for float64 tensors (``Scalar.to<double>``). Their
+multiply-adds are rounded twice (NumPy has no FMA and no wider type to emulate one with), which
+costs at most an ulp of float64 (1e-16) per operation: far below any bound a float64 test sets.
 
 The server never imports torch. Array code goes through ``backend.xp`` looked up at call
 time (the backend can switch from NumPy to CuPy after import), using only operations the
@@ -32,9 +37,10 @@ class OptimizerError(ValueError):
     """Bad optimizer name, hyper-parameter, state array or step input."""
 
 
-def _f32(value: float) -> Any:
-    """A Python float as the float32 scalar torch's CPU kernel receives (``Scalar.to<float>``)."""
-    return backend.xp.float32(value)
+def _scalar(value: float, like: Any) -> Any:
+    """A Python float as the scalar torch's CPU kernel receives for a tensor like ``like``:
+    ``Scalar.to<float>`` for float32 (rounded), ``Scalar.to<double>`` for float64."""
+    return like.dtype.type(value)
 
 
 _CHUNK = 1 << 20  # bounds the float64 scratch of _fma to 8 MiB per temporary
@@ -49,8 +55,14 @@ def _fma(a: Any, b: Any, c: Any, out: Any) -> None:
     two float32 values is exact in float64, so one float64 add and the cast back give a
     correctly rounded FMA except for rare double-rounding cases. ``a`` is a float32 scalar
     or array; ``out`` may alias any input, as each chunk is read before it is written.
+    float64 has no wider type, so there it is a multiply and an add (see the module docstring).
     """
     xp = backend.xp
+    if out.dtype == xp.float64:
+        product = b * a
+        product += c
+        out[...] = product
+        return
     scalar = not hasattr(a, "shape") or a.shape == ()
     for lo in range(0, out.size, _CHUNK):
         hi = min(lo + _CHUNK, out.size)
@@ -65,31 +77,31 @@ def _add_scaled(dst: Any, src: Any, alpha: float) -> None:
     if alpha == 1.0:
         dst += src
     else:
-        _fma(_f32(alpha), src, dst, out=dst)
+        _fma(_scalar(alpha, dst), src, dst, out=dst)
 
 
 def _lerp(start: Any, end: Any, weight: float) -> None:
     """``start.lerp_(end, weight)`` as ATen's CPU ``lerp_vec`` computes it.
 
-    weight is rounded to float32; |w| < 0.5 gives fma(w, end-start, start), otherwise
-    fma(w-1, end-start, end) with w-1 computed in float32.
+    weight is rounded to the tensor's dtype; |w| < 0.5 gives fma(w, end-start, start),
+    otherwise fma(w-1, end-start, end) with w-1 computed in that dtype.
     """
-    w = _f32(weight)
+    w = _scalar(weight, start)
     diff = end - start
     if abs(w) < 0.5:
         _fma(w, diff, start, out=start)
     else:
-        _fma(w - backend.xp.float32(1.0), diff, end, out=start)
+        _fma(w - _scalar(1.0, start), diff, end, out=start)
 
 
 def _addcmul_sq(dst: Any, t: Any, value: float) -> None:
     """``dst.addcmul_(t, t, value=value)``: fma(fl32(value)*t, t, dst), ATen's order."""
-    _fma(t * _f32(value), t, dst, out=dst)
+    _fma(t * _scalar(value, dst), t, dst, out=dst)
 
 
 def _addcdiv(dst: Any, t1: Any, t2: Any, value: float) -> None:
     """``dst.addcdiv_(t1, t2, value=value)``: dst + (fl32(value)*t1)/t2 (no FMA: a division)."""
-    quotient = t1 * _f32(value)
+    quotient = t1 * _scalar(value, dst)
     quotient /= t2
     dst += quotient
 
@@ -107,8 +119,12 @@ class ServerOptimizer:
     flags: ClassVar[frozenset[str]] = frozenset()
     state_names: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, numel: int, hyper: Mapping[str, float]) -> None:
+    def __init__(self, numel: int, hyper: Mapping[str, float], dtype: Any = None) -> None:
         self.numel = self._count("numel", numel)
+        self.dtype = backend.xp.dtype(dtype or "float32")
+        """Dtype of the shard, its gradient and every state array: float32 or float64."""
+        if self.dtype not in (backend.xp.float32, backend.xp.float64):
+            raise OptimizerError(f"{self.name}: shards are float32 or float64, not {self.dtype}")
         self.hyper: dict[str, float] = self._validated({**self.defaults, **hyper})
         self.step_count = 0
         self._state: dict[str, Any] = {}
@@ -211,7 +227,7 @@ class ServerOptimizer:
                 raise OptimizerError(
                     f"{self.name}: state array {key!r} has {arr.size} elements, not {self.numel}"
                 )
-            loaded[key] = xp.array(arr, dtype=xp.float32).reshape(-1)
+            loaded[key] = xp.array(arr, dtype=self.dtype).reshape(-1)
         if step_count > 0 or loaded:
             missing = [n for n in self._required_state(self.hyper) if n not in loaded]
             if missing:
@@ -250,7 +266,7 @@ class ServerOptimizer:
         xp = backend.xp
         for k in (*self._required_state(self.hyper), key):
             if k not in self._state:
-                self._state[k] = xp.zeros(self.numel, dtype=xp.float32)
+                self._state[k] = xp.zeros(self.numel, dtype=self.dtype)
         self._state[key][offset : offset + n] = values
         self.step_count = step_count
 
@@ -267,15 +283,15 @@ class ServerOptimizer:
         """One optimizer step in place on ``param``; ``grad`` may be overwritten."""
         xp = backend.xp
         for what, arr in (("param", param), ("grad", grad)):
-            if arr.size != self.numel or arr.dtype != xp.float32:
+            if arr.size != self.numel or arr.dtype != self.dtype:
                 raise OptimizerError(
-                    f"{self.name}: {what} must be float32 with {self.numel} elements, "
+                    f"{self.name}: {what} must be {self.dtype} with {self.numel} elements, "
                     f"got {arr.dtype} with {arr.size}"
                 )
         if not self._initialized():  # torch's _init_group: zeros on the first step
             for key in self._required_state(self.hyper):
                 if key not in self._state:
-                    self._state[key] = xp.zeros(self.numel, dtype=xp.float32)
+                    self._state[key] = xp.zeros(self.numel, dtype=self.dtype)
         self.step_count += 1
         if self.hyper.get("maximize", 0.0):
             xp.negative(grad, out=grad)  # torch: grad = -grad
@@ -318,7 +334,7 @@ class SGD(ServerOptimizer):
                 buf = grad.copy()
                 self._state["momentum_buffer"] = buf
             else:
-                buf *= _f32(momentum)
+                buf *= _scalar(momentum, buf)
                 _add_scaled(buf, grad, 1 - h["dampening"])
             if h["nesterov"]:
                 _add_scaled(grad, buf, momentum)
@@ -331,7 +347,8 @@ class Adam(ServerOptimizer):
     """torch.optim.Adam (``_single_tensor_adam``, non-capturable branch).
 
     Bias corrections and step size are Python doubles as in torch; only the values passed
-    to kernels (step_size, sqrt of bias correction 2, eps, betas) are rounded to float32.
+    to kernels (step_size, sqrt of bias correction 2, eps, betas) are rounded to the shard's
+    dtype (float32 rounds them; float64 keeps them).
     """
 
     name = "adam"
@@ -356,11 +373,11 @@ class Adam(ServerOptimizer):
         exp_avg, exp_avg_sq = self._state["exp_avg"], self._state["exp_avg_sq"]
         if h["weight_decay"] != 0:
             if self.decoupled_weight_decay:
-                param *= _f32(1 - lr * h["weight_decay"])
+                param *= _scalar(1 - lr * h["weight_decay"], param)
             else:
                 _add_scaled(grad, param, h["weight_decay"])
         _lerp(exp_avg, grad, 1 - beta1)
-        exp_avg_sq *= _f32(beta2)
+        exp_avg_sq *= _scalar(beta2, exp_avg_sq)
         _addcmul_sq(exp_avg_sq, grad, 1 - beta2)
 
         step = float(self.step_count)  # torch keeps step as a float32 tensor, read via .item()
@@ -374,8 +391,8 @@ class Adam(ServerOptimizer):
             second = self._state["max_exp_avg_sq"]
             xp.maximum(second, exp_avg_sq, out=second)
         denom = xp.sqrt(second)
-        denom /= _f32(bias_correction2_sqrt)
-        denom += _f32(h["eps"])
+        denom /= _scalar(bias_correction2_sqrt, denom)
+        denom += _scalar(h["eps"], denom)
         _addcdiv(param, exp_avg, denom, -step_size)
 
 
@@ -412,7 +429,7 @@ class Adagrad(ServerOptimizer):
     def _init_state(self) -> None:
         xp = backend.xp
         init = self.hyper["initial_accumulator_value"]
-        self._state = {"sum": xp.full(self.numel, init, dtype=xp.float32)}
+        self._state = {"sum": xp.full(self.numel, init, dtype=self.dtype)}
 
     def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
         xp = backend.xp
@@ -423,7 +440,7 @@ class Adagrad(ServerOptimizer):
         clr = h["lr"] / (1 + (step - 1) * h["lr_decay"])
         _addcmul_sq(state_sum, grad, 1.0)
         std = xp.sqrt(state_sum)
-        std += _f32(h["eps"])
+        std += _scalar(h["eps"], std)
         _addcdiv(param, grad, std, -clr)
 
 
@@ -453,7 +470,7 @@ class RMSprop(ServerOptimizer):
         square_avg = self._state["square_avg"]
         if h["weight_decay"] != 0:
             _add_scaled(grad, param, h["weight_decay"])
-        square_avg *= _f32(alpha)
+        square_avg *= _scalar(alpha, square_avg)
         _addcmul_sq(square_avg, grad, 1 - alpha)
         if h["centered"]:
             grad_avg = self._state["grad_avg"]
@@ -463,10 +480,10 @@ class RMSprop(ServerOptimizer):
             xp.sqrt(avg, out=avg)
         else:
             avg = xp.sqrt(square_avg)
-        avg += _f32(h["eps"])
+        avg += _scalar(h["eps"], avg)
         if h["momentum"] > 0:
             buf = self._state["momentum_buffer"]
-            buf *= _f32(h["momentum"])
+            buf *= _scalar(h["momentum"], buf)
             _addcdiv(buf, grad, avg, 1.0)
             _add_scaled(param, buf, -h["lr"])
         else:
@@ -478,10 +495,13 @@ OPTIMIZERS: dict[str, type[ServerOptimizer]] = {
 }
 
 
-def make_optimizer(name: str, numel: int, hyper: Mapping[str, float]) -> ServerOptimizer:
-    """Build the optimizer registered under ``name`` (torch's lower-case class name)."""
+def make_optimizer(
+    name: str, numel: int, hyper: Mapping[str, float], dtype: Any = None
+) -> ServerOptimizer:
+    """Build the optimizer registered under ``name`` (torch's lower-case class name) for a
+    shard of ``dtype`` (float32 when None)."""
     cls = OPTIMIZERS.get(name)
     if cls is None:
         known = ", ".join(sorted(OPTIMIZERS))
         raise OptimizerError(f"unknown optimizer {name!r}; known optimizers: {known}")
-    return cls(numel, hyper)
+    return cls(numel, hyper, dtype)

@@ -8,6 +8,12 @@ all-gather halves of an all-reduce overlap.
 
 A contribution is identified by (key, chunk offset, contributor) and counted once; recently
 freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot.
+
+Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
+arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
+are in, and an early arrival waits as a copy in ``_Chunk.staged``. Float addition is not
+associative, so this is what makes two runs of the same training bitwise identical, as gloo's
+fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
 """
 
 from __future__ import annotations
@@ -26,13 +32,27 @@ _FORGET_AFTER = 65536  # freed keys remembered for late retries
 
 
 class _Chunk:
-    __slots__ = ("numel", "acc", "contributors", "readers")
+    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged")
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
         self.acc: Any = None
         self.contributors: set[int] = set()
         self.readers: set[int] = set()
+        self.head = 0  # rank-order sums: the next contributor to add
+        self.staged: dict[int, Any] = {}  # contributor -> its values, until ``head`` gets there
+
+    def nbytes(self) -> int:
+        held = 0 if self.acc is None else int(self.acc.nbytes)
+        return held + sum(int(v.nbytes) for v in self.staged.values())
+
+
+def _ordered(h: pb.SlotHeader) -> bool:
+    """Whether the contributions of this slot are added in contributor order. Two need no
+    order: a + b == b + a exactly in IEEE arithmetic; only the grouping of three or more can
+    change a sum."""
+    floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
+    return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
 
 
 class _Slot:
@@ -138,10 +158,13 @@ class SlotStore:
             chunk = slot.chunks.get(h.chunk.offset)
             if chunk is not None and h.contributor in chunk.contributors:
                 return True
+            ordered = _ordered(h)
+            early = ordered and (chunk.head if chunk is not None else 0) != h.contributor
             acc = None
-            if chunk is None or chunk.acc is None:
-                # The first contribution of a chunk becomes its accumulator. Its memory is
-                # reserved before anything changes, so a rejected contribution leaves no trace.
+            if early or chunk is None or chunk.acc is None:
+                # A chunk's first contribution becomes its accumulator, and in rank order an
+                # early one is kept aside. Its memory is reserved before anything changes, so
+                # a rejected contribution leaves no trace.
                 if h.op == pb.SET:
                     acc = backend.to_device(host.copy())
                 else:
@@ -162,7 +185,9 @@ class SlotStore:
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = _Chunk(h.chunk.numel)
-            if acc is not None:
+            if early:
+                chunk.staged[h.contributor] = acc
+            elif acc is not None:
                 chunk.acc = acc
             else:
                 values = arrays.to_compute(host, h.chunk.dtype)
@@ -172,6 +197,13 @@ class SlotStore:
                     backend.xp.maximum(chunk.acc, values, out=chunk.acc)
                 else:
                     backend.xp.minimum(chunk.acc, values, out=chunk.acc)
+            if ordered and not early:
+                chunk.head += 1
+                while chunk.head in chunk.staged:  # the ones that waited for this one
+                    kept = chunk.staged.pop(chunk.head)
+                    chunk.acc += kept
+                    self._release(int(kept.nbytes))
+                    chunk.head += 1
             chunk.contributors.add(h.contributor)
             if len(chunk.contributors) == h.expected:
                 if h.op == pb.MEAN and h.expected > 1:
@@ -187,6 +219,10 @@ class SlotStore:
                     f" limit of {self.max_bytes:,} bytes ({self._bytes:,} in use)"
                 )
             self._bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes -= nbytes
 
     def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
         """Waits for the chunk at ``req.offset`` to complete and returns it."""
@@ -239,7 +275,7 @@ class SlotStore:
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
         with self._lock:
-            self._bytes -= int(chunk.acc.nbytes)
+            self._bytes -= chunk.nbytes()
             if len(slot.freed) == slot.num_chunks():
                 self._slots.pop(slot.key, None)
                 self._freed[slot.key] = None
@@ -259,7 +295,5 @@ class SlotStore:
             keys = [k for k in self._slots if k.startswith(prefix)]
             for k in keys:
                 slot = self._slots.pop(k)
-                self._bytes -= sum(
-                    int(c.acc.nbytes) for c in slot.chunks.values() if c.acc is not None
-                )
+                self._bytes -= sum(c.nbytes() for c in slot.chunks.values())
         return len(keys)

@@ -225,11 +225,14 @@ class SnapshotDir:
         stop: int,
     ) -> np.ndarray:
         """Elements [start, stop) of a buffer's params (kind "params") or optimizer state
-        ("state.<name>"), gathered from the old shards holding them."""
+        ("state.<name>"), gathered from the old shards holding them, in the buffer's master
+        dtype (the manifest's ``master_dtype``; float32 for snapshots that predate it)."""
         folder = self.path(job, tag)
-        numel = manifest["buffers"][buffer]["numel"]
+        info = manifest["buffers"][buffer]
+        numel = info["numel"]
         old = manifest["num_servers"]
-        out = np.zeros(stop - start, dtype=np.float32)
+        dtype = np.float64 if info.get("master_dtype") == "float64" else np.float32
+        out = np.zeros(stop - start, dtype=dtype)
         for piece in slicing.pieces(numel, old, start, stop):
             file = folder / f"shard-{piece.server}-of-{old}.safetensors"
             try:

@@ -6,9 +6,15 @@ Wire semantics (DESIGN section 3):
 - A *contribution* is (step, contributor, micro-batch, chunk offset) and is added exactly once,
   so a client may retry any push.
 - When contributors x micro-batches contributions have covered the whole slice, the gradient is
-  *reduced*: micro-batches summed, contributors averaged (what DDP does). The optimizer then
+  *reduced*: micro-batches summed, contributors averaged (what DDP does). Unless the buffer was
+  registered with ``arrival_order``, the sum runs in (contributor, micro-batch) order whatever
+  order the pushes arrive in: a contribution whose predecessors are all in is added at once,
+  any other waits in staging memory until they are (``PendingStep``), so two runs of the same
+  training are bitwise identical, as with torch's gloo collectives. The optimizer then
   runs either at once (the pushes carried step arguments) or when a Step request arrives
   (global gradient clipping needs the norm first).
+- The master copy, the accumulator and the optimizer state are float64 for a buffer registered
+  with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (DESIGN section 3).
 Every check happens before any state changes, so a rejected request leaves the slice as it was.
 """
 
@@ -21,19 +27,32 @@ from typing import Any
 
 import numpy as np
 
-from protos import codec, slicing
 from protos import shard_pb2 as pb
+from protos import slicing
 from server import arrays, backend
 from server.errors import ShardError
 from server.optimizers import OptimizerError, ServerOptimizer, make_optimizer
 from server.snapshots import Captured
 
-__all__ = ["BufferSlice", "BufferStore"]
+__all__ = ["BufferSlice", "BufferStore", "master_dtype"]
+
+_MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
+
+
+def master_dtype(req: pb.RegisterBufferRequest) -> str:
+    """The master dtype a registration asks for: float64 for float64 models, else float32."""
+    return "float64" if req.master_dtype == pb.FLOAT64 else "float32"
 
 
 @dataclass
 class PendingStep:
-    """Gradient contributions of the step being accumulated."""
+    """Gradient contributions of the step being accumulated.
+
+    Rank-order reduction: contribution k = contributor * num_micro + micro is added to the
+    accumulator only after contributions 0..k-1 are complete, so every element sees the same
+    sequence of additions whatever the arrival order. ``head`` is the first incomplete one;
+    chunks of later ones wait in ``staged`` (copies) until ``head`` reaches them.
+    """
 
     step: int
     num_micro: int
@@ -42,6 +61,10 @@ class PendingStep:
     reduced: bool = False
     sum_squares: float | None = None
     param_sum_squares: list[float] | None = None
+    covered: dict[int, int] = field(default_factory=dict)  # contribution -> elements received
+    head: int = 0
+    staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
+    staged_bytes: int = 0
 
 
 class BufferSlice:
@@ -56,8 +79,10 @@ class BufferSlice:
         self.slice_numel = stop - self.start
         self.contributors = req.contributors
         self.optimizer = optimizer
-        self.master = backend.xp.zeros(self.slice_numel, dtype=backend.xp.float32)
-        self.grad: Any = None  # fp32 accumulator, allocated at the first push
+        self.dtype = optimizer.dtype  # float32, or float64 for a float64 model
+        self.arrival_order = req.arrival_order
+        self.master = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
+        self.grad: Any = None  # accumulator (master dtype), allocated at the first push
         self.version = 0
         self.written: dict[int, int] = {}  # SetParams chunks of the current version
         self.initialized = self.slice_numel == 0
@@ -105,7 +130,9 @@ class BufferSlice:
             )
 
     def bytes_by_kind(self) -> tuple[int, int, int]:
+        """(params, gradients: accumulator and staged contributions, optimizer state)."""
         grad = 0 if self.grad is None else int(self.grad.nbytes)
+        grad += self.pending.staged_bytes if self.pending is not None else 0
         return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
 
     # -- requests --------------------------------------------------------------------------
@@ -197,22 +224,41 @@ class BufferSlice:
                 self.check_step_args(h.step_args)
             # -- all checks passed: mutate --
             if self.grad is None:
-                self.grad = backend.xp.zeros(self.slice_numel, dtype=backend.xp.float32)
+                self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
             if not pending.received:
                 self.grad.fill(0)
-            o, n = h.chunk.offset, h.chunk.numel
-            self.grad[o : o + n] += arrays.to_compute(host, h.chunk.dtype)
-            pending.received[key] = n
-            pending.received_numel += n
+            self._accumulate(pending, h, arrays.to_compute(host, h.chunk.dtype))
+            pending.received[key] = h.chunk.numel
+            pending.received_numel += h.chunk.numel
             self.pending = pending
             if pending.received_numel == expected:
+                assert not pending.staged, "every contribution is complete, none may wait"
                 if self.contributors > 1:
-                    self.grad /= backend.xp.float32(self.contributors)
+                    self.grad /= self.dtype.type(self.contributors)
                 pending.reduced = True
                 if h.HasField("step_args"):
                     self._apply_step(h.step_args)
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
+
+    def _accumulate(self, pending: PendingStep, h: pb.PushGradHeader, values: Any) -> None:
+        """Adds a contribution chunk in rank order (or at once with ``arrival_order``)."""
+        o, n = h.chunk.offset, h.chunk.numel
+        k = h.contributor * pending.num_micro + h.micro
+        last = self.contributors * pending.num_micro
+        # With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly.
+        if self.arrival_order or k == pending.head or last <= 2:
+            self.grad[o : o + n] += values
+        else:
+            kept = values.copy()  # ``values`` may be a view of the request's bytes
+            pending.staged.setdefault(k, []).append((o, kept))
+            pending.staged_bytes += int(kept.nbytes)
+        pending.covered[k] = pending.covered.get(k, 0) + n
+        while pending.head < last and pending.covered.get(pending.head, 0) >= self.slice_numel:
+            pending.head += 1
+            for lo, kept in pending.staged.pop(pending.head, ()):
+                self.grad[lo : lo + kept.size] += kept
+                pending.staged_bytes -= int(kept.nbytes)
 
     def pull(self, req: pb.PullParamsRequest, timeout: float, encode: Any = None) -> Any:
         """(header, payload bytes), or ``encode(header, payload view)`` run under the lock (a
@@ -387,7 +433,9 @@ class BufferSlice:
     ) -> BufferSlice:
         """A slice rebuilt from a snapshot (the store swaps it in)."""
         try:
-            optimizer = make_optimizer(req.optimizer.name, len(params), dict(req.optimizer.hyper))
+            optimizer = make_optimizer(
+                req.optimizer.name, len(params), dict(req.optimizer.hyper), master_dtype(req)
+            )
             optimizer.load_state(state, step_count)
         except OptimizerError as exc:
             raise ShardError.precondition(
@@ -418,7 +466,7 @@ class BufferSlice:
         self.applied_param_sum_squares = (self.version, self._param_sum_squares())
         self.optimizer.update_hyper(dict(args.hyper))
         if args.clip_coef and args.clip_coef != 1.0:
-            self.grad *= backend.xp.float32(args.clip_coef)
+            self.grad *= self.dtype.type(args.clip_coef)
         if self.slice_numel:
             self.optimizer.step(self.master, self.grad)
         self.version += 1
@@ -462,6 +510,11 @@ class BufferStore:
             )
         if req.contributors == 0:
             raise ShardError.invalid(f"{label}: contributors must be at least 1")
+        if req.master_dtype not in _MASTER_DTYPES:
+            raise ShardError.invalid(
+                f"{label}: master_dtype must be FLOAT32 or FLOAT64 (for float64 models),"
+                f" got DType value {req.master_dtype}"
+            )
         for p in req.params:
             if (
                 any(d < 0 for d in p.shape)
@@ -487,7 +540,9 @@ class BufferStore:
         start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
         slice_numel = stop - start
         try:
-            optimizer = make_optimizer(req.optimizer.name, slice_numel, dict(req.optimizer.hyper))
+            optimizer = make_optimizer(
+                req.optimizer.name, slice_numel, dict(req.optimizer.hyper), master_dtype(req)
+            )
         except OptimizerError as exc:
             raise ShardError.invalid(f"{label}: {exc}") from None
         except (MemoryError, ValueError) as exc:
@@ -495,8 +550,8 @@ class BufferStore:
                 f"{label}: cannot allocate optimizer state for {slice_numel:,} elements ({exc})"
             ) from None
         if self.max_job_bytes:
-            # params + grad accumulator + up to three optimizer-state arrays, all fp32
-            need = slice_numel * 4 * 5 + self._job_bytes(req.ref.job)
+            # params + grad accumulator + up to three optimizer-state arrays, master dtype
+            need = slice_numel * optimizer.dtype.itemsize * 5 + self._job_bytes(req.ref.job)
             if need > self.max_job_bytes:
                 raise ShardError.exhausted(
                     f"{label}: job '{req.ref.job}' would need about {need:,} bytes on this server,"
@@ -506,7 +561,8 @@ class BufferStore:
             created = BufferSlice(req, optimizer)
         except (MemoryError, ValueError) as exc:
             raise ShardError.exhausted(
-                f"{label}: cannot allocate {slice_numel * 4:,} bytes of parameters ({exc})"
+                f"{label}: cannot allocate {slice_numel * optimizer.dtype.itemsize:,} bytes of"
+                f" parameters ({exc})"
             ) from None
         with self._lock:  # again: another call may have registered meanwhile
             existing = self._fitting(req, label)
@@ -543,12 +599,15 @@ class BufferStore:
             and old.contributors == req.contributors
             and list(old.params) == list(req.params)
             and old.optimizer.name == req.optimizer.name
+            and master_dtype(old) == master_dtype(req)
+            and old.arrival_order == req.arrival_order
         )
         if not same:
             raise ShardError.precondition(
                 f"{label} exists with another layout (numel {old.numel:,} over"
                 f" {old.num_servers} servers, {old.contributors} contributors, optimizer"
-                f" '{old.optimizer.name}'); drop the job first"
+                f" '{old.optimizer.name}', {master_dtype(old)} master,"
+                f" {'arrival' if old.arrival_order else 'rank'}-order sums); drop the job first"
             )
         return existing
 
@@ -591,7 +650,7 @@ class BufferStore:
                             numel=b.numel,
                             slice_start=b.start,
                             slice_numel=b.slice_numel,
-                            dtype=codec.dtype_name(pb.FLOAT32),
+                            dtype=str(b.dtype),
                             version=b.version,
                             initialized=b.initialized,
                             optimizer=b.optimizer.name,
