@@ -13,6 +13,7 @@ pulls in torch through it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "slice_sizes",
     "pieces",
     "chunk_ranges",
+    "overlapping",
     "tensor_parallel_ranges",
 ]
 
@@ -77,6 +79,16 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     if numel == 0:
         return [(0, 0)]
     return [(o, min(chunk_numel, numel - o)) for o in range(0, numel, chunk_numel)]
+
+
+def overlapping(ranges: Mapping[int, int], offset: int, numel: int) -> tuple[int, int] | None:
+    """The first of ``ranges`` (offset -> numel, disjoint) that shares an element with
+    [offset, offset + numel), as (offset, numel); None if there is none. Chunks of a slice must
+    cover it exactly once: counting sizes alone would take [0, 6) and [1, 7) for 8 elements."""
+    for start, length in ranges.items():
+        if length and numel and start < offset + numel and offset < start + length:
+            return start, length
+    return None
 
 
 def tensor_parallel_ranges(size: int, parts: int, index: int, packed: int = 1) -> list[range]:

@@ -20,6 +20,7 @@ Every check happens before any state changes, so a rejected request leaves the s
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ class PendingStep:
     sum_squares: float | None = None
     param_sum_squares: list[float] | None = None
     covered: dict[int, int] = field(default_factory=dict)  # contribution -> elements received
+    ranges: dict[int, dict[int, int]] = field(default_factory=dict)  # contribution -> chunks
     head: int = 0
     staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     staged_bytes: int = 0
@@ -149,6 +151,14 @@ class BufferSlice:
                 self.version = header.version
                 self.pending = None
             o, n = header.chunk.offset, header.chunk.numel
+            if self.written.get(o) != n:  # not a retry of a chunk written before
+                clash = slicing.overlapping(self.written, o, n)
+                if clash is not None:
+                    raise ShardError.invalid(
+                        f"{self.label}: SetParams chunk [{o:,}, {o + n:,}) overlaps chunk"
+                        f" [{clash[0]:,}, {clash[0] + clash[1]:,}) written for version"
+                        f" {self.version}; chunks must cover the slice exactly once"
+                    )
             arrays.to_compute(host, header.chunk.dtype, into=self.master[o : o + n])
             self.written[o] = n
             if sum(self.written.values()) >= self.slice_numel:
@@ -215,10 +225,15 @@ class BufferSlice:
                     duplicate=True, reduced=pending.reduced, version=self.version
                 )
             expected = self.contributors * pending.num_micro * self.slice_numel
-            if pending.received_numel + h.chunk.numel > expected:
+            k = h.contributor * pending.num_micro + h.micro
+            clash = slicing.overlapping(pending.ranges.get(k, {}), h.chunk.offset, h.chunk.numel)
+            if clash is not None:
+                o, n = h.chunk.offset, h.chunk.numel
                 raise ShardError.invalid(
-                    f"{self.label}: step {h.step} would receive more than {expected:,} elements"
-                    " (overlapping chunks)"
+                    f"{self.label}: step {h.step}, contributor {h.contributor}, micro-batch"
+                    f" {h.micro}: chunk [{o:,}, {o + n:,}) overlaps chunk"
+                    f" [{clash[0]:,}, {clash[0] + clash[1]:,}) pushed before; chunks must cover"
+                    " the slice exactly once"
                 )
             if h.HasField("step_args"):
                 self.check_step_args(h.step_args)
@@ -254,6 +269,7 @@ class BufferSlice:
             pending.staged.setdefault(k, []).append((o, kept))
             pending.staged_bytes += int(kept.nbytes)
         pending.covered[k] = pending.covered.get(k, 0) + n
+        pending.ranges.setdefault(k, {})[o] = n
         while pending.head < last and pending.covered.get(pending.head, 0) >= self.slice_numel:
             pending.head += 1
             for lo, kept in pending.staged.pop(pending.head, ()):
@@ -402,6 +418,11 @@ class BufferSlice:
                     f"version {version} to snapshot it",
                 )
                 if version not in self.captures:
+                    if self.version != version:  # SetParams/restore jumped past it
+                        raise ShardError.precondition(
+                            f"{self.label} moved from before version {version} to version"
+                            f" {self.version} without stepping through it; snapshot again"
+                        )
                     self._capture()
                 return self.captures.pop(version)
             finally:
@@ -519,7 +540,7 @@ class BufferStore:
             if (
                 any(d < 0 for d in p.shape)
                 or p.offset + p.numel > req.numel
-                or int(np.prod(p.shape)) != p.numel
+                or math.prod(p.shape) != p.numel  # Python ints: no int64 overflow to 0
             ):
                 raise ShardError.invalid(
                     f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
