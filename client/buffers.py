@@ -55,12 +55,21 @@ class StepArgs:
 
 
 def _to_wire(values: np.ndarray, dtype: str) -> np.ndarray:
-    """fp32 values as the raw elements of a wire dtype."""
-    if dtype == "float32":
-        return np.ascontiguousarray(values, dtype=np.float32)
+    """Float values (float32 or float64) as the raw elements of a wire dtype. float64 goes
+    to float64 as it is; bfloat16 rounds once, from float32 values (as torch does)."""
     if dtype == "bfloat16":
         return codec.f32_to_bf16_bits(values)
-    return values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)))
+    return np.ascontiguousarray(values, dtype=codec.numpy_dtype(codec.wire_dtype(dtype)))
+
+
+def _master_wire(values: np.ndarray, dtype: str | None) -> str:
+    """The dtype ``set_params`` writes: ``dtype``, or float64 for a float64 array and float32
+    for everything else (a float32 master's dtype)."""
+    if dtype is not None:
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"set_params writes float32 or float64 values, got dtype={dtype!r}")
+        return dtype
+    return "float64" if values.dtype == np.float64 else "float32"
 
 
 class FlatBuffers(RpcCore):
@@ -80,8 +89,16 @@ class FlatBuffers(RpcCore):
         optimizer: str = "sgd",
         hyper: Mapping[str, float] | None = None,
         contributors: int | None = None,
+        master_dtype: str = "float32",
+        arrival_order: bool = False,
     ) -> list[pb.RegisterBufferReply]:
-        """Declares the buffer on every server (idempotent); returns each server's reply."""
+        """Declares the buffer on every server (idempotent); returns each server's reply.
+        ``master_dtype``: "float64" keeps the master copy, gradient sums and optimizer state
+        in float64 (float64 parameters), "float32" for every other dtype. ``arrival_order``:
+        sum gradient contributions as they arrive instead of in (contributor, micro) order
+        (not bitwise reproducible, no staging memory on the servers)."""
+        if master_dtype not in ("float32", "float64"):
+            raise ValueError(f"master_dtype must be 'float32' or 'float64', got {master_dtype!r}")
         entries = [
             pb.ParamEntry(
                 name=p.name,
@@ -112,6 +129,8 @@ class FlatBuffers(RpcCore):
                     contributors=contributors or self.world_size,
                     params=entries,
                     optimizer=spec,
+                    master_dtype=codec.wire_dtype(master_dtype),
+                    arrival_order=arrival_order,
                 ),
             )
             for i in range(self.num_servers)
@@ -134,18 +153,22 @@ class FlatBuffers(RpcCore):
         version: int = 0,
         state: str = "",
         optimizer_steps: int = 0,
+        dtype: str | None = None,
     ) -> None:
-        """Writes the whole buffer's values (fp32) and sets every slice's version; with
-        ``state``, writes that optimizer state array instead (at the servers' current
-        ``version``) and sets the optimizer's step count."""
-        values = np.ascontiguousarray(flat, dtype=np.float32).reshape(-1)
+        """Writes the whole buffer's values and sets every slice's version; with ``state``,
+        writes that optimizer state array instead (at the servers' current ``version``) and
+        sets the optimizer's step count. The values travel as ``dtype`` ("float32" or
+        "float64", the buffer's master dtype); None: float64 for a float64 array, else
+        float32."""
+        wire = _master_wire(np.asarray(flat), dtype)
+        values = _to_wire(np.asarray(flat).reshape(-1), wire)
         ref = self._ref(job, buffer)
         calls = []
-        for server, local, glob, n in self._chunked(values.size, 0, values.size, 4):
+        for server, local, glob, n in self._chunked(values.size, 0, values.size, values.itemsize):
             header = pb.SetParamsHeader(
                 ref=ref,
                 version=version,
-                chunk=pb.Chunk(offset=local, numel=n, dtype=pb.FLOAT32),
+                chunk=pb.Chunk(offset=local, numel=n, dtype=codec.wire_dtype(wire)),
                 state=state,
                 optimizer_steps=optimizer_steps,
             )
@@ -171,10 +194,11 @@ class FlatBuffers(RpcCore):
         grads = flat.reshape(-1)
         total = start + grads.size if numel is None else numel
         wire = codec.wire_dtype(dtype)
+        itemsize = max(4, codec.numpy_dtype(wire).itemsize)  # chunks of float32 (or wider)
         ref = self._ref(job, buffer)
         args = step_args.to_pb() if step_args is not None else None
         calls = []
-        for server, local, glob, n in self._chunked(total, start, start + grads.size, 4):
+        for server, local, glob, n in self._chunked(total, start, start + grads.size, itemsize):
 
             def build(local: int = local, a: int = glob - start, n: int = n) -> tuple:
                 header = pb.PushGradHeader(

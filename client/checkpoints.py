@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from client.jobs import ServerJobs, server_jobs
+from client.jobs import ServerJobs, master_of, server_jobs
 from client.rpc import Call, ShardClientError
 from client.shard_client import ShardClient
 from client.tensor_parts import (
@@ -103,6 +103,7 @@ def _snapshot_jobs(
         buffers = {
             b.buffer: {
                 "numel": b.numel,
+                "master_dtype": master_of(b),
                 "contributors": b.contributors,
                 "optimizer": {"name": b.optimizer, "hyper": dict(b.hyper)},
                 "params": [_entry(p) for p in b.params],

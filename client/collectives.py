@@ -12,6 +12,11 @@ collectives stay on them.
 
 Every rank must call the collectives in the same order (as with torch.distributed): each call
 takes the next sequence number, and slot keys are ``<run>:<seq>/<part>``.
+
+Sums and means are reduced in contributor order whatever order contributions arrive in, so a
+result is bitwise reproducible (``deterministic``, the default); a client with
+``deterministic = False`` asks the servers to add in arrival order (no staging memory).
+Tensors keep their dtype end to end: float64 travels as float64.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from client.rpc import Call, RpcCore, ShardClientError
-from client.tensors import Flat, as_flat
+from client.tensors import as_flat, is_torch
 from protos import codec, slicing
 from protos import shard_pb2 as pb
 
@@ -30,6 +35,7 @@ __all__ = ["Collectives", "REDUCE_OPS"]
 
 SMALL_TENSOR_BYTES = 256 * 2**10  # all-reduces up to this size use one server
 REDUCE_OPS = {"sum": pb.SUM, "mean": pb.MEAN, "max": pb.MAX, "min": pb.MIN}
+_SUMS = (pb.SUM, pb.MEAN)  # the reductions whose result depends on the order of addition
 
 
 def _freed_slot(err: ShardClientError) -> bool:
@@ -42,6 +48,9 @@ class Collectives(RpcCore):
     world_size: int
     run_id: str
     rank_servers: list[int] | None
+    deterministic: bool = True
+    """Reduce in contributor order (bitwise reproducible); False: in arrival order. Groups
+    made from this client (``subgroup``, ``on_servers``) copy it when made."""
 
     def server_of(self, rank: int) -> int:
         """The index, among this client's servers, of rank ``rank``'s own server: ``rank mod
@@ -90,6 +99,7 @@ class Collectives(RpcCore):
                 chunk=pb.Chunk(offset=offset, numel=numel, dtype=wire),
                 contributor=self.rank if contributor is None else contributor,
                 chunk_numel=chunk_numel,
+                arrival_order=not self.deterministic and op in _SUMS,
             )
             yield Call(
                 server, "Contribute", (header, arr[offset : offset + numel]), retry_ok=_freed_slot
@@ -300,11 +310,12 @@ class Collectives(RpcCore):
 
 
 def _wrap_received(arr: np.ndarray, shape: tuple, dtype: str, like: Any) -> Any:
-    if like is not None:
-        template = as_flat(like)
-        return Flat(arr, dtype, shape, template._back).wrap(arr, shape)
-    if dtype == "bfloat16":
+    """The received elements in the sender's dtype (never converted), as a torch tensor on
+    ``like``'s device when ``like`` is one (or for bfloat16), else as a NumPy array."""
+    if dtype == "bfloat16" or (like is not None and is_torch(like)):
         import torch  # bfloat16 has no NumPy dtype
 
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).reshape(shape)
+        t = torch.from_numpy(arr.view(np.int16) if dtype == "bfloat16" else arr)
+        t = (t.view(torch.bfloat16) if dtype == "bfloat16" else t).reshape(shape)
+        return t.to(like.device) if like is not None and is_torch(like) else t
     return arr.reshape(shape)

@@ -31,7 +31,7 @@ def write_safetensors(
     items: Iterable[tuple[str, str, tuple[int, ...], Callable[[], np.ndarray]]],
     metadata: dict[str, str] | None = None,
 ) -> None:
-    """Streams tensors into a safetensors file: (name, dtype, shape, produce fp32 values).
+    """Streams tensors into a safetensors file: (name, dtype, shape, produce float values).
 
     The header (names, dtypes, shapes, offsets) is written first from the shapes alone, then
     each tensor's bytes as it is produced: memory stays about one tensor.

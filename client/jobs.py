@@ -61,6 +61,7 @@ class ParamRef:
     split_parts: int = 0
     split_index: int = 0
     split_packed: int = 0
+    master_dtype: str = "float32"  # its buffer's: "float64" (float64 parameters) or "float32"
 
     @property
     def numel(self) -> int:
@@ -186,10 +187,17 @@ def param_refs(status: Any) -> list[ParamRef]:
             p.split_parts,
             p.split_index,
             p.split_packed,
+            master_of(b),
         )
         for b in status.buffers
         for p in b.params
     ]
+
+
+def master_of(buffer: Any) -> str:
+    """A BufferStatus's master dtype: "float64" or "float32" (servers that predate float64
+    masters report "float32" or nothing)."""
+    return "float64" if buffer.dtype == "float64" else "float32"
 
 
 def job_params(client: ShardClient, job: str) -> list[ParamRef]:
@@ -232,7 +240,7 @@ class LiveParam:
     version: int
     buffer: str  # its buffer; of a 3D job's base name, the part jobs it is joined from
     servers: list[int]
-    produce: Callable[[], np.ndarray]  # flat fp32 values
+    produce: Callable[[], np.ndarray]  # flat values in the master dtype (float64 or float32)
 
 
 def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[str]]:
@@ -285,8 +293,9 @@ def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[st
 
 
 def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
-    """One full parameter (fp32), gathered from the servers holding its pieces; of a 3D job's
-    base name, joined from its tensor-parallel parts."""
+    """One full parameter (float64 for a float64 master, else float32), gathered from the
+    servers holding its pieces; of a 3D job's base name, joined from its tensor-parallel
+    parts."""
     params, jobs = live_params(client, job)
     for p in params:
         if name == p.name or name in p.aliases:
@@ -296,8 +305,19 @@ def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
 
 
 def pull_param(client: ShardClient, job: str, ref: ParamRef) -> np.ndarray:
-    out = np.empty(ref.numel, dtype=np.float32)
-    client.run(client.pull_calls(job, ref.buffer, out, 0, start=ref.offset, numel=ref.buffer_numel))
+    """``ref``'s values, flat, in its buffer's master dtype."""
+    out = np.empty(ref.numel, dtype=np.dtype(ref.master_dtype))
+    client.run(
+        client.pull_calls(
+            job,
+            ref.buffer,
+            out,
+            0,
+            dtype=ref.master_dtype,
+            start=ref.offset,
+            numel=ref.buffer_numel,
+        )
+    )
     return out
 
 

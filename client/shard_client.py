@@ -21,6 +21,9 @@ class ShardClient(Collectives, FlatBuffers):
 
     ``run_id`` names this run's collective slots: all ranks of one run must agree on it, and two
     runs on the same servers must differ (``paramshard launch`` sets ``PARAMSHARD_RUN``).
+    ``deterministic`` (default): sums and means of collectives are reduced in rank order,
+    bitwise reproducible; False: in arrival order (strategies set it from their
+    configuration's ``deterministic``).
     """
 
     def __init__(
@@ -34,6 +37,7 @@ class ShardClient(Collectives, FlatBuffers):
         retries: int = 5,
         max_in_flight: int = 8,
         chunk_bytes: int = 16 * 2**20,
+        deterministic: bool = True,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -54,6 +58,7 @@ class ShardClient(Collectives, FlatBuffers):
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
         self.run_id = run_id or os.environ.get("PARAMSHARD_RUN", "run")
+        self.deterministic = deterministic
 
     @classmethod
     def from_env(cls, **kw: Any) -> ShardClient:

@@ -138,7 +138,8 @@ def newest_complete_tag(
 
 @dataclass(frozen=True)
 class PartParam:
-    """One parameter as one part job holds it; ``read()`` gives its values (any shape, fp32)."""
+    """One parameter as one part job holds it; ``read()`` gives its values (any shape; in
+    its master dtype, float64 or float32)."""
 
     name: str
     shape: tuple[int, ...]
@@ -157,7 +158,8 @@ class PartParam:
 
 @dataclass(frozen=True)
 class WholeParam:
-    """One whole parameter of the model; ``produce()`` joins it (flat fp32)."""
+    """One whole parameter of the model; ``produce()`` joins it (flat, float64 for a float64
+    master, else float32)."""
 
     name: str
     shape: tuple[int, ...]
@@ -169,10 +171,12 @@ class WholeParam:
 
 def _join(shape: tuple[int, ...], dim: int, packed: int, parts: Sequence[PartParam]) -> np.ndarray:
     """The whole tensor from its tensor-parallel parts, one part in memory besides it."""
-    whole = np.empty(shape, dtype=np.float32)
+    whole: np.ndarray | None = None
     count = len(parts)
     for t, p in enumerate(parts):
-        values = np.asarray(p.read(), dtype=np.float32)
+        values = _read(p)
+        if whole is None:
+            whole = np.empty(shape, dtype=values.dtype)
         if values.size != math.prod(p.shape):
             raise PartsError(
                 f"'{p.name}' part {t}: read {values.size} values, its shape {list(p.shape)}"
@@ -188,11 +192,18 @@ def _join(shape: tuple[int, ...], dim: int, packed: int, parts: Sequence[PartPar
             take[dim] = slice(b * width, (b + 1) * width)
             whole[tuple(into)] = values[tuple(take)]
         del values
+    assert whole is not None  # a split parameter has at least one part
     return whole.reshape(-1)
 
 
+def _read(p: PartParam) -> np.ndarray:
+    """``p``'s values: float64 stays float64 (a float64 master), the rest float32."""
+    values = np.asarray(p.read())
+    return values if values.dtype == np.float64 else values.astype(np.float32, copy=False)
+
+
 def _flat(p: PartParam) -> np.ndarray:
-    values = np.asarray(p.read(), dtype=np.float32).reshape(-1)
+    values = _read(p).reshape(-1)
     if values.size != math.prod(p.shape):
         raise PartsError(
             f"'{p.name}': read {values.size} values, its shape {list(p.shape)} holds"

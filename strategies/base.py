@@ -27,6 +27,7 @@ from torch import nn
 
 from protos import slicing
 from strategies.config import ShardingConfiguration
+from strategies.layout import master_torch_dtype, to_master
 
 __all__ = ["ShardedModelBase", "owner_of"]
 
@@ -70,11 +71,14 @@ class ShardedModelBase(nn.Module):
         self.module = model
         self.config = config
         self.client = config.client
+        # collectives reduce in rank order unless the configuration says arrival order
+        self.client.deterministic = config.deterministic
         self.default_loss_function: Callable[[Any, Any], torch.Tensor] = _default_loss
         self.optimizer: Any = None  # the attached optimizer wrapper
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later
         self._shapes = {n: p.shape for n, p in self._named}
+        self._masters = {n: master_torch_dtype(p.dtype) for n, p in self._named}
         self._cache: torch.Tensor | None = None
         self._collect: dict[int, torch.Tensor] | None = None  # see _keep_local
         self._in_backward = False
@@ -121,7 +125,8 @@ class ShardedModelBase(nn.Module):
 
     # -- primitives each strategy provides -----------------------------------------------
     def _full_state(self) -> dict[str, torch.Tensor]:
-        """Full fp32 copies of the trainable parameters, by name (gathered if sharded)."""
+        """Full copies of the trainable parameters, by name (gathered if sharded), each in
+        its master dtype: float64 for float64 parameters, float32 for the rest."""
         raise NotImplementedError
 
     def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -191,11 +196,11 @@ class ShardedModelBase(nn.Module):
 
     # -- flat parameter vectors ----------------------------------------------------------
     def gather_full_parameters(self) -> torch.Tensor:
-        """All trainable parameters as one flat fp32 vector (named_parameters order); cached
-        until the parameters change."""
+        """All trainable parameters as one flat vector (named_parameters order), float64 if
+        any parameter is float64, else float32; cached until the parameters change."""
         if self._cache is None:
             state = self._full_state()
-            self._cache = torch.cat([state[n].reshape(-1).float() for n, _ in self._named])
+            self._cache = torch.cat([to_master(state[n]).reshape(-1) for n, _ in self._named])
         return self._cache
 
     def get_parameters(self) -> torch.Tensor:
@@ -211,7 +216,7 @@ class ShardedModelBase(nn.Module):
         tensors, offset = {}, 0
         for name, shape in self._named_shapes():
             n = shape.numel()
-            tensors[name] = vec[offset : offset + n].reshape(shape).float().clone()
+            tensors[name] = vec[offset : offset + n].reshape(shape).to(self._masters[name]).clone()
             offset += n
         self._load_full_state(tensors)
         self._invalidate()
@@ -225,9 +230,11 @@ class ShardedModelBase(nn.Module):
                 f"with_parameters: the model has {self.parameter_count:,} parameters,"
                 f" the vector has {vec.numel():,}"
             )
-        torch.nn.utils.vector_to_parameters(
-            vec.float(), [p for p in clone.parameters() if p.requires_grad]
-        )
+        with torch.no_grad():  # each parameter keeps its own dtype
+            offset = 0
+            for p in (p for p in clone.parameters() if p.requires_grad):
+                p.copy_(vec[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
         return clone
 
     def deep_copy(self) -> nn.Module:
@@ -244,7 +251,7 @@ class ShardedModelBase(nn.Module):
         clone = copy.deepcopy(self.module, memo)
         for n, p in clone.named_parameters():  # FSDP leaves freed (empty) storage behind
             if n in self._shapes:
-                p.data = torch.empty(self._shapes[n])
+                p.data = torch.empty(self._shapes[n], dtype=p.dtype)
         clone.load_state_dict(state)
         return clone
 
@@ -260,15 +267,18 @@ class ShardedModelBase(nn.Module):
         grads = self._local_gradients(run)
         return torch.cat(
             [
-                grads[n].reshape(-1).float() if n in grads else torch.zeros(s.numel())
+                to_master(grads[n]).reshape(-1)
+                if n in grads
+                else torch.zeros(s.numel(), dtype=self._masters[n])
                 for n, s in self._named_shapes()
             ]
         )
 
     def apply_gradients(self, gradients: torch.Tensor, learning_rate: float) -> None:
         """Plain SGD on the full vector: theta <- theta - lr * g (the seeds' ApplyGradients)."""
-        grads = torch.as_tensor(gradients).reshape(-1).float()
-        self.set_parameters(self.gather_full_parameters() - learning_rate * grads)
+        full = self.gather_full_parameters()
+        grads = torch.as_tensor(gradients).reshape(-1).to(full.dtype)
+        self.set_parameters(full - learning_rate * grads)
 
     # -- training and prediction -----------------------------------------------------------
     def predict(self, x: Any) -> Any:
@@ -319,7 +329,7 @@ class ShardedModelBase(nn.Module):
                 with torch.no_grad():
                     t.copy_(value)
             elif canonical not in tensors:
-                tensors[canonical] = value.float().clone()
+                tensors[canonical] = value.to(self._masters[canonical]).clone()
         if tensors:
             current = self._full_state() if len(tensors) < len(self._named) else {}
             self._load_full_state({**current, **tensors})

@@ -8,6 +8,12 @@ frozen: a configuration that was valid when built stays valid, and
 
 This module is pure logic: dtypes are names, not torch dtypes, and the client is only used
 for its ``rank`` and ``world_size``.
+
+Dtypes follow FSDP2's ``MixedPrecisionPolicy``: ``param_dtype`` / ``reduce_dtype`` None means
+"the parameters' own dtype class". A buffer's *master dtype* (``master_dtype``) is float64 for
+float64 parameters and float32 for every other floating dtype; the servers keep the master
+copy and optimizer state in it. ``param_dtype_for`` / ``reduce_dtype_for`` resolve the two
+fields for one buffer: the only place strategies read them.
 """
 
 from __future__ import annotations
@@ -21,11 +27,20 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 if TYPE_CHECKING:
     from client import ShardClient
 
-__all__ = ["ShardingConfiguration", "DType"]
+__all__ = ["ShardingConfiguration", "DType", "MasterDType", "master_dtype"]
 
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+MasterDType = Literal["float32", "float64"]
 _DTYPES: tuple[str, ...] = get_args(DType)
+_HALF = ("bfloat16", "float16")
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def master_dtype(dtype: str) -> MasterDType:
+    """The dtype class of parameters of dtype ``dtype`` (a name: "float64", "bfloat16", ...
+    or "torch.float64"): the dtype of their master copy, optimizer state and full-precision
+    wire. float64 stays float64; every other dtype has a float32 master."""
+    return "float64" if str(dtype).removeprefix("torch.") == "float64" else "float32"
 
 
 @dataclass(frozen=True)
@@ -45,10 +60,15 @@ class ShardingConfiguration:
     """Name of the training job on the servers; letters, digits, '_', '.', '-'."""
     bucket_size_bytes: int = 25 * 2**20
     """Gradient bucket size for DDP / ZeRO-2, like torch DDP's bucket_cap_mb (25 MiB)."""
-    param_dtype: DType = "float32"
-    """Dtype of gathered parameters used for compute (mixed precision)."""
-    reduce_dtype: DType = "float32"
-    """Dtype of gradients on the wire."""
+    param_dtype: DType | None = None
+    """Dtype of gathered parameters used for compute (mixed precision); None: the
+    parameters' own dtype class (float64 for float64 parameters, float32 otherwise)."""
+    reduce_dtype: DType | None = None
+    """Dtype of gradients on the wire; None: the parameters' own dtype class."""
+    deterministic: bool = True
+    """Reduce contributions in rank order (micro-batch order within a rank) whatever order
+    they arrive in, so two runs give bitwise identical results; False sums in arrival order
+    and needs no staging memory on the servers."""
     reshard_after_forward: bool = True
     """FSDP: free a unit's gathered parameters after its forward, gather again for backward."""
     prefetch: bool = True
@@ -71,6 +91,7 @@ class ShardingConfiguration:
             "enable_gradient_compression",
             "reshard_after_forward",
             "prefetch",
+            "deterministic",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -90,10 +111,10 @@ class ShardingConfiguration:
             )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value not in _DTYPES:
+            if value is not None and value not in _DTYPES:
                 raise ValueError(
                     f"ShardingConfiguration.{name} must be one of "
-                    f"{', '.join(_DTYPES)}, got {value!r}"
+                    f"{', '.join(_DTYPES)} or None (the parameters' own), got {value!r}"
                 )
         timeout = self.timeout_s
         if (
@@ -138,16 +159,27 @@ class ShardingConfiguration:
         return self.client.world_size
 
     @property
-    def effective_reduce_dtype(self) -> DType:
-        """Dtype gradients actually travel in: the one fact strategies should read.
+    def effective_reduce_dtype(self) -> DType | None:
+        """Dtype gradients actually travel in (None: each buffer's own dtype class; strategies
+        read ``reduce_dtype_for``, which resolves it).
 
         Compression means bfloat16 unless ``reduce_dtype`` already names a 16-bit type. This
         is derived rather than written back into ``reduce_dtype`` so that
         ``replace(config, enable_gradient_compression=False)`` really turns compression off.
         """
-        if self.enable_gradient_compression and self.reduce_dtype == "float32":
+        if self.enable_gradient_compression and self.reduce_dtype not in _HALF:
             return "bfloat16"
         return self.reduce_dtype
+
+    def param_dtype_for(self, dtype: str) -> DType:
+        """The dtype parameters of dtype class ``dtype`` (a buffer's master dtype, or any
+        parameter dtype name) are gathered in: ``param_dtype``, or that class when None."""
+        return _resolve(self.param_dtype, dtype)
+
+    def reduce_dtype_for(self, dtype: str) -> DType:
+        """The dtype gradients of parameters of dtype class ``dtype`` travel in:
+        ``effective_reduce_dtype``, or that class when None."""
+        return _resolve(self.effective_reduce_dtype, dtype)
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ShardingConfiguration:
@@ -175,7 +207,7 @@ class ShardingConfiguration:
         """For fast links (same host, datacenter network): spend bandwidth and memory.
 
         Large (100 MiB) buckets mean fewer round trips, whose fixed cost dominates on a fast
-        link; gradients stay float32 because compressing costs time and saves little; and
+        link; gradients stay in full precision because compressing costs time and saves little; and
         FSDP keeps parameters gathered after forward so backward does not fetch them again.
         """
         settings: dict[str, Any] = {
@@ -205,6 +237,15 @@ class ShardingConfiguration:
             "timeout_s": 600.0,
         }
         return cls(client, **{**settings, **overrides})
+
+
+def _resolve(choice: DType | None, dtype: str) -> DType:
+    """``choice`` for a buffer of dtype class ``master_dtype(dtype)``: None is the class
+    itself, and nothing is wider than it (float64 asked of a float32 master is float32)."""
+    master = master_dtype(dtype)
+    if choice is None or (choice == "float64" and master == "float32"):
+        return master
+    return choice
 
 
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:

@@ -2,9 +2,11 @@
 with backward (as torch DistributedDataParallel); the trainer's own torch optimizer steps.
 
 Buckets are filled in reverse parameter order (gradients arrive roughly in that order) up to
-``bucket_size_bytes``. When a bucket's last gradient is accumulated, its all-reduce starts on a
-single background thread (one thread, so every rank issues the collectives in the same order)
-while backward goes on; the end of backward waits for them and writes the averages back.
+``bucket_size_bytes``, one dtype class per bucket (float64 parameters' gradients travel as
+float64: ``config.reduce_dtype_for``). When a bucket's last gradient is accumulated, its
+all-reduce starts on a single background thread (one thread, so every rank issues the
+collectives in the same order) while backward goes on; the end of backward waits for them and
+writes the averages back. Collectives reduce in rank order (``config.deterministic``).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import torch
 from torch import nn
 
 from strategies.base import ShardedModelBase
-from strategies.config import ShardingConfiguration
+from strategies.config import ShardingConfiguration, master_dtype
+from strategies.layout import to_master, torch_dtype
 
 __all__ = ["DDPModel"]
-
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
 class _Bucket:
+    master: str  # the dtype class of its parameters: "float64" or "float32"
     params: list[nn.Parameter]
     ready: set[int] = field(default_factory=set)
     future: Future | None = None
@@ -43,18 +45,24 @@ class DDPModel(ShardedModelBase):
         self._sync = True
         params = [p for _, p in self._named]
         # every replica starts from rank 0's values (torch DDP broadcasts them too)
-        flat = torch.nn.utils.parameters_to_vector([p.detach() for p in params])
-        torch.nn.utils.vector_to_parameters(self.client.broadcast(flat, src=0), params)
+        flat = torch.cat([p.detach().reshape(-1) for p in params])  # the widest dtype
+        flat, offset = self.client.broadcast(flat, src=0), 0
+        with torch.no_grad():
+            for p in params:  # each keeps its own dtype
+                p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit, size = config.bucket_size_bytes, 0
         for p in reversed(params):
-            if not self._buckets or size + p.numel() * 4 > limit:
-                self._buckets.append(_Bucket([]))
+            master = master_dtype(p.dtype)
+            nbytes = p.numel() * torch_dtype(master).itemsize
+            if not self._buckets or size + nbytes > limit or self._buckets[-1].master != master:
+                self._buckets.append(_Bucket(master, []))
                 size = 0
             self._buckets[-1].params.append(p)
             self._bucket_of[id(p)] = self._buckets[-1]
-            size += p.numel() * 4
+            size += nbytes
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     @contextlib.contextmanager
@@ -78,9 +86,9 @@ class DDPModel(ShardedModelBase):
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
-        dtype = _TORCH_DTYPES[self.config.effective_reduce_dtype]
+        dtype = torch_dtype(self.config.reduce_dtype_for(bucket.master))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.detach().reshape(-1) for g in grads]).to(dtype)
+        flat = torch.cat([g.detach().reshape(-1).to(dtype) for g in grads])
         bucket.future = self._pool.submit(self.client.all_reduce, flat, "mean")
 
     def _finish(self, bucket: _Bucket) -> None:
@@ -88,7 +96,7 @@ class DDPModel(ShardedModelBase):
         bucket.ready.clear()
         if fut is None:
             return
-        averaged = fut.result().float()
+        averaged = fut.result().to(torch_dtype(bucket.master))
         offset = 0
         for p in bucket.params:
             n = p.numel()
@@ -117,7 +125,7 @@ class DDPModel(ShardedModelBase):
 
     # -- the strategy primitives -----------------------------------------------------------
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().clone() for n, p in self._named}
+        return {n: to_master(p).clone() for n, p in self._named}
 
     def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, flat_views
+from strategies.layout import BufferSpec, flat_views, torch_dtype
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["FSDPModel", "ZeRO3Model"]
@@ -85,7 +85,7 @@ class FSDPModel(ServerShardedModel):
             unit = by_unit[b.unit]
             unit.buffers.append(b)
             unit.params += b.params
-            unit.nbytes += b.numel * 4
+            unit.nbytes += b.numel * torch_dtype(b.master_dtype).itemsize
             for p in b.params:
                 self._unit_of[id(p)] = unit
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -180,11 +180,12 @@ class FSDPModel(ServerShardedModel):
 
     def _push_unit(self, unit: _Unit) -> None:
         for b in unit.buffers:
+            master = torch_dtype(b.master_dtype)
             grads = [
-                p.grad if p.grad is not None else torch.zeros(e.shape)
+                p.grad if p.grad is not None else torch.zeros(e.shape, dtype=master)
                 for p, e in zip(b.params, b.entries, strict=True)
             ]
-            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
             for p in b.params:
                 p.grad = None
             self._push_async(b, flat)

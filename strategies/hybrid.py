@@ -9,7 +9,7 @@ Composition (as torchtitan's parallelize step and Megatron-LM do it):
    g: partial sums all-reduced through the servers);
 4. the data group shards what is left, this (stage, tensor-rank)'s parameters, over its own
    servers ZeRO-1 style (ZeRO partitions over the N_d data-parallel ranks, arXiv 1910.02054):
-   one job per (stage, tensor rank), fp32 master and optimizer state on the servers of the
+   one job per (stage, tensor rank), master copy and optimizer state on the servers of the
    ranks that hold it, gradients averaged over the data-parallel replicas.
 
 Each group's client has its members' servers only (``ShardClient.subgroup``), so a mailbox
@@ -26,6 +26,7 @@ from torch import nn
 
 from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
+from strategies.layout import master_torch_dtype, norm_tensor, to_master
 from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.pipeline import PartitionName, PipelineParallelModel
 from strategies.schedules import ScheduleName
@@ -107,12 +108,14 @@ class HybridShardedModel(ShardedModelBase):
             timeout_s=config.timeout_s,
             reduce_dtype=config.reduce_dtype,
             param_dtype=config.param_dtype,
+            deterministic=config.deterministic,
         )
         self.replica = ZeRO1Model(self.stage, dp_config)
         # The servers' manifests say which tensors are tensor-parallel parts (export joins them).
         self.replica.param_splits = tensor_parallel_splits(self.stage, self.groups.tp)
         self._named = [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
         self._shapes = {n: p.shape for n, p in self._named}
+        self._masters = {n: master_torch_dtype(p.dtype) for n, p in self._named}
         for _, p in self._named:  # an optimizer on parameters() belongs to this wrapper
             _OWNERS[id(p)] = self
 
@@ -138,7 +141,7 @@ class HybridShardedModel(ShardedModelBase):
         batch's loss, the same on every rank."""
         loss = self.pipeline.train_step(x, y, self.default_loss_function)
         if self.data_parallel_size > 1:  # the global batch's loss: mean over the replicas
-            loss = self.groups.dp.all_reduce(torch.tensor([float(loss)]), "mean")[0]
+            loss = self.groups.dp.all_reduce(torch.tensor([loss], dtype=torch.float64), "mean")[0]
         return float(loss)
 
     def train_on_batch(self, x: Any, y: Any, max_grad_norm: float | None = None) -> float:
@@ -200,7 +203,7 @@ class HybridShardedModel(ShardedModelBase):
         total_sq = world.all_reduce(torch.tensor([mine], dtype=torch.float64), "sum")[0]
         total = math.sqrt(float(total_sq))
         replica._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
-        return torch.tensor(total)
+        return norm_tensor(total, (p.dtype for _, p in self._named))
 
     def synchronize_gradients(self) -> None:
         self.replica.synchronize_gradients()
@@ -217,7 +220,7 @@ class HybridShardedModel(ShardedModelBase):
         return {k: full[k] for k in self.pipeline._full_keys if k in full}
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return {n: t.float() for n, t in self.state_dict().items()}
+        return {n: to_master(t) for n, t in self.state_dict().items()}
 
     def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(tensors, strict=False)

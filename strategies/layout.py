@@ -8,7 +8,11 @@ one set of hyperparameters per buffer. Server i then holds slice i of every buff
 buffer is cut into slices is ``protos.slicing``'s job, not this module's.
 
 Buffers are named ``"<unit>#g<group index>"``, e.g. ``"root#g0"`` or ``"blocks.3#g1"``, where
-the group index is the position of the param group in the optimizer's list. ``manifest()``
+the group index is the position of the param group in the optimizer's list. A buffer has one
+master dtype (``config.master_dtype``: float64 for float64 parameters, float32 for the rest),
+so a (unit, group) whose parameters mix float64 with other dtypes is split in two: the others
+keep that name and the float64 ones are ``"<unit>#g<group index>.f64"``; a (unit, group) of
+float64 parameters only is one float64 buffer under the plain name. ``manifest()``
 describes the buffers in JSON so that anyone can rebuild full tensors from the slices
 without the model's code.
 """
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.config import MasterDType, master_dtype
+
 __all__ = [
     "ROOT",
     "ParamEntry",
@@ -33,6 +39,10 @@ __all__ = [
     "flat_views",
     "manifest",
     "buffers_from_manifest",
+    "torch_dtype",
+    "master_torch_dtype",
+    "to_master",
+    "norm_tensor",
 ]
 
 ROOT = "root"
@@ -64,7 +74,8 @@ class BufferSpec:
     """One flat buffer: the parameters of one param group inside one unit."""
 
     name: str
-    """``"<unit>#g<group_index>"``: the name the servers know the buffer by."""
+    """``"<unit>#g<group_index>"`` (``".f64"`` appended for the float64 part of a mixed
+    group): the name the servers know the buffer by."""
     unit: str
     """Module path of the unit ("blocks.0"), or "root"."""
     group_index: int
@@ -75,6 +86,9 @@ class BufferSpec:
     """Total number of elements (the sum of the entries)."""
     params: list[nn.Parameter] = field(default_factory=list, repr=False, compare=False)
     """The live parameters, one per entry; empty when rebuilt from a manifest."""
+    master_dtype: MasterDType = "float32"
+    """Dtype of the servers' master copy and optimizer state: "float64" for float64
+    parameters, "float32" for every other dtype."""
 
 
 def plan_units(
@@ -228,7 +242,8 @@ def plan_buffers(
     units: Sequence[tuple[str, nn.Module]],
     param_groups: Sequence[Iterable[nn.Parameter] | Mapping[str, Any]] | None = None,
 ) -> list[BufferSpec]:
-    """One buffer per (unit, param group) that has trainable parameters, units in order.
+    """One buffer per (unit, param group, master dtype) that has trainable parameters, units
+    in order (see the module docstring for the names of a mixed group's float64 part).
 
     ``param_groups`` is a list of parameter lists, or an optimizer's ``param_groups`` (dicts
     with "params"); None means one group of all parameters. Parameters with
@@ -241,15 +256,49 @@ def plan_buffers(
     for unit, _ in units:
         for g in sorted({groups[id(p)] for _, p in named if owners[id(p)] == unit}):
             chosen = [(n, p) for n, p in named if owners[id(p)] == unit and groups[id(p)] == g]
-            entries, offset = [], 0
-            for n, p in chosen:
-                dtype = str(p.dtype).removeprefix("torch.")
-                entries.append(ParamEntry(n, tuple(p.shape), dtype, offset, p.numel()))
-                offset += p.numel()
-            buffers.append(
-                BufferSpec(f"{unit}#g{g}", unit, g, entries, offset, [p for _, p in chosen])
-            )
+            masters = {master_dtype(p.dtype) for _, p in chosen}
+            for master in ("float32", "float64"):
+                if master not in masters:
+                    continue
+                mine = [(n, p) for n, p in chosen if master_dtype(p.dtype) == master]
+                mixed = master == "float64" and len(masters) > 1
+                name = f"{unit}#g{g}" + (".f64" if mixed else "")
+                buffers.append(_buffer(name, unit, g, mine, master))
     return buffers
+
+
+def _buffer(
+    name: str, unit: str, group: int, chosen: list[tuple[str, nn.Parameter]], master: MasterDType
+) -> BufferSpec:
+    entries, offset = [], 0
+    for n, p in chosen:
+        dtype = str(p.dtype).removeprefix("torch.")
+        entries.append(ParamEntry(n, tuple(p.shape), dtype, offset, p.numel()))
+        offset += p.numel()
+    return BufferSpec(name, unit, group, entries, offset, [p for _, p in chosen], master)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a dtype name ("float64", "bfloat16", ...)."""
+    return getattr(torch, name)
+
+
+def master_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """The master dtype of ``dtype``'s class as a torch dtype: float64 for float64, float32
+    for every other dtype (``config.master_dtype``)."""
+    return torch_dtype(master_dtype(dtype))
+
+
+def to_master(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, in its class's master dtype (float64 stays float64, the rest become
+    float32); ``t`` itself when it is already in it."""
+    return t.detach().to(master_torch_dtype(t.dtype))
+
+
+def norm_tensor(total: float, dtypes: Iterable[torch.dtype]) -> torch.Tensor:
+    """A global gradient norm as ``torch.nn.utils.clip_grad_norm_`` returns it: float64 when
+    any of the parameters' ``dtypes`` is, else float32."""
+    return torch.tensor(total, dtype=torch.float64 if torch.float64 in set(dtypes) else None)
 
 
 def flatten(
@@ -311,6 +360,7 @@ def manifest(buffers: Sequence[BufferSpec]) -> list[dict[str, Any]]:
             "unit": b.unit,
             "group_index": b.group_index,
             "numel": b.numel,
+            "master_dtype": b.master_dtype,
             "entries": [
                 {
                     "name": e.name,
@@ -344,6 +394,7 @@ def buffers_from_manifest(described: Sequence[Mapping[str, Any]]) -> list[Buffer
                 for e in d["entries"]
             ],
             numel=int(d["numel"]),
+            master_dtype=master_dtype(d.get("master_dtype", "float32")),
         )
         for d in described
     ]

@@ -340,6 +340,7 @@ class PipelineParallelModel(nn.Module):
             raise ValueError(f"micro_batch_count must be an int >= 1, got {micro_batch_count}")
         self.config = config
         self.pp = pp_client if pp_client is not None else config.client
+        self.pp.deterministic = config.deterministic  # before the tied group copies it
         self.stage_index, self.num_stages = self.pp.rank, self.pp.world_size
         self.micro_batch_count = micro_batch_count
         self.schedule_name = schedule = schedule_name(schedule)

@@ -1,8 +1,10 @@
-"""What ZeRO-1, ZeRO-2 and FSDP share: optimizer state and fp32 master on the servers.
+"""What ZeRO-1, ZeRO-2 and FSDP share: optimizer state and master copy on the servers.
 
 Each (unit, param group) is a flat buffer registered on every server with the torch optimizer's
 type and that group's hyper-parameters; server i owns slice i and runs the optimizer there
-(ZeRO, arXiv 1910.02054). One training step is:
+(ZeRO, arXiv 1910.02054). The master copy is float64 for float64 parameters and float32 for
+the rest (``BufferSpec.master_dtype``); gradients travel in ``config.reduce_dtype_for`` and
+parameters come back in ``config.param_dtype_for`` of each buffer. One training step is:
 
 1. gradients pushed (how and when is the strategy's business) for step ``_step``;
 2. optionally ``clip_grad_norm_``: each server reports its slices' sum of squares, every rank
@@ -26,7 +28,7 @@ from client import ParamInfo, StepArgs
 from protos import codec
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, plan_buffers, plan_units
+from strategies.layout import BufferSpec, norm_tensor, plan_buffers, plan_units, torch_dtype
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
@@ -67,11 +69,12 @@ def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def wire_to_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
-    """Pulled wire elements as an fp32 torch tensor (bf16 bits decoded)."""
+def wire_to_tensor(arr: np.ndarray, dtype: str, master: str = "float32") -> torch.Tensor:
+    """Pulled wire elements (bf16 as bits) as a torch tensor in the buffer's ``master`` dtype:
+    float64 for a float64 master, float32 otherwise."""
     if dtype == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).float()
-    return torch.from_numpy(arr).float()
+        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).to(torch_dtype(master))
+    return torch.from_numpy(arr).to(torch_dtype(master))
 
 
 class ServerShardedModel(ShardedModelBase):
@@ -142,6 +145,8 @@ class ServerShardedModel(ShardedModelBase):
                     )
                     for e, p in zip(b.entries, b.params, strict=True)
                 ],
+                master_dtype=b.master_dtype,
+                arrival_order=not self.config.deterministic,
             )
             versions |= {r.version for r in replies}
             initialized &= all(r.initialized for r in replies)
@@ -154,7 +159,8 @@ class ServerShardedModel(ShardedModelBase):
         self._step = versions.pop() if initialized and versions else 0
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
-                flat = torch.cat([p.detach().reshape(-1).float() for p in b.params])
+                master = torch_dtype(b.master_dtype)  # set_params writes float64 as float64
+                flat = torch.cat([p.detach().reshape(-1).to(master) for p in b.params])
                 self.client.set_params(job, b.name, flat.numpy(), version=0)
         if self.config.replicate_every and self.rank == 0:
             from client import tools
@@ -167,19 +173,20 @@ class ServerShardedModel(ShardedModelBase):
 
     # -- pulling ------------------------------------------------------------------------------
     def _pull(self, buffers: list[BufferSpec], version: int) -> dict[str, torch.Tensor]:
-        """Each buffer's full values at ``version`` (waits for it), as fp32 tensors."""
-        dtype = self.config.param_dtype
+        """Each buffer's full values at ``version`` (waits for it), gathered in the buffer's
+        ``param_dtype_for`` and returned in its master dtype."""
         outs, calls = {}, []
         for b in buffers:
+            dtype = self.config.param_dtype_for(b.master_dtype)
             arr = np.empty(b.numel, dtype=codec.numpy_dtype(codec.wire_dtype(dtype)))
             calls += self.client.pull_calls(self.config.job, b.name, arr, version, dtype=dtype)
-            outs[b.name] = arr
+            outs[b.name] = (arr, dtype, b.master_dtype)
         self.client.run(calls)
-        return {name: wire_to_tensor(arr, dtype) for name, arr in outs.items()}
+        return {name: wire_to_tensor(*pulled) for name, pulled in outs.items()}
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if not self.registered:
-            return {n: p.detach().float().clone() for n, p in self._named}
+            return {n: p.detach().to(self._masters[n]).clone() for n, p in self._named}
         flats = self._pull(self._buffers, self._step)
         out = {}
         for b in self._buffers:
@@ -194,7 +201,8 @@ class ServerShardedModel(ShardedModelBase):
                     p.copy_(tensors[n])
             return
         for b in self._buffers:
-            flat = torch.cat([tensors[e.name].reshape(-1).float() for e in b.entries])
+            master = torch_dtype(b.master_dtype)
+            flat = torch.cat([tensors[e.name].detach().reshape(-1).to(master) for e in b.entries])
             self.client.set_params(self.config.job, b.name, flat.numpy(), version=self._step)
         self._after_load()
 
@@ -207,11 +215,11 @@ class ServerShardedModel(ShardedModelBase):
         calls = self.client.push_calls(
             self.config.job,
             b.name,
-            grads.detach().float().numpy(),
+            grads.detach().to(torch_dtype(b.master_dtype)).numpy(),
             self._step,
             micro=self._micro,
             num_micro=self._num_micro(),
-            dtype=self.config.effective_reduce_dtype,
+            dtype=self.config.reduce_dtype_for(b.master_dtype),
             start=start,
             numel=b.numel,
         )
@@ -255,7 +263,7 @@ class ServerShardedModel(ShardedModelBase):
         )
         total = math.sqrt(sum(sums))
         self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
-        return torch.tensor(total)
+        return norm_tensor(total, (p.dtype for _, p in self._named))
 
     def _optimizer_step(self) -> None:
         self._ensure_reduced()
@@ -381,8 +389,10 @@ class ServerShardedModel(ShardedModelBase):
         calls = []
         for b in self._buffers:
             for key in info[b.name][0]:
-                arr = arrays[b.name, key] = np.empty(b.numel, dtype=np.float32)
-                calls += self.client.pull_calls(self.config.job, b.name, arr, self._step, state=key)
+                arr = arrays[b.name, key] = np.empty(b.numel, dtype=np.dtype(b.master_dtype))
+                calls += self.client.pull_calls(
+                    self.config.job, b.name, arr, self._step, dtype=b.master_dtype, state=key
+                )
         self.client.run(calls)
         out: dict[int, dict[str, torch.Tensor]] = {}
         for b in self._buffers:
@@ -418,7 +428,7 @@ class ServerShardedModel(ShardedModelBase):
                 )
             count = steps.pop() if steps else (self._step if keys else 0)
             for key in keys:
-                flat = torch.zeros(b.numel)
+                flat = torch.zeros(b.numel, dtype=torch_dtype(b.master_dtype))
                 for e, st in zip(b.entries, present, strict=True):
                     value = st.get(key)
                     if value is None:
@@ -428,7 +438,7 @@ class ServerShardedModel(ShardedModelBase):
                             f"load_optimizer_state: state '{key}' of '{e.name}' has shape"
                             f" {list(value.shape)}, the parameter {list(e.shape)}"
                         )
-                    flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1).float()
+                    flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1)
                 writes.append((b.name, key, flat, count))
         if self.rank == 0:
             for name, key, flat, count in writes:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
+from strategies.layout import norm_tensor
 from strategies.tensor_parallel import (
     gather_tensor_parallel_state,
     parallelize_gpt_blocks,
@@ -48,6 +49,7 @@ class TensorParallelModel(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp_client if tp_client is not None else config.client
+        self.tp.deterministic = config.deterministic  # Megatron's all-reduces: rank order
         self._full_keys = list(model.state_dict().keys())
         self.module = parallelize_gpt_blocks(model, self.tp)
         self.splits = tensor_parallel_splits(self.module, self.tp)
@@ -90,7 +92,7 @@ class TensorParallelModel(nn.Module):
             with torch.no_grad():
                 for g in grads:
                     g.mul_(coef)
-        return torch.tensor(total)
+        return norm_tensor(total, (g.dtype for g in grads))
 
     # -- the whole model -------------------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]

@@ -145,6 +145,7 @@ class ColumnParallelLinear(nn.Module):
         tp_client: Any,
         bias: bool = True,
         gather_output: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         local = _shard_size(out_features, tp_client.world_size, "ColumnParallelLinear out_features")
@@ -153,8 +154,10 @@ class ColumnParallelLinear(nn.Module):
         self.num_packed = 1  # see from_linear
         # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in)) for weight and bias.
         bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        self.weight = nn.Parameter(torch.empty(local, in_features).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.empty(local).uniform_(-bound, bound)) if bias else None
+        w = torch.empty(local, in_features, dtype=dtype).uniform_(-bound, bound)
+        self.weight = nn.Parameter(w)
+        b = torch.empty(local, dtype=dtype).uniform_(-bound, bound) if bias else None
+        self.bias = nn.Parameter(b) if b is not None else None
 
     @classmethod
     def from_linear(
@@ -169,7 +172,8 @@ class ColumnParallelLinear(nn.Module):
                 f"ColumnParallelLinear: out_features ({out}) do not split into {num_packed} blocks"
             )
         _shard_size(out // num_packed, tp_client.world_size, "ColumnParallelLinear packed block")
-        layer = cls(inp, out, tp_client, linear.bias is not None, gather_output)
+        dtype = linear.weight.dtype  # float64 stays float64
+        layer = cls(inp, out, tp_client, linear.bias is not None, gather_output, dtype)
         layer.num_packed = num_packed
         with torch.no_grad():
             layer.weight.copy_(_take_rows(linear.weight, num_packed, tp_client))
@@ -203,16 +207,17 @@ class RowParallelLinear(nn.Module):
         tp_client: Any,
         bias: bool = True,
         input_is_parallel: bool = True,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         local = _shard_size(in_features, tp_client.world_size, "RowParallelLinear in_features")
         self.in_features, self.out_features = in_features, out_features
         self.tp_client, self.input_is_parallel = tp_client, input_is_parallel
         bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        self.weight = nn.Parameter(torch.empty(out_features, local).uniform_(-bound, bound))
-        self.bias = (
-            nn.Parameter(torch.empty(out_features).uniform_(-bound, bound)) if bias else None
-        )
+        w = torch.empty(out_features, local, dtype=dtype).uniform_(-bound, bound)
+        self.weight = nn.Parameter(w)
+        b = torch.empty(out_features, dtype=dtype).uniform_(-bound, bound) if bias else None
+        self.bias = nn.Parameter(b) if b is not None else None
 
     @classmethod
     def from_linear(
@@ -220,7 +225,8 @@ class RowParallelLinear(nn.Module):
     ) -> RowParallelLinear:
         """This rank's shard of ``linear`` (its columns; the bias whole)."""
         out, inp = linear.weight.shape
-        layer = cls(inp, out, tp_client, linear.bias is not None, input_is_parallel)
+        dtype = linear.weight.dtype
+        layer = cls(inp, out, tp_client, linear.bias is not None, input_is_parallel, dtype)
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(tp_client.world_size, 1)[tp_client.rank])
             if linear.bias is not None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec
+from strategies.layout import BufferSpec, to_master, torch_dtype
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
@@ -38,11 +38,11 @@ class _ReplicatedParams(ServerShardedModel):
     _after_load = _refresh_replica
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().float().clone() for n, p in self._named}
+        return {n: to_master(p).clone() for n, p in self._named}
 
 
 class ZeRO1Model(_ReplicatedParams):
-    """ZeRO stage 1: optimizer state and fp32 master sharded over the servers."""
+    """ZeRO stage 1: optimizer state and master copy sharded over the servers."""
 
     strategy = "zero1"
 
@@ -56,13 +56,14 @@ class ZeRO1Model(_ReplicatedParams):
         calls = []
         for b in self._buffers:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+            master = torch_dtype(b.master_dtype)
+            flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
             calls += self.client.push_calls(
                 self.config.job,
                 b.name,
                 flat.numpy(),
                 self._step,
-                dtype=self.config.effective_reduce_dtype,
+                dtype=self.config.reduce_dtype_for(b.master_dtype),
             )
         self.client.run(calls)
         self._pushed = True
@@ -103,8 +104,8 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _after_register(self) -> None:
         self._refresh_replica()
-        limit = max(1, self.config.bucket_size_bytes // 4)
         for b in self._buffers:
+            limit = max(1, self.config.bucket_size_bytes // torch_dtype(b.master_dtype).itemsize)
             bucket: _Bucket | None = None
             for e, p in zip(b.entries, b.params, strict=True):
                 if bucket is None or bucket.numel + e.numel > limit:
@@ -126,7 +127,8 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _push_bucket(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = torch.cat([g.detach().reshape(-1).float() for g in grads])
+        master = torch_dtype(bucket.buffer.master_dtype)
+        flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
         for p in bucket.params:
             p.grad = None  # ZeRO-2: the full gradient never stays on the trainer
         bucket.ready.clear()
