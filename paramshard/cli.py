@@ -164,8 +164,15 @@ def positive_int(text: str) -> int:
     arg(
         "--token-file",
         metavar="FILE",
-        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin); every"
+        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin, and peer:"
+        " the servers' own token for replicas, the same line in every server's file); every"
         " call then needs 'authorization: Bearer TOKEN' (clients: PARAMSHARD_TOKEN)",
+    ),
+    arg(
+        "--peer-ca",
+        metavar="FILE",
+        help="PEM CA certificate(s) the other servers' certificates are checked against when"
+        " this server sends them replicas over TLS (default: --tls-ca, else the system's roots)",
     ),
     arg(
         "--metrics-port",
@@ -209,9 +216,10 @@ def serve(args: argparse.Namespace) -> int:
 
     Security (DESIGN section 6): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
-    train (pushes, steps, collectives), admin (DropJob, snapshots, restore). Health checks and
-    reflection stay open. Without TLS or tokens only loopback addresses are allowed, unless
-    --insecure.
+    train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
+    (replicas from the other servers; this server sends its own with it, over TLS when it
+    serves TLS). Health checks and reflection stay open. Without TLS or tokens only loopback
+    addresses are allowed, unless --insecure.
     """
     _reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
@@ -221,6 +229,12 @@ def serve(args: argparse.Namespace) -> int:
         raise CommandError(
             "--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key", EXIT_USAGE
         )
+    if args.peer_ca is not None and args.tls_cert is None:
+        raise CommandError(
+            "--peer-ca checks the other servers' TLS certificates: it needs --tls-cert and"
+            " --tls-key",
+            EXIT_USAGE,
+        )
     tls = args.tls_cert is not None
     exposed = _check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
     tls_files = {
@@ -229,6 +243,7 @@ def serve(args: argparse.Namespace) -> int:
             ("tls_cert", args.tls_cert, "--tls-cert"),
             ("tls_key", args.tls_key, "--tls-key"),
             ("tls_ca", args.tls_ca, "--tls-ca"),
+            ("peer_tls_ca", args.peer_ca, "--peer-ca"),
         )
         if path is not None
     }

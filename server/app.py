@@ -61,6 +61,9 @@ class ShardServer:
         credentials: grpc.ServerCredentials | None = None,
         interceptors: list[Any] | None = None,
         local_calls: bool = True,
+        peer_tls_ca: bytes | str | None = None,
+        peer_credentials: grpc.ChannelCredentials | None = None,
+        replica_ttl_s: float = 300.0,
     ) -> None:
         """``tls_cert``/``tls_key`` (PEM) serve TLS; ``tls_ca`` (PEM) also requires client
         certificates it signed (mutual TLS). ``credentials`` may stand in for all three.
@@ -72,6 +75,14 @@ class ShardServer:
         ``local_calls=False`` makes clients in this process go through gRPC like any other
         (tests of the wire path; otherwise a plain server is called directly, see
         ``LOCAL_SERVERS``).
+
+        Replicas (server/replication.py) go to the other servers with the ``peer`` token of
+        ``tokens`` (role ``peer``: every server lists the same one), over TLS when this server
+        serves TLS: the other servers' certificates are checked against ``peer_tls_ca`` (PEM;
+        default ``tls_ca``, else the system's roots), and with mutual TLS (``tls_ca``) this
+        server presents its own ``tls_cert``, which then needs the clientAuth usage too.
+        ``peer_credentials`` replaces all of that. An incomplete replica is dropped after
+        ``replica_ttl_s`` seconds without a chunk.
         """
         if credentials is not None and (tls_cert or tls_key or tls_ca):
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
@@ -90,6 +101,14 @@ class ShardServer:
             max_job_bytes=max_job_bytes,
             max_slot_bytes=max_slot_bytes,
             snapshot_dir=snapshot_dir,
+        )
+        if peer_credentials is None and self.tls:
+            peer_credentials = auth.peer_channel_credentials(tls_cert, tls_key, tls_ca, peer_tls_ca)
+        self.servicer.replicator.set_ttl(replica_ttl_s)
+        self.servicer.replicator.set_transport(
+            peer_token=auth.peer_token(checked_tokens),
+            tokens_required=bool(checked_tokens),
+            credentials=peer_credentials,
         )
         # First is outermost: metrics also see the calls that authentication rejects.
         chain: list[Any] = []
@@ -172,6 +191,7 @@ class ShardServer:
         notify.start()
         notify.join(timeout=2.0)
         self._server.stop(grace).wait()
+        self.servicer.replicator.close()
         if self.metrics is not None:
             self.metrics.close()
 

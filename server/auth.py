@@ -7,6 +7,12 @@ Tokens carry one of three roles, each including the ones before it::
 
     read  < train < admin
 
+and a fourth, ``peer``, apart from them: the servers' own credential for server-to-server calls
+(replicas, DESIGN section 6). Only ``peer`` may call ``StoreReplica``, and ``peer`` may call
+nothing else: an admin token does not store replicas, a server's token does not train. A server
+sends replicas with the ``peer`` token of its own token file (``peer_token``), so every server of a
+cluster lists the same one, and trainers never hold it.
+
 ``METHOD_ROLES`` maps every method of the Shard service to the role it needs; a method missing
 from it (a new RPC: Snapshot*, Restore*, Replica*, Shutdown*, ...) needs ``admin`` until someone
 lists it. The standard health and reflection services stay open, so probes and ``grpcurl``
@@ -36,17 +42,22 @@ __all__ = [
     "TokenAuthInterceptor",
     "required_role",
     "role_allows",
+    "peer_token",
     "check_tokens",
     "parse_token_file",
     "load_token_file",
     "server_credentials",
+    "peer_channel_credentials",
     "is_loopback",
     "check_binding",
 ]
 
-ROLES = ("read", "train", "admin")
+LADDER = ("read", "train", "admin")
 """From least to most: a token's role includes every role before it."""
-_RANK = {role: i for i, role in enumerate(ROLES)}
+PEER = "peer"
+ROLES = (*LADDER, PEER)
+"""Every role a token may have: the ladder, and ``peer`` (servers only) apart from it."""
+_RANK = {role: i for i, role in enumerate(LADDER)}
 
 METHOD_ROLES: dict[str, str] = {
     # read: look, never touch (status, inspect, get, export)
@@ -62,9 +73,8 @@ METHOD_ROLES: dict[str, str] = {
     "Step": "train",
     "Contribute": "train",
     "ReadSlot": "train",
-    "ConfigureReplication": "train",
-    "StoreReplica": "train",  # server to server, with the token the trainers configured
-    # admin: destroys, writes or replaces state
+    # admin: destroys, writes, replaces or sends away state
+    "ConfigureReplication": "admin",  # makes the server send its slices to another server
     "DropJob": "admin",
     "Snapshot": "admin",
     "CommitSnapshot": "admin",
@@ -72,6 +82,8 @@ METHOD_ROLES: dict[str, str] = {
     "FetchReplica": "admin",
     "LoadReplica": "admin",
     "RollbackToReplica": "admin",
+    # peer: server to server only, with the servers' own token
+    "StoreReplica": PEER,
 }
 """Role needed by each method of the Shard service; any method not listed needs ``DEFAULT_ROLE``
 (Snapshot*, Restore*, Replica*, Shutdown* are admin through this default)."""
@@ -98,14 +110,30 @@ def required_role(full_method: str) -> str | None:
 
 
 def role_allows(have: str, need: str) -> bool:
+    """Whether a token of role ``have`` may call a method needing ``need``: up the ladder
+    read < train < admin; ``peer`` only for ``peer``."""
+    if PEER in (have, need):
+        return have == need
     return _RANK[have] >= _RANK[need]
+
+
+def peer_token(tokens: Mapping[str, str]) -> str | None:
+    """The token this server sends to its peers (the first ``peer`` line), None without one."""
+    return next((t for t, role in tokens.items() if role == PEER), None)
+
+
+def _needs(role: str) -> str:
+    """How a message names what a method needs."""
+    if role == PEER:
+        return "a bearer token with role 'peer' (the servers' own)"
+    return f"a bearer token with role '{role}' or above"
 
 
 def check_tokens(tokens: Mapping[str, str]) -> dict[str, str]:
     """Validates ``{token: role}``: known roles, tokens usable as gRPC metadata."""
     out = {}
     for token, role in tokens.items():
-        if role not in _RANK:
+        if role not in ROLES:
             raise ValueError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
         if not isinstance(token, str) or not token:
             raise ValueError("a token must be a non-empty string")
@@ -119,7 +147,8 @@ def check_tokens(tokens: Mapping[str, str]) -> dict[str, str]:
 
 
 def parse_token_file(text: str, source: str = "token file") -> dict[str, str]:
-    """``ROLE TOKEN`` per line; blank lines and lines starting with ``#`` are skipped."""
+    """``ROLE TOKEN`` per line (roles read, train, admin, peer); blank lines and lines
+    starting with ``#`` are skipped."""
     tokens: dict[str, str] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
@@ -130,7 +159,7 @@ def parse_token_file(text: str, source: str = "token file") -> dict[str, str]:
         if len(parts) != 2:
             raise ValueError(f"{where}: expected 'ROLE TOKEN', got {len(parts)} fields")
         role, token = parts
-        if role not in _RANK:
+        if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r} (roles: {', '.join(ROLES)})")
         if token in tokens and tokens[token] != role:
             raise ValueError(
@@ -179,6 +208,24 @@ def server_credentials(
             raise ValueError(f"{name} is not PEM (no '-----BEGIN' line)")
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+    )
+
+
+def peer_channel_credentials(
+    cert: bytes | str | None,
+    key: bytes | str | None,
+    ca: bytes | str | None,
+    peer_ca: bytes | str | None = None,
+) -> grpc.ChannelCredentials:
+    """TLS for this server's calls to the other servers (replicas): their certificates are
+    checked against ``peer_ca`` (default ``ca``, else the system's roots); with mutual TLS
+    (``ca``) this server presents its own ``cert``."""
+    cert, key, ca, peer_ca = _pem(cert), _pem(key), _pem(ca), _pem(peer_ca)
+    mutual = ca is not None and cert is not None and key is not None
+    return grpc.ssl_channel_credentials(
+        root_certificates=peer_ca or ca,
+        private_key=key if mutual else None,
+        certificate_chain=cert if mutual else None,
     )
 
 
@@ -273,16 +320,14 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return _reject(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{name}: this server requires a bearer token with role '{need}' or above;"
-                f" the 'authorization' metadata {how}",
+                f"{name}: this server requires {_needs(need)}; the 'authorization' metadata {how}",
             )
         have = self.role_of(token)
         if have is None:
             return _reject(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{name}: unknown bearer token; this call needs a token with role '{need}'"
-                " or above",
+                f"{name}: unknown bearer token; this call needs {_needs(need)}",
             )
         if not role_allows(have, need):
             return _reject(

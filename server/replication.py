@@ -1,10 +1,21 @@
-"""Neighbour replication (DESIGN section 5): a dead server is rebuilt from its neighbour.
+"""Neighbour replication (DESIGN sections 5 and 6): a dead server is rebuilt from its neighbour.
 
 Every ``every`` versions, right after a step, each buffer slice of a configured job copies its
 params and optimizer state (a memcpy, under the slice's lock). When all buffers of the job on
 this server have been copied at that version, a background thread encodes them as one shard
 (the snapshot format, plus each buffer's registration), keeps it, and sends it in chunks to
 server (index + 1) mod N, which keeps it for us. Both sides keep the last ``KEEP`` versions.
+
+Who may do what (DESIGN section 6): ``ConfigureReplication`` is an admin call, and its target
+must be the job's next server: before accepting it, this server asks the target to take a
+replica of the job from our slice index (an empty ``StoreReplica``, total 0), which the target
+accepts only if it holds the job and we are its predecessor ((its index - 1) mod N, from the
+placement the job was registered with). Replicas travel with this server's own ``peer`` token
+(server/auth.py), over TLS when this server serves TLS. A received replica is bounded by the
+registered size of the job (``replica_inbox.replica_bound``), complete when its chunks cover
+every byte once, and dropped when it stays incomplete (``replica_inbox.Inbox``). The send queue
+is bounded (the oldest waiting replica gives way); a neighbour's channel is closed when
+replication stops, moves elsewhere, or the job is dropped.
 
 Recovery (client.tools.recover_from_replicas) picks the newest version every server can get
 back: a live server from its own copy (rollback), a restarted one from its neighbour's.
@@ -15,15 +26,15 @@ from __future__ import annotations
 
 import base64
 import logging
-import queue
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import grpc
 
 from protos import shard_pb2 as pb
 from server.errors import ShardError
+from server.replica_inbox import Inbox, check_header, memory_bound, replica_bound
 from server.snapshots import Captured, decode_shard, encode_shard
 
 __all__ = ["Replicator"]
@@ -31,39 +42,113 @@ __all__ = ["Replicator"]
 log = logging.getLogger("paramshard.replication")
 KEEP = 2  # versions kept of each replica
 CHUNK = 4 * 2**20
+QUEUE = 4  # replicas waiting to be encoded and sent
+PROBE_TIMEOUT_S = 10.0
 _CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_STORE = "/paramshard.v1.Shard/StoreReplica"
 
 
 class Replicator:
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, *, ttl_s: float = 300.0, queue_size: int = QUEUE) -> None:
         self.store = store  # BufferStore
         self._lock = threading.Lock()
         self.configs: dict[str, pb.ReplicationConfig] = {}
         self._collecting: dict[tuple[str, int], dict[str, tuple[Captured, bytes]]] = {}
         self.own: dict[str, OrderedDict[int, bytes]] = {}
         self.held: dict[tuple[str, int], OrderedDict[int, bytes]] = {}
-        self._incoming: dict[tuple, tuple[bytearray, set[int]]] = {}
-        self._queue: queue.Queue = queue.Queue()
+        self.inbox = Inbox(ttl_s)
+        self.queue_size = queue_size
+        self._queue: deque[tuple[pb.ReplicationConfig, int, dict]] = deque()
+        self._wake = threading.Condition(self._lock)
         self._channels: dict[str, grpc.Channel] = {}
+        self._closed = False
+        # set by ShardServer: how replicas reach the neighbour
+        self.peer_token: str | None = None
+        self.tokens_required = False
+        self.credentials: grpc.ChannelCredentials | None = None
         threading.Thread(target=self._send_loop, name="replicate", daemon=True).start()
+
+    def set_transport(
+        self,
+        *,
+        peer_token: str | None,
+        tokens_required: bool,
+        credentials: grpc.ChannelCredentials | None,
+    ) -> None:
+        """``peer_token``: sent on every replica call; ``tokens_required``: this server takes
+        tokens, so its peers do too and a missing peer token is a configuration error;
+        ``credentials``: TLS for replica channels (None: plaintext, for plaintext servers)."""
+        self.peer_token, self.tokens_required = peer_token, tokens_required
+        self.credentials = credentials
+
+    def set_ttl(self, ttl_s: float) -> None:
+        """Incomplete replicas are dropped after ``ttl_s`` seconds without a chunk."""
+        with self._lock:
+            self.inbox.ttl_s = ttl_s
+            self._wake.notify_all()  # the sweep's period follows
 
     # -- configuration and capture (the training path) --------------------------------------
     def configure(self, cfg: pb.ReplicationConfig) -> None:
         slices = self.store.jobs().get(cfg.job)
         if not slices:
             raise ShardError.not_found(f"job '{cfg.job}' is not on this server")
-        if cfg.every and (":" not in cfg.neighbour or cfg.server_index >= cfg.num_servers):
+        if not cfg.every:
+            self._stop(cfg.job)
+            return
+        held = (slices[0].spec.server_index, slices[0].spec.num_servers)
+        if (cfg.server_index, cfg.num_servers) != held:
             raise ShardError.invalid(
-                f"replication of '{cfg.job}': neighbour {cfg.neighbour!r} must be host:port and"
-                f" server_index {cfg.server_index} inside 0..{cfg.num_servers - 1}"
+                f"replication of '{cfg.job}': this server holds slice {held[0]} of {held[1]},"
+                f" the configuration says {cfg.server_index} of {cfg.num_servers}"
             )
+        if ":" not in cfg.neighbour:
+            raise ShardError.invalid(
+                f"replication of '{cfg.job}': neighbour {cfg.neighbour!r} must be host:port"
+            )
+        if self.tokens_required and not self.peer_token:
+            raise ShardError.precondition(
+                f"replication of '{cfg.job}': this server has tokens but no peer token to send"
+                " replicas with; add a 'peer TOKEN' line (the same on every server) to its"
+                " --token-file"
+            )
+        self._probe(cfg)
         with self._lock:
+            old = self.configs.get(cfg.job)
             self.configs[cfg.job] = cfg
+            if old is not None and old.neighbour != cfg.neighbour:
+                self._close_unused(old.neighbour)
         for b in slices:  # a first copy now, so a failure before step `every` is covered too
-            b.replicator = self if cfg.every else None
-            if cfg.every:
-                with b.cond:
-                    self.on_version(b, force=True)
+            b.replicator = self
+            with b.cond:
+                self.on_version(b, force=True)
+
+    def _stop(self, job: str) -> None:
+        for b in self.store.jobs().get(job, ()):
+            b.replicator = None
+        with self._lock:
+            old = self.configs.pop(job, None)
+            for key in [k for k in self._collecting if k[0] == job]:
+                del self._collecting[key]
+            self._queue = deque(item for item in self._queue if item[0].job != job)
+            if old is not None:
+                self._close_unused(old.neighbour)
+
+    def drop(self, job: str) -> None:
+        """The job left this server: stop replicating it, forget its replicas, close channels."""
+        self._stop(job)
+        with self._lock:
+            self.own.pop(job, None)
+            for key in [k for k in self.held if k[0] == job]:
+                del self.held[key]
+        self.inbox.drop(job)
+
+    def _close_unused(self, neighbour: str) -> None:
+        """Under the lock: closes the channel to ``neighbour`` unless a job still sends there."""
+        if any(c.neighbour == neighbour for c in self.configs.values()):
+            return
+        chan = self._channels.pop(neighbour, None)
+        if chan is not None:
+            chan.close()
 
     def on_version(self, b: Any, force: bool = False) -> None:
         """Called with ``b.cond`` held after ``b`` reached a new version."""
@@ -76,15 +161,33 @@ class Replicator:
         with self._lock:
             bucket = self._collecting.setdefault(key, {})
             bucket[b.name] = (captured, b.spec.SerializeToString())
+            older = sorted(k for k in self._collecting if k[0] == b.job)
+            for stale in older[: max(0, len(older) - KEEP)]:  # a buffer never got there
+                del self._collecting[stale]
             if len(bucket) < total:
                 return
-            del self._collecting[key]
-        self._queue.put((cfg, b.version, bucket))
+            self._collecting.pop(key, None)
+            if len(self._queue) >= self.queue_size:
+                late, version, _ = self._queue.popleft()
+                log.warning(
+                    "replica of %s v%d dropped: %d replicas wait to be sent to slow neighbours",
+                    late.job,
+                    version,
+                    self.queue_size,
+                )
+            self._queue.append((cfg, b.version, bucket))
+            self._wake.notify()
 
     # -- encoding and sending (background) ----------------------------------------------------
     def _send_loop(self) -> None:
         while True:
-            cfg, version, bucket = self._queue.get()
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait(timeout=min(60.0, self.inbox.ttl_s / 2))
+                    self.inbox.sweep()
+                if self._closed:
+                    return
+                cfg, version, bucket = self._queue.popleft()
             try:
                 captured = [c for c, _ in bucket.values()]
                 specs = {name: spec for name, (_, spec) in bucket.items()}
@@ -92,6 +195,8 @@ class Replicator:
                     cfg.job, "replica", cfg.server_index, cfg.num_servers, version, captured, specs
                 )
                 with self._lock:
+                    if self.configs.get(cfg.job) is not cfg:
+                        continue  # reconfigured or stopped meanwhile
                     _keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
                 self._send(cfg, version, blob)
             except Exception:  # the neighbour may be down: the next version tries again
@@ -99,19 +204,68 @@ class Replicator:
                     "replica of %s v%d to %s failed", cfg.job, version, cfg.neighbour, exc_info=True
                 )
 
-    def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
-        chan = self._channels.get(cfg.neighbour)
-        if chan is None:
-            chan = self._channels[cfg.neighbour] = grpc.insecure_channel(
-                cfg.neighbour, options=_CHANNEL_OPTIONS
-            )
-        store = chan.unary_unary(
-            "/paramshard.v1.Shard/StoreReplica",
+    def close(self) -> None:
+        """Stops the sender and closes every channel (the server stops)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            channels, self._channels = list(self._channels.values()), {}
+            self._wake.notify_all()
+        for chan in channels:
+            chan.close()
+
+    def _stub(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> Any:
+        """A StoreReplica stub to ``neighbour``; with ``cfg``, only while it is the job's."""
+        with self._lock:
+            if self._closed:
+                raise ShardError.precondition("this server is stopping")
+            if cfg is not None and self.configs.get(cfg.job) is not cfg:
+                raise ShardError.precondition(f"replication of '{cfg.job}' was reconfigured")
+            chan = self._channels.get(neighbour)
+            if chan is None:
+                if self.credentials is not None:
+                    chan = grpc.secure_channel(neighbour, self.credentials, _CHANNEL_OPTIONS)
+                else:
+                    chan = grpc.insecure_channel(neighbour, options=_CHANNEL_OPTIONS)
+                self._channels[neighbour] = chan
+        return chan.unary_unary(
+            _STORE,
             request_serializer=pb.ReplicaChunk.SerializeToString,
             response_deserializer=pb.ReplicaAck.FromString,
         )
-        metadata = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else ()
-        for offset in range(0, max(len(blob), 1), CHUNK):
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()
+
+    def _probe(self, cfg: pb.ReplicationConfig) -> None:
+        """Asks the neighbour whether it takes this job's replicas from our slice index."""
+        store = self._stub(cfg.neighbour)
+        hello = pb.ReplicaChunk(job=cfg.job, source_index=cfg.server_index)
+        try:
+            store(hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            where = f"replication of '{cfg.job}' to {cfg.neighbour}"
+            with self._lock:
+                self._close_unused(cfg.neighbour)
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+                raise ShardError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{where} refused: the target is not slice {cfg.server_index + 1} of"
+                    f" {cfg.num_servers} of the job's placement ({details})",
+                ) from None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise ShardError.precondition(
+                    f"{where}: the target refused this server's peer token (every server needs"
+                    f" the same 'peer TOKEN' line): {details}"
+                ) from None
+            raise ShardError.precondition(
+                f"{where}: the target did not answer ({code.name}: {details})"
+            ) from None
+
+    def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
+        store = self._stub(cfg.neighbour, cfg)
+        for offset in range(0, len(blob), CHUNK):
             store(
                 pb.ReplicaChunk(
                     job=cfg.job,
@@ -122,31 +276,29 @@ class Replicator:
                     data=blob[offset : offset + CHUNK],
                 ),
                 timeout=60,
-                metadata=metadata,
+                metadata=self._metadata(),
             )
 
     # -- the neighbour's side and recovery ---------------------------------------------------
-    def _assemble(self, kind: str, chunk: pb.ReplicaChunk) -> bytes | None:
-        """Collects the chunks of one replica; its bytes once every chunk is in."""
-        if chunk.offset + len(chunk.data) > chunk.total:
-            raise ShardError.invalid(
-                f"replica chunk [{chunk.offset:,}, +{len(chunk.data):,}) is past its"
-                f" {chunk.total:,} bytes"
-            )
-        key = (kind, chunk.job, chunk.source_index, chunk.version, chunk.total)
-        with self._lock:
-            buf, seen = self._incoming.setdefault(key, (bytearray(chunk.total), set()))
-            buf[chunk.offset : chunk.offset + len(chunk.data)] = chunk.data
-            seen.add(chunk.offset)
-            if sum(min(CHUNK, chunk.total - o) for o in seen) < chunk.total:
-                return None
-            del self._incoming[key]
-        return bytes(buf)
-
     def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
-        blob = self._assemble("held", chunk)
+        """A chunk of our predecessor's replica (an empty one, total 0: may it send?)."""
+        what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
+        slices = self.store.jobs().get(chunk.job)
+        if not slices:
+            raise ShardError.not_found(f"{what}: job '{chunk.job}' is not on this server")
+        index, num = slices[0].spec.server_index, slices[0].spec.num_servers
+        if chunk.source_index != (index - 1) % num:
+            raise ShardError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what}: this server holds slice {index} of {num} and takes replicas only from"
+                f" server {(index - 1) % num}, its predecessor",
+            )
+        if chunk.total == 0 and not chunk.data:
+            return False  # the sender's probe
+        blob = self.inbox.add("held", chunk, replica_bound(slices, chunk.source_index), what)
         if blob is None:
             return False
+        check_header(blob, chunk, what)
         with self._lock:
             _keep(
                 self.held.setdefault((chunk.job, chunk.source_index), OrderedDict()),
@@ -196,9 +348,18 @@ class Replicator:
 
     def load_chunk(self, chunk: pb.ReplicaChunk) -> bool:
         """A restarted server gets its own replica back; loaded once whole."""
-        blob = self._assemble("load", chunk)
+        what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
+        if chunk.total == 0:
+            raise ShardError.invalid(f"{what}: a replica is not empty (total is 0)")
+        slices = self.store.jobs().get(chunk.job)
+        if slices:
+            bound = replica_bound(slices, chunk.source_index)
+        else:  # not here (the server restarted): this job's quota, else the host's memory
+            bound = self.store.max_job_bytes or memory_bound()
+        blob = self.inbox.add("load", chunk, bound, what)
         if blob is None:
             return False
+        check_header(blob, chunk, what)
         self._restore(chunk.job, blob)
         return True
 
@@ -216,14 +377,17 @@ class Replicator:
         if meta.get("job") != job:
             raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
         slices = []
-        for name, info in meta["buffers"].items():
-            spec = pb.RegisterBufferRequest.FromString(base64.b64decode(info["spec"]))
-            state = {k: tensors[f"{name}::state.{k}"] for k in info["state"]}
-            b = BufferSlice.restored(
-                spec, meta["version"], tensors[f"{name}::params"], state, info["step_count"]
-            )
-            b.replicator = self if job in self.configs else None
-            slices.append(b)
+        try:
+            for name, info in meta["buffers"].items():
+                spec = pb.RegisterBufferRequest.FromString(base64.b64decode(info["spec"]))
+                state = {k: tensors[f"{name}::state.{k}"] for k in info["state"]}
+                b = BufferSlice.restored(
+                    spec, meta["version"], tensors[f"{name}::params"], state, info["step_count"]
+                )
+                b.replicator = self if job in self.configs else None
+                slices.append(b)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
         self.store.replace_job(job, slices)
         return int(meta["version"])
 

@@ -234,7 +234,9 @@ class ShardServicer:
 
     # -- administration ------------------------------------------------------------------
     def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:
-        return pb.DropJobReply(buffers=self.buffers.drop(req.job))
+        dropped = self.buffers.drop(req.job)
+        self.replicator.drop(req.job)  # its replicas, its neighbour's channel
+        return pb.DropJobReply(buffers=dropped)
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:
         memory = backend.device_memory()
@@ -273,18 +275,23 @@ class ShardServicer:
                 f" the request names shard {req.server_index} of {req.num_servers}"
             )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
-        timeout = self._timeout(context)
-        try:  # every buffer asks first, so none can step past the version while we wait
-            for b in slices:
-                b.request_capture(req.version)
-            captured = [b.capture(req.version, timeout) for b in slices]
-        except ShardError:
-            for b in slices:
-                b.cancel_capture(req.version)
-            raise
-        file, nbytes, sha = self.snapshots.write_shard(
-            req.job, req.tag, req.server_index, req.num_servers, req.version, captured
-        )
+        # (tag, shard) is this call's until it ends; the shard file then keeps it
+        reservation = self.snapshots.reserve(req.job, req.tag, req.server_index, req.num_servers)
+        try:
+            timeout = self._timeout(context)
+            try:  # every buffer asks first, so none can step past the version while we wait
+                for b in slices:
+                    b.request_capture(req.version)
+                captured = [b.capture(req.version, timeout) for b in slices]
+            except ShardError:
+                for b in slices:
+                    b.cancel_capture(req.version)
+                raise
+            file, nbytes, sha = self.snapshots.write_shard(
+                req.job, req.tag, req.server_index, req.num_servers, req.version, captured
+            )
+        finally:
+            reservation.release()
         (rows,) = [j.buffers for j in self.buffers.status() if j.job == req.job] or [[]]
         return pb.SnapshotReply(
             file=file, bytes=nbytes, sha256=sha, version=req.version, buffers=rows

@@ -15,8 +15,10 @@ names the file, and nothing is loaded.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -31,11 +33,12 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from protos import slicing
-from protos.manifest import FORMAT
 from server.errors import ShardError
+from server.manifest_schema import ManifestError, check_manifest
 
-__all__ = ["Captured", "SnapshotDir", "encode_shard", "decode_shard"]
+__all__ = ["Captured", "SnapshotDir", "Reservation", "encode_shard", "decode_shard"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
+log = logging.getLogger("paramshard.snapshots")
 
 
 @dataclass
@@ -55,24 +58,52 @@ def _checked(name: str, what: str) -> str:
     return name
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Temporary file in the same directory, fsync, rename, fsync the directory."""
+def _fsync_dir(folder: Path) -> None:
+    dirfd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dirfd)
+    finally:
+        os.close(dirfd)
+
+
+def _exclusive_write(path: Path, data: bytes) -> None:
+    """Creates ``path`` with ``data`` whole or not at all, never replacing a file already
+    there (FileExistsError): written to a temporary name, fsynced, then hard-linked to its
+    name, which fails if the name exists, even when servers share the folder over NFS."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dirfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as exc:  # a filesystem without hard links: exclusive create instead
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            with open(path, "xb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
     finally:
-        os.close(dirfd)
+        os.unlink(tmp)
+    _fsync_dir(path.parent)
+
+
+class Reservation:
+    """Shard ``index`` of snapshot ``job/tag``, taken by one Snapshot call until it ends (a
+    ``.shard-I-of-N.reserved`` file made with O_EXCL: servers sharing the folder see it)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def release(self) -> None:
+        try:
+            self.marker.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _key(buffer: str, kind: str) -> str:
@@ -84,6 +115,7 @@ class SnapshotDir:
 
     def __init__(self, root: str | os.PathLike | None) -> None:
         self.root = Path(root) if root else None
+        self.invalid: dict[tuple[str, int], str] = {}  # (manifest path, mtime) -> why skipped
 
     def _require(self) -> Path:
         if self.root is None:
@@ -96,41 +128,83 @@ class SnapshotDir:
         return self._require() / _checked(job, "job") / _checked(tag, "snapshot tag")
 
     # -- writing ------------------------------------------------------------------------------
+    def _exists(self, job: str, what: str) -> ShardError:
+        return ShardError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"snapshot '{job}/{what}' exists already; a snapshot is written once: pick another tag",
+        )
+
+    def reserve(self, job: str, tag: str, index: int, num: int) -> Reservation:
+        """Takes shard ``index`` of ``job/tag`` for one Snapshot call: ALREADY_EXISTS when the
+        snapshot is committed, the shard written, or another call is writing it."""
+        folder = self.path(job, tag)
+        if (folder / "manifest.json").exists():  # never add to a committed snapshot
+            raise self._exists(job, tag)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"shard-{index}-of-{num}.safetensors"
+        marker = folder / f".{name}.reserved"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            raise ShardError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
+            ) from None
+        if (folder / name).exists() or (folder / "manifest.json").exists():
+            marker.unlink()
+            raise self._exists(job, f"{tag}/{name}")
+        return Reservation(marker)
+
     def write_shard(
         self, job: str, tag: str, index: int, num: int, version: int, captured: list[Captured]
     ) -> tuple[str, int, str]:
-        """Writes this server's shard; returns (relative path, bytes, sha256)."""
+        """Writes this server's shard (never over one already there); returns (relative path,
+        bytes, sha256)."""
         folder = self.path(job, tag)
         if (folder / "manifest.json").exists():  # never overwrite a committed snapshot
-            raise ShardError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"snapshot '{job}/{tag}' exists already; pick another tag",
-            )
+            raise self._exists(job, tag)
         folder.mkdir(parents=True, exist_ok=True)
         data = encode_shard(job, tag, index, num, version, captured)
         name = f"shard-{index}-of-{num}.safetensors"
-        _atomic_write(folder / name, data)
+        try:
+            _exclusive_write(folder / name, data)
+        except FileExistsError:
+            raise self._exists(job, f"{tag}/{name}") from None
         return f"{job}/{tag}/{name}", len(data), hashlib.sha256(data).hexdigest()
 
     def commit(self, job: str, tag: str, manifest_json: str) -> str:
-        try:
-            manifest = json.loads(manifest_json)
-        except ValueError as exc:
-            raise ShardError.invalid(
-                f"snapshot '{job}/{tag}': manifest is not JSON ({exc})"
-            ) from None
-        if manifest.get("format") != FORMAT:
-            raise ShardError.invalid(f"snapshot '{job}/{tag}': manifest format is not {FORMAT}")
+        """Writes the manifest of ``job/tag`` once. Every server of the job commits the same
+        manifest (the folder may be shared): the same bytes again succeed, others get
+        ALREADY_EXISTS."""
+        where = f"snapshot '{job}/{tag}'"
         folder = self.path(job, tag)
+        try:
+            manifest = check_manifest(json.loads(manifest_json), job, tag, strict=True)
+        except (ValueError, RecursionError) as exc:  # not JSON, too deep, or ManifestError
+            raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
         if not folder.is_dir():
-            raise ShardError.not_found(f"snapshot '{job}/{tag}' has no shard files here")
+            raise ShardError.not_found(f"{where} has no shard files here")
         path = folder / "manifest.json"
-        _atomic_write(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        try:
+            _exclusive_write(path, data)
+        except FileExistsError:
+            try:
+                same = path.read_bytes() == data
+            except OSError:
+                same = False
+            if not same:
+                raise ShardError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"{where} is committed already with another manifest; a committed snapshot"
+                    " never changes: pick another tag",
+                ) from None
         return str(path)
 
     # -- reading ------------------------------------------------------------------------------
     def list(self, job: str = "") -> list[dict[str, Any]]:
-        """Complete snapshots (manifest present and every shard named in it), oldest first."""
+        """Complete snapshots (a valid manifest and every shard named in it), oldest first. A
+        manifest that is not valid is skipped and logged, never an error for the listing."""
         root = self._require()
         jobs = (
             [_checked(job, "job")] if job else sorted(p.name for p in root.iterdir() if p.is_dir())
@@ -140,17 +214,28 @@ class SnapshotDir:
             jdir = root / j
             if not jdir.is_dir():
                 continue
-            for tdir in jdir.iterdir():
+            for tdir in sorted(jdir.iterdir()):
+                path = tdir / "manifest.json"
                 try:
-                    manifest = json.loads((tdir / "manifest.json").read_text())
-                    complete = manifest.get("format") == FORMAT and all(
-                        (tdir / Path(s["file"]).name).is_file() for s in manifest["shards"]
-                    )
-                except (OSError, ValueError, AttributeError, KeyError, TypeError):
-                    continue  # not a manifest of ours: not a snapshot
-                if complete:
-                    found.append(manifest)
+                    manifest = check_manifest(json.loads(path.read_text()), j, tdir.name)
+                except OSError:
+                    continue  # no manifest: not (yet) a snapshot
+                except (ValueError, RecursionError) as exc:  # not JSON, or ManifestError
+                    self._report(path, exc)
+                    continue
+                if all((tdir / Path(s["file"]).name).is_file() for s in manifest["shards"]):
+                    found.append({**manifest, "tag": tdir.name})  # restored by its folder
         return sorted(found, key=lambda m: (m["version"], m["created_unix"]))
+
+    def _report(self, path: Path, exc: Exception) -> None:
+        """Logs an invalid manifest once (again when the file changes)."""
+        try:
+            key = (str(path), path.stat().st_mtime_ns)
+        except OSError:
+            return
+        if key not in self.invalid:
+            self.invalid[key] = str(exc)
+            log.warning("skipping snapshot %s: invalid manifest: %s", path, exc)
 
     def latest(self, job: str) -> str:
         complete = self.list(job)
@@ -166,18 +251,16 @@ class SnapshotDir:
             manifest = json.loads(path.read_text())
         except FileNotFoundError:
             raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             raise ShardError.precondition(
                 f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
             ) from None
-        if (
-            not isinstance(manifest, dict)
-            or manifest.get("format") != FORMAT
-            or manifest.get("job") != job
-            or not isinstance(manifest.get("shards"), list)
-            or not isinstance(manifest.get("buffers"), dict)
-        ):
-            raise ShardError.precondition(f"{path} is not a {FORMAT} manifest of job '{job}'")
+        try:
+            check_manifest(manifest, job, tag)
+        except ManifestError as exc:
+            raise ShardError.precondition(
+                f"{path} is not a valid manifest of snapshot '{job}/{tag}': {exc}"
+            ) from None
         for shard in manifest["shards"]:
             file = folder / Path(shard["file"]).name
             try:
@@ -201,17 +284,22 @@ class SnapshotDir:
             try:
                 with safe_open(str(file), framework="numpy") as f:
                     meta = json.loads(f.metadata()["paramshard"])
-            except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                if not isinstance(meta, dict):
+                    raise ValueError("its metadata is not an object")
+            except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
                 raise ShardError.precondition(f"{file}: not a paramshard shard ({exc})") from None
             if meta.get("version") != manifest["version"]:
                 raise ShardError.precondition(
                     f"{file} holds version {meta.get('version')}, the manifest says"
                     f" {manifest['version']}: it belongs to another snapshot"
                 )
-            for name, info in meta["buffers"].items():
-                row = out.setdefault(name, {"state": set(), "step_count": 0})
-                row["state"] |= set(info["state"])
-                row["step_count"] = max(row["step_count"], info["step_count"])
+            try:
+                for name, info in meta["buffers"].items():
+                    row = out.setdefault(name, {"state": set(), "step_count": 0})
+                    row["state"] |= {str(k) for k in info["state"]}
+                    row["step_count"] = max(row["step_count"], int(info["step_count"]))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ShardError.precondition(f"{file}: malformed shard layout ({exc!r})") from None
         return out
 
     def read_range(
