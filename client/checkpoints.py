@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import grpc
+
 from client.jobs import ServerJobs, master_of, server_jobs
 from client.rpc import Call, ShardClientError
 from client.shard_client import ShardClient
@@ -321,8 +323,21 @@ def list_snapshots(
 # -- neighbour replication ----------------------------------------------------------------
 def configure_replication(client: ShardClient, job: str, every: int) -> None:
     """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops).
-    ``client``'s servers are the job's (a model's own client), slice i on server i."""
+    ``client``'s servers are the job's (a model's own client), slice i on server i. Servers
+    with tokens need an admin token here (the servers then send with their own peer token)."""
     n = client.num_servers
+    try:
+        _configure(client, job, every, n)
+    except ShardClientError as exc:
+        if exc.code != grpc.StatusCode.PERMISSION_DENIED or "role" not in exc.details:
+            raise
+        raise PermissionError(
+            f"replicate_every for job '{job}' needs an admin token on rank 0 (replication sends"
+            f" the model to another server, so it is an admin's decision): {exc.details}"
+        ) from exc
+
+
+def _configure(client: ShardClient, job: str, every: int, n: int) -> None:
     client.run(
         Call(
             i,
@@ -333,7 +348,6 @@ def configure_replication(client: ShardClient, job: str, every: int) -> None:
                 neighbour=client.spec.addresses[(i + 1) % n],
                 server_index=i,
                 num_servers=n,
-                token=client.spec.token or "",
             ),
         )
         for i in range(n)

@@ -228,6 +228,8 @@ def test_configure_replication_is_admin_and_stays_in_the_placement(servers) -> N
 
         err = configure(trainer, addresses[1])
         assert err.code == grpc.StatusCode.PERMISSION_DENIED and "'admin'" in err.details
+        with pytest.raises(PermissionError, match="replicate_every for job 'j' needs an admin"):
+            tools.configure_replication(trainer.on_servers([0, 1]), "j", 1)  # what a trainer calls
         for outside in (addresses[2], addresses[0]):  # not in the placement; itself (slice 0)
             err = configure(admin, outside)
             assert err.code == grpc.StatusCode.PERMISSION_DENIED, err.details
