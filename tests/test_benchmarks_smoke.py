@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from numerics import TWIN_FACTOR, TWIN_FLOOR
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 600  # --quick takes < 2 (hybrid: < 3) minutes on an idle 2-core machine
@@ -49,6 +50,15 @@ def run_quick(module: str = "benchmarks.strategies") -> dict:
         pytest.fail(f"stdout is not JSON:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
 
 
+def assert_like_torch(row: dict) -> None:
+    """Float32 losses: ours within max(TWIN_FLOOR, TWIN_FACTOR x torch's deviation) of
+    single-process; torch's own far below any real error (a sanity check of the twin, not
+    the bound: a twin that trained wrongly would loosen it)."""
+    ours, theirs = row["loss_rel_diff_vs_single"], row["torch_loss_rel_diff_vs_single"]
+    assert theirs < 1e-4, row
+    assert ours <= max(TWIN_FLOOR, TWIN_FACTOR * theirs), (ours, theirs, row)
+
+
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_strategy() -> None:
     report = run_quick()
@@ -69,8 +79,9 @@ def test_quick_benchmark_reports_every_strategy() -> None:
         assert row["error"] is None, row
         assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
         assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
-        # the benchmark trains correctly: same losses as single-process torch
-        assert row["loss_rel_diff_vs_single"] < 1e-4, row
+        # the benchmark trains correctly: its float32 losses are no further from single-process
+        # torch than torch's own twin's in the same run (tests/numerics.py: the measured bound)
+        assert_like_torch(row)
 
         memory = row["memory"]
         assert [m["rank"] for m in memory] == [0, 1]
@@ -107,9 +118,8 @@ def test_quick_hybrid_benchmark_reports_every_cell() -> None:
         assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
         assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
         assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
-        # both sides train exactly: the same losses as single-process torch
-        assert row["loss_rel_diff_vs_single"] < 1e-5, row
-        assert row["torch_loss_rel_diff_vs_single"] < 1e-5, row
+        # both sides train correctly: ours no further from single-process than torch's twin
+        assert_like_torch(row)
         if pp == 1:
             assert "bubble" not in row
             continue

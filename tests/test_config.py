@@ -28,8 +28,10 @@ def test_defaults() -> None:
     assert config.enable_gradient_compression is False
     assert config.job == "default"
     assert config.bucket_size_bytes == 25 * 2**20
-    assert (config.param_dtype, config.reduce_dtype) == ("float32", "float32")
-    assert config.effective_reduce_dtype == "float32"
+    # None: the parameters' own dtype class (float64 for float64 models, float32 otherwise)
+    assert (config.param_dtype, config.reduce_dtype) == (None, None)
+    assert config.effective_reduce_dtype is None
+    assert config.deterministic is True  # rank-order reduction: bitwise reproducible runs
     assert config.reshard_after_forward and config.prefetch
     assert config.wrap_min_params is None
     assert config.timeout_s == 120.0
@@ -60,6 +62,7 @@ def test_frozen_and_replace_revalidates() -> None:
         ("enable_gradient_compression", 1, r"enable_gradient_compression must be True or"),
         ("reshard_after_forward", None, r"reshard_after_forward must be True or False"),
         ("prefetch", 0, r"prefetch must be True or False"),
+        ("deterministic", 1, r"deterministic must be True or False"),
         ("minimum_parameter_group_size", -1, r"minimum_parameter_group_size must be an int"),
         ("minimum_parameter_group_size", 1.5, r"minimum_parameter_group_size must be an int"),
         ("bucket_size_bytes", 0, r"bucket_size_bytes must be an int >= 1"),
@@ -68,8 +71,8 @@ def test_frozen_and_replace_revalidates() -> None:
         ("job", "", r"job must be a non-empty name"),
         ("job", "my job", r"job must be .* got 'my job'"),
         ("job", "a/b", r"job must be"),
-        ("param_dtype", "fp16", r"param_dtype must be one of float32, bfloat16, float16"),
-        ("reduce_dtype", "float64", r"reduce_dtype must be one of float32, bfloat16, float16"),
+        ("param_dtype", "fp16", r"param_dtype must be one of float32, bfloat16, float16, float64"),
+        ("reduce_dtype", "float8", r"reduce_dtype must be one of float32, .*float64 or None"),
         ("timeout_s", 0, r"timeout_s must be a positive finite number"),
         ("timeout_s", float("inf"), r"timeout_s must be a positive finite number"),
         ("timeout_s", "10", r"timeout_s must be a positive finite number"),
@@ -91,6 +94,44 @@ def test_valid_values_pass() -> None:
         minimum_parameter_group_size=0,
     )
     assert config.job == "gpt-small_v1.2" and config.effective_reduce_dtype == "float16"
+    wide = ShardingConfiguration(FakeClient(), param_dtype="float64", reduce_dtype="float64")
+    assert (wide.param_dtype, wide.reduce_dtype) == ("float64", "float64")
+
+
+@pytest.mark.parametrize(
+    ("param_dtype", "reduce_dtype", "compress", "model", "want"),
+    [
+        # defaults: each buffer's own class; float64 travels and is kept as float64
+        (None, None, False, "float64", ("float64", "float64")),
+        (None, None, False, "float32", ("float32", "float32")),
+        (None, None, False, "bfloat16", ("float32", "float32")),  # float32 master class
+        # mixed precision asked for
+        ("bfloat16", None, False, "float32", ("bfloat16", "float32")),
+        ("bfloat16", "float16", False, "float64", ("bfloat16", "float16")),
+        # compression: bfloat16 on the wire, unless a 16-bit type is named
+        (None, None, True, "float64", ("float64", "bfloat16")),
+        (None, "float16", True, "float32", ("float32", "float16")),
+        # nothing wider than the class: float64 asked of float32 parameters is float32
+        ("float64", "float64", False, "float32", ("float32", "float32")),
+        ("float64", "float64", False, "float64", ("float64", "float64")),
+    ],
+)
+def test_dtypes_resolve_per_buffer(param_dtype, reduce_dtype, compress, model, want) -> None:
+    config = ShardingConfiguration(
+        FakeClient(),
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        enable_gradient_compression=compress,
+    )
+    assert (config.param_dtype_for(model), config.reduce_dtype_for(model)) == want
+
+
+def test_master_dtype_is_float64_only_for_float64() -> None:
+    from strategies.config import master_dtype
+
+    assert master_dtype("float64") == master_dtype("torch.float64") == "float64"
+    for other in ("float32", "bfloat16", "float16", "torch.float32"):
+        assert master_dtype(other) == "float32"
 
 
 @pytest.mark.parametrize(
@@ -110,10 +151,10 @@ def test_bad_client(client: Any, message: str) -> None:
 
 def test_compression_means_bfloat16_on_the_wire() -> None:
     config = ShardingConfiguration(FakeClient(), enable_gradient_compression=True)
-    assert config.reduce_dtype == "float32"
+    assert config.reduce_dtype is None
     assert config.effective_reduce_dtype == "bfloat16"
     off = dataclasses.replace(config, enable_gradient_compression=False)
-    assert off.effective_reduce_dtype == "float32"
+    assert off.effective_reduce_dtype is None  # the parameters' own again
 
 
 def test_presets() -> None:
@@ -124,7 +165,7 @@ def test_presets() -> None:
     high = ShardingConfiguration.create_for_high_bandwidth(client)
     assert high.bucket_size_bytes > default.bucket_size_bytes
     assert not high.enable_gradient_compression and not high.reshard_after_forward
-    assert high.effective_reduce_dtype == "float32"
+    assert high.effective_reduce_dtype is None  # full precision: the parameters' own
 
     low = ShardingConfiguration.create_for_low_bandwidth(client)
     assert low.enable_gradient_compression and low.effective_reduce_dtype == "bfloat16"

@@ -1,7 +1,9 @@
 """3D parallelism equals single-process training: every (pp, tp, dp) the issue names, 10 steps.
 
 Ranks are threads (torch limited to one thread each), servers in-process; the global batch is
-split over the data-parallel replicas and over micro-batches inside each pipeline.
+split over the data-parallel replicas and over micro-batches inside each pipeline. Float64 end
+to end, losses, clipped norms and final parameters within 1e-9 of single-process float64
+(tests/numerics.py).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from numerics import assert_equivalent
 
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, GPTConfig, lm_loss
@@ -22,6 +25,7 @@ STEPS, BATCH = 10, 8
 CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # bias=False: see test_strategies
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+equivalence = pytest.mark.equivalence
 
 
 MAX_NORM = 0.3  # below the tiny GPT's gradient norms here (0.6 to 2.5): every step clips
@@ -35,10 +39,22 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.3, momentum=0.9)
 
 
+def new_model(init, net=None):
+    """``net`` (a GPT of CFG by default) in the dtype of ``init`` (``.double()`` for float64),
+    loaded with it."""
+    net = (GPT(CFG) if net is None else net).to(next(iter(init.values())).dtype)
+    net.load_state_dict(init)
+    return net
+
+
+def initial_state(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return {k: v.to(dtype).clone() for k, v in GPT(CFG).state_dict().items()}
+
+
 def single_process(init, data, max_norm=None, make_opt=adamw):
     """Losses, final state and (with ``max_norm``) the clipped norms of plain torch training."""
-    model = GPT(CFG)
-    model.load_state_dict(init)
+    model = new_model(init)
     opt = make_opt(model.parameters())
     losses, norms = [], []
     for s in range(STEPS):
@@ -54,22 +70,15 @@ def single_process(init, data, max_norm=None, make_opt=adamw):
 
 @pytest.fixture(scope="module")
 def reference():
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+    init = initial_state()
     data = torch.randint(0, 50, (STEPS, BATCH, 17), generator=torch.Generator().manual_seed(1))
     losses, state, _ = single_process(init, data)
     return init, data, losses, state
 
 
-def _close(a, b, what):
-    assert abs(a - b) <= 1e-5 * abs(b), f"{what}: {a} vs {b}"
-
-
 def _same_state(state, ref_state, who):
     assert list(state) == list(ref_state)  # whole model, own names
-    for name, ref in ref_state.items():
-        rel = (state[name] - ref).norm() / ref.norm()
-        assert rel <= 1e-5, f"{who} {name}: relative difference {rel:.2e}"
+    assert_equivalent(state, ref_state, who)
 
 
 def train_hybrid(
@@ -83,9 +92,11 @@ def train_hybrid(
     make_opt=adamw,
     schedule="1f1b",
     local_calls=True,
+    on_step=None,
 ):
     """``local_calls=False``: activations, partial sums and the ZeRO traffic all cross gRPC
-    (else ranks call the servers of their own process directly)."""
+    (else ranks call the servers of their own process directly). ``on_step(rank, step)`` runs
+    as each rank begins each step. The model takes the dtype of ``init``."""
     world = pp * tp * dp
     nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
@@ -97,8 +108,7 @@ def train_hybrid(
             ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
         )
         config = ShardingConfiguration(client, job=job)
-        net = GPT(CFG)
-        net.load_state_dict(init)
+        net = new_model(init)
         model = HybridShardedModel(
             net,
             config,
@@ -112,6 +122,8 @@ def train_hybrid(
         per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
         losses, norms = [], []
         for s in range(STEPS):
+            if on_step is not None:
+                on_step(r, s)
             part = data[s, d * per : (d + 1) * per]
             if max_norm is None:
                 losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
@@ -130,6 +142,7 @@ def train_hybrid(
             n.stop()
 
 
+@equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "pp,tp,dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
@@ -139,11 +152,11 @@ def test_equals_single_process(reference, pp, tp, dp):
     results = train_hybrid(pp, tp, dp, init, data)
     for r, (losses, state, described, _) in enumerate(results):
         assert described.endswith(f"Rank({r})")
-        for a, b in zip(losses, ref_losses, strict=True):
-            _close(a, b, f"rank {r} loss")
+        assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref_state, f"rank {r}")
 
 
+@equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_over_the_wire_with_a_server_per_rank(reference, schedule):
@@ -152,11 +165,11 @@ def test_over_the_wire_with_a_server_per_rank(reference, schedule):
     init, data, ref_losses, ref_state = reference
     results = train_hybrid(2, 2, 2, init, data, servers=8, schedule=schedule, local_calls=False)
     for r, (losses, state, _, _) in enumerate(results):
-        for a, b in zip(losses, ref_losses, strict=True):
-            _close(a, b, f"rank {r} loss")
+        assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref_state, f"rank {r}")
 
 
+@equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,tp,dp", [(2, 1, 1), (2, 2, 2)])
 def test_interleaved_schedule_equals_single_process(reference, pp, tp, dp):
@@ -164,11 +177,11 @@ def test_interleaved_schedule_equals_single_process(reference, pp, tp, dp):
     init, data, ref_losses, ref_state = reference
     results = train_hybrid(pp, tp, dp, init, data, schedule="interleaved_1f1b")
     for r, (losses, state, _, _) in enumerate(results):
-        for a, b in zip(losses, ref_losses, strict=True):
-            _close(a, b, f"rank {r} loss")
+        assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref_state, f"rank {r}")
 
 
+@equivalence
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "pp,tp,dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
@@ -185,10 +198,8 @@ def test_clipping_equals_single_process(reference, pp, tp, dp):
     for r, (losses, state, _, norms) in enumerate(
         train_hybrid(pp, tp, dp, init, data, max_norm=MAX_NORM, make_opt=sgd)
     ):
-        for a, b in zip(norms, ref_norms, strict=True):
-            _close(a, b, f"rank {r} norm")
-        for a, b in zip(losses, ref_losses, strict=True):
-            _close(a, b, f"rank {r} loss")
+        assert_equivalent(norms, ref_norms, f"rank {r} norms")
+        assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref_state, f"rank {r}")
 
 
@@ -209,6 +220,7 @@ def test_tensor_parallelism_needs_gpt_blocks():
         HybridShardedModel(seq, config, 1, 2, 1)
 
 
+@equivalence
 @pytest.mark.slow
 def test_sequential_model_over_pipeline_and_data():
     """The docstring's other model: an nn.Sequential cut into 2 stages, 2 data-parallel
@@ -218,10 +230,11 @@ def test_sequential_model_over_pipeline_and_data():
     def net():
         return torch.nn.Sequential(
             torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
-        )
+        ).double()
 
     init = net().state_dict()
-    xs, ys = torch.randn(STEPS, 8, 6), torch.randn(STEPS, 8, 3)
+    xs = torch.randn(STEPS, 8, 6, dtype=torch.float64)
+    ys = torch.randn(STEPS, 8, 3, dtype=torch.float64)
     ref = net()
     ref.load_state_dict(init)
     opt = sgd(ref.parameters())
@@ -259,6 +272,5 @@ def test_sequential_model_over_pipeline_and_data():
         for n in nodes:
             n.stop()
     for r, (losses, state) in enumerate(results):
-        for a, b in zip(losses, ref_losses, strict=True):
-            _close(a, b, f"rank {r} loss")
+        assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref.state_dict(), f"rank {r}")

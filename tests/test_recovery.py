@@ -3,7 +3,8 @@ the same address, and training ends with the parameters of an uninterrupted run.
 
 Servers are real ``paramshard serve`` processes with a shared snapshot directory; the two
 ranks are threads of this process running ``train_with_recovery`` (checkpoint every k steps,
-restore the newest snapshot and replay after a failure).
+restore the newest snapshot and replay after a failure). The model is float64: the recovered
+run equals the uninterrupted one and single-process training within 1e-9 (tests/numerics.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from numerics import assert_equivalent
 
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
@@ -36,6 +38,31 @@ from strategies import (
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_AT, EVERY, W = 30, 12, 5, 2
 CFG = GPTConfig.tiny(vocab_size=50, bias=False)
+
+
+def initial_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.clone() for k, v in GPT(CFG).double().state_dict().items()}
+
+
+def new_gpt(init: dict[str, torch.Tensor]) -> GPT:
+    net = GPT(CFG).double()
+    net.load_state_dict(init)
+    return net
+
+
+def single_process(init, data, param_groups: bool) -> dict[str, torch.Tensor]:
+    """AdamW (lr 3e-3, with the weight-decay groups or without), clipping at 1.0, the whole
+    batch of every step: what both trainings below must end at."""
+    net = new_gpt(init)
+    opt = torch.optim.AdamW(net.param_groups(0.1) if param_groups else net.parameters(), lr=3e-3)
+    for s in range(STEPS):
+        lm_loss(net(data[s, :, :-1]), data[s, :, 1:]).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return net.state_dict()
+
 
 pytestmark = pytest.mark.slow
 
@@ -147,8 +174,7 @@ def train(addresses, init, data, on_step=None, replicate_every=0):
             ClusterSpec(addresses), rank=r, world_size=W, run_id=run, timeout_s=15, retries=3
         )
         config = ShardingConfiguration(client, job=job, replicate_every=replicate_every)
-        net = GPT(CFG)
-        net.load_state_dict(init)
+        net = new_gpt(init)
         model = FSDPModel(net, config, wrap=(Block,))
         opt = FSDPOptimizer(torch.optim.AdamW(net.param_groups(0.1), lr=3e-3), config)
 
@@ -171,10 +197,10 @@ def train(addresses, init, data, on_step=None, replicate_every=0):
         return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(W)]]
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("replicate_every", [0, 1, 4], ids=["snapshot", "replica-k1", "replica-k4"])
 def test_server_killed_mid_training_recovers(cluster, replicate_every):
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+    init = initial_state()
     data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(1))
     addresses = [s.address for s in cluster]
 
@@ -188,8 +214,8 @@ def test_server_killed_mid_training_recovers(cluster, replicate_every):
         # a rank may fail finishing step KILL_AT-1 or at KILL_AT; either way at most
         # checkpoint_every steps are recomputed
         assert 0 <= report.replayed_steps <= (replicate_every or EVERY)
-        for name, ref in ref_state.items():
-            assert torch.allclose(state[name], ref, rtol=0, atol=1e-6), name
+        assert_equivalent(state, ref_state, "recovered vs uninterrupted")
+    assert_equivalent(reference[0][0], single_process(init, data, True), "uninterrupted")
     print(
         f"recovery ({f'replica k={replicate_every}' if replicate_every else 'snapshot'})"
         f" took {max(r.recovery_seconds[0] for _, r in recovered):.2f} s, replayed"
@@ -210,8 +236,7 @@ def train_3d(addresses, init, data, on_step=None, job=None):
             ClusterSpec(addresses), rank=r, world_size=4, run_id=run, timeout_s=15, retries=3
         )
         config = ShardingConfiguration(client, job=job)
-        net = GPT(CFG)
-        net.load_state_dict(init)
+        net = new_gpt(init)
         model = HybridShardedModel(net, config, 2, 2, 1, micro_batch_count=2)
         HybridShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3), config)
 
@@ -227,12 +252,12 @@ def train_3d(addresses, init, data, on_step=None, job=None):
         return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(4)]]
 
 
+@pytest.mark.equivalence
 def test_3d_job_recovers_from_a_killed_server(cluster_of):
     """Server 1 holds part pp0.tp1 alone (dp = 1) and the mailboxes and tensor-parallel
     sums of rank 1: killed mid-training and restarted, it gets its part back from the newest
     snapshot, every group's collectives restart, and training ends where it would have."""
-    torch.manual_seed(0)
-    init = {k: v.clone() for k, v in GPT(CFG).state_dict().items()}
+    init = initial_state()
     data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(2))
     cluster = cluster_of(4)
     addresses = [s.address for s in cluster]
@@ -256,8 +281,8 @@ def test_3d_job_recovers_from_a_killed_server(cluster_of):
         assert report.recoveries == 1
         assert 0 <= report.replayed_steps <= EVERY
         assert list(state) == list(ref_state)
-        for name, ref in ref_state.items():
-            assert torch.allclose(state[name], ref, rtol=0, atol=1e-6), name
+        assert_equivalent(state, ref_state, "recovered vs uninterrupted")
+    assert_equivalent(reference[0][0], single_process(init, data, False), "uninterrupted")
     print(
         f"3D recovery took {max(r.recovery_seconds[0] for _, r in recovered):.2f} s, replayed"
         f" {max(r.replayed_steps for _, r in recovered)} steps"

@@ -3,7 +3,8 @@
 Two ranks run in threads against two in-process shard servers; the initial state dict is built
 once in the main thread (threads share torch's global RNG) and loaded into every rank's model.
 Each rank trains on its half of a 4-sample batch, so the strategies must match single-process
-training on the whole batch.
+training on the whole batch: float64 on both sides, within 1e-9 (tests/numerics.py). The
+mixed-precision test is float32 with bfloat16 compute, held to a measured bound (see there).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from numerics import assert_equivalent
 from torch import nn
 
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
@@ -76,14 +78,17 @@ def addrs() -> Any:
         s.stop(0)
 
 
-def init_state(cfg: GPTConfig = CFG, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Built once, in the main thread."""
+def init_state(
+    cfg: GPTConfig = CFG, seed: int = 0, dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
+    """Built once, in the main thread; float64 unless asked otherwise."""
     torch.manual_seed(seed)
-    return {k: v.clone() for k, v in GPT(cfg).state_dict().items()}
+    return {k: v.to(dtype).clone() for k, v in GPT(cfg).state_dict().items()}
 
 
 def plain(init: dict[str, torch.Tensor], cfg: GPTConfig = CFG) -> GPT:
-    m = GPT(cfg)
+    """A GPT in the dtype of ``init``, loaded with it."""
+    m = GPT(cfg).to(next(iter(init.values())).dtype)
     m.load_state_dict(init)
     return m
 
@@ -105,10 +110,6 @@ def reference(
         lm_loss(m(X), Y).backward()
         opt.step()
     return vec(m)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))
 
 
 def world(
@@ -175,7 +176,7 @@ def test_properties_and_parameter_vectors(kind: str, run_ranks: Any, addrs: list
         client.barrier()  # every rank has read the servers before any rank writes
 
         # round trip
-        new = full + 0.01 * torch.arange(n, dtype=torch.float32) / n
+        new = full + 0.01 * torch.arange(n, dtype=full.dtype) / n
         model.set_parameters(new)
         client.barrier()
         assert torch.equal(model.get_parameters(), new)
@@ -200,6 +201,7 @@ def test_properties_and_parameter_vectors(kind: str, run_ranks: Any, addrs: list
 # -- gradients ---------------------------------------------------------------------------------
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("kind", KINDS)
 def test_compute_gradients_is_local_and_side_effect_free(
     kind: str, run_ranks: Any, addrs: list[str]
@@ -214,22 +216,25 @@ def test_compute_gradients_is_local_and_side_effect_free(
         before, steps = model.get_parameters(), steps_of(model)
         got = model.compute_gradients(x, y)
         assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+        assert_equivalent(got, want, "local gradients")
         assert torch.equal(model.get_parameters(), before)
         assert steps_of(model) == steps
         assert all(p.grad is None for p in model.parameters())
         client.barrier()
         # servers untouched: a normal step still matches single-process training
         model.train_on_batch(x, y)
-        assert rel(model.get_parameters(), want_after_step) < 1e-5
+        assert_equivalent(model.get_parameters(), want_after_step, "after one step")
 
     world(run_ranks, addrs, kind, fn, init=init)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("kind", KINDS)
 def test_apply_gradients_is_sgd(kind: str, run_ranks: Any, addrs: list[str]) -> None:
     g = torch.randn(
-        sum(p.numel() for p in GPT(CFG).parameters()), generator=torch.Generator().manual_seed(7)
+        sum(p.numel() for p in GPT(CFG).parameters()),
+        generator=torch.Generator().manual_seed(7),
+        dtype=torch.float64,
     )
 
     def fn(client: Any, model: ShardedModelBase, opt: Any, ref: GPT) -> None:
@@ -237,7 +242,7 @@ def test_apply_gradients_is_sgd(kind: str, run_ranks: Any, addrs: list[str]) -> 
         client.barrier()
         model.apply_gradients(g, 0.05)
         client.barrier()
-        torch.testing.assert_close(model.get_parameters(), theta - 0.05 * g)
+        assert_equivalent(model.get_parameters(), theta - 0.05 * g, "theta - lr g")
         client.barrier()
 
     world(run_ranks, addrs, kind, fn)
@@ -373,6 +378,7 @@ def test_with_parameters_and_deep_copy(kind: str, run_ranks: Any, addrs: list[st
 # -- training --------------------------------------------------------------------------------
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_on_batch_matches_single_process(kind: str, run_ranks: Any, addrs: list[str]) -> None:
     init = init_state()
@@ -387,7 +393,7 @@ def test_train_on_batch_matches_single_process(kind: str, run_ranks: Any, addrs:
             losses.append(loss)
             if kind != "ddp":
                 assert model.step_count == i + 1
-        assert rel(model.get_parameters(), want) < 1e-5
+        assert_equivalent(model.get_parameters(), want, "after two steps")
         return losses
 
     out = world(run_ranks, addrs, kind, fn, init=init)
@@ -503,7 +509,7 @@ def test_unsupported_optimizer_does_not_stay_attached(run_ranks: Any, addrs: lis
 
 
 def test_fsdp_memory_bound_and_freeing(run_ranks: Any, addrs: list[str]) -> None:
-    cfg = GPTConfig.tiny(vocab_size=VOCAB, n_layer=4, bias=False)
+    cfg = GPTConfig.tiny(vocab_size=VOCAB, n_layer=4, bias=False)  # float32: 4 bytes a value
 
     def fn(client: Any, model: FSDPModel, opt: Any, ref: GPT) -> None:
         sizes: dict[str, int] = {}
@@ -522,12 +528,13 @@ def test_fsdp_memory_bound_and_freeing(run_ranks: Any, addrs: list[str]) -> None
         model.predict(x)
         assert model.live_bytes == 0
 
-    world(run_ranks, addrs, "fsdp", fn, cfg=cfg)
+    world(run_ranks, addrs, "fsdp", fn, cfg=cfg, init=init_state(cfg, dtype=torch.float32))
 
 
 # -- gradient accumulation, no_sync ----------------------------------------------------------
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("kind", ["zero2", "fsdp"])
 def test_gradient_accumulation_matches_whole_batch(
     kind: str, run_ranks: Any, addrs: list[str]
@@ -542,7 +549,7 @@ def test_gradient_accumulation_matches_whole_batch(
                 (model.default_loss_function(model(x[i : i + 1]), y[i : i + 1]) / 2).backward()
             opt.step()
             opt.zero_grad()
-        assert rel(model.get_parameters(), want) < 1e-5
+        assert_equivalent(model.get_parameters(), want, "accumulated over 2 micro-batches")
         client.barrier()
         # one backward instead of two: the step refuses
         lm_loss(model(x), y).backward()
@@ -552,6 +559,7 @@ def test_gradient_accumulation_matches_whole_batch(
     world(run_ranks, addrs, kind, fn, init=init, gradient_accumulation_steps=2)
 
 
+@pytest.mark.equivalence
 def test_ddp_no_sync_matches_whole_batch(run_ranks: Any, addrs: list[str]) -> None:
     init = init_state()
     want = reference(init, 2)
@@ -564,20 +572,52 @@ def test_ddp_no_sync_matches_whole_batch(run_ranks: Any, addrs: list[str]) -> No
             (lm_loss(model(x[1:]), y[1:]) / 2).backward()
             opt.step()
             opt.zero_grad()
-        assert rel(model.get_parameters(), want) < 1e-5
+        assert_equivalent(model.get_parameters(), want, "no_sync")
 
     world(run_ranks, addrs, "ddp", fn, init=init)
 
 
-# -- mixed precision -------------------------------------------------------------------------
+# -- mixed precision ---------------------------------------------------------------------------
 
 
-def test_fsdp_bfloat16_params_train_close_to_fp32(run_ranks: Any, addrs: list[str]) -> None:
-    # lr 3e-3: at 1e-2, bf16 rounding alone moves AdamW 4% away from fp32 in 10 steps (a local
-    # simulation, fp32 master + forward/backward on bf16-rounded copies, does the same).
+def fsdp2_bfloat16_twin_rank(rank: int, world: int, init: dict, lr: float, steps: int):
+    """One rank of torch's own FSDP (``fully_shard`` per block and at the root, gloo) with
+    bfloat16 parameters for compute and float32 gradient reduction, training as
+    ``test_fsdp_bfloat16_params_within_torch_fsdp`` does (runs in a spawned process)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    net = plain(init)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in net.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(net, mp_policy=policy)
+    opt = torch.optim.AdamW(net.param_groups(0.1), lr=lr)
+    x, y = rank_data(rank)
+    losses = []
+    for _ in range(steps):
+        loss = lm_loss(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    full = [p.full_tensor().detach().reshape(-1) for p in net.parameters()]
+    return losses, torch.cat(full)
+
+
+@pytest.mark.equivalence
+def test_fsdp_bfloat16_params_within_torch_fsdp(run_ranks: Any, addrs: list[str]) -> None:
+    """param_dtype="bfloat16": forward and backward on bfloat16 copies of float32 masters.
+    How far that lands from float32 training is bfloat16's doing, not a bound anyone can
+    derive; it is measured on torch's own FSDP with the same mixed-precision policy, and ours
+    may be at most 3x as far (tests/numerics.py ``assert_within_twin``)."""
+    from numerics import assert_within_twin, worst_deviation
+    from torch_twin import run_gloo
+
+    # lr 3e-3: at 1e-2, bf16 rounding alone moves AdamW 4% away from fp32 in 10 steps
     lr, steps = 3e-3, 10
-    init = init_state()
+    init = init_state(dtype=torch.float32)
     want = reference(init, steps, lr=lr)
+    twin_losses, twin = run_gloo(fsdp2_bfloat16_twin_rank, W, init, lr, steps)[0]
 
     def fn(client: Any, model: FSDPModel, opt: Any, ref: GPT) -> tuple[list[float], Any]:
         x, y = rank_data(client.rank)
@@ -585,7 +625,8 @@ def test_fsdp_bfloat16_params_train_close_to_fp32(run_ranks: Any, addrs: list[st
         return losses, model.get_parameters()
 
     out = world(run_ranks, addrs, "fsdp", fn, init=init, lr=lr, param_dtype="bfloat16")
-    for losses, params in out:
+    for r, (losses, params) in enumerate(out):
         assert losses[-1] < losses[0]
-        assert rel(params, want) < 1e-2
-        assert rel(params, want) > 1e-5  # the parameters really were bfloat16
+        assert params.dtype == torch.float32  # the masters stay float32
+        assert_within_twin(params, twin, want, f"bfloat16 params rank {r}")
+        assert worst_deviation(params, want) > 1e-5  # the parameters really were bfloat16

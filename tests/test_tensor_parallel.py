@@ -2,7 +2,8 @@
 
 Every parallel layer runs on tp ranks (threads, one ShardClient each, real gRPC servers) and is
 compared with its plain torch twin on the same weights and inputs: forward output, input
-gradient and (gathered) weight gradients within 1e-5.
+gradient and (gathered) weight gradients, all float64, within 1e-9 per tensor
+(tests/numerics.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from numerics import assert_equivalent
 from torch import nn
 
 from examples.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, lm_loss
@@ -29,8 +31,9 @@ from strategies.tensor_parallel import (
 )
 from strategies.topology import Topology
 
-TOL = {"rtol": 1e-5, "atol": 1e-5}
 TP_SIZES = [1, 2]
+F64 = torch.float64
+equivalence = pytest.mark.equivalence
 
 
 @pytest.fixture
@@ -45,8 +48,8 @@ def run_tp(servers, run_ranks):
     return run
 
 
-def _close(actual, expected):
-    torch.testing.assert_close(actual, expected, **TOL)
+def _close(actual, expected, what="value"):
+    assert_equivalent(actual, expected, what)
 
 
 def _plain_grads(module):
@@ -79,13 +82,14 @@ def test_g_is_all_reduce_forward_and_identity_backward(run_tp):
 
 
 # -- linear layers -----------------------------------------------------------------------------
+@equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 @pytest.mark.parametrize("gather_output", [False, True])
 def test_column_parallel_linear_matches_nn_linear(run_tp, tp_size, gather_output):
     torch.manual_seed(0)
-    linear = nn.Linear(8, 12)
-    x = torch.randn(3, 5, 8)
-    out_grad = torch.randn(3, 5, 12)  # a fixed weighting of the outputs makes every grad differ
+    linear = nn.Linear(8, 12).double()
+    x = torch.randn(3, 5, 8, dtype=F64)
+    out_grad = torch.randn(3, 5, 12, dtype=F64)  # a fixed weighting makes every grad differ
 
     def rank_fn(tp):
         layer = ColumnParallelLinear.from_linear(linear, tp, gather_output=gather_output)
@@ -100,20 +104,21 @@ def test_column_parallel_linear_matches_nn_linear(run_tp, tp_size, gather_output
     yp = linear(xp)
     (yp * out_grad).sum().backward()
     for rank, (y, x_grad, w_grad, full) in enumerate(run_tp(tp_size, rank_fn)):
-        _close(y, yp if gather_output else yp.chunk(tp_size, -1)[rank])
-        _close(x_grad, xp.grad)
-        _close(w_grad, linear.weight.grad.chunk(tp_size, 0)[rank])
-        _close(full["weight"], linear.weight.grad)
-        _close(full["bias"], linear.bias.grad)
+        _close(y, yp if gather_output else yp.chunk(tp_size, -1)[rank], "output")
+        _close(x_grad, xp.grad, "input grad")
+        _close(w_grad, linear.weight.grad.chunk(tp_size, 0)[rank], "weight grad part")
+        _close(full["weight"], linear.weight.grad, "weight grad")
+        _close(full["bias"], linear.bias.grad, "bias grad")
 
 
+@equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 @pytest.mark.parametrize("input_is_parallel", [True, False])
 def test_row_parallel_linear_matches_nn_linear(run_tp, tp_size, input_is_parallel):
     torch.manual_seed(1)
-    linear = nn.Linear(12, 6)
-    x = torch.randn(3, 5, 12)
-    out_grad = torch.randn(3, 5, 6)
+    linear = nn.Linear(12, 6).double()
+    x = torch.randn(3, 5, 12, dtype=F64)
+    out_grad = torch.randn(3, 5, 6, dtype=F64)
 
     def rank_fn(tp):
         layer = RowParallelLinear.from_linear(linear, tp, input_is_parallel=input_is_parallel)
@@ -128,17 +133,20 @@ def test_row_parallel_linear_matches_nn_linear(run_tp, tp_size, input_is_paralle
     yp = linear(xp)
     (yp * out_grad).sum().backward()
     for rank, (y, x_grad, w_grad, full) in enumerate(run_tp(tp_size, rank_fn)):
-        _close(y, yp)
-        _close(x_grad, xp.grad.chunk(tp_size, -1)[rank] if input_is_parallel else xp.grad)
-        _close(w_grad, linear.weight.grad.chunk(tp_size, 1)[rank])
-        _close(full["weight"], linear.weight.grad)
-        _close(full["bias"], linear.bias.grad)
+        _close(y, yp, "output")
+        _close(
+            x_grad, xp.grad.chunk(tp_size, -1)[rank] if input_is_parallel else xp.grad, "input grad"
+        )
+        _close(w_grad, linear.weight.grad.chunk(tp_size, 1)[rank], "weight grad part")
+        _close(full["weight"], linear.weight.grad, "weight grad")
+        _close(full["bias"], linear.bias.grad, "bias grad")
 
 
 # -- GPT modules -------------------------------------------------------------------------------
 def _module_twin_test(run_tp, tp_size, plain, parallel_cls):
     torch.manual_seed(2)
-    x = torch.randn(2, 8, plain.c_proj.out_features)
+    plain = plain.double()
+    x = torch.randn(2, 8, plain.c_proj.out_features, dtype=F64)
     out_grad = torch.randn_like(x)
 
     def rank_fn(tp):
@@ -152,13 +160,13 @@ def _module_twin_test(run_tp, tp_size, plain, parallel_cls):
     yp = plain(xp)
     (yp * out_grad).sum().backward()
     for y, x_grad, grads in run_tp(tp_size, rank_fn):
-        _close(y, yp)
-        _close(x_grad, xp.grad)
+        _close(y, yp, "output")
+        _close(x_grad, xp.grad, "input grad")
         assert grads.keys() == _plain_grads(plain).keys()
-        for name, grad in _plain_grads(plain).items():
-            _close(grads[name], grad)
+        _close(grads, _plain_grads(plain), "grads")
 
 
+@equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 def test_parallel_attention_matches_causal_self_attention(run_tp, tp_size):
     # 4 heads: with tp=2 each rank takes two heads from each of q, k and v
@@ -167,6 +175,7 @@ def test_parallel_attention_matches_causal_self_attention(run_tp, tp_size):
     _module_twin_test(run_tp, tp_size, attn, ParallelCausalSelfAttention)
 
 
+@equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 def test_parallel_mlp_matches_mlp(run_tp, tp_size):
     torch.manual_seed(4)
@@ -185,10 +194,11 @@ def test_attention_takes_its_heads_from_each_of_q_k_v():
 
 
 # -- the whole GPT -----------------------------------------------------------------------------
+@equivalence
 def test_gpt_with_parallel_blocks_matches_plain_gpt(run_tp):
     torch.manual_seed(6)
     config = GPTConfig.tiny()
-    plain = GPT(config)
+    plain = GPT(config).double()
     idx = torch.randint(config.vocab_size, (3, config.block_size))
     targets = torch.randint(config.vocab_size, (3, config.block_size))
     reference_state = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -206,10 +216,9 @@ def test_gpt_with_parallel_blocks_matches_plain_gpt(run_tp):
     lm_loss(logits_p, targets).backward()
     grads_p = _plain_grads(plain)
     for logits, grads, state in run_tp(2, rank_fn):
-        _close(logits, logits_p)
+        _close(logits, logits_p, "logits")
         assert grads.keys() == grads_p.keys()
-        for name, grad in grads_p.items():
-            _close(grads[name], grad)
+        _close(grads, grads_p, "grads")
         # the round trip: sharded and gathered again, bit for bit, under the original names
         assert list(state) == list(reference_state)
         for name, value in reference_state.items():
@@ -277,13 +286,14 @@ def test_standalone_layers_hold_only_their_shard():
 
 
 # -- TensorParallelModel -----------------------------------------------------------------------
+@equivalence
 def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks):
     """Whole-GPT training at tp=2 with AdamW and clipping by the global norm (sharded
     parameters' squares summed over the group, replicated ones and the tied embedding once)
     equals plain training: losses, norms and the gathered state dict."""
     torch.manual_seed(9)
     config = GPTConfig.tiny(vocab_size=50, bias=False)
-    plain = GPT(config)
+    plain = GPT(config).double()
     init = copy.deepcopy(plain.state_dict())
     data = torch.randint(50, (5, 4, 17), generator=torch.Generator().manual_seed(3))
     max_norm = 0.3
@@ -301,7 +311,7 @@ def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks):
         return losses, norms
 
     def rank_fn(client):
-        net = GPT(config)
+        net = GPT(config).double()
         net.load_state_dict(init)
         model = TensorParallelModel(net, ShardingConfiguration(client, job="tpm"))
         assert model.tensor_parallel_size == 2
@@ -313,19 +323,19 @@ def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks):
     assert min(ref_norms) > max_norm  # every step clips
     addresses = [s.address for s in servers(2)]
     for losses, norms, state in run_ranks(rank_fn, 2, addresses):
-        _close(torch.tensor(losses), torch.tensor(ref_losses))
-        _close(torch.tensor(norms), torch.tensor(ref_norms))
+        _close(losses, ref_losses, "losses")
+        _close(norms, ref_norms, "clipped norms")
         assert list(state) == list(plain.state_dict())
-        for name, value in plain.state_dict().items():
-            _close(state[name], value)
+        _close(state, plain.state_dict(), "state")
 
 
+@equivalence
 def test_tensor_parallel_model_load_state_dict_takes_each_rank_part(servers, run_ranks):
     torch.manual_seed(10)
     config = GPTConfig.tiny(vocab_size=50)
-    source, target = GPT(config).state_dict(), GPT(config)
+    source, target = GPT(config).double().state_dict(), GPT(config).double()
     idx = torch.randint(50, (2, 9))
-    want = GPT(config)
+    want = GPT(config).double()
     want.load_state_dict(source)
 
     def rank_fn(client):
@@ -342,4 +352,4 @@ def test_tensor_parallel_model_load_state_dict_takes_each_rank_part(servers, run
         assert torch.equal(c_attn, torch.cat([t.chunk(2)[rank] for t in (q, k, v)]))
         for name, value in source.items():
             assert torch.equal(state[name], value), name
-        _close(logits, want(idx).detach())
+        _close(logits, want(idx).detach(), f"rank {rank} logits")

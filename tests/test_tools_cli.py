@@ -1,5 +1,6 @@
 """``paramshard inspect · get · snapshot · snapshots · restore · export`` run as users run them:
-``python -m paramshard ...`` subprocesses against in-process servers holding a trained job."""
+``python -m paramshard ...`` subprocesses against in-process servers holding a trained job
+(float32: the float64 round trips are in test_snapshots.py and test_export.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def cluster(tmp_path_factory) -> Any:
         return new
 
     addresses = [s.address for s in snapshot_servers(factory, 2, root)]
-    job, init, data = new_job("cli"), initial_weights(), batches()
+    job, init, data = new_job("cli"), initial_weights(torch.float32), batches()
 
     def rank(client: ShardClient) -> dict:
         model, opt = wrap("zero1", client, job, init)
@@ -114,7 +115,7 @@ def test_snapshot_list_restore_export(cluster, tmp_path):
 
     # move the servers on one step, then restore the snapshot: back to the trained values
     def one_more(client: ShardClient) -> None:
-        model, opt = wrap("zero1", client, job, initial_weights())
+        model, opt = wrap("zero1", client, job, initial_weights(torch.float32))
         assert model.step_count == STEPS
         train_steps(model, opt, client.rank, 2, batches(), range(STEPS, STEPS + 1))
 

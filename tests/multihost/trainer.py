@@ -13,7 +13,7 @@ rank 0, the first time it reaches step K, writes ``D/reached-K`` and waits (at m
 ``D/go-K``, so the test can break a host exactly mid-training.
 
 The model, the data and the single-process reference live here too, so the test imports the
-very same definitions.
+very same definitions. The model is float64 (``.double()``), as in every equivalence test.
 """
 
 from __future__ import annotations
@@ -48,15 +48,20 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(params, 0.1), lr=LR)
 
 
+def new_gpt() -> GPT:
+    """The trained model: a float64 GPT."""
+    return GPT(CFG).double()
+
+
 def initial_state(seed: int = 0) -> dict[str, torch.Tensor]:
     """Initial weights, each tensor its own copy (safetensors refuses the tied ones shared)."""
     torch.manual_seed(seed)
-    return {k: v.detach().clone().contiguous() for k, v in GPT(CFG).state_dict().items()}
+    return {k: v.detach().clone().contiguous() for k, v in new_gpt().state_dict().items()}
 
 
 def train_single(init: dict[str, torch.Tensor], steps: int) -> dict[str, torch.Tensor]:
     """The reference: one process, the whole batch, plain torch."""
-    net = GPT(CFG)
+    net = new_gpt()
     net.load_state_dict(init)
     opt = make_optimizer(net.parameters())
     for s in range(steps):
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"world size {world} does not divide the batch {BATCH}")
     per = BATCH // world
     config = ShardingConfiguration(client, job=args.job, timeout_s=args.timeout)
-    net = GPT(CFG)
+    net = new_gpt()
     net.load_state_dict(load_file(args.init))
     if args.pipeline:  # every rank a stage: the whole batch goes through the pipeline
         model = HybridShardedModel(net, config, world, 1, 1, micro_batch_count=2)
