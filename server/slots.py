@@ -248,11 +248,18 @@ class SlotStore:
                 )
             if not slot.cond.wait_for(complete, timeout=timeout):
                 chunk = slot.chunks.get(req.offset)
-                got = 0 if chunk is None else len(chunk.contributors)
+                arrived = set() if chunk is None else chunk.contributors
+                if slot.meta is None:
+                    who = "no contribution has arrived (no rank has reached this collective)"
+                else:
+                    missing = sorted(set(range(slot.meta.expected)) - arrived)
+                    who = (
+                        f"{len(arrived)} of {slot.meta.expected} contributions arrived; missing"
+                        f" rank(s) {', '.join(map(str, missing))}"
+                    )
                 self._forget_if_unused(slot)
                 raise ShardError.deadline(
-                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s;"
-                    f" {got} of its contributions arrived"
+                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s; {who}"
                 )
             meta = slot.meta
             chunk = slot.chunks[req.offset]

@@ -118,3 +118,16 @@ def test_a_snapshot_whose_version_was_jumped_over_fails_cleanly(client: Any, tmp
     assert "without stepping through it" in str(exc)
     b = store.get("j", "b")
     assert b.captures == {} and b.capture_requests == set()
+
+
+def test_a_timed_out_collective_names_the_missing_ranks(servers: Any) -> None:
+    """Finding 11 (first part): the error says who is missing, not only how many arrived."""
+    (server,) = servers(1, local_calls=False)
+    c = ShardClient(ClusterSpec([server.address]), rank=0, world_size=3, timeout_s=0.5)
+    try:
+        with pytest.raises(ShardClientError) as err:
+            c.all_reduce(np.ones(4, np.float32))  # ranks 1 and 2 never come
+    finally:
+        c.close()
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "1 of 3 contributions arrived; missing rank(s) 1, 2" in err.value.details
