@@ -13,7 +13,7 @@ pulls in torch through it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import bisect
 from typing import NamedTuple
 
 __all__ = [
@@ -22,7 +22,7 @@ __all__ = [
     "slice_sizes",
     "pieces",
     "chunk_ranges",
-    "overlapping",
+    "Coverage",
     "tensor_parallel_ranges",
 ]
 
@@ -81,14 +81,48 @@ def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     return [(o, min(chunk_numel, numel - o)) for o in range(0, numel, chunk_numel)]
 
 
-def overlapping(ranges: Mapping[int, int], offset: int, numel: int) -> tuple[int, int] | None:
-    """The first of ``ranges`` (offset -> numel, disjoint) that shares an element with
-    [offset, offset + numel), as (offset, numel); None if there is none. Chunks of a slice must
-    cover it exactly once: counting sizes alone would take [0, 6) and [1, 7) for 8 elements."""
-    for start, length in ranges.items():
-        if length and numel and start < offset + numel and offset < start + length:
-            return start, length
-    return None
+class Coverage:
+    """Disjoint ranges [start, start + numel) received so far, kept sorted.
+
+    Chunks of a slice (or of a replica's bytes) must cover it exactly once: counting their
+    sizes alone would take [0, 6) and [1, 7) as 12 of 8 elements. ``clash`` finds an overlap
+    before anything is recorded, ``add`` records a chunk, ``covered`` counts what is in.
+    """
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self._ends: list[int] = []
+        self.covered = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.starts)
+
+    def numel_at(self, offset: int) -> int | None:
+        """The length of the range recorded at exactly ``offset``, None if there is none."""
+        i = bisect.bisect_left(self.starts, offset)
+        if i < len(self.starts) and self.starts[i] == offset:
+            return self._ends[i] - offset
+        return None
+
+    def clash(self, offset: int, numel: int) -> tuple[int, int] | None:
+        """A recorded range sharing an element with [offset, offset + numel), as
+        (start, end); None if there is none."""
+        if numel == 0:
+            return None
+        end = offset + numel
+        i = bisect.bisect_left(self.starts, offset)
+        for j in (i - 1, i):
+            if 0 <= j < len(self.starts) and self.starts[j] < end and offset < self._ends[j]:
+                return self.starts[j], self._ends[j]
+        return None
+
+    def add(self, offset: int, numel: int) -> None:
+        """Records [offset, offset + numel); the caller has checked ``clash``."""
+        if numel:
+            i = bisect.bisect_left(self.starts, offset)
+            self.starts.insert(i, offset)
+            self._ends.insert(i, offset + numel)
+            self.covered += numel
 
 
 def tensor_parallel_ranges(size: int, parts: int, index: int, packed: int = 1) -> list[range]:

@@ -12,7 +12,6 @@ once; a chunk overlapping one already received is refused (INVALID_ARGUMENT), as
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import threading
@@ -73,32 +72,27 @@ def check_header(blob: bytes, chunk: pb.ReplicaChunk, what: str) -> None:
 @dataclass
 class _Incoming:
     total: int
-    starts: list[int] = field(default_factory=list)  # sorted; chunk i is [starts[i], ends[i])
-    ends: list[int] = field(default_factory=list)
+    chunks: slicing.Coverage = field(default_factory=slicing.Coverage)
     data: dict[int, bytes] = field(default_factory=dict)
-    covered: int = 0
     touched: float = field(default_factory=time.monotonic)
 
     def add(self, offset: int, data: bytes, what: str) -> None:
-        end = offset + len(data)
-        i = bisect.bisect_left(self.starts, offset)
-        clash = (i > 0 and self.ends[i - 1] > offset) or (
-            i < len(self.starts) and self.starts[i] < end
-        )
-        if clash:
-            j = i - 1 if i > 0 and self.ends[i - 1] > offset else i
+        clash = self.chunks.clash(offset, len(data))
+        if clash is not None:
             raise ShardError.invalid(
-                f"{what}: chunk [{offset:,}, {end:,}) overlaps the chunk"
-                f" [{self.starts[j]:,}, {self.ends[j]:,}) received already; each byte is sent once"
+                f"{what}: chunk [{offset:,}, {offset + len(data):,}) overlaps the chunk"
+                f" [{clash[0]:,}, {clash[1]:,}) received already; each byte is sent once"
             )
-        self.starts.insert(i, offset)
-        self.ends.insert(i, end)
+        self.chunks.add(offset, len(data))
         self.data[offset] = data
-        self.covered += len(data)
         self.touched = time.monotonic()
 
+    @property
+    def covered(self) -> int:
+        return self.chunks.covered
+
     def blob(self) -> bytes:
-        return b"".join(self.data[s] for s in self.starts)
+        return b"".join(self.data[s] for s in self.chunks.starts)
 
 
 class Inbox:

@@ -57,16 +57,18 @@ class PendingStep:
 
     step: int
     num_micro: int
-    received: dict[tuple[int, int, int], int] = field(default_factory=dict)
-    received_numel: int = 0
+    chunks: dict[int, slicing.Coverage] = field(default_factory=dict)  # per contribution k
     reduced: bool = False
     sum_squares: float | None = None
     param_sum_squares: list[float] | None = None
-    covered: dict[int, int] = field(default_factory=dict)  # contribution -> elements received
-    ranges: dict[int, dict[int, int]] = field(default_factory=dict)  # contribution -> chunks
     head: int = 0
     staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     staged_bytes: int = 0
+
+    def received(self, k: int) -> int:
+        """Elements of contribution ``k`` received so far."""
+        chunks = self.chunks.get(k)
+        return chunks.covered if chunks is not None else 0
 
 
 class BufferSlice:
@@ -86,7 +88,7 @@ class BufferSlice:
         self.master = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
         self.grad: Any = None  # accumulator (master dtype), allocated at the first push
         self.version = 0
-        self.written: dict[int, int] = {}  # SetParams chunks of the current version
+        self.written = slicing.Coverage()  # SetParams chunks of the current version
         self.initialized = self.slice_numel == 0
         self.pending: PendingStep | None = None
         self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
@@ -146,22 +148,23 @@ class BufferSlice:
         with self.cond:
             if header.version != self.version:
                 # A new version of the values (restore): start counting coverage again.
-                self.written = {}
+                self.written = slicing.Coverage()
                 self.initialized = self.slice_numel == 0
                 self.version = header.version
                 self.pending = None
             o, n = header.chunk.offset, header.chunk.numel
-            if self.written.get(o) != n:  # not a retry of a chunk written before
-                clash = slicing.overlapping(self.written, o, n)
-                if clash is not None:
-                    raise ShardError.invalid(
-                        f"{self.label}: SetParams chunk [{o:,}, {o + n:,}) overlaps chunk"
-                        f" [{clash[0]:,}, {clash[0] + clash[1]:,}) written for version"
-                        f" {self.version}; chunks must cover the slice exactly once"
-                    )
+            retry = self.written.numel_at(o) == n  # a chunk written before, written again
+            clash = None if retry else self.written.clash(o, n)
+            if clash is not None:
+                raise ShardError.invalid(
+                    f"{self.label}: SetParams chunk [{o:,}, {o + n:,}) overlaps chunk"
+                    f" [{clash[0]:,}, {clash[1]:,}) written for version {self.version};"
+                    " chunks must cover the slice exactly once"
+                )
             arrays.to_compute(host, header.chunk.dtype, into=self.master[o : o + n])
-            self.written[o] = n
-            if sum(self.written.values()) >= self.slice_numel:
+            if not retry:
+                self.written.add(o, n)
+            if self.written.covered >= self.slice_numel:
                 self.initialized = True
             self.cond.notify_all()
             return self.initialized
@@ -214,39 +217,40 @@ class BufferSlice:
                     f"{self.label}: step {h.step} accumulates {pending.num_micro} micro-batches"
                     f" per contributor, this push says {h.num_micro}"
                 )
-            key = (h.contributor, h.micro, h.chunk.offset)
-            if key in pending.received:
-                if pending.received[key] != h.chunk.numel:
+            o, n = h.chunk.offset, h.chunk.numel
+            k = h.contributor * pending.num_micro + h.micro  # its place in the rank order
+            chunks = pending.chunks.get(k, slicing.Coverage())
+            before = chunks.numel_at(o)
+            if before is not None:
+                if before != n:
+                    key = (h.contributor, h.micro, o)
                     raise ShardError.invalid(
-                        f"{self.label}: contribution {key} was {pending.received[key]:,} elements,"
-                        f" the retry has {h.chunk.numel:,}"
+                        f"{self.label}: contribution {key} was {before:,} elements,"
+                        f" the retry has {n:,}"
                     )
                 return pb.PushGradReply(
                     duplicate=True, reduced=pending.reduced, version=self.version
                 )
-            expected = self.contributors * pending.num_micro * self.slice_numel
-            k = h.contributor * pending.num_micro + h.micro
-            clash = slicing.overlapping(pending.ranges.get(k, {}), h.chunk.offset, h.chunk.numel)
+            clash = chunks.clash(o, n)
             if clash is not None:
-                o, n = h.chunk.offset, h.chunk.numel
                 raise ShardError.invalid(
                     f"{self.label}: step {h.step}, contributor {h.contributor}, micro-batch"
                     f" {h.micro}: chunk [{o:,}, {o + n:,}) overlaps chunk"
-                    f" [{clash[0]:,}, {clash[0] + clash[1]:,}) pushed before; chunks must cover"
-                    " the slice exactly once"
+                    f" [{clash[0]:,}, {clash[1]:,}) pushed before; chunks must cover the slice"
+                    " exactly once"
                 )
             if h.HasField("step_args"):
                 self.check_step_args(h.step_args)
             # -- all checks passed: mutate --
             if self.grad is None:
                 self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
-            if not pending.received:
+            if not pending.chunks:
                 self.grad.fill(0)
-            self._accumulate(pending, h, arrays.to_compute(host, h.chunk.dtype))
-            pending.received[key] = h.chunk.numel
-            pending.received_numel += h.chunk.numel
+            pending.chunks[k] = chunks
+            chunks.add(o, n)
+            self._accumulate(pending, k, o, arrays.to_compute(host, h.chunk.dtype))
             self.pending = pending
-            if pending.received_numel == expected:
+            if pending.head == self.contributors * pending.num_micro:  # every one complete
                 assert not pending.staged, "every contribution is complete, none may wait"
                 if self.contributors > 1:
                     self.grad /= self.dtype.type(self.contributors)
@@ -256,21 +260,18 @@ class BufferSlice:
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
 
-    def _accumulate(self, pending: PendingStep, h: pb.PushGradHeader, values: Any) -> None:
-        """Adds a contribution chunk in rank order (or at once with ``arrival_order``)."""
-        o, n = h.chunk.offset, h.chunk.numel
-        k = h.contributor * pending.num_micro + h.micro
+    def _accumulate(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
+        """Adds contribution ``k``'s chunk at ``o`` (already recorded in ``pending.chunks``) in
+        rank order, or at once with ``arrival_order``; moves ``head`` past what is complete."""
         last = self.contributors * pending.num_micro
         # With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly.
         if self.arrival_order or k == pending.head or last <= 2:
-            self.grad[o : o + n] += values
+            self.grad[o : o + values.size] += values
         else:
             kept = values.copy()  # ``values`` may be a view of the request's bytes
             pending.staged.setdefault(k, []).append((o, kept))
             pending.staged_bytes += int(kept.nbytes)
-        pending.covered[k] = pending.covered.get(k, 0) + n
-        pending.ranges.setdefault(k, {})[o] = n
-        while pending.head < last and pending.covered.get(pending.head, 0) >= self.slice_numel:
+        while pending.head < last and pending.received(pending.head) >= self.slice_numel:
             pending.head += 1
             for lo, kept in pending.staged.pop(pending.head, ()):
                 self.grad[lo : lo + kept.size] += kept

@@ -134,3 +134,18 @@ def test_tensor_parallel_ranges_take_a_slice_of_each_packed_block():
         tensor_parallel_ranges(10, 2, 0, packed=3)
     with pytest.raises(ValueError, match="part 2"):
         tensor_parallel_ranges(8, 2, 2)
+
+
+def test_coverage_finds_overlaps_on_either_side_and_counts_disjoint_ranges() -> None:
+    from protos.slicing import Coverage
+
+    c = Coverage()
+    c.add(10, 5)  # [10, 15)
+    c.add(0, 4)  # [0, 4)
+    assert c.covered == 9 and c.starts == [0, 10] and c.numel_at(10) == 5
+    assert c.numel_at(11) is None
+    assert c.clash(3, 2) == (0, 4)  # reaches back into the range before
+    assert c.clash(5, 6) == (10, 15)  # reaches into the range after
+    assert c.clash(4, 6) is None and c.clash(12, 0) is None  # the gap; an empty chunk
+    c.add(4, 6)
+    assert c.covered == 15
