@@ -66,10 +66,10 @@ def _master_wire(values: np.ndarray, dtype: str | None) -> str:
     """The dtype ``set_params`` writes: ``dtype``, or float64 for a float64 array and float32
     for everything else (a float32 master's dtype)."""
     if dtype is not None:
-        if dtype not in ("float32", "float64"):
+        if dtype not in codec.MASTER_DTYPES:
             raise ValueError(f"set_params writes float32 or float64 values, got dtype={dtype!r}")
         return dtype
-    return "float64" if values.dtype == np.float64 else "float32"
+    return codec.master_dtype(values.dtype)
 
 
 class FlatBuffers(RpcCore):
@@ -97,7 +97,7 @@ class FlatBuffers(RpcCore):
         in float64 (float64 parameters), "float32" for every other dtype. ``arrival_order``:
         sum gradient contributions as they arrive instead of in (contributor, micro) order
         (not bitwise reproducible, no staging memory on the servers)."""
-        if master_dtype not in ("float32", "float64"):
+        if master_dtype not in codec.MASTER_DTYPES:
             raise ValueError(f"master_dtype must be 'float32' or 'float64', got {master_dtype!r}")
         entries = [
             pb.ParamEntry(

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from client.jobs import ServerJobs, master_of, server_jobs
+from client.jobs import ServerJobs, server_jobs
 from client.rpc import Call, ShardClientError
 from client.shard_client import ShardClient
 from client.tensor_parts import (
@@ -28,6 +28,7 @@ from client.tensor_parts import (
     part_snapshots,
     recorded_parts,
 )
+from protos import codec
 from protos import shard_pb2 as pb
 from protos.manifest import new_manifest, restore_placement
 
@@ -105,7 +106,7 @@ def _snapshot_jobs(
         buffers = {
             b.buffer: {
                 "numel": b.numel,
-                "master_dtype": master_of(b),
+                "master_dtype": codec.master_dtype(b.dtype),
                 "contributors": b.contributors,
                 "optimizer": {"name": b.optimizer, "hyper": dict(b.hyper)},
                 "params": [_entry(p) for p in b.params],

@@ -27,8 +27,8 @@ import numpy as np
 from client.rpc import ShardClientError
 from client.shard_client import ShardClient
 from client.tensor_parts import PartParam, check_complete, find_parts, join_parts
+from protos import codec, slicing
 from protos import shard_pb2 as pb
-from protos import slicing
 
 __all__ = [
     "ParamRef",
@@ -187,17 +187,11 @@ def param_refs(status: Any) -> list[ParamRef]:
             p.split_parts,
             p.split_index,
             p.split_packed,
-            master_of(b),
+            codec.master_dtype(b.dtype),  # servers before float64 masters report ""
         )
         for b in status.buffers
         for p in b.params
     ]
-
-
-def master_of(buffer: Any) -> str:
-    """A BufferStatus's master dtype: "float64" or "float32" (servers that predate float64
-    masters report "float32" or nothing)."""
-    return "float64" if buffer.dtype == "float64" else "float32"
 
 
 def job_params(client: ShardClient, job: str) -> list[ParamRef]:

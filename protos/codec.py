@@ -26,6 +26,8 @@ __all__ = [
     "dtype_name",
     "numpy_dtype",
     "wire_dtype",
+    "MASTER_DTYPES",
+    "master_dtype",
     "encode",
     "decode",
     "bf16_bits_to_f32",
@@ -62,6 +64,17 @@ def wire_dtype(name: str) -> int:
         return _BY_NAME[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {name!r}; supported: {sorted(_BY_NAME)}") from None
+
+
+MASTER_DTYPES = ("float32", "float64")
+"""The dtypes a flat buffer's master copy and optimizer state are kept in (DESIGN section 3)."""
+
+
+def master_dtype(dtype: Any) -> str:
+    """The master dtype of values of dtype ``dtype`` (a name such as "bfloat16", a torch dtype
+    such as ``torch.float64``, or a NumPy dtype): float64 stays float64, every other dtype has
+    a float32 master. The one statement of that rule, for trainers, tools and servers."""
+    return "float64" if str(dtype).removeprefix("torch.") == "float64" else "float32"
 
 
 def dtype_name(code: int) -> str:

@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from protos import shard_pb2 as pb
+from protos.codec import MASTER_DTYPES
 from protos.manifest import FORMAT
 
-__all__ = ["ManifestError", "check_manifest", "MASTER_DTYPES"]
+__all__ = ["ManifestError", "check_manifest"]
 
-MASTER_DTYPES = ("float32", "float64")
 _PARAM_INTS = ("offset", "numel", "split_dim", "split_parts", "split_index", "split_packed")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

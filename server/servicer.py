@@ -327,7 +327,7 @@ class ShardServicer:
                 optimizer=pb.OptimizerSpec(
                     name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
                 ),
-                master_dtype=pb.FLOAT64 if info.get("master_dtype") == "float64" else pb.FLOAT32,
+                master_dtype=codec.wire_dtype(codec.master_dtype(info.get("master_dtype"))),
             )
             row = layout.get(name, {"state": set(), "step_count": 0})
             state = {k: read(f"state.{k}") for k in sorted(row["state"])}

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from protos import slicing
+from protos import codec, slicing
 from server.errors import ShardError
 from server.manifest_schema import ManifestError, check_manifest
 
@@ -319,7 +319,7 @@ class SnapshotDir:
         info = manifest["buffers"][buffer]
         numel = info["numel"]
         old = manifest["num_servers"]
-        dtype = np.float64 if info.get("master_dtype") == "float64" else np.float32
+        dtype = np.dtype(codec.master_dtype(info.get("master_dtype")))
         out = np.zeros(stop - start, dtype=dtype)
         for piece in slicing.pieces(numel, old, start, stop):
             file = folder / f"shard-{piece.server}-of-{old}.safetensors"

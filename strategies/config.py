@@ -24,6 +24,8 @@ import re
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
+from protos.codec import master_dtype
+
 if TYPE_CHECKING:
     from client import ShardClient
 
@@ -34,13 +36,6 @@ MasterDType = Literal["float32", "float64"]
 _DTYPES: tuple[str, ...] = get_args(DType)
 _HALF = ("bfloat16", "float16")
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-
-def master_dtype(dtype: str) -> MasterDType:
-    """The dtype class of parameters of dtype ``dtype`` (a name: "float64", "bfloat16", ...
-    or "torch.float64"): the dtype of their master copy, optimizer state and full-precision
-    wire. float64 stays float64; every other dtype has a float32 master."""
-    return "float64" if str(dtype).removeprefix("torch.") == "float64" else "float32"
 
 
 @dataclass(frozen=True)
