@@ -27,7 +27,7 @@ from torch import nn
 
 from protos import slicing
 from strategies.config import ShardingConfiguration
-from strategies.layout import master_torch_dtype, to_master
+from strategies.layout import copy_flat_into, master_torch_dtype, to_master
 
 __all__ = ["ShardedModelBase", "owner_of"]
 
@@ -230,11 +230,8 @@ class ShardedModelBase(nn.Module):
                 f"with_parameters: the model has {self.parameter_count:,} parameters,"
                 f" the vector has {vec.numel():,}"
             )
-        with torch.no_grad():  # each parameter keeps its own dtype
-            offset = 0
-            for p in (p for p in clone.parameters() if p.requires_grad):
-                p.copy_(vec[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        # each parameter keeps its own dtype
+        copy_flat_into(vec, [p for p in clone.parameters() if p.requires_grad])
         return clone
 
     def deep_copy(self) -> nn.Module:

@@ -21,7 +21,7 @@ from torch import nn
 
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration, master_dtype
-from strategies.layout import to_master, torch_dtype
+from strategies.layout import copy_flat_into, to_master, torch_dtype
 
 __all__ = ["DDPModel"]
 
@@ -46,11 +46,7 @@ class DDPModel(ShardedModelBase):
         params = [p for _, p in self._named]
         # every replica starts from rank 0's values (torch DDP broadcasts them too)
         flat = torch.cat([p.detach().reshape(-1) for p in params])  # the widest dtype
-        flat, offset = self.client.broadcast(flat, src=0), 0
-        with torch.no_grad():
-            for p in params:  # each keeps its own dtype
-                p.copy_(flat[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+        copy_flat_into(self.client.broadcast(flat, src=0), params)  # each keeps its dtype
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit, size = config.bucket_size_bytes, 0

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, flat_views, torch_dtype
+from strategies.layout import BufferSpec, flat_views, flatten, torch_dtype
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["FSDPModel", "ZeRO3Model"]
@@ -185,7 +185,7 @@ class FSDPModel(ServerShardedModel):
                 p.grad if p.grad is not None else torch.zeros(e.shape, dtype=master)
                 for p, e in zip(b.params, b.entries, strict=True)
             ]
-            flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
+            flat = flatten(grads, b.numel, master)
             for p in b.params:
                 p.grad = None
             self._push_async(b, flat)

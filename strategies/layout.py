@@ -36,6 +36,7 @@ __all__ = [
     "plan_buffers",
     "flatten",
     "unflatten_into",
+    "copy_flat_into",
     "flat_views",
     "manifest",
     "buffers_from_manifest",
@@ -335,6 +336,19 @@ def flat_views(flat: torch.Tensor, entries: Sequence[ParamEntry]) -> list[torch.
             f"{entries[-1].offset + entries[-1].numel}"
         )
     return [flat[e.offset : e.offset + e.numel].view(e.shape) for e in entries]
+
+
+@torch.no_grad()
+def copy_flat_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Each of ``tensors`` takes the next ``numel`` values of ``flat``, cast to its own dtype
+    (``flatten``'s inverse for tensors in order, without a buffer's entries)."""
+    total = sum(t.numel() for t in tensors)
+    if flat.numel() != total:
+        raise ValueError(f"flat tensor has {flat.numel()} values; the tensors hold {total}")
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 @torch.no_grad()

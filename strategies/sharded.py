@@ -28,7 +28,14 @@ from client import ParamInfo, StepArgs
 from protos import codec
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, norm_tensor, plan_buffers, plan_units, torch_dtype
+from strategies.layout import (
+    BufferSpec,
+    flatten,
+    norm_tensor,
+    plan_buffers,
+    plan_units,
+    torch_dtype,
+)
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
@@ -159,8 +166,8 @@ class ServerShardedModel(ShardedModelBase):
         self._step = versions.pop() if initialized and versions else 0
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
-                master = torch_dtype(b.master_dtype)  # set_params writes float64 as float64
-                flat = torch.cat([p.detach().reshape(-1).to(master) for p in b.params])
+                # set_params writes float64 as float64
+                flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
                 self.client.set_params(job, b.name, flat.numpy(), version=0)
         if self.config.replicate_every and self.rank == 0:
             from client import tools
@@ -201,8 +208,8 @@ class ServerShardedModel(ShardedModelBase):
                     p.copy_(tensors[n])
             return
         for b in self._buffers:
-            master = torch_dtype(b.master_dtype)
-            flat = torch.cat([tensors[e.name].detach().reshape(-1).to(master) for e in b.entries])
+            values = [tensors[e.name] for e in b.entries]
+            flat = flatten(values, b.numel, torch_dtype(b.master_dtype))
             self.client.set_params(self.config.job, b.name, flat.numpy(), version=self._step)
         self._after_load()
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, to_master, torch_dtype
+from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
@@ -56,8 +56,7 @@ class ZeRO1Model(_ReplicatedParams):
         calls = []
         for b in self._buffers:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-            master = torch_dtype(b.master_dtype)
-            flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
+            flat = flatten(grads, b.numel, torch_dtype(b.master_dtype))
             calls += self.client.push_calls(
                 self.config.job,
                 b.name,
@@ -127,8 +126,7 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _push_bucket(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        master = torch_dtype(bucket.buffer.master_dtype)
-        flat = torch.cat([g.detach().reshape(-1).to(master) for g in grads])
+        flat = flatten(grads, bucket.numel, torch_dtype(bucket.buffer.master_dtype))
         for p in bucket.params:
             p.grad = None  # ZeRO-2: the full gradient never stays on the trainer
         bucket.ready.clear()
