@@ -16,9 +16,15 @@ __all__ = [
     "recorded_placement",
     "recorded_parts",
     "restore_placement",
+    "shard_name",
 ]
 
 FORMAT = "paramshard-snapshot/1"
+
+
+def shard_name(index: int, num: int) -> str:
+    """The file of shard ``index`` of a snapshot taken on ``num`` servers."""
+    return f"shard-{index}-of-{num}.safetensors"
 
 
 def new_manifest(

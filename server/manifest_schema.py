@@ -18,7 +18,7 @@ from typing import Any
 
 from protos import shard_pb2 as pb
 from protos.codec import MASTER_DTYPES
-from protos.manifest import FORMAT
+from protos.manifest import FORMAT, shard_name
 
 __all__ = ["ManifestError", "check_manifest"]
 
@@ -139,8 +139,8 @@ def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -
             at = f"shards[{i}]."
             if _int(shard, "server", at) != i:
                 raise ManifestError(f"{at}server must be {i} (shards in slice order)")
-            if Path(shard["file"]).name != f"shard-{i}-of-{num}.safetensors":
+            if Path(shard["file"]).name != shard_name(i, num):
                 raise ManifestError(
-                    f"{at}file must name shard-{i}-of-{num}.safetensors, got {shard['file']!r}"
+                    f"{at}file must name {shard_name(i, num)}, got {shard['file']!r}"
                 )
     return manifest

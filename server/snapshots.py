@@ -33,6 +33,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from protos import codec, slicing
+from protos.manifest import shard_name
 from server.errors import ShardError
 from server.manifest_schema import ManifestError, check_manifest
 
@@ -77,9 +78,7 @@ def _exclusive_write(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise
+            os.link(tmp, path)  # FileExistsError (errno EEXIST) goes to the caller
         except OSError as exc:  # a filesystem without hard links: exclusive create instead
             if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
                 raise
@@ -141,7 +140,7 @@ class SnapshotDir:
         if (folder / "manifest.json").exists():  # never add to a committed snapshot
             raise self._exists(job, tag)
         folder.mkdir(parents=True, exist_ok=True)
-        name = f"shard-{index}-of-{num}.safetensors"
+        name = shard_name(index, num)
         marker = folder / f".{name}.reserved"
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
@@ -165,7 +164,7 @@ class SnapshotDir:
             raise self._exists(job, tag)
         folder.mkdir(parents=True, exist_ok=True)
         data = encode_shard(job, tag, index, num, version, captured)
-        name = f"shard-{index}-of-{num}.safetensors"
+        name = shard_name(index, num)
         try:
             _exclusive_write(folder / name, data)
         except FileExistsError:
@@ -322,7 +321,7 @@ class SnapshotDir:
         dtype = np.dtype(codec.master_dtype(info.get("master_dtype")))
         out = np.zeros(stop - start, dtype=dtype)
         for piece in slicing.pieces(numel, old, start, stop):
-            file = folder / f"shard-{piece.server}-of-{old}.safetensors"
+            file = folder / shard_name(piece.server, old)
             try:
                 with safe_open(str(file), framework="numpy") as f:
                     key = _key(buffer, kind)
