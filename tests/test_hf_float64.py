@@ -15,30 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from numerics import assert_equivalent
+from test_strategies import STRATEGIES
 
 from client import ClusterSpec, ShardClient
 from server import ShardServer
-from strategies import (
-    DDPModel,
-    DDPOptimizer,
-    FSDPModel,
-    FSDPOptimizer,
-    ShardingConfiguration,
-    ZeRO1Model,
-    ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
-)
+from strategies import ShardingConfiguration
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402
 
-STRATEGIES = {
-    "ddp": (DDPModel, DDPOptimizer),
-    "zero1": (ZeRO1Model, ZeRO1Optimizer),
-    "zero2": (ZeRO2Model, ZeRO2Optimizer),
-    "fsdp": (FSDPModel, FSDPOptimizer),
-}
 VOCAB, STEPS, WORLD, PER_RANK = 50, 4, 3, 2
 CFG = transformers.GPT2Config(
     n_layer=2,
