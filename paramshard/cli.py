@@ -143,10 +143,54 @@ def positive_int(text: str) -> int:
         help="memory one job may hold on this server, GiB (default: 0 = unlimited)",
     ),
     arg(
+        "--max-memory",
+        metavar="SIZE",
+        help="memory this server may hold for its callers: buffers, staged gradients, slots,"
+        " mailboxes, replicas; bytes with an optional unit (8GiB, 512MiB, 2GB) or a percentage"
+        " (default: 90%% of this host's memory, or of the device's on a GPU; 0 = unlimited)",
+    ),
+    arg(
+        "--pending-ttl",
+        type=positive,
+        default=600.0,
+        metavar="SECONDS",
+        help="reduction slots and mailboxes with no contribution or read for this long are"
+        " dropped, their waiting readers fail with ABORTED (default: %(default)g)",
+    ),
+    arg(
+        "--max-wait-s",
+        type=positive,
+        default=120.0,
+        metavar="SECONDS",
+        help="longest any call waits (a pull for a future version, a slot read, a step"
+        " waiting for gradients) before DEADLINE_EXCEEDED (default: %(default)g)",
+    ),
+    arg(
         "--workers",
         type=positive_int,
         default=128,
-        help="handler threads; every waiting pull holds one (default: %(default)s)",
+        help="handler threads; every waiting call holds one (default: %(default)s)",
+    ),
+    arg(
+        "--reserved-workers",
+        type=positive_int,
+        help="handler threads waiting calls never take: pushes, steps and Status always find"
+        " one; a waiting call beyond gets RESOURCE_EXHAUSTED (default: a quarter of --workers,"
+        " at most 16)",
+    ),
+    arg(
+        "--max-waiting-read",
+        type=positive_int,
+        default=16,
+        help="waiting calls (pulls, slot reads) of read tokens at once; one more gets"
+        " RESOURCE_EXHAUSTED (default: %(default)s)",
+    ),
+    arg(
+        "--max-streams",
+        type=int,
+        default=4,
+        help="open reflection / health Watch streams at once, on threads of their own; one"
+        " more gets RESOURCE_EXHAUSTED (default: %(default)s)",
     ),
     arg(
         "--grace",
@@ -218,8 +262,12 @@ def serve(args: argparse.Namespace) -> int:
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
     train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
     (replicas from the other servers; this server sends its own with it, over TLS when it
-    serves TLS). Health checks and reflection stay open. Without TLS or tokens only loopback
-    addresses are allowed, unless --insecure.
+    serves TLS). Health checks and reflection stay open (at most --max-streams streams at once).
+    Without TLS or tokens only loopback addresses are allowed, unless --insecure.
+
+    Bounds (DESIGN section 6): --max-memory for everything kept for callers, --pending-ttl for
+    abandoned slots and mailboxes, --max-wait-s for any wait; waiting calls never take the
+    last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
     """
     _reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
@@ -270,8 +318,14 @@ def serve(args: argparse.Namespace) -> int:
             args.port,
             device=args.device,
             max_workers=args.workers,
+            reserved_workers=args.reserved_workers,
+            max_waiting_read=args.max_waiting_read,
+            max_streams=args.max_streams,
+            max_wait_s=args.max_wait_s,
             max_receive_bytes=int(args.max_receive_mb * 2**20),
             max_job_bytes=int(args.max_job_gb * 2**30),
+            max_memory=args.max_memory,
+            pending_ttl_s=args.pending_ttl,
             tokens=tokens,
             insecure=args.insecure,
             metrics_port=args.metrics_port,

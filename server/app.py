@@ -12,6 +12,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from server import auth, backend
+from server.admission import CallGate, CallLimits, default_reserved
+from server.expiry import Sweeper, sweep_period
+from server.limits import default_memory_limit, parse_bytes
 from server.servicer import SERVICE_NAME, ShardServicer
 
 __all__ = ["ShardServer", "MALLOC_ENV", "LOCAL_SERVERS"]
@@ -45,9 +48,14 @@ class ShardServer:
         *,
         device: str = "cpu",
         max_workers: int = 128,
+        reserved_workers: int | None = None,
+        max_waiting_read: int = 16,
+        max_streams: int = 4,
         max_receive_bytes: int = 256 * 2**20,
-        max_wait_s: float = 600.0,
+        max_wait_s: float = 120.0,
         max_job_bytes: int = 0,
+        max_memory: int | str | None = None,
+        pending_ttl_s: float = 600.0,
         max_slot_bytes: int = 0,
         snapshot_dir: str | None = None,
         fast_codec: bool = True,
@@ -83,6 +91,17 @@ class ShardServer:
         server presents its own ``tls_cert``, which then needs the clientAuth usage too.
         ``peer_credentials`` replaces all of that. An incomplete replica is dropped after
         ``replica_ttl_s`` seconds without a chunk.
+
+        Bounds (DESIGN section 6): ``max_memory`` (bytes, or a size such as ``"8GiB"`` or
+        ``"50%"``; None: 90% of the host's memory, or of the device's on a GPU; 0: no limit)
+        is what this server may hold for its callers: buffers, staged gradients, slots,
+        mailboxes and replicas (server/limits.py). Slots and mailboxes untouched for
+        ``pending_ttl_s`` seconds expire. ``max_workers`` threads run calls; calls that wait
+        (pulls at a version, slot reads, ...) never take the last ``reserved_workers`` of
+        them (None: a quarter, at most 16), ``read`` tokens' waiting calls are at most
+        ``max_waiting_read``, and reflection and health Watch streams at most
+        ``max_streams``, on threads of their own: beyond a bound, RESOURCE_EXHAUSTED at once
+        (server/admission.py). No call waits longer than ``max_wait_s``.
         """
         if credentials is not None and (tls_cert or tls_key or tls_ca):
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
@@ -94,14 +113,25 @@ class ShardServer:
         )
         self.tls = credentials is not None
         self.mutual_tls = self.tls and tls_ca is not None
+        if max_wait_s <= 0 or pending_ttl_s <= 0:
+            raise ValueError(
+                f"max_wait_s ({max_wait_s}) and pending_ttl_s ({pending_ttl_s}) must be > 0"
+            )
+        if reserved_workers is None:
+            reserved_workers = default_reserved(max_workers)
+        self.limits = CallLimits(max_workers, reserved_workers, max_waiting_read, max_streams)
         backend.use_device(device)
         self.host = host
+        memory = default_memory_limit() if max_memory is None else parse_bytes(max_memory)
         self.servicer = ShardServicer(
             max_wait_s=max_wait_s,
             max_job_bytes=max_job_bytes,
             max_slot_bytes=max_slot_bytes,
             snapshot_dir=snapshot_dir,
+            max_memory=memory,
+            pending_ttl_s=pending_ttl_s,
         )
+        self.sweeper = Sweeper([self.servicer.slots.expire], sweep_period(pending_ttl_s))
         if peer_credentials is None and self.tls:
             peer_credentials = auth.peer_channel_credentials(tls_cert, tls_key, tls_ca, peer_tls_ca)
         self.servicer.replicator.set_ttl(replica_ttl_s)
@@ -118,19 +148,27 @@ class ShardServer:
 
             self.metrics = ServerMetrics(self.servicer)
             chain.append(self.metrics.interceptor)
+        role_of = None
         if checked_tokens:
-            chain.append(auth.TokenAuthInterceptor(checked_tokens))
+            token_auth = auth.TokenAuthInterceptor(checked_tokens)
+            chain.append(token_auth)
+            role_of = token_auth.caller_role
         chain.extend(interceptors or [])
         self._local_ok = local_calls and not chain and credentials is None
+        # Innermost: counts only calls that passed authentication. In-process calls (above)
+        # take no gRPC thread, so they pass no gate.
+        self.gate = CallGate(self.limits, role_of, self.servicer.may_wait)
+        chain.append(self.gate)
         self._max_receive_bytes = max_receive_bytes
         options = [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
         ]
-        # Waiting handlers (pull at a version, read a slot) hold a thread each: size generously.
+        # Waiting handlers (pull at a version, read a slot) hold a thread each: the gate keeps
+        # some free for the calls that work, and gives the open streams threads of their own.
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard"),
+            futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard"),
             options=options,
             maximum_concurrent_rpcs=None,
             interceptors=chain,
@@ -176,6 +214,7 @@ class ShardServer:
                 where = f"{self.metrics_host}:{self._metrics_port}"
                 raise OSError(f"cannot serve metrics on {where}: {exc}") from exc
         self._server.start()
+        self.sweeper.start()
         if self._local_ok:
             LOCAL_SERVERS[self.address] = (self.servicer, self._max_receive_bytes)
         for service in ("", SERVICE_NAME):
@@ -191,6 +230,7 @@ class ShardServer:
         notify.start()
         notify.join(timeout=2.0)
         self._server.stop(grace).wait()
+        self.sweeper.stop()
         self.servicer.replicator.close()
         if self.metrics is not None:
             self.metrics.close()

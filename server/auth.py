@@ -301,6 +301,11 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 found = role
         return found
 
+    def caller_role(self, metadata: Any) -> str | None:
+        """The role of the token in ``metadata``; None without a known one."""
+        token = _bearer(metadata)
+        return self.role_of(token) if token else None
+
     def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],

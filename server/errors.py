@@ -34,3 +34,7 @@ class ShardError(Exception):
     @classmethod
     def deadline(cls, message: str) -> ShardError:
         return cls(grpc.StatusCode.DEADLINE_EXCEEDED, message)
+
+    @classmethod
+    def aborted(cls, message: str) -> ShardError:
+        return cls(grpc.StatusCode.ABORTED, message)

@@ -7,6 +7,9 @@ Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
 - ``paramshard_rpc_duration_seconds{method,code}``: handler time of unary calls, waits included
   (a pull at a future version counts the time it waited);
 - ``paramshard_held_bytes{kind}``: params / grads / optimizer / slots held now;
+- ``paramshard_memory_reserved_bytes{kind}`` and ``paramshard_memory_limit_bytes``: what is
+  reserved against the server's memory limit (buffers / staging / slots / replicas, see
+  server/limits.py) and the limit itself (``--max-memory``; 0: none);
 - ``paramshard_last_step_seconds{job,buffer}`` and ``paramshard_buffer_version{job,buffer}``:
   the duration of each buffer slice's latest optimizer step and its version;
 - ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
@@ -101,6 +104,20 @@ class _StoreCollector:
         for kind, value in held.items():
             by_kind.add_metric([kind], value)
         yield by_kind
+        budget = self.servicer.budget
+        reserved = GaugeMetricFamily(
+            "paramshard_memory_reserved_bytes",
+            "Bytes reserved against this server's memory limit, by kind",
+            labels=["kind"],
+        )
+        for kind, value in budget.usage().items():
+            reserved.add_metric([kind], value)
+        yield reserved
+        yield GaugeMetricFamily(
+            "paramshard_memory_limit_bytes",
+            "This server's memory limit (--max-memory); 0: none",
+            value=budget.limit,
+        )
         yield step
         yield version
         yield GaugeMetricFamily("paramshard_jobs", "Jobs on this server", value=len(jobs))

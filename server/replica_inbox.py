@@ -7,7 +7,9 @@ the registered size of the job). A replica is complete when its chunks cover eve
 once; a chunk overlapping one already received is refused (INVALID_ARGUMENT), as is one whose
 ``total`` disagrees with the first chunk's. An incomplete replica that gets no chunk for
 ``ttl_s`` seconds is dropped, and each source keeps at most ``MAX_PENDING`` incomplete versions
-(a newer one pushes the oldest out: its sender has moved on).
+(a newer one pushes the oldest out: its sender has moved on). Every byte kept is paid for from
+the server's ``MemoryBudget`` (kind ``replicas``) before it is kept; a complete replica's bytes
+stay reserved for its blob, which the caller keeps (or releases).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from protos import shard_pb2 as pb
 from protos import slicing
 from server.errors import ShardError
+from server.limits import MemoryBudget
 
 __all__ = ["Inbox", "replica_bound", "memory_bound", "check_header", "MAX_PENDING"]
 
@@ -76,13 +79,16 @@ class _Incoming:
     data: dict[int, bytes] = field(default_factory=dict)
     touched: float = field(default_factory=time.monotonic)
 
-    def add(self, offset: int, data: bytes, what: str) -> None:
-        clash = self.chunks.clash(offset, len(data))
+    def check(self, offset: int, size: int, what: str) -> None:
+        clash = self.chunks.clash(offset, size)
         if clash is not None:
             raise ShardError.invalid(
-                f"{what}: chunk [{offset:,}, {offset + len(data):,}) overlaps the chunk"
+                f"{what}: chunk [{offset:,}, {offset + size:,}) overlaps the chunk"
                 f" [{clash[0]:,}, {clash[1]:,}) received already; each byte is sent once"
             )
+
+    def add(self, offset: int, data: bytes, what: str) -> None:
+        self.check(offset, len(data), what)
         self.chunks.add(offset, len(data))
         self.data[offset] = data
         self.touched = time.monotonic()
@@ -98,14 +104,16 @@ class _Incoming:
 class Inbox:
     """Incomplete replicas by (kind, job, source index, version); thread-safe."""
 
-    def __init__(self, ttl_s: float = 300.0) -> None:
+    def __init__(self, ttl_s: float = 300.0, budget: MemoryBudget | None = None) -> None:
         self.ttl_s = ttl_s
+        self.budget = budget or MemoryBudget()
         self._lock = threading.Lock()
         self._incoming: dict[tuple[str, str, int, int], _Incoming] = {}
 
     def add(self, kind: str, chunk: pb.ReplicaChunk, bound: int, what: str) -> bytes | None:
         """Keeps ``chunk``; the whole replica once every byte is in, else None. ``bound``: the
-        most bytes this replica may have; ``what`` names it in errors."""
+        most bytes this replica may have; ``what`` names it in errors. The returned blob's
+        bytes are still reserved in the budget: the caller keeps them or releases them."""
         total, offset, size = chunk.total, chunk.offset, len(chunk.data)
         if total > bound:
             raise ShardError.exhausted(
@@ -121,15 +129,18 @@ class Inbox:
         self.sweep()
         with self._lock:
             entry = self._incoming.get(key)
-            if entry is None:
-                entry = _Incoming(total)
-                self._make_room(key)
-                self._incoming[key] = entry
-            elif entry.total != total:
+            if entry is not None and entry.total != total:
                 raise ShardError.invalid(
                     f"{what}: this chunk says the replica has {total:,} bytes, its first chunk"
                     f" said {entry.total:,}"
                 )
+            if entry is not None:
+                entry.check(offset, size, what)
+            self.budget.reserve(size, "replicas", what)
+            if entry is None:
+                entry = _Incoming(total)
+                self._make_room(key)
+                self._incoming[key] = entry
             entry.add(offset, bytes(chunk.data), what)
             if entry.covered < total:
                 return None
@@ -141,19 +152,23 @@ class Inbox:
         same = [k for k in self._incoming if k[:3] == key[:3]]
         same.sort(key=lambda k: self._incoming[k].touched)
         for k in same[: max(0, len(same) - MAX_PENDING + 1)]:
-            del self._incoming[k]
+            self._discard(k)
+
+    def _discard(self, key: tuple[str, str, int, int]) -> None:
+        """Under the lock: forgets an incomplete replica and gives back its bytes."""
+        self.budget.release(self._incoming.pop(key).covered, "replicas")
 
     def sweep(self) -> None:
         """Drops incomplete replicas that got no chunk for ``ttl_s`` seconds."""
         limit = time.monotonic() - self.ttl_s
         with self._lock:
             for k in [k for k, e in self._incoming.items() if e.touched < limit]:
-                del self._incoming[k]
+                self._discard(k)
 
     def drop(self, job: str) -> None:
         with self._lock:
             for k in [k for k in self._incoming if k[1] == job]:
-                del self._incoming[k]
+                self._discard(k)
 
     def pending(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
         """(bytes received, total) of every incomplete replica."""

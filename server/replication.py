@@ -56,7 +56,8 @@ class Replicator:
         self._collecting: dict[tuple[str, int], dict[str, tuple[Captured, bytes]]] = {}
         self.own: dict[str, OrderedDict[int, bytes]] = {}
         self.held: dict[tuple[str, int], OrderedDict[int, bytes]] = {}
-        self.inbox = Inbox(ttl_s)
+        self.budget = store.budget  # replicas kept here are paid for from the server's memory
+        self.inbox = Inbox(ttl_s, self.budget)
         self.queue_size = queue_size
         self._queue: deque[tuple[pb.ReplicationConfig, int, dict]] = deque()
         self._wake = threading.Condition(self._lock)
@@ -137,9 +138,10 @@ class Replicator:
         """The job left this server: stop replicating it, forget its replicas, close channels."""
         self._stop(job)
         with self._lock:
-            self.own.pop(job, None)
+            gone = list(self.own.pop(job, {}).values())
             for key in [k for k in self.held if k[0] == job]:
-                del self.held[key]
+                gone += self.held.pop(key).values()
+        self.budget.release(sum(map(len, gone)), "replicas")
         self.inbox.drop(job)
 
     def _close_unused(self, neighbour: str) -> None:
@@ -197,7 +199,8 @@ class Replicator:
                 with self._lock:
                     if self.configs.get(cfg.job) is not cfg:
                         continue  # reconfigured or stopped meanwhile
-                    _keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
+                    self.budget.reserve(len(blob), "replicas", f"own replica of '{cfg.job}'")
+                    self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
                 self._send(cfg, version, blob)
             except Exception:  # the neighbour may be down: the next version tries again
                 log.warning(
@@ -298,9 +301,13 @@ class Replicator:
         blob = self.inbox.add("held", chunk, replica_bound(slices, chunk.source_index), what)
         if blob is None:
             return False
-        check_header(blob, chunk, what)
+        try:
+            check_header(blob, chunk, what)
+        except ShardError:
+            self.budget.release(len(blob), "replicas")  # reserved by the inbox
+            raise
         with self._lock:
-            _keep(
+            self._keep(
                 self.held.setdefault((chunk.job, chunk.source_index), OrderedDict()),
                 chunk.version,
                 blob,
@@ -359,8 +366,11 @@ class Replicator:
         blob = self.inbox.add("load", chunk, bound, what)
         if blob is None:
             return False
-        check_header(blob, chunk, what)
-        self._restore(chunk.job, blob)
+        try:  # once loaded, the slices hold what they need: the blob goes
+            check_header(blob, chunk, what)
+            self._restore(chunk.job, blob)
+        finally:
+            self.budget.release(len(blob), "replicas")  # reserved by the inbox
         return True
 
     def rollback(self, job: str, version: int) -> int:
@@ -391,9 +401,10 @@ class Replicator:
         self.store.replace_job(job, slices)
         return int(meta["version"])
 
-
-def _keep(kept: OrderedDict[int, bytes], version: int, blob: bytes) -> None:
-    kept[version] = blob
-    kept.move_to_end(version)
-    while len(kept) > KEEP:
-        kept.popitem(last=False)
+    def _keep(self, kept: OrderedDict[int, bytes], version: int, blob: bytes) -> None:
+        """Under the lock: keeps ``blob`` (its bytes reserved) and the newest ``KEEP``."""
+        freed = len(kept.pop(version, b""))
+        kept[version] = blob
+        while len(kept) > KEEP:
+            freed += len(kept.popitem(last=False)[1])
+        self.budget.release(freed, "replicas")

@@ -22,6 +22,7 @@ from protos import shard_pb2 as pb
 from protos.manifest import recorded_parts, recorded_placement
 from server import backend
 from server.errors import ShardError
+from server.limits import MemoryBudget
 from server.replication import Replicator
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
@@ -86,15 +87,21 @@ class ShardServicer:
     def __init__(
         self,
         *,
-        max_wait_s: float = 600.0,
+        max_wait_s: float = 120.0,
         max_job_bytes: int = 0,
         max_slot_bytes: int = 0,
         snapshot_dir: str | None = None,
+        max_memory: int = 0,
+        pending_ttl_s: float = 600.0,
     ) -> None:
-        self.buffers = BufferStore(max_job_bytes=max_job_bytes)
+        """``max_memory``: bytes this server may hold for its callers (0: no limit, see
+        server/limits.py); ``pending_ttl_s``: slots and mailboxes untouched that long expire
+        (``SlotStore.expire``, run by the server's sweeper)."""
+        self.budget = MemoryBudget(max_memory)
+        self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
         self.snapshots = SnapshotDir(snapshot_dir)
         self.replicator = Replicator(self.buffers)
-        self.slots = SlotStore(max_bytes=max_slot_bytes)
+        self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.max_wait_s = max_wait_s
         self.started = time.time()
         self.server_index = 0
@@ -182,6 +189,19 @@ class ShardServicer:
 
         return handle
 
+    def may_wait(self, method: str, request: Any) -> bool:
+        """Whether a call may wait for other callers (False: what it asks for is here now, or
+        it fails at once). A peek without locks, for the admission gate (server/admission.py)."""
+        if isinstance(request, _Malformed):
+            return False
+        if method == "PullParams":
+            try:
+                b = self.buffers.get(request.ref.job, request.ref.buffer)
+            except ShardError:
+                return False
+            return not (b.initialized and b.version >= request.min_version)
+        return True
+
     # -- buffers ---------------------------------------------------------------------------
     def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:
         b = self.buffers.register(req)
@@ -234,7 +254,18 @@ class ShardServicer:
 
     # -- administration ------------------------------------------------------------------
     def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:
-        dropped = self.buffers.drop(req.job)
+        """Drops job ``req.job`` (its buffers and their pending contributions, its replicas)
+        and the slots and mailboxes of the run of that name: slot keys carry the run, not the
+        job. NOT_FOUND when there is neither."""
+        if not req.job:
+            raise ShardError.invalid("DropJob needs a job (or run) name")
+        runs = self.slots.drop_run(req.job)
+        try:
+            dropped = self.buffers.drop(req.job)
+        except ShardError:
+            if not runs:
+                raise
+            dropped = 0
         self.replicator.drop(req.job)  # its replicas, its neighbour's channel
         return pb.DropJobReply(buffers=dropped)
 

@@ -14,17 +14,25 @@ arrive in (unless the header asks for ``arrival_order``): contributor c is added
 are in, and an early arrival waits as a copy in ``_Chunk.staged``. Float addition is not
 associative, so this is what makes two runs of the same training bitwise identical, as gloo's
 fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
+
+Pending work ends (DESIGN section 3): a slot or mailbox that gets no contribution and no read
+for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), and ``drop_run``
+drops every slot of a run (``DropJob`` with the run's name). Their memory is given back, their
+waiting readers fail with ABORTED naming the slot and why, and so does any later call on the
+key. Their memory, like every slot's, is paid for from the server's ``MemoryBudget`` first.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
 from protos import shard_pb2 as pb
 from server import arrays, backend
 from server.errors import ShardError
+from server.limits import MemoryBudget
 
 __all__ = ["SlotStore"]
 
@@ -63,6 +71,8 @@ class _Slot:
         self.chunks: dict[int, _Chunk] = {}
         self.freed: set[int] = set()  # offsets of chunks read by all their readers
         self.cond = threading.Condition()
+        self.touched = time.monotonic()  # the last contribution or read
+        self.ended: str | None = None  # why it expired or was dropped
 
     def num_chunks(self) -> int:
         assert self.meta is not None
@@ -73,11 +83,16 @@ class _Slot:
 class SlotStore:
     """Every reduction slot and mailbox on this server."""
 
-    def __init__(self, max_bytes: int = 0) -> None:
+    def __init__(
+        self, max_bytes: int = 0, budget: MemoryBudget | None = None, ttl_s: float = 600.0
+    ) -> None:
         self.max_bytes = max_bytes  # 0: unbounded
+        self.budget = budget or MemoryBudget()
+        self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._slots: dict[str, _Slot] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -88,6 +103,8 @@ class SlotStore:
     def _slot(self, key: str) -> _Slot | None:
         """The slot for ``key``, created on first use; None when it was freed already."""
         with self._lock:
+            if key in self._ended:
+                raise ShardError.aborted(self._ended[key])
             slot = self._slots.get(key)
             if slot is None and key not in self._freed:
                 slot = self._slots[key] = _Slot(key)
@@ -151,6 +168,8 @@ class SlotStore:
         if slot is None:
             return True  # read by everyone and freed: a late retry
         with slot.cond:
+            if slot.ended is not None:
+                raise ShardError.aborted(slot.ended)
             if slot.meta is not None:
                 self._check_same(slot, h)
             if h.chunk.offset in slot.freed:
@@ -177,6 +196,7 @@ class SlotStore:
                     self._forget_if_unused(slot)
                     raise
             # -- all checks passed: mutate --
+            slot.touched = time.monotonic()
             if slot.meta is None:
                 slot.meta = pb.SlotHeader()
                 slot.meta.CopyFrom(h)
@@ -218,11 +238,17 @@ class SlotStore:
                     f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
                     f" limit of {self.max_bytes:,} bytes ({self._bytes:,} in use)"
                 )
+            self.budget.reserve(nbytes, "slots", f"slot '{key}'")
             self._bytes += nbytes
 
     def _release(self, nbytes: int) -> None:
         with self._lock:
-            self._bytes -= nbytes
+            self._release_locked(nbytes)
+
+    def _release_locked(self, nbytes: int) -> None:
+        """Caller holds ``_lock``."""
+        self._bytes -= nbytes
+        self.budget.release(nbytes, "slots")
 
     def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
         """Waits for the chunk at ``req.offset`` to complete and returns it."""
@@ -237,6 +263,7 @@ class SlotStore:
             return chunk is not None and len(chunk.contributors) == slot.meta.expected
 
         with slot.cond:
+            slot.touched = time.monotonic()
             if req.offset in slot.freed:
                 raise ShardError.not_found(
                     f"slot '{req.key}': the chunk at {req.offset:,} was read by all its readers"
@@ -246,20 +273,14 @@ class SlotStore:
                     f"slot '{req.key}': offset {req.offset:,} is past its"
                     f" {slot.meta.total_numel:,} elements"
                 )
-            if not slot.cond.wait_for(complete, timeout=timeout):
-                chunk = slot.chunks.get(req.offset)
-                arrived = set() if chunk is None else chunk.contributors
-                if slot.meta is None:
-                    who = "no contribution has arrived (no rank has reached this collective)"
-                else:
-                    missing = sorted(set(range(slot.meta.expected)) - arrived)
-                    who = (
-                        f"{len(arrived)} of {slot.meta.expected} contributions arrived; missing"
-                        f" rank(s) {', '.join(map(str, missing))}"
-                    )
+            done = slot.cond.wait_for(lambda: slot.ended is not None or complete(), timeout)
+            if slot.ended is not None:
+                raise ShardError.aborted(slot.ended)
+            if not done:
                 self._forget_if_unused(slot)
                 raise ShardError.deadline(
-                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s; {who}"
+                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s;"
+                    f" {_who(slot, req.offset)}"
                 )
             meta = slot.meta
             chunk = slot.chunks[req.offset]
@@ -282,7 +303,7 @@ class SlotStore:
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
         with self._lock:
-            self._bytes -= chunk.nbytes()
+            self._release_locked(chunk.nbytes())
             if len(slot.freed) == slot.num_chunks():
                 self._slots.pop(slot.key, None)
                 self._freed[slot.key] = None
@@ -296,11 +317,70 @@ class SlotStore:
                 if self._slots.get(slot.key) is slot:
                     del self._slots[slot.key]
 
-    def drop(self, prefix: str) -> int:
-        """Frees every slot whose key starts with ``prefix`` (a crashed job's leftovers)."""
+    # -- the end of pending work -------------------------------------------------------------
+    def expire(self) -> int:
+        """Drops the slots that got no contribution or read for ``ttl_s`` seconds; returns
+        how many."""
+        limit = time.monotonic() - self.ttl_s
         with self._lock:
-            keys = [k for k in self._slots if k.startswith(prefix)]
-            for k in keys:
-                slot = self._slots.pop(k)
-                self._bytes -= sum(c.nbytes() for c in slot.chunks.values())
-        return len(keys)
+            stale = [s for s in self._slots.values() if s.touched < limit]
+        ended = 0
+        for slot in stale:
+            with slot.cond:
+                if slot.touched < limit and slot.ended is None:
+                    first = min(slot.chunks, default=0)
+                    self._end(
+                        slot,
+                        f"slot '{slot.key}' expired: no contribution or read for"
+                        f" {self.ttl_s:g} s ({_who(slot, first)})",
+                    )
+                    ended += 1
+        return ended
+
+    def drop_run(self, run: str) -> int:
+        """Drops every slot and mailbox of run ``run`` (keys ``<run>:...``, and its groups'
+        ``<run>/<group>:...`` and restarts' ``<run>.e<epoch>:...``); returns how many."""
+        with self._lock:
+            mine = [s for k, s in self._slots.items() if _of_run(k, run)]
+        for slot in mine:
+            with slot.cond:
+                if slot.ended is None:
+                    self._end(slot, f"slot '{slot.key}' was dropped with run '{run}' (DropJob)")
+        return len(mine)
+
+    def _end(self, slot: _Slot, why: str) -> None:
+        """Caller holds ``slot.cond``: frees it, wakes its readers, remembers why."""
+        slot.ended = why
+        slot.cond.notify_all()
+        with self._lock:
+            self._release_locked(sum(c.nbytes() for c in slot.chunks.values()))
+            slot.chunks.clear()
+            if self._slots.get(slot.key) is slot:
+                del self._slots[slot.key]
+            self._ended[slot.key] = why
+            while len(self._ended) > _FORGET_AFTER:
+                self._ended.popitem(last=False)
+
+
+def _of_run(key: str, run: str) -> bool:
+    """Whether slot ``key`` belongs to run ``run``, its groups or its restarts."""
+    if key.startswith((f"{run}:", f"{run}/")):
+        return True
+    rest = key[len(run) + 2 :] if key.startswith(f"{run}.e") else ""
+    epoch = rest.split(":", 1)[0].split("/", 1)[0]
+    return epoch.isdigit()
+
+
+def _who(slot: _Slot, offset: int) -> str:
+    """Who contributed to the chunk at ``offset`` and who is missing (caller holds its cond)."""
+    if slot.meta is None:
+        return "no contribution has arrived (no rank has reached this collective)"
+    chunk = slot.chunks.get(offset)
+    arrived = set() if chunk is None else chunk.contributors
+    if len(arrived) == slot.meta.expected:
+        return f"complete; read by {len(chunk.readers)} of {slot.meta.readers} reader(s)"
+    missing = sorted(set(range(slot.meta.expected)) - arrived)
+    return (
+        f"{len(arrived)} of {slot.meta.expected} contributions arrived; missing"
+        f" rank(s) {', '.join(map(str, missing))}"
+    )

@@ -32,6 +32,7 @@ from protos import shard_pb2 as pb
 from protos import slicing
 from server import arrays, backend
 from server.errors import ShardError
+from server.limits import MemoryBudget, slice_bytes
 from server.optimizers import OptimizerError, ServerOptimizer, make_optimizer
 from server.snapshots import Captured
 
@@ -104,6 +105,7 @@ class BufferSlice:
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
+        self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
         self.captures: dict[int, Captured] = {}
@@ -133,6 +135,15 @@ class BufferSlice:
                 f" waited {timeout:.1f} s for {waiting_for}"
             )
 
+    def retire(self) -> None:
+        """The slice left the store (dropped, replaced): waiters wake and fail, memory is freed."""
+        with self.cond:
+            if not self.dropped:
+                self.dropped = True
+                self.budget.release(self.reserved, "buffers")
+                self.budget.release(self.pending.staged_bytes if self.pending else 0, "staging")
+                self.cond.notify_all()
+
     def bytes_by_kind(self) -> tuple[int, int, int]:
         """(params, gradients: accumulator and staged contributions, optimizer state)."""
         grad = 0 if self.grad is None else int(self.grad.nbytes)
@@ -151,6 +162,7 @@ class BufferSlice:
                 self.written = slicing.Coverage()
                 self.initialized = self.slice_numel == 0
                 self.version = header.version
+                self.budget.release(self.pending.staged_bytes if self.pending else 0, "staging")
                 self.pending = None
             o, n = header.chunk.offset, header.chunk.numel
             retry = self.written.numel_at(o) == n  # a chunk written before, written again
@@ -241,6 +253,8 @@ class BufferSlice:
                 )
             if h.HasField("step_args"):
                 self.check_step_args(h.step_args)
+            if self._stages(pending, k):  # its copy waits for its turn: paid for first
+                self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
             # -- all checks passed: mutate --
             if self.grad is None:
                 self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
@@ -264,8 +278,7 @@ class BufferSlice:
         """Adds contribution ``k``'s chunk at ``o`` (already recorded in ``pending.chunks``) in
         rank order, or at once with ``arrival_order``; moves ``head`` past what is complete."""
         last = self.contributors * pending.num_micro
-        # With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly.
-        if self.arrival_order or k == pending.head or last <= 2:
+        if not self._stages(pending, k):
             self.grad[o : o + values.size] += values
         else:
             kept = values.copy()  # ``values`` may be a view of the request's bytes
@@ -276,6 +289,13 @@ class BufferSlice:
             for lo, kept in pending.staged.pop(pending.head, ()):
                 self.grad[lo : lo + kept.size] += kept
                 pending.staged_bytes -= int(kept.nbytes)
+                self.budget.release(kept.nbytes, "staging")
+
+    def _stages(self, pending: PendingStep, k: int) -> bool:
+        """Whether contribution ``k`` must wait in staging for its turn in the rank order.
+        With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly."""
+        last = self.contributors * pending.num_micro
+        return not (self.arrival_order or k == pending.head or last <= 2)
 
     def pull(self, req: pb.PullParamsRequest, timeout: float, encode: Any = None) -> Any:
         """(header, payload bytes), or ``encode(header, payload view)`` run under the lock (a
@@ -502,8 +522,9 @@ class BufferSlice:
 class BufferStore:
     """All buffers of all jobs on this server."""
 
-    def __init__(self, max_job_bytes: int = 0) -> None:
+    def __init__(self, max_job_bytes: int = 0, budget: MemoryBudget | None = None) -> None:
         self.max_job_bytes = max_job_bytes  # 0: unbounded
+        self.budget = budget or MemoryBudget()  # the server's memory, shared with slots etc.
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
 
@@ -559,6 +580,23 @@ class BufferStore:
             existing = self._fitting(req, label)
         if existing is not None:
             return existing
+        need = slice_bytes(req)
+        self.budget.reserve(need, "buffers", label)  # before anything is allocated
+        try:
+            created = self._create(req, label)
+            with self._lock:  # again: another call may have registered meanwhile
+                existing = self._fitting(req, label)
+                if existing is None:
+                    created.budget, created.reserved = self.budget, need
+                    self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
+                    return created
+        except BaseException:
+            self.budget.release(need, "buffers")
+            raise
+        self.budget.release(need, "buffers")
+        return existing
+
+    def _create(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
         start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
         slice_numel = stop - start
         try:
@@ -580,18 +618,12 @@ class BufferStore:
                     f" over its quota of {self.max_job_bytes:,}"
                 )
         try:
-            created = BufferSlice(req, optimizer)
+            return BufferSlice(req, optimizer)
         except (MemoryError, ValueError) as exc:
             raise ShardError.exhausted(
                 f"{label}: cannot allocate {slice_numel * optimizer.dtype.itemsize:,} bytes of"
                 f" parameters ({exc})"
             ) from None
-        with self._lock:  # again: another call may have registered meanwhile
-            existing = self._fitting(req, label)
-            if existing is not None:
-                return existing
-            self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
-            return created
 
     def _fitting(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice | None:
         """The buffer ``req`` registers again, None if it is new; FAILED_PRECONDITION when it
@@ -640,61 +672,26 @@ class BufferStore:
 
     def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
         """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
+        need = [slice_bytes(b.spec) for b in slices]
+        self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
+        for b, n in zip(slices, need, strict=True):
+            b.budget, b.reserved = self.budget, n
         with self._lock:
             old = self._jobs.pop(job, {})
             self._jobs[job] = {b.name: b for b in slices}
         for b in old.values():
-            with b.cond:
-                b.dropped = True
-                b.cond.notify_all()
+            b.retire()
 
     def drop(self, job: str) -> int:
         with self._lock:
             dropped = self._jobs.pop(job, None)
         if dropped is None:
             raise ShardError.not_found(f"job '{job}' is not on this server")
-        for b in dropped.values():  # wake waiters so they fail fast instead of timing out
-            with b.cond:
-                b.dropped = True
-                b.cond.notify_all()
+        for b in dropped.values():  # waiters fail fast; pending contributions go with them
+            b.retire()
         return len(dropped)
 
     def status(self) -> list[pb.JobStatus]:
-        out = []
-        for job, buffers in sorted(self.jobs().items()):
-            rows = []
-            for b in buffers:
-                with b.cond:
-                    params, grads, opt = b.bytes_by_kind()
-                    rows.append(
-                        pb.BufferStatus(
-                            buffer=b.name,
-                            numel=b.numel,
-                            slice_start=b.start,
-                            slice_numel=b.slice_numel,
-                            dtype=str(b.dtype),
-                            version=b.version,
-                            initialized=b.initialized,
-                            optimizer=b.optimizer.name,
-                            param_bytes=params,
-                            grad_bytes=grads,
-                            optimizer_bytes=opt,
-                            params=b.spec.params,
-                            last_step_seconds=b.last_step_seconds,
-                            last_step_unix=b.last_step_unix,
-                            contributors=b.contributors,
-                            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
-                            state_keys=sorted(b.optimizer.state_arrays()),
-                            optimizer_steps=b.optimizer.step_count,
-                        )
-                    )
-            first = buffers[0].spec if buffers else None
-            out.append(
-                pb.JobStatus(
-                    job=job,
-                    buffers=rows,
-                    server_index=first.server_index if first else 0,
-                    num_servers=first.num_servers if first else 0,
-                )
-            )
-        return out
+        from server.status import job_status  # it reads the store: imported on use
+
+        return job_status(self)

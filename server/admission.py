@@ -1,0 +1,221 @@
+"""Which call gets a handler thread (DESIGN section 6): a caller that waits never starves one
+that works.
+
+The gRPC server runs every call on a thread of one pool, and a call that waits (a pull for a
+future version, a slot read, a gradient norm or a snapshot waiting for a step) holds its thread
+while it waits. Unbounded, eight ``read``-token pulls for a far version took every thread of an
+8-thread pool and a trainer's PushGrad timed out behind them; four open reflection streams did
+the same to an admin's Status. So (``CallLimits``):
+
+- A call of a waiting method (``WAITING_METHODS``) that may have to wait (``may_wait``: a
+  pull for a version the buffer has reached does not) is admitted only while at least
+  ``reserved`` of the ``workers`` threads stay free, and a ``read`` token's only while fewer
+  than ``max_waiting_read`` of them are in; beyond either it fails at once with
+  RESOURCE_EXHAUSTED, a message saying which bound, and nothing changed. Every other call
+  (pushes, steps, SetParams, registration, Status, ...) is never refused here, and finds one
+  of the reserved threads however many callers wait.
+- Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
+  their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
+  open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
+- How long a call may wait is bounded by the servicer's ``max_wait_s``.
+
+A caller's role is its token's (server/auth.py); without tokens every caller may do everything
+and counts as ``train``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from server.servicer import SERVICE_NAME
+
+__all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
+
+WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot"})
+"""Shard methods that may wait for other callers; PushGrad and Step wait too (for the initial
+values, for the other ranks' pushes) but are the trainers' own work and never refused."""
+
+
+def default_reserved(workers: int) -> int:
+    """Threads kept for working calls unless told: a quarter of the workers, at most 16."""
+    return max(1, min(16, workers // 4))
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Bounds on the calls a server runs at once (``paramshard serve`` flags in brackets)."""
+
+    workers: int = 128
+    """Threads for calls [--workers]; waiting calls take at most ``workers - reserved``."""
+    reserved: int = 16
+    """Threads a waiting call never takes: pushes, steps and Status always find one
+    [--reserved-workers]."""
+    max_waiting_read: int = 16
+    """Calls of waiting methods by ``read`` tokens at once (inspect, get, export)
+    [--max-waiting-read]."""
+    max_streams: int = 4
+    """Open reflection / health Watch streams at once, on threads of their own
+    [--max-streams]."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
+        if not isinstance(self.max_streams, int) or self.max_streams < 0:
+            raise ValueError(f"CallLimits.max_streams must be an int >= 0, got {self.max_streams}")
+        if self.reserved >= self.workers:
+            raise ValueError(
+                f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"
+                " waiting calls need threads too"
+            )
+
+    @property
+    def threads(self) -> int:
+        """The size of the server's thread pool: the workers and the streams' own."""
+        return self.workers + self.max_streams
+
+
+class CallGate(grpc.ServerInterceptor):
+    """Admits calls to handler threads by ``limits``; ``role_of(metadata)`` names the caller's
+    role (None: no tokens, or none presented); ``may_wait(method, request)`` tells whether a
+    call of a waiting method may wait (default: it may)."""
+
+    def __init__(
+        self,
+        limits: CallLimits,
+        role_of: Callable[[Any], str | None] | None = None,
+        may_wait: Callable[[str, Any], bool] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.role_of = role_of
+        self.may_wait = may_wait
+        self._lock = threading.Lock()
+        self.busy = 0  # calls in a handler (streams not included)
+        self.waiting: Counter[str] = Counter()  # calls of waiting methods in a handler, by role
+        self.streams = 0
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming or handler.response_streaming:
+            return self._stream(handler)
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        role = None
+        if service == SERVICE_NAME and method in WAITING_METHODS:
+            found = self.role_of(details.invocation_metadata) if self.role_of else None
+            role = found or "train"
+        return self._unary(handler, method, role)
+
+    # -- unary calls -------------------------------------------------------------------------
+    def _enter(self, role: str | None) -> str | None:
+        """Counts a call in; for a waiting call (``role`` set), why it is refused, if it is."""
+        lim = self.limits
+        with self._lock:
+            if role is not None:
+                if self.busy >= lim.workers - lim.reserved:
+                    return (
+                        f"{self.busy} calls are running on this server's {lim.workers} worker"
+                        f" threads and {lim.reserved} are kept for calls that do not wait"
+                        " (pushes, steps, Status); retry later (paramshard serve --workers)"
+                    )
+                if role == "read" and self.waiting["read"] >= lim.max_waiting_read:
+                    return (
+                        f"{self.waiting['read']} calls of read tokens already wait on this"
+                        f" server, its bound (paramshard serve --max-waiting-read); retry later"
+                    )
+                self.waiting[role] += 1
+            self.busy += 1
+        return None
+
+    def _leave(self, role: str | None) -> None:
+        with self._lock:
+            self.busy -= 1
+            if role is not None:
+                self.waiting[role] -= 1
+
+    def _unary(
+        self, handler: grpc.RpcMethodHandler, method: str, role: str | None
+    ) -> grpc.RpcMethodHandler:
+        behavior = handler.unary_unary
+
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
+            refusal = self._enter(waits)
+            if refusal is not None:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+            try:
+                return behavior(request, context)
+            finally:
+                self._leave(waits)
+
+        return grpc.unary_unary_rpc_method_handler(
+            gated,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    # -- streams -------------------------------------------------------------------------------
+    def _stream(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        behavior, make = _streaming(handler)
+
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            with self._lock:
+                admitted = self.streams < self.limits.max_streams
+                self.streams += admitted
+            if not admitted:
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.limits.max_streams} streams (reflection, health Watch) are open on"
+                    " this server, its bound (paramshard serve --max-streams); retry later",
+                )
+            left = threading.Lock()
+
+            def leave() -> None:  # once, whichever comes first: the end or the cancellation
+                if left.acquire(blocking=False):
+                    with self._lock:
+                        self.streams -= 1
+
+            context.add_callback(leave)
+            try:
+                result = behavior(request, context)
+            except BaseException:
+                leave()
+                raise
+            if not handler.response_streaming:
+                leave()
+                return result
+            return _closing(result, leave)
+
+        return make(
+            gated,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _closing(responses: Iterator[Any], leave: Callable[[], None]) -> Iterator[Any]:
+    try:
+        yield from responses
+    finally:
+        leave()
+
+
+def _streaming(handler: grpc.RpcMethodHandler) -> tuple[Any, Callable[..., Any]]:
+    """The behaviour of a streaming handler and the constructor of its kind."""
+    if handler.request_streaming and handler.response_streaming:
+        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    if handler.request_streaming:
+        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    return handler.unary_stream, grpc.unary_stream_rpc_method_handler
