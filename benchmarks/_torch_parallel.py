@@ -2,7 +2,7 @@
 ``benchmarks.hybrid`` (one gloo process per rank; the process group is already up).
 
 - **pipeline**: ``torch.distributed.pipelining.PipelineStage`` over the stage modules of
-  ``strategies.pipeline.split_gpt`` (the same cut as ours), ``ScheduleGPipe`` or
+  ``benchmarks._gpt_stages.split_gpt`` (the same cut as ours), ``ScheduleGPipe`` or
   ``Schedule1F1B`` with ``m`` micro-batches and ``lm_loss``; torch scales the gradients by 1/m
   (``scale_grads=True``), as ours scales each micro-batch's loss.
 - **tensor**: DTensor ``parallelize_module`` on every Block. Our ``c_attn`` packs q|k|v in one
@@ -33,7 +33,7 @@ from torch import nn
 
 from benchmarks._training import adamw
 from examples.gpt import lm_loss
-from strategies.pipeline import split_gpt
+from benchmarks._gpt_stages import split_gpt
 
 
 class SplitQKVAttention(nn.Module):

@@ -22,16 +22,17 @@ from strategies.pipeline import (
     LoadBalancedPartitionStrategy,
     PipelineParallelModel,
     UniformPartitionStrategy,
-    split_gpt,
+    default_split_points,
 )
 from strategies.recovery import RecoveryReport, train_with_recovery
-from strategies.tensor_model import TensorParallelModel
-from strategies.tensor_parallel import (
+from strategies.tensor import (
     ColumnParallelLinear,
-    ParallelCausalSelfAttention,
-    ParallelMLP,
+    ColwiseParallel,
     RowParallelLinear,
-    parallelize_gpt_blocks,
+    RowwiseParallel,
+    TensorParallelModel,
+    default_plan,
+    parallelize_module,
 )
 from strategies.topology import Topology
 from strategies.zero import ZeRO1Model, ZeRO2Model
@@ -56,14 +57,15 @@ __all__ = [
     "RecoveryReport",
     "Topology",
     "PipelineParallelModel",
-    "split_gpt",
+    "default_split_points",
     "UniformPartitionStrategy",
     "LoadBalancedPartitionStrategy",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "parallelize_module",
+    "default_plan",
     "ColumnParallelLinear",
     "RowParallelLinear",
-    "ParallelCausalSelfAttention",
-    "ParallelMLP",
-    "parallelize_gpt_blocks",
     "TensorParallelModel",
     "HybridShardedModel",
     "HybridShardedOptimizer",

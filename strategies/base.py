@@ -28,6 +28,7 @@ from torch import nn
 from protos import slicing
 from strategies.config import ShardingConfiguration
 from strategies.layout import copy_flat_into, master_torch_dtype, to_master
+from strategies.losses import default_loss
 
 __all__ = ["ShardedModelBase", "owner_of"]
 
@@ -48,13 +49,6 @@ def owner_of(params: list[nn.Parameter]) -> ShardedModelBase:
     return next(iter(owners.values()))
 
 
-def _default_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for class targets (any number of leading dims), MSE for float targets."""
-    if target.is_floating_point():
-        return nn.functional.mse_loss(output, target)
-    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
-
-
 class ShardedModelBase(nn.Module):
     """A torch model wrapped for training over the shard servers.
 
@@ -73,7 +67,7 @@ class ShardedModelBase(nn.Module):
         self.client = config.client
         # collectives reduce in rank order unless the configuration says arrival order
         self.client.deterministic = config.deterministic
-        self.default_loss_function: Callable[[Any, Any], torch.Tensor] = _default_loss
+        self.default_loss_function: Callable[[Any, Any], torch.Tensor] = default_loss
         self.optimizer: Any = None  # the attached optimizer wrapper
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later

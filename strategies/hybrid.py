@@ -28,11 +28,10 @@ from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
 from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
-from strategies.pipeline import PartitionName, PipelineParallelModel
-from strategies.schedules import ScheduleName
-from strategies.tensor_parallel import (
+from strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
+from strategies.tensor import (
     gather_tensor_parallel_state,
-    parallelize_gpt_blocks,
+    parallelize_module,
     tensor_parallel_part,
     tensor_parallel_splits,
 )
@@ -43,10 +42,15 @@ __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
 
 
 class HybridShardedModel(ShardedModelBase):
-    """``model`` (a GPT from examples/gpt.py, or an nn.Sequential for pipeline only) over
-    ``pipeline_parallel_size x tensor_parallel_size x data_parallel_size`` ranks (-1: the rest
-    of the world). ``train_on_batch(x, y)`` takes this data-parallel replica's part of the
-    global batch (see ``data_parallel_rank`` / ``data_parallel_size``)."""
+    """Any ``model`` over ``pipeline_parallel_size x tensor_parallel_size x
+    data_parallel_size`` ranks (-1: the rest of the world). ``train_on_batch(x, y, **inputs)``
+    takes this data-parallel replica's part of the global batch (see ``data_parallel_rank`` /
+    ``data_parallel_size``); every rank of a replica is given the same part.
+
+    ``split_points`` name the modules where pipeline stages begin (default: ``partition`` of
+    the model's block container); ``parallelize_plan`` maps module names (``*`` wildcards) to
+    tensor-parallel styles (default: the model's own plan, see ``strategies.tensor``).
+    """
 
     strategy = "hybrid"
 
@@ -62,6 +66,8 @@ class HybridShardedModel(ShardedModelBase):
         schedule: ScheduleName = "1f1b",
         partition: PartitionName = "uniform",
         virtual_stages: int | None = None,
+        split_points: list[str] | None = None,
+        parallelize_plan: dict[str, Any] | None = None,
     ) -> None:
         self.topology = Topology(
             config.client.world_size,
@@ -69,13 +75,6 @@ class HybridShardedModel(ShardedModelBase):
             tensor_parallel_size,
             data_parallel_size,
         )
-        if self.topology.tensor_parallel_size > 1 and not hasattr(model, "blocks"):
-            raise TypeError(
-                f"tensor_parallel_size={self.topology.tensor_parallel_size} splits a GPT's"
-                " blocks (attention by heads, the MLP by columns and rows), and"
-                f" {type(model).__name__} has none: use tensor_parallel_size=1 (pipeline and"
-                " data parallelism take an nn.Sequential)"
-            )
         if config.replicate_every:
             raise ValueError(
                 f"replicate_every={config.replicate_every}: neighbour replication is not built"
@@ -87,6 +86,14 @@ class HybridShardedModel(ShardedModelBase):
         self.groups = self.topology.group_clients(config.client)
         self.coords = self.topology.coords(rank)
         pp, tp, _ = self.coords
+        tp_client = self.groups.tp
+
+        def parallelize(whole: nn.Module, owns: Any) -> None:
+            # on the real modules, before the split: this rank's stage only
+            if tp_client.world_size > 1:
+                tp_client.deterministic = config.deterministic
+                parallelize_module(whole, tp_client, parallelize_plan, only=owns)
+
         self.pipeline = PipelineParallelModel(
             model,
             config,
@@ -95,9 +102,9 @@ class HybridShardedModel(ShardedModelBase):
             schedule,
             pp_client=self.groups.pp,
             virtual_stages=virtual_stages,
+            split_points=split_points,
+            parallelize=parallelize,
         )
-        if self.topology.tensor_parallel_size > 1:
-            parallelize_gpt_blocks(list(self.pipeline.stage.blocks.values()), self.groups.tp)
         # Only this rank's stage (and tensor shard of it) is a submodule: parameters() and the
         # optimizer see exactly what this rank holds.
         del self._modules["module"]
@@ -131,26 +138,29 @@ class HybridShardedModel(ShardedModelBase):
         return self.topology.data_parallel_size
 
     # -- training ------------------------------------------------------------------------------
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """This stage's layers only; the whole model runs through ``train_on_batch``."""
-        return self.stage(*args, **kwargs)
+    def forward(self, x: Any = None, **inputs: Any) -> Any:
+        """The whole model's forward through the pipeline, without backward (collective over
+        the pipeline group): the last stage returns the output, the others None."""
+        return self.pipeline(x, **inputs)
 
-    def forward_backward(self, x: Any, y: Any) -> float:
+    def forward_backward(self, x: Any, y: Any, **inputs: Any) -> float:
         """Forward and backward of this replica's batch through the pipeline schedule, without
         the optimizer step (so ``clip_grad_norm_`` can run in between); returns the global
         batch's loss, the same on every rank."""
-        loss = self.pipeline.train_step(x, y, self.default_loss_function)
+        loss = self.pipeline.train_step(x, y, self.default_loss_function, **inputs)
         if self.data_parallel_size > 1:  # the global batch's loss: mean over the replicas
             loss = self.groups.dp.all_reduce(torch.tensor([loss], dtype=torch.float64), "mean")[0]
         return float(loss)
 
-    def train_on_batch(self, x: Any, y: Any, max_grad_norm: float | None = None) -> float:
+    def train_on_batch(
+        self, x: Any, y: Any = None, max_grad_norm: float | None = None, **inputs: Any
+    ) -> float:
         """Forward and backward through the pipeline schedule over micro-batches, then (with
         ``max_grad_norm``) clipping by the global norm, then the optimizer step; returns the
         global batch's loss (the same on every rank)."""
         if self.optimizer is None:
             raise RuntimeError("HybridShardedModel.train_on_batch needs a HybridShardedOptimizer")
-        loss = self.forward_backward(x, y)
+        loss = self.forward_backward(x, y, **inputs)
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm)
         self.optimizer.step()
@@ -193,10 +203,10 @@ class HybridShardedModel(ShardedModelBase):
                 {b.name: len(b.entries) for b in replica._buffers},
                 replica._step,
             )
-            tied_copy = self.pipeline._tied if not self.pipeline.is_first else None
+            copies = self.pipeline.copies
             for b in replica._buffers:
                 for e, p, sq in zip(b.entries, b.params, sums[b.name], strict=True):
-                    if p is tied_copy or (tp != 0 and e.name not in replica.param_splits):
+                    if id(p) in copies or (tp != 0 and e.name not in replica.param_splits):
                         continue
                     mine += sq
         world = self.config.client
@@ -316,7 +326,8 @@ class HybridShardedModel(ShardedModelBase):
     def restart_collectives(self, epoch: int) -> None:
         """After a failure left ranks at different collectives: every group this rank is in
         numbers its collectives afresh in ``epoch`` (the same on every rank)."""
-        groups = (self.groups.tp, self.groups.pp, self.groups.dp, self.pipeline.tied_group)
+        tied = [group for group, _ in self.pipeline.tied_groups]
+        groups = (self.groups.tp, self.groups.pp, self.groups.dp, *tied)
         for client in (self.config.client, *groups):
             if client is not None:
                 client.restart_collectives(epoch)

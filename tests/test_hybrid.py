@@ -210,13 +210,11 @@ def test_sizes_must_multiply_to_the_world():
         HybridShardedModel(GPT(CFG), config, 2, 2, 2)
 
 
-def test_tensor_parallelism_needs_gpt_blocks():
+def test_tensor_parallelism_of_an_unknown_model_needs_a_plan():
     client = ShardClient(ClusterSpec(["127.0.0.1:1"]), rank=0, world_size=2)
     config = ShardingConfiguration(client, job="x")
     seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
-    with pytest.raises(
-        TypeError, match=r"tensor_parallel_size=2 splits a GPT's blocks.*Sequential"
-    ):
+    with pytest.raises(ValueError, match=r"no tensor-parallel plan is known for Sequential"):
         HybridShardedModel(seq, config, 1, 2, 1)
 
 

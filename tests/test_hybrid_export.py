@@ -487,7 +487,7 @@ def test_load_state_dict_round_trip_and_training_continues():
 @pytest.mark.parametrize("ranks,dim,packed", [(2, 0, 1), (4, 0, 3), (4, 1, 1), (2, 1, 2)])
 def test_join_parts_inverts_the_split(ranks, dim, packed):
     from client.tensor_parts import PartParam, join_parts
-    from strategies.tensor_parallel import tensor_parallel_part
+    from strategies.tensor import tensor_parallel_part
 
     whole = torch.randn(24, 12) if dim == 0 else torch.randn(6, 24)
     norm = torch.randn(12)

@@ -1,6 +1,6 @@
-"""Pipeline parallelism: schedules as step lists, GPT partitions, and the pipeline against its
-plain PyTorch twin (loss, gradients, AdamW training, gathered state dict): float64 on both
-sides, within 1e-9 per tensor (tests/numerics.py)."""
+"""Pipeline parallelism: schedules as step lists, partitions of the example GPT, and the
+pipeline against its plain PyTorch twin (loss, gradients, AdamW training, gathered state
+dict): float64 on both sides, within 1e-9 per tensor (tests/numerics.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from strategies.config import ShardingConfiguration
 from strategies.pipeline import (
     PipelineParallelModel,
     balanced_partition,
-    split_gpt,
-    split_sequential,
+    default_split_points,
+    plan_stages,
 )
-from strategies.schedules import (
+from strategies.pipeline.schedules import (
     build_schedule,
     gpipe_schedule,
     one_f_one_b_schedule,
@@ -157,22 +157,24 @@ def test_balanced_partition_minimises_the_largest_stage():
     assert max(sum([3, 1, 4, 1, 5, 9, 2, 6][r.start : r.stop]) for r in parts) == 14
 
 
+def _blocks_per_stage(model, p, partition="uniform"):
+    plan = plan_stages(model, default_split_points(model, p, partition))
+    n = len(model.blocks)
+    return [[i for i in range(n) if plan.stage_of(f"blocks.{i}") == s] for s in range(p)]
+
+
 @pytest.mark.parametrize("partition", ["uniform", "balanced"])
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-def test_split_gpt_covers_every_block_once(partition, p):
+def test_default_split_points_cover_every_block_once(partition, p):
     model = GPT(GPTConfig.tiny(vocab_size=50, n_layer=6))
-    stages = split_gpt(model, p, partition)
-    blocks = [int(k) for s in stages for k in s.blocks]
-    assert blocks == list(range(6))
-    names = [k for s in stages for k in s.state_dict()]
-    assert sorted(names) == sorted(model.state_dict())  # tied lm_head.weight on the last
-    x = torch.randint(0, 50, (2, 8))
-    h = x
-    for s in stages:
-        h = s(h)
-    torch.testing.assert_close(h, model(x), rtol=0, atol=0)
+    stages = _blocks_per_stage(model, p, partition)
+    assert [b for s in stages for b in s] == list(range(6))
+    plan = plan_stages(model, default_split_points(model, p, partition))
+    assert plan.units["wte"] == plan.units["wpe"] == 0
+    assert plan.units["ln_f"] == plan.units["lm_head"] == p - 1
+    assert plan.units["drop"] == -1  # no parameters: every stage runs it
     if partition == "uniform":
-        assert [len(s.blocks) for s in stages] == [len(r) for r in _even(6, p)]
+        assert [len(s) for s in stages] == [len(r) for r in _even(6, p)]
 
 
 def _even(n, p):
@@ -182,22 +184,29 @@ def _even(n, p):
 def test_balanced_gives_the_end_stages_fewer_blocks():
     # a large vocabulary makes embedding and head heavy: end stages get fewer blocks
     model = GPT(GPTConfig.tiny(vocab_size=2000, n_layer=8))
-    counts = [len(s.blocks) for s in split_gpt(model, 4, "balanced")]
+    counts = [len(s) for s in _blocks_per_stage(model, 4, "balanced")]
     assert sum(counts) == 8 and counts[0] < counts[1] and counts[-1] < counts[1]
 
 
 def test_split_errors_name_the_numbers():
     model = GPT(GPTConfig.tiny(n_layer=2))
     with pytest.raises(ValueError, match="2 blocks, 3 stages"):
-        split_gpt(model, 3)
+        default_split_points(model, 3)
     with pytest.raises(ValueError, match="partition must be one of uniform, balanced"):
-        split_gpt(model, 2, "random")  # type: ignore[arg-type]
+        default_split_points(model, 2, "random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="split point 'blocks.9' is not a module of GPT"):
+        plan_stages(model, ["blocks.9"])
+    with pytest.raises(ValueError, match="must follow the model's module order"):
+        plan_stages(GPT(GPTConfig.tiny(n_layer=4)), ["blocks.3", "blocks.1"])
+    with pytest.raises(ValueError, match="split point 'blocks' contains split point 'blocks.1'"):
+        plan_stages(model, ["blocks", "blocks.1"])
 
 
-def test_split_sequential_keeps_names():
+def test_sequential_is_its_own_block_container():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
-    stages = split_sequential(model, 2, "balanced")
-    assert [k for s in stages for k in s.state_dict()] == list(model.state_dict())
+    assert default_split_points(model, 2) == ["2"]
+    plan = plan_stages(model, ["2"])
+    assert plan.units == {"0": 0, "1": -1, "2": 1, "3": 1}  # the ReLU runs on every stage
 
 
 # -- the pipeline against a single process -----------------------------------------------------
@@ -362,7 +371,8 @@ def test_interleaved_ranks_hold_every_pth_chunk(servers, run_ranks):
             copy.deepcopy(ref), ShardingConfiguration(client), 4, schedule="interleaved_1f1b"
         )
         names = {n for n, _ in model.named_parameters()}
-        return list(model.stage.blocks), model.virtual_stages, len(names), model.paper_bubble_ratio
+        blocks = [u.split(".")[1] for u in model.units if u.startswith("blocks.")]
+        return blocks, model.virtual_stages, len(names), model.paper_bubble_ratio
 
     (b0, v0, n0, r0), (b1, v1, n1, _) = run_ranks(rank, 2, addresses)
     assert (b0, b1, v0, v1) == (["0", "2"], ["1", "3"], 2, 2)
@@ -373,8 +383,7 @@ def test_interleaved_ranks_hold_every_pth_chunk(servers, run_ranks):
 
 def test_partition_and_schedule_names_are_lenient():
     from strategies import LoadBalancedPartitionStrategy, UniformPartitionStrategy
-    from strategies.pipeline import partition_name
-    from strategies.schedules import schedule_name
+    from strategies.pipeline import partition_name, schedule_name
 
     for given in ("balanced", "load_balanced", "Load-Balanced", LoadBalancedPartitionStrategy):
         assert partition_name(given) == "balanced"
@@ -385,5 +394,5 @@ def test_partition_and_schedule_names_are_lenient():
     with pytest.raises(ValueError, match="partition must be one of uniform, balanced"):
         partition_name("random")
     model = GPT(GPTConfig.tiny(n_layer=4))
-    a = [list(s.blocks) for s in split_gpt(model, 2, "load-balanced")]
-    assert a == [list(s.blocks) for s in split_gpt(model, 2, LoadBalancedPartitionStrategy())]
+    a = default_split_points(model, 2, "load-balanced")
+    assert a == default_split_points(model, 2, LoadBalancedPartitionStrategy())

@@ -3,7 +3,8 @@
 Every parallel layer runs on tp ranks (threads, one ShardClient each, real gRPC servers) and is
 compared with its plain torch twin on the same weights and inputs: forward output, input
 gradient and (gathered) weight gradients, all float64, within 1e-9 per tensor
-(tests/numerics.py).
+(tests/numerics.py). tp = 3 splits widths that do not divide (the slice rule, whole heads).
+Models of other families and plans of users' own: tests/test_tensor_plan.py.
 """
 
 from __future__ import annotations
@@ -18,26 +19,30 @@ from torch import nn
 
 from examples.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, lm_loss
 from strategies import ShardingConfiguration, TensorParallelModel
-from strategies.tensor_parallel import (
+from strategies.tensor import (
     ColumnParallelLinear,
-    ParallelCausalSelfAttention,
-    ParallelMLP,
+    ColwiseParallel,
     RowParallelLinear,
-    copy_to_tensor_parallel,
+    RowwiseParallel,
     gather_tensor_parallel_grads,
     gather_tensor_parallel_state,
-    parallelize_gpt_blocks,
-    reduce_from_tensor_parallel,
+    parallelize_module,
+    tensor_parallel_part,
+    tensor_parallel_splits,
 )
+from strategies.tensor.communications import copy_to_tensor_parallel, reduce_from_tensor_parallel
+from strategies.tensor.layers import part_ranges
 from strategies.topology import Topology
 
-TP_SIZES = [1, 2]
+TP_SIZES = [1, 2, 3]
 F64 = torch.float64
 equivalence = pytest.mark.equivalence
+ATTN_PLAN = {"c_attn": ColwiseParallel(packed=3), "c_proj": RowwiseParallel()}
+MLP_PLAN = {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
 
 
 @pytest.fixture
-def run_tp(servers, run_ranks):
+def run_tp(servers, run_ranks, one_torch_thread):
     """``run_tp(tp, fn)``: ``fn(tp_client)`` on ranks 0..tp-1 of a pure tensor-parallel world."""
     addresses = [s.address for s in servers(2)]
 
@@ -54,6 +59,10 @@ def _close(actual, expected, what="value"):
 
 def _plain_grads(module):
     return {name: p.grad.clone() for name, p in module.named_parameters()}
+
+
+def _part(t, dim, ranges):
+    return torch.cat([t.narrow(dim, r.start, len(r)) for r in ranges], dim)
 
 
 # -- f and g -----------------------------------------------------------------------------------
@@ -82,75 +91,83 @@ def test_g_is_all_reduce_forward_and_identity_backward(run_tp):
 
 
 # -- linear layers -----------------------------------------------------------------------------
+def _conv1d(inp, out):
+    transformers = pytest.importorskip("transformers")
+    return transformers.pytorch_utils.Conv1D(out, inp)
+
+
 @equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 @pytest.mark.parametrize("gather_output", [False, True])
-def test_column_parallel_linear_matches_nn_linear(run_tp, tp_size, gather_output):
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_column_parallel_linear_matches_its_twin(run_tp, tp_size, gather_output, layout):
+    # 10 outputs: 4/3/3 at tp=3. Conv1D (GPT-2) keeps its [in, out] weight, split along dim 1.
     torch.manual_seed(0)
-    linear = nn.Linear(8, 12).double()
+    plain = (nn.Linear(8, 10) if layout == "linear" else _conv1d(8, 10)).double()
+    w_dim = 0 if layout == "linear" else 1
     x = torch.randn(3, 5, 8, dtype=F64)
-    out_grad = torch.randn(3, 5, 12, dtype=F64)  # a fixed weighting makes every grad differ
+    out_grad = torch.randn(3, 5, 10, dtype=F64)  # a fixed weighting makes every grad differ
 
     def rank_fn(tp):
-        layer = ColumnParallelLinear.from_linear(linear, tp, gather_output=gather_output)
+        layer = ColumnParallelLinear.from_linear(plain, tp, gather_output=gather_output)
         xr = x.clone().requires_grad_()
         y = layer(xr)
-        mine = out_grad if gather_output else out_grad.chunk(tp.world_size, -1)[tp.rank]
+        mine = out_grad if gather_output else _part(out_grad, -1, layer.ranges())
         (y * mine).sum().backward()
         full = gather_tensor_parallel_grads(layer, tp)
-        return y.detach(), xr.grad, layer.weight.grad, full
+        return y.detach(), xr.grad, layer.weight.grad, layer.ranges(), full
 
     xp = x.clone().requires_grad_()
-    yp = linear(xp)
+    yp = plain(xp)
     (yp * out_grad).sum().backward()
-    for rank, (y, x_grad, w_grad, full) in enumerate(run_tp(tp_size, rank_fn)):
-        _close(y, yp if gather_output else yp.chunk(tp_size, -1)[rank], "output")
+    for y, x_grad, w_grad, ranges, full in run_tp(tp_size, rank_fn):
+        _close(y, yp if gather_output else _part(yp, -1, ranges), "output")
         _close(x_grad, xp.grad, "input grad")
-        _close(w_grad, linear.weight.grad.chunk(tp_size, 0)[rank], "weight grad part")
-        _close(full["weight"], linear.weight.grad, "weight grad")
-        _close(full["bias"], linear.bias.grad, "bias grad")
+        _close(w_grad, _part(plain.weight.grad, w_dim, ranges), "weight grad part")
+        _close(full["weight"], plain.weight.grad, "weight grad")
+        _close(full["bias"], plain.bias.grad, "bias grad")
 
 
 @equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
 @pytest.mark.parametrize("input_is_parallel", [True, False])
-def test_row_parallel_linear_matches_nn_linear(run_tp, tp_size, input_is_parallel):
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_row_parallel_linear_matches_its_twin(run_tp, tp_size, input_is_parallel, layout):
     torch.manual_seed(1)
-    linear = nn.Linear(12, 6).double()
-    x = torch.randn(3, 5, 12, dtype=F64)
+    plain = (nn.Linear(11, 6) if layout == "linear" else _conv1d(11, 6)).double()
+    w_dim = 1 if layout == "linear" else 0
+    x = torch.randn(3, 5, 11, dtype=F64)
     out_grad = torch.randn(3, 5, 6, dtype=F64)
 
     def rank_fn(tp):
-        layer = RowParallelLinear.from_linear(linear, tp, input_is_parallel=input_is_parallel)
-        xr = x.chunk(tp.world_size, -1)[tp.rank] if input_is_parallel else x
+        layer = RowParallelLinear.from_linear(plain, tp, input_is_parallel=input_is_parallel)
+        xr = _part(x, -1, layer.ranges()) if input_is_parallel else x
         xr = xr.clone().requires_grad_()
         y = layer(xr)
         (y * out_grad).sum().backward()
         full = gather_tensor_parallel_grads(layer, tp)
-        return y.detach(), xr.grad, layer.weight.grad, full
+        return y.detach(), xr.grad, layer.weight.grad, layer.ranges(), full
 
     xp = x.clone().requires_grad_()
-    yp = linear(xp)
+    yp = plain(xp)
     (yp * out_grad).sum().backward()
-    for rank, (y, x_grad, w_grad, full) in enumerate(run_tp(tp_size, rank_fn)):
+    for y, x_grad, w_grad, ranges, full in run_tp(tp_size, rank_fn):
         _close(y, yp, "output")
-        _close(
-            x_grad, xp.grad.chunk(tp_size, -1)[rank] if input_is_parallel else xp.grad, "input grad"
-        )
-        _close(w_grad, linear.weight.grad.chunk(tp_size, 1)[rank], "weight grad part")
-        _close(full["weight"], linear.weight.grad, "weight grad")
-        _close(full["bias"], linear.bias.grad, "bias grad")
+        _close(x_grad, _part(xp.grad, -1, ranges) if input_is_parallel else xp.grad, "input grad")
+        _close(w_grad, _part(plain.weight.grad, w_dim, ranges), "weight grad part")
+        _close(full["weight"], plain.weight.grad, "weight grad")
+        _close(full["bias"], plain.bias.grad, "bias grad")
 
 
-# -- GPT modules -------------------------------------------------------------------------------
-def _module_twin_test(run_tp, tp_size, plain, parallel_cls):
+# -- the example GPT's modules, split by its plan ----------------------------------------------
+def _module_twin_test(run_tp, tp_size, plain, plan):
     torch.manual_seed(2)
     plain = plain.double()
     x = torch.randn(2, 8, plain.c_proj.out_features, dtype=F64)
     out_grad = torch.randn_like(x)
 
     def rank_fn(tp):
-        module = parallel_cls.from_module(plain, tp)
+        module = parallelize_module(copy.deepcopy(plain), tp, plan)
         xr = x.clone().requires_grad_()
         y = module(xr)
         (y * out_grad).sum().backward()
@@ -168,45 +185,58 @@ def _module_twin_test(run_tp, tp_size, plain, parallel_cls):
 
 @equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
-def test_parallel_attention_matches_causal_self_attention(run_tp, tp_size):
-    # 4 heads: with tp=2 each rank takes two heads from each of q, k and v
+def test_attention_split_by_heads_matches_causal_self_attention(run_tp, tp_size):
+    # 4 heads: 2 + 2 at tp=2, 2 + 1 + 1 at tp=3, each rank's heads from each of q, k and v
     torch.manual_seed(3)
     attn = CausalSelfAttention(GPTConfig.tiny(n_head=4, n_embd=32))
-    _module_twin_test(run_tp, tp_size, attn, ParallelCausalSelfAttention)
+    _module_twin_test(run_tp, tp_size, attn, ATTN_PLAN)
 
 
 @equivalence
 @pytest.mark.parametrize("tp_size", TP_SIZES)
-def test_parallel_mlp_matches_mlp(run_tp, tp_size):
-    torch.manual_seed(4)
-    _module_twin_test(run_tp, tp_size, MLP(GPTConfig.tiny(n_embd=32)), ParallelMLP)
+def test_mlp_split_by_columns_and_rows_matches_mlp(run_tp, tp_size):
+    torch.manual_seed(4)  # 128 hidden features: 43 + 43 + 42 at tp=3
+    _module_twin_test(run_tp, tp_size, MLP(GPTConfig.tiny(n_embd=32)), MLP_PLAN)
 
 
 def test_attention_takes_its_heads_from_each_of_q_k_v():
     torch.manual_seed(5)
     attn = CausalSelfAttention(GPTConfig.tiny(n_head=4, n_embd=8))
-    w = attn.c_attn.weight.detach()  # rows: q 0..7 | k 8..15 | v 16..23
-    rank1 = ParallelCausalSelfAttention.from_module(attn, SimpleNamespace(rank=1, world_size=2))
+    w = attn.c_attn.weight.detach()  # rows: q 0..7 | k 8..15 | v 16..23, 2 per head
+
+    def split(rank, tp):
+        return parallelize_module(
+            copy.deepcopy(attn), SimpleNamespace(rank=rank, world_size=tp), ATTN_PLAN
+        )
+
+    rank1 = split(1, 2)
     assert rank1.n_head == 2
-    expected = torch.cat([w[4:8], w[12:16], w[20:24]])
-    assert torch.equal(rank1.c_attn.weight.detach(), expected)
+    assert torch.equal(rank1.c_attn.weight.detach(), torch.cat([w[4:8], w[12:16], w[20:24]]))
     assert torch.equal(rank1.c_proj.weight.detach(), attn.c_proj.weight.detach()[:, 4:8])
+    # uneven: heads 2 + 1 + 1 over three ranks, whole heads only
+    rank0 = split(0, 3)
+    assert rank0.n_head == 2
+    assert torch.equal(rank0.c_attn.weight.detach(), torch.cat([w[0:4], w[8:12], w[16:20]]))
+    rank2 = split(2, 3)
+    assert rank2.n_head == 1
+    assert torch.equal(rank2.c_proj.weight.detach(), attn.c_proj.weight.detach()[:, 6:8])
 
 
 # -- the whole GPT -----------------------------------------------------------------------------
 @equivalence
-def test_gpt_with_parallel_blocks_matches_plain_gpt(run_tp):
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_gpt_with_its_default_plan_matches_plain_gpt(run_tp, tp_size):
     torch.manual_seed(6)
-    config = GPTConfig.tiny()
+    config = GPTConfig.tiny(n_head=4, n_embd=32)
     plain = GPT(config).double()
     idx = torch.randint(config.vocab_size, (3, config.block_size))
     targets = torch.randint(config.vocab_size, (3, config.block_size))
     reference_state = {k: v.clone() for k, v in plain.state_dict().items()}
 
     def rank_fn(tp):
-        model = parallelize_gpt_blocks(copy.deepcopy(plain), tp)
-        assert isinstance(model.blocks[0].attn, ParallelCausalSelfAttention)
-        assert isinstance(model.blocks[1].mlp, ParallelMLP)
+        model = parallelize_module(copy.deepcopy(plain), tp)  # no plan: the example GPT's
+        assert isinstance(model.blocks[0].attn.c_attn, ColumnParallelLinear)
+        assert isinstance(model.blocks[1].mlp.c_proj, RowParallelLinear)
         logits = model(idx)
         lm_loss(logits, targets).backward()
         state = gather_tensor_parallel_state(model, tp)
@@ -215,11 +245,11 @@ def test_gpt_with_parallel_blocks_matches_plain_gpt(run_tp):
     logits_p = plain(idx)
     lm_loss(logits_p, targets).backward()
     grads_p = _plain_grads(plain)
-    for logits, grads, state in run_tp(2, rank_fn):
+    for logits, grads, state in run_tp(tp_size, rank_fn):
         _close(logits, logits_p, "logits")
         assert grads.keys() == grads_p.keys()
         _close(grads, grads_p, "grads")
-        # the round trip: sharded and gathered again, bit for bit, under the original names
+        # the round trip: split and gathered again, bit for bit, under the original names
         assert list(state) == list(reference_state)
         for name, value in reference_state.items():
             assert torch.equal(state[name], value), name
@@ -235,7 +265,7 @@ def test_each_block_costs_two_all_reduces_forward_and_two_backward(run_tp):
         calls = []
         real = tp.all_reduce
         tp.all_reduce = lambda x, op="sum": calls.append(op) or real(x, op)
-        model = parallelize_gpt_blocks(copy.deepcopy(plain), tp)
+        model = parallelize_module(copy.deepcopy(plain), tp)
         logits = model(idx)
         forward = len(calls)
         logits.sum().backward()
@@ -245,54 +275,87 @@ def test_each_block_costs_two_all_reduces_forward_and_two_backward(run_tp):
         assert (forward, backward) == (2 * config.n_layer, 2 * config.n_layer)
 
 
-def test_parallelize_accepts_a_list_of_blocks_and_refuses_twice():
+def test_at_size_one_the_parameters_are_the_models_own():
     torch.manual_seed(8)
     model = GPT(GPTConfig.tiny())
-    group = SimpleNamespace(rank=0, world_size=1)
-    blocks = list(model.blocks)
-    assert parallelize_gpt_blocks(blocks, group) is blocks
-    assert isinstance(model.blocks[0].attn, ParallelCausalSelfAttention)
-    with pytest.raises(ValueError, match="already tensor-parallel"):
-        parallelize_gpt_blocks(model, group)
+    params = dict(model.named_parameters())
+    idx = torch.randint(128, (2, 8))
+    before = model(idx)
+    parallelize_module(model, SimpleNamespace(rank=0, world_size=1))
+    assert isinstance(model.blocks[0].attn.c_attn, ColumnParallelLinear)
+    assert all(p is params[n] for n, p in model.named_parameters())  # ties and optimizers hold
+    assert torch.equal(model(idx), before)
+    assert tensor_parallel_splits(model, SimpleNamespace(rank=0, world_size=1)) == {}
+    with pytest.raises(ValueError, match=r"'blocks.0.attn.c_attn' is already tensor-parallel"):
+        parallelize_module(model, SimpleNamespace(rank=0, world_size=1))
+
+
+def test_parts_and_their_records():
+    whole = torch.arange(24.0).view(12, 2)  # q|k|v of 4 rows each, 2 heads of 2 rows
+    assert torch.equal(tensor_parallel_part(whole, 0, 2, 1, 3), whole[[2, 3, 6, 7, 10, 11]])
+    # the slice rule in whole units: 3 heads of 2 over 2 ranks -> 2 heads, 1 head
+    assert part_ranges(6, 2, 0, unit=2) == [range(0, 4)]
+    assert part_ranges(6, 2, 1, unit=2) == [range(4, 6)]
+    assert part_ranges(10, 3, 0) == [range(0, 4)] and part_ranges(10, 3, 2) == [range(7, 10)]
+    model = parallelize_module(GPT(GPTConfig.tiny()), SimpleNamespace(rank=1, world_size=2))
+    splits = tensor_parallel_splits(model, SimpleNamespace(rank=1, world_size=2))
+    assert splits["blocks.0.attn.c_attn.weight"] == {
+        "split_dim": 0,
+        "split_parts": 2,
+        "split_index": 1,
+        "split_packed": 3,
+    }
+    assert splits["blocks.0.mlp.c_proj.weight"]["split_dim"] == 1
+    assert "blocks.0.mlp.c_proj.bias" not in splits and "wte.weight" not in splits
 
 
 # -- errors ------------------------------------------------------------------------------------
-def test_sizes_that_do_not_divide_are_named():
+def test_sizes_that_cannot_be_split_are_named():
     tp3 = SimpleNamespace(rank=0, world_size=3)
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear \(10\) do not split into 3 packed"):
+        ColumnParallelLinear.from_linear(nn.Linear(4, 10), tp3, packed=3)
     with pytest.raises(
-        ValueError,
-        match=r"ColumnParallelLinear out_features \(10\) is not divisible by the "
-        r"tensor-parallel size \(3\)",
+        ValueError, match=r"RowParallelLinear: 2 unit\(s\) of 1 per block cannot be split over"
     ):
-        ColumnParallelLinear(4, 10, tp3)
-    with pytest.raises(ValueError, match=r"RowParallelLinear in_features \(10\) .* size \(3\)"):
-        RowParallelLinear.from_linear(nn.Linear(10, 4), tp3)
-    with pytest.raises(ValueError, match=r"n_head \(4\) is not divisible .* size \(3\)"):
-        ParallelCausalSelfAttention.from_module(
-            CausalSelfAttention(GPTConfig.tiny(n_head=4, n_embd=12)), tp3
+        RowParallelLinear.from_linear(nn.Linear(2, 4), tp3)
+    with pytest.raises(ValueError, match=r"^attn: 2 head\(s\) cannot be split over .*size=3"):
+        parallelize_module(
+            nn.ModuleDict({"attn": CausalSelfAttention(GPTConfig.tiny(n_head=2, n_embd=8))}),
+            tp3,
+            {"attn.c_attn": ColwiseParallel(packed=3), "attn.c_proj": RowwiseParallel()},
         )
-    with pytest.raises(ValueError, match=r"out_features \(10\) do not split into 3 blocks"):
-        ColumnParallelLinear.from_linear(nn.Linear(4, 10), tp3, num_packed=3)
-    with pytest.raises(ValueError, match=r"packed block \(4\) is not divisible .* size \(3\)"):
-        ColumnParallelLinear.from_linear(nn.Linear(4, 12), tp3, num_packed=3)
+    with pytest.raises(
+        ValueError, match=r"'attn.c_attn': 24 features .* ColwiseParallel\(packed=3\)"
+    ):
+        parallelize_module(
+            nn.ModuleDict({"attn": CausalSelfAttention(GPTConfig.tiny(n_head=2, n_embd=8))}),
+            SimpleNamespace(rank=0, world_size=2),
+            {"attn.c_attn": ColwiseParallel()},  # q|k|v split as if one matrix: refused
+        )
+    with pytest.raises(ValueError, match=r"'ln_f': .* split nn.Linear or .*Conv1D, not LayerNorm"):
+        parallelize_module(GPT(GPTConfig.tiny()), tp3, {"ln_f": RowwiseParallel()})
 
 
-def test_standalone_layers_hold_only_their_shard():
+def test_standalone_layers_hold_only_their_part():
     group = SimpleNamespace(rank=1, world_size=4)
     column = ColumnParallelLinear(6, 8, group)
     row = RowParallelLinear(8, 6, group, bias=False)
     assert column.weight.shape == (2, 6) and column.bias.shape == (2,)
     assert row.weight.shape == (6, 2) and row.bias is None
+    uneven = ColumnParallelLinear(6, 10, SimpleNamespace(rank=0, world_size=3), layout="conv1d")
+    assert uneven.weight.shape == (6, 4) and uneven.ranges() == [range(0, 4)]
 
 
 # -- TensorParallelModel -----------------------------------------------------------------------
 @equivalence
-def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks):
-    """Whole-GPT training at tp=2 with AdamW and clipping by the global norm (sharded
-    parameters' squares summed over the group, replicated ones and the tied embedding once)
-    equals plain training: losses, norms and the gathered state dict."""
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks, tp_size):
+    """Whole-GPT training with AdamW and clipping by the global norm (sharded parameters'
+    squares summed over the group, replicated ones and the tied embedding once) equals plain
+    training: losses, norms and the gathered state dict. tp=3: 4 heads as 2 + 1 + 1, 128 MLP
+    features as 43 + 43 + 42."""
     torch.manual_seed(9)
-    config = GPTConfig.tiny(vocab_size=50, bias=False)
+    config = GPTConfig.tiny(vocab_size=50, bias=tp_size == 3, n_head=4, n_embd=32)
     plain = GPT(config).double()
     init = copy.deepcopy(plain.state_dict())
     data = torch.randint(50, (5, 4, 17), generator=torch.Generator().manual_seed(3))
@@ -314,15 +377,16 @@ def test_tensor_parallel_model_trains_like_the_plain_gpt(servers, run_ranks):
         net = GPT(config).double()
         net.load_state_dict(init)
         model = TensorParallelModel(net, ShardingConfiguration(client, job="tpm"))
-        assert model.tensor_parallel_size == 2
-        assert model.module.blocks[0].mlp.c_fc.weight.shape[0] == 2 * config.n_embd  # half
+        assert model.tensor_parallel_size == tp_size
+        local = sum(len(r) for r in part_ranges(4 * config.n_embd, tp_size, client.rank))
+        assert model.module.blocks[0].mlp.c_fc.weight.shape[0] == local
         losses, norms = train(model, model.clip_grad_norm_)
         return losses, norms, model.state_dict()
 
     ref_losses, ref_norms = train(plain, lambda m: nn.utils.clip_grad_norm_(plain.parameters(), m))
     assert min(ref_norms) > max_norm  # every step clips
     addresses = [s.address for s in servers(2)]
-    for losses, norms, state in run_ranks(rank_fn, 2, addresses):
+    for losses, norms, state in run_ranks(rank_fn, tp_size, addresses):
         _close(losses, ref_losses, "losses")
         _close(norms, ref_norms, "clipped norms")
         assert list(state) == list(plain.state_dict())

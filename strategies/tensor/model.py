@@ -1,17 +1,16 @@
-"""``TensorParallelModel``: a GPT with its blocks split over a tensor-parallel group.
+"""``TensorParallelModel``: any model split over a tensor-parallel group by a plan.
 
-The tensor-parallel counterpart of torch's ``parallelize_module`` with a Megatron plan for
-every block (attention by heads, MLP by columns/rows; see ``strategies/tensor_parallel.py``),
-as one module a training script can hold:
+The tensor-parallel counterpart of torch's ``parallelize_module``, as one module a training
+script can hold:
 
     model = TensorParallelModel(GPT(cfg), config)          # the whole world is the group
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)   # this rank's shards + replicas
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)   # this rank's parts + replicas
     loss = lm_loss(model(x), y); loss.backward()           # every rank: the same batch
     model.clip_grad_norm_(1.0); opt.step(); opt.zero_grad()
 
 Every rank of the group must feed the same input. The replicated parameters (embeddings,
-layer norms, ``lm_head``, row-parallel biases) then get the same gradient on every rank, so a
-plain torch optimizer on each rank keeps them equal. For data parallelism on top, use
+layer norms, row-parallel biases) then get the same gradient on every rank, so a plain torch
+optimizer on each rank keeps them equal. For data parallelism on top, use
 ``HybridShardedModel`` (which also puts the optimizer on the servers).
 """
 
@@ -25,35 +24,40 @@ from torch import nn
 
 from strategies.config import ShardingConfiguration
 from strategies.layout import norm_tensor
-from strategies.tensor_parallel import (
+from strategies.tensor.gather import (
     gather_tensor_parallel_state,
-    parallelize_gpt_blocks,
     tensor_parallel_part,
-    tensor_parallel_splits,
+    tensor_splits,
 )
+from strategies.tensor.plans import parallelize_module
 
 __all__ = ["TensorParallelModel"]
 
 
 class TensorParallelModel(nn.Module):
-    """``model`` (a GPT from examples/gpt.py, or any module with ``.blocks`` of GPT Blocks)
-    with every block split over ``tp_client`` (default: ``config.client``, the whole world).
+    """``model`` split over ``tp_client`` (default: ``config.client``, the whole world) by
+    ``parallelize_plan`` ({module-name pattern: style}; default: the model's own,
+    ``strategies.tensor.default_plan``).
 
-    The blocks are split in place, copying this rank's part of the weights; every rank must
+    The modules are split in place, copying this rank's part of the weights; every rank must
     start from the same weights (same seed, or load the same state dict).
     """
 
     def __init__(
-        self, model: nn.Module, config: ShardingConfiguration, tp_client: Any = None
+        self,
+        model: nn.Module,
+        config: ShardingConfiguration,
+        tp_client: Any = None,
+        parallelize_plan: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.tp = tp_client if tp_client is not None else config.client
         self.tp.deterministic = config.deterministic  # Megatron's all-reduces: rank order
         self._full_keys = list(model.state_dict().keys())
-        self.module = parallelize_gpt_blocks(model, self.tp)
-        self.splits = tensor_parallel_splits(self.module, self.tp)
-        """Parameter name -> its split (dim, parts, index, packed), for the sharded ones."""
+        self.module = parallelize_module(model, self.tp, parallelize_plan)
+        self.splits = tensor_splits(self.module) if self.tp.world_size > 1 else {}
+        """Parameter name -> how this rank's tensor is a part of the whole (``TensorSplit``)."""
 
     @property
     def tensor_parallel_rank(self) -> int:
@@ -68,9 +72,9 @@ class TensorParallelModel(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every gradient by the whole model's 2-norm, as
-        ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would: the sharded parameters'
-        squares are summed over the group (one all-reduce), the replicated ones counted once.
-        Returns that norm (the same on every rank)."""
+        ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would: the parts' squares are
+        summed over the group (one all-reduce), the replicated tensors counted once. Returns
+        that norm (the same on every rank)."""
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
         sharded, replicated = 0.0, 0.0
@@ -116,12 +120,13 @@ class TensorParallelModel(nn.Module):
                 if name not in state_dict:
                     continue
                 value = torch.as_tensor(state_dict[name])
-                if name in self.splits:
-                    value = tensor_parallel_part(value, **self.splits[name])
+                split = self.splits.get(name)
+                if split is not None:
+                    value = tensor_parallel_part(value, **split.record(), split_unit=split.unit)
                 if value.shape != t.shape:
                     raise ValueError(
                         f"load_state_dict: '{name}' has shape {list(value.shape)}"
-                        f"{' (its part)' if name in self.splits else ''}, the model"
+                        f"{' (its part)' if split is not None else ''}, the model"
                         f" {list(t.shape)}"
                     )
                 t.copy_(value)

@@ -1,0 +1,138 @@
+"""Tensor-parallel communication: Megatron's ``f`` and ``g``, and the gather/scatter pair.
+
+After Megatron-LM (Shoeybi et al., arXiv 1909.08053, §3) and picotron's
+``tp_communications.py``. Each is an autograd function whose backward is the forward's
+transpose, so a column-parallel layer followed by a row-parallel one costs one all-reduce
+forward (``g``) and one backward (``f``). Every collective goes through the group's
+``ShardClient`` (one RPC round trip to the servers); on a group of one each is the identity.
+
+A part of the last dim is described by ``ranges``: for every rank, the ranges of the whole
+dim it holds, in order (``layers.part_ranges``; one range, or one per packed block). Without
+them the dim is cut into equal parts in rank order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "gather_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+]
+
+Ranges = Sequence[Sequence[range]]  # rank -> the ranges of the whole dim it holds
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """The ``f`` function in the paper (arXiv 1909.08053, §3): identity forward, all-reduce
+    of the input gradient backward (each rank holds only its part's contribution to it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, client: Any) -> torch.Tensor:
+        ctx.client = client
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.client.all_reduce(grad, "sum"), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """The ``g`` function in the paper: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, client: Any) -> torch.Tensor:
+        return client.all_reduce(x, "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def _take(x: torch.Tensor, mine: Sequence[range]) -> torch.Tensor:
+    """This rank's ranges of the last dim of ``x``, concatenated."""
+    pieces = [x.narrow(-1, r.start, len(r)) for r in mine]
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)).contiguous()
+
+
+def _assemble(parts: Sequence[torch.Tensor], ranges: Ranges) -> torch.Tensor:
+    """The whole last dim from every rank's part (the inverse of ``_take``)."""
+    pieces = []  # (start in the whole dim, tensor)
+    for part, mine in zip(parts, ranges, strict=True):
+        offset = 0
+        for r in mine:
+            pieces.append((r.start, part.narrow(-1, offset, len(r))))
+            offset += len(r)
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([t for _, t in pieces], -1)
+
+
+def _equal_ranges(size: int, parts: int) -> list[list[range]]:
+    width = size // parts
+    return [[range(i * width, (i + 1) * width)] for i in range(parts)]
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    """All-gather along the last dim forward (every rank's part put in its place); backward
+    keeps this rank's part of the gradient (no RPC)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, client: Any, ranges: Ranges | None) -> torch.Tensor:
+        parts = client.all_gather(x)
+        if ranges is None:
+            ranges = _equal_ranges(sum(p.shape[-1] for p in parts), client.world_size)
+        ctx.mine = ranges[client.rank]
+        return _assemble(parts, ranges)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _take(grad, ctx.mine), None, None
+
+
+class _ScatterToTensorParallel(torch.autograd.Function):
+    """Keeps this rank's part of the last dim forward (no RPC); all-gathers backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, client: Any, ranges: Ranges | None) -> torch.Tensor:
+        if ranges is None:
+            ranges = _equal_ranges(x.shape[-1], client.world_size)
+        ctx.client, ctx.ranges = client, ranges
+        return _take(x, ranges[client.rank])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _assemble(ctx.client.all_gather(grad.contiguous()), ctx.ranges), None, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
+    """Megatron's ``f``; a no-op on a group of one."""
+    return x if tp_client.world_size == 1 else _CopyToTensorParallel.apply(x, tp_client)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
+    """Megatron's ``g``; a no-op on a group of one."""
+    return x if tp_client.world_size == 1 else _ReduceFromTensorParallel.apply(x, tp_client)
+
+
+def gather_from_tensor_parallel(
+    x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
+) -> torch.Tensor:
+    """The whole last dim from every rank's part ``x`` (rank ``r`` holds ``ranges[r]`` of it;
+    default: equal parts in rank order)."""
+    if tp_client.world_size == 1:
+        return x
+    return _GatherFromTensorParallel.apply(x, tp_client, ranges)
+
+
+def scatter_to_tensor_parallel(
+    x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
+) -> torch.Tensor:
+    """This rank's part of the last dim of ``x`` (``ranges[rank]``; default: its equal part)."""
+    if tp_client.world_size == 1:
+        return x
+    return _ScatterToTensorParallel.apply(x, tp_client, ranges)

@@ -1,0 +1,201 @@
+"""Pipeline parallelism of models we did not write: a transformer with its own names, a root
+parameter, a weight tied across stages, two tensors crossing every boundary, keyword inputs,
+changing batch and sequence sizes; Hugging Face GPT-2 and Llama built from configs. Float64 on
+both sides, against single-process training at tests/numerics.py's bound."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from numerics import assert_equivalent
+from torch import nn
+
+from strategies.config import ShardingConfiguration
+from strategies.pipeline import PipelineParallelModel
+from strategies.pipeline.communications import pack, unpack
+
+VOCAB = 40
+
+
+class MyBlock(nn.Module):
+    """Separate q, k, v projections; takes the position table as a second input."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = width // heads  # the head count follows the (local) width
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.proj = nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.norm1(x + pos)
+        heads = (f(h).view(B, T, -1, self.head_dim) for f in (self.q, self.k, self.v))
+        q, k, v = (t.transpose(1, 2) for t in heads)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        keep = causal & mask[:, None, None, :]
+        att = att.masked_fill(~keep, float("-inf")).softmax(-1)
+        y = (att @ v).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.norm2(x))))
+
+
+class MyTransformer(nn.Module):
+    """Learned positions as a root parameter, a tied embedding/head, keyword ``mask``."""
+
+    def __init__(self, width: int = 16, heads: int = 2, depth: int = 4, max_len: int = 12) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, width)
+        self.pos = nn.Parameter(torch.randn(max_len, width) * 0.1)
+        self.layers = nn.ModuleList(MyBlock(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        T = idx.shape[1]
+        mask = torch.ones_like(idx, dtype=torch.bool) if mask is None else mask
+        x, pos = self.tok(idx), self.pos[:T]
+        for layer in self.layers:
+            x = layer(x, pos, mask)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    """Batches whose sizes change from step to step (sequence length and batch size)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(steps):
+        B, T = batch * (1 + i % 2), 6 + 3 * (i % 3)
+        x = torch.randint(0, VOCAB, (B, T), generator=g)
+        mask = torch.rand(B, T, generator=g) > 0.2
+        mask[:, 0] = True
+        out.append((x, torch.randint(0, VOCAB, (B, T), generator=g), mask))
+    return out
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize(
+    ("pp", "schedule", "split_points"),
+    [
+        (2, "1f1b", ["layers.2"]),
+        (3, "gpipe", ["layers.1", "layers.3"]),
+        (2, "interleaved_1f1b", ["layers.1", "layers.2", "layers.3"]),
+        (2, "1f1b", None),  # the default: uniform over the block container
+    ],
+)
+def test_user_transformer_trains_like_a_single_process(
+    servers, run_ranks, one_torch_thread, pp, schedule, split_points
+):
+    torch.manual_seed(0)
+    ref = MyTransformer().double()
+    initial = copy.deepcopy(ref)
+    batches = _batches(4, batch=4)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_losses = []
+    for x, y, mask in batches:
+        opt.zero_grad()
+        loss = lm_loss(ref(x, mask=mask), y)
+        loss.backward()
+        opt.step()
+        ref_losses.append(loss.item())
+    addresses = [s.address for s in servers(2)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            copy.deepcopy(initial),
+            ShardingConfiguration(client),
+            micro_batch_count=2,
+            schedule=schedule,
+            split_points=split_points,
+        )
+        stage_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x, y, mask in batches:
+            stage_opt.zero_grad()
+            # micro-batches of equal size: the loss of a step is their mean (torch's rule)
+            losses.append(model.train_step(x, y, lm_loss, mask=mask))
+            stage_opt.step()
+        return losses, model.gather_full_state_dict(), model.units
+
+    results = run_ranks(rank, pp, addresses)
+    expected = ref.state_dict()
+    held = [u for _, _, units in results for u in units]
+    assert sorted(held) == sorted({*[f"layers.{i}" for i in range(4)], "tok", "norm", "head"})
+    for stage, (losses, state, _) in enumerate(results):
+        assert_equivalent(losses, ref_losses, f"stage {stage} losses")
+        assert list(state) == list(expected)
+        assert_equivalent(state, expected, f"stage {stage}")
+        # the last stage's copy of the tied weight stayed equal to the embedding
+        torch.testing.assert_close(state["head.weight"], state["tok.weight"], rtol=0, atol=0)
+
+
+def test_forward_through_the_pipeline_gives_the_output_on_the_last_stage(
+    servers, run_ranks, one_torch_thread
+):
+    torch.manual_seed(0)
+    ref = MyTransformer().double()
+    x, _, mask = _batches(1, batch=3)[0]
+    want = ref(x, mask=mask)
+    addresses = [s.address for s in servers(1)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            copy.deepcopy(ref), ShardingConfiguration(client), 1, split_points=["layers.1"]
+        )
+        with torch.no_grad():
+            return model(x, mask=mask)
+
+    first, last = run_ranks(rank, 2, addresses)
+    assert first is None
+    torch.testing.assert_close(last, want, rtol=0, atol=0)
+
+
+class HeadFirst(nn.Module):
+    """Registers its head before the blocks but calls it last: stages cannot be cut by
+    registration order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def test_a_forward_out_of_registration_order_is_named(servers, run_ranks, one_torch_thread):
+    addresses = [s.address for s in servers(1)]
+
+    def rank(client):
+        model = PipelineParallelModel(
+            HeadFirst(), ShardingConfiguration(client), 1, split_points=["blocks.1"]
+        )
+        model.train_step(torch.randn(2, 8), torch.randn(2, 3))
+
+    with pytest.raises(RuntimeError, match="'head' of stage 0"):
+        run_ranks(rank, 2, addresses, wait_s=20)
+
+
+def test_several_tensors_travel_as_one_message():
+    ts = [torch.randn(2, 3, dtype=torch.float64), torch.randn(4).bfloat16(), torch.randn(())]
+    got = unpack(pack(ts))
+    assert [t.dtype for t in got] == [t.dtype for t in ts]
+    for a, b in zip(got, ts, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    one = torch.randn(3, 5)
+    assert unpack(pack([one]))[0] is not None and pack([one]).dtype == torch.float32
+    with pytest.raises(ValueError, match="malformed pipeline message"):
+        unpack(torch.tensor([1, 2, 3, 4, 5], dtype=torch.int64))
