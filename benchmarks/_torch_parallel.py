@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks._gpt_stages import split_gpt
 from benchmarks._training import adamw
 from examples.gpt import lm_loss
-from benchmarks._gpt_stages import split_gpt
 
 
 class SplitQKVAttention(nn.Module):

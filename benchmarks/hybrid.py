@@ -15,10 +15,10 @@ so both sides see the same machine load):
   optimizer step (ZeRO-1 on the servers of each (stage, tensor rank)).
 - **torch** (gloo, same GPT, same batches, same AdamW; ``benchmarks/_torch_parallel.py``):
   ``torch.distributed.pipelining`` ``PipelineStage`` + ``ScheduleGPipe`` / ``Schedule1F1B``
-  over the same stages (``benchmarks/_gpt_stages.py``); DTensor ``parallelize_module`` with Megatron's split of
-  attention (by heads: our packed q|k|v ``c_attn`` is first rewritten as three Linears with
-  the same weights, since a plain ``ColwiseParallel`` on it would not split by heads) and of
-  the MLP; 3D = device mesh (pp, tp, dp) + pipelining GPipe + DTensor TP + an all-reduce of
+  over the same stages (``benchmarks/_gpt_stages.py``); DTensor ``parallelize_module`` with
+  Megatron's split of attention (by heads: our packed q|k|v ``c_attn`` is first rewritten as
+  three Linears with the same weights, since a plain ``ColwiseParallel`` on it would not split
+  by heads) and of the MLP; 3D = device mesh (pp, tp, dp) + pipelining GPipe + DTensor TP + an all-reduce of
   the gradients over dp. Plus single-process training on the whole global batch (the
   numerical reference).
 
