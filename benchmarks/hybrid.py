@@ -18,9 +18,9 @@ so both sides see the same machine load):
   over the same stages (``benchmarks/_gpt_stages.py``); DTensor ``parallelize_module`` with
   Megatron's split of attention (by heads: our packed q|k|v ``c_attn`` is first rewritten as
   three Linears with the same weights, since a plain ``ColwiseParallel`` on it would not split
-  by heads) and of the MLP; 3D = device mesh (pp, tp, dp) + pipelining GPipe + DTensor TP + an all-reduce of
-  the gradients over dp. Plus single-process training on the whole global batch (the
-  numerical reference).
+  by heads) and of the MLP; 3D = device mesh (pp, tp, dp) + pipelining GPipe + DTensor TP +
+  an all-reduce of the gradients over dp. Plus single-process training on the whole global
+  batch (the numerical reference).
 
 Model: ``examples.gpt`` with the anchors' sizes (see ``benchmarks/_training.py``): tiny =
 ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
