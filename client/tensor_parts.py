@@ -3,8 +3,9 @@
 ``HybridShardedModel`` registers one server job per (pipeline stage, tensor rank), named
 ``<job>.pp<s>.tp<t>``; each holds that stage's parameters under the whole model's own names.
 A tensor-parallel parameter is one part of the whole tensor: its ``ParamEntry`` says which
-(``split_dim``, ``split_parts``, ``split_index``, ``split_packed``, see shard.proto), and
-``protos.slicing.tensor_parallel_ranges`` says where the part sits in the whole tensor. Any
+(``split_dim``, ``split_parts``, ``split_index``, ``split_packed``, ``split_unit``, see
+shard.proto), and ``protos.slicing.tensor_parallel_ranges`` says where the part sits in the
+whole tensor (parts may differ in size: 3 heads on 2 ranks are 2 + 1). Any
 other tensor is replicated on every tensor rank: tensor rank 0's copy is the one taken.
 
 This module is the one place for that: finding the parts of a base job name (``find_parts``),
@@ -150,6 +151,7 @@ class PartParam:
     split_parts: int = 0
     split_index: int = 0
     split_packed: int = 0
+    split_unit: int = 0
 
     @property
     def is_split(self) -> bool:
@@ -169,7 +171,9 @@ class WholeParam:
     source: tuple[str, ...]  # the part jobs it comes from
 
 
-def _join(shape: tuple[int, ...], dim: int, packed: int, parts: Sequence[PartParam]) -> np.ndarray:
+def _join(
+    shape: tuple[int, ...], dim: int, packed: int, unit: int, parts: Sequence[PartParam]
+) -> np.ndarray:
     """The whole tensor from its tensor-parallel parts, one part in memory besides it."""
     whole: np.ndarray | None = None
     count = len(parts)
@@ -183,14 +187,14 @@ def _join(shape: tuple[int, ...], dim: int, packed: int, parts: Sequence[PartPar
                 f" holds {math.prod(p.shape)}"
             )
         values = values.reshape(p.shape)
-        ranges = slicing.tensor_parallel_ranges(shape[dim], count, t, packed)
-        width = p.shape[dim] // len(ranges)
-        for b, r in enumerate(ranges):
+        offset = 0
+        for r in slicing.tensor_parallel_ranges(shape[dim], count, t, packed, unit):
             into = [slice(None)] * len(shape)
             into[dim] = slice(r.start, r.stop)
             take = [slice(None)] * len(shape)
-            take[dim] = slice(b * width, (b + 1) * width)
+            take[dim] = slice(offset, offset + len(r))
             whole[tuple(into)] = values[tuple(take)]
+            offset += len(r)
         del values
     assert whole is not None  # a split parameter has at least one part
     return whole.reshape(-1)
@@ -285,32 +289,45 @@ def _split_param(group: Sequence[PartParam], ranks: int, source: tuple[str, ...]
             problem = f"is split in {p.split_parts} part(s), but there are {ranks} tensor ranks"
         elif p.split_index != t:
             problem = f"says it is part {p.split_index}"
-        elif (p.split_dim, p.split_packed or 1, p.shape, p.dtype) != (
+        elif (p.split_dim, p.split_packed or 1, p.split_unit or 1, p.dtype) != (
             p0.split_dim,
             p0.split_packed or 1,
-            p0.shape,
+            p0.split_unit or 1,
             p0.dtype,
-        ):
+        ) or _without(p.shape, p.split_dim) != _without(p0.shape, p0.split_dim):
             problem = (
-                f"is split along dim {p.split_dim} in {p.split_packed or 1} block(s) with shape"
-                f" {list(p.shape)} ({p.dtype}), but {source[0]}'s part along dim"
-                f" {p0.split_dim} in {p0.split_packed or 1} block(s) with shape"
-                f" {list(p0.shape)} ({p0.dtype})"
+                f"is split along dim {p.split_dim} in {p.split_packed or 1} block(s) of units"
+                f" of {p.split_unit or 1} with shape {list(p.shape)} ({p.dtype}), but"
+                f" {source[0]}'s part along dim {p0.split_dim} in {p0.split_packed or 1}"
+                f" block(s) of units of {p0.split_unit or 1} with shape {list(p0.shape)}"
+                f" ({p0.dtype})"
             )
-        elif p.split_dim >= len(p.shape) or p.shape[p.split_dim] % (p.split_packed or 1):
-            problem = (
-                f"cannot be split along dim {p.split_dim} in {p.split_packed or 1} block(s):"
-                f" its shape is {list(p.shape)}"
-            )
+        elif p.split_dim >= len(p.shape):
+            problem = f"cannot be split along dim {p.split_dim}: its shape is {list(p.shape)}"
         if problem:
             raise PartsError(f"'{p.name}' in {source[t]} {problem}")
-    dim, packed = p0.split_dim, p0.split_packed or 1
-    shape = tuple(n * ranks if d == dim else n for d, n in enumerate(p0.shape))
+    dim, packed, unit = p0.split_dim, p0.split_packed or 1, p0.split_unit or 1
+    size = sum(p.shape[dim] for p in group)
+    for t, p in enumerate(group):  # each part holds what the one split rule gives it
+        try:
+            want = sum(map(len, slicing.tensor_parallel_ranges(size, ranks, t, packed, unit)))
+        except ValueError as exc:
+            raise PartsError(f"'{p.name}': {exc}") from None
+        if p.shape[dim] != want:
+            raise PartsError(
+                f"'{p.name}' in {source[t]} holds {p.shape[dim]} of {size} along dim {dim},"
+                f" but part {t} of {ranks} ({packed} block(s), units of {unit}) holds {want}"
+            )
+    shape = tuple(size if d == dim else n for d, n in enumerate(p0.shape))
     return WholeParam(
         p0.name,
         shape,
         p0.dtype,
         p0.aliases,
-        lambda: _join(shape, dim, packed, group),
+        lambda: _join(shape, dim, packed, unit, group),
         source,
     )
+
+
+def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:
+    return tuple(n for d, n in enumerate(shape) if d != dim)

@@ -125,23 +125,25 @@ class Coverage:
             self.covered += numel
 
 
-def tensor_parallel_ranges(size: int, parts: int, index: int, packed: int = 1) -> list[range]:
+def tensor_parallel_ranges(
+    size: int, parts: int, index: int, packed: int = 1, unit: int = 1
+) -> list[range]:
     """The ranges along the split dim (of length ``size`` in the whole tensor) that
     tensor-parallel part ``index`` of ``parts`` holds, in order.
 
-    Megatron's split: equal parts. When the dim is ``packed`` equal blocks side by side (a
-    fused q|k|v projection), each part takes its slice of every block, so it holds
-    ``packed`` ranges; otherwise one.
+    The dim is ``packed`` equal blocks side by side (3 for a fused q|k|v projection; 1
+    otherwise); each part takes its share of every block, so it holds ``packed`` ranges. A
+    block is cut in whole ``unit``s (a head's width for attention projections) by the slice
+    rule: equal parts when they divide (Megatron's split), else the first ``n mod parts``
+    parts get one unit more. ``packed`` or ``unit`` 0 means 1.
     """
-    packed = packed or 1
+    packed, unit = packed or 1, unit or 1
     if parts < 1 or not 0 <= index < parts:
         raise ValueError(f"tensor-parallel part {index} is outside 0..{parts - 1}")
-    if size % (packed * parts):
+    if size % packed or (size // packed) % unit:
         raise ValueError(
-            f"a dim of {size} does not split into {packed} block(s) of {parts} equal parts"
+            f"a dim of {size} does not split into {packed} block(s) of whole units of {unit}"
         )
     block = size // packed
-    width = block // parts
-    return [
-        range(b * block + index * width, b * block + (index + 1) * width) for b in range(packed)
-    ]
+    lo, hi = slice_bounds(block // unit, parts, index)
+    return [range(b * block + lo * unit, b * block + hi * unit) for b in range(packed)]

@@ -20,7 +20,15 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["Topology", "GroupClients"]
+__all__ = ["Topology", "GroupClients", "ring_neighbours"]
+
+
+def ring_neighbours(index: int, size: int) -> tuple[int, int]:
+    """(previous, next) of ``index`` on a ring of ``size``: a pipeline stage's senders and
+    receivers (with interleaved chunks, the last stage's chunk c feeds stage 0's chunk c + 1)."""
+    if not 0 <= index < size:
+        raise ValueError(f"index {index} is outside the ring 0..{size - 1}")
+    return (index - 1) % size, (index + 1) % size
 
 
 class GroupClients(NamedTuple):

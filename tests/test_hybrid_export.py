@@ -484,22 +484,28 @@ def test_load_state_dict_round_trip_and_training_continues():
 
 
 # -- the join itself ----------------------------------------------------------------------------
-@pytest.mark.parametrize("ranks,dim,packed", [(2, 0, 1), (4, 0, 3), (4, 1, 1), (2, 1, 2)])
-def test_join_parts_inverts_the_split(ranks, dim, packed):
+@pytest.mark.parametrize(
+    "ranks,dim,packed,unit",
+    [(2, 0, 1, 1), (4, 0, 3, 1), (4, 1, 1, 1), (2, 1, 2, 1), (3, 0, 1, 1), (2, 0, 3, 4)],
+)
+def test_join_parts_inverts_the_split(ranks, dim, packed, unit):
+    """Equal parts, and uneven ones (24 rows on 3 ranks by whole units, 3 blocks of 3 heads
+    of 4 on 2 ranks: 2 + 1 heads of each)."""
     from client.tensor_parts import PartParam, join_parts
     from strategies.tensor import tensor_parallel_part
 
-    whole = torch.randn(24, 12) if dim == 0 else torch.randn(6, 24)
+    rows = 36 if unit > 1 else 24
+    whole = torch.randn(rows, 12) if dim == 0 else torch.randn(6, rows)
     norm = torch.randn(12)
 
     def part(name: str, t: int, value: torch.Tensor, split: bool) -> PartParam:
-        fields = (dim, ranks, t, packed) if split else (0, 0, 0, 0)
+        fields = (dim, ranks, t, packed, unit) if split else (0, 0, 0, 0, 0)
         arr = value.numpy().copy()
         return PartParam(name, tuple(arr.shape), "float32", (), lambda: arr.reshape(-1), *fields)
 
     parts = {
         (0, t): [
-            part("w", t, tensor_parallel_part(whole, dim, ranks, t, packed), True),
+            part("w", t, tensor_parallel_part(whole, dim, ranks, t, packed, unit), True),
             part("ln", t, norm, False),
         ]
         for t in range(ranks)
@@ -513,6 +519,49 @@ def test_join_parts_inverts_the_split(ranks, dim, packed):
     assert joined["w"].source == tuple(f"m.pp0.tp{t}" for t in range(ranks))
     np.testing.assert_array_equal(joined["w"].produce().reshape(whole.shape), whole.numpy())
     np.testing.assert_array_equal(joined["ln"].produce(), norm.numpy())
+
+
+@pytest.mark.equivalence
+def test_uneven_heads_export_and_load_the_whole_model(tmp_path):
+    """3 heads on 2 tensor ranks (2 + 1, the slice rule by whole heads): the servers' manifests
+    say where each part sits, so live export joins them into the whole model, and
+    load_state_dict takes each rank's part back."""
+    cfg = GPTConfig.tiny(vocab_size=50, bias=True, n_layer=2, n_head=3, n_embd=24)
+    torch.manual_seed(3)
+    init = GPT(cfg).double().state_dict()
+    nodes = [ShardServer().start() for _ in range(2)]
+    addresses, run, job = (
+        [n.address for n in nodes],
+        uuid.uuid4().hex[:6],
+        f"uneven-{uuid.uuid4().hex[:6]}",
+    )
+
+    def rank(r: int) -> Any:
+        client = ShardClient(ClusterSpec(addresses), rank=r, world_size=2, run_id=run)
+        config = ShardingConfiguration(client, job=job)
+        net = GPT(cfg).double()
+        net.load_state_dict(init)
+        model = HybridShardedModel(net, config, 1, 2, 1, micro_batch_count=2)
+        HybridShardedOptimizer(sgd(model.parameters()), config)
+        shapes = {n: tuple(p.shape) for n, p in model.stage.named_parameters()}
+        model.load_state_dict(init)
+        return shapes, model.state_dict()
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = [f.result(timeout=300) for f in [pool.submit(rank, r) for r in range(2)]]
+        exported = live_export(addresses, job, tmp_path / "uneven.safetensors")
+    finally:
+        for n in nodes:
+            n.stop(0)
+    (shapes0, state0), (shapes1, state1) = results
+    assert shapes0["blocks.0.attn.c_attn.weight"] == (3 * 16, 24)  # 2 heads of 8 in q, k, v
+    assert shapes1["blocks.0.attn.c_attn.weight"] == (3 * 8, 24)  # 1 head
+    for state in (state0, state1):
+        assert_equal_state(state, init, "state_dict after load_state_dict")
+    want = {k: v for k, v in init.items() if k != "lm_head.weight"}  # tied: one key
+    for name, value in want.items():
+        assert torch.equal(exported[name], value), name
 
 
 def test_join_parts_refuses_parts_that_do_not_fit():

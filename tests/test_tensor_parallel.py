@@ -304,6 +304,7 @@ def test_parts_and_their_records():
         "split_parts": 2,
         "split_index": 1,
         "split_packed": 3,
+        "split_unit": 32,  # a head of the tiny GPT (64 wide, 2 heads)
     }
     assert splits["blocks.0.mlp.c_proj.weight"]["split_dim"] == 1
     assert "blocks.0.mlp.c_proj.bias" not in splits and "wte.weight" not in splits

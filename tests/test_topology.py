@@ -229,3 +229,12 @@ def test_a_group_on_fewer_servers_shares_them(servers, run_ranks):
     for rank, (group_servers, total) in enumerate(run_ranks(rank_fn, 4, addresses)):
         assert group_servers == [addresses[rank % 2]]
         assert total == float(sum(topo.tensor_group(rank)))
+
+
+def test_ring_neighbours_wrap_around():
+    from strategies.topology import ring_neighbours
+
+    assert ring_neighbours(0, 3) == (2, 1) and ring_neighbours(2, 3) == (1, 0)
+    assert ring_neighbours(0, 1) == (0, 0)
+    with pytest.raises(ValueError, match="outside the ring 0..1"):
+        ring_neighbours(2, 2)

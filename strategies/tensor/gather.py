@@ -42,13 +42,12 @@ def tensor_splits(module: nn.Module) -> dict[str, TensorSplit]:
 def tensor_parallel_splits(module: nn.Module, tp_client: Any) -> dict[str, dict[str, int]]:
     """Parameter name -> how this rank's tensor is a part of the whole one (the split fields of
     ``client.ParamInfo`` / ``ParamEntry``: ``split_dim``, ``split_parts``, ``split_index``,
-    ``split_packed``), for every tensor-parallel parameter under ``module``; empty on a group
-    of one. The servers keep this in their manifests, so export can put the whole tensors back
-    together without the model's code.
+    ``split_packed``, ``split_unit``), for every tensor-parallel parameter under ``module``;
+    empty on a group of one. The servers keep this in their manifests, so export can put the
+    whole tensors back together without the model's code.
 
-    Those fields describe equal parts (``protos.slicing.tensor_parallel_ranges``). A dim that
-    does not split evenly (by the slice rule, in whole heads) has parts of different shapes,
-    which the manifest's joining refuses rather than joins wrongly."""
+    With ``split_unit`` they say which ranges of the whole tensor the part holds
+    (``protos.slicing.tensor_parallel_ranges``), uneven parts (3 heads on 2 ranks) included."""
     if tp_client.world_size == 1:
         return {}
     return {name: split.record() for name, split in tensor_splits(module).items()}

@@ -10,11 +10,10 @@ Both hold their part in the layout of the layer they replace, under the same par
 column part of a ``Linear`` is split along dim 0 and of a ``Conv1D`` along dim 1, and a state
 dict gathered from the parts is the original model's.
 
-Which part a rank holds (``part_ranges``): equal parts when the dim splits evenly, Megatron's
-rule (``protos.slicing.tensor_parallel_ranges``); otherwise the slice rule
-(``protos.slicing.slice_bounds``: the first ``n mod N`` ranks get one more), counted in whole
-``unit``s (a head's width for attention projections). A ``packed`` dim (q|k|v side by side in
-one weight) gives each rank its part of every block.
+Which part a rank holds is the one rule of ``protos.slicing.tensor_parallel_ranges``: equal
+parts when the dim splits evenly (Megatron's), otherwise the slice rule (the first ``n mod N``
+ranks get one more), counted in whole ``unit``s (a head's width for attention projections).
+A ``packed`` dim (q|k|v side by side in one weight) gives each rank its part of every block.
 """
 
 from __future__ import annotations
@@ -46,20 +45,7 @@ __all__ = [
 Layout = Literal["linear", "conv1d"]
 
 
-def part_ranges(size: int, parts: int, index: int, packed: int = 1, unit: int = 1) -> list[range]:
-    """The ranges of a dim of length ``size`` that part ``index`` of ``parts`` holds, in order:
-    one per packed block, each a whole number of ``unit``s (see the module docstring)."""
-    packed, unit = packed or 1, unit or 1
-    if size % packed or (size // packed) % unit:
-        raise ValueError(
-            f"a dim of {size} does not split into {packed} block(s) of whole units of {unit}"
-        )
-    block = size // packed
-    units = block // unit
-    if units % parts == 0:  # equal parts: Megatron's split, the one the manifests record
-        return slicing.tensor_parallel_ranges(size, parts, index, packed)
-    lo, hi = slicing.slice_bounds(units, parts, index)
-    return [range(b * block + lo * unit, b * block + hi * unit) for b in range(packed)]
+part_ranges = slicing.tensor_parallel_ranges  # (size, parts, index, packed=1, unit=1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +77,7 @@ class TensorSplit:
             "split_parts": self.parts,
             "split_index": self.index,
             "split_packed": self.packed,
+            "split_unit": self.unit,
         }
 
 
