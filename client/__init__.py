@@ -6,7 +6,16 @@ and returned when the caller has torch loaded).
 
 from client.buffers import ParamInfo, StepArgs
 from client.cluster import ClusterSpec
+from client.grad_check import GradCheck, NonFiniteGradientError
 from client.rpc import ShardClientError
 from client.shard_client import ShardClient
 
-__all__ = ["ClusterSpec", "ShardClient", "ShardClientError", "ParamInfo", "StepArgs"]
+__all__ = [
+    "ClusterSpec",
+    "ShardClient",
+    "ShardClientError",
+    "ParamInfo",
+    "StepArgs",
+    "GradCheck",
+    "NonFiniteGradientError",
+]

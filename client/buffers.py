@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from client.grad_check import GradCheck
 from client.rpc import Call, RpcCore
 from protos import codec, slicing
 from protos import shard_pb2 as pb
@@ -30,11 +31,13 @@ class ParamInfo:
     dtype: str = "float32"
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
     # Tensor parallelism (see ParamEntry in shard.proto): part ``split_index`` of
-    # ``split_parts`` along ``split_dim``, of ``split_packed`` blocks; 0 parts: whole.
+    # ``split_parts`` along ``split_dim``, of ``split_packed`` blocks cut in whole
+    # ``split_unit``s; 0 parts: whole.
     split_dim: int = 0
     split_parts: int = 0
     split_index: int = 0
     split_packed: int = 0
+    split_unit: int = 0
 
     @property
     def numel(self) -> int:
@@ -91,12 +94,14 @@ class FlatBuffers(RpcCore):
         contributors: int | None = None,
         master_dtype: str = "float32",
         arrival_order: bool = False,
+        model_config: str = "",
     ) -> list[pb.RegisterBufferReply]:
         """Declares the buffer on every server (idempotent); returns each server's reply.
         ``master_dtype``: "float64" keeps the master copy, gradient sums and optimizer state
         in float64 (float64 parameters), "float32" for every other dtype. ``arrival_order``:
         sum gradient contributions as they arrive instead of in (contributor, micro) order
-        (not bitwise reproducible, no staging memory on the servers)."""
+        (not bitwise reproducible, no staging memory on the servers). ``model_config``: the
+        job's model description for export (RegisterBufferRequest.model_config)."""
         if master_dtype not in codec.MASTER_DTYPES:
             raise ValueError(f"master_dtype must be 'float32' or 'float64', got {master_dtype!r}")
         entries = [
@@ -111,6 +116,7 @@ class FlatBuffers(RpcCore):
                 split_parts=p.split_parts,
                 split_index=p.split_index,
                 split_packed=p.split_packed,
+                split_unit=p.split_unit,
             )
             for p in params
         ]
@@ -131,6 +137,7 @@ class FlatBuffers(RpcCore):
                     optimizer=spec,
                     master_dtype=codec.wire_dtype(master_dtype),
                     arrival_order=arrival_order,
+                    model_config=model_config,
                 ),
             )
             for i in range(self.num_servers)
@@ -279,28 +286,27 @@ class FlatBuffers(RpcCore):
         )
         return [float(sum(r.sum_squares[k] for r in replies)) for k in range(len(buffers))]
 
+    def grad_check(
+        self, job: str, buffers: Sequence[str], step: int, params: Mapping[str, int] | None = None
+    ) -> GradCheck:
+        """Every server's sum of squares and finiteness of each buffer's reduced gradient of
+        ``step`` (waits until reduced): the first phase of a step (client/grad_check.py).
+        ``params`` (buffer -> how many parameters it registered): each parameter's sum of
+        squares too (``GradCheck.param_sum_squares``)."""
+        names = list(buffers)
+        req = pb.GradNormRequest(job=job, buffers=names, step=step, per_param=params is not None)
+        replies = self.run(Call(i, "GradNorm", req) for i in range(self.num_servers))
+        servers = getattr(self, "servers", range(self.num_servers))
+        return GradCheck.from_replies(
+            job, step, names, replies, servers, self.spec.addresses, params
+        )
+
     def param_sum_squares(
         self, job: str, buffers: Mapping[str, int], step: int
     ) -> dict[str, list[float]]:
         """Per buffer (name -> how many parameters it registered), each parameter's sum of
         squares of the reduced gradient of ``step``, in registration order, over all servers."""
-        names = list(buffers)
-        req = pb.GradNormRequest(job=job, buffers=names, step=step, per_param=True)
-        replies = self.run(Call(i, "GradNorm", req) for i in range(self.num_servers))
-        expected = sum(buffers.values())
-        for i, r in enumerate(replies):
-            if len(r.param_sum_squares) != expected:
-                raise RuntimeError(
-                    f"server {i} ({self.spec.addresses[i]}) GradNorm returned"
-                    f" {len(r.param_sum_squares)} per-parameter sums for job '{job}',"
-                    f" expected {expected}: a server older than this client?"
-                )
-        totals = np.sum([np.asarray(r.param_sum_squares, np.float64) for r in replies], axis=0)
-        out, start = {}, 0
-        for name in names:
-            out[name] = totals[start : start + buffers[name]].tolist()
-            start += buffers[name]
-        return out
+        return self.grad_check(job, list(buffers), step, buffers).param_sum_squares or {}
 
     def optimizer_state_info(self, job: str) -> dict[str, tuple[list[str], int]]:
         """Buffer -> (the optimizer state arrays that exist, the optimizer's step count), from
@@ -311,14 +317,29 @@ class FlatBuffers(RpcCore):
                 return {b.buffer: (list(b.state_keys), b.optimizer_steps) for b in j.buffers}
         raise KeyError(f"job '{job}' is not on server 0 ({self.spec.addresses[0]})")
 
-    def step(self, job: str, step: int, args: Mapping[str, StepArgs]) -> None:
-        """Applies step ``step`` to the named buffers on every server (first caller wins)."""
+    def step(
+        self, job: str, step: int, args: Mapping[str, StepArgs], *, skip: bool = False
+    ) -> None:
+        """Applies step ``step`` to the named buffers on every server (first caller wins), or
+        with ``skip`` discards it on all of them (parameters and optimizer state unchanged, the
+        version moves on). ``skip`` is the caller's decision from ``grad_check``: a server
+        whose slice is not finite refuses to apply it (FAILED_PRECONDITION), but the others
+        would have; ``step_if_finite`` asks first, so the step is applied everywhere or nowhere."""
         req = pb.StepRequest(
             job=job,
             step=step,
             buffers=[pb.BufferStep(buffer=b, args=a.to_pb()) for b, a in args.items()],
+            skip=skip,
         )
         self.run(Call(i, "Step", req) for i in range(self.num_servers))
+
+    def step_if_finite(self, job: str, step: int, args: Mapping[str, StepArgs]) -> GradCheck:
+        """Both phases of a step (server/nonfinite.py): every server's ``grad_check``, then the
+        step applied on all of them, or skipped on all of them when any slice holds NaN or Inf
+        (``check.finite`` False; ``check.nonfinite`` says where). Returns the check."""
+        check = self.grad_check(job, list(args), step)
+        self.step(job, step, args, skip=not check.finite)
+        return check
 
     def drop_job(self, job: str) -> None:
         """Drops the job on every server that has it."""

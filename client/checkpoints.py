@@ -56,6 +56,7 @@ def _entry(p: pb.ParamEntry) -> dict[str, Any]:
             split_parts=p.split_parts,
             split_index=p.split_index,
             split_packed=p.split_packed,
+            split_unit=p.split_unit,
         )
     return entry
 
@@ -118,7 +119,17 @@ def _snapshot_jobs(
             for i, r in enumerate(replies)
         ]
         where = [client.servers[s] for s in servers[job]]  # in the whole cluster
-        manifest = new_manifest(job, tag, version, n, buffers, shards, where, client.cluster_size)
+        manifest = new_manifest(
+            job,
+            tag,
+            version,
+            n,
+            buffers,
+            shards,
+            where,
+            client.cluster_size,
+            held.status[job].model_config,
+        )
         if hybrid is not None:
             manifest["hybrid"] = hybrid
         manifests[job] = manifest

@@ -29,6 +29,7 @@ from client.shard_client import ShardClient
 from client.tensor_parts import PartParam, check_complete, find_parts, join_parts
 from protos import codec, slicing
 from protos import shard_pb2 as pb
+from protos.manifest import check_model_config
 
 __all__ = [
     "ParamRef",
@@ -38,6 +39,7 @@ __all__ = [
     "param_refs",
     "job_params",
     "live_params",
+    "live_model_config",
     "pull_param",
     "get_param",
     "inspect",
@@ -61,6 +63,7 @@ class ParamRef:
     split_parts: int = 0
     split_index: int = 0
     split_packed: int = 0
+    split_unit: int = 0
     master_dtype: str = "float32"  # its buffer's: "float64" (float64 parameters) or "float32"
 
     @property
@@ -187,6 +190,7 @@ def param_refs(status: Any) -> list[ParamRef]:
             p.split_parts,
             p.split_index,
             p.split_packed,
+            p.split_unit,
             codec.master_dtype(b.dtype),  # servers before float64 masters report ""
         )
         for b in status.buffers
@@ -213,6 +217,7 @@ def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
         r.split_parts,
         r.split_index,
         r.split_packed,
+        r.split_unit,
     )
 
 
@@ -284,6 +289,17 @@ def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[st
         for w in whole
     ]
     return out, list(parts.values())
+
+
+def live_model_config(client: ShardClient, jobs: list[str]) -> dict[str, Any] | None:
+    """The model description the servers recorded for ``jobs`` (a job, or a 3D job's parts:
+    the first that has one): {"architecture", "config"}; None when none has one."""
+    held = server_jobs(client)
+    for job in jobs:
+        status = held.status.get(job)
+        if status is not None and status.model_config:
+            return check_model_config(status.model_config)
+    return None
 
 
 def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:

@@ -24,10 +24,13 @@ from client.cluster import ClusterSpec
 from protos import codec
 from protos import shard_pb2 as pb
 
-__all__ = ["ShardClientError", "Call", "RpcCore", "RETRYABLE"]
+__all__ = ["ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy"]
 
 SERVICE = "/paramshard.v1.Shard/"
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+BUSY_MARK = "retry later"
+"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/admission.py: too
+many waiting calls at once), not out of memory or past a size limit, which is final."""
 
 
 class ShardClientError(RuntimeError):
@@ -37,6 +40,11 @@ class ShardClientError(RuntimeError):
         super().__init__(f"server {server} ({address}) {method}: {code.name}: {details}")
         self.server, self.address, self.method = server, address, method
         self.code, self.details = code, details
+
+
+def is_busy(err: ShardClientError) -> bool:
+    """Whether ``err`` is a server's "busy, retry later" refusal (nothing was done)."""
+    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY_MARK in err.details
 
 
 # method -> (response deserializer): the request side always uses codec.serialize
@@ -216,25 +224,25 @@ class RpcCore:
                 )
             return self._stubs[key]
 
-    def _send(self, call: Call, alone: bool = False) -> Any:
-        """Starts ``call``; returns a future. ``alone`` (the only call of its batch): run it
-        to completion here instead, with grpcio's blocking path. That path waits on its own
-        completion queue, while every future on an idle channel makes grpcio start (and
-        then end) a polling thread: for one call that thread costs more than the call."""
+    def _send(self, call: Call, alone: bool = False, timeout: float | None = None) -> Any:
+        """Starts ``call`` with deadline ``timeout`` (default ``timeout_s``); returns a future.
+        ``alone`` (the only call of its batch): run it to completion here instead, with
+        grpcio's blocking path. That path waits on its own completion queue, while every
+        future on an idle channel makes grpcio start (and then end) a polling thread: for one
+        call that thread costs more than the call."""
+        timeout = self.timeout_s if timeout is None else timeout
         request = call.request() if callable(call.request) else call.request
         if call.method in _LOCAL_METHODS and not self.spec.metadata() and self.spec.tls_ca is None:
-            local = _local_call(
-                self.spec.addresses[call.server], call.method, request, self.timeout_s
-            )
+            local = _local_call(self.spec.addresses[call.server], call.method, request, timeout)
             if local is not None:
                 return local
         stub = self._stub(call.server, call.method)
         if alone:
             try:
-                return _Done(stub(request, timeout=self.timeout_s, metadata=self.spec.metadata()))
+                return _Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
             except grpc.RpcError as exc:
                 return _Done(error=exc)
-        return stub.future(request, timeout=self.timeout_s, metadata=self.spec.metadata())
+        return stub.future(request, timeout=timeout, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
         return ShardClientError(
@@ -246,36 +254,49 @@ class RpcCore:
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe.
+        A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later", DESIGN
+        section 6) is re-sent with backoff until it is admitted or its deadline (``timeout_s``
+        from its first attempt) has passed; other RESOURCE_EXHAUSTED errors (memory, sizes)
+        are final.
         """
         results: list[Any] = []
         queue = deque(enumerate(calls))
         alone = len(queue) == 1
-        in_flight: deque[tuple[int, Call, Any, int]] = deque()
+        # (index, call, future, attempts after errors, busy refusals, first sent)
+        in_flight: deque[tuple[int, Call, Any, int, int, float]] = deque()
         first_error: ShardClientError | None = None
 
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
                 i, call = queue.popleft()
-                in_flight.append((i, call, self._send(call, alone), 0))
+                in_flight.append((i, call, self._send(call, alone), 0, 0, time.monotonic()))
 
         submit()
         while in_flight:
-            i, call, fut, attempt = in_flight.popleft()
+            i, call, fut, attempt, busy, began = in_flight.popleft()
             try:
                 reply = fut.result()
             except grpc.FutureCancelledError:
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
+                pause = _busy_pause(busy, began + self.timeout_s) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
                 elif err.code in RETRYABLE and attempt < self.retries:
                     time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
-                    in_flight.appendleft((i, call, self._send(call, alone), attempt + 1))
+                    fut = self._send(call, alone)
+                    in_flight.appendleft((i, call, fut, attempt + 1, busy, began))
+                    continue
+                elif pause is not None:
+                    time.sleep(pause)
+                    left = began + self.timeout_s - time.monotonic()
+                    fut = self._send(call, alone, timeout=left)
+                    in_flight.appendleft((i, call, fut, attempt, busy + 1, began))
                     continue
                 else:
                     first_error = first_error or err
-                    for _, _, other, _ in in_flight:  # e.g. reads that would wait for ever
+                    for _, _, other, *_ in in_flight:  # e.g. reads that would wait for ever
                         other.cancel()
                     continue
             if call.on_result is not None and reply is not None:
@@ -294,3 +315,12 @@ class RpcCore:
 
     def close(self) -> None:
         self.spec.close()
+
+
+def _busy_pause(refusals: int, deadline: float) -> float | None:
+    """How long to wait before asking a busy server again (jittered, doubling from 20 ms to
+    at most 1 s), or None when the call's ``deadline`` (monotonic) would pass first."""
+    pause = min(1.0, 0.02 * 2**refusals) * (0.5 + random.random())
+    if time.monotonic() + pause + 0.05 >= deadline:
+        return None
+    return pause

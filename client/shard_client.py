@@ -117,12 +117,15 @@ class ShardClient(Collectives, FlatBuffers):
         view.rank_servers = None
         return view
 
-    def status(self) -> list[dict[str, Any]]:
-        """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable."""
+    def status(self, pending: bool = False, max_pending: int = 0) -> list[dict[str, Any]]:
+        """One dict per server: its Status reply, or ``{"error": ...}`` when it is unreachable.
+        ``pending``: with what waits on each server (``pending``, at most ``max_pending``
+        rows, 0: the server's default of 100; ``pending_left_out`` more were not listed)."""
+        request = pb.StatusRequest(pending=pending, max_pending=max_pending)
         out = []
         for i, address in enumerate(self.spec.addresses):
             try:
-                reply = self.call(i, "Status", pb.StatusRequest())
+                reply = self.call(i, "Status", request)
                 row = MessageToDict(
                     reply,
                     preserving_proto_field_name=True,

@@ -13,7 +13,9 @@ It exits non-zero if any rank fails.
 
 Run with RANK set (e.g. by ``paramshard launch``), it is one trainer: it builds its client from
 the environment (``ShardingConfiguration.from_env``), trains on its own part of every global
-batch, and rank 0 reports progress, the first/last loss and a short greedy sample.
+batch, and rank 0 reports progress, the first/last loss and a short greedy sample. It starts
+at the model's ``step_count``, so a rank that ``paramshard launch --max-restarts K`` restarted
+(ZeRO-1/2, FSDP) resumes its schedule and its batches at the servers' step.
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ def generate(model: Any, tok: CharTokenizer, prompt: str, n: int, block_size: in
 
 
 def run_rank(args: argparse.Namespace) -> int:
+    from client import restarts
     from strategies import ShardingConfiguration
 
     if args.servers and not os.environ.get("PARAMSHARD_SERVERS"):
@@ -209,8 +212,19 @@ def run_rank(args: argparse.Namespace) -> int:
     if args.batch_size % replicas:
         raise SystemExit(f"--batch-size {args.batch_size} is not divisible by {replicas} replicas")
     local_batch = args.batch_size // replicas
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps))
+    # A rank restarted by `paramshard launch --max-restarts` (or a job launched again with the
+    # same PARAMSHARD_RUN) finds its model at the servers' step: the schedule and the data
+    # resume there, so every step sees the learning rate and batch an uninterrupted run would.
+    start = getattr(model, "step_count", 0)
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps), last_epoch=start - 1)
     gen = torch.Generator().manual_seed(args.seed + 1 + replica)
+    for _ in range(start):  # the batches of the steps already taken
+        get_batch(data, local_batch, args.block_size, gen)
+    # A restarted rank cannot replay a collective the others finished before it died, so with
+    # --max-restarts the loop makes none: rank 0 reports the loss of its own share.
+    own_loss = restarts.max_restarts() > 0
     client = config.client
 
     tty_mode = "direct" if sys.stdout.isatty() else "relay" if os.environ.get(TTY_ENV) else ""
@@ -219,14 +233,21 @@ def run_rank(args: argparse.Namespace) -> int:
         print(
             f"{args.strategy}: GPT {args.model} ({n_params:,} parameters, "
             f"vocab {tok.vocab_size}), world size {world}{layout}, global batch"
-            f" {args.batch_size} x {args.block_size} tokens, {len(client.spec.addresses)} servers",
+            f" {args.batch_size} x {args.block_size} tokens, {len(client.spec.addresses)} servers"
+            + (", loss of rank 0's share" if own_loss else ""),
+            flush=True,
+        )
+    if start:
+        print(
+            f"rank {rank}: resumed at step {start}, the servers' step"
+            f" (restart {restarts.restart_count()})",
             flush=True,
         )
 
     losses: list[float] = []
     comm = 0.0
-    start = time.perf_counter()
-    for step in range(args.steps):
+    began = time.perf_counter()
+    for step in range(start, args.steps):
         x, y = get_batch(data, local_batch, args.block_size, gen)
         if hybrid:  # the pipeline schedule: forward and backward, the global batch's loss
             mean_loss = model.forward_backward(x, y)
@@ -239,17 +260,20 @@ def run_rank(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             model.clip_grad_norm_(1.0)
             opt.step()
-            mean_loss = float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
+            if own_loss:
+                mean_loss = float(loss.detach())
+            else:
+                mean_loss = float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
         comm += time.perf_counter() - t0
         opt.zero_grad()
         sched.step()
         losses.append(mean_loss)
         if rank == 0:
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - began
             done = step + 1
             line = (
                 f"step {done:4d}/{args.steps}  loss {mean_loss:.4f}  "
-                f"{done * args.batch_size * args.block_size / elapsed:7.0f} tok/s  "
+                f"{len(losses) * args.batch_size * args.block_size / elapsed:7.0f} tok/s  "
                 f"comm {100 * comm / elapsed:3.0f}%"
             )
             if tty_mode:
@@ -270,18 +294,24 @@ def run_rank(args: argparse.Namespace) -> int:
         model = whole
     if rank != 0:
         return 0
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - began
+    if not losses:
+        print(f"done: the servers were at step {start} already", flush=True)
+        return 0
     k = min(5, len(losses))
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     print(
-        f"done: {args.steps} steps in {elapsed:.1f} s, "
-        f"{args.steps * args.batch_size * args.block_size / elapsed:.0f} tok/s, "
+        f"done: {len(losses)} steps in {elapsed:.1f} s, "
+        f"{len(losses) * args.batch_size * args.block_size / elapsed:.0f} tok/s, "
         f"{100 * comm / elapsed:.0f}% of the time in communication",
         flush=True,
     )
     print(f"first loss {first:.4f} -> last loss {last:.4f} (mean of {k} steps each)", flush=True)
     sample = generate(model, tok, "The ", 80, args.block_size)
     print(f"sample: {sample!r}", flush=True)
+    if start and len(losses) < 2 * k:
+        print(f"OK: resumed at step {start}; too few steps left to judge the loss", flush=True)
+        return 0
     if not last < first:
         print("FAILED: the loss did not go down", flush=True)
         return 1

@@ -1,4 +1,4 @@
-"""The ``paramshard`` command: ``serve`` a shard, check its ``health``, show cluster ``status``.
+"""The ``paramshard`` command: ``serve`` a shard, check its ``health``; the others register here.
 
 Every subcommand is one function registered with ``@command``; its arguments are declared next to
 it, the first docstring line is its ``--help`` summary and the rest its description::
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import logging
 import os
 import signal
@@ -518,84 +517,7 @@ def _warn(message: str) -> None:
     print(f"paramshard: warning: {message}", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------------------------ status
-STATUS_COLUMNS = (
-    "SERVER",
-    "HEALTH",
-    "DEVICE",
-    "JOBS",
-    "BUFFERS",
-    "MAX VERSION",
-    "PARAMS",
-    "GRADS",
-    "OPTIMIZER",
-    "DEVICE MEMORY",
-    "UPTIME",
-)
-_RIGHT_ALIGNED = frozenset(range(3, len(STATUS_COLUMNS)))
-
-
-@command(
-    arg("--servers", metavar="HOST:PORT,...", help="servers to ask (default: $PARAMSHARD_SERVERS)"),
-    arg("--json", action="store_true", help="print the servers' Status replies as JSON"),
-    arg(
-        "--timeout",
-        type=positive,
-        default=5.0,
-        help="deadline per server, seconds (default: %(default)g)",
-    ),
-)
-def status(args: argparse.Namespace) -> int:
-    """Show what each shard server holds: jobs, buffers, versions, bytes, memory, uptime.
-
-    A server that does not answer gets an error row; the exit code is then 1.
-    """
-    from client import ShardClient
-
-    client = ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=1)
-    try:
-        replies = client.status()
-    finally:
-        client.close()
-    if args.json:
-        print(json.dumps(replies, indent=2))
-    else:
-        print(_table(STATUS_COLUMNS, [_status_row(r) for r in replies], _RIGHT_ALIGNED))
-        for r in replies:
-            if "error" in r:
-                print(f"{r['address']}: {r['error']}")
-    return EXIT_FAILURE if any("error" in r for r in replies) else 0
-
-
-def _status_row(reply: dict[str, Any]) -> list[str]:
-    if "error" in reply:
-        return [reply["address"], "error", *["-"] * (len(STATUS_COLUMNS) - 2)]
-    jobs = reply.get("jobs", [])
-    buffers = [b for job in jobs for b in job.get("buffers", [])]
-
-    def total(key: str) -> str:  # uint64 fields arrive as strings (protobuf JSON mapping)
-        return _bytes(sum(int(b.get(key, 0)) for b in buffers))
-
-    version = max((int(b.get("version", 0)) for b in buffers), default=None)
-    memory = (
-        f"{_bytes(int(reply.get('device_memory_used', 0)))}"
-        f" / {_bytes(int(reply.get('device_memory_total', 0)))}"
-    )
-    return [
-        reply["address"],
-        "ok",
-        reply.get("device", "?"),
-        str(len(jobs)),
-        str(len(buffers)),
-        "-" if version is None else str(version),
-        total("param_bytes"),
-        total("grad_bytes"),
-        total("optimizer_bytes"),
-        memory,
-        _duration(float(reply.get("uptime_seconds", 0.0))),
-    ]
-
-
+# ------------------------------------------------------ the cluster and tables, for client commands
 def _cluster_spec(servers: str | None) -> ClusterSpec:
     """The cluster as ``paramshard launch`` describes it in the environment (token, TLS files),
     with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given."""
@@ -695,6 +617,7 @@ def health(args: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     import paramshard.launch  # noqa: F401 - registers launch
+    import paramshard.status_cli  # noqa: F401 - registers status
     import paramshard.tools_cli  # noqa: F401 - registers inspect, get, snapshot, restore, export
 
     parser = argparse.ArgumentParser(

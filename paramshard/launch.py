@@ -17,6 +17,8 @@ Every line a rank prints comes out as ``[rank R] LINE`` (stdout to stdout, stder
 server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forwarded to the ranks;
 a second one kills them. When a rank exits non-zero the others get SIGTERM, ``--grace`` seconds,
 then SIGKILL, and the launcher exits with that rank's code. Local servers are stopped last.
+With ``--max-restarts K`` a failed ZeRO-1/2 or FSDP rank is started again instead, alone, and
+resumes at the servers' step (paramshard/restarts.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from paramshard.cli import (
-    EXIT_FAILURE,
     EXIT_USAGE,
     CommandError,
     arg,
@@ -69,6 +70,7 @@ class Child:
     name: str  # "rank 3" or "server 1": the prefix of its lines
     proc: subprocess.Popen
     relays: list[threading.Thread] = field(default_factory=list)
+    rank: int = -1  # a rank's global rank; -1 for a server
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -129,7 +131,7 @@ def _emit(stream: IO[str], data: bytes) -> None:
             pass
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     _emit(sys.stderr, f"paramshard launch: {message}\n".encode())
 
 
@@ -174,13 +176,13 @@ def stop(children: Sequence[Child], signum: int, grace: float, received: list[in
         time.sleep(0.05)
     for child in children:
         if child.alive():
-            _say(f"{child.name} (pid {child.proc.pid}) still running: killing it")
+            say(f"{child.name} (pid {child.proc.pid}) still running: killing it")
             child.signal(signal.SIGKILL)
     for child in children:
         try:
             child.proc.wait(timeout=PIPE_DRAIN_S)
         except subprocess.TimeoutExpired:
-            _say(f"{child.name} (pid {child.proc.pid}) did not die")
+            say(f"{child.name} (pid {child.proc.pid}) did not die")
         child.drain()
 
 
@@ -310,7 +312,7 @@ def rank_env(
     return env
 
 
-def _exit_code(returncode: int) -> int:
+def exit_code(returncode: int) -> int:
     """A rank killed by signal S reports -S; a shell would say 128 + S."""
     return 128 - returncode if returncode < 0 else returncode
 
@@ -386,6 +388,14 @@ def read_token(path: str | None) -> str | None:
         default=10.0,
         help="seconds the ranks get after SIGTERM/SIGINT, then SIGKILL (default: %(default)g)",
     ),
+    arg(
+        "--max-restarts",
+        type=non_negative_int,
+        default=0,
+        help="restart a failed rank, alone, up to this many times in all: for ZeRO-1/2 and"
+        " FSDP, whose state is on the servers (a DDP or 3D rank's failure still stops the job;"
+        " default: %(default)s)",
+    ),
     arg("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"),
     arg("script", metavar="SCRIPT", help="the training script (or module with -m)"),
     arg("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments"),
@@ -398,7 +408,8 @@ def launch(args: argparse.Namespace) -> int:
     Without --servers, --nproc local servers are started on 127.0.0.1 and stopped at the end.
     Ctrl-C/SIGTERM are forwarded to the ranks. If a rank fails, the others are stopped (SIGTERM,
     --grace seconds, SIGKILL) and the launcher exits with the failed rank's code; 0 when all
-    ranks succeed.
+    ranks succeed. With --max-restarts K, a failed ZeRO-1/2 or FSDP rank is started again
+    instead (K times in all) and resumes at the servers' step.
     """
     if args.node_rank >= args.nnodes:
         raise CommandError(
@@ -417,9 +428,11 @@ def launch(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     world_size = args.nnodes * args.nproc
 
+    from paramshard.restarts import RankRestarts, supervise
     from server.app import MALLOC_ENV
 
     base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
     supervising = False
@@ -428,7 +441,7 @@ def launch(args: argparse.Namespace) -> int:
         received.append(signum)
         if not supervising:  # still starting: unwind, and the finally clause stops everything
             raise _Interrupted(signum)
-        events.put(("signal", None, signum))  # _supervise forwards it; stop() sees `received`
+        events.put(("signal", None, signum))  # supervise forwards it; stop() sees `received`
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     servers: list[Child] = []
@@ -441,16 +454,16 @@ def launch(args: argparse.Namespace) -> int:
             servers, addresses = start_local_servers(
                 args.nproc, args.device, base, args.start_timeout
             )
-            _say(f"started {len(servers)} shard servers: {', '.join(addresses)}")
+            say(f"started {len(servers)} shard servers: {', '.join(addresses)}")
 
         supervising = True
         python = [sys.executable, "-m"] if args.module else [sys.executable]
-        for local_rank in range(args.nproc):
-            rank = args.node_rank * args.nproc + local_rank
+
+        def start_rank(rank: int) -> Child:
             env = rank_env(
                 base,
                 rank=rank,
-                local_rank=local_rank,
+                local_rank=rank - args.node_rank * args.nproc,
                 nproc=args.nproc,
                 node_rank=args.node_rank,
                 world_size=world_size,
@@ -458,21 +471,27 @@ def launch(args: argparse.Namespace) -> int:
                 run_id=run_id,
                 token=token,
             )
+            env.update(restarts.env(rank))
             child = _spawn(f"rank {rank}", [*python, args.script, *args.script_args], env)
-            ranks.append(child)
+            child.rank = rank
             _relay(child, child.proc.stdout, sys.stdout, None)
             _relay(child, child.proc.stderr, sys.stderr, None)
             _watch(child, events)
+            return child
+
+        for local_rank in range(args.nproc):
+            ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
             _watch(server, events)
-        return _supervise(ranks, servers, events, received, args.grace)
+        return supervise(ranks, servers, events, received, args.grace, restarts, start_rank)
     except _Interrupted as exc:
-        _say(f"{signal.Signals(exc.signum).name} while starting: stopping")
+        say(f"{signal.Signals(exc.signum).name} while starting: stopping")
         return 128 + exc.signum
     finally:
         supervising = True  # from here on a signal only hurries the stops below
         stop(ranks, signal.SIGTERM, args.grace, received)
         stop(servers, signal.SIGTERM, SERVER_STOP_S, received)
+        restarts.close()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -483,33 +502,3 @@ class _Interrupted(Exception):
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
-
-
-def _supervise(
-    ranks: list[Child],
-    servers: list[Child],
-    events: queue.SimpleQueue,
-    received: list[int],
-    grace: float,
-) -> int:
-    """Waits for the ranks; the first failure (a rank, a local server, a signal) stops them."""
-    running = set(ranks)
-    while running:
-        kind, child, value = events.get()
-        if kind == "signal":
-            name = signal.Signals(value).name
-            _say(f"{name}: stopping the ranks (--grace {grace:g} s; again to kill them now)")
-            stop(list(running), value, grace, received)
-            return 128 + value
-        if child in servers:
-            _say(f"{child.name} exited (exit code {child.proc.returncode}); stopping the ranks")
-            stop(list(running), signal.SIGTERM, grace, received)
-            return EXIT_FAILURE
-        running.discard(child)
-        if value != 0:
-            code = _exit_code(value)
-            others = f"; stopping {len(running)} other ranks" if running else ""
-            _say(f"{child.name} failed with exit code {code}{others}")
-            stop(list(running), signal.SIGTERM, grace, received)
-            return code
-    return 0

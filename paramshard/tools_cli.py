@@ -183,28 +183,45 @@ def restore(args: argparse.Namespace) -> int:
         metavar="DIR",
         help="a snapshot folder <snapshot-dir>/<job>/<tag>: export offline, no server needed",
     ),
-    arg("--out", required=True, help="the .safetensors file to write"),
+    arg("--out", help="the .safetensors file to write (the state dict)"),
+    arg(
+        "--hf-dir",
+        metavar="DIR",
+        help="instead: DIR/config.json + DIR/model.safetensors, loadable with"
+        " from_pretrained(DIR) (a Hugging Face model's job)",
+    ),
     SERVERS,
     TIMEOUT,
 )
 def export(args: argparse.Namespace) -> int:
     """The full state dict under the model's own names, loadable with
-    model.load_state_dict(safetensors.torch.load_file(OUT)); streamed, one parameter at a time."""
+    model.load_state_dict(safetensors.torch.load_file(OUT)); with --hf-dir, a Hugging Face
+    model's folder for from_pretrained. Streamed, one parameter at a time."""
+    if (args.out is None) == (args.hf_dir is None):
+        raise CommandError("give one of --out FILE or --hf-dir DIR", EXIT_USAGE)
     if args.snapshot:
-        count = export_snapshot(Path(args.snapshot), args.out)
+        count = export_snapshot(Path(args.snapshot), args.out, hf_dir=args.hf_dir)
     elif args.job:
         from client import tools
+        from client.export_hf import export_hf
 
-        count = _run(tools.export, _client(args), args.job, args.out)
+        fn = export_hf if args.hf_dir is not None else tools.export
+        count = _run(fn, _client(args), args.job, args.hf_dir or args.out)
     else:
         raise CommandError("give a JOB (live servers) or --snapshot DIR", EXIT_USAGE)
-    print(f"{count} tensors -> {args.out}")
+    print(f"{count} tensors -> {args.hf_dir or args.out}")
     return 0
 
 
-def export_snapshot(folder: Path, out: str | os.PathLike) -> int:
-    """Offline export of a snapshot folder ``<snapshot-dir>/<job>/<tag>``; checks every shard's
-    checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
+Params = list[tuple[str, str, tuple, tuple, Any]]  # client.export_hf.ExportParam
+
+
+def export_snapshot(
+    folder: Path, out: str | os.PathLike | None = None, hf_dir: str | os.PathLike | None = None
+) -> int:
+    """Offline export of a snapshot folder ``<snapshot-dir>/<job>/<tag>`` into the file
+    ``out``, or (``hf_dir``) a Hugging Face model's ``from_pretrained`` folder; checks every
+    shard's checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
     ``<job>.pp<s>.tp<t>/<tag>``), the whole model, joined from every part's snapshot."""
     from client.tensor_parts import find_parts
     from server.errors import ShardError
@@ -213,21 +230,45 @@ def export_snapshot(folder: Path, out: str | os.PathLike) -> int:
     folder = folder.resolve()
     snaps = SnapshotDir(folder.parent.parent)
     job, tag = folder.parent.name, folder.name
+
+    def write(params: Params, meta: dict[str, str], manifests: list[dict[str, Any]]) -> int:
+        from client.export import export_dtype, write_safetensors
+        from client.export_hf import write_hf
+
+        if hf_dir is not None:
+            return write_hf(hf_dir, _recorded_model(manifests, folder), params, meta)
+        items = [
+            (each, export_dtype(dtype), shape, produce)
+            for name, dtype, shape, aliases, produce in params
+            for each in (name, *aliases)
+        ]
+        write_safetensors(out, items, meta)
+        return len(items)
+
     try:
         if not folder.parent.exists() and folder.parent.parent.is_dir():
             parts = find_parts(job, (p.name for p in folder.parent.parent.iterdir() if p.is_dir()))
             if parts:
-                return _export_parts(snaps, job, tag, parts, out)
-        return _export_plain(snaps, job, tag, out)
+                return _export_parts(snaps, job, tag, parts, write)
+        return _export_plain(snaps, job, tag, write)
     except ShardError as exc:
         raise CommandError(exc.message) from None
 
 
-def _export_plain(snaps: Any, job: str, tag: str, out: str | os.PathLike) -> int:
-    from client.tools import export_dtype, write_safetensors
+def _recorded_model(manifests: list[dict[str, Any]], folder: Path) -> dict[str, Any]:
+    """The model description a snapshot's manifest (any part's, of a 3D job) recorded."""
+    for m in manifests:
+        if isinstance(m.get("model_config"), dict):
+            return m["model_config"]
+    raise CommandError(
+        f"{folder}: the snapshot records no model config: only a Hugging Face"
+        " PreTrainedModel's job records one when it registers; export it with --out"
+    )
 
+
+def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
     manifest = snaps.load_manifest(job, tag)
-    items = []
+    params: Params = []
     for buffer, info in manifest["buffers"].items():
         for p in info["params"]:
 
@@ -236,19 +277,18 @@ def _export_plain(snaps: Any, job: str, tag: str, out: str | os.PathLike) -> int
                     job, tag, manifest, b, "params", p["offset"], p["offset"] + p["numel"]
                 )
 
-            dtype = export_dtype(p["dtype"])
-            for name in (p["name"], *p.get("aliases", [])):
-                items.append((name, dtype, tuple(p["shape"]), produce))
-    write_safetensors(out, items, {"job": job, "tag": tag, "version": str(manifest["version"])})
-    return len(items)
+            params.append(
+                (p["name"], p["dtype"], tuple(p["shape"]), tuple(p.get("aliases", [])), produce)
+            )
+    meta = {"job": job, "tag": tag, "version": str(manifest["version"])}
+    return write(params, meta, [manifest])
 
 
 def _export_parts(
-    snaps: Any, base: str, tag: str, parts: dict[tuple[int, int], str], out: str | os.PathLike
+    snaps: Any, base: str, tag: str, parts: dict[tuple[int, int], str], write: Any
 ) -> int:
     """The whole model from the snapshots ``tag`` of a 3D job's parts (each checked first)."""
     from client.tensor_parts import PartParam, PartsError, check_complete, join_parts
-    from client.tools import whole_items, write_safetensors
 
     root = snaps.root
     with_tag = {k: name for k, name in parts.items() if (root / name / tag).is_dir()}
@@ -289,6 +329,7 @@ def _export_parts(
                     p.get("split_parts", 0),
                     p.get("split_index", 0),
                     p.get("split_packed", 0),
+                    p.get("split_unit", 0),
                 )
                 for buffer, info in m["buffers"].items()
                 for p in info["params"]
@@ -297,8 +338,7 @@ def _export_parts(
         version = next(iter(versions.values()))
         parts_meta = ",".join(with_tag.values())
         meta = {"job": base, "tag": tag, "version": str(version), "parts": parts_meta}
-        items = whole_items(whole)
-        write_safetensors(out, items, meta)
+        joined = [(w.name, w.dtype, w.shape, w.aliases, w.produce) for w in whole]
+        return write(joined, meta, list(manifests.values()))
     except (PartsError, KeyError, TypeError) as exc:
         raise CommandError(f"{root}: {str(exc).strip(chr(39))}") from None
-    return len(items)

@@ -46,7 +46,7 @@ class BufferRef(_message.Message):
     def __init__(self, job: _Optional[str] = ..., buffer: _Optional[str] = ...) -> None: ...
 
 class ParamEntry(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "offset", "numel", "aliases", "split_dim", "split_parts", "split_index", "split_packed")
+    __slots__ = ("name", "shape", "dtype", "offset", "numel", "aliases", "split_dim", "split_parts", "split_index", "split_packed", "split_unit")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class ParamEntry(_message.Message):
     SPLIT_PARTS_FIELD_NUMBER: _ClassVar[int]
     SPLIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     SPLIT_PACKED_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_UNIT_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
@@ -67,7 +68,8 @@ class ParamEntry(_message.Message):
     split_parts: int
     split_index: int
     split_packed: int
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ..., split_dim: _Optional[int] = ..., split_parts: _Optional[int] = ..., split_index: _Optional[int] = ..., split_packed: _Optional[int] = ...) -> None: ...
+    split_unit: int
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., numel: _Optional[int] = ..., aliases: _Optional[_Iterable[str]] = ..., split_dim: _Optional[int] = ..., split_parts: _Optional[int] = ..., split_index: _Optional[int] = ..., split_packed: _Optional[int] = ..., split_unit: _Optional[int] = ...) -> None: ...
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "hyper")
@@ -85,7 +87,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterBufferRequest(_message.Message):
-    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order")
+    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order", "model_config")
     REF_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class RegisterBufferRequest(_message.Message):
     OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
     MASTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     numel: int
     num_servers: int
@@ -104,7 +107,8 @@ class RegisterBufferRequest(_message.Message):
     optimizer: OptimizerSpec
     master_dtype: DType
     arrival_order: bool
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ...) -> None: ...
+    model_config: str
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ..., model_config: _Optional[str] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
     __slots__ = ("slice_start", "slice_numel", "version", "initialized")
@@ -252,12 +256,14 @@ class GradNormRequest(_message.Message):
     def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., per_param: _Optional[bool] = ...) -> None: ...
 
 class GradNormReply(_message.Message):
-    __slots__ = ("sum_squares", "param_sum_squares")
+    __slots__ = ("sum_squares", "param_sum_squares", "finite")
     SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
     PARAM_SUM_SQUARES_FIELD_NUMBER: _ClassVar[int]
+    FINITE_FIELD_NUMBER: _ClassVar[int]
     sum_squares: _containers.RepeatedScalarFieldContainer[float]
     param_sum_squares: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, sum_squares: _Optional[_Iterable[float]] = ..., param_sum_squares: _Optional[_Iterable[float]] = ...) -> None: ...
+    finite: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, sum_squares: _Optional[_Iterable[float]] = ..., param_sum_squares: _Optional[_Iterable[float]] = ..., finite: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class BufferStep(_message.Message):
     __slots__ = ("buffer", "args")
@@ -268,14 +274,16 @@ class BufferStep(_message.Message):
     def __init__(self, buffer: _Optional[str] = ..., args: _Optional[_Union[StepArgs, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("job", "step", "buffers")
+    __slots__ = ("job", "step", "buffers", "skip")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     buffers: _containers.RepeatedCompositeFieldContainer[BufferStep]
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStep, _Mapping]]] = ...) -> None: ...
+    skip: bool
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStep, _Mapping]]] = ..., skip: _Optional[bool] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("versions",)
@@ -352,11 +360,47 @@ class DropJobReply(_message.Message):
     def __init__(self, buffers: _Optional[int] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("pending", "max_pending")
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_FIELD_NUMBER: _ClassVar[int]
+    pending: bool
+    max_pending: int
+    def __init__(self, pending: _Optional[bool] = ..., max_pending: _Optional[int] = ...) -> None: ...
+
+class PendingWork(_message.Message):
+    __slots__ = ("run", "kind", "seq", "key", "part", "expected", "arrived", "missing", "waiting", "unread_by", "age_seconds", "idle_seconds", "bytes", "channel")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    UNREAD_BY_FIELD_NUMBER: _ClassVar[int]
+    AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    kind: str
+    seq: int
+    key: str
+    part: int
+    expected: int
+    arrived: _containers.RepeatedScalarFieldContainer[int]
+    missing: _containers.RepeatedScalarFieldContainer[int]
+    waiting: _containers.RepeatedScalarFieldContainer[int]
+    unread_by: _containers.RepeatedScalarFieldContainer[int]
+    age_seconds: float
+    idle_seconds: float
+    bytes: int
+    channel: str
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., key: _Optional[str] = ..., part: _Optional[int] = ..., expected: _Optional[int] = ..., arrived: _Optional[_Iterable[int]] = ..., missing: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[int]] = ..., unread_by: _Optional[_Iterable[int]] = ..., age_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., channel: _Optional[str] = ...) -> None: ...
 
 class BufferStatus(_message.Message):
-    __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper", "state_keys", "optimizer_steps")
+    __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper", "state_keys", "optimizer_steps", "skipped_steps")
     class HyperEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +426,7 @@ class BufferStatus(_message.Message):
     HYPER_FIELD_NUMBER: _ClassVar[int]
     STATE_KEYS_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     buffer: str
     numel: int
     slice_start: int
@@ -400,22 +445,25 @@ class BufferStatus(_message.Message):
     hyper: _containers.ScalarMap[str, float]
     state_keys: _containers.RepeatedScalarFieldContainer[str]
     optimizer_steps: int
-    def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ..., state_keys: _Optional[_Iterable[str]] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+    skipped_steps: int
+    def __init__(self, buffer: _Optional[str] = ..., numel: _Optional[int] = ..., slice_start: _Optional[int] = ..., slice_numel: _Optional[int] = ..., dtype: _Optional[str] = ..., version: _Optional[int] = ..., initialized: _Optional[bool] = ..., optimizer: _Optional[str] = ..., param_bytes: _Optional[int] = ..., grad_bytes: _Optional[int] = ..., optimizer_bytes: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., last_step_seconds: _Optional[float] = ..., last_step_unix: _Optional[float] = ..., contributors: _Optional[int] = ..., hyper: _Optional[_Mapping[str, float]] = ..., state_keys: _Optional[_Iterable[str]] = ..., optimizer_steps: _Optional[int] = ..., skipped_steps: _Optional[int] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job", "buffers", "server_index", "num_servers")
+    __slots__ = ("job", "buffers", "server_index", "num_servers", "model_config")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
     job: str
     buffers: _containers.RepeatedCompositeFieldContainer[BufferStatus]
     server_index: int
     num_servers: int
-    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ...) -> None: ...
+    model_config: str
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., model_config: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid")
+    __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid", "memory_used", "memory_limit", "pending", "pending_left_out")
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +475,10 @@ class StatusReply(_message.Message):
     OPEN_SLOTS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    PENDING_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
     server_index: int
     num_servers: int
     device: str
@@ -438,7 +490,11 @@ class StatusReply(_message.Message):
     open_slots: int
     version: str
     pid: int
-    def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ...) -> None: ...
+    memory_used: int
+    memory_limit: int
+    pending: _containers.RepeatedCompositeFieldContainer[PendingWork]
+    pending_left_out: int
+    def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_limit: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingWork, _Mapping]]] = ..., pending_left_out: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("job", "tag", "version", "server_index", "num_servers")

@@ -175,15 +175,17 @@ class ShardServicer:
 
     def GradNorm(self, request, context):
         """Sum of squares of each named buffer's reduced gradient slice for a step (waits until reduced).
-        Clients add these over servers to get the global gradient norm.
+        Clients add these over servers to get the global gradient norm, and gather `finite` from
+        every server to decide, once for all of them, whether the step is applied or skipped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Step(self, request, context):
-        """Applies the optimizer step for `step` with the given hyper-parameters and clip coefficient.
-        The first request wins; repeats for a step already applied are acknowledged.
+        """Applies the optimizer step for `step` with the given hyper-parameters and clip coefficient,
+        or with `skip` discards it. The first request wins; repeats for a step already applied are
+        acknowledged.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,6 +18,9 @@ the same to an admin's Status. So (``CallLimits``):
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
 - How long a call may wait is bounded by the servicer's ``max_wait_s``.
+- Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
+  request!": the Shard service's own parsers never raise (server/servicer.py), the health and
+  reflection services' protobuf parsers do, and the gate rebuilds every handler anyway.
 
 A caller's role is its token's (server/auth.py); without tokens every caller may do everything
 and counts as ``train``.
@@ -109,9 +112,9 @@ class CallGate(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None:
             return None
-        if handler.request_streaming or handler.response_streaming:
-            return self._stream(handler)
         service, _, method = details.method.lstrip("/").rpartition("/")
+        if handler.request_streaming or handler.response_streaming:
+            return self._stream(handler, method)
         role = None
         if service == SERVICE_NAME and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
@@ -151,6 +154,7 @@ class CallGate(grpc.ServerInterceptor):
         behavior = handler.unary_unary
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            _check_parsed(request, context, method)
             waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
             refusal = self._enter(waits)
             if refusal is not None:
@@ -162,15 +166,19 @@ class CallGate(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             gated,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_never_raising(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
     # -- streams -------------------------------------------------------------------------------
-    def _stream(self, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def _stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         behavior, make = _streaming(handler)
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            if handler.request_streaming:
+                request = _parsed(request, context, method)
+            else:
+                _check_parsed(request, context, method)
             with self._lock:
                 admitted = self.streams < self.limits.max_streams
                 self.streams += admitted
@@ -200,9 +208,43 @@ class CallGate(grpc.ServerInterceptor):
 
         return make(
             gated,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_never_raising(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+
+class _Unparsed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _never_raising(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def parse_or_flag(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # noqa: BLE001 - whatever the parser says, the bytes are bad
+            return _Unparsed(exc)
+
+    return parse_or_flag
+
+
+def _check_parsed(request: Any, context: grpc.ServicerContext, method: str) -> None:
+    if isinstance(request, _Unparsed):
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method}: request does not parse: {type(request.error).__name__}: {request.error}",
+        )
+
+
+def _parsed(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+    for request in requests:
+        _check_parsed(request, context, method)
+        yield request
 
 
 def _closing(responses: Iterator[Any], leave: Callable[[], None]) -> Iterator[Any]:

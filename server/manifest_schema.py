@@ -18,11 +18,19 @@ from typing import Any
 
 from protos import shard_pb2 as pb
 from protos.codec import MASTER_DTYPES
-from protos.manifest import FORMAT, shard_name
+from protos.manifest import FORMAT, check_model_config, recorded_model_config, shard_name
 
 __all__ = ["ManifestError", "check_manifest"]
 
-_PARAM_INTS = ("offset", "numel", "split_dim", "split_parts", "split_index", "split_packed")
+_PARAM_INTS = (
+    "offset",
+    "numel",
+    "split_dim",
+    "split_parts",
+    "split_index",
+    "split_packed",
+    "split_unit",
+)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -122,6 +130,11 @@ def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -
         raise ManifestError(f"created_unix must be finite, got {manifest['created_unix']!r}")
     for name, info in _field(manifest, "buffers", dict, "").items():
         _check_buffer(name, info)
+    if "model_config" in manifest:  # what a restore gives the job back (size bound included)
+        try:
+            check_model_config(recorded_model_config(manifest))
+        except (ValueError, RecursionError) as exc:
+            raise ManifestError(str(exc)) from None
     shards = _field(manifest, "shards", list, "")
     for i, shard in enumerate(shards):
         at = f"shards[{i}]."

@@ -12,6 +12,8 @@ Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
   server/limits.py) and the limit itself (``--max-memory``; 0: none);
 - ``paramshard_last_step_seconds{job,buffer}`` and ``paramshard_buffer_version{job,buffer}``:
   the duration of each buffer slice's latest optimizer step and its version;
+- ``paramshard_skipped_steps_total{job,buffer}``: steps skipped because their reduced gradient
+  held NaN or Inf (server/nonfinite.py);
 - ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
   the ``process_*`` metrics (memory, CPU, file descriptors) of the server process.
 
@@ -34,7 +36,7 @@ import grpc
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-    from prometheus_client.core import GaugeMetricFamily
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
@@ -81,6 +83,11 @@ class _StoreCollector:
             "Optimizer steps applied to each buffer slice on this server",
             labels=["job", "buffer"],
         )
+        skipped = CounterMetricFamily(
+            "paramshard_skipped_steps",
+            "Steps of each buffer slice skipped because their reduced gradient was not finite",
+            labels=["job", "buffer"],
+        )
         jobs = self.servicer.buffers.jobs()
         n_buffers = 0
         for job, buffers in sorted(jobs.items()):
@@ -93,6 +100,7 @@ class _StoreCollector:
                 held["optimizer"] += opt
                 step.add_metric([job, b.name], b.last_step_seconds)
                 version.add_metric([job, b.name], b.version)
+                skipped.add_metric([job, b.name], b.skipped_steps)
                 n_buffers += 1
         slot_bytes, open_slots = self.servicer.slots.usage()
         held["slots"] = slot_bytes
@@ -120,6 +128,7 @@ class _StoreCollector:
         )
         yield step
         yield version
+        yield skipped
         yield GaugeMetricFamily("paramshard_jobs", "Jobs on this server", value=len(jobs))
         yield GaugeMetricFamily("paramshard_buffers", "Buffer slices on this server", n_buffers)
         yield GaugeMetricFamily("paramshard_open_slots", "Open collective slots", open_slots)

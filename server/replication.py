@@ -360,6 +360,11 @@ class Replicator:
             raise ShardError.invalid(f"{what}: a replica is not empty (total is 0)")
         slices = self.store.jobs().get(chunk.job)
         if slices:
+            num = slices[0].spec.num_servers
+            if chunk.source_index >= num:
+                raise ShardError.invalid(
+                    f"{what}: job '{chunk.job}' is on {num} server(s) here, slices 0..{num - 1}"
+                )
             bound = replica_bound(slices, chunk.source_index)
         else:  # not here (the server restarted): this job's quota, else the host's memory
             bound = self.store.max_job_bytes or memory_bound()

@@ -10,7 +10,6 @@ generic INTERNAL "Exception deserializing request!".
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +18,14 @@ import grpc
 
 from protos import codec, slicing
 from protos import shard_pb2 as pb
-from protos.manifest import recorded_parts, recorded_placement
-from server import backend
+from protos.manifest import recorded_model_config, recorded_parts, recorded_placement
 from server.errors import ShardError
 from server.limits import MemoryBudget
+from server.nonfinite import grad_norm_reply, step_reply
 from server.replication import Replicator
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
+from server.status import status_reply
 from server.store import BufferSlice, BufferStore
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
@@ -109,10 +109,13 @@ class ShardServicer:
 
     # -- plumbing ------------------------------------------------------------------------
     def _timeout(self, context: grpc.ServicerContext) -> float:
+        """How long a call may wait: the caller's deadline less a margin (5%, at most 0.2 s),
+        so the server's DEADLINE_EXCEEDED, which names what it waited for, reaches the caller
+        before its own deadline's bare one; at most ``max_wait_s``."""
         remaining = context.time_remaining()
         if remaining is None:
             return self.max_wait_s
-        return max(0.0, min(remaining, self.max_wait_s))
+        return max(0.0, min(remaining - min(0.2, 0.05 * remaining), self.max_wait_s))
 
     def generic_handler(self, fast_codec: bool = True) -> grpc.GenericRpcHandler:
         fast = fast_codec
@@ -230,19 +233,11 @@ class ShardServicer:
 
     def grad_norm(self, req: pb.GradNormRequest, context: Any) -> Any:
         slices = [self.buffers.get(req.job, name) for name in req.buffers]
-        timeout = self._timeout(context)
-        reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
-        if req.per_param:
-            for b in slices:
-                reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout))
-        return reply
+        return grad_norm_reply(slices, req, self._timeout(context))
 
     def step(self, req: pb.StepRequest, context: Any) -> Any:
         slices = [(self.buffers.get(req.job, s.buffer), s.args) for s in req.buffers]
-        for b, args in slices:  # check every buffer's arguments before stepping any
-            b.check_step_args(args)
-        timeout = self._timeout(context)
-        return pb.StepReply(versions=[b.step(req.step, args, timeout) for b, args in slices])
+        return step_reply(slices, req, self._timeout(context))  # server/nonfinite.py
 
     # -- slots ---------------------------------------------------------------------------
     def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:
@@ -270,21 +265,7 @@ class ShardServicer:
         return pb.DropJobReply(buffers=dropped)
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:
-        memory = backend.device_memory()
-        slot_bytes, open_slots = self.slots.usage()
-        return pb.StatusReply(
-            server_index=self.server_index,
-            num_servers=self.num_servers,
-            device=backend.device,
-            device_memory_used=memory["used"],
-            device_memory_total=memory["total"],
-            uptime_seconds=time.time() - self.started,
-            jobs=self.buffers.status(),
-            slot_bytes=slot_bytes,
-            open_slots=open_slots,
-            version=VERSION,
-            pid=os.getpid(),
-        )
+        return status_reply(self, req, VERSION)
 
     # -- snapshots -------------------------------------------------------------------------
     def _job_slices(self, job: str) -> list[BufferSlice]:
@@ -341,6 +322,7 @@ class ShardServicer:
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         manifest = self.snapshots.load_manifest(req.job, tag)
         layout = self.snapshots.layout(req.job, tag, manifest)
+        model_config = recorded_model_config(manifest)
         slices = []
         for name, info in manifest["buffers"].items():
             start, stop = slicing.slice_bounds(info["numel"], req.num_servers, req.server_index)
@@ -359,6 +341,7 @@ class ShardServicer:
                     name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
                 ),
                 master_dtype=codec.wire_dtype(codec.master_dtype(info.get("master_dtype"))),
+                model_config=model_config,
             )
             row = layout.get(name, {"state": set(), "step_count": 0})
             state = {k: read(f"state.{k}") for k in sorted(row["state"])}

@@ -20,19 +20,22 @@ for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), an
 drops every slot of a run (``DropJob`` with the run's name). Their memory is given back, their
 waiting readers fail with ABORTED naming the slot and why, and so does any later call on the
 key. Their memory, like every slot's, is paid for from the server's ``MemoryBudget`` first.
+Each slot also knows since when it is open and which readers wait on it: a timed-out read and
+Status name who arrived and who is missing (the hang doctor, server/pending.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
 from protos import shard_pb2 as pb
 from server import arrays, backend
 from server.errors import ShardError
 from server.limits import MemoryBudget
+from server.pending import parse_key, who
 
 __all__ = ["SlotStore"]
 
@@ -71,7 +74,9 @@ class _Slot:
         self.chunks: dict[int, _Chunk] = {}
         self.freed: set[int] = set()  # offsets of chunks read by all their readers
         self.cond = threading.Condition()
-        self.touched = time.monotonic()  # the last contribution or read
+        self.since = time.monotonic()  # opened: its first contribution or read
+        self.touched = self.since  # the last contribution or read
+        self.waiting: Counter[int] = Counter()  # readers blocked in ReadSlot now
         self.ended: str | None = None  # why it expired or was dropped
 
     def num_chunks(self) -> int:
@@ -99,6 +104,11 @@ class SlotStore:
         """(bytes held, open slots)."""
         with self._lock:
             return self._bytes, len(self._slots)
+
+    def open_slots(self) -> list[_Slot]:
+        """Every open slot, for Status (server/pending.py reads each under its cond)."""
+        with self._lock:
+            return list(self._slots.values())
 
     def _slot(self, key: str) -> _Slot | None:
         """The slot for ``key``, created on first use; None when it was freed already."""
@@ -273,14 +283,20 @@ class SlotStore:
                     f"slot '{req.key}': offset {req.offset:,} is past its"
                     f" {slot.meta.total_numel:,} elements"
                 )
-            done = slot.cond.wait_for(lambda: slot.ended is not None or complete(), timeout)
+            slot.waiting[req.reader] += 1
+            try:
+                done = slot.cond.wait_for(lambda: slot.ended is not None or complete(), timeout)
+            finally:
+                slot.waiting[req.reader] -= 1
+                if not slot.waiting[req.reader]:
+                    del slot.waiting[req.reader]
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
             if not done:
                 self._forget_if_unused(slot)
                 raise ShardError.deadline(
-                    f"slot '{req.key}', chunk at {req.offset:,}: waited {timeout:.1f} s;"
-                    f" {_who(slot, req.offset)}"
+                    f"{parse_key(req.key).describe()}, chunk at {req.offset:,}: waited"
+                    f" {timeout:.1f} s; {who(slot, req.offset)}"
                 )
             meta = slot.meta
             chunk = slot.chunks[req.offset]
@@ -332,7 +348,7 @@ class SlotStore:
                     self._end(
                         slot,
                         f"slot '{slot.key}' expired: no contribution or read for"
-                        f" {self.ttl_s:g} s ({_who(slot, first)})",
+                        f" {self.ttl_s:g} s ({_what(slot.key)}{who(slot, first)})",
                     )
                     ended += 1
         return ended
@@ -371,16 +387,7 @@ def _of_run(key: str, run: str) -> bool:
     return epoch.isdigit()
 
 
-def _who(slot: _Slot, offset: int) -> str:
-    """Who contributed to the chunk at ``offset`` and who is missing (caller holds its cond)."""
-    if slot.meta is None:
-        return "no contribution has arrived (no rank has reached this collective)"
-    chunk = slot.chunks.get(offset)
-    arrived = set() if chunk is None else chunk.contributors
-    if len(arrived) == slot.meta.expected:
-        return f"complete; read by {len(chunk.readers)} of {slot.meta.readers} reader(s)"
-    missing = sorted(set(range(slot.meta.expected)) - arrived)
-    return (
-        f"{len(arrived)} of {slot.meta.expected} contributions arrived; missing"
-        f" rank(s) {', '.join(map(str, missing))}"
-    )
+def _what(key: str) -> str:
+    """``all_reduce #3 of run 'r'; `` for a collective's key, else ""."""
+    what = parse_key(key).what()
+    return f"{what}; " if what else ""

@@ -38,7 +38,7 @@ from server.errors import ShardError
 from server.manifest_schema import ManifestError, check_manifest
 
 __all__ = ["Captured", "SnapshotDir", "Reservation", "encode_shard", "decode_shard"]
-_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
 log = logging.getLogger("paramshard.snapshots")
 
 
@@ -55,7 +55,10 @@ class Captured:
 
 def _checked(name: str, what: str) -> str:
     if not _NAME.fullmatch(name) or name in (".", ".."):
-        raise ShardError.invalid(f"{what} {name!r} must be letters, digits, '_', '.' or '-'")
+        raise ShardError.invalid(
+            f"{what} {name[:80]!r}{'...' if len(name) > 80 else ''} must be 1 to 255 letters,"
+            " digits, '_', '.' or '-'"
+        )
     return name
 
 

@@ -13,6 +13,10 @@ Wire semantics (DESIGN section 3):
   training are bitwise identical, as with torch's gloo collectives. The optimizer then
   runs either at once (the pushes carried step arguments) or when a Step request arrives
   (global gradient clipping needs the norm first).
+- A reduced gradient holding NaN or Inf is never applied: GradNorm reports each slice's
+  finiteness, the client sends every server the same Step, applied or skipped (a skipped step
+  leaves params and optimizer state as they were and still moves the version on); see
+  server/nonfinite.py.
 - The master copy, the accumulator and the optimizer state are float64 for a buffer registered
   with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (DESIGN section 3).
 Every check happens before any state changes, so a rejected request leaves the slice as it was.
@@ -30,9 +34,11 @@ import numpy as np
 
 from protos import shard_pb2 as pb
 from protos import slicing
+from protos.manifest import check_model_config
 from server import arrays, backend
 from server.errors import ShardError
 from server.limits import MemoryBudget, slice_bytes
+from server.nonfinite import all_finite, nonfinite_refusal
 from server.optimizers import OptimizerError, ServerOptimizer, make_optimizer
 from server.snapshots import Captured
 
@@ -62,9 +68,11 @@ class PendingStep:
     reduced: bool = False
     sum_squares: float | None = None
     param_sum_squares: list[float] | None = None
+    finite: bool | None = None  # the reduced gradient holds no NaN or Inf (computed once)
     head: int = 0
     staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     staged_bytes: int = 0
+    opened: float = field(default_factory=time.monotonic)  # for Status (server/pending.py)
 
     def received(self, k: int) -> int:
         """Elements of contribution ``k`` received so far."""
@@ -94,6 +102,8 @@ class BufferSlice:
         self.pending: PendingStep | None = None
         self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
         self.applied_param_sum_squares: tuple[int, list[float]] | None = None
+        self.applied_finite: tuple[int, bool] | None = None
+        self.skipped_steps = 0  # steps discarded because their reduced gradient was not finite
         # Each registered parameter's elements inside this slice, as local [lo, hi) ranges.
         self.param_ranges = [
             (
@@ -269,7 +279,7 @@ class BufferSlice:
                 if self.contributors > 1:
                     self.grad /= self.dtype.type(self.contributors)
                 pending.reduced = True
-                if h.HasField("step_args"):
+                if h.HasField("step_args") and self._finite():  # else a Step decides
                     self._apply_step(h.step_args)
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
@@ -334,6 +344,10 @@ class BufferSlice:
         """The same, one value per registered parameter (its elements in this slice)."""
         return self._norm_of(step, timeout, "applied_param_sum_squares", self._param_sum_squares)
 
+    def finite(self, step: int, timeout: float) -> bool:
+        """Whether this slice's reduced gradient of ``step`` holds no NaN or Inf."""
+        return self._norm_of(step, timeout, "applied_finite", self._finite)
+
     def _norm_of(self, step: int, timeout: float, kept_attr: str, compute: Any) -> Any:
         """``compute()`` of the reduced gradient of ``step``, waiting for it, or the value
         kept when the step was applied (a faster rank already stepped)."""
@@ -393,7 +407,18 @@ class BufferSlice:
             ]
         return pending.param_sum_squares
 
-    def step(self, step: int, args: pb.StepArgs, timeout: float) -> int:
+    def _finite(self) -> bool:
+        """Of the pending reduced gradient (caller holds the lock)."""
+        if self.slice_numel == 0:
+            return True
+        pending = self.pending
+        assert pending is not None and pending.reduced
+        if pending.finite is None:
+            pending.finite = all_finite(self.grad, self._sum_squares())
+        return pending.finite
+
+    def step(self, step: int, args: pb.StepArgs, timeout: float, skip: bool = False) -> int:
+        """Applies step ``step`` (``skip``: discards its gradient and moves the version on)."""
         self.check_step_args(args)
         with self.cond:
             if step < self.version:
@@ -408,7 +433,9 @@ class BufferSlice:
                 f"all gradient contributions of step {step}",
             )
             if self.version == step:
-                self._apply_step(args)
+                if not skip and not self._finite():
+                    raise ShardError.precondition(nonfinite_refusal(self.label, step))
+                self._apply_step(args, skip)
                 self.cond.notify_all()
             return self.version
 
@@ -498,19 +525,24 @@ class BufferSlice:
         if not np.isfinite(args.clip_coef) or args.clip_coef < 0:
             raise ShardError.invalid(f"{self.label}: clip_coef must be >= 0, got {args.clip_coef}")
 
-    def _apply_step(self, args: pb.StepArgs) -> None:
-        """Caller holds the lock and has checked ``args``."""
+    def _apply_step(self, args: pb.StepArgs, skip: bool = False) -> None:
+        """Caller holds the lock and has checked ``args``. ``skip``: the gradient is discarded,
+        params and optimizer state stay as they are, only the version moves on."""
         if self.version in self.capture_requests and self.version not in self.captures:
             self._capture()  # a snapshot wants the state before this step
         began = time.perf_counter()
         # kept for ranks that ask for this step's norm after a faster rank stepped
         self.applied_sum_squares = (self.version, self._sum_squares())
         self.applied_param_sum_squares = (self.version, self._param_sum_squares())
-        self.optimizer.update_hyper(dict(args.hyper))
-        if args.clip_coef and args.clip_coef != 1.0:
-            self.grad *= self.dtype.type(args.clip_coef)
-        if self.slice_numel:
-            self.optimizer.step(self.master, self.grad)
+        self.applied_finite = (self.version, self._finite())
+        if skip:
+            self.skipped_steps += 1
+        else:
+            self.optimizer.update_hyper(dict(args.hyper))
+            if args.clip_coef and args.clip_coef != 1.0:
+                self.grad *= self.dtype.type(args.clip_coef)
+            if self.slice_numel:
+                self.optimizer.step(self.master, self.grad)
         self.version += 1
         self.pending = None
         self.last_step_seconds = time.perf_counter() - began
@@ -558,6 +590,11 @@ class BufferStore:
                 f"{label}: master_dtype must be FLOAT32 or FLOAT64 (for float64 models),"
                 f" got DType value {req.master_dtype}"
             )
+        if req.model_config:
+            try:
+                check_model_config(req.model_config)
+            except ValueError as exc:
+                raise ShardError.invalid(f"{label}: {exc}") from None
         for p in req.params:
             if (
                 any(d < 0 for d in p.shape)

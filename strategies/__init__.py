@@ -8,6 +8,7 @@ from strategies.config import ShardingConfiguration
 from strategies.ddp import DDPModel
 from strategies.fsdp import FSDPModel, ZeRO3Model
 from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
+from strategies.nonfinite import NonFiniteGradientError
 from strategies.optim import (
     DDPOptimizer,
     FSDPOptimizer,
@@ -39,6 +40,7 @@ from strategies.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
     "ShardingConfiguration",
+    "NonFiniteGradientError",
     "ShardedModelBase",
     "ShardedOptimizer",
     "DDPModel",

@@ -16,6 +16,7 @@ import copy
 import io
 import json
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +26,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import nn
 
+from client import restarts
 from protos import slicing
+from protos.manifest import MODEL_CONFIG_MAX_BYTES
 from strategies.config import ShardingConfiguration
 from strategies.layout import copy_flat_into, master_torch_dtype, to_master
 from strategies.losses import default_loss
 
-__all__ = ["ShardedModelBase", "owner_of"]
+__all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 
 _FORMAT = "paramshard-model/1"
 # parameter id -> the wrapper holding it, so an optimizer wrapper built from
@@ -49,6 +52,34 @@ def owner_of(params: list[nn.Parameter]) -> ShardedModelBase:
     return next(iter(owners.values()))
 
 
+def eager_hook(hook: Callable) -> Callable:
+    """``hook`` as torch.compile never traces it: the strategies' hooks gather, free and push
+    through the servers, so they run eagerly between compiled regions (a graph break around
+    each call), as FSDP2's hooks do (``_dynamo_disable`` in torch's ``fully_shard``)."""
+    return torch.compiler.disable(hook, recursive=True, reason="paramshard hooks run eagerly")
+
+
+def hf_model_config(model: nn.Module) -> str:
+    """What the servers keep of a Hugging Face ``PreTrainedModel`` so its job exports as a
+    folder ``from_pretrained`` loads, without the model's code: JSON {"architecture": its
+    class name, "config": ``config.to_dict()``}; "" for any other model."""
+    if not any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(model).__mro__
+    ):
+        return ""
+    config = json.loads(model.config.to_json_string(use_diff=False))  # to_dict(), as JSON
+    described = json.dumps({"architecture": type(model).__name__, "config": config})
+    if len(described.encode()) > MODEL_CONFIG_MAX_BYTES:  # the servers would refuse it
+        warnings.warn(
+            f"{type(model).__name__}'s config is {len(described.encode()):,} bytes, over the"
+            f" servers' {MODEL_CONFIG_MAX_BYTES:,}: not recorded, so no export with --hf-dir",
+            stacklevel=3,
+        )
+        return ""
+    return described
+
+
 class ShardedModelBase(nn.Module):
     """A torch model wrapped for training over the shard servers.
 
@@ -57,6 +88,9 @@ class ShardedModelBase(nn.Module):
     """
 
     strategy = "base"
+    state_on_servers = False
+    """Parameters and optimizer state live on the servers, so a restarted rank can rejoin
+    (``paramshard launch --max-restarts``; client/restarts.py)."""
 
     def __init__(self, model: nn.Module, config: ShardingConfiguration) -> None:
         if model is None or config is None:
@@ -65,10 +99,13 @@ class ShardedModelBase(nn.Module):
         self.module = model
         self.config = config
         self.client = config.client
+        restarts.declare(self.strategy, self.state_on_servers, self.client.rank)
         # collectives reduce in rank order unless the configuration says arrival order
         self.client.deterministic = config.deterministic
         self.default_loss_function: Callable[[Any, Any], torch.Tensor] = default_loss
         self.optimizer: Any = None  # the attached optimizer wrapper
+        self.skipped_steps = 0
+        """Steps skipped because their gradient held NaN or Inf (strategies/nonfinite.py)."""
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later
         self._shapes = {n: p.shape for n, p in self._named}

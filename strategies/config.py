@@ -78,6 +78,10 @@ class ShardingConfiguration:
     gradient_accumulation_steps: int = 1
     """ZeRO-2 / FSDP: backward passes per optimizer step; each micro-batch's gradients are
     pushed during its backward and summed on the servers, which must know how many to expect."""
+    skip_nonfinite: bool = False
+    """A step whose reduced gradient holds NaN or Inf is skipped everywhere either way
+    (parameters and optimizer state unchanged); True counts it (``model.skipped_steps``) and
+    trains on, as ``torch.amp.GradScaler`` does, False raises ``NonFiniteGradientError``."""
 
     def __post_init__(self) -> None:
         self._check_client()
@@ -87,6 +91,7 @@ class ShardingConfiguration:
             "reshard_after_forward",
             "prefetch",
             "deterministic",
+            "skip_nonfinite",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):

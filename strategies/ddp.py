@@ -7,6 +7,8 @@ float64: ``config.reduce_dtype_for``). When a bucket's last gradient is accumula
 all-reduce starts on a single background thread (one thread, so every rank issues the
 collectives in the same order) while backward goes on; the end of backward waits for them and
 writes the averages back. Collectives reduce in rank order (``config.deterministic``).
+A step whose averaged gradient holds NaN or Inf is skipped: every rank holds the same averages,
+so each rank's own check is the global decision (strategies/nonfinite.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch import nn
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration, master_dtype
 from strategies.layout import copy_flat_into, to_master, torch_dtype
+from strategies.nonfinite import nonfinite_grads, settle
 
 __all__ = ["DDPModel"]
 
@@ -134,8 +137,12 @@ class DDPModel(ShardedModelBase):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
     def _optimizer_step(self) -> None:
-        self.optimizer.inner.step()
+        where = nonfinite_grads(self._named)  # the same averages, so the same verdict, on all
+        if not where:
+            self.optimizer.inner.step()
         self._invalidate()
+        if where:
+            settle(self, self.config.job, None, where)
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
         return self._gradients_from_hooks(run_backward)

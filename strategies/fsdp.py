@@ -10,6 +10,15 @@ Per unit, as in PyTorch FSDP:
   slice i: a reduce-scatter), free them and the parameters.
 The root unit is gathered at the start of forward and freed when its gradients are pushed.
 A parameter "freed" keeps its Python object (optimizers and hooks hold it) with empty storage.
+
+Activation checkpointing (non-reentrant ``torch.utils.checkpoint``) recomputes a unit's forward
+inside backward, after its pre-backward hook gathered it: that forward keeps the unit gathered
+(its backward comes next) and prefetches nothing. ``torch.compile`` of a unit (``block.compile()``
+or ``torch.compile(block)``) compiles its forward only: every hook here is ``eager_hook``, so
+gathers, frees and pushes run between the compiled regions.
+
+``wrap`` defaults to the classes a Hugging Face model lists in ``_no_split_modules`` (its
+decoder blocks: ``GPT2Block``, ``LlamaDecoderLayer``), transformers' own unit of sharding.
 """
 
 from __future__ import annotations
@@ -22,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
 from strategies.layout import BufferSpec, flat_views, flatten, torch_dtype
 from strategies.sharded import ServerShardedModel
 
-__all__ = ["FSDPModel", "ZeRO3Model"]
+__all__ = ["FSDPModel", "ZeRO3Model", "no_split_classes"]
 
 
 @dataclass
@@ -43,6 +53,16 @@ class _Unit:
     pushed_micro: int = -1
 
 
+def no_split_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The module classes a Hugging Face model names in ``_no_split_modules`` (transformers'
+    "never cut inside one of these": its decoder blocks), as found among its modules; () for
+    a model without them."""
+    names = getattr(model, "_no_split_modules", None) or ()
+    names = {names} if isinstance(names, str) else set(names)
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return tuple(sorted(found, key=lambda cls: cls.__name__))
+
+
 def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]
@@ -55,7 +75,8 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 
 class FSDPModel(ServerShardedModel):
     """Fully sharded data parallel over the shard servers (``wrap``: module classes that
-    become units, e.g. ``(Block,)``; ``config.wrap_min_params`` adds a size policy)."""
+    become units, e.g. ``(Block,)``; None: a Hugging Face model's ``_no_split_modules``
+    classes, else none; ``config.wrap_min_params`` adds a size policy)."""
 
     strategy = "fsdp"
 
@@ -65,6 +86,8 @@ class FSDPModel(ServerShardedModel):
         config: ShardingConfiguration,
         wrap: tuple[type[nn.Module], ...] | None = None,
     ) -> None:
+        if wrap is None:
+            wrap = no_split_classes(model) or None
         super().__init__(model, config, wrap=wrap)
         self._unit_list = [_Unit(i, name, m) for i, (name, m) in enumerate(self._units)]
         self._unit_of: dict[int, _Unit] = {}
@@ -72,8 +95,8 @@ class FSDPModel(ServerShardedModel):
         self.live_bytes = 0  # gathered parameter bytes held right now
         self.peak_live_bytes = 0
         for unit in self._unit_list[1:]:
-            unit.module.register_forward_pre_hook(self._make_pre_forward(unit))
-            unit.module.register_forward_hook(self._make_post_forward(unit))
+            unit.module.register_forward_pre_hook(eager_hook(self._make_pre_forward(unit)))
+            unit.module.register_forward_hook(eager_hook(self._make_post_forward(unit)))
 
     def _num_micro(self) -> int:
         return self.config.gradient_accumulation_steps
@@ -88,7 +111,7 @@ class FSDPModel(ServerShardedModel):
             unit.nbytes += b.numel * torch_dtype(b.master_dtype).itemsize
             for p in b.params:
                 self._unit_of[id(p)] = unit
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(eager_hook(self._on_grad))
         for unit in self._unit_list:
             self._free(unit)
 
@@ -141,6 +164,8 @@ class FSDPModel(ServerShardedModel):
             if not self.registered:
                 return
             self._gather(unit)
+            if self._in_backward:  # recomputed for its backward: the next unit is done
+                return
             if unit.index + 1 < len(self._unit_list):
                 self._prefetch(self._unit_list[unit.index + 1])
 
@@ -148,12 +173,14 @@ class FSDPModel(ServerShardedModel):
 
     def _make_post_forward(self, unit: _Unit) -> Callable:
         def post_forward(module: nn.Module, args: Any, output: Any) -> None:
-            if not self.registered:
+            if not self.registered or self._in_backward:
+                # Recomputed inside backward (activation checkpointing): its backward runs
+                # next, so it stays gathered until its gradients are pushed.
                 return
             if torch.is_grad_enabled():
                 for t in _tensors(output):
                     if t.requires_grad:
-                        t.register_hook(self._make_pre_backward(unit))
+                        t.register_hook(eager_hook(self._make_pre_backward(unit)))
             if self.config.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(unit)
 

@@ -27,8 +27,10 @@ from torch import nn
 from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
+from strategies.nonfinite import across_parts, name_parts, seen_by
 from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
+from strategies.pipeline.materialize import InitWeights
 from strategies.tensor import (
     gather_tensor_parallel_state,
     parallelize_module,
@@ -50,6 +52,13 @@ class HybridShardedModel(ShardedModelBase):
     ``split_points`` name the modules where pipeline stages begin (default: ``partition`` of
     the model's block container); ``parallelize_plan`` maps module names (``*`` wildcards) to
     tensor-parallel styles (default: the model's own plan, see ``strategies.tensor``).
+
+    A model built on the meta device (``with torch.device("meta"): model = ...``) is made real
+    on each rank for its own stage and tensor parts only, by ``init_weights``: a state dict or
+    the path of a safetensors checkpoint (each rank reads only its tensors and parts), or
+    ``"reset_parameters"`` / a callable ``fn(module)`` (e.g. ``model._init_weights``) replayed
+    under ``init_seed`` in a whole build's order, so the values equal building it whole
+    (``strategies/pipeline/materialize.py``).
     """
 
     strategy = "hybrid"
@@ -68,6 +77,8 @@ class HybridShardedModel(ShardedModelBase):
         virtual_stages: int | None = None,
         split_points: list[str] | None = None,
         parallelize_plan: dict[str, Any] | None = None,
+        init_weights: InitWeights = None,
+        init_seed: int | None = None,
     ) -> None:
         self.topology = Topology(
             config.client.world_size,
@@ -104,6 +115,8 @@ class HybridShardedModel(ShardedModelBase):
             virtual_stages=virtual_stages,
             split_points=split_points,
             parallelize=parallelize,
+            init_weights=init_weights,
+            init_seed=init_seed,
         )
         # Only this rank's stage (and tensor shard of it) is a submodule: parameters() and the
         # optimizer see exactly what this rank holds.
@@ -116,8 +129,12 @@ class HybridShardedModel(ShardedModelBase):
             reduce_dtype=config.reduce_dtype,
             param_dtype=config.param_dtype,
             deterministic=config.deterministic,
+            skip_nonfinite=config.skip_nonfinite,
         )
         self.replica = ZeRO1Model(self.stage, dp_config)
+        self._verdict: tuple[int, list[str]] | None = None  # clipping's, for the step
+        if self.topology.pipeline_parallel_size * self.topology.tensor_parallel_size > 1:
+            self.replica.agree_on_finite = self._agree_on_finite
         # The servers' manifests say which tensors are tensor-parallel parts (export joins them).
         self.replica.param_splits = tensor_parallel_splits(self.stage, self.groups.tp)
         self._named = [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
@@ -174,8 +191,19 @@ class HybridShardedModel(ShardedModelBase):
         )
 
     def _optimizer_step(self) -> None:
-        self._replica_optimizer.step()
-        self._invalidate()
+        try:
+            self._replica_optimizer.step()
+        finally:
+            self.skipped_steps = self.replica.skipped_steps
+            self._verdict = None
+            self._invalidate()
+
+    def _agree_on_finite(self, where: list[str]) -> list[str]:
+        """A step is skipped in every part or in none (strategies/nonfinite.py): the verdict
+        ``clip_grad_norm_`` reached this step, else one all-reduce over the world."""
+        if self._verdict is not None and self._verdict[0] == self.replica.step_count:
+            return self._verdict[1]
+        return across_parts(self.config.client, self.topology, self.config.job, where)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips by the whole model's 2-norm, as ``torch.nn.utils.clip_grad_norm_`` on the
@@ -197,12 +225,9 @@ class HybridShardedModel(ShardedModelBase):
         replica._ensure_reduced()
         mine = 0.0
         _, tp, dp = self.coords
+        check = replica._grad_check(per_param=dp == 0)  # the step's finiteness comes along
         if dp == 0:
-            sums = replica.client.param_sum_squares(
-                replica.config.job,
-                {b.name: len(b.entries) for b in replica._buffers},
-                replica._step,
-            )
+            sums = check.param_sum_squares or {}
             copies = self.pipeline.copies
             for b in replica._buffers:
                 for e, p, sq in zip(b.entries, b.params, sums[b.name], strict=True):
@@ -210,8 +235,14 @@ class HybridShardedModel(ShardedModelBase):
                         continue
                     mine += sq
         world = self.config.client
-        total_sq = world.all_reduce(torch.tensor([mine], dtype=torch.float64), "sum")[0]
-        total = math.sqrt(float(total_sq))
+        where = list(check.nonfinite)  # which parts are not finite rides on the same all-reduce
+        share = torch.cat([torch.tensor([mine], dtype=torch.float64), seen_by(world, where)])
+        summed = world.all_reduce(share, "sum")
+        self._verdict = (
+            replica.step_count,
+            name_parts(summed[1:], world.rank, self.topology, self.config.job, where),
+        )
+        total = math.sqrt(float(summed[0]))
         replica._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
         return norm_tensor(total, (p.dtype for _, p in self._named))
 
@@ -337,6 +368,7 @@ class HybridShardedModel(ShardedModelBase):
         pending transfers, gradients pushed so far."""
         self.replica.abandon_step()
         self.pipeline.abandon()
+        self._verdict = None
         self._invalidate()
 
     def recover(self) -> int:

@@ -19,6 +19,11 @@ all its parts restored from their newest common snapshot (it has no neighbour re
 ``train_step`` must be a function of the step number (the same data for the same step), so
 the replayed steps are the ones that were lost and training ends where it would have without
 the failure. At most ``checkpoint_every`` steps are recomputed.
+
+A *trainer* that dies is another matter: ``paramshard launch --max-restarts`` restarts it and
+its model adopts the servers' step (paramshard/restarts.py). The two do not combine yet: the
+snapshots and recoveries here synchronise the ranks with barriers, and a restarted rank cannot
+replay a barrier the others already passed.
 """
 
 from __future__ import annotations

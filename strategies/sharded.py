@@ -7,8 +7,9 @@ the rest (``BufferSpec.master_dtype``); gradients travel in ``config.reduce_dtyp
 parameters come back in ``config.param_dtype_for`` of each buffer. One training step is:
 
 1. gradients pushed (how and when is the strategy's business) for step ``_step``;
-2. optionally ``clip_grad_norm_``: each server reports its slices' sum of squares, every rank
-   computes the same global norm and clip coefficient;
+2. each server reports its slices' sum of squares and whether they are finite (GradNorm, once
+   per step): ``clip_grad_norm_`` computes the global norm and clip coefficient from it, and
+   the step is skipped on every server when any slice holds NaN or Inf (strategies/nonfinite.py);
 3. ``optimizer.step()``: one Step request per server carrying each buffer's current
    hyper-parameters (so torch LR schedulers drive the servers) and the clip coefficient;
 4. parameters pulled at version ``_step + 1`` (ZeRO: right away; FSDP: unit by unit, later).
@@ -24,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from client import ParamInfo, StepArgs
+from client import GradCheck, ParamInfo, StepArgs, restarts
 from protos import codec
-from strategies.base import ShardedModelBase
+from strategies.base import ShardedModelBase, hf_model_config
 from strategies.config import ShardingConfiguration
 from strategies.layout import (
     BufferSpec,
@@ -36,6 +37,7 @@ from strategies.layout import (
     plan_units,
     torch_dtype,
 )
+from strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
@@ -87,6 +89,8 @@ def wire_to_tensor(arr: np.ndarray, dtype: str, master: str = "float32") -> torc
 class ServerShardedModel(ShardedModelBase):
     """Base of the strategies whose optimizer runs on the servers."""
 
+    state_on_servers = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -107,10 +111,19 @@ class ServerShardedModel(ShardedModelBase):
         self._step = 0  # optimizer steps applied: the servers' version
         self._micro = 0  # backward passes since the last step
         self._clip_coef = 1.0
+        self._check: GradCheck | None = None  # this step's GradNorm, once gathered
+        self.agree_on_finite: Any = None
+        """Set by a wrapper whose model spans several jobs (3D: one per stage and tensor rank):
+        ``agree_on_finite(where)`` widens where this job's gradient is not finite to the whole
+        model, the same on every rank (strategies/nonfinite.py ``across_parts``)."""
         self.param_splits: dict[str, dict[str, int]] = {}
         """Parameter name -> ParamInfo split fields, for parameters that are one
         tensor-parallel part of a larger tensor (set by HybridShardedModel before attaching);
         they go into the servers' manifests so export can put the whole tensor together."""
+        self.model_config = hf_model_config(model)
+        """The model's description the servers record for export (``hf_model_config``: a
+        Hugging Face model's class and config; "" for others); a wrapper of a part of a model
+        sets the whole model's before attaching."""
         self._pending: list[Future] = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
 
@@ -120,7 +133,8 @@ class ServerShardedModel(ShardedModelBase):
 
     @property
     def step_count(self) -> int:
-        """Optimizer steps applied so far (the servers' version of every buffer)."""
+        """Optimizer steps taken so far, applied or skipped (the servers' version of every
+        buffer; a step skipped for a non-finite gradient counts, see ``skipped_steps``)."""
         return self._step
 
     # -- registration --------------------------------------------------------------------
@@ -133,7 +147,7 @@ class ServerShardedModel(ShardedModelBase):
         names: dict[int, list[str]] = {}  # tied weights: every name a parameter has
         for name, p in self.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(name)
-        for b in buffers:
+        for i, b in enumerate(buffers):
             hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
             replies = self.client.register_buffer(
                 job,
@@ -154,9 +168,15 @@ class ServerShardedModel(ShardedModelBase):
                 ],
                 master_dtype=b.master_dtype,
                 arrival_order=not self.config.deterministic,
+                model_config=self.model_config if i == 0 else "",  # one copy per job
             )
             versions |= {r.version for r in replies}
             initialized &= all(r.initialized for r in replies)
+        if len(versions) > 1 and restarts.restart_count() and max(versions) - min(versions) == 1:
+            # A restarted rank arrived while a step was being applied (or its sender died
+            # half-way): every server already holds that step's reduced gradient (see
+            # _optimizer_step), so replaying it pushes duplicates and completes the step.
+            versions = {min(versions)}
         if len(versions) > 1:
             raise RuntimeError(
                 f"job '{job}' is on the servers at several versions {sorted(versions)}:"
@@ -265,26 +285,41 @@ class ServerShardedModel(ShardedModelBase):
         if not self.registered:
             raise RuntimeError("clip_grad_norm_ needs an optimizer wrapper attached first")
         self._ensure_reduced()
-        sums = self.client.grad_sum_squares(
-            self.config.job, [b.name for b in self._buffers], self._step
-        )
-        total = math.sqrt(sum(sums))
+        total = math.sqrt(sum(self._grad_check().sum_squares))
         self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
         return norm_tensor(total, (p.dtype for _, p in self._named))
 
+    def _grad_check(self, per_param: bool = False) -> GradCheck:
+        """Every server's GradNorm of this step (waits for the reduced gradient), gathered once
+        for clipping and the step; ``per_param``: with each parameter's sum of squares."""
+        if self._check is None or (per_param and self._check.param_sum_squares is None):
+            names = {b.name: len(b.entries) for b in self._buffers}
+            params = names if per_param else None
+            self._check = self.client.grad_check(self.config.job, list(names), self._step, params)
+        return self._check
+
     def _optimizer_step(self) -> None:
         self._ensure_reduced()
+        # Both phases of a step (server/nonfinite.py): every server's finiteness first, then
+        # the same Step, applied or skipped, to all. Asking first also means no server moves
+        # on while another still waits for a (restartable) dead rank's gradient.
+        where = list(self._grad_check().nonfinite)
+        if self.agree_on_finite is not None:
+            where = self.agree_on_finite(where)
         groups = self.optimizer.param_groups
         args = {
             b.name: StepArgs(server_hyper(self._opt_name, groups[b.group_index]), self._clip_coef)
             for b in self._buffers
         }
-        self.client.step(self.config.job, self._step, args)
+        step = self._step
+        self.client.step(self.config.job, step, args, skip=bool(where))
         self._step += 1
         self._micro = 0
-        self._clip_coef = 1.0
+        self._clip_coef, self._check = 1.0, None
         self._invalidate()
         self._after_step()
+        if where:
+            settle(self, self.config.job, step, where)
 
     def _after_step(self) -> None:
         """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
@@ -349,7 +384,7 @@ class ServerShardedModel(ShardedModelBase):
         if len(versions) != 1:
             raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
         self._step = versions.pop()
-        self._micro, self._clip_coef = 0, 1.0
+        self._micro, self._clip_coef, self._check = 0, 1.0, None
         self._invalidate()
         self._after_load()
         return self._step
@@ -368,7 +403,7 @@ class ServerShardedModel(ShardedModelBase):
                 fut.result()
             except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
                 pass
-        self._micro, self._clip_coef = 0, 1.0
+        self._micro, self._clip_coef, self._check = 0, 1.0, None
         self._invalidate()
         self._abandon_local()
 

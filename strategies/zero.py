@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
 from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
 from strategies.sharded import ServerShardedModel
@@ -113,7 +114,7 @@ class ZeRO2Model(_ReplicatedParams):
                 bucket.numel += e.numel
                 bucket.params.append(p)
                 self._bucket_of[id(p)] = bucket
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(eager_hook(self._on_grad))
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self._keep_local(p):

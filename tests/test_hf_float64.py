@@ -4,13 +4,21 @@ contract of tests/numerics.py.
 
 The loss is cross-entropy on ``logits``: transformers' own ``labels=`` loss casts the logits to
 float32 (``transformers.loss.loss_utils``), so a float64 run on ``output.loss`` is float32 in
-its loss on both sides and differs by float32 round-off (measured ~1e-6), not by ours.
+its loss on both sides and differs by float32 round-off (measured ~1e-6), not by ours; the
+``labels=`` path is tested in float32, against torch's DDP (tests/test_hf_llama.py).
+
+``train_single`` and ``train_sharded`` are the two sides of every Hugging Face test here and in
+tests/test_hf_llama.py and tests/test_checkpoint_compile.py: AdamW with clipping, a model built
+by ``build()`` on each rank, ``loss_of(output, tokens)`` from the output of
+``model(input_ids=tokens[:, :-1])`` or, with ``labels``, ``model(input_ids=t, labels=t)``.
 """
 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -45,47 +53,66 @@ def new_model(init: dict) -> torch.nn.Module:
     return model
 
 
-def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tokens[:, :-1]).logits  # a ModelOutput
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-
-
-@pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-def test_hf_gpt2_in_float64_equals_single_process(strategy: str, one_torch_thread) -> None:
-    torch.manual_seed(0)
-    init = transformers.GPT2LMHeadModel(CFG).double().state_dict()
-    data = torch.randint(
-        0, VOCAB, (STEPS, WORLD * PER_RANK, 9), generator=torch.Generator().manual_seed(1)
+def logits_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the ``logits`` of a ``ModelOutput``, in the model's dtype."""
+    logits = model(input_ids=tokens[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
     )
 
-    ref = new_model(init)
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    ref_losses = []
-    for s in range(STEPS):
-        loss = loss_of(ref, data[s])
+
+def labels_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """transformers' own loss: ``model(input_ids=t, labels=t).loss`` (it shifts the labels)."""
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def batches(steps: int = STEPS, batch: int = WORLD * PER_RANK, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (steps, batch, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def train_single(
+    build: Callable[[], torch.nn.Module], data: torch.Tensor, loss_of: Callable = logits_loss
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the whole batch: (losses, state_dict)."""
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(data.shape[0]):
+        loss = loss_of(model, data[s])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
+    return losses, model.state_dict()
 
-    servers = [ShardServer().start() for _ in range(WORLD)]
+
+def train_sharded(
+    strategy: str,
+    build: Callable[[], torch.nn.Module],
+    data: torch.Tensor,
+    loss_of: Callable = logits_loss,
+    world: int = WORLD,
+    **model_kw: Any,
+) -> list[tuple[list[float], dict[str, torch.Tensor]]]:
+    """The same training by ``strategy`` at ``world`` ranks (threads) on as many fresh
+    servers, each rank its equal part of every batch; per rank (losses, state_dict)."""
+    servers = [ShardServer().start() for _ in range(world)]
     run, job = uuid.uuid4().hex[:8], f"hf-{uuid.uuid4().hex[:8]}"
     model_cls, opt_cls = STRATEGIES[strategy]
+    per_rank = data.shape[1] // world
 
     def rank(r: int):
         client = ShardClient(
-            ClusterSpec([s.address for s in servers]), rank=r, world_size=WORLD, run_id=run
+            ClusterSpec([s.address for s in servers]), rank=r, world_size=world, run_id=run
         )
         config = ShardingConfiguration(client, job=job)
-        net = new_model(init)
-        wrap = {"wrap": (GPT2Block,)} if strategy == "fsdp" else {}
-        model = model_cls(net, config, **wrap)
+        net = build()
+        model = model_cls(net, config, **model_kw)
         sharded_opt = opt_cls(torch.optim.AdamW(net.parameters(), lr=1e-2), config)
         losses = []
-        for s in range(STEPS):
-            loss = loss_of(model, data[s, r * PER_RANK : (r + 1) * PER_RANK])
+        for s in range(data.shape[0]):
+            loss = loss_of(model, data[s, r * per_rank : (r + 1) * per_rank])
             loss.backward()
             model.clip_grad_norm_(0.5)
             sharded_opt.step()
@@ -96,14 +123,34 @@ def test_hf_gpt2_in_float64_equals_single_process(strategy: str, one_torch_threa
         return losses, state
 
     try:
-        with ThreadPoolExecutor(WORLD) as pool:
-            results = [f.result(timeout=120) for f in [pool.submit(rank, r) for r in range(WORLD)]]
+        with ThreadPoolExecutor(world) as pool:
+            futures = [pool.submit(rank, r) for r in range(world)]
+            return [f.result(timeout=300) for f in futures]
     finally:
         for s in servers:
             s.stop(0)
-    want = ref.state_dict()
-    losses = [sum(r[0][s] for r in results) / WORLD for s in range(STEPS)]
-    assert_equivalent(losses, ref_losses, f"{strategy} losses")
+
+
+def assert_matches_single(
+    results: list, want: tuple[list[float], dict[str, torch.Tensor]], what: str
+) -> None:
+    """Mean loss over ranks and every rank's parameters against single-process, at 1e-9."""
+    ref_losses, ref_state = want
+    steps = len(ref_losses)
+    losses = [sum(r[0][s] for r in results) / len(results) for s in range(steps)]
+    assert_equivalent(losses, ref_losses, f"{what} losses")
     for r, (_, state) in enumerate(results):
-        assert {n for n, _ in ref.named_parameters()} <= set(state)
-        assert_equivalent(state, {k: want[k] for k in state}, f"{strategy} rank {r}")
+        assert set(state) == set(ref_state)
+        assert_equivalent(state, dict(ref_state), f"{what} rank {r}")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_hf_gpt2_in_float64_equals_single_process(strategy: str, one_torch_thread) -> None:
+    torch.manual_seed(0)
+    init = transformers.GPT2LMHeadModel(CFG).double().state_dict()
+    data = batches()
+    want = train_single(lambda: new_model(init), data)
+    wrap = {"wrap": (GPT2Block,)} if strategy == "fsdp" else {}
+    results = train_sharded(strategy, lambda: new_model(init), data, **wrap)
+    assert_matches_single(results, want, strategy)

@@ -31,6 +31,7 @@ from torch import nn
 from strategies.config import ShardingConfiguration
 from strategies.losses import default_loss
 from strategies.pipeline.communications import _LIKE, Mailroom, new_pools, pack, unpack
+from strategies.pipeline.materialize import InitWeights, WeightInit
 from strategies.pipeline.partition import PartitionName, default_split_points
 from strategies.pipeline.schedules import (
     ScheduleName,
@@ -39,6 +40,7 @@ from strategies.pipeline.schedules import (
     theoretical_bubble_fraction,
 )
 from strategies.pipeline.split import RankStages, plan_stages
+from strategies.topology import ring_neighbours
 
 if TYPE_CHECKING:
     from client import ShardClient
@@ -56,6 +58,9 @@ class PipelineParallelModel(nn.Module):
     begin (``p * v - 1`` of them with ``v`` chunks per rank); without them ``partition``
     places them. ``parallelize(model, owns)`` runs before the split with a predicate on module
     names saying which modules this rank keeps (tensor parallelism goes there).
+    ``init_weights`` (with ``init_seed`` for a seeded one) makes a model built on the meta
+    device real on this rank for its own stage and tensor parts only, from a state dict, a
+    safetensors checkpoint or a replayed init (``materialize.py``); None keeps the model's own.
     ``parameters()`` are this rank's only, so a plain torch optimizer on them works; after
     ``train_step`` they hold the batch's gradients.
     """
@@ -72,12 +77,15 @@ class PipelineParallelModel(nn.Module):
         *,
         split_points: list[str] | None = None,
         parallelize: Callable[[nn.Module, Callable[[str], bool]], Any] | None = None,
+        init_weights: InitWeights = None,
+        init_seed: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(micro_batch_count, bool) or not isinstance(micro_batch_count, int):
             raise ValueError(f"micro_batch_count must be an int >= 1, got {micro_batch_count!r}")
         if micro_batch_count < 1:
             raise ValueError(f"micro_batch_count must be an int >= 1, got {micro_batch_count}")
+        weights = WeightInit(model, init_weights, init_seed)  # a meta copy, before TP
         self.config = config
         self.pp = pp_client if pp_client is not None else config.client
         self.pp.deterministic = config.deterministic  # before the tied groups copy it
@@ -114,6 +122,7 @@ class PipelineParallelModel(nn.Module):
         if parallelize is not None:
             parallelize(model, rank.owns)
         rank.build()
+        weights.materialize(self.plan, rank.module)  # after TP, before the servers see it
         self.stage = rank.module
         self._runners = rank.runners
         self.units = sorted(rank.units)
@@ -190,11 +199,11 @@ class PipelineParallelModel(nn.Module):
         with torch.enable_grad():  # activations are the tensors that need gradients
             for c, runner in enumerate(self._runners):
                 k = c * p + self.stage_index
-                prev = (self.stage_index - 1) % p
+                prev = ring_neighbours(self.stage_index, p)[0]
                 received = [] if k == 0 else self._arrived(self.pp.recv(prev, _LIKE, "fwd"))
                 sent, out = runner.run(args, kwargs, received)
                 if k != last:
-                    self.pp.send(pack(sent), (self.stage_index + 1) % p, "fwd")
+                    self.pp.send(pack(sent), ring_neighbours(self.stage_index, p)[1], "fwd")
         return _detach(out) if self.stage_index == (last % p) else None
 
     # -- training ----------------------------------------------------------------------------
@@ -218,7 +227,7 @@ class PipelineParallelModel(nn.Module):
         last_virtual = p * self.virtual_stages - 1
         batches = self._micro_batches(x, y, inputs)
         loss_fn = loss_fn or default_loss
-        prev, nxt = (self.stage_index - 1) % p, (self.stage_index + 1) % p
+        prev, nxt = ring_neighbours(self.stage_index, p)
         # Shared weights' earlier gradients are set aside so that only this batch's
         # contributions are all-reduced (else every copy's old gradient would be summed).
         stashed = [[q.grad for q in params] for _, params in self.tied_groups]
@@ -294,7 +303,7 @@ class PipelineParallelModel(nn.Module):
     def _receives(self) -> list[tuple[int, str]]:
         """(source rank, tag) of every tensor this stage receives, in schedule order."""
         p, last = self.num_stages, self.num_stages * self.virtual_stages - 1
-        prev, nxt = (self.stage_index - 1) % p, (self.stage_index + 1) % p
+        prev, nxt = ring_neighbours(self.stage_index, p)
         out = []
         for kind, _, c in self.steps:
             k = c * p + self.stage_index

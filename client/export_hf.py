@@ -1,0 +1,110 @@
+"""A Hugging Face model's job as a folder ``from_pretrained`` loads: ``config.json`` and
+``model.safetensors``. ``export_hf`` reads live servers; ``write_hf`` is shared with offline
+export of snapshot folders (``paramshard export --snapshot DIR --hf-dir OUT``).
+
+No model code is needed: when a ``PreTrainedModel``'s job registered, the servers recorded its
+class and ``config.to_dict()`` (RegisterBufferRequest.model_config), and snapshots keep it.
+The folder is what transformers' ``save_pretrained`` writes:
+
+- ``config.json``: the recorded config, with ``architectures`` the model's class and ``dtype``
+  the exported parameters' (the training dtype: float64 stays float64), which
+  ``from_pretrained`` loads them in;
+- ``model.safetensors`` (metadata ``format: pt``, which ``from_pretrained`` requires): every
+  parameter once. A tied parameter (config ``tie_word_embeddings``) is written under its first
+  name only (``transformer.wte.weight``, not ``lm_head.weight``): safetensors holds no aliases,
+  and ``from_pretrained`` ties the other name again. A config that does not tie gets every
+  name written. Names are the model's state-dict names: the segments torch's module wrappers
+  insert (``_checkpoint_wrapped_module.`` of ``checkpoint_wrapper``, ``_orig_mod.`` of
+  ``torch.compile(block)``) are dropped, as those wrappers' state dicts drop them.
+
+Buffers are not on the servers: ``from_pretrained`` initialises a persistent buffer from the
+config (GPT-2 and Llama have none; Llama's rotary frequencies are not persistent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from client.export import export_dtype, write_safetensors
+from client.jobs import live_model_config, live_params
+from client.shard_client import ShardClient
+
+__all__ = ["export_hf", "write_hf"]
+
+ExportParam = tuple[str, str, tuple[int, ...], tuple[str, ...], Callable[[], np.ndarray]]
+"""(name, dtype, shape, aliases, produce flat values) of one whole parameter."""
+
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _state_dict_name(name: str) -> str:
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """``value`` as JSON at ``path``, whole or not at all (temporary file, fsync, rename)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_hf(
+    out_dir: str | os.PathLike,
+    model_config: Mapping[str, Any],
+    params: Iterable[ExportParam],
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Writes ``config.json`` and ``model.safetensors`` of the model ``model_config``
+    describes ({"architecture", "config"}, as recorded) holding ``params`` into ``out_dir``
+    (created if needed); returns the number of tensors written."""
+    config = dict(model_config["config"])
+    tied = config.get("tie_word_embeddings", True)  # transformers' default
+    items = [
+        (_state_dict_name(each), export_dtype(dtype), tuple(shape), produce)
+        for name, dtype, shape, aliases, produce in params
+        for each in ((name,) if tied else (name, *aliases))
+    ]
+    config["architectures"] = [model_config["architecture"]]
+    if items:  # save_pretrained records the dtype of the first parameter
+        config["dtype"] = items[0][1]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", items, {"format": "pt", **(metadata or {})})
+    _write_json(out / "config.json", config)
+    return len(items)
+
+
+def export_hf(client: ShardClient, job: str, out_dir: str | os.PathLike) -> int:
+    """The job of a Hugging Face ``PreTrainedModel`` from live servers into ``out_dir`` as
+    ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained(out_dir)``;
+    returns the number of tensors. A 3D job's base name exports the whole model (its
+    tensor-parallel parts joined). Consistent when training is paused; while it runs,
+    snapshot first and export the snapshot. RuntimeError for a job of another model."""
+    params, jobs = live_params(client, job)
+    described = live_model_config(client, jobs)
+    if described is None:
+        raise RuntimeError(
+            f"job '{job}' has no model config on the servers: only a Hugging Face"
+            " PreTrainedModel's job records one when it registers; export it with --out"
+        )
+    meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
+    if jobs != [job]:
+        meta["parts"] = ",".join(jobs)
+    return write_hf(
+        out_dir, described, ((p.name, p.dtype, p.shape, p.aliases, p.produce) for p in params), meta
+    )

@@ -1,0 +1,112 @@
+"""A rank's side of ``paramshard launch --max-restarts K``: am I a restart, and may I be one.
+
+The launcher restarts a failed rank on its own, while the other ranks keep running: that is
+sound only when the rank kept nothing the others need, i.e. its parameters and optimizer state
+live on the servers (ZeRO-1/2, FSDP). A DDP or 3D rank keeps them in its own process, so a
+fresh process would train on state the others no longer share. The launcher cannot see which
+strategy a rank runs, so each model says where its state is, in a file the launcher reads when
+the rank fails (a SIGKILLed process can say nothing then).
+
+Environment, set by the launcher for each rank when K > 0 (torchrun sets
+TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
+
+- ``PARAMSHARD_MAX_RESTARTS``: K, the restarts the launcher may make in all;
+- ``PARAMSHARD_RESTART_COUNT``: how many times this rank was restarted (0: its first process);
+- ``PARAMSHARD_RESTART_FILE``: where this rank's models declare themselves, one line each,
+  ``<strategy> servers`` or ``<strategy> trainers``. The file outlives the process, so a
+  restart that fails again before building its model is judged by the first one's lines.
+
+Torch-free: the launcher reads the file, the strategies write it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+__all__ = [
+    "MAX_RESTARTS_ENV",
+    "RESTART_COUNT_ENV",
+    "RESTART_FILE_ENV",
+    "Declaration",
+    "declare",
+    "max_restarts",
+    "read_declaration",
+    "restart_count",
+]
+
+MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
+RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
+RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
+ON_SERVERS, ON_TRAINERS = "servers", "trainers"
+
+
+def _env_count(name: str) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit():
+        raise ValueError(f"environment variable {name} must be an integer >= 0, got {raw!r}")
+    return int(raw)
+
+
+def max_restarts() -> int:
+    """K of ``paramshard launch --max-restarts K`` (0 when ranks are never restarted)."""
+    return _env_count(MAX_RESTARTS_ENV)
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this rank (0: this is its first process)."""
+    return _env_count(RESTART_COUNT_ENV)
+
+
+def declare(strategy: str, state_on_servers: bool, rank: int) -> None:
+    """Called by every sharded model when it is built: records where its state lives for the
+    launcher, and refuses to build a model that keeps state on the trainer in a restarted
+    rank (its fresh parameters would differ from the others' trained ones)."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{strategy} {ON_SERVERS if state_on_servers else ON_TRAINERS}\n")
+    if not state_on_servers and restart_count() > 0:
+        raise RuntimeError(
+            f"rank {rank} was restarted ({RESTART_COUNT_ENV}={restart_count()}), but a"
+            f" {strategy} model keeps its parameters and optimizer state in the trainer"
+            " process, so this one would train on state the other ranks no longer share."
+            " paramshard launch --max-restarts can restart ZeRO-1, ZeRO-2 and FSDP ranks only;"
+            f" run {strategy} without it (a failed rank then stops the job)"
+        )
+    if not state_on_servers and max_restarts() > 0 and rank == 0:
+        warnings.warn(
+            f"paramshard launch --max-restarts does not apply to {strategy}: its ranks keep"
+            " state in the trainer process, so a failed rank stops the job",
+            stacklevel=4,  # the user's line that built the model
+        )
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What a rank's models said about themselves (``read_declaration``)."""
+
+    strategies: tuple[str, ...]  # in the order the models were built
+    on_trainers: tuple[str, ...]  # those keeping state in the trainer process
+
+    @property
+    def restartable(self) -> bool:
+        """Some model was built and every one of them keeps its state on the servers (a 3D
+        model's parts are ZeRO models, but the pipeline and tensor parts are not: it says
+        ``trainers`` itself)."""
+        return bool(self.strategies) and not self.on_trainers
+
+
+def read_declaration(path: str) -> Declaration:
+    """The lines ``declare`` wrote to ``path`` (none if the rank built no model yet)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            rows = [line.split() for line in f if line.strip()]
+    except FileNotFoundError:
+        rows = []
+    strategies = tuple(r[0] for r in rows)
+    on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
+    return Declaration(strategies, on_trainers)

@@ -1,0 +1,138 @@
+"""Supervising the ranks of ``paramshard launch``: restart a failed one, or stop them all.
+
+With ``--max-restarts K`` a rank that fails is started again, alone, up to K times in all over
+the job (torchrun's ``--max-restarts`` restarts the whole worker group instead; here the
+servers keep the state, so the ranks that still run keep running and wait for the new one at
+their next call to the servers). The new process gets the same environment plus
+``PARAMSHARD_RESTART_COUNT`` (client/restarts.py); a ZeRO-1/2 or FSDP model built in it adopts
+the servers' step (``model.step_count``), and the script resumes its data there.
+
+A rank is restarted only if its models declared that their state is on the servers: a DDP or
+3D rank keeps parameters and optimizer state in its own process, so its failure stops the job
+at once, as without ``--max-restarts``. So does a rank that failed before building a model,
+and any failure once the K restarts are used up.
+
+Every rank's other calls wait for the restarted one within their deadline (``timeout_s``,
+120 s by default, and the servers' ``--max-wait-s``): a restart must get back to the servers
+within it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from client import restarts as contract
+from paramshard.cli import EXIT_FAILURE
+from paramshard.launch import Child, exit_code, say, stop
+
+__all__ = ["RankRestarts", "supervise"]
+
+
+@dataclass
+class RankRestarts:
+    """The restart budget of one launcher and what each of its ranks declared."""
+
+    max_restarts: int  # --max-restarts: restarts allowed in all, over every rank
+    directory: str = ""  # holds rank-R files the ranks' models declare themselves in
+    counts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
+
+    @classmethod
+    def create(cls, max_restarts: int) -> RankRestarts:
+        directory = tempfile.mkdtemp(prefix="paramshard-restarts-") if max_restarts else ""
+        return cls(max_restarts, directory)
+
+    @property
+    def used(self) -> int:
+        return sum(self.counts.values())
+
+    def env(self, rank: int) -> dict[str, str]:
+        """What rank ``rank``'s next process is told (nothing without --max-restarts)."""
+        if not self.max_restarts:
+            return {}
+        return {
+            contract.MAX_RESTARTS_ENV: str(self.max_restarts),
+            contract.RESTART_COUNT_ENV: str(self.counts.get(rank, 0)),
+            contract.RESTART_FILE_ENV: os.path.join(self.directory, f"rank-{rank}"),
+        }
+
+    def refusal(self, rank: int) -> str | None:
+        """None if rank ``rank``, which just failed, may be restarted; else why not."""
+        if not self.max_restarts:
+            return ""
+        if self.used >= self.max_restarts:
+            return f"not restarted: --max-restarts {self.max_restarts} used up"
+        said = contract.read_declaration(os.path.join(self.directory, f"rank-{rank}"))
+        if not said.strategies:
+            return (
+                "not restarted: it failed before building a sharded model, so nothing says"
+                " its state is on the servers"
+            )
+        if said.on_trainers:
+            return (
+                f"not restarted: its {said.on_trainers[0]} model kept parameters and"
+                " optimizer state in the trainer process, which died with it; --max-restarts"
+                " restarts ZeRO-1, ZeRO-2 and FSDP ranks only"
+            )
+        return None
+
+    def count(self, rank: int) -> int:
+        """Records one more restart of ``rank``; returns how many it has had."""
+        self.counts[rank] = self.counts.get(rank, 0) + 1
+        return self.counts[rank]
+
+    def close(self) -> None:
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def supervise(
+    ranks: list[Child],
+    servers: list[Child],
+    events: queue.SimpleQueue,
+    received: list[int],
+    grace: float,
+    restarts: RankRestarts,
+    start_rank: Callable[[int], Child],
+) -> int:
+    """Waits for the ranks; a failed rank is restarted when ``restarts`` allows it (the new
+    process is appended to ``ranks``), else the first failure (a rank, a local server, a
+    signal) stops them all. ``start_rank(rank)`` starts rank ``rank``'s process."""
+    running = set(ranks)
+    while running:
+        kind, child, value = events.get()
+        if kind == "signal":
+            name = signal.Signals(value).name
+            say(f"{name}: stopping the ranks (--grace {grace:g} s; again to kill them now)")
+            stop(list(running), value, grace, received)
+            return 128 + value
+        if child in servers:
+            say(f"{child.name} exited (exit code {child.proc.returncode}); stopping the ranks")
+            stop(list(running), signal.SIGTERM, grace, received)
+            return EXIT_FAILURE
+        running.discard(child)
+        if value == 0:
+            continue
+        code = exit_code(value)
+        why = restarts.refusal(child.rank)
+        if why is None:
+            n = restarts.count(child.rank)
+            say(
+                f"{child.name} failed with exit code {code}; restarting it (its restart {n};"
+                f" {restarts.used} of --max-restarts {restarts.max_restarts} used)"
+            )
+            new = start_rank(child.rank)
+            ranks.append(new)
+            running.add(new)
+            continue
+        why = f" ({why})" if why else ""
+        others = f"; stopping {len(running)} other ranks" if running else ""
+        say(f"{child.name} failed with exit code {code}{why}{others}")
+        stop(list(running), signal.SIGTERM, grace, received)
+        return code
+    return 0

@@ -1,0 +1,77 @@
+"""Non-finite gradients never reach the master copy: a step is applied on all servers or none.
+
+A job's reduced gradient is cut over its servers, so no server alone can tell whether the step
+is sound. The decision takes two phases, as ``torch.amp.GradScaler`` does with ``found_inf``:
+
+1. ``GradNorm``: each server reports, per buffer, its reduced slice's sum of squares (what
+   global clipping already gathers) and whether the slice is finite;
+2. ``Step``: the client that gathered every server's answer sends all of them the same
+   decision: apply, or ``skip`` (every rank computes the same one from the same answers; the
+   first request wins, as before).
+
+A skipped step leaves parameters and optimizer state (its step count included) as they were and
+still moves the version on, so a version counts steps *taken*: a trainer waiting for version
+s + 1 is released, a pushed retry of step s stays a duplicate, and a restarted rank resumes its
+data at the right batch. A server told to apply a slice that is not finite refuses the whole
+request (FAILED_PRECONDITION) before stepping any of its buffers, so a client that skipped the
+first phase cannot poison the model either. Torch-free, like the rest of ``server/``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from protos import shard_pb2 as pb
+from server import backend
+from server.errors import ShardError
+
+if TYPE_CHECKING:
+    from server.store import BufferSlice
+
+__all__ = ["all_finite", "grad_norm_reply", "nonfinite_refusal", "step_reply"]
+
+
+def all_finite(values: Any, sum_squares: float) -> bool:
+    """Whether every element of ``values`` is finite, given their sum of squares: a NaN or Inf
+    element makes that sum NaN or Inf, so a finite sum proves it for free; only a sum that
+    overflowed needs a pass of its own."""
+    if math.isfinite(sum_squares):
+        return True
+    return bool(backend.xp.isfinite(values).all())
+
+
+def nonfinite_refusal(label: str, step: int) -> str:
+    """The FAILED_PRECONDITION message of a Step that would apply a non-finite slice."""
+    return (
+        f"{label}: the reduced gradient of step {step} holds NaN or Inf on this server, so it is"
+        " not applied; gather GradNorm.finite from every server of the job and send them all a"
+        " Step with skip=true to discard it"
+    )
+
+
+def grad_norm_reply(
+    slices: list[BufferSlice], req: pb.GradNormRequest, timeout: float
+) -> pb.GradNormReply:
+    """The first phase: each slice's sum of squares (per parameter too with ``per_param``)
+    and whether it is finite."""
+    reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
+    if req.per_param:
+        for b in slices:
+            reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout))
+    reply.finite.extend(b.finite(req.step, timeout) for b in slices)
+    return reply
+
+
+def step_reply(
+    slices: list[tuple[BufferSlice, pb.StepArgs]], req: pb.StepRequest, timeout: float
+) -> pb.StepReply:
+    """The second phase: every buffer of the request applied, or skipped with ``req.skip``.
+    Arguments and finiteness of every buffer are checked before any of them steps."""
+    for b, args in slices:
+        b.check_step_args(args)
+    if not req.skip:
+        for b, _ in slices:
+            if b.version == req.step and not b.finite(req.step, timeout):
+                raise ShardError.precondition(nonfinite_refusal(b.label, req.step))
+    return pb.StepReply(versions=[b.step(req.step, args, timeout, req.skip) for b, args in slices])
