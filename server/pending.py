@@ -16,12 +16,18 @@ Slot keys are made by ``client/collectives.py``, one form per collective:
 
 ``<run>`` is the client's run id, a group's ``<run>/<group>`` or a restart's ``<run>.e<epoch>``;
 a group's ranks are its members' indices. Keys of any other form are reported as they are.
+
+A slot may say it expects up to 2**32 - 1 contributors or readers, and a buffer as many
+contributors: rank lists are built from what arrived, never from ``range(expected)``, and list
+at most ``MAX_LISTED`` ranks (the chaos fuzzer's Status took 22 GB before).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +52,8 @@ DEFAULT_PENDING = 100
 """Rows of ``StatusReply.pending`` when the request does not say."""
 MAX_PENDING = 1000
 """Rows a Status reply lists at most, whatever the request asks: the reply stays small."""
+MAX_LISTED = 1024
+"""Ranks a rank list of a row or a message holds at most (the lowest ones)."""
 
 _KINDS = {"ar": "all_reduce", "rs": "reduce_scatter", "ag": "all_gather", "bc": "broadcast"}
 _COLLECTIVE = re.compile(r"(?P<run>.*):(?P<kind>ar|rs|ag|bc)(?P<seq>\d+)/(?P<part>\d+)")
@@ -106,16 +114,17 @@ class SlotName:
             return None
         return contributor
 
-    def readers(self, meta: pb.SlotHeader) -> set[int] | None:
-        """The ranks that read it, where the key tells them."""
+    def readers(self, meta: pb.SlotHeader) -> Iterable[int] | None:
+        """The ranks that read it, where the key tells them (lazily: ``meta.readers`` may be
+        2**32 - 1)."""
         if self.kind == "all_reduce":
-            return set(range(meta.readers))
+            return range(meta.readers)
         if self.kind == "reduce_scatter":
-            return {self.part}
+            return (self.part,)
         if self.kind == "all_gather":
-            return set(range(meta.readers + 1)) - {self.part}
+            return (r for r in range(meta.readers + 1) if r != self.part)
         if self.kind == "send":
-            return {self.dst}
+            return (self.dst,)
         return None
 
 
@@ -133,11 +142,18 @@ def parse_key(key: str) -> SlotName:
 
 
 def _ranks(name: SlotName, contributors: Any) -> list[int]:
-    return sorted({r for c in contributors if (r := name.rank_of(c)) is not None})
+    return sorted({r for c in contributors if (r := name.rank_of(c)) is not None})[:MAX_LISTED]
+
+
+def _absent(ranks: Iterable[int], present: set[int]) -> list[int]:
+    """The first ``MAX_LISTED`` of ``ranks`` (a lazy range) that are not in ``present``: at
+    most ``len(present) + MAX_LISTED`` steps, however many ``ranks`` there are."""
+    return list(itertools.islice((r for r in ranks if r not in present), MAX_LISTED))
 
 
 def _listed(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks)) if ranks else "none"
+    more = ", ..." if len(ranks) >= MAX_LISTED else ""
+    return ", ".join(map(str, ranks)) + more if ranks else "none"
 
 
 def who(slot: _Slot, offset: int) -> str:
@@ -155,7 +171,7 @@ def who(slot: _Slot, offset: int) -> str:
     arrived = set() if chunk is None else chunk.contributors
     if chunk is not None and len(arrived) == meta.expected:
         return f"complete; read by {len(chunk.readers)} of {meta.readers} reader(s)"
-    missing = set(range(meta.expected)) - arrived
+    missing = _absent(range(meta.expected), arrived)
     return (
         f"{len(arrived)} of {meta.expected} contributions arrived; missing rank(s)"
         f" {_listed(_ranks(name, missing))} (arrived: {_listed(_ranks(name, arrived))})"
@@ -184,18 +200,21 @@ def slot_row(slot: _Slot, now: float) -> pb.PendingWork:
         row.missing.extend([] if sender is None else [sender])
         return row
     row.expected = meta.expected
-    everyone = set(range(meta.expected))
-    arrived = set(everyone)
-    if len(slot.chunks) + len(slot.freed) < slot.num_chunks():
-        arrived.clear()  # a chunk nobody has sent yet
-    for chunk in slot.chunks.values():
-        arrived &= chunk.contributors
+    chunks = list(slot.chunks.values())
+    if len(chunks) + len(slot.freed) < slot.num_chunks():
+        arrived, complete = set(), False  # a chunk nobody has sent yet
+    elif chunks:
+        arrived = set.intersection(*(c.contributors for c in chunks))
+        complete = len(arrived) == meta.expected
+    else:  # every chunk was read by all its readers and freed
+        arrived, complete = set(range(min(meta.expected, MAX_LISTED))), True
     row.arrived.extend(_ranks(name, arrived))
-    row.missing.extend(_ranks(name, everyone - arrived))
+    if not complete:
+        row.missing.extend(_ranks(name, _absent(range(meta.expected), arrived)))
     readers = name.readers(meta)
-    if arrived == everyone and readers is not None and slot.chunks:
-        done = set.intersection(*(c.readers for c in slot.chunks.values()))
-        row.unread_by.extend(sorted(readers - done))
+    if complete and readers is not None and chunks:
+        done = set.intersection(*(c.readers for c in chunks))
+        row.unread_by.extend(_absent(readers, done))
     return row
 
 
@@ -205,9 +224,10 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     p = b.pending
     if p is None or p.reduced or not p.chunks:
         return None
+    pushed = {k // p.num_micro for k in p.chunks}  # never range(b.contributors): up to 2**32 - 1
     arrived = [
         c
-        for c in range(b.contributors)
+        for c in sorted(pushed)
         if all(p.received(c * p.num_micro + m) >= b.slice_numel for m in range(p.num_micro))
     ]
     return pb.PendingWork(
@@ -217,7 +237,7 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
         key=f"{b.job}/{b.name}",
         expected=b.contributors,
         arrived=arrived,
-        missing=sorted(set(range(b.contributors)) - set(arrived)),
+        missing=_absent(range(b.contributors), set(arrived)),
         age_seconds=max(0.0, now - p.opened),
         bytes=p.staged_bytes,
     )
