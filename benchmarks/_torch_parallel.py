@@ -1,5 +1,6 @@
-"""PyTorch's own pipeline, tensor and 3D parallelism on our GPT, the torch side of
-``benchmarks.hybrid`` (one gloo process per rank; the process group is already up).
+"""PyTorch's own pipeline, tensor and 3D parallelism on our GPT and on Hugging Face's Llama,
+the torch side of ``benchmarks.hybrid`` (one gloo process per rank; the process group is
+already up).
 
 - **pipeline**: ``torch.distributed.pipelining.PipelineStage`` over the stage modules of
   ``benchmarks._gpt_stages.split_gpt`` (the same cut as ours), ``ScheduleGPipe`` or
@@ -12,12 +13,16 @@
   ``SplitQKVAttention``: three Linears q, k, v holding the same weights (the arithmetic of
   ``examples.gpt.CausalSelfAttention``, head count taken from the local width), then shards
   q, k, v with ``ColwiseParallel`` and ``c_proj`` with ``RowwiseParallel``; the MLP's
-  ``c_fc`` / ``c_proj`` are Colwise / Rowwise. That is Megatron's split, the same as ours
-  (two all-reduces per block forward, two backward); embeddings, layer norms and ``lm_head``
-  stay replicated.
+  ``c_fc`` / ``c_proj`` are Colwise / Rowwise. That is Megatron's split, the same as ours:
+  two all-reduces per block forward; backward, one per Colwise module's input gradient, so
+  four here against two in ours (its packed ``c_attn`` takes one). Embeddings, layer norms
+  and ``lm_head`` stay replicated.
 - **3D**: a device mesh (pp, tp, dp) laid out as our ``Topology`` (rank = (pp * tp_size + tp)
   * dp_size + dp), pipelining over the mesh's pp group, DTensor TP over its tp sub-mesh, and
   one flat all-reduce (sum / dp) of the gradients over its dp group before the step.
+- **Llama** (``build_llama_cell``): the same at any (pp, tp, dp), over the stage modules of
+  ``benchmarks._llama_stages`` and with Llama's own plan in DTensor styles (no rewrite: its
+  q, k, v are separate Linears, as in ours; 2 + 5 all-reduces per layer on both sides).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks._gpt_stages import split_gpt
+from benchmarks._llama_stages import llama_tensor_parallel, split_llama
 from benchmarks._training import adamw
 from examples.gpt import lm_loss
 
@@ -131,6 +137,40 @@ def _average_grads(params: list[nn.Parameter], group: Any, size: int) -> None:
         offset += n
 
 
+def _forward_backward(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """One step's forward and backward of a whole (maybe tensor-parallel) model; the loss."""
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = lm_loss(forward(x), y)
+        loss.backward()
+        return float(loss.detach())
+
+    return run
+
+
+def _with_optimizer(
+    params: list[nn.Parameter],
+    run: Callable[[torch.Tensor, torch.Tensor], float | None],
+    group: Any,
+    dp: int,
+) -> Callable[[torch.Tensor, torch.Tensor], float | None]:
+    """A training step: zero_grad, ``run`` (forward and backward), the gradients' mean over
+    the data-parallel ``group`` (None: no data parallelism), AdamW's step."""
+    opt = adamw(params)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
+        opt.zero_grad(set_to_none=True)
+        loss = run(x, y)
+        if group is not None:
+            _average_grads(params, group, dp)
+        opt.step()
+        return loss
+
+    return step
+
+
 def build_cell(
     cell: str,
     gpt: nn.Module,
@@ -151,16 +191,7 @@ def build_cell(
             from torch.distributed.device_mesh import init_device_mesh
 
             tensor_parallel(gpt.blocks, init_device_mesh("cpu", (world,)))
-        opt = adamw(gpt.parameters())
-
-        def plain(x: torch.Tensor, y: torch.Tensor) -> float:
-            opt.zero_grad(set_to_none=True)
-            loss = lm_loss(gpt(x), y)
-            loss.backward()
-            opt.step()
-            return float(loss.detach())
-
-        return plain, every_row
+        return _with_optimizer(list(gpt.parameters()), _forward_backward(gpt), None, 1), every_row
 
     if cell in ("pp_gpipe", "pp_1f1b"):
         stage_mod = split_gpt(gpt, world)[rank]
@@ -179,15 +210,39 @@ def build_cell(
         rows = slice(d * per, (d + 1) * per)
     else:
         raise ValueError(f"unknown cell {cell!r}")
-    params = list(stage_mod.parameters())
-    opt = adamw(params)
+    return _with_optimizer(list(stage_mod.parameters()), run, group, dp), rows
 
-    def piped(x: torch.Tensor, y: torch.Tensor) -> float | None:
-        opt.zero_grad(set_to_none=True)
-        loss = run(x, y)
-        if group is not None:
-            _average_grads(params, group, dp)
-        opt.step()
-        return loss
 
-    return piped, rows
+def build_llama_cell(
+    cell: str,
+    llama: nn.Module,
+    rank: int,
+    world: int,
+    sizes: tuple[int, int, int],
+    micro_batches: int,
+    schedule: str,
+    global_batch: int,
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], float | None], slice]:
+    """``build_cell`` for Hugging Face's ``LlamaForCausalLM`` at any (pp, tp, dp) (see
+    ``benchmarks._llama_stages``): a mesh (pp, tp, dp) laid out as our ``Topology``;
+    pipelining over its pp group when pp > 1 (else the model's own forward, ``.logits``),
+    Llama's plan in DTensor styles over its tp sub-mesh when tp > 1, the gradients' mean over
+    its dp group when dp > 1."""
+    if cell == "single":
+        forward = _forward_backward(lambda x: llama(input_ids=x).logits)
+        return _with_optimizer(list(llama.parameters()), forward, None, 1), slice(0, global_batch)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp, tp, dp = sizes
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=("pp", "tp", "dp"))
+    p, d = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    module = split_llama(llama, pp)[p] if pp > 1 else llama
+    if tp > 1:
+        llama_tensor_parallel(module, llama.config, mesh["tp"])
+    if pp > 1:
+        run = _pipeline(module, p, pp, micro_batches, schedule, group=mesh.get_group("pp"))
+    else:
+        run = _forward_backward(lambda x: llama(input_ids=x).logits)
+    per = global_batch // dp
+    group = mesh.get_group("dp") if dp > 1 else None
+    return _with_optimizer(list(module.parameters()), run, group, dp), slice(d * per, (d + 1) * per)

@@ -1,7 +1,9 @@
-"""Step time of our pipeline, tensor and 3D parallelism against PyTorch's own, on the same GPT.
+"""Step time of our pipeline, tensor and 3D parallelism against PyTorch's own, on the same
+model: the example GPT and Hugging Face's Llama.
 
     python -m benchmarks.hybrid [--quick] [--models tiny] [--world-sizes 4,2] [--steps N]
                                 [--warmup K] [--micro-batches M] [--wait-quiet S]
+                                [--family gpt|llama|both]
 
 For every model size and world size W, in one run (torch and ours interleaved, cell by cell,
 so both sides see the same machine load):
@@ -30,6 +32,14 @@ cell gives all of it to every rank, the 3D cell splits it over the dp replicas. 
 2 x the number of stages for the pipeline cells (``--micro-batches`` sets it), 1 for ``tp``;
 both sides use the same m.
 
+Llama (``--family``, default both; ``benchmarks/_llama_stages.py``): ``LlamaForCausalLM`` from
+a config (tiny: hidden 256, 4 layers, 4 heads, 2 key/value heads, 3,033,344 parameters, SDPA)
+on the same batches. Ours is given ``split_points=["model.layers.2"]`` and no plan (Llama's
+own), ``train_on_batch({"input_ids": x}, y)``; torch's side pipelines stage modules with the
+same cut and applies Llama's plan as DTensor styles. Its cells always have 2 stages and 2
+tensor ranks, the other ranks data-parallel: pp = (2, 1, W/2), tp = (1, 2, W/2), 3d = (2, 2,
+W/4). Each row also gives step 1's loss on both sides (``first_step_loss``).
+
 A cell's step time is the slowest rank's; we report the median over the steps after
 ``--warmup``, and ratio = ours / torch. Losses: the largest relative difference, over the
 steps, from single-process training on the same batches.
@@ -48,6 +58,7 @@ process and is stopped by PID (``benchmarks/_processes.py``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import statistics
@@ -92,12 +103,24 @@ from benchmarks._training import (
 
 CELLS = ("pp_gpipe", "pp_1f1b", "tp", "3d")
 SCHEDULE = {"pp_gpipe": "gpipe", "pp_1f1b": "1f1b", "tp": "1f1b", "3d": "gpipe"}
+FAMILIES = {"gpt": ("gpt",), "llama": ("llama",), "both": ("gpt", "llama")}
+SLOWER = {"gpt": 1, "llama": 4}  # step budget: Llama tiny has 3.5x the GPT's parameters
 TORCH_LABEL = {
-    "single": "single process, whole global batch",
-    "pp_gpipe": "pipelining PipelineStage + ScheduleGPipe (gloo)",
-    "pp_1f1b": "pipelining PipelineStage + Schedule1F1B (gloo)",
-    "tp": "DTensor parallelize_module: q,k,v + MLP c_fc Colwise, c_proj Rowwise (gloo)",
-    "3d": "mesh (pp,tp,dp): pipelining ScheduleGPipe + DTensor TP + dp grad all-reduce",
+    "gpt": {
+        "single": "single process, whole global batch",
+        "pp_gpipe": "pipelining PipelineStage + ScheduleGPipe (gloo)",
+        "pp_1f1b": "pipelining PipelineStage + Schedule1F1B (gloo)",
+        "tp": "DTensor parallelize_module: q,k,v + MLP c_fc Colwise, c_proj Rowwise (gloo)",
+        "3d": "mesh (pp,tp,dp): pipelining ScheduleGPipe + DTensor TP + dp grad all-reduce",
+    },
+    "llama": {
+        "single": "single process, whole global batch, LlamaForCausalLM's forward",
+        "pp_gpipe": "pipelining PipelineStage + ScheduleGPipe, _llama_stages (gloo)",
+        "pp_1f1b": "pipelining PipelineStage + Schedule1F1B, _llama_stages (gloo)",
+        "tp": "DTensor parallelize_module, Llama's plan: q,k,v,gate,up Colwise, o,down"
+        " Rowwise, lm_head Colwise gathered (gloo)",
+        "3d": "mesh (pp,tp,dp): pipelining ScheduleGPipe + DTensor TP (Llama's plan)",
+    },
 }
 SWEEP_STAGES, SWEEP_MICRO = (2, 4), (1, 2, 4, 8)
 NOTES = {
@@ -108,6 +131,11 @@ NOTES = {
     " the torch side as three Linears q, k, v with the same weights, each ColwiseParallel,"
     " so both sides split attention by heads; a plain ColwiseParallel on the packed c_attn"
     " would not (rank 0 would get all of q and part of k)",
+    "llama": "HF LlamaForCausalLM (benchmarks/_llama_stages.py), the same batches as the"
+    " GPT: 2 pipeline stages (ours: split_points model.layers.L/2; torch: stage modules with"
+    " the same cut), 2 tensor ranks (Llama's own plan on both sides), the other ranks"
+    " data-parallel: pp = (2, 1, W/2), tp = (1, 2, W/2), 3d = (2, 2, W/4)",
+    "first_step_loss": "step 1's loss, mean over the ranks that report it, per side",
     "micro_batches": "pipeline cells: m = 2 x stages unless --micro-batches; the same m on"
     " both sides; tp: 1",
     "bubble": "ours only; per rank: measured_fraction = 1 - compute / wall of the schedule"
@@ -125,9 +153,12 @@ def ours_main(a: argparse.Namespace) -> None:
     ``--micro-batches`` (a fresh model, client run and job each), ``--steps`` steps each."""
     t_start = time.monotonic()
     child_guard(a.lifetime)
+    from benchmarks._llama_stages import llama_split_points
     from client import ClusterSpec, ShardClient
+    from examples.gpt import lm_loss
     from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
 
+    llama = a.family == "llama"
     set_threads(a.world)
     server, addresses = hosted_server()
     batches = make_batches(a.model, a.world, a.steps)
@@ -140,15 +171,19 @@ def ours_main(a: argparse.Namespace) -> None:
         )
         clients.append(client)
         config = ShardingConfiguration(client, job=f"bench-{a.cell}-{tag}", timeout_s=120.0)
+        net = build_model(a.family, a.model)
         model = HybridShardedModel(
-            build_gpt(a.model),
+            net,
             config,
             pipeline_parallel_size=a.pp,
             tensor_parallel_size=a.tp,
             data_parallel_size=a.dp,
             micro_batch_count=m,
             schedule=a.schedule,
+            split_points=llama_split_points(net, a.pp) if llama and a.pp > 1 else None,
         )
+        if llama:  # HF returns a ModelOutput; the same loss as torch's side
+            model.default_loss_function = lambda out, y: lm_loss(out.logits, y)
         HybridShardedOptimizer(adamw(model.parameters()), config)
         per = batches[0][0].shape[0] // model.data_parallel_size
         lo = model.data_parallel_rank * per
@@ -158,7 +193,8 @@ def ours_main(a: argparse.Namespace) -> None:
         t_first, cpu0 = t_first or time.monotonic(), cpu_self_s()
         for x, y in batches:
             s0 = time.perf_counter()
-            loss = model.train_on_batch(x[lo : lo + per], y[lo : lo + per])
+            part = x[lo : lo + per]
+            loss = model.train_on_batch({"input_ids": part} if llama else part, y[lo : lo + per])
             run["times_s"].append(time.perf_counter() - s0)
             run["losses"].append(loss)
             run["bubble"].append(pipe.last_bubble_fraction)
@@ -180,16 +216,17 @@ def torch_main(a: argparse.Namespace) -> None:
     """One gloo rank (or the single process) of a torch cell."""
     t_start = time.monotonic()
     child_guard(a.lifetime)
-    from benchmarks._torch_parallel import build_cell
+    from benchmarks._torch_parallel import build_cell, build_llama_cell
 
     single = a.cell == "single"
     set_threads(1 if single else a.world)
     if not single:
         init_gloo(a.port, a.rank, a.world)
     batches = make_batches(a.model, a.world, a.steps)
-    step, rows = build_cell(
+    build = build_llama_cell if a.family == "llama" else build_cell
+    step, rows = build(
         a.cell,
-        build_gpt(a.model),
+        build_model(a.family, a.model),
         a.rank,
         a.world,
         (a.pp, a.tp, a.dp),
@@ -213,8 +250,23 @@ def torch_main(a: argparse.Namespace) -> None:
 
 
 # ================================================================================ the parent
-def layout(cell: str, world: int, n_layer: int, n_head: int) -> tuple[int, int, int] | str:
+def build_model(family: str, model: str) -> Any:
+    """The example GPT or the HF Llama (``benchmarks._llama_stages``) of size ``model``,
+    seeded: the same on every rank and on both sides."""
+    if family == "llama":
+        from benchmarks._llama_stages import build_llama
+
+        return build_llama(model)
+    return build_gpt(model)
+
+
+def layout(family: str, cell: str, world: int, model: str) -> tuple[int, int, int] | str:
     """(pp, tp, dp) of ``cell`` at ``world`` ranks, or why it does not apply."""
+    if family == "llama":
+        from benchmarks._llama_stages import llama_layout
+
+        return llama_layout(cell, world)
+    n_layer, n_head = (MODELS[model]["overrides"][k] for k in ("n_layer", "n_head"))
     if cell in ("pp_gpipe", "pp_1f1b"):
         if not 2 <= world <= n_layer:
             return f"a pipeline of {world} stages needs 2..{n_layer} (n_layer) ranks"
@@ -238,10 +290,12 @@ def run_ranks(
     schedule: str,
     steps: int,
     a: argparse.Namespace,
+    family: str = "gpt",
 ) -> list[dict[str, Any]]:
-    """Every rank's RESULT of one (side, cell, model, W), in rank order."""
-    budget = STARTUP_S + steps * len(micro) * MODELS[model]["step_budget_s"]
+    """Every rank's RESULT of one (side, cell, family, model, W), in rank order."""
+    budget = STARTUP_S + steps * len(micro) * MODELS[model]["step_budget_s"] * SLOWER[family]
     argv = ["--model", model, "--world", str(world), "--steps", str(steps), "--cell", cell]
+    argv += ["--family", family]
     argv += ["--pp", str(sizes[0]), "--tp", str(sizes[1]), "--dp", str(sizes[2])]
     argv += ["--schedule", schedule, "--micro-batches", ",".join(map(str, micro))]
     if side == "torch":
@@ -318,6 +372,7 @@ def bubble_summary(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
 
 
 def cell_row(
+    family: str,
     model: str,
     world: int,
     cell: str,
@@ -326,31 +381,35 @@ def cell_row(
     single_ms: float | None,
     a: argparse.Namespace,
 ) -> dict[str, Any]:
-    spec = MODELS[model]["overrides"]
-    sizes = layout(cell, world, spec["n_layer"], spec["n_head"])
-    row: dict[str, Any] = {"model": model, "world_size": world, "cell": cell}
+    sizes = layout(family, cell, world, model)
+    row: dict[str, Any] = {"family": family, "model": model, "world_size": world, "cell": cell}
+    name = f"{family} {model} W={world}"
     if isinstance(sizes, str):
-        log(f"{model} W={world}: {cell} skipped: {sizes}")
+        log(f"{name}: {cell} skipped: {sizes}")
         return {**row, "skipped": sizes, "error": None}
     m = (a.micro_batches or 2 * sizes[0]) if sizes[0] > 1 else 1
     row.update(layout=dict(zip(("pp", "tp", "dp"), sizes, strict=True)), micro_batches=m)
-    row.update(schedule=SCHEDULE[cell] if sizes[0] > 1 else None, torch=TORCH_LABEL[cell])
-    log(f"{model} W={world}: torch {cell} {row['layout']} m={m}")
-    args = (model, world, sizes, [m], SCHEDULE[cell], a.steps_for[model], a)
+    row.update(schedule=SCHEDULE[cell] if sizes[0] > 1 else None)
+    row["torch"] = TORCH_LABEL[family][cell] + (" + dp grad all-reduce" * (sizes[2] > 1))
+    log(f"{name}: torch {cell} {row['layout']} m={m}")
+    args = (model, world, sizes, [m], SCHEDULE[cell], a.steps_for[model], a, family)
     tres, terr = attempt_cell(f"torch {cell}", log, lambda: run_ranks("torch", cell, *args))
-    log(f"{model} W={world}: ours {cell}")
+    log(f"{name}: ours {cell}")
     ores, oerr = attempt_cell(f"ours {cell}", log, lambda: run_ranks("ours", cell, *args))
     row.update(ours_ms=None, torch_ms=None, ratio=None, error=oerr or terr)
+    row["first_step_loss"] = first = {"single": ref[0] if ref else None}
     if tres:
         tv = run_view(tres, 0)
         row["torch_ms"], row["torch_step_ms"] = median_ms(tv, warm)
         row["torch_loss_rel_diff_vs_single"] = max_rel_diff(mean_losses(tv), ref)
+        first["torch"] = mean_losses(tv)[0]
         row["torch_foreign_cpu_frac"] = tv[0]["foreign"]
         row["torch_cpu_ms_per_step"] = cpu_ms_per_step(tv)
     if ores:
         ov = run_view(ores, 0)
         row["ours_ms"], row["ours_step_ms"] = median_ms(ov, warm)
         row["loss_rel_diff_vs_single"] = max_rel_diff(mean_losses(ov), ref)
+        first["ours"] = mean_losses(ov)[0]
         row["ours_vs_single"] = round(row["ours_ms"] / single_ms, 2) if single_ms else None
         row["ours_foreign_cpu_frac"] = ov[0]["foreign"]
         row["ours_cpu_ms_per_step"] = cpu_ms_per_step(ov)
@@ -358,6 +417,7 @@ def cell_row(
             row["bubble"] = bubble_summary(ov, warm)
     if row["ours_ms"] and row["torch_ms"]:
         row["ratio"] = round(row["ours_ms"] / row["torch_ms"], 2)
+        first["ours_vs_torch_rel_diff"] = max_rel_diff([first["ours"]], [first["torch"]])
     b = row.get("bubble")
     log(
         f"    ours {row['ours_ms']} ms, torch {row['torch_ms']} ms, ratio {row['ratio']},"
@@ -403,6 +463,25 @@ def sweep(
     return rows
 
 
+def single_row(
+    family: str, m: str, w: int, warm: int, a: argparse.Namespace
+) -> tuple[dict[str, Any], list[float] | None, float | None]:
+    """Single-process training on the whole global batch: (row, losses, median step ms)."""
+    log(f"{family} {m} W={w}: torch single (global batch {w * MODELS[m]['batch_per_rank']})")
+    single, err = attempt_cell(
+        "single",
+        log,
+        lambda: run_ranks("torch", "single", m, w, (1, 1, 1), [1], "-", a.steps_for[m], a, family),
+    )
+    sv = run_view(single, 0) if single else None
+    ref = sv[0]["losses"] if sv else None
+    single_ms = median_ms(sv, warm)[0] if sv else None
+    row = {"family": family, "model": m, "world_size": w, "cell": "single"}
+    row.update(torch=TORCH_LABEL[family]["single"], ours_ms=None, torch_ms=single_ms, ratio=None)
+    row.update(torch_step_ms=median_ms(sv, warm)[1] if sv else None, losses=ref, error=err)
+    return row, ref, single_ms
+
+
 def parent_main(a: argparse.Namespace) -> int:
     install_cleanup()
     models, worlds = models_and_worlds(a, [4])
@@ -410,6 +489,12 @@ def parent_main(a: argparse.Namespace) -> int:
     for c in cells:
         if c not in CELLS:
             raise SystemExit(f"unknown cell {c!r}; choose from {', '.join(CELLS)}")
+    families = FAMILIES[a.family]
+    if "llama" in families and importlib.util.find_spec("transformers") is None:
+        if a.family == "llama":
+            raise SystemExit("--family llama needs transformers (pip install -e '.[dev]')")
+        log("transformers is not installed: the Llama cells are left out")
+        families = ("gpt",)
     a.steps_for, warmups = steps_and_warmup(a, models, 6, 2)
     t_start, load = time.time(), Load().start()
     import torch  # only for the version
@@ -423,37 +508,19 @@ def parent_main(a: argparse.Namespace) -> int:
         "bubble_sweep": [],
     }
     out["host"]["torch"] = torch.__version__
+    if "llama" in families:
+        from benchmarks._llama_stages import llama_info
+
+        out["llama_models"] = {m: llama_info(m) for m in models}
     for m in models:
         warm = warmups[m]
         for w in worlds:
-            log(f"{m} W={w}: torch single (global batch {w * MODELS[m]['batch_per_rank']})")
-            single, err = attempt_cell(
-                "single",
-                log,
-                lambda m=m, w=w: run_ranks(
-                    "torch", "single", m, w, (1, 1, 1), [1], "-", a.steps_for[m], a
-                ),
-            )
-            sv = run_view(single, 0) if single else None
-            ref = sv[0]["losses"] if sv else None
-            single_ms = median_ms(sv, warm)[0] if sv else None
-            out["results"].append(
-                {
-                    "model": m,
-                    "world_size": w,
-                    "cell": "single",
-                    "torch": TORCH_LABEL["single"],
-                    "ours_ms": None,
-                    "torch_ms": single_ms,
-                    "ratio": None,
-                    "torch_step_ms": median_ms(sv, warm)[1] if sv else None,
-                    "losses": ref,
-                    "error": err,
-                }
-            )
-            for c in cells:
-                out["results"].append(cell_row(m, w, c, warm, ref, single_ms, a))
-        if not a.no_sweep:
+            for family in families:
+                row, ref, single_ms = single_row(family, m, w, warm, a)
+                out["results"].append(row)
+                for c in cells:
+                    out["results"].append(cell_row(family, m, w, c, warm, ref, single_ms, a))
+        if not a.no_sweep and "gpt" in families:
             for p in SWEEP_STAGES:
                 out["bubble_sweep"] += sweep(m, p, a)
             # interleaved: 2 chunks per rank, so p x 2 virtual stages of at least one block
@@ -473,7 +540,13 @@ def options(p: argparse.ArgumentParser) -> None:
         default=0,
         help="m of the pipeline cells, both sides (default: 2 x stages)",
     )
-    p.add_argument("--no-sweep", action="store_true", help="skip the bubble sweep")
+    p.add_argument(
+        "--family",
+        default="both",
+        choices=list(FAMILIES),
+        help="the example GPT, HF LlamaForCausalLM or both (default: %(default)s)",
+    )
+    p.add_argument("--no-sweep", action="store_true", help="skip the bubble sweep (GPT only)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,8 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         __doc__,
         {"_ours": ours_main, "_torch": torch_main},
-        (["--cell", "--run", "--schedule", "--micro-batches"], ["--pp", "--tp", "--dp"]),
-        "tiny, W=4, 6 steps, a 3-step sweep (< 3 minutes)",
+        (
+            ["--cell", "--run", "--schedule", "--micro-batches", "--family"],
+            ["--pp", "--tp", "--dp"],
+        ),
+        "tiny, W=4, 6 steps, a 3-step sweep, GPT and Llama (< 5 minutes)",
         "tiny",
         "4",
         options,

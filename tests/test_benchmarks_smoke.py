@@ -1,5 +1,5 @@
 """Smoke tests of ``python -m benchmarks.strategies --quick`` and ``python -m benchmarks.hybrid
---quick``: they run, and their JSON is complete.
+--quick`` (the example GPT and HF Llama): they run, and their JSON is complete.
 
 Runs the benchmark as a user would, in its own process group, so that on a timeout the whole
 group (benchmark, trainers, servers, gloo ranks: every process it started) is stopped by id.
@@ -19,16 +19,17 @@ import pytest
 from numerics import TWIN_FACTOR, TWIN_FLOOR
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMEOUT_S = 600  # --quick takes < 2 (hybrid: < 3) minutes on an idle 2-core machine
+TIMEOUT_S = 600  # --quick takes < 2 (hybrid, each family: < 3) minutes on an idle 2-core machine
 OURS = ("ddp", "zero1", "zero2", "fsdp")
 HYBRID_CELLS = {"pp_gpipe": (4, 1, 1), "pp_1f1b": (4, 1, 1), "tp": (1, 4, 1), "3d": (2, 2, 1)}
+LLAMA_CELLS = {"pp_gpipe": (2, 1, 2), "pp_1f1b": (2, 1, 2), "tp": (1, 2, 2), "3d": (2, 2, 1)}
 
 
-def run_quick(module: str = "benchmarks.strategies") -> dict:
+def run_quick(module: str = "benchmarks.strategies", *options: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
-        [sys.executable, "-m", module, "--quick"],
+        [sys.executable, "-m", module, "--quick", *options],
         cwd=ROOT,
         env=env,
         stdin=subprocess.DEVNULL,
@@ -101,37 +102,50 @@ def test_quick_benchmark_reports_every_strategy() -> None:
         assert row["torch_memory"] and all(t["param_bytes"] > 0 for t in row["torch_memory"])
 
 
-@pytest.mark.slow
-def test_quick_hybrid_benchmark_reports_every_cell() -> None:
-    report = run_quick("benchmarks.hybrid")
-    rows = report["results"]
+def assert_cell(row: dict, layout: tuple[int, int, int]) -> None:
+    """A measured cell: both sides ran, at ``layout``, training correctly; the first step's
+    loss agrees between them (the same weights and batch: within both deviations from
+    single-process, each bounded as in ``assert_like_torch``)."""
+    pp, tp, dp = layout
+    assert row["error"] is None and "skipped" not in row, row
+    assert row["layout"] == {"pp": pp, "tp": tp, "dp": dp}, row
+    assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
+    assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
+    # both sides train correctly: ours no further from single-process than torch's twin
+    assert_like_torch(row)
+    first, theirs = row["first_step_loss"], row["torch_loss_rel_diff_vs_single"]
+    assert first["ours_vs_torch_rel_diff"] <= max(TWIN_FLOOR, TWIN_FACTOR * theirs) + theirs, row
+    if pp == 1:
+        assert "bubble" not in row
+        return
+    bubble = row["bubble"]
+    m = row["micro_batches"]
+    assert bubble["theoretical_fraction"] == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-3)
+    assert bubble["paper_ratio"] == pytest.approx((pp - 1) / m, abs=1e-3)
+    assert len(bubble["per_stage"]) == pp * tp * dp
+    assert {s["stage"] for s in bubble["per_stage"]} == set(range(pp))
+    for s in [bubble, *bubble["per_stage"]]:
+        key = "measured_fraction_mean" if s is bubble else "measured_fraction"
+        assert 0.0 <= s[key] <= 1.0, s
+
+
+def family_rows(report: dict, family: str) -> list[dict]:
+    rows = [r for r in report["results"] if r["family"] == family]
     assert {(r["model"], r["world_size"]) for r in rows} == {("tiny", 4)}
     single = [r for r in rows if r["cell"] == "single"]
     assert len(single) == 1 and single[0]["torch_ms"] > 0 and single[0]["error"] is None
+    return rows
 
-    for cell, (pp, tp, dp) in HYBRID_CELLS.items():
+
+@pytest.mark.slow
+def test_quick_hybrid_benchmark_reports_every_cell() -> None:
+    report = run_quick("benchmarks.hybrid", "--family", "gpt")
+    rows = family_rows(report, "gpt")
+    for cell, layout in HYBRID_CELLS.items():
         found = [r for r in rows if r["cell"] == cell]
         assert len(found) == 1, (cell, found)
-        row = found[0]
-        assert row["error"] is None and "skipped" not in row, row
-        assert row["layout"] == {"pp": pp, "tp": tp, "dp": dp}, row
-        assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
-        assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
-        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
-        # both sides train correctly: ours no further from single-process than torch's twin
-        assert_like_torch(row)
-        if pp == 1:
-            assert "bubble" not in row
-            continue
-        bubble = row["bubble"]
-        m = row["micro_batches"]
-        assert bubble["theoretical_fraction"] == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-3)
-        assert bubble["paper_ratio"] == pytest.approx((pp - 1) / m, abs=1e-3)
-        assert len(bubble["per_stage"]) == pp * tp * dp
-        assert {s["stage"] for s in bubble["per_stage"]} == set(range(pp))
-        for s in [bubble, *bubble["per_stage"]]:
-            key = "measured_fraction_mean" if s is bubble else "measured_fraction"
-            assert 0.0 <= s[key] <= 1.0, s
+        assert_cell(found[0], layout)
 
     sweep = report["bubble_sweep"]
     assert {(r["schedule"], r["stages"], r["micro_batches"]) for r in sweep} == {
@@ -144,3 +158,20 @@ def test_quick_hybrid_benchmark_reports_every_cell() -> None:
         assert 0.0 <= r["measured_fraction_mean"] <= 1.0, r
         assert r["theoretical_fraction"] == pytest.approx((p - 1) / (v * m + p - 1), abs=1e-3)
         assert r["measured_idle_over_compute_mean"] >= 0.0, r
+
+
+@pytest.mark.slow
+def test_quick_hybrid_benchmark_reports_every_llama_cell() -> None:
+    """HF ``LlamaForCausalLM`` (grouped-query attention, rotary tables, its own plan): 2
+    stages, 2 tensor ranks, the rest data-parallel, against torch's pipelining + DTensor."""
+    pytest.importorskip("transformers")
+    report = run_quick("benchmarks.hybrid", "--family", "llama")
+    assert report["bubble_sweep"] == []  # the sweep is the GPT's
+    info = report["llama_models"]["tiny"]
+    assert info["split_points"] == ["model.layers.2"], info
+    assert info["config"]["num_key_value_heads"] < info["config"]["num_attention_heads"]
+    rows = family_rows(report, "llama")
+    for cell, layout in LLAMA_CELLS.items():
+        found = [r for r in rows if r["cell"] == cell]
+        assert len(found) == 1, (cell, found)
+        assert_cell(found[0], layout)
