@@ -103,8 +103,10 @@ class ServerJobs:
         counts, claims = self.counts.get(job, set()), self.claims.get(job, {})
         if len(counts) != 1:
             return None
-        (count,) = counts
-        if sorted(claims) != list(range(count)) or any(len(c) != 1 for c in claims.values()):
+        (count,) = counts  # what a server says, up to 2**32 - 1: compared before any range
+        if len(claims) != count or sorted(claims) != list(range(count)):
+            return None
+        if any(len(c) != 1 for c in claims.values()):
             return None
         return [claims[k][0] for k in range(count)]
 

@@ -108,6 +108,7 @@ def recorded_placement(manifest: dict[str, Any]) -> tuple[list[int], int]:
         isinstance(servers, list)
         and len(servers) == n
         and isinstance(cluster, int)
+        and cluster < 2**32  # SnapshotInfo.cluster_servers is a uint32
         and all(isinstance(s, int) and 0 <= s < cluster for s in servers)
         and len(set(servers)) == n
     ):

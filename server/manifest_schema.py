@@ -38,15 +38,30 @@ class ManifestError(ValueError):
     """A manifest field is missing or wrong; the message names it."""
 
 
-def _is_int(value: Any, minimum: int = 0) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+U64, U32 = 2**64 - 1, 2**32 - 1  # the wire's uint64 and uint32 (SnapshotInfo, registrations)
 
 
-def _int(obj: dict, key: str, where: str, minimum: int = 0) -> int:
+def _is_int(value: Any, minimum: int = 0, maximum: int = U64) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
+
+
+def _int(obj: dict, key: str, where: str, minimum: int = 0, maximum: int = U64) -> int:
     value = obj.get(key)
-    if not _is_int(value, minimum):
-        raise ManifestError(f"{where}{key} must be an integer >= {minimum}, got {value!r}")
+    if not _is_int(value, minimum, maximum):
+        raise ManifestError(
+            f"{where}{key} must be an integer in {minimum}..{maximum}, got {value!r}"
+        )
     return value
+
+
+def _finite(value: Any) -> bool:
+    """A JSON number a float can hold (JSON integers have no bound: 10**400 is not one)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _field(obj: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -72,11 +87,7 @@ def _check_buffer(name: str, info: Any) -> None:
     _field(optimizer, "name", str, f"{where}optimizer.")
     hyper = _field(optimizer, "hyper", dict, f"{where}optimizer.")
     for key, value in hyper.items():
-        if (
-            not isinstance(value, (int, float))
-            or isinstance(value, bool)
-            or not math.isfinite(value)
-        ):
+        if not _finite(value):
             raise ManifestError(
                 f"{where}optimizer.hyper.{key} must be a finite number, got {value!r}"
             )
@@ -125,8 +136,8 @@ def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -
                 f"{key} is {manifest.get(key)!r}, but the snapshot folder is '{job}/{tag}'"
             )
     _int(manifest, "version", "")
-    num = _int(manifest, "num_servers", "", minimum=1)
-    if not math.isfinite(_field(manifest, "created_unix", (int, float), "")):
+    num = _int(manifest, "num_servers", "", minimum=1, maximum=U32)
+    if not _finite(_field(manifest, "created_unix", (int, float), "")):
         raise ManifestError(f"created_unix must be finite, got {manifest['created_unix']!r}")
     for name, info in _field(manifest, "buffers", dict, "").items():
         _check_buffer(name, info)
