@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from strategies.config import ShardingConfiguration
 from strategies.losses import default_loss
@@ -204,7 +205,7 @@ class PipelineParallelModel(nn.Module):
                 sent, out = runner.run(args, kwargs, received)
                 if k != last:
                     self.pp.send(pack(sent), ring_neighbours(self.stage_index, p)[1], "fwd")
-        return _detach(out) if self.stage_index == (last % p) else None
+        return _detach(out) if self.is_last else None
 
     # -- training ----------------------------------------------------------------------------
     def train_step(
@@ -287,8 +288,8 @@ class PipelineParallelModel(nn.Module):
         self.last_peak_activations = peak
         if self.num_stages == 1:
             return loss_sum
-        owner = last_virtual % p
-        loss_t = self.pp.broadcast(torch.tensor([loss_sum], dtype=torch.float64), src=owner)
+        # the last virtual stage, p * v - 1, is always on the last rank
+        loss_t = self.pp.broadcast(torch.tensor([loss_sum], dtype=torch.float64), src=p - 1)
         return float(loss_t[0])
 
     def _arrived(self, tensors: Any, grad: bool = True) -> list[torch.Tensor]:
@@ -357,14 +358,10 @@ class PipelineParallelModel(nn.Module):
 
         a = [cut(t) for t in args]
         kw = {k: cut(t) for k, t in kwargs.items()}
-        if y is not None and self.is_last_virtual_here and y.shape[0] != batch:
+        if y is not None and self.is_last and y.shape[0] != batch:
             raise ValueError(f"batch size {y.shape[0]} of y differs from x's {batch}")
         ys = cut(y) if y is not None else [None] * m
         return [(tuple(t[i] for t in a), {k: v[i] for k, v in kw.items()}, ys[i]) for i in range(m)]
-
-    @property
-    def is_last_virtual_here(self) -> bool:
-        return (self.num_stages * self.virtual_stages - 1) % self.num_stages == self.stage_index
 
     def _sync_tied_grads(self, stashed: list[list[torch.Tensor | None]]) -> None:
         """Megatron's embedding all-reduce: every copy gets the sum of all copies' gradients."""
@@ -424,6 +421,4 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _detach(out: Any) -> Any:
-    from torch.utils import _pytree as pytree
-
     return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out)
