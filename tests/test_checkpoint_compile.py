@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import pytest
 import torch
@@ -223,9 +224,18 @@ def test_checkpoint_wrapper_then_compile_equals_plain(strategy, one_torch_thread
 
 @pytest.mark.slow
 @pytest.mark.equivalence
-def test_inductor_compiled_blocks_equal_plain(one_torch_thread, fresh_dynamo):
-    """The default backend: inductor generates and compiles C++ for each block (gcc here)."""
+def test_inductor_compiled_blocks_equal_plain(one_torch_thread, fresh_dynamo, monkeypatch):
+    """The default backend: inductor generates and compiles C++ for each block (gcc here).
+
+    Inductor's on-disk cache (precompiled headers included) is shared by runs with different
+    ``ATEN_CPU_CAPABILITY`` (CI runs this test under AVX-512 and under "default"), and a header
+    built for one capability does not compile code generated for the other: one cache per
+    capability."""
     from torch._dynamo.utils import counters
+    from torch._inductor.runtime.runtime_utils import default_cache_dir
+
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "native") or "native"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", f"{default_cache_dir()}-{capability}")
 
     counters.clear()
 
