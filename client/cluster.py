@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -15,6 +16,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
 ]
+# Channels are made on first use from any rank's thread and closed from another (a harness
+# closing clients while a rank still runs): one lock for all specs, as channels are made rarely.
+_CHANNELS_LOCK = threading.Lock()
 
 
 @dataclass
@@ -110,19 +114,24 @@ class ClusterSpec:
         """A channel to server ``index`` (one per address, shared by all calls of this spec
         and of its subsets)."""
         address = self.addresses[index]
-        if address not in self._channels:
-            options = list(CHANNEL_OPTIONS)
-            if not self.tls:
-                chan = grpc.insecure_channel(address, options=options)
-            else:
-                creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
-                if self.tls_server_name:
-                    options.append(("grpc.ssl_target_name_override", self.tls_server_name))
-                chan = grpc.secure_channel(address, creds, options=options)
-            self._channels[address] = chan
-        return self._channels[address]
+        with _CHANNELS_LOCK:
+            chan = self._channels.get(address)
+            if chan is None:
+                chan = self._channels[address] = self._open(address)
+        return chan
+
+    def _open(self, address: str) -> grpc.Channel:
+        options = list(CHANNEL_OPTIONS)
+        if not self.tls:
+            return grpc.insecure_channel(address, options=options)
+        creds = grpc.ssl_channel_credentials(self.tls_ca, self.tls_key, self.tls_cert)
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        return grpc.secure_channel(address, creds, options=options)
 
     def close(self) -> None:
-        for chan in self._channels.values():
+        with _CHANNELS_LOCK:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for chan in channels:
             chan.close()
-        self._channels.clear()
