@@ -279,7 +279,7 @@ class ShardedModelBase(nn.Module):
         clone = copy.deepcopy(self.module, memo)
         for n, p in clone.named_parameters():  # FSDP leaves freed (empty) storage behind
             if n in self._shapes:
-                p.data = torch.empty(self._shapes[n], dtype=p.dtype)
+                p.data = torch.empty(self._shapes[n], dtype=p.dtype, device=p.device)
         clone.load_state_dict(state)
         return clone
 
@@ -293,11 +293,12 @@ class ShardedModelBase(nn.Module):
             loss_fn(self(x), y).backward()
 
         grads = self._local_gradients(run)
+        params = dict(self._named)
         return torch.cat(
             [
                 to_master(grads[n]).reshape(-1)
                 if n in grads
-                else torch.zeros(s.numel(), dtype=self._masters[n])
+                else torch.zeros(s.numel(), dtype=self._masters[n], device=params[n].device)
                 for n, s in self._named_shapes()
             ]
         )

@@ -140,7 +140,7 @@ class FSDPModel(ServerShardedModel):
             unit.fetch.result()
             unit.fetch = None
         for p in unit.params:
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         if unit.materialized:
             self.live_bytes -= unit.nbytes
         unit.materialized = False
@@ -209,7 +209,9 @@ class FSDPModel(ServerShardedModel):
         for b in unit.buffers:
             master = torch_dtype(b.master_dtype)
             grads = [
-                p.grad if p.grad is not None else torch.zeros(e.shape, dtype=master)
+                p.grad
+                if p.grad is not None
+                else torch.zeros(e.shape, dtype=master, device=p.device)
                 for p, e in zip(b.params, b.entries, strict=True)
             ]
             flat = flatten(grads, b.numel, master)

@@ -21,14 +21,13 @@ import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from client import GradCheck, ParamInfo, StepArgs, restarts
-from protos import codec
 from strategies.base import ShardedModelBase, hf_model_config
 from strategies.config import ShardingConfiguration
+from strategies.device import Landing, device_of, to_host
 from strategies.layout import (
     BufferSpec,
     flatten,
@@ -76,14 +75,6 @@ def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
     if "betas" in group:
         out["beta1"], out["beta2"] = (float(b) for b in group["betas"])
     return out
-
-
-def wire_to_tensor(arr: np.ndarray, dtype: str, master: str = "float32") -> torch.Tensor:
-    """Pulled wire elements (bf16 as bits) as a torch tensor in the buffer's ``master`` dtype:
-    float64 for a float64 master, float32 otherwise."""
-    if dtype == "bfloat16":
-        return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16).to(torch_dtype(master))
-    return torch.from_numpy(arr).to(torch_dtype(master))
 
 
 class ServerShardedModel(ShardedModelBase):
@@ -188,7 +179,7 @@ class ServerShardedModel(ShardedModelBase):
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 # set_params writes float64 as float64
                 flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
-                self.client.set_params(job, b.name, flat.numpy(), version=0)
+                self.client.set_params(job, b.name, to_host(flat, flat.dtype), version=0)
         if self.config.replicate_every and self.rank == 0:
             from client import tools
 
@@ -205,11 +196,13 @@ class ServerShardedModel(ShardedModelBase):
         outs, calls = {}, []
         for b in buffers:
             dtype = self.config.param_dtype_for(b.master_dtype)
-            arr = np.empty(b.numel, dtype=codec.numpy_dtype(codec.wire_dtype(dtype)))
-            calls += self.client.pull_calls(self.config.job, b.name, arr, version, dtype=dtype)
-            outs[b.name] = (arr, dtype, b.master_dtype)
+            landing = Landing(b.numel, dtype, device_of(b.params))
+            calls += self.client.pull_calls(
+                self.config.job, b.name, landing.array, version, dtype=dtype
+            )
+            outs[b.name] = (landing, torch_dtype(b.master_dtype))
         self.client.run(calls)
-        return {name: wire_to_tensor(*pulled) for name, pulled in outs.items()}
+        return {name: landing.result(master) for name, (landing, master) in outs.items()}
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if not self.registered:
@@ -230,7 +223,9 @@ class ServerShardedModel(ShardedModelBase):
         for b in self._buffers:
             values = [tensors[e.name] for e in b.entries]
             flat = flatten(values, b.numel, torch_dtype(b.master_dtype))
-            self.client.set_params(self.config.job, b.name, flat.numpy(), version=self._step)
+            self.client.set_params(
+                self.config.job, b.name, to_host(flat, flat.dtype), version=self._step
+            )
         self._after_load()
 
     def _after_load(self) -> None:
@@ -242,7 +237,7 @@ class ServerShardedModel(ShardedModelBase):
         calls = self.client.push_calls(
             self.config.job,
             b.name,
-            grads.detach().to(torch_dtype(b.master_dtype)).numpy(),
+            to_host(grads, torch_dtype(b.master_dtype)),
             self._step,
             micro=self._micro,
             num_micro=self._num_micro(),
@@ -427,15 +422,23 @@ class ServerShardedModel(ShardedModelBase):
             return {}
         self._ensure_idle()
         info = self.client.optimizer_state_info(self.config.job)
-        arrays: dict[tuple[str, str], np.ndarray] = {}
+        landings: dict[tuple[str, str], Landing] = {}
         calls = []
         for b in self._buffers:
-            for key in info[b.name][0]:
-                arr = arrays[b.name, key] = np.empty(b.numel, dtype=np.dtype(b.master_dtype))
+            for key in info[b.name][0]:  # on the parameters' device, as torch keeps it
+                landing = landings[b.name, key] = Landing(
+                    b.numel, b.master_dtype, device_of(b.params)
+                )
                 calls += self.client.pull_calls(
-                    self.config.job, b.name, arr, self._step, dtype=b.master_dtype, state=key
+                    self.config.job,
+                    b.name,
+                    landing.array,
+                    self._step,
+                    dtype=b.master_dtype,
+                    state=key,
                 )
         self.client.run(calls)
+        flats = {k: landing.result(landing.tensor.dtype) for k, landing in landings.items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
         for b in self._buffers:
             keys, steps = info[b.name]
@@ -446,8 +449,8 @@ class ServerShardedModel(ShardedModelBase):
                 if self._opt_name != "sgd":  # torch's SGD keeps no step count
                     state["step"] = torch.tensor(float(steps))
                 for key in keys:
-                    flat = arrays[b.name, key][e.offset : e.offset + e.numel]
-                    state[key] = torch.from_numpy(flat.copy()).view(e.shape)
+                    flat = flats[b.name, key][e.offset : e.offset + e.numel]
+                    state[key] = flat.view(e.shape).clone()
                 out[id(p)] = state
         return out
 
@@ -487,7 +490,7 @@ class ServerShardedModel(ShardedModelBase):
                 self.client.set_params(
                     self.config.job,
                     name,
-                    flat.numpy(),
+                    to_host(flat, flat.dtype),
                     version=self._step,
                     state=key,
                     optimizer_steps=count,

@@ -93,10 +93,12 @@ def train_hybrid(
     schedule="1f1b",
     local_calls=True,
     on_step=None,
+    device="cpu",
 ):
     """``local_calls=False``: activations, partial sums and the ZeRO traffic all cross gRPC
     (else ranks call the servers of their own process directly). ``on_step(rank, step)`` runs
-    as each rank begins each step. The model takes the dtype of ``init``."""
+    as each rank begins each step. The model takes the dtype of ``init`` and lives on
+    ``device`` (tests/test_cuda.py: "cuda"), its batches too."""
     world = pp * tp * dp
     nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
@@ -108,7 +110,7 @@ def train_hybrid(
             ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
         )
         config = ShardingConfiguration(client, job=job)
-        net = new_model(init)
+        net = new_model(init).to(device)
         model = HybridShardedModel(
             net,
             config,
@@ -124,7 +126,7 @@ def train_hybrid(
         for s in range(STEPS):
             if on_step is not None:
                 on_step(r, s)
-            part = data[s, d * per : (d + 1) * per]
+            part = data[s, d * per : (d + 1) * per].to(device)
             if max_norm is None:
                 losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
             else:  # the torchtitan order: forward/backward, clip, step

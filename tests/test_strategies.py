@@ -107,10 +107,12 @@ def train_sharded(
     data,
     local_calls=True,
     on_step=None,
+    device="cpu",
     **conf,
 ):
     """``local_calls=False``: every push, pull and collective crosses gRPC, though ranks and
     servers share this process (else a rank calls the servers in-process directly).
+    ``device``: where the model and its batches live (tests/test_cuda.py: "cuda").
     ``on_step(rank, step)`` runs as each rank begins each step; ``conf``: more
     ShardingConfiguration fields (the defaults otherwise)."""
     nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
@@ -124,7 +126,7 @@ def train_sharded(
             ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
         )
         config = ShardingConfiguration(client, job=job, **conf)
-        net = new_model(init)
+        net = new_model(init).to(device)
         model = (
             model_cls(net, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(net, config)
         )
@@ -135,7 +137,7 @@ def train_sharded(
         for s in range(STEPS):
             if on_step is not None:
                 on_step(r, s)
-            part = data[s, r * per : (r + 1) * per]
+            part = data[s, r * per : (r + 1) * per].to(device)
             loss = lm_loss(model(part[:, :-1]), part[:, 1:])
             loss.backward()
             model.clip_grad_norm_(0.5)

@@ -403,7 +403,8 @@ class PipelineParallelModel(nn.Module):
         for dt in dtypes:
             # one spare element: a rank without tensors of this dtype still sends something
             pieces = [t.detach().reshape(-1) for t in mine.values() if t.dtype == dt]
-            flat = torch.cat([*pieces, torch.zeros(1, dtype=dt)])
+            spare = torch.zeros(1, dtype=dt, device=pieces[0].device if pieces else None)
+            flat = torch.cat([*pieces, spare])
             gathered = [flat] if self.num_stages == 1 else self.pp.all_gather(flat)
             for layout, buf in zip(layouts, gathered, strict=True):
                 offset = 0
