@@ -168,6 +168,10 @@ def test_trainer_image_pins_the_projects_torch() -> None:
     args = dict(rest.split("=", 1) for k, rest in stage if k == "ARG" and "=" in rest)
     assert pin == f"torch=={args['TORCH_VERSION']}"
     assert args["TORCH_INDEX_URL"].endswith("/cpu")  # PyPI's torch would be the CUDA build
+    # The CUDA variant is the same file with torch's CUDA index, as its header shows.
+    header = (ROOT / "docker" / "Dockerfile.trainer").read_text()
+    assert "--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu" in header
+    assert args["VARIANT"] == "cpu"
     assert exec_form(stage, "ENTRYPOINT") == ["paramshard"]
     parse_paramshard(exec_form(stage, "CMD"))
 
