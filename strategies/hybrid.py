@@ -58,7 +58,8 @@ class HybridShardedModel(ShardedModelBase):
     the path of a safetensors checkpoint (each rank reads only its tensors and parts), or
     ``"reset_parameters"`` / a callable ``fn(module)`` (e.g. ``model._init_weights``) replayed
     under ``init_seed`` in a whole build's order, so the values equal building it whole
-    (``strategies/pipeline/materialize.py``).
+    (``strategies/pipeline/materialize.py``); ``init_device`` (e.g. "cuda") is where they then
+    live. A real model stays where it is: ``model.to("cuda")`` before wrapping it.
     """
 
     strategy = "hybrid"
@@ -79,6 +80,7 @@ class HybridShardedModel(ShardedModelBase):
         parallelize_plan: dict[str, Any] | None = None,
         init_weights: InitWeights = None,
         init_seed: int | None = None,
+        init_device: torch.device | str | None = None,
     ) -> None:
         self.topology = Topology(
             config.client.world_size,
@@ -117,6 +119,7 @@ class HybridShardedModel(ShardedModelBase):
             parallelize=parallelize,
             init_weights=init_weights,
             init_seed=init_seed,
+            init_device=init_device,
         )
         # Only this rank's stage (and tensor shard of it) is a submodule: parameters() and the
         # optimizer see exactly what this rank holds.

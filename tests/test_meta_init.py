@@ -95,6 +95,20 @@ def test_a_tied_weight_keeps_its_first_modules_init():
 
 
 # -- errors that name the field or the tensor ---------------------------------------------------
+def test_init_device_moves_the_made_real_tensors_keeping_the_ties_and_the_values():
+    whole = _make("llama")
+    initialize_model(whole, whole._init_weights, init_seed=SEED)
+    model = _meta("llama")
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    # "meta" stands in for a GPU here: any device but the CPU the values were set on
+    WeightInit(model, model._init_weights, SEED).materialize(plan_stages(model, []), model, "meta")
+    assert {t.device.type for t in _state(model).values()} == {"meta"}
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    model = _meta("llama")
+    WeightInit(model, model._init_weights, SEED).materialize(plan_stages(model, []), model, "cpu")
+    _assert_same(_state(model), _state(whole), "init_device=cpu")
+
+
 def test_errors_name_the_tensor_or_the_field():
     with pytest.raises(ValueError, match=r"\['pos'\] is set by no replayed init"):
         initialize_model(_meta("user"), "reset_parameters", init_seed=0)
@@ -114,6 +128,11 @@ def test_errors_name_the_tensor_or_the_field():
     def reaches_out(module: nn.Module) -> None:  # a path module touching a block's weight
         if isinstance(module, nn.ModuleList):
             nn.init.zeros_(module[0].q.weight)
+
+    with pytest.raises(ValueError, match="init_device='cpu' is where a meta-built model"):
+        WeightInit(_make("user"), None, None).materialize(
+            plan_stages(_make("user"), []), None, "cpu"
+        )
 
     model = _meta("user")  # one unit at a time: the blocks are units, the ModuleList a path
     init = WeightInit(model, reaches_out, 0)

@@ -162,6 +162,15 @@ def _make_real(module: nn.Module) -> None:
         torch.utils.swap_tensors(t, _blank(t))
 
 
+def _move(module: nn.Module, device: torch.device) -> None:
+    """Every tensor of ``module`` moved to ``device`` in place (the same Python objects)."""
+    for t in {id(t): t for t in _named_tensors(module).values()}.values():
+        if t.device != device:
+            moved = t.detach().to(device)
+            new = nn.Parameter(moved, t.requires_grad) if isinstance(t, nn.Parameter) else moved
+            torch.utils.swap_tensors(t, new)
+
+
 def _take(whole: Any, ndim: int, split: TensorSplit | None) -> torch.Tensor:
     """This rank's part of ``whole`` (a tensor or a safetensors slice): its ranges of the split
     dim (``TensorSplit.ranges``, the one slice rule) end to end; all of it without a split."""
@@ -431,10 +440,18 @@ class WeightInit:
                 " or a safetensors path) to make each rank's share real"
             )
 
-    def materialize(self, plan: StagePlan, stage: nn.Module) -> None:
+    def materialize(
+        self, plan: StagePlan, stage: nn.Module, device: torch.device | str | None = None
+    ) -> None:
         """Makes ``stage`` (this rank's tensors under the whole model's names, tensor-parallel
-        parts included) real in place, and sets it from ``init_weights``."""
+        parts included) real in place, sets it from ``init_weights`` on the CPU (so a seeded
+        init draws what a whole CPU build draws) and then moves it to ``device``."""
         if self.template is None:
+            if device is not None:
+                raise ValueError(
+                    f"init_device={str(device)!r} is where a meta-built model is made real (with"
+                    " init_weights); move a real model with model.to(device) before wrapping it"
+                )
             return
         replay, self.template = _Replay(self.template, plan, stage), None
         _make_real(stage)
@@ -448,6 +465,8 @@ class WeightInit:
                     replay.replay(fn)
             replay.rebuild_buffers()
         replay.check_all_set(self.kind)
+        if device is not None:
+            _move(stage, torch.device(device))
 
 
 def initialize_model(

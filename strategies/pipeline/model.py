@@ -62,6 +62,8 @@ class PipelineParallelModel(nn.Module):
     ``init_weights`` (with ``init_seed`` for a seeded one) makes a model built on the meta
     device real on this rank for its own stage and tensor parts only, from a state dict, a
     safetensors checkpoint or a replayed init (``materialize.py``); None keeps the model's own.
+    ``init_device`` (torchtitan's name) is where those tensors then live, e.g. "cuda" (default:
+    the CPU); they are set on the CPU first, so a seeded init draws what a CPU build draws.
     ``parameters()`` are this rank's only, so a plain torch optimizer on them works; after
     ``train_step`` they hold the batch's gradients.
     """
@@ -80,6 +82,7 @@ class PipelineParallelModel(nn.Module):
         parallelize: Callable[[nn.Module, Callable[[str], bool]], Any] | None = None,
         init_weights: InitWeights = None,
         init_seed: int | None = None,
+        init_device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         if isinstance(micro_batch_count, bool) or not isinstance(micro_batch_count, int):
@@ -123,7 +126,8 @@ class PipelineParallelModel(nn.Module):
         if parallelize is not None:
             parallelize(model, rank.owns)
         rank.build()
-        weights.materialize(self.plan, rank.module)  # after TP, before the servers see it
+        # after TP, before the servers see it
+        weights.materialize(self.plan, rank.module, init_device)
         self.stage = rank.module
         self._runners = rank.runners
         self.units = sorted(rank.units)

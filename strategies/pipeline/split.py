@@ -242,17 +242,20 @@ class StageRunner:
     def __init__(self, index: int, num_stages: int, entry: str | None) -> None:
         self.index, self.num_stages, self.entry = index, num_stages, entry
         self.module: nn.Module | None = None
-        self.device = torch.device("cpu")
         self.active = self.entered = False
         self._received: list[torch.Tensor] = []
 
     def attach(self, skeleton: nn.Module, entry_module: nn.Module | None) -> None:
         self.module = skeleton
-        first = next(itertools.chain(skeleton.parameters(), skeleton.buffers()), None)
-        if first is not None and first.device.type != "meta":
-            self.device = first.device
         if entry_module is not None:
             entry_module.register_forward_pre_hook(self._enter, with_kwargs=True)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this stage's tensors are (the CPU for a stage without any, or not yet real)."""
+        tensors = () if self.module is None else (self.module.parameters(), self.module.buffers())
+        first = next(itertools.chain(*tensors), None)
+        return first.device if first is not None and not first.is_meta else torch.device("cpu")
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not self.active:
