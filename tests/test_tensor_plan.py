@@ -311,3 +311,30 @@ def test_gqa_groups_that_cannot_be_split_are_named():
         r" tensor_parallel_size=3",
     ):
         parallelize_module(llama(), SimpleNamespace(rank=0, world_size=3))
+
+
+def test_layers_reading_one_input_share_one_backward_all_reduce(servers, run_ranks):
+    """q, k and v read the same hidden states, gate and up too: one ``f`` each, so backward
+    all-reduces once per attention, once per MLP and once for ``lm_head`` (2 layers: 5), not
+    once per column-parallel layer (11). Forward: ``o_proj`` and ``down_proj`` (4)."""
+    data = torch.randint(VOCAB, (1, 2, 9), generator=torch.Generator().manual_seed(1))
+
+    def rank_fn(client):
+        torch.manual_seed(0)
+        model = TensorParallelModel(llama().double(), ShardingConfiguration(client, job="f"))
+        calls = []
+        all_reduce = client.all_reduce
+
+        def counted(*args, **kwargs):
+            calls.append(torch.is_grad_enabled())  # autograd runs backward without grad mode
+            return all_reduce(*args, **kwargs)
+
+        client.all_reduce = counted
+        loss = loss_of(model, data[0])
+        forward = len(calls)
+        loss.backward()
+        return forward, len(calls) - forward, model.module.model.layers[0].self_attn.q_proj
+
+    for forward, backward, q_proj in run_ranks(rank_fn, 2, [s.address for s in servers(1)]):
+        assert isinstance(q_proj, ColumnParallelLinear)
+        assert (forward, backward) == (4, 5)

@@ -13,6 +13,7 @@ them the dim is cut into equal parts in rank order.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 Ranges = Sequence[Sequence[range]]  # rank -> the ranges of the whole dim it holds
+# group client -> (input, its version, output) of its last ``f`` (see copy_to_tensor_parallel)
+_LAST_F: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -39,6 +42,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        _LAST_F.pop(ctx.client, None)  # the forward that made it is over
         return ctx.client.all_reduce(grad, "sum"), None
 
 
@@ -110,8 +114,25 @@ class _ScatterToTensorParallel(torch.autograd.Function):
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
-    """Megatron's ``f``; a no-op on a group of one."""
-    return x if tp_client.world_size == 1 else _CopyToTensorParallel.apply(x, tp_client)
+    """Megatron's ``f``; a no-op on a group of one.
+
+    Layers that read the same input one after another (q, k and v of an attention; gate and up
+    of a gated MLP) share one ``f``: autograd sums their input gradients before its backward,
+    so one all-reduce serves them all instead of one each (Megatron's fused QKV gets this by
+    packing). The last ``f`` of the group is reused while its input is the very tensor, not
+    changed in place since; the group's backward forgets it (autograd saves tensors without
+    their Python objects, so the output is held here until then).
+    """
+    if tp_client.world_size == 1:
+        return x
+    last = _LAST_F.get(tp_client)
+    if last is not None:
+        seen, version, out = last
+        if seen() is x and version == x._version:
+            return out
+    out = _CopyToTensorParallel.apply(x, tp_client)
+    _LAST_F[tp_client] = (weakref.ref(x), x._version, out)
+    return out
 
 
 def reduce_from_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
