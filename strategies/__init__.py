@@ -7,6 +7,7 @@ from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.ddp import DDPModel
 from strategies.fsdp import FSDPModel, ZeRO3Model
+from strategies.grad_scaler import ShardedGradScaler
 from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
 from strategies.nonfinite import NonFiniteGradientError
 from strategies.optim import (
@@ -71,4 +72,5 @@ __all__ = [
     "TensorParallelModel",
     "HybridShardedModel",
     "HybridShardedOptimizer",
+    "ShardedGradScaler",
 ]

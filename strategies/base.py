@@ -32,6 +32,7 @@ from protos.manifest import MODEL_CONFIG_MAX_BYTES
 from strategies.config import ShardingConfiguration
 from strategies.layout import copy_flat_into, master_torch_dtype, to_master
 from strategies.losses import default_loss
+from strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
 
 __all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 
@@ -173,6 +174,11 @@ class ShardedModelBase(nn.Module):
     def synchronize_gradients(self) -> None:
         """Reduces this step's gradients over the data-parallel ranks now."""
         raise NotImplementedError
+
+    def _unscale_grads(self, inv_scale: float) -> None:
+        """A loss scaler's ``unscale_`` (strategies/grad_scaler.py): this step's gradients,
+        once reduced, are to be multiplied by ``inv_scale`` before clipping and the step."""
+        raise NotImplementedError(f"{type(self).__name__} does not support loss scaling")
 
     def _local_gradients(self, run_backward: Callable[[], None]) -> dict[str, torch.Tensor]:
         """Runs ``run_backward`` without reducing anything; this rank's gradients by name."""
@@ -322,7 +328,7 @@ class ShardedModelBase(nn.Module):
                 f"{type(self).__name__}.train_on_batch needs an optimizer wrapper: build one"
                 " from model.parameters() first"
             )
-        loss = self.default_loss_function(self(x), y)
+        loss = self.default_loss_function(outputs_for_loss(self.config, self(x)), y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
@@ -424,6 +430,7 @@ class ShardedModelBase(nn.Module):
         }
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_forward_inputs(self.config, args, kwargs)
         return self.module(*args, **kwargs)
 
     def __repr__(self) -> str:

@@ -56,10 +56,12 @@ class ShardingConfiguration:
     bucket_size_bytes: int = 25 * 2**20
     """Gradient bucket size for DDP / ZeRO-2, like torch DDP's bucket_cap_mb (25 MiB)."""
     param_dtype: DType | None = None
-    """Dtype of gathered parameters used for compute (mixed precision); None: the
-    parameters' own dtype class (float64 for float64 parameters, float32 otherwise)."""
+    """Dtype forward and backward compute in (FSDP2's ``MixedPrecisionPolicy.param_dtype``;
+    the servers keep the float32 master; strategies/mixed_precision.py); None: the
+    parameters' own dtype."""
     reduce_dtype: DType | None = None
-    """Dtype of gradients on the wire; None: the parameters' own dtype class."""
+    """Dtype gradients leave the trainer in; None: ``param_dtype`` when set (as FSDP2), else
+    the parameters' own dtype class (float64 for float64 parameters, float32 otherwise)."""
     deterministic: bool = True
     """Reduce contributions in rank order (micro-batch order within a rank) whatever order
     they arrive in, so two runs give bitwise identical results; False sums in arrival order
@@ -161,7 +163,8 @@ class ShardingConfiguration:
     @property
     def effective_reduce_dtype(self) -> DType | None:
         """Dtype gradients actually travel in (None: each buffer's own dtype class; strategies
-        read ``reduce_dtype_for``, which resolves it).
+        read ``reduce_dtype_for``, which resolves it). As in FSDP2's ``MixedPrecisionPolicy``,
+        ``reduce_dtype=None`` with a ``param_dtype`` reduces in that compute dtype.
 
         Compression means bfloat16 unless ``reduce_dtype`` already names a 16-bit type. This
         is derived rather than written back into ``reduce_dtype`` so that
@@ -169,7 +172,7 @@ class ShardingConfiguration:
         """
         if self.enable_gradient_compression and self.reduce_dtype not in _HALF:
             return "bfloat16"
-        return self.reduce_dtype
+        return self.reduce_dtype if self.reduce_dtype is not None else self.param_dtype
 
     def param_dtype_for(self, dtype: str) -> DType:
         """The dtype parameters of dtype class ``dtype`` (a buffer's master dtype, or any

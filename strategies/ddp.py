@@ -7,6 +7,9 @@ float64: ``config.reduce_dtype_for``). When a bucket's last gradient is accumula
 all-reduce starts on a single background thread (one thread, so every rank issues the
 collectives in the same order) while backward goes on; the end of backward waits for them and
 writes the averages back. Collectives reduce in rank order (``config.deterministic``).
+With ``param_dtype`` each forward computes on a working copy of the parameters in that dtype
+and backward's gradients come back to the float32 parameters, which the torch optimizer steps
+(strategies/mixed_precision.py; torch DDP's ``_MixedPrecision`` does the same).
 A step whose averaged gradient holds NaN or Inf is skipped: every rank holds the same averages,
 so each rank's own check is the global decision (strategies/nonfinite.py).
 """
@@ -17,6 +20,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +28,7 @@ from torch import nn
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration, master_dtype
 from strategies.layout import copy_flat_into, to_master, torch_dtype
+from strategies.mixed_precision import compute_dtype
 from strategies.nonfinite import nonfinite_grads, settle
 
 __all__ = ["DDPModel"]
@@ -46,6 +51,7 @@ class DDPModel(ShardedModelBase):
         super().__init__(model, config)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="allreduce")
         self._sync = True
+        self._full_precision: dict[int, torch.Tensor] = {}  # id(p) -> its data, while swapped
         params = [p for _, p in self._named]
         # every replica starts from rank 0's values (torch DDP broadcasts them too)
         flat = torch.cat([p.detach().reshape(-1) for p in params])  # the widest dtype
@@ -74,11 +80,38 @@ class DDPModel(ShardedModelBase):
         finally:
             self._sync = previous
 
+    # -- mixed precision: a working copy for forward and backward ----------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._use_working_copy()
+        out = super().forward(*args, **kwargs)
+        if not torch.is_grad_enabled():  # no backward will come to swap the parameters back
+            self._use_full_precision()
+        return out
+
+    def _use_working_copy(self) -> None:
+        """Each parameter's data becomes a copy in its compute dtype (cast once per forward);
+        its own data is kept aside until backward ends."""
+        for _, p in self._named:
+            want = compute_dtype(self.config, p.dtype)
+            if id(p) not in self._full_precision and want != p.dtype:
+                self._full_precision[id(p)] = p.data
+                p.data = p.data.to(want)
+
+    def _use_full_precision(self) -> None:
+        """Parameters back to their own data; gradients cast to it (backward made them in the
+        compute dtype)."""
+        for _, p in self._named:
+            own = self._full_precision.pop(id(p), None)
+            if own is not None:
+                p.data = own
+            if p.grad is not None and p.grad.dtype != p.dtype:
+                p.grad = p.grad.to(p.dtype)
+
     # -- gradient hooks ----------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
-        if self._keep_local(p) or not (self._sync and self.config.auto_sync_gradients):
+        self._start_backward()  # its end swaps the parameters back (and reduces, if syncing)
+        if self._keep_local(p) or not self._syncing():
             return
-        self._start_backward()
         bucket = self._bucket_of[id(p)]
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
@@ -106,17 +139,23 @@ class DDPModel(ShardedModelBase):
                 p.grad.copy_(value)
             offset += n
 
+    def _syncing(self) -> bool:
+        return self._sync and self.config.auto_sync_gradients
+
     def _end_backward(self) -> None:
-        for bucket in self._buckets:  # unused parameters: their buckets go now, in order
-            if bucket.future is None:
-                self._launch(bucket)
-        for bucket in self._buckets:
-            self._finish(bucket)
+        self._use_full_precision()
+        if self._syncing() and self._collect is None:
+            for bucket in self._buckets:  # unused parameters: their buckets go now, in order
+                if bucket.future is None:
+                    self._launch(bucket)
+            for bucket in self._buckets:
+                self._finish(bucket)
         super()._end_backward()
 
     def synchronize_gradients(self) -> None:
         """Averages the current gradients over all ranks now (e.g. after backward under
         ``no_sync`` or with ``auto_sync_gradients=False``)."""
+        self._use_full_precision()
         for bucket in self._buckets:
             self._launch(bucket)
         for bucket in self._buckets:
@@ -124,19 +163,30 @@ class DDPModel(ShardedModelBase):
 
     # -- the strategy primitives -----------------------------------------------------------
     def _full_state(self) -> dict[str, torch.Tensor]:
-        return {n: to_master(p).clone() for n, p in self._named}
+        own = self._full_precision
+        return {n: to_master(own.get(id(p), p)).clone() for n, p in self._named}
 
     def _load_full_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        self._use_full_precision()
         with torch.no_grad():
             for n, p in self._named:
                 p.copy_(tensors[n])
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Gradients are already averaged, so torch's own clipping gives the global norm."""
+        self._use_full_precision()
         params = [p for _, p in self._named if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
 
+    def _unscale_grads(self, inv_scale: float) -> None:
+        """The averaged gradients (the same on every rank) divided by the loss scale."""
+        self._use_full_precision()
+        for _, p in self._named:
+            if p.grad is not None:
+                p.grad.mul_(inv_scale)
+
     def _optimizer_step(self) -> None:
+        self._use_full_precision()
         where = nonfinite_grads(self._named)  # the same averages, so the same verdict, on all
         if not where:
             self.optimizer.inner.step()

@@ -33,10 +33,11 @@ from torch import nn
 
 from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
-from strategies.layout import BufferSpec, flat_views, flatten, torch_dtype
+from strategies.layout import BufferSpec, flatten, torch_dtype
+from strategies.mixed_precision import cast_forward_inputs
 from strategies.sharded import ServerShardedModel
 
-__all__ = ["FSDPModel", "ZeRO3Model", "no_split_classes"]
+__all__ = ["FSDPModel", "ZeRO3Model", "held_bytes", "no_split_classes"]
 
 
 @dataclass
@@ -46,7 +47,8 @@ class _Unit:
     module: nn.Module
     buffers: list[BufferSpec] = field(default_factory=list)
     params: list[nn.Parameter] = field(default_factory=list)
-    nbytes: int = 0
+    own_dtypes: list[torch.dtype] = field(default_factory=list)  # what a freed param shows
+    nbytes: int = 0  # bytes its gathered parameters hold (in the compute dtype)
     materialized: bool = False
     fetch: Future | None = None  # a prefetch in flight
     ready: set[int] = field(default_factory=set)  # params whose gradient arrived
@@ -61,6 +63,12 @@ def no_split_classes(model: nn.Module) -> tuple[type[nn.Module], ...]:
     names = {names} if isinstance(names, str) else set(names)
     found = {type(m) for m in model.modules() if type(m).__name__ in names}
     return tuple(sorted(found, key=lambda cls: cls.__name__))
+
+
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages ``tensors`` hold (views of one flat count it once)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+    return sum(s.nbytes() for s in storages.values())
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:
@@ -108,7 +116,7 @@ class FSDPModel(ServerShardedModel):
             unit = by_unit[b.unit]
             unit.buffers.append(b)
             unit.params += b.params
-            unit.nbytes += b.numel * torch_dtype(b.master_dtype).itemsize
+            unit.own_dtypes += [torch_dtype(e.dtype) for e in b.entries]
             for p in b.params:
                 self._unit_of[id(p)] = unit
                 p.register_post_accumulate_grad_hook(eager_hook(self._on_grad))
@@ -117,7 +125,7 @@ class FSDPModel(ServerShardedModel):
 
     # -- gather and free ---------------------------------------------------------------------
     def _fetch(self, unit: _Unit) -> dict[str, torch.Tensor]:
-        return self._pull(unit.buffers, self._step)
+        return self._pull(unit.buffers, self._step, compute=True)
 
     def _prefetch(self, unit: _Unit) -> None:
         if self.config.prefetch and not unit.materialized and unit.fetch is None:
@@ -128,10 +136,11 @@ class FSDPModel(ServerShardedModel):
             return
         fetch, unit.fetch = unit.fetch, None
         flats = fetch.result() if fetch is not None else self._fetch(unit)
-        for b in unit.buffers:
-            for view, p in zip(flat_views(flats[b.name], b.entries), b.params, strict=True):
+        for b in unit.buffers:  # in param_dtype: forward and backward compute in it (FSDP2)
+            for view, p in zip(self._compute_views(flats[b.name], b), b.params, strict=True):
                 p.data = view
         unit.materialized = True
+        unit.nbytes = held_bytes(unit.params)
         self.live_bytes += unit.nbytes
         self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
 
@@ -139,8 +148,9 @@ class FSDPModel(ServerShardedModel):
         if unit.fetch is not None:  # a prefetch nobody used: let it finish, drop it
             unit.fetch.result()
             unit.fetch = None
-        for p in unit.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        # freed, a parameter shows its own dtype (FSDP2's sharded parameter keeps it)
+        for p, own in zip(unit.params, unit.own_dtypes, strict=True):
+            p.data = torch.empty(0, dtype=own, device=p.device)
         if unit.materialized:
             self.live_bytes -= unit.nbytes
         unit.materialized = False
@@ -149,6 +159,7 @@ class FSDPModel(ServerShardedModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.registered:  # no optimizer yet: still the plain local model
             return self.module(*args, **kwargs)
+        args, kwargs = cast_forward_inputs(self.config, args, kwargs)
         root = self._unit_list[0]
         self._gather(root)
         if len(self._unit_list) > 1:

@@ -245,12 +245,15 @@ class HybridShardedModel(ShardedModelBase):
             replica.step_count,
             name_parts(summed[1:], world.rank, self.topology, self.config.job, where),
         )
-        total = math.sqrt(float(summed[0]))
+        total = math.sqrt(float(summed[0])) * replica._inv_scale  # a loss scaler's unscale_
         replica._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
         return norm_tensor(total, (p.dtype for _, p in self._named))
 
     def synchronize_gradients(self) -> None:
         self.replica.synchronize_gradients()
+
+    def _unscale_grads(self, inv_scale: float) -> None:
+        self.replica._unscale_grads(inv_scale)
 
     def _local_gradients(self, run_backward: Any) -> dict[str, torch.Tensor]:
         return self._gradients_by_swapping(run_backward)
@@ -259,7 +262,10 @@ class HybridShardedModel(ShardedModelBase):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """The whole model's state dict under its own names, on every rank (collective over
         the tensor and pipeline groups)."""
-        stage = gather_tensor_parallel_state(self.stage, self.groups.tp)
+        # a param_dtype working copy is narrower than the servers' masters: read those
+        narrow = any(p.dtype != self._masters[n] for n, p in self._named)
+        state = self.replica.state_dict() if narrow else None
+        stage = gather_tensor_parallel_state(self.stage, self.groups.tp, state)
         full = self.pipeline._gather(self.pipeline._state_layouts, stage)
         return {k: full[k] for k in self.pipeline._full_keys if k in full}
 

@@ -30,12 +30,14 @@ from strategies.config import ShardingConfiguration
 from strategies.device import Landing, device_of, to_host
 from strategies.layout import (
     BufferSpec,
+    flat_views,
     flatten,
     norm_tensor,
     plan_buffers,
     plan_units,
     torch_dtype,
 )
+from strategies.mixed_precision import compute_dtype, gather_dtype
 from strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
@@ -102,6 +104,7 @@ class ServerShardedModel(ShardedModelBase):
         self._step = 0  # optimizer steps applied: the servers' version
         self._micro = 0  # backward passes since the last step
         self._clip_coef = 1.0
+        self._inv_scale = 1.0  # 1 / a loss scaler's scale, once unscaled (grad_scaler.py)
         self._check: GradCheck | None = None  # this step's GradNorm, once gathered
         self.agree_on_finite: Any = None
         """Set by a wrapper whose model spans several jobs (3D: one per stage and tensor rank):
@@ -190,19 +193,29 @@ class ServerShardedModel(ShardedModelBase):
         """ZeRO: pull the servers' values into the replica; FSDP: free the local copy."""
 
     # -- pulling ------------------------------------------------------------------------------
-    def _pull(self, buffers: list[BufferSpec], version: int) -> dict[str, torch.Tensor]:
-        """Each buffer's full values at ``version`` (waits for it), gathered in the buffer's
-        ``param_dtype_for`` and returned in its master dtype."""
+    def _pull(
+        self, buffers: list[BufferSpec], version: int, compute: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Each buffer's full values at ``version`` (waits for it), in its master dtype, or
+        with ``compute`` in the dtype it computes in (``gather_dtype``: the servers cast, once
+        per gather; strategies/mixed_precision.py)."""
         outs, calls = {}, []
         for b in buffers:
-            dtype = self.config.param_dtype_for(b.master_dtype)
+            dtype = gather_dtype(self.config, b) if compute else b.master_dtype
             landing = Landing(b.numel, dtype, device_of(b.params))
             calls += self.client.pull_calls(
                 self.config.job, b.name, landing.array, version, dtype=dtype
             )
-            outs[b.name] = (landing, torch_dtype(b.master_dtype))
+            outs[b.name] = (landing, torch_dtype(dtype))
         self.client.run(calls)
-        return {name: landing.result(master) for name, (landing, master) in outs.items()}
+        return {name: landing.result(dtype) for name, (landing, dtype) in outs.items()}
+
+    def _compute_views(self, flat: torch.Tensor, b: BufferSpec) -> list[torch.Tensor]:
+        """Buffer ``b``'s values pulled with ``compute=True``, one tensor per parameter in its
+        compute dtype (views of ``flat`` unless the buffer mixes compute dtypes)."""
+        views = flat_views(flat, b.entries)
+        wants = [compute_dtype(self.config, torch_dtype(e.dtype)) for e in b.entries]
+        return [v if v.dtype == want else v.to(want) for v, want in zip(views, wants, strict=True)]
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if not self.registered:
@@ -280,9 +293,16 @@ class ServerShardedModel(ShardedModelBase):
         if not self.registered:
             raise RuntimeError("clip_grad_norm_ needs an optimizer wrapper attached first")
         self._ensure_reduced()
-        total = math.sqrt(sum(self._grad_check().sum_squares))
+        total = math.sqrt(sum(self._grad_check().sum_squares)) * self._inv_scale
         self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
         return norm_tensor(total, (p.dtype for _, p in self._named))
+
+    def _unscale_grads(self, inv_scale: float) -> None:
+        """A loss scaler's ``unscale_``: the servers' reduced gradients are ``1 / inv_scale``
+        times the true ones, so clipping's norm is multiplied by ``inv_scale`` and the servers
+        multiply their slices by it at the step, folded into the clip coefficient."""
+        self._ensure_reduced()
+        self._inv_scale = float(inv_scale)
 
     def _grad_check(self, per_param: bool = False) -> GradCheck:
         """Every server's GradNorm of this step (waits for the reduced gradient), gathered once
@@ -303,14 +323,17 @@ class ServerShardedModel(ShardedModelBase):
             where = self.agree_on_finite(where)
         groups = self.optimizer.param_groups
         args = {
-            b.name: StepArgs(server_hyper(self._opt_name, groups[b.group_index]), self._clip_coef)
+            b.name: StepArgs(
+                server_hyper(self._opt_name, groups[b.group_index]),
+                self._clip_coef * self._inv_scale,  # the servers unscale as they clip
+            )
             for b in self._buffers
         }
         step = self._step
         self.client.step(self.config.job, step, args, skip=bool(where))
         self._step += 1
         self._micro = 0
-        self._clip_coef, self._check = 1.0, None
+        self._clip_coef, self._inv_scale, self._check = 1.0, 1.0, None
         self._invalidate()
         self._after_step()
         if where:
@@ -379,7 +402,7 @@ class ServerShardedModel(ShardedModelBase):
         if len(versions) != 1:
             raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
         self._step = versions.pop()
-        self._micro, self._clip_coef, self._check = 0, 1.0, None
+        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
         self._invalidate()
         self._after_load()
         return self._step
@@ -398,7 +421,7 @@ class ServerShardedModel(ShardedModelBase):
                 fut.result()
             except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
                 pass
-        self._micro, self._clip_coef, self._check = 0, 1.0, None
+        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
         self._invalidate()
         self._abandon_local()
 

@@ -25,21 +25,26 @@ __all__ = ["ZeRO1Model", "ZeRO2Model"]
 
 
 class _ReplicatedParams(ServerShardedModel):
-    """ZeRO-1 and ZeRO-2 keep a full replica of the parameters on every rank."""
+    """ZeRO-1 and ZeRO-2 keep a full replica of the parameters on every rank: with
+    ``param_dtype`` a working copy in that dtype (the float32 master is on the servers)."""
 
     def _refresh_replica(self) -> None:
-        flats = self._pull(self._buffers, self._step)
+        flats = self._pull(self._buffers, self._step, compute=True)
         with torch.no_grad():
             for b in self._buffers:
-                flat = flats[b.name]
-                for e, p in zip(b.entries, b.params, strict=True):
-                    p.copy_(flat[e.offset : e.offset + e.numel].view(e.shape))
+                for value, p in zip(self._compute_views(flats[b.name], b), b.params, strict=True):
+                    if p.dtype == value.dtype:
+                        p.copy_(value)
+                    else:  # the first pull makes the working copy
+                        p.data = value.clone()
 
     _after_register = _refresh_replica
     _after_step = _refresh_replica
     _after_load = _refresh_replica
 
     def _full_state(self) -> dict[str, torch.Tensor]:
+        if self.registered and any(p.dtype != self._masters[n] for n, p in self._named):
+            return super()._full_state()  # a narrower working copy: the servers' masters
         return {n: to_master(p).clone() for n, p in self._named}
 
 

@@ -106,7 +106,8 @@ def test_valid_values_pass() -> None:
         (None, None, False, "float32", ("float32", "float32")),
         (None, None, False, "bfloat16", ("float32", "float32")),  # float32 master class
         # mixed precision asked for
-        ("bfloat16", None, False, "float32", ("bfloat16", "float32")),
+        ("bfloat16", None, False, "float32", ("bfloat16", "bfloat16")),  # FSDP2: compute dtype
+        ("bfloat16", "float32", False, "float32", ("bfloat16", "float32")),
         ("bfloat16", "float16", False, "float64", ("bfloat16", "float16")),
         # compression: bfloat16 on the wire, unless a 16-bit type is named
         (None, None, True, "float64", ("float64", "bfloat16")),

@@ -111,11 +111,14 @@ def _gather(tensors: dict[str, torch.Tensor], module: nn.Module, tp_client: Any)
     return {name: out[name] for name in tensors}
 
 
-def gather_tensor_parallel_state(module: nn.Module, tp_client: Any) -> dict[str, torch.Tensor]:
-    """``module``'s state dict with every tensor-parallel part whole again, under the original
-    names and orientation (a packed ``c_attn.weight`` re-assembled in q|k|v order). One
-    all-gather; every rank calls it and gets the same dict."""
-    return _gather(module.state_dict(), module, tp_client)
+def gather_tensor_parallel_state(
+    module: nn.Module, tp_client: Any, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """``module``'s state dict (or ``state``, one under the same names) with every
+    tensor-parallel part whole again, under the original names and orientation (a packed
+    ``c_attn.weight`` re-assembled in q|k|v order). One all-gather; every rank calls it and
+    gets the same dict."""
+    return _gather(module.state_dict() if state is None else state, module, tp_client)
 
 
 def gather_tensor_parallel_grads(module: nn.Module, tp_client: Any) -> dict[str, torch.Tensor]:
