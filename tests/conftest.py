@@ -4,13 +4,14 @@
 - ``shared_servers``: five servers shared by the whole session (hypothesis tests; every call of
   ``run_ranks`` uses its own run_id, so worlds never share slots).
 - ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
-  its own thread and returns the results in rank order; the first exception is re-raised.
+  its own thread (LocalCluster's thread runner) and returns the results in rank order; the
+  first exception is re-raised.
 - ``gpu`` marker: skipped unless CuPy imports and sees a CUDA device.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import functools
 import itertools
 import os
 import uuid
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from client import ClusterSpec, ShardClient
+from paramshard.local_cluster import RankFailed, run_in_threads
 from server import ShardServer
 
 _runs = itertools.count()
@@ -83,8 +85,9 @@ def run_ranks(
     """``fn(client)`` for ranks 0..world_size-1, each in its own thread with its own client.
 
     Returns the results in rank order. If a rank raises, the clients are closed (cancelling
-    the other ranks' pending calls) and the exception propagates. Every wait is bounded: the
-    clients' deadline defaults to 20 s and the whole run to ``wait_s``.
+    the other ranks' pending calls) and that rank's own exception propagates (noted with the
+    rank). Every wait is bounded: the clients' deadline defaults to 20 s and the whole run to
+    ``wait_s``. The threads are LocalCluster's (``paramshard.local_cluster.run_in_threads``).
     """
     run_id = run_id or unique_id()
     client_kw.setdefault("timeout_s", 20.0)
@@ -94,22 +97,26 @@ def run_ranks(
         )
         for r in range(world_size)
     ]
-    pool = cf.ThreadPoolExecutor(world_size, thread_name_prefix=f"rank-{run_id}")
-    try:
-        futures = [pool.submit(fn, c) for c in clients]
-        done, pending = cf.wait(futures, timeout=wait_s, return_when=cf.FIRST_EXCEPTION)
-        for f in futures:
-            if f in done and f.exception() is not None:
-                raise f.exception()  # type: ignore[misc]
-        if pending:
-            raise TimeoutError(
-                f"{len(pending)} of {world_size} ranks still running after {wait_s} s"
-            )
-        return [f.result() for f in futures]
-    finally:
+
+    def close_clients() -> None:
         for c in clients:
             c.close()
-        pool.shutdown(wait=True, cancel_futures=True)
+
+    try:
+        return run_in_threads(
+            [functools.partial(fn, c) for c in clients],
+            timeout_s=wait_s,
+            grace_s=wait_s,
+            on_failure=close_clients,
+            name=f"rank-{run_id}",
+        )
+    except RankFailed as failed:
+        error = failed.error
+        if hasattr(error, "add_note"):  # Python 3.11+
+            error.add_note(f"(raised by rank {failed.rank} of {failed.world_size})")
+    finally:
+        close_clients()
+    raise error  # outside the except block: the rank's exception as it was, not chained
 
 
 @pytest.fixture(name="run_ranks")

@@ -14,17 +14,15 @@ same model and data (``test_float32_within_torch_ddp``).
 from __future__ import annotations
 
 import itertools
-import uuid
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
 from numerics import assert_equivalent, assert_within_twin
 from torch_twin import run_gloo
 
-from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from server import ShardServer
+from paramshard import LocalCluster
 from server.app import LOCAL_SERVERS
 from strategies import (
     DDPModel,
@@ -98,6 +96,37 @@ def train_single(opt_name: str, init: dict, data: torch.Tensor):
     return losses, model.state_dict()
 
 
+def train_rank(
+    strategy: str,
+    opt_name: str,
+    init,
+    data,
+    config: ShardingConfiguration,
+    on_step=None,
+    device="cpu",
+):
+    """One rank of ``train_sharded``: its share of every batch, 20 steps; (losses, state)."""
+    model_cls, opt_cls = STRATEGIES[strategy]
+    net = new_model(init).to(device)
+    model = model_cls(net, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(net, config)
+    opt = opt_cls(make_optimizer(opt_name, net), config)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    r, per = config.rank, BATCH // config.world_size
+    losses = []
+    for s in range(STEPS):
+        if on_step is not None:
+            on_step(r, s)
+        part = data[s, r * per : (r + 1) * per].to(device)
+        loss = lm_loss(model(part[:, :-1]), part[:, 1:])
+        loss.backward()
+        model.clip_grad_norm_(0.5)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(config.client.all_reduce(loss.detach().reshape(1), "mean").item())
+    return losses, model.state_dict()
+
+
 def train_sharded(
     strategy: str,
     opt_name: str,
@@ -110,49 +139,20 @@ def train_sharded(
     device="cpu",
     **conf,
 ):
-    """``local_calls=False``: every push, pull and collective crosses gRPC, though ranks and
+    """``train_rank`` on ``world`` thread ranks of a LocalCluster of ``servers`` servers.
+    ``local_calls=False``: every push, pull and collective crosses gRPC, though ranks and
     servers share this process (else a rank calls the servers in-process directly).
     ``device``: where the model and its batches live (tests/test_cuda.py: "cuda").
     ``on_step(rank, step)`` runs as each rank begins each step; ``conf``: more
     ShardingConfiguration fields (the defaults otherwise)."""
-    nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
-    addresses = [n.address for n in nodes]
-    assert local_calls or not set(addresses) & set(LOCAL_SERVERS)  # no in-process shortcut
-    run, job = uuid.uuid4().hex[:8], f"numerics-{uuid.uuid4().hex[:8]}"
-    model_cls, opt_cls = STRATEGIES[strategy]
-
-    def rank(r: int):
-        client = ShardClient(
-            ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
-        )
-        config = ShardingConfiguration(client, job=job, **conf)
-        net = new_model(init).to(device)
-        model = (
-            model_cls(net, config, wrap=(Block,)) if strategy == "fsdp" else model_cls(net, config)
-        )
-        opt = opt_cls(make_optimizer(opt_name, net), config)
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
-        per = BATCH // world
-        losses = []
-        for s in range(STEPS):
-            if on_step is not None:
-                on_step(r, s)
-            part = data[s, r * per : (r + 1) * per].to(device)
-            loss = lm_loss(model(part[:, :-1]), part[:, 1:])
-            loss.backward()
-            model.clip_grad_norm_(0.5)
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            losses.append(client.all_reduce(loss.detach().reshape(1), "mean").item())
-        return losses, model.state_dict()
-
-    try:
-        with ThreadPoolExecutor(world) as pool:
-            return [f.result(timeout=300) for f in [pool.submit(rank, r) for r in range(world)]]
-    finally:
-        for n in nodes:
-            n.stop()
+    conf.setdefault("timeout_s", 60.0)
+    cluster = LocalCluster(
+        world, servers, server_options={"local_calls": local_calls}, run_timeout_s=300, **conf
+    )
+    with cluster:
+        assert local_calls or not set(cluster.addresses) & set(LOCAL_SERVERS)  # no shortcut
+        fn = partial(train_rank, strategy, opt_name, init, data, on_step=on_step, device=device)
+        return cluster.run(fn)
 
 
 def assert_matches(reference, results, what: str) -> None:
