@@ -11,6 +11,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -208,6 +209,10 @@ class RpcCore:
         self.chunk_bytes = chunk_bytes
         self._stubs: dict[tuple[str, str], Any] = {}  # (address, method): groups share them
         self._lock = threading.Lock()
+        # in-process calls not finished yet: closing the client cancels them, as closing a
+        # channel cancels its gRPC calls (a rank waiting on a dead peer's slot then ends)
+        self._local_calls: weakref.WeakSet[_LocalFuture] = weakref.WeakSet()
+        self._closed = False
 
     @property
     def num_servers(self) -> int:
@@ -235,6 +240,10 @@ class RpcCore:
         if call.method in _LOCAL_METHODS and not self.spec.metadata() and self.spec.tls_ca is None:
             local = _local_call(self.spec.addresses[call.server], call.method, request, timeout)
             if local is not None:
+                with self._lock:
+                    self._local_calls.add(local)
+                if self._closed:
+                    local.cancel()
                 return local
         stub = self._stub(call.server, call.method)
         if alone:
@@ -277,6 +286,10 @@ class RpcCore:
             try:
                 reply = fut.result()
             except grpc.FutureCancelledError:
+                if first_error is None:  # not by another call's error: by close()
+                    first_error = self._error(
+                        call, _LocalRpcError(grpc.StatusCode.CANCELLED, "the client was closed")
+                    )
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
@@ -314,6 +327,11 @@ class RpcCore:
         return self.run([Call(server, method, request)])[0]
 
     def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            pending = list(self._local_calls)
+        for fut in pending:
+            fut.cancel()
         self.spec.close()
 
 
