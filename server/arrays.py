@@ -51,8 +51,12 @@ def accumulator_dtype(dtype: int) -> Any:
     return xp.float32
 
 
-def to_compute(host: np.ndarray, dtype: int, into: Any = None) -> Any:
-    """Payload values as a device array of the accumulator dtype (bf16 bits are decoded)."""
+def to_compute(host: np.ndarray, dtype: int, into: Any = None, own: bool = False) -> Any:
+    """Payload values as a device array of the accumulator dtype (bf16 bits are decoded).
+
+    The result may be ``host`` itself (on CPU, nothing to convert): ``own=True`` copies it
+    then, for a caller that keeps or writes the values after the request's bytes are gone.
+    """
     dev = backend.to_device(host)
     if dtype == pb.BFLOAT16:
         dev = backend.bf16_bits_to_f32(dev)
@@ -60,7 +64,8 @@ def to_compute(host: np.ndarray, dtype: int, into: Any = None) -> Any:
     if into is not None:
         into[...] = dev
         return into
-    return dev.astype(acc, copy=False)
+    out = dev.astype(acc, copy=False)
+    return out.copy() if own and out is host else out
 
 
 def wire_array(values: Any, dtype: int) -> np.ndarray:

@@ -4,11 +4,20 @@ No other module touches device specifics: everything else writes ``backend.xp`` 
 runs the same on both libraries, and crosses the host/device boundary only through
 ``to_device`` / ``to_host`` here. bfloat16 has no NumPy dtype, so it travels as its raw
 uint16 bits and is converted here, with the same round-to-nearest-even torch uses.
+
+Tests also select ``strict`` (tests/strict_backend.py): NumPy whose arrays refuse implicit
+conversion to NumPy as CuPy's do, so a NumPy-only call in server code fails on CPU CI instead of
+on the first GPU. ``PARAMSHARD_TEST_BACKEND=strict`` makes every ``use_device("cpu")`` of the
+process select it, in servers that tests start as processes too (it needs a checkout: the
+module lives in tests/, which no wheel or image ships).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,15 +41,26 @@ class BackendError(RuntimeError):
     """The requested device cannot be used here."""
 
 
+TEST_BACKEND_ENV = "PARAMSHARD_TEST_BACKEND"
+
 xp: Any = np
 device: str = "cpu"
+_upload: Any = None  # host -> device copy of a non-NumPy backend (cupy.asarray, ...)
 
 
 def use_device(name: str) -> None:
     """Select the array library for this process: ``cpu`` (NumPy) or ``cuda[:k]`` (CuPy)."""
-    global xp, device
+    global xp, device, _upload
+    if name == "cpu" and os.environ.get(TEST_BACKEND_ENV):
+        name = os.environ[TEST_BACKEND_ENV]
+        if name != "strict":
+            raise BackendError(f"{TEST_BACKEND_ENV}={name!r}: the only test backend is 'strict'")
     if name == "cpu":
-        xp, device = np, "cpu"
+        xp, device, _upload = np, "cpu", None
+        return
+    if name == "strict":
+        strict = _strict_backend()
+        xp, device, _upload = strict, "cpu", strict.upload
         return
     if not name.startswith("cuda"):
         raise BackendError(f"unknown device {name!r}: use 'cpu' or 'cuda:N'")
@@ -58,12 +78,28 @@ def use_device(name: str) -> None:
     if not 0 <= index < count:
         raise BackendError(f"device {name!r}: this host has {count} CUDA device(s)")
     cupy.cuda.Device(index).use()
-    xp, device = cupy, f"cuda:{index}"
+    xp, device, _upload = cupy, f"cuda:{index}", cupy.asarray
+
+
+def _strict_backend() -> Any:
+    """tests/strict_backend.py, one module object however it is reached (pytest puts tests/ on
+    ``sys.path``; a server process started by a test finds it beside this package)."""
+    if "strict_backend" in sys.modules:
+        return sys.modules["strict_backend"]
+    path = Path(__file__).resolve().parents[1] / "tests" / "strict_backend.py"
+    if not path.is_file():
+        raise BackendError(f"device 'strict' is a test backend: {path} is not here")
+    spec = importlib.util.spec_from_file_location("strict_backend", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["strict_backend"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def to_device(host: np.ndarray) -> Any:
-    """Copy a host array to the backend's device (a no-op view on CPU)."""
-    return host if xp is np else xp.asarray(host)
+    """Copy a host array to the backend's device (a no-op view on CPU, so the caller must not
+    write into the result unless it copies, nor rely on writes reaching ``host``)."""
+    return host if _upload is None else _upload(host)
 
 
 def to_host(arr: Any) -> np.ndarray:
@@ -87,7 +123,7 @@ def _module_of(arr: Any) -> Any:
 
 def device_memory() -> dict[str, int]:
     """Bytes used and total on the device (host RSS and RAM on CPU)."""
-    if xp is np:
+    if not device.startswith("cuda"):
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         try:
             with open("/proc/self/statm") as f:
@@ -97,3 +133,7 @@ def device_memory() -> dict[str, int]:
         return {"used": rss, "total": total}
     free, total = xp.cuda.runtime.memGetInfo()
     return {"used": int(total - free), "total": int(total)}
+
+
+if os.environ.get(TEST_BACKEND_ENV):
+    use_device("cpu")  # the test backend is the process default too, not only the servers'

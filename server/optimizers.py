@@ -217,7 +217,6 @@ class ServerOptimizer:
     def load_state(self, arrays: Mapping[str, Any], step_count: int) -> None:
         """Replace the state with copies of ``arrays`` (the inverse of ``state_arrays``)."""
         step_count = self._count("step_count", step_count)
-        xp = backend.xp
         loaded: dict[str, Any] = {}
         for key, arr in arrays.items():
             if key not in self.state_names:
@@ -227,7 +226,7 @@ class ServerOptimizer:
                 raise OptimizerError(
                     f"{self.name}: state array {key!r} has {arr.size} elements, not {self.numel}"
                 )
-            loaded[key] = xp.array(arr, dtype=self.dtype).reshape(-1)
+            loaded[key] = backend.to_device(arr).astype(self.dtype).reshape(-1)  # a copy
         if step_count > 0 or loaded:
             missing = [n for n in self._required_state(self.hyper) if n not in loaded]
             if missing:

@@ -197,9 +197,7 @@ class SlotStore:
                 if h.op == pb.SET:
                     acc = backend.to_device(host.copy())
                 else:
-                    acc = arrays.to_compute(host, h.chunk.dtype)
-                    if acc.base is not None or not acc.flags.writeable:
-                        acc = acc.copy()
+                    acc = arrays.to_compute(host, h.chunk.dtype, own=True)
                 try:
                     self._reserve(int(acc.nbytes), h.key)
                 except ShardError:
