@@ -1,9 +1,12 @@
 # paramshard developer tasks. A fresh machine needs only make and python3 (>= 3.10): everything
 # else is installed into $(VENV) by `make venv`, once, and again when pyproject.toml changes.
 #
-#   make test        the whole suite, slow-marked tests included (what CI runs)
+#   make test        the whole suite, slow-marked tests included, then the server-side tests
+#                    again on the strict test backend (what CI runs)
+#   make test-strict only that second run
 #   make test-fast   everything except tests marked slow
-#   make demo        GPT on 2 FSDP ranks (paramshard launch: 2 servers + 2 trainers), 300 steps
+#   make demo        GPT on 2 FSDP ranks to a validation loss; inspect, SIGKILL a server, recover,
+#                    snapshot, export, sample in plain torch (examples/demo.py, ~2 min)
 #   make lint        ruff check + ruff format --check
 #   make bench       collective benchmarks against torch.distributed gloo
 
@@ -19,10 +22,10 @@ export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
-.PHONY: help venv test test-fast demo lint bench clean distclean
+.PHONY: help venv test test-strict test-fast demo lint bench clean distclean
 
 help:
-	@echo "targets: venv test test-fast demo lint bench clean distclean"
+	@echo "targets: venv test test-strict test-fast demo lint bench clean distclean"
 	@echo "  (PYTHON=$(PYTHON) VENV=$(VENV); see the top of the Makefile)"
 
 venv: $(STAMP)
@@ -55,14 +58,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	@touch $@
 
+# The server-side tests on the strict test backend (tests/strict_backend.py): arrays that refuse
+# implicit conversion to NumPy as CuPy's do, so NumPy-only server code fails here, not on a GPU.
+# Files that reach servers through their API; unit tests that hand NumPy arrays to server
+# internals (test_optimizers, test_server_float64) are not among them.
+STRICT_TESTS := $(addprefix tests/test_,$(addsuffix .py,server_services bad_input collectives \
+  buffers nonfinite snapshots hardening_snapshots hardening_replication hardening_store \
+  hardening_limits optimizer_state recovery determinism))
+STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(PY) -m pytest -q $(STRICT_TESTS)
+
+# Both runs happen even when the first fails, so one pass shows everything to fix; the exit
+# status is the first failing pytest's own (5: no tests collected fails too).
 test: venv
-	$(PY) -m pytest -q
+	@status=0; \
+	echo "$(PY) -m pytest -q"; $(PY) -m pytest -q || status=$$?; \
+	echo "$(STRICT_RUN)"; $(STRICT_RUN) || { code=$$?; [ $$status -ne 0 ] || status=$$code; }; \
+	exit $$status
+
+test-strict: venv
+	$(STRICT_RUN)
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 demo: venv
-	$(VENV)/bin/paramshard launch --nproc 2 examples/train_gpt.py --strategy fsdp --steps 300
+	$(PY) examples/demo.py
 
 # Both checks run even when the first fails, so one pass shows everything to fix.
 lint: venv

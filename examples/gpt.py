@@ -33,6 +33,8 @@ __all__ = [
     "load_text",
     "CharTokenizer",
     "get_batch",
+    "split_text",
+    "generate",
 ]
 
 
@@ -258,3 +260,34 @@ def get_batch(
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     index = starts[:, None] + torch.arange(block_size)
     return data[index], data[index + 1]
+
+
+def split_text(data: torch.Tensor, val_fraction: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's split: the first ``1 - val_fraction`` of the tokens train, the rest validate."""
+    n = int(len(data) * (1.0 - val_fraction))
+    return data[:n], data[n:]
+
+
+@torch.no_grad()
+def generate(
+    model: Any,
+    tok: CharTokenizer,
+    prompt: str,
+    n: int,
+    block_size: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> str:
+    """``n`` characters after ``prompt``: greedy with ``temperature=0``, else sampled from
+    softmax(logits / temperature). ``model`` is a plain GPT or a strategy (its ``predict``)."""
+    ids = tok.encode(prompt)[None, :]
+    forward = getattr(model, "predict", model)
+    for _ in range(n):
+        logits = forward(ids[:, -block_size:])[:, -1, :]
+        if temperature > 0:
+            probs = F.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)
+        else:
+            nxt = logits.argmax(dim=-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return tok.decode(ids[0].tolist())

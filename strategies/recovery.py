@@ -16,6 +16,13 @@ NOT_FOUND, or a wait that can no longer finish: DEADLINE_EXCEEDED), every rank:
 A 3D job (``HybridShardedModel``) recovers the same way, every group's collectives restarted,
 all its parts restored from their newest common snapshot (it has no neighbour replicas).
 
+Progress: ``progress=`` takes a ``tqdm`` bar (or anything with ``update(n)``; its counter
+follows ``model.step_count``, so a replay moves it back, and ``set_postfix`` shows the loss) or a
+function ``progress(step, loss)`` called after each step with the step passed to ``train_step``.
+``should_stop(step, loss)`` returning True ends training after that step (early stopping: every
+rank must return the same, e.g. from an all-reduced validation loss). Both run inside the
+recovery: a server dying during them is recovered like one dying in ``train_step``.
+
 ``train_step`` must be a function of the step number (the same data for the same step), so
 the replayed steps are the ones that were lost and training ends where it would have without
 the failure. At most ``checkpoint_every`` steps are recomputed.
@@ -32,7 +39,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -56,14 +63,41 @@ RECOVERABLE = {
 }
 
 
+class ProgressBar(Protocol):
+    """What ``progress=`` needs of a bar: tqdm's ``n``, ``update`` and ``set_postfix``."""
+
+    n: Any
+
+    def update(self, n: int = 1) -> Any: ...
+
+
 @dataclass
 class RecoveryReport:
-    """What happened: losses by step (replayed steps overwrite), recoveries and their cost."""
+    """What happened: losses by step (replayed steps overwrite), recoveries and their cost.
+
+    ``resumed_at[i]`` is the step the i-th recovery continued from and ``failed_at[i]`` the
+    step that was running when it failed (``failed_at[i] - resumed_at[i]`` steps replayed)."""
 
     losses: dict[int, float] = field(default_factory=dict)
     recoveries: int = 0
     recovery_seconds: list[float] = field(default_factory=list)
     replayed_steps: int = 0
+    failed_at: list[int] = field(default_factory=list)
+    resumed_at: list[int] = field(default_factory=list)
+    stopped_early: bool = False
+
+
+def _show(
+    progress: Callable[[int, float], Any] | ProgressBar, step: int, loss: float, done: int
+) -> None:
+    """Reports one finished step to a ``progress(step, loss)`` function or a tqdm-like bar."""
+    if callable(progress):
+        progress(step, loss)
+        return
+    set_postfix = getattr(progress, "set_postfix", None)
+    if set_postfix is not None:
+        set_postfix(loss=f"{loss:.4f}", refresh=False)
+    progress.update(done - int(progress.n))  # negative after a replay: the bar moves back
 
 
 def _wait_for_servers(model: ServerShardedModel | HybridShardedModel, wait_s: float) -> None:
@@ -92,10 +126,15 @@ def train_with_recovery(
     tag_prefix: str = "auto",
     wait_s: float = 120.0,
     max_recoveries: int = 5,
+    progress: Callable[[int, float], Any] | ProgressBar | None = None,
+    should_stop: Callable[[int, float], bool] | None = None,
 ) -> RecoveryReport:
     """Runs ``train_step(step)`` for steps ``model.step_count .. steps-1`` surviving server
     failures (see the module docstring). ``train_step`` does forward, backward and the
-    optimizer step and returns the loss. Every rank calls this the same way."""
+    optimizer step and returns the loss. Every rank calls this the same way.
+
+    ``progress``: a tqdm bar or a ``progress(step, loss)`` function, told after each step;
+    ``should_stop(step, loss)``: True (on every rank) ends training after that step."""
     if not model.registered:
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
     report = RecoveryReport()
@@ -112,9 +151,14 @@ def train_with_recovery(
     while model.step_count < steps:
         step = model.step_count
         try:
-            report.losses[step] = train_step(step)
+            report.losses[step] = loss = train_step(step)
             if checkpoint_every and model.step_count % checkpoint_every == 0:
                 checkpoint()
+            if progress is not None:
+                _show(progress, step, loss, model.step_count)
+            if should_stop is not None and should_stop(step, loss):
+                report.stopped_early = True
+                break
         except ShardClientError as exc:
             if exc.code not in RECOVERABLE or report.recoveries >= max_recoveries:
                 raise
@@ -140,4 +184,14 @@ def train_with_recovery(
             # the servers one step ahead of it: nothing to replay then
             report.replayed_steps += max(0, step - restored)
             report.recovery_seconds.append(time.monotonic() - began)
+            report.failed_at.append(step)
+            report.resumed_at.append(restored)
+            log.warning(
+                "rank %d: recovered in %.1f s: the servers are at step %d, training continues"
+                " there (%d steps replayed)",
+                model.rank,
+                report.recovery_seconds[-1],
+                restored,
+                max(0, step - restored),
+            )
     return report

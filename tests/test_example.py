@@ -1,4 +1,5 @@
-"""End to end: examples/train_gpt.py starts its own servers and ranks, and the loss goes down."""
+"""End to end: examples/train_gpt.py hands itself to ``paramshard launch`` (servers and ranks),
+shows rank 0's progress, and the loss goes down."""
 
 from __future__ import annotations
 
@@ -39,3 +40,26 @@ def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
     first, last = float(m.group(1)), float(m.group(2))
     assert last < first, output[-3000:]
     assert "[rank 0] sample: " in proc.stdout
+    # tqdm, one line every --log-every (10) steps since the output is not a terminal
+    assert re.search(r"^\[rank 0\] step   10/20, loss=[\d.]+  \[", proc.stdout, re.M), output
+    if strategy != "hybrid":  # validation runs with the data-parallel strategies
+        assert "[rank 0] step 20: validation loss " in proc.stdout
+    assert "[rank 0] steps 1..20 trained (continuous), the servers at version 20;" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--strategy", "hybrid", "--world-size", "4", "--pp", "2", "--target-loss", "2"],
+         "--target-loss: validation runs with ddp, zero1, zero2 and fsdp"),
+        (["--eval-every", "0"], "--eval-every must be >= 1"),
+        (["--batch-size", "15"], "--batch-size 15 must be a positive multiple of --world-size 2"),
+    ],
+)  # fmt: skip
+def test_train_gpt_refuses_bad_arguments(argv, message, capsys, monkeypatch) -> None:
+    from examples import train_gpt
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        train_gpt.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

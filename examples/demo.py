@@ -1,0 +1,278 @@
+"""``make demo``: train the example GPT while looking into the job, killing a server, and keeping
+the model, on one machine in about two minutes.
+
+1. starts 2 shard servers (``paramshard serve``, one snapshot directory);
+2. trains the GPT on 2 FSDP ranks (``paramshard launch --servers ... examples/train_gpt.py``),
+   with neighbour replicas every step (``--replicate-every 1``), until the held-out validation
+   loss is below ``--target-loss``;
+3. meanwhile looks into the live job (``paramshard inspect``) and, a little later, SIGKILLs
+   server 1 and starts an empty one at its address: the ranks recover from server 0's replica
+   of server 1's slices and continue with the next step, none lost or replayed;
+4. snapshots the job (``paramshard snapshot``) and exports it to safetensors
+   (``paramshard export``);
+5. loads the export into a plain torch GPT, measures its validation loss on the trainers'
+   validation batches and samples from it.
+
+It prints PASS when every stage happened and the loss is below the threshold, else FAIL with
+the reason, and exits 1. ``--workdir DIR`` keeps the servers' logs, the snapshot and the export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[1]
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+import torch  # noqa: E402
+
+from examples import train_gpt  # noqa: E402
+from examples.gpt import GPT, CharTokenizer, generate, lm_loss, load_text, split_text  # noqa: E402
+
+WORLD = 2  # trainer ranks and shard servers
+START_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 900.0  # the whole training, bounded
+RECOVERED = re.compile(r"^\[rank 0\] rank 0: recovered in ([\d.]+) s: the servers are at step"
+                       r" (\d+).*\((\d+) steps replayed\)")  # fmt: skip
+TRAINED = re.compile(r"^\[rank 0\] steps (\d+)\.\.(\d+) trained \((\w+)\), the servers at"
+                     r" version (\d+)")  # fmt: skip
+VALIDATION = re.compile(r"^\[rank 0\] step (\d+): validation loss ([\d.]+)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    arg = p.add_argument
+    arg("--target-loss", type=float, default=1.70, help="validation loss to reach (1.70)")
+    arg("--max-steps", type=int, default=1000, help="give up after this many steps (1000)")
+    arg("--batch-size", type=int, default=64, help="global batch in sequences (64)")
+    arg("--eval-every", type=int, default=50, help="steps between validations (50)")
+    arg("--inspect-at", type=int, default=50, help="run paramshard inspect at this step (50)")
+    arg("--kill-at", type=int, default=120, help="SIGKILL server 1 at this step (120)")
+    arg("--workdir", type=Path, default=None, help="keep logs, snapshot, export here")
+    args = p.parse_args(argv)
+    if not 0 < args.inspect_at < args.kill_at < args.max_steps:
+        p.error("need 0 < --inspect-at < --kill-at < --max-steps")
+    return args
+
+
+def say(text: str) -> None:
+    print(f"\n== demo: {text}", flush=True)
+
+
+def paramshard(*argv: str) -> str:
+    """Runs one ``paramshard`` command; returns its output (raises with it on failure)."""
+    cmd = [sys.executable, "-m", "paramshard", *argv]
+    done = subprocess.run(cmd, check=False, cwd=_ROOT, capture_output=True, text=True, timeout=120)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(argv[:2])} failed: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
+class Server:
+    """One ``paramshard serve`` on a fixed port, so an empty one can take a dead one's place."""
+
+    def __init__(self, index: int, workdir: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.index, self.workdir = index, workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        from paramshard.launch import wait_serving
+
+        log = (self.workdir / f"server-{self.index}.log").open("a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "paramshard", "serve", "--port", str(self.port),
+             "--snapshot-dir", str(self.workdir / "snapshots")],
+            cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+        wait_serving([self.address], None, START_TIMEOUT_S)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+
+
+def server_step(client: Any, job: str) -> int:
+    """The job's version on the servers (the steps taken); -1 before it registered."""
+    from client import ShardClientError, tools
+
+    try:
+        return min(p.version for p in tools.job_params(client, job))
+    except (KeyError, ShardClientError, ValueError):
+        return -1
+
+
+def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -> dict[str, Any]:
+    """Launches the trainers; inspects, kills and restarts server 1 on the way. Returns what
+    happened (the trainers' output is printed as it comes)."""
+    from client import ClusterSpec, ShardClient
+
+    addresses = ",".join(s.address for s in servers)
+    cmd = [
+        sys.executable, "-m", "paramshard", "launch", "--nproc", str(WORLD), "--servers",
+        addresses, "--run-id", run, str(_ROOT / "examples" / "train_gpt.py"), "--strategy",
+        "fsdp", "--steps", str(args.max_steps), "--batch-size", str(args.batch_size),
+        "--target-loss", str(args.target_loss), "--eval-every", str(args.eval_every),
+        "--replicate-every", "1", "--log-every", "25",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )  # fmt: skip
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()  # fmt: skip
+    seen: dict[str, Any] = {"val": {}}
+    client = ShardClient(ClusterSpec([s.address for s in servers]), timeout_s=10, retries=0)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                line = ""
+            if line is None:
+                break
+            if line:
+                print(line, end="", flush=True)
+                if m := RECOVERED.match(line):
+                    resumed, replayed = int(m.group(2)), int(m.group(3))
+                    lost = replayed + max(0, seen.get("killed_at", resumed) - resumed)
+                    seen.update(resumed=resumed, lost=lost, recovery_s=float(m.group(1)))
+                    say(f"recovered in {m.group(1)} s: step {resumed + 1} continues,"
+                        f" {lost} steps lost")  # fmt: skip
+                elif m := TRAINED.match(line):
+                    seen["trained"] = tuple(int(m.group(i)) for i in (1, 2, 4))
+                    seen["continuous"] = m.group(3) == "continuous"
+                elif m := VALIDATION.match(line):
+                    seen["val"][int(m.group(1))] = float(m.group(2))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"training took longer than {RUN_TIMEOUT_S:g} s")
+            if "killed_at" in seen:
+                continue
+            step = server_step(client, job)
+            if step >= args.inspect_at and "inspected" not in seen:
+                seen["inspected"] = step
+                say(f"paramshard inspect {job}  (live, at step {step})")
+                print(paramshard("inspect", job, "--servers", addresses), end="", flush=True)
+            elif step >= args.kill_at:
+                victim = servers[1]
+                assert victim.proc is not None
+                pid = victim.proc.pid
+                victim.stop(signal.SIGKILL)
+                seen["killed_at"] = step
+                say(f"killed server 1 (pid {pid}) at step {step} with SIGKILL")
+                victim.start()
+                assert victim.proc is not None
+                say(f"started an empty server 1 at {victim.address} (pid {victim.proc.pid})")
+        seen["returncode"] = proc.wait(timeout=60)
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+    return seen
+
+
+def check_export(path: Path, args: argparse.Namespace) -> tuple[float, str]:
+    """The exported model in plain torch: its loss on the trainers' validation batches, and a
+    sample."""
+    from safetensors.torch import load_file
+
+    text = load_text()
+    tok = CharTokenizer(text)
+    _, val_data = split_text(tok.encode(text))
+    cfg = train_gpt.model_config("tiny", tok.vocab_size, 32)
+    gpt = GPT(cfg)
+    gpt.load_state_dict(load_file(path))
+    gpt.eval()
+    batches = [
+        b for r in range(WORLD) for b in train_gpt.validation_batches(
+            val_data, args.batch_size // WORLD, cfg.block_size, 1337, r)
+    ]  # fmt: skip
+    with torch.no_grad():
+        val = sum(lm_loss(gpt(x), y).item() for x, y in batches) / len(batches)
+    sample = generate(gpt, tok, "The ", 240, cfg.block_size, train_gpt.SAMPLE_TEMPERATURE,
+                      torch.Generator().manual_seed(0))  # fmt: skip
+    return val, sample
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    began = time.monotonic()
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="paramshard-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = f"demo{int(time.time()) % 100000}"
+    job = train_gpt.job_name("fsdp", run)
+    servers = [Server(i, workdir) for i in range(WORLD)]
+    failures: list[str] = []
+    try:
+        say(f"starting {WORLD} shard servers (logs and snapshots in {workdir})")
+        for s in servers:
+            s.start()
+        print(f"servers: {', '.join(s.address for s in servers)}")
+        say(f"training job {job} until validation loss < {args.target_loss}"
+            f" (at most {args.max_steps} steps)")  # fmt: skip
+        seen = train(args, servers, job, run)
+        if seen.get("returncode") != 0:
+            failures.append(f"training exited with code {seen.get('returncode')}")
+        if "killed_at" not in seen:
+            failures.append("server 1 was not killed (training ended before --kill-at)")
+        elif seen.get("lost") != 0:
+            failures.append(f"recovery: {seen.get('lost', 'unknown')} steps lost")
+        first, last, version = seen.get("trained", (0, 0, -1))
+        if not seen.get("continuous") or version != last:
+            failures.append(f"steps {first}..{last} vs version {version}: not continuous")
+        addresses = ",".join(s.address for s in servers)
+        say(f"paramshard snapshot {job} --tag final")
+        print(paramshard("snapshot", job, "--tag", "final", "--servers", addresses), end="")
+        print(f"snapshot: {workdir / 'snapshots' / job / 'final'}")
+        out = workdir / "gpt.safetensors"
+        say(f"paramshard export {job} --out {out}")
+        print(paramshard("export", job, "--out", str(out), "--servers", addresses), end="")
+    finally:
+        for s in servers:
+            s.stop()
+    say("the export in plain torch: GPT().load_state_dict(safetensors.torch.load_file(...))")
+    val, sample = check_export(out, args)
+    trained_val = seen["val"][max(seen["val"])] if seen["val"] else float("nan")
+    print(f"sample: {sample!r}")
+    print(f"validation loss: {val:.4f} (the trainers measured {trained_val:.4f})")
+    if not val < args.target_loss:
+        failures.append(f"validation loss {val:.4f} is not below {args.target_loss}")
+    verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
+    say(f"validation loss {val:.4f} vs threshold {args.target_loss}: {verdict}"
+        f" ({time.monotonic() - began:.0f} s in all)")  # fmt: skip
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
