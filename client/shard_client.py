@@ -11,6 +11,7 @@ from client.buffers import FlatBuffers
 from client.cluster import ClusterSpec
 from client.collectives import Collectives
 from client.rpc import ShardClientError
+from client.run_id import run_id_from_env
 from protos import shard_pb2 as pb
 
 __all__ = ["ShardClient"]
@@ -20,7 +21,8 @@ class ShardClient(Collectives, FlatBuffers):
     """Rank ``rank`` of ``world_size`` talking to the servers of ``spec``.
 
     ``run_id`` names this run's collective slots: all ranks of one run must agree on it, and two
-    runs on the same servers must differ (``paramshard launch`` sets ``PARAMSHARD_RUN``).
+    runs on the same servers must differ (default: ``PARAMSHARD_RUN``, which ``paramshard
+    launch`` sets, else torchrun's ``TORCHELASTIC_RUN_ID``; client/run_id.py).
     ``deterministic`` (default): sums and means of collectives are reduced in rank order,
     bitwise reproducible; False: in arrival order (strategies set it from their
     configuration's ``deterministic``).
@@ -57,7 +59,7 @@ class ShardClient(Collectives, FlatBuffers):
         a group's client has its members' servers only."""
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
-        self.run_id = run_id or os.environ.get("PARAMSHARD_RUN", "run")
+        self.run_id = run_id or run_id_from_env() or "run"
         self.deterministic = deterministic
 
     @classmethod

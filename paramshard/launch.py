@@ -18,7 +18,9 @@ server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forward
 a second one kills them. When a rank exits non-zero the others get SIGTERM, ``--grace`` seconds,
 then SIGKILL, and the launcher exits with that rank's code. Local servers are stopped last.
 With ``--max-restarts K`` a failed ZeRO-1/2 or FSDP rank is started again instead, alone, and
-resumes at the servers' step (paramshard/restarts.py).
+resumes at the servers' step (paramshard/restarts.py). ``--config FILE`` hands every rank the same
+ShardingConfiguration file and ``--log-dir DIR`` keeps each rank's output in files, in torchrun's
+layout (paramshard/launch_files.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from client.run_id import run_id_from_env
 from paramshard.cli import (
     EXIT_USAGE,
     CommandError,
@@ -45,6 +48,7 @@ from paramshard.cli import (
     positive,
     positive_int,
 )
+from paramshard.launch_files import RankLogs, append_line, config_env
 
 __all__ = ["launch", "rank_env", "read_token"]
 
@@ -135,16 +139,27 @@ def say(message: str) -> None:
     _emit(sys.stderr, f"paramshard launch: {message}\n".encode())
 
 
-def _relay(child: Child, pipe: IO[bytes], dest: IO[str], lines: queue.SimpleQueue | None) -> None:
-    """Copies ``pipe`` to ``dest`` line by line as ``[NAME] LINE`` (and to ``lines`` if given)."""
+def _relay(
+    child: Child,
+    pipe: IO[bytes],
+    dest: IO[str],
+    lines: queue.SimpleQueue | None,
+    log: IO[bytes] | None = None,
+) -> None:
+    """Copies ``pipe`` to ``dest`` line by line as ``[NAME] LINE`` (and to ``lines`` if given);
+    ``log`` (a --log-dir file) gets the lines as they came, and is closed at the end."""
     prefix = f"[{child.name}] ".encode()
 
     def pump() -> None:
         for line in iter(pipe.readline, b""):
             if lines is not None:
                 lines.put((child, line))
+            if log is not None:
+                append_line(log, line)
             _emit(dest, prefix + line.rstrip(b"\r\n") + b"\n")
         pipe.close()
+        if log is not None:
+            log.close()
 
     thread = threading.Thread(target=pump, name=f"relay {child.name}", daemon=True)
     thread.start()
@@ -368,7 +383,22 @@ def read_token(path: str | None) -> str | None:
         "--run-id",
         default=None,
         help="PARAMSHARD_RUN shared by all ranks; needed with --nnodes > 1"
-        " (default: $PARAMSHARD_RUN, else a random id)",
+        " (default: $PARAMSHARD_RUN, else torchrun's $TORCHELASTIC_RUN_ID, else a random id)",
+    ),
+    arg(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="a ShardingConfiguration file (.json, .toml, .yaml) every rank's"
+        " ShardingConfiguration.from_env() starts from (PARAMSHARD_CONFIG); its keyword"
+        " arguments override the file",
+    ),
+    arg(
+        "--log-dir",
+        metavar="DIR",
+        default=None,
+        help="also write each rank's output to DIR/RUN_ID/attempt_N/RANK/stdout.log and"
+        " stderr.log (torchrun's layout; N counts that rank's restarts)",
     ),
     arg(
         "--token-file",
@@ -419,7 +449,7 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError(
             "--nnodes > 1 needs --servers: every host must use the same ones", EXIT_USAGE
         )
-    run_id = args.run_id or os.environ.get("PARAMSHARD_RUN") or ""
+    run_id = args.run_id or run_id_from_env() or ""
     if args.nnodes > 1 and not run_id:
         raise CommandError("--nnodes > 1 needs --run-id (the same on every host)", EXIT_USAGE)
     run_id = run_id or f"run-{secrets.token_hex(6)}"
@@ -427,11 +457,13 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError(f"no such script: {args.script}", EXIT_USAGE)
     token = read_token(args.token_file)
     world_size = args.nnodes * args.nproc
+    ranks_config = config_env(args.config)
+    logs = RankLogs.create(args.log_dir, run_id)
 
     from paramshard.restarts import RankRestarts, supervise
     from server.app import MALLOC_ENV
 
-    base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}
+    base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
     restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
@@ -472,13 +504,16 @@ def launch(args: argparse.Namespace) -> int:
                 token=token,
             )
             env.update(restarts.env(rank))
+            out, err = logs.open(rank, restarts.attempt(rank)) if logs else (None, None)
             child = _spawn(f"rank {rank}", [*python, args.script, *args.script_args], env)
             child.rank = rank
-            _relay(child, child.proc.stdout, sys.stdout, None)
-            _relay(child, child.proc.stderr, sys.stderr, None)
+            _relay(child, child.proc.stdout, sys.stdout, None, out)
+            _relay(child, child.proc.stderr, sys.stderr, None, err)
             _watch(child, events)
             return child
 
+        if logs:
+            say(f"rank output also goes to {logs.root}/attempt_N/RANK/stdout.log, stderr.log")
         for local_rank in range(args.nproc):
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:

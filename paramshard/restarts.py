@@ -57,9 +57,14 @@ class RankRestarts:
             return {}
         return {
             contract.MAX_RESTARTS_ENV: str(self.max_restarts),
-            contract.RESTART_COUNT_ENV: str(self.counts.get(rank, 0)),
+            contract.RESTART_COUNT_ENV: str(self.attempt(rank)),
             contract.RESTART_FILE_ENV: os.path.join(self.directory, f"rank-{rank}"),
         }
+
+    def attempt(self, rank: int) -> int:
+        """How many times ``rank`` was restarted: 0 for its first process (torchrun's attempt
+        number, TORCHELASTIC_RESTART_COUNT; ``--log-dir`` files it under ``attempt_<n>``)."""
+        return self.counts.get(rank, 0)
 
     def refusal(self, rank: int) -> str | None:
         """None if rank ``rank``, which just failed, may be restarted; else why not."""

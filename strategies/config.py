@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from protos.codec import master_dtype
+from protos.config_file import CONFIG_ENV, check_keys, read_config_file
 
 if TYPE_CHECKING:
     from client import ShardClient
@@ -190,13 +191,37 @@ class ShardingConfiguration:
 
         RANK and WORLD_SIZE default to 0 and 1 (a single process); the server addresses come
         from PARAMSHARD_SERVERS, and ``ClusterSpec.from_env`` says clearly when it is unset.
+        When PARAMSHARD_CONFIG names a config file (``paramshard launch --config FILE`` sets
+        it), that file is the base: keyword ``overrides`` win over it, and it over the defaults.
         """
-        from client import ClusterSpec, ShardClient
+        path = os.environ.get(CONFIG_ENV, "").strip()
+        if path:
+            return cls.from_file(path, **overrides)
+        return cls(_client_from_env(), **overrides)
 
-        spec = ClusterSpec.from_env()
-        rank = _env_int("RANK", 0)
-        world_size = _env_int("WORLD_SIZE", 1)
-        return cls(ShardClient(spec, rank=rank, world_size=world_size), **overrides)
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        client: ShardClient | None = None,
+        **overrides: Any,
+    ) -> ShardingConfiguration:
+        """Build from a JSON, TOML or YAML file whose keys are this class's fields, ``client``
+        excepted (protos/config_file.py). Keyword ``overrides`` win over the file, the file
+        over the defaults; the client comes from the environment, as in ``from_env``, when not
+        given. An unknown key or a bad value raises ``ValueError`` naming the file and field.
+        """
+        values = read_config_file(path)
+        check_keys(values, _FILE_FIELDS, f"config file {os.fspath(path)}")
+        if client is None:
+            client = _client_from_env()
+        try:
+            return cls(client, **{**values, **overrides})
+        except ValueError as exc:  # the constructor's message, plus where a bad value came from
+            field = re.match(r"ShardingConfiguration\.(\w+)", str(exc))
+            if field and field.group(1) in values and field.group(1) not in overrides:
+                raise ValueError(f"{exc} (in config file {os.fspath(path)})") from None
+            raise
 
     @classmethod
     def create_default(cls, client: ShardClient, **overrides: Any) -> ShardingConfiguration:
@@ -255,6 +280,17 @@ def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an int >= {minimum}" + (" or None" if none_ok else "")
         raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {value!r}")
+
+
+_FILE_FIELDS = tuple(f.name for f in fields(ShardingConfiguration) if f.name != "client")
+
+
+def _client_from_env() -> ShardClient:
+    """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env)."""
+    from client import ClusterSpec, ShardClient
+
+    spec = ClusterSpec.from_env()
+    return ShardClient(spec, rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1))
 
 
 def _env_int(name: str, default: int) -> int:

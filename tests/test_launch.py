@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from client import ClusterSpec, ShardClient
+from client.run_id import run_id_from_env
 from paramshard import cli
 from paramshard.launch import read_token
 from server import MALLOC_ENV
@@ -325,3 +327,50 @@ def test_train_gpt_under_launch() -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[rank 0] OK: the loss went down" in result.stdout.splitlines()
     assert "world size 2" in result.stdout
+
+
+# ---------------------------------------------------------------------------- the run id rule
+@pytest.mark.parametrize(
+    ("ours", "torchrun", "want"),
+    [
+        ("mine", "tr-1", "mine"),  # PARAMSHARD_RUN wins
+        (None, "tr-1", "tr-1"),  # a trainer started by torchrun
+        ("", "tr-1", "tr-1"),  # empty counts as unset
+        (None, "none", None),  # torchrun's static default names no run
+        (None, None, None),
+    ],
+)
+def test_run_id_from_env(
+    ours: str | None, torchrun: str | None, want: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name, value in (("PARAMSHARD_RUN", ours), ("TORCHELASTIC_RUN_ID", torchrun)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert run_id_from_env() == want
+    spec = ClusterSpec(["127.0.0.1:1"])  # no RPC is made
+    client = ShardClient(spec)
+    assert client.run_id == (want or "run")
+    assert ShardClient(spec, run_id="given").run_id == "given"
+    client.close()
+
+
+@pytest.mark.parametrize("torchrun", ["tr-launch", "none"])
+def test_launch_takes_torchelastic_run_id(tiny: Path, torchrun: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "paramshard", "launch", "--nproc", "1", str(tiny), "env-only"],
+        cwd=ROOT,
+        env=launch_env(TORCHELASTIC_RUN_ID=torchrun),
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = rank_envs(result.stdout)[0]["PARAMSHARD_RUN"]
+    if torchrun == "none":
+        assert re.fullmatch(r"run-[0-9a-f]{12}", run), run  # "none" is unset: a random id
+    else:
+        assert run == torchrun
