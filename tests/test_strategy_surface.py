@@ -3,8 +3,8 @@
 Two ranks run in threads against two in-process shard servers; the initial state dict is built
 once in the main thread (threads share torch's global RNG) and loaded into every rank's model.
 Each rank trains on its half of a 4-sample batch, so the strategies must match single-process
-training on the whole batch: float64 on both sides, within 1e-9 (tests/numerics.py). The
-mixed-precision test is float32 with bfloat16 compute, held to a measured bound (see there).
+training on the whole batch: float64 on both sides, within 1e-9 (tests/numerics.py). Mixed
+precision is tested in tests/test_mixed_precision.py.
 """
 
 from __future__ import annotations
@@ -575,58 +575,3 @@ def test_ddp_no_sync_matches_whole_batch(run_ranks: Any, addrs: list[str]) -> No
         assert_equivalent(model.get_parameters(), want, "no_sync")
 
     world(run_ranks, addrs, "ddp", fn, init=init)
-
-
-# -- mixed precision ---------------------------------------------------------------------------
-
-
-def fsdp2_bfloat16_twin_rank(rank: int, world: int, init: dict, lr: float, steps: int):
-    """One rank of torch's own FSDP (``fully_shard`` per block and at the root, gloo) with
-    bfloat16 parameters for compute and float32 gradient reduction, training as
-    ``test_fsdp_bfloat16_params_within_torch_fsdp`` does (runs in a spawned process)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    net = plain(init)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in net.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(net, mp_policy=policy)
-    opt = torch.optim.AdamW(net.param_groups(0.1), lr=lr)
-    x, y = rank_data(rank)
-    losses = []
-    for _ in range(steps):
-        loss = lm_loss(net(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    full = [p.full_tensor().detach().reshape(-1) for p in net.parameters()]
-    return losses, torch.cat(full)
-
-
-@pytest.mark.equivalence
-def test_fsdp_bfloat16_params_within_torch_fsdp(run_ranks: Any, addrs: list[str]) -> None:
-    """param_dtype="bfloat16": forward and backward on bfloat16 copies of float32 masters.
-    How far that lands from float32 training is bfloat16's doing, not a bound anyone can
-    derive; it is measured on torch's own FSDP with the same mixed-precision policy, and ours
-    may be at most 3x as far (tests/numerics.py ``assert_within_twin``)."""
-    from numerics import assert_within_twin, worst_deviation
-    from torch_twin import run_gloo
-
-    # lr 3e-3: at 1e-2, bf16 rounding alone moves AdamW 4% away from fp32 in 10 steps
-    lr, steps = 3e-3, 10
-    init = init_state(dtype=torch.float32)
-    want = reference(init, steps, lr=lr)
-    twin_losses, twin = run_gloo(fsdp2_bfloat16_twin_rank, W, init, lr, steps)[0]
-
-    def fn(client: Any, model: FSDPModel, opt: Any, ref: GPT) -> tuple[list[float], Any]:
-        x, y = rank_data(client.rank)
-        losses = [model.train_on_batch(x, y) for _ in range(steps)]
-        return losses, model.get_parameters()
-
-    out = world(run_ranks, addrs, "fsdp", fn, init=init, lr=lr, param_dtype="bfloat16")
-    for r, (losses, params) in enumerate(out):
-        assert losses[-1] < losses[0]
-        assert params.dtype == torch.float32  # the masters stay float32
-        assert_within_twin(params, twin, want, f"bfloat16 params rank {r}")
-        assert worst_deviation(params, want) > 1e-5  # the parameters really were bfloat16
