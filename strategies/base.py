@@ -231,6 +231,11 @@ class ShardedModelBase(nn.Module):
     def _invalidate(self) -> None:
         self._cache = None
 
+    def _holds_working_copy(self) -> bool:
+        """Whether this rank's parameters are a ``param_dtype`` working copy narrower than
+        their masters (strategies/mixed_precision.py): full values are then the servers'."""
+        return any(p.dtype != self._masters[n] for n, p in self._named)
+
     # -- flat parameter vectors ----------------------------------------------------------
     def gather_full_parameters(self) -> torch.Tensor:
         """All trainable parameters as one flat vector (named_parameters order), float64 if

@@ -22,15 +22,9 @@ import numpy as np
 import torch
 
 from protos import codec
+from strategies.layout import torch_dtype
 
 __all__ = ["to_host", "Landing", "device_of"]
-
-_WIRE = {
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def device_of(tensors: list[torch.Tensor]) -> torch.device:
@@ -65,7 +59,9 @@ class Landing:
 
     def __init__(self, numel: int, wire: str, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.tensor = torch.empty(numel, dtype=_WIRE[wire], pin_memory=self.device.type == "cuda")
+        self.tensor = torch.empty(
+            numel, dtype=torch_dtype(wire), pin_memory=self.device.type == "cuda"
+        )
         raw = self.tensor.view(torch.int16) if wire == "bfloat16" else self.tensor
         self.array = raw.numpy().view(codec.numpy_dtype(codec.wire_dtype(wire)))
 

@@ -263,8 +263,7 @@ class HybridShardedModel(ShardedModelBase):
         """The whole model's state dict under its own names, on every rank (collective over
         the tensor and pipeline groups)."""
         # a param_dtype working copy is narrower than the servers' masters: read those
-        narrow = any(p.dtype != self._masters[n] for n, p in self._named)
-        state = self.replica.state_dict() if narrow else None
+        state = self.replica.state_dict() if self._holds_working_copy() else None
         stage = gather_tensor_parallel_state(self.stage, self.groups.tp, state)
         full = self.pipeline._gather(self.pipeline._state_layouts, stage)
         return {k: full[k] for k in self.pipeline._full_keys if k in full}

@@ -273,8 +273,7 @@ def _buffer(
 ) -> BufferSpec:
     entries, offset = [], 0
     for n, p in chosen:
-        dtype = str(p.dtype).removeprefix("torch.")
-        entries.append(ParamEntry(n, tuple(p.shape), dtype, offset, p.numel()))
+        entries.append(ParamEntry(n, tuple(p.shape), dtype_name(p.dtype), offset, p.numel()))
         offset += p.numel()
     return BufferSpec(name, unit, group, entries, offset, [p for _, p in chosen], master)
 
@@ -282,6 +281,11 @@ def _buffer(
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a dtype name ("float64", "bfloat16", ...)."""
     return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of a torch dtype ("float64", "bfloat16", ...): ``torch_dtype``'s inverse."""
+    return str(dtype).removeprefix("torch.")
 
 
 def master_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -22,7 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from strategies.config import ShardingConfiguration, master_dtype
-from strategies.layout import BufferSpec, torch_dtype
+from strategies.layout import BufferSpec, dtype_name, torch_dtype
 
 __all__ = ["compute_dtype", "gather_dtype", "cast_forward_inputs", "outputs_for_loss"]
 
@@ -41,7 +41,7 @@ def gather_dtype(config: ShardingConfiguration, b: BufferSpec) -> str:
     parameter then casts its own part)."""
     dtypes = {compute_dtype(config, torch_dtype(e.dtype)) for e in b.entries}
     if len(dtypes) == 1:
-        return str(dtypes.pop()).removeprefix("torch.")
+        return dtype_name(dtypes.pop())
     return b.master_dtype
 
 

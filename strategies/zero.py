@@ -43,7 +43,7 @@ class _ReplicatedParams(ServerShardedModel):
     _after_load = _refresh_replica
 
     def _full_state(self) -> dict[str, torch.Tensor]:
-        if self.registered and any(p.dtype != self._masters[n] for n, p in self._named):
+        if self.registered and self._holds_working_copy():
             return super()._full_state()  # a narrower working copy: the servers' masters
         return {n: to_master(p).clone() for n, p in self._named}
 
