@@ -9,19 +9,17 @@ and its second life's output lands under ``attempt_1``. Every wait is bounded.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from test_trainer_restart import launch_env  # the same clean environment for launch
 
 from paramshard import cli
 from paramshard.launch_files import RankLogs
 from protos.config_file import CONFIG_ENV
-from server import MALLOC_ENV
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN_S = 240.0  # 2 servers, 2 ranks importing torch, one restart importing it again; 2 busy cores
 pytestmark = pytest.mark.timeout(400)
 
@@ -50,18 +48,6 @@ for step in range(model.step_count, 2):
     opt.zero_grad()
 print(f"DONE rank {config.rank}", flush=True)
 """
-
-
-def launch_env() -> dict[str, str]:
-    """The test's environment without MALLOC_* and PARAMSHARD_* (launch must set them)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in MALLOC_ENV and not k.startswith("PARAMSHARD_") and k != "RANK"
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def test_config_file_and_log_dir_across_a_restart(tmp_path: Path) -> None:
