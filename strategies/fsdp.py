@@ -34,7 +34,7 @@ from torch import nn
 from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
 from strategies.layout import BufferSpec, flatten, torch_dtype
-from strategies.mixed_precision import cast_forward_inputs
+from strategies.mixed_precision import cast_forward_inputs, compute_views
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["FSDPModel", "ZeRO3Model", "held_bytes", "no_split_classes"]
@@ -137,7 +137,7 @@ class FSDPModel(ServerShardedModel):
         fetch, unit.fetch = unit.fetch, None
         flats = fetch.result() if fetch is not None else self._fetch(unit)
         for b in unit.buffers:  # in param_dtype: forward and backward compute in it (FSDP2)
-            for view, p in zip(self._compute_views(flats[b.name], b), b.params, strict=True):
+            for view, p in zip(compute_views(self.config, flats[b.name], b), b.params, strict=True):
                 p.data = view
         unit.materialized = True
         unit.nbytes = held_bytes(unit.params)

@@ -22,9 +22,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from strategies.config import ShardingConfiguration, master_dtype
-from strategies.layout import BufferSpec, dtype_name, torch_dtype
+from strategies.layout import BufferSpec, dtype_name, flat_views, torch_dtype
 
-__all__ = ["compute_dtype", "gather_dtype", "cast_forward_inputs", "outputs_for_loss"]
+__all__ = [
+    "compute_dtype",
+    "gather_dtype",
+    "compute_views",
+    "cast_forward_inputs",
+    "outputs_for_loss",
+]
 
 
 def compute_dtype(config: ShardingConfiguration, own: torch.dtype) -> torch.dtype:
@@ -43,6 +49,16 @@ def gather_dtype(config: ShardingConfiguration, b: BufferSpec) -> str:
     if len(dtypes) == 1:
         return dtype_name(dtypes.pop())
     return b.master_dtype
+
+
+def compute_views(
+    config: ShardingConfiguration, flat: torch.Tensor, b: BufferSpec
+) -> list[torch.Tensor]:
+    """Buffer ``b``'s values pulled in ``gather_dtype``, one tensor per parameter in its
+    compute dtype (views of ``flat`` unless the buffer mixes compute dtypes)."""
+    views = flat_views(flat, b.entries)
+    wants = [compute_dtype(config, torch_dtype(e.dtype)) for e in b.entries]
+    return [v if v.dtype == want else v.to(want) for v, want in zip(views, wants, strict=True)]
 
 
 def cast_forward_inputs(

@@ -30,14 +30,13 @@ from strategies.config import ShardingConfiguration
 from strategies.device import Landing, device_of, to_host
 from strategies.layout import (
     BufferSpec,
-    flat_views,
     flatten,
     norm_tensor,
     plan_buffers,
     plan_units,
     torch_dtype,
 )
-from strategies.mixed_precision import compute_dtype, gather_dtype
+from strategies.mixed_precision import gather_dtype
 from strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
@@ -209,13 +208,6 @@ class ServerShardedModel(ShardedModelBase):
             outs[b.name] = (landing, torch_dtype(dtype))
         self.client.run(calls)
         return {name: landing.result(dtype) for name, (landing, dtype) in outs.items()}
-
-    def _compute_views(self, flat: torch.Tensor, b: BufferSpec) -> list[torch.Tensor]:
-        """Buffer ``b``'s values pulled with ``compute=True``, one tensor per parameter in its
-        compute dtype (views of ``flat`` unless the buffer mixes compute dtypes)."""
-        views = flat_views(flat, b.entries)
-        wants = [compute_dtype(self.config, torch_dtype(e.dtype)) for e in b.entries]
-        return [v if v.dtype == want else v.to(want) for v, want in zip(views, wants, strict=True)]
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         if not self.registered:

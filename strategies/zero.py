@@ -19,6 +19,7 @@ from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
 from strategies.device import to_host
 from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
+from strategies.mixed_precision import compute_views
 from strategies.sharded import ServerShardedModel
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
@@ -32,7 +33,8 @@ class _ReplicatedParams(ServerShardedModel):
         flats = self._pull(self._buffers, self._step, compute=True)
         with torch.no_grad():
             for b in self._buffers:
-                for value, p in zip(self._compute_views(flats[b.name], b), b.params, strict=True):
+                values = compute_views(self.config, flats[b.name], b)
+                for value, p in zip(values, b.params, strict=True):
                     if p.dtype == value.dtype:
                         p.copy_(value)
                     else:  # the first pull makes the working copy
