@@ -91,6 +91,8 @@ class DDPModel(ShardedModelBase):
     def _use_working_copy(self) -> None:
         """Each parameter's data becomes a copy in its compute dtype (cast once per forward);
         its own data is kept aside until backward ends."""
+        if self.config.param_dtype is None:  # each parameter computes in its own dtype
+            return
         for _, p in self._named:
             want = compute_dtype(self.config, p.dtype)
             if id(p) not in self._full_precision and want != p.dtype:
@@ -100,6 +102,8 @@ class DDPModel(ShardedModelBase):
     def _use_full_precision(self) -> None:
         """Parameters back to their own data; gradients cast to it (backward made them in the
         compute dtype)."""
+        if not self._full_precision:  # no working copy: nothing to swap back or cast
+            return
         for _, p in self._named:
             own = self._full_precision.pop(id(p), None)
             if own is not None:
