@@ -17,31 +17,15 @@ from client.grad_check import GradCheck
 from client.rpc import Call, RpcCore
 from protos import codec, slicing
 from protos import shard_pb2 as pb
+from protos.manifest import ParamEntry
 
 __all__ = ["FlatBuffers", "ParamInfo", "StepArgs"]
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    """One original parameter inside a flat buffer (the manifest entry)."""
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    dtype: str = "float32"
-    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
-    # Tensor parallelism (see ParamEntry in shard.proto): part ``split_index`` of
-    # ``split_parts`` along ``split_dim``, of ``split_packed`` blocks cut in whole
-    # ``split_unit``s; 0 parts: whole.
-    split_dim: int = 0
-    split_parts: int = 0
-    split_index: int = 0
-    split_packed: int = 0
-    split_unit: int = 0
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+ParamInfo = ParamEntry
+"""One original parameter inside a flat buffer, as ``register_buffer`` takes it:
+``ParamInfo(name, shape, offset, dtype="float32", aliases=(), split=None)`` (the one
+parameter record, ``protos.manifest.ParamEntry``)."""
 
 
 @dataclass(frozen=True)
@@ -104,22 +88,7 @@ class FlatBuffers(RpcCore):
         job's model description for export (RegisterBufferRequest.model_config)."""
         if master_dtype not in codec.MASTER_DTYPES:
             raise ValueError(f"master_dtype must be 'float32' or 'float64', got {master_dtype!r}")
-        entries = [
-            pb.ParamEntry(
-                name=p.name,
-                shape=p.shape,
-                dtype=p.dtype,
-                offset=p.offset,
-                numel=p.numel,
-                aliases=p.aliases,
-                split_dim=p.split_dim,
-                split_parts=p.split_parts,
-                split_index=p.split_index,
-                split_packed=p.split_packed,
-                split_unit=p.split_unit,
-            )
-            for p in params
-        ]
+        entries = [p.to_pb() for p in params]
         spec = pb.OptimizerSpec(
             name=optimizer, hyper={k: float(v) for k, v in (hyper or {}).items()}
         )

@@ -24,13 +24,13 @@ from client.tensor_parts import (
     check_complete,
     find_parts,
     newest_complete_tag,
-    parse_part_job,
     part_snapshots,
     recorded_parts,
 )
 from protos import codec
 from protos import shard_pb2 as pb
-from protos.manifest import new_manifest, restore_placement
+from protos.manifest import ParamEntry, new_manifest
+from protos.placement import parse_part_job, replica_holder, restore_placement
 
 __all__ = [
     "snapshot",
@@ -39,26 +39,6 @@ __all__ = [
     "configure_replication",
     "recover_from_replicas",
 ]
-
-
-def _entry(p: pb.ParamEntry) -> dict[str, Any]:
-    entry = {
-        "name": p.name,
-        "shape": list(p.shape),
-        "dtype": p.dtype,
-        "offset": p.offset,
-        "numel": p.numel,
-        "aliases": list(p.aliases),
-    }
-    if p.split_parts > 1:  # a tensor-parallel part (see ParamEntry in shard.proto)
-        entry.update(
-            split_dim=p.split_dim,
-            split_parts=p.split_parts,
-            split_index=p.split_index,
-            split_packed=p.split_packed,
-            split_unit=p.split_unit,
-        )
-    return entry
 
 
 def _snapshot_jobs(
@@ -110,7 +90,7 @@ def _snapshot_jobs(
                 "master_dtype": codec.master_dtype(b.dtype),
                 "contributors": b.contributors,
                 "optimizer": {"name": b.optimizer, "hyper": dict(b.hyper)},
-                "params": [_entry(p) for p in b.params],
+                "params": [ParamEntry.from_pb(p).to_manifest() for p in b.params],
             }
             for b in replies[0].buffers
         }
@@ -357,7 +337,7 @@ def _configure(client: ShardClient, job: str, every: int, n: int) -> None:
             pb.ReplicationConfig(
                 job=job,
                 every=every,
-                neighbour=client.spec.addresses[(i + 1) % n],
+                neighbour=client.spec.addresses[replica_holder(i, n)],
                 server_index=i,
                 num_servers=n,
             ),
@@ -375,7 +355,11 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
     lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
     own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
     held = [
-        {r.version for r in lists[(i + 1) % n].replicas if not r.own and r.source_index == i}
+        {
+            r.version
+            for r in lists[replica_holder(i, n)].replicas
+            if not r.own and r.source_index == i
+        }
         for i in range(n)
     ]
     reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
@@ -386,7 +370,7 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
         if version in own[i]:
             client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
             continue
-        holder, offset, total = (i + 1) % n, 0, None
+        holder, offset, total = replica_holder(i, n), 0, None
         while total is None or offset < total:
             chunk = client.call(
                 holder,

@@ -30,6 +30,7 @@ from client.rpc import Call, RpcCore, ShardClientError
 from client.tensors import as_flat, is_torch
 from protos import codec, slicing
 from protos import shard_pb2 as pb
+from protos.placement import rank_server
 
 __all__ = ["Collectives", "REDUCE_OPS"]
 
@@ -56,7 +57,7 @@ class Collectives(RpcCore):
         """The index, among this client's servers, of rank ``rank``'s own server: ``rank mod
         N``, or in a group (``ShardClient.subgroup``) that member's server. Mailboxes, and
         the slices a reduce-scatter hands out, are kept on the receiving rank's server."""
-        return rank % self.num_servers if self.rank_servers is None else self.rank_servers[rank]
+        return rank_server(rank, self.num_servers, self.rank_servers)
 
     def restart_collectives(self, epoch: int) -> None:
         """Starts collective numbering afresh under ``<run_id>.e<epoch>`` (the run id this

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -77,29 +77,21 @@ def write_safetensors(
         raise
 
 
-def _export_items(
-    params: Iterable[tuple[str, str, tuple, tuple, Callable[[], np.ndarray]]],
-) -> Iterator[tuple[str, str, tuple, Callable[[], np.ndarray]]]:
-    """Each parameter once per name it has (tied weights under every name)."""
-    for name, dtype, shape, aliases, produce in params:
-        for each in (name, *aliases):
-            yield each, dtype, shape, produce
-
-
 def export_dtype(dtype: str) -> str:
     """The dtype a parameter is exported in: its own, or float32 where safetensors has none."""
     return dtype if dtype in _ST_DTYPES else "float32"
 
 
 def whole_items(
-    params: Iterable[WholeParam],
+    params: Iterable[WholeParam], aliases: bool = True
 ) -> list[tuple[str, str, tuple, Callable[[], np.ndarray]]]:
-    """``write_safetensors`` items of a 3D job's whole parameters (every name of each)."""
-    return list(
-        _export_items(
-            (w.name, export_dtype(w.dtype), w.shape, w.aliases, w.produce) for w in params
-        )
-    )
+    """``write_safetensors`` items of whole parameters: each once per name it has (tied
+    weights under every name; with ``aliases`` False, under its first name only)."""
+    return [
+        (each, export_dtype(w.dtype), w.shape, w.produce)
+        for w in params
+        for each in ((w.name, *w.aliases) if aliases else (w.name,))
+    ]
 
 
 def export(client: ShardClient, job: str, out: str | os.PathLike) -> int:
@@ -110,11 +102,7 @@ def export(client: ShardClient, job: str, out: str | os.PathLike) -> int:
     Of a 3D job's base name: the whole model, each tensor joined from its parts (tensor
     rank 0's copy of a replicated one), every stage; one whole tensor in memory at a time."""
     params, jobs = live_params(client, job)
-    items = list(
-        _export_items(
-            (p.name, export_dtype(p.dtype), p.shape, p.aliases, p.produce) for p in params
-        )
-    )
+    items = whole_items(params)
     meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
     if jobs != [job]:
         meta["parts"] = ",".join(jobs)

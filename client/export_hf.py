@@ -25,20 +25,16 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from client.export import export_dtype, write_safetensors
+from client.export import whole_items, write_safetensors
 from client.jobs import live_model_config, live_params
 from client.shard_client import ShardClient
+from client.tensor_parts import WholeParam
 
 __all__ = ["export_hf", "write_hf"]
-
-ExportParam = tuple[str, str, tuple[int, ...], tuple[str, ...], Callable[[], np.ndarray]]
-"""(name, dtype, shape, aliases, produce flat values) of one whole parameter."""
 
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -66,7 +62,7 @@ def _write_json(path: Path, value: Any) -> None:
 def write_hf(
     out_dir: str | os.PathLike,
     model_config: Mapping[str, Any],
-    params: Iterable[ExportParam],
+    params: Iterable[WholeParam],
     metadata: Mapping[str, str] | None = None,
 ) -> int:
     """Writes ``config.json`` and ``model.safetensors`` of the model ``model_config``
@@ -75,9 +71,8 @@ def write_hf(
     config = dict(model_config["config"])
     tied = config.get("tie_word_embeddings", True)  # transformers' default
     items = [
-        (_state_dict_name(each), export_dtype(dtype), tuple(shape), produce)
-        for name, dtype, shape, aliases, produce in params
-        for each in ((name,) if tied else (name, *aliases))
+        (_state_dict_name(name), dtype, shape, produce)
+        for name, dtype, shape, produce in whole_items(params, aliases=not tied)
     ]
     config["architectures"] = [model_config["architecture"]]
     if items:  # save_pretrained records the dtype of the first parameter
@@ -105,6 +100,4 @@ def export_hf(client: ShardClient, job: str, out_dir: str | os.PathLike) -> int:
     meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
     if jobs != [job]:
         meta["parts"] = ",".join(jobs)
-    return write_hf(
-        out_dir, described, ((p.name, p.dtype, p.shape, p.aliases, p.produce) for p in params), meta
-    )
+    return write_hf(out_dir, described, params, meta)

@@ -17,8 +17,6 @@ its parts on the servers), ``live_params`` joins the parts into the whole model
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +24,10 @@ import numpy as np
 
 from client.rpc import ShardClientError
 from client.shard_client import ShardClient
-from client.tensor_parts import PartParam, check_complete, find_parts, join_parts
+from client.tensor_parts import PartParam, WholeParam, check_complete, find_parts, join_parts
 from protos import codec, slicing
 from protos import shard_pb2 as pb
-from protos.manifest import check_model_config
+from protos.manifest import ParamEntry, check_model_config
 
 __all__ = [
     "ParamRef",
@@ -46,29 +44,18 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class ParamRef:
-    """Where one original parameter lives: its buffer, offset and shape."""
+@dataclass(frozen=True, kw_only=True)
+class ParamRef(ParamEntry):
+    """One original parameter's entry, and the live buffer it is in."""
 
-    name: str
     buffer: str
+    """The buffer's name."""
     buffer_numel: int
-    offset: int
-    shape: tuple[int, ...]
-    dtype: str
-    aliases: tuple[str, ...]
+    """The buffer's elements (all servers)."""
     version: int
-    # tensor-parallel part (see ParamEntry in shard.proto); split_parts 0: the whole tensor
-    split_dim: int = 0
-    split_parts: int = 0
-    split_index: int = 0
-    split_packed: int = 0
-    split_unit: int = 0
-    master_dtype: str = "float32"  # its buffer's: "float64" (float64 parameters) or "float32"
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+    """The buffer's version on the server that reported it."""
+    master_dtype: str = "float32"
+    """The buffer's: "float64" (float64 parameters) or "float32"."""
 
 
 @dataclass
@@ -179,21 +166,12 @@ def server_jobs(client: ShardClient) -> ServerJobs:
 def param_refs(status: Any) -> list[ParamRef]:
     """The parameters of one JobStatus, in buffer order."""
     return [
-        ParamRef(
-            p.name,
-            b.buffer,
-            b.numel,
-            p.offset,
-            tuple(p.shape),
-            p.dtype,
-            tuple(p.aliases),
-            b.version,
-            p.split_dim,
-            p.split_parts,
-            p.split_index,
-            p.split_packed,
-            p.split_unit,
-            codec.master_dtype(b.dtype),  # servers before float64 masters report ""
+        ParamRef.from_pb(
+            p,
+            buffer=b.buffer,
+            buffer_numel=b.numel,
+            version=b.version,
+            master_dtype=codec.master_dtype(b.dtype),  # servers before float64 masters: ""
         )
         for b in status.buffers
         for p in b.params
@@ -212,14 +190,11 @@ def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
     return PartParam(
         r.name,
         r.shape,
+        r.offset,
         r.dtype,
         r.aliases,
-        lambda: pull_param(client, job, r),
-        r.split_dim,
-        r.split_parts,
-        r.split_index,
-        r.split_packed,
-        r.split_unit,
+        r.split,
+        read=lambda: pull_param(client, job, r),
     )
 
 
@@ -230,18 +205,16 @@ def _holders(held: ServerJobs, job: str, ref: ParamRef) -> list[int]:
     return [servers[p.server] for p in pieces]
 
 
-@dataclass(frozen=True)
-class LiveParam:
-    """One whole parameter of a live job: where it is and how to read it."""
+@dataclass(frozen=True, kw_only=True)
+class LiveParam(WholeParam):
+    """One whole parameter of a live job, and where it is."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    aliases: tuple[str, ...]
     version: int
-    buffer: str  # its buffer; of a 3D job's base name, the part jobs it is joined from
+    """The newest version of its buffer(s)."""
+    buffer: str
+    """Its buffer; of a 3D job's base name, the part jobs it is joined from."""
     servers: list[int]
-    produce: Callable[[], np.ndarray]  # flat values in the master dtype (float64 or float32)
+    """The servers (indices in the tools' client) holding pieces of it."""
 
 
 def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[str]]:
@@ -252,15 +225,13 @@ def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[st
     if job in held.status:
         view = held.view(job)
         return [
-            LiveParam(
-                r.name,
-                r.shape,
-                r.dtype,
-                r.aliases,
-                r.version,
-                r.buffer,
-                _holders(held, job, r),
-                lambda r=r: pull_param(view, job, r),
+            LiveParam.of(
+                r,
+                produce=lambda r=r: pull_param(view, job, r),
+                source=(job,),
+                version=r.version,
+                buffer=r.buffer,
+                servers=_holders(held, job, r),
             )
             for r in param_refs(held.status[job])
         ], [job]
@@ -278,15 +249,13 @@ def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[st
         where.update(((parts[k], r.name), _holders(held, parts[k], r)) for r in rs)
     whole = join_parts(job, params, parts)
     out = [
-        LiveParam(
-            w.name,
-            w.shape,
-            w.dtype,
-            w.aliases,
-            version,
-            ",".join(w.source),
-            sorted({s for part in w.source for s in where[part, w.name]}),
-            w.produce,
+        LiveParam.of(
+            w,
+            produce=w.produce,
+            source=w.source,
+            version=version,
+            buffer=",".join(w.source),
+            servers=sorted({s for part in w.source for s in where[part, w.name]}),
         )
         for w in whole
     ]

@@ -2,9 +2,9 @@
 
 ``HybridShardedModel`` registers one server job per (pipeline stage, tensor rank), named
 ``<job>.pp<s>.tp<t>``; each holds that stage's parameters under the whole model's own names.
-A tensor-parallel parameter is one part of the whole tensor: its ``ParamEntry`` says which
-(``split_dim``, ``split_parts``, ``split_index``, ``split_packed``, ``split_unit``, see
-shard.proto), and ``protos.slicing.tensor_parallel_ranges`` says where the part sits in the
+A tensor-parallel parameter is one part of the whole tensor: its ``ParamEntry.split``
+(``protos.manifest.ParamSplit``: dim, parts, index, packed, unit; see shard.proto) says which,
+and ``protos.slicing.tensor_parallel_ranges`` says where the part sits in the
 whole tensor (parts may differ in size: 3 heads on 2 ranks are 2 + 1). Any
 other tensor is replicated on every tensor rank: tensor rank 0's copy is the one taken.
 
@@ -17,13 +17,18 @@ export (``client.tools``) and offline export of snapshot folders (``paramshard e
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from protos import manifest, slicing
+from protos.manifest import ParamEntry
+from protos.placement import parse_part_job, part_job
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only (3.10 is supported)
 
 __all__ = [
     "PartsError",
@@ -39,24 +44,9 @@ __all__ = [
     "join_parts",
 ]
 
-_PART = re.compile(r"(?P<base>.+)\.pp(?P<s>\d+)\.tp(?P<t>\d+)")
-
 
 class PartsError(RuntimeError):
     """The parts of a 3D job are missing or do not fit together."""
-
-
-def part_job(base: str, stage: int, tensor_rank: int) -> str:
-    """The server job of one (pipeline stage, tensor rank) of ``base``."""
-    return f"{base}.pp{stage}.tp{tensor_rank}"
-
-
-def parse_part_job(name: str) -> tuple[str, int, int] | None:
-    """(base, stage, tensor rank) of a part job's name; None for any other name."""
-    m = _PART.fullmatch(name)
-    if m is None:
-        return None
-    return m["base"], int(m["s"]), int(m["t"])
 
 
 def find_parts(base: str, names: Iterable[str]) -> dict[tuple[int, int], str]:
@@ -137,38 +127,30 @@ def newest_complete_tag(
     return max(complete)[1]
 
 
-@dataclass(frozen=True)
-class PartParam:
-    """One parameter as one part job holds it; ``read()`` gives its values (any shape; in
-    its master dtype, float64 or float32)."""
+@dataclass(frozen=True, kw_only=True)
+class PartParam(ParamEntry):
+    """One parameter's entry as one part job holds it, and how to read its values."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    aliases: tuple[str, ...]
     read: Callable[[], np.ndarray]
-    split_dim: int = 0
-    split_parts: int = 0
-    split_index: int = 0
-    split_packed: int = 0
-    split_unit: int = 0
-
-    @property
-    def is_split(self) -> bool:
-        return self.split_parts > 1
+    """Its values (any shape), in its master dtype (float64 or float32)."""
 
 
-@dataclass(frozen=True)
-class WholeParam:
-    """One whole parameter of the model; ``produce()`` joins it (flat, float64 for a float64
-    master, else float32)."""
+@dataclass(frozen=True, kw_only=True)
+class WholeParam(ParamEntry):
+    """One whole parameter of the model (its entry: whole shape, offset 0, no split), and how
+    to put its values together."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    aliases: tuple[str, ...]
     produce: Callable[[], np.ndarray]
-    source: tuple[str, ...]  # the part jobs it comes from
+    """Its values, flat: float64 for a float64 master, else float32."""
+    source: tuple[str, ...]
+    """The jobs it is read from (a 3D job's part jobs)."""
+
+    @classmethod
+    def of(cls, p: ParamEntry, **fields: Any) -> Self:
+        """The whole parameter of entry ``p`` (a part's, or a live buffer's): its name, dtype
+        and aliases; ``fields`` give the rest (``shape`` when not ``p``'s)."""
+        fields.setdefault("shape", p.shape)
+        return cls(name=p.name, dtype=p.dtype, aliases=p.aliases, **fields)
 
 
 def _join(
@@ -257,7 +239,7 @@ def join_parts(
                         " belong to different models"
                     )
                 seen[each] = names[s, 0]
-            if any(p.is_split for p in group):
+            if any(p.split is not None for p in group):
                 any_split = True
                 out.append(_split_param(group, ranks, source))
             else:
@@ -267,11 +249,7 @@ def join_parts(
                             f"'{name}' is replicated but has shape {list(p0.shape)} in"
                             f" {source[0]} and {list(p.shape)} in {source[t]}"
                         )
-                out.append(
-                    WholeParam(
-                        name, p0.shape, p0.dtype, p0.aliases, lambda p=p0: _flat(p), source[:1]
-                    )
-                )
+                out.append(WholeParam.of(p0, produce=lambda p=p0: _flat(p), source=source[:1]))
     if ranks > 1 and not any_split:
         raise PartsError(
             f"job '{base}' has {ranks} tensor ranks but no parameter says how it is split"
@@ -282,31 +260,28 @@ def join_parts(
 
 
 def _split_param(group: Sequence[PartParam], ranks: int, source: tuple[str, ...]) -> WholeParam:
-    p0 = group[0]
+    p0, s0 = group[0], group[0].split  # s0 is checked first, in the loop's first round
     for t, p in enumerate(group):
-        problem = None
-        if p.split_parts != ranks:
-            problem = f"is split in {p.split_parts} part(s), but there are {ranks} tensor ranks"
-        elif p.split_index != t:
-            problem = f"says it is part {p.split_index}"
-        elif (p.split_dim, p.split_packed or 1, p.split_unit or 1, p.dtype) != (
-            p0.split_dim,
-            p0.split_packed or 1,
-            p0.split_unit or 1,
-            p0.dtype,
-        ) or _without(p.shape, p.split_dim) != _without(p0.shape, p0.split_dim):
+        s, problem = p.split, None
+        if s is None or s.parts != ranks:
+            parts = s.parts if s is not None else 0
+            problem = f"is split in {parts} part(s), but there are {ranks} tensor ranks"
+        elif s.index != t:
+            problem = f"says it is part {s.index}"
+        elif (s.dim, s.packed, s.unit, p.dtype) != (s0.dim, s0.packed, s0.unit, p0.dtype) or (
+            _without(p.shape, s.dim) != _without(p0.shape, s0.dim)
+        ):
             problem = (
-                f"is split along dim {p.split_dim} in {p.split_packed or 1} block(s) of units"
-                f" of {p.split_unit or 1} with shape {list(p.shape)} ({p.dtype}), but"
-                f" {source[0]}'s part along dim {p0.split_dim} in {p0.split_packed or 1}"
-                f" block(s) of units of {p0.split_unit or 1} with shape {list(p0.shape)}"
-                f" ({p0.dtype})"
+                f"is split along dim {s.dim} in {s.packed} block(s) of units of {s.unit} with"
+                f" shape {list(p.shape)} ({p.dtype}), but {source[0]}'s part along dim"
+                f" {s0.dim} in {s0.packed} block(s) of units of {s0.unit} with shape"
+                f" {list(p0.shape)} ({p0.dtype})"
             )
-        elif p.split_dim >= len(p.shape):
-            problem = f"cannot be split along dim {p.split_dim}: its shape is {list(p.shape)}"
+        elif s.dim >= len(p.shape):
+            problem = f"cannot be split along dim {s.dim}: its shape is {list(p.shape)}"
         if problem:
             raise PartsError(f"'{p.name}' in {source[t]} {problem}")
-    dim, packed, unit = p0.split_dim, p0.split_packed or 1, p0.split_unit or 1
+    dim, packed, unit = s0.dim, s0.packed, s0.unit
     size = sum(p.shape[dim] for p in group)
     for t, p in enumerate(group):  # each part holds what the one split rule gives it
         try:
@@ -319,14 +294,11 @@ def _split_param(group: Sequence[PartParam], ranks: int, source: tuple[str, ...]
                 f" but part {t} of {ranks} ({packed} block(s), units of {unit}) holds {want}"
             )
     shape = tuple(size if d == dim else n for d, n in enumerate(p0.shape))
-    return WholeParam(
-        p0.name,
-        shape,
-        p0.dtype,
-        p0.aliases,
-        lambda: _join(shape, dim, packed, unit, group),
-        source,
-    )
+
+    def produce() -> np.ndarray:
+        return _join(shape, dim, packed, unit, group)
+
+    return WholeParam.of(p0, shape=shape, produce=produce, source=source)
 
 
 def _without(shape: tuple[int, ...], dim: int) -> tuple[int, ...]:

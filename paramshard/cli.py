@@ -409,7 +409,7 @@ def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
     resharded over all of them."""
     from client.tensor_parts import PartsError, newest_complete_tag, parse_part_job, part_snapshots
     from protos import shard_pb2 as pb
-    from protos.manifest import recorded_placement, restore_placement
+    from protos.placement import recorded_placement, restore_slice
     from server.errors import ShardError
 
     if not args.snapshot_dir or args.index is None:
@@ -431,14 +431,14 @@ def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
             index, num = args.index, max(args.num_servers or 0, args.index + 1)
         else:
             size = args.num_servers or recorded_placement(complete[tag])[1]
-            home = restore_placement(complete[tag], size)
-            if home is None or args.index >= size:  # resharded over all (or refused below)
+            mine = restore_slice(complete[tag], size, args.index)
+            if args.index >= size:  # refused below
                 index, num = args.index, size
-            elif args.index in home:
-                index, num = home.index(args.index), len(home)
-            else:
+            elif mine is None:
                 print(f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True)
                 continue
+            else:
+                index, num = mine
         request = pb.RestoreRequest(job=job, tag=tag, server_index=index, num_servers=num)
         try:
             reply = server.servicer.restore(request, None)

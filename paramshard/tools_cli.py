@@ -213,7 +213,7 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
-Params = list[tuple[str, str, tuple, tuple, Any]]  # client.export_hf.ExportParam
+Params = list[Any]  # client.tensor_parts.WholeParam
 
 
 def export_snapshot(
@@ -232,16 +232,12 @@ def export_snapshot(
     job, tag = folder.parent.name, folder.name
 
     def write(params: Params, meta: dict[str, str], manifests: list[dict[str, Any]]) -> int:
-        from client.export import export_dtype, write_safetensors
+        from client.export import whole_items, write_safetensors
         from client.export_hf import write_hf
 
         if hf_dir is not None:
             return write_hf(hf_dir, _recorded_model(manifests, folder), params, meta)
-        items = [
-            (each, export_dtype(dtype), shape, produce)
-            for name, dtype, shape, aliases, produce in params
-            for each in (name, *aliases)
-        ]
+        items = whole_items(params)
         write_safetensors(out, items, meta)
         return len(items)
 
@@ -267,6 +263,9 @@ def _recorded_model(manifests: list[dict[str, Any]], folder: Path) -> dict[str, 
 
 
 def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
+    from client.tensor_parts import WholeParam
+    from protos.manifest import ParamEntry
+
     manifest = snaps.load_manifest(job, tag)
     params: Params = []
     for buffer, info in manifest["buffers"].items():
@@ -277,9 +276,8 @@ def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
                     job, tag, manifest, b, "params", p["offset"], p["offset"] + p["numel"]
                 )
 
-            params.append(
-                (p["name"], p["dtype"], tuple(p["shape"]), tuple(p.get("aliases", [])), produce)
-            )
+            entry = ParamEntry.from_manifest(p)
+            params.append(WholeParam.of(entry, produce=produce, source=(job,)))
     meta = {"job": job, "tag": tag, "version": str(manifest["version"])}
     return write(params, meta, [manifest])
 
@@ -317,19 +315,11 @@ def _export_parts(
         for k, m in manifests.items():
             job = with_tag[k]
             params[k] = [
-                PartParam(
-                    p["name"],
-                    tuple(p["shape"]),
-                    p["dtype"],
-                    tuple(p.get("aliases", [])),
-                    lambda job=job, m=m, b=buffer, p=p: snaps.read_range(
+                PartParam.from_manifest(
+                    p,
+                    read=lambda job=job, m=m, b=buffer, p=p: snaps.read_range(
                         job, tag, m, b, "params", p["offset"], p["offset"] + p["numel"]
                     ),
-                    p.get("split_dim", 0),
-                    p.get("split_parts", 0),
-                    p.get("split_index", 0),
-                    p.get("split_packed", 0),
-                    p.get("split_unit", 0),
                 )
                 for buffer, info in m["buffers"].items()
                 for p in info["params"]
@@ -338,7 +328,6 @@ def _export_parts(
         version = next(iter(versions.values()))
         parts_meta = ",".join(with_tag.values())
         meta = {"job": base, "tag": tag, "version": str(version), "parts": parts_meta}
-        joined = [(w.name, w.dtype, w.shape, w.aliases, w.produce) for w in whole]
-        return write(joined, meta, list(manifests.values()))
+        return write(whole, meta, list(manifests.values()))
     except (PartsError, KeyError, TypeError) as exc:
         raise CommandError(f"{root}: {str(exc).strip(chr(39))}") from None

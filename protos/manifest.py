@@ -2,19 +2,35 @@
 
 Written by the client that takes the snapshot (it alone sees every server's shard), read by
 servers restoring it and by offline export.
+
+``ParamEntry`` is the one record of a parameter inside a flat buffer (name, shape, dtype,
+offset, aliases, tensor-parallel split): the torch layout plans it, the client registers it
+(shard.proto's ParamEntry), the servers keep it, snapshots write it as JSON and export reads
+it back. Classes that know more about a parameter (its live buffer, how to read its values)
+extend it with that and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from protos import shard_pb2 as pb
+from protos.placement import recorded_placement, restore_placement
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11; annotations only (3.10 is supported)
 
 __all__ = [
     "FORMAT",
     "MODEL_CONFIG_MAX_BYTES",
+    "ParamEntry",
+    "ParamSplit",
     "check_model_config",
     "new_manifest",
     "recorded_placement",
@@ -30,6 +46,128 @@ MODEL_CONFIG_MAX_BYTES = 1 << 20
 """Largest model description a server keeps (RegisterBufferRequest.model_config, UTF-8): a
 Hugging Face config is a few KiB; this bounds what any client can make a server store."""
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SPLIT_KEYS = ("split_dim", "split_parts", "split_index", "split_packed", "split_unit")
+_ENTRY_KEYS = frozenset(("name", "shape", "dtype", "offset", "numel", "aliases") + _SPLIT_KEYS)
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """How a parameter entry is one part of a tensor cut by tensor parallelism (the split_*
+    fields of shard.proto's ParamEntry; ``protos.slicing.tensor_parallel_ranges`` says which
+    ranges of the whole tensor the part holds)."""
+
+    dim: int
+    """The tensor dim that is split."""
+    parts: int
+    """How many parts the whole tensor is cut into (the tensor-parallel size, > 1)."""
+    index: int
+    """This part's index (its tensor rank)."""
+    packed: int = 1
+    """Equal blocks side by side along ``dim`` (3 for a fused q|k|v); each part holds its
+    share of every block, in block order."""
+    unit: int = 1
+    """Parts hold whole units of this many elements (a head's width)."""
+
+    @classmethod
+    def from_fields(cls, fields: Any) -> ParamSplit | None:
+        """The split of ``fields`` (a manifest entry's ``split_*`` keys, a dict of them, or a
+        protobuf ParamEntry); None for a whole tensor (split_parts 0 or 1). A packed or unit
+        of 0 means 1, as on the wire."""
+        if isinstance(fields, Mapping):
+            dim, parts, index, packed, unit = (fields.get(k, 0) for k in _SPLIT_KEYS)
+        else:
+            dim, parts, index, packed, unit = (getattr(fields, k) for k in _SPLIT_KEYS)
+        if parts <= 1:
+            return None
+        return cls(dim, parts, index, packed or 1, unit or 1)
+
+    def fields(self) -> dict[str, int]:
+        """The ``split_*`` fields, as manifests and shard.proto's ParamEntry carry them."""
+        values = (self.dim, self.parts, self.index, self.packed, self.unit)
+        return dict(zip(_SPLIT_KEYS, values, strict=True))
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One original parameter inside a flat buffer: what anyone needs to cut it out of the
+    buffer and give it back its shape and names, without the model's code."""
+
+    name: str
+    """Name in ``model.named_parameters()``; for a tied parameter, its first name."""
+    shape: tuple[int, ...]
+    """Shape of the parameter (of this part, for a tensor-parallel part)."""
+    offset: int = 0
+    """First element in the flat buffer."""
+    dtype: str = "float32"
+    """The parameter's own dtype, e.g. "bfloat16", whatever dtype the flat buffer uses."""
+    aliases: tuple[str, ...] = ()
+    """Other names of the same tensor (tied weights), so export writes it under each."""
+    split: ParamSplit | None = None
+    """Which part of a tensor-parallel tensor this is; None: the whole tensor."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @classmethod
+    def from_manifest(cls, entry: Mapping[str, Any], **extra: Any) -> Self:
+        """The entry of a manifest's ``params`` list (``to_manifest``'s inverse); ``extra``:
+        the fields a subclass adds. ValueError for a key no entry has."""
+        unknown = sorted(set(entry) - _ENTRY_KEYS)
+        if unknown:
+            raise ValueError(
+                f"parameter entry {entry.get('name')!r} has unknown field(s) {unknown};"
+                f" entries have {sorted(_ENTRY_KEYS)}"
+            )
+        return cls(
+            entry["name"],
+            tuple(entry["shape"]),
+            entry.get("offset", 0),
+            entry.get("dtype", "float32"),
+            tuple(entry.get("aliases", ())),
+            ParamSplit.from_fields(entry),
+            **extra,
+        )
+
+    @classmethod
+    def from_pb(cls, entry: pb.ParamEntry, **extra: Any) -> Self:
+        """The entry of a shard.proto ParamEntry (``to_pb``'s inverse)."""
+        return cls(
+            entry.name,
+            tuple(entry.shape),
+            entry.offset,
+            entry.dtype,
+            tuple(entry.aliases),
+            ParamSplit.from_fields(entry),
+            **extra,
+        )
+
+    def to_manifest(self) -> dict[str, Any]:
+        """The JSON object a manifest's ``params`` list holds (split fields only for a part)."""
+        out: dict[str, Any] = {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "offset": self.offset,
+            "numel": self.numel,
+            "aliases": list(self.aliases),
+        }
+        if self.split is not None:
+            out.update(self.split.fields())
+        return out
+
+    def to_pb(self) -> pb.ParamEntry:
+        """As RegisterBufferRequest.params carries it."""
+        return pb.ParamEntry(
+            name=self.name,
+            shape=self.shape,
+            dtype=self.dtype,
+            offset=self.offset,
+            numel=min(self.numel, 2**64 - 1),  # a shape too large for it: the server refuses
+            aliases=self.aliases,
+            **(self.split.fields() if self.split is not None else {}),
+        )
 
 
 def check_model_config(text: str) -> dict[str, Any]:
@@ -96,33 +234,6 @@ def recorded_model_config(manifest: Mapping[str, Any]) -> str:
     carries it (JSON text); "" when there is none."""
     value = manifest.get("model_config")
     return json.dumps(value, separators=(",", ":")) if value is not None else ""
-
-
-def recorded_placement(manifest: dict[str, Any]) -> tuple[list[int], int]:
-    """(servers, cluster_servers) of a manifest: which server of the cluster held each slice.
-    A manifest without them (older, or not written by us) reads as slice i on server i of
-    ``num_servers``, as does one whose entries do not make sense."""
-    n = manifest["num_servers"]
-    servers, cluster = manifest.get("servers"), manifest.get("cluster_servers")
-    if (
-        isinstance(servers, list)
-        and len(servers) == n
-        and isinstance(cluster, int)
-        and cluster < 2**32  # SnapshotInfo.cluster_servers is a uint32
-        and all(isinstance(s, int) and 0 <= s < cluster for s in servers)
-        and len(set(servers)) == n
-    ):
-        return servers, cluster
-    return list(range(n)), n
-
-
-def restore_placement(manifest: dict[str, Any], cluster_size: int) -> list[int] | None:
-    """Where a restore into a cluster of ``cluster_size`` servers puts the slices of a
-    snapshot (a manifest, or a ListSnapshots row): back on the servers that held them when the
-    cluster has the size it had (a restarted server gets its own slices back); None when it
-    has another size, and the job is resharded over every server."""
-    servers, cluster = recorded_placement(manifest)
-    return servers if cluster == cluster_size else None
 
 
 def recorded_parts(manifest: Mapping[str, Any]) -> list[str]:

@@ -18,7 +18,13 @@ from typing import Any
 
 from protos import shard_pb2 as pb
 from protos.codec import MASTER_DTYPES
-from protos.manifest import FORMAT, check_model_config, recorded_model_config, shard_name
+from protos.manifest import (
+    FORMAT,
+    ParamEntry,
+    check_model_config,
+    recorded_model_config,
+    shard_name,
+)
 
 __all__ = ["ManifestError", "check_manifest"]
 
@@ -111,7 +117,7 @@ def _check_buffer(name: str, info: Any) -> None:
             if key in p:
                 _int(p, key, at)
         try:  # what a restore makes of it
-            pb.ParamEntry(**p)
+            ParamEntry.from_manifest(p).to_pb()
         except (TypeError, ValueError) as exc:
             raise ManifestError(f"{at[:-1]} is not a parameter entry ({exc})") from None
         if p.get("offset", 0) + p.get("numel", 0) > numel or math.prod(shape) != p.get("numel", 0):

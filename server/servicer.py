@@ -18,7 +18,8 @@ import grpc
 
 from protos import codec, slicing
 from protos import shard_pb2 as pb
-from protos.manifest import recorded_model_config, recorded_parts, recorded_placement
+from protos.manifest import ParamEntry, recorded_model_config, recorded_parts
+from protos.placement import recorded_placement
 from server.errors import ShardError
 from server.limits import MemoryBudget
 from server.nonfinite import grad_norm_reply, step_reply
@@ -336,7 +337,7 @@ class ShardServicer:
                 num_servers=req.num_servers,
                 server_index=req.server_index,
                 contributors=req.contributors or info["contributors"],
-                params=[pb.ParamEntry(**p) for p in info["params"]],
+                params=[ParamEntry.from_manifest(p).to_pb() for p in info["params"]],
                 optimizer=pb.OptimizerSpec(
                     name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
                 ),

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from protos.placement import part_job
 from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
@@ -127,7 +128,7 @@ class HybridShardedModel(ShardedModelBase):
         self.stage = self.pipeline.stage
         dp_config = ShardingConfiguration(
             self.groups.dp,
-            job=f"{config.job}.pp{pp}.tp{tp}",
+            job=part_job(config.job, pp, tp),
             timeout_s=config.timeout_s,
             reduce_dtype=config.reduce_dtype,
             param_dtype=config.param_dtype,

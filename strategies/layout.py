@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from protos.manifest import ParamEntry
 from strategies.config import MasterDType, master_dtype
 
 __all__ = [
@@ -52,22 +53,6 @@ ROOT = "root"
 # torch's size_based_auto_wrap_policy never wraps containers: they have no forward of their
 # own, so there is no hook to gather their parameters in.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-@dataclass(frozen=True)
-class ParamEntry:
-    """Where one parameter lives inside a flat buffer."""
-
-    name: str
-    """Name in ``model.named_parameters()``; for a tied parameter, its first name."""
-    shape: tuple[int, ...]
-    """Shape of the parameter."""
-    dtype: str
-    """The parameter's own dtype, e.g. "float32", whatever dtype the flat buffer uses."""
-    offset: int
-    """First element in the flat buffer."""
-    numel: int
-    """Number of elements."""
 
 
 @dataclass
@@ -273,7 +258,7 @@ def _buffer(
 ) -> BufferSpec:
     entries, offset = [], 0
     for n, p in chosen:
-        entries.append(ParamEntry(n, tuple(p.shape), dtype_name(p.dtype), offset, p.numel()))
+        entries.append(ParamEntry(n, tuple(p.shape), offset, dtype_name(p.dtype)))
         offset += p.numel()
     return BufferSpec(name, unit, group, entries, offset, [p for _, p in chosen], master)
 
@@ -379,16 +364,7 @@ def manifest(buffers: Sequence[BufferSpec]) -> list[dict[str, Any]]:
             "group_index": b.group_index,
             "numel": b.numel,
             "master_dtype": b.master_dtype,
-            "entries": [
-                {
-                    "name": e.name,
-                    "shape": list(e.shape),
-                    "dtype": e.dtype,
-                    "offset": e.offset,
-                    "numel": e.numel,
-                }
-                for e in b.entries
-            ],
+            "entries": [e.to_manifest() for e in b.entries],
         }
         for b in buffers
     ]
@@ -401,16 +377,7 @@ def buffers_from_manifest(described: Sequence[Mapping[str, Any]]) -> list[Buffer
             name=d["name"],
             unit=d["unit"],
             group_index=int(d["group_index"]),
-            entries=[
-                ParamEntry(
-                    e["name"],
-                    tuple(int(s) for s in e["shape"]),
-                    e["dtype"],
-                    int(e["offset"]),
-                    int(e["numel"]),
-                )
-                for e in d["entries"]
-            ],
+            entries=[ParamEntry.from_manifest(e) for e in d["entries"]],
             numel=int(d["numel"]),
             master_dtype=master_dtype(d.get("master_dtype", "float32")),
         )

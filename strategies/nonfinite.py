@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from client import NonFiniteGradientError
+from protos.placement import part_job
 
 if TYPE_CHECKING:
     from client import ShardClient
@@ -96,7 +97,7 @@ def name_parts(
         pp, tp, _ = topology.coords(r)
         parts.setdefault((pp, tp), []).append(r)
     others = [
-        f"part job '{job}.pp{pp}.tp{tp}' (ranks {', '.join(map(str, ranks))})"
+        f"part job '{part_job(job, pp, tp)}' (ranks {', '.join(map(str, ranks))})"
         for (pp, tp), ranks in sorted(parts.items())
         if (pp, tp) != mine
     ]

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from client import GradCheck, ParamInfo, StepArgs, restarts
+from client import GradCheck, StepArgs, restarts
+from protos.manifest import ParamSplit
 from strategies.base import ShardedModelBase, hf_model_config
 from strategies.config import ShardingConfiguration
 from strategies.device import Landing, device_of, to_host
@@ -110,7 +112,7 @@ class ServerShardedModel(ShardedModelBase):
         ``agree_on_finite(where)`` widens where this job's gradient is not finite to the whole
         model, the same on every rank (strategies/nonfinite.py ``across_parts``)."""
         self.param_splits: dict[str, dict[str, int]] = {}
-        """Parameter name -> ParamInfo split fields, for parameters that are one
+        """Parameter name -> ``split_*`` fields (``ParamSplit``), for parameters that are one
         tensor-parallel part of a larger tensor (set by HybridShardedModel before attaching);
         they go into the servers' manifests so export can put the whole tensor together."""
         self.model_config = hf_model_config(model)
@@ -149,13 +151,10 @@ class ServerShardedModel(ShardedModelBase):
                 optimizer=self._opt_name,
                 hyper=hyper,
                 params=[
-                    ParamInfo(
-                        e.name,
-                        e.shape,
-                        e.offset,
-                        e.dtype,
-                        tuple(n for n in names[id(p)] if n != e.name),
-                        **self.param_splits.get(e.name, {}),
+                    replace(
+                        e,
+                        aliases=tuple(n for n in names[id(p)] if n != e.name),
+                        split=ParamSplit.from_fields(self.param_splits.get(e.name, {})),
                     )
                     for e, p in zip(b.entries, b.params, strict=True)
                 ],

@@ -492,6 +492,7 @@ def test_join_parts_inverts_the_split(ranks, dim, packed, unit):
     """Equal parts, and uneven ones (24 rows on 3 ranks by whole units, 3 blocks of 3 heads
     of 4 on 2 ranks: 2 + 1 heads of each)."""
     from client.tensor_parts import PartParam, join_parts
+    from protos.manifest import ParamSplit
     from strategies.tensor import tensor_parallel_part
 
     rows = 36 if unit > 1 else 24
@@ -499,9 +500,9 @@ def test_join_parts_inverts_the_split(ranks, dim, packed, unit):
     norm = torch.randn(12)
 
     def part(name: str, t: int, value: torch.Tensor, split: bool) -> PartParam:
-        fields = (dim, ranks, t, packed, unit) if split else (0, 0, 0, 0, 0)
         arr = value.numpy().copy()
-        return PartParam(name, tuple(arr.shape), "float32", (), lambda: arr.reshape(-1), *fields)
+        cut = ParamSplit(dim, ranks, t, packed, unit) if split else None
+        return PartParam(name, tuple(arr.shape), split=cut, read=lambda: arr.reshape(-1))
 
     parts = {
         (0, t): [
@@ -566,9 +567,11 @@ def test_uneven_heads_export_and_load_the_whole_model(tmp_path):
 
 def test_join_parts_refuses_parts_that_do_not_fit():
     from client.tensor_parts import PartParam, PartsError, join_parts
+    from protos.manifest import ParamSplit
 
     def p(name: str, shape: tuple, t: int = 0, parts: int = 0) -> PartParam:
-        return PartParam(name, shape, "float32", (), lambda: np.zeros(shape), 0, parts, t, 1)
+        cut = ParamSplit(0, parts, t) if parts > 1 else None
+        return PartParam(name, shape, split=cut, read=lambda: np.zeros(shape))
 
     with pytest.raises(PartsError, match=r"missing m\.pp0\.tp1"):
         join_parts("m", {(0, 0): [p("w", (2, 2), 0, 2)], (1, 1): [p("v", (2,))]})
