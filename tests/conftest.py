@@ -6,7 +6,8 @@
 - ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
   its own thread (LocalCluster's thread runner) and returns the results in rank order; the
   first exception is re-raised.
-- ``gpu`` marker: skipped unless CuPy imports and sees a CUDA device.
+- ``gpu`` marker: trainers on a GPU; skipped unless torch sees a CUDA device (the servers may
+  be NumPy ones). ``cupy`` marker: servers on a GPU; skipped unless CuPy imports and sees one.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from server import ShardServer
 _runs = itertools.count()
 
 
-def _cuda_available() -> bool:
+def _torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cupy_cuda() -> bool:
     try:
         import cupy
 
@@ -37,11 +44,15 @@ def _cuda_available() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
-    if gpu_items and not _cuda_available():
-        skip = pytest.mark.skip(reason="needs CuPy and a CUDA device")
-        for item in gpu_items:
-            item.add_marker(skip)
+    needs = {
+        "gpu": (_torch_cuda, "needs a CUDA device for torch"),
+        "cupy": (_cupy_cuda, "needs CuPy and a CUDA device"),
+    }
+    for marker, (available, reason) in needs.items():
+        marked = [item for item in items if item.get_closest_marker(marker)]
+        if marked and not available():
+            for item in marked:
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def _start(n: int, started: list[ShardServer], **kw: Any) -> list[ShardServer]:

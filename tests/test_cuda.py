@@ -18,10 +18,7 @@ from numerics import assert_equivalent
 from test_hybrid import reference, train_hybrid  # noqa: F401 - reference is a fixture
 from test_strategies import STRATEGIES, batches, initial_state, train_sharded, train_single
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device for torch"),
-]
+pytestmark = pytest.mark.gpu  # skipped without a CUDA device for torch (tests/conftest.py)
 
 
 def _on_cpu(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:

@@ -215,7 +215,7 @@ def test_client_and_protos_never_import_torch() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@pytest.mark.gpu
+@pytest.mark.cupy
 def test_cuda_server(servers) -> None:
     """The backend is chosen per process: switch back to NumPy for the other tests."""
     from server import backend
