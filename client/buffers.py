@@ -155,7 +155,7 @@ class FlatBuffers(RpcCore):
         self,
         job: str,
         buffer: str,
-        flat: np.ndarray,
+        flat: Any,
         step: int,
         *,
         micro: int = 0,
@@ -166,17 +166,29 @@ class FlatBuffers(RpcCore):
         numel: int | None = None,
     ) -> list[Call]:
         """The calls that push gradient ``flat`` (covering [start, start+len) of a buffer of
-        ``numel`` elements) for ``step``; run them with ``run`` (or batch with other calls)."""
-        grads = flat.reshape(-1)
-        total = start + grads.size if numel is None else numel
+        ``numel`` elements) for ``step``; run them with ``run`` (or batch with other calls).
+
+        ``flat`` is a host array, or a device payload (strategies/device.py ``Outgoing``:
+        ``dlpack_device``, ``size``, ``host()``, ``dlpack(start, n, wire dtype)``): its piece
+        for a server of this process on that device goes device to device (DLPack), the
+        others from ``host()``, staged once."""
+        device = getattr(flat, "dlpack_device", None)
+        grads = flat.reshape(-1) if device is None else None
+        size = flat.size
+
+        def host() -> np.ndarray:
+            return grads if device is None else flat.host()
+
+        total = start + size if numel is None else numel
         wire = codec.wire_dtype(dtype)
         itemsize = max(4, codec.numpy_dtype(wire).itemsize)  # chunks of float32 (or wider)
         ref = self._ref(job, buffer)
         args = step_args.to_pb() if step_args is not None else None
         calls = []
-        for server, local, glob, n in self._chunked(total, start, start + grads.size, itemsize):
+        for server, local, glob, n in self._chunked(total, start, start + size, itemsize):
+            direct = device is not None and self.local_device(server) == device
 
-            def build(local: int = local, a: int = glob - start, n: int = n) -> tuple:
+            def build(local: int = local, a: int = glob - start, n: int = n, d=direct) -> tuple:
                 header = pb.PushGradHeader(
                     ref=ref,
                     step=step,
@@ -186,7 +198,9 @@ class FlatBuffers(RpcCore):
                     chunk=pb.Chunk(offset=local, numel=n, dtype=wire),
                     step_args=args,
                 )
-                return header, _to_wire(grads[a : a + n], dtype)
+                if d:
+                    return header, flat.dlpack(a, n, dtype)
+                return header, _to_wire(host()[a : a + n], dtype)
 
             calls.append(Call(server, "PushGrad", build))
         return calls
@@ -199,7 +213,7 @@ class FlatBuffers(RpcCore):
         self,
         job: str,
         buffer: str,
-        out: np.ndarray,
+        out: Any,
         min_version: int,
         *,
         dtype: str = "float32",
@@ -211,7 +225,14 @@ class FlatBuffers(RpcCore):
         """Calls filling ``out`` (wire dtype elements; uint16 for bfloat16) with the buffer's
         range [start, start + out.size) at a version >= ``min_version``; with ``state``, that
         optimizer state array instead. ``headers`` collects the reply headers (version,
-        optimizer step count)."""
+        optimizer step count).
+
+        ``out`` may be a device landing (strategies/device.py ``Landing``: ``dlpack_device``,
+        ``array``, ``put(start, values)``): a server of this process on that device hands its
+        values over as a device array (DLPack), the others land in ``array``."""
+        landing, device = out, getattr(out, "dlpack_device", None)
+        if device is not None:
+            out = landing.array
         total = start + out.size if numel is None else numel
         wire = codec.wire_dtype(dtype)
         ref = self._ref(job, buffer)
@@ -219,7 +240,10 @@ class FlatBuffers(RpcCore):
         for server, local, glob, n in self._chunked(total, start, start + out.size, out.itemsize):
 
             def store(reply: Any, a: int = glob - start, n: int = n) -> None:
-                out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
+                if isinstance(reply[1], (bytes, memoryview)):
+                    out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
+                else:  # a device array from a server of this process (device_reply)
+                    landing.put(a, reply[1])
                 if headers is not None:
                     headers.append(reply[0])
 
@@ -229,7 +253,8 @@ class FlatBuffers(RpcCore):
                 chunk=pb.Chunk(offset=local, numel=n, dtype=wire),
                 state=state,
             )
-            calls.append(Call(server, "PullParams", req, store))
+            direct = device is not None and self.local_device(server) == device
+            calls.append(Call(server, "PullParams", req, store, device_reply=direct))
         return calls
 
     def pull_params(

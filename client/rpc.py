@@ -8,7 +8,6 @@ them travel at once. Requests are built lazily, so a large tensor is never encod
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 import weakref
@@ -22,7 +21,7 @@ import grpc
 import numpy as np
 
 from client.cluster import ClusterSpec
-from protos import codec
+from protos import codec, local_servers
 from protos import shard_pb2 as pb
 
 __all__ = ["ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy"]
@@ -72,14 +71,6 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
-# Data-plane methods a client may call directly on a server of its own process.
-_LOCAL_METHODS = {
-    "Contribute": "contribute",
-    "ReadSlot": "read_slot",
-    "PushGrad": "push_grad",
-    "PullParams": "pull_params",
-    "SetParams": "set_params",
-}
 _local_pool: ThreadPoolExecutor | None = None
 _local_pool_lock = threading.Lock()
 
@@ -130,32 +121,30 @@ class _LocalFuture:
         return self._fut.result(0)
 
 
-def _local_call(address: str, method: str, request: Any, timeout: float) -> Any:
-    """Runs a data-plane call on a server of this process, or returns None (use gRPC). The
-    payload is handed over as a memoryview (the server adds straight from the caller's array)
-    and is never encoded; messages over the server's receive limit still go through gRPC."""
+def _local_call(call: Call, address: str, request: Any, timeout: float) -> Any:
+    """Runs a data-plane call on a server of this process (protos/local_servers.py), or
+    returns None (use gRPC). The payload is never encoded: a host array is handed over as a
+    memoryview (the server adds straight from the caller's array), a device array through
+    DLPack; messages over the server's receive limit still go through gRPC."""
     global _local_pool
-    app = sys.modules.get("server.app")  # only if this process runs servers at all
-    entry = None if app is None else app.LOCAL_SERVERS.get(address)
-    if entry is None:
+    server = local_servers.lookup(address)
+    if server is None or call.method not in server.methods:
         return None
-    servicer, max_bytes = entry
     if isinstance(request, tuple):
         header, payload = request
-        if isinstance(payload, np.ndarray):
-            payload = np.ascontiguousarray(payload)
-        view = memoryview(payload).cast("B")
-        if view.nbytes + header.ByteSize() + 32 > max_bytes:
+        if not hasattr(payload, "__dlpack__") or isinstance(payload, np.ndarray):
+            payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+        if payload.nbytes + header.ByteSize() + 32 > server.max_receive_bytes:
             return None
-        request = (header, view)
+        request = (header, payload)
     with _local_pool_lock:
         if _local_pool is None:  # waiting calls (ReadSlot, PullParams) hold a thread each
             _local_pool = ThreadPoolExecutor(64, thread_name_prefix="local-shard")
-    handler = servicer._guard(method, getattr(servicer, _LOCAL_METHODS[method]))
+    device_reply = call.device_reply
 
     def run() -> Any:
-        reply = handler(request, _LocalContext(timeout))
-        if isinstance(reply, bytes) and method == "PullParams":  # encoded under the slice lock
+        reply = server.call(call.method, request, _LocalContext(timeout), device_reply)
+        if isinstance(reply, bytes) and call.method == "PullParams":  # encoded under the lock
             reply = codec.decode(reply, pb.PullParamsHeader)
         return reply
 
@@ -188,6 +177,9 @@ class Call:
     request: Any
     on_result: Callable[[Any], None] | None = None
     retry_ok: Callable[[ShardClientError], bool] | None = None  # a failure a retry may accept
+    device_reply: bool = False
+    """A PullParams whose caller takes the values as a device array (DLPack) when the server
+    is in this process on that device (``RpcCore.local_device``); bytes otherwise."""
 
 
 class RpcCore:
@@ -229,6 +221,20 @@ class RpcCore:
                 )
             return self._stubs[key]
 
+    def _may_call_locally(self) -> bool:
+        """In-process calls carry no credentials: only a client without tokens or TLS makes
+        them (to servers that have neither)."""
+        return not self.spec.metadata() and self.spec.tls_ca is None
+
+    def local_device(self, server: int) -> str | None:
+        """The device of server ``server``'s arrays ("cpu", "cuda:N") when it runs in this
+        process and this client calls it directly, else None: a payload already on that
+        device goes to it through DLPack (protos/local_servers.py)."""
+        if not self._may_call_locally():
+            return None
+        local = local_servers.lookup(self.spec.addresses[server])
+        return None if local is None else local.device
+
     def _send(self, call: Call, alone: bool = False, timeout: float | None = None) -> Any:
         """Starts ``call`` with deadline ``timeout`` (default ``timeout_s``); returns a future.
         ``alone`` (the only call of its batch): run it to completion here instead, with
@@ -237,8 +243,8 @@ class RpcCore:
         call that thread costs more than the call."""
         timeout = self.timeout_s if timeout is None else timeout
         request = call.request() if callable(call.request) else call.request
-        if call.method in _LOCAL_METHODS and not self.spec.metadata() and self.spec.tls_ca is None:
-            local = _local_call(self.spec.addresses[call.server], call.method, request, timeout)
+        if self._may_call_locally():
+            local = _local_call(call, self.spec.addresses[call.server], request, timeout)
             if local is not None:
                 with self._lock:
                     self._local_calls.add(local)

@@ -11,18 +11,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos import local_servers
 from server import auth, backend
 from server.admission import CallGate, CallLimits, default_reserved
 from server.expiry import Sweeper, sweep_period
 from server.limits import default_memory_limit, parse_bytes
 from server.servicer import SERVICE_NAME, ShardServicer
 
-__all__ = ["ShardServer", "MALLOC_ENV", "LOCAL_SERVERS"]
-
-# Plain (no TLS, tokens or interceptors) servers running in this process, by address: a client
-# in the same process calls their data-plane methods directly (client/rpc.py), skipping the
-# encode, the copies and the loopback TCP, as gloo/NCCL short-cut a rank's own part.
-LOCAL_SERVERS: dict[str, tuple[ShardServicer, int]] = {}  # address -> (servicer, max bytes)
+__all__ = ["ShardServer", "MALLOC_ENV"]
 
 # DESIGN section 7: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
 # took a 256 MiB call from 0.35 to 0.96 GB/s. They only work if set before the interpreter starts.
@@ -81,8 +77,9 @@ class ShardServer:
         ``metrics_port`` (0 picks one) serves Prometheus metrics at
         ``http://metrics_host:port/metrics``; ``metrics_host`` defaults to ``host``.
         ``local_calls=False`` makes clients in this process go through gRPC like any other
-        (tests of the wire path; otherwise a plain server is called directly, see
-        ``LOCAL_SERVERS``).
+        (tests of the wire path; otherwise a plain server — no TLS, tokens or interceptors — is
+        called directly, skipping the encode, the copies and the loopback TCP, as gloo/NCCL
+        short-cut a rank's own part: protos/local_servers.py).
 
         Replicas (server/replication.py) go to the other servers with the ``peer`` token of
         ``tokens`` (role ``peer``: every server lists the same one), over TLS when this server
@@ -155,6 +152,7 @@ class ShardServer:
             role_of = token_auth.caller_role
         chain.extend(interceptors or [])
         self._local_ok = local_calls and not chain and credentials is None
+        self._local: local_servers.LocalServer | None = None
         # Innermost: counts only calls that passed authentication. In-process calls (above)
         # take no gRPC thread, so they pass no gate.
         self.gate = CallGate(self.limits, role_of, self.servicer.may_wait)
@@ -216,14 +214,20 @@ class ShardServer:
         self._server.start()
         self.sweeper.start()
         if self._local_ok:
-            LOCAL_SERVERS[self.address] = (self.servicer, self._max_receive_bytes)
+            self._local = local_servers.LocalServer(
+                self.servicer.call_local,
+                frozenset(ShardServicer.LOCAL_METHODS),
+                self._max_receive_bytes,
+                backend.device,
+            )
+            local_servers.register(self.address, self._local)
         for service in ("", SERVICE_NAME):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         return self
 
     def stop(self, grace: float | None = None) -> None:
-        if LOCAL_SERVERS.get(self.address, (None,))[0] is self.servicer:
-            del LOCAL_SERVERS[self.address]
+        if self._local is not None:
+            local_servers.unregister(self.address, self._local)
         # Health watchers learn NOT_SERVING first. Bounded: once, with outside clients holding
         # Health.Watch streams, this call did not return; the stop must not depend on them.
         notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True)

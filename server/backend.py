@@ -30,6 +30,8 @@ __all__ = [
     "use_device",
     "to_device",
     "to_host",
+    "from_dlpack",
+    "nonfinite_quietly",
     "bf16_bits_to_f32",
     "f32_to_bf16_bits",
     "device_memory",
@@ -99,12 +101,30 @@ def _strict_backend() -> Any:
 def to_device(host: np.ndarray) -> Any:
     """Copy a host array to the backend's device (a no-op view on CPU, so the caller must not
     write into the result unless it copies, nor rely on writes reaching ``host``)."""
-    return host if _upload is None else _upload(host)
+    return host if _upload is None or is_device_array(host) else _upload(host)
 
 
 def to_host(arr: Any) -> np.ndarray:
     """Copy a backend array to host memory (a no-op on CPU)."""
     return arr if isinstance(arr, np.ndarray) else arr.get()
+
+
+def nonfinite_quietly() -> Any:
+    """A context in which arithmetic reaching Inf or NaN does not warn (NumPy's RuntimeWarning;
+    CuPy never warns): a non-finite gradient is input the servers expect and refuse to step on
+    (server/nonfinite.py), not a fault to print."""
+    return np.errstate(over="ignore", invalid="ignore")
+
+
+def from_dlpack(obj: Any) -> Any:
+    """A DLPack producer's memory (``__dlpack__``: a torch tensor of this process on the
+    backend's device) as a backend array, without a copy: the device-to-device path."""
+    return xp.from_dlpack(obj)
+
+
+def is_device_array(arr: Any) -> bool:
+    """Whether ``arr`` is already a backend array (no ``to_device`` copy needed)."""
+    return xp is not np and isinstance(arr, xp.ndarray)
 
 
 def bf16_bits_to_f32(bits: Any) -> Any:

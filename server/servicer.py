@@ -20,6 +20,7 @@ from protos import codec, slicing
 from protos import shard_pb2 as pb
 from protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from protos.placement import recorded_placement
+from server import backend
 from server.errors import ShardError
 from server.limits import MemoryBudget
 from server.nonfinite import grad_norm_reply, step_reply
@@ -175,6 +176,31 @@ class ShardServicer:
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
+    LOCAL_METHODS = {
+        "Contribute": "contribute",
+        "ReadSlot": "read_slot",
+        "PushGrad": "push_grad",
+        "PullParams": "pull_params",
+        "SetParams": "set_params",
+    }
+    """The data-plane methods a client in this process may run directly (``call_local``)."""
+
+    def call_local(
+        self, method: str, request: Any, context: Any, device_reply: bool = False
+    ) -> Any:
+        """Runs data-plane ``method`` for a client of this process (protos/local_servers.py)
+        as its gRPC handler would, errors included. A tensor payload may be a DLPack-capable
+        array on this server's device; with ``device_reply`` a PullParams reply is
+        (header, device array): the values move device to device, never through the host."""
+        fn = getattr(self, self.LOCAL_METHODS[method])
+        if device_reply and method == "PullParams":
+            fn = self._pull_on_device
+        return self._guard(method, fn)(request, context)
+
+    def _pull_on_device(self, req: pb.PullParamsRequest, context: Any) -> Any:
+        b = self.buffers.get(req.ref.job, req.ref.buffer)
+        return b.pull(req, self._timeout(context), on_device=True)
+
     @staticmethod
     def _guard(name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
@@ -184,7 +210,8 @@ class ShardServicer:
                     f"{name}: request does not parse as a {name} message: {request.error}",
                 )
             try:
-                return fn(request, context)
+                with backend.nonfinite_quietly():
+                    return fn(request, context)
             except ShardError as exc:
                 context.abort(exc.code, f"{name}: {exc.message}")
             except Exception as exc:  # a bug, not bad input: report it, keep serving

@@ -307,9 +307,12 @@ class BufferSlice:
         last = self.contributors * pending.num_micro
         return not (self.arrival_order or k == pending.head or last <= 2)
 
-    def pull(self, req: pb.PullParamsRequest, timeout: float, encode: Any = None) -> Any:
+    def pull(
+        self, req: pb.PullParamsRequest, timeout: float, encode: Any = None, on_device: bool = False
+    ) -> Any:
         """(header, payload bytes), or ``encode(header, payload view)`` run under the lock (a
-        later step rewrites master, so the one copy must be taken before it is released)."""
+        later step rewrites master, so the one copy must be taken before it is released);
+        ``on_device``: (header, a device array copy) for a caller in this process."""
         chunk = req.chunk
         self.check_chunk(chunk, "PullParams")
         with self.cond:
@@ -331,6 +334,8 @@ class BufferSlice:
                     source = self.optimizer.read_state(req.state)
                 except OptimizerError as exc:
                     raise ShardError.precondition(f"{self.label}: {exc}") from None
+            if on_device:
+                return header, arrays.device_wire(source[o : o + n], chunk.dtype)
             if encode is not None:
                 return encode(header, arrays.wire_array(source[o : o + n], chunk.dtype))
             payload = arrays.from_compute(source[o : o + n], chunk.dtype)

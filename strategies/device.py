@@ -11,12 +11,17 @@ Collectives on torch tensors (DDP buckets, tensor-parallel all-reduces, pipeline
 go through the client's own tensor adapter (client/tensors.py), which copies to the host and
 returns results on the tensor's device.
 
-Not done: with an in-process CuPy server on the trainer's own device, the local slice could
-skip the host entirely through DLPack; today it is staged through pinned memory like the rest
-(no GPU here to test a device-to-device path on).
+A shard server in the trainer's own process whose arrays live on the trainer's device (a CuPy
+server on the same GPU; on a CPU host, a NumPy server) takes its slice of a gradient push, and
+gives its slice of a pull, device to device through DLPack (``Outgoing``, ``Landing.put``):
+no pinned staging, no bytes. The pieces for other servers cross the host as above. The client
+decides per server (``RpcCore.local_device``); ``set_params`` (loading, not per step) and the
+collectives on torch tensors always cross the host.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +29,20 @@ import torch
 from protos import codec
 from strategies.layout import torch_dtype
 
-__all__ = ["to_host", "Landing", "device_of"]
+__all__ = ["to_host", "Outgoing", "Landing", "device_of", "device_name"]
+
+
+def device_name(device: torch.device) -> str:
+    """How the servers name ``device``: "cpu" or "cuda:N" (protos/local_servers.py)."""
+    if device.type != "cuda":
+        return device.type
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def _wire_tensor(t: torch.Tensor, wire: str) -> torch.Tensor:
+    """``t`` in wire dtype ``wire`` on its device, bfloat16 as its bits (int16), contiguous."""
+    out = t.to(torch_dtype(wire))
+    return (out.view(torch.int16) if wire == "bfloat16" else out).contiguous()
 
 
 def device_of(tensors: list[torch.Tensor]) -> torch.device:
@@ -53,19 +71,54 @@ def to_host(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
     return staged.numpy()
 
 
+class Outgoing:
+    """A flat tensor on its device on the way to the servers (a gradient push): each server's
+    piece leaves in its wire dtype, through DLPack to a server of this process on the same
+    device (``dlpack``), else from host memory (``host``, staged once as ``to_host`` does)."""
+
+    def __init__(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+        self.flat = t.detach().reshape(-1).to(dtype)
+        self.size = self.flat.numel()
+        self.dlpack_device = device_name(self.flat.device)
+        self._host: np.ndarray | None = None
+
+    def host(self) -> np.ndarray:
+        """The values as a host array (staged on the first call)."""
+        if self._host is None:
+            self._host = to_host(self.flat, self.flat.dtype)
+        return self._host
+
+    def dlpack(self, start: int, n: int, wire: str) -> torch.Tensor:
+        """Elements [start, start + n) in wire dtype ``wire`` on the device, for DLPack."""
+        return _wire_tensor(self.flat[start : start + n], wire)
+
+
 class Landing:
     """Host memory that ``numel`` pulled elements in ``wire`` dtype land in (pinned when they go
     on to a CUDA device); ``array`` is what the client fills (bfloat16 as uint16 bits)."""
 
     def __init__(self, numel: int, wire: str, device: torch.device) -> None:
         self.device = torch.device(device)
+        self.dlpack_device = device_name(self.device)
+        self._direct: list[tuple[int, torch.Tensor]] = []
         self.tensor = torch.empty(
             numel, dtype=torch_dtype(wire), pin_memory=self.device.type == "cuda"
         )
         raw = self.tensor.view(torch.int16) if wire == "bfloat16" else self.tensor
         self.array = raw.numpy().view(codec.numpy_dtype(codec.wire_dtype(wire)))
 
+    def put(self, start: int, values: Any) -> None:
+        """Elements from ``start`` handed over on the device (DLPack, a server of this
+        process): they skip the host; ``result`` puts them in place."""
+        piece = torch.from_dlpack(values)
+        if self.tensor.dtype == torch.bfloat16:  # its bits, as uint16
+            piece = piece.view(torch.bfloat16)
+        self._direct.append((start, piece))
+
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         """The landed values as a ``dtype`` tensor on the device (a view on the CPU when
         nothing needs converting)."""
-        return self.tensor.to(device=self.device, dtype=dtype, non_blocking=True)
+        out = self.tensor.to(device=self.device, dtype=dtype, non_blocking=True)
+        for start, piece in self._direct:
+            out[start : start + piece.numel()] = piece
+        return out

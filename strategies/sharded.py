@@ -29,7 +29,7 @@ from client import GradCheck, StepArgs, restarts
 from protos.manifest import ParamSplit
 from strategies.base import ShardedModelBase, hf_model_config
 from strategies.config import ShardingConfiguration
-from strategies.device import Landing, device_of, to_host
+from strategies.device import Landing, Outgoing, device_of, to_host
 from strategies.layout import (
     BufferSpec,
     flatten,
@@ -201,9 +201,7 @@ class ServerShardedModel(ShardedModelBase):
         for b in buffers:
             dtype = gather_dtype(self.config, b) if compute else b.master_dtype
             landing = Landing(b.numel, dtype, device_of(b.params))
-            calls += self.client.pull_calls(
-                self.config.job, b.name, landing.array, version, dtype=dtype
-            )
+            calls += self.client.pull_calls(self.config.job, b.name, landing, version, dtype=dtype)
             outs[b.name] = (landing, torch_dtype(dtype))
         self.client.run(calls)
         return {name: landing.result(dtype) for name, (landing, dtype) in outs.items()}
@@ -241,7 +239,7 @@ class ServerShardedModel(ShardedModelBase):
         calls = self.client.push_calls(
             self.config.job,
             b.name,
-            to_host(grads, torch_dtype(b.master_dtype)),
+            Outgoing(grads, torch_dtype(b.master_dtype)),
             self._step,
             micro=self._micro,
             num_micro=self._num_micro(),
@@ -446,7 +444,7 @@ class ServerShardedModel(ShardedModelBase):
                 calls += self.client.pull_calls(
                     self.config.job,
                     b.name,
-                    landing.array,
+                    landing,
                     self._step,
                     dtype=b.master_dtype,
                     state=key,

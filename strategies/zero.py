@@ -17,7 +17,7 @@ from torch import nn
 
 from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
-from strategies.device import to_host
+from strategies.device import Outgoing
 from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
 from strategies.mixed_precision import compute_views
 from strategies.sharded import ServerShardedModel
@@ -69,7 +69,7 @@ class ZeRO1Model(_ReplicatedParams):
             calls += self.client.push_calls(
                 self.config.job,
                 b.name,
-                to_host(flat, flat.dtype),
+                Outgoing(flat, flat.dtype),
                 self._step,
                 dtype=self.config.reduce_dtype_for(b.master_dtype),
             )

@@ -22,8 +22,11 @@ Its ``xp`` is this module: NumPy's namespace with every function wrapped so that
 Stricter than CuPy, because this project routes every host/device crossing through
 ``backend.to_host`` / ``backend.to_device`` (one place to stage, pin or count copies):
 ``xp.asarray(host)`` / ``xp.array(host)`` refuse NumPy arrays (CuPy copies them to the device),
-and ``d.tobytes()``, ``d.tolist()``, ``d.tofile()``, ``d.data``, pickling and DLPack refuse
-(CuPy copies to the host silently, or hands out device memory). What CuPy allows stays allowed:
+and ``d.tobytes()``, ``d.tolist()``, ``d.tofile()``, ``d.data`` and pickling refuse (CuPy
+copies to the host silently). DLPack stays, as on CuPy: it is the device-to-device path to a
+trainer in the server's process (``from_dlpack`` imports a producer's memory as a device
+array; ``__dlpack__`` hands a device array to torch), never a copy to the host.
+What CuPy allows stays allowed:
 ``float(d)``/``int(d)``/``bool(d)`` of a one-element array, ``d.item()``, ``d.get()``,
 ``xp.asnumpy(d)``, and NumPy ufuncs and functions called on device arrays (NEP 13/18 dispatch),
 whose results stay device arrays. Reductions and scalar indexing give 0-d device arrays.
@@ -36,7 +39,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-__all__ = ["StrictArray", "ndarray", "asarray", "array", "asnumpy", "upload"]
+__all__ = ["StrictArray", "ndarray", "asarray", "array", "asnumpy", "from_dlpack", "upload"]
 
 _HOST_SCALARS = (int, float, complex, bool, np.generic, type(None), str, slice, type(Ellipsis))
 _IMPLICIT = (
@@ -196,6 +199,13 @@ class StrictArray(NDArrayOperatorsMixin):
         """The explicit device-to-host copy (``cupy.ndarray.get``)."""
         return self._a.copy()
 
+    # -- DLPack: device memory shared with another library on the same device ----------------
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> Any:
+        return self._a.__dlpack_device__()
+
 
 ndarray = StrictArray
 
@@ -203,6 +213,11 @@ ndarray = StrictArray
 def upload(host: Any) -> StrictArray:
     """The host-to-device copy ``backend.to_device`` makes (always a copy, as on a GPU)."""
     return StrictArray(np.array(host, copy=True))
+
+
+def from_dlpack(obj: Any) -> StrictArray:
+    """``cupy.from_dlpack``: a producer's device memory as a device array, no copy."""
+    return StrictArray(np.from_dlpack(obj))
 
 
 def asnumpy(a: Any) -> np.ndarray:

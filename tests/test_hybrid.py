@@ -17,8 +17,8 @@ from numerics import assert_equivalent
 
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, GPTConfig, lm_loss
+from protos import local_servers
 from server import ShardServer
-from server.app import LOCAL_SERVERS
 from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
 
 STEPS, BATCH = 10, 8
@@ -102,7 +102,7 @@ def train_hybrid(
     world = pp * tp * dp
     nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
     addresses = [n.address for n in nodes]
-    assert local_calls or not set(addresses) & set(LOCAL_SERVERS)  # no in-process shortcut
+    assert local_calls or not set(addresses) & local_servers.addresses()  # no in-process shortcut
     run, job = uuid.uuid4().hex[:6], f"hybrid-{uuid.uuid4().hex[:6]}"
 
     def rank(r):

@@ -23,7 +23,7 @@ from torch_twin import run_gloo
 
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from paramshard import LocalCluster
-from server.app import LOCAL_SERVERS
+from protos import local_servers
 from strategies import (
     DDPModel,
     DDPOptimizer,
@@ -150,7 +150,7 @@ def train_sharded(
         world, servers, server_options={"local_calls": local_calls}, run_timeout_s=300, **conf
     )
     with cluster:
-        assert local_calls or not set(cluster.addresses) & set(LOCAL_SERVERS)  # no shortcut
+        assert local_calls or not set(cluster.addresses) & local_servers.addresses()  # no shortcut
         fn = partial(train_rank, strategy, opt_name, init, data, on_step=on_step, device=device)
         return cluster.run(fn)
 

@@ -1,0 +1,119 @@
+"""The device-to-device path: a server in the trainer's process, on the trainer's device.
+
+A gradient push hands that server its piece as a DLPack tensor (``Outgoing.dlpack``) and a
+pull gets its piece back as a device array (``Landing.put``): no pinned staging, no bytes
+(strategies/device.py, protos/local_servers.py). On a GPU host that is a CuPy server on the
+trainer's GPU; on this CPU host it is a NumPy (or strict) server and CPU tensors, so every line
+but the CUDA copies runs here. The pieces for servers elsewhere cross the host as before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from numerics import assert_equivalent
+from test_strategies import batches, initial_state, train_sharded, train_single
+
+from client import ClusterSpec, ShardClient, ShardClientError, StepArgs
+from server import backend
+from strategies.device import Landing, Outgoing
+
+SHARDED = ["zero1", "zero2", "fsdp"]  # DDP's buckets go through the collectives, not pushes
+
+
+@pytest.fixture
+def handovers(monkeypatch):
+    """Counts DLPack imports by the servers (and whether each shares the producer's memory)
+    and device arrays handed to landings."""
+    seen = {"imports": 0, "shared": 0, "landed": 0}
+    lock = threading.Lock()  # the servers' handlers run in several threads
+    real_import, real_put = backend.from_dlpack, Landing.put
+
+    def counting_import(obj):
+        values = real_import(obj)
+        # the strict backend's arrays hide their memory: its import is NumPy's, unwrapped
+        host = values if isinstance(values, np.ndarray) else np.from_dlpack(values)
+        shared = isinstance(obj, torch.Tensor) and np.shares_memory(host, obj.numpy())
+        with lock:
+            seen["imports"] += 1
+            seen["shared"] += shared
+        return values
+
+    def counting_put(self, start, values):
+        with lock:
+            seen["landed"] += 1
+        return real_put(self, start, values)
+
+    monkeypatch.setattr(backend, "from_dlpack", counting_import)
+    monkeypatch.setattr(Landing, "put", counting_put)
+    return seen
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_sharded_strategies_through_dlpack_equal_the_reference(strategy, handovers):
+    init, data = initial_state(), batches()
+    ref_losses, ref_state = train_single("adamw", init, data)
+    results = train_sharded(strategy, "adamw", 2, 2, init, data)
+    for r, (losses, state) in enumerate(results):
+        assert_equivalent(losses, ref_losses, f"{strategy} rank {r} losses (DLPack)")
+        assert_equivalent(state, ref_state, f"{strategy} rank {r} (DLPack)")
+    assert handovers["imports"] > 0, "no gradient piece went to a server through DLPack"
+    assert handovers["shared"] == handovers["imports"], "a DLPack import copied the tensor"
+    assert handovers["landed"] > 0, "no pulled piece came back as a device array"
+
+
+def test_servers_behind_grpc_get_bytes(handovers):
+    """Servers the client must reach through gRPC (``local_calls=False``) never see DLPack."""
+    init, data = initial_state(), batches()
+    train_sharded("fsdp", "adamw", 2, 2, init, data, local_calls=False)
+    assert handovers == {"imports": 0, "shared": 0, "landed": 0}
+
+
+def _client(servers, **kw) -> tuple[ShardClient, int]:
+    (s,) = servers(1, **kw)
+    c = ShardClient(ClusterSpec([s.address]), timeout_s=10)
+    c.register_buffer("j", "b", 8, optimizer="sgd", hyper={"lr": 1.0})
+    c.set_params("j", "b", np.zeros(8, np.float32))
+    return c, s
+
+
+def test_a_wrong_device_payload_is_refused_and_changes_nothing(servers):
+    """A DLPack payload whose size or dtype disagrees with its header gets INVALID_ARGUMENT,
+    like a wrong byte count does, and nothing is added."""
+    c, _ = _client(servers)
+    try:
+        grads = Outgoing(torch.ones(8), torch.float32)
+        short = Outgoing(torch.ones(8), torch.float32)
+        short.dlpack = lambda start, n, wire: torch.ones(n - 1)
+        wrong = Outgoing(torch.ones(8), torch.float32)
+        wrong.dlpack = lambda start, n, wire: torch.ones(n, dtype=torch.float64)
+        for bad, says in ((short, "7 float32"), (wrong, "float64")):
+            with pytest.raises(ShardClientError, match="INVALID_ARGUMENT") as err:
+                c.push_grads("j", "b", bad, step=0)
+            assert "device payload" in str(err.value) and says in str(err.value)
+        c.push_grads("j", "b", grads, step=0)
+        c.step("j", 0, {"b": StepArgs({"lr": 1.0})})
+        np.testing.assert_array_equal(c.pull_params("j", "b", 8, 1), -np.ones(8, np.float32))
+    finally:
+        c.close()
+
+
+def test_bfloat16_pieces_travel_as_their_bits(servers, handovers):
+    """A bfloat16 wire pushes and pulls through DLPack as int16/uint16 bits, rounded once."""
+    c, _ = _client(servers)
+    try:
+        values = torch.tensor([1.0, 1 / 3, -2.5, 3e-3, 7.0, 0.0, -1e5, 2.0])
+        c.push_grads("j", "b", Outgoing(values, torch.float32), step=0, dtype="bfloat16")
+        c.step("j", 0, {"b": StepArgs({"lr": 1.0})})
+        landing = Landing(8, "bfloat16", torch.device("cpu"))
+        c.run(c.pull_calls("j", "b", landing, 1, dtype="bfloat16"))
+        got = landing.result(torch.float32)
+        want = -values.to(torch.bfloat16).to(torch.float32)
+        assert torch.equal(got, want.to(torch.bfloat16).to(torch.float32))
+        assert handovers["imports"] == 1 and handovers["landed"] == 1
+    finally:
+        c.close()
