@@ -28,6 +28,7 @@ from protos.placement import part_job
 from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
+from strategies.mixed_precision import outputs_for_loss
 from strategies.nonfinite import across_parts, name_parts, seen_by
 from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
@@ -168,7 +169,11 @@ class HybridShardedModel(ShardedModelBase):
         """Forward and backward of this replica's batch through the pipeline schedule, without
         the optimizer step (so ``clip_grad_norm_`` can run in between); returns the global
         batch's loss, the same on every rank."""
-        loss = self.pipeline.train_step(x, y, self.default_loss_function, **inputs)
+
+        def loss_fn(out: Any, target: Any) -> torch.Tensor:  # in float32 under bf16/fp16
+            return self.default_loss_function(outputs_for_loss(self.config, out), target)
+
+        loss = self.pipeline.train_step(x, y, loss_fn, **inputs)
         if self.data_parallel_size > 1:  # the global batch's loss: mean over the replicas
             loss = self.groups.dp.all_reduce(torch.tensor([loss], dtype=torch.float64), "mean")[0]
         return float(loss)

@@ -409,14 +409,19 @@ def test_hybrid_pipeline_stages_compute_in_param_dtype(run_ranks: Any, addrs: li
         config = ShardingConfiguration(client, job=job, param_dtype="bfloat16", timeout_s=20.0)
         model = HybridShardedModel(plain(init), config, 2, 1, 1, micro_batch_count=2)
         HybridShardedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
-        seen = set()
+        seen, loss_inputs = set(), set()
         for m in model.stage.modules():
             if isinstance(m, nn.Linear):
                 m.register_forward_pre_hook(lambda m, a: seen.add((m.weight.dtype, a[0].dtype)))
+        loss_of = model.default_loss_function
+        model.default_loss_function = lambda out, y: loss_inputs.add(out.dtype) or loss_of(out, y)
         losses = [model.train_on_batch(X, Y) for _ in range(3)]
-        return seen, losses, model.state_dict()
+        return seen, loss_inputs, losses, model.state_dict()
 
     out = run_ranks(fn, W, addrs)
+    # the last stage takes the loss in float32, as train_on_batch does for the other strategies
+    assert set().union(*(o[1] for o in out)) == {torch.float32}
+    out = [(seen, losses, state) for seen, _, losses, state in out]
     for seen, losses, state in out:
         assert seen == {(torch.bfloat16, torch.bfloat16)}
         assert losses[-1] < losses[0]
