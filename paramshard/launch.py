@@ -142,12 +142,13 @@ def say(message: str) -> None:
 def _relay(
     child: Child,
     pipe: IO[bytes],
-    dest: IO[str],
+    dest: IO[str] | None,
     lines: queue.SimpleQueue | None,
     log: IO[bytes] | None = None,
 ) -> None:
     """Copies ``pipe`` to ``dest`` line by line as ``[NAME] LINE`` (and to ``lines`` if given);
-    ``log`` (a --log-dir file) gets the lines as they came, and is closed at the end."""
+    ``log`` (a --log-dir file) gets the lines as they came, and is closed at the end. No
+    ``dest`` (``--redirects``): the file alone."""
     prefix = f"[{child.name}] ".encode()
 
     def pump() -> None:
@@ -156,7 +157,8 @@ def _relay(
                 lines.put((child, line))
             if log is not None:
                 append_line(log, line)
-            _emit(dest, prefix + line.rstrip(b"\r\n") + b"\n")
+            if dest is not None:
+                _emit(dest, prefix + line.rstrip(b"\r\n") + b"\n")
         pipe.close()
         if log is not None:
             log.close()
@@ -401,6 +403,12 @@ def read_token(path: str | None) -> str | None:
         " stderr.log (torchrun's layout; N counts that rank's restarts)",
     ),
     arg(
+        "--redirects",
+        action="store_true",
+        help="with --log-dir: the ranks' output goes to the files only, not to this console"
+        " (torchrun's --redirects 3 without --tee)",
+    ),
+    arg(
         "--token-file",
         default=None,
         help="the bearer token for the ranks (PARAMSHARD_TOKEN): a file holding the token, or"
@@ -459,6 +467,9 @@ def launch(args: argparse.Namespace) -> int:
     world_size = args.nnodes * args.nproc
     ranks_config = config_env(args.config)
     logs = RankLogs.create(args.log_dir, run_id)
+    if args.redirects and logs is None:
+        raise CommandError("--redirects needs --log-dir (where the output goes)", EXIT_USAGE)
+    console_out, console_err = (None, None) if args.redirects else (sys.stdout, sys.stderr)
 
     from paramshard.restarts import RankRestarts, supervise
     from server.app import MALLOC_ENV
@@ -507,13 +518,14 @@ def launch(args: argparse.Namespace) -> int:
             out, err = logs.open(rank, restarts.attempt(rank)) if logs else (None, None)
             child = _spawn(f"rank {rank}", [*python, args.script, *args.script_args], env)
             child.rank = rank
-            _relay(child, child.proc.stdout, sys.stdout, None, out)
-            _relay(child, child.proc.stderr, sys.stderr, None, err)
+            _relay(child, child.proc.stdout, console_out, None, out)
+            _relay(child, child.proc.stderr, console_err, None, err)
             _watch(child, events)
             return child
 
         if logs:
-            say(f"rank output also goes to {logs.root}/attempt_N/RANK/stdout.log, stderr.log")
+            also = "only" if args.redirects else "also"
+            say(f"rank output {also} goes to {logs.root}/attempt_N/RANK/stdout.log, stderr.log")
         for local_rank in range(args.nproc):
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:

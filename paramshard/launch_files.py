@@ -15,9 +15,9 @@ so a restarted rank's output goes beside its first process's, not over it. Two d
 torchrun, both so that the path is known before the run: the directory is named by the run id
 itself (torchrun adds a random suffix), and ``<rank>`` is the global rank (torchrun's is the local
 one, which two hosts writing to a shared DIR would both use). As with torchrun's ``--tee 3`` the
-console still shows every line as ``[rank R] LINE``; the files hold the bytes as the rank printed
-them. Files are appended to, so launching again with the same ``--run-id`` (to resume) keeps the
-earlier output.
+console still shows every line as ``[rank R] LINE`` (``--redirects``: the files alone, torchrun's
+``--redirects 3``); the files hold the bytes as the rank printed them. Files are appended to,
+so launching again with the same ``--run-id`` (to resume) keeps the earlier output.
 """
 
 from __future__ import annotations

@@ -96,6 +96,32 @@ def test_config_file_and_log_dir_across_a_restart(tmp_path: Path) -> None:
     assert f"rank output also goes to {run}/attempt_N/RANK/" in result.stderr
 
 
+def test_redirects_keeps_rank_output_off_the_console(tmp_path: Path) -> None:
+    """``--redirects``: the files get every line, the console none (the launcher's own lines,
+    prefixed ``[launch]``, stay)."""
+    script = tmp_path / "hello.py"
+    script.write_text("import sys\nprint('OUT line')\nprint('ERR line', file=sys.stderr)\n")
+    logs = tmp_path / "logs"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "paramshard", "launch", "--nproc", "1", "--run-id", "quiet",
+            "--log-dir", str(logs), "--redirects", str(script),
+        ],
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_S,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rank0 = logs / "quiet" / "attempt_0" / "0"
+    assert (rank0 / "stdout.log").read_text() == "OUT line\n"
+    assert (rank0 / "stderr.log").read_text() == "ERR line\n"
+    assert "line" not in result.stdout + result.stderr.replace("stdout.log, stderr.log", "")
+    assert f"rank output only goes to {logs / 'quiet'}/attempt_N/RANK/" in result.stderr
+
+
 def test_rank_logs_layout_and_append(tmp_path: Path) -> None:
     logs = RankLogs.create(str(tmp_path / "d"), "r7")
     assert logs is not None and logs.root == str(tmp_path / "d" / "r7")
@@ -117,6 +143,7 @@ def test_rank_logs_layout_and_append(tmp_path: Path) -> None:
         (["--config", "{tmp}/bad.json"], "--config: config file {tmp}/bad.json is not valid JSON"),
         (["--log-dir", "{tmp}", "--run-id", "a/b"], "--log-dir: the run id 'a/b' cannot name"),
         (["--log-dir", "{tmp}/file", "--run-id", "r"], "--log-dir: cannot create {tmp}/file/r"),
+        (["--redirects"], "--redirects needs --log-dir"),
     ],
 )
 def test_usage_errors(
