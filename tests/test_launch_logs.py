@@ -50,25 +50,30 @@ print(f"DONE rank {config.rank}", flush=True)
 """
 
 
-def test_config_file_and_log_dir_across_a_restart(tmp_path: Path) -> None:
-    script = tmp_path / "train.py"
-    script.write_text(TRAIN)
-    config = tmp_path / "sharding.toml"
-    config.write_text('job = "logs-job"\ngradient_accumulation_steps = 2\ntimeout_s = 5.0\n')
-    logs = tmp_path / "logs"
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "paramshard", "launch", "--nproc", "2", "--max-restarts", "1",
-            "--run-id", "logs-run", "--config", str(config.relative_to(tmp_path)),
-            "--log-dir", str(logs), str(script),
-        ],
-        cwd=tmp_path,  # --config given relative: the ranks get its absolute path
+def _launch(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``paramshard launch ARGV``, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "paramshard", "launch", *argv],
+        cwd=cwd,
         env=launch_env(),
         capture_output=True,
         text=True,
         timeout=RUN_S,
         stdin=subprocess.DEVNULL,
         check=False,
+    )
+
+
+def test_config_file_and_log_dir_across_a_restart(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    config = tmp_path / "sharding.toml"
+    config.write_text('job = "logs-job"\ngradient_accumulation_steps = 2\ntimeout_s = 5.0\n')
+    logs = tmp_path / "logs"
+    result = _launch(
+        "--nproc", "2", "--max-restarts", "1", "--run-id", "logs-run",
+        "--config", str(config.relative_to(tmp_path)), "--log-dir", str(logs), str(script),
+        cwd=tmp_path,  # --config given relative: the ranks get its absolute path
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
@@ -102,18 +107,9 @@ def test_redirects_keeps_rank_output_off_the_console(tmp_path: Path) -> None:
     script = tmp_path / "hello.py"
     script.write_text("import sys\nprint('OUT line')\nprint('ERR line', file=sys.stderr)\n")
     logs = tmp_path / "logs"
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "paramshard", "launch", "--nproc", "1", "--run-id", "quiet",
-            "--log-dir", str(logs), "--redirects", str(script),
-        ],
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=RUN_S,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )  # fmt: skip
+    result = _launch(
+        "--nproc", "1", "--run-id", "quiet", "--log-dir", str(logs), "--redirects", str(script)
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rank0 = logs / "quiet" / "attempt_0" / "0"
     assert (rank0 / "stdout.log").read_text() == "OUT line\n"
