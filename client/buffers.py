@@ -186,7 +186,7 @@ class FlatBuffers(RpcCore):
         args = step_args.to_pb() if step_args is not None else None
         calls = []
         for server, local, glob, n in self._chunked(total, start, start + size, itemsize):
-            direct = device is not None and self.local_device(server) == device
+            direct = device is not None and self.local_device(server, n * itemsize) == device
 
             def build(local: int = local, a: int = glob - start, n: int = n, d=direct) -> tuple:
                 header = pb.PushGradHeader(

@@ -71,6 +71,8 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
+_HEADER_ROOM = 1024
+"""Bytes a tensor message's header (and framing) takes at most, beside its payload."""
 _local_pool: ThreadPoolExecutor | None = None
 _local_pool_lock = threading.Lock()
 
@@ -135,6 +137,8 @@ def _local_call(call: Call, address: str, request: Any, timeout: float) -> Any:
         if not hasattr(payload, "__dlpack__") or isinstance(payload, np.ndarray):
             payload = memoryview(np.ascontiguousarray(payload)).cast("B")
         if payload.nbytes + header.ByteSize() + 32 > server.max_receive_bytes:
+            if not isinstance(payload, memoryview):  # local_device said it would fit
+                raise ValueError(f"{call.method}: a device payload too large for {address}")
             return None
         request = (header, payload)
     with _local_pool_lock:
@@ -226,14 +230,17 @@ class RpcCore:
         them (to servers that have neither)."""
         return not self.spec.metadata() and self.spec.tls_ca is None
 
-    def local_device(self, server: int) -> str | None:
+    def local_device(self, server: int, nbytes: int = 0) -> str | None:
         """The device of server ``server``'s arrays ("cpu", "cuda:N") when it runs in this
-        process and this client calls it directly, else None: a payload already on that
-        device goes to it through DLPack (protos/local_servers.py)."""
+        process and this client calls it directly with a payload of ``nbytes``, else None: a
+        payload already on that device goes to it through DLPack (protos/local_servers.py).
+        A payload past the server's receive limit goes through gRPC, as bytes."""
         if not self._may_call_locally():
             return None
         local = local_servers.lookup(self.spec.addresses[server])
-        return None if local is None else local.device
+        if local is None or nbytes + _HEADER_ROOM > local.max_receive_bytes:
+            return None
+        return local.device
 
     def _send(self, call: Call, alone: bool = False, timeout: float | None = None) -> Any:
         """Starts ``call`` with deadline ``timeout`` (default ``timeout_s``); returns a future.

@@ -117,3 +117,18 @@ def test_bfloat16_pieces_travel_as_their_bits(servers, handovers):
         assert handovers["imports"] == 1 and handovers["landed"] == 1
     finally:
         c.close()
+
+
+def test_a_piece_past_the_receive_limit_goes_through_grpc(servers, handovers):
+    """A device piece larger than the server accepts is not handed over in-process: it goes
+    as bytes through gRPC, which refuses it with its own message, as for any other caller."""
+    (s,) = servers(1, max_receive_bytes=64 * 1024)
+    c = ShardClient(ClusterSpec([s.address]), timeout_s=10)
+    try:
+        c.register_buffer("j", "b", 32 * 1024, optimizer="sgd", hyper={"lr": 1.0})
+        grads = Outgoing(torch.ones(32 * 1024), torch.float32)  # 128 KiB in one chunk
+        with pytest.raises(ShardClientError, match="RESOURCE_EXHAUSTED"):
+            c.push_grads("j", "b", grads, step=0)
+        assert handovers["imports"] == 0
+    finally:
+        c.close()
