@@ -17,7 +17,6 @@ never loads NumPy and ``serve`` never loads the client.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
@@ -501,12 +500,9 @@ def _check_exposure(
 
 
 def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost, or "" (all interfaces)
-        return False
+    from server.auth import is_loopback  # the server's own rule, the one place for it
+
+    return is_loopback(host)
 
 
 def _join_host_port(host: str, port: int) -> str:
