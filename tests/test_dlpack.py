@@ -5,23 +5,36 @@ pull gets its piece back as a device array (``Landing.put``): no pinned staging,
 (strategies/device.py, protos/local_servers.py). On a GPU host that is a CuPy server on the
 trainer's GPU; on this CPU host it is a NumPy (or strict) server and CPU tensors, so every line
 but the CUDA copies runs here. The pieces for servers elsewhere cross the host as before.
+Each strategy trained this way equals its run through gRPC; the CuPy-on-a-GPU run is marked
+``gpu`` and ``cupy`` (skipped without them).
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 
 import numpy as np
 import pytest
 import torch
 from numerics import assert_equivalent
-from test_strategies import batches, initial_state, train_sharded, train_single
+from test_strategies import batches, initial_state, train_rank, train_sharded, train_single
 
 from client import ClusterSpec, ShardClient, ShardClientError, StepArgs
+from paramshard import LocalCluster
 from server import backend
 from strategies.device import Landing, Outgoing
 
 SHARDED = ["zero1", "zero2", "fsdp"]  # DDP's buckets go through the collectives, not pushes
+
+
+def _address(values) -> int:
+    """Where an imported array's memory starts (CuPy's device pointer; NumPy's, and the strict
+    backend's, whose arrays hide their memory, through NumPy's own DLPack import)."""
+    if type(values).__module__.startswith("cupy"):
+        return int(values.data.ptr)
+    host = values if isinstance(values, np.ndarray) else np.from_dlpack(values)
+    return int(host.__array_interface__["data"][0])
 
 
 @pytest.fixture
@@ -34,9 +47,7 @@ def handovers(monkeypatch):
 
     def counting_import(obj):
         values = real_import(obj)
-        # the strict backend's arrays hide their memory: its import is NumPy's, unwrapped
-        host = values if isinstance(values, np.ndarray) else np.from_dlpack(values)
-        shared = isinstance(obj, torch.Tensor) and np.shares_memory(host, obj.numpy())
+        shared = isinstance(obj, torch.Tensor) and _address(values) == obj.data_ptr()
         with lock:
             seen["imports"] += 1
             seen["shared"] += shared
@@ -53,24 +64,53 @@ def handovers(monkeypatch):
 
 
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", SHARDED)
-def test_sharded_strategies_through_dlpack_equal_the_reference(strategy, handovers):
+@pytest.mark.parametrize("strategy", ["ddp", *SHARDED])
+def test_in_process_servers_equal_the_grpc_path(strategy, handovers):
+    """Each strategy trained through gRPC (bytes only: no DLPack at all), then with the servers
+    called in-process (ZeRO and FSDP: DLPack both ways), equal at 1e-9 in float64; both equal
+    the single-process reference too."""
     init, data = initial_state(), batches()
     ref_losses, ref_state = train_single("adamw", init, data)
-    results = train_sharded(strategy, "adamw", 2, 2, init, data)
-    for r, (losses, state) in enumerate(results):
-        assert_equivalent(losses, ref_losses, f"{strategy} rank {r} losses (DLPack)")
-        assert_equivalent(state, ref_state, f"{strategy} rank {r} (DLPack)")
+    grpc = train_sharded(strategy, "adamw", 2, 2, init, data, local_calls=False)
+    assert handovers == {"imports": 0, "shared": 0, "landed": 0}, "gRPC servers saw DLPack"
+    local = train_sharded(strategy, "adamw", 2, 2, init, data)
+    for r, ((losses, state), (grpc_losses, grpc_state)) in enumerate(zip(local, grpc, strict=True)):
+        assert_equivalent(losses, grpc_losses, f"{strategy} rank {r} losses, DLPack vs gRPC")
+        assert_equivalent(state, grpc_state, f"{strategy} rank {r}, DLPack vs gRPC")
+        assert_equivalent(state, ref_state, f"{strategy} rank {r} (DLPack) vs single process")
+        assert_equivalent(losses, ref_losses, f"{strategy} rank {r} losses vs single process")
+    if strategy == "ddp":  # buckets are all-reduced through the collectives, which cross the host
+        assert handovers["imports"] == 0
+        return
     assert handovers["imports"] > 0, "no gradient piece went to a server through DLPack"
     assert handovers["shared"] == handovers["imports"], "a DLPack import copied the tensor"
     assert handovers["landed"] > 0, "no pulled piece came back as a device array"
 
 
-def test_servers_behind_grpc_get_bytes(handovers):
-    """Servers the client must reach through gRPC (``local_calls=False``) never see DLPack."""
+@pytest.mark.gpu
+@pytest.mark.cupy
+@pytest.mark.parametrize("strategy", SHARDED)
+def test_cuda_trainers_and_cupy_servers_go_device_to_device(strategy, handovers):
+    """A model on cuda:0 with its servers in the process on cuda:0 (CuPy): the slices move
+    through DLPack on the GPU, and training equals the single-process CPU reference."""
     init, data = initial_state(), batches()
-    train_sharded("fsdp", "adamw", 2, 2, init, data, local_calls=False)
-    assert handovers == {"imports": 0, "shared": 0, "landed": 0}
+    ref_losses, ref_state = train_single("adamw", init, data)
+    cluster = LocalCluster(
+        2, 2, server_options={"device": "cuda:0"}, run_timeout_s=300, timeout_s=60.0
+    )
+    try:
+        with cluster:
+            fn = partial(train_rank, strategy, "adamw", init, data, device="cuda:0")
+            results = cluster.run(fn)
+    finally:
+        backend.use_device("cpu")  # the array library is the process's: back for later tests
+    for r, (losses, state) in enumerate(results):
+        assert all(t.device.type == "cuda" for t in state.values()), f"rank {r} left the GPU"
+        assert_equivalent(losses, ref_losses, f"{strategy} cuda rank {r} losses (DLPack)")
+        on_cpu = {name: t.cpu() for name, t in state.items()}
+        assert_equivalent(on_cpu, ref_state, f"{strategy} cuda rank {r} (DLPack)")
+    assert handovers["imports"] > 0 and handovers["landed"] > 0, "the GPU slices took the host"
+    assert handovers["shared"] == handovers["imports"], "a DLPack import copied the tensor"
 
 
 def _client(servers, **kw) -> tuple[ShardClient, int]:
