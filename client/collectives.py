@@ -65,6 +65,7 @@ class Collectives(RpcCore):
         rank calls it with the same epoch."""
         base = self.__dict__.setdefault("_base_run_id", self.run_id)
         self.run_id = f"{base}.e{epoch}"
+        self.run_state.advance(epoch)  # an abort notice of an earlier epoch no longer applies
         self._seq = 0
         self.__dict__.pop("_p2p_seq", None)
 

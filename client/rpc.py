@@ -21,6 +21,7 @@ import grpc
 import numpy as np
 
 from client.cluster import ClusterSpec
+from client.leases import WAITS_ON_PEERS, RunState
 from protos import codec, local_servers
 from protos import shard_pb2 as pb
 
@@ -59,6 +60,7 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "ReadSlot": codec.deserializer(pb.SlotHeader),
     "DropJob": pb.DropJobReply.FromString,
     "Status": pb.StatusReply.FromString,
+    "Lease": pb.LeaseReply.FromString,
     "Snapshot": pb.SnapshotReply.FromString,
     "CommitSnapshot": pb.CommitSnapshotReply.FromString,
     "Restore": pb.RestoreReply.FromString,
@@ -71,6 +73,8 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
+_MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
+"""Calls that may wait for other ranks: sent as futures even alone, so a notice cancels them."""
 _HEADER_ROOM = 1024
 """Bytes a tensor message's header (and framing) takes at most, beside its payload."""
 _local_pool: ThreadPoolExecutor | None = None
@@ -115,6 +119,9 @@ class _LocalFuture:
         self._cancelled = True
         self._wake.set()
         return True
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        self._fut.add_done_callback(lambda _: fn(self))
 
     def result(self, timeout: float | None = None) -> Any:
         self._wake.wait(timeout)
@@ -209,6 +216,7 @@ class RpcCore:
         # channel cancels its gRPC calls (a rank waiting on a dead peer's slot then ends)
         self._local_calls: weakref.WeakSet[_LocalFuture] = weakref.WeakSet()
         self._closed = False
+        self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
 
     @property
     def num_servers(self) -> int:
@@ -249,6 +257,9 @@ class RpcCore:
         future on an idle channel makes grpcio start (and then end) a polling thread: for one
         call that thread costs more than the call."""
         timeout = self.timeout_s if timeout is None else timeout
+        peers = call.method in WAITS_ON_PEERS
+        if peers and (notice := self.run_state.current()) is not None:
+            return _Done(error=_LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
         request = call.request() if callable(call.request) else call.request
         if self._may_call_locally():
             local = _local_call(call, self.spec.addresses[call.server], request, timeout)
@@ -257,14 +268,19 @@ class RpcCore:
                     self._local_calls.add(local)
                 if self._closed:
                     local.cancel()
+                if peers:
+                    self.run_state.track(local)
                 return local
         stub = self._stub(call.server, call.method)
-        if alone:
+        if alone and call.method not in _MAY_WAIT:
             try:
                 return _Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
             except grpc.RpcError as exc:
                 return _Done(error=exc)
-        return stub.future(request, timeout=timeout, metadata=self.spec.metadata())
+        future = stub.future(request, timeout=timeout, metadata=self.spec.metadata())
+        if peers:  # an abort notice cancels it (client/leases.py)
+            self.run_state.track(future)
+        return future
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
         return ShardClientError(
@@ -299,10 +315,11 @@ class RpcCore:
             try:
                 reply = fut.result()
             except grpc.FutureCancelledError:
-                if first_error is None:  # not by another call's error: by close()
-                    first_error = self._error(
-                        call, _LocalRpcError(grpc.StatusCode.CANCELLED, "the client was closed")
-                    )
+                if first_error is None:  # not by another call's error: by a notice or close()
+                    notice = self.run_state.current()
+                    code = grpc.StatusCode.ABORTED if notice else grpc.StatusCode.CANCELLED
+                    why = notice.reason if notice else "the client was closed"
+                    first_error = self._error(call, _LocalRpcError(code, why))
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
@@ -340,6 +357,9 @@ class RpcCore:
         return self.run([Call(server, method, request)])[0]
 
     def close(self) -> None:
+        holding = self.run_state.holding
+        if holding is not None and holding.client() is self:
+            holding.release()  # the rank ends normally: nothing is aborted
         self._closed = True
         with self._lock:
             pending = list(self._local_calls)

@@ -7,6 +7,7 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
+from client import leases
 from client.buffers import FlatBuffers
 from client.cluster import ClusterSpec
 from client.collectives import Collectives
@@ -61,6 +62,8 @@ class ShardClient(Collectives, FlatBuffers):
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
         self.run_id = run_id or run_id_from_env() or "run"
         self.deterministic = deterministic
+        if world_size > 1:
+            leases.hold(self)  # the other ranks learn within seconds if this one dies
 
     @classmethod
     def from_env(cls, **kw: Any) -> ShardClient:

@@ -291,6 +291,38 @@ class StepReply(_message.Message):
     versions: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class LeaseRequest(_message.Message):
+    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    REJOIN_MS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    rank: int
+    world_size: int
+    epoch: int
+    ttl_ms: int
+    rejoin_ms: int
+    release: bool
+    abort: str
+    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ...) -> None: ...
+
+class LeaseReply(_message.Message):
+    __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting")
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LOST_RANK_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_FIELD_NUMBER: _ClassVar[int]
+    aborted: str
+    aborted_epoch: int
+    lost_rank: int
+    awaiting: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, aborted: _Optional[str] = ..., aborted_epoch: _Optional[int] = ..., lost_rank: _Optional[int] = ..., awaiting: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SlotHeader(_message.Message):
     __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order")
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class ShardStub:
                 request_serializer=protos_dot_shard__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_shard__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_unary(
+                '/paramshard.v1.Shard/Lease',
+                request_serializer=protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.LeaseReply.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/paramshard.v1.Shard/Snapshot',
                 request_serializer=protos_dot_shard__pb2.SnapshotRequest.SerializeToString,
@@ -220,6 +225,14 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """A rank's lease on this server (DESIGN section 3, fast failure): renewed about every
+        0.4 s; the reply carries the run's abort notice when one was raised.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Snapshot(self, request, context):
         """Captures every buffer of a job at exactly `version` (waiting for training to get there,
         without stopping it) and writes this server's shard file of snapshot `tag`.
@@ -346,6 +359,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_shard__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_shard__pb2.StatusReply.SerializeToString,
+            ),
+            'Lease': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=protos_dot_shard__pb2.LeaseRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.LeaseReply.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -668,6 +686,33 @@ class Shard:
             '/paramshard.v1.Shard/Status',
             protos_dot_shard__pb2.StatusRequest.SerializeToString,
             protos_dot_shard__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/Lease',
+            protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+            protos_dot_shard__pb2.LeaseReply.FromString,
             options,
             channel_credentials,
             insecure,

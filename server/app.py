@@ -128,7 +128,9 @@ class ShardServer:
             max_memory=memory,
             pending_ttl_s=pending_ttl_s,
         )
-        self.sweeper = Sweeper([self.servicer.slots.expire], sweep_period(pending_ttl_s))
+        self.sweeper = Sweeper(
+            [self.servicer.slots.expire, self.servicer.leases.sweep], sweep_period(pending_ttl_s)
+        )
         if peer_credentials is None and self.tls:
             peer_credentials = auth.peer_channel_credentials(tls_cert, tls_key, tls_ca, peer_tls_ca)
         self.servicer.replicator.set_ttl(replica_ttl_s)

@@ -73,6 +73,7 @@ METHOD_ROLES: dict[str, str] = {
     "Step": "train",
     "Contribute": "train",
     "ReadSlot": "train",
+    "Lease": "train",
     # admin: destroys, writes, replaces or sends away state
     "ConfigureReplication": "admin",  # makes the server send its slices to another server
     "DropJob": "admin",

@@ -22,6 +22,7 @@ from protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from protos.placement import recorded_placement
 from server import backend
 from server.errors import ShardError
+from server.leases import LeaseTable
 from server.limits import MemoryBudget
 from server.nonfinite import grad_norm_reply, step_reply
 from server.replication import Replicator
@@ -104,6 +105,7 @@ class ShardServicer:
         self.snapshots = SnapshotDir(snapshot_dir)
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
+        self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
         self.max_wait_s = max_wait_s
         self.started = time.time()
         self.server_index = 0
@@ -155,6 +157,7 @@ class ShardServicer:
             ),
             "DropJob": (self.drop_job, _plain(pb.DropJobRequest), plain_reply),
             "Status": (self.status, _plain(pb.StatusRequest), plain_reply),
+            "Lease": (self.lease, _plain(pb.LeaseRequest), plain_reply),
             "Snapshot": (self.snapshot, _plain(pb.SnapshotRequest), plain_reply),
             "CommitSnapshot": (self.commit_snapshot, _plain(pb.CommitSnapshotRequest), plain_reply),
             "Restore": (self.restore, _plain(pb.RestoreRequest), plain_reply),
@@ -282,7 +285,7 @@ class ShardServicer:
         job. NOT_FOUND when there is neither."""
         if not req.job:
             raise ShardError.invalid("DropJob needs a job (or run) name")
-        runs = self.slots.drop_run(req.job)
+        runs = self.slots.drop_run(req.job) + self.leases.drop(req.job)
         try:
             dropped = self.buffers.drop(req.job)
         except ShardError:
@@ -294,6 +297,9 @@ class ShardServicer:
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:
         return status_reply(self, req, VERSION)
+
+    def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
+        return self.leases.renew(req)
 
     # -- snapshots -------------------------------------------------------------------------
     def _job_slices(self, job: str) -> list[BufferSlice]:

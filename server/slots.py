@@ -26,6 +26,7 @@ Status name who arrived and who is missing (the hang doctor, server/pending.py).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -98,6 +99,7 @@ class SlotStore:
         self._slots: dict[str, _Slot] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
+        self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -117,6 +119,9 @@ class SlotStore:
                 raise ShardError.aborted(self._ended[key])
             slot = self._slots.get(key)
             if slot is None and key not in self._freed:
+                for run, (epoch, why) in self._aborted.items():
+                    if (e := run_epoch(key, run)) is not None and e <= epoch:
+                        raise ShardError.aborted(f"slot '{key}': {why}")
                 slot = self._slots[key] = _Slot(key)
             return slot
 
@@ -354,12 +359,34 @@ class SlotStore:
     def drop_run(self, run: str) -> int:
         """Drops every slot and mailbox of run ``run`` (keys ``<run>:...``, and its groups'
         ``<run>/<group>:...`` and restarts' ``<run>.e<epoch>:...``); returns how many."""
+        self.forget_abort(run)
+        return self._end_run(run, None, f"was dropped with run '{run}' (DropJob)")
+
+    def abort_run(self, run: str, epoch: int, why: str) -> int:
+        """Aborts epochs ``0..epoch`` of run ``run`` (its lease lapsed, server/leases.py): its
+        open slots end, and a key of those epochs not open yet is refused, both with ABORTED
+        and ``why``. Returns how many slots ended."""
         with self._lock:
-            mine = [s for k, s in self._slots.items() if _of_run(k, run)]
+            self._aborted[run] = (epoch, why)
+        return self._end_run(run, epoch, f"ended: {why}")
+
+    def forget_abort(self, run: str) -> None:
+        """Run ``run`` starts afresh (a new run under the same id): its keys open again."""
+        with self._lock:
+            self._aborted.pop(run, None)
+
+    def _end_run(self, run: str, epoch: int | None, why: str) -> int:
+        """Ends the open slots of ``run`` (of epochs up to ``epoch``; None: all)."""
+        with self._lock:
+            mine = [
+                slot
+                for key, slot in self._slots.items()
+                if (e := run_epoch(key, run)) is not None and (epoch is None or e <= epoch)
+            ]
         for slot in mine:
             with slot.cond:
                 if slot.ended is None:
-                    self._end(slot, f"slot '{slot.key}' was dropped with run '{run}' (DropJob)")
+                    self._end(slot, f"slot '{slot.key}' {why}")
         return len(mine)
 
     def _end(self, slot: _Slot, why: str) -> None:
@@ -376,13 +403,21 @@ class SlotStore:
                 self._ended.popitem(last=False)
 
 
-def _of_run(key: str, run: str) -> bool:
-    """Whether slot ``key`` belongs to run ``run``, its groups or its restarts."""
-    if key.startswith((f"{run}:", f"{run}/")):
-        return True
-    rest = key[len(run) + 2 :] if key.startswith(f"{run}.e") else ""
-    epoch = rest.split(":", 1)[0].split("/", 1)[0]
-    return epoch.isdigit()
+def run_epoch(key: str, run: str) -> int | None:
+    """The epoch of slot ``key`` when it belongs to run ``run``, else None: keys ``<run>:...``,
+    its groups' ``<run>/<group>:...``, and after ``restart_collectives`` the same with
+    ``.e<N>`` after the run or the group (``<run>.e<N>/<group>:...``); the largest N counts."""
+    name = key.split(":", 1)[0]
+    if not name.startswith(run):
+        return None
+    rest = name[len(run) :]
+    if rest and not rest.startswith("/") and not _EPOCH_HEAD.match(rest):
+        return None  # another run whose id starts with this one's ("r2", "r.eval")
+    return max(map(int, _EPOCH.findall(rest)), default=0)
+
+
+_EPOCH = re.compile(r"\.e(\d+)(?=/|$)")
+_EPOCH_HEAD = re.compile(r"\.e\d+(?:/|$)")
 
 
 def _what(key: str) -> str:

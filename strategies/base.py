@@ -101,6 +101,8 @@ class ShardedModelBase(nn.Module):
         self.config = config
         self.client = config.client
         restarts.declare(self.strategy, self.state_on_servers, self.client.rank)
+        if not self.state_on_servers:  # a restart cannot rejoin: the servers wait for none
+            self.client.run_state.cannot_rejoin()
         # collectives reduce in rank order unless the configuration says arrival order
         self.client.deterministic = config.deterministic
         self.default_loss_function: Callable[[Any, Any], torch.Tensor] = default_loss

@@ -3,9 +3,12 @@
 ``train_with_recovery`` runs ``train_step(step)`` for each step. Every ``checkpoint_every``
 steps it snapshots the job on the servers (``save_checkpoint``). When a call fails because a
 server died (UNAVAILABLE after the client's retries, a restarted server that lost the job:
-NOT_FOUND, or a wait that can no longer finish: DEADLINE_EXCEEDED), every rank:
+NOT_FOUND, a wait that can no longer finish: DEADLINE_EXCEEDED, or the abort notice of another
+rank that is recovering: ABORTED, client/leases.py), every rank:
 
-1. drops the half-done step (pending pushes, gradients, gathered units);
+1. tells the others through the servers (an abort notice for its epoch: a rank waiting for
+   this one's contribution stops at once instead of at its deadline), and drops the half-done
+   step (pending pushes, gradients, gathered units);
 2. waits, bounded, until every server answers again;
 3. restarts collective numbering in a new epoch (ranks may have failed at different calls);
 4. brings every server back to one version (rank 0): from neighbour replicas when the job
@@ -84,6 +87,10 @@ class RecoveryReport:
     replayed_steps: int = 0
     failed_at: list[int] = field(default_factory=list)
     resumed_at: list[int] = field(default_factory=list)
+    causes: list[str] = field(default_factory=list)
+    """The gRPC code that started each recovery: UNAVAILABLE or NOT_FOUND where this rank met
+    the failed server itself, ABORTED where another rank's notice reached it first
+    (client/leases.py), DEADLINE_EXCEEDED where a wait ran out."""
     stopped_early: bool = False
 
 
@@ -98,6 +105,15 @@ def _show(
     if set_postfix is not None:
         set_postfix(loss=f"{loss:.4f}", refresh=False)
     progress.update(done - int(progress.n))  # negative after a replay: the bar moves back
+
+
+def _recoverable(model: ServerShardedModel | HybridShardedModel, exc: ShardClientError) -> bool:
+    """A server failure (``RECOVERABLE``), or an abort notice saying another rank is
+    recovering from one; not a notice that a rank was lost (its process and state are gone)."""
+    if exc.code != grpc.StatusCode.ABORTED:
+        return exc.code in RECOVERABLE
+    notice = model.client.run_state.refresh()
+    return notice is not None and notice.recoverable
 
 
 def _wait_for_servers(model: ServerShardedModel | HybridShardedModel, wait_s: float) -> None:
@@ -160,11 +176,16 @@ def train_with_recovery(
                 report.stopped_early = True
                 break
         except ShardClientError as exc:
-            if exc.code not in RECOVERABLE or report.recoveries >= max_recoveries:
+            if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
                 raise
             began = time.monotonic()
             log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
+            # the ranks waiting on this one learn now, through the servers, not at a deadline
+            model.client.run_state.give_up(
+                f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
+            )
             report.recoveries += 1
+            report.causes.append(exc.code.name)
             epoch += 1
             model.abandon_step()
             if model.optimizer is not None:

@@ -35,6 +35,7 @@ METHODS = {
     "ReadSlot",
     "DropJob",
     "Status",
+    "Lease",
     "Snapshot",
     "CommitSnapshot",
     "Restore",

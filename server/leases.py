@@ -1,0 +1,248 @@
+"""Trainer leases: a rank that dies is noticed in about two seconds, not at a deadline.
+
+Every rank of a run renews a lease on every server about every 0.4 s (client/leases.py). A
+lease that is not renewed within its TTL *lapses*: its rank died, hangs, or lost the network.
+Then the run's current epoch is aborted on this server: its open reduction slots and
+mailboxes end with ABORTED ("run 'R' aborted: rank 3 lost ..."), a key of that epoch not open
+yet is refused the same way (``SlotStore.abort_run``), and every renewal by a rank at that
+epoch or an earlier one carries the notice back (``LeaseReply.aborted``), so the other ranks
+stop waiting at once: their client cancels its calls in flight. A rank that lost a server asks
+the others' servers to abort the epoch (``LeaseRequest.abort``), and 3D recovery starts at once.
+
+A rank that may come back (``paramshard launch --max-restarts``; its lease carries
+``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
+within that time after the lapse. A restarted trainer renews the same rank.
+
+Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
+abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
+``forget_s``; a renewal for a run that was aborted and has no live lease left starts it afresh
+(a new run under the same id). Memory is bounded: at most ``max_runs`` runs and
+``max_leases`` leases in all (RESOURCE_EXHAUSTED past them).
+
+Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
+run) and by the server's sweeper, so no thread waits per lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protos import shard_pb2 as pb
+from server.errors import ShardError
+
+__all__ = ["LeaseTable"]
+
+MAX_RUN_CHARS = 256
+MAX_WORLD = 1 << 20
+TTL_MS = (100, 600_000)
+MAX_REJOIN_MS = 3_600_000
+MAX_REASON_CHARS = 1024
+CHECK_EVERY_S = 0.05
+
+
+class _Aborts(Protocol):
+    """What a lease table needs of the slot store."""
+
+    def abort_run(self, run: str, epoch: int, why: str) -> int: ...
+
+    def forget_abort(self, run: str) -> None: ...
+
+
+@dataclass
+class _Lease:
+    expires: float
+    epoch: int
+    ttl_s: float
+    rejoin_s: float
+    lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
+
+
+@dataclass
+class _Run:
+    world_size: int
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    aborted_epoch: int = -1
+    reason: str = ""
+    lost_rank: int = -1
+    checked: float = 0.0
+    idle_since: float | None = None  # when its last lease went
+
+    def live(self, now: float, but: int = -1) -> list[int]:
+        return [r for r, x in self.leases.items() if r != but and x.expires >= now]
+
+
+class LeaseTable:
+    """The leases of every run on this server (see the module docstring)."""
+
+    def __init__(
+        self,
+        slots: _Aborts,
+        *,
+        forget_s: float = 600.0,
+        max_runs: int = 4096,
+        max_leases: int = 65536,
+        clock=time.monotonic,
+    ) -> None:
+        self.slots = slots
+        self.forget_s = forget_s
+        self.max_runs = max_runs
+        self.max_leases = max_leases
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+        self._count = 0  # leases held in all runs
+
+    # -- the RPC ---------------------------------------------------------------------------
+    def renew(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
+        when asked; returns the run's notice for the rank's epoch, if any."""
+        _check(req)
+        with self._lock:
+            now = self.clock()
+            if req.release and req.run not in self._runs:
+                return pb.LeaseReply(lost_rank=-1)
+            run = self._run_for(req, now)
+            if req.release:
+                self._drop_lease(run, req.rank, now)
+            else:
+                self._hold(run, req, now)
+            if req.abort:
+                self._abort(
+                    req.run,
+                    run,
+                    req.epoch,
+                    f"run '{req.run}' aborted by rank {req.rank}: {req.abort}",
+                    -1,
+                )
+            self._check_lapses(req.run, run, now, force=bool(req.abort))
+            reply = pb.LeaseReply(lost_rank=-1)
+            if run.aborted_epoch >= req.epoch:
+                reply.aborted, reply.aborted_epoch = run.reason, run.aborted_epoch
+                reply.lost_rank = run.lost_rank
+            reply.awaiting.extend(sorted(r for r, x in run.leases.items() if x.lapsed_at))
+            self._forget_if_idle(req.run, run, now)
+            return reply
+
+    def sweep(self) -> None:
+        """Finds lapses of runs no live rank renews any more, and forgets idle runs (the
+        server's sweeper calls it)."""
+        with self._lock:
+            now = self.clock()
+            for name, run in list(self._runs.items()):
+                self._check_lapses(name, run, now, force=True)
+                self._forget_if_idle(name, run, now)
+
+    def drop(self, run: str) -> bool:
+        """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
+        with self._lock:
+            gone = self._runs.pop(run, None)
+            if gone is not None:
+                self._count -= len(gone.leases)
+            return gone is not None
+
+    # -- bookkeeping (caller holds the lock) ------------------------------------------------
+    def _run_for(self, req: pb.LeaseRequest, now: float) -> _Run:
+        run = self._runs.get(req.run)
+        if run is not None and not run.live(now, but=req.rank):
+            if run.world_size != req.world_size or run.aborted_epoch >= 0:
+                self._forget(req.run, run)  # a new run under the same id
+                run = None
+        if run is None:
+            if len(self._runs) >= self.max_runs:
+                raise ShardError.exhausted(
+                    f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
+                    f" run '{req.run}' was not added"
+                )
+            run = self._runs[req.run] = _Run(req.world_size)
+        elif run.world_size != req.world_size:
+            raise ShardError.precondition(
+                f"Lease: run '{req.run}' has world size {run.world_size} here (ranks"
+                f" {_listed(run.live(now))} hold leases), rank {req.rank} renews with world"
+                f" size {req.world_size}: two runs share the id"
+            )
+        return run
+
+    def _hold(self, run: _Run, req: pb.LeaseRequest, now: float) -> None:
+        lease = run.leases.get(req.rank)
+        if lease is None:
+            if self._count >= self.max_leases:
+                raise ShardError.exhausted(
+                    f"Lease: this server holds {self._count} leases, its limit; rank"
+                    f" {req.rank} of run '{req.run}' was not added"
+                )
+            self._count += 1
+        ttl = req.ttl_ms / 1000
+        run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, req.rejoin_ms / 1000)
+        run.idle_since = None
+
+    def _drop_lease(self, run: _Run, rank: int, now: float) -> None:
+        if run.leases.pop(rank, None) is not None:
+            self._count -= 1
+        if not run.leases:
+            run.idle_since = now
+
+    def _check_lapses(self, name: str, run: _Run, now: float, force: bool = False) -> None:
+        if not force and now - run.checked < CHECK_EVERY_S:
+            return
+        run.checked = now
+        for rank, lease in list(run.leases.items()):
+            if lease.expires >= now:
+                continue
+            if lease.lapsed_at is None:
+                lease.lapsed_at = lease.expires
+            if now - lease.lapsed_at < lease.rejoin_s:
+                continue  # the run waits for a restart of this rank
+            waited = f", then {lease.rejoin_s:g} s for a restart" if lease.rejoin_s else ""
+            epoch = max(x.epoch for x in run.leases.values())
+            self._drop_lease(run, rank, now)
+            self._abort(
+                name,
+                run,
+                epoch,
+                f"run '{name}' aborted: rank {rank} lost (no lease renewal for"
+                f" {lease.ttl_s:g} s{waited})",
+                rank,
+            )
+
+    def _abort(self, name: str, run: _Run, epoch: int, why: str, lost: int) -> None:
+        if epoch <= run.aborted_epoch:
+            return  # that epoch ended already: its first reason stands
+        run.aborted_epoch, run.reason, run.lost_rank = epoch, why, lost
+        self.slots.abort_run(name, epoch, why)
+
+    def _forget_if_idle(self, name: str, run: _Run, now: float) -> None:
+        if not run.leases and run.idle_since is not None and now - run.idle_since > self.forget_s:
+            self._forget(name, run)
+
+    def _forget(self, name: str, run: _Run) -> None:
+        self._count -= len(run.leases)
+        del self._runs[name]
+        self.slots.forget_abort(name)
+
+
+def _check(req: pb.LeaseRequest) -> None:
+    """Refuses a malformed request before anything changes."""
+    if not req.run or len(req.run) > MAX_RUN_CHARS or ":" in req.run:
+        raise ShardError.invalid(
+            f"Lease needs a run id of 1..{MAX_RUN_CHARS} characters without ':',"
+            f" got {req.run[:64]!r}{'...' if len(req.run) > 64 else ''}"
+        )
+    if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
+        raise ShardError.invalid(
+            f"Lease: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
+        )
+    if not req.release and not TTL_MS[0] <= req.ttl_ms <= TTL_MS[1]:
+        raise ShardError.invalid(
+            f"Lease: ttl_ms must be in {TTL_MS[0]}..{TTL_MS[1]}, got {req.ttl_ms}"
+        )
+    if req.rejoin_ms > MAX_REJOIN_MS:
+        raise ShardError.invalid(f"Lease: rejoin_ms must be at most {MAX_REJOIN_MS}")
+    if len(req.abort) > MAX_REASON_CHARS:
+        raise ShardError.invalid(f"Lease: an abort reason is at most {MAX_REASON_CHARS} chars")
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")

@@ -1,0 +1,304 @@
+"""Trainer leases and abort notices (server/leases.py, client/leases.py): a rank that dies is
+noticed through the servers in about a lease's TTL, not at a call deadline.
+
+The table's rules are checked with a fake clock (no sleeping, no timing); the end-to-end tests
+kill a real rank process with SIGKILL and check that its peer's waiting call ends with the
+notice (ABORTED naming the rank) although its deadline is a minute away.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import grpc
+import numpy as np
+import pytest
+from conftest import unique_id, worker_env
+
+from client import ClusterSpec, ShardClient, ShardClientError
+from client.leases import LEASE_TTL_ENV, Notice, RunState
+from protos import shard_pb2 as pb
+from server.errors import ShardError
+from server.leases import LeaseTable
+from server.slots import SlotStore, run_epoch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lease(run="r", rank=0, world=2, epoch=0, ttl_ms=1000, **kw) -> pb.LeaseRequest:
+    return pb.LeaseRequest(run=run, rank=rank, world_size=world, epoch=epoch, ttl_ms=ttl_ms, **kw)
+
+
+def contribute(slots: SlotStore, key: str, contributor: int, expected: int = 2) -> None:
+    values = np.ones(4, dtype=np.float32)
+    header = pb.SlotHeader(
+        key=key,
+        op=pb.SUM,
+        expected=expected,
+        readers=expected,
+        contributor=contributor,
+        total_numel=4,
+        chunk_numel=4,
+        chunk=pb.Chunk(offset=0, numel=4, dtype=pb.FLOAT32),
+    )
+    slots.contribute(header, memoryview(values).cast("B"))
+
+
+@pytest.fixture
+def table():
+    clock = Clock()
+    slots = SlotStore()
+    return LeaseTable(slots, forget_s=60.0, clock=clock), slots, clock
+
+
+def test_run_epoch_parses_every_key_form():
+    assert run_epoch("r:all_reduce1", "r") == 0
+    assert run_epoch("r/tp0:all_gather3", "r") == 0
+    assert run_epoch("r.e2:barrier1", "r") == 2
+    assert run_epoch("r/pp.e3:send1", "r") == 3
+    assert run_epoch("r.e1/dp0:ar1", "r") == 1  # a group made after a restart
+    assert run_epoch("r2:all_reduce1", "r") is None  # another run
+    assert run_epoch("r.eval:x", "r") is None  # a run named "r.eval"
+    assert run_epoch("q:r", "r") is None
+
+
+def test_a_lapsed_lease_aborts_the_epoch_and_its_slots(table):
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    contribute(slots, "r:all_reduce1", 0)  # waits for rank 1
+    clock.now += 0.9
+    assert not leases.renew(lease(rank=0)).aborted  # rank 1 is within its TTL still
+    clock.now += 0.2  # rank 1 last renewed 1.1 s ago: lapsed
+    reply = leases.renew(lease(rank=0))
+    assert "rank 1 lost" in reply.aborted and reply.lost_rank == 1 and reply.aborted_epoch == 0
+    with pytest.raises(ShardError) as ended:  # the open slot ended with the notice
+        contribute(slots, "r:all_reduce1", 1)
+    assert ended.value.code == grpc.StatusCode.ABORTED and "rank 1 lost" in ended.value.message
+    with pytest.raises(ShardError) as refused:  # a slot of that epoch not open yet: refused
+        contribute(slots, "r/dp:all_reduce2", 0)
+    assert refused.value.code == grpc.StatusCode.ABORTED
+    contribute(slots, "r.e1:barrier1", 0)  # the next epoch (recovery) is untouched
+    assert not leases.renew(lease(rank=0, epoch=1)).aborted
+    contribute(slots, "other:all_reduce1", 0)  # and so is every other run
+
+
+def test_a_released_lease_aborts_nothing(table):
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    leases.renew(lease(rank=1, release=True))
+    clock.now += 5
+    assert not leases.renew(lease(rank=0)).aborted
+    contribute(slots, "r:all_reduce1", 0)
+
+
+def test_a_rank_that_may_restart_is_awaited_then_given_up(table):
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1, rejoin_ms=10_000))
+    clock.now += 2
+    reply = leases.renew(lease(rank=0))
+    assert not reply.aborted and list(reply.awaiting) == [1]
+    leases.renew(lease(rank=1, rejoin_ms=10_000))  # its restart renews the same rank
+    reply = leases.renew(lease(rank=0))
+    assert not reply.aborted and not reply.awaiting
+    clock.now += 1.5  # lapsed again; this time no restart comes within 10 s
+    leases.renew(lease(rank=0))
+    clock.now += 9.5
+    reply = leases.renew(lease(rank=0))
+    assert "then 10 s for a restart" in reply.aborted and reply.lost_rank == 1
+
+
+def test_an_abort_request_ends_the_epoch_for_every_rank(table):
+    leases, slots, _ = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    reply = leases.renew(lease(rank=1, abort="server 2 unreachable"))
+    assert "aborted by rank 1: server 2 unreachable" in reply.aborted and reply.lost_rank == -1
+    assert "aborted by rank 1" in leases.renew(lease(rank=0)).aborted
+    assert not leases.renew(lease(rank=0, epoch=1)).aborted
+
+
+def test_a_run_id_reused_after_its_ranks_are_gone_starts_afresh(table):
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    clock.now += 2
+    assert leases.renew(lease(rank=0)).aborted
+    leases.renew(lease(rank=0, release=True))
+    # a new run under the same id (another world size even): no notice, its slots open
+    assert not leases.renew(lease(rank=0, world=3)).aborted
+    contribute(slots, "r:all_reduce1", 0, expected=3)
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (lease(run=""), "run id"),
+        (lease(run="a:b"), "without ':'"),
+        (lease(run="x" * 300), "run id"),
+        (lease(rank=2, world=2), "rank 2 of world size 2"),
+        (lease(world=0), "world size 0"),
+        (lease(ttl_ms=5), "ttl_ms"),
+        (lease(rejoin_ms=10**9), "rejoin_ms"),
+        (lease(abort="x" * 2000), "abort reason"),
+    ],
+)
+def test_bad_leases_are_refused_and_change_nothing(table, request_, words):
+    leases, _, _ = table
+    with pytest.raises(ShardError) as refused:
+        leases.renew(request_)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.message
+    assert not leases._runs
+
+
+def test_two_live_runs_cannot_share_an_id(table):
+    leases, _, _ = table
+    leases.renew(lease(rank=0, world=2))
+    with pytest.raises(ShardError) as refused:
+        leases.renew(lease(rank=1, world=4))
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "two runs share the id" in refused.value.message
+
+
+def test_leases_are_bounded(table):
+    leases, _, _ = table
+    leases.max_runs, leases.max_leases = 2, 3
+    leases.renew(lease(run="a"))
+    leases.renew(lease(run="b"))
+    with pytest.raises(ShardError) as runs:
+        leases.renew(lease(run="c"))
+    assert runs.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    leases.renew(lease(run="a", rank=1))
+    with pytest.raises(ShardError) as held:
+        leases.renew(lease(run="b", rank=1))
+    assert (
+        held.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 leases" in held.value.message
+    )
+
+
+def test_a_notice_cancels_calls_in_flight_and_refuses_new_ones_until_the_next_epoch(servers):
+    (srv,) = servers(1)
+    client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=unique_id())
+    try:
+        # a read that waits for rank 1's contribution, in flight when the notice comes
+        import threading
+
+        failures: list[ShardClientError] = []
+
+        def wait() -> None:
+            try:
+                client.all_reduce(np.ones(3, dtype=np.float32))
+            except ShardClientError as exc:
+                failures.append(exc)
+
+        t = threading.Thread(target=wait)
+        t.start()
+        client.run_state.abort(Notice("run aborted: rank 1 lost", 0, 1))
+        t.join(30)
+        assert not t.is_alive() and failures and failures[0].code == grpc.StatusCode.ABORTED
+        assert "rank 1 lost" in failures[0].details
+        with pytest.raises(ShardClientError) as refused:  # refused before it is sent
+            client.barrier()
+        assert refused.value.code == grpc.StatusCode.ABORTED
+        client.restart_collectives(1)
+        assert client.run_state.current() is None
+    finally:
+        client.close()
+
+
+def test_notices_apply_to_their_epoch_only():
+    state = RunState()
+    state.advance(2)
+    state.abort(Notice("old", 1))
+    assert state.current() is None
+    state.abort(Notice("now", 2, 0))
+    assert state.current() == Notice("now", 2, 0) and not state.current().recoverable
+
+
+RANK_1 = textwrap.dedent(
+    """
+    import os, signal, sys
+    import numpy as np
+    from client import ClusterSpec, ShardClient
+    c = ShardClient(ClusterSpec([sys.argv[1]]), rank=1, world_size=2, run_id=sys.argv[2])
+    if sys.argv[3] == "first life":
+        c.all_reduce(np.ones(3, dtype=np.float32))
+        os.kill(os.getpid(), signal.SIGKILL)  # dies with its lease held
+    c.send(np.full(3, 7, dtype=np.float32), dst=0)  # restarted: what rank 0 waits for
+    c.close()
+    """
+)
+
+
+def rank_1(address: str, run: str, life: str, **env: str) -> subprocess.Popen:
+    env = {**worker_env(), LEASE_TTL_ENV: "0.5", **env}
+    return subprocess.Popen([sys.executable, "-c", RANK_1, address, run, life], env=env)
+
+
+def test_a_killed_rank_ends_its_peers_wait_with_the_notice(servers, monkeypatch):
+    """Rank 1 is SIGKILLed after one all-reduce; rank 0's second all-reduce, whose deadline
+    is 60 s away, ends with ABORTED naming rank 1 (without leases it would wait 60 s and end
+    with DEADLINE_EXCEEDED)."""
+    monkeypatch.setenv(LEASE_TTL_ENV, "0.5")
+    (srv,) = servers(1)
+    run = unique_id()
+    proc = rank_1(srv.address, run, "first life")
+    client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=run, timeout_s=60)
+    try:
+        np.testing.assert_array_equal(client.all_reduce(np.ones(3, dtype=np.float32)), 2)
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+        with pytest.raises(ShardClientError) as lost:
+            client.all_reduce(np.ones(3, dtype=np.float32))
+        assert lost.value.code == grpc.StatusCode.ABORTED, lost.value
+        assert "rank 1 lost" in lost.value.details
+        notice = client.run_state.refresh()  # the server's own ABORTED may come first
+        assert notice is not None and notice.lost_rank == 1 and not notice.recoverable
+    finally:
+        client.close()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+def test_the_others_wait_for_a_rank_that_may_be_restarted(servers, monkeypatch):
+    """Rank 1 may be restarted (PARAMSHARD_MAX_RESTARTS, as ``paramshard launch
+    --max-restarts`` sets it): SIGKILLed, its lease lapses, yet the servers wait for its
+    restart instead of aborting, and rank 0's receive gets what the restarted rank sends."""
+    monkeypatch.setenv(LEASE_TTL_ENV, "0.5")
+    (srv,) = servers(1)
+    run = unique_id()
+    restartable = {"PARAMSHARD_MAX_RESTARTS": "1", "PARAMSHARD_REJOIN_TIMEOUT_S": "60"}
+    first = rank_1(srv.address, run, "first life", **restartable)
+    client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=run, timeout_s=60)
+    second = None
+    try:
+        client.all_reduce(np.ones(3, dtype=np.float32))
+        assert first.wait(timeout=60) == -signal.SIGKILL
+        ask = pb.LeaseRequest(run=run, rank=0, world_size=2, ttl_ms=500)
+        for _ in range(300):  # bounded: until the server saw the lease lapse
+            reply = client.call(0, "Lease", ask)
+            if list(reply.awaiting) == [1]:
+                break
+            time.sleep(0.05)
+        assert list(reply.awaiting) == [1] and not reply.aborted, reply
+        second = rank_1(srv.address, run, "restarted", **restartable)
+        np.testing.assert_array_equal(client.recv(1), np.full(3, 7, dtype=np.float32))
+        assert second.wait(timeout=60) == 0
+        assert client.run_state.refresh() is None
+    finally:
+        client.close()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
