@@ -217,6 +217,15 @@ def positive_int(text: str) -> int:
         " this server sends them replicas over TLS (default: --tls-ca, else the system's roots)",
     ),
     arg(
+        "--peer-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --tls-ca (mutual TLS): a client certificate whose subject CN or a DNS"
+        " alternative name is NAME has the peer role (replicas) without a token; the servers"
+        " present their own --tls-cert to each other, so give them that name (repeatable)",
+    ),
+    arg(
         "--metrics-port",
         type=port_number,
         metavar="PORT",
@@ -281,6 +290,11 @@ def serve(args: argparse.Namespace) -> int:
             " --tls-key",
             EXIT_USAGE,
         )
+    if args.peer_identity and args.tls_ca is None:
+        raise CommandError(
+            "--peer-identity names client certificates: it needs mutual TLS (--tls-ca)",
+            EXIT_USAGE,
+        )
     tls = args.tls_cert is not None
     exposed = _check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
     tls_files = {
@@ -329,6 +343,7 @@ def serve(args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
             snapshot_dir=args.snapshot_dir,
+            peer_identities=args.peer_identity,
             **tls_files,
         )
     except backend.BackendError as exc:

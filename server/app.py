@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -68,6 +68,7 @@ class ShardServer:
         peer_tls_ca: bytes | str | None = None,
         peer_credentials: grpc.ChannelCredentials | None = None,
         replica_ttl_s: float = 300.0,
+        peer_identities: Sequence[str] = (),
     ) -> None:
         """``tls_cert``/``tls_key`` (PEM) serve TLS; ``tls_ca`` (PEM) also requires client
         certificates it signed (mutual TLS). ``credentials`` may stand in for all three.
@@ -87,7 +88,10 @@ class ShardServer:
         default ``tls_ca``, else the system's roots), and with mutual TLS (``tls_ca``) this
         server presents its own ``tls_cert``, which then needs the clientAuth usage too.
         ``peer_credentials`` replaces all of that. An incomplete replica is dropped after
-        ``replica_ttl_s`` seconds without a chunk.
+        ``replica_ttl_s`` seconds without a chunk. ``peer_identities`` (mutual TLS only): a
+        client certificate whose common name or a DNS alternative name is one of them has the
+        ``peer`` role without a token (the servers' own certificates), so no peer token is
+        needed.
 
         Bounds (DESIGN section 6): ``max_memory`` (bytes, or a size such as ``"8GiB"`` or
         ``"50%"``; None: 90% of the host's memory, or of the device's on a GPU; 0: no limit)
@@ -105,6 +109,11 @@ class ShardServer:
         if credentials is None:
             credentials = auth.server_credentials(tls_cert, tls_key, tls_ca)
         checked_tokens = auth.check_tokens(tokens or {})
+        if peer_identities and tls_ca is None:
+            raise ValueError(
+                "peer identities are read from client certificates: they need mutual TLS"
+                " (tls_ca, which makes the server require client certificates)"
+            )
         self.exposed = auth.check_binding(
             host, tls=credentials is not None, tokens=bool(checked_tokens), insecure=insecure
         )
@@ -136,7 +145,7 @@ class ShardServer:
         self.servicer.replicator.set_ttl(replica_ttl_s)
         self.servicer.replicator.set_transport(
             peer_token=auth.peer_token(checked_tokens),
-            tokens_required=bool(checked_tokens),
+            tokens_required=bool(checked_tokens) and not peer_identities,
             credentials=peer_credentials,
         )
         # First is outermost: metrics also see the calls that authentication rejects.
@@ -148,8 +157,8 @@ class ShardServer:
             self.metrics = ServerMetrics(self.servicer)
             chain.append(self.metrics.interceptor)
         role_of = None
-        if checked_tokens:
-            token_auth = auth.TokenAuthInterceptor(checked_tokens)
+        if checked_tokens or peer_identities:
+            token_auth = auth.TokenAuthInterceptor(checked_tokens, peer_identities)
             chain.append(token_auth)
             role_of = token_auth.caller_role
         chain.extend(interceptors or [])

@@ -21,6 +21,13 @@ work without a token; every other service needs ``admin``.
 A call without a token, or with an unknown one, fails with UNAUTHENTICATED; a known token without
 the role fails with PERMISSION_DENIED. Both happen before the request is even parsed, so a
 rejected call never changes the server.
+
+Under mutual TLS, ``peer`` may also come from the caller's verified client certificate: a server
+given ``peer_identities`` (``paramshard serve --peer-identity NAME``) grants ``peer``, and only
+``peer``, to a caller whose certificate's subject common name or a DNS subject alternative name
+is one of them, with no token. Servers present their own certificate to each other, so a
+cluster whose servers share a CA and an identity needs no peer token. A token's role applies as
+before; an identity never adds to it.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ __all__ = [
     "peer_channel_credentials",
     "is_loopback",
     "check_binding",
+    "certificate_names",
 ]
 
 LADDER = ("read", "train", "admin")
@@ -285,13 +293,42 @@ def _reject(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
     return make(abort, request_deserializer=ignore)
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer token of every call against ``tokens`` ({token: role})."""
+def certificate_names(context: grpc.ServicerContext) -> set[str]:
+    """The subject common name and DNS alternative names of the caller's verified client
+    certificate (empty without mutual TLS)."""
+    found = context.auth_context() or {}
+    names = [*found.get("x509_common_name", ()), *found.get("x509_subject_alternative_name", ())]
+    return {n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in names}
 
-    def __init__(self, tokens: Mapping[str, str]) -> None:
+
+def _identity_checked(
+    handler: grpc.RpcMethodHandler, identities: frozenset[str], refusal: tuple[Any, str]
+) -> grpc.RpcMethodHandler:
+    """``handler`` behind a check of the caller's certificate (only a handler sees it, not an
+    interceptor): a certificate naming one of ``identities`` runs it, any other caller gets
+    ``refusal`` (code, message). The request is parsed only after the check passed."""
+    parse, behave = handler.request_deserializer, handler.unary_unary
+    code, message = refusal
+
+    def checked(raw: bytes, context: grpc.ServicerContext) -> Any:
+        if not certificate_names(context) & identities:
+            context.abort(code, message)
+        return behave(parse(raw) if parse else raw, context)
+
+    return grpc.unary_unary_rpc_method_handler(
+        checked, request_deserializer=None, response_serializer=handler.response_serializer
+    )
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Checks the bearer token of every call against ``tokens`` ({token: role}); with
+    ``peer_identities``, a client certificate naming one of them has role ``peer``."""
+
+    def __init__(self, tokens: Mapping[str, str], peer_identities: Any = ()) -> None:
         checked = check_tokens(tokens)
-        if not checked:
-            raise ValueError("TokenAuthInterceptor needs at least one token")
+        self.identities = frozenset(peer_identities)
+        if not checked and not self.identities:
+            raise ValueError("TokenAuthInterceptor needs at least one token or peer identity")
         self._tokens = [(t.encode(), role) for t, role in checked.items()]
 
     def role_of(self, token: str) -> str | None:
@@ -321,24 +358,41 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return None  # UNIMPLEMENTED: the method list is public anyway (reflection)
         name = method.rsplit("/", 1)[-1]
         token = _bearer(handler_call_details.invocation_metadata)
+        refusal = self._refusal(name, need, token)
+        if refusal is None:
+            return handler
+        if need == PEER and self.identities and not handler.request_streaming:
+            code, message = refusal
+            return _identity_checked(
+                handler,
+                self.identities,
+                (
+                    code,
+                    f"{message}, or a client certificate naming"
+                    f" one of the servers' peer identities",
+                ),
+            )
+        if not self._tokens and need != PEER:
+            return handler  # identities only: the other methods stay as open as without tokens
+        return _reject(handler, *refusal)
+
+    def _refusal(self, name: str, need: str, token: str | None) -> tuple[Any, str] | None:
+        """Why the token does not let the call through (code, message), or None if it does."""
         if not token:
             how = "is missing" if token is None else "is not 'Bearer TOKEN'"
-            return _reject(
-                handler,
+            return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{name}: this server requires {_needs(need)}; the 'authorization' metadata {how}",
             )
         have = self.role_of(token)
         if have is None:
-            return _reject(
-                handler,
+            return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{name}: unknown bearer token; this call needs {_needs(need)}",
             )
         if not role_allows(have, need):
-            return _reject(
-                handler,
+            return (
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{name} needs role '{need}'; this token has role '{have}'",
             )
-        return handler
+        return None

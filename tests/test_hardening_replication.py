@@ -6,8 +6,6 @@ Real servers on 127.0.0.1:0 with tokens (read < train < admin, and peer: the ser
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
@@ -19,6 +17,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from pki import make_pki
 
 from client import ClusterSpec, ShardClient, StepArgs, tools
 from client.rpc import ShardClientError
@@ -299,52 +298,8 @@ def test_send_queue_is_bounded(pair) -> None:
 def _pki() -> dict[str, bytes]:
     """A CA and one certificate for 127.0.0.1 that serves and is a client (servers call each
     other with it under mutual TLS)."""
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-
-    def build(subject: str, public: object) -> x509.CertificateBuilder:
-        return (
-            x509.CertificateBuilder()
-            .subject_name(name(subject))
-            .issuer_name(name("replica test CA"))
-            .public_key(public)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-        )
-
-    ca = (
-        build("replica test CA", ca_key.public_key())
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-    cert = (
-        build("shard server", key.public_key())
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    return {
-        "ca": ca.public_bytes(pem),
-        "cert": cert.public_bytes(pem),
-        "key": key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    }
+    pki = make_pki({"cert": ("shard server", [])})
+    return {"ca": pki["ca"], "cert": pki["cert"], "key": pki["cert_key"]}
 
 
 @pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])

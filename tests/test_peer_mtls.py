@@ -1,0 +1,130 @@
+"""The peer role from a mutual-TLS identity (server/auth.py): a server given ``peer_identities``
+lets a client certificate naming one of them store replicas without a token, and nothing else;
+two such servers replicate to each other with no peer token at all.
+
+Real servers with mutual TLS and tokens (read < train < admin, no peer line) on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from pki import make_pki
+from test_hardening_replication import client_for, register, step
+
+from client import tools
+from protos import shard_pb2 as pb
+from server import MALLOC_ENV, ShardServer
+from server.servicer import SERVICE_NAME
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKENS = {"reader-secret": "read", "trainer-secret": "train", "admin-secret": "admin"}
+PEER = "shard-peer"
+
+
+@pytest.fixture(scope="module")
+def pki() -> dict[str, bytes]:
+    return make_pki({"server": ("shard server", [PEER]), "trainer": ("trainer", ["trainer"])})
+
+
+@pytest.fixture
+def nodes(servers, pki) -> list[ShardServer]:
+    return servers(
+        2,
+        tokens=TOKENS,
+        tls_cert=pki["server"],
+        tls_key=pki["server_key"],
+        tls_ca=pki["ca"],
+        peer_identities=[PEER],
+    )
+
+
+def call(address: str, pki, cert: str, method: str, request, token: str | None = None):
+    """One raw call over mutual TLS presenting certificate ``cert``."""
+    creds = grpc.ssl_channel_credentials(pki["ca"], pki[f"{cert}_key"], pki[cert])
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    reply_type = {"StoreReplica": pb.ReplicaAck, "Status": pb.StatusReply}[method]
+    with grpc.secure_channel(address, creds) as chan:
+        stub = chan.unary_unary(
+            f"/{SERVICE_NAME}/{method}",
+            request_serializer=type(request).SerializeToString,
+            response_deserializer=reply_type.FromString,
+        )
+        return stub(request, timeout=10, metadata=metadata)
+
+
+def code_of(fn, *args, **kw) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn(*args, **kw)
+    return info.value.code(), info.value.details()
+
+
+CHUNK = pb.ReplicaChunk(job="nope", source_index=1, version=0, offset=0, total=8, data=b"x")
+
+
+def test_a_peer_identity_may_store_replicas_and_nothing_else(nodes, pki) -> None:
+    address = nodes[0].address
+    # past authentication: the server judges the replica itself (no such job here)
+    code, details = code_of(call, address, pki, "server", "StoreReplica", CHUNK)
+    assert code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+    assert code != grpc.StatusCode.INTERNAL and "nope" in details
+    # the identity grants peer only: Status needs a token
+    code, _ = code_of(call, address, pki, "server", "Status", pb.StatusRequest())
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("token", [None, "trainer-secret", "admin-secret"])
+def test_other_certificates_cannot_store_replicas(nodes, pki, token) -> None:
+    code, details = code_of(call, nodes[0].address, pki, "trainer", "StoreReplica", CHUNK, token)
+    want = grpc.StatusCode.UNAUTHENTICATED if token is None else grpc.StatusCode.PERMISSION_DENIED
+    assert code == want and "peer identities" in details, details
+    # the trainer's certificate with its token trains as before
+    assert call(nodes[0].address, pki, "trainer", "Status", pb.StatusRequest(), "reader-secret")
+
+
+def test_servers_with_an_identity_replicate_without_a_peer_token(nodes, pki) -> None:
+    spec = {"tls_ca": pki["ca"], "tls_cert": pki["trainer"], "tls_key": pki["trainer_key"]}
+    c = client_for([s.address for s in nodes], **spec)
+    try:
+        register(c, "j")
+        tools.configure_replication(c, "j", 1)
+        step(c, "j", 0)
+        held: list = [[], []]
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(len(h) < 2 for h in held):
+            held = [[r for r in s.servicer.replicator.list("j") if not r.own] for s in nodes]
+            time.sleep(0.05)
+        assert [sorted(r.version for r in h) for h in held] == [[0, 1], [0, 1]]
+        assert tools.recover_from_replicas(c, "j") == 1
+    finally:
+        c.close()
+
+
+def test_peer_identities_need_mutual_tls(pki) -> None:
+    with pytest.raises(ValueError, match="mutual TLS"):
+        ShardServer(
+            "127.0.0.1",
+            0,
+            tls_cert=pki["server"],
+            tls_key=pki["server_key"],
+            peer_identities=[PEER],
+        )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--peer-identity", PEER],
+        cwd=root,
+        env={**os.environ, **MALLOC_ENV, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        check=False,
+    )
+    assert result.returncode == 2 and "--tls-ca" in result.stderr, result.stderr
