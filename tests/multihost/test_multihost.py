@@ -336,3 +336,56 @@ def test_pipeline_stages_on_two_hosts_equal_single_process(
     finish(procs)
     report("2-stage pipeline run (launch to exit)", time.monotonic() - began)
     assert_same_model(load_file(str(out)), shared.reference, "pipeline vs single-process")
+
+
+LONG_CUT_S = 6.0  # past a lease's TTL and the clients' retries: the ranks recover
+
+
+def test_flaps_and_kills_mid_training_recover(
+    netlab: NetLab, shared: Shared, servers: Servers, uninterrupted
+) -> None:
+    """The chaos loop across hosts: s0's cable cut for longer than the clients' retries, then
+    s1's server SIGKILLed and restarted, then a short flap of s1's cable, while the ranks train
+    with ``train_with_recovery``; they end equal to the uninterrupted run."""
+    markers = shared.dir / "chaos-markers"
+    markers.mkdir()
+    procs, out = start_trainers(
+        netlab,
+        shared,
+        servers,
+        "chaos",
+        "--recovery",
+        "--checkpoint-every",
+        str(EVERY),
+        "--retries",
+        "2",
+        "--timeout",
+        "10",
+        "--marker-dir",
+        str(markers),
+    )
+    began = time.monotonic()
+    wait_marker(markers / "rank0-step2", procs)
+    netlab.set_link("s0", up=False)
+    try:
+        time.sleep(LONG_CUT_S)
+    finally:
+        netlab.set_link("s0", up=True)
+    wait_marker(markers / "rank0-step6", procs)
+    servers.kill("s1")
+    servers.start("s1")
+    wait_marker(markers / "rank0-step8", procs)
+    netlab.set_link("s1", up=False)
+    try:
+        time.sleep(1.0)
+    finally:
+        netlab.set_link("s1", up=True)
+    results = finish(procs)
+    report("cut s0 6 s, kill s1, flap s1 1 s: start to end", time.monotonic() - began)
+    for r in results:
+        assert r["recoveries"] >= 1, r
+        print(
+            f"[multihost] chaos: rank {r['rank']} recovered {r['recoveries']} times",
+            file=sys.stderr,
+        )
+    assert_same_model(load_file(str(out)), uninterrupted, "chaos vs uninterrupted")
