@@ -311,7 +311,12 @@ def test_replicas_travel_over_tls(servers, mutual: bool) -> None:
     spec = {"tls_ca": pki["ca"]}
     if mutual:
         spec |= {"tls_cert": pki["cert"], "tls_key": pki["key"]}
-    c = client_for([s.address for s in nodes], **spec)
+    replicate_and_recover(nodes, client_for([s.address for s in nodes], **spec))
+
+
+def replicate_and_recover(nodes: list[ShardServer], c: ShardClient) -> None:
+    """Job 'j' replicated every step between the two ``nodes``: each holds its neighbour's
+    versions 0 and 1 (bounded wait), and recovery reads them back. Closes ``c``."""
     try:
         register(c, "j")
         tools.configure_replication(c, "j", 1)
@@ -322,7 +327,6 @@ def test_replicas_travel_over_tls(servers, mutual: bool) -> None:
             held = [[r for r in s.servicer.replicator.list("j") if not r.own] for s in nodes]
             time.sleep(0.05)
         assert [sorted(r.version for r in h) for h in held] == [[0, 1], [0, 1]]
-        # and recovery reads them back
         assert tools.recover_from_replicas(c, "j") == 1
     finally:
         c.close()

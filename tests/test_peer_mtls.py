@@ -10,15 +10,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 from pki import make_pki
-from test_hardening_replication import client_for, register, step
+from test_hardening_replication import client_for, replicate_and_recover
 
-from client import tools
 from protos import shard_pb2 as pb
 from server import MALLOC_ENV, ShardServer
 from server.servicer import SERVICE_NAME
@@ -91,20 +89,7 @@ def test_other_certificates_cannot_store_replicas(nodes, pki, token) -> None:
 
 def test_servers_with_an_identity_replicate_without_a_peer_token(nodes, pki) -> None:
     spec = {"tls_ca": pki["ca"], "tls_cert": pki["trainer"], "tls_key": pki["trainer_key"]}
-    c = client_for([s.address for s in nodes], **spec)
-    try:
-        register(c, "j")
-        tools.configure_replication(c, "j", 1)
-        step(c, "j", 0)
-        held: list = [[], []]
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(len(h) < 2 for h in held):
-            held = [[r for r in s.servicer.replicator.list("j") if not r.own] for s in nodes]
-            time.sleep(0.05)
-        assert [sorted(r.version for r in h) for h in held] == [[0, 1], [0, 1]]
-        assert tools.recover_from_replicas(c, "j") == 1
-    finally:
-        c.close()
+    replicate_and_recover(nodes, client_for([s.address for s in nodes], **spec))
 
 
 def test_peer_identities_need_mutual_tls(pki) -> None:
