@@ -20,6 +20,7 @@ from client.jobs import live_params
 from client.shard_client import ShardClient
 from client.tensor_parts import WholeParam
 from protos import codec
+from protos.atomic import atomic_write
 
 __all__ = ["export", "export_dtype", "whole_items", "write_safetensors"]
 
@@ -51,30 +52,19 @@ def write_safetensors(
         offset += size
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            for name, dtype, shape, produce in items:
-                values = produce()
-                if values.size != math.prod(shape):  # the header promised that many
-                    raise RuntimeError(
-                        f"'{name}': got {values.size} values for shape {list(shape)}"
-                    )
-                if dtype == "bfloat16":
-                    raw = codec.f32_to_bf16_bits(values)
-                else:
-                    raw = values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)))
-                f.write(raw.tobytes())
-                del values, raw
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):  # no half-written file left behind
-            os.unlink(tmp)
-        raise
+    with atomic_write(path) as f:
+        f.write(struct.pack("<Q", len(head)))
+        f.write(head)
+        for name, dtype, shape, produce in items:
+            values = produce()
+            if values.size != math.prod(shape):  # the header promised that many
+                raise RuntimeError(f"'{name}': got {values.size} values for shape {list(shape)}")
+            if dtype == "bfloat16":
+                raw = codec.f32_to_bf16_bits(values)
+            else:
+                raw = values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)))
+            f.write(raw.tobytes())
+            del values, raw
 
 
 def export_dtype(dtype: str) -> str:

@@ -33,6 +33,7 @@ from client.export import whole_items, write_safetensors
 from client.jobs import live_model_config, live_params
 from client.shard_client import ShardClient
 from client.tensor_parts import WholeParam
+from protos.atomic import atomic_write
 
 __all__ = ["export_hf", "write_hf"]
 
@@ -47,16 +48,8 @@ def _state_dict_name(name: str) -> str:
 
 def _write_json(path: Path, value: Any) -> None:
     """``value`` as JSON at ``path``, whole or not at all (temporary file, fsync, rename)."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def write_hf(

@@ -33,6 +33,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from protos import codec, slicing
+from protos.atomic import fsync_dir
 from protos.manifest import shard_name
 from server.errors import ShardError
 from server.manifest_schema import ManifestError, check_manifest
@@ -62,14 +63,6 @@ def _checked(name: str, what: str) -> str:
     return name
 
 
-def _fsync_dir(folder: Path) -> None:
-    dirfd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dirfd)
-    finally:
-        os.close(dirfd)
-
-
 def _exclusive_write(path: Path, data: bytes) -> None:
     """Creates ``path`` with ``data`` whole or not at all, never replacing a file already
     there (FileExistsError): written to a temporary name, fsynced, then hard-linked to its
@@ -91,7 +84,7 @@ def _exclusive_write(path: Path, data: bytes) -> None:
                 os.fsync(f.fileno())
     finally:
         os.unlink(tmp)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class Reservation:

@@ -28,6 +28,7 @@ from torch import nn
 
 from client import restarts
 from protos import slicing
+from protos.atomic import atomic_write
 from protos.manifest import MODEL_CONFIG_MAX_BYTES
 from strategies.config import ShardingConfiguration
 from strategies.layout import copy_flat_into, master_torch_dtype, to_master
@@ -400,12 +401,8 @@ class ShardedModelBase(nn.Module):
     def save_model(self, path: str | os.PathLike) -> None:
         """Writes ``serialize()`` to ``path`` atomically (temporary file, fsync, rename)."""
         data = self.serialize()
-        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
+        with atomic_write(path) as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
 
     def load_model(self, path: str | os.PathLike) -> None:
         if not os.path.exists(path):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from protos.atomic import atomic_write
 from strategies.base import ShardedModelBase, owner_of
 from strategies.config import ShardingConfiguration
 
@@ -206,12 +207,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._validation_losses = list(saved.get("validation_losses", []))
 
     def save_model(self, path: str | os.PathLike) -> None:
-        tmp = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(self.serialize())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        data = self.serialize()
+        with atomic_write(path) as f:
+            f.write(data)
 
     def load_model(self, path: str | os.PathLike) -> None:
         if not os.path.exists(path):

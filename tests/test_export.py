@@ -204,10 +204,10 @@ def test_write_safetensors_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    import client.export  # where write_safetensors opens its file
+    import protos.atomic  # where write_safetensors's file is opened (atomic_write)
 
     monkeypatch.setattr(
-        client.export, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False
+        protos.atomic, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False
     )
 
     def producer(i: int) -> Any:
