@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from client.run_id import run_id_from_env
-from paramshard.cli import (
+from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
     arg,
@@ -252,7 +252,7 @@ def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) ->
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from paramshard.cli import _cluster_spec
+    from paramshard.commands import _cluster_spec
 
     spec = _cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
     if token:

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import IO
 
-from paramshard.cli import EXIT_USAGE, CommandError
+from paramshard.commands import EXIT_USAGE, CommandError
 from protos.config_file import CONFIG_ENV, read_config_file
 
 __all__ = ["RankLogs", "append_line", "config_env"]

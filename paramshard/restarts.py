@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from client import restarts as contract
-from paramshard.cli import EXIT_FAILURE
+from paramshard.commands import EXIT_FAILURE
 from paramshard.launch import Child, exit_code, say, stop
 
 __all__ = ["RankRestarts", "supervise"]

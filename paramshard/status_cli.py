@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from paramshard.cli import (
+from paramshard.commands import (
     EXIT_FAILURE,
     _bytes,
     _cluster_spec,

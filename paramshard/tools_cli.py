@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paramshard.cli import EXIT_USAGE, CommandError, _cluster_spec, _table, arg, command
+from paramshard.commands import EXIT_USAGE, CommandError, _cluster_spec, _table, arg, command
 
 SERVERS = arg("--servers", metavar="HOST:PORT,...", help="servers (default: $PARAMSHARD_SERVERS)")
 JSON = arg("--json", action="store_true", help="print JSON instead of a table")

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from client import ClusterSpec, ShardClient
-from paramshard import cli
+from paramshard import cli, commands, serve_cli
 from server import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,7 +262,7 @@ def test_status_table_sums_buffers(servers, capsys: pytest.CaptureFixture) -> No
         assert cells[:6] == [reply["address"], "ok", "cpu", "2", "2", "7"]
         param_bytes = sum(int(b["param_bytes"]) for j in reply["jobs"] for b in j["buffers"])
         assert param_bytes >= 505 * 4  # each server holds about half of 1000 + 10 float32
-        assert cells[6] == cli._bytes(param_bytes)
+        assert cells[6] == commands._bytes(param_bytes)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +281,7 @@ def test_status_table_sums_buffers(servers, capsys: pytest.CaptureFixture) -> No
     ],
 )
 def test_loopback_rule(host: str, loopback: bool) -> None:
-    assert cli._is_loopback(host) is loopback
+    assert serve_cli._is_loopback(host) is loopback
 
 
 def test_console_script_entry_point() -> None:

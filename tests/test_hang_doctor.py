@@ -26,7 +26,7 @@ import pytest
 
 from client import ClusterSpec, ShardClient, ShardClientError
 from client.rpc import Call, RpcCore
-from paramshard import cli
+from paramshard import cli, commands
 from protos import shard_pb2 as pb
 from server.limits import buffer_bytes
 from server.optimizers import OPTIMIZERS
@@ -208,7 +208,7 @@ def test_status_reports_the_memory_account(servers, capsys: pytest.CaptureFixtur
     assert cli.main(["status", "--servers", server.address]) == 0
     header, line = capsys.readouterr().out.splitlines()
     cells = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", line), strict=True))
-    assert cells["MEMORY"] == f"{cli._bytes(reserved)} / 64.0 MiB"
+    assert cells["MEMORY"] == f"{commands._bytes(reserved)} / 64.0 MiB"
 
 
 # --- retry when busy, not when out of memory ---------------------------------------------------

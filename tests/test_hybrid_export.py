@@ -355,7 +355,7 @@ def test_restore_into_fresh_servers(trained, tmp_path, count):
 def serve_restore(nodes: list[ShardServer], root: Path, tag: str) -> None:
     """What ``paramshard serve --snapshot-dir root --restore tag --index i`` does at start,
     on each of ``nodes`` (i its place in the list)."""
-    from paramshard.cli import _restore_at_start
+    from paramshard.serve_cli import _restore_at_start
 
     for i, node in enumerate(nodes):
         args = argparse.Namespace(snapshot_dir=str(root), restore=tag, index=i, num_servers=None)

@@ -1,0 +1,483 @@
+"""``paramshard serve``: one shard server until SIGINT or SIGTERM; ``paramshard health``: is it
+serving (for Docker's HEALTHCHECK)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from paramshard.commands import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    CommandError,
+    _cluster_spec,
+    _warn,
+    arg,
+    command,
+    non_negative,
+    port_number,
+    positive,
+    positive_int,
+)
+
+# Set in the re-executed ``serve`` process so it never re-executes itself again.
+_REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
+
+
+# ------------------------------------------------------------------------------------- serve
+@command(
+    arg(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: %(default)s; any non-loopback address needs TLS,"
+        " a --token-file, or --insecure)",
+    ),
+    arg(
+        "--port",
+        type=port_number,
+        default=50051,
+        help="port (default: %(default)s; 0 picks a free one, printed when serving)",
+    ),
+    arg("--device", default="cpu", help="where slices live: cpu or cuda:N (default: %(default)s)"),
+    arg(
+        "--max-receive-mb",
+        type=positive,
+        default=256.0,
+        help="largest request accepted, MiB (default: %(default)g)",
+    ),
+    arg(
+        "--max-job-gb",
+        type=non_negative,
+        default=0.0,
+        help="memory one job may hold on this server, GiB (default: 0 = unlimited)",
+    ),
+    arg(
+        "--max-memory",
+        metavar="SIZE",
+        help="memory this server may hold for its callers: buffers, staged gradients, slots,"
+        " mailboxes, replicas; bytes with an optional unit (8GiB, 512MiB, 2GB) or a percentage"
+        " (default: 90%% of this host's memory, or of the device's on a GPU; 0 = unlimited)",
+    ),
+    arg(
+        "--pending-ttl",
+        type=positive,
+        default=600.0,
+        metavar="SECONDS",
+        help="reduction slots and mailboxes with no contribution or read for this long are"
+        " dropped, their waiting readers fail with ABORTED (default: %(default)g)",
+    ),
+    arg(
+        "--max-wait-s",
+        type=positive,
+        default=120.0,
+        metavar="SECONDS",
+        help="longest any call waits (a pull for a future version, a slot read, a step"
+        " waiting for gradients) before DEADLINE_EXCEEDED (default: %(default)g)",
+    ),
+    arg(
+        "--workers",
+        type=positive_int,
+        default=128,
+        help="handler threads; every waiting call holds one (default: %(default)s)",
+    ),
+    arg(
+        "--reserved-workers",
+        type=positive_int,
+        help="handler threads waiting calls never take: pushes, steps and Status always find"
+        " one; a waiting call beyond gets RESOURCE_EXHAUSTED (default: a quarter of --workers,"
+        " at most 16)",
+    ),
+    arg(
+        "--max-waiting-read",
+        type=positive_int,
+        default=16,
+        help="waiting calls (pulls, slot reads) of read tokens at once; one more gets"
+        " RESOURCE_EXHAUSTED (default: %(default)s)",
+    ),
+    arg(
+        "--max-streams",
+        type=int,
+        default=4,
+        help="open reflection / health Watch streams at once, on threads of their own; one"
+        " more gets RESOURCE_EXHAUSTED (default: %(default)s)",
+    ),
+    arg(
+        "--grace",
+        type=non_negative,
+        default=5.0,
+        help="seconds running calls get to finish on SIGINT/SIGTERM (default: %(default)g)",
+    ),
+    arg("--tls-cert", metavar="FILE", help="PEM certificate (chain) of this server: serve TLS"),
+    arg("--tls-key", metavar="FILE", help="PEM private key of --tls-cert"),
+    arg(
+        "--tls-ca",
+        metavar="FILE",
+        help="PEM CA certificate(s): require client certificates signed by it (mutual TLS)",
+    ),
+    arg(
+        "--token-file",
+        metavar="FILE",
+        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin, and peer:"
+        " the servers' own token for replicas, the same line in every server's file); every"
+        " call then needs 'authorization: Bearer TOKEN' (clients: PARAMSHARD_TOKEN)",
+    ),
+    arg(
+        "--peer-ca",
+        metavar="FILE",
+        help="PEM CA certificate(s) the other servers' certificates are checked against when"
+        " this server sends them replicas over TLS (default: --tls-ca, else the system's roots)",
+    ),
+    arg(
+        "--peer-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --tls-ca (mutual TLS): a client certificate whose subject CN or a DNS"
+        " alternative name is NAME has the peer role (replicas) without a token; the servers"
+        " present their own --tls-cert to each other, so give them that name (repeatable)",
+    ),
+    arg(
+        "--metrics-port",
+        type=port_number,
+        metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+    ),
+    arg(
+        "--metrics-host",
+        metavar="HOST",
+        help="address of the metrics endpoint (default: --host)",
+    ),
+    arg("--snapshot-dir", metavar="DIR", help="where snapshots are written and read"),
+    arg(
+        "--restore",
+        metavar="TAG",
+        help="at start, load this server's part of snapshot TAG ('latest': the newest complete"
+        " one) of every job in --snapshot-dir",
+    ),
+    arg("--index", type=int, help="this server's index in the cluster (with --restore)"),
+    arg(
+        "--num-servers",
+        type=int,
+        help="servers in the cluster (with --restore; default: as in the snapshot)",
+    ),
+    arg(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --host without TLS or a token: anyone who reaches the port"
+        " can read or overwrite the model",
+    ),
+)
+def serve(args: argparse.Namespace) -> int:
+    """Run one shard server until SIGINT or SIGTERM.
+
+    Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls
+    (then 'paramshard serve: metrics at URL' with --metrics-port).
+    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
+    one ends the process at once. The MALLOC_* settings of DESIGN section 7 are applied by
+    re-executing the interpreter when they are missing from the environment.
+
+    Security (DESIGN section 6): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
+    --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
+    train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
+    (replicas from the other servers; this server sends its own with it, over TLS when it
+    serves TLS). Health checks and reflection stay open (at most --max-streams streams at once).
+    Without TLS or tokens only loopback addresses are allowed, unless --insecure.
+
+    Bounds (DESIGN section 6): --max-memory for everything kept for callers, --pending-ttl for
+    abandoned slots and mailboxes, --max-wait-s for any wait; waiting calls never take the
+    last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
+    """
+    _reexec_with_malloc_env(args.argv)
+    host = args.host.strip("[]")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise CommandError("--tls-cert and --tls-key go together", EXIT_USAGE)
+    if args.tls_ca is not None and args.tls_cert is None:
+        raise CommandError(
+            "--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key", EXIT_USAGE
+        )
+    if args.peer_ca is not None and args.tls_cert is None:
+        raise CommandError(
+            "--peer-ca checks the other servers' TLS certificates: it needs --tls-cert and"
+            " --tls-key",
+            EXIT_USAGE,
+        )
+    if args.peer_identity and args.tls_ca is None:
+        raise CommandError(
+            "--peer-identity names client certificates: it needs mutual TLS (--tls-ca)",
+            EXIT_USAGE,
+        )
+    tls = args.tls_cert is not None
+    exposed = _check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
+    tls_files = {
+        name: _read_file(path, flag)
+        for name, path, flag in (
+            ("tls_cert", args.tls_cert, "--tls-cert"),
+            ("tls_key", args.tls_key, "--tls-key"),
+            ("tls_ca", args.tls_ca, "--tls-ca"),
+            ("peer_tls_ca", args.peer_ca, "--peer-ca"),
+        )
+        if path is not None
+    }
+
+    from server import ShardServer, backend
+    from server.auth import load_token_file, token_file_is_private
+
+    tokens = None
+    if args.token_file is not None:
+        try:
+            tokens = load_token_file(args.token_file)
+        except (OSError, ValueError) as exc:
+            raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
+        if not token_file_is_private(args.token_file):
+            _warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    listen = _join_host_port(host or "0.0.0.0", args.port)
+    try:
+        server = ShardServer(
+            host,
+            args.port,
+            device=args.device,
+            max_workers=args.workers,
+            reserved_workers=args.reserved_workers,
+            max_waiting_read=args.max_waiting_read,
+            max_streams=args.max_streams,
+            max_wait_s=args.max_wait_s,
+            max_receive_bytes=int(args.max_receive_mb * 2**20),
+            max_job_bytes=int(args.max_job_gb * 2**30),
+            max_memory=args.max_memory,
+            pending_ttl_s=args.pending_ttl,
+            tokens=tokens,
+            insecure=args.insecure,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            snapshot_dir=args.snapshot_dir,
+            peer_identities=args.peer_identity,
+            **tls_files,
+        )
+    except backend.BackendError as exc:
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except ImportError as exc:  # --metrics-port without prometheus_client
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except ValueError as exc:  # PEM that is not PEM, and the like
+        raise CommandError(str(exc), EXIT_USAGE) from None
+    except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
+        raise CommandError(f"cannot listen on {listen}: {exc}") from None
+
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        received.append(signum)
+        stop.set()
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        try:
+            server.start()
+        except OSError as exc:  # the metrics port is taken
+            raise CommandError(str(exc)) from None
+        address = _join_host_port(host or "0.0.0.0", server.port)
+        if exposed:
+            _warn(
+                f"listening on {address} with no TLS and no token (--insecure): anyone who"
+                " can reach this port can read or overwrite the model"
+            )
+        elif tokens and not tls and not _is_loopback(host):
+            _warn(
+                f"listening on {address} with tokens but no TLS: tokens and the model travel"
+                " in clear text (add --tls-cert/--tls-key)"
+            )
+        if args.restore:
+            _restore_at_start(server, args)
+        print(
+            f"paramshard serve: listening on {address} (device {backend.device},"
+            f" pid {os.getpid()})",
+            flush=True,
+        )
+        if server.metrics_port is not None:
+            metrics_host = host if args.metrics_host is None else args.metrics_host.strip("[]")
+            where = _join_host_port(metrics_host or "0.0.0.0", server.metrics_port)
+            print(f"paramshard serve: metrics at http://{where}/metrics", flush=True)
+        while not stop.wait(1.0):
+            pass
+        why = signal.Signals(received[0]).name
+        print(f"paramshard serve: {why}: stopping (grace {args.grace:g} s)", flush=True)
+        server.stop(args.grace)
+        print("paramshard serve: stopped", flush=True)
+    except BaseException:
+        server.stop(0)
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+def _read_file(path: str, flag: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+
+
+def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
+    """``serve --restore TAG``: this server's part of TAG for every job with a snapshot.
+
+    A snapshot records which servers of the cluster held the job: in a cluster of that size,
+    this server takes back its own slice and skips jobs it did not hold (a 3D job's parts live
+    on their data-parallel groups' servers). With another ``--num-servers``, every job is
+    resharded over all of them."""
+    from client.tensor_parts import PartsError, newest_complete_tag, parse_part_job, part_snapshots
+    from protos import shard_pb2 as pb
+    from protos.placement import recorded_placement, restore_slice
+    from server.errors import ShardError
+
+    if not args.snapshot_dir or args.index is None:
+        raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
+    snaps = server.servicer.snapshots
+    listed = snaps.list() if snaps.root.is_dir() else []
+    for job in sorted({m["job"] for m in listed}):
+        complete = {m["tag"]: m for m in listed if m["job"] == job}
+        tag = args.restore
+        part = parse_part_job(job)
+        if tag == "latest" and part is not None:  # the newest tag every part of it has
+            try:
+                tag = newest_complete_tag(part[0], part_snapshots(part[0], listed))
+            except PartsError as exc:
+                raise CommandError(f"--restore latest of {job}: {exc}") from None
+        elif tag == "latest":
+            tag = snaps.latest(job)
+        if tag not in complete:  # the restore below says what is wrong with it
+            index, num = args.index, max(args.num_servers or 0, args.index + 1)
+        else:
+            size = args.num_servers or recorded_placement(complete[tag])[1]
+            mine = restore_slice(complete[tag], size, args.index)
+            if args.index >= size:  # refused below
+                index, num = args.index, size
+            elif mine is None:
+                print(f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True)
+                continue
+            else:
+                index, num = mine
+        request = pb.RestoreRequest(job=job, tag=tag, server_index=index, num_servers=num)
+        try:
+            reply = server.servicer.restore(request, None)
+        except ShardError as exc:
+            raise CommandError(f"--restore {job}/{tag}: {exc.message}") from None
+        print(
+            f"paramshard serve: restored {job}/{reply.tag} at version {reply.version}", flush=True
+        )
+
+
+def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
+    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
+
+    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
+    reads them only when the process starts, so setting ``os.environ`` now would do nothing.
+    Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
+    """
+    from server.app import MALLOC_ENV
+
+    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
+    if os.environ.pop(_REEXEC_GUARD, None) is not None:  # we are the re-executed process
+        if missing:
+            _warn(f"{', '.join(missing)} still unset after re-executing; serving without them")
+        return
+    if not missing:
+        return
+    if not sys.executable:
+        _warn(f"cannot re-execute to set {', '.join(missing)}: no sys.executable")
+        return
+    env = {**os.environ, **missing, _REEXEC_GUARD: "1"}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
+    except OSError as exc:
+        _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
+
+
+def _check_exposure(
+    host: str, port: int, insecure: bool, tls: bool = False, token: bool = False
+) -> bool:
+    """DESIGN section 6: a server holds the model, so beyond loopback it needs TLS or a token,
+    or an explicit --insecure.
+
+    Returns whether the server will be reachable beyond this host unprotected (worth a warning).
+    """
+    if _is_loopback(host) or tls or token:
+        return False
+    where = _join_host_port(host or "0.0.0.0", port)
+    if not insecure:
+        raise CommandError(
+            f"refusing to listen on {where} without TLS or a token: a shard server holds the"
+            " whole model, and whoever can reach the port can read or overwrite it. Give"
+            " --tls-cert/--tls-key (and --tls-ca for mutual TLS) or --token-file, keep the"
+            " default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or pass --insecure on a"
+            " network you trust.",
+            EXIT_USAGE,
+        )
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    from server.auth import is_loopback  # the server's own rule, the one place for it
+
+    return is_loopback(host)
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# ------------------------------------------------------------------------------------ health
+@command(
+    arg("address", metavar="HOST:PORT", help="the server to check"),
+    arg(
+        "--timeout",
+        type=positive,
+        default=3.0,
+        help="seconds to wait for the answer (default: %(default)g)",
+    ),
+    arg("--service", default="", help="service to check (default: the whole server)"),
+)
+def health(args: argparse.Namespace) -> int:
+    """Exit 0 if the server's grpc.health.v1 check says SERVING, else 1.
+
+    Made for Docker HEALTHCHECK, which reserves exit code 2: every failure, including a
+    malformed address, exits 1.
+    """
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    if "," in args.address:
+        raise CommandError(f"one address, not a list: {args.address!r}")
+    try:
+        spec = _cluster_spec(args.address)
+    except CommandError as exc:
+        raise CommandError(str(exc)) from None
+    address = spec.addresses[0]
+    try:
+        reply = health_pb2_grpc.HealthStub(spec.channel(0)).Check(
+            health_pb2.HealthCheckRequest(service=args.service),
+            timeout=args.timeout,
+            metadata=spec.metadata(),
+        )
+    except grpc.RpcError as exc:
+        raise CommandError(f"{address}: {exc.code().name}: {exc.details()}") from None
+    finally:
+        spec.close()
+    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{address}: {state}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE
