@@ -332,10 +332,11 @@ def replicate_and_recover(nodes: list[ShardServer], c: ShardClient) -> None:
         c.close()
 
 
-def test_serve_peer_ca_needs_tls() -> None:
+def serve_cli(*flags: str) -> subprocess.CompletedProcess:
+    """``paramshard serve --port 0 FLAGS`` run to its end (bounded): for usage errors."""
     root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--peer-ca", "ca.pem"],
+    return subprocess.run(
+        [sys.executable, "-m", "paramshard", "serve", "--port", "0", *flags],
         cwd=root,
         env={**os.environ, **MALLOC_ENV, "PYTHONPATH": str(root)},
         capture_output=True,
@@ -344,6 +345,10 @@ def test_serve_peer_ca_needs_tls() -> None:
         stdin=subprocess.DEVNULL,
         check=False,
     )
+
+
+def test_serve_peer_ca_needs_tls() -> None:
+    result = serve_cli("--peer-ca", "ca.pem")
     assert result.returncode == 2, result.stderr
     assert "--peer-ca" in result.stderr and "--tls-cert" in result.stderr
     assert "Traceback" not in result.stderr

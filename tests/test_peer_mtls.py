@@ -7,18 +7,13 @@ Real servers with mutual TLS and tokens (read < train < admin, no peer line) on 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import grpc
 import pytest
 from pki import make_pki
-from test_hardening_replication import client_for, replicate_and_recover
+from test_hardening_replication import client_for, replicate_and_recover, serve_cli
 
 from protos import shard_pb2 as pb
-from server import MALLOC_ENV, ShardServer
+from server import ShardServer
 from server.servicer import SERVICE_NAME
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,15 +96,5 @@ def test_peer_identities_need_mutual_tls(pki) -> None:
             tls_key=pki["server_key"],
             peer_identities=[PEER],
         )
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--peer-identity", PEER],
-        cwd=root,
-        env={**os.environ, **MALLOC_ENV, "PYTHONPATH": str(root)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
+    result = serve_cli("--peer-identity", PEER)
     assert result.returncode == 2 and "--tls-ca" in result.stderr, result.stderr
