@@ -13,11 +13,15 @@ aborted: rank 3 lost ..."), until it moves to a newer epoch (``restart_collectiv
 ``train_with_recovery`` calls). A notice that names a lost rank cannot be recovered from by
 the others (the rank's process is gone); one that names a lost server can.
 
-A server that fails every renewal for a TTL is taken for lost: the client gives up its epoch
-on the other servers. A rank that ``paramshard launch --max-restarts`` may restart carries
-``rejoin_ms`` (``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the
-servers then wait that long for its restart instead of aborting. Models that keep their state
-in the trainer (DDP, 3D) cannot rejoin and set it to 0 when built.
+Under ``train_with_recovery`` (``RunState.fail_fast``), a server that fails every renewal
+for a TTL is taken for lost: the client gives up its epoch on the other servers, and every
+rank starts recovering at once. Otherwise an unreachable server is waited for as the calls'
+retries allow: a link cut shorter than that ends nothing.
+
+A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms``
+(``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the servers then wait
+that long for its restart instead of aborting. Models that keep their state in the trainer
+(DDP, 3D) cannot rejoin and set it to 0 when built.
 
 ``close()`` on the client, and the interpreter's exit, release its lease: a rank that ends
 normally aborts nothing.
@@ -90,6 +94,7 @@ class RunState:
         self.notice: Notice | None = None
         self._in_flight: set[Any] = set()
         self.holding: _Holding | None = None
+        self.fail_fast = False  # give up the epoch when a server stops answering renewals
 
     def current(self) -> Notice | None:
         """The notice when it applies to this client's epoch, else None."""
@@ -217,6 +222,8 @@ class _Holding:
         since, epoch = self.failing_since.setdefault(server, (now, self.state.epoch))
         if now - since < self.ttl_s or epoch != self.state.epoch or self.state.current():
             return
+        if not self.state.fail_fast:
+            return  # the calls' own retries decide how long this rank waits for the server
         client = self.client()
         address = client.spec.addresses[server] if client is not None else "?"
         self.state.give_up(

@@ -9,6 +9,14 @@ epoch or an earlier one carries the notice back (``LeaseReply.aborted``), so the
 stop waiting at once: their client cancels its calls in flight. A rank that lost a server asks
 the others' servers to abort the epoch (``LeaseRequest.abort``), and 3D recovery starts at once.
 
+A lapse counts only with a *witness*: another rank of the run whose renewals reached this
+server all along (since before the silent rank's last renewal, or for ``ISOLATED_GRACE_S``
+after they resumed). A server cut off from every trainer hears from nobody, so it cannot tell a
+dead rank from its own broken link and decides nothing; when the link comes back, the ranks'
+renewals resume and nothing was aborted. (A rank that a server alone cannot hear while the
+others can is taken for lost: to the run it is.) Leases that lapse with no witness are dropped
+silently after ``forget_s``.
+
 A rank that may come back (``paramshard launch --max-restarts``; its lease carries
 ``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
 within that time after the lapse. A restarted trainer renews the same rank.
@@ -41,6 +49,10 @@ TTL_MS = (100, 600_000)
 MAX_REJOIN_MS = 3_600_000
 MAX_REASON_CHARS = 1024
 CHECK_EVERY_S = 0.05
+ISOLATED_GRACE_S = 10.0
+"""How long renewals must have reached this server again, after it heard from no rank, before
+a rank still silent is taken for lost: covers ranks whose channels reconnect later than
+others' (client channels back off at most 2 s: client/cluster.py)."""
 
 
 class _Aborts(Protocol):
@@ -57,7 +69,13 @@ class _Lease:
     epoch: int
     ttl_s: float
     rejoin_s: float
+    since: float  # when its current unbroken run of renewals began
     lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
+
+    @property
+    def renewed(self) -> float:
+        """When it was last renewed."""
+        return self.expires - self.ttl_s
 
 
 @dataclass
@@ -147,7 +165,9 @@ class LeaseTable:
     def _run_for(self, req: pb.LeaseRequest, now: float) -> _Run:
         run = self._runs.get(req.run)
         if run is not None and not run.live(now, but=req.rank):
-            if run.world_size != req.world_size or run.aborted_epoch >= 0:
+            mine = run.leases.get(req.rank)
+            survivor = mine is not None and mine.expires >= now  # keeps renewing after an abort
+            if run.world_size != req.world_size or (run.aborted_epoch >= 0 and not survivor):
                 self._forget(req.run, run)  # a new run under the same id
                 run = None
         if run is None:
@@ -175,7 +195,8 @@ class LeaseTable:
                 )
             self._count += 1
         ttl = req.ttl_ms / 1000
-        run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, req.rejoin_ms / 1000)
+        since = lease.since if lease is not None and lease.expires >= now else now
+        run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, req.rejoin_ms / 1000, since)
         run.idle_since = None
 
     def _drop_lease(self, run: _Run, rank: int, now: float) -> None:
@@ -195,6 +216,10 @@ class LeaseTable:
                 lease.lapsed_at = lease.expires
             if now - lease.lapsed_at < lease.rejoin_s:
                 continue  # the run waits for a restart of this rank
+            if not _witnessed(run, rank, lease, now):
+                if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
+                    self._drop_lease(run, rank, now)
+                continue  # this server may be the one cut off: it decides nothing
             waited = f", then {lease.rejoin_s:g} s for a restart" if lease.rejoin_s else ""
             epoch = max(x.epoch for x in run.leases.values())
             self._drop_lease(run, rank, now)
@@ -221,6 +246,17 @@ class LeaseTable:
         self._count -= len(run.leases)
         del self._runs[name]
         self.slots.forget_abort(name)
+
+
+def _witnessed(run: _Run, rank: int, silent: _Lease, now: float) -> bool:
+    """Whether another rank's renewals reached this server all through ``rank``'s silence
+    (or for ``ISOLATED_GRACE_S`` since they resumed): proof that the silence is the rank's."""
+    return any(
+        other.expires >= now
+        and (other.since <= silent.renewed or now - other.since >= ISOLATED_GRACE_S)
+        for r, other in run.leases.items()
+        if r != rank
+    )
 
 
 def _check(req: pb.LeaseRequest) -> None:

@@ -162,57 +162,64 @@ def train_with_recovery(
         suffix = f"-e{epoch}" if epoch else ""
         model.save_checkpoint(f"{tag_prefix}-{model.step_count}{suffix}")
 
-    if checkpoint_every and model.step_count % checkpoint_every == 0:
-        checkpoint()
-    while model.step_count < steps:
-        step = model.step_count
-        try:
-            report.losses[step] = loss = train_step(step)
-            if checkpoint_every and model.step_count % checkpoint_every == 0:
-                checkpoint()
-            if progress is not None:
-                _show(progress, step, loss, model.step_count)
-            if should_stop is not None and should_stop(step, loss):
-                report.stopped_early = True
-                break
-        except ShardClientError as exc:
-            if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
-                raise
-            began = time.monotonic()
-            log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
-            # the ranks waiting on this one learn now, through the servers, not at a deadline
-            model.client.run_state.give_up(
-                f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
-            )
-            report.recoveries += 1
-            report.causes.append(exc.code.name)
-            epoch += 1
-            model.abandon_step()
-            if model.optimizer is not None:
-                model.optimizer.zero_grad()
-            _wait_for_servers(model, wait_s)
-            model.restart_collectives(epoch)
-            # Ranks notice the failure at different times: one waiting for a failed rank's
-            # tensor finds out only at its call's deadline. The others wait for it at the
-            # recovery's first barrier, so that wait may last up to ``wait_s``.
-            client = model.client
-            deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
+    # a server that stops answering lease renewals ends the epoch at once: recovery is
+    # cheaper than waiting out retries (client/leases.py)
+    state = model.client.run_state
+    fail_fast, state.fail_fast = state.fail_fast, True
+    try:
+        if checkpoint_every and model.step_count % checkpoint_every == 0:
+            checkpoint()
+        while model.step_count < steps:
+            step = model.step_count
             try:
-                restored = model.recover()
-            finally:
-                client.timeout_s = deadline
-            # a rank whose failed call was the last of a step another rank completed may find
-            # the servers one step ahead of it: nothing to replay then
-            report.replayed_steps += max(0, step - restored)
-            report.recovery_seconds.append(time.monotonic() - began)
-            report.failed_at.append(step)
-            report.resumed_at.append(restored)
-            log.warning(
-                "rank %d: recovered in %.1f s: the servers are at step %d, training continues"
-                " there (%d steps replayed)",
-                model.rank,
-                report.recovery_seconds[-1],
-                restored,
-                max(0, step - restored),
-            )
+                report.losses[step] = loss = train_step(step)
+                if checkpoint_every and model.step_count % checkpoint_every == 0:
+                    checkpoint()
+                if progress is not None:
+                    _show(progress, step, loss, model.step_count)
+                if should_stop is not None and should_stop(step, loss):
+                    report.stopped_early = True
+                    break
+            except ShardClientError as exc:
+                if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
+                    raise
+                began = time.monotonic()
+                log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
+                # the ranks waiting on this one learn now, through the servers, not at a deadline
+                model.client.run_state.give_up(
+                    f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
+                )
+                report.recoveries += 1
+                report.causes.append(exc.code.name)
+                epoch += 1
+                model.abandon_step()
+                if model.optimizer is not None:
+                    model.optimizer.zero_grad()
+                _wait_for_servers(model, wait_s)
+                model.restart_collectives(epoch)
+                # Ranks notice the failure at different times: one waiting for a failed rank's
+                # tensor finds out only at its call's deadline. The others wait for it at the
+                # recovery's first barrier, so that wait may last up to ``wait_s``.
+                client = model.client
+                deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
+                try:
+                    restored = model.recover()
+                finally:
+                    client.timeout_s = deadline
+                # a rank whose failed call was the last of a step another rank completed may find
+                # the servers one step ahead of it: nothing to replay then
+                report.replayed_steps += max(0, step - restored)
+                report.recovery_seconds.append(time.monotonic() - began)
+                report.failed_at.append(step)
+                report.resumed_at.append(restored)
+                log.warning(
+                    "rank %d: recovered in %.1f s: the servers are at step %d, training continues"
+                    " there (%d steps replayed)",
+                    model.rank,
+                    report.recovery_seconds[-1],
+                    restored,
+                    max(0, step - restored),
+                )
+    finally:
+        state.fail_fast = fail_fast
     return report

@@ -24,7 +24,7 @@ from client import ClusterSpec, ShardClient, ShardClientError
 from client.leases import LEASE_TTL_ENV, Notice, RunState
 from protos import shard_pb2 as pb
 from server.errors import ShardError
-from server.leases import LeaseTable
+from server.leases import ISOLATED_GRACE_S, LeaseTable
 from server.slots import SlotStore, run_epoch
 
 
@@ -53,6 +53,18 @@ def contribute(slots: SlotStore, key: str, contributor: int, expected: int = 2) 
         chunk=pb.Chunk(offset=0, numel=4, dtype=pb.FLOAT32),
     )
     slots.contribute(header, memoryview(values).cast("B"))
+
+
+def keep(leases: LeaseTable, clock: Clock, seconds: float, *ranks: int) -> pb.LeaseReply:
+    """Moves the clock ``seconds`` on while ``ranks`` renew at the client's pace (0.4 s);
+    returns the last reply (of the last rank)."""
+    end = clock.now + seconds
+    while True:
+        clock.now = min(clock.now + 0.4, end)
+        for rank in ranks:
+            reply = leases.renew(lease(rank=rank))
+        if clock.now >= end:
+            return reply
 
 
 @pytest.fixture
@@ -108,16 +120,15 @@ def test_a_rank_that_may_restart_is_awaited_then_given_up(table):
     leases, slots, clock = table
     leases.renew(lease(rank=0))
     leases.renew(lease(rank=1, rejoin_ms=10_000))
-    clock.now += 2
-    reply = leases.renew(lease(rank=0))
+    reply = keep(leases, clock, 2, 0)
     assert not reply.aborted and list(reply.awaiting) == [1]
     leases.renew(lease(rank=1, rejoin_ms=10_000))  # its restart renews the same rank
     reply = leases.renew(lease(rank=0))
     assert not reply.aborted and not reply.awaiting
-    clock.now += 1.5  # lapsed again; this time no restart comes within 10 s
-    leases.renew(lease(rank=0))
-    clock.now += 9.5
-    reply = leases.renew(lease(rank=0))
+    # lapsed again (1 s after that renewal); this time no restart comes within 10 s
+    reply = keep(leases, clock, 10.8, 0)
+    assert not reply.aborted and list(reply.awaiting) == [1]
+    reply = keep(leases, clock, 0.4, 0)
     assert "then 10 s for a restart" in reply.aborted and reply.lost_rank == 1
 
 
@@ -135,12 +146,58 @@ def test_a_run_id_reused_after_its_ranks_are_gone_starts_afresh(table):
     leases, slots, clock = table
     leases.renew(lease(rank=0))
     leases.renew(lease(rank=1))
-    clock.now += 2
-    assert leases.renew(lease(rank=0)).aborted
+    assert keep(leases, clock, 2, 0).aborted
+    assert keep(leases, clock, 1, 0).aborted  # the survivor keeps hearing it while it renews
     leases.renew(lease(rank=0, release=True))
     # a new run under the same id (another world size even): no notice, its slots open
     assert not leases.renew(lease(rank=0, world=3)).aborted
     contribute(slots, "r:all_reduce1", 0, expected=3)
+
+
+def test_a_server_that_hears_from_no_rank_decides_nothing(table):
+    """A link cut between this server and every trainer: all leases lapse together, so no
+    rank is taken for lost (the server cannot tell whose silence it is); when renewals resume,
+    one rank before the other, the run goes on with its slots untouched."""
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    contribute(slots, "r:all_reduce1", 0)  # waits for rank 1
+    clock.now += 5
+    leases.sweep()
+    assert not leases.renew(lease(rank=0)).aborted  # rank 0's channel reconnects first
+    reply = keep(leases, clock, 2, 0)  # rank 1's a while later
+    assert not reply.aborted and list(reply.awaiting) == [1]
+    reply = keep(leases, clock, 2, 0, 1)
+    assert not reply.aborted and not reply.awaiting
+    contribute(slots, "r:all_reduce1", 1)  # the open slot completes
+
+
+def test_a_rank_still_silent_after_the_others_came_back_is_lost(table):
+    leases, _, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    clock.now += 5  # this server heard from nobody
+    reply = keep(leases, clock, ISOLATED_GRACE_S - 0.4, 0)
+    assert not reply.aborted
+    reply = keep(leases, clock, 0.8, 0)  # rank 0 got through for ISOLATED_GRACE_S
+    assert "rank 1 lost" in reply.aborted and reply.lost_rank == 1
+
+
+def test_a_run_that_went_quiet_everywhere_is_forgotten(table):
+    """No rank renews any more and none was witnessed lost (the whole job was killed): its
+    leases go after ``forget_s``, the run after another ``forget_s``."""
+    leases, _, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    clock.now += 30
+    leases.sweep()
+    assert len(leases._runs["r"].leases) == 2
+    clock.now += 32  # 61 s after the leases lapsed
+    leases.sweep()
+    assert not leases._runs["r"].leases
+    clock.now += 61
+    leases.sweep()
+    assert not leases._runs and leases._count == 0
 
 
 @pytest.mark.parametrize(
@@ -215,6 +272,31 @@ def test_a_notice_cancels_calls_in_flight_and_refuses_new_ones_until_the_next_ep
         assert refused.value.code == grpc.StatusCode.ABORTED
         client.restart_collectives(1)
         assert client.run_state.current() is None
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("fail_fast", [False, True])
+def test_a_lost_server_ends_the_epoch_only_under_recovery(servers, monkeypatch, fail_fast):
+    """Server 1 stops answering renewals. Outside ``train_with_recovery`` the calls' own
+    retries decide how long to wait for it (a link cut ends nothing); under it
+    (``fail_fast``), the rank gives up its epoch after a TTL so every rank recovers at once."""
+    monkeypatch.setenv(LEASE_TTL_ENV, "0.5")
+    up, down = servers(2)
+    spec = ClusterSpec([up.address, down.address])
+    client = ShardClient(spec, rank=0, world_size=2, run_id=unique_id())
+    try:
+        client.run_state.fail_fast = fail_fast
+        down.stop(0)
+        deadline = time.monotonic() + (30 if fail_fast else 2.5)  # 5 TTLs without
+        while client.run_state.current() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        notice = client.run_state.current()
+        if fail_fast:
+            assert notice is not None and "server 1" in notice.reason, notice
+            assert notice.recoverable and "unreachable" in notice.reason
+        else:
+            assert notice is None, notice
     finally:
         client.close()
 
