@@ -10,7 +10,7 @@
     with LocalCluster(world_size=4) as cluster:   # 4 in-process servers on 127.0.0.1
         results = cluster.run(train)              # [rank 0's losses, ..., rank 3's]
 
-The seeds' ``InMemoryCommunicationBackend`` in torch's shape: each rank is a thread (or, with
+AiDotNet's ``InMemoryCommunicationBackend`` in torch's shape: each rank is a thread (or, with
 ``processes=True``, a spawned process talking gRPC to the same servers) holding its own
 ``ShardClient``. Every ``run`` gets a fresh ``run_id`` and, unless ``job=`` is given, a fresh job
 name, so two runs on one cluster never see each other's collectives or buffers.

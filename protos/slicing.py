@@ -1,6 +1,6 @@
 """Slice arithmetic: how a flat buffer of n elements is cut over N servers.
 
-The seeds' rule (ShardedModelBase.InitializeSharding): split evenly, and the first
+AiDotNet's rule (ShardedModelBase.InitializeSharding): split evenly, and the first
 ``n mod N`` servers get one extra element. Slice i lives on server i.
 
 Tensor parallelism cuts whole tensors rather than flat buffers (Megatron's equal parts along

@@ -1,4 +1,4 @@
-"""``ShardedModelBase``: the seeds' surface (AiDotNet ShardedModelBase), once for all strategies.
+"""``ShardedModelBase``: AiDotNet's ShardedModelBase surface, once for all strategies.
 
 A strategy supplies four primitives: ``_full_state()`` (the wrapped model's full parameters, as
 tensors under its own names), ``_load_full_state(...)``, ``clip_grad_norm_`` and
@@ -6,7 +6,7 @@ tensors under its own names), ``_load_full_state(...)``, ``clip_grad_norm_`` and
 without an update, (de)serialisation, save/load, metadata, ``train_on_batch``) is written here
 against those, so every strategy behaves the same way.
 
-The seeds' "local shard" is this rank's slice of the flat vector of all parameters by the slice
+AiDotNet's "local shard" is this rank's slice of the flat vector of all parameters by the slice
 rule (protos/slicing.py); the servers' real shards are per buffer and shown by ``status``.
 """
 
@@ -120,7 +120,7 @@ class ShardedModelBase(nn.Module):
         for _, p in self._named:
             _OWNERS[id(p)] = self
 
-    # -- the seeds' properties -------------------------------------------------------------
+    # -- AiDotNet's properties -------------------------------------------------------------
     @property
     def rank(self) -> int:
         return self.client.rank
@@ -318,7 +318,7 @@ class ShardedModelBase(nn.Module):
         )
 
     def apply_gradients(self, gradients: torch.Tensor, learning_rate: float) -> None:
-        """Plain SGD on the full vector: theta <- theta - lr * g (the seeds' ApplyGradients)."""
+        """Plain SGD on the full vector: theta <- theta - lr * g (AiDotNet's ApplyGradients)."""
         full = self.gather_full_parameters()
         grads = torch.as_tensor(gradients).reshape(-1).to(full.dtype)
         self.set_parameters(full - learning_rate * grads)
@@ -329,7 +329,7 @@ class ShardedModelBase(nn.Module):
             return self(x)
 
     def train_on_batch(self, x: Any, y: Any) -> float:
-        """The seeds' Train: forward, backward with the default loss, step the attached
+        """AiDotNet's Train: forward, backward with the default loss, step the attached
         optimizer wrapper; returns the loss."""
         if self.optimizer is None:
             raise RuntimeError(

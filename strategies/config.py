@@ -1,6 +1,6 @@
 """ShardingConfiguration: every knob of a sharded training run, validated once at construction.
 
-The first four fields keep the seeds' names and order (``client``, ``auto_sync_gradients``,
+The first four fields keep AiDotNet's names and order (``client``, ``auto_sync_gradients``,
 ``minimum_parameter_group_size``, ``enable_gradient_compression``) so code written against the
 seeds still works, positionally too; everything after them is keyword-only. The dataclass is
 frozen: a configuration that was valid when built stays valid, and

@@ -33,7 +33,7 @@ __all__ = [
 
 @dataclass
 class OptimizationInputData:
-    """The seeds' OptimizationInputData: this rank's share of the training data."""
+    """AiDotNet's OptimizationInputData: this rank's share of the training data."""
 
     x_train: Any
     y_train: Any
@@ -93,7 +93,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
-    # -- the seeds' surface ---------------------------------------------------------------
+    # -- AiDotNet's surface ----------------------------------------------------------------
     def optimize(self, data: OptimizationInputData) -> OptimizationResult:
         """Epochs of ``train_on_batch`` over this rank's data; tracks the validation loss
         (training loss if there is no validation set) and keeps the best parameters."""

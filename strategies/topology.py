@@ -3,7 +3,7 @@
 This is the one place for rank arithmetic (as picotron's ``process_group_manager.py``): every
 "who is my neighbour / who is in my group" question is answered here, nowhere else.
 
-Layout, as the seeds' HybridShardedModel lays out 512 GPUs = 8 pipeline x 8 tensor x 8 data
+Layout, as AiDotNet's HybridShardedModel lays out 512 GPUs = 8 pipeline x 8 tensor x 8 data
 ("Stage 0: GPUs 0-63; tensor group 0: GPUs 0-7 (data replicas); tensor group 1: GPUs 8-15"):
 the grid is indexed [pipeline][tensor][data], data fastest, so
 

@@ -1,4 +1,4 @@
-"""protos/slicing.py: the seeds' slice rule, pieces of ranges, chunking."""
+"""protos/slicing.py: AiDotNet's slice rule, pieces of ranges, chunking."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seeds' surface (ShardedModelBase / FSDPOptimizer) on every strategy, against plain torch.
+"""AiDotNet's surface (ShardedModelBase / FSDPOptimizer) on every strategy, against plain torch.
 
 Two ranks run in threads against two in-process shard servers; the initial state dict is built
 once in the main thread (threads share torch's global RNG) and loaded into every rank's model.

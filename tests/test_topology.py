@@ -1,4 +1,4 @@
-"""The 3D rank grid: layout [pipeline][tensor][data] as the seeds', groups, neighbours, errors."""
+"""The 3D rank grid: layout [pipeline][tensor][data] as AiDotNet's, groups, neighbours, errors."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class UniformPartitionStrategy:
 
 
 class LoadBalancedPartitionStrategy:
-    """Stages of near-equal parameter cost, the seeds' LoadBalancedPartitionStrategy
+    """Stages of near-equal parameter cost, AiDotNet's LoadBalancedPartitionStrategy
     (``partition="balanced"``; see ``balanced_partition``)."""
 
     name: PartitionName = "balanced"
@@ -85,7 +85,7 @@ def uniform_partition(num_items: int, num_stages: int) -> list[range]:
 def balanced_partition(costs: list[int], num_stages: int) -> list[range]:
     """Contiguous, non-empty ranges of ``costs`` that minimise the most expensive stage.
 
-    The seeds' LoadBalancedPartitionStrategy idea (balance the stages' parameter cost), solved
+    AiDotNet's LoadBalancedPartitionStrategy idea (balance the stages' parameter cost), solved
     exactly as the linear-partition problem by dynamic programming: ``best[k][j]`` is the
     smallest possible maximum stage cost when the first ``j`` items form ``k`` stages.
     Ties go to the earliest cut, so every rank computes the same partition.
