@@ -7,7 +7,7 @@ it is allocated, and paid back when it is freed:
   array its optimizer may create (``buffer_bytes``), reserved whole at registration (or
   restore), so a later step never allocates past the limit;
 - ``staging``: gradient contributions kept aside until the rank-order sum reaches them
-  (``store.PendingStep``), which a ``train`` token with a large ``num_micro`` could otherwise
+  (``slice_state.PendingStep``), which a ``train`` token with a large ``num_micro`` could otherwise
   grow without bound;
 - ``slots``: reduction slots and mailboxes, their accumulators and staged contributions;
 - ``replicas``: replica chunks being received, and the replicas kept (received and own).

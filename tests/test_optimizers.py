@@ -20,8 +20,8 @@ import pytest
 import torch
 from numerics import assert_within_twin
 
-from server import backend, optimizers
-from server.optimizers import OPTIMIZERS, OptimizerError, ServerOptimizer, make_optimizer
+from server import backend
+from server.optimizers import OPTIMIZERS, OptimizerError, ServerOptimizer, kernels, make_optimizer
 
 NUMEL = 1001  # odd on purpose: exercises torch's vectorised loop tail
 STEPS = 100
@@ -206,13 +206,13 @@ def test_bit_identical_to_torch_given_its_sqrt(
     """With torch's sqrt swapped in, every other op must round exactly as torch does.
 
     This pins the term-by-term translation (operation order, float32 scalar rounding,
-    FMAs) far tighter than the 1e-6 tolerance; a small _CHUNK exercises _fma's chunking.
+    FMAs) far tighter than the 1e-6 tolerance; a small CHUNK exercises fma's chunking.
     """
     name, hyper = case
     p0, grads = data(seed=CASES.index(case), steps=30)
     expected, torch_state = run_torch(name, hyper, p0, grads)
     monkeypatch.setattr(backend, "xp", _NumpyWithTorchSqrt())
-    monkeypatch.setattr(optimizers, "_CHUNK", 100)
+    monkeypatch.setattr(kernels, "CHUNK", 100)
     opt = make_optimizer(name, NUMEL, hyper)
     got = run_ours(opt, p0.copy(), grads)
     np.testing.assert_array_equal(got[-1], expected[-1])

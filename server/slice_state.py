@@ -1,0 +1,157 @@
+"""A flat-buffer slice's state: master params, accumulator, versions, pending step.
+
+Wire semantics (DESIGN section 3):
+- A slice's *version* counts optimizer steps applied. Gradient pushes for step s are accepted
+  only while the version is s; pushes for an already applied step are acknowledged as duplicates.
+- A *contribution* is (step, contributor, micro-batch, chunk offset) and is added exactly once,
+  so a client may retry any push.
+- When contributors x micro-batches contributions have covered the whole slice, the gradient is
+  *reduced*: micro-batches summed, contributors averaged (what DDP does). Unless the buffer was
+  registered with ``arrival_order``, the sum runs in (contributor, micro-batch) order whatever
+  order the pushes arrive in: a contribution whose predecessors are all in is added at once,
+  any other waits in staging memory until they are (``PendingStep``), so two runs of the same
+  training are bitwise identical, as with torch's gloo collectives. The optimizer then
+  runs either at once (the pushes carried step arguments) or when a Step request arrives
+  (global gradient clipping needs the norm first).
+- A reduced gradient holding NaN or Inf is never applied: GradNorm reports each slice's
+  finiteness, the client sends every server the same Step, applied or skipped (a skipped step
+  leaves params and optimizer state as they were and still moves the version on); see
+  server/nonfinite.py.
+- The master copy, the accumulator and the optimizer state are float64 for a buffer registered
+  with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (DESIGN section 3).
+Every check happens before any state changes, so a rejected request leaves the slice as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from protos import shard_pb2 as pb
+from protos import slicing
+from server import arrays, backend
+from server.errors import ShardError
+from server.limits import MemoryBudget
+from server.optimizers import ServerOptimizer
+from server.snapshots import Captured
+
+__all__ = ["MASTER_DTYPES", "PendingStep", "SliceState", "master_dtype"]
+
+MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
+
+
+def master_dtype(req: pb.RegisterBufferRequest) -> str:
+    """The master dtype a registration asks for: float64 for float64 models, else float32."""
+    return "float64" if req.master_dtype == pb.FLOAT64 else "float32"
+
+
+@dataclass
+class PendingStep:
+    """Gradient contributions of the step being accumulated.
+
+    Rank-order reduction: contribution k = contributor * num_micro + micro is added to the
+    accumulator only after contributions 0..k-1 are complete, so every element sees the same
+    sequence of additions whatever the arrival order. ``head`` is the first incomplete one;
+    chunks of later ones wait in ``staged`` (copies) until ``head`` reaches them.
+    """
+
+    step: int
+    num_micro: int
+    chunks: dict[int, slicing.Coverage] = field(default_factory=dict)  # per contribution k
+    reduced: bool = False
+    sum_squares: float | None = None
+    param_sum_squares: list[float] | None = None
+    finite: bool | None = None  # the reduced gradient holds no NaN or Inf (computed once)
+    head: int = 0
+    staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
+    staged_bytes: int = 0
+    opened: float = field(default_factory=time.monotonic)  # for Status (server/pending.py)
+
+    def received(self, k: int) -> int:
+        """Elements of contribution ``k`` received so far."""
+        chunks = self.chunks.get(k)
+        return chunks.covered if chunks is not None else 0
+
+
+class SliceState:
+    """Slice ``index`` of one job's flat buffer, with its optimizer: its state and the
+    helpers every concern shares (``server.store.BufferSlice`` adds the requests)."""
+
+    def __init__(self, req: pb.RegisterBufferRequest, optimizer: ServerOptimizer) -> None:
+        self.job, self.name = req.ref.job, req.ref.buffer
+        self.label = f"buffer '{self.job}/{self.name}'"
+        self.spec = req
+        self.numel = req.numel
+        self.start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
+        self.slice_numel = stop - self.start
+        self.contributors = req.contributors
+        self.optimizer = optimizer
+        self.dtype = optimizer.dtype  # float32, or float64 for a float64 model
+        self.arrival_order = req.arrival_order
+        self.master = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
+        self.grad: Any = None  # accumulator (master dtype), allocated at the first push
+        self.version = 0
+        self.written = slicing.Coverage()  # SetParams chunks of the current version
+        self.initialized = self.slice_numel == 0
+        self.pending: PendingStep | None = None
+        self.applied_sum_squares: tuple[int, float] | None = None  # (step, value) last applied
+        self.applied_param_sum_squares: tuple[int, list[float]] | None = None
+        self.applied_finite: tuple[int, bool] | None = None
+        self.skipped_steps = 0  # steps discarded because their reduced gradient was not finite
+        # Each registered parameter's elements inside this slice, as local [lo, hi) ranges.
+        self.param_ranges = [
+            (
+                min(max(p.offset - self.start, 0), self.slice_numel),
+                min(max(p.offset + p.numel - self.start, 0), self.slice_numel),
+            )
+            for p in req.params
+        ]
+        self.last_step_seconds = 0.0
+        self.last_step_unix = 0.0
+        self.dropped = False
+        self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
+        self.replicator: Any = None  # server.replication.Replicator when the job replicates
+        self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
+        self.captures: dict[int, Captured] = {}
+        self.cond = threading.Condition()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def check_chunk(self, chunk: pb.Chunk, what: str) -> None:
+        if chunk.offset + chunk.numel > self.slice_numel:
+            raise ShardError.invalid(
+                f"{self.label}: {what} chunk [{chunk.offset:,}, {chunk.offset + chunk.numel:,})"
+                f" is outside this server's slice of {self.slice_numel:,} elements"
+            )
+        if chunk.dtype not in arrays.FLOAT_WIRE:
+            raise ShardError.invalid(
+                f"{self.label}: {what} dtype must be float32, float16, bfloat16 or float64,"
+                f" got wire dtype {chunk.dtype}"
+            )
+
+    def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
+        """Wait on the slice's condition (caller holds it) until ``ready()``, or fail."""
+        done = self.cond.wait_for(lambda: self.dropped or ready(), timeout=timeout)
+        if self.dropped:
+            raise ShardError.not_found(f"{self.label} was dropped while waiting for {waiting_for}")
+        if not done:
+            raise ShardError.deadline(
+                f"{self.label} is at version {self.version};"
+                f" waited {timeout:.1f} s for {waiting_for}"
+            )
+
+    def retire(self) -> None:
+        """The slice left the store (dropped, replaced): waiters wake and fail, memory is freed."""
+        with self.cond:
+            if not self.dropped:
+                self.dropped = True
+                self.budget.release(self.reserved, "buffers")
+                self.budget.release(self.pending.staged_bytes if self.pending else 0, "staging")
+                self.cond.notify_all()
+
+    def bytes_by_kind(self) -> tuple[int, int, int]:
+        """(params, gradients: accumulator and staged contributions, optimizer state)."""
+        grad = 0 if self.grad is None else int(self.grad.nbytes)
+        grad += self.pending.staged_bytes if self.pending is not None else 0
+        return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
