@@ -54,7 +54,7 @@ def run(strategy: str, model_name: str, world: int, steps: int, param_dtype: str
         ZeRO2Model,
         ZeRO2Optimizer,
     )
-    from strategies.fsdp import held_bytes
+    from strategies.data_parallel.fsdp import held_bytes
 
     classes = {
         "ddp": (DDPModel, DDPOptimizer),

@@ -5,12 +5,9 @@ Knows models (torch) and talks to the servers only through ``client``.
 
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
-from strategies.ddp import DDPModel
-from strategies.fsdp import FSDPModel, ZeRO3Model
-from strategies.grad_scaler import ShardedGradScaler
-from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
-from strategies.nonfinite import NonFiniteGradientError
-from strategies.optim import (
+from strategies.data_parallel.ddp import DDPModel
+from strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
+from strategies.data_parallel.optim import (
     DDPOptimizer,
     FSDPOptimizer,
     OptimizationInputData,
@@ -20,6 +17,10 @@ from strategies.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
+from strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
+from strategies.grad_scaler import ShardedGradScaler
+from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
+from strategies.nonfinite import NonFiniteGradientError
 from strategies.pipeline import (
     LoadBalancedPartitionStrategy,
     PipelineParallelModel,
@@ -37,7 +38,6 @@ from strategies.tensor import (
     parallelize_module,
 )
 from strategies.topology import Topology
-from strategies.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
     "ShardingConfiguration",

@@ -27,10 +27,11 @@ from torch import nn
 from protos.placement import part_job
 from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
+from strategies.data_parallel.optim import ShardedOptimizer, ZeRO1Optimizer
+from strategies.data_parallel.zero import ZeRO1Model
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
 from strategies.mixed_precision import outputs_for_loss
 from strategies.nonfinite import across_parts, name_parts, seen_by
-from strategies.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
 from strategies.pipeline.materialize import InitWeights
 from strategies.tensor import (
@@ -40,7 +41,6 @@ from strategies.tensor import (
     tensor_parallel_splits,
 )
 from strategies.topology import Topology
-from strategies.zero import ZeRO1Model
 
 __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
 

@@ -48,7 +48,7 @@ import grpc
 
 from client import ShardClientError
 from protos import shard_pb2 as pb
-from strategies.sharded import ServerShardedModel
+from strategies.data_parallel.sharded import ServerShardedModel
 
 if TYPE_CHECKING:
     from strategies.hybrid import HybridShardedModel

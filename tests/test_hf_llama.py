@@ -37,7 +37,7 @@ from test_strategies import STRATEGIES
 from torch_twin import run_gloo
 
 from strategies import FSDPModel, ShardingConfiguration
-from strategies.fsdp import no_split_classes
+from strategies.data_parallel.fsdp import no_split_classes
 
 transformers = pytest.importorskip("transformers")
 

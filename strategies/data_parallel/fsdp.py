@@ -33,9 +33,9 @@ from torch import nn
 
 from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
+from strategies.data_parallel.sharded import ServerShardedModel
 from strategies.layout import BufferSpec, flatten, torch_dtype
 from strategies.mixed_precision import cast_forward_inputs, compute_views
-from strategies.sharded import ServerShardedModel
 
 __all__ = ["FSDPModel", "ZeRO3Model", "held_bytes", "no_split_classes"]
 

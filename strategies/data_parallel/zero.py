@@ -17,10 +17,10 @@ from torch import nn
 
 from strategies.base import eager_hook
 from strategies.config import ShardingConfiguration
+from strategies.data_parallel.sharded import ServerShardedModel
 from strategies.device import Outgoing
 from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
 from strategies.mixed_precision import compute_views
-from strategies.sharded import ServerShardedModel
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
 

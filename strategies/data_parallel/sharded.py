@@ -29,6 +29,12 @@ from client import GradCheck, StepArgs, restarts
 from protos.manifest import ParamSplit
 from strategies.base import ShardedModelBase, hf_model_config
 from strategies.config import ShardingConfiguration
+from strategies.data_parallel.checkpoints import ServerCheckpoints
+from strategies.data_parallel.server_optim import (
+    TorchOptimizerState,
+    server_hyper,
+    server_optimizer,
+)
 from strategies.device import Landing, Outgoing, device_of, to_host
 from strategies.layout import (
     BufferSpec,
@@ -43,44 +49,8 @@ from strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
-_SERVER_OPTIMIZERS = {
-    torch.optim.SGD: "sgd",
-    torch.optim.AdamW: "adamw",
-    torch.optim.Adam: "adam",
-    torch.optim.Adagrad: "adagrad",
-    torch.optim.RMSprop: "rmsprop",
-}
-_HYPER = {
-    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize"),
-    "adam": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
-    "adamw": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
-    "adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value", "maximize"),
-    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
-}
 
-
-def server_optimizer(optimizer: torch.optim.Optimizer) -> str:
-    """The server-side name of a torch optimizer, or a clear error."""
-    for cls, name in _SERVER_OPTIMIZERS.items():
-        if type(optimizer) is cls:
-            if name == "adam" and optimizer.defaults.get("decoupled_weight_decay"):
-                return "adamw"
-            return name
-    supported = ", ".join(c.__name__ for c in _SERVER_OPTIMIZERS)
-    raise TypeError(
-        f"{type(optimizer).__name__} does not run on the shard servers; supported: {supported}"
-    )
-
-
-def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
-    """A torch param group's hyper-parameters under the servers' names (betas split)."""
-    out = {k: float(group[k]) for k in _HYPER[name] if k in group}
-    if "betas" in group:
-        out["beta1"], out["beta2"] = (float(b) for b in group["betas"])
-    return out
-
-
-class ServerShardedModel(ShardedModelBase):
+class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBase):
     """Base of the strategies whose optimizer runs on the servers."""
 
     state_on_servers = True
@@ -330,184 +300,6 @@ class ServerShardedModel(ShardedModelBase):
 
     def _after_step(self) -> None:
         """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
-
-    # -- checkpoints (the servers' snapshots) -----------------------------------------------
-    def save_checkpoint(self, tag: str) -> int:
-        """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
-        in each server's --snapshot-dir. Every rank calls it at the same point; returns the
-        version captured."""
-        from client import tools
-
-        self._ensure_idle()
-        version = self._step
-        if self.rank == 0:
-            version = tools.snapshot(self.client, self.config.job, tag)["version"]
-        self.client.barrier()
-        return version
-
-    def load_checkpoint(self, tag: str = "latest") -> int:
-        """Restores snapshot ``tag`` into the servers (resharded if their number changed) and
-        continues from its step. Every rank calls it at the same point; returns that step."""
-        from client import tools
-
-        if not self.registered:
-            raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
-        self._ensure_idle()
-        self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
-        if self.rank == 0:
-            tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
-            if self.config.replicate_every:
-                tools.configure_replication(
-                    self.client, self.config.job, self.config.replicate_every
-                )
-        self.client.barrier()
-        return self._adopt_server_version()
-
-    def recover(self) -> int:
-        """After a server died and came back: every server returns to the newest version they
-        can all reach, from neighbour replicas when configured, else from the newest snapshot.
-        Every rank calls it at the same point; returns the step to continue from."""
-        from client import tools
-
-        self._ensure_idle()
-        self.client.barrier()  # every rank has dropped its half-done step
-        if self.rank == 0:
-            job = self.config.job
-            try:
-                if not self.config.replicate_every:
-                    raise LookupError("replication is off")
-                tools.recover_from_replicas(self.client, job)
-            except LookupError:
-                tools.restore(self.client, job, "latest", contributors=self.world_size)
-            if self.config.replicate_every:
-                tools.configure_replication(self.client, job, self.config.replicate_every)
-        self.client.barrier()
-        return self._adopt_server_version()
-
-    def _adopt_server_version(self) -> int:
-        from client import tools
-
-        versions = {b.version for b in tools.job_params(self.client, self.config.job)}
-        if len(versions) != 1:
-            raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
-        self._step = versions.pop()
-        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
-        self._invalidate()
-        self._after_load()
-        return self._step
-
-    def restart_collectives(self, epoch: int) -> None:
-        """After a failure left ranks at different collectives: numbering starts afresh in
-        ``epoch`` (the same on every rank)."""
-        self.client.restart_collectives(epoch)
-
-    def abandon_step(self) -> None:
-        """Drops a step that cannot finish (a server died): waits out pushes in flight,
-        ignoring their errors, and forgets gradients pushed so far."""
-        pending, self._pending = self._pending, []
-        for fut in pending:
-            try:
-                fut.result()
-            except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
-                pass
-        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
-        self._invalidate()
-        self._abandon_local()
-
-    def _abandon_local(self) -> None:
-        """Strategy-specific local state of a half-done step (pushed flags, gathered units)."""
-
-    def _ensure_idle(self) -> None:
-        self._wait_pushes()
-        if self._micro:
-            raise RuntimeError(
-                f"{type(self).__name__}: checkpoints are taken between steps; {self._micro}"
-                " backward passes are waiting for optimizer.step()"
-            )
-
-    # -- optimizer state in torch's format ------------------------------------------------
-    def optimizer_state(self) -> dict[int, dict[str, torch.Tensor]]:
-        """id(parameter) -> its optimizer state as torch keeps it ("step" and the moments,
-        whole tensors), read from the servers at the current step; empty before the first
-        step. What ``optimizer.state_dict()`` holds for a plain torch optimizer."""
-        if not self.registered:
-            return {}
-        self._ensure_idle()
-        info = self.client.optimizer_state_info(self.config.job)
-        landings: dict[tuple[str, str], Landing] = {}
-        calls = []
-        for b in self._buffers:
-            for key in info[b.name][0]:  # on the parameters' device, as torch keeps it
-                landing = landings[b.name, key] = Landing(
-                    b.numel, b.master_dtype, device_of(b.params)
-                )
-                calls += self.client.pull_calls(
-                    self.config.job,
-                    b.name,
-                    landing,
-                    self._step,
-                    dtype=b.master_dtype,
-                    state=key,
-                )
-        self.client.run(calls)
-        flats = {k: landing.result(landing.tensor.dtype) for k, landing in landings.items()}
-        out: dict[int, dict[str, torch.Tensor]] = {}
-        for b in self._buffers:
-            keys, steps = info[b.name]
-            if not keys:
-                continue
-            for e, p in zip(b.entries, b.params, strict=True):
-                state: dict[str, torch.Tensor] = {}
-                if self._opt_name != "sgd":  # torch's SGD keeps no step count
-                    state["step"] = torch.tensor(float(steps))
-                for key in keys:
-                    flat = flats[b.name, key][e.offset : e.offset + e.numel]
-                    state[key] = flat.view(e.shape).clone()
-                out[id(p)] = state
-        return out
-
-    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
-        """Writes torch-format optimizer state (id(parameter) -> "step" and moments, whole
-        tensors) into the servers' slices; a parameter without state gets zeros, as before
-        torch's first step. Every rank calls it with the same state (rank 0 writes)."""
-        if not self.registered:
-            raise RuntimeError("load_optimizer_state needs the optimizer wrapper attached first")
-        self._ensure_idle()
-        writes = []  # every rank checks (and fails) alike; rank 0 writes
-        for b in self._buffers:
-            present = [states.get(id(p), {}) for p in b.params]
-            keys = sorted({k for st in present for k in st if k != "step"})
-            steps = {int(float(st["step"])) for st in present if "step" in st}
-            if len(steps) > 1:
-                raise ValueError(
-                    f"load_optimizer_state: parameters of buffer '{b.name}' are at different"
-                    f" optimizer steps {sorted(steps)}; the servers step a buffer as one"
-                )
-            count = steps.pop() if steps else (self._step if keys else 0)
-            for key in keys:
-                flat = torch.zeros(b.numel, dtype=torch_dtype(b.master_dtype))
-                for e, st in zip(b.entries, present, strict=True):
-                    value = st.get(key)
-                    if value is None:
-                        continue
-                    if tuple(value.shape) != tuple(e.shape):
-                        raise ValueError(
-                            f"load_optimizer_state: state '{key}' of '{e.name}' has shape"
-                            f" {list(value.shape)}, the parameter {list(e.shape)}"
-                        )
-                    flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1)
-                writes.append((b.name, key, flat, count))
-        if self.rank == 0:
-            for name, key, flat, count in writes:
-                self.client.set_params(
-                    self.config.job,
-                    name,
-                    to_host(flat, flat.dtype),
-                    version=self._step,
-                    state=key,
-                    optimizer_steps=count,
-                )
-        self.client.barrier()
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

@@ -1,0 +1,31 @@
+"""Data parallelism over the shard servers: DDP (``ddp``), ZeRO-1 and ZeRO-2 (``zero``) and FSDP
+(``fsdp``), the server-sharded model they share (``sharded``) and the optimizer wrappers
+(``optim``)."""
+
+from strategies.data_parallel.ddp import DDPModel
+from strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
+from strategies.data_parallel.optim import (
+    DDPOptimizer,
+    FSDPOptimizer,
+    ShardedOptimizer,
+    ZeRO1Optimizer,
+    ZeRO2Optimizer,
+    ZeRO3Optimizer,
+)
+from strategies.data_parallel.sharded import ServerShardedModel
+from strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
+
+__all__ = [
+    "DDPModel",
+    "DDPOptimizer",
+    "FSDPModel",
+    "FSDPOptimizer",
+    "ServerShardedModel",
+    "ShardedOptimizer",
+    "ZeRO1Model",
+    "ZeRO1Optimizer",
+    "ZeRO2Model",
+    "ZeRO2Optimizer",
+    "ZeRO3Model",
+    "ZeRO3Optimizer",
+]

@@ -1,0 +1,104 @@
+"""A server-sharded model's checkpoints and recovery: snapshots on the servers, restores
+(resharded when the number of servers changed), recovery from neighbour replicas or the newest
+snapshot, and dropping a step a failure cut short."""
+
+from __future__ import annotations
+
+__all__ = ["ServerCheckpoints"]
+
+
+class ServerCheckpoints:
+    """Mixed into ``ServerShardedModel``: every rank calls these at the same point."""
+
+    def save_checkpoint(self, tag: str) -> int:
+        """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
+        in each server's --snapshot-dir. Every rank calls it at the same point; returns the
+        version captured."""
+        from client import tools
+
+        self._ensure_idle()
+        version = self._step
+        if self.rank == 0:
+            version = tools.snapshot(self.client, self.config.job, tag)["version"]
+        self.client.barrier()
+        return version
+
+    def load_checkpoint(self, tag: str = "latest") -> int:
+        """Restores snapshot ``tag`` into the servers (resharded if their number changed) and
+        continues from its step. Every rank calls it at the same point; returns that step."""
+        from client import tools
+
+        if not self.registered:
+            raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
+        self._ensure_idle()
+        self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
+        if self.rank == 0:
+            tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
+            if self.config.replicate_every:
+                tools.configure_replication(
+                    self.client, self.config.job, self.config.replicate_every
+                )
+        self.client.barrier()
+        return self._adopt_server_version()
+
+    def recover(self) -> int:
+        """After a server died and came back: every server returns to the newest version they
+        can all reach, from neighbour replicas when configured, else from the newest snapshot.
+        Every rank calls it at the same point; returns the step to continue from."""
+        from client import tools
+
+        self._ensure_idle()
+        self.client.barrier()  # every rank has dropped its half-done step
+        if self.rank == 0:
+            job = self.config.job
+            try:
+                if not self.config.replicate_every:
+                    raise LookupError("replication is off")
+                tools.recover_from_replicas(self.client, job)
+            except LookupError:
+                tools.restore(self.client, job, "latest", contributors=self.world_size)
+            if self.config.replicate_every:
+                tools.configure_replication(self.client, job, self.config.replicate_every)
+        self.client.barrier()
+        return self._adopt_server_version()
+
+    def _adopt_server_version(self) -> int:
+        from client import tools
+
+        versions = {b.version for b in tools.job_params(self.client, self.config.job)}
+        if len(versions) != 1:
+            raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
+        self._step = versions.pop()
+        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
+        self._invalidate()
+        self._after_load()
+        return self._step
+
+    def restart_collectives(self, epoch: int) -> None:
+        """After a failure left ranks at different collectives: numbering starts afresh in
+        ``epoch`` (the same on every rank)."""
+        self.client.restart_collectives(epoch)
+
+    def abandon_step(self) -> None:
+        """Drops a step that cannot finish (a server died): waits out pushes in flight,
+        ignoring their errors, and forgets gradients pushed so far."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            try:
+                fut.result()
+            except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
+                pass
+        self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
+        self._invalidate()
+        self._abandon_local()
+
+    def _abandon_local(self) -> None:
+        """Strategy-specific local state of a half-done step (pushed flags, gathered units)."""
+
+    def _ensure_idle(self) -> None:
+        self._wait_pushes()
+        if self._micro:
+            raise RuntimeError(
+                f"{type(self).__name__}: checkpoints are taken between steps; {self._micro}"
+                " backward passes are waiting for optimizer.step()"
+            )

@@ -1,0 +1,138 @@
+"""The torch optimizer as the servers run it: its name and hyper-parameters on the servers, and
+its state in torch's format (``optimizer.state_dict()``), read from and written to the
+servers' slices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from strategies.device import Landing, device_of, to_host
+from strategies.layout import torch_dtype
+
+__all__ = ["TorchOptimizerState", "server_hyper", "server_optimizer"]
+
+_SERVER_OPTIMIZERS = {
+    torch.optim.SGD: "sgd",
+    torch.optim.AdamW: "adamw",
+    torch.optim.Adam: "adam",
+    torch.optim.Adagrad: "adagrad",
+    torch.optim.RMSprop: "rmsprop",
+}
+_HYPER = {
+    "sgd": ("lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize"),
+    "adam": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adamw": ("lr", "eps", "weight_decay", "amsgrad", "maximize"),
+    "adagrad": ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value", "maximize"),
+    "rmsprop": ("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize"),
+}
+
+
+def server_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """The server-side name of a torch optimizer, or a clear error."""
+    for cls, name in _SERVER_OPTIMIZERS.items():
+        if type(optimizer) is cls:
+            if name == "adam" and optimizer.defaults.get("decoupled_weight_decay"):
+                return "adamw"
+            return name
+    supported = ", ".join(c.__name__ for c in _SERVER_OPTIMIZERS)
+    raise TypeError(
+        f"{type(optimizer).__name__} does not run on the shard servers; supported: {supported}"
+    )
+
+
+def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
+    """A torch param group's hyper-parameters under the servers' names (betas split)."""
+    out = {k: float(group[k]) for k in _HYPER[name] if k in group}
+    if "betas" in group:
+        out["beta1"], out["beta2"] = (float(b) for b in group["betas"])
+    return out
+
+
+class TorchOptimizerState:
+    """Mixed into ``ServerShardedModel``: the optimizer wrappers' ``state_dict()`` and
+    ``load_state_dict()`` go through these."""
+
+    def optimizer_state(self) -> dict[int, dict[str, torch.Tensor]]:
+        """id(parameter) -> its optimizer state as torch keeps it ("step" and the moments,
+        whole tensors), read from the servers at the current step; empty before the first
+        step. What ``optimizer.state_dict()`` holds for a plain torch optimizer."""
+        if not self.registered:
+            return {}
+        self._ensure_idle()
+        info = self.client.optimizer_state_info(self.config.job)
+        landings: dict[tuple[str, str], Landing] = {}
+        calls = []
+        for b in self._buffers:
+            for key in info[b.name][0]:  # on the parameters' device, as torch keeps it
+                landing = landings[b.name, key] = Landing(
+                    b.numel, b.master_dtype, device_of(b.params)
+                )
+                calls += self.client.pull_calls(
+                    self.config.job,
+                    b.name,
+                    landing,
+                    self._step,
+                    dtype=b.master_dtype,
+                    state=key,
+                )
+        self.client.run(calls)
+        flats = {k: landing.result(landing.tensor.dtype) for k, landing in landings.items()}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for b in self._buffers:
+            keys, steps = info[b.name]
+            if not keys:
+                continue
+            for e, p in zip(b.entries, b.params, strict=True):
+                state: dict[str, torch.Tensor] = {}
+                if self._opt_name != "sgd":  # torch's SGD keeps no step count
+                    state["step"] = torch.tensor(float(steps))
+                for key in keys:
+                    flat = flats[b.name, key][e.offset : e.offset + e.numel]
+                    state[key] = flat.view(e.shape).clone()
+                out[id(p)] = state
+        return out
+
+    def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
+        """Writes torch-format optimizer state (id(parameter) -> "step" and moments, whole
+        tensors) into the servers' slices; a parameter without state gets zeros, as before
+        torch's first step. Every rank calls it with the same state (rank 0 writes)."""
+        if not self.registered:
+            raise RuntimeError("load_optimizer_state needs the optimizer wrapper attached first")
+        self._ensure_idle()
+        writes = []  # every rank checks (and fails) alike; rank 0 writes
+        for b in self._buffers:
+            present = [states.get(id(p), {}) for p in b.params]
+            keys = sorted({k for st in present for k in st if k != "step"})
+            steps = {int(float(st["step"])) for st in present if "step" in st}
+            if len(steps) > 1:
+                raise ValueError(
+                    f"load_optimizer_state: parameters of buffer '{b.name}' are at different"
+                    f" optimizer steps {sorted(steps)}; the servers step a buffer as one"
+                )
+            count = steps.pop() if steps else (self._step if keys else 0)
+            for key in keys:
+                flat = torch.zeros(b.numel, dtype=torch_dtype(b.master_dtype))
+                for e, st in zip(b.entries, present, strict=True):
+                    value = st.get(key)
+                    if value is None:
+                        continue
+                    if tuple(value.shape) != tuple(e.shape):
+                        raise ValueError(
+                            f"load_optimizer_state: state '{key}' of '{e.name}' has shape"
+                            f" {list(value.shape)}, the parameter {list(e.shape)}"
+                        )
+                    flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1)
+                writes.append((b.name, key, flat, count))
+        if self.rank == 0:
+            for name, key, flat, count in writes:
+                self.client.set_params(
+                    self.config.job,
+                    name,
+                    to_host(flat, flat.dtype),
+                    version=self._step,
+                    state=key,
+                    optimizer_steps=count,
+                )
+        self.client.barrier()
