@@ -95,7 +95,7 @@ class Server:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        from paramshard.launch import wait_serving
+        from paramshard.local_servers import wait_serving
 
         log = (self.workdir / f"server-{self.index}.log").open("a")
         self.proc = subprocess.Popen(

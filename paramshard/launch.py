@@ -28,16 +28,11 @@ from __future__ import annotations
 import argparse
 import os
 import queue
-import re
 import secrets
 import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from client.run_id import run_id_from_env
 from paramshard.commands import (
@@ -48,15 +43,12 @@ from paramshard.commands import (
     positive,
     positive_int,
 )
-from paramshard.launch_files import RankLogs, append_line, config_env
+from paramshard.launch_files import RankLogs, config_env
+from paramshard.local_servers import SERVER_STOP_S, start_local_servers, wait_serving
+from paramshard.processes import Child, relay, say, spawn, stop, watch
+from paramshard.restarts import RankRestarts, supervise
 
 __all__ = ["launch", "rank_env", "read_token"]
-
-LISTENING = re.compile(rb"listening on (\S+)")
-SERVER_STOP_S = 15.0  # a server gets this long after SIGTERM (its own --grace is 5 s)
-PIPE_DRAIN_S = 5.0  # output a process left in its pipes is relayed for at most this long
-
-_print_lock = threading.Lock()
 
 
 def non_negative_int(text: str) -> int:
@@ -64,235 +56,6 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not an integer >= 0")
     return value
-
-
-# ------------------------------------------------------------------------------ the processes
-@dataclass(eq=False)  # compared and hashed by identity
-class Child:
-    """One process the launcher started: a rank or a server, with its output relays."""
-
-    name: str  # "rank 3" or "server 1": the prefix of its lines
-    proc: subprocess.Popen
-    relays: list[threading.Thread] = field(default_factory=list)
-    rank: int = -1  # a rank's global rank; -1 for a server
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def signal(self, signum: int) -> None:
-        """Signals the child's whole process group (its own workers too) while it runs."""
-        if not self.alive():
-            return
-        try:
-            os.killpg(self.proc.pid, signum)  # start_new_session: the group id is its pid
-        except (ProcessLookupError, PermissionError):
-            self.proc.send_signal(signum)
-
-    def drain(self) -> None:
-        for relay in self.relays:
-            relay.join(PIPE_DRAIN_S)
-
-
-def _parent_death_signal() -> Any:
-    """Linux: a preexec_fn making the child get SIGTERM when the launcher dies, even by SIGKILL,
-    so no server or rank outlives it. libc is loaded before forking: the child makes one call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (ImportError, OSError):  # best effort; stopping the children is the main mechanism
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _spawn(name: str, cmd: list[str], env: dict[str, str]) -> Child:
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        start_new_session=True,  # Ctrl-C reaches only the launcher, which forwards it
-        preexec_fn=_parent_death_signal(),  # noqa: PLW1509 - one prctl call, nothing to lock
-    )
-    return Child(name, proc)
-
-
-def _emit(stream: IO[str], data: bytes) -> None:
-    """Writes raw bytes (a child's line, whatever its encoding) to one of our streams."""
-    with _print_lock:
-        try:
-            stream.flush()
-            raw = getattr(stream, "buffer", None)
-            if raw is None:
-                stream.write(data.decode("utf-8", "replace"))
-            else:
-                raw.write(data)
-                raw.flush()
-        except (OSError, ValueError):  # our reader went away (`| head`): keep draining the child
-            pass
-
-
-def say(message: str) -> None:
-    _emit(sys.stderr, f"paramshard launch: {message}\n".encode())
-
-
-def _relay(
-    child: Child,
-    pipe: IO[bytes],
-    dest: IO[str] | None,
-    lines: queue.SimpleQueue | None,
-    log: IO[bytes] | None = None,
-) -> None:
-    """Copies ``pipe`` to ``dest`` line by line as ``[NAME] LINE`` (and to ``lines`` if given);
-    ``log`` (a --log-dir file) gets the lines as they came, and is closed at the end. No
-    ``dest`` (``--redirects``): the file alone."""
-    prefix = f"[{child.name}] ".encode()
-
-    def pump() -> None:
-        for line in iter(pipe.readline, b""):
-            if lines is not None:
-                lines.put((child, line))
-            if log is not None:
-                append_line(log, line)
-            if dest is not None:
-                _emit(dest, prefix + line.rstrip(b"\r\n") + b"\n")
-        pipe.close()
-        if log is not None:
-            log.close()
-
-    thread = threading.Thread(target=pump, name=f"relay {child.name}", daemon=True)
-    thread.start()
-    child.relays.append(thread)
-
-
-def _watch(child: Child, events: queue.SimpleQueue) -> None:
-    """Puts ``("exit", child, code)`` once the child has exited and its output is relayed."""
-
-    def wait() -> None:
-        code = child.proc.wait()
-        child.drain()
-        events.put(("exit", child, code))
-
-    threading.Thread(target=wait, name=f"watch {child.name}", daemon=True).start()
-
-
-def stop(children: Sequence[Child], signum: int, grace: float, received: list[int]) -> None:
-    """Sends ``signum``, waits up to ``grace`` seconds, then SIGKILLs whatever still runs.
-
-    A signal arriving meanwhile (``received`` grows: a second Ctrl-C) ends the wait at once."""
-    already = len(received)
-    for child in children:
-        child.signal(signum)
-    deadline = time.monotonic() + grace
-    while any(c.alive() for c in children) and time.monotonic() < deadline:
-        if len(received) > already:
-            break
-        time.sleep(0.05)
-    for child in children:
-        if child.alive():
-            say(f"{child.name} (pid {child.proc.pid}) still running: killing it")
-            child.signal(signal.SIGKILL)
-    for child in children:
-        try:
-            child.proc.wait(timeout=PIPE_DRAIN_S)
-        except subprocess.TimeoutExpired:
-            say(f"{child.name} (pid {child.proc.pid}) did not die")
-        child.drain()
-
-
-# --------------------------------------------------------------------------------- the servers
-def start_local_servers(n: int, device: str, env: dict[str, str], timeout: float) -> tuple:
-    """Starts n ``paramshard serve --port 0`` on 127.0.0.1; returns (children, addresses).
-
-    ``--device cuda`` puts server i on cuda:i (one per GPU); cpu or cuda:K is used as given."""
-    lines: queue.SimpleQueue = queue.SimpleQueue()
-    children: list[Child] = []
-    try:
-        for i in range(n):
-            dev = f"cuda:{i}" if device == "cuda" else device
-            cmd = [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--device", dev]
-            children.append(_spawn(f"server {i}", cmd, env))
-            _relay(children[-1], children[-1].proc.stdout, sys.stderr, lines)
-            _relay(children[-1], children[-1].proc.stderr, sys.stderr, None)
-        addresses: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(addresses) < n:
-            try:
-                child, line = lines.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                for i, c in enumerate(children):
-                    if i not in addresses and not c.alive():
-                        c.drain()
-                        raise CommandError(
-                            f"{c.name} exited while starting (exit code {c.proc.returncode});"
-                            " its output is above"
-                        ) from None
-                if time.monotonic() >= deadline:
-                    late = [c.name for i, c in enumerate(children) if i not in addresses]
-                    raise CommandError(
-                        f"{', '.join(late)} did not print its address within {timeout:g} s"
-                        " (--start-timeout)"
-                    ) from None
-                continue
-            match = LISTENING.search(line)
-            index = children.index(child)
-            if match and index not in addresses:
-                addresses[index] = match.group(1).decode()
-    except BaseException:
-        stop(children, signal.SIGTERM, SERVER_STOP_S, [])
-        raise
-    return children, [addresses[i] for i in range(n)]
-
-
-def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) -> None:
-    """Waits until every server's grpc.health.v1 check says SERVING, at most ``timeout`` s."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from paramshard.commands import _cluster_spec
-
-    spec = _cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
-    if token:
-        spec.token = token
-    deadline = time.monotonic() + timeout
-    try:
-        for i, address in enumerate(spec.addresses):
-            stub = health_pb2_grpc.HealthStub(spec.channel(i))
-            last = "no answer"
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommandError(
-                        f"server {address} is not serving after {timeout:g} s (--start-timeout):"
-                        f" {last}"
-                    )
-                try:
-                    reply = stub.Check(
-                        health_pb2.HealthCheckRequest(),
-                        timeout=min(left, 5.0),
-                        wait_for_ready=True,  # a server still starting (or its DNS name) is awaited
-                        metadata=spec.metadata(),
-                    )
-                except grpc.RpcError as exc:
-                    code = exc.code()
-                    if code in (
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        grpc.StatusCode.PERMISSION_DENIED,
-                    ):
-                        raise CommandError(
-                            f"server {address}: {code.name}: {exc.details()}"
-                        ) from None
-                    last = f"{code.name}: {exc.details()}"
-                    continue
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    finally:
-        spec.close()
 
 
 # ----------------------------------------------------------------------------------- the ranks
@@ -327,11 +90,6 @@ def rank_env(
     if token:
         env["PARAMSHARD_TOKEN"] = token
     return env
-
-
-def exit_code(returncode: int) -> int:
-    """A rank killed by signal S reports -S; a shell would say 128 + S."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def read_token(path: str | None) -> str | None:
@@ -471,7 +229,6 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError("--redirects needs --log-dir (where the output goes)", EXIT_USAGE)
     console_out, console_err = (None, None) if args.redirects else (sys.stdout, sys.stderr)
 
-    from paramshard.restarts import RankRestarts, supervise
     from server.app import MALLOC_ENV
 
     base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
@@ -516,11 +273,11 @@ def launch(args: argparse.Namespace) -> int:
             )
             env.update(restarts.env(rank))
             out, err = logs.open(rank, restarts.attempt(rank)) if logs else (None, None)
-            child = _spawn(f"rank {rank}", [*python, args.script, *args.script_args], env)
+            child = spawn(f"rank {rank}", [*python, args.script, *args.script_args], env)
             child.rank = rank
-            _relay(child, child.proc.stdout, console_out, None, out)
-            _relay(child, child.proc.stderr, console_err, None, err)
-            _watch(child, events)
+            relay(child, child.proc.stdout, console_out, None, out)
+            relay(child, child.proc.stderr, console_err, None, err)
+            watch(child, events)
             return child
 
         if logs:
@@ -529,7 +286,7 @@ def launch(args: argparse.Namespace) -> int:
         for local_rank in range(args.nproc):
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
-            _watch(server, events)
+            watch(server, events)
         return supervise(ranks, servers, events, received, args.grace, restarts, start_rank)
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from client import restarts as contract
 from paramshard.commands import EXIT_FAILURE
-from paramshard.launch import Child, exit_code, say, stop
+from paramshard.processes import Child, exit_code, say, stop
 
 __all__ = ["RankRestarts", "supervise"]
 
