@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-__all__ = ["atomic_write", "fsync_dir"]
+__all__ = ["atomic_write", "fsync_dir", "read_bytes", "write_bytes"]
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
@@ -43,3 +43,17 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]
             os.unlink(tmp)
         raise
     fsync_dir(folder)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically."""
+    with atomic_write(path) as f:
+        f.write(data)
+
+
+def read_bytes(path: str | os.PathLike, caller: str, what: str) -> bytes:
+    """The bytes of ``path``; FileNotFoundError naming ``caller`` and ``what`` it expected."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{caller}: no {what} file at {os.fspath(path)!r}")
+    with open(path, "rb") as f:
+        return f.read()

@@ -28,10 +28,10 @@ from torch import nn
 
 from client import restarts
 from protos import slicing
-from protos.atomic import atomic_write
+from protos.atomic import read_bytes, write_bytes
 from protos.manifest import MODEL_CONFIG_MAX_BYTES
-from strategies.config import ShardingConfiguration
-from strategies.layout import copy_flat_into, master_torch_dtype, to_master
+from strategies.config import ClientRank, ShardingConfiguration
+from strategies.layout import copy_flat_into, incompatible_keys, master_torch_dtype, to_master
 from strategies.losses import default_loss
 from strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
 
@@ -82,7 +82,7 @@ def hf_model_config(model: nn.Module) -> str:
     return described
 
 
-class ShardedModelBase(nn.Module):
+class ShardedModelBase(ClientRank, nn.Module):
     """A torch model wrapped for training over the shard servers.
 
     The wrapper is an ``nn.Module``: ``model(x)``, ``parameters()``, ``state_dict()`` (full
@@ -120,15 +120,7 @@ class ShardedModelBase(nn.Module):
         for _, p in self._named:
             _OWNERS[id(p)] = self
 
-    # -- AiDotNet's properties -------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.client.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.client.world_size
-
+    # -- AiDotNet's properties (``rank`` and ``world_size``: ClientRank) ----------------------
     @property
     def wrapped_model(self) -> nn.Module:
         return self.module
@@ -355,12 +347,7 @@ class ShardedModelBase(nn.Module):
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False):  # type: ignore[override]
         own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
-            )
+        keys = incompatible_keys(own, state_dict, strict)
         by_id = {id(p): n for n, p in self._named}
         tensors: dict[str, torch.Tensor] = {}
         for name, t in own.items():
@@ -377,7 +364,7 @@ class ShardedModelBase(nn.Module):
             current = self._full_state() if len(tensors) < len(self._named) else {}
             self._load_full_state({**current, **tensors})
         self._invalidate()
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return keys
 
     # -- serialisation ------------------------------------------------------------------------
     def serialize(self) -> bytes:
@@ -400,15 +387,10 @@ class ShardedModelBase(nn.Module):
 
     def save_model(self, path: str | os.PathLike) -> None:
         """Writes ``serialize()`` to ``path`` atomically (temporary file, fsync, rename)."""
-        data = self.serialize()
-        with atomic_write(path) as f:
-            f.write(data)
+        write_bytes(path, self.serialize())
 
     def load_model(self, path: str | os.PathLike) -> None:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"load_model: no model file at {os.fspath(path)!r}")
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_bytes(path, "load_model", "model")
         try:
             self.deserialize(data)
         except ValueError as exc:

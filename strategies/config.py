@@ -39,8 +39,24 @@ _HALF = ("bfloat16", "float16")
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+class ClientRank:
+    """``rank`` and ``world_size`` of whatever holds a ``client`` (a configuration, a model)."""
+
+    client: Any
+
+    @property
+    def rank(self) -> int:
+        """This process's rank, from the client."""
+        return self.client.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of training processes, from the client."""
+        return self.client.world_size
+
+
 @dataclass(frozen=True)
-class ShardingConfiguration:
+class ShardingConfiguration(ClientRank):
     """How a model is sharded over the servers and how its gradients travel."""
 
     client: ShardClient
@@ -150,16 +166,6 @@ class ShardingConfiguration:
                 f"ShardingConfiguration.client.rank must be an int in "
                 f"0..{world_size - 1}, got {rank!r}"
             )
-
-    @property
-    def rank(self) -> int:
-        """This process's rank, from the client."""
-        return self.client.rank
-
-    @property
-    def world_size(self) -> int:
-        """Number of training processes, from the client."""
-        return self.client.world_size
 
     @property
     def effective_reduce_dtype(self) -> DType | None:

@@ -30,6 +30,7 @@ from protos.manifest import ParamEntry
 from strategies.config import MasterDType, master_dtype
 
 __all__ = [
+    "incompatible_keys",
     "ROOT",
     "ParamEntry",
     "BufferSpec",
@@ -383,3 +384,14 @@ def buffers_from_manifest(described: Sequence[Mapping[str, Any]]) -> list[Buffer
         )
         for d in described
     ]
+
+
+def incompatible_keys(own: Mapping[str, Any], state_dict: Mapping[str, Any], strict: bool) -> Any:
+    """``load_state_dict``'s key check: the keys the model has that the state dict lacks and
+    those it has that the model does not, as torch returns them; with ``strict``, an error
+    naming both when either is not empty (torch's message)."""
+    missing = [k for k in own if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in own]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
+    return nn.modules.module._IncompatibleKeys(missing, unexpected)

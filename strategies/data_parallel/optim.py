@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from protos.atomic import atomic_write
+from protos.atomic import read_bytes, write_bytes
 from strategies.base import ShardedModelBase, owner_of
 from strategies.config import ShardingConfiguration
 
@@ -207,15 +207,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._validation_losses = list(saved.get("validation_losses", []))
 
     def save_model(self, path: str | os.PathLike) -> None:
-        data = self.serialize()
-        with atomic_write(path) as f:
-            f.write(data)
+        write_bytes(path, self.serialize())
 
     def load_model(self, path: str | os.PathLike) -> None:
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"load_model: no optimizer file at {os.fspath(path)!r}")
-        with open(path, "rb") as f:
-            self.deserialize(f.read())
+        self.deserialize(read_bytes(path, "load_model", "optimizer"))
 
 
 class DDPOptimizer(ShardedOptimizer):

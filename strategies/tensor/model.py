@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from strategies.config import ShardingConfiguration
-from strategies.layout import norm_tensor
+from strategies.layout import incompatible_keys, norm_tensor
 from strategies.tensor.gather import (
     gather_tensor_parallel_state,
     tensor_parallel_part,
@@ -109,12 +109,7 @@ class TensorParallelModel(nn.Module):
         """Loads the unsplit model's state dict: each rank keeps its part of the split tensors.
         No communication."""
         own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}"
-            )
+        keys = incompatible_keys(own, state_dict, strict)
         with torch.no_grad():
             for name, t in own.items():
                 if name not in state_dict:
@@ -130,4 +125,4 @@ class TensorParallelModel(nn.Module):
                         f" {list(t.shape)}"
                     )
                 t.copy_(value)
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        return keys
