@@ -50,7 +50,7 @@ def tensor_parallel_splits(module: nn.Module, tp_client: Any) -> dict[str, dict[
     (``protos.slicing.tensor_parallel_ranges``), uneven parts (3 heads on 2 ranks) included."""
     if tp_client.world_size == 1:
         return {}
-    return {name: split.record() for name, split in tensor_splits(module).items()}
+    return {name: split.fields() for name, split in tensor_splits(module).items()}
 
 
 def tensor_parallel_part(

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from protos import slicing
+from protos.manifest import ParamSplit
 from strategies.tensor.communications import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
@@ -49,36 +50,18 @@ part_ranges = slicing.tensor_parallel_ranges  # (size, parts, index, packed=1, u
 
 
 @dataclass(frozen=True)
-class TensorSplit:
-    """How one parameter of a tensor-parallel layer is a part of the whole tensor."""
+class TensorSplit(ParamSplit):
+    """How one parameter of a tensor-parallel layer is a part of the whole tensor: the
+    manifest's ``ParamSplit`` (whose ``fields()`` go to the servers) plus the whole length of
+    the split dim, which the layer knows."""
 
-    dim: int
-    """The tensor dim that is split."""
-    size: int
-    """That dim's length in the whole tensor."""
-    parts: int
-    """Tensor-parallel size: how many parts the whole tensor is cut into."""
-    index: int
-    """This part's index (the tensor-parallel rank)."""
-    packed: int = 1
-    """Blocks side by side along ``dim`` (3 for q|k|v); each part takes its share of every one."""
-    unit: int = 1
-    """Parts hold whole units of this width (a head's for attention projections)."""
+    size: int = 0
+    """``dim``'s length in the whole tensor."""
 
     def ranges(self, index: int | None = None) -> list[range]:
         """The ranges of ``dim`` that part ``index`` (default: this one) holds."""
         i = self.index if index is None else index
         return part_ranges(self.size, self.parts, i, self.packed, self.unit)
-
-    def record(self) -> dict[str, int]:
-        """The split fields of ``client.ParamInfo`` / the servers' ``ParamEntry``."""
-        return {
-            "split_dim": self.dim,
-            "split_parts": self.parts,
-            "split_index": self.index,
-            "split_packed": self.packed,
-            "split_unit": self.unit,
-        }
 
 
 def layout_of(module: nn.Module) -> tuple[Layout, int, int]:
@@ -143,7 +126,9 @@ class _ParallelLinear(nn.Module):
 
     def _split(self, dim: int) -> TensorSplit:
         tp = self.tp_client
-        return TensorSplit(dim, self.split_size, tp.world_size, tp.rank, self.packed, self.unit)
+        return TensorSplit(
+            dim, tp.world_size, tp.rank, self.packed, self.unit, size=self.split_size
+        )
 
     def _take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         pieces = [t.detach().narrow(dim, r.start, len(r)) for r in self.ranges()]

@@ -117,7 +117,7 @@ class TensorParallelModel(nn.Module):
                 value = torch.as_tensor(state_dict[name])
                 split = self.splits.get(name)
                 if split is not None:
-                    value = tensor_parallel_part(value, **split.record())
+                    value = tensor_parallel_part(value, **split.fields())
                 if value.shape != t.shape:
                     raise ValueError(
                         f"load_state_dict: '{name}' has shape {list(value.shape)}"
