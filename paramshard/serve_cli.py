@@ -7,9 +7,7 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from paramshard.commands import (
@@ -25,11 +23,17 @@ from paramshard.commands import (
     positive,
     positive_int,
 )
+from paramshard.serve_setup import (
+    check_exposure,
+    is_loopback,
+    join_host_port,
+    read_file,
+    reexec_with_malloc_env,
+    restore_at_start,
+)
+
 
 # Set in the re-executed ``serve`` process so it never re-executes itself again.
-_REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
-
-
 # ------------------------------------------------------------------------------------- serve
 @command(
     arg(
@@ -193,7 +197,7 @@ def serve(args: argparse.Namespace) -> int:
     abandoned slots and mailboxes, --max-wait-s for any wait; waiting calls never take the
     last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
     """
-    _reexec_with_malloc_env(args.argv)
+    reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise CommandError("--tls-cert and --tls-key go together", EXIT_USAGE)
@@ -213,9 +217,9 @@ def serve(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     tls = args.tls_cert is not None
-    exposed = _check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
+    exposed = check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
     tls_files = {
-        name: _read_file(path, flag)
+        name: read_file(path, flag)
         for name, path, flag in (
             ("tls_cert", args.tls_cert, "--tls-cert"),
             ("tls_key", args.tls_key, "--tls-key"),
@@ -240,7 +244,7 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    listen = _join_host_port(host or "0.0.0.0", args.port)
+    listen = join_host_port(host or "0.0.0.0", args.port)
     try:
         server = ShardServer(
             host,
@@ -286,19 +290,19 @@ def serve(args: argparse.Namespace) -> int:
             server.start()
         except OSError as exc:  # the metrics port is taken
             raise CommandError(str(exc)) from None
-        address = _join_host_port(host or "0.0.0.0", server.port)
+        address = join_host_port(host or "0.0.0.0", server.port)
         if exposed:
             _warn(
                 f"listening on {address} with no TLS and no token (--insecure): anyone who"
                 " can reach this port can read or overwrite the model"
             )
-        elif tokens and not tls and not _is_loopback(host):
+        elif tokens and not tls and not is_loopback(host):
             _warn(
                 f"listening on {address} with tokens but no TLS: tokens and the model travel"
                 " in clear text (add --tls-cert/--tls-key)"
             )
         if args.restore:
-            _restore_at_start(server, args)
+            restore_at_start(server, args)
         print(
             f"paramshard serve: listening on {address} (device {backend.device},"
             f" pid {os.getpid()})",
@@ -306,7 +310,7 @@ def serve(args: argparse.Namespace) -> int:
         )
         if server.metrics_port is not None:
             metrics_host = host if args.metrics_host is None else args.metrics_host.strip("[]")
-            where = _join_host_port(metrics_host or "0.0.0.0", server.metrics_port)
+            where = join_host_port(metrics_host or "0.0.0.0", server.metrics_port)
             print(f"paramshard serve: metrics at http://{where}/metrics", flush=True)
         while not stop.wait(1.0):
             pass
@@ -321,124 +325,6 @@ def serve(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
-
-
-def _read_file(path: str, flag: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
-
-
-def _restore_at_start(server: Any, args: argparse.Namespace) -> None:
-    """``serve --restore TAG``: this server's part of TAG for every job with a snapshot.
-
-    A snapshot records which servers of the cluster held the job: in a cluster of that size,
-    this server takes back its own slice and skips jobs it did not hold (a 3D job's parts live
-    on their data-parallel groups' servers). With another ``--num-servers``, every job is
-    resharded over all of them."""
-    from client.tensor_parts import PartsError, newest_complete_tag, parse_part_job, part_snapshots
-    from protos import shard_pb2 as pb
-    from protos.placement import recorded_placement, restore_slice
-    from server.errors import ShardError
-
-    if not args.snapshot_dir or args.index is None:
-        raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
-    snaps = server.servicer.snapshots
-    listed = snaps.list() if snaps.root.is_dir() else []
-    for job in sorted({m["job"] for m in listed}):
-        complete = {m["tag"]: m for m in listed if m["job"] == job}
-        tag = args.restore
-        part = parse_part_job(job)
-        if tag == "latest" and part is not None:  # the newest tag every part of it has
-            try:
-                tag = newest_complete_tag(part[0], part_snapshots(part[0], listed))
-            except PartsError as exc:
-                raise CommandError(f"--restore latest of {job}: {exc}") from None
-        elif tag == "latest":
-            tag = snaps.latest(job)
-        if tag not in complete:  # the restore below says what is wrong with it
-            index, num = args.index, max(args.num_servers or 0, args.index + 1)
-        else:
-            size = args.num_servers or recorded_placement(complete[tag])[1]
-            mine = restore_slice(complete[tag], size, args.index)
-            if args.index >= size:  # refused below
-                index, num = args.index, size
-            elif mine is None:
-                print(f"paramshard serve: {job}/{tag} is not on server {args.index}", flush=True)
-                continue
-            else:
-                index, num = mine
-        request = pb.RestoreRequest(job=job, tag=tag, server_index=index, num_servers=num)
-        try:
-            reply = server.servicer.restore(request, None)
-        except ShardError as exc:
-            raise CommandError(f"--restore {job}/{tag}: {exc.message}") from None
-        print(
-            f"paramshard serve: restored {job}/{reply.tag} at version {reply.version}", flush=True
-        )
-
-
-def _reexec_with_malloc_env(argv: Sequence[str]) -> None:
-    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
-
-    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
-    reads them only when the process starts, so setting ``os.environ`` now would do nothing.
-    Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
-    """
-    from server.app import MALLOC_ENV
-
-    missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
-    if os.environ.pop(_REEXEC_GUARD, None) is not None:  # we are the re-executed process
-        if missing:
-            _warn(f"{', '.join(missing)} still unset after re-executing; serving without them")
-        return
-    if not missing:
-        return
-    if not sys.executable:
-        _warn(f"cannot re-execute to set {', '.join(missing)}: no sys.executable")
-        return
-    env = {**os.environ, **missing, _REEXEC_GUARD: "1"}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
-    except OSError as exc:
-        _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
-
-
-def _check_exposure(
-    host: str, port: int, insecure: bool, tls: bool = False, token: bool = False
-) -> bool:
-    """DESIGN section 6: a server holds the model, so beyond loopback it needs TLS or a token,
-    or an explicit --insecure.
-
-    Returns whether the server will be reachable beyond this host unprotected (worth a warning).
-    """
-    if _is_loopback(host) or tls or token:
-        return False
-    where = _join_host_port(host or "0.0.0.0", port)
-    if not insecure:
-        raise CommandError(
-            f"refusing to listen on {where} without TLS or a token: a shard server holds the"
-            " whole model, and whoever can reach the port can read or overwrite it. Give"
-            " --tls-cert/--tls-key (and --tls-ca for mutual TLS) or --token-file, keep the"
-            " default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or pass --insecure on a"
-            " network you trust.",
-            EXIT_USAGE,
-        )
-    return True
-
-
-def _is_loopback(host: str) -> bool:
-    from server.auth import is_loopback  # the server's own rule, the one place for it
-
-    return is_loopback(host)
-
-
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ------------------------------------------------------------------------------------ health

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from client import ClusterSpec, ShardClient
-from paramshard import cli, commands, serve_cli
+from paramshard import cli, commands, serve_setup
 from server import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,7 +281,7 @@ def test_status_table_sums_buffers(servers, capsys: pytest.CaptureFixture) -> No
     ],
 )
 def test_loopback_rule(host: str, loopback: bool) -> None:
-    assert serve_cli._is_loopback(host) is loopback
+    assert serve_setup.is_loopback(host) is loopback
 
 
 def test_console_script_entry_point() -> None:

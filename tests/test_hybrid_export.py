@@ -355,11 +355,11 @@ def test_restore_into_fresh_servers(trained, tmp_path, count):
 def serve_restore(nodes: list[ShardServer], root: Path, tag: str) -> None:
     """What ``paramshard serve --snapshot-dir root --restore tag --index i`` does at start,
     on each of ``nodes`` (i its place in the list)."""
-    from paramshard.serve_cli import _restore_at_start
+    from paramshard.serve_setup import restore_at_start
 
     for i, node in enumerate(nodes):
         args = argparse.Namespace(snapshot_dir=str(root), restore=tag, index=i, num_servers=None)
-        _restore_at_start(node, args)
+        restore_at_start(node, args)
 
 
 def test_serve_restore_at_start_takes_back_only_its_own_parts(trained, tmp_path, capsys):
