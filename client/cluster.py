@@ -12,13 +12,14 @@ import grpc
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
 # DESIGN section 7: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
-# Reconnection backs off at most 2 s (grpc's default grows to 120 s): after a link cut every
-# rank is back within about 2 s, before a server takes a late one for lost (server/leases.py).
+# Reconnection backs off at most 5 s (grpc's default grows to 120 s): after a link cut every
+# rank is back within about 6 s, before a server takes a late one for lost (server/leases.py).
+# The first wait stays grpc's 1 s: a dead server then fails every retry of a call at once,
+# instead of some of a collective's calls reaching its empty restart and waiting there.
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_reconnect_backoff_ms", 5000),
 ]
 # Channels are made on first use from any rank's thread and closed from another (a harness
 # closing clients while a rank still runs): one lock for all specs, as channels are made rarely.

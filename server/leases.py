@@ -52,7 +52,7 @@ CHECK_EVERY_S = 0.05
 ISOLATED_GRACE_S = 10.0
 """How long renewals must have reached this server again, after it heard from no rank, before
 a rank still silent is taken for lost: covers ranks whose channels reconnect later than
-others' (client channels back off at most 2 s: client/cluster.py)."""
+others' (client channels back off at most 5 s: client/cluster.py)."""
 
 
 class _Aborts(Protocol):
