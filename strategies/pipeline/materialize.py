@@ -42,8 +42,6 @@ error naming it.
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +55,15 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from strategies.pipeline.split import StagePlan, meta_copy, plan_stages
+from strategies.pipeline.weights import (
+    WeightSource,
+    blank,
+    make_real,
+    move_to,
+    named_tensors,
+    put,
+    take,
+)
 from strategies.tensor.gather import tensor_splits
 from strategies.tensor.layers import TensorSplit
 
@@ -137,111 +144,6 @@ def _check(init_weights: Any, init_seed: Any) -> str:
     )
 
 
-# -- tensors, whole and in parts ----------------------------------------------------------------
-def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Every name of every parameter and buffer (a tied weight under each of its names)."""
-    return dict(
-        chain(
-            module.named_parameters(remove_duplicate=False),
-            module.named_buffers(remove_duplicate=False),
-        )
-    )
-
-
-def _blank(t: torch.Tensor) -> torch.Tensor:
-    """A real tensor like ``t``, NaN (zeros for integers) until something sets it."""
-    fill = math.nan if t.is_floating_point() or t.is_complex() else 0
-    real = torch.full(t.shape, fill, dtype=t.dtype, device="cpu")
-    return nn.Parameter(real, t.requires_grad) if isinstance(t, nn.Parameter) else real
-
-
-def _make_real(module: nn.Module) -> None:
-    """Every meta tensor of ``module`` becomes real in place: the same Python objects, so the
-    ties, the stage skeletons and later the optimizer hold them."""
-    for t in {id(t): t for t in _named_tensors(module).values() if t.is_meta}.values():
-        torch.utils.swap_tensors(t, _blank(t))
-
-
-def _move(module: nn.Module, device: torch.device) -> None:
-    """Every tensor of ``module`` moved to ``device`` in place (the same Python objects)."""
-    for t in {id(t): t for t in _named_tensors(module).values()}.values():
-        if t.device != device:
-            moved = t.detach().to(device)
-            new = nn.Parameter(moved, t.requires_grad) if isinstance(t, nn.Parameter) else moved
-            torch.utils.swap_tensors(t, new)
-
-
-def _take(whole: Any, ndim: int, split: TensorSplit | None) -> torch.Tensor:
-    """This rank's part of ``whole`` (a tensor or a safetensors slice): its ranges of the split
-    dim (``TensorSplit.ranges``, the one slice rule) end to end; all of it without a split."""
-    if split is None:
-        return whole[(slice(None),) * ndim]
-    pieces = []
-    for r in split.ranges():
-        index = [slice(None)] * ndim
-        index[split.dim] = slice(r.start, r.stop)
-        pieces.append(whole[tuple(index)])
-    return torch.cat(pieces, split.dim)
-
-
-def _put(whole: torch.Tensor, part: torch.Tensor, split: TensorSplit | None) -> None:
-    """The inverse of ``_take``: ``part`` written back at its ranges of ``whole``."""
-    if split is None:
-        whole.copy_(part)
-        return
-    offset = 0
-    for r in split.ranges():
-        whole.narrow(split.dim, r.start, len(r)).copy_(part.narrow(split.dim, offset, len(r)))
-        offset += len(r)
-
-
-class _Source:
-    """Reads a tensor's part by name from a state dict or safetensors files, never more."""
-
-    def __init__(self, init_weights: Any) -> None:
-        self.what, self.mapping = "the state dict", init_weights
-        if not isinstance(init_weights, Mapping):
-            from safetensors import safe_open
-
-            self.what, files = repr(os.fspath(init_weights)), _safetensors_files(init_weights)
-            opened = {f: safe_open(f, "pt") for f in set(files.values())}
-            self.mapping = {k: opened[f] for k, f in files.items()}
-
-    def read(self, names: list[str], shape: torch.Size, split: TensorSplit | None) -> Any:
-        """The part of the first of ``names`` the source has (None if it has none)."""
-        name = next((n for n in names if n in self.mapping), None)
-        if name is None:
-            return None
-        value = self.mapping[name]
-        if isinstance(value, torch.Tensor):
-            whole, got = value, list(value.shape)
-        else:  # a safetensors file: only the ranges asked for are read
-            whole = value.get_slice(name)
-            got = whole.get_shape()
-        if got != list(shape):
-            raise ValueError(
-                f"init_weights: {self.what} holds '{name}' of shape {got}, the model {list(shape)}"
-            )
-        return _take(whole, len(got), split)
-
-
-def _safetensors_files(path: str | os.PathLike) -> dict[str, str]:
-    """Tensor name -> file, of a .safetensors file or a checkpoint directory."""
-    from safetensors import safe_open
-
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index, encoding="utf-8") as f:
-                return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-        path = os.path.join(path, "model.safetensors")
-    if not os.path.exists(path):
-        raise ValueError(f"init_weights: no {path!r} (nor a model.safetensors.index.json)")
-    with safe_open(path, "pt") as f:
-        return dict.fromkeys(f.keys(), path)
-
-
 # -- replaying the inits -------------------------------------------------------------------------
 class _NoMetaOps(TorchDispatchMode):
     """During a replayed init, an op on a tensor that is not real here is an error naming it (on
@@ -274,7 +176,7 @@ def _run_step(model: nn.Module, step: tuple[str, str], fn: Any, owners: dict[int
         for table in (sub._parameters, sub._buffers):
             for attr, t in table.items():
                 if t is not None:
-                    seen = t if _within(owners[id(t)], name) else _blank(t)
+                    seen = t if _within(owners[id(t)], name) else blank(t)
                     table[attr] = seen
                     slots.append((_join(sub_name, attr), table, attr, t, seen))
     try:
@@ -305,13 +207,13 @@ class _Replay:
 
     def __init__(self, template: nn.Module, plan: StagePlan, stage: nn.Module) -> None:
         self.template, self.plan = template, plan
-        self.named = _named_tensors(template)
+        self.named = named_tensors(template)
         self.names = {id(t): n for n, t in reversed(self.named.items())}  # first names
         self.aliases: dict[int, list[str]] = {}
         for n, t in self.named.items():
             self.aliases.setdefault(id(t), []).append(n)
         splits, self.held = tensor_splits(stage), {}
-        for name, actual in _named_tensors(stage).items():
+        for name, actual in named_tensors(stage).items():
             whole, split = self.named.get(name), splits.get(name)
             shape = list(whole.shape) if whole is not None else None
             if shape is not None and split is not None:
@@ -343,9 +245,9 @@ class _Replay:
         shells, versions = [], []
         for t in region:
             h = self.held.get(id(t))
-            real = h.actual if h is not None and h.split is None else _blank(t)
+            real = h.actual if h is not None and h.split is None else blank(t)
             if h is not None and h.split is not None and h.written:
-                _put(real, h.actual, h.split)
+                put(real, h.actual, h.split)
             torch.utils.swap_tensors(t, real)  # t is real now, ``real`` the meta shell
             shells.append(real)
             versions.append(t._version)
@@ -355,7 +257,7 @@ class _Replay:
                 h = self.held.get(id(t))
                 if h is not None and t._version != version:  # written in the body
                     if h.split is not None:
-                        h.actual.copy_(_take(t, t.dim(), h.split))
+                        h.actual.copy_(take(t, t.dim(), h.split))
                     h.written = True
         finally:
             for t, shell in zip(region, shells, strict=True):
@@ -377,7 +279,7 @@ class _Replay:
                 for step in steps:
                     self.step(step, fn)
 
-    def load(self, source: _Source) -> None:
+    def load(self, source: WeightSource) -> None:
         """This rank's persistent tensors, or their parts, read from ``source``."""
         persistent, missing = set(self.template.state_dict(keep_vars=True)), []
         for tid, h in self.held.items():
@@ -432,7 +334,7 @@ class WeightInit:
         self.kind = _check(init_weights, init_seed)
         self.init_weights, self.init_seed = init_weights, init_seed
         self.template = meta_copy(model) if self.kind != "none" else None  # before TP splits
-        meta = [n for n, t in _named_tensors(model).items() if t.is_meta]
+        meta = [n for n, t in named_tensors(model).items() if t.is_meta]
         if self.kind == "none" and meta:
             raise ValueError(
                 f"the model's {meta[:3]}{' ...' * (len(meta) > 3)} are on the meta device: pass"
@@ -454,10 +356,10 @@ class WeightInit:
                 )
             return
         replay, self.template = _Replay(self.template, plan, stage), None
-        _make_real(stage)
+        make_real(stage)
         with torch.no_grad():
             if self.kind == "load":
-                replay.load(_Source(self.init_weights))
+                replay.load(WeightSource(self.init_weights))
             else:
                 with _RNG_LOCK, torch.random.fork_rng(devices=[]):  # the caller's RNG kept
                     torch.manual_seed(self.init_seed)  # type: ignore[arg-type]
@@ -466,7 +368,7 @@ class WeightInit:
             replay.rebuild_buffers()
         replay.check_all_set(self.kind)
         if device is not None:
-            _move(stage, torch.device(device))
+            move_to(stage, torch.device(device))
 
 
 def initialize_model(
