@@ -25,6 +25,7 @@ from server.errors import ShardError
 from server.leases import LeaseTable
 from server.limits import MemoryBudget
 from server.nonfinite import grad_norm_reply, step_reply
+from server.parsers import Malformed, plain, tensor, tensor_reply
 from server.replication import Replicator
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
@@ -36,52 +37,6 @@ __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 SERVICE_NAME = "paramshard.v1.Shard"
 VERSION = "0.1.0"
 log = logging.getLogger("paramshard.server")
-
-
-class _Malformed:
-    """Stands in for a request whose bytes did not parse."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _plain(cls: Any) -> Callable[[bytes], Any]:
-    def parse(raw: bytes) -> Any:
-        try:
-            return cls.FromString(raw)
-        except Exception as exc:
-            return _Malformed(exc)
-
-    return parse
-
-
-def _tensor(header_cls: Any, request_cls: Any, fast: bool) -> Callable[[bytes], Any]:
-    """Deserialiser of a tensor message into (header, payload memoryview)."""
-
-    def parse(raw: bytes) -> Any:
-        try:
-            if fast:
-                return codec.decode(raw, header_cls)
-            msg = request_cls.FromString(raw)
-            return msg.header, memoryview(msg.data)
-        except Exception as exc:
-            return _Malformed(exc)
-
-    return parse
-
-
-def _tensor_reply(reply_cls: Any, fast: bool) -> Callable[[Any], bytes]:
-    def serialize(msg: Any) -> bytes:
-        if isinstance(msg, bytes):
-            return msg  # the handler encoded it already
-        if fast:
-            return codec.encode(*msg)
-        header, payload = msg
-        if not isinstance(payload, bytes):
-            payload = memoryview(payload).cast("B").tobytes()
-        return reply_cls(header=header, data=payload).SerializeToString()
-
-    return serialize
 
 
 class ShardServicer:
@@ -127,51 +82,63 @@ class ShardServicer:
         unary = grpc.unary_unary_rpc_method_handler
         plain_reply = codec.serialize
         table = {
-            "RegisterBuffer": (self.register_buffer, _plain(pb.RegisterBufferRequest), plain_reply),
+            "RegisterBuffer": (
+                self.register_buffer,
+                plain(pb.RegisterBufferRequest),
+                plain_reply,
+            ),
             "SetParams": (
                 self.set_params,
-                _tensor(pb.SetParamsHeader, pb.SetParamsRequest, fast),
+                tensor(pb.SetParamsHeader, pb.SetParamsRequest, fast),
                 plain_reply,
             ),
             "PushGrad": (
                 self.push_grad,
-                _tensor(pb.PushGradHeader, pb.PushGradRequest, fast),
+                tensor(pb.PushGradHeader, pb.PushGradRequest, fast),
                 plain_reply,
             ),
             "PullParams": (
                 self.pull_params,
-                _plain(pb.PullParamsRequest),
-                _tensor_reply(pb.PullParamsReply, fast),
+                plain(pb.PullParamsRequest),
+                tensor_reply(pb.PullParamsReply, fast),
             ),
-            "GradNorm": (self.grad_norm, _plain(pb.GradNormRequest), plain_reply),
-            "Step": (self.step, _plain(pb.StepRequest), plain_reply),
+            "GradNorm": (self.grad_norm, plain(pb.GradNormRequest), plain_reply),
+            "Step": (self.step, plain(pb.StepRequest), plain_reply),
             "Contribute": (
                 self.contribute,
-                _tensor(pb.SlotHeader, pb.ContributeRequest, fast),
+                tensor(pb.SlotHeader, pb.ContributeRequest, fast),
                 plain_reply,
             ),
             "ReadSlot": (
                 self.read_slot,
-                _plain(pb.ReadSlotRequest),
-                _tensor_reply(pb.ReadSlotReply, fast),
+                plain(pb.ReadSlotRequest),
+                tensor_reply(pb.ReadSlotReply, fast),
             ),
-            "DropJob": (self.drop_job, _plain(pb.DropJobRequest), plain_reply),
-            "Status": (self.status, _plain(pb.StatusRequest), plain_reply),
-            "Lease": (self.lease, _plain(pb.LeaseRequest), plain_reply),
-            "Snapshot": (self.snapshot, _plain(pb.SnapshotRequest), plain_reply),
-            "CommitSnapshot": (self.commit_snapshot, _plain(pb.CommitSnapshotRequest), plain_reply),
-            "Restore": (self.restore, _plain(pb.RestoreRequest), plain_reply),
-            "ListSnapshots": (self.list_snapshots, _plain(pb.ListSnapshotsRequest), plain_reply),
-            "ConfigureReplication": (
-                self.configure_replication,
-                _plain(pb.ReplicationConfig),
+            "DropJob": (self.drop_job, plain(pb.DropJobRequest), plain_reply),
+            "Status": (self.status, plain(pb.StatusRequest), plain_reply),
+            "Lease": (self.lease, plain(pb.LeaseRequest), plain_reply),
+            "Snapshot": (self.snapshot, plain(pb.SnapshotRequest), plain_reply),
+            "CommitSnapshot": (
+                self.commit_snapshot,
+                plain(pb.CommitSnapshotRequest),
                 plain_reply,
             ),
-            "StoreReplica": (self.store_replica, _plain(pb.ReplicaChunk), plain_reply),
-            "ListReplicas": (self.list_replicas, _plain(pb.ListReplicasRequest), plain_reply),
-            "FetchReplica": (self.fetch_replica, _plain(pb.FetchReplicaRequest), plain_reply),
-            "LoadReplica": (self.load_replica, _plain(pb.ReplicaChunk), plain_reply),
-            "RollbackToReplica": (self.rollback, _plain(pb.RollbackRequest), plain_reply),
+            "Restore": (self.restore, plain(pb.RestoreRequest), plain_reply),
+            "ListSnapshots": (
+                self.list_snapshots,
+                plain(pb.ListSnapshotsRequest),
+                plain_reply,
+            ),
+            "ConfigureReplication": (
+                self.configure_replication,
+                plain(pb.ReplicationConfig),
+                plain_reply,
+            ),
+            "StoreReplica": (self.store_replica, plain(pb.ReplicaChunk), plain_reply),
+            "ListReplicas": (self.list_replicas, plain(pb.ListReplicasRequest), plain_reply),
+            "FetchReplica": (self.fetch_replica, plain(pb.FetchReplicaRequest), plain_reply),
+            "LoadReplica": (self.load_replica, plain(pb.ReplicaChunk), plain_reply),
+            "RollbackToReplica": (self.rollback, plain(pb.RollbackRequest), plain_reply),
         }
         handlers = {
             name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
@@ -207,7 +174,7 @@ class ShardServicer:
     @staticmethod
     def _guard(name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
         def handle(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, _Malformed):
+            if isinstance(request, Malformed):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"{name}: request does not parse as a {name} message: {request.error}",
@@ -226,7 +193,7 @@ class ShardServicer:
     def may_wait(self, method: str, request: Any) -> bool:
         """Whether a call may wait for other callers (False: what it asks for is here now, or
         it fails at once). A peek without locks, for the admission gate (server/admission.py)."""
-        if isinstance(request, _Malformed):
+        if isinstance(request, Malformed):
             return False
         if method == "PullParams":
             try:
