@@ -16,10 +16,14 @@ __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 # rank is back within about 6 s, before a server takes a late one for lost (server/leases.py).
 # The first wait stays grpc's 1 s: a dead server then fails every retry of a call at once,
 # instead of some of a collective's calls reaching its empty restart and waiting there.
+# Each channel keeps its own connections (grpc shares them between channels to one address by
+# default): a channel left to a stopped server, backing off, must not fail the calls of a new
+# client whose server got the same port (seen in CI as "Connection refused" from a live server).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 # Channels are made on first use from any rank's thread and closed from another (a harness
 # closing clients while a rank still runs): one lock for all specs, as channels are made rarely.
