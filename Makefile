@@ -63,7 +63,7 @@ $(STAMP): pyproject.toml
 # Files that reach servers through their API; unit tests that hand NumPy arrays to server
 # internals (test_optimizers, test_server_float64) are not among them.
 STRICT_TESTS := $(addprefix tests/test_,$(addsuffix .py,server_services bad_input collectives \
-  buffers nonfinite snapshots hardening_snapshots hardening_replication hardening_store \
+  bad_requests buffers nonfinite snapshots hardening_snapshots hardening_replication hardening_store \
   hardening_limits optimizer_state recovery determinism dlpack))
 STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(PY) -m pytest -q $(STRICT_TESTS)
 

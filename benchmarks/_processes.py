@@ -1,7 +1,8 @@
 """Child processes for the benchmarks: start them, talk to them line by line, stop them by PID.
 
 Shared by ``benchmarks.collectives``, ``benchmarks.strategies``, ``benchmarks.hybrid`` (and
-``benchmarks.recovery`` for ``free_port``). Conventions:
+``benchmarks.recovery`` for ``free_port``). Shard servers are started by ``paramshard launch``'s
+own code (``serve_processes``). Conventions:
 
 - A child runs one hidden mode of a benchmark module (``python -m benchmarks.X _mode ...``),
   is started with ``subprocess`` (so environment variables such as ``server.MALLOC_ENV`` are
@@ -172,7 +173,7 @@ def stop_all(children: Iterable[Child] | None = None, timeout: float = 15.0) -> 
             if c.proc.poll() is None:
                 if c.proc.stdin is not None:
                     c.proc.stdin.close()
-                if c.terminate_on_stop:
+                if getattr(c, "terminate_on_stop", True):  # serve_processes' have no stdin
                     c.proc.terminate()
         except OSError:
             pass
@@ -227,6 +228,15 @@ def child_env(tuned: bool) -> dict[str, str]:
     env.setdefault("GRPC_VERBOSITY", "ERROR")
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
+
+
+def serve_processes(n: int, timeout: float) -> tuple[list[Any], list[str]]:
+    """n ``paramshard serve --port 0`` started the way ``paramshard launch`` starts local
+    servers (paramshard/local_servers.py: they die with us), with ``server.MALLOC_ENV``;
+    returns them and their addresses. ``stop_all`` stops them (SIGTERM at once)."""
+    from paramshard.local_servers import start_local_servers
+
+    return start_local_servers(n, "cpu", child_env(tuned=True), timeout)
 
 
 def malloc_env_state() -> dict[str, str]:

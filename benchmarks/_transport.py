@@ -18,6 +18,7 @@ from benchmarks._processes import (
     expect_all,
     logger,
     proc_cpu_s,
+    serve_processes,
     stop_all,
 )
 
@@ -40,9 +41,11 @@ def child(name: str, argv: list[str], env: dict[str, str], lifetime: float) -> C
 def start_servers(
     w: int, plain: bool, a: argparse.Namespace, tag: str
 ) -> tuple[list[Child], list[str]]:
-    env = child_env(True)
+    """W server processes: ``paramshard serve``, or (``plain``) the plain-protobuf server mode."""
+    if not plain:
+        return serve_processes(w, 60)
     kids = [
-        child(f"{tag}server{i}", ["_server"] + (["--plain"] if plain else []), env, a.lifetime)
+        child(f"{tag}server{i}", ["_server", "--plain"], child_env(True), a.lifetime)
         for i in range(w)
     ]
     return kids, expect_all(kids, "ADDR", 60, watch=kids)

@@ -62,11 +62,11 @@ from typing import Any
 from benchmarks._processes import (
     Child,
     Load,
-    child_env,
     free_port,
     install_cleanup,
     logger,
     proc_cpu_s,
+    serve_processes,
     stop_all,
 )
 from benchmarks._strategy_ranks import (
@@ -173,28 +173,6 @@ def torch_memory(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-SERVE_SHIM = (
-    "import ctypes,os,signal,sys;"
-    "ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM);"  # die with the benchmark
-    "os.getppid()==int(sys.argv[1]) or sys.exit(3);"
-    "from paramshard.cli import main;"
-    "sys.exit(main(['serve','--port','0','--grace','0']))"
-)
-
-
-def start_servers(world: int, timeout: float) -> tuple[list[Child], list[str]]:
-    """``python -m paramshard serve --port 0`` x W (via a shim that only adds a parent-death
-    signal), with MALLOC_ENV set; returns them and their addresses."""
-    env = child_env(tuned=True)
-    cmd = [sys.executable, "-c", SERVE_SHIM, str(os.getpid())]
-    servers = [Child(f"server{i}", cmd, env, terminate_on_stop=True) for i in range(world)]
-    addresses = []
-    for s in servers:
-        text = s.expect("listening on ", timeout, watch=servers, anywhere=True)
-        addresses.append(text.split()[0])
-    return servers, addresses
-
-
 def run_cell(
     side: str,
     strategy: str,
@@ -245,7 +223,7 @@ def _run_cell(
         )
     servers: list[Child] = []
     try:
-        servers, addresses = start_servers(world, STARTUP_S)
+        servers, addresses = serve_processes(world, STARTUP_S)
         results = launch_ranks(
             "benchmarks.strategies",
             "_ours",

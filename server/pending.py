@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SlotName",
     "parse_key",
+    "run_epoch",
     "who",
     "slot_row",
     "step_row",
@@ -262,3 +263,20 @@ def pending_rows(
             rows.append(row)
     rows.sort(key=lambda r: -r.age_seconds)
     return rows[:limit], max(0, len(rows) - limit)
+
+
+def run_epoch(key: str, run: str) -> int | None:
+    """The epoch of slot ``key`` when it belongs to run ``run``, else None: keys ``<run>:...``,
+    its groups' ``<run>/<group>:...``, and after ``restart_collectives`` the same with
+    ``.e<N>`` after the run or the group (``<run>.e<N>/<group>:...``); the largest N counts."""
+    name = key.split(":", 1)[0]
+    if not name.startswith(run):
+        return None
+    rest = name[len(run) :]
+    if rest and not rest.startswith("/") and not _EPOCH_HEAD.match(rest):
+        return None  # another run whose id starts with this one's ("r2", "r.eval")
+    return max(map(int, _EPOCH.findall(rest)), default=0)
+
+
+_EPOCH = re.compile(r"\.e(\d+)(?=/|$)")
+_EPOCH_HEAD = re.compile(r"\.e\d+(?:/|$)")

@@ -26,7 +26,6 @@ Status name who arrived and who is missing (the hang doctor, server/pending.py).
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -36,7 +35,8 @@ from protos import shard_pb2 as pb
 from server import arrays, backend
 from server.errors import ShardError
 from server.limits import MemoryBudget
-from server.pending import parse_key, who
+from server.pending import parse_key, run_epoch, who
+from server.slot_checks import check_header, check_same
 
 __all__ = ["SlotStore"]
 
@@ -125,59 +125,9 @@ class SlotStore:
                 slot = self._slots[key] = _Slot(key)
             return slot
 
-    @staticmethod
-    def _check_header(h: pb.SlotHeader) -> None:
-        label = f"slot '{h.key}'"
-        if not h.key:
-            raise ShardError.invalid("Contribute needs a slot key")
-        if h.expected == 0 or h.readers == 0:
-            raise ShardError.invalid(f"{label}: expected contributors and readers must be >= 1")
-        if h.op not in (pb.SUM, pb.MEAN, pb.MAX, pb.MIN, pb.SET):
-            raise ShardError.invalid(f"{label}: unknown reduce op {h.op}")
-        if h.op == pb.SET and h.expected != 1:
-            raise ShardError.invalid(
-                f"{label}: SET takes exactly one contributor, not {h.expected}"
-            )
-        if h.contributor >= h.expected:
-            raise ShardError.invalid(
-                f"{label}: contributor {h.contributor} is outside 0..{h.expected - 1}"
-            )
-        if h.op == pb.MEAN and h.chunk.dtype in (pb.INT64, pb.INT32):
-            raise ShardError.invalid(f"{label}: MEAN needs a floating dtype, got integers")
-        c = h.chunk
-        if h.total_numel and h.chunk_numel == 0:
-            raise ShardError.invalid(f"{label}: chunk_numel must be positive")
-        if h.total_numel and (c.offset % h.chunk_numel or c.offset >= h.total_numel):
-            raise ShardError.invalid(
-                f"{label}: offset {c.offset:,} does not start a chunk of {h.chunk_numel:,}"
-                f" inside {h.total_numel:,} elements"
-            )
-        want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
-        if c.numel != want:
-            raise ShardError.invalid(
-                f"{label}: the chunk at offset {c.offset:,} has {want:,} elements, not {c.numel:,}"
-            )
-
-    @staticmethod
-    def _check_same(slot: _Slot, h: pb.SlotHeader) -> None:
-        meta = slot.meta
-        assert meta is not None
-        mine = [
-            (n, getattr(meta, n))
-            for n in ("op", "expected", "readers", "total_numel", "chunk_numel")
-        ]
-        mine += [("shape", list(meta.shape)), ("dtype", slot.dtype)]
-        theirs = [getattr(h, n) for n, _ in mine[:5]] + [list(h.shape), h.chunk.dtype]
-        for (name, old), new in zip(mine, theirs, strict=True):
-            if old != new:
-                raise ShardError.precondition(
-                    f"slot '{h.key}': {name} is {old} for earlier contributors, {new} for"
-                    f" contributor {h.contributor}"
-                )
-
     def contribute(self, h: pb.SlotHeader, data: memoryview) -> bool:
         """Adds a contribution; returns True when it had been counted before."""
-        self._check_header(h)
+        check_header(h)
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
         slot = self._slot(h.key)
         if slot is None:
@@ -186,7 +136,7 @@ class SlotStore:
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
             if slot.meta is not None:
-                self._check_same(slot, h)
+                check_same(slot, h)
             if h.chunk.offset in slot.freed:
                 return True
             chunk = slot.chunks.get(h.chunk.offset)
@@ -401,23 +351,6 @@ class SlotStore:
             self._ended[slot.key] = why
             while len(self._ended) > _FORGET_AFTER:
                 self._ended.popitem(last=False)
-
-
-def run_epoch(key: str, run: str) -> int | None:
-    """The epoch of slot ``key`` when it belongs to run ``run``, else None: keys ``<run>:...``,
-    its groups' ``<run>/<group>:...``, and after ``restart_collectives`` the same with
-    ``.e<N>`` after the run or the group (``<run>.e<N>/<group>:...``); the largest N counts."""
-    name = key.split(":", 1)[0]
-    if not name.startswith(run):
-        return None
-    rest = name[len(run) :]
-    if rest and not rest.startswith("/") and not _EPOCH_HEAD.match(rest):
-        return None  # another run whose id starts with this one's ("r2", "r.eval")
-    return max(map(int, _EPOCH.findall(rest)), default=0)
-
-
-_EPOCH = re.compile(r"\.e(\d+)(?=/|$)")
-_EPOCH_HEAD = re.compile(r"\.e\d+(?:/|$)")
 
 
 def _what(key: str) -> str:

@@ -13,31 +13,26 @@ rule (protos/slicing.py); the servers' real shards are per buffer and shown by `
 from __future__ import annotations
 
 import copy
-import io
 import json
-import os
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torch import nn
 
 from client import restarts
 from protos import slicing
-from protos.atomic import read_bytes, write_bytes
 from protos.manifest import MODEL_CONFIG_MAX_BYTES
 from strategies.config import ClientRank, ShardingConfiguration
 from strategies.layout import copy_flat_into, incompatible_keys, master_torch_dtype, to_master
 from strategies.losses import default_loss
 from strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
+from strategies.model_files import ModelFiles
 
 __all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 
-_FORMAT = "paramshard-model/1"
 # parameter id -> the wrapper holding it, so an optimizer wrapper built from
 # ``model.parameters()`` finds its model (torch's optimizers know only parameters).
 _OWNERS: weakref.WeakValueDictionary[int, ShardedModelBase] = weakref.WeakValueDictionary()
@@ -82,7 +77,7 @@ def hf_model_config(model: nn.Module) -> str:
     return described
 
 
-class ShardedModelBase(ClientRank, nn.Module):
+class ShardedModelBase(ModelFiles, ClientRank, nn.Module):
     """A torch model wrapped for training over the shard servers.
 
     The wrapper is an ``nn.Module``: ``model(x)``, ``parameters()``, ``state_dict()`` (full
@@ -365,44 +360,6 @@ class ShardedModelBase(ClientRank, nn.Module):
             self._load_full_state({**current, **tensors})
         self._invalidate()
         return keys
-
-    # -- serialisation ------------------------------------------------------------------------
-    def serialize(self) -> bytes:
-        """The full model (safetensors bytes with the strategy's metadata)."""
-        meta = {"format": _FORMAT, "metadata": json.dumps(self.get_model_metadata())}
-        state = {k: v.contiguous() for k, v in self.state_dict().items()}
-        shared: dict[int, str] = {}
-        for k, v in list(state.items()):  # safetensors refuses shared storage
-            if v.data_ptr() in shared:
-                state[k] = v.clone()
-            shared[state[k].data_ptr()] = k
-        return st_save(state, metadata=meta)
-
-    def deserialize(self, data: bytes) -> None:
-        try:
-            state = st_load(bytes(data))
-        except Exception as exc:
-            raise ValueError(f"deserialize: not a paramshard model ({exc})") from None
-        self.load_state_dict(state)
-
-    def save_model(self, path: str | os.PathLike) -> None:
-        """Writes ``serialize()`` to ``path`` atomically (temporary file, fsync, rename)."""
-        write_bytes(path, self.serialize())
-
-    def load_model(self, path: str | os.PathLike) -> None:
-        data = read_bytes(path, "load_model", "model")
-        try:
-            self.deserialize(data)
-        except ValueError as exc:
-            raise ValueError(
-                f"load_model: {os.fspath(path)!r} is corrupt or not a model: {exc}"
-            ) from None
-
-    def save_state(self, stream: io.RawIOBase | Any) -> None:
-        stream.write(self.serialize())
-
-    def load_state(self, stream: io.RawIOBase | Any) -> None:
-        self.deserialize(stream.read())
 
     def get_model_metadata(self) -> dict[str, Any]:
         return {

@@ -29,6 +29,7 @@ from strategies.base import _OWNERS, ShardedModelBase
 from strategies.config import ShardingConfiguration
 from strategies.data_parallel.optim import ShardedOptimizer, ZeRO1Optimizer
 from strategies.data_parallel.zero import ZeRO1Model
+from strategies.hybrid_checkpoints import HybridCheckpoints
 from strategies.layout import master_torch_dtype, norm_tensor, to_master
 from strategies.mixed_precision import outputs_for_loss
 from strategies.nonfinite import across_parts, name_parts, seen_by
@@ -45,7 +46,7 @@ from strategies.topology import Topology
 __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
 
 
-class HybridShardedModel(ShardedModelBase):
+class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
     """Any ``model`` over ``pipeline_parallel_size x tensor_parallel_size x
     data_parallel_size`` ranks (-1: the rest of the world). ``train_on_batch(x, y, **inputs)``
     takes this data-parallel replica's part of the global batch (see ``data_parallel_rank`` /
@@ -318,78 +319,6 @@ class HybridShardedModel(ShardedModelBase):
     def load_optimizer_state(self, states: dict[int, dict[str, Any]]) -> None:
         """The inverse, on the same topology (collective over the data group)."""
         self.replica.load_optimizer_state(states)
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, tag: str) -> int:
-        """Snapshot of the whole model on the servers under ``tag``: one snapshot per (stage,
-        tensor rank) job (``<job>.pp<s>.tp<t>``), all at one version and committed only once
-        every part is written, tensor-parallel parts marked in their manifests.
-        ``paramshard export --snapshot <dir>/<job>/<tag>`` puts the whole model back together.
-        Every rank calls it at the same point; returns the version captured."""
-        from client import tools
-
-        world = self.config.client
-        self.replica._ensure_idle()
-        world.barrier()  # every part has stepped as far as it will before the capture
-        version = self.replica.step_count
-        if world.rank == 0:
-            version = tools.snapshot(world, self.config.job, tag)["version"]
-        world.barrier()
-        return version
-
-    def load_checkpoint(self, tag: str = "latest") -> int:
-        """Restores snapshot ``tag`` of the whole model (resharded over these servers if their
-        number changed) and continues from its step. All parts are checked on every server
-        before any is swapped in, and "latest" is the newest tag every part has. Every rank
-        calls it."""
-        from client import tools
-
-        replica, world = self.replica, self.config.client
-        if not replica.registered:
-            raise RuntimeError("load_checkpoint needs a HybridShardedOptimizer attached first")
-        replica._ensure_idle()
-        world.barrier()  # nobody still reads the old state when rank 0 replaces it
-        if world.rank == 0:
-            tools.restore(world, self.config.job, tag, contributors=self.data_parallel_size)
-        world.barrier()
-        version = replica._adopt_server_version()
-        self._invalidate()
-        world.barrier()
-        return version
-
-    # -- recovery (strategies.train_with_recovery) -----------------------------------------------
-    @property
-    def registered(self) -> bool:
-        """Whether the optimizer is attached (this rank's part registered on its servers)."""
-        return self.replica.registered
-
-    @property
-    def step_count(self) -> int:
-        """Optimizer steps applied (the servers' version of this rank's part)."""
-        return self.replica.step_count
-
-    def restart_collectives(self, epoch: int) -> None:
-        """After a failure left ranks at different collectives: every group this rank is in
-        numbers its collectives afresh in ``epoch`` (the same on every rank)."""
-        tied = [group for group, _ in self.pipeline.tied_groups]
-        groups = (self.groups.tp, self.groups.pp, self.groups.dp, *tied)
-        for client in (self.config.client, *groups):
-            if client is not None:
-                client.restart_collectives(epoch)
-
-    def abandon_step(self) -> None:
-        """Drops a step that cannot finish (a server died): pushes in flight, the pipeline's
-        pending transfers, gradients pushed so far."""
-        self.replica.abandon_step()
-        self.pipeline.abandon()
-        self._verdict = None
-        self._invalidate()
-
-    def recover(self) -> int:
-        """After a server died and came back: every part returns to the newest snapshot all
-        parts have (``load_checkpoint("latest")``; a restarted server gets its own slices
-        back); returns the step to continue from. Every rank calls it."""
-        return self.load_checkpoint("latest")
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

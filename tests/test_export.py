@@ -21,7 +21,7 @@ from conftest import run_ranks
 from numerics import assert_equivalent
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_snapshots import (
+from snapshot_job import (
     CFG,
     STEPS,
     batches,

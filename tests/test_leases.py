@@ -25,7 +25,8 @@ from client.leases import LEASE_TTL_ENV, Notice, RunState
 from protos import shard_pb2 as pb
 from server.errors import ShardError
 from server.leases import ISOLATED_GRACE_S, LeaseTable
-from server.slots import SlotStore, run_epoch
+from server.pending import run_epoch
+from server.slots import SlotStore
 
 
 class Clock:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_ranks, worker_env
 from safetensors.torch import load_file
-from test_snapshots import (
+from snapshot_job import (
     CFG,
     batches,
     initial_weights,

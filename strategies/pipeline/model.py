@@ -31,6 +31,7 @@ from torch.utils import _pytree as pytree
 
 from strategies.config import ShardingConfiguration
 from strategies.losses import default_loss
+from strategies.pipeline.batches import call_args, micro_batches
 from strategies.pipeline.communications import _LIKE, Mailroom, new_pools, pack, unpack
 from strategies.pipeline.materialize import InitWeights, WeightInit
 from strategies.pipeline.partition import PartitionName, default_split_points
@@ -40,7 +41,8 @@ from strategies.pipeline.schedules import (
     schedule_name,
     theoretical_bubble_fraction,
 )
-from strategies.pipeline.split import RankStages, plan_stages
+from strategies.pipeline.split import plan_stages
+from strategies.pipeline.stages import RankStages
 from strategies.topology import ring_neighbours
 
 if TYPE_CHECKING:
@@ -199,7 +201,7 @@ class PipelineParallelModel(nn.Module):
         """The whole model's forward through the pipeline, without backward (collective over
         the pipeline group): the last stage returns the output, the others None."""
         p, last = self.num_stages, self.num_stages * self.virtual_stages - 1
-        args, kwargs = self._call_args(x, inputs)
+        args, kwargs = call_args(x, inputs, self._use_cache)
         out = None
         with torch.enable_grad():  # activations are the tensors that need gradients
             for c, runner in enumerate(self._runners):
@@ -230,7 +232,13 @@ class PipelineParallelModel(nn.Module):
         """
         m, p = self.micro_batch_count, self.num_stages
         last_virtual = p * self.virtual_stages - 1
-        batches = self._micro_batches(x, y, inputs)
+        batches = micro_batches(
+            call_args(x, inputs, self._use_cache),
+            y,
+            self.micro_batch_count,
+            self.stage_index,
+            self.is_last,
+        )
         loss_fn = loss_fn or default_loss
         prev, nxt = ring_neighbours(self.stage_index, p)
         # Shared weights' earlier gradients are set aside so that only this batch's
@@ -330,42 +338,6 @@ class PipelineParallelModel(nn.Module):
         pools, self._comm_pools = self._comm_pools, None
         for pool in pools or ():
             pool.shutdown(wait=False, cancel_futures=True)
-
-    def _call_args(self, x: Any, inputs: dict[str, Any]) -> tuple[tuple, dict]:
-        kwargs = dict(inputs)
-        if isinstance(x, dict):
-            kwargs.update(x)
-            args: tuple = ()
-        else:
-            args = () if x is None else (x,)
-        if self._use_cache and "use_cache" not in kwargs:
-            kwargs["use_cache"] = False  # a cache across micro-batches means nothing here
-        return args, kwargs
-
-    def _micro_batches(self, x: Any, y: Any, inputs: dict[str, Any]) -> list[tuple]:
-        m = self.micro_batch_count
-        args, kwargs = self._call_args(x, inputs)
-        tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        if not tensors:
-            raise ValueError(f"stage {self.stage_index} needs x (every stage runs the inputs)")
-        batch = tensors[0].shape[0] if tensors[0].dim() else 0
-        if batch % m != 0:
-            raise ValueError(
-                f"batch size {batch} of x is not divisible by micro_batch_count {m};"
-                " equal micro-batches keep the 1/m loss scaling exact"
-            )
-
-        def cut(t: Any) -> list[Any]:
-            if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batch:
-                return list(t.chunk(m))
-            return [t] * m
-
-        a = [cut(t) for t in args]
-        kw = {k: cut(t) for k, t in kwargs.items()}
-        if y is not None and self.is_last and y.shape[0] != batch:
-            raise ValueError(f"batch size {y.shape[0]} of y differs from x's {batch}")
-        ys = cut(y) if y is not None else [None] * m
-        return [(tuple(t[i] for t in a), {k: v[i] for k, v in kw.items()}, ys[i]) for i in range(m)]
 
     def _sync_tied_grads(self, stashed: list[list[torch.Tensor | None]]) -> None:
         """Megatron's embedding all-reduce: every copy gets the sum of all copies' gradients."""
