@@ -48,6 +48,7 @@ from examples.gpt import (  # noqa: E402
     param_groups,
     split_text,
 )
+from examples.progress import progress_bar, summarize  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hybrid")
 BETAS = (0.9, 0.95)
@@ -152,29 +153,6 @@ def lr_lambda(steps: int) -> Any:
         return 1.0 - 0.9 * (step - warmup) / max(1, steps - warmup)
 
     return factor
-
-
-def progress_bar(args: argparse.Namespace, start: int, enabled: bool) -> Any:
-    """tqdm on rank 0: redrawn in place on a terminal; else one line every --log-every steps
-    ("step   10/60  loss=..."), which launchers and log files keep readable."""
-    from tqdm import tqdm
-
-    if sys.stderr.isatty():
-        return tqdm(total=args.steps, initial=start, disable=not enabled, unit="step")
-
-    class Lines:  # tqdm redraws with "\r"; each redraw becomes one line
-        def write(self, text: str) -> None:
-            if text.strip("\r\n "):
-                print(text.strip("\r\n "), flush=True)
-
-        def flush(self) -> None:
-            sys.stdout.flush()
-
-    return tqdm(
-        total=args.steps, initial=start, disable=not enabled, file=Lines(), ncols=80,
-        miniters=args.log_every, mininterval=0, maxinterval=float("inf"), leave=False,
-        unit="step", bar_format="step {n:4d}/{total}{postfix}  [{elapsed}<{remaining}, {rate_fmt}]",
-    )  # fmt: skip
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -288,45 +266,12 @@ def run_rank(args: argparse.Namespace) -> int:
         model = whole
     if rank != 0:
         return 0
-    losses = [report.losses[s] for s in sorted(report.losses)]
-    if not losses:
-        print(f"done: the servers were at step {start} already", flush=True)
-        return 0
-    steps = sorted(report.losses)
-    print(
-        f"done: {len(losses)} steps in {elapsed:.1f} s,"
-        f" {len(losses) * args.batch_size * args.block_size / elapsed:.0f} tok/s,"
-        f" {100 * comm / elapsed:.0f}% of the time in communication",
-        flush=True,
-    )
-    print(
-        f"steps {steps[0] + 1}..{steps[-1] + 1} trained"
-        f" ({'continuous' if steps == list(range(start, end)) else 'NOT continuous'}), the"
-        f" servers at version {end}; {report.recoveries} recoveries"
-        + "".join(f", resumed at step {r + 1}" for r in report.resumed_at)
-        + f"; {report.replayed_steps} steps replayed",
-        flush=True,
-    )
-    k = min(5, len(losses))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"first loss {first:.4f} -> last loss {last:.4f} (mean of {k} steps each)", flush=True)
-    sample = generate(model, tok, "The ", 80, args.block_size, SAMPLE_TEMPERATURE,
-                      torch.Generator().manual_seed(args.seed))  # fmt: skip
-    print(f"sample: {sample!r}", flush=True)
-    if args.target_loss is not None:
-        val = val_losses[max(val_losses)] if val_losses else float("nan")
-        if not val < args.target_loss:
-            print(f"FAILED: validation loss {val:.4f} not below {args.target_loss}", flush=True)
-            return 1
-        print(f"OK: validation loss {val:.4f} < {args.target_loss} at step {end}", flush=True)
-    if start and len(losses) < 2 * k:
-        print(f"OK: resumed at step {start}; too few steps left to judge the loss", flush=True)
-        return 0
-    if not last < first:
-        print("FAILED: the loss did not go down", flush=True)
-        return 1
-    print("OK: the loss went down", flush=True)
-    return 0
+
+    def sample() -> str:
+        gen = torch.Generator().manual_seed(args.seed)
+        return generate(model, tok, "The ", 80, args.block_size, SAMPLE_TEMPERATURE, gen)
+
+    return summarize(args, report, start, end, elapsed, comm, val_losses, sample)
 
 
 def main(argv: list[str] | None = None) -> int:

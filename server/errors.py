@@ -7,6 +7,11 @@ import grpc
 __all__ = ["ShardError"]
 
 
+def _status(code: grpc.StatusCode) -> classmethod:
+    """``ShardError.<name>(message)``: a ShardError with status ``code``."""
+    return classmethod(lambda cls, message: cls(code, message))
+
+
 class ShardError(Exception):
     """A rejected request. The servicer turns it into a gRPC status; state is left untouched."""
 
@@ -15,26 +20,10 @@ class ShardError(Exception):
         self.code = code
         self.message = message
 
-    @classmethod
-    def invalid(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-    @classmethod
-    def not_found(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.NOT_FOUND, message)
-
-    @classmethod
-    def precondition(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.FAILED_PRECONDITION, message)
-
-    @classmethod
-    def exhausted(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-
-    @classmethod
-    def deadline(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.DEADLINE_EXCEEDED, message)
-
-    @classmethod
-    def aborted(cls, message: str) -> ShardError:
-        return cls(grpc.StatusCode.ABORTED, message)
+    # One factory per status code the store uses: ``ShardError.invalid("...")``.
+    invalid = _status(grpc.StatusCode.INVALID_ARGUMENT)
+    not_found = _status(grpc.StatusCode.NOT_FOUND)
+    precondition = _status(grpc.StatusCode.FAILED_PRECONDITION)
+    exhausted = _status(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    deadline = _status(grpc.StatusCode.DEADLINE_EXCEEDED)
+    aborted = _status(grpc.StatusCode.ABORTED)

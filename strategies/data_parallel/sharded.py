@@ -59,7 +59,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
         self,
         model: nn.Module,
         config: ShardingConfiguration,
-        wrap: tuple[type[nn.Module], ...] | None = None,
+        *,
+        wrap: tuple[type[nn.Module], ...] | None = None,  # FSDP's units; ZeRO has none
     ) -> None:
         super().__init__(model, config)
         self._units = plan_units(
