@@ -64,7 +64,7 @@ $(STAMP): pyproject.toml
 # internals (test_optimizers, test_server_float64) are not among them.
 STRICT_TESTS := $(addprefix tests/test_,$(addsuffix .py,server_services bad_input collectives \
   bad_requests buffers nonfinite snapshots hardening_snapshots hardening_replication hardening_store \
-  hardening_limits optimizer_state recovery determinism dlpack))
+  hardening_limits optimizer_state recovery determinism dlpack shm))
 STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(PY) -m pytest -q $(STRICT_TESTS)
 
 # Both runs happen even when the first fails, so one pass shows everything to fix; the exit

@@ -22,6 +22,7 @@ import numpy as np
 
 from client.cluster import ClusterSpec
 from client.leases import WAITS_ON_PEERS, RunState
+from client.shm import Segment, SharedMemory, is_stale
 from protos import codec, local_servers
 from protos import shard_pb2 as pb
 
@@ -70,6 +71,9 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "FetchReplica": pb.ReplicaChunk.FromString,
     "LoadReplica": pb.ReplicaAck.FromString,
     "RollbackToReplica": pb.RestoreReply.FromString,
+    "OfferSegment": pb.OfferSegmentReply.FromString,
+    "ConfirmSegment": pb.ConfirmSegmentReply.FromString,
+    "ReleaseSegments": pb.ReleaseSegmentsReply.FromString,
 }
 
 
@@ -162,6 +166,28 @@ def _local_call(call: Call, address: str, request: Any, timeout: float) -> Any:
     return _LocalFuture(_local_pool.submit(run))
 
 
+class _ShmFuture:
+    """A call whose payload or reply is in a shared segment (client/shm.py): a failure
+    retires the segment; ``settle`` gives it back after the reply was used."""
+
+    def __init__(self, fut: Any, shm: SharedMemory, seg: Segment) -> None:
+        self._fut, self._shm, self.seg = fut, shm, seg
+
+    def cancel(self) -> bool:
+        return self._fut.cancel()
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            reply = self._fut.result(timeout)
+            return self._shm.reply_payload(self.seg, reply)
+        except BaseException:
+            self._shm.retire(self.seg)
+            raise
+
+    def settle(self, reply: Any, consumed: bool) -> Any:
+        return self._shm.settle(self.seg, reply, consumed)
+
+
 class _Done:
     """A call already finished (see ``RpcCore._send``'s blocking path), as a future."""
 
@@ -217,6 +243,7 @@ class RpcCore:
         self._local_calls: weakref.WeakSet[_LocalFuture] = weakref.WeakSet()
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
+        self.shm = SharedMemory(self)  # payloads to servers on this host (client/shm.py)
 
     @property
     def num_servers(self) -> int:
@@ -271,16 +298,23 @@ class RpcCore:
                 if peers:
                     self.run_state.track(local)
                 return local
+        request, seg = self.shm.attach(call.server, call.method, request)
         stub = self._stub(call.server, call.method)
         if alone and call.method not in _MAY_WAIT:
             try:
-                return _Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
+                future = _Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
             except grpc.RpcError as exc:
-                return _Done(error=exc)
-        future = stub.future(request, timeout=timeout, metadata=self.spec.metadata())
-        if peers:  # an abort notice cancels it (client/leases.py)
-            self.run_state.track(future)
-        return future
+                future = _Done(error=exc)
+        else:
+            future = stub.future(request, timeout=timeout, metadata=self.spec.metadata())
+            if peers:  # an abort notice cancels it (client/leases.py)
+                self.run_state.track(future)
+        return future if seg is None else _ShmFuture(future, self.shm, seg)
+
+    def plain_call(self, server: int, method: str, request: Any, timeout: float) -> Any:
+        """One call through gRPC, no retries (grpc.RpcError on failure)."""
+        stub = self._stub(server, method)
+        return stub(request, timeout=timeout, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
         return ShardClientError(
@@ -326,6 +360,12 @@ class RpcCore:
                 pause = _busy_pause(busy, began + self.timeout_s) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
+                elif isinstance(fut, _ShmFuture) and is_stale(err.code, err.details):
+                    # the server restarted (nothing was done): new segments, or in-band
+                    self.shm.reset(call.server)
+                    fut = self._send(call, alone)
+                    in_flight.appendleft((i, call, fut, attempt, busy, began))
+                    continue
                 elif err.code in RETRYABLE and attempt < self.retries:
                     time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
                     fut = self._send(call, alone)
@@ -344,6 +384,8 @@ class RpcCore:
                     continue
             if call.on_result is not None and reply is not None:
                 call.on_result(reply)
+            if isinstance(fut, _ShmFuture):  # the reply was read: the segment is free again
+                reply = fut.settle(reply, consumed=call.on_result is not None)
             while len(results) <= i:
                 results.append(None)
             results[i] = reply
@@ -365,6 +407,7 @@ class RpcCore:
             pending = list(self._local_calls)
         for fut in pending:
             fut.cancel()
+        self.shm.close()
         self.spec.close()
 
 

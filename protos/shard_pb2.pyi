@@ -133,18 +133,20 @@ class Chunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., numel: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class SetParamsHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "version", "state", "optimizer_steps")
+    __slots__ = ("ref", "chunk", "version", "state", "optimizer_steps", "shm")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     version: int
     state: str
     optimizer_steps: int
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., state: _Optional[str] = ..., optimizer_steps: _Optional[int] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class SetParamsRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -176,7 +178,7 @@ class StepArgs(_message.Message):
     def __init__(self, hyper: _Optional[_Mapping[str, float]] = ..., clip_coef: _Optional[float] = ...) -> None: ...
 
 class PushGradHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "step", "contributor", "micro", "num_micro", "step_args")
+    __slots__ = ("ref", "chunk", "step", "contributor", "micro", "num_micro", "step_args", "shm")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +186,7 @@ class PushGradHeader(_message.Message):
     MICRO_FIELD_NUMBER: _ClassVar[int]
     NUM_MICRO_FIELD_NUMBER: _ClassVar[int]
     STEP_ARGS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     step: int
@@ -191,7 +194,8 @@ class PushGradHeader(_message.Message):
     micro: int
     num_micro: int
     step_args: StepArgs
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[int] = ..., contributor: _Optional[int] = ..., micro: _Optional[int] = ..., num_micro: _Optional[int] = ..., step_args: _Optional[_Union[StepArgs, _Mapping]] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[int] = ..., contributor: _Optional[int] = ..., micro: _Optional[int] = ..., num_micro: _Optional[int] = ..., step_args: _Optional[_Union[StepArgs, _Mapping]] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class PushGradRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -212,28 +216,32 @@ class PushGradReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ..., reduced: _Optional[bool] = ..., version: _Optional[int] = ...) -> None: ...
 
 class PullParamsRequest(_message.Message):
-    __slots__ = ("ref", "min_version", "chunk", "state")
+    __slots__ = ("ref", "min_version", "chunk", "state", "reply_shm")
     REF_FIELD_NUMBER: _ClassVar[int]
     MIN_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SHM_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     min_version: int
     chunk: Chunk
     state: str
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., min_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., state: _Optional[str] = ...) -> None: ...
+    reply_shm: ShmRef
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., min_version: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., state: _Optional[str] = ..., reply_shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class PullParamsHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "version", "optimizer_steps")
+    __slots__ = ("ref", "chunk", "version", "optimizer_steps", "shm")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     version: int
     optimizer_steps: int
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., optimizer_steps: _Optional[int] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., version: _Optional[int] = ..., optimizer_steps: _Optional[int] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class PullParamsReply(_message.Message):
     __slots__ = ("header", "data")
@@ -324,7 +332,7 @@ class LeaseReply(_message.Message):
     def __init__(self, aborted: _Optional[str] = ..., aborted_epoch: _Optional[int] = ..., lost_rank: _Optional[int] = ..., awaiting: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SlotHeader(_message.Message):
-    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order")
+    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order", "shm")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +343,7 @@ class SlotHeader(_message.Message):
     CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
     CHUNK_NUMEL_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     key: str
     op: ReduceOp
     expected: int
@@ -345,7 +354,8 @@ class SlotHeader(_message.Message):
     contributor: int
     chunk_numel: int
     arrival_order: bool
-    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ..., arrival_order: _Optional[bool] = ...) -> None: ...
+    shm: ShmRef
+    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ..., arrival_order: _Optional[bool] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class ContributeRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -362,14 +372,16 @@ class ContributeReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class ReadSlotRequest(_message.Message):
-    __slots__ = ("key", "offset", "reader")
+    __slots__ = ("key", "offset", "reader", "reply_shm")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SHM_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     reader: int
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., reader: _Optional[int] = ...) -> None: ...
+    reply_shm: ShmRef
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., reader: _Optional[int] = ..., reply_shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class ReadSlotReply(_message.Message):
     __slots__ = ("header", "data")
@@ -719,3 +731,55 @@ class RollbackRequest(_message.Message):
     job: str
     version: int
     def __init__(self, job: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class ShmRef(_message.Message):
+    __slots__ = ("segment", "offset", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    offset: int
+    nbytes: int
+    def __init__(self, segment: _Optional[int] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class OfferSegmentRequest(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class OfferSegmentReply(_message.Message):
+    __slots__ = ("segment", "socket", "ticket", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    socket: str
+    ticket: bytes
+    nbytes: int
+    def __init__(self, segment: _Optional[int] = ..., socket: _Optional[str] = ..., ticket: _Optional[bytes] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class ConfirmSegmentRequest(_message.Message):
+    __slots__ = ("segment", "proof")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    segment: int
+    proof: bytes
+    def __init__(self, segment: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class ConfirmSegmentReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReleaseSegmentsRequest(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, segments: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseSegmentsReply(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...

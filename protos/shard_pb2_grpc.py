@@ -139,6 +139,21 @@ class ShardStub:
                 request_serializer=protos_dot_shard__pb2.RollbackRequest.SerializeToString,
                 response_deserializer=protos_dot_shard__pb2.RestoreReply.FromString,
                 _registered_method=True)
+        self.OfferSegment = channel.unary_unary(
+                '/paramshard.v1.Shard/OfferSegment',
+                request_serializer=protos_dot_shard__pb2.OfferSegmentRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.OfferSegmentReply.FromString,
+                _registered_method=True)
+        self.ConfirmSegment = channel.unary_unary(
+                '/paramshard.v1.Shard/ConfirmSegment',
+                request_serializer=protos_dot_shard__pb2.ConfirmSegmentRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ConfirmSegmentReply.FromString,
+                _registered_method=True)
+        self.ReleaseSegments = channel.unary_unary(
+                '/paramshard.v1.Shard/ReleaseSegments',
+                request_serializer=protos_dot_shard__pb2.ReleaseSegmentsRequest.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.ReleaseSegmentsReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -307,6 +322,28 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferSegment(self, request, context):
+        """Shared memory with a client on this host (DESIGN section 7): the server offers a segment
+        (a memfd handed over a Unix socket of its own to whoever shows the ticket), the client maps
+        it and proves it by echoing the bytes the server put at its start; tensor payloads then
+        travel in the segment, referenced by `ShmRef` fields. Segments belong to the caller's token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConfirmSegment(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseSegments(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -414,6 +451,21 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.RollbackToReplica,
                     request_deserializer=protos_dot_shard__pb2.RollbackRequest.FromString,
                     response_serializer=protos_dot_shard__pb2.RestoreReply.SerializeToString,
+            ),
+            'OfferSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferSegment,
+                    request_deserializer=protos_dot_shard__pb2.OfferSegmentRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.OfferSegmentReply.SerializeToString,
+            ),
+            'ConfirmSegment': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConfirmSegment,
+                    request_deserializer=protos_dot_shard__pb2.ConfirmSegmentRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.ConfirmSegmentReply.SerializeToString,
+            ),
+            'ReleaseSegments': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseSegments,
+                    request_deserializer=protos_dot_shard__pb2.ReleaseSegmentsRequest.FromString,
+                    response_serializer=protos_dot_shard__pb2.ReleaseSegmentsReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -983,6 +1035,87 @@ class Shard:
             '/paramshard.v1.Shard/RollbackToReplica',
             protos_dot_shard__pb2.RollbackRequest.SerializeToString,
             protos_dot_shard__pb2.RestoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/OfferSegment',
+            protos_dot_shard__pb2.OfferSegmentRequest.SerializeToString,
+            protos_dot_shard__pb2.OfferSegmentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConfirmSegment(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ConfirmSegment',
+            protos_dot_shard__pb2.ConfirmSegmentRequest.SerializeToString,
+            protos_dot_shard__pb2.ConfirmSegmentReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseSegments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ReleaseSegments',
+            protos_dot_shard__pb2.ReleaseSegmentsRequest.SerializeToString,
+            protos_dot_shard__pb2.ReleaseSegmentsReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,8 +137,11 @@ class ShardServer:
             max_memory=memory,
             pending_ttl_s=pending_ttl_s,
         )
+        segments = self.servicer.segments  # a payload in shared memory is no larger than a message
+        segments.max_segment_bytes = min(segments.max_segment_bytes, max_receive_bytes)
         self.sweeper = Sweeper(
-            [self.servicer.slots.expire, self.servicer.leases.sweep], sweep_period(pending_ttl_s)
+            [self.servicer.slots.expire, self.servicer.leases.sweep, self.servicer.segments.expire],
+            sweep_period(pending_ttl_s),
         )
         if peer_credentials is None and self.tls:
             peer_credentials = auth.peer_channel_credentials(tls_cert, tls_key, tls_ca, peer_tls_ca)
@@ -247,6 +250,7 @@ class ShardServer:
         self._server.stop(grace).wait()
         self.sweeper.stop()
         self.servicer.replicator.close()
+        self.servicer.segments.close()
         if self.metrics is not None:
             self.metrics.close()
 

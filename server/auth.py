@@ -40,10 +40,12 @@ from typing import Any
 
 import grpc
 
-from server.servicer import SERVICE_NAME
+from protos import shard_pb2 as pb
 
 __all__ = [
+    "SERVICE_NAME",
     "ROLES",
+    "bearer",
     "METHOD_ROLES",
     "OPEN_SERVICES",
     "TokenAuthInterceptor",
@@ -60,6 +62,8 @@ __all__ = [
     "certificate_names",
 ]
 
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Shard"].full_name  # "paramshard.v1.Shard"
+
 LADDER = ("read", "train", "admin")
 """From least to most: a token's role includes every role before it."""
 PEER = "peer"
@@ -73,6 +77,9 @@ METHOD_ROLES: dict[str, str] = {
     "PullParams": "read",  # trainers pull too, but so do inspect/get/export
     "ListSnapshots": "read",
     "ListReplicas": "read",
+    "OfferSegment": "read",  # shared memory for pulls too; segments belong to the token
+    "ConfirmSegment": "read",
+    "ReleaseSegments": "read",
     # train: everything a training step does, collectives included
     "RegisterBuffer": "train",
     "SetParams": "train",
@@ -264,7 +271,7 @@ def check_binding(host: str, *, tls: bool, tokens: bool, insecure: bool) -> bool
 
 
 # --------------------------------------------------------------------------------- interceptor
-def _bearer(metadata: Any) -> str | None:
+def bearer(metadata: Any) -> str | None:
     """The token of an ``authorization: Bearer TOKEN`` header; "" when the header is malformed."""
     for key, value in metadata or ():
         if key == "authorization":
@@ -341,7 +348,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def caller_role(self, metadata: Any) -> str | None:
         """The role of the token in ``metadata``; None without a known one."""
-        token = _bearer(metadata)
+        token = bearer(metadata)
         return self.role_of(token) if token else None
 
     def intercept_service(
@@ -357,7 +364,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None  # UNIMPLEMENTED: the method list is public anyway (reflection)
         name = method.rsplit("/", 1)[-1]
-        token = _bearer(handler_call_details.invocation_metadata)
+        token = bearer(handler_call_details.invocation_metadata)
         refusal = self._refusal(name, need, token)
         if refusal is None:
             return handler

@@ -11,6 +11,7 @@ it is allocated, and paid back when it is freed:
   grow without bound;
 - ``slots``: reduction slots and mailboxes, their accumulators and staged contributions;
 - ``replicas``: replica chunks being received, and the replicas kept (received and own).
+- ``shm``: shared-memory segments offered to clients on this host (server/shm.py).
 
 A reservation past the limit fails with RESOURCE_EXHAUSTED naming what was asked, what is in
 use and the limit, before anything changes. The check and the update happen under one lock, so
@@ -44,7 +45,7 @@ __all__ = [
     "DEFAULT_FRACTION",
 ]
 
-KINDS = ("buffers", "staging", "slots", "replicas")
+KINDS = ("buffers", "staging", "slots", "replicas", "shm")
 """What the budget pays for (see the module docstring)."""
 DEFAULT_FRACTION = 0.9
 """The default limit, as a fraction of the host's (or the device's) memory."""

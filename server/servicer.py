@@ -21,12 +21,14 @@ from protos import shard_pb2 as pb
 from protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from protos.placement import recorded_placement
 from server import backend
+from server.auth import SERVICE_NAME  # one name for the service: the proto's
 from server.errors import ShardError
 from server.leases import LeaseTable
 from server.limits import MemoryBudget
 from server.nonfinite import grad_norm_reply, step_reply
 from server.parsers import Malformed, plain, tensor, tensor_reply
 from server.replication import Replicator
+from server.shm import SegmentRegistry
 from server.slots import SlotStore
 from server.snapshots import SnapshotDir
 from server.status import status_reply
@@ -34,7 +36,6 @@ from server.store import BufferSlice, BufferStore
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
-SERVICE_NAME = "paramshard.v1.Shard"
 VERSION = "0.1.0"
 log = logging.getLogger("paramshard.server")
 
@@ -61,6 +62,7 @@ class ShardServicer:
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
+        self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
         self.max_wait_s = max_wait_s
         self.started = time.time()
         self.server_index = 0
@@ -139,6 +141,7 @@ class ShardServicer:
             "FetchReplica": (self.fetch_replica, plain(pb.FetchReplicaRequest), plain_reply),
             "LoadReplica": (self.load_replica, plain(pb.ReplicaChunk), plain_reply),
             "RollbackToReplica": (self.rollback, plain(pb.RollbackRequest), plain_reply),
+            **self.segments.handlers(),
         }
         handlers = {
             name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
@@ -216,18 +219,19 @@ class ShardServicer:
             )
 
     def set_params(self, msg: tuple[pb.SetParamsHeader, memoryview], context: Any) -> Any:
-        header, data = msg
+        header, data = self.segments.payload(msg, context)
         b = self.buffers.get(header.ref.job, header.ref.buffer)
         return pb.SetParamsReply(initialized=b.set_params(header, data))
 
     def push_grad(self, msg: tuple[pb.PushGradHeader, memoryview], context: Any) -> Any:
-        header, data = msg
+        header, data = self.segments.payload(msg, context)
         b = self.buffers.get(header.ref.job, header.ref.buffer)
         return b.push_grad(header, data, self._timeout(context))
 
     def pull_params(self, req: pb.PullParamsRequest, context: Any) -> Any:
         b = self.buffers.get(req.ref.job, req.ref.buffer)
-        return b.pull(req, self._timeout(context), getattr(self, "_encode_pull", None))
+        encode = self.segments.reply_encoder(req, context, getattr(self, "_encode_pull", None))
+        return b.pull(req, self._timeout(context), encode)
 
     def grad_norm(self, req: pb.GradNormRequest, context: Any) -> Any:
         slices = [self.buffers.get(req.job, name) for name in req.buffers]
@@ -239,11 +243,11 @@ class ShardServicer:
 
     # -- slots ---------------------------------------------------------------------------
     def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:
-        header, data = msg
+        header, data = self.segments.payload(msg, context)
         return pb.ContributeReply(duplicate=self.slots.contribute(header, data))
 
     def read_slot(self, req: pb.ReadSlotRequest, context: Any) -> Any:
-        return self.slots.read(req, self._timeout(context))
+        return self.segments.reply(req, context, *self.slots.read(req, self._timeout(context)))
 
     # -- administration ------------------------------------------------------------------
     def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:

@@ -46,6 +46,9 @@ METHODS = {
     "FetchReplica",
     "LoadReplica",
     "RollbackToReplica",
+    "OfferSegment",
+    "ConfirmSegment",
+    "ReleaseSegments",
 }
 
 

@@ -219,7 +219,10 @@ class NetLab:
     def env(self, **extra: str) -> dict[str, str]:
         from server.app import MALLOC_ENV
 
-        env = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **extra}
+        # Namespaces share /dev/shm and memory: a trainer and a server in two of them could
+        # share segments if the abstract socket were reachable. It is not (abstract sockets are
+        # per network namespace), but the in-band path is what these hosts test: forced off.
+        env = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", "PARAMSHARD_SHM": "0", **extra}
         env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         for var in ("PARAMSHARD_SERVERS", "PARAMSHARD_RUN", "RANK", "WORLD_SIZE"):
             env.pop(var, None)

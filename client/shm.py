@@ -1,0 +1,253 @@
+"""A client's shared-memory segments with the servers on its host (server/shm.py, DESIGN §7).
+
+For each server, the first large payload opens a segment: ``OfferSegment`` (an authenticated
+call), the memfd received over the server's abstract Unix socket for the one-time ticket,
+mapped, and ``ConfirmSegment`` with the bytes the server wrote at its start. A server on
+another host, or in another network namespace, cannot be reached on that socket: its calls
+keep their payloads in-band, and nothing is tried again with it. Whether memory is shared is
+found this way, never by comparing addresses. ``PARAMSHARD_SHM=0`` turns the path off.
+
+Segments are pooled per server, each the size of one message (``chunk_bytes``), at most
+``2 x max_in_flight`` of them. A payload of a push, a parameter set or a slot contribution is
+copied into a free segment (one memcpy) and the message carries its reference; a pull or a
+slot read names a segment for the reply, which the server writes into, and the reply's values
+are read from it in place. A segment goes back to the pool when its call succeeded and its
+reply was used; after any failure it is retired (unmapped here, released at the server), since
+the server may still be reading it. A server that no longer knows a segment (it restarted, or
+the segment sat idle past its TTL) answers FAILED_PRECONDITION: that server's pool is emptied
+and the call is sent again (``RpcCore.run``).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import threading
+from typing import Any
+
+import grpc
+import numpy as np
+
+from protos import codec
+from protos import shard_pb2 as pb
+
+__all__ = ["SharedMemory", "enabled", "is_stale", "SHM_MIN_BYTES"]
+
+log = logging.getLogger(__name__)
+
+SHM_MIN_BYTES = 64 * 2**10
+"""Smaller payloads stay in-band: their copy costs less than the bookkeeping."""
+_SEND = ("PushGrad", "SetParams", "Contribute")
+_RECEIVE = ("PullParams", "ReadSlot")
+_HANDSHAKE_TIMEOUT_S = 5.0
+_PROOF_BYTES = 32  # server/shm.py PROOF_BYTES
+_STALE = "shared segment"  # in the server's message for a segment it does not know
+
+
+def enabled() -> bool:
+    """Whether clients of this process may use shared memory (``PARAMSHARD_SHM`` is not 0)."""
+    return os.environ.get("PARAMSHARD_SHM", "1").strip() not in ("0", "false", "off", "no")
+
+
+def is_stale(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a failure says the server does not know a segment this client holds."""
+    return code == grpc.StatusCode.FAILED_PRECONDITION and _STALE in details
+
+
+class Segment:
+    def __init__(self, server: int, segment_id: int, mapped: mmap.mmap) -> None:
+        self.server, self.id, self.map = server, segment_id, mapped
+        self.nbytes = len(mapped)
+
+    def ref(self, nbytes: int) -> pb.ShmRef:
+        return pb.ShmRef(segment=self.id, offset=0, nbytes=nbytes)
+
+
+class SharedMemory:
+    """The segments of one client (``RpcCore``), per server."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.segment_bytes = max(SHM_MIN_BYTES, core.chunk_bytes + 4096)
+        self.limit = 2 * core.max_in_flight
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Segment]] = {}
+        self._count: dict[int, int] = {}  # segments open per server (free or in use)
+        self._off: set[int] = set()  # servers this client shares no memory with
+        self._released: dict[int, list[int]] = {}  # retired ids the server still holds
+        self.opened = 0  # segments opened (a test reads it)
+
+    # -- what RpcCore calls --------------------------------------------------------------------
+    def attach(self, server: int, method: str, request: Any) -> tuple[Any, Segment | None]:
+        """``request`` with its payload (or its reply) in a segment, and that segment; else
+        ``request`` unchanged and None."""
+        if method in _SEND and isinstance(request, tuple):
+            header, payload = request
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                payload = np.ascontiguousarray(payload)
+            data = memoryview(payload).cast("B")
+            if data.nbytes < SHM_MIN_BYTES or (seg := self._take(server, data.nbytes)) is None:
+                return request, None
+            seg.map[: data.nbytes] = data
+            moved = type(header)()
+            moved.CopyFrom(header)
+            moved.shm.CopyFrom(seg.ref(data.nbytes))
+            return (moved, b""), seg
+        if method in _RECEIVE and not isinstance(request, tuple):
+            if method == "PullParams":
+                itemsize = codec.numpy_dtype(request.chunk.dtype).itemsize
+                size = request.chunk.numel * itemsize
+            else:  # a slot chunk: at most one message
+                size = self.core.chunk_bytes
+            if size < SHM_MIN_BYTES or (seg := self._take(server, size)) is None:
+                return request, None
+            asked = type(request)()
+            asked.CopyFrom(request)
+            asked.reply_shm.CopyFrom(seg.ref(seg.nbytes))
+            return asked, seg
+        return request, None
+
+    def settle(self, seg: Segment, reply: Any, consumed: bool) -> Any:
+        """After a call succeeded: the pool gets ``seg`` back. A reply still in the segment
+        that nobody consumed is copied out first."""
+        if isinstance(reply, tuple) and isinstance(reply[1], memoryview) and not consumed:
+            reply = (reply[0], bytes(reply[1]))
+        self._give(seg)
+        return reply
+
+    @staticmethod
+    def reply_payload(seg: Segment, reply: Any) -> Any:
+        """A reply whose values the server wrote into ``seg``: the payload read in place."""
+        if isinstance(reply, tuple) and reply[0].HasField("shm"):
+            ref = reply[0].shm
+            if ref.segment != seg.id or ref.offset + ref.nbytes > seg.nbytes:
+                raise ValueError(f"the server put the reply outside segment {seg.id}")
+            return reply[0], memoryview(seg.map)[ref.offset : ref.offset + ref.nbytes]
+        return reply
+
+    def retire(self, seg: Segment) -> None:
+        """After a failure: the server may still read ``seg``; it is never used again."""
+        with self._lock:
+            self._count[seg.server] = self._count.get(seg.server, 1) - 1
+            self._released.setdefault(seg.server, []).append(seg.id)
+        _unmap(seg)
+
+    def reset(self, server: int) -> None:
+        """The server forgot our segments (it restarted): drop them, open new ones later."""
+        with self._lock:
+            free = self._free.pop(server, [])
+            self._count[server] = self._count.get(server, 0) - len(free)
+        for seg in free:
+            _unmap(seg)
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, {}
+            released, self._released = self._released, {}
+        for seg in (s for segs in free.values() for s in segs):
+            released.setdefault(seg.server, []).append(seg.id)
+            _unmap(seg)
+        for server, ids in released.items():
+            self._release(server, ids, timeout=0.5)
+
+    # -- the pool ------------------------------------------------------------------------------
+    def _take(self, server: int, nbytes: int) -> Segment | None:
+        if nbytes > self.segment_bytes or not enabled():
+            return None
+        with self._lock:
+            if server in self._off:
+                return None
+            if self._free.get(server):
+                return self._free[server].pop()
+            if self._count.get(server, 0) >= self.limit:
+                return None  # all in use: this one goes in-band
+            self._count[server] = self._count.get(server, 0) + 1
+            released = self._released.pop(server, [])
+        if released:
+            self._release(server, released, timeout=_HANDSHAKE_TIMEOUT_S)
+        seg = self._open(server)
+        if seg is None:
+            with self._lock:
+                self._count[server] -= 1
+        return seg
+
+    def _give(self, seg: Segment) -> None:
+        with self._lock:
+            self._free.setdefault(seg.server, []).append(seg)
+
+    def _open(self, server: int) -> Segment | None:
+        """The handshake (module docstring); None when this server shares no memory with us."""
+        core = self.core
+        try:
+            offer = core.plain_call(
+                server, "OfferSegment", pb.OfferSegmentRequest(nbytes=self.segment_bytes),
+                _HANDSHAKE_TIMEOUT_S,
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._turn_off(server, f"{exc.code().name}: {exc.details()}")
+            return None  # a server down now may share memory once it is back
+        try:
+            fd = _receive_fd(offer.socket, offer.ticket)
+        except OSError as exc:
+            self._turn_off(server, f"its socket {offer.socket}: {exc}")
+            return None
+        try:
+            mapped = mmap.mmap(fd, offer.nbytes)
+        except (OSError, ValueError) as exc:
+            self._turn_off(server, f"mapping the segment: {exc}")
+            return None
+        finally:
+            os.close(fd)
+        seg = Segment(server, offer.segment, mapped)
+        try:
+            core.plain_call(
+                server, "ConfirmSegment",
+                pb.ConfirmSegmentRequest(segment=offer.segment, proof=bytes(mapped[:_PROOF_BYTES])),
+                _HANDSHAKE_TIMEOUT_S,
+            )  # fmt: skip
+        except grpc.RpcError as exc:
+            _unmap(seg)
+            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._turn_off(server, f"{exc.code().name}: {exc.details()}")
+            return None
+        self.opened += 1
+        return seg
+
+    def _turn_off(self, server: int, why: str) -> None:
+        log.debug("server %d: payloads stay in-band (%s)", server, why)
+        with self._lock:
+            self._off.add(server)
+
+    def _release(self, server: int, ids: list[int], timeout: float) -> None:
+        try:
+            self.core.plain_call(
+                server, "ReleaseSegments", pb.ReleaseSegmentsRequest(segments=ids), timeout
+            )
+        except grpc.RpcError:
+            pass  # the server drops idle segments itself
+
+
+def _receive_fd(name: str, ticket: bytes) -> int:
+    """The memfd the server hands over on its abstract socket ``@name`` for ``ticket``."""
+    if not name.startswith("@") or not hasattr(socket, "recv_fds"):
+        raise OSError(f"not an abstract socket: {name!r}")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(_HANDSHAKE_TIMEOUT_S)
+        sock.connect("\0" + name[1:])
+        sock.sendall(ticket)
+        msg, fds, _, _ = socket.recv_fds(sock, 16, 1)
+    if msg != b"ok" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the server refused the ticket ({msg!r})")
+    return fds[0]
+
+
+def _unmap(seg: Segment) -> None:
+    try:
+        seg.map.close()
+    except BufferError:  # a reply view still reads it: unmapped with the last view
+        pass

@@ -1,0 +1,323 @@
+"""Shared-memory segments for clients on this host (DESIGN section 7).
+
+A client calls ``OfferSegment``; the server creates an anonymous memory file (``memfd``: it is
+never in a file system, so nothing outlives a SIGKILL of either side), maps it, writes
+``PROOF_BYTES`` random bytes at its start, and answers with the segment's id, a one-time
+ticket and the name of its own abstract Unix socket. The client connects there, sends the
+ticket, receives the file descriptor (SCM_RIGHTS), maps it and calls ``ConfirmSegment`` with the
+bytes it finds at the start: that proves it shares this host's memory with the server (an
+abstract socket is reachable only within one network namespace, and a client in another one,
+or on another host, fails here and keeps sending its payloads in-band). Whether a client and
+a server share memory is found this way, never by comparing addresses.
+
+A tensor message then carries a ``ShmRef`` (segment, offset, bytes) instead of its payload, and
+the server reads (or, for replies, writes) the bytes in place. The registry refuses any
+reference to a segment that is unknown, unconfirmed, out of range, or offered to another caller
+(segments belong to the caller's token: every container may run as the same uid, so file modes
+would isolate nothing). Bounds: ``MAX_SEGMENTS`` segments and ``MAX_OWNER_BYTES`` bytes per
+caller, each segment paid for from the server's memory budget; a segment not confirmed within
+``CONFIRM_S`` or idle for ``idle_s`` is dropped (the sweeper), as are the ones a client
+releases. ``PARAMSHARD_SHM=0`` on the client turns the path off.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from protos import codec
+from protos import shard_pb2 as pb
+from server.auth import bearer
+from server.errors import ShardError
+from server.limits import MemoryBudget
+from server.parsers import plain
+
+__all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
+
+log = logging.getLogger(__name__)
+
+PROOF_BYTES = 32
+MAX_SEGMENTS = 256  # per caller (token)
+MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
+MAX_SEGMENT_BYTES = 1 * 2**30
+CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
+TICKET_BYTES = 32
+_SOCKET_TIMEOUT_S = 1.0  # a connection that does not send its ticket by then is closed
+
+
+@dataclass
+class _Segment:
+    owner: str
+    nbytes: int
+    fd: int
+    map: mmap.mmap
+    ticket: bytes
+    proof: bytes
+    created: float
+    confirmed: bool = False
+    handed: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class SegmentRegistry:
+    """The segments this server has offered, by id; their socket; their memory."""
+
+    def __init__(self, budget: MemoryBudget, idle_s: float = 600.0) -> None:
+        self.budget = budget
+        self.idle_s = idle_s
+        self.max_segment_bytes = MAX_SEGMENT_BYTES  # the server lowers it to its message limit
+        self._lock = threading.Lock()
+        self._segments: dict[int, _Segment] = {}
+        self._by_ticket: dict[bytes, int] = {}
+        self._listener: socket.socket | None = None
+        self._name = ""
+        self._closed = False
+
+    # -- the calls ---------------------------------------------------------------------------
+    def offer(self, owner: str, req: pb.OfferSegmentRequest) -> pb.OfferSegmentReply:
+        nbytes = int(req.nbytes)
+        if not PROOF_BYTES <= nbytes <= MAX_SEGMENT_BYTES:
+            raise ShardError.invalid(
+                f"a segment has {PROOF_BYTES}..{MAX_SEGMENT_BYTES:,} bytes, not {nbytes:,}"
+            )
+        if nbytes > self.max_segment_bytes:  # no payload larger than a message may be
+            raise ShardError.exhausted(
+                f"a segment of {nbytes:,} bytes is larger than this server's largest request,"
+                f" {self.max_segment_bytes:,} bytes (--max-receive-mb)"
+            )
+        if not hasattr(os, "memfd_create") or not hasattr(socket, "send_fds"):
+            raise ShardError.precondition("this server cannot share memory (no memfd)")
+        name = self._socket_name()
+        with self._lock:
+            mine = [s for s in self._segments.values() if s.owner == owner]
+            if len(mine) >= MAX_SEGMENTS or sum(s.nbytes for s in mine) + nbytes > MAX_OWNER_BYTES:
+                raise ShardError.exhausted(
+                    f"this caller holds {len(mine)} segments of {sum(s.nbytes for s in mine):,}"
+                    f" bytes; at most {MAX_SEGMENTS} of {MAX_OWNER_BYTES:,} bytes in all"
+                    " (ReleaseSegments gives them back)"
+                )
+            self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
+        try:
+            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, nbytes)
+                mapped = mmap.mmap(fd, nbytes)
+            except BaseException:
+                os.close(fd)
+                raise
+        except OSError as exc:
+            self.budget.release(nbytes, "shm")
+            raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+        proof = secrets.token_bytes(PROOF_BYTES)
+        mapped[:PROOF_BYTES] = proof
+        seg = _Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
+                       time.monotonic())  # fmt: skip
+        with self._lock:
+            segment_id = secrets.randbits(63) or 1
+            while segment_id in self._segments:
+                segment_id = secrets.randbits(63) or 1
+            self._segments[segment_id] = seg
+            self._by_ticket[seg.ticket] = segment_id
+        return pb.OfferSegmentReply(
+            segment=segment_id, socket="@" + name, ticket=seg.ticket, nbytes=nbytes
+        )
+
+    def confirm(self, owner: str, req: pb.ConfirmSegmentRequest) -> pb.ConfirmSegmentReply:
+        with self._lock:
+            seg = self._segments.get(req.segment)
+            if seg is None or seg.owner != owner:
+                raise ShardError.not_found(f"no segment {req.segment} was offered to this caller")
+            if not seg.handed or not hmac.compare_digest(req.proof, seg.proof):
+                raise ShardError.precondition(
+                    f"segment {req.segment}: the proof does not match what the server wrote;"
+                    " the caller does not share this server's memory"
+                )
+            seg.confirmed = True
+            seg.last_used = time.monotonic()
+        return pb.ConfirmSegmentReply()
+
+    def release(self, owner: str, req: pb.ReleaseSegmentsRequest) -> pb.ReleaseSegmentsReply:
+        with self._lock:
+            gone = [
+                self._segments.pop(i)
+                for i in set(req.segments)
+                if i in self._segments and self._segments[i].owner == owner
+            ]
+        for seg in gone:
+            self._drop(seg)
+        return pb.ReleaseSegmentsReply(released=len(gone))
+
+    def view(self, owner: str, ref: pb.ShmRef) -> memoryview:
+        """The ``ref.nbytes`` bytes at ``ref.offset`` of a confirmed segment of ``owner``."""
+        with self._lock:
+            seg = self._segments.get(ref.segment)
+            if seg is None or seg.owner != owner or not seg.confirmed:
+                raise ShardError.precondition(
+                    f"shared segment {ref.segment} is unknown here (released, expired, or"
+                    " the server restarted); send the payload in-band"
+                )
+            if ref.offset + ref.nbytes > seg.nbytes:
+                raise ShardError.invalid(
+                    f"shared segment {ref.segment}: bytes {ref.offset:,} to"
+                    f" {ref.offset + ref.nbytes:,} are outside its {seg.nbytes:,}"
+                )
+            seg.last_used = time.monotonic()
+            return memoryview(seg.map)[ref.offset : ref.offset + ref.nbytes]
+
+    # -- the servicer's side ------------------------------------------------------------------
+    def handlers(self) -> dict[str, tuple[Callable, Callable, Callable]]:
+        """The segment methods for the servicer's table: name -> (handler, parser, serializer)."""
+        return {
+            name: (
+                lambda req, context, fn=fn: fn(caller(context), req),
+                plain(request_cls),
+                codec.serialize,
+            )
+            for name, fn, request_cls in (
+                ("OfferSegment", self.offer, pb.OfferSegmentRequest),
+                ("ConfirmSegment", self.confirm, pb.ConfirmSegmentRequest),
+                ("ReleaseSegments", self.release, pb.ReleaseSegmentsRequest),
+            )
+        }
+
+    def payload(self, msg: tuple[Any, memoryview], context: Any) -> tuple[Any, memoryview]:
+        """A tensor request's (header, payload), the payload read from its segment when the
+        header references one."""
+        header, data = msg
+        if not header.HasField("shm"):
+            return header, data
+        if len(data):
+            raise ShardError.invalid("a payload both in-band and in a shared segment")
+        return header, self.view(caller(context), header.shm)
+
+    def reply(self, req: Any, context: Any, header: Any, payload: Any) -> Any:
+        """A tensor reply for ``req``: its payload written into the caller's ``reply_shm``
+        (the header then says where) when it asked for that and the payload fits, else
+        (header, payload) as usual."""
+        if not req.HasField("reply_shm"):
+            return header, payload
+        if not isinstance(payload, (bytes, bytearray, memoryview)):
+            payload = np.ascontiguousarray(payload)
+        data = memoryview(payload).cast("B")
+        ref = req.reply_shm
+        if data.nbytes > ref.nbytes:
+            return header, payload
+        self.view(caller(context), ref)[: data.nbytes] = data
+        header.shm.CopyFrom(pb.ShmRef(segment=ref.segment, offset=ref.offset, nbytes=data.nbytes))
+        return header, b""
+
+    def reply_encoder(self, req: Any, context: Any, encode: Callable | None) -> Callable | None:
+        """PullParams' ``encode`` (run under the slice's lock): into the caller's segment
+        when it asked for that."""
+        if not req.HasField("reply_shm"):
+            return encode
+
+        def into_segment(header: Any, payload: Any) -> Any:
+            header, data = self.reply(req, context, header, payload)
+            return codec.encode(header, data)
+
+        return into_segment
+
+    # -- upkeep ------------------------------------------------------------------------------
+    def expire(self) -> int:
+        """Drops segments offered but not confirmed within CONFIRM_S, or idle for idle_s."""
+        now = time.monotonic()
+        with self._lock:
+            old = [
+                i
+                for i, s in self._segments.items()
+                if (not s.confirmed and now - s.created > CONFIRM_S)
+                or now - s.last_used > self.idle_s
+            ]
+            gone = [self._segments.pop(i) for i in old]
+        for seg in gone:
+            self._drop(seg)
+        return len(gone)
+
+    def usage(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._segments), sum(s.nbytes for s in self._segments.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            gone = list(self._segments.values())
+            self._segments.clear()
+            listener, self._listener = self._listener, None
+        for seg in gone:
+            self._drop(seg)
+        if listener is not None:
+            listener.close()
+
+    def _drop(self, seg: _Segment) -> None:
+        with self._lock:
+            self._by_ticket.pop(seg.ticket, None)
+        try:
+            seg.map.close()
+        except BufferError:  # a handler still reads it: the mapping goes with the last view
+            pass
+        os.close(seg.fd)
+        self.budget.release(seg.nbytes, "shm")
+
+    # -- the socket the descriptors travel through --------------------------------------------
+    def _socket_name(self) -> str:
+        with self._lock:
+            if self._closed:
+                raise ShardError.precondition("the server is stopping")
+            if self._listener is None:
+                name = f"paramshard-shm-{os.getpid()}-{secrets.token_hex(8)}"
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind("\0" + name)  # abstract: gone with the process, no file
+                listener.listen(64)
+                self._listener, self._name = listener, name
+                threading.Thread(
+                    target=self._serve, args=(listener,), name="shm-handover", daemon=True
+                ).start()
+            return self._name
+
+    def _serve(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    self._hand_over(conn)
+                except OSError as exc:
+                    log.debug("shared segment handover failed: %s", exc)
+
+    def _hand_over(self, conn: socket.socket) -> None:
+        conn.settimeout(_SOCKET_TIMEOUT_S)
+        ticket = b""
+        while len(ticket) < TICKET_BYTES:
+            part = conn.recv(TICKET_BYTES - len(ticket))
+            if not part:
+                return
+            ticket += part
+        with self._lock:
+            segment_id = self._by_ticket.pop(ticket, None)
+            seg = self._segments.get(segment_id) if segment_id is not None else None
+            if seg is not None:
+                seg.handed = True  # one ticket, one descriptor
+        if seg is None:
+            conn.sendall(b"no")
+            return
+        socket.send_fds(conn, [b"ok"], [seg.fd])
+
+
+def caller(context: Any) -> str:
+    """Who owns a segment: the caller's token ("" without one, or for a call in this process)."""
+    metadata = getattr(context, "invocation_metadata", None)
+    return (bearer(metadata()) if metadata is not None else None) or ""
