@@ -76,6 +76,7 @@ class SharedMemory:
         self._free: dict[int, list[Segment]] = {}
         self._count: dict[int, int] = {}  # segments open per server (free or in use)
         self._off: set[int] = set()  # servers this client shares no memory with
+        self._cap: dict[int, int] = {}  # servers that refused more segments: what it holds
         self._released: dict[int, list[int]] = {}  # retired ids the server still holds
         self.opened = 0  # segments opened (a test reads it)
 
@@ -161,7 +162,7 @@ class SharedMemory:
                 return None
             if self._free.get(server):
                 return self._free[server].pop()
-            if self._count.get(server, 0) >= self.limit:
+            if self._count.get(server, 0) >= self._cap.get(server, self.limit):
                 return None  # all in use: this one goes in-band
             self._count[server] = self._count.get(server, 0) + 1
             released = self._released.pop(server, [])
@@ -186,7 +187,10 @@ class SharedMemory:
                 _HANDSHAKE_TIMEOUT_S,
             )  # fmt: skip
         except grpc.RpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its bounds: no more of them
+                with self._lock:
+                    self._cap[server] = self._count.get(server, 1) - 1
+            elif exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self._turn_off(server, f"{exc.code().name}: {exc.details()}")
             return None  # a server down now may share memory once it is back
         try:

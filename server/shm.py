@@ -48,7 +48,7 @@ __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 log = logging.getLogger(__name__)
 
 PROOF_BYTES = 32
-MAX_SEGMENTS = 256  # per caller (token)
+MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped

@@ -254,3 +254,16 @@ def test_unconfirmed_offers_expire(guarded, monkeypatch) -> None:
     monkeypatch.setattr(shm, "CONFIRM_S", 0.0)
     assert s.servicer.segments.expire() == 1
     assert s.servicer.segments.usage() == (0, 0) and s.servicer.budget.usage()["shm"] == 0
+
+
+def test_a_client_refused_more_segments_sends_the_rest_in_band(server, monkeypatch) -> None:
+    monkeypatch.setattr(shm, "MAX_SEGMENTS", 1)
+    c = client(server.address)
+    try:
+        c.register_buffer("j", "w", N)
+        values = np.arange(N, dtype=np.float32)
+        c.set_params("j", "w", values)  # 4 chunks in flight at once: 1 segment, the rest in-band
+        np.testing.assert_array_equal(c.pull_params("j", "w", N), values)
+        assert c.shm.opened == 1 and server.servicer.segments.usage()[0] == 1
+    finally:
+        c.close()
