@@ -13,15 +13,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-import numpy as np
 
 from client.cluster import ClusterSpec
 from client.leases import WAITS_ON_PEERS, RunState
+from client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from client.shm import Segment, SharedMemory, is_stale
 from protos import codec, local_servers
 from protos import shard_pb2 as pb
@@ -79,91 +78,6 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 
 _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
 """Calls that may wait for other ranks: sent as futures even alone, so a notice cancels them."""
-_HEADER_ROOM = 1024
-"""Bytes a tensor message's header (and framing) takes at most, beside its payload."""
-_local_pool: ThreadPoolExecutor | None = None
-_local_pool_lock = threading.Lock()
-
-
-class _LocalRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class _LocalContext:
-    """The little of grpc.ServicerContext the servicer uses."""
-
-    def __init__(self, timeout: float) -> None:
-        self._deadline = time.monotonic() + timeout
-
-    def time_remaining(self) -> float:
-        return max(0.0, self._deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _LocalRpcError(code, details)
-
-
-class _LocalFuture:
-    """What RpcCore.run needs of a grpc.Future: result() and a cancel() that wakes result()."""
-
-    def __init__(self, fut: Future) -> None:
-        self._fut = fut
-        self._wake = threading.Event()
-        self._cancelled = False
-        fut.add_done_callback(lambda _: self._wake.set())
-
-    def cancel(self) -> bool:
-        self._cancelled = True
-        self._wake.set()
-        return True
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        self._fut.add_done_callback(lambda _: fn(self))
-
-    def result(self, timeout: float | None = None) -> Any:
-        self._wake.wait(timeout)
-        if self._cancelled:
-            raise grpc.FutureCancelledError()
-        return self._fut.result(0)
-
-
-def _local_call(call: Call, address: str, request: Any, timeout: float) -> Any:
-    """Runs a data-plane call on a server of this process (protos/local_servers.py), or
-    returns None (use gRPC). The payload is never encoded: a host array is handed over as a
-    memoryview (the server adds straight from the caller's array), a device array through
-    DLPack; messages over the server's receive limit still go through gRPC."""
-    global _local_pool
-    server = local_servers.lookup(address)
-    if server is None or call.method not in server.methods:
-        return None
-    if isinstance(request, tuple):
-        header, payload = request
-        if not hasattr(payload, "__dlpack__") or isinstance(payload, np.ndarray):
-            payload = memoryview(np.ascontiguousarray(payload)).cast("B")
-        if payload.nbytes + header.ByteSize() + 32 > server.max_receive_bytes:
-            if not isinstance(payload, memoryview):  # local_device said it would fit
-                raise ValueError(f"{call.method}: a device payload too large for {address}")
-            return None
-        request = (header, payload)
-    with _local_pool_lock:
-        if _local_pool is None:  # waiting calls (ReadSlot, PullParams) hold a thread each
-            _local_pool = ThreadPoolExecutor(64, thread_name_prefix="local-shard")
-    device_reply = call.device_reply
-
-    def run() -> Any:
-        reply = server.call(call.method, request, _LocalContext(timeout), device_reply)
-        if isinstance(reply, bytes) and call.method == "PullParams":  # encoded under the lock
-            reply = codec.decode(reply, pb.PullParamsHeader)
-        return reply
-
-    return _LocalFuture(_local_pool.submit(run))
 
 
 class _ShmFuture:
@@ -240,7 +154,7 @@ class RpcCore:
         self._lock = threading.Lock()
         # in-process calls not finished yet: closing the client cancels them, as closing a
         # channel cancels its gRPC calls (a rank waiting on a dead peer's slot then ends)
-        self._local_calls: weakref.WeakSet[_LocalFuture] = weakref.WeakSet()
+        self._local_calls: weakref.WeakSet[LocalFuture] = weakref.WeakSet()
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
         self.shm = SharedMemory(self)  # payloads to servers on this host (client/shm.py)
@@ -273,7 +187,7 @@ class RpcCore:
         if not self._may_call_locally():
             return None
         local = local_servers.lookup(self.spec.addresses[server])
-        if local is None or nbytes + _HEADER_ROOM > local.max_receive_bytes:
+        if local is None or nbytes + HEADER_ROOM > local.max_receive_bytes:
             return None
         return local.device
 
@@ -286,10 +200,11 @@ class RpcCore:
         timeout = self.timeout_s if timeout is None else timeout
         peers = call.method in WAITS_ON_PEERS
         if peers and (notice := self.run_state.current()) is not None:
-            return _Done(error=_LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
+            return _Done(error=LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
         request = call.request() if callable(call.request) else call.request
         if self._may_call_locally():
-            local = _local_call(call, self.spec.addresses[call.server], request, timeout)
+            address = self.spec.addresses[call.server]
+            local = local_call(call.method, call.device_reply, address, request, timeout)
             if local is not None:
                 with self._lock:
                     self._local_calls.add(local)
@@ -353,7 +268,7 @@ class RpcCore:
                     notice = self.run_state.current()
                     code = grpc.StatusCode.ABORTED if notice else grpc.StatusCode.CANCELLED
                     why = notice.reason if notice else "the client was closed"
-                    first_error = self._error(call, _LocalRpcError(code, why))
+                    first_error = self._error(call, LocalRpcError(code, why))
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
