@@ -213,7 +213,7 @@ class RpcCore:
                 if peers:
                     self.run_state.track(local)
                 return local
-        request, seg = self.shm.attach(call.server, call.method, request)
+        request, seg = self.shm.attach(self, call.server, call.method, request)
         stub = self._stub(call.server, call.method)
         if alone and call.method not in _MAY_WAIT:
             try:
@@ -252,6 +252,7 @@ class RpcCore:
         # (index, call, future, attempts after errors, busy refusals, first sent)
         in_flight: deque[tuple[int, Call, Any, int, int, float]] = deque()
         first_error: ShardClientError | None = None
+        stale: set[int] = set()  # calls sent again after a server forgot their segment
 
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
@@ -275,9 +276,14 @@ class RpcCore:
                 pause = _busy_pause(busy, began + self.timeout_s) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
-                elif isinstance(fut, _ShmFuture) and is_stale(err.code, err.details):
+                elif (
+                    isinstance(fut, _ShmFuture)
+                    and is_stale(err.code, err.details)
+                    and i not in stale
+                ):
                     # the server restarted (nothing was done): new segments, or in-band
-                    self.shm.reset(call.server)
+                    self.shm.reset(self.spec.addresses[call.server])
+                    stale.add(i)  # once per call: a second refusal is an error
                     fut = self._send(call, alone)
                     in_flight.appendleft((i, call, fut, attempt, busy, began))
                     continue

@@ -57,8 +57,8 @@ def is_stale(code: grpc.StatusCode, details: str) -> bool:
 
 
 class Segment:
-    def __init__(self, server: int, segment_id: int, mapped: mmap.mmap) -> None:
-        self.server, self.id, self.map = server, segment_id, mapped
+    def __init__(self, server: str, segment_id: int, mapped: mmap.mmap) -> None:
+        self.server, self.id, self.map = server, segment_id, mapped  # server: its address
         self.nbytes = len(mapped)
 
     def ref(self, nbytes: int) -> pb.ShmRef:
@@ -66,30 +66,36 @@ class Segment:
 
 
 class SharedMemory:
-    """The segments of one client (``RpcCore``), per server."""
+    """The segments of one client (``RpcCore``) and its views on some of its servers
+    (``ShardClient.on_servers``, groups), per server address: a view numbers the servers its
+    own way, so every method takes the calling view and the server's index in it."""
 
     def __init__(self, core: Any) -> None:
         self.core = core
         self.segment_bytes = max(SHM_MIN_BYTES, core.chunk_bytes + 4096)
         self.limit = 2 * core.max_in_flight
         self._lock = threading.Lock()
-        self._free: dict[int, list[Segment]] = {}
-        self._count: dict[int, int] = {}  # segments open per server (free or in use)
-        self._off: set[int] = set()  # servers this client shares no memory with
-        self._cap: dict[int, int] = {}  # servers that refused more segments: what it holds
-        self._released: dict[int, list[int]] = {}  # retired ids the server still holds
+        self._free: dict[str, list[Segment]] = {}
+        self._count: dict[str, int] = {}  # segments open per server (free or in use)
+        self._off: set[str] = set()  # servers this client shares no memory with
+        self._cap: dict[str, int] = {}  # servers that refused more segments: what it holds
+        self._released: dict[str, list[int]] = {}  # retired ids the server still holds
+        self._via: dict[str, tuple[Any, int]] = {}  # address -> (a view, its index there)
         self.opened = 0  # segments opened (a test reads it)
 
     # -- what RpcCore calls --------------------------------------------------------------------
-    def attach(self, server: int, method: str, request: Any) -> tuple[Any, Segment | None]:
-        """``request`` with its payload (or its reply) in a segment, and that segment; else
-        ``request`` unchanged and None."""
+    def attach(
+        self, core: Any, server: int, method: str, request: Any
+    ) -> tuple[Any, Segment | None]:
+        """``request`` (to server ``server`` of view ``core``) with its payload (or its reply)
+        in a segment, and that segment; else ``request`` unchanged and None."""
         if method in _SEND and isinstance(request, tuple):
             header, payload = request
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 payload = np.ascontiguousarray(payload)
             data = memoryview(payload).cast("B")
-            if data.nbytes < SHM_MIN_BYTES or (seg := self._take(server, data.nbytes)) is None:
+            seg = self._take(core, server, data.nbytes) if data.nbytes >= SHM_MIN_BYTES else None
+            if seg is None:
                 return request, None
             seg.map[: data.nbytes] = data
             moved = type(header)()
@@ -102,7 +108,8 @@ class SharedMemory:
                 size = request.chunk.numel * itemsize
             else:  # a slot chunk: at most one message
                 size = self.core.chunk_bytes
-            if size < SHM_MIN_BYTES or (seg := self._take(server, size)) is None:
+            seg = self._take(core, server, size) if size >= SHM_MIN_BYTES else None
+            if seg is None:
                 return request, None
             asked = type(request)()
             asked.CopyFrom(request)
@@ -135,8 +142,9 @@ class SharedMemory:
             self._released.setdefault(seg.server, []).append(seg.id)
         _unmap(seg)
 
-    def reset(self, server: int) -> None:
-        """The server forgot our segments (it restarted): drop them, open new ones later."""
+    def reset(self, server: str) -> None:
+        """Server ``server`` (an address) forgot our segments (it restarted): drop them, open
+        new ones later."""
         with self._lock:
             free = self._free.pop(server, [])
             self._count[server] = self._count.get(server, 0) - len(free)
@@ -154,10 +162,12 @@ class SharedMemory:
             self._release(server, ids, timeout=0.5)
 
     # -- the pool ------------------------------------------------------------------------------
-    def _take(self, server: int, nbytes: int) -> Segment | None:
+    def _take(self, core: Any, index: int, nbytes: int) -> Segment | None:
         if nbytes > self.segment_bytes or not enabled():
             return None
+        server = core.spec.addresses[index]
         with self._lock:
+            self._via[server] = (core, index)
             if server in self._off:
                 return None
             if self._free.get(server):
@@ -168,7 +178,7 @@ class SharedMemory:
             released = self._released.pop(server, [])
         if released:
             self._release(server, released, timeout=_HANDSHAKE_TIMEOUT_S)
-        seg = self._open(server)
+        seg = self._open(core, index, server)
         if seg is None:
             with self._lock:
                 self._count[server] -= 1
@@ -178,12 +188,11 @@ class SharedMemory:
         with self._lock:
             self._free.setdefault(seg.server, []).append(seg)
 
-    def _open(self, server: int) -> Segment | None:
+    def _open(self, core: Any, index: int, server: str) -> Segment | None:
         """The handshake (module docstring); None when this server shares no memory with us."""
-        core = self.core
         try:
             offer = core.plain_call(
-                server, "OfferSegment", pb.OfferSegmentRequest(nbytes=self.segment_bytes),
+                index, "OfferSegment", pb.OfferSegmentRequest(nbytes=self.segment_bytes),
                 _HANDSHAKE_TIMEOUT_S,
             )  # fmt: skip
         except grpc.RpcError as exc:
@@ -208,7 +217,7 @@ class SharedMemory:
         seg = Segment(server, offer.segment, mapped)
         try:
             core.plain_call(
-                server, "ConfirmSegment",
+                index, "ConfirmSegment",
                 pb.ConfirmSegmentRequest(segment=offer.segment, proof=bytes(mapped[:_PROOF_BYTES])),
                 _HANDSHAKE_TIMEOUT_S,
             )  # fmt: skip
@@ -220,15 +229,16 @@ class SharedMemory:
         self.opened += 1
         return seg
 
-    def _turn_off(self, server: int, why: str) -> None:
-        log.debug("server %d: payloads stay in-band (%s)", server, why)
+    def _turn_off(self, server: str, why: str) -> None:
+        log.debug("server %s: payloads stay in-band (%s)", server, why)
         with self._lock:
             self._off.add(server)
 
-    def _release(self, server: int, ids: list[int], timeout: float) -> None:
+    def _release(self, server: str, ids: list[int], timeout: float) -> None:
+        core, index = self._via[server]
         try:
-            self.core.plain_call(
-                server, "ReleaseSegments", pb.ReleaseSegmentsRequest(segments=ids), timeout
+            core.plain_call(
+                index, "ReleaseSegments", pb.ReleaseSegmentsRequest(segments=ids), timeout
             )
         except grpc.RpcError:
             pass  # the server drops idle segments itself

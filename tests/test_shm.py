@@ -267,3 +267,20 @@ def test_a_client_refused_more_segments_sends_the_rest_in_band(server, monkeypat
         assert c.shm.opened == 1 and server.servicer.segments.usage()[0] == 1
     finally:
         c.close()
+
+
+def test_views_on_some_servers_share_the_segments_by_address(servers) -> None:
+    """A view (``on_servers``, a group) numbers the servers its own way: its server 0 is the
+    parent's server 1. Segments are pooled by address, so neither sends the other's."""
+    s0, s1 = servers(2, local_calls=False)
+    c = ShardClient(ClusterSpec([s0.address, s1.address]), timeout_s=10, chunk_bytes=CHUNK_BYTES)
+    view = c.on_servers([1])
+    try:
+        for client_, server, job in ((view, s1, "v"), (c, s0, "c"), (view, s1, "v2")):
+            client_.register_buffer(job, "w", N)
+            values = np.full(N, float(len(job)), np.float32)
+            client_.set_params(job, "w", values)
+            np.testing.assert_array_equal(client_.pull_params(job, "w", N), values)
+            assert server.servicer.segments.usage()[0] >= 1
+    finally:
+        c.close()
