@@ -247,7 +247,8 @@ class ShardServicer:
         return pb.ContributeReply(duplicate=self.slots.contribute(header, data))
 
     def read_slot(self, req: pb.ReadSlotRequest, context: Any) -> Any:
-        return self.segments.reply(req, context, *self.slots.read(req, self._timeout(context)))
+        view = self.segments.reply_view(req, context)  # refused before the read frees anything
+        return self.segments.reply(req, view, *self.slots.read(req, self._timeout(context)))
 
     # -- administration ------------------------------------------------------------------
     def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:

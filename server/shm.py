@@ -201,31 +201,39 @@ class SegmentRegistry:
             raise ShardError.invalid("a payload both in-band and in a shared segment")
         return header, self.view(caller(context), header.shm)
 
-    def reply(self, req: Any, context: Any, header: Any, payload: Any) -> Any:
-        """A tensor reply for ``req``: its payload written into the caller's ``reply_shm``
-        (the header then says where) when it asked for that and the payload fits, else
-        (header, payload) as usual."""
+    def reply_view(self, req: Any, context: Any) -> memoryview | None:
+        """The caller's ``reply_shm``, checked before the call does anything: a slot read
+        frees what it read, so a segment refused after it would lose the values."""
         if not req.HasField("reply_shm"):
+            return None
+        return self.view(caller(context), req.reply_shm)
+
+    @staticmethod
+    def reply(req: Any, view: memoryview | None, header: Any, payload: Any) -> Any:
+        """A tensor reply for ``req``: its payload written into ``view`` (``reply_view``; the
+        header then says where) when there is one and the payload fits, else (header,
+        payload) as usual."""
+        if view is None:
             return header, payload
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             payload = np.ascontiguousarray(payload)
         data = memoryview(payload).cast("B")
-        ref = req.reply_shm
-        if data.nbytes > ref.nbytes:
+        if data.nbytes > view.nbytes:
             return header, payload
-        self.view(caller(context), ref)[: data.nbytes] = data
+        view[: data.nbytes] = data
+        ref = req.reply_shm
         header.shm.CopyFrom(pb.ShmRef(segment=ref.segment, offset=ref.offset, nbytes=data.nbytes))
         return header, b""
 
     def reply_encoder(self, req: Any, context: Any, encode: Callable | None) -> Callable | None:
         """PullParams' ``encode`` (run under the slice's lock): into the caller's segment
-        when it asked for that."""
-        if not req.HasField("reply_shm"):
+        when it asked for that (checked now, before the pull waits)."""
+        view = self.reply_view(req, context)
+        if view is None:
             return encode
 
         def into_segment(header: Any, payload: Any) -> Any:
-            header, data = self.reply(req, context, header, payload)
-            return codec.encode(header, data)
+            return codec.encode(*self.reply(req, view, header, payload))
 
         return into_segment
 

@@ -284,3 +284,19 @@ def test_views_on_some_servers_share_the_segments_by_address(servers) -> None:
             assert server.servicer.segments.usage()[0] >= 1
     finally:
         c.close()
+
+
+def test_a_slot_read_into_a_forgotten_segment_loses_nothing(server) -> None:
+    """A slot read frees what it read: a reply segment the server no longer knows must be
+    refused before the read, so the call sent again still finds the chunk (CI: recovery
+    after a server kill read 'was read by all its readers and freed')."""
+    c = client(server.address)
+    try:
+        x = np.arange(N, dtype=np.float32)
+        np.testing.assert_array_equal(c.all_reduce(x), x)  # the pool holds reply segments now
+        server.servicer.segments.idle_s = 0.0
+        assert server.servicer.segments.expire() >= 1  # as a restart would
+        server.servicer.segments.idle_s = 600.0
+        np.testing.assert_array_equal(c.all_reduce(x + 1), x + 1)
+    finally:
+        c.close()
