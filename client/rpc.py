@@ -157,7 +157,8 @@ class RpcCore:
         self._local_calls: weakref.WeakSet[LocalFuture] = weakref.WeakSet()
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
-        self.shm = SharedMemory(self)  # payloads to servers on this host (client/shm.py)
+        # payloads to servers on this host (client/shm.py)
+        self.shm = SharedMemory(chunk_bytes, max_in_flight)
 
     @property
     def num_servers(self) -> int:

@@ -28,7 +28,6 @@ import threading
 from typing import Any
 
 import grpc
-import numpy as np
 
 from protos import codec
 from protos import shard_pb2 as pb
@@ -70,10 +69,10 @@ class SharedMemory:
     (``ShardClient.on_servers``, groups), per server address: a view numbers the servers its
     own way, so every method takes the calling view and the server's index in it."""
 
-    def __init__(self, core: Any) -> None:
-        self.core = core
-        self.segment_bytes = max(SHM_MIN_BYTES, core.chunk_bytes + 4096)
-        self.limit = 2 * core.max_in_flight
+    def __init__(self, chunk_bytes: int, max_in_flight: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.segment_bytes = max(SHM_MIN_BYTES, chunk_bytes + 4096)
+        self.limit = 2 * max_in_flight
         self._lock = threading.Lock()
         self._free: dict[str, list[Segment]] = {}
         self._count: dict[str, int] = {}  # segments open per server (free or in use)
@@ -91,9 +90,7 @@ class SharedMemory:
         in a segment, and that segment; else ``request`` unchanged and None."""
         if method in _SEND and isinstance(request, tuple):
             header, payload = request
-            if not isinstance(payload, (bytes, bytearray, memoryview)):
-                payload = np.ascontiguousarray(payload)
-            data = memoryview(payload).cast("B")
+            data = codec.byte_view(payload)
             seg = self._take(core, server, data.nbytes) if data.nbytes >= SHM_MIN_BYTES else None
             if seg is None:
                 return request, None
@@ -107,7 +104,7 @@ class SharedMemory:
                 itemsize = codec.numpy_dtype(request.chunk.dtype).itemsize
                 size = request.chunk.numel * itemsize
             else:  # a slot chunk: at most one message
-                size = self.core.chunk_bytes
+                size = self.chunk_bytes
             seg = self._take(core, server, size) if size >= SHM_MIN_BYTES else None
             if seg is None:
                 return request, None
@@ -120,7 +117,7 @@ class SharedMemory:
     def settle(self, seg: Segment, reply: Any, consumed: bool) -> Any:
         """After a call succeeded: the pool gets ``seg`` back. A reply still in the segment
         that nobody consumed is copied out first."""
-        if isinstance(reply, tuple) and isinstance(reply[1], memoryview) and not consumed:
+        if not consumed and isinstance(reply, tuple) and reply[0].HasField("shm"):
             reply = (reply[0], bytes(reply[1]))
         self._give(seg)
         return reply

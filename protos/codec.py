@@ -22,6 +22,7 @@ from protos import shard_pb2 as pb
 
 __all__ = [
     "DecodeError",
+    "byte_view",
     "WIRE_DTYPES",
     "dtype_name",
     "numpy_dtype",
@@ -115,6 +116,14 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
+def byte_view(payload: Any) -> memoryview:
+    """``payload`` (bytes, or a host array, made C-contiguous if it is not) as a flat view
+    of its bytes: what a message or a shared segment copies from, read in place."""
+    if isinstance(payload, np.ndarray):
+        payload = np.ascontiguousarray(payload)
+    return memoryview(payload).cast("B")
+
+
 def encode(header: Any, payload: Any = b"") -> bytes:
     """Serialise ``header`` (a protobuf message) and a raw payload into one wire message.
 
@@ -122,9 +131,7 @@ def encode(header: Any, payload: Any = b"") -> bytes:
     so the payload is copied once, into the message grpcio needs as ``bytes`` (DESIGN section 7).
     """
     head = header.SerializeToString()
-    if isinstance(payload, np.ndarray):
-        payload = np.ascontiguousarray(payload)
-    data = memoryview(payload).cast("B")
+    data = byte_view(payload)
     parts = [_HEADER_TAG, _varint(len(head)), head]  # the header is always present
     if data.nbytes:
         parts += [_DATA_TAG, _varint(data.nbytes), data]

@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from protos import codec
 from protos import shard_pb2 as pb
 from server.auth import bearer
@@ -215,9 +213,7 @@ class SegmentRegistry:
         payload) as usual."""
         if view is None:
             return header, payload
-        if not isinstance(payload, (bytes, bytearray, memoryview)):
-            payload = np.ascontiguousarray(payload)
-        data = memoryview(payload).cast("B")
+        data = codec.byte_view(payload)
         if data.nbytes > view.nbytes:
             return header, payload
         view[: data.nbytes] = data
