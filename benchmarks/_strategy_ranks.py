@@ -93,15 +93,8 @@ def ours_main(a: argparse.Namespace) -> None:
     from client import ClusterSpec, ShardClient
     from examples.gpt import Block, lm_loss
     from strategies import (
-        DDPModel,
-        DDPOptimizer,
-        FSDPModel,
-        FSDPOptimizer,
+        DATA_PARALLEL,
         ShardingConfiguration,
-        ZeRO1Model,
-        ZeRO1Optimizer,
-        ZeRO2Model,
-        ZeRO2Optimizer,
     )
 
     set_threads(a.world)
@@ -116,13 +109,7 @@ def ours_main(a: argparse.Namespace) -> None:
     config = ShardingConfiguration(client, job=f"bench-{a.strategy}-{a.run}", timeout_s=120.0)
     gpt = build_gpt(a.model)
     n_params = gpt.num_params()
-    classes = {
-        "ddp": (DDPModel, DDPOptimizer),
-        "zero1": (ZeRO1Model, ZeRO1Optimizer),
-        "zero2": (ZeRO2Model, ZeRO2Optimizer),
-        "fsdp": (FSDPModel, FSDPOptimizer),
-    }
-    model_cls, opt_cls = classes[a.strategy]
+    model_cls, opt_cls = DATA_PARALLEL[a.strategy]
     model = (
         model_cls(gpt, config, wrap=(Block,)) if a.strategy == "fsdp" else model_cls(gpt, config)
     )

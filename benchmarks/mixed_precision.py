@@ -44,24 +44,12 @@ def run(strategy: str, model_name: str, world: int, steps: int, param_dtype: str
     from examples.gpt import GPT, Block, GPTConfig, lm_loss
     from server import ShardServer
     from strategies import (
-        DDPModel,
-        DDPOptimizer,
-        FSDPModel,
-        FSDPOptimizer,
+        DATA_PARALLEL,
         ShardingConfiguration,
-        ZeRO1Model,
-        ZeRO1Optimizer,
-        ZeRO2Model,
-        ZeRO2Optimizer,
     )
     from strategies.data_parallel.fsdp import held_bytes
 
-    classes = {
-        "ddp": (DDPModel, DDPOptimizer),
-        "zero1": (ZeRO1Model, ZeRO1Optimizer),
-        "zero2": (ZeRO2Model, ZeRO2Optimizer),
-        "fsdp": (FSDPModel, FSDPOptimizer),
-    }
+    classes = DATA_PARALLEL
     cfg = GPTConfig.tiny(**MODELS[model_name], tie_weights=False)
     torch.manual_seed(0)
     init = GPT(cfg).state_dict()

@@ -131,12 +131,7 @@ def build(gpt: GPT, config: Any, args: argparse.Namespace) -> tuple[Any, Any]:
         )  # fmt: skip
         inner = torch.optim.AdamW(param_groups(model.parameters(), 0.1), lr=args.lr, betas=BETAS)
         return model, s.HybridShardedOptimizer(inner, config)
-    model_cls, opt_cls = {
-        "ddp": (s.DDPModel, s.DDPOptimizer),
-        "zero1": (s.ZeRO1Model, s.ZeRO1Optimizer),
-        "zero2": (s.ZeRO2Model, s.ZeRO2Optimizer),
-        "fsdp": (s.FSDPModel, s.FSDPOptimizer),
-    }[args.strategy]
+    model_cls, opt_cls = s.DATA_PARALLEL[args.strategy]  # e.g. (FSDPModel, FSDPOptimizer)
     wrap = {"wrap": (Block,)} if args.strategy == "fsdp" else {}
     model = model_cls(gpt, config, **wrap)
     # Param groups come from the wrapped model's own parameters (decay on matrices only).

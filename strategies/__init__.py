@@ -5,6 +5,7 @@ Knows models (torch) and talks to the servers only through ``client``.
 
 from strategies.base import ShardedModelBase
 from strategies.config import ShardingConfiguration
+from strategies.data_parallel import DATA_PARALLEL
 from strategies.data_parallel.ddp import DDPModel
 from strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
 from strategies.data_parallel.optim import (
@@ -41,6 +42,7 @@ from strategies.topology import Topology
 
 __all__ = [
     "ShardingConfiguration",
+    "DATA_PARALLEL",
     "NonFiniteGradientError",
     "ShardedModelBase",
     "ShardedOptimizer",

@@ -21,16 +21,13 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from protos import shard_pb2 as pb
 from server import ShardServer
 from strategies import (
-    FSDPModel,
-    FSDPOptimizer,
+    DATA_PARALLEL,
     ShardingConfiguration,
-    ZeRO1Model,
-    ZeRO1Optimizer,
 )
 
 CFG = GPTConfig.tiny(vocab_size=50, n_embd=32, n_head=2, bias=False)
 STEPS, SNAP_AT, BATCH, T, WORLD = 6, 3, 4, 8, 2
-STRATEGIES = {"fsdp": (FSDPModel, FSDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimizer)}
+STRATEGIES = {k: DATA_PARALLEL[k] for k in ("fsdp", "zero1")}
 
 
 def snapshot_servers(servers: Any, n: int, root: Path | str | None) -> list[ShardServer]:

@@ -27,16 +27,11 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from protos import codec
 from server import ShardServer
 from strategies import (
+    DATA_PARALLEL,
     DDPModel,
     DDPOptimizer,
-    FSDPModel,
-    FSDPOptimizer,
     ShardedGradScaler,
     ShardingConfiguration,
-    ZeRO1Model,
-    ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
 )
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,12 +40,7 @@ W = 2
 VOCAB = 50
 CFG = GPTConfig.tiny(vocab_size=VOCAB, bias=False)
 KINDS = ["ddp", "zero1", "zero2", "fsdp"]
-_CLASSES = {
-    "ddp": (DDPModel, DDPOptimizer),
-    "zero1": (ZeRO1Model, ZeRO1Optimizer),
-    "zero2": (ZeRO2Model, ZeRO2Optimizer),
-    "fsdp": (FSDPModel, FSDPOptimizer),
-}
+_CLASSES = DATA_PARALLEL
 _gen = torch.Generator().manual_seed(4321)
 X = torch.randint(0, VOCAB, (2 * W, CFG.block_size), generator=_gen)
 Y = torch.randint(0, VOCAB, (2 * W, CFG.block_size), generator=_gen)

@@ -29,25 +29,13 @@ from client import (
     StepArgs,
 )
 from strategies import (
-    DDPModel,
-    DDPOptimizer,
-    FSDPModel,
-    FSDPOptimizer,
+    DATA_PARALLEL,
     HybridShardedModel,
     HybridShardedOptimizer,
     ShardingConfiguration,
-    ZeRO1Model,
-    ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
 )
 
-STRATEGIES = {
-    "zero1": (ZeRO1Model, ZeRO1Optimizer),
-    "zero2": (ZeRO2Model, ZeRO2Optimizer),
-    "fsdp": (FSDPModel, FSDPOptimizer),
-    "ddp": (DDPModel, DDPOptimizer),
-}
+STRATEGIES = DATA_PARALLEL
 WORLD, STEPS, BAD_STEP, BAD_RANK = 2, 4, 1, 1
 
 

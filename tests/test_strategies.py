@@ -25,25 +25,13 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from paramshard import LocalCluster
 from protos import local_servers
 from strategies import (
-    DDPModel,
-    DDPOptimizer,
-    FSDPModel,
-    FSDPOptimizer,
+    DATA_PARALLEL,
     ShardingConfiguration,
-    ZeRO1Model,
-    ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
 )
 
 pytestmark = pytest.mark.equivalence
 
-STRATEGIES = {
-    "ddp": (DDPModel, DDPOptimizer),
-    "zero1": (ZeRO1Model, ZeRO1Optimizer),
-    "zero2": (ZeRO2Model, ZeRO2Optimizer),
-    "fsdp": (FSDPModel, FSDPOptimizer),
-}
+STRATEGIES = DATA_PARALLEL
 STEPS, BATCH, T, VOCAB = 20, 12, 16, 53
 # Odd sizes, so no buffer splits evenly. bias=False (nanoGPT's default): the key part of an
 # attention bias has an exactly zero true gradient (softmax ignores a per-row constant), and

@@ -24,18 +24,14 @@ from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from protos import slicing
 from server import ShardServer
 from strategies import (
+    DATA_PARALLEL,
     DDPModel,
-    DDPOptimizer,
     FSDPModel,
-    FSDPOptimizer,
     OptimizationInputData,
     OptimizationResult,
     ShardedModelBase,
     ShardingConfiguration,
-    ZeRO1Model,
     ZeRO1Optimizer,
-    ZeRO2Model,
-    ZeRO2Optimizer,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -49,12 +45,7 @@ CFG = GPTConfig.tiny(vocab_size=VOCAB, bias=False)
 LR = 1e-2
 KINDS = ["ddp", "zero1", "zero2", "fsdp"]
 SERVER_KINDS = ["zero1", "zero2", "fsdp"]
-_CLASSES = {
-    "ddp": (DDPModel, DDPOptimizer),
-    "zero1": (ZeRO1Model, ZeRO1Optimizer),
-    "zero2": (ZeRO2Model, ZeRO2Optimizer),
-    "fsdp": (FSDPModel, FSDPOptimizer),
-}
+_CLASSES = DATA_PARALLEL
 
 _gen = torch.Generator().manual_seed(1234)
 X = torch.randint(0, VOCAB, (2 * W, CFG.block_size), generator=_gen)

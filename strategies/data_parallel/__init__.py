@@ -16,6 +16,7 @@ from strategies.data_parallel.sharded import ServerShardedModel
 from strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
+    "DATA_PARALLEL",
     "DDPModel",
     "DDPOptimizer",
     "FSDPModel",
@@ -29,3 +30,12 @@ __all__ = [
     "ZeRO3Model",
     "ZeRO3Optimizer",
 ]
+
+DATA_PARALLEL: dict[str, tuple[type, type]] = {
+    "ddp": (DDPModel, DDPOptimizer),
+    "zero1": (ZeRO1Model, ZeRO1Optimizer),
+    "zero2": (ZeRO2Model, ZeRO2Optimizer),
+    "fsdp": (FSDPModel, FSDPOptimizer),
+}
+"""The data-parallel strategies by their short names (``train_gpt.py --strategy``, the
+benchmarks): name -> (model wrapper, optimizer wrapper)."""
