@@ -86,6 +86,15 @@ def timed_steps(
     return times, [float(torch.as_tensor(v).item()) for v in losses], phases
 
 
+def phase_seconds(t_start: float, t_setup: float, t_train: float) -> dict[str, float]:
+    """A rank's wall time by phase (monotonic stamps): setup, train, accounting until now."""
+    return {
+        "setup": round(t_setup - t_start, 2),
+        "train": round(t_train - t_setup, 2),
+        "accounting": round(time.monotonic() - t_train, 2),
+    }
+
+
 def ours_main(a: argparse.Namespace) -> None:
     t_start = time.monotonic()
     child_guard(a.lifetime)
@@ -174,11 +183,7 @@ def ours_main(a: argparse.Namespace) -> None:
             "extra": extra,
             "peak_rss_bytes": peak_rss_bytes(),
             "cpu_s": cpu_timed,
-            "phases_s": {
-                "setup": round(t_setup - t_start, 2),
-                "train": round(t_train - t_setup, 2),
-                "accounting": round(time.monotonic() - t_train, 2),
-            },
+            "phases_s": phase_seconds(t_start, t_setup, t_train),
         },
     )
     wait_exit_then_close([client], server)
@@ -254,11 +259,7 @@ def torch_main(a: argparse.Namespace) -> None:
             "trainer": mem,
             "peak_rss_bytes": peak_rss_bytes(),
             "cpu_s": cpu_timed,
-            "phases_s": {
-                "setup": round(t_setup - t_start, 2),
-                "train": round(t_train - t_setup, 2),
-                "accounting": round(time.monotonic() - t_train, 2),
-            },
+            "phases_s": phase_seconds(t_start, t_setup, t_train),
         },
     )
     if not single:
