@@ -133,6 +133,55 @@ def _wait_for_servers(model: ServerShardedModel | HybridShardedModel, wait_s: fl
                 time.sleep(0.2)
 
 
+def _recover(
+    model: ServerShardedModel | HybridShardedModel,
+    exc: ShardClientError,
+    step: int,
+    epoch: int,
+    wait_s: float,
+    report: RecoveryReport,
+) -> None:
+    """After ``step`` failed with ``exc``: tells the other ranks, drops the step, waits for
+    the servers, numbers the collectives afresh in ``epoch`` and brings the model back to
+    the servers' step (``model.recover()``); ``report`` records it."""
+    began = time.monotonic()
+    log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
+    # the ranks waiting on this one learn now, through the servers, not at a deadline
+    model.client.run_state.give_up(
+        f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
+    )
+    report.recoveries += 1
+    report.causes.append(exc.code.name)
+    model.abandon_step()
+    if model.optimizer is not None:
+        model.optimizer.zero_grad()
+    _wait_for_servers(model, wait_s)
+    model.restart_collectives(epoch)
+    # Ranks notice the failure at different times: one waiting for a failed rank's tensor
+    # finds out only at its call's deadline. The others wait for it at the recovery's first
+    # barrier, so that wait may last up to ``wait_s``.
+    client = model.client
+    deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
+    try:
+        restored = model.recover()
+    finally:
+        client.timeout_s = deadline
+    # a rank whose failed call was the last of a step another rank completed may find the
+    # servers one step ahead of it: nothing to replay then
+    report.replayed_steps += max(0, step - restored)
+    report.recovery_seconds.append(time.monotonic() - began)
+    report.failed_at.append(step)
+    report.resumed_at.append(restored)
+    log.warning(
+        "rank %d: recovered in %.1f s: the servers are at step %d, training continues there"
+        " (%d steps replayed)",
+        model.rank,
+        report.recovery_seconds[-1],
+        restored,
+        max(0, step - restored),
+    )
+
+
 def train_with_recovery(
     model: ServerShardedModel | HybridShardedModel,
     train_step: Callable[[int], float],
@@ -183,43 +232,8 @@ def train_with_recovery(
             except ShardClientError as exc:
                 if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
                     raise
-                began = time.monotonic()
-                log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
-                # the ranks waiting on this one learn now, through the servers, not at a deadline
-                model.client.run_state.give_up(
-                    f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
-                )
-                report.recoveries += 1
-                report.causes.append(exc.code.name)
                 epoch += 1
-                model.abandon_step()
-                if model.optimizer is not None:
-                    model.optimizer.zero_grad()
-                _wait_for_servers(model, wait_s)
-                model.restart_collectives(epoch)
-                # Ranks notice the failure at different times: one waiting for a failed rank's
-                # tensor finds out only at its call's deadline. The others wait for it at the
-                # recovery's first barrier, so that wait may last up to ``wait_s``.
-                client = model.client
-                deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
-                try:
-                    restored = model.recover()
-                finally:
-                    client.timeout_s = deadline
-                # a rank whose failed call was the last of a step another rank completed may find
-                # the servers one step ahead of it: nothing to replay then
-                report.replayed_steps += max(0, step - restored)
-                report.recovery_seconds.append(time.monotonic() - began)
-                report.failed_at.append(step)
-                report.resumed_at.append(restored)
-                log.warning(
-                    "rank %d: recovered in %.1f s: the servers are at step %d, training continues"
-                    " there (%d steps replayed)",
-                    model.rank,
-                    report.recovery_seconds[-1],
-                    restored,
-                    max(0, step - restored),
-                )
+                _recover(model, exc, step, epoch, wait_s, report)
     finally:
         state.fail_fast = fail_fast
     return report
