@@ -81,6 +81,8 @@ class SegmentRegistry:
         self._listener: socket.socket | None = None
         self._name = ""
         self._closed = False
+        # payloads and replies that went through segments; request payloads that did not
+        self.views = self.in_band = 0
 
     # -- the calls ---------------------------------------------------------------------------
     def offer(self, owner: str, req: pb.OfferSegmentRequest) -> pb.OfferSegmentReply:
@@ -171,6 +173,7 @@ class SegmentRegistry:
                     f" {ref.offset + ref.nbytes:,} are outside its {seg.nbytes:,}"
                 )
             seg.last_used = time.monotonic()
+            self.views += 1
             return memoryview(seg.map)[ref.offset : ref.offset + ref.nbytes]
 
     # -- the servicer's side ------------------------------------------------------------------
@@ -194,6 +197,7 @@ class SegmentRegistry:
         header references one."""
         header, data = msg
         if not header.HasField("shm"):
+            self.in_band += len(data) > 0
             return header, data
         if len(data):
             raise ShardError.invalid("a payload both in-band and in a shared segment")

@@ -3,6 +3,11 @@
 - ``servers(n, **kw)``: starts ``n`` fresh ShardServer on 127.0.0.1:0 (stopped at teardown).
 - ``shared_servers``: five servers shared by the whole session (hypothesis tests; every call of
   ``run_ranks`` uses its own run_id, so worlds never share slots).
+- ``transport``: runs a test once per way payloads travel (``TRANSPORTS``): calls into a server
+  in the same process, gRPC with payloads in shared segments (every payload, however small),
+  and gRPC with payloads in-band (``PARAMSHARD_SHM=0``). ``servers`` and
+  ``transport_servers`` (the shared five, or five gRPC-only ones) follow it, and the test fails
+  if its payloads did not take that path.
 - ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
   its own thread (LocalCluster's thread runner) and returns the results in rank order; the
   first exception is re-raised.
@@ -21,6 +26,7 @@ from typing import Any
 
 import pytest
 
+import client.shm
 from client import ClusterSpec, ShardClient
 from paramshard.local_cluster import RankFailed, run_in_threads
 from server import ShardServer
@@ -61,13 +67,54 @@ def _start(n: int, started: list[ShardServer], **kw: Any) -> list[ShardServer]:
     return new
 
 
+TRANSPORTS = ("in-process", "shared-memory", "in-band")
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How this test's payloads travel (module docstring)."""
+    if request.param == "shared-memory":
+        monkeypatch.setattr(client.shm, "SHM_MIN_BYTES", 1)
+    elif request.param == "in-band":
+        monkeypatch.setenv("PARAMSHARD_SHM", "0")
+    return request.param
+
+
+def _counts(started: list[ShardServer]) -> tuple[int, int]:
+    """Payloads through segments, request payloads in-band, on ``started`` so far."""
+    regs = [s.servicer.segments for s in started]
+    return sum(r.views for r in regs), sum(r.in_band for r in regs)
+
+
+def _check_path(transport: str, started: list[ShardServer], before: tuple[int, int]) -> None:
+    """Fails a test whose payloads did not travel the way ``transport`` says."""
+    views, in_band = (now - then for now, then in zip(_counts(started), before, strict=True))
+    if transport == "shared-memory":
+        assert in_band == 0, f"{in_band} payloads went in-band, not through shared segments"
+    elif transport == "in-band":
+        assert views == 0, f"{views} payloads went through shared segments"
+
+
 @pytest.fixture
-def servers() -> Any:
-    """Factory: ``servers(n, **ShardServer_kwargs)`` -> n started servers (stopped afterwards)."""
+def servers(request: pytest.FixtureRequest) -> Any:
+    """Factory: ``servers(n, **ShardServer_kwargs)`` -> n started servers (stopped afterwards).
+    Under ``transport``, through gRPC unless it is "in-process"."""
     started: list[ShardServer] = []
-    yield lambda n, **kw: _start(n, started, **kw)
-    for s in started:
-        s.stop(0)
+    way = request.getfixturevalue("transport") if "transport" in request.fixturenames else None
+    if way is not None and way != "in-process":
+
+        def start(n: int, **kw: Any) -> list[ShardServer]:
+            return _start(n, started, **{"local_calls": False, **kw})
+
+        yield start
+    else:
+        yield lambda n, **kw: _start(n, started, **kw)
+    try:
+        if way is not None:
+            _check_path(way, started, (0, 0))
+    finally:
+        for s in started:
+            s.stop(0)
 
 
 @pytest.fixture(scope="session")
@@ -78,6 +125,27 @@ def shared_servers() -> Any:
     yield [s.address for s in started]
     for s in started:
         s.stop(0)
+
+
+@pytest.fixture(scope="session")
+def _grpc_shared_servers() -> Any:
+    started: list[ShardServer] = []
+    _start(5, started, local_calls=False)
+    yield started
+    for s in started:
+        s.stop(0)
+
+
+@pytest.fixture
+def transport_servers(transport: str, shared_servers: list[str], request: Any) -> Any:
+    """``shared_servers`` for the in-process transport, else five shared gRPC-only servers."""
+    if transport == "in-process":
+        yield shared_servers
+        return
+    started = request.getfixturevalue("_grpc_shared_servers")
+    before = _counts(started)
+    yield [s.address for s in started]
+    _check_path(transport, started, before)
 
 
 def unique_id(prefix: str = "run") -> str:

@@ -1,4 +1,7 @@
-"""The flat-buffer API: register, set/pull params, push grads exactly once, step, clip, versions."""
+"""The flat-buffer API: register, set/pull params, push grads exactly once, step, clip, versions.
+
+Every test runs over each ``transport`` (conftest.py): in-process calls, gRPC with payloads in
+shared segments, and gRPC with payloads in-band."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import torch
 
 from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
 from protos.slicing import slice_bounds
+
+pytestmark = pytest.mark.usefixtures("transport")
 
 BUF = "unit0"
 TOL = {"rtol": 1e-6, "atol": 1e-7}

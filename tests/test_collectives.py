@@ -136,12 +136,12 @@ def world_addresses(shared: list[str], num_servers: int) -> list[str]:
 @pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
 @SETTINGS
 @given(case=cases)
-def test_all_reduce(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+def test_all_reduce(transport_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
     ops = ops_for(case)
     results = run_ranks(
         lambda c: [c.all_reduce(case.tensor(c.rank), op=op) for op in ops],
         world,
-        world_addresses(shared_servers, num_servers),
+        world_addresses(transport_servers, num_servers),
         timeout_s=TIMEOUT_S,
     )
     for op_index, op in enumerate(ops):
@@ -156,13 +156,13 @@ def test_all_reduce(shared_servers, run_ranks, world: int, num_servers: int, cas
 @SETTINGS
 @given(case=cases)
 def test_reduce_scatter(
-    shared_servers, run_ranks, world: int, num_servers: int, case: Case
+    transport_servers, run_ranks, world: int, num_servers: int, case: Case
 ) -> None:
     ops = ops_for(case)
     results = run_ranks(
         lambda c: [c.reduce_scatter(case.tensor(c.rank), op=op) for op in ops],
         world,
-        world_addresses(shared_servers, num_servers),
+        world_addresses(transport_servers, num_servers),
         timeout_s=TIMEOUT_S,
     )
     for op_index, op in enumerate(ops):
@@ -178,12 +178,12 @@ def test_reduce_scatter(
 @pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
 @SETTINGS
 @given(case=cases)
-def test_all_gather(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+def test_all_gather(transport_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
     # every rank's tensor has its own length (n + rank) and so its own shape
     results = run_ranks(
         lambda c: c.all_gather(case.tensor(c.rank, case.n + c.rank)),
         world,
-        world_addresses(shared_servers, num_servers),
+        world_addresses(transport_servers, num_servers),
         timeout_s=TIMEOUT_S,
     )
     for rank, gathered in enumerate(results):
@@ -201,12 +201,12 @@ def test_all_gather(shared_servers, run_ranks, world: int, num_servers: int, cas
 @pytest.mark.parametrize(("world", "num_servers"), WORLDS, ids=WORLD_IDS)
 @SETTINGS
 @given(case=cases)
-def test_broadcast(shared_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
+def test_broadcast(transport_servers, run_ranks, world: int, num_servers: int, case: Case) -> None:
     # broadcast from every rank in turn; each rank passes its own values
     results = run_ranks(
         lambda c: [c.broadcast(case.tensor(c.rank), src=s) for s in range(world)],
         world,
-        world_addresses(shared_servers, num_servers),
+        world_addresses(transport_servers, num_servers),
         timeout_s=TIMEOUT_S,
     )
     for rank, outs in enumerate(results):
@@ -221,7 +221,7 @@ def test_broadcast(shared_servers, run_ranks, world: int, num_servers: int, case
 @SETTINGS
 @given(spec=st.tuples(cases, st.integers(1, 3)))
 def test_send_recv_in_order(
-    shared_servers, run_ranks, world: int, num_servers: int, spec: tuple[Case, int]
+    transport_servers, run_ranks, world: int, num_servers: int, spec: tuple[Case, int]
 ) -> None:
     """Each rank sends ``count`` tensors (of different lengths) to the next rank, in a ring."""
     case, count = spec
@@ -234,7 +234,7 @@ def test_send_recv_in_order(
         return [c.recv(src, like=like) for _ in range(count)]
 
     results = run_ranks(
-        ring, world, world_addresses(shared_servers, num_servers), timeout_s=TIMEOUT_S
+        ring, world, world_addresses(transport_servers, num_servers), timeout_s=TIMEOUT_S
     )
     for rank, received in enumerate(results):
         src = (rank - 1) % world
@@ -253,11 +253,15 @@ def test_send_recv_in_order(
 # --- specific behaviour ------------------------------------------------------------------
 
 
-def test_half_precision_sums_accumulate_in_fp32_and_round_once(shared_servers, run_ranks) -> None:
+def test_half_precision_sums_accumulate_in_fp32_and_round_once(
+    transport_servers, run_ranks
+) -> None:
     # fp16: 2048 + 1 + 1 == 2048 when accumulated in fp16 (each +1 is a tie to even), 2050 in fp32
     values = [2048.0, 1.0, 1.0]
     out = run_ranks(
-        lambda c: c.all_reduce(np.array([values[c.rank]], dtype=np.float16)), 3, shared_servers[:3]
+        lambda c: c.all_reduce(np.array([values[c.rank]], dtype=np.float16)),
+        3,
+        transport_servers[:3],
     )
     assert all(o.dtype == np.float16 and o[0] == 2050.0 for o in out)
     # bf16: 256 + 1 + 1 == 256 in bf16 arithmetic, 258 in fp32 then rounded once
@@ -265,7 +269,7 @@ def test_half_precision_sums_accumulate_in_fp32_and_round_once(shared_servers, r
     bf = run_ranks(
         lambda c: c.all_reduce(torch.tensor([bf_values[c.rank]], dtype=torch.bfloat16)),
         3,
-        shared_servers[:3],
+        transport_servers[:3],
     )
     assert all(o.dtype == torch.bfloat16 and o.item() == 258.0 for o in bf)
     # bf16 mean rounds the fp32 quotient once: (1 + 2^-7 + 0) / 3 in fp32, then to bf16
@@ -273,13 +277,13 @@ def test_half_precision_sums_accumulate_in_fp32_and_round_once(shared_servers, r
     mean = run_ranks(
         lambda c: c.all_reduce(torch.tensor([parts[c.rank]], dtype=torch.bfloat16), op="mean"),
         3,
-        shared_servers[:3],
+        transport_servers[:3],
     )
     want = torch.tensor([np.float32(1.0 + 2.0**-7) / np.float32(3)]).to(torch.bfloat16)
     assert all(torch.equal(m, want) for m in mean)
 
 
-def test_large_tensor_many_chunks(shared_servers, run_ranks) -> None:
+def test_large_tensor_many_chunks(transport_servers, run_ranks) -> None:
     """A tensor far bigger than chunk_bytes: many chunks per server, few in flight."""
     world, n = 3, 10_007  # 40 KB of float32 over 4 KiB chunks
 
@@ -297,7 +301,7 @@ def test_large_tensor_many_chunks(shared_servers, run_ranks) -> None:
             "p2p": (c.send(x, (c.rank + 1) % world), c.recv((c.rank - 1) % world))[1],
         }
 
-    results = run_ranks(work, world, shared_servers[:3], chunk_bytes=4096, max_in_flight=2)
+    results = run_ranks(work, world, transport_servers[:3], chunk_bytes=4096, max_in_flight=2)
     total = sum(values(r) for r in range(world))
     top = torch.from_numpy(np.maximum.reduce([values(r) for r in range(world)])).to(torch.bfloat16)
     for rank, out in enumerate(results):
@@ -311,7 +315,7 @@ def test_large_tensor_many_chunks(shared_servers, run_ranks) -> None:
         np.testing.assert_array_equal(out["p2p"], values((rank - 1) % world))
 
 
-def test_barrier_waits_for_every_rank(shared_servers, run_ranks) -> None:
+def test_barrier_waits_for_every_rank(transport_servers, run_ranks) -> None:
     entered: dict[int, float] = {}
 
     def work(c: ShardClient) -> float:
@@ -321,7 +325,7 @@ def test_barrier_waits_for_every_rank(shared_servers, run_ranks) -> None:
         c.barrier()
         return time.monotonic()
 
-    left = run_ranks(work, 3, shared_servers[:3])
+    left = run_ranks(work, 3, transport_servers[:3])
     assert min(left) >= entered[2]
 
 
@@ -349,9 +353,10 @@ def test_separate_processes(servers) -> None:
         np.testing.assert_array_equal(out["recv"], xs[(rank - 1) % world] + 0.5)
 
 
-def test_servers_hold_no_slot_memory_afterwards(servers, run_ranks) -> None:
+def test_servers_hold_no_slot_memory_afterwards(servers, run_ranks, transport) -> None:
     world = 3
-    addresses = [s.address for s in servers(world)]
+    servers_started = servers(world)
+    addresses = [s.address for s in servers_started]
 
     def work(c: ShardClient) -> None:
         for n in (0, 1, 1001, 5000):
@@ -371,16 +376,18 @@ def test_servers_hold_no_slot_memory_afterwards(servers, run_ranks) -> None:
         assert "error" not in st_
         assert int(st_["open_slots"]) == 0, st_
         assert int(st_["slot_bytes"]) == 0, st_
+    for s in servers_started:  # the clients closed: every segment was given back
+        assert s.servicer.segments.usage() == (0, 0)
 
 
-def test_two_worlds_on_the_same_servers_do_not_mix(shared_servers, run_ranks) -> None:
+def test_two_worlds_on_the_same_servers_do_not_mix(transport_servers, run_ranks) -> None:
     results: dict[str, list[Any]] = {}
 
     def world_run(name: str, scale: float) -> None:
         results[name] = run_ranks(
             lambda c: c.all_reduce(np.full(100, scale * (c.rank + 1), np.float32)),
             2,
-            shared_servers[:2],
+            transport_servers[:2],
         )
 
     threads = [threading.Thread(target=world_run, args=(n, s)) for n, s in (("a", 1), ("b", 10))]
@@ -392,47 +399,47 @@ def test_two_worlds_on_the_same_servers_do_not_mix(shared_servers, run_ranks) ->
     assert all(np.all(o == 30.0) for o in results["b"])
 
 
-def test_mean_of_integers_is_rejected(shared_servers, run_ranks) -> None:
+def test_mean_of_integers_is_rejected(transport_servers, run_ranks) -> None:
     with pytest.raises(ShardClientError) as info:
         run_ranks(
             lambda c: c.all_reduce(np.arange(5, dtype=np.int64), op="mean"),
             1,
-            shared_servers[:1],
+            transport_servers[:1],
             timeout_s=2,
         )
     assert info.value.code.name == "INVALID_ARGUMENT"
     assert "MEAN" in info.value.details
 
 
-def test_rejected_collective_fails_fast(shared_servers, run_ranks) -> None:
+def test_rejected_collective_fails_fast(transport_servers, run_ranks) -> None:
     began = time.monotonic()
     with pytest.raises(ShardClientError) as info:
         run_ranks(
             lambda c: c.all_reduce(np.arange(5, dtype=np.int64), op="mean"),
             1,
-            shared_servers[:1],
+            transport_servers[:1],
             timeout_s=4,
         )
     assert info.value.code.name == "INVALID_ARGUMENT"
     assert time.monotonic() - began < 2.0
 
 
-def test_send_to_self(shared_servers, run_ranks) -> None:
+def test_send_to_self(transport_servers, run_ranks) -> None:
     def work(c: ShardClient) -> list[np.ndarray]:
         c.send(np.arange(3, dtype=np.float32), c.rank)
         c.send(np.arange(4, dtype=np.float32), c.rank)
         return [c.recv(c.rank), c.recv(c.rank)]
 
-    (got,) = run_ranks(work, 1, shared_servers[:1], timeout_s=2)
+    (got,) = run_ranks(work, 1, transport_servers[:1], timeout_s=2)
     np.testing.assert_array_equal(got[0], np.arange(3, dtype=np.float32))
     np.testing.assert_array_equal(got[1], np.arange(4, dtype=np.float32))
 
 
-def test_argument_errors_are_raised_before_any_call(shared_servers) -> None:
+def test_argument_errors_are_raised_before_any_call(transport_servers) -> None:
     from client import ClusterSpec
 
     c = ShardClient(
-        ClusterSpec(shared_servers[:2]), rank=0, world_size=2, run_id=unique_id(), timeout_s=2
+        ClusterSpec(transport_servers[:2]), rank=0, world_size=2, run_id=unique_id(), timeout_s=2
     )
     try:
         with pytest.raises(ValueError, match="op must be one of"):
@@ -444,6 +451,6 @@ def test_argument_errors_are_raised_before_any_call(shared_servers) -> None:
         with pytest.raises(TypeError, match="unsupported"):
             c.all_reduce(np.ones(3, dtype=np.complex64))
         with pytest.raises(ValueError, match="outside a world"):
-            ShardClient(ClusterSpec(shared_servers[:1]), rank=2, world_size=2)
+            ShardClient(ClusterSpec(transport_servers[:1]), rank=2, world_size=2)
     finally:
         c.close()
