@@ -144,6 +144,7 @@ class RpcCore:
         retries: int = 5,
         max_in_flight: int = 8,
         chunk_bytes: int = 16 * 2**20,
+        shared_memory: bool | None = None,
     ) -> None:
         self.spec = spec
         self.timeout_s = timeout_s
@@ -158,7 +159,7 @@ class RpcCore:
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
         # payloads to servers on this host (client/shm.py)
-        self.shm = SharedMemory(chunk_bytes, max_in_flight)
+        self.shm = SharedMemory(chunk_bytes, max_in_flight, shared_memory)
 
     @property
     def num_servers(self) -> int:

@@ -27,6 +27,9 @@ class ShardClient(Collectives, FlatBuffers):
     ``deterministic`` (default): sums and means of collectives are reduced in rank order,
     bitwise reproducible; False: in arrival order (strategies set it from their
     configuration's ``deterministic``).
+    ``shared_memory``: payloads to servers on this host through shared segments (True), always
+    in-band (False), or as ``PARAMSHARD_SHM`` says (None, the default: on unless it is 0);
+    docs/transport.md.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class ShardClient(Collectives, FlatBuffers):
         max_in_flight: int = 8,
         chunk_bytes: int = 16 * 2**20,
         deterministic: bool = True,
+        shared_memory: bool | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -50,6 +54,7 @@ class ShardClient(Collectives, FlatBuffers):
             retries=retries,
             max_in_flight=max_in_flight,
             chunk_bytes=chunk_bytes,
+            shared_memory=shared_memory,
         )
         self.rank = rank
         self.world_size = world_size

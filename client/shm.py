@@ -69,8 +69,9 @@ class SharedMemory:
     (``ShardClient.on_servers``, groups), per server address: a view numbers the servers its
     own way, so every method takes the calling view and the server's index in it."""
 
-    def __init__(self, chunk_bytes: int, max_in_flight: int) -> None:
+    def __init__(self, chunk_bytes: int, max_in_flight: int, on: bool | None = None) -> None:
         self.chunk_bytes = chunk_bytes
+        self.on = on  # None: as PARAMSHARD_SHM says (``enabled``)
         self.segment_bytes = max(SHM_MIN_BYTES, chunk_bytes + 4096)
         self.limit = 2 * max_in_flight
         self._lock = threading.Lock()
@@ -160,7 +161,7 @@ class SharedMemory:
 
     # -- the pool ------------------------------------------------------------------------------
     def _take(self, core: Any, index: int, nbytes: int) -> Segment | None:
-        if nbytes > self.segment_bytes or not enabled():
+        if nbytes > self.segment_bytes or not (enabled() if self.on is None else self.on):
             return None
         server = core.spec.addresses[index]
         with self._lock:

@@ -256,6 +256,21 @@ def test_unconfirmed_offers_expire(guarded, monkeypatch) -> None:
     assert s.servicer.segments.usage() == (0, 0) and s.servicer.budget.usage()["shm"] == 0
 
 
+@pytest.mark.parametrize(("env", "argument", "shares"), [("1", False, False), ("0", True, True)])
+def test_the_client_argument_overrides_the_environment(
+    server, monkeypatch, env: str, argument: bool, shares: bool
+) -> None:
+    monkeypatch.setenv("PARAMSHARD_SHM", env)
+    c = client(server.address, shared_memory=argument)
+    try:
+        c.register_buffer("j", "w", N)
+        c.set_params("j", "w", np.ones(N, np.float32))
+        assert (c.shm.opened > 0) == shares
+        assert (server.servicer.segments.views > 0) == shares
+    finally:
+        c.close()
+
+
 def test_a_client_refused_more_segments_sends_the_rest_in_band(server, monkeypatch) -> None:
     monkeypatch.setattr(shm, "MAX_SEGMENTS", 1)
     c = client(server.address)
