@@ -28,7 +28,14 @@ def reps_for(mib: float, a: argparse.Namespace) -> int:
         return a.reps
     if a.quick:
         return 5
-    return 30 if mib <= 1 else 15 if mib <= 16 else 10
+    return 200 if mib < 0.01 else 30 if mib <= 1 else 15 if mib <= 16 else 10
+
+
+def numel(mib: float, world: int) -> int:
+    """float32 elements of a tensor of ``mib`` MiB, a multiple of ``world`` and at least one
+    per rank (so "4B", one element, becomes ``world`` elements for all_gather's sake)."""
+    n = int(mib * MiB) // 4
+    return max(world, n - n % world)
 
 
 def barrier_cpu_s(barrier: Any, clock: Any = time.process_time, n: int = 20) -> float:
@@ -118,8 +125,7 @@ def rank_main(a: argparse.Namespace) -> None:
         "barrier_cpu_ms": round(bcpu * 1e3, 3),
     }
     for mib in a.sizes:
-        n = int(mib * MiB) // 4
-        n -= n % world
+        n = numel(mib, world)
         full = np.full(n, rank + 1, np.float32)
         part = np.full(n // world, rank + 1, np.float32)
         fns = {
@@ -150,7 +156,9 @@ def rank_main(a: argparse.Namespace) -> None:
 def server_main(a: argparse.Namespace) -> None:
     from server import ShardServer
 
-    server = ShardServer(port=0, fast_codec=not a.plain).start()
+    # --bind: an address inside the benchmark's own namespaces, reachable from nowhere else
+    # (gloo there has no credentials either)
+    server = ShardServer(a.bind, 0, fast_codec=not a.plain, insecure=True).start()
     emit("ADDR", server.address)
     wait_parent_eof()
     server.stop(grace=None)
@@ -190,8 +198,7 @@ def _gloo_size(a: argparse.Namespace, mib: float, out: dict[str, Any], bcpu: flo
     import torch.distributed as dist
 
     world, rank = a.world, a.rank
-    n = int(mib * MiB) // 4
-    n -= n % world
+    n = numel(mib, world)
     s = expected_sum(world)
     full = torch.full((n,), float(rank + 1))
     ar = full.clone()  # all_reduce is in place: its values grow xW a call (no overflow in reps)

@@ -16,6 +16,7 @@ from benchmarks._collective_ranks import (
     MiB,
     reps_for,
 )
+from benchmarks._netns import Namespaces, unavailable
 from benchmarks._processes import (
     Child,
     Load,
@@ -34,7 +35,7 @@ from benchmarks._transport import (
 
 
 def rank_argv(a: argparse.Namespace) -> list[str]:
-    argv = ["--sizes", ",".join(f"{s:g}" for s in a.sizes), "--warmup", str(a.warmup)]
+    argv = ["--sizes", ",".join(repr(s) for s in a.sizes), "--warmup", str(a.warmup)]
     argv += ["--chunk-mib", f"{a.chunk_mib:g}", "--in-flight", str(a.in_flight)]
     if a.reps:
         argv += ["--reps", str(a.reps)]
@@ -47,29 +48,76 @@ def result_timeout(a: argparse.Namespace, w: int) -> float:
     return 120.0 + 6.0 * w * sum(reps_for(s, a) * max(1.0, s / 8) for s in a.sizes)
 
 
-def run_ours(w: int, a: argparse.Namespace, separate: bool) -> list[dict[str, Any]]:
+VARIANTS = {
+    "ours": "each rank process hosts its own ShardServer (calls to it go in-process)",
+    "ours_sep": "W separate `paramshard serve` processes on this host: payloads through shared"
+    " segments (the deployed shape of one host)",
+    "ours_sep_inband": "the same servers and ranks with PARAMSHARD_SHM=0: payloads in-band",
+    "gloo": "torch.distributed on gloo, ranks on this host (loopback TCP)",
+    "ours_ns": "one network namespace per rank (a host on a veth bridge, benchmarks/_netns.py),"
+    " each with its rank and a separate server process; PARAMSHARD_SHM=0, so every payload"
+    " crosses TCP (the veths, or loopback to the rank's own server)",
+    "gloo_ns": "gloo ranks in the same namespaces (GLOO_SOCKET_IFNAME=eth0)",
+}
+REFERENCE = {"ours": "gloo", "ours_sep": "gloo", "ours_sep_inband": "gloo", "ours_ns": "gloo_ns"}
+RATIO_KEY = {  # the row's key of each variant's ratio to its gloo
+    "ours": "ratio_vs_gloo",
+    "ours_sep": "sep_ratio_vs_gloo",
+    "ours_sep_inband": "sep_inband_ratio_vs_gloo",
+    "ours_ns": "ns_ratio_vs_gloo",
+}
+
+
+def variants(a: argparse.Namespace, lab: Any) -> list[str]:
+    out = ["ours"]
+    if not a.no_separate:
+        out += ["ours_sep"] + ([] if a.no_inband else ["ours_sep_inband"])
+    if not a.no_gloo:
+        out.append("gloo")
+    if lab is not None:
+        out += ["ours_ns"] + ([] if a.no_gloo else ["gloo_ns"])
+    return out
+
+
+def run_ours(w: int, a: argparse.Namespace, variant: str, lab: Any) -> list[dict[str, Any]]:
+    """One run of ``variant`` (``VARIANTS``) at world size ``w``; ``lab``: the namespaces."""
     kids: list[Child] = []
+
+    def where(r: int) -> list[str]:
+        return lab.exec_prefix(lab.hosts[r]) if variant == "ours_ns" else []
+
     try:
-        if separate:
+        if variant == "ours_ns":
+            servers = [
+                child(f"nsserver{i}", ["_server", "--bind", lab.ip[h]], child_env(True),
+                      a.lifetime, where(i))
+                for i, h in enumerate(lab.hosts[:w])
+            ]  # fmt: skip
+            addrs = expect_all(servers, "ADDR", 60, watch=servers)
+            kids += servers
+        elif variant != "ours":
             servers, addrs = start_servers(w, False, a, "sep")
             kids += servers
         env = child_env(True)
-        run_id = f"bench{os.getpid()}w{w}{'s' if separate else 'i'}"
+        if variant in ("ours_sep_inband", "ours_ns"):
+            env["PARAMSHARD_SHM"] = "0"
+        run_id = f"bench{os.getpid()}w{w}{variant}"
         ranks = [
             child(
-                f"{'sep' if separate else 'ours'}rank{r}",
+                f"{variant}rank{r}",
                 ["_rank", "--rank", str(r), "--world", str(w), "--run-id", run_id]
-                + ([] if separate else ["--host-server"])
+                + (["--host-server"] if variant == "ours" else [])
                 + rank_argv(a),
                 env,
                 a.lifetime,
+                where(r),
             )
             for r in range(w)
         ]
         kids += ranks
-        if not separate:
+        if variant == "ours":
             addrs = expect_all(ranks, "ADDR", 60, watch=ranks)
-        server_pids = [k.proc.pid for k in servers] if separate else []
+        server_pids = [k.proc.pid for k in servers] if variant != "ours" else []
         for k in ranks:
             k.send(json.dumps([addrs, server_pids]))
         timeout = result_timeout(a, w)
@@ -82,17 +130,21 @@ def run_ours(w: int, a: argparse.Namespace, separate: bool) -> list[dict[str, An
         stop_all(kids)
 
 
-def run_gloo(w: int, a: argparse.Namespace) -> list[dict[str, Any]]:
+def run_gloo(w: int, a: argparse.Namespace, lab: Any = None) -> list[dict[str, Any]]:
+    """gloo ranks on this host, or (``lab``) one in each namespace."""
     fd, init_file = tempfile.mkstemp(prefix="collectives_gloo_")
     os.close(fd)
     os.unlink(init_file)  # the FileStore creates it
     env = child_env(a.gloo_env == "tuned")
+    if lab is not None:
+        env["GLOO_SOCKET_IFNAME"] = "eth0"
     kids = [
         child(
-            f"gloorank{r}",
+            f"gloo{'ns' if lab else ''}rank{r}",
             ["_gloo", "--rank", str(r), "--world", str(w), "--init-file", init_file] + rank_argv(a),
             env,
             a.lifetime,
+            lab.exec_prefix(lab.hosts[r]) if lab is not None else [],
         )
         for r in range(w)
     ]
@@ -125,25 +177,39 @@ def summarise(rounds: list[list[dict[str, Any]]], op: str, mib: float) -> dict[s
 
 
 def section_collectives(doc: dict[str, Any], a: argparse.Namespace) -> None:
-    """ours (in-process servers), ours_sep (server processes) and gloo, every op and size."""
+    """Every variant (``VARIANTS``) of every op and size, each world size in one run."""
+    lab = None
+    if not a.no_netns:
+        why = unavailable()
+        doc["netns"] = why or "one namespace per rank on a veth bridge (benchmarks/_netns.py)"
+        if why is None:
+            lab = Namespaces([f"h{r}" for r in range(max(a.world_sizes))])
+            lab.__enter__()
+    try:
+        _collectives(doc, a, lab)
+    finally:
+        if lab is not None:
+            lab.teardown()
+
+
+def _collectives(doc: dict[str, Any], a: argparse.Namespace, lab: Any) -> None:
     rows: list[dict[str, Any]] = []
     phases: list[dict[str, Any]] = []
+    doc["variants"] = {v: VARIANTS[v] for v in variants(a, lab)}
     for w in a.world_sizes:
         got: dict[str, list[list[dict[str, Any]]]] = {}
-        variants = (
-            ["ours"] + ([] if a.no_separate else ["ours_sep"]) + ([] if a.no_gloo else ["gloo"])
-        )
+        order = variants(a, lab)
         for rnd in range(a.rounds):
             # alternate the order, so drift on a busy machine does not favour one variant
-            for v in variants if rnd % 2 == 0 else variants[::-1]:
+            for v in order if rnd % 2 == 0 else order[::-1]:
                 busy_before = wait_quiet(a.wait_quiet, 0.2) if a.wait_quiet > 0 else None
                 log(f"W={w}: {v} (round {rnd + 1}/{a.rounds})")
                 t0 = time.monotonic()
                 with Load() as load:
-                    if v == "gloo":
-                        res = run_gloo(w, a)
+                    if v.startswith("gloo"):
+                        res = run_gloo(w, a, lab if v == "gloo_ns" else None)
                     else:
-                        res = run_ours(w, a, separate=(v == "ours_sep"))
+                        res = run_ours(w, a, v, lab)
                 got.setdefault(v, []).append(res)
                 phases.append(
                     {
@@ -159,43 +225,36 @@ def section_collectives(doc: dict[str, Any], a: argparse.Namespace) -> None:
             doc.setdefault("gloo_reduce_scatter_impl", got["gloo"][0][0]["reduce_scatter_impl"])
         for op in OPS:
             for mib in a.sizes:
-                nbytes = int(mib * MiB)
-                row: dict[str, Any] = {"op": op, "world_size": w, "mib": mib}
-                s = {v: summarise(got[v], op, mib) for v in got}
-                row["ours_ms"] = s["ours"]["ms"]
-                row["gloo_ms"] = s["gloo"]["ms"] if "gloo" in s else None
-                row["ratio_vs_gloo"] = (
-                    round(row["ours_ms"] / row["gloo_ms"], 3) if row["gloo_ms"] else None
-                )
-                row["ours_gbps"] = gbps(nbytes, row["ours_ms"])
-                row["gloo_gbps"] = gbps(nbytes, row["gloo_ms"])
-                if "ours_sep" in s:
-                    row["ours_sep_ms"] = s["ours_sep"]["ms"]
-                    row["ours_sep_gbps"] = gbps(nbytes, row["ours_sep_ms"])
-                    row["sep_ratio_vs_gloo"] = (
-                        round(row["ours_sep_ms"] / row["gloo_ms"], 3) if row["gloo_ms"] else None
-                    )
-                    row["faster_placement"] = (
-                        "in-process" if row["ours_ms"] <= row["ours_sep_ms"] else "separate"
-                    )
-                if "gloo" in s:
-                    row["cpu_ratio_vs_gloo"] = round(
-                        s["ours"]["cpu_ms_per_rank"] / max(1e-9, s["gloo"]["cpu_ms_per_rank"]), 3
-                    )
-                for v, sv in s.items():
-                    row[f"{v}_ms_min_max"] = sv["ms_min_max"]
-                    row[f"{v}_cpu_ms_per_rank"] = sv["cpu_ms_per_rank"]
-                    row[f"{v}_verified"] = sv["ok"]
-                row["reps"] = s["ours"]["reps"]
-                rows.append(row)
-                log(
-                    f"  {op:<14} W={w} {mib:>4g} MiB  ours {row['ours_ms']:9.2f} ms"
-                    + (f"  sep {row['ours_sep_ms']:9.2f} ms" if "ours_sep_ms" in row else "")
-                    + (
-                        f"  gloo {row['gloo_ms']:9.2f} ms  x{row['ratio_vs_gloo']}"
-                        if row["gloo_ms"]
-                        else ""
-                    )
-                )
+                rows.append(_row(op, w, mib, {v: summarise(got[v], op, mib) for v in got}))
     doc["results"] = rows
     doc["phases"] = phases
+
+
+def _row(op: str, w: int, mib: float, s: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One op, world size and size: every variant's median, GB/s and ratio to its gloo."""
+    nbytes = int(mib * MiB)
+    row: dict[str, Any] = {"op": op, "world_size": w, "mib": mib}
+    for v, sv in s.items():
+        row[f"{v}_ms"] = sv["ms"]
+        row[f"{v}_gbps"] = gbps(nbytes, sv["ms"])
+        row[f"{v}_ms_min_max"] = sv["ms_min_max"]
+        row[f"{v}_cpu_ms_per_rank"] = sv["cpu_ms_per_rank"]
+        row[f"{v}_verified"] = sv["ok"]
+    for v, ref in REFERENCE.items():
+        if v in s and ref in s:
+            row[RATIO_KEY[v]] = round(s[v]["ms"] / s[ref]["ms"], 3)
+    if "ours_sep" in s:
+        row["faster_placement"] = (
+            "in-process" if row["ours_ms"] <= row["ours_sep_ms"] else "separate"
+        )
+    if "gloo" in s:
+        row["cpu_ratio_vs_gloo"] = round(
+            s["ours"]["cpu_ms_per_rank"] / max(1e-9, s["gloo"]["cpu_ms_per_rank"]), 3
+        )
+    row["reps"] = s["ours"]["reps"]
+    log(
+        f"  {op:<14} W={w} {mib:>4g} MiB"
+        + "".join(f"  {v} {row[f'{v}_ms']:.1f} ms" for v in s)
+        + "".join(f"  {RATIO_KEY[v]} {row[RATIO_KEY[v]]}" for v in REFERENCE if RATIO_KEY[v] in row)
+    )
+    return row

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,10 +86,16 @@ class Child:
 
     @classmethod
     def module(
-        cls, name: str, module: str, argv: list[str], env: dict[str, str], lifetime: float
+        cls,
+        name: str,
+        module: str,
+        argv: list[str],
+        env: dict[str, str],
+        lifetime: float,
+        prefix: Sequence[str] = (),
     ) -> Child:
-        """``python -m module *argv --lifetime L``."""
-        cmd = [sys.executable, "-m", module, *argv, "--lifetime", str(lifetime)]
+        """``python -m module *argv --lifetime L``, after ``prefix`` (``ip netns exec NS``)."""
+        cmd = [*prefix, sys.executable, "-m", module, *argv, "--lifetime", str(lifetime)]
         return cls(name, cmd, env)
 
     def _pump(self) -> None:

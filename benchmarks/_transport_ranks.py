@@ -211,22 +211,28 @@ def pushpull_main(a: argparse.Namespace) -> None:
     grads = np.random.default_rng(2).standard_normal(n, dtype=np.float32)
     job, buf = "bench", "flat"
 
-    ours = ShardClient(
-        ClusterSpec(fast_addrs),
-        rank=0,
-        world_size=1,
-        run_id="pushpull",
-        chunk_bytes=a.chunk_bytes,
-        max_in_flight=a.in_flight,
-    )
-    ours.register_buffer(job, buf, n, optimizer="sgd", hyper={"lr": 0.0})
-    ours.set_params(job, buf, params)
+    def client(shared_memory: bool, job: str) -> ShardClient:
+        c = ShardClient(
+            ClusterSpec(fast_addrs),
+            rank=0,
+            world_size=1,
+            run_id=f"pushpull-{job}",
+            chunk_bytes=a.chunk_bytes,
+            max_in_flight=a.in_flight,
+            shared_memory=shared_memory,
+        )
+        c.register_buffer(job, buf, n, optimizer="sgd", hyper={"lr": 0.0})
+        c.set_params(job, buf, params)
+        return c
+
+    # the same servers: through shared segments, and in-band (job "inband")
+    ours, inband = client(True, job), client(False, "inband")
     plain = PlainClient(plain_addrs, a.chunk_bytes, a.in_flight)
     plain.register(job, buf, n)
     plain.set_params(job, buf, params, 0)
     step_args = StepArgs({"lr": 0.0})
     res: dict[str, Any] = {"malloc_env": malloc_env_state()}
-    for k in ("ours", "plain"):
+    for k in ("ours", "ours_inband", "plain"):
         res[k] = {"push": [], "pull": [], "set": [], "push_cpu": [], "pull_cpu": [], "ok": True}
     for i in range(a.warmup + a.reps):
         keep = i >= a.warmup
@@ -237,6 +243,12 @@ def pushpull_main(a: argparse.Namespace) -> None:
                 lambda s: ours.push_grads(job, buf, grads, s, step_args=step_args),
                 lambda v: ours.pull_params(job, buf, n, v),
                 lambda v: ours.set_params(job, buf, params, version=v),
+            ),
+            (
+                "ours_inband",
+                lambda s: inband.push_grads("inband", buf, grads, s, step_args=step_args),
+                lambda v: inband.pull_params("inband", buf, n, v),
+                lambda v: inband.set_params("inband", buf, params, version=v),
             ),
             (
                 "plain",
@@ -264,4 +276,5 @@ def pushpull_main(a: argparse.Namespace) -> None:
                 r["pull_cpu"].append(c2 - c1)
     emit("RESULT", res)
     ours.close()
+    inband.close()
     plain.close()

@@ -5,11 +5,15 @@
 Measured in one run, on 127.0.0.1 (DESIGN section 7 has the transport facts these compare to):
 
 - **collectives**: all_reduce, all_gather, reduce_scatter for each world size W and tensor size S,
-  (a) ours with each rank process hosting its own ShardServer (server threads in-process),
-  (b) ours with the W servers as separate processes, (c) torch.distributed on gloo.
-  Every rank is its own process, started with subprocess so that ``server.MALLOC_ENV`` is in its
-  environment before the interpreter starts; gloo ranks get the same settings (``--gloo-env
-  default`` runs them in the plain environment, as torch users usually do). Each repetition:
+  through the variants of ``_collective_runs.VARIANTS``: ours with each rank process hosting its
+  own ShardServer (``ours``); ours with the W servers as separate processes, payloads through
+  shared segments (``ours_sep``) and in-band (``ours_sep_inband``, PARAMSHARD_SHM=0); torch
+  gloo (``gloo``); and, as root, the cross-host shape: one network namespace per rank on a veth
+  bridge, each with its rank and its server, payloads in-band (``ours_ns``), against gloo in
+  the same namespaces (``gloo_ns``). Every rank is its own process, started with subprocess
+  so that ``server.MALLOC_ENV`` is in its environment before the interpreter starts; gloo
+  ranks get the same settings (``--gloo-env default`` runs them in the plain environment, as
+  torch users usually do). Each repetition:
   barrier, then time the op on every rank; a repetition's time is the max over ranks; we quote
   the median over the repetitions of all rounds, after warm-up. CPU seconds per op and rank are
   reported too: on 2 cores both sides are CPU-bound, and CPU is steadier than wall time.
@@ -17,7 +21,8 @@ Measured in one run, on 127.0.0.1 (DESIGN section 7 has the transport facts thes
   process (recv_into a preallocated buffer, 1-byte ack): the ceiling for one connection.
 - **push_pull**: one client process pushing a 64 MiB flat gradient buffer to W server processes
   (``push_grads`` with SGD lr=0 step arguments, so each push also completes a step) and pulling
-  the parameters back (``pull_params``).
+  the parameters back (``pull_params``), through shared segments (``ours``) and in-band
+  (``ours_inband``, a client with ``shared_memory=False``), interleaved.
 - **codec**: the same push/pull with servers started with ``fast_codec=False`` and a client that
   uses the generated protobuf classes (``ShardStub``, ``PushGradRequest(data=arr.tobytes())``)
   with the same chunking and calls in flight, against ours.
@@ -27,7 +32,8 @@ OUTPUT (each rank contributes S/W) and the reduce_scatter INPUT (each rank keeps
 GB/s = S bytes / median seconds / 1e9 (algorithm bandwidth, payload bytes only).
 
 Options: ``--parts transport,collectives``, ``--rounds N``, ``--reps N``, ``--no-separate``,
-``--no-gloo``, ``--wait-quiet SECONDS`` (wait for other load to stop before each phase).
+``--no-inband``, ``--no-netns``, ``--no-gloo``, ``--wait-quiet SECONDS`` (wait for other load
+to stop before each phase).
 
 Prints one JSON document to stdout; progress goes to stderr. Every child process is started by
 this script, has a lifetime watchdog and exits when this process dies; all are stopped by PID.
@@ -73,6 +79,11 @@ from benchmarks._transport_ranks import pushpull_main, tcp_recv_main, tcp_send_m
 # ======================================================================================== main
 def parse_list(text: str, kind: type) -> list[Any]:
     return [kind(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def parse_size(text: str) -> float:
+    """A size in MiB; with a B suffix, in bytes ("4B": one float32, the latency cell)."""
+    return float(text[:-1]) / MiB if text.upper().endswith("B") else float(text)
 
 
 def machine() -> dict[str, Any]:
@@ -126,8 +137,8 @@ def bench_main(a: argparse.Namespace) -> int:
         " repetitions of all rounds are pooled before the median",
         "ours": f"each rank process hosts its ShardServer (in-process server threads); chunk"
         f" {a.chunk_bytes / MiB:g} MiB, {a.in_flight} calls in flight per rank",
-        "ours_sep": "same ranks, servers as W separate processes (ours_sep_cpu_ms_per_rank ="
-        " a rank's own CPU + 1/W of all servers' CPU)",
+        "ours_sep": "same ranks, servers as W separate processes (ours_sep*_cpu_ms_per_rank ="
+        " a rank's own CPU + 1/W of all servers' CPU); the variants are in 'variants'",
         "malloc_env": MALLOC_ENV,
         "gloo_env": "allocator-tuned (MALLOC_ENV), as ours"
         if a.gloo_env == "tuned"
@@ -166,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="one size (16 MiB), 5 repetitions, no separate-server variant (< 2 min)",
     )
-    ap.add_argument("--sizes", default=None, help="tensor sizes in MiB (default 1,16,64)")
+    ap.add_argument(
+        "--sizes",
+        default=None,
+        help="tensor sizes in MiB, or in bytes with a B suffix (default 4B,1,16,64)",
+    )
     ap.add_argument("--world-sizes", default="2,4")
     ap.add_argument("--reps", type=int, default=0, help="repetitions per cell (default by size)")
     ap.add_argument("--warmup", type=int, default=2)
@@ -184,7 +199,18 @@ def main(argv: list[str] | None = None) -> int:
         " environment (gloo then page-faults on its per-call buffers: slower all_gather and"
         " reduce_scatter)",
     )
-    ap.add_argument("--no-separate", action="store_true", help="skip the separate-servers variant")
+    ap.add_argument("--no-separate", action="store_true", help="skip the separate-servers variants")
+    ap.add_argument(
+        "--no-inband",
+        action="store_true",
+        help="skip the separate servers with PARAMSHARD_SHM=0 (payloads in-band)",
+    )
+    ap.add_argument(
+        "--no-netns",
+        action="store_true",
+        help="skip the cross-namespace variants (ours and gloo, one namespace per rank; they"
+        " need root and iproute2, and are skipped with the reason otherwise)",
+    )
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument(
         "--chunk-mib", type=float, default=CHUNK_BYTES / MiB, help="ShardClient chunk_bytes, MiB"
@@ -211,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         " use < 20%% of the CPUs (default: do not wait)",
     )
     ap.add_argument(
-        "--max-seconds", type=float, default=0, help="global watchdog (default 1200, --quick 300)"
+        "--max-seconds", type=float, default=0, help="global watchdog (default 2400, --quick 300)"
     )
     # child options
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -221,20 +247,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--init-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--mib", type=float, default=64.0, help=argparse.SUPPRESS)
     ap.add_argument("--lifetime", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    a.sizes = parse_list(a.sizes, float) if a.sizes else ([16.0] if a.quick else [1.0, 16.0, 64.0])
+    a.sizes = (
+        parse_list(a.sizes, parse_size)
+        if a.sizes
+        else ([16.0] if a.quick else [4 / MiB, 1.0, 16.0, 64.0])
+    )
     a.world_sizes = parse_list(a.world_sizes, int)
     a.parts = parse_list(a.parts, str)
     a.chunk_bytes = max(4096, int(a.chunk_mib * MiB))
     if not a.parts or set(a.parts) - {"transport", "collectives"}:
         ap.error("--parts takes transport and/or collectives")
     if a.quick:
-        a.no_separate = True
+        a.no_separate = a.no_netns = True
     a.rounds = a.rounds or (1 if a.quick else 2)
-    waits = (1 + len(a.world_sizes) * a.rounds * 3) * max(0.0, a.wait_quiet)
-    a.max_seconds = a.max_seconds or (300.0 if a.quick else 1200.0) + waits
+    waits = (1 + len(a.world_sizes) * a.rounds * 6) * max(0.0, a.wait_quiet)
+    a.max_seconds = a.max_seconds or (300.0 if a.quick else 2400.0) + waits
 
     if a.mode != "bench":
         child_guard(a.lifetime or 1800.0)

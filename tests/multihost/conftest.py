@@ -1,16 +1,11 @@
-"""A private network of "hosts" (network namespaces) on one bridge, and processes inside them.
+"""The multi-host lab: network namespaces on one bridge (benchmarks/_netns.py) and processes
+inside them.
 
-``netlab`` (module scope) builds, with a random suffix S and a random X:
-
-- a switch namespace ``ps-S-sw`` holding the bridge ``br-psS`` (the bridge lives in a namespace
-  of its own, so the host's bridge netfilter/iptables rules never see the test traffic and the
-  root namespace gets no new interface);
-- host namespaces ``ps-S-s0``, ``ps-S-s1`` (shard servers), ``ps-S-t0``, ``ps-S-t1`` (trainers),
-  each with ``eth0`` = 10.231.X.k/24, a veth whose other end ``vpsS-NAME`` is a bridge port.
-
-Only addresses inside these namespaces are ever used. Teardown (also after a failure or an
-error halfway through the setup) stops every process the lab started, kills whatever is still
-inside its namespaces, and deletes the namespaces (which removes the veths and the bridge).
+``netlab`` (module scope) builds host namespaces ``s0``, ``s1`` (shard servers) and ``t0``,
+``t1`` (trainers), each with ``eth0`` = 10.231.X.k/24 on a private bridge. Only addresses inside
+these namespaces are ever used. Teardown (also after a failure or an error halfway through the
+setup) stops every process the lab started, kills whatever is still inside its namespaces, and
+deletes the namespaces (which removes the veths and the bridge).
 
 The whole directory is skipped, with the reason, when not root, when ``ip`` is missing or when
 ``ip netns add`` fails.
@@ -20,8 +15,6 @@ from __future__ import annotations
 
 import os
 import queue
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,36 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks._netns import Namespaces, unavailable
+
 ROOT = Path(__file__).resolve().parents[2]
 PORT = 50051
-CMD_TIMEOUT_S = 15.0
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        ["ip", *args], check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S
-    )
-    if check and done.returncode != 0:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
-    return done
-
-
-def _skip_reason() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces need Linux"
-    if os.geteuid() != 0:
-        return "multi-host tests need root (ip netns, bridges, veths)"
-    if shutil.which("ip") is None:
-        return "multi-host tests need iproute2's `ip`"
-    probe = f"ps-probe-{secrets.token_hex(3)}"
-    try:
-        done = _ip("netns", "add", probe, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"`ip netns add` failed: {exc}"
-    if done.returncode != 0:
-        return f"`ip netns add` failed: {done.stderr.strip()}"
-    _ip("netns", "del", probe, check=False)
-    return None
 
 
 class Proc:
@@ -155,44 +122,13 @@ class Proc:
         self._reader.join(5)
 
 
-class NetLab:
+class NetLab(Namespaces):
     """The namespaces, their addresses and the processes started in them."""
 
     def __init__(self, workdir: Path, hosts: Sequence[str]) -> None:
-        self.suffix = secrets.token_hex(2)
-        self.subnet = secrets.randbelow(254) + 1  # 10.231.X.0/24, X in 1..254
+        super().__init__(hosts)
         self.workdir = workdir
-        self.switch = f"ps-{self.suffix}-sw"
-        self.bridge = f"br-ps{self.suffix}"
-        self.hosts = list(hosts)
-        self.ns = {h: f"ps-{self.suffix}-{h}" for h in hosts}
-        self.veth = {h: f"vps{self.suffix}-{h}" for h in hosts}  # the bridge-side ends
-        self.ip = {h: f"10.231.{self.subnet}.{i + 1}" for i, h in enumerate(hosts)}
         self.procs: list[Proc] = []
-        self._made: list[str] = []
-
-    # ------------------------------------------------------------------ the network
-    def build(self) -> None:
-        _ip("netns", "add", self.switch)
-        self._made.append(self.switch)
-        sw = ("-n", self.switch)
-        _ip(*sw, "link", "set", "lo", "up")
-        _ip(*sw, "link", "add", self.bridge, "type", "bridge")
-        _ip(*sw, "link", "set", self.bridge, "up")
-        for h in self.hosts:
-            ns, veth = self.ns[h], self.veth[h]
-            _ip("netns", "add", ns)
-            self._made.append(ns)
-            _ip(*sw, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip(*sw, "link", "set", veth, "master", self.bridge)
-            _ip(*sw, "link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{self.ip[h]}/24", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-
-    def set_link(self, host: str, up: bool) -> None:
-        """Cuts (or restores) ``host``'s cable: its bridge-side veth end goes down (up)."""
-        _ip("-n", self.switch, "link", "set", self.veth[host], "up" if up else "down")
 
     def teardown(self) -> None:
         for p in self.procs:
@@ -200,20 +136,7 @@ class NetLab:
                 p.stop(grace=5)
             except Exception as exc:  # noqa: BLE001 - keep tearing down the rest
                 print(f"netlab: stopping {p.name} failed: {exc}", file=sys.stderr)
-        for ns in reversed(self._made):
-            leftovers = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in leftovers:  # started by this lab (children of its processes)
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            deadline = time.monotonic() + 5
-            while _ip("netns", "pids", ns, check=False).stdout.split():
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-            _ip("netns", "del", ns, check=False)
-        self._made.clear()
+        super().teardown()
 
     # ------------------------------------------------------------------ processes
     def env(self, **extra: str) -> dict[str, str]:
@@ -232,7 +155,7 @@ class NetLab:
         """Starts ``cmd`` inside ``host``'s namespace (``ip netns exec`` execs it: same pid)."""
         proc = Proc(
             name,
-            ["ip", "netns", "exec", self.ns[host], *cmd],
+            [*self.exec_prefix(host), *cmd],
             self.env(**env),
             self.workdir / f"{len(self.procs):02d}-{name}.log",
         )
@@ -245,7 +168,7 @@ class NetLab:
 
 @pytest.fixture(scope="module")
 def netlab(tmp_path_factory: pytest.TempPathFactory):
-    reason = _skip_reason()
+    reason = unavailable()
     if reason:
         pytest.skip(reason)
     lab = NetLab(tmp_path_factory.mktemp("netlab"), ["s0", "s1", "t0", "t1"])

@@ -1,0 +1,127 @@
+"""A private network of "hosts" (network namespaces) on one bridge: the multi-host tests' lab
+(tests/multihost/conftest.py) and the benchmarks' cross-host variants.
+
+``Namespaces(hosts)`` builds, with a random suffix S and a random X:
+
+- a switch namespace ``ps-S-sw`` holding the bridge ``br-psS`` (the bridge lives in a namespace
+  of its own, so the host's bridge netfilter/iptables rules never see the traffic and the root
+  namespace gets no new interface);
+- one namespace ``ps-S-NAME`` per host, with ``eth0`` = 10.231.X.k/24, a veth whose other end
+  ``vpsS-NAME`` is a bridge port.
+
+Only addresses inside these namespaces are ever used. ``teardown`` (safe after a failure
+halfway through ``build``) kills whatever still runs inside the namespaces and deletes them,
+which removes the veths and the bridge. Needs Linux, root and iproute2 (``unavailable`` says
+why not).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["Namespaces", "ip", "unavailable"]
+
+CMD_TIMEOUT_S = 15.0
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        ["ip", *args], check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S
+    )
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None when they can."""
+    if sys.platform != "linux":
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces need root (ip netns, bridges, veths)"
+    if shutil.which("ip") is None:
+        return "network namespaces need iproute2's `ip`"
+    probe = f"ps-probe-{secrets.token_hex(3)}"
+    try:
+        done = ip("netns", "add", probe, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`ip netns add` failed: {exc}"
+    if done.returncode != 0:
+        return f"`ip netns add` failed: {done.stderr.strip()}"
+    ip("netns", "del", probe, check=False)
+    return None
+
+
+class Namespaces:
+    """The namespaces of ``hosts``, their addresses, and the prefix that runs a command in one."""
+
+    def __init__(self, hosts: Sequence[str]) -> None:
+        self.suffix = secrets.token_hex(2)
+        self.subnet = secrets.randbelow(254) + 1  # 10.231.X.0/24, X in 1..254
+        self.switch = f"ps-{self.suffix}-sw"
+        self.bridge = f"br-ps{self.suffix}"
+        self.hosts = list(hosts)
+        self.ns = {h: f"ps-{self.suffix}-{h}" for h in hosts}
+        self.veth = {h: f"vps{self.suffix}-{h}" for h in hosts}  # the bridge-side ends
+        self.ip = {h: f"10.231.{self.subnet}.{i + 1}" for i, h in enumerate(hosts)}
+        self._made: list[str] = []
+
+    def build(self) -> None:
+        ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        sw = ("-n", self.switch)
+        ip(*sw, "link", "set", "lo", "up")
+        ip(*sw, "link", "add", self.bridge, "type", "bridge")
+        ip(*sw, "link", "set", self.bridge, "up")
+        for h in self.hosts:
+            ns, veth = self.ns[h], self.veth[h]
+            ip("netns", "add", ns)
+            self._made.append(ns)
+            ip(*sw, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            ip(*sw, "link", "set", veth, "master", self.bridge)
+            ip(*sw, "link", "set", veth, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+            ip("-n", ns, "addr", "add", f"{self.ip[h]}/24", "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+
+    def exec_prefix(self, host: str) -> list[str]:
+        """Runs a command inside ``host``'s namespace (``ip netns exec`` execs it: same pid)."""
+        return ["ip", "netns", "exec", self.ns[host]]
+
+    def set_link(self, host: str, up: bool) -> None:
+        """Cuts (or restores) ``host``'s cable: its bridge-side veth end goes down (up)."""
+        ip("-n", self.switch, "link", "set", self.veth[host], "up" if up else "down")
+
+    def teardown(self) -> None:
+        """Kills what still runs in the namespaces (started for them) and deletes them."""
+        for ns in reversed(self._made):
+            for pid in ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            deadline = time.monotonic() + 5
+            while ip("netns", "pids", ns, check=False).stdout.split():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            ip("netns", "del", ns, check=False)
+        self._made.clear()
+
+    def __enter__(self) -> Namespaces:
+        try:
+            self.build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.teardown()
