@@ -18,8 +18,6 @@ from benchmarks._processes import emit, malloc_env_state, proc_cpu_s, wait_paren
 
 MiB = 1 << 20
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
-CHUNK_BYTES = 4 << 20  # ShardClient's defaults; --chunk-mib / --in-flight change them
-MAX_IN_FLIGHT = 8
 GRPC_BIG = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
 

@@ -51,8 +51,6 @@ import time
 from typing import Any
 
 from benchmarks._collective_ranks import (
-    CHUNK_BYTES,
-    MAX_IN_FLIGHT,
     MiB,
     gloo_main,
     rank_main,
@@ -73,6 +71,7 @@ from benchmarks._transport import (
     section_transport,
 )
 from benchmarks._transport_ranks import pushpull_main, tcp_recv_main, tcp_send_main
+from client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT  # ShardClient's defaults: the cells use them
 
 
 # =============================================================================== parent: phases

@@ -11,7 +11,7 @@ from client import leases
 from client.buffers import FlatBuffers
 from client.cluster import ClusterSpec
 from client.collectives import Collectives
-from client.rpc import ShardClientError
+from client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT, ShardClientError
 from client.run_id import run_id_from_env
 from protos import shard_pb2 as pb
 
@@ -41,8 +41,8 @@ class ShardClient(Collectives, FlatBuffers):
         run_id: str | None = None,
         timeout_s: float = 120.0,
         retries: int = 5,
-        max_in_flight: int = 8,
-        chunk_bytes: int = 16 * 2**20,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        chunk_bytes: int = CHUNK_BYTES,
         deterministic: bool = True,
         shared_memory: bool | None = None,
     ) -> None:
