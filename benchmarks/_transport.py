@@ -116,6 +116,7 @@ def phase_pushpull(w: int, a: argparse.Namespace) -> dict[str, Any]:
         r = res[k]
         push, pull, setp = median_ms(r["push"]), median_ms(r["pull"]), median_ms(r["set"])
         both = [x + y for x, y in zip(r["push"], r["pull"], strict=True)]
+        moved = [x + y for x, y in zip(r["set"], r["pull"], strict=True)]
         out[k] = {
             "push_ms": push,
             "pull_ms": pull,
@@ -125,6 +126,7 @@ def phase_pushpull(w: int, a: argparse.Namespace) -> dict[str, Any]:
             "pull_gbps": gbps(nbytes, pull),
             "set_params_gbps": gbps(nbytes, setp),
             "push_pull_gbps": gbps(2 * nbytes, median_ms(both)),
+            "set_pull_gbps": gbps(2 * nbytes, median_ms(moved)),
             "client_cpu_push_ms": median_ms(r["push_cpu"]),
             "client_cpu_pull_ms": median_ms(r["pull_cpu"]),
             "verified": r["ok"],
@@ -178,6 +180,7 @@ def section_transport(doc: dict[str, Any], a: argparse.Namespace) -> None:
         row["ratio_vs_tcp"] = round(row["ours"]["push_pull_gbps"] / doc["tcp_gbps"], 3)
         row["push_ratio_vs_tcp"] = round(row["ours"]["push_gbps"] / doc["tcp_gbps"], 3)
         row["pull_ratio_vs_tcp"] = round(row["ours"]["pull_gbps"] / doc["tcp_gbps"], 3)
+        row["set_pull_ratio_vs_tcp"] = round(row["ours"]["set_pull_gbps"] / doc["tcp_gbps"], 3)
         row["inband_ratio_vs_tcp"] = round(
             row["ours_inband"]["push_pull_gbps"] / doc["tcp_gbps"], 3
         )
@@ -190,6 +193,8 @@ def section_transport(doc: dict[str, Any], a: argparse.Namespace) -> None:
         "push_pull_gbps": head["ours"]["push_pull_gbps"],
         "tcp_gbps": doc["tcp_gbps"],
         "ratio_vs_tcp": head["ratio_vs_tcp"],
+        "set_pull_gbps": head["ours"]["set_pull_gbps"],
+        "set_pull_ratio_vs_tcp": head["set_pull_ratio_vs_tcp"],
         "inband_push_pull_gbps": head["ours_inband"]["push_pull_gbps"],
         "inband_ratio_vs_tcp": head["inband_ratio_vs_tcp"],
         "goal": ">= 1.0 (issue 14)",
@@ -198,7 +203,8 @@ def section_transport(doc: dict[str, Any], a: argparse.Namespace) -> None:
         " set_params (warm-up included)",
         "note": "one client process, servers as separate processes; ours: payloads through"
         " shared segments, ours_inband: the same client with shared_memory=False (every"
-        " payload in the gRPC message); push = push_grads with SGD"
+        " payload in the gRPC message); set_pull_* : set_params + pull_params, the transport"
+        " alone (a push also runs the optimizer step on the servers); push = push_grads with SGD"
         " lr=0 step arguments (each push completes a step on the servers); pull ="
         " pull_params; push_pull_gbps = 2 * S / median(push + pull); ratio_vs_tcp ="
         " push_pull_gbps / one raw TCP stream's GB/s (the client uses one connection per"
