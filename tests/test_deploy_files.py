@@ -199,6 +199,12 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load((DOCKER / "compose.yaml").read_text())  # resolves `<<: *server`
 
 
+def server_port(command: list[str]) -> int:
+    """The port ``paramshard serve`` listens on: the image's ENTRYPOINT and then ``command``."""
+    entry = exec_form(final_stage("Dockerfile.cuda"), "ENTRYPOINT")[2:]
+    return parse_paramshard(["serve", *entry, *command]).port
+
+
 def test_compose_one_server_per_gpu() -> None:
     services = compose()["services"]
     servers = sorted(s for s in services if s.startswith("server-"))
@@ -208,13 +214,18 @@ def test_compose_one_server_per_gpu() -> None:
         service = services[name]
         assert service["restart"] == "unless-stopped"
         assert service["build"]["dockerfile"] == "docker/Dockerfile.cuda"
+        # one network namespace for servers and trainer (shared memory): distinct ports
+        assert service["network_mode"] == "service:host" and "ports" not in service
+        port = server_port(service["command"])
+        assert port == PORT + index
         assert service["healthcheck"]["test"][1:3] == ["paramshard", "health"]
+        assert service["healthcheck"]["test"][-1] == f"127.0.0.1:{port}"
+        ports.append(port)
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
         gpus.append(device["device_ids"])
         # One volume for all: a complete snapshot is one folder with every server's shard.
         assert service["volumes"] == ["snapshots:/snapshots"]
-        ports += [p.split(":")[0] for p in service.get("ports", [])]
         command = service["command"]
         assert command[command.index("--token-file") + 1] == TOKEN_FILE
         assert command[command.index("--snapshot-dir") + 1] == "/snapshots"
@@ -222,7 +233,8 @@ def test_compose_one_server_per_gpu() -> None:
         assert command[command.index("--index") + 1] == str(index)
         assert service["secrets"] == ["paramshard-token"]
     assert gpus == [[str(i)] for i in range(len(servers))]  # server-i on GPU i, one each
-    assert len(set(ports)) == len(ports)
+    # the namespace's holder publishes every server's port, once, as itself
+    assert services["host"]["ports"] == [f"{p}:{p}" for p in ports]
     assert compose()["secrets"]["paramshard-token"]["file"] == "./paramshard-token"
     assert "paramshard-token" in (DOCKER / ".gitignore").read_text().split()
 
@@ -234,7 +246,9 @@ def test_compose_trainer_launches_on_every_server() -> None:
     assert trainer["depends_on"] == {s: {"condition": "service_healthy"} for s in servers}
     args = parse_paramshard(trainer["command"])
     assert args.command == "launch"
-    assert args.servers == ",".join(f"{s}:{PORT}" for s in servers)
+    assert trainer["network_mode"] == "service:host"  # the servers' namespace: shared memory
+    ports = [server_port(services[s]["command"]) for s in servers]
+    assert args.servers == ",".join(f"127.0.0.1:{p}" for p in ports)
     assert args.nproc == len(servers)
     assert args.token_file == TOKEN_FILE and trainer["secrets"] == ["paramshard-token"]
     assert args.script == "examples/train_gpt.py" and (ROOT / args.script).is_file()
