@@ -91,14 +91,13 @@ class SharedMemory:
         in a segment, and that segment; else ``request`` unchanged and None."""
         if method in _SEND and isinstance(request, tuple):
             header, payload = request
-            data = codec.byte_view(payload)
-            seg = self._take(core, server, data.nbytes) if data.nbytes >= SHM_MIN_BYTES else None
-            if seg is None:
+            placed = self.put(core, server, payload)
+            if placed is None:
                 return request, None
-            seg.map[: data.nbytes] = data
+            ref, seg = placed
             moved = type(header)()
             moved.CopyFrom(header)
-            moved.shm.CopyFrom(seg.ref(data.nbytes))
+            moved.shm.CopyFrom(ref)
             return (moved, b""), seg
         if method in _RECEIVE and not isinstance(request, tuple):
             if method == "PullParams":
@@ -114,6 +113,17 @@ class SharedMemory:
             asked.reply_shm.CopyFrom(seg.ref(seg.nbytes))
             return asked, seg
         return request, None
+
+    def put(self, core: Any, server: int, payload: Any) -> tuple[pb.ShmRef, Segment] | None:
+        """``payload`` copied into a free segment for server ``server`` of ``core``: its
+        reference and the segment (``settle`` or ``retire`` it after the call), or None when
+        the payload stays in-band (small, or no segment for that server)."""
+        data = codec.byte_view(payload)
+        seg = self._take(core, server, data.nbytes) if data.nbytes >= SHM_MIN_BYTES else None
+        if seg is None:
+            return None
+        seg.map[: data.nbytes] = data
+        return seg.ref(data.nbytes), seg
 
     def settle(self, seg: Segment, reply: Any, consumed: bool) -> Any:
         """After a call succeeded: the pool gets ``seg`` back. A reply still in the segment

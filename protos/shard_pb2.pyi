@@ -663,20 +663,22 @@ class ReplicationConfigReply(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaChunk(_message.Message):
-    __slots__ = ("job", "source_index", "version", "offset", "total", "data")
+    __slots__ = ("job", "source_index", "version", "offset", "total", "shm", "data")
     JOB_FIELD_NUMBER: _ClassVar[int]
     SOURCE_INDEX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     job: str
     source_index: int
     version: int
     offset: int
     total: int
+    shm: ShmRef
     data: bytes
-    def __init__(self, job: _Optional[str] = ..., source_index: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, job: _Optional[str] = ..., source_index: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., total: _Optional[int] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ReplicaAck(_message.Message):
     __slots__ = ("complete",)

@@ -9,7 +9,8 @@ Tokens carry one of three roles, each including the ones before it::
 
 and a fourth, ``peer``, apart from them: the servers' own credential for server-to-server calls
 (replicas, DESIGN section 6). Only ``peer`` may call ``StoreReplica``, and ``peer`` may call
-nothing else: an admin token does not store replicas, a server's token does not train. A server
+nothing else but the shared-segment calls (``PEER_SEGMENTS``, for replicas to a neighbour on
+the same host): an admin token does not store replicas, a server's token does not train. A server
 sends replicas with the ``peer`` token of its own token file (``peer_token``), so every server of a
 cluster lists the same one, and trainers never hold it.
 
@@ -51,6 +52,7 @@ __all__ = [
     "TokenAuthInterceptor",
     "required_role",
     "role_allows",
+    "PEER_SEGMENTS",
     "peer_token",
     "check_tokens",
     "parse_token_file",
@@ -125,9 +127,16 @@ def required_role(full_method: str) -> str | None:
     return DEFAULT_ROLE
 
 
-def role_allows(have: str, need: str) -> bool:
-    """Whether a token of role ``have`` may call a method needing ``need``: up the ladder
-    read < train < admin; ``peer`` only for ``peer``."""
+PEER_SEGMENTS = frozenset({"OfferSegment", "ConfirmSegment", "ReleaseSegments"})
+"""The ``read`` methods ``peer`` may call too: a server hands its neighbour replicas through
+shared memory when both run on one host (server/replica_shm.py)."""
+
+
+def role_allows(have: str, need: str, method: str = "") -> bool:
+    """Whether a token of role ``have`` may call ``method``, which needs ``need``: up the
+    ladder read < train < admin; ``peer`` only for ``peer`` and ``PEER_SEGMENTS``."""
+    if have == PEER and method in PEER_SEGMENTS:
+        return True
     if PEER in (have, need):
         return have == need
     return _RANK[have] >= _RANK[need]
@@ -397,7 +406,7 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{name}: unknown bearer token; this call needs {_needs(need)}",
             )
-        if not role_allows(have, need):
+        if not role_allows(have, need, name):
             return (
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{name} needs role '{need}'; this token has role '{have}'",

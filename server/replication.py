@@ -4,7 +4,8 @@ Every ``every`` versions, right after a step, each buffer slice of a configured 
 params and optimizer state (a memcpy, under the slice's lock). When all buffers of the job on
 this server have been copied at that version, a background thread encodes them as one shard
 (the snapshot format, plus each buffer's registration), keeps it, and sends it in chunks to
-server (index + 1) mod N, which keeps it for us. Both sides keep the last ``KEEP`` versions.
+server (index + 1) mod N, which keeps it for us: through shared memory when that server runs
+on this host (``replica_shm.py``), else in-band. Both sides keep the last ``KEEP`` versions.
 
 Who may do what (DESIGN section 6): ``ConfigureReplication`` is an admin call, and its target
 must be the job's next server: before accepting it, this server asks the target to take a
@@ -35,6 +36,7 @@ from protos import shard_pb2 as pb
 from server.errors import ShardError
 from server.replica_inbox import Inbox, check_header, replica_bound
 from server.replica_recovery import CHUNK, ReplicaRecovery
+from server.replica_shm import NeighbourSegments
 from server.snapshots import Captured, encode_shard
 
 __all__ = ["Replicator"]
@@ -61,6 +63,7 @@ class Replicator(ReplicaRecovery):
         self._queue: deque[tuple[pb.ReplicationConfig, int, dict]] = deque()
         self._wake = threading.Condition(self._lock)
         self._channels: dict[str, grpc.Channel] = {}
+        self.segments = NeighbourSegments(CHUNK)  # chunks to a neighbour on this host
         self._closed = False
         # set by ShardServer: how replicas reach the neighbour
         self.peer_token: str | None = None
@@ -149,6 +152,7 @@ class Replicator(ReplicaRecovery):
             return
         chan = self._channels.pop(neighbour, None)
         if chan is not None:
+            self.segments.forget(neighbour)
             chan.close()
 
     def on_version(self, b: Any, force: bool = False) -> None:
@@ -213,11 +217,20 @@ class Replicator(ReplicaRecovery):
             self._queue.clear()
             channels, self._channels = list(self._channels.values()), {}
             self._wake.notify_all()
+        self.segments.close()
         for chan in channels:
             chan.close()
 
-    def _stub(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> Any:
-        """A StoreReplica stub to ``neighbour``; with ``cfg``, only while it is the job's."""
+    def _stub(self, neighbour: str) -> Any:
+        """A StoreReplica stub to ``neighbour``."""
+        return self._channel(neighbour).unary_unary(
+            _STORE,
+            request_serializer=pb.ReplicaChunk.SerializeToString,
+            response_deserializer=pb.ReplicaAck.FromString,
+        )
+
+    def _channel(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> grpc.Channel:
+        """The channel to ``neighbour``; with ``cfg``, only while it is the job's."""
         with self._lock:
             if self._closed:
                 raise ShardError.precondition("this server is stopping")
@@ -230,11 +243,7 @@ class Replicator(ReplicaRecovery):
                 else:
                     chan = grpc.insecure_channel(neighbour, options=_CHANNEL_OPTIONS)
                 self._channels[neighbour] = chan
-        return chan.unary_unary(
-            _STORE,
-            request_serializer=pb.ReplicaChunk.SerializeToString,
-            response_deserializer=pb.ReplicaAck.FromString,
-        )
+        return chan
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()
@@ -266,20 +275,19 @@ class Replicator(ReplicaRecovery):
             ) from None
 
     def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
-        store = self._stub(cfg.neighbour, cfg)
+        """The replica in chunks, through shared memory when the neighbour is on this host."""
+        channel = self._channel(cfg.neighbour, cfg)
+        view = memoryview(blob)
         for offset in range(0, len(blob), CHUNK):
-            store(
-                pb.ReplicaChunk(
-                    job=cfg.job,
-                    source_index=cfg.server_index,
-                    version=version,
-                    offset=offset,
-                    total=len(blob),
-                    data=blob[offset : offset + CHUNK],
-                ),
-                timeout=60,
-                metadata=self._metadata(),
+            chunk = pb.ReplicaChunk(
+                job=cfg.job,
+                source_index=cfg.server_index,
+                version=version,
+                offset=offset,
+                total=len(blob),
             )
+            data = view[offset : offset + CHUNK]
+            self.segments.store(cfg.neighbour, channel, self._metadata(), chunk, data, 60)
 
     # -- the neighbour's side ---------------------------------------------------
     def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
