@@ -178,18 +178,14 @@ def summarise(rounds: list[list[dict[str, Any]]], op: str, mib: float) -> dict[s
 
 def section_collectives(doc: dict[str, Any], a: argparse.Namespace) -> None:
     """Every variant (``VARIANTS``) of every op and size, each world size in one run."""
-    lab = None
     if not a.no_netns:
         why = unavailable()
         doc["netns"] = why or "one namespace per rank on a veth bridge (benchmarks/_netns.py)"
         if why is None:
-            lab = Namespaces([f"h{r}" for r in range(max(a.world_sizes))])
-            lab.__enter__()
-    try:
-        _collectives(doc, a, lab)
-    finally:
-        if lab is not None:
-            lab.teardown()
+            with Namespaces([f"h{r}" for r in range(max(a.world_sizes))]) as lab:
+                _collectives(doc, a, lab)
+            return
+    _collectives(doc, a, None)
 
 
 def _collectives(doc: dict[str, Any], a: argparse.Namespace, lab: Any) -> None:
