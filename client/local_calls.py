@@ -87,7 +87,7 @@ def local_call(method: str, device_reply: bool, address: str, request: Any, time
     if isinstance(request, tuple):
         header, payload = request
         if not hasattr(payload, "__dlpack__") or isinstance(payload, np.ndarray):
-            payload = memoryview(np.ascontiguousarray(payload)).cast("B")
+            payload = codec.byte_view(payload)
         if payload.nbytes + header.ByteSize() + 32 > server.max_receive_bytes:
             if not isinstance(payload, memoryview):  # local_device said it would fit
                 raise ValueError(f"{method}: a device payload too large for {address}")

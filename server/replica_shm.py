@@ -57,18 +57,15 @@ class NeighbourSegments:
         self,
         neighbour: str,
         channel: grpc.Channel,
+        store: Any,
         metadata: Any,
         chunk: pb.ReplicaChunk,
         data: memoryview,
         timeout: float,
     ) -> None:
-        """``StoreReplica`` of ``chunk`` with payload ``data`` on ``neighbour``: in a segment
-        when it shares memory with this server, else in-band. Raises grpc.RpcError."""
-        store = channel.unary_unary(
-            f"/{SERVICE_NAME}/StoreReplica",
-            request_serializer=pb.ReplicaChunk.SerializeToString,
-            response_deserializer=pb.ReplicaAck.FromString,
-        )
+        """``store`` (the StoreReplica stub on ``channel``) of ``chunk`` with payload ``data``
+        on ``neighbour``: in a segment when it shares memory with this server, else in-band.
+        Raises grpc.RpcError."""
         caller = self._callers.get(neighbour)
         if caller is None or caller._channel is not channel:  # noqa: SLF001 - our own class
             caller = self._callers[neighbour] = _Caller(neighbour, channel, metadata)

@@ -223,11 +223,7 @@ class Replicator(ReplicaRecovery):
 
     def _stub(self, neighbour: str) -> Any:
         """A StoreReplica stub to ``neighbour``."""
-        return self._channel(neighbour).unary_unary(
-            _STORE,
-            request_serializer=pb.ReplicaChunk.SerializeToString,
-            response_deserializer=pb.ReplicaAck.FromString,
-        )
+        return _store_stub(self._channel(neighbour))
 
     def _channel(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> grpc.Channel:
         """The channel to ``neighbour``; with ``cfg``, only while it is the job's."""
@@ -277,6 +273,7 @@ class Replicator(ReplicaRecovery):
     def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
         """The replica in chunks, through shared memory when the neighbour is on this host."""
         channel = self._channel(cfg.neighbour, cfg)
+        store = _store_stub(channel)
         view = memoryview(blob)
         for offset in range(0, len(blob), CHUNK):
             chunk = pb.ReplicaChunk(
@@ -287,7 +284,7 @@ class Replicator(ReplicaRecovery):
                 total=len(blob),
             )
             data = view[offset : offset + CHUNK]
-            self.segments.store(cfg.neighbour, channel, self._metadata(), chunk, data, 60)
+            self.segments.store(cfg.neighbour, channel, store, self._metadata(), chunk, data, 60)
 
     # -- the neighbour's side ---------------------------------------------------
     def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
@@ -345,3 +342,11 @@ class Replicator(ReplicaRecovery):
         while len(kept) > KEEP:
             freed += len(kept.popitem(last=False)[1])
         self.budget.release(freed, "replicas")
+
+
+def _store_stub(channel: grpc.Channel) -> Any:
+    return channel.unary_unary(
+        _STORE,
+        request_serializer=pb.ReplicaChunk.SerializeToString,
+        response_deserializer=pb.ReplicaAck.FromString,
+    )

@@ -101,14 +101,8 @@ def servers(request: pytest.FixtureRequest) -> Any:
     Under ``transport``, through gRPC unless it is "in-process"."""
     started: list[ShardServer] = []
     way = request.getfixturevalue("transport") if "transport" in request.fixturenames else None
-    if way is not None and way != "in-process":
-
-        def start(n: int, **kw: Any) -> list[ShardServer]:
-            return _start(n, started, **{"local_calls": False, **kw})
-
-        yield start
-    else:
-        yield lambda n, **kw: _start(n, started, **kw)
+    grpc_only = {"local_calls": False} if way not in (None, "in-process") else {}
+    yield lambda n, **kw: _start(n, started, **{**grpc_only, **kw})
     try:
         if way is not None:
             _check_path(way, started, (0, 0))
