@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import numpy as np
 import pytest
-from test_hardening_replication import TOKENS, client_for
+from test_hardening_replication import TOKENS, client_for, refused
 
 from client import StepArgs, tools
 from client.shm import SHM_MIN_BYTES
+from protos import shard_pb2 as pb
 from server import auth
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,3 +77,25 @@ def test_the_peer_token_may_ask_for_segments_only() -> None:
         if method not in auth.PEER_SEGMENTS and need != "peer":
             assert not auth.role_allows("peer", need, method), method
     assert not auth.role_allows("peer", "read")  # no method: the ladder alone
+
+
+def test_a_replica_chunk_naming_a_segment_it_does_not_own_is_refused(servers) -> None:
+    nodes = servers(2, tokens=TOKENS)
+    admin = client_for([s.address for s in nodes])
+    try:
+        admin.register_buffer("j", "w", N, optimizer="adam", hyper={"lr": 0.1})
+        # a segment the *admin* token holds on server 1: the peer token may not name it
+        admin.set_params("j", "w", np.arange(N, dtype=np.float32))
+        owned = next(iter(nodes[1].servicer.segments._segments))  # noqa: SLF001
+        chunk = pb.ReplicaChunk(job="j", source_index=0, version=1, offset=0, total=64)
+        for ref, code in (
+            (pb.ShmRef(segment=owned, offset=0, nbytes=64), grpc.StatusCode.FAILED_PRECONDITION),
+            (pb.ShmRef(segment=2**40, offset=0, nbytes=64), grpc.StatusCode.FAILED_PRECONDITION),
+        ):
+            chunk.shm.CopyFrom(ref)
+            assert refused(nodes[1].address, chunk).code() == code
+        chunk.data = b"x" * 64  # in-band and in a segment at once
+        assert refused(nodes[1].address, chunk).code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert nodes[1].servicer.replicator.list("j") == []  # nothing was stored
+    finally:
+        admin.close()
