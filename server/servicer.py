@@ -386,7 +386,8 @@ class ShardServicer:
         return pb.ReplicationConfigReply()
 
     def store_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
-        return pb.ReplicaAck(complete=self.replicator.store_chunk(self._in_band(req, context)))
+        chunk = self.segments.chunk_in_band(req, context)
+        return pb.ReplicaAck(complete=self.replicator.store_chunk(chunk))
 
     def list_replicas(self, req: pb.ListReplicasRequest, context: Any) -> Any:
         cfg = self.replicator.configs.get(req.job)
@@ -398,16 +399,8 @@ class ShardServicer:
         return self.replicator.fetch(req)
 
     def load_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
-        return pb.ReplicaAck(complete=self.replicator.load_chunk(self._in_band(req, context)))
-
-    def _in_band(self, chunk: pb.ReplicaChunk, context: Any) -> pb.ReplicaChunk:
-        """A replica chunk with its bytes in ``data``, copied from the caller's segment when
-        it references one (server/replica_shm.py)."""
-        if chunk.HasField("shm"):
-            _, view = self.segments.payload((chunk, memoryview(chunk.data)), context)
-            chunk.data = bytes(view)
-            chunk.ClearField("shm")
-        return chunk
+        chunk = self.segments.chunk_in_band(req, context)
+        return pb.ReplicaAck(complete=self.replicator.load_chunk(chunk))
 
     def rollback(self, req: pb.RollbackRequest, context: Any) -> Any:
         version = self.replicator.rollback(req.job, req.version)

@@ -203,6 +203,15 @@ class SegmentRegistry:
             raise ShardError.invalid("a payload both in-band and in a shared segment")
         return header, self.view(caller(context), header.shm)
 
+    def chunk_in_band(self, chunk: pb.ReplicaChunk, context: Any) -> pb.ReplicaChunk:
+        """A replica chunk with its bytes in ``data``, copied from the caller's segment when
+        it references one (server/replica_shm.py)."""
+        if chunk.HasField("shm"):
+            _, view = self.payload((chunk, memoryview(chunk.data)), context)
+            chunk.data = bytes(view)
+            chunk.ClearField("shm")
+        return chunk
+
     def reply_view(self, req: Any, context: Any) -> memoryview | None:
         """The caller's ``reply_shm``, checked before the call does anything: a slot read
         frees what it read, so a segment refused after it would lose the values."""
