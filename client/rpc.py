@@ -21,6 +21,7 @@ import grpc
 from client.cluster import ClusterSpec
 from client.leases import WAITS_ON_PEERS, RunState
 from client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
+from client.session import MAX_BODY, SESSION_METHODS, Sessions
 from client.shm import Segment, SharedMemory, is_stale
 from protos import codec, local_servers
 from protos import shard_pb2 as pb
@@ -151,6 +152,7 @@ class RpcCore:
         max_in_flight: int = MAX_IN_FLIGHT,
         chunk_bytes: int = CHUNK_BYTES,
         shared_memory: bool | None = None,
+        sessions: bool | None = None,
     ) -> None:
         self.spec = spec
         self.timeout_s = timeout_s
@@ -166,6 +168,7 @@ class RpcCore:
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
         # payloads to servers on this host (client/shm.py)
         self.shm = SharedMemory(chunk_bytes, max_in_flight, shared_memory)
+        self.sessions = Sessions(sessions)  # one stream per server for the data plane
 
     @property
     def num_servers(self) -> int:
@@ -222,6 +225,30 @@ class RpcCore:
                     self.run_state.track(local)
                 return local
         request, seg = self.shm.attach(self, call.server, call.method, request)
+        future = self._in_session(call, request, timeout)
+        if future is None:
+            future = self._unary(call, request, timeout, alone)
+        if peers and not isinstance(future, _Done):  # a notice cancels it (client/leases.py)
+            self.run_state.track(future)
+        return future if seg is None else _ShmFuture(future, self.shm, seg)
+
+    def _in_session(self, call: Call, request: Any, timeout: float) -> Any:
+        """``call`` sent in its server's session (client/session.py), or None."""
+        if call.method not in SESSION_METHODS:
+            return None
+        if isinstance(request, tuple):
+            size = request[0].ByteSize() + codec.byte_view(request[1]).nbytes
+        else:
+            size = request.ByteSize()
+        if size > MAX_BODY:
+            return None  # its own call: a session would copy its bytes once more
+        session = self.sessions.get(self, call.server)
+        if session is None:
+            return None
+        body = codec.serialize(request)
+        return session.submit(call.method, body, _METHODS[call.method], timeout)
+
+    def _unary(self, call: Call, request: Any, timeout: float, alone: bool) -> Any:
         stub = self._stub(call.server, call.method)
         if alone and call.method not in _MAY_WAIT:
             try:
@@ -230,9 +257,7 @@ class RpcCore:
                 future = _Done(error=exc)
         else:
             future = stub.future(request, timeout=timeout, metadata=self.spec.metadata())
-            if peers:  # an abort notice cancels it (client/leases.py)
-                self.run_state.track(future)
-        return future if seg is None else _ShmFuture(future, self.shm, seg)
+        return future
 
     def plain_call(self, server: int, method: str, request: Any, timeout: float) -> Any:
         """One call through gRPC, no retries (grpc.RpcError on failure)."""
@@ -336,6 +361,7 @@ class RpcCore:
             pending = list(self._local_calls)
         for fut in pending:
             fut.cancel()
+        self.sessions.close()
         self.shm.close()
         self.spec.close()
 

@@ -30,6 +30,8 @@ class ShardClient(Collectives, FlatBuffers):
     ``shared_memory``: payloads to servers on this host through shared segments (True), always
     in-band (False), or as ``PARAMSHARD_SHM`` says (None, the default: on unless it is 0);
     docs/transport.md.
+    ``sessions``: data-plane calls travel in one persistent stream per server (True), each as
+    its own call (False), or as ``PARAMSHARD_SESSIONS`` says (None: on unless it is 0).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class ShardClient(Collectives, FlatBuffers):
         chunk_bytes: int = CHUNK_BYTES,
         deterministic: bool = True,
         shared_memory: bool | None = None,
+        sessions: bool | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -55,6 +58,7 @@ class ShardClient(Collectives, FlatBuffers):
             max_in_flight=max_in_flight,
             chunk_bytes=chunk_bytes,
             shared_memory=shared_memory,
+            sessions=sessions,
         )
         self.rank = rank
         self.world_size = world_size

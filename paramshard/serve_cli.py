@@ -112,6 +112,14 @@ from paramshard.serve_setup import (
         " more gets RESOURCE_EXHAUSTED (default: %(default)s)",
     ),
     arg(
+        "--max-sessions",
+        type=int,
+        default=64,
+        help="open client sessions (one stream per client carrying its data-plane calls) at"
+        " once, on threads of their own; a client past it calls one by one; 0: no sessions"
+        " (default: %(default)s)",
+    ),
+    arg(
         "--grace",
         type=non_negative,
         default=5.0,
@@ -254,6 +262,7 @@ def serve(args: argparse.Namespace) -> int:
             reserved_workers=args.reserved_workers,
             max_waiting_read=args.max_waiting_read,
             max_streams=args.max_streams,
+            max_sessions=args.max_sessions,
             max_wait_s=args.max_wait_s,
             max_receive_bytes=int(args.max_receive_mb * 2**20),
             max_job_bytes=int(args.max_job_gb * 2**30),

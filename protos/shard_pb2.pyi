@@ -391,6 +391,28 @@ class ReadSlotReply(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[_Union[SlotHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class SessionCall(_message.Message):
+    __slots__ = ("id", "method", "body", "timeout_s", "code", "details")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    method: str
+    body: bytes
+    timeout_s: float
+    code: int
+    details: str
+    def __init__(self, id: _Optional[int] = ..., method: _Optional[str] = ..., body: _Optional[bytes] = ..., timeout_s: _Optional[float] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+
+class SessionBatch(_message.Message):
+    __slots__ = ("calls",)
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    calls: _containers.RepeatedCompositeFieldContainer[SessionCall]
+    def __init__(self, calls: _Optional[_Iterable[_Union[SessionCall, _Mapping]]] = ...) -> None: ...
+
 class DropJobRequest(_message.Message):
     __slots__ = ("job",)
     JOB_FIELD_NUMBER: _ClassVar[int]

@@ -154,6 +154,11 @@ class ShardStub:
                 request_serializer=protos_dot_shard__pb2.ReleaseSegmentsRequest.SerializeToString,
                 response_deserializer=protos_dot_shard__pb2.ReleaseSegmentsReply.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/paramshard.v1.Shard/Session',
+                request_serializer=protos_dot_shard__pb2.SessionBatch.SerializeToString,
+                response_deserializer=protos_dot_shard__pb2.SessionBatch.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -344,6 +349,18 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """A client's persistent stream to this server (DESIGN section 7): data-plane calls
+        (Contribute, ReadSlot, PushGrad, PullParams, SetParams) travel as `SessionCall`s, each
+        batch holding every call the client had ready, and come back, in any order, as replies
+        naming the call's id. The server's first batch, empty, says the session is open. Each
+        call is checked, admitted and run as its unary twin would be; its errors come back in
+        its reply, never end the session. The token of the stream is every call's token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -466,6 +483,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.ReleaseSegments,
                     request_deserializer=protos_dot_shard__pb2.ReleaseSegmentsRequest.FromString,
                     response_serializer=protos_dot_shard__pb2.ReleaseSegmentsReply.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=protos_dot_shard__pb2.SessionBatch.FromString,
+                    response_serializer=protos_dot_shard__pb2.SessionBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1116,6 +1138,33 @@ class Shard:
             '/paramshard.v1.Shard/ReleaseSegments',
             protos_dot_shard__pb2.ReleaseSegmentsRequest.SerializeToString,
             protos_dot_shard__pb2.ReleaseSegmentsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/paramshard.v1.Shard/Session',
+            protos_dot_shard__pb2.SessionBatch.SerializeToString,
+            protos_dot_shard__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -17,6 +17,8 @@ the same to an admin's Status. So (``CallLimits``):
 - Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
+- Client sessions (server/sessions.py) likewise run on ``max_sessions`` threads of their own;
+  each call a session carries passes ``enter``/``leave`` here like a unary call.
 - How long a call may wait is bounded by the servicer's ``max_wait_s``.
 - Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
   request!": the Shard service's own parsers never raise (server/servicer.py), the health and
@@ -65,14 +67,19 @@ class CallLimits:
     max_streams: int = 4
     """Open reflection / health Watch streams at once, on threads of their own
     [--max-streams]."""
+    max_sessions: int = 64
+    """Open client sessions (server/sessions.py) at once, on threads of their own; 0 turns
+    sessions off [--max-sessions]."""
 
     def __post_init__(self) -> None:
         for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
-        if not isinstance(self.max_streams, int) or self.max_streams < 0:
-            raise ValueError(f"CallLimits.max_streams must be an int >= 0, got {self.max_streams}")
+        for name in ("max_streams", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"CallLimits.{name} must be an int >= 0, got {value!r}")
         if self.reserved >= self.workers:
             raise ValueError(
                 f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"
@@ -81,8 +88,9 @@ class CallLimits:
 
     @property
     def threads(self) -> int:
-        """The size of the server's thread pool: the workers and the streams' own."""
-        return self.workers + self.max_streams
+        """The size of the server's thread pool: the workers, the streams' and the sessions'
+        own."""
+        return self.workers + self.max_streams + self.max_sessions
 
 
 class CallGate(grpc.ServerInterceptor):
@@ -103,6 +111,7 @@ class CallGate(grpc.ServerInterceptor):
         self.busy = 0  # calls in a handler (streams not included)
         self.waiting: Counter[str] = Counter()  # calls of waiting methods in a handler, by role
         self.streams = 0
+        self.sessions = 0
 
     def intercept_service(
         self,
@@ -114,7 +123,7 @@ class CallGate(grpc.ServerInterceptor):
             return None
         service, _, method = details.method.lstrip("/").rpartition("/")
         if handler.request_streaming or handler.response_streaming:
-            return self._stream(handler, method)
+            return self._stream(handler, method, session=service == SERVICE_NAME)
         role = None
         if service == SERVICE_NAME and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
@@ -122,7 +131,7 @@ class CallGate(grpc.ServerInterceptor):
         return self._unary(handler, method, role)
 
     # -- unary calls -------------------------------------------------------------------------
-    def _enter(self, role: str | None) -> str | None:
+    def enter(self, role: str | None) -> str | None:
         """Counts a call in; for a waiting call (``role`` set), why it is refused, if it is."""
         lim = self.limits
         with self._lock:
@@ -142,7 +151,7 @@ class CallGate(grpc.ServerInterceptor):
             self.busy += 1
         return None
 
-    def _leave(self, role: str | None) -> None:
+    def leave(self, role: str | None) -> None:
         with self._lock:
             self.busy -= 1
             if role is not None:
@@ -156,13 +165,13 @@ class CallGate(grpc.ServerInterceptor):
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             _check_parsed(request, context, method)
             waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
-            refusal = self._enter(waits)
+            refusal = self.enter(waits)
             if refusal is not None:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             try:
                 return behavior(request, context)
             finally:
-                self._leave(waits)
+                self.leave(waits)
 
         return grpc.unary_unary_rpc_method_handler(
             gated,
@@ -171,8 +180,21 @@ class CallGate(grpc.ServerInterceptor):
         )
 
     # -- streams -------------------------------------------------------------------------------
-    def _stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def _stream(
+        self, handler: grpc.RpcMethodHandler, method: str, session: bool = False
+    ) -> grpc.RpcMethodHandler:
+        """An open service's stream (reflection, health Watch), or a Shard ``session``:
+        each kind counted against its own bound."""
         behavior, make = _streaming(handler)
+        kind = "sessions" if session else "streams"
+        bound = self.limits.max_sessions if session else self.limits.max_streams
+        refusal = (
+            f"{bound} sessions are open on this server, its bound (paramshard serve"
+            " --max-sessions); calls go one by one meanwhile"
+            if session
+            else f"{bound} streams (reflection, health Watch) are open on this server, its"
+            " bound (paramshard serve --max-streams); retry later"
+        )
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             if handler.request_streaming:
@@ -180,20 +202,16 @@ class CallGate(grpc.ServerInterceptor):
             else:
                 _check_parsed(request, context, method)
             with self._lock:
-                admitted = self.streams < self.limits.max_streams
-                self.streams += admitted
+                admitted = getattr(self, kind) < bound
+                setattr(self, kind, getattr(self, kind) + admitted)
             if not admitted:
-                context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{self.limits.max_streams} streams (reflection, health Watch) are open on"
-                    " this server, its bound (paramshard serve --max-streams); retry later",
-                )
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             left = threading.Lock()
 
             def leave() -> None:  # once, whichever comes first: the end or the cancellation
                 if left.acquire(blocking=False):
                     with self._lock:
-                        self.streams -= 1
+                        setattr(self, kind, getattr(self, kind) - 1)
 
             context.add_callback(leave)
             try:

@@ -17,6 +17,7 @@ from server.admission import CallGate, CallLimits, default_reserved
 from server.expiry import Sweeper, sweep_period
 from server.limits import default_memory_limit, parse_bytes
 from server.servicer import SERVICE_NAME, ShardServicer
+from server.sessions import Sessions
 
 __all__ = ["ShardServer", "MALLOC_ENV"]
 
@@ -47,6 +48,7 @@ class ShardServer:
         reserved_workers: int | None = None,
         max_waiting_read: int = 16,
         max_streams: int = 4,
+        max_sessions: int = 64,
         max_receive_bytes: int = 256 * 2**20,
         max_wait_s: float = 120.0,
         max_job_bytes: int = 0,
@@ -102,7 +104,10 @@ class ShardServer:
         them (None: a quarter, at most 16), ``read`` tokens' waiting calls are at most
         ``max_waiting_read``, and reflection and health Watch streams at most
         ``max_streams``, on threads of their own: beyond a bound, RESOURCE_EXHAUSTED at once
-        (server/admission.py). No call waits longer than ``max_wait_s``.
+        (server/admission.py). No call waits longer than ``max_wait_s``. Clients keep one
+        session each (a stream carrying their data-plane calls, server/sessions.py), at most
+        ``max_sessions`` at once (0: none); a server with ``interceptors`` has none, so that
+        every call passes them.
         """
         if credentials is not None and (tls_cert or tls_key or tls_ca):
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
@@ -125,7 +130,11 @@ class ShardServer:
             )
         if reserved_workers is None:
             reserved_workers = default_reserved(max_workers)
-        self.limits = CallLimits(max_workers, reserved_workers, max_waiting_read, max_streams)
+        if interceptors:
+            max_sessions = 0  # a session's calls would pass the interceptors as one call
+        self.limits = CallLimits(
+            max_workers, reserved_workers, max_waiting_read, max_streams, max_sessions
+        )
         backend.use_device(device)
         self.host = host
         memory = default_memory_limit() if max_memory is None else parse_bytes(max_memory)
@@ -186,6 +195,16 @@ class ShardServer:
             interceptors=chain,
         )
         self._server.add_generic_rpc_handlers((self.servicer.generic_handler(fast_codec),))
+        self.sessions = Sessions(
+            self.servicer.session_handlers,
+            self.gate,
+            role_of,
+            self.servicer.may_wait,
+            self.limits.workers,
+            self.metrics.observe if self.metrics is not None else None,
+        )
+        if self.limits.max_sessions:
+            self._server.add_generic_rpc_handlers((self.sessions.generic_handler(),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection(
@@ -249,6 +268,7 @@ class ShardServer:
         notify.join(timeout=2.0)
         self._server.stop(grace).wait()
         self.sweeper.stop()
+        self.sessions.close()
         self.servicer.replicator.close()
         self.servicer.segments.close()
         if self.metrics is not None:

@@ -82,6 +82,7 @@ METHOD_ROLES: dict[str, str] = {
     "OfferSegment": "read",  # shared memory for pulls too; segments belong to the token
     "ConfirmSegment": "read",
     "ReleaseSegments": "read",
+    "Session": "read",  # each call it carries needs its own method's role (server/sessions.py)
     # train: everything a training step does, collectives included
     "RegisterBuffer": "train",
     "SetParams": "train",

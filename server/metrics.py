@@ -169,6 +169,15 @@ class ServerMetrics:
         self._http: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
+    def observe(
+        self, method: str, code: grpc.StatusCode, seconds: float, received: int, sent: int
+    ) -> None:
+        """One call of a session (server/sessions.py), counted as its unary twin would be
+        (the session's frames count under ``Session`` too)."""
+        self.latency.labels(method, code.name).observe(seconds)
+        self.request_bytes.labels(method).inc(received)
+        self.response_bytes.labels(method).inc(sent)
+
     def render(self) -> bytes:
         """The current metrics in the Prometheus text format."""
         return generate_latest(self.registry)

@@ -143,9 +143,11 @@ class ShardServicer:
             "RollbackToReplica": (self.rollback, plain(pb.RollbackRequest), plain_reply),
             **self.segments.handlers(),
         }
+        guarded = {name: (self._guard(name, fn), de, ser) for name, (fn, de, ser) in table.items()}
+        self.session_handlers = {name: guarded[name] for name in self.LOCAL_METHODS}
         handlers = {
-            name: unary(self._guard(name, fn), request_deserializer=de, response_serializer=ser)
-            for name, (fn, de, ser) in table.items()
+            name: unary(fn, request_deserializer=de, response_serializer=ser)
+            for name, (fn, de, ser) in guarded.items()
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
 
@@ -156,7 +158,8 @@ class ShardServicer:
         "PullParams": "pull_params",
         "SetParams": "set_params",
     }
-    """The data-plane methods a client in this process may run directly (``call_local``)."""
+    """The data-plane methods a client in this process may run directly (``call_local``), and
+    that sessions carry (``session_handlers``, server/sessions.py)."""
 
     def call_local(
         self, method: str, request: Any, context: Any, device_reply: bool = False

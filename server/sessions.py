@@ -1,0 +1,283 @@
+"""Sessions: a client's persistent stream to this server (DESIGN section 7, ``rpc Session``).
+
+A unary call costs grpcio about 0.2 ms of CPU on each side, and a client's first call after an
+idle spell makes grpcio start a polling thread (another 0.15 ms). A small collective is a few
+such calls, so they, not the bytes, are its time. A session is one bidirectional stream per
+client and server, open as long as the client: each direction carries batches of calls, a batch
+holding every call its sender had ready (a small all-reduce's contribution and read travel as
+one message), and the stream keeps grpcio's polling thread alive.
+
+Each call of a session is what its unary twin is:
+
+- only the data-plane methods (``ShardServicer.LOCAL_METHODS``) travel in sessions, each parsed,
+  guarded and run by the servicer's own handler; its status comes back in its reply and never
+  ends the session;
+- the stream's token is every call's token: each call needs its method's role (server/auth.py),
+  and its segments are that token's (server/shm.py);
+- a call that may wait passes the admission gate (server/admission.py) with the unary calls;
+- a call's deadline is its ``timeout_s`` from its arrival.
+
+Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
+but not yet sent; beyond, the call is refused "retry later", as a busy server refuses), at most
+``MAX_BATCH`` calls in one batch (beyond, the session ends with RESOURCE_EXHAUSTED), and the
+gate counts open sessions against ``CallLimits.max_sessions``. A small contribution runs on the
+session's reader thread, as it never waits; any other call runs on a pool of the server's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from protos import shard_pb2 as pb
+from server import auth
+from server.admission import WAITING_METHODS, CallGate
+from server.parsers import Malformed, plain
+
+__all__ = ["Sessions", "MAX_CALLS", "MAX_BATCH", "INLINE_BYTES"]
+
+log = logging.getLogger(__name__)
+
+MAX_CALLS = 64
+"""Calls of one session in flight at once (a client keeps ``max_in_flight`` per batch)."""
+MAX_BATCH = 1024
+"""Calls in one batch: a client sends at most what it has in flight."""
+INLINE_BYTES = 256 * 2**10
+"""A contribution up to this size runs on the reader thread (it never waits, and the add
+costs less than handing it to another thread); a larger one on the pool."""
+_END = object()
+
+Handler = tuple[Callable[[Any, Any], Any], Callable[[bytes], Any], Callable[[Any], bytes]]
+"""A method's guarded handler, request parser and reply serialiser (the servicer's own)."""
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """The part of grpc.ServicerContext the data-plane handlers use, for one call of a
+    session: its own deadline, the stream's caller."""
+
+    def __init__(self, stream: grpc.ServicerContext, timeout_s: float | None) -> None:
+        self._stream = stream
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)
+
+    def invocation_metadata(self) -> Any:
+        return self._stream.invocation_metadata()
+
+    def auth_context(self) -> Any:
+        return self._stream.auth_context()
+
+
+def _reply(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionCall:
+    return pb.SessionCall(id=call_id, code=code.value[0], details=details)
+
+
+def _payload_bytes(request: Any) -> int:
+    """The payload size of a tensor request (in-band or in a segment); 0 for anything else."""
+    if not isinstance(request, tuple):
+        return 0
+    header, data = request
+    return header.shm.nbytes if header.HasField("shm") else len(data)
+
+
+class Sessions:
+    """The Session method of one server. ``handlers``: the data-plane methods' handlers;
+    ``role_of(metadata)``: the caller's role (None without tokens); ``observe(method, code,
+    seconds, request bytes, reply bytes)``: metrics of each call (server/metrics.py)."""
+
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        gate: CallGate,
+        role_of: Callable[[Any], str | None] | None,
+        may_wait: Callable[[str, Any], bool],
+        workers: int,
+        observe: Callable[[str, grpc.StatusCode, float, int, int], None] | None = None,
+    ) -> None:
+        self.handlers = handlers
+        self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
+        self.calls = 0  # calls run through sessions (a test reads it)
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._serve,
+            request_deserializer=plain(pb.SessionBatch),
+            response_serializer=pb.SessionBatch.SerializeToString,
+        )
+        return grpc.method_handlers_generic_handler(auth.SERVICE_NAME, {"Session": handler})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        role = self.role_of(context.invocation_metadata()) if self.role_of else None
+        session = _Session(self, context, role)
+        reader = threading.Thread(
+            target=session.read, args=(batches,), name="session-reader", daemon=True
+        )
+        reader.start()
+        yield pb.SessionBatch()  # open
+        yield from session.replies()
+        if session.ended is not None:
+            context.abort(*session.ended)
+
+
+class _Session:
+    def __init__(self, sessions: Sessions, context: grpc.ServicerContext, role: str | None):
+        self.s, self.context, self.role = sessions, context, role
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
+
+    # -- the reader thread ---------------------------------------------------------------
+    def read(self, batches: Iterator[Any]) -> None:
+        try:
+            for batch in batches:
+                if isinstance(batch, Malformed):
+                    self.end(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"a batch does not parse: {batch.error}"
+                    )
+                    return
+                if len(batch.calls) > MAX_BATCH:
+                    self.end(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"a batch of {len(batch.calls)} calls; at most {MAX_BATCH}",
+                    )
+                    return
+                for call in batch.calls:
+                    self.start(call)
+        except Exception:  # noqa: BLE001 - the client went away (cancelled, connection lost)
+            pass
+        self.out.put(_END)
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        self.ended = (code, f"Session: {details}")
+        self.out.put(_END)
+
+    def refuse(self, reply: pb.SessionCall) -> None:
+        """A reply to a call refused before it counted as in flight."""
+        self.out.put((0, reply))
+
+    def start(self, call: pb.SessionCall) -> None:
+        """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
+        method = call.method
+        handler = self.s.handlers.get(method)
+        if handler is None:
+            shown = method[:64] + ("..." if len(method) > 64 else "")
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"{shown!r} is not a method sessions carry; they carry"
+                    f" {', '.join(sorted(self.s.handlers))}",
+                )
+            )
+        need = auth.METHOD_ROLES[method]
+        if self.role is not None and not auth.role_allows(self.role, need, method):
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} needs role '{need}'; this session's token has role '{self.role}'",
+                )
+            )
+        timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
+        with self.lock:
+            full = self.in_flight >= MAX_CALLS
+            self.in_flight += not full
+        if full:
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: {MAX_CALLS} calls of this session are in flight, its bound;"
+                    " retry later",
+                )
+            )
+        fn, parse, serialize = handler
+        request = parse(call.body)
+        waits = None
+        if method in WAITING_METHODS and self.s.may_wait(method, request):
+            waits = self.role or "train"
+        refusal = self.s.gate.enter(waits)
+        if refusal is not None:
+            return self.out.put(
+                (1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"))
+            )
+        job = (call.id, method, fn, serialize, request, timeout, waits, len(call.body))
+        if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
+            self.run(*job)
+        else:
+            self.s.pool.submit(self.run, *job)
+
+    def run(
+        self,
+        call_id: int,
+        method: str,
+        fn: Callable[[Any, Any], Any],
+        serialize: Callable[[Any], bytes],
+        request: Any,
+        timeout: float | None,
+        waits: str | None,
+        received: int,
+    ) -> None:
+        began = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            body = serialize(fn(request, _CallContext(self.context, timeout)))
+            reply = pb.SessionCall(id=call_id, body=bytes(body))
+        except _Abort as exc:
+            code = exc.code
+            reply = _reply(call_id, exc.code, exc.details)
+        except Exception as exc:  # the guard reports handler bugs; this is one in the reply
+            log.exception("session call %s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
+        finally:
+            self.s.gate.leave(waits)
+        self.s.calls += 1
+        if self.s.observe is not None:
+            seconds = time.perf_counter() - began
+            self.s.observe(method, code, seconds, received, len(reply.body))
+        self.out.put((1, reply))
+
+    # -- the stream's thread ---------------------------------------------------------------
+    def replies(self) -> Iterator[pb.SessionBatch]:
+        """Batches of the replies ready, until the client ends the session."""
+        while True:
+            item = self.out.get()
+            if item is _END:
+                return
+            items = [item]
+            while True:
+                try:
+                    more = self.out.get_nowait()
+                except queue.Empty:
+                    break
+                if more is _END:
+                    self.out.put(_END)
+                    break
+                items.append(more)
+            with self.lock:
+                self.in_flight -= sum(counted for counted, _ in items)
+            yield pb.SessionBatch(calls=[reply for _, reply in items])
