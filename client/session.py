@@ -31,6 +31,7 @@ import grpc
 
 from client.local_calls import LocalRpcError
 from protos import shard_pb2 as pb
+from protos.batches import take_ready
 
 __all__ = ["Sessions", "SESSION_METHODS", "MAX_BODY", "enabled"]
 
@@ -158,20 +159,11 @@ class _Session:
     def _batches(self) -> Any:
         """The request stream: each batch holds every call queued by the time it is sent."""
         while True:
-            first = self._out.get()
-            if first is None:
+            calls, ended = take_ready(self._out, None)
+            if calls:
+                yield pb.SessionBatch(calls=calls)
+            if ended:
                 return
-            calls = [first]
-            while True:
-                try:
-                    more = self._out.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._out.put(None)
-                    break
-                calls.append(more)
-            yield pb.SessionBatch(calls=calls)
 
     def _receive(self) -> None:
         why = "the server ended it"

@@ -18,7 +18,8 @@ Each call of a session is what its unary twin is:
 - a call's deadline is its ``timeout_s`` from its arrival.
 
 Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
-but not yet sent; beyond, the call is refused "retry later", as a busy server refuses), at most
+but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
+refused "retry later", as a busy server refuses), at most
 ``MAX_BATCH`` calls in one batch (beyond, the session ends with RESOURCE_EXHAUSTED), and the
 gate counts open sessions against ``CallLimits.max_sessions``. A small contribution runs on the
 session's reader thread, as it never waits; any other call runs on a pool of the server's.
@@ -38,16 +39,21 @@ from typing import Any
 import grpc
 
 from protos import shard_pb2 as pb
+from protos.batches import take_ready
 from server import auth
 from server.admission import WAITING_METHODS, CallGate
 from server.parsers import Malformed, plain
 
-__all__ = ["Sessions", "MAX_CALLS", "MAX_BATCH", "INLINE_BYTES"]
+__all__ = ["Sessions", "MAX_CALLS", "MAX_WAITING", "MAX_BATCH", "INLINE_BYTES"]
 
 log = logging.getLogger(__name__)
 
-MAX_CALLS = 64
-"""Calls of one session in flight at once (a client keeps ``max_in_flight`` per batch)."""
+MAX_CALLS = 256
+"""Calls of one session in flight at once, replies not yet sent included: only a client that
+does not read its replies reaches it (one keeps ``max_in_flight`` calls per batch)."""
+MAX_WAITING = 64
+"""Of them, calls that may wait for other callers (slot reads, pulls of a future version): a
+contribution that would end their wait is never refused for them."""
 MAX_BATCH = 1024
 """Calls in one batch: a client sends at most what it has in flight."""
 INLINE_BYTES = 256 * 2**10
@@ -146,7 +152,8 @@ class _Session:
         self.s, self.context, self.role = sessions, context, role
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.in_flight = 0
+        self.in_flight = 0  # calls taken and not yet replied to
+        self.waiting = 0  # of them, calls that may wait (for other callers)
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
 
     # -- the reader thread ---------------------------------------------------------------
@@ -202,25 +209,29 @@ class _Session:
                 )
             )
         timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
-        with self.lock:
-            full = self.in_flight >= MAX_CALLS
-            self.in_flight += not full
-        if full:
-            return self.refuse(
-                _reply(
-                    call.id,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method}: {MAX_CALLS} calls of this session are in flight, its bound;"
-                    " retry later",
-                )
-            )
         fn, parse, serialize = handler
         request = parse(call.body)
         waits = None
         if method in WAITING_METHODS and self.s.may_wait(method, request):
             waits = self.role or "train"
+        with self.lock:
+            full = self.in_flight >= MAX_CALLS or (waits and self.waiting >= MAX_WAITING)
+            if not full:
+                self.in_flight += 1
+                self.waiting += waits is not None
+        if full:
+            bound = "in flight" if self.in_flight >= MAX_CALLS else "waiting"
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{method}: {MAX_CALLS if bound == 'in flight' else MAX_WAITING} calls of"
+                    f" this session are {bound}, its bound; retry later",
+                )
+            )
         refusal = self.s.gate.enter(waits)
         if refusal is not None:
+            self.done_waiting(waits)
             return self.out.put(
                 (1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"))
             )
@@ -229,6 +240,11 @@ class _Session:
             self.run(*job)
         else:
             self.s.pool.submit(self.run, *job)
+
+    def done_waiting(self, waits: str | None) -> None:
+        if waits is not None:
+            with self.lock:
+                self.waiting -= 1
 
     def run(
         self,
@@ -255,6 +271,7 @@ class _Session:
             reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
             self.s.gate.leave(waits)
+            self.done_waiting(waits)
         self.s.calls += 1
         if self.s.observe is not None:
             seconds = time.perf_counter() - began
@@ -265,19 +282,10 @@ class _Session:
     def replies(self) -> Iterator[pb.SessionBatch]:
         """Batches of the replies ready, until the client ends the session."""
         while True:
-            item = self.out.get()
-            if item is _END:
+            items, ended = take_ready(self.out, _END)
+            if items:
+                with self.lock:
+                    self.in_flight -= sum(counted for counted, _ in items)
+                yield pb.SessionBatch(calls=[reply for _, reply in items])
+            if ended:
                 return
-            items = [item]
-            while True:
-                try:
-                    more = self.out.get_nowait()
-                except queue.Empty:
-                    break
-                if more is _END:
-                    self.out.put(_END)
-                    break
-                items.append(more)
-            with self.lock:
-                self.in_flight -= sum(counted for counted, _ in items)
-            yield pb.SessionBatch(calls=[reply for _, reply in items])

@@ -4,10 +4,12 @@
 - ``shared_servers``: five servers shared by the whole session (hypothesis tests; every call of
   ``run_ranks`` uses its own run_id, so worlds never share slots).
 - ``transport``: runs a test once per way payloads travel (``TRANSPORTS``): calls into a server
-  in the same process, gRPC with payloads in shared segments (every payload, however small),
-  and gRPC with payloads in-band (``PARAMSHARD_SHM=0``). ``servers`` and
-  ``transport_servers`` (the shared five, or five gRPC-only ones) follow it, and the test fails
-  if its payloads did not take that path.
+  in the same process; gRPC sessions with payloads in shared segments (every payload, however
+  small); gRPC sessions with payloads in-band (``PARAMSHARD_SHM=0``; a payload above the
+  session's ``MAX_BODY`` goes as its own call); and unary calls with payloads in-band
+  (``PARAMSHARD_SESSIONS=0`` too: a server of another host, or one without sessions).
+  ``servers`` and ``transport_servers`` (the shared five, or five gRPC-only ones) follow it,
+  and the test fails if its calls did not take that path.
 - ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
   its own thread (LocalCluster's thread runner) and returns the results in rank order; the
   first exception is re-raised.
@@ -67,7 +69,7 @@ def _start(n: int, started: list[ShardServer], **kw: Any) -> list[ShardServer]:
     return new
 
 
-TRANSPORTS = ("in-process", "shared-memory", "in-band")
+TRANSPORTS = ("in-process", "shared-memory", "in-band", "unary")
 
 
 @pytest.fixture(params=TRANSPORTS)
@@ -75,24 +77,32 @@ def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """How this test's payloads travel (module docstring)."""
     if request.param == "shared-memory":
         monkeypatch.setattr(client.shm, "SHM_MIN_BYTES", 1)
-    elif request.param == "in-band":
+    elif request.param in ("in-band", "unary"):
         monkeypatch.setenv("PARAMSHARD_SHM", "0")
+    if request.param == "unary":
+        monkeypatch.setenv("PARAMSHARD_SESSIONS", "0")
     return request.param
 
 
-def _counts(started: list[ShardServer]) -> tuple[int, int]:
-    """Payloads through segments, request payloads in-band, on ``started`` so far."""
+def _counts(started: list[ShardServer]) -> tuple[int, int, int]:
+    """Payloads through segments, request payloads in-band, calls in sessions, on
+    ``started`` so far."""
     regs = [s.servicer.segments for s in started]
-    return sum(r.views for r in regs), sum(r.in_band for r in regs)
+    in_sessions = sum(s.sessions.calls for s in started)
+    return sum(r.views for r in regs), sum(r.in_band for r in regs), in_sessions
 
 
-def _check_path(transport: str, started: list[ShardServer], before: tuple[int, int]) -> None:
-    """Fails a test whose payloads did not travel the way ``transport`` says."""
-    views, in_band = (now - then for now, then in zip(_counts(started), before, strict=True))
+def _check_path(transport: str, started: list[ShardServer], before: tuple[int, ...]) -> None:
+    """Fails a test whose calls did not travel the way ``transport`` says."""
+    now = _counts(started)
+    views, in_band, in_sessions = (n - b for n, b in zip(now, before, strict=True))
     if transport == "shared-memory":
         assert in_band == 0, f"{in_band} payloads went in-band, not through shared segments"
-    elif transport == "in-band":
+        assert in_sessions or not views, "payloads went through segments, but not in sessions"
+    elif transport in ("in-band", "unary"):
         assert views == 0, f"{views} payloads went through shared segments"
+    if transport == "unary":
+        assert in_sessions == 0, f"{in_sessions} calls went in sessions"
 
 
 @pytest.fixture
@@ -105,7 +115,7 @@ def servers(request: pytest.FixtureRequest) -> Any:
     yield lambda n, **kw: _start(n, started, **{**grpc_only, **kw})
     try:
         if way is not None:
-            _check_path(way, started, (0, 0))
+            _check_path(way, started, (0, 0, 0))
     finally:
         for s in started:
             s.stop(0)

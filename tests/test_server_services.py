@@ -49,6 +49,7 @@ METHODS = {
     "OfferSegment",
     "ConfirmSegment",
     "ReleaseSegments",
+    "Session",
 }
 
 

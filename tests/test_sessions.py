@@ -1,0 +1,368 @@
+"""Sessions: one stream per client and server carrying data-plane calls (server/sessions.py,
+client/session.py).
+
+The collectives and buffer tests run over sessions already (the ``transport`` matrix of
+conftest.py); here: what a session does that unary calls do not, and what a hostile or broken
+caller can do with one. Real servers on 127.0.0.1, called through gRPC (``local_calls=False``).
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from conftest import run_ranks
+
+from client import ClusterSpec, ShardClient
+from protos import codec
+from protos import shard_pb2 as pb
+from protos.batches import take_ready
+from server import ShardServer, sessions
+
+SESSION = "/paramshard.v1.Shard/Session"
+TOKENS = {"tok-train": "train", "tok-read": "read"}
+
+
+@pytest.fixture
+def server() -> Iterator[ShardServer]:
+    s = ShardServer(local_calls=False).start()
+    yield s
+    s.stop(0)
+
+
+class RawSession:
+    """A session driven by hand: batches in, batches out, nothing checked on our side."""
+
+    def __init__(self, address: str, token: str | None = None) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        stub = self.channel.stream_stream(SESSION)  # raw bytes both ways
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.call = stub(iter(self.out.get, None), metadata=metadata, timeout=30)
+
+    def send(self, *calls: pb.SessionCall) -> None:
+        self.out.put(pb.SessionBatch(calls=calls).SerializeToString())
+
+    def send_raw(self, raw: bytes) -> None:
+        self.out.put(raw)
+
+    def replies(self, n: int) -> dict[int, pb.SessionCall]:
+        """The next ``n`` replies, by call id (after the empty batch that opens)."""
+        got: dict[int, pb.SessionCall] = {}
+        while len(got) < n:
+            batch = pb.SessionBatch.FromString(next(self.call))
+            got.update((c.id, c) for c in batch.calls)
+        return got
+
+    def opened(self) -> None:
+        assert pb.SessionBatch.FromString(next(self.call)).calls == []
+
+    def close(self) -> None:
+        self.out.put(None)
+        self.call.cancel()
+        self.channel.close()
+
+
+def contribution(key: str, values: np.ndarray, expected: int = 1, readers: int = 1) -> bytes:
+    header = pb.SlotHeader(
+        key=key,
+        op=pb.SUM,
+        expected=expected,
+        readers=readers,
+        total_numel=values.size,
+        chunk=pb.Chunk(offset=0, numel=values.size, dtype=codec.wire_dtype("float32")),
+        chunk_numel=values.size,
+    )
+    return codec.encode(header, values)
+
+
+def read(key: str, reader: int = 0) -> bytes:
+    return pb.ReadSlotRequest(key=key, reader=reader).SerializeToString()
+
+
+def call(i: int, method: str, body: bytes, timeout_s: float = 10.0) -> pb.SessionCall:
+    return pb.SessionCall(id=i, method=method, body=body, timeout_s=timeout_s)
+
+
+def code_of(reply: pb.SessionCall) -> grpc.StatusCode:
+    return next(c for c in grpc.StatusCode if c.value[0] == reply.code)
+
+
+def test_a_contribution_and_its_read_in_one_batch(server) -> None:
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        values = np.arange(4, dtype=np.float32)
+        s.send(
+            call(1, "Contribute", contribution("r:ar1/0", values)),
+            call(2, "ReadSlot", read("r:ar1/0")),
+        )
+        got = s.replies(2)
+        assert got[1].code == 0 and got[2].code == 0
+        header, data = codec.decode(got[2].body, pb.SlotHeader)
+        np.testing.assert_array_equal(np.frombuffer(data, np.float32), values)
+        assert server.sessions.calls == 2
+    finally:
+        s.close()
+
+
+def test_errors_come_back_per_call_and_the_session_goes_on(server) -> None:
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        s.send(
+            call(1, "Status", b""),  # a control-plane method: never in a session
+            call(2, "NoSuchMethod" * 20, b""),
+            call(3, "Contribute", b"\xff\xff\xff"),  # does not parse
+            call(4, "ReadSlot", pb.ReadSlotRequest(key="").SerializeToString()),
+            call(5, "ReadSlot", read("r:never/0"), timeout_s=0.3),  # nobody contributes
+        )
+        got = s.replies(5)
+        assert code_of(got[1]) == grpc.StatusCode.UNIMPLEMENTED and "Status" in got[1].details
+        assert code_of(got[2]) == grpc.StatusCode.UNIMPLEMENTED and len(got[2].details) < 300
+        assert code_of(got[3]) == grpc.StatusCode.INVALID_ARGUMENT
+        assert code_of(got[4]) == grpc.StatusCode.INVALID_ARGUMENT and "key" in got[4].details
+        assert code_of(got[5]) == grpc.StatusCode.DEADLINE_EXCEEDED
+        values = np.ones(3, np.float32)  # the same stream still works
+        s.send(
+            call(6, "Contribute", contribution("r:ok/0", values)),
+            call(7, "ReadSlot", read("r:ok/0")),
+        )
+        got = s.replies(2)
+        assert got[6].code == 0 and got[7].code == 0
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf"), -1.0, 0.0])
+def test_a_meaningless_deadline_is_the_servers_own(timeout_s) -> None:
+    with ShardServer(local_calls=False, max_wait_s=0.3) as server:
+        s = RawSession(server.address)
+        try:
+            s.opened()
+            s.send(call(1, "ReadSlot", read("r:never/0"), timeout_s=timeout_s))
+            began = time.monotonic()
+            got = s.replies(1)
+            assert code_of(got[1]) == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.monotonic() - began < 5
+        finally:
+            s.close()
+
+
+def test_bytes_that_do_not_parse_end_the_session_not_the_server(server) -> None:
+    s = RawSession(server.address)
+    s.opened()
+    s.send_raw(b"\x0a\xff\xff\xff\xff")  # a truncated field
+    with pytest.raises(grpc.RpcError) as err:
+        s.replies(1)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "does not parse" in err.value.details()
+    s.close()
+    c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+    try:
+        assert c.all_reduce(np.ones(2, np.float32)).tolist() == [1.0, 1.0]
+    finally:
+        c.close()
+
+
+def test_a_batch_past_its_bound_ends_the_session(server) -> None:
+    s = RawSession(server.address)
+    s.opened()
+    s.send(*[call(i, "ReadSlot", read(f"r:x{i}/0"), 0.1) for i in range(sessions.MAX_BATCH + 1)])
+    with pytest.raises(grpc.RpcError) as err:
+        s.replies(1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    s.close()
+
+
+def test_calls_in_flight_are_bounded_per_session(server) -> None:
+    """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
+    contribution that ends their wait; the bound frees as they end."""
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        n = sessions.MAX_WAITING
+        s.send(*[call(i, "ReadSlot", read("r:wait/0", reader=i), 10) for i in range(n + 3)])
+        early = s.replies(3)
+        assert sorted(early) == [n, n + 1, n + 2]
+        for reply in early.values():
+            assert code_of(reply) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry later" in reply.details
+        values = np.ones(2, np.float32)
+        s.send(call(10_000, "Contribute", contribution("r:wait/0", values, readers=n)))
+        got = s.replies(n + 1)
+        assert all(r.code == 0 for r in got.values())
+        s.send(call(10_001, "ReadSlot", read("r:late/0"), 0.2))  # room again
+        assert code_of(s.replies(1)[10_001]) == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        s.close()
+
+
+def test_waiting_calls_in_sessions_pass_the_admission_gate() -> None:
+    """Reads waiting in sessions take the gate's places: past them, a waiting call is refused
+    busy, and a call that works still runs."""
+    with ShardServer(local_calls=False, max_workers=4, reserved_workers=2) as server:
+        s = RawSession(server.address)
+        try:
+            s.opened()
+            s.send(*[call(i, "ReadSlot", read("r:gate/0", reader=i), 5) for i in range(3)])
+            got = s.replies(1)
+            (refused,) = got.values()
+            assert code_of(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "worker" in refused.details and "retry later" in refused.details
+            c = ShardClient(ClusterSpec([server.address]), timeout_s=5, sessions=False)
+            try:
+                assert c.status()[0]["address"] == server.address  # Status still runs
+            finally:
+                c.close()
+        finally:
+            s.close()
+
+
+def test_each_call_needs_its_methods_role() -> None:
+    with ShardServer(tokens=TOKENS, local_calls=False) as server:
+        anonymous = RawSession(server.address)
+        with pytest.raises(grpc.RpcError) as err:
+            anonymous.opened()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        anonymous.close()
+        s = RawSession(server.address, "tok-read")
+        try:
+            s.opened()
+            s.send(call(1, "Contribute", contribution("r:auth/0", np.ones(1, np.float32))))
+            reply = s.replies(1)[1]
+            assert code_of(reply) == grpc.StatusCode.PERMISSION_DENIED
+            assert "role 'train'" in reply.details and "'read'" in reply.details
+            s.send(call(2, "ReadSlot", read("r:auth/0"), timeout_s=0.2))
+            assert code_of(s.replies(1)[2]) == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            s.close()
+        trainer = RawSession(server.address, "tok-train")
+        try:
+            trainer.opened()
+            trainer.send(call(1, "ReadSlot", read("r:auth/0"), timeout_s=0.2))
+            reply = trainer.replies(1)[1]  # the refused contribution left nothing behind
+            assert code_of(reply) == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            trainer.close()
+
+
+def test_open_sessions_are_bounded_and_clients_past_it_call_one_by_one() -> None:
+    with ShardServer(local_calls=False, max_sessions=1) as server:
+        first = RawSession(server.address)
+        first.opened()
+        try:
+            c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+            try:
+                out = c.all_reduce(np.full(3, 2.0, np.float32))
+                assert out.tolist() == [2.0, 2.0, 2.0]
+                assert server.sessions.calls == 0  # the client's calls went one by one
+            finally:
+                c.close()
+        finally:
+            first.close()
+
+
+@pytest.mark.parametrize("kind", ["max_sessions=0", "interceptors"])
+def test_servers_without_sessions_get_unary_calls(kind) -> None:
+    kw = {"max_sessions": 0} if kind == "max_sessions=0" else {"interceptors": [PassThrough()]}
+    with ShardServer(local_calls=False, **kw) as server:
+        c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+        try:
+            assert c.all_reduce(np.ones(2, np.float32)).tolist() == [1.0, 1.0]
+        finally:
+            c.close()
+        assert server.sessions.calls == 0
+
+
+class PassThrough(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        return continuation(details)
+
+
+def test_closing_the_client_closes_its_sessions(server) -> None:
+    c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+    c.all_reduce(np.ones(2, np.float32))
+    assert server.gate.sessions == 1
+    c.close()
+    deadline = time.monotonic() + 5
+    while server.gate.sessions and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.gate.sessions == 0
+
+
+def test_a_restarted_server_gets_a_new_session() -> None:
+    """The session to a stopped server breaks; the call in flight is sent again and the next
+    session is opened with the server that took its place."""
+    first = ShardServer(local_calls=False).start()
+    port = first.port
+    c = ShardClient(ClusterSpec([first.address]), timeout_s=20)
+    try:
+        assert c.all_reduce(np.ones(2, np.float32)).tolist() == [1.0, 1.0]
+        first.stop(0)
+        second = ShardServer(port=port, local_calls=False).start()
+        try:
+            assert c.all_reduce(np.full(2, 3.0, np.float32)).tolist() == [3.0, 3.0]
+            assert second.sessions.calls >= 2  # a call sent into the broken one is sent again
+        finally:
+            second.stop(0)
+    finally:
+        c.close()
+
+
+def test_two_ranks_sessions_and_unary_agree(servers) -> None:
+    """The same collectives through sessions and through unary calls: bitwise equal."""
+    addresses = [s.address for s in servers(2, local_calls=False)]
+    rng = np.random.default_rng(0)
+    data = [rng.standard_normal(1000).astype(np.float32) for _ in range(2)]
+
+    def body(c: ShardClient) -> list[np.ndarray]:
+        x = data[c.rank]
+        return [c.all_reduce(x), c.reduce_scatter(x), *c.all_gather(x[: 10 + c.rank])]
+
+    with_sessions = run_ranks(body, 2, addresses, run_id="with")
+    without = run_ranks(body, 2, addresses, run_id="without", sessions=False)
+    for a, b in zip(with_sessions, without, strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_a_batch_holds_what_is_ready_and_never_waits_for_more() -> None:
+    items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    for i in range(3):
+        items.put(i)
+    assert take_ready(items, None) == ([0, 1, 2], False)
+    items.put(3)
+    items.put(None)
+    assert take_ready(items, None) == ([3], True)
+    assert take_ready(items, None) == ([], True)  # the end stays
+
+
+def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatch) -> None:
+    """A small all-reduce's contribution and read, queued together, reach the server as one
+    batch (the client queues the second long before grpcio's sender thread gets the GIL)."""
+    seen: list[int] = []
+    real = sessions._Session.read
+
+    def counting(self: Any, batches: Any) -> None:
+        def spy() -> Any:
+            for batch in batches:
+                seen.append(len(batch.calls))
+                yield batch
+
+        real(self, spy())
+
+    monkeypatch.setattr(sessions._Session, "read", counting)
+    c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+    try:
+        for _ in range(20):
+            c.all_reduce(np.ones(2, np.float32))
+        assert sum(seen) == 40
+        assert seen.count(2) >= 10, seen
+    finally:
+        c.close()
