@@ -121,11 +121,17 @@ class Collectives(RpcCore):
                 store,
             )
 
-    def _read_unknown(self, parts: list[tuple[int, str]]) -> list[tuple[np.ndarray, tuple, str]]:
-        """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest."""
+    def _read_unknown(
+        self, parts: list[tuple[int, str]], before: list[Call] | None = None
+    ) -> list[tuple[np.ndarray, tuple, str]]:
+        """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest.
+        ``before``: calls sent ahead of the first reads, in the same batch (an all-gather's
+        own contribution: one round trip, not two)."""
+        ahead = before or []
         firsts = self.run(
-            [Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank)) for s, k in parts]
-        )
+            ahead
+            + [Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank)) for s, k in parts]
+        )[len(ahead) :]
         outs, rest = [], []
         for (server, key), (header, data) in zip(parts, firsts, strict=True):
             dtype = codec.dtype_name(header.chunk.dtype)
@@ -193,8 +199,9 @@ class Collectives(RpcCore):
         """Every rank's ``x``, in rank order (shapes may differ between ranks)."""
         flat = as_flat(x)
         key = self._next_key("ag")
+        sends = []
         if self.world_size > 1:
-            self.run(
+            sends = list(
                 self._contributions(
                     self.server_of(self.rank),
                     f"{key}/{self.rank}",
@@ -210,7 +217,7 @@ class Collectives(RpcCore):
         others = [
             (self.server_of(j), f"{key}/{j}") for j in range(self.world_size) if j != self.rank
         ]
-        got = iter(self._read_unknown(others))
+        got = iter(self._read_unknown(others, before=sends))
         out = []
         for j in range(self.world_size):
             if j == self.rank:

@@ -17,6 +17,8 @@ import grpc
 import numpy as np
 import pytest
 from conftest import run_ranks
+from test_shm import client as shm_client
+from test_shm import open_segment, push
 
 from client import ClusterSpec, ShardClient
 from protos import codec
@@ -366,3 +368,31 @@ def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatc
         assert seen.count(2) >= 10, seen
     finally:
         c.close()
+
+
+def test_a_segment_of_another_token_is_refused_in_a_session_too() -> None:
+    """A session's calls name segments as their stream's token: tok-b's session cannot push
+    from tok-a's segment, and the slice is untouched."""
+    s = ShardServer(local_calls=False, tokens={"tok-a": "train", "tok-b": "train"}).start()
+    values = np.arange(2**16, dtype=np.float32)
+    owner = shm_client(s.address, "tok-a")
+    owner.register_buffer("g", "w", values.size, hyper={"lr": 0.5})  # what push() names
+    owner.set_params("g", "w", values)
+    owner.close()
+    segment, mapped = open_segment(s.address, "tok-a")
+    mapped[: 2**18] = np.ones(2**16, np.float32).tobytes()
+    session = RawSession(s.address, "tok-b")
+    try:
+        session.opened()
+        session.send(call(1, "PushGrad", codec.serialize(push(segment, 2**18))))
+        reply = session.replies(1)[1]
+        assert code_of(reply) == grpc.StatusCode.FAILED_PRECONDITION
+        assert "unknown here" in reply.details
+    finally:
+        session.close()
+    c = shm_client(s.address, "tok-a", sessions=False)
+    try:
+        np.testing.assert_array_equal(c.pull_params("g", "w", values.size), values)
+    finally:
+        c.close()
+        s.stop(0)
