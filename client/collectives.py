@@ -119,18 +119,23 @@ class Collectives(RpcCore):
                 "ReadSlot",
                 pb.ReadSlotRequest(key=key, offset=offset, reader=self.rank),
                 store,
+                reply_bytes=numel * out.itemsize,
             )
 
     def _read_unknown(
-        self, parts: list[tuple[int, str]], before: list[Call] | None = None
+        self, parts: list[tuple[int, str]], before: list[Call] | None = None, guess: int = 0
     ) -> list[tuple[np.ndarray, tuple, str]]:
         """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest.
         ``before``: calls sent ahead of the first reads, in the same batch (an all-gather's
-        own contribution: one round trip, not two)."""
+        own contribution: one round trip, not two). ``guess``: the likely size in bytes."""
         ahead = before or []
+        hint = min(guess, self.chunk_bytes)
         firsts = self.run(
             ahead
-            + [Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank)) for s, k in parts]
+            + [
+                Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank), reply_bytes=hint)
+                for s, k in parts
+            ]
         )[len(ahead) :]
         outs, rest = [], []
         for (server, key), (header, data) in zip(parts, firsts, strict=True):
@@ -217,7 +222,7 @@ class Collectives(RpcCore):
         others = [
             (self.server_of(j), f"{key}/{j}") for j in range(self.world_size) if j != self.rank
         ]
-        got = iter(self._read_unknown(others, before=sends))
+        got = iter(self._read_unknown(others, before=sends, guess=flat.array.nbytes))
         out = []
         for j in range(self.world_size):
             if j == self.rank:
@@ -296,7 +301,8 @@ class Collectives(RpcCore):
         bfloat16, else a NumPy array."""
         self._check_rank(src, "src")
         key = self._p2p_key(src, self.rank, "recv", tag)
-        ((arr, shape, dtype),) = self._read_unknown([(self.server_of(self.rank), key)])
+        guess = int(getattr(like, "nbytes", 0))  # a hint only: no copy of a device tensor
+        ((arr, shape, dtype),) = self._read_unknown([(self.server_of(self.rank), key)], guess=guess)
         return _wrap_received(arr, shape, dtype, like)
 
     # -- helpers -----------------------------------------------------------------------------

@@ -138,6 +138,9 @@ class Call:
     device_reply: bool = False
     """A PullParams whose caller takes the values as a device array (DLPack) when the server
     is in this process on that device (``RpcCore.local_device``); bytes otherwise."""
+    reply_bytes: int = 0
+    """The reply's payload size, when the caller knows it (a slot read of a known chunk):
+    a large reply in-band goes as its own call, not in a session."""
 
 
 class RpcCore:
@@ -240,8 +243,14 @@ class RpcCore:
             size = request[0].ByteSize() + codec.byte_view(request[1]).nbytes
         else:
             size = request.ByteSize()
+        if call.method in ("PullParams", "ReadSlot") and not request.HasField("reply_shm"):
+            if call.method == "PullParams":
+                itemsize = codec.numpy_dtype(request.chunk.dtype).itemsize
+                size += request.chunk.numel * itemsize
+            else:
+                size += call.reply_bytes
         if size > MAX_BODY:
-            return None  # its own call: a session would copy its bytes once more
+            return None  # its own call: a session costs large payloads more (DESIGN §7)
         session = self.sessions.get(self, call.server)
         if session is None:
             return None

@@ -31,7 +31,7 @@ import grpc
 
 from client.local_calls import LocalRpcError
 from protos import shard_pb2 as pb
-from protos.batches import take_ready
+from protos.batches import decode_batch, encode_batch, take_ready
 
 __all__ = ["Sessions", "SESSION_METHODS", "MAX_BODY", "enabled"]
 
@@ -75,13 +75,13 @@ class SessionFuture:
             fn(self)
         return True
 
-    def resolve(self, reply: pb.SessionCall) -> None:
+    def resolve(self, reply: pb.SessionCall, body: memoryview) -> None:
         if reply.code:
             code = _CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
             self._finish(error=LocalRpcError(code, reply.details))
             return
         try:
-            parsed = self._deserialize(reply.body)
+            parsed = self._deserialize(body)
         except Exception as exc:  # noqa: BLE001 - the server's reply is not what it should be
             self._finish(error=LocalRpcError(grpc.StatusCode.INTERNAL, f"bad reply: {exc}"))
             return
@@ -126,9 +126,7 @@ class _Session:
         self._opened = threading.Event()
         self.broken: str | None = None  # why it ended
         stub = channel.stream_stream(
-            _SERVICE,
-            request_serializer=pb.SessionBatch.SerializeToString,
-            response_deserializer=pb.SessionBatch.FromString,
+            _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
         self._call = stub(self._batches(), metadata=metadata)
         threading.Thread(target=self._receive, name="session-receiver", daemon=True).start()
@@ -149,7 +147,7 @@ class _Session:
             call_id = next(self._ids)
             self._pending[call_id] = fut
         fut.add_done_callback(lambda _: self._forget(call_id))
-        self._out.put(pb.SessionCall(id=call_id, method=method, body=body, timeout_s=timeout))
+        self._out.put((pb.SessionCall(id=call_id, method=method, timeout_s=timeout), body))
         return fut
 
     def _forget(self, call_id: int) -> None:
@@ -161,7 +159,7 @@ class _Session:
         while True:
             calls, ended = take_ready(self._out, None)
             if calls:
-                yield pb.SessionBatch(calls=calls)
+                yield calls
             if ended:
                 return
 
@@ -170,11 +168,11 @@ class _Session:
         try:
             for batch in self._call:
                 self._opened.set()
-                for reply in batch.calls:
+                for reply, body in batch:
                     with self._lock:
                         fut = self._pending.get(reply.id)
                     if fut is not None:
-                        fut.resolve(reply)
+                        fut.resolve(reply, body)
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over

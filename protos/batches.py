@@ -1,13 +1,29 @@
-"""How a session's sender makes a batch (client/session.py, server/sessions.py): whatever is
-ready when the stream takes its next message goes in it, so calls made together travel
-together, and one call alone is never held back waiting for company."""
+"""A session's batches (client/session.py, server/sessions.py): which calls go together, and
+their bytes on the wire.
+
+Whatever is ready when the stream takes its next message goes in it, so calls made together
+travel together, and one call alone is never held back waiting for company.
+
+A batch is a ``SessionBatch`` message, but it is written and read by hand, as tensor messages
+are (protos/codec.py): each call's body, the bulk of it, is copied once into the batch by the
+join that writes it, and read in place, as a view of the received bytes. The generated classes
+would copy it three times more on each side.
+"""
 
 from __future__ import annotations
 
 import queue
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["take_ready"]
+from protos import codec
+from protos import shard_pb2 as pb
+
+__all__ = ["take_ready", "encode_batch", "decode_batch"]
+
+_CALL_TAG = bytes([1 << 3 | 2])  # SessionBatch.calls
+_BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body
+_BODY = 3
 
 
 def take_ready(items: queue.SimpleQueue[Any], end: Any) -> tuple[list[Any], bool]:
@@ -27,3 +43,46 @@ def take_ready(items: queue.SimpleQueue[Any], end: Any) -> tuple[list[Any], bool
             items.put(end)
             return batch, True
         batch.append(more)
+
+
+def encode_batch(calls: Sequence[tuple[pb.SessionCall, Any]]) -> bytes:
+    """The wire bytes of a SessionBatch of ``calls``: (the call without its body, the body as
+    bytes, any C-contiguous buffer, or a tensor message's (header, payload), encoded here)."""
+    parts: list[Any] = []
+    for head, body in calls:
+        small = head.SerializeToString()
+        if isinstance(body, tuple):
+            pieces, nbytes = codec.encode_parts(*body)
+        else:
+            data = codec.byte_view(body)
+            pieces, nbytes = [data], data.nbytes
+        size = len(small)
+        if nbytes:
+            length = codec.varint(nbytes)
+            size += len(_BODY_TAG) + len(length) + nbytes
+            pieces = [_BODY_TAG, length, *pieces]
+        parts += [_CALL_TAG, codec.varint(size), small]
+        if nbytes:
+            parts += pieces
+    return b"".join(parts)
+
+
+def decode_batch(raw: Any) -> list[tuple[pb.SessionCall, memoryview]]:
+    """A SessionBatch's calls: (the call without its body, a view of the body in ``raw``).
+    Unknown fields are skipped; malformed bytes raise ``codec.DecodeError``."""
+    calls = []
+    for field, _, _, value in codec.fields(memoryview(raw)):
+        if field != 1 or value is None:
+            continue
+        head = pb.SessionCall()
+        body = value[0:0]
+        for inner, start, end, data in codec.fields(value):
+            if inner == _BODY and data is not None:
+                body = data
+                continue
+            try:
+                head.MergeFromString(value[start:end])
+            except Exception as exc:  # protobuf's DecodeError: a field of the wrong type
+                raise codec.DecodeError(f"bad session call: {exc}") from exc
+        calls.append((head, body))
+    return calls

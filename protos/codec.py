@@ -13,7 +13,7 @@ returns the payload as a zero-copy ``memoryview`` that ``numpy.frombuffer`` can 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -104,7 +104,7 @@ def f32_to_bf16_bits(values: Any, xp: Any = np) -> Any:
     return xp.where(nan, (u >> 16) | 0x40, rounded).astype(xp.uint16)
 
 
-def _varint(n: int) -> bytes:
+def varint(n: int) -> bytes:
     out = bytearray()
     while True:
         byte = n & 0x7F
@@ -130,12 +130,18 @@ def encode(header: Any, payload: Any = b"") -> bytes:
     ``payload`` is bytes, or any C-contiguous buffer (a NumPy array): the join reads it in place,
     so the payload is copied once, into the message grpcio needs as ``bytes`` (DESIGN section 7).
     """
+    return b"".join(encode_parts(header, payload)[0])
+
+
+def encode_parts(header: Any, payload: Any = b"") -> tuple[list[Any], int]:
+    """The pieces of ``encode``'s message, not yet joined, and their length: a message inside
+    another (a session's batch, protos/batches.py) joins them once with the rest."""
     head = header.SerializeToString()
     data = byte_view(payload)
-    parts = [_HEADER_TAG, _varint(len(head)), head]  # the header is always present
+    parts = [_HEADER_TAG, varint(len(head)), head]  # the header is always present
     if data.nbytes:
-        parts += [_DATA_TAG, _varint(data.nbytes), data]
-    return b"".join(parts)
+        parts += [_DATA_TAG, varint(data.nbytes), data]
+    return parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
 def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
@@ -152,6 +158,37 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]:
+    """The fields of the protobuf message in ``buf``: (number, start, end, value), where
+    ``buf[start:end]`` is the whole field (key included) and ``value`` a view of a
+    length-delimited field's bytes (None for the other wire types). Malformed bytes raise
+    ``DecodeError``."""
+    pos, end = 0, len(buf)
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if field == 0 or field > 0x1FFFFFFF:
+            raise DecodeError(f"field number {field} is outside 1..2**29-1")
+        if wire == 0:
+            _, pos = _read_varint(buf, pos)
+            yield field, start, pos, None
+            continue
+        if wire in {1, 5}:
+            pos += 8 if wire == 1 else 4
+            if pos > end:
+                raise DecodeError("truncated fixed-width field")
+            yield field, start, pos, None
+            continue
+        if wire != 2:
+            raise DecodeError(f"unsupported wire type {wire} for field {field}")
+        length, pos = _read_varint(buf, pos)
+        if pos + length > end:
+            raise DecodeError(f"field {field} claims {length} bytes, {end - pos} remain")
+        pos += length
+        yield field, start, pos, buf[pos - length : pos]
+
+
 def decode(raw: bytes, header_cls: type[H]) -> tuple[H, memoryview]:
     """Parse a tensor message into (header message, payload memoryview). Zero-copy payload.
 
@@ -160,27 +197,9 @@ def decode(raw: bytes, header_cls: type[H]) -> tuple[H, memoryview]:
     buf = memoryview(raw)
     header = header_cls()
     data = buf[0:0]
-    pos, end = 0, len(buf)
-    while pos < end:
-        key, pos = _read_varint(buf, pos)
-        field, wire = key >> 3, key & 7
-        if field == 0 or field > 0x1FFFFFFF:
-            raise DecodeError(f"field number {field} is outside 1..2**29-1")
-        if wire == 0:
-            _, pos = _read_varint(buf, pos)
+    for field, _, _, value in fields(buf):
+        if value is None:
             continue
-        if wire in {1, 5}:
-            pos += 8 if wire == 1 else 4
-            if pos > end:
-                raise DecodeError("truncated fixed-width field")
-            continue
-        if wire != 2:
-            raise DecodeError(f"unsupported wire type {wire} for field {field}")
-        length, pos = _read_varint(buf, pos)
-        if pos + length > end:
-            raise DecodeError(f"field {field} claims {length} bytes, {end - pos} remain")
-        value = buf[pos : pos + length]
-        pos += length
         if field == 1:
             try:
                 header.MergeFromString(value)  # type: ignore[attr-defined]

@@ -38,11 +38,12 @@ from typing import Any
 
 import grpc
 
+from protos import codec
 from protos import shard_pb2 as pb
-from protos.batches import take_ready
+from protos.batches import decode_batch, encode_batch, take_ready
 from server import auth
 from server.admission import WAITING_METHODS, CallGate
-from server.parsers import Malformed, plain
+from server.parsers import Malformed
 
 __all__ = ["Sessions", "MAX_CALLS", "MAX_WAITING", "MAX_BATCH", "INLINE_BYTES"]
 
@@ -92,8 +93,19 @@ class _CallContext:
         return self._stream.auth_context()
 
 
-def _reply(call_id: int, code: grpc.StatusCode, details: str) -> pb.SessionCall:
-    return pb.SessionCall(id=call_id, code=code.value[0], details=details)
+def _reply(call_id: int, code: grpc.StatusCode, details: str) -> tuple[pb.SessionCall, bytes]:
+    return pb.SessionCall(id=call_id, code=code.value[0], details=details), b""
+
+
+def _size(body: Any) -> int:
+    return codec.encode_parts(*body)[1] if isinstance(body, tuple) else len(body)
+
+
+def _parse_batch(raw: bytes) -> Any:
+    try:
+        return decode_batch(raw)
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, the bytes are bad
+        return Malformed(exc)
 
 
 def _payload_bytes(request: Any) -> int:
@@ -125,9 +137,7 @@ class Sessions:
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handler = grpc.stream_stream_rpc_method_handler(
-            self._serve,
-            request_deserializer=plain(pb.SessionBatch),
-            response_serializer=pb.SessionBatch.SerializeToString,
+            self._serve, request_deserializer=_parse_batch, response_serializer=encode_batch
         )
         return grpc.method_handlers_generic_handler(auth.SERVICE_NAME, {"Session": handler})
 
@@ -141,7 +151,7 @@ class Sessions:
             target=session.read, args=(batches,), name="session-reader", daemon=True
         )
         reader.start()
-        yield pb.SessionBatch()  # open
+        yield []  # an empty batch: open
         yield from session.replies()
         if session.ended is not None:
             context.abort(*session.ended)
@@ -165,14 +175,14 @@ class _Session:
                         grpc.StatusCode.INVALID_ARGUMENT, f"a batch does not parse: {batch.error}"
                     )
                     return
-                if len(batch.calls) > MAX_BATCH:
+                if len(batch) > MAX_BATCH:
                     self.end(
                         grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"a batch of {len(batch.calls)} calls; at most {MAX_BATCH}",
+                        f"a batch of {len(batch)} calls; at most {MAX_BATCH}",
                     )
                     return
-                for call in batch.calls:
-                    self.start(call)
+                for call, body in batch:
+                    self.start(call, body)
         except Exception:  # noqa: BLE001 - the client went away (cancelled, connection lost)
             pass
         self.out.put(_END)
@@ -181,11 +191,11 @@ class _Session:
         self.ended = (code, f"Session: {details}")
         self.out.put(_END)
 
-    def refuse(self, reply: pb.SessionCall) -> None:
+    def refuse(self, reply: tuple[pb.SessionCall, bytes]) -> None:
         """A reply to a call refused before it counted as in flight."""
         self.out.put((0, reply))
 
-    def start(self, call: pb.SessionCall) -> None:
+    def start(self, call: pb.SessionCall, body: memoryview) -> None:
         """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
         method = call.method
         handler = self.s.handlers.get(method)
@@ -210,7 +220,7 @@ class _Session:
             )
         timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
         fn, parse, serialize = handler
-        request = parse(call.body)
+        request = parse(body)
         waits = None
         if method in WAITING_METHODS and self.s.may_wait(method, request):
             waits = self.role or "train"
@@ -235,7 +245,7 @@ class _Session:
             return self.out.put(
                 (1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"))
             )
-        job = (call.id, method, fn, serialize, request, timeout, waits, len(call.body))
+        job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
@@ -260,8 +270,10 @@ class _Session:
         began = time.perf_counter()
         code = grpc.StatusCode.OK
         try:
-            body = serialize(fn(request, _CallContext(self.context, timeout)))
-            reply = pb.SessionCall(id=call_id, body=bytes(body))
+            reply = (
+                pb.SessionCall(id=call_id),
+                serialize(fn(request, _CallContext(self.context, timeout))),
+            )
         except _Abort as exc:
             code = exc.code
             reply = _reply(call_id, exc.code, exc.details)
@@ -275,17 +287,17 @@ class _Session:
         self.s.calls += 1
         if self.s.observe is not None:
             seconds = time.perf_counter() - began
-            self.s.observe(method, code, seconds, received, len(reply.body))
+            self.s.observe(method, code, seconds, received, _size(reply[1]))
         self.out.put((1, reply))
 
     # -- the stream's thread ---------------------------------------------------------------
-    def replies(self) -> Iterator[pb.SessionBatch]:
+    def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:
         """Batches of the replies ready, until the client ends the session."""
         while True:
             items, ended = take_ready(self.out, _END)
             if items:
                 with self.lock:
                     self.in_flight -= sum(counted for counted, _ in items)
-                yield pb.SessionBatch(calls=[reply for _, reply in items])
+                yield [reply for _, reply in items]
             if ended:
                 return

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from protos import codec
 from protos import shard_pb2 as pb
+from protos.batches import decode_batch, encode_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 U32 = st.integers(0, 2**32 - 1)
@@ -426,3 +427,31 @@ def test_proto_declares_every_tensor_message_with_data_at_15() -> None:
     for _, msg_cls in TENSOR_MESSAGES.values():
         fields = {f.name: f.number for f in msg_cls.DESCRIPTOR.fields}
         assert fields == {"header": 1, "data": 15}
+
+
+def test_session_batches_read_and_write_as_the_generated_classes_do() -> None:
+    """protos/batches.py writes and reads SessionBatch by hand: the same bytes protobuf
+    writes and reads, bodies as views of the received bytes."""
+    calls = [
+        (pb.SessionCall(id=7, method="ReadSlot", timeout_s=1.5), b"\x01\x02"),
+        (pb.SessionCall(id=2**40, code=5, details="gone"), b""),
+        (pb.SessionCall(id=1), np.arange(3, dtype=np.float32)),
+    ]
+    raw = encode_batch(calls)
+    parsed = pb.SessionBatch.FromString(raw)
+    assert [c.id for c in parsed.calls] == [7, 2**40, 1]
+    assert parsed.calls[0].method == "ReadSlot" and parsed.calls[0].timeout_s == 1.5
+    assert parsed.calls[1].code == 5 and parsed.calls[1].details == "gone"
+    assert parsed.calls[2].body == np.arange(3, dtype=np.float32).tobytes()
+    back = decode_batch(parsed.SerializeToString())
+    assert [(h.id, bytes(b)) for h, b in back] == [(c.id, c.body) for c in parsed.calls]
+    assert back[0][0].method == "ReadSlot" and back[1][0].details == "gone"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x0a\x05\x08", b"\x0a\x02\x1a\x05", b"\x0b", b"\x0a\x02\x12\x80", b"\x0a\x02\x28\xff"],
+)
+def test_malformed_session_batches_raise_decode_errors(raw: bytes) -> None:
+    with pytest.raises(codec.DecodeError):
+        decode_batch(raw)
