@@ -19,7 +19,7 @@ from typing import Any
 from protos import codec
 from protos import shard_pb2 as pb
 
-__all__ = ["take_ready", "encode_batch", "decode_batch"]
+__all__ = ["take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
 
 _CALL_TAG = bytes([1 << 3 | 2])  # SessionBatch.calls
 _BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body
@@ -67,13 +67,21 @@ def encode_batch(calls: Sequence[tuple[pb.SessionCall, Any]]) -> bytes:
     return b"".join(parts)
 
 
-def decode_batch(raw: Any) -> list[tuple[pb.SessionCall, memoryview]]:
+class TooManyCalls(codec.DecodeError):
+    """A batch holds more calls than its reader takes."""
+
+
+def decode_batch(raw: Any, limit: int | None = None) -> list[tuple[pb.SessionCall, memoryview]]:
     """A SessionBatch's calls: (the call without its body, a view of the body in ``raw``).
-    Unknown fields are skipped; malformed bytes raise ``codec.DecodeError``."""
-    calls = []
+    Unknown fields are skipped; malformed bytes raise ``codec.DecodeError``, and more than
+    ``limit`` calls ``TooManyCalls`` (before they are all parsed: a message of tiny calls
+    would otherwise cost far more memory than its bytes)."""
+    calls: list[tuple[pb.SessionCall, memoryview]] = []
     for field, _, _, value in codec.fields(memoryview(raw)):
         if field != 1 or value is None:
             continue
+        if limit is not None and len(calls) >= limit:
+            raise TooManyCalls(f"a batch of more than {limit} calls")
         head = pb.SessionCall()
         body = value[0:0]
         for inner, start, end, data in codec.fields(value):

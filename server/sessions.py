@@ -19,8 +19,8 @@ Each call of a session is what its unary twin is:
 
 Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
 but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
-refused "retry later", as a busy server refuses), at most
-``MAX_BATCH`` calls in one batch (beyond, the session ends with RESOURCE_EXHAUSTED), and the
+refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in one batch
+(beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
 gate counts open sessions against ``CallLimits.max_sessions``. A small contribution runs on the
 session's reader thread, as it never waits; any other call runs on a pool of the server's.
 """
@@ -40,7 +40,7 @@ import grpc
 
 from protos import codec
 from protos import shard_pb2 as pb
-from protos.batches import decode_batch, encode_batch, take_ready
+from protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
 from server import auth
 from server.admission import WAITING_METHODS, CallGate
 from server.parsers import Malformed
@@ -103,7 +103,7 @@ def _size(body: Any) -> int:
 
 def _parse_batch(raw: bytes) -> Any:
     try:
-        return decode_batch(raw)
+        return decode_batch(raw, limit=MAX_BATCH)
     except Exception as exc:  # noqa: BLE001 - whatever the decoder says, the bytes are bad
         return Malformed(exc)
 
@@ -133,7 +133,8 @@ class Sessions:
         self.handlers = handlers
         self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
-        self.calls = 0  # calls run through sessions (a test reads it)
+        self.calls = 0  # calls run through sessions (tests read it)
+        self._count = threading.Lock()
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handler = grpc.stream_stream_rpc_method_handler(
@@ -170,21 +171,22 @@ class _Session:
     def read(self, batches: Iterator[Any]) -> None:
         try:
             for batch in batches:
+                if isinstance(batch, Malformed) and isinstance(batch.error, TooManyCalls):
+                    self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, str(batch.error))
+                    return
                 if isinstance(batch, Malformed):
                     self.end(
                         grpc.StatusCode.INVALID_ARGUMENT, f"a batch does not parse: {batch.error}"
                     )
                     return
-                if len(batch) > MAX_BATCH:
-                    self.end(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"a batch of {len(batch)} calls; at most {MAX_BATCH}",
-                    )
-                    return
                 for call, body in batch:
                     self.start(call, body)
-        except Exception:  # noqa: BLE001 - the client went away (cancelled, connection lost)
-            pass
+        except grpc.RpcError:
+            pass  # the client went away (cancelled, connection lost)
+        except Exception as exc:  # a bug, not bad input: say so, keep serving the others
+            log.exception("session reader failed")
+            self.end(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
         self.out.put(_END)
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
@@ -284,7 +286,8 @@ class _Session:
         finally:
             self.s.gate.leave(waits)
             self.done_waiting(waits)
-        self.s.calls += 1
+        with self.s._count:
+            self.s.calls += 1
         if self.s.observe is not None:
             seconds = time.perf_counter() - began
             self.s.observe(method, code, seconds, received, _size(reply[1]))

@@ -182,6 +182,19 @@ def test_a_batch_past_its_bound_ends_the_session(server) -> None:
     s.close()
 
 
+def test_a_message_of_millions_of_empty_calls_is_refused_unparsed(server) -> None:
+    """Two bytes per empty call: 4 MB would be 2 million parsed calls; the reader stops at
+    the bound, so the server's memory does not grow with them."""
+    s = RawSession(server.address)
+    s.opened()
+    s.send_raw(b"\x0a\x00" * 2_000_000)
+    with pytest.raises(grpc.RpcError) as err:
+        s.replies(1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"more than {sessions.MAX_BATCH} calls" in err.value.details()
+    s.close()
+
+
 def test_calls_in_flight_are_bounded_per_session(server) -> None:
     """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
     contribution that ends their wait; the bound frees as they end."""
