@@ -13,7 +13,7 @@ would copy it three times more on each side.
 from __future__ import annotations
 
 import queue
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from protos import codec
@@ -26,15 +26,22 @@ _BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body
 _BODY = 3
 
 
-def take_ready(items: queue.SimpleQueue[Any], end: Any) -> tuple[list[Any], bool]:
-    """Waits for one item of ``items``, then takes every other one already there. Returns
-    them and whether ``end`` came (it stays queued for the next call, which returns at once)."""
+def take_ready(
+    items: queue.SimpleQueue[Any],
+    end: Any,
+    max_bytes: int | None = None,
+    size: Callable[[Any], int] | None = None,
+) -> tuple[list[Any], bool]:
+    """Waits for one item of ``items``, then takes every other one already there, up to
+    ``max_bytes`` of ``size(item)`` (the item that reaches it is the last taken). Returns them
+    and whether ``end`` came (it stays queued for the next call, which returns at once)."""
     first = items.get()
     if first is end:
         items.put(end)
         return [], True
     batch = [first]
-    while True:
+    total = size(first) if size else 0
+    while max_bytes is None or total < max_bytes:
         try:
             more = items.get_nowait()
         except queue.Empty:
@@ -43,6 +50,8 @@ def take_ready(items: queue.SimpleQueue[Any], end: Any) -> tuple[list[Any], bool
             items.put(end)
             return batch, True
         batch.append(more)
+        total += size(more) if size else 0
+    return batch, False
 
 
 def encode_batch(calls: Sequence[tuple[pb.SessionCall, Any]]) -> bytes:

@@ -21,8 +21,12 @@ Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, runnin
 but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
 refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in one batch
 (beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
-gate counts open sessions against ``CallLimits.max_sessions``. A small contribution runs on the
-session's reader thread, as it never waits; any other call runs on a pool of the server's.
+gate counts open sessions against ``CallLimits.max_sessions``. A client that stops reading its
+replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
+sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
+client's sends (refusals are replies too, so a caller cannot grow them without bound). A
+small contribution runs on the session's reader thread, as it never waits; any other call runs
+on a pool of the server's.
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ from server import auth
 from server.admission import WAITING_METHODS, CallGate
 from server.parsers import Malformed
 
-__all__ = ["Sessions", "MAX_CALLS", "MAX_WAITING", "MAX_BATCH", "INLINE_BYTES"]
+__all__ = [
+    "Sessions",
+    "MAX_CALLS",
+    "MAX_WAITING",
+    "MAX_BATCH",
+    "MAX_UNSENT",
+    "MAX_UNSENT_BYTES",
+    "INLINE_BYTES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,13 @@ MAX_WAITING = 64
 contribution that would end their wait is never refused for them."""
 MAX_BATCH = 1024
 """Calls in one batch: a client sends at most what it has in flight."""
+MAX_UNSENT = 2 * MAX_CALLS
+"""Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
+MAX_UNSENT_BYTES = 256 * 2**20
+"""The same bound in reply bytes."""
+BATCH_BYTES = 4 * 2**20
+"""Replies ready together go in one batch up to this many bytes (gRPC's default receive
+bound: a client with its defaults can read every batch but one holding a larger reply)."""
 INLINE_BYTES = 256 * 2**10
 """A contribution up to this size runs on the reader thread (it never waits, and the add
 costs less than handing it to another thread); a larger one on the pool."""
@@ -165,6 +184,9 @@ class _Session:
         self.lock = threading.Lock()
         self.in_flight = 0  # calls taken and not yet replied to
         self.waiting = 0  # of them, calls that may wait (for other callers)
+        self.unsent = [0, 0]  # replies in ``out``, and their bytes
+        self.drained = threading.Condition(self.lock)  # ``unsent`` went down, or we stopped
+        self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
 
     # -- the reader thread ---------------------------------------------------------------
@@ -180,6 +202,8 @@ class _Session:
                     )
                     return
                 for call, body in batch:
+                    if not self.room():
+                        return
                     self.start(call, body)
         except grpc.RpcError:
             pass  # the client went away (cancelled, connection lost)
@@ -189,13 +213,34 @@ class _Session:
             return
         self.out.put(_END)
 
+    def room(self) -> bool:
+        """Waits while the replies not yet sent are past their bound; False once the stream
+        is gone (nothing will drain them)."""
+        with self.drained:
+            while not self.stopped and (
+                self.unsent[0] >= MAX_UNSENT or self.unsent[1] >= MAX_UNSENT_BYTES
+            ):
+                self.drained.wait(1.0)
+                if not self.context.is_active():
+                    return False
+            return not self.stopped
+
+    def put(self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0) -> None:
+        """Queues a reply of ``size`` payload bytes; ``counted``: whether it ends a call
+        counted in flight."""
+        size += reply[0].ByteSize()
+        with self.lock:
+            self.unsent[0] += 1
+            self.unsent[1] += size
+        self.out.put((counted, size, reply))
+
     def end(self, code: grpc.StatusCode, details: str) -> None:
         self.ended = (code, f"Session: {details}")
         self.out.put(_END)
 
     def refuse(self, reply: tuple[pb.SessionCall, bytes]) -> None:
         """A reply to a call refused before it counted as in flight."""
-        self.out.put((0, reply))
+        self.put(0, reply)
 
     def start(self, call: pb.SessionCall, body: memoryview) -> None:
         """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
@@ -244,8 +289,8 @@ class _Session:
         refusal = self.s.gate.enter(waits)
         if refusal is not None:
             self.done_waiting(waits)
-            return self.out.put(
-                (1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"))
+            return self.put(
+                1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             )
         job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
@@ -288,19 +333,27 @@ class _Session:
             self.done_waiting(waits)
         with self.s._count:
             self.s.calls += 1
+        size = _size(reply[1])
         if self.s.observe is not None:
-            seconds = time.perf_counter() - began
-            self.s.observe(method, code, seconds, received, _size(reply[1]))
-        self.out.put((1, reply))
+            self.s.observe(method, code, time.perf_counter() - began, received, size)
+        self.put(1, reply, size)
 
     # -- the stream's thread ---------------------------------------------------------------
     def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:
         """Batches of the replies ready, until the client ends the session."""
-        while True:
-            items, ended = take_ready(self.out, _END)
-            if items:
-                with self.lock:
-                    self.in_flight -= sum(counted for counted, _ in items)
-                yield [reply for _, reply in items]
-            if ended:
-                return
+        try:
+            while True:
+                items, ended = take_ready(self.out, _END, BATCH_BYTES, lambda item: item[1])
+                if items:
+                    yield [reply for _, _, reply in items]
+                    with self.drained:  # handed to gRPC, which asks for the next batch
+                        self.in_flight -= sum(counted for counted, _, _ in items)
+                        self.unsent[0] -= len(items)
+                        self.unsent[1] -= sum(size for _, size, _ in items)
+                        self.drained.notify_all()
+                if ended:
+                    return
+        finally:
+            with self.drained:
+                self.stopped = True
+                self.drained.notify_all()

@@ -195,6 +195,40 @@ def test_a_message_of_millions_of_empty_calls_is_refused_unparsed(server) -> Non
     s.close()
 
 
+def test_a_client_that_reads_no_replies_is_not_read_either(server) -> None:
+    """Every bad call gets a reply; a client that never reads them must not make the server
+    queue them without bound. Past MAX_UNSENT replies the server stops reading the stream,
+    so gRPC's flow control stops the client's sends: of 400 batches offered (1024 bad calls
+    each, 0.4 GB of replies), the client's gRPC takes only what the two sides' windows hold;
+    once it reads, every call is answered and the stream goes on."""
+    batch = pb.SessionBatch(
+        calls=[call(i, "NoSuchMethod", b"x" * 512) for i in range(sessions.MAX_BATCH)]
+    ).SerializeToString()
+    offered = 400
+    taken = queue.SimpleQueue()
+
+    def batches() -> Iterator[bytes]:
+        for n in range(offered):
+            taken.put(n)
+            yield batch
+        time.sleep(60)  # keep the stream open while the replies are read
+
+    channel = grpc.insecure_channel(server.address)
+    stream = channel.stream_stream(SESSION)(batches(), timeout=60)
+    try:
+        time.sleep(3.0)  # replies unread: the server must stop taking calls
+        assert taken.qsize() < offered / 4, f"{taken.qsize()} of {offered} batches were taken"
+        answered = 0
+        for raw in stream:
+            answered += len(pb.SessionBatch.FromString(raw).calls)
+            if answered >= offered * sessions.MAX_BATCH:
+                break
+        assert answered == offered * sessions.MAX_BATCH
+    finally:
+        stream.cancel()
+        channel.close()
+
+
 def test_calls_in_flight_are_bounded_per_session(server) -> None:
     """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
     contribution that ends their wait; the bound frees as they end."""
@@ -356,6 +390,12 @@ def test_a_batch_holds_what_is_ready_and_never_waits_for_more() -> None:
     items.put(None)
     assert take_ready(items, None) == ([3], True)
     assert take_ready(items, None) == ([], True)  # the end stays
+    items = queue.SimpleQueue()  # a batch ends at its bytes, the call that reaches them in it
+    for i in (5, 1, 1, 9, 2):
+        items.put(i)
+    assert take_ready(items, None, max_bytes=6, size=int) == ([5, 1], False)
+    assert take_ready(items, None, max_bytes=6, size=int) == ([1, 9], False)
+    assert take_ready(items, None, max_bytes=6, size=int) == ([2], False)
 
 
 def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatch) -> None:
