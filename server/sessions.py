@@ -24,7 +24,8 @@ refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in
 gate counts open sessions against ``CallLimits.max_sessions``. A client that stops reading its
 replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
 sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
-client's sends (refusals are replies too, so a caller cannot grow them without bound). A
+client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
+one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. A
 small contribution runs on the session's reader thread, as it never waits; any other call runs
 on a pool of the server's.
 """
@@ -56,6 +57,7 @@ __all__ = [
     "MAX_BATCH",
     "MAX_UNSENT",
     "MAX_UNSENT_BYTES",
+    "MAX_HELD_BYTES",
     "INLINE_BYTES",
 ]
 
@@ -73,6 +75,9 @@ MAX_UNSENT = 2 * MAX_CALLS
 """Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
 MAX_UNSENT_BYTES = 256 * 2**20
 """The same bound in reply bytes."""
+MAX_HELD_BYTES = 256 * 2**20
+"""Request bytes of the calls taken and not yet run to their end past which the reader takes
+no more (one batch more at most: the server's largest message)."""
 BATCH_BYTES = 4 * 2**20
 """Replies ready together go in one batch up to this many bytes (gRPC's default receive
 bound: a client with its defaults can read every batch but one holding a larger reply)."""
@@ -185,6 +190,7 @@ class _Session:
         self.in_flight = 0  # calls taken and not yet replied to
         self.waiting = 0  # of them, calls that may wait (for other callers)
         self.unsent = [0, 0]  # replies in ``out``, and their bytes
+        self.held = 0  # request bytes of the calls taken and not yet run to their end
         self.drained = threading.Condition(self.lock)  # ``unsent`` went down, or we stopped
         self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
@@ -214,11 +220,13 @@ class _Session:
         self.out.put(_END)
 
     def room(self) -> bool:
-        """Waits while the replies not yet sent are past their bound; False once the stream
-        is gone (nothing will drain them)."""
+        """Waits while the replies not yet sent, or the requests not yet run, are past their
+        bounds; False once the stream is gone (nothing will drain them)."""
         with self.drained:
             while not self.stopped and (
-                self.unsent[0] >= MAX_UNSENT or self.unsent[1] >= MAX_UNSENT_BYTES
+                self.unsent[0] >= MAX_UNSENT
+                or self.unsent[1] >= MAX_UNSENT_BYTES
+                or self.held >= MAX_HELD_BYTES
             ):
                 self.drained.wait(1.0)
                 if not self.context.is_active():
@@ -293,15 +301,20 @@ class _Session:
                 1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             )
         job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
+        with self.lock:
+            self.held += len(body)
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
             self.s.pool.submit(self.run, *job)
 
-    def done_waiting(self, waits: str | None) -> None:
-        if waits is not None:
-            with self.lock:
-                self.waiting -= 1
+    def done_waiting(self, waits: str | None, received: int = 0) -> None:
+        """A call taken with ``waits`` and ``received`` request bytes has ended."""
+        with self.drained:
+            self.waiting -= waits is not None
+            if received:
+                self.held -= received
+                self.drained.notify_all()
 
     def run(
         self,
@@ -330,7 +343,7 @@ class _Session:
             reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
             self.s.gate.leave(waits)
-            self.done_waiting(waits)
+            self.done_waiting(waits, received)
         with self.s._count:
             self.s.calls += 1
         size = _size(reply[1])

@@ -229,6 +229,33 @@ def test_a_client_that_reads_no_replies_is_not_read_either(server) -> None:
         channel.close()
 
 
+def test_a_session_holding_many_request_bytes_is_not_read_until_they_end(
+    server, monkeypatch
+) -> None:
+    """Waiting reads padded with an unknown field hold their request bytes until they end;
+    past MAX_HELD_BYTES the server takes no more calls of the session, so a contribution sent
+    after them waits for them (instead of the server holding ever more bytes)."""
+    monkeypatch.setattr(sessions, "MAX_HELD_BYTES", 2**20)
+    pad = codec.varint(1000 << 3 | 2) + codec.varint(300 * 2**10) + b"p" * (300 * 2**10)
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        s.send(*[call(i, "ReadSlot", read(f"r:held{i}/0") + pad, 1.5) for i in range(4)])
+        time.sleep(0.2)  # the reads are taken (and wait) before the next batch comes
+        began = time.monotonic()
+        s.send(call(9, "Contribute", contribution("r:after/0", np.ones(2, np.float32))))
+        got: dict[int, pb.SessionCall] = {}
+        while 9 not in got:
+            got.update(s.replies(1))
+        took = time.monotonic() - began
+        got.update(s.replies(5 - len(got)) if len(got) < 5 else {})
+        assert all(code_of(got[i]) == grpc.StatusCode.DEADLINE_EXCEEDED for i in range(4))
+        assert got[9].code == 0
+        assert took > 1.0, f"the contribution was taken after {took:.2f} s, with the reads held"
+    finally:
+        s.close()
+
+
 def test_calls_in_flight_are_bounded_per_session(server) -> None:
     """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
     contribution that ends their wait; the bound frees as they end."""
