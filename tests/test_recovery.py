@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from numerics import assert_equivalent
 
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.local_servers import LISTENING
 from strategies import (
     FSDPModel,
     FSDPOptimizer,
@@ -67,24 +67,19 @@ def single_process(init, data, param_groups: bool) -> dict[str, torch.Tensor]:
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServerProcess:
     """``python -m paramshard serve`` on a fixed port (so a restart keeps the address)."""
 
-    def __init__(self, port: int, snapshot_dir: Path) -> None:
-        self.port, self.snapshot_dir = port, snapshot_dir
+    def __init__(self, snapshot_dir: Path) -> None:
+        self.port, self.snapshot_dir = 0, snapshot_dir  # the first start picks the port
         self.proc: subprocess.Popen | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, *extra: str) -> list[str]:
+        """Starts it (with ``extra`` arguments); returns what it printed until it listened."""
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -95,6 +90,7 @@ class ServerProcess:
                 str(self.port),
                 "--snapshot-dir",
                 str(self.snapshot_dir),
+                *extra,
             ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -102,13 +98,17 @@ class ServerProcess:
             text=True,
         )
         deadline = time.monotonic() + 60
+        said = []
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
-            if "listening on" in line:
-                return
+            said.append(line)
+            found = LISTENING.search(line.encode())
+            if found:  # the port the kernel gave it (a port picked beforehand may be taken)
+                self.port = int(found.group(1).rsplit(b":", 1)[1])
+                return said
             if not line and self.proc.poll() is not None:
                 break
-        raise RuntimeError(f"server on port {self.port} did not start")
+        raise RuntimeError(f"server on port {self.port} did not start: {''.join(said)[-2000:]}")
 
     def kill(self) -> None:
         assert self.proc is not None
@@ -130,7 +130,7 @@ def cluster_of(tmp_path):
     started: list[ServerProcess] = []
 
     def start(n: int) -> list[ServerProcess]:
-        servers = [ServerProcess(free_port(), tmp_path / "snapshots") for _ in range(n)]
+        servers = [ServerProcess(tmp_path / "snapshots") for _ in range(n)]
         started.extend(servers)
         for s in servers:
             s.start()
@@ -320,32 +320,9 @@ def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
     finally:
         for s in first:
             s.stop()
-    fresh = ServerProcess(free_port(), snaps)
-    fresh.proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "paramshard",
-            "serve",
-            "--port",
-            str(fresh.port),
-            "--snapshot-dir",
-            str(snaps),
-            "--restore",
-            "latest",
-            "--index",
-            "1",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    fresh = ServerProcess(snaps)
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not any("listening" in x for x in lines):
-            lines.append(fresh.proc.stdout.readline())
+        lines = fresh.start("--restore", "latest", "--index", "1")
         assert any("restored j/new at version 4" in x for x in lines), lines
         (row,) = ShardClient(ClusterSpec([fresh.address])).status()
         (buf,) = row["jobs"][0]["buffers"]
