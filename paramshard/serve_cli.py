@@ -116,8 +116,8 @@ from paramshard.serve_setup import (
         type=int,
         default=64,
         help="open client sessions (one stream per client carrying its data-plane calls) at"
-        " once, on threads of their own; a client past it calls one by one; 0: no sessions"
-        " (default: %(default)s)",
+        " once, on threads of their own, of read tokens at most a quarter; a client past it"
+        " calls one by one; 0: no sessions (default: %(default)s)",
     ),
     arg(
         "--grace",

@@ -68,8 +68,9 @@ class CallLimits:
     """Open reflection / health Watch streams at once, on threads of their own
     [--max-streams]."""
     max_sessions: int = 64
-    """Open client sessions (server/sessions.py) at once, on threads of their own; 0 turns
-    sessions off [--max-sessions]."""
+    """Open client sessions (server/sessions.py) at once, on threads of their own, of read
+    tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
+    [--max-sessions]."""
 
     def __post_init__(self) -> None:
         for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
@@ -112,6 +113,7 @@ class CallGate(grpc.ServerInterceptor):
         self.waiting: Counter[str] = Counter()  # calls of waiting methods in a handler, by role
         self.streams = 0
         self.sessions = 0
+        self.read_sessions = 0  # of them, sessions of read tokens
 
     def intercept_service(
         self,
@@ -123,7 +125,9 @@ class CallGate(grpc.ServerInterceptor):
             return None
         service, _, method = details.method.lstrip("/").rpartition("/")
         if handler.request_streaming or handler.response_streaming:
-            return self._stream(handler, method, session=service == SERVICE_NAME)
+            session = service == SERVICE_NAME
+            role = self.role_of(details.invocation_metadata) if session and self.role_of else None
+            return self._stream(handler, method, session=session, reader=role == "read")
         role = None
         if service == SERVICE_NAME and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
@@ -180,21 +184,42 @@ class CallGate(grpc.ServerInterceptor):
         )
 
     # -- streams -------------------------------------------------------------------------------
+    @property
+    def read_bound(self) -> int:
+        """Sessions of read tokens open at once: a quarter of ``max_sessions``, at least 1."""
+        return max(1, self.limits.max_sessions // 4)
+
     def _stream(
-        self, handler: grpc.RpcMethodHandler, method: str, session: bool = False
+        self,
+        handler: grpc.RpcMethodHandler,
+        method: str,
+        session: bool = False,
+        reader: bool = False,
     ) -> grpc.RpcMethodHandler:
         """An open service's stream (reflection, health Watch), or a Shard ``session``:
-        each kind counted against its own bound."""
+        each kind counted against its own bound. A ``reader``'s session (a read token's) also
+        counts against a quarter of the sessions' bound, so read tokens never take the places
+        of trainers."""
         behavior, make = _streaming(handler)
-        kind = "sessions" if session else "streams"
-        bound = self.limits.max_sessions if session else self.limits.max_streams
-        refusal = (
-            f"{bound} sessions are open on this server, its bound (paramshard serve"
-            " --max-sessions); calls go one by one meanwhile"
-            if session
-            else f"{bound} streams (reflection, health Watch) are open on this server, its"
-            " bound (paramshard serve --max-streams); retry later"
-        )
+        if not session:
+            counts = [("streams", self.limits.max_streams)]
+            refusal = (
+                f"{self.limits.max_streams} streams (reflection, health Watch) are open on this"
+                " server, its bound (paramshard serve --max-streams); retry later"
+            )
+        elif reader:
+            counts = [("sessions", self.limits.max_sessions), ("read_sessions", self.read_bound)]
+            refusal = (
+                f"{self.read_bound} sessions of read tokens (a quarter of --max-sessions) or"
+                f" {self.limits.max_sessions} in all are open on this server, the bounds; calls"
+                " go one by one meanwhile"
+            )
+        else:
+            counts = [("sessions", self.limits.max_sessions)]
+            refusal = (
+                f"{self.limits.max_sessions} sessions are open on this server, its bound"
+                " (paramshard serve --max-sessions); calls go one by one meanwhile"
+            )
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             if handler.request_streaming:
@@ -202,8 +227,9 @@ class CallGate(grpc.ServerInterceptor):
             else:
                 _check_parsed(request, context, method)
             with self._lock:
-                admitted = getattr(self, kind) < bound
-                setattr(self, kind, getattr(self, kind) + admitted)
+                admitted = all(getattr(self, kind) < bound for kind, bound in counts)
+                for kind, _ in counts:
+                    setattr(self, kind, getattr(self, kind) + admitted)
             if not admitted:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             left = threading.Lock()
@@ -211,7 +237,8 @@ class CallGate(grpc.ServerInterceptor):
             def leave() -> None:  # once, whichever comes first: the end or the cancellation
                 if left.acquire(blocking=False):
                     with self._lock:
-                        setattr(self, kind, getattr(self, kind) - 1)
+                        for kind, _ in counts:
+                            setattr(self, kind, getattr(self, kind) - 1)
 
             context.add_callback(leave)
             try:

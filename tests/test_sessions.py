@@ -344,6 +344,30 @@ def test_open_sessions_are_bounded_and_clients_past_it_call_one_by_one() -> None
             first.close()
 
 
+def test_read_tokens_hold_at_most_a_quarter_of_the_sessions() -> None:
+    """Read tokens cannot keep trainers out of sessions: with --max-sessions 4, one session
+    of a read token is open at most, and trainers still get theirs."""
+    with ShardServer(tokens=TOKENS, local_calls=False, max_sessions=4) as server:
+        opened = []
+        try:
+            first = RawSession(server.address, "tok-read")
+            opened.append(first)
+            first.opened()
+            second = RawSession(server.address, "tok-read")
+            opened.append(second)
+            with pytest.raises(grpc.RpcError) as err:
+                second.opened()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "read tokens" in err.value.details()
+            for _ in range(3):
+                trainer = RawSession(server.address, "tok-train")
+                opened.append(trainer)
+                trainer.opened()
+        finally:
+            for s in opened:
+                s.close()
+
+
 @pytest.mark.parametrize("kind", ["max_sessions=0", "interceptors"])
 def test_servers_without_sessions_get_unary_calls(kind) -> None:
     kw = {"max_sessions": 0} if kind == "max_sessions=0" else {"interceptors": [PassThrough()]}
