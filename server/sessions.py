@@ -25,9 +25,8 @@ gate counts open sessions against ``CallLimits.max_sessions``. A client that sto
 replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
 sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
 client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
-one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. A
-small contribution runs on the session's reader thread, as it never waits; any other call runs
-on a pool of the server's.
+one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. A small contribution runs on
+the session's reader thread, as it never waits; any other call runs on a pool of the server's.
 """
 
 from __future__ import annotations
@@ -189,9 +188,10 @@ class _Session:
         self.lock = threading.Lock()
         self.in_flight = 0  # calls taken and not yet replied to
         self.waiting = 0  # of them, calls that may wait (for other callers)
-        self.unsent = [0, 0]  # replies in ``out``, and their bytes
+        self.unsent = 0  # replies in ``out``
+        self.unsent_bytes = 0  # and their bytes
         self.held = 0  # request bytes of the calls taken and not yet run to their end
-        self.drained = threading.Condition(self.lock)  # ``unsent`` went down, or we stopped
+        self.drained = threading.Condition(self.lock)  # unsent or held went down, or we stopped
         self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
 
@@ -199,13 +199,12 @@ class _Session:
     def read(self, batches: Iterator[Any]) -> None:
         try:
             for batch in batches:
-                if isinstance(batch, Malformed) and isinstance(batch.error, TooManyCalls):
-                    self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, str(batch.error))
-                    return
                 if isinstance(batch, Malformed):
-                    self.end(
-                        grpc.StatusCode.INVALID_ARGUMENT, f"a batch does not parse: {batch.error}"
-                    )
+                    if isinstance(batch.error, TooManyCalls):
+                        self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, str(batch.error))
+                    else:
+                        why = f"a batch does not parse: {batch.error}"
+                        self.end(grpc.StatusCode.INVALID_ARGUMENT, why)
                     return
                 for call, body in batch:
                     if not self.room():
@@ -224,8 +223,8 @@ class _Session:
         bounds; False once the stream is gone (nothing will drain them)."""
         with self.drained:
             while not self.stopped and (
-                self.unsent[0] >= MAX_UNSENT
-                or self.unsent[1] >= MAX_UNSENT_BYTES
+                self.unsent >= MAX_UNSENT
+                or self.unsent_bytes >= MAX_UNSENT_BYTES
                 or self.held >= MAX_HELD_BYTES
             ):
                 self.drained.wait(1.0)
@@ -238,8 +237,8 @@ class _Session:
         counted in flight."""
         size += reply[0].ByteSize()
         with self.lock:
-            self.unsent[0] += 1
-            self.unsent[1] += size
+            self.unsent += 1
+            self.unsent_bytes += size
         self.out.put((counted, size, reply))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
@@ -296,7 +295,7 @@ class _Session:
             )
         refusal = self.s.gate.enter(waits)
         if refusal is not None:
-            self.done_waiting(waits)
+            self.call_ended(waits)
             return self.put(
                 1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             )
@@ -308,7 +307,7 @@ class _Session:
         else:
             self.s.pool.submit(self.run, *job)
 
-    def done_waiting(self, waits: str | None, received: int = 0) -> None:
+    def call_ended(self, waits: str | None, received: int = 0) -> None:
         """A call taken with ``waits`` and ``received`` request bytes has ended."""
         with self.drained:
             self.waiting -= waits is not None
@@ -343,7 +342,7 @@ class _Session:
             reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
             self.s.gate.leave(waits)
-            self.done_waiting(waits, received)
+            self.call_ended(waits, received)
         with self.s._count:
             self.s.calls += 1
         size = _size(reply[1])
@@ -361,8 +360,8 @@ class _Session:
                     yield [reply for _, _, reply in items]
                     with self.drained:  # handed to gRPC, which asks for the next batch
                         self.in_flight -= sum(counted for counted, _, _ in items)
-                        self.unsent[0] -= len(items)
-                        self.unsent[1] -= sum(size for _, size, _ in items)
+                        self.unsent -= len(items)
+                        self.unsent_bytes -= sum(size for _, size, _ in items)
                         self.drained.notify_all()
                 if ended:
                     return
