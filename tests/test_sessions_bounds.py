@@ -1,0 +1,231 @@
+"""Sessions under hostile or greedy callers (server/sessions.py, server/admission.py): the
+bounds of a batch, of calls in flight and waiting, of replies a client does not read and of
+requests it holds, of open sessions, and each call's role. The helpers are test_sessions.py's.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+from test_sessions import (
+    SESSION,
+    TOKENS,
+    RawSession,
+    call,
+    code_of,
+    contribution,
+    read,
+)
+
+from client import ClusterSpec, ShardClient
+from protos import codec
+from protos import shard_pb2 as pb
+from server import ShardServer, sessions
+
+
+@pytest.fixture
+def server() -> Iterator[ShardServer]:
+    s = ShardServer(local_calls=False).start()
+    yield s
+    s.stop(0)
+
+
+def test_a_batch_past_its_bound_ends_the_session(server) -> None:
+    s = RawSession(server.address)
+    s.opened()
+    s.send(*[call(i, "ReadSlot", read(f"r:x{i}/0"), 0.1) for i in range(sessions.MAX_BATCH + 1)])
+    with pytest.raises(grpc.RpcError) as err:
+        s.replies(1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    s.close()
+
+
+def test_a_message_of_millions_of_empty_calls_is_refused_unparsed(server) -> None:
+    """Two bytes per empty call: 4 MB would be 2 million parsed calls; the reader stops at
+    the bound, so the server's memory does not grow with them."""
+    s = RawSession(server.address)
+    s.opened()
+    s.send_raw(b"\x0a\x00" * 2_000_000)
+    with pytest.raises(grpc.RpcError) as err:
+        s.replies(1)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"more than {sessions.MAX_BATCH} calls" in err.value.details()
+    s.close()
+
+
+def test_a_client_that_reads_no_replies_is_not_read_either(server) -> None:
+    """Every bad call gets a reply; a client that never reads them must not make the server
+    queue them without bound. Past MAX_UNSENT replies the server stops reading the stream,
+    so gRPC's flow control stops the client's sends: of 400 batches offered (1024 bad calls
+    each, 0.4 GB of replies), the client's gRPC takes only what the two sides' windows hold;
+    once it reads, every call is answered and the stream goes on."""
+    batch = pb.SessionBatch(
+        calls=[call(i, "NoSuchMethod", b"x" * 512) for i in range(sessions.MAX_BATCH)]
+    ).SerializeToString()
+    offered = 400
+    taken = queue.SimpleQueue()
+
+    def batches() -> Iterator[bytes]:
+        for n in range(offered):
+            taken.put(n)
+            yield batch
+        time.sleep(60)  # keep the stream open while the replies are read
+
+    channel = grpc.insecure_channel(server.address)
+    stream = channel.stream_stream(SESSION)(batches(), timeout=60)
+    try:
+        time.sleep(3.0)  # replies unread: the server must stop taking calls
+        assert taken.qsize() < offered / 4, f"{taken.qsize()} of {offered} batches were taken"
+        answered = 0
+        for raw in stream:
+            answered += len(pb.SessionBatch.FromString(raw).calls)
+            if answered >= offered * sessions.MAX_BATCH:
+                break
+        assert answered == offered * sessions.MAX_BATCH
+    finally:
+        stream.cancel()
+        channel.close()
+
+
+def test_a_session_holding_many_request_bytes_is_not_read_until_they_end(
+    server, monkeypatch
+) -> None:
+    """Waiting reads padded with an unknown field hold their request bytes until they end;
+    past MAX_HELD_BYTES the server takes no more calls of the session, so a contribution sent
+    after them waits for them (instead of the server holding ever more bytes)."""
+    monkeypatch.setattr(sessions, "MAX_HELD_BYTES", 2**20)
+    pad = codec.varint(1000 << 3 | 2) + codec.varint(300 * 2**10) + b"p" * (300 * 2**10)
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        s.send(*[call(i, "ReadSlot", read(f"r:held{i}/0") + pad, 1.5) for i in range(4)])
+        time.sleep(0.2)  # the reads are taken (and wait) before the next batch comes
+        began = time.monotonic()
+        s.send(call(9, "Contribute", contribution("r:after/0", np.ones(2, np.float32))))
+        got: dict[int, pb.SessionCall] = {}
+        while 9 not in got:
+            got.update(s.replies(1))
+        took = time.monotonic() - began
+        got.update(s.replies(5 - len(got)) if len(got) < 5 else {})
+        assert all(code_of(got[i]) == grpc.StatusCode.DEADLINE_EXCEEDED for i in range(4))
+        assert got[9].code == 0
+        assert took > 1.0, f"the contribution was taken after {took:.2f} s, with the reads held"
+    finally:
+        s.close()
+
+
+def test_calls_in_flight_are_bounded_per_session(server) -> None:
+    """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
+    contribution that ends their wait; the bound frees as they end."""
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        n = sessions.MAX_WAITING
+        s.send(*[call(i, "ReadSlot", read("r:wait/0", reader=i), 10) for i in range(n + 3)])
+        early = s.replies(3)
+        assert sorted(early) == [n, n + 1, n + 2]
+        for reply in early.values():
+            assert code_of(reply) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "retry later" in reply.details
+        values = np.ones(2, np.float32)
+        s.send(call(10_000, "Contribute", contribution("r:wait/0", values, readers=n)))
+        got = s.replies(n + 1)
+        assert all(r.code == 0 for r in got.values())
+        s.send(call(10_001, "ReadSlot", read("r:late/0"), 0.2))  # room again
+        assert code_of(s.replies(1)[10_001]) == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        s.close()
+
+
+def test_waiting_calls_in_sessions_pass_the_admission_gate() -> None:
+    """Reads waiting in sessions take the gate's places: past them, a waiting call is refused
+    busy, and a call that works still runs."""
+    with ShardServer(local_calls=False, max_workers=4, reserved_workers=2) as server:
+        s = RawSession(server.address)
+        try:
+            s.opened()
+            s.send(*[call(i, "ReadSlot", read("r:gate/0", reader=i), 5) for i in range(3)])
+            got = s.replies(1)
+            (refused,) = got.values()
+            assert code_of(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "worker" in refused.details and "retry later" in refused.details
+            c = ShardClient(ClusterSpec([server.address]), timeout_s=5, sessions=False)
+            try:
+                assert c.status()[0]["address"] == server.address  # Status still runs
+            finally:
+                c.close()
+        finally:
+            s.close()
+
+
+def test_each_call_needs_its_methods_role() -> None:
+    with ShardServer(tokens=TOKENS, local_calls=False) as server:
+        anonymous = RawSession(server.address)
+        with pytest.raises(grpc.RpcError) as err:
+            anonymous.opened()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        anonymous.close()
+        s = RawSession(server.address, "tok-read")
+        try:
+            s.opened()
+            s.send(call(1, "Contribute", contribution("r:auth/0", np.ones(1, np.float32))))
+            reply = s.replies(1)[1]
+            assert code_of(reply) == grpc.StatusCode.PERMISSION_DENIED
+            assert "role 'train'" in reply.details and "'read'" in reply.details
+            s.send(call(2, "ReadSlot", read("r:auth/0"), timeout_s=0.2))
+            assert code_of(s.replies(1)[2]) == grpc.StatusCode.PERMISSION_DENIED
+        finally:
+            s.close()
+        trainer = RawSession(server.address, "tok-train")
+        try:
+            trainer.opened()
+            trainer.send(call(1, "ReadSlot", read("r:auth/0"), timeout_s=0.2))
+            reply = trainer.replies(1)[1]  # the refused contribution left nothing behind
+            assert code_of(reply) == grpc.StatusCode.DEADLINE_EXCEEDED
+        finally:
+            trainer.close()
+
+
+def test_open_sessions_are_bounded_and_clients_past_it_call_one_by_one() -> None:
+    with ShardServer(local_calls=False, max_sessions=1) as server:
+        first = RawSession(server.address)
+        first.opened()
+        try:
+            c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
+            try:
+                out = c.all_reduce(np.full(3, 2.0, np.float32))
+                assert out.tolist() == [2.0, 2.0, 2.0]
+                assert server.sessions.calls == 0  # the client's calls went one by one
+            finally:
+                c.close()
+        finally:
+            first.close()
+
+
+def test_read_tokens_hold_at_most_a_quarter_of_the_sessions() -> None:
+    """Read tokens cannot keep trainers out of sessions: with --max-sessions 4, one session
+    of a read token is open at most, and trainers still get theirs."""
+    with ShardServer(tokens=TOKENS, local_calls=False, max_sessions=4) as server:
+        opened = []
+        try:
+            first = RawSession(server.address, "tok-read")
+            opened.append(first)
+            first.opened()
+            second = RawSession(server.address, "tok-read")
+            opened.append(second)
+            with pytest.raises(grpc.RpcError) as err:
+                second.opened()
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "read tokens" in err.value.details()
+            for _ in range(3):
+                trainer = RawSession(server.address, "tok-train")
+                opened.append(trainer)
+                trainer.opened()
+        finally:
+            for s in opened:
+                s.close()
