@@ -47,13 +47,14 @@ def summarize(
     """Prints the run's summary and a sample; returns the exit code: 1 when the validation loss
     missed ``--target-loss`` or the training loss did not go down."""
     losses = [report.losses[s] for s in sorted(report.losses)]
+    # a step whose update the servers committed before this rank's step failed has no loss
+    steps = report.trained_steps
     if not losses:
         print(f"done: the servers were at step {start} already", flush=True)
         return 0
-    steps = sorted(report.losses)
     print(
-        f"done: {len(losses)} steps in {elapsed:.1f} s,"
-        f" {len(losses) * args.batch_size * args.block_size / elapsed:.0f} tok/s,"
+        f"done: {len(steps)} steps in {elapsed:.1f} s,"
+        f" {len(steps) * args.batch_size * args.block_size / elapsed:.0f} tok/s,"
         f" {100 * comm / elapsed:.0f}% of the time in communication",
         flush=True,
     )
@@ -62,7 +63,11 @@ def summarize(
         f" ({'continuous' if steps == list(range(start, end)) else 'NOT continuous'}), the"
         f" servers at version {end}; {report.recoveries} recoveries"
         + "".join(f", resumed at step {r + 1}" for r in report.resumed_at)
-        + f"; {report.replayed_steps} steps replayed",
+        + f"; {report.replayed_steps} steps replayed"
+        + "".join(
+            f"; step {s + 1} committed before its failure, its loss unknown"
+            for s in report.committed_without_loss
+        ),
         flush=True,
     )
     k = min(5, len(losses))

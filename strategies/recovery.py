@@ -91,7 +91,16 @@ class RecoveryReport:
     """The gRPC code that started each recovery: UNAVAILABLE or NOT_FOUND where this rank met
     the failed server itself, ABORTED where another rank's notice reached it first
     (client/leases.py), DEADLINE_EXCEEDED where a wait ran out."""
+    committed_without_loss: list[int] = field(default_factory=list)
+    """Steps whose update the servers had committed when this rank's ``train_step`` failed
+    after it (say, in the loss's all-reduce): trained and not replayed, but with no loss in
+    ``losses``. ``should_stop`` and ``progress`` were not called for them either."""
     stopped_early: bool = False
+
+    @property
+    def trained_steps(self) -> list[int]:
+        """Every step this rank saw trained, in order: with a loss or committed without one."""
+        return sorted(set(self.losses) | set(self.committed_without_loss))
 
 
 def _show(
@@ -166,9 +175,10 @@ def _recover(
         restored = model.recover()
     finally:
         client.timeout_s = deadline
-    # a rank whose failed call was the last of a step another rank completed may find the
-    # servers one step ahead of it: nothing to replay then
+    # a rank whose failed call came after the step's update (the loss's all-reduce) finds
+    # the servers one step ahead of it: that step was trained, only its loss is unknown
     report.replayed_steps += max(0, step - restored)
+    report.committed_without_loss.extend(range(step, restored))
     report.recovery_seconds.append(time.monotonic() - began)
     report.failed_at.append(step)
     report.resumed_at.append(restored)

@@ -165,8 +165,10 @@ def killer(server: ServerProcess, at: int):
     return on_step, killed, restarted_after
 
 
-def train(addresses, init, data, on_step=None, replicate_every=0):
-    """W ranks of FSDP training with recovery; returns (final state dict, reports)."""
+def train(addresses, init, data, on_step=None, replicate_every=0, on_committed=None):
+    """W ranks of FSDP training with recovery; returns (final state dict, reports).
+    ``on_committed(step)`` runs on rank 0 after the step's update, before the two all-reduces
+    of the step's metrics (mean token accuracy, then the mean loss it returns)."""
     job, run = f"recover-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
     def rank(r: int):
@@ -182,12 +184,20 @@ def train(addresses, init, data, on_step=None, replicate_every=0):
             if on_step is not None and r == 0:
                 on_step(s)
             part = data[s, r * 2 : (r + 1) * 2]
-            loss = lm_loss(model(part[:, :-1]), part[:, 1:])
+            logits = model(part[:, :-1])
+            loss = lm_loss(logits, part[:, 1:])
             loss.backward()
             model.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
-            return loss.item()
+            if on_committed is None:
+                return loss.item()
+            if r == 0:
+                on_committed(s)
+            # small all-reduces rotate over the servers: one of the two meets server 1
+            hits = (logits.argmax(-1) == part[:, 1:]).double().mean()
+            client.all_reduce(hits.detach().reshape(1), "mean")  # a loop would log it
+            return float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
 
         every = 0 if replicate_every else EVERY  # replicas alone, or snapshots alone
         report = train_with_recovery(model, step, STEPS, checkpoint_every=every, wait_s=60)
@@ -225,6 +235,29 @@ def test_server_killed_mid_training_recovers(cluster, replicate_every):
         file=sys.stderr,
     )
     assert os.listdir(cluster[0].snapshot_dir)
+
+
+@pytest.mark.equivalence
+def test_a_step_committed_before_the_failure_is_trained_not_replayed(cluster):
+    """Server 1 dies after a step's update reached the servers (and their neighbour replicas)
+    but before the step's metrics were all-reduced: every rank's step fails, the servers are
+    one step ahead of it, and training goes on from there: the step counts as trained with
+    no loss (``committed_without_loss``), nothing is replayed, the parameters are those of an
+    uninterrupted run."""
+    init = initial_state()
+    data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(3))
+    addresses = [s.address for s in cluster]
+    reference = train(addresses, init, data)
+
+    kill_server_1, killed, restarted_after = killer(cluster[1], KILL_AT)
+    recovered = train(addresses, init, data, replicate_every=1, on_committed=kill_server_1)
+    assert killed.is_set() and restarted_after, "the server was not killed and restarted"
+    for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
+        assert report.recoveries == 1 and report.failed_at == [KILL_AT], report
+        assert report.resumed_at == [KILL_AT + 1] and report.replayed_steps == 0, report
+        assert report.committed_without_loss == [KILL_AT]
+        assert KILL_AT not in report.losses and report.trained_steps == list(range(STEPS))
+        assert_equivalent(state, ref_state, "recovered vs uninterrupted")
 
 
 def train_3d(addresses, init, data, on_step=None, job=None):
