@@ -25,8 +25,12 @@ gate counts open sessions against ``CallLimits.max_sessions``. A client that sto
 replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
 sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
 client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
-one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. A small contribution runs on
-the session's reader thread, as it never waits; any other call runs on a pool of the server's.
+one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. Those bytes, over all the
+server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding any takes
+no more calls until the total is back under it (a session holding none still takes one batch,
+so a greedy client slows the others' sessions to a batch at a time but cannot stop them). A
+small contribution runs on the session's reader thread, as it never waits; any other call runs
+on a pool of the server's.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ __all__ = [
     "MAX_UNSENT",
     "MAX_UNSENT_BYTES",
     "MAX_HELD_BYTES",
+    "SESSIONS_BYTES",
     "INLINE_BYTES",
 ]
 
@@ -77,6 +82,11 @@ MAX_UNSENT_BYTES = 256 * 2**20
 MAX_HELD_BYTES = 256 * 2**20
 """Request bytes of the calls taken and not yet run to their end past which the reader takes
 no more (one batch more at most: the server's largest message)."""
+SESSIONS_BYTES = 1024 * 2**20
+"""Request bytes held and reply bytes unsent, over all the sessions of a server, past which
+only a session holding none is read (at most ``max_sessions`` batches more)."""
+_BUDGET_POLL_S = 0.05
+"""How often a session held back by ``SESSIONS_BYTES`` (others' bytes) looks again."""
 BATCH_BYTES = 4 * 2**20
 """Replies ready together go in one batch up to this many bytes (gRPC's default receive
 bound: a client with its defaults can read every batch but one holding a larger reply)."""
@@ -158,6 +168,7 @@ class Sessions:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
         self.calls = 0  # calls run through sessions (tests read it)
         self._count = threading.Lock()
+        self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handler = grpc.stream_stream_rpc_method_handler(
@@ -220,17 +231,30 @@ class _Session:
 
     def room(self) -> bool:
         """Waits while the replies not yet sent, or the requests not yet run, are past their
-        bounds; False once the stream is gone (nothing will drain them)."""
+        bounds, this session's or the server's; False once the stream is gone (nothing will
+        drain them)."""
         with self.drained:
-            while not self.stopped and (
-                self.unsent >= MAX_UNSENT
-                or self.unsent_bytes >= MAX_UNSENT_BYTES
-                or self.held >= MAX_HELD_BYTES
-            ):
-                self.drained.wait(1.0)
+            while not self.stopped:
+                if (
+                    self.unsent >= MAX_UNSENT
+                    or self.unsent_bytes >= MAX_UNSENT_BYTES
+                    or self.held >= MAX_HELD_BYTES
+                ):
+                    self.drained.wait(1.0)  # this session's replies or calls end: notified
+                elif self.held + self.unsent_bytes and self.s.held_bytes >= SESSIONS_BYTES:
+                    self.drained.wait(_BUDGET_POLL_S)  # other sessions' bytes: not notified
+                else:
+                    return True
                 if not self.context.is_active():
                     return False
-            return not self.stopped
+            return False
+
+    def _hold(self, nbytes: int) -> None:
+        """Counts ``nbytes`` more (or fewer) held or unsent in the server's total, under
+        ``lock``; a stopped session's bytes left the total when it stopped."""
+        if not self.stopped:
+            with self.s._count:
+                self.s.held_bytes += nbytes
 
     def put(self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0) -> None:
         """Queues a reply of ``size`` payload bytes; ``counted``: whether it ends a call
@@ -239,6 +263,7 @@ class _Session:
         with self.lock:
             self.unsent += 1
             self.unsent_bytes += size
+            self._hold(size)
         self.out.put((counted, size, reply))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
@@ -302,6 +327,7 @@ class _Session:
         job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
         with self.lock:
             self.held += len(body)
+            self._hold(len(body))
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
@@ -313,6 +339,7 @@ class _Session:
             self.waiting -= waits is not None
             if received:
                 self.held -= received
+                self._hold(-received)
                 self.drained.notify_all()
 
     def run(
@@ -361,11 +388,14 @@ class _Session:
                     with self.drained:  # handed to gRPC, which asks for the next batch
                         self.in_flight -= sum(counted for counted, _, _ in items)
                         self.unsent -= len(items)
-                        self.unsent_bytes -= sum(size for _, size, _ in items)
+                        sent = sum(size for _, size, _ in items)
+                        self.unsent_bytes -= sent
+                        self._hold(-sent)
                         self.drained.notify_all()
                 if ended:
                     return
         finally:
             with self.drained:
+                self._hold(-(self.held + self.unsent_bytes))
                 self.stopped = True
                 self.drained.notify_all()

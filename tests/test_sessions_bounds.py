@@ -119,6 +119,42 @@ def test_a_session_holding_many_request_bytes_is_not_read_until_they_end(
         s.close()
 
 
+def test_the_bytes_all_sessions_hold_are_bounded_per_server(server, monkeypatch) -> None:
+    """One session's waiting reads hold more request bytes than the server's bound for all
+    sessions (SESSIONS_BYTES), each session well under its own: another session still gets
+    a batch taken (a greedy client cannot stop it), but while that call holds bytes, the
+    session's next call, the contribution the read waits for, waits for the greedy reads to
+    end. Nothing is counted once all have ended."""
+    monkeypatch.setattr(sessions, "SESSIONS_BYTES", 2**20)
+    pad = codec.varint(1000 << 3 | 2) + codec.varint(300 * 2**10) + b"p" * (300 * 2**10)
+    greedy, other = RawSession(server.address), RawSession(server.address)
+    try:
+        greedy.opened()
+        other.opened()
+        greedy.send(*[call(i, "ReadSlot", read(f"r:g{i}/0") + pad, 2.0) for i in range(5)])
+        time.sleep(0.2)  # four are taken, past the bound, the fifth waits for room
+        held = server.sessions.held_bytes
+        assert held >= sessions.SESSIONS_BYTES
+        other.send(call(1, "ReadSlot", read("r:o/0") + pad, 10.0))
+        time.sleep(0.2)
+        assert server.sessions.held_bytes > held, "the other session's read was not taken"
+        began = time.monotonic()
+        other.send(call(2, "Contribute", contribution("r:o/0", np.ones(2, np.float32))))
+        got = other.replies(2)
+        took = time.monotonic() - began
+        assert got[1].code == 0 and got[2].code == 0
+        assert took > 1.0, f"the contribution was taken after {took:.2f} s"
+        replies = greedy.replies(5)
+        assert all(code_of(r) == grpc.StatusCode.DEADLINE_EXCEEDED for r in replies.values())
+        deadline = time.monotonic() + 5
+        while server.sessions.held_bytes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.sessions.held_bytes == 0
+    finally:
+        greedy.close()
+        other.close()
+
+
 def test_calls_in_flight_are_bounded_per_session(server) -> None:
     """Waiting reads past MAX_WAITING are refused "retry later" at once, never the
     contribution that ends their wait; the bound frees as they end."""
