@@ -26,6 +26,8 @@ from numerics import assert_equivalent
 from client import ClusterSpec, ShardClient
 from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from paramshard.local_servers import LISTENING
+from protos import shard_pb2 as pb
+from protos.placement import replica_holder
 from strategies import (
     FSDPModel,
     FSDPOptimizer,
@@ -167,8 +169,8 @@ def killer(server: ServerProcess, at: int):
 
 def train(addresses, init, data, on_step=None, replicate_every=0, on_committed=None):
     """W ranks of FSDP training with recovery; returns (final state dict, reports).
-    ``on_committed(step)`` runs on rank 0 after the step's update, before the two all-reduces
-    of the step's metrics (mean token accuracy, then the mean loss it returns)."""
+    ``on_committed(step, client, job)`` runs on rank 0 after the step's update, before the two
+    all-reduces of the step's metrics (mean token accuracy, then the mean loss it returns)."""
     job, run = f"recover-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
     def rank(r: int):
@@ -193,7 +195,7 @@ def train(addresses, init, data, on_step=None, replicate_every=0, on_committed=N
             if on_committed is None:
                 return loss.item()
             if r == 0:
-                on_committed(s)
+                on_committed(s, client, job)
             # small all-reduces rotate over the servers: one of the two meets server 1
             hits = (logits.argmax(-1) == part[:, 1:]).double().mean()
             client.all_reduce(hits.detach().reshape(1), "mean")  # a loop would log it
@@ -250,7 +252,14 @@ def test_a_step_committed_before_the_failure_is_trained_not_replayed(cluster):
     reference = train(addresses, init, data)
 
     kill_server_1, killed, restarted_after = killer(cluster[1], KILL_AT)
-    recovered = train(addresses, init, data, replicate_every=1, on_committed=kill_server_1)
+
+    def once_replicated(step: int, client: ShardClient, job: str) -> None:
+        """Kills server 1 once its neighbour holds the step's update (replicas go after it)."""
+        if step == KILL_AT and not killed.is_set():
+            wait_for_replica(client, job, 1, KILL_AT + 1)
+        kill_server_1(step)
+
+    recovered = train(addresses, init, data, replicate_every=1, on_committed=once_replicated)
     assert killed.is_set() and restarted_after, "the server was not killed and restarted"
     for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
         assert report.recoveries == 1 and report.failed_at == [KILL_AT], report
@@ -258,6 +267,18 @@ def test_a_step_committed_before_the_failure_is_trained_not_replayed(cluster):
         assert report.committed_without_loss == [KILL_AT]
         assert KILL_AT not in report.losses and report.trained_steps == list(range(STEPS))
         assert_equivalent(state, ref_state, "recovered vs uninterrupted")
+
+
+def wait_for_replica(client: ShardClient, job: str, source: int, version: int) -> None:
+    """Waits (at most 30 s) until server ``source``'s neighbour holds its copy at ``version``."""
+    holder = replica_holder(source, client.num_servers)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        held = client.call(holder, "ListReplicas", pb.ListReplicasRequest(job=job)).replicas
+        if any(not r.own and r.source_index == source and r.version >= version for r in held):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"server {source}'s replica at version {version} never arrived")
 
 
 def train_3d(addresses, init, data, on_step=None, job=None):
