@@ -26,11 +26,13 @@ replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` wa
 sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
 client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
 one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. Those bytes, over all the
-server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding any takes
-no more calls until the total is back under it (a session holding none still takes one batch,
-so a greedy client slows the others' sessions to a batch at a time but cannot stop them). A
-small contribution runs on the session's reader thread, as it never waits; any other call runs
-on a pool of the server's.
+server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding its share
+of it or more (the bound divided by the sessions open) takes no more calls until the total is
+back under it. A greedy client holds itself back, never the trainers' small calls, which one
+of them may wait for: the sessions under their share hold less than the bound between them,
+so the total stays about twice the bound at most, plus, per session, a message and the
+replies of the calls it has running. A small contribution runs on the session's reader
+thread, as it never waits; any other call runs on a pool of the server's.
 """
 
 from __future__ import annotations
@@ -83,10 +85,10 @@ MAX_HELD_BYTES = 256 * 2**20
 """Request bytes of the calls taken and not yet run to their end past which the reader takes
 no more (one batch more at most: the server's largest message)."""
 SESSIONS_BYTES = 1024 * 2**20
-"""Request bytes held and reply bytes unsent, over all the sessions of a server, past which
-only a session holding none is read (at most ``max_sessions`` batches more)."""
+"""Request bytes held and reply bytes unsent, over all the sessions of a server, past which a
+session holding its share of them or more is not read."""
 _BUDGET_POLL_S = 0.05
-"""How often a session held back by ``SESSIONS_BYTES`` (others' bytes) looks again."""
+"""How often a session held back by ``SESSIONS_BYTES`` (others' bytes too) looks again."""
 BATCH_BYTES = 4 * 2**20
 """Replies ready together go in one batch up to this many bytes (gRPC's default receive
 bound: a client with its defaults can read every batch but one holding a larger reply)."""
@@ -241,13 +243,23 @@ class _Session:
                     or self.held >= MAX_HELD_BYTES
                 ):
                     self.drained.wait(1.0)  # this session's replies or calls end: notified
-                elif self.held + self.unsent_bytes and self.s.held_bytes >= SESSIONS_BYTES:
+                elif self._over_share():
                     self.drained.wait(_BUDGET_POLL_S)  # other sessions' bytes: not notified
                 else:
                     return True
                 if not self.context.is_active():
                     return False
             return False
+
+    def _over_share(self) -> bool:
+        """Whether the server's sessions hold ``SESSIONS_BYTES`` or more, this one at least
+        its share of them (a session holding none is always read)."""
+        own = self.held + self.unsent_bytes
+        return (
+            own > 0
+            and self.s.held_bytes >= SESSIONS_BYTES
+            and own * max(1, self.s.gate.sessions) >= SESSIONS_BYTES
+        )
 
     def _hold(self, nbytes: int) -> None:
         """Counts ``nbytes`` more (or fewer) held or unsent in the server's total, under

@@ -120,30 +120,43 @@ def test_a_session_holding_many_request_bytes_is_not_read_until_they_end(
 
 
 def test_the_bytes_all_sessions_hold_are_bounded_per_server(server, monkeypatch) -> None:
-    """One session's waiting reads hold more request bytes than the server's bound for all
-    sessions (SESSIONS_BYTES), each session well under its own: another session still gets
-    a batch taken (a greedy client cannot stop it), but while that call holds bytes, the
-    session's next call, the contribution the read waits for, waits for the greedy reads to
-    end. Nothing is counted once all have ended."""
+    """A greedy session's waiting reads hold more request bytes than the server's bound for
+    all sessions (SESSIONS_BYTES), each session well under its own bound. A session holding
+    less than its share (the bound over the 3 sessions open) is still read at once: its read's
+    contribution comes in its next batch. One holding more than its share gets its read taken,
+    but the contribution after it waits until the greedy reads have ended. Nothing is counted
+    once all have ended."""
     monkeypatch.setattr(sessions, "SESSIONS_BYTES", 2**20)
-    pad = codec.varint(1000 << 3 | 2) + codec.varint(300 * 2**10) + b"p" * (300 * 2**10)
-    greedy, other = RawSession(server.address), RawSession(server.address)
+
+    def padded(key: str, kib: int, timeout: float, i: int = 1) -> pb.SessionCall:
+        pad = codec.varint(1000 << 3 | 2) + codec.varint(kib * 2**10) + b"p" * (kib * 2**10)
+        return call(i, "ReadSlot", read(key) + pad, timeout)
+
+    def contribution_to(key: str) -> pb.SessionCall:
+        return call(2, "Contribute", contribution(key, np.ones(2, np.float32)))
+
+    greedy, light, heavy = (RawSession(server.address) for _ in range(3))
     try:
-        greedy.opened()
-        other.opened()
-        greedy.send(*[call(i, "ReadSlot", read(f"r:g{i}/0") + pad, 2.0) for i in range(5)])
-        time.sleep(0.2)  # four are taken, past the bound, the fifth waits for room
+        for s in (greedy, light, heavy):
+            s.opened()
+        share = sessions.SESSIONS_BYTES // 3
+        greedy.send(*[padded(f"r:g{i}/0", 300, 2.0, i) for i in range(5)])
+        time.sleep(0.2)  # four are taken, past the bound and the share, the fifth waits
         held = server.sessions.held_bytes
         assert held >= sessions.SESSIONS_BYTES
-        other.send(call(1, "ReadSlot", read("r:o/0") + pad, 10.0))
-        time.sleep(0.2)
-        assert server.sessions.held_bytes > held, "the other session's read was not taken"
-        began = time.monotonic()
-        other.send(call(2, "Contribute", contribution("r:o/0", np.ones(2, np.float32))))
-        got = other.replies(2)
-        took = time.monotonic() - began
-        assert got[1].code == 0 and got[2].code == 0
-        assert took > 1.0, f"the contribution was taken after {took:.2f} s"
+        took = {}
+        for s, kib, key in ((light, 100, "r:light/0"), (heavy, 600, "r:heavy/0")):
+            assert (kib * 2**10 < share) == (s is light)
+            s.send(padded(key, kib, 10.0))
+            time.sleep(0.2)
+            assert server.sessions.held_bytes > held, "the read was not taken"
+            held = server.sessions.held_bytes
+            began = time.monotonic()
+            s.send(contribution_to(key))
+            got = s.replies(2)
+            took[key] = time.monotonic() - began
+            assert got[1].code == 0 and got[2].code == 0, got
+        assert took["r:light/0"] < 0.5 and took["r:heavy/0"] > 1.0, took
         replies = greedy.replies(5)
         assert all(code_of(r) == grpc.StatusCode.DEADLINE_EXCEEDED for r in replies.values())
         deadline = time.monotonic() + 5
@@ -151,8 +164,8 @@ def test_the_bytes_all_sessions_hold_are_bounded_per_server(server, monkeypatch)
             time.sleep(0.05)
         assert server.sessions.held_bytes == 0
     finally:
-        greedy.close()
-        other.close()
+        for s in (greedy, light, heavy):
+            s.close()
 
 
 def test_calls_in_flight_are_bounded_per_session(server) -> None:
