@@ -261,21 +261,23 @@ class _Session:
             and own * max(1, self.s.gate.sessions) >= SESSIONS_BYTES
         )
 
-    def _hold(self, nbytes: int) -> None:
-        """Counts ``nbytes`` more (or fewer) held or unsent in the server's total, under
-        ``lock``; a stopped session's bytes left the total when it stopped."""
+    def _add(self, held: int = 0, replies: int = 0, reply_bytes: int = 0) -> None:
+        """Adds to the request bytes held and the replies unsent (and their bytes), under
+        ``lock``; the bytes go to the server's total too, unless the session stopped (its
+        bytes left the total then)."""
+        self.held += held
+        self.unsent += replies
+        self.unsent_bytes += reply_bytes
         if not self.stopped:
             with self.s._count:
-                self.s.held_bytes += nbytes
+                self.s.held_bytes += held + reply_bytes
 
     def put(self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0) -> None:
         """Queues a reply of ``size`` payload bytes; ``counted``: whether it ends a call
         counted in flight."""
         size += reply[0].ByteSize()
         with self.lock:
-            self.unsent += 1
-            self.unsent_bytes += size
-            self._hold(size)
+            self._add(replies=1, reply_bytes=size)
         self.out.put((counted, size, reply))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
@@ -338,8 +340,7 @@ class _Session:
             )
         job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
         with self.lock:
-            self.held += len(body)
-            self._hold(len(body))
+            self._add(held=len(body))
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
@@ -350,8 +351,7 @@ class _Session:
         with self.drained:
             self.waiting -= waits is not None
             if received:
-                self.held -= received
-                self._hold(-received)
+                self._add(held=-received)
                 self.drained.notify_all()
 
     def run(
@@ -399,15 +399,14 @@ class _Session:
                     yield [reply for _, _, reply in items]
                     with self.drained:  # handed to gRPC, which asks for the next batch
                         self.in_flight -= sum(counted for counted, _, _ in items)
-                        self.unsent -= len(items)
                         sent = sum(size for _, size, _ in items)
-                        self.unsent_bytes -= sent
-                        self._hold(-sent)
+                        self._add(replies=-len(items), reply_bytes=-sent)
                         self.drained.notify_all()
                 if ended:
                     return
         finally:
             with self.drained:
-                self._hold(-(self.held + self.unsent_bytes))
+                with self.s._count:
+                    self.s.held_bytes -= self.held + self.unsent_bytes
                 self.stopped = True
                 self.drained.notify_all()
