@@ -94,11 +94,11 @@ def rank_main(a: argparse.Namespace) -> None:
     """One rank of ours: optionally hosts a ShardServer, then times the collectives."""
     import numpy as np
 
-    from client import ClusterSpec, ShardClient
+    from paramshard.client import ClusterSpec, ShardClient
 
     server = None
     if a.host_server:
-        from server import ShardServer
+        from paramshard.server import ShardServer
 
         server = ShardServer(port=0).start()
         emit("ADDR", server.address)
@@ -152,7 +152,7 @@ def rank_main(a: argparse.Namespace) -> None:
 
 
 def server_main(a: argparse.Namespace) -> None:
-    from server import ShardServer
+    from paramshard.server import ShardServer
 
     # --bind: an address inside the benchmark's own namespaces, reachable from nowhere else
     # (gloo there has no credentials either)

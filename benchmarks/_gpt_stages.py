@@ -12,8 +12,8 @@ import copy
 import torch
 from torch import nn
 
-from examples.gpt import GPT
-from strategies.pipeline import uniform_partition
+from paramshard.models.gpt import GPT
+from paramshard.strategies.pipeline import uniform_partition
 
 __all__ = ["GPTStage", "split_gpt"]
 

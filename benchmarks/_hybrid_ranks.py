@@ -32,9 +32,13 @@ def ours_main(a: argparse.Namespace) -> None:
     t_start = time.monotonic()
     child_guard(a.lifetime)
     from benchmarks._llama_stages import llama_split_points
-    from client import ClusterSpec, ShardClient
-    from examples.gpt import lm_loss
-    from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.models.gpt import lm_loss
+    from paramshard.strategies import (
+        HybridShardedModel,
+        HybridShardedOptimizer,
+        ShardingConfiguration,
+    )
 
     llama = a.family == "llama"
     set_threads(a.world)

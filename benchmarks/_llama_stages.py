@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from benchmarks._training import MODELS, SEED
-from strategies.pipeline import uniform_partition
+from paramshard.strategies.pipeline import uniform_partition
 
 __all__ = [
     "LLAMA",

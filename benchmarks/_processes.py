@@ -227,7 +227,7 @@ def child_env(tuned: bool) -> dict[str, str]:
     quiet (a rank whose in-process server stops first makes the others' channels log)."""
     env = {k: v for k, v in os.environ.items() if k not in MALLOC_KEYS}
     if tuned:
-        from server import MALLOC_ENV
+        from paramshard.server import MALLOC_ENV
 
         env.update(MALLOC_ENV)
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")

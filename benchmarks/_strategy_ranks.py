@@ -99,9 +99,9 @@ def ours_main(a: argparse.Namespace) -> None:
     t_start = time.monotonic()
     child_guard(a.lifetime)
 
-    from client import ClusterSpec, ShardClient
-    from examples.gpt import Block, lm_loss
-    from strategies import (
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.models.gpt import Block, lm_loss
+    from paramshard.strategies import (
         DATA_PARALLEL,
         ShardingConfiguration,
     )
@@ -194,7 +194,7 @@ def torch_main(a: argparse.Namespace) -> None:
     child_guard(a.lifetime)
     import torch
 
-    from examples.gpt import Block, lm_loss
+    from paramshard.models.gpt import Block, lm_loss
 
     W = a.world
     single = a.strategy == "single"

@@ -39,7 +39,7 @@ from torch import nn
 from benchmarks._gpt_stages import split_gpt
 from benchmarks._llama_stages import llama_tensor_parallel, split_llama
 from benchmarks._training import adamw
-from examples.gpt import lm_loss
+from paramshard.models.gpt import lm_loss
 
 
 class SplitQKVAttention(nn.Module):

@@ -61,7 +61,7 @@ STARTUP_S = 120.0  # bound on starting a cell's processes (imports, servers, pro
 def build_gpt(model: str):
     import torch
 
-    from examples.gpt import GPT, GPTConfig
+    from paramshard.models.gpt import GPT, GPTConfig
 
     spec = MODELS[model]
     cfg = getattr(GPTConfig, spec["preset"])(**spec["overrides"])
@@ -134,7 +134,7 @@ def steps_and_warmup(
 def hosted_server() -> tuple[Any, list[str]]:
     """Starts this rank's in-process ShardServer, tells the parent its address and returns
     it with every rank's server address (in rank order, from the parent)."""
-    from server import ShardServer
+    from paramshard.server import ShardServer
 
     server = ShardServer("127.0.0.1", 0).start()
     emit("ADDR", server.address)

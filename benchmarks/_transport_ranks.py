@@ -78,7 +78,7 @@ class PlainClient:
     def __init__(self, addrs: list[str], chunk_bytes: int, max_in_flight: int) -> None:
         import grpc
 
-        from protos import shard_pb2_grpc
+        from paramshard.protos import shard_pb2_grpc
 
         self.chans = [grpc.insecure_channel(x, options=GRPC_BIG) for x in addrs]
         self.stubs = [shard_pb2_grpc.ShardStub(ch) for ch in self.chans]
@@ -98,7 +98,7 @@ class PlainClient:
             cb(fut.result())
 
     def _chunks(self, numel: int) -> list[tuple[int, int, int, int]]:
-        from protos import slicing
+        from paramshard.protos import slicing
 
         out = []
         for p in slicing.pieces(numel, len(self.stubs), 0, numel):
@@ -107,7 +107,7 @@ class PlainClient:
         return out
 
     def register(self, job: str, buf: str, numel: int) -> None:
-        from protos import shard_pb2 as pb
+        from paramshard.protos import shard_pb2 as pb
 
         for i, stub in enumerate(self.stubs):
             stub.RegisterBuffer(
@@ -123,7 +123,7 @@ class PlainClient:
             )
 
     def set_params(self, job: str, buf: str, flat: Any, version: int) -> None:
-        from protos import shard_pb2 as pb
+        from paramshard.protos import shard_pb2 as pb
 
         ref = pb.BufferRef(job=job, buffer=buf)
         calls = []
@@ -144,7 +144,7 @@ class PlainClient:
         self._run(calls)
 
     def push(self, job: str, buf: str, flat: Any, step: int) -> None:
-        from protos import shard_pb2 as pb
+        from paramshard.protos import shard_pb2 as pb
 
         ref = pb.BufferRef(job=job, buffer=buf)
         args = pb.StepArgs(hyper={"lr": 0.0}, clip_coef=1.0)
@@ -172,7 +172,7 @@ class PlainClient:
     def pull(self, job: str, buf: str, numel: int, min_version: int) -> Any:
         import numpy as np
 
-        from protos import shard_pb2 as pb
+        from paramshard.protos import shard_pb2 as pb
 
         ref = pb.BufferRef(job=job, buffer=buf)
         out = np.empty(numel, np.float32)
@@ -203,7 +203,7 @@ def pushpull_main(a: argparse.Namespace) -> None:
     """One client: push a flat buffer to W servers and pull it back; ours vs plain protobuf."""
     import numpy as np
 
-    from client import ClusterSpec, ShardClient, StepArgs
+    from paramshard.client import ClusterSpec, ShardClient, StepArgs
 
     fast_addrs, plain_addrs = json.loads(sys.stdin.readline())
     n = int(a.mib * MiB) // 4

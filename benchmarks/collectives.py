@@ -71,7 +71,10 @@ from benchmarks._transport import (
     section_transport,
 )
 from benchmarks._transport_ranks import pushpull_main, tcp_recv_main, tcp_send_main
-from client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT  # ShardClient's defaults: the cells use them
+from paramshard.client.rpc import (  # ShardClient's defaults: the cells use them
+    CHUNK_BYTES,
+    MAX_IN_FLIGHT,
+)
 
 
 # =============================================================================== parent: phases
@@ -116,7 +119,7 @@ def machine() -> dict[str, Any]:
 
 
 def bench_main(a: argparse.Namespace) -> int:
-    from server import MALLOC_ENV
+    from paramshard.server import MALLOC_ENV
 
     t_start = time.monotonic()
     doc: dict[str, Any] = {"machine": machine()}

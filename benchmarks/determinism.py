@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from client import ClusterSpec, ShardClient, StepArgs
-from server import ShardServer
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.server import ShardServer
 
 MiB = 2**20
 

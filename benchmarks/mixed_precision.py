@@ -40,14 +40,14 @@ def run(strategy: str, model_name: str, world: int, steps: int, param_dtype: str
     """Rank 0's measured parameter bytes (see the module docstring) for one configuration."""
     import torch
 
-    from client import ClusterSpec, ShardClient
-    from examples.gpt import GPT, Block, GPTConfig, lm_loss
-    from server import ShardServer
-    from strategies import (
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+    from paramshard.server import ShardServer
+    from paramshard.strategies import (
         DATA_PARALLEL,
         ShardingConfiguration,
     )
-    from strategies.data_parallel.fsdp import held_bytes
+    from paramshard.strategies.data_parallel.fsdp import held_bytes
 
     classes = DATA_PARALLEL
     cfg = GPTConfig.tiny(**MODELS[model_name], tie_weights=False)

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     opts = parser.parse_args(argv)
 
-    from client import ClusterSpec, ShardClient, StepArgs, tools
+    from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
 
     numel = int(opts.mb * 1e6 / 4)
     snapshots = tempfile.mkdtemp(prefix="paramshard-recovery-")

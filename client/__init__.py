@@ -4,11 +4,11 @@ Knows servers, not models: imports protos and grpc, never torch (torch tensors a
 and returned when the caller has torch loaded).
 """
 
-from client.buffers import ParamInfo, StepArgs
-from client.cluster import ClusterSpec
-from client.grad_check import GradCheck, NonFiniteGradientError
-from client.rpc import ShardClientError
-from client.shard_client import ShardClient
+from paramshard.client.buffers import ParamInfo, StepArgs
+from paramshard.client.cluster import ClusterSpec
+from paramshard.client.grad_check import GradCheck, NonFiniteGradientError
+from paramshard.client.rpc import ShardClientError
+from paramshard.client.shard_client import ShardClient
 
 __all__ = [
     "ClusterSpec",

@@ -13,11 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from client.grad_check import GradCheck
-from client.rpc import Call, RpcCore
-from protos import codec, slicing
-from protos import shard_pb2 as pb
-from protos.manifest import ParamEntry
+from paramshard.client.grad_check import GradCheck
+from paramshard.client.rpc import Call, RpcCore
+from paramshard.protos import codec, slicing
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import ParamEntry
 
 __all__ = ["FlatBuffers", "ParamInfo", "StepArgs"]
 

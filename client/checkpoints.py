@@ -16,10 +16,10 @@ from typing import Any
 
 import grpc
 
-from client.jobs import ServerJobs, server_jobs
-from client.rpc import Call, ShardClientError
-from client.shard_client import ShardClient
-from client.tensor_parts import (
+from paramshard.client.jobs import ServerJobs, server_jobs
+from paramshard.client.rpc import Call, ShardClientError
+from paramshard.client.shard_client import ShardClient
+from paramshard.client.tensor_parts import (
     PartsError,
     check_complete,
     find_parts,
@@ -27,10 +27,10 @@ from client.tensor_parts import (
     part_snapshots,
     recorded_parts,
 )
-from protos import codec
-from protos import shard_pb2 as pb
-from protos.manifest import ParamEntry, new_manifest
-from protos.placement import parse_part_job, replica_holder, restore_placement
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import ParamEntry, new_manifest
+from paramshard.protos.placement import parse_part_job, replica_holder, restore_placement
 
 __all__ = [
     "snapshot",

@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from client.rpc import Call, RpcCore, ShardClientError
-from client.tensors import as_flat, is_torch
-from protos import codec, slicing
-from protos import shard_pb2 as pb
-from protos.placement import rank_server
+from paramshard.client.rpc import Call, RpcCore, ShardClientError
+from paramshard.client.tensors import as_flat, is_torch
+from paramshard.protos import codec, slicing
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.placement import rank_server
 
 __all__ = ["Collectives", "REDUCE_OPS"]
 

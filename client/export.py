@@ -16,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from client.jobs import live_params
-from client.shard_client import ShardClient
-from client.tensor_parts import WholeParam
-from protos import codec
-from protos.atomic import atomic_write
+from paramshard.client.jobs import live_params
+from paramshard.client.shard_client import ShardClient
+from paramshard.client.tensor_parts import WholeParam
+from paramshard.protos import codec
+from paramshard.protos.atomic import atomic_write
 
 __all__ = ["export", "export_dtype", "whole_items", "write_safetensors"]
 

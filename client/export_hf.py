@@ -29,11 +29,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from client.export import whole_items, write_safetensors
-from client.jobs import live_model_config, live_params
-from client.shard_client import ShardClient
-from client.tensor_parts import WholeParam
-from protos.atomic import atomic_write
+from paramshard.client.export import whole_items, write_safetensors
+from paramshard.client.jobs import live_model_config, live_params
+from paramshard.client.shard_client import ShardClient
+from paramshard.client.tensor_parts import WholeParam
+from paramshard.protos.atomic import atomic_write
 
 __all__ = ["export_hf", "write_hf"]
 

@@ -22,12 +22,18 @@ from typing import Any
 
 import numpy as np
 
-from client.rpc import ShardClientError
-from client.shard_client import ShardClient
-from client.tensor_parts import PartParam, WholeParam, check_complete, find_parts, join_parts
-from protos import codec, slicing
-from protos import shard_pb2 as pb
-from protos.manifest import ParamEntry, check_model_config
+from paramshard.client.rpc import ShardClientError
+from paramshard.client.shard_client import ShardClient
+from paramshard.client.tensor_parts import (
+    PartParam,
+    WholeParam,
+    check_complete,
+    find_parts,
+    join_parts,
+)
+from paramshard.protos import codec, slicing
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import ParamEntry, check_model_config
 
 __all__ = [
     "ParamRef",

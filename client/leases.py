@@ -40,8 +40,8 @@ from typing import Any
 
 import grpc
 
-from client.restarts import max_restarts
-from protos import shard_pb2 as pb
+from paramshard.client.restarts import max_restarts
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["Notice", "RunState", "LEASE_TTL_ENV", "REJOIN_ENV", "WAITS_ON_PEERS", "hold"]
 

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from protos import codec, local_servers
-from protos import shard_pb2 as pb
+from paramshard.protos import codec, local_servers
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["HEADER_ROOM", "LocalRpcError", "LocalFuture", "local_call"]
 

@@ -18,13 +18,13 @@ from typing import Any
 
 import grpc
 
-from client.cluster import ClusterSpec
-from client.leases import WAITS_ON_PEERS, RunState
-from client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
-from client.session import MAX_BODY, SESSION_METHODS, Sessions
-from client.shm import Segment, SharedMemory, is_stale
-from protos import codec, local_servers
-from protos import shard_pb2 as pb
+from paramshard.client.cluster import ClusterSpec
+from paramshard.client.leases import WAITS_ON_PEERS, RunState
+from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
+from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
+from paramshard.client.shm import Segment, SharedMemory, is_stale
+from paramshard.protos import codec, local_servers
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
     "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT"

@@ -29,9 +29,9 @@ from typing import Any
 
 import grpc
 
-from client.local_calls import LocalRpcError
-from protos import shard_pb2 as pb
-from protos.batches import decode_batch, encode_batch, take_ready
+from paramshard.client.local_calls import LocalRpcError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import decode_batch, encode_batch, take_ready
 
 __all__ = ["Sessions", "SESSION_METHODS", "MAX_BODY", "enabled"]
 

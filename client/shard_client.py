@@ -7,13 +7,13 @@ from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 
-from client import leases
-from client.buffers import FlatBuffers
-from client.cluster import ClusterSpec
-from client.collectives import Collectives
-from client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT, ShardClientError
-from client.run_id import run_id_from_env
-from protos import shard_pb2 as pb
+from paramshard.client import leases
+from paramshard.client.buffers import FlatBuffers
+from paramshard.client.cluster import ClusterSpec
+from paramshard.client.collectives import Collectives
+from paramshard.client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT, ShardClientError
+from paramshard.client.run_id import run_id_from_env
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["ShardClient"]
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
-from protos import codec
-from protos import shard_pb2 as pb
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["SharedMemory", "enabled", "is_stale", "SHM_MIN_BYTES"]
 

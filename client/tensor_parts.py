@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from protos import manifest, slicing
-from protos.manifest import ParamEntry
-from protos.placement import parse_part_job, part_job
+from paramshard.protos import manifest, slicing
+from paramshard.protos.manifest import ParamEntry
+from paramshard.protos.placement import parse_part_job, part_job
 
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11; annotations only (3.10 is supported)

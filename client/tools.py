@@ -11,15 +11,15 @@ each function asks every server where a job is. A 3D job's base name (``<job>`` 
 ``<job>.pp<s>.tp<t>``) stands for the whole model.
 """
 
-from client.checkpoints import (
+from paramshard.client.checkpoints import (
     configure_replication,
     list_snapshots,
     recover_from_replicas,
     restore,
     snapshot,
 )
-from client.export import export, export_dtype, whole_items, write_safetensors
-from client.jobs import ParamRef, get_param, inspect, job_params
+from paramshard.client.export import export, export_dtype, whole_items, write_safetensors
+from paramshard.client.jobs import ParamRef, get_param, inspect, job_params
 
 __all__ = [
     "ParamRef",

@@ -32,14 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+import torch
+import train_gpt  # this script's folder
 
-import torch  # noqa: E402
+from paramshard.models.gpt import GPT, CharTokenizer, generate, lm_loss, load_text, split_text
 
-from examples import train_gpt  # noqa: E402
-from examples.gpt import GPT, CharTokenizer, generate, lm_loss, load_text, split_text  # noqa: E402
+_ROOT = Path(__file__).resolve().parents[1]  # the checkout: the demo runs its example script
 
 WORLD = 2  # trainer ranks and shard servers
 START_TIMEOUT_S = 60.0
@@ -118,7 +116,7 @@ class Server:
 
 def server_step(client: Any, job: str) -> int:
     """The job's version on the servers (the steps taken); -1 before it registered."""
-    from client import ShardClientError, tools
+    from paramshard.client import ShardClientError, tools
 
     try:
         return min(p.version for p in tools.job_params(client, job))
@@ -129,7 +127,7 @@ def server_step(client: Any, job: str) -> int:
 def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -> dict[str, Any]:
     """Launches the trainers; inspects, kills and restarts server 1 on the way. Returns what
     happened (the trainers' output is printed as it comes)."""
-    from client import ClusterSpec, ShardClient
+    from paramshard.client import ClusterSpec, ShardClient
 
     addresses = ",".join(s.address for s in servers)
     cmd = [

@@ -26,17 +26,12 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
+from progress import progress_bar, summarize  # this script's folder
 
-# Runnable as `python examples/train_gpt.py` from a checkout without installing the project.
-_ROOT = Path(__file__).resolve().parents[1]
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
-
-from examples.gpt import (  # noqa: E402
+from paramshard.models.gpt import (
     GPT,
     Block,
     CharTokenizer,
@@ -48,7 +43,6 @@ from examples.gpt import (  # noqa: E402
     param_groups,
     split_text,
 )
-from examples.progress import progress_bar, summarize  # noqa: E402
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hybrid")
 BETAS = (0.9, 0.95)
@@ -122,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build(gpt: GPT, config: Any, args: argparse.Namespace) -> tuple[Any, Any]:
-    import strategies as s
+    import paramshard.strategies as s
 
     if args.strategy == "hybrid":  # this rank keeps only its stage and its tensor part of it
         model = s.HybridShardedModel(
@@ -151,8 +145,8 @@ def lr_lambda(steps: int) -> Any:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    from client import restarts
-    from strategies import RecoveryReport, ShardingConfiguration, train_with_recovery
+    from paramshard.client import restarts
+    from paramshard.strategies import RecoveryReport, ShardingConfiguration, train_with_recovery
 
     config = ShardingConfiguration.from_env(job="gpt")  # its client knows the launcher's run id
     job = job_name(args.strategy, config.client.run_id)
@@ -276,10 +270,6 @@ def main(argv: list[str] | None = None) -> int:
         return run_rank(args)
     from paramshard.cli import main as paramshard
 
-    # The launcher's servers and ranks import this checkout's packages.
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_ROOT), os.environ.get("PYTHONPATH", "")) if p
-    )
     servers = ["--servers", args.servers] if args.servers else []
     return paramshard(["launch", "--nproc", str(args.world_size), *servers, __file__, *argv])
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from client import ClusterSpec
+    from paramshard.client import ClusterSpec
 
 __all__ = ["command", "arg", "CommandError", "COMMANDS", "EXIT_FAILURE", "EXIT_USAGE"]
 
@@ -113,7 +113,7 @@ def _warn(message: str) -> None:
 def _cluster_spec(servers: str | None) -> ClusterSpec:
     """The cluster as ``paramshard launch`` describes it in the environment (token, TLS files),
     with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given."""
-    from client import ClusterSpec
+    from paramshard.client import ClusterSpec
 
     if servers is None and not os.environ.get("PARAMSHARD_SERVERS", "").strip():
         raise CommandError(

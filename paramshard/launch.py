@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from client.run_id import run_id_from_env
+from paramshard.client.run_id import run_id_from_env
 from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
@@ -74,7 +74,7 @@ def rank_env(
     """The environment of one rank: ``base`` plus what torchrun sets plus the cluster.
 
     MALLOC_* values already in ``base`` are kept (the user's choice); the rest are overridden."""
-    from server.app import MALLOC_ENV
+    from paramshard.server.app import MALLOC_ENV
 
     env = {**MALLOC_ENV, **base}
     env.update(
@@ -229,7 +229,7 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError("--redirects needs --log-dir (where the output goes)", EXIT_USAGE)
     console_out, console_err = (None, None) if args.redirects else (sys.stdout, sys.stderr)
 
-    from server.app import MALLOC_ENV
+    from paramshard.server.app import MALLOC_ENV
 
     base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
     restarts = RankRestarts.create(args.max_restarts)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from paramshard.commands import EXIT_USAGE, CommandError
-from protos.config_file import CONFIG_ENV, read_config_file
+from paramshard.protos.config_file import CONFIG_ENV, read_config_file
 
 __all__ = ["RankLogs", "append_line", "config_env"]
 

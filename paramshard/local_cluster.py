@@ -197,7 +197,7 @@ class LocalCluster:
     def start(self) -> LocalCluster:
         """Starts the in-process servers (``with LocalCluster(...)`` does this)."""
         if not self._started:
-            from server import ShardServer
+            from paramshard.server import ShardServer
 
             try:
                 for _ in range(self._to_start):
@@ -275,8 +275,8 @@ def rank_config(
 ) -> Any:
     """Rank ``rank``'s ShardingConfiguration: a client of its own, the call deadline from the
     configuration's ``timeout_s``."""
-    from client import ClusterSpec, ShardClient
-    from strategies.config import ShardingConfiguration
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.strategies.config import ShardingConfiguration
 
     timeout = fields.get("timeout_s", _default("timeout_s"))
     client = ShardClient(
@@ -294,7 +294,7 @@ def rank_config(
 
 
 def _default(name: str) -> Any:
-    from strategies.config import ShardingConfiguration
+    from paramshard.strategies.config import ShardingConfiguration
 
     return next(f.default for f in dataclasses.fields(ShardingConfiguration) if f.name == name)
 
@@ -302,7 +302,7 @@ def _default(name: str) -> Any:
 def _checked_fields(fields: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     """``fields`` checked now, with ShardingConfiguration's own messages, rather than once per
     rank inside the run (the client is a stand-in that only has a rank and a world size)."""
-    from strategies.config import ShardingConfiguration
+    from paramshard.strategies.config import ShardingConfiguration
 
     names = [f.name for f in dataclasses.fields(ShardingConfiguration) if f.name != "client"]
     unknown = sorted(set(fields) - set(names))

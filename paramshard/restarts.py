@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from client import restarts as contract
+from paramshard.client import restarts as contract
 from paramshard.commands import EXIT_FAILURE
 from paramshard.processes import Child, exit_code, say, stop
 

@@ -237,8 +237,8 @@ def serve(args: argparse.Namespace) -> int:
         if path is not None
     }
 
-    from server import ShardServer, backend
-    from server.auth import load_token_file, token_file_is_private
+    from paramshard.server import ShardServer, backend
+    from paramshard.server.auth import load_token_file, token_file_is_private
 
     tokens = None
     if args.token_file is not None:

@@ -34,10 +34,15 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
     this server takes back its own slice and skips jobs it did not hold (a 3D job's parts live
     on their data-parallel groups' servers). With another ``--num-servers``, every job is
     resharded over all of them."""
-    from client.tensor_parts import PartsError, newest_complete_tag, parse_part_job, part_snapshots
-    from protos import shard_pb2 as pb
-    from protos.placement import recorded_placement, restore_slice
-    from server.errors import ShardError
+    from paramshard.client.tensor_parts import (
+        PartsError,
+        newest_complete_tag,
+        parse_part_job,
+        part_snapshots,
+    )
+    from paramshard.protos import shard_pb2 as pb
+    from paramshard.protos.placement import recorded_placement, restore_slice
+    from paramshard.server.errors import ShardError
 
     if not args.snapshot_dir or args.index is None:
         raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
@@ -83,7 +88,7 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
     reads them only when the process starts, so setting ``os.environ`` now would do nothing.
     Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
     """
-    from server.app import MALLOC_ENV
+    from paramshard.server.app import MALLOC_ENV
 
     missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
     if os.environ.pop(REEXEC_GUARD, None) is not None:  # we are the re-executed process
@@ -128,7 +133,7 @@ def check_exposure(
 
 
 def is_loopback(host: str) -> bool:
-    from server.auth import is_loopback  # the server's own rule, the one place for it
+    from paramshard.server.auth import is_loopback  # the server's own rule, the one place for it
 
     return is_loopback(host)
 

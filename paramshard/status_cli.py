@@ -84,7 +84,7 @@ def status(args: argparse.Namespace) -> int:
     for how long), gradient steps waiting for ranks, and mailbox messages nobody took yet.
     A server that does not answer gets an error row; the exit code is then 1.
     """
-    from client import ShardClient
+    from paramshard.client import ShardClient
 
     client = ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=1)
     try:

@@ -20,7 +20,7 @@ JSON = arg("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from client import ShardClient
+    from paramshard.client import ShardClient
 
     return ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=2)
 
@@ -30,7 +30,7 @@ TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s
 
 def _run(fn: Any, *a: Any) -> Any:
     """Runs a tool function, turning its errors into one-line command errors."""
-    from client import ShardClientError
+    from paramshard.client import ShardClientError
 
     try:
         return fn(*a)
@@ -44,7 +44,7 @@ def _run(fn: Any, *a: Any) -> Any:
 def inspect(args: argparse.Namespace) -> int:
     """One row per parameter: name, shape, dtype, servers holding it, version, norm, min, max,
     all finite."""
-    from client import tools
+    from paramshard.client import tools
 
     rows = _run(tools.inspect, _client(args), args.job)
     if args.json:
@@ -85,7 +85,7 @@ def get(args: argparse.Namespace) -> int:
     """Gather one full parameter from the servers holding its pieces."""
     import numpy as np
 
-    from client import tools
+    from paramshard.client import tools
 
     values = _run(tools.get_param, _client(args), args.job, args.param)
     if args.out.endswith(".safetensors"):
@@ -106,7 +106,7 @@ def get(args: argparse.Namespace) -> int:
 def snapshot(args: argparse.Namespace) -> int:
     """Snapshot a job on one version while it trains; each server writes its shard into its
     --snapshot-dir, then the manifest is committed."""
-    from client import tools
+    from paramshard.client import tools
 
     manifest = _run(tools.snapshot, _client(args), args.job, args.tag)
     if args.json:
@@ -130,7 +130,7 @@ def snapshot(args: argparse.Namespace) -> int:
 def snapshots(args: argparse.Namespace) -> int:
     """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
     tag: one row, by the base name)."""
-    from client import tools
+    from paramshard.client import tools
 
     rows = _run(tools.list_snapshots, _client(args), args.job, True)
     if args.json:
@@ -169,7 +169,7 @@ def snapshots(args: argparse.Namespace) -> int:
 )
 def restore(args: argparse.Namespace) -> int:
     """Load a snapshot into these servers; their number may differ from the snapshot's."""
-    from client import tools
+    from paramshard.client import tools
 
     version = _run(tools.restore, _client(args), args.job, args.tag, args.contributors)
     print(f"restored {args.job}/{args.tag} at version {version}")
@@ -202,8 +202,8 @@ def export(args: argparse.Namespace) -> int:
     if args.snapshot:
         count = export_snapshot(Path(args.snapshot), args.out, hf_dir=args.hf_dir)
     elif args.job:
-        from client import tools
-        from client.export_hf import export_hf
+        from paramshard.client import tools
+        from paramshard.client.export_hf import export_hf
 
         fn = export_hf if args.hf_dir is not None else tools.export
         count = _run(fn, _client(args), args.job, args.hf_dir or args.out)
@@ -223,17 +223,17 @@ def export_snapshot(
     ``out``, or (``hf_dir``) a Hugging Face model's ``from_pretrained`` folder; checks every
     shard's checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
     ``<job>.pp<s>.tp<t>/<tag>``), the whole model, joined from every part's snapshot."""
-    from client.tensor_parts import find_parts
-    from server.errors import ShardError
-    from server.snapshots import SnapshotDir
+    from paramshard.client.tensor_parts import find_parts
+    from paramshard.server.errors import ShardError
+    from paramshard.server.snapshots import SnapshotDir
 
     folder = folder.resolve()
     snaps = SnapshotDir(folder.parent.parent)
     job, tag = folder.parent.name, folder.name
 
     def write(params: Params, meta: dict[str, str], manifests: list[dict[str, Any]]) -> int:
-        from client.export import whole_items, write_safetensors
-        from client.export_hf import write_hf
+        from paramshard.client.export import whole_items, write_safetensors
+        from paramshard.client.export_hf import write_hf
 
         if hf_dir is not None:
             return write_hf(hf_dir, _recorded_model(manifests, folder), params, meta)
@@ -263,8 +263,8 @@ def _recorded_model(manifests: list[dict[str, Any]], folder: Path) -> dict[str, 
 
 
 def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
-    from client.tensor_parts import WholeParam
-    from protos.manifest import ParamEntry
+    from paramshard.client.tensor_parts import WholeParam
+    from paramshard.protos.manifest import ParamEntry
 
     manifest = snaps.load_manifest(job, tag)
     params: Params = []
@@ -286,7 +286,7 @@ def _export_parts(
     snaps: Any, base: str, tag: str, parts: dict[tuple[int, int], str], write: Any
 ) -> int:
     """The whole model from the snapshots ``tag`` of a 3D job's parts (each checked first)."""
-    from client.tensor_parts import PartParam, PartsError, check_complete, join_parts
+    from paramshard.client.tensor_parts import PartParam, PartsError, check_complete, join_parts
 
     root = snaps.root
     with_tag = {k: name for k, name in parts.items() if (root / name / tag).is_dir()}

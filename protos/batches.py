@@ -16,8 +16,8 @@ import queue
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from protos import codec
-from protos import shard_pb2 as pb
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from protos import shard_pb2 as pb
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
     "DecodeError",

@@ -1,7 +1,12 @@
 """Regenerate the committed protobuf/gRPC modules from shard.proto.
 
-python -m protos.generate            # writes protos/shard_pb2*.py(i)
-python -m protos.generate --check    # exits 1 if the committed files differ
+python -m paramshard.protos.generate            # writes protos/shard_pb2*.py(i)
+python -m paramshard.protos.generate --check    # exits 1 if the committed files differ
+
+The folder protos/ installs as ``paramshard.protos``, so protoc sees it under that name
+(``-Iparamshard/protos=protos``): the stubs import ``from paramshard.protos import shard_pb2``
+and the descriptor is ``paramshard/protos/shard.proto`` in protobuf's pool, where it cannot
+clash with another project's ``shard.proto``. The wire (package ``paramshard.v1``) is the same.
 """
 
 from __future__ import annotations
@@ -12,22 +17,23 @@ import shutil
 import sys
 import tempfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+HERE = pathlib.Path(__file__).resolve().parent
+VIRTUAL = "paramshard/protos"
 OUTPUTS = ("shard_pb2.py", "shard_pb2.pyi", "shard_pb2_grpc.py")
 
 
 def generate(out_root: pathlib.Path) -> None:
-    """Run protoc (from grpcio-tools) with the repo root as include path into ``out_root``."""
+    """Run protoc (from grpcio-tools), this folder as ``paramshard/protos``, into ``out_root``."""
     from grpc_tools import protoc
 
-    (out_root / "protos").mkdir(parents=True, exist_ok=True)
+    (out_root / VIRTUAL).mkdir(parents=True, exist_ok=True)
     args = [
         "protoc",
-        f"-I{ROOT}",
+        f"-I{VIRTUAL}={HERE}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
-        str(ROOT / "protos" / "shard.proto"),
+        f"{VIRTUAL}/shard.proto",
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
@@ -41,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         generate(pathlib.Path(tmp))
         differ = []
         for name in OUTPUTS:
-            fresh = pathlib.Path(tmp, "protos", name)
-            committed = ROOT / "protos" / name
+            fresh = pathlib.Path(tmp, VIRTUAL, name)
+            committed = HERE / name
             if opts.check:
                 if not committed.exists() or committed.read_bytes() != fresh.read_bytes():
                     differ.append(name)

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from protos import shard_pb2 as pb
-from protos.placement import recorded_placement, restore_placement
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.placement import recorded_placement, restore_placement
 
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11; annotations only (3.10 is supported)

@@ -3,7 +3,7 @@
 Never imports torch: the server image needs only grpc, protobuf and numpy (+ cupy on GPUs).
 """
 
-from server.app import MALLOC_ENV, ShardServer
-from server.errors import ShardError
+from paramshard.server.app import MALLOC_ENV, ShardServer
+from paramshard.server.errors import ShardError
 
 __all__ = ["ShardServer", "ShardError", "MALLOC_ENV"]

@@ -38,7 +38,7 @@ from typing import Any
 
 import grpc
 
-from server.servicer import SERVICE_NAME
+from paramshard.server.servicer import SERVICE_NAME
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 

@@ -11,13 +11,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from protos import local_servers
-from server import auth, backend
-from server.admission import CallGate, CallLimits, default_reserved
-from server.expiry import Sweeper, sweep_period
-from server.limits import default_memory_limit, parse_bytes
-from server.servicer import SERVICE_NAME, ShardServicer
-from server.sessions import Sessions
+from paramshard.protos import local_servers
+from paramshard.server import auth, backend
+from paramshard.server.admission import CallGate, CallLimits, default_reserved
+from paramshard.server.expiry import Sweeper, sweep_period
+from paramshard.server.limits import default_memory_limit, parse_bytes
+from paramshard.server.servicer import SERVICE_NAME, ShardServicer
+from paramshard.server.sessions import Sessions
 
 __all__ = ["ShardServer", "MALLOC_ENV"]
 
@@ -164,7 +164,9 @@ class ShardServer:
         chain: list[Any] = []
         self.metrics = None
         if metrics_port is not None:
-            from server.metrics import ServerMetrics  # needs prometheus_client: only on demand
+            from paramshard.server.metrics import (
+                ServerMetrics,  # needs prometheus_client: only on demand
+            )
 
             self.metrics = ServerMetrics(self.servicer)
             chain.append(self.metrics.interceptor)

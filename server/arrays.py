@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from protos import codec
-from protos import shard_pb2 as pb
-from server import backend
-from server.errors import ShardError
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
 
 __all__ = [
     "payload_array",

@@ -41,7 +41,7 @@ from typing import Any
 
 import grpc
 
-from protos import shard_pb2 as pb
+from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
     "SERVICE_NAME",

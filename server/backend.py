@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from protos import codec
+from paramshard.protos import codec
 
 __all__ = [
     "xp",

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from protos import shard_pb2 as pb
-from server import backend
-from server.errors import ShardError
-from server.optimizers import OptimizerError, make_optimizer
-from server.slice_state import SliceState, master_dtype
-from server.snapshots import Captured
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
+from paramshard.server.optimizers import OptimizerError, make_optimizer
+from paramshard.server.slice_state import SliceState, master_dtype
+from paramshard.server.snapshots import Captured
 
 __all__ = ["Captures"]
 

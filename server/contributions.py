@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from protos import shard_pb2 as pb
-from protos import slicing
-from server import arrays, backend
-from server.errors import ShardError
-from server.optimizers import OptimizerError
-from server.slice_state import PendingStep, SliceState
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server import arrays, backend
+from paramshard.server.errors import ShardError
+from paramshard.server.optimizers import OptimizerError
+from paramshard.server.slice_state import PendingStep, SliceState
 
 __all__ = ["Contributions"]
 

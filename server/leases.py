@@ -38,8 +38,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from protos import shard_pb2 as pb
-from server.errors import ShardError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.errors import ShardError
 
 __all__ = ["LeaseTable"]
 

@@ -27,11 +27,11 @@ import os
 import re
 import threading
 
-from protos import shard_pb2 as pb
-from protos import slicing
-from server import backend
-from server.errors import ShardError
-from server.optimizers import OPTIMIZERS
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
+from paramshard.server.optimizers import OPTIMIZERS
 
 __all__ = [
     "MemoryBudget",

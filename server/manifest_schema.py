@@ -16,9 +16,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from protos import shard_pb2 as pb
-from protos.codec import MASTER_DTYPES
-from protos.manifest import (
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.codec import MASTER_DTYPES
+from paramshard.protos.manifest import (
     FORMAT,
     ParamEntry,
     check_model_config,

@@ -43,10 +43,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shard server metrics need the prometheus-client package: pip install prometheus-client"
     ) from exc
 
-from server.servicer import SERVICE_NAME
+from paramshard.server.servicer import SERVICE_NAME
 
 if TYPE_CHECKING:
-    from server.servicer import ShardServicer
+    from paramshard.server.servicer import ShardServicer
 
 __all__ = ["ServerMetrics", "MetricsInterceptor", "LATENCY_BUCKETS"]
 

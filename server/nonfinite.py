@@ -22,12 +22,12 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from protos import shard_pb2 as pb
-from server import backend
-from server.errors import ShardError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
 
 if TYPE_CHECKING:
-    from server.store import BufferSlice
+    from paramshard.server.store import BufferSlice
 
 __all__ = ["all_finite", "grad_norm_reply", "nonfinite_refusal", "step_reply"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from protos import codec
+from paramshard.protos import codec
 
 __all__ = ["Malformed", "plain", "tensor", "tensor_reply"]
 

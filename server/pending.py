@@ -31,11 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from protos import shard_pb2 as pb
+from paramshard.protos import shard_pb2 as pb
 
 if TYPE_CHECKING:
-    from server.slots import _Slot
-    from server.store import BufferSlice
+    from paramshard.server.slots import _Slot
+    from paramshard.server.store import BufferSlice
 
 __all__ = [
     "SlotName",

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos import shard_pb2 as pb
-from protos import slicing
-from server.errors import ShardError
-from server.limits import MemoryBudget
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server.errors import ShardError
+from paramshard.server.limits import MemoryBudget
 
 __all__ = ["Inbox", "replica_bound", "memory_bound", "check_header", "MAX_PENDING"]
 

@@ -12,10 +12,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from protos import shard_pb2 as pb
-from server.errors import ShardError
-from server.replica_inbox import Inbox, check_header, memory_bound, replica_bound
-from server.snapshots import decode_shard
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.errors import ShardError
+from paramshard.server.replica_inbox import Inbox, check_header, memory_bound, replica_bound
+from paramshard.server.snapshots import decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
 
@@ -88,7 +88,7 @@ class ReplicaRecovery:
         return self._restore(job, blob)
 
     def _restore(self, job: str, blob: bytes) -> int:
-        from server.store import BufferSlice  # store imports snapshots; avoid a cycle
+        from paramshard.server.store import BufferSlice  # store imports snapshots; avoid a cycle
 
         meta, tensors = decode_shard(blob)
         if meta.get("job") != job:

@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
-from client.shm import SHM_MIN_BYTES, SharedMemory, is_stale
-from protos import shard_pb2 as pb
-from server.auth import SERVICE_NAME
+from paramshard.client.shm import SHM_MIN_BYTES, SharedMemory, is_stale
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.auth import SERVICE_NAME
 
 __all__ = ["NeighbourSegments"]
 

@@ -32,12 +32,12 @@ from typing import Any
 
 import grpc
 
-from protos import shard_pb2 as pb
-from server.errors import ShardError
-from server.replica_inbox import Inbox, check_header, replica_bound
-from server.replica_recovery import CHUNK, ReplicaRecovery
-from server.replica_shm import NeighbourSegments
-from server.snapshots import Captured, encode_shard
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.errors import ShardError
+from paramshard.server.replica_inbox import Inbox, check_header, replica_bound
+from paramshard.server.replica_recovery import CHUNK, ReplicaRecovery
+from paramshard.server.replica_shm import NeighbourSegments
+from paramshard.server.snapshots import Captured, encode_shard
 
 __all__ = ["Replicator"]
 

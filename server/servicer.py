@@ -12,31 +12,33 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import grpc
 
-from protos import codec, slicing
-from protos import shard_pb2 as pb
-from protos.manifest import ParamEntry, recorded_model_config, recorded_parts
-from protos.placement import recorded_placement
-from server import backend
-from server.auth import SERVICE_NAME  # one name for the service: the proto's
-from server.errors import ShardError
-from server.leases import LeaseTable
-from server.limits import MemoryBudget
-from server.nonfinite import grad_norm_reply, step_reply
-from server.parsers import Malformed, plain, tensor, tensor_reply
-from server.replication import Replicator
-from server.shm import SegmentRegistry
-from server.slots import SlotStore
-from server.snapshots import SnapshotDir
-from server.status import status_reply
-from server.store import BufferSlice, BufferStore
+from paramshard.protos import codec, slicing
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
+from paramshard.protos.placement import recorded_placement
+from paramshard.server import backend
+from paramshard.server.auth import SERVICE_NAME  # one name for the service: the proto's
+from paramshard.server.errors import ShardError
+from paramshard.server.leases import LeaseTable
+from paramshard.server.limits import MemoryBudget
+from paramshard.server.nonfinite import grad_norm_reply, step_reply
+from paramshard.server.parsers import Malformed, plain, tensor, tensor_reply
+from paramshard.server.replication import Replicator
+from paramshard.server.shm import SegmentRegistry
+from paramshard.server.slots import SlotStore
+from paramshard.server.snapshots import SnapshotDir
+from paramshard.server.status import status_reply
+from paramshard.server.store import BufferSlice, BufferStore
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
-VERSION = "0.1.0"
+VERSION = version("paramshard")
+"""The installed distribution's version (pyproject.toml holds the one there is)."""
 log = logging.getLogger("paramshard.server")
 
 

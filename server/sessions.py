@@ -48,12 +48,12 @@ from typing import Any
 
 import grpc
 
-from protos import codec
-from protos import shard_pb2 as pb
-from protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
-from server import auth
-from server.admission import WAITING_METHODS, CallGate
-from server.parsers import Malformed
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
+from paramshard.server import auth
+from paramshard.server.admission import WAITING_METHODS, CallGate
+from paramshard.server.parsers import Malformed
 
 __all__ = [
     "Sessions",

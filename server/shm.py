@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos import codec
-from protos import shard_pb2 as pb
-from server.auth import bearer
-from server.errors import ShardError
-from server.limits import MemoryBudget
-from server.parsers import plain
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.auth import bearer
+from paramshard.server.errors import ShardError
+from paramshard.server.limits import MemoryBudget
+from paramshard.server.parsers import plain
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 

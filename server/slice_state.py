@@ -29,13 +29,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from protos import shard_pb2 as pb
-from protos import slicing
-from server import arrays, backend
-from server.errors import ShardError
-from server.limits import MemoryBudget
-from server.optimizers import ServerOptimizer
-from server.snapshots import Captured
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server import arrays, backend
+from paramshard.server.errors import ShardError
+from paramshard.server.limits import MemoryBudget
+from paramshard.server.optimizers import ServerOptimizer
+from paramshard.server.snapshots import Captured
 
 __all__ = ["MASTER_DTYPES", "PendingStep", "SliceState", "master_dtype"]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from protos import shard_pb2 as pb
-from server.errors import ShardError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.errors import ShardError
 
 if TYPE_CHECKING:
-    from server.slots import _Slot
+    from paramshard.server.slots import _Slot
 
 __all__ = ["check_header", "check_same"]
 

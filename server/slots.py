@@ -31,12 +31,12 @@ import time
 from collections import Counter, OrderedDict
 from typing import Any
 
-from protos import shard_pb2 as pb
-from server import arrays, backend
-from server.errors import ShardError
-from server.limits import MemoryBudget
-from server.pending import parse_key, run_epoch, who
-from server.slot_checks import check_header, check_same
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import arrays, backend
+from paramshard.server.errors import ShardError
+from paramshard.server.limits import MemoryBudget
+from paramshard.server.pending import parse_key, run_epoch, who
+from paramshard.server.slot_checks import check_header, check_same
 
 __all__ = ["SlotStore"]
 

@@ -12,13 +12,13 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from protos import shard_pb2 as pb
-from server import backend
-from server.pending import pending_rows
-from server.store import BufferStore
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.pending import pending_rows
+from paramshard.server.store import BufferStore
 
 if TYPE_CHECKING:
-    from server.servicer import ShardServicer
+    from paramshard.server.servicer import ShardServicer
 
 __all__ = ["job_status", "status_reply"]
 

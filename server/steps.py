@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from protos import shard_pb2 as pb
-from server import backend
-from server.errors import ShardError
-from server.nonfinite import all_finite, nonfinite_refusal
-from server.optimizers import OptimizerError
-from server.slice_state import SliceState
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
+from paramshard.server.nonfinite import all_finite, nonfinite_refusal
+from paramshard.server.optimizers import OptimizerError
+from paramshard.server.slice_state import SliceState
 
 __all__ = ["Steps"]
 

@@ -11,16 +11,16 @@ from __future__ import annotations
 import math
 import threading
 
-from protos import shard_pb2 as pb
-from protos import slicing
-from protos.manifest import check_model_config
-from server.captures import Captures
-from server.contributions import Contributions
-from server.errors import ShardError
-from server.limits import MemoryBudget, slice_bytes
-from server.optimizers import OptimizerError, make_optimizer
-from server.slice_state import MASTER_DTYPES, PendingStep, master_dtype
-from server.steps import Steps
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.protos.manifest import check_model_config
+from paramshard.server.captures import Captures
+from paramshard.server.contributions import Contributions
+from paramshard.server.errors import ShardError
+from paramshard.server.limits import MemoryBudget, slice_bytes
+from paramshard.server.optimizers import OptimizerError, make_optimizer
+from paramshard.server.slice_state import MASTER_DTYPES, PendingStep, master_dtype
+from paramshard.server.steps import Steps
 
 __all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
 
@@ -207,6 +207,6 @@ class BufferStore:
         return len(dropped)
 
     def status(self) -> list[pb.JobStatus]:
-        from server.status import job_status  # it reads the store: imported on use
+        from paramshard.server.status import job_status  # it reads the store: imported on use
 
         return job_status(self)

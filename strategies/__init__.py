@@ -3,12 +3,12 @@
 Knows models (torch) and talks to the servers only through ``client``.
 """
 
-from strategies.base import ShardedModelBase
-from strategies.config import ShardingConfiguration
-from strategies.data_parallel import DATA_PARALLEL
-from strategies.data_parallel.ddp import DDPModel
-from strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
-from strategies.data_parallel.optim import (
+from paramshard.strategies.base import ShardedModelBase
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.data_parallel import DATA_PARALLEL
+from paramshard.strategies.data_parallel.ddp import DDPModel
+from paramshard.strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
+from paramshard.strategies.data_parallel.optim import (
     DDPOptimizer,
     FSDPOptimizer,
     OptimizationInputData,
@@ -18,18 +18,18 @@ from strategies.data_parallel.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
-from strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
-from strategies.grad_scaler import ShardedGradScaler
-from strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
-from strategies.nonfinite import NonFiniteGradientError
-from strategies.pipeline import (
+from paramshard.strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
+from paramshard.strategies.grad_scaler import ShardedGradScaler
+from paramshard.strategies.hybrid import HybridShardedModel, HybridShardedOptimizer
+from paramshard.strategies.nonfinite import NonFiniteGradientError
+from paramshard.strategies.pipeline import (
     LoadBalancedPartitionStrategy,
     PipelineParallelModel,
     UniformPartitionStrategy,
     default_split_points,
 )
-from strategies.recovery import RecoveryReport, train_with_recovery
-from strategies.tensor import (
+from paramshard.strategies.recovery import RecoveryReport, train_with_recovery
+from paramshard.strategies.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,
     RowParallelLinear,
@@ -38,7 +38,7 @@ from strategies.tensor import (
     default_plan,
     parallelize_module,
 )
-from strategies.topology import Topology
+from paramshard.strategies.topology import Topology
 
 __all__ = [
     "ShardingConfiguration",

@@ -22,14 +22,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from client import restarts
-from protos import slicing
-from protos.manifest import MODEL_CONFIG_MAX_BYTES
-from strategies.config import ClientRank, ShardingConfiguration
-from strategies.layout import copy_flat_into, incompatible_keys, master_torch_dtype, to_master
-from strategies.losses import default_loss
-from strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
-from strategies.model_files import ModelFiles
+from paramshard.client import restarts
+from paramshard.protos import slicing
+from paramshard.protos.manifest import MODEL_CONFIG_MAX_BYTES
+from paramshard.strategies.config import ClientRank, ShardingConfiguration
+from paramshard.strategies.layout import (
+    copy_flat_into,
+    incompatible_keys,
+    master_torch_dtype,
+    to_master,
+)
+from paramshard.strategies.losses import default_loss
+from paramshard.strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
+from paramshard.strategies.model_files import ModelFiles
 
 __all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 

@@ -24,11 +24,11 @@ import re
 from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from protos.codec import master_dtype
-from protos.config_file import CONFIG_ENV, check_keys, read_config_file
+from paramshard.protos.codec import master_dtype
+from paramshard.protos.config_file import CONFIG_ENV, check_keys, read_config_file
 
 if TYPE_CHECKING:
-    from client import ShardClient
+    from paramshard.client import ShardClient
 
 __all__ = ["ShardingConfiguration", "DType", "MasterDType", "master_dtype"]
 
@@ -293,7 +293,7 @@ _FILE_FIELDS = tuple(f.name for f in fields(ShardingConfiguration) if f.name != 
 
 def _client_from_env() -> ShardClient:
     """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env)."""
-    from client import ClusterSpec, ShardClient
+    from paramshard.client import ClusterSpec, ShardClient
 
     spec = ClusterSpec.from_env()
     return ShardClient(spec, rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1))

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from protos import codec
-from strategies.layout import torch_dtype
+from paramshard.protos import codec
+from paramshard.strategies.layout import torch_dtype
 
 __all__ = ["to_host", "Outgoing", "Landing", "device_of", "device_name"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from strategies.nonfinite import NonFiniteGradientError
+from paramshard.strategies.nonfinite import NonFiniteGradientError
 
 __all__ = ["ShardedGradScaler"]
 

@@ -24,24 +24,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from protos.placement import part_job
-from strategies.base import _OWNERS, ShardedModelBase
-from strategies.config import ShardingConfiguration
-from strategies.data_parallel.optim import ShardedOptimizer, ZeRO1Optimizer
-from strategies.data_parallel.zero import ZeRO1Model
-from strategies.hybrid_checkpoints import HybridCheckpoints
-from strategies.layout import master_torch_dtype, norm_tensor, to_master
-from strategies.mixed_precision import outputs_for_loss
-from strategies.nonfinite import across_parts, name_parts, seen_by
-from strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
-from strategies.pipeline.materialize import InitWeights
-from strategies.tensor import (
+from paramshard.protos.placement import part_job
+from paramshard.strategies.base import _OWNERS, ShardedModelBase
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.data_parallel.optim import ShardedOptimizer, ZeRO1Optimizer
+from paramshard.strategies.data_parallel.zero import ZeRO1Model
+from paramshard.strategies.hybrid_checkpoints import HybridCheckpoints
+from paramshard.strategies.layout import master_torch_dtype, norm_tensor, to_master
+from paramshard.strategies.mixed_precision import outputs_for_loss
+from paramshard.strategies.nonfinite import across_parts, name_parts, seen_by
+from paramshard.strategies.pipeline import PartitionName, PipelineParallelModel, ScheduleName
+from paramshard.strategies.pipeline.materialize import InitWeights
+from paramshard.strategies.tensor import (
     gather_tensor_parallel_state,
     parallelize_module,
     tensor_parallel_part,
     tensor_parallel_splits,
 )
-from strategies.topology import Topology
+from paramshard.strategies.topology import Topology
 
 __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
 

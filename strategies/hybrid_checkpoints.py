@@ -28,7 +28,7 @@ class HybridCheckpoints:
         every part is written, tensor-parallel parts marked in their manifests.
         ``paramshard export --snapshot <dir>/<job>/<tag>`` puts the whole model back together.
         Every rank calls it at the same point; returns the version captured."""
-        from client import tools
+        from paramshard.client import tools
 
         world = self.config.client
         self.replica._ensure_idle()
@@ -44,7 +44,7 @@ class HybridCheckpoints:
         number changed) and continues from its step. All parts are checked on every server
         before any is swapped in, and "latest" is the newest tag every part has. Every rank
         calls it."""
-        from client import tools
+        from paramshard.client import tools
 
         replica, world = self.replica, self.config.client
         if not replica.registered:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from protos.manifest import ParamEntry
-from strategies.config import MasterDType, master_dtype
+from paramshard.protos.manifest import ParamEntry
+from paramshard.strategies.config import MasterDType, master_dtype
 
 __all__ = [
     "incompatible_keys",

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from strategies.config import ShardingConfiguration, master_dtype
-from strategies.layout import BufferSpec, dtype_name, flat_views, torch_dtype
+from paramshard.strategies.config import ShardingConfiguration, master_dtype
+from paramshard.strategies.layout import BufferSpec, dtype_name, flat_views, torch_dtype
 
 __all__ = [
     "compute_dtype",

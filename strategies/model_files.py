@@ -14,7 +14,7 @@ from typing import Any
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from protos.atomic import read_bytes, write_bytes
+from paramshard.protos.atomic import read_bytes, write_bytes
 
 __all__ = ["ModelFiles"]
 

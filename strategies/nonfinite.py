@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from client import NonFiniteGradientError
-from protos.placement import part_job
+from paramshard.client import NonFiniteGradientError
+from paramshard.protos.placement import part_job
 
 if TYPE_CHECKING:
-    from client import ShardClient
-    from strategies.topology import Topology
+    from paramshard.client import ShardClient
+    from paramshard.strategies.topology import Topology
 
 __all__ = [
     "NonFiniteGradientError",

@@ -46,12 +46,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from client import ShardClientError
-from protos import shard_pb2 as pb
-from strategies.data_parallel.sharded import ServerShardedModel
+from paramshard.client import ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 
 if TYPE_CHECKING:
-    from strategies.hybrid import HybridShardedModel
+    from paramshard.strategies.hybrid import HybridShardedModel
 
 __all__ = ["train_with_recovery", "RecoveryReport"]
 

@@ -32,8 +32,8 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from protos import shard_pb2 as pb
-from server.snapshots import Captured, encode_shard
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.snapshots import Captured, encode_shard
 
 __all__ = ["GUARDED", "DECOYS", "N", "Method", "Context", "methods", "make_request"]
 

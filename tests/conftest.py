@@ -28,10 +28,10 @@ from typing import Any
 
 import pytest
 
-import client.shm
-from client import ClusterSpec, ShardClient
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client import shm as client_shm
 from paramshard.local_cluster import RankFailed, run_in_threads
-from server import ShardServer
+from paramshard.server import ShardServer
 
 _runs = itertools.count()
 
@@ -76,7 +76,7 @@ TRANSPORTS = ("in-process", "shared-memory", "in-band", "unary")
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """How this test's payloads travel (module docstring)."""
     if request.param == "shared-memory":
-        monkeypatch.setattr(client.shm, "SHM_MIN_BYTES", 1)
+        monkeypatch.setattr(client_shm, "SHM_MIN_BYTES", 1)
     elif request.param in ("in-band", "unary"):
         monkeypatch.setenv("PARAMSHARD_SHM", "0")
     if request.param == "unary":

@@ -16,11 +16,11 @@ import torch
 from conftest import run_ranks
 from numerics import assert_equivalent
 
-from client import ClusterSpec, ShardClient, ShardClientError, tools
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from protos import shard_pb2 as pb
-from server import ShardServer
-from strategies import (
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
+from paramshard.strategies import (
     DATA_PARALLEL,
     ShardingConfiguration,
 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protos.atomic import atomic_write
+from paramshard.protos.atomic import atomic_write
 
 
 def test_a_write_replaces_the_file_whole(tmp_path):

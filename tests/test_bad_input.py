@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import ClusterSpec, ShardClient, ShardClientError, StepArgs
-from protos import codec
-from protos import shard_pb2 as pb
-from server import ShardServer
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
 
 METHODS = [
     "RegisterBuffer",

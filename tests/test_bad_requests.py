@@ -14,9 +14,9 @@ import pytest
 import test_bad_input
 from test_bad_input import BUF, CRASHES, JOB, NUMEL, make_client, rpc_error
 
-from client import ShardClient, ShardClientError, StepArgs
-from protos import codec
-from protos import shard_pb2 as pb
+from paramshard.client import ShardClient, ShardClientError, StepArgs
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
 
 server = test_bad_input.server  # the module's fixtures: one server with JOB/BUF
 c = test_bad_input.c

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
-from protos.slicing import slice_bounds
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
+from paramshard.protos.slicing import slice_bounds
 
 pytestmark = pytest.mark.usefixtures("transport")
 

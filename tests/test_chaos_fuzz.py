@@ -49,9 +49,9 @@ import numpy as np
 import pytest
 from chaos_requests import DECOYS, GUARDED, Context, FuzzRequest, Method, N, make_request, methods
 
-from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs, tools
-from protos import shard_pb2 as pb
-from server import MALLOC_ENV, auth
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs, tools
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import MALLOC_ENV, auth
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -90,8 +90,8 @@ def test_servers_killed_again_and_again(cluster_of):  # noqa: F811
 TRAIN = r"""
 import os, signal, sys
 import torch
-from client import restarts
-from strategies import ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
+from paramshard.client import restarts
+from paramshard.strategies import ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
 
 steps, out, plan = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)

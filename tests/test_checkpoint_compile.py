@@ -34,7 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ShardClient
 from paramshard import cli, commands, serve_setup
-from server import MALLOC_ENV
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.server import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 LISTENING = re.compile(r"^paramshard serve: listening on (\S+) \(device (\S+), pid (\d+)\)$")

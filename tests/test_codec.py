@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos import codec
-from protos import shard_pb2 as pb
-from protos.batches import decode_batch, encode_batch
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import decode_batch, encode_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 U32 = st.integers(0, 2**32 - 1)
@@ -413,7 +413,7 @@ def test_bf16_accepts_non_contiguous_and_float64_input() -> None:
 
 def test_generated_modules_match_proto() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "protos.generate", "--check"],
+        [sys.executable, "-m", "paramshard.protos.generate", "--check"],
         cwd=ROOT,
         capture_output=True,
         text=True,

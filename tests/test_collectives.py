@@ -22,8 +22,8 @@ from conftest import collective_worker, unique_id
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import ShardClient, ShardClientError
-from protos.slicing import slice_bounds
+from paramshard.client import ShardClient, ShardClientError
+from paramshard.protos.slicing import slice_bounds
 
 # (world size, number of servers): one server per rank for 1..5, and fewer servers than ranks
 WORLDS = [(1, 1), (2, 2), (3, 3), (4, 4), (5, 5), (3, 2)]
@@ -436,7 +436,7 @@ def test_send_to_self(transport_servers, run_ranks) -> None:
 
 
 def test_argument_errors_are_raised_before_any_call(transport_servers) -> None:
-    from client import ClusterSpec
+    from paramshard.client import ClusterSpec
 
     c = ShardClient(
         ClusterSpec(transport_servers[:2]), rank=0, world_size=2, run_id=unique_id(), timeout_s=2

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from strategies.config import ShardingConfiguration
+from paramshard.strategies.config import ShardingConfiguration
 
 
 @dataclasses.dataclass
@@ -128,7 +128,7 @@ def test_dtypes_resolve_per_buffer(param_dtype, reduce_dtype, compress, model, w
 
 
 def test_master_dtype_is_float64_only_for_float64() -> None:
-    from strategies.config import master_dtype
+    from paramshard.strategies.config import master_dtype
 
     assert master_dtype("float64") == master_dtype("torch.float64") == "float64"
     for other in ("float32", "bfloat16", "float16", "torch.float32"):
@@ -185,8 +185,8 @@ def test_presets() -> None:
 @pytest.fixture
 def client_module() -> Any:
     try:
-        import client
-        from client import ClusterSpec, ShardClient  # noqa: F401
+        from paramshard import client
+        from paramshard.client import ClusterSpec, ShardClient  # noqa: F401
     except ImportError as err:
         pytest.skip(f"client package not available yet ({err}); from_env cannot be tested")
     return client

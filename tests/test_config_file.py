@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import client as client_package
-from protos.config_file import CONFIG_ENV, read_config_file
-from strategies.config import ShardingConfiguration
+import paramshard.client as client_package
+from paramshard.protos.config_file import CONFIG_ENV, read_config_file
+from paramshard.strategies.config import ShardingConfiguration
 
 
 @dataclasses.dataclass

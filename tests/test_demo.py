@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import worker_env
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = GPTConfig.tiny(vocab_size=50)
@@ -22,7 +22,12 @@ CFG = GPTConfig.tiny(vocab_size=50)
 def _train(run_ranks, addresses, job, make_hooks, steps=8):
     """2 FSDP ranks in threads, train_with_recovery with the hooks ``make_hooks(rank)`` gives;
     returns each rank's (report, step_count, hooks)."""
-    from strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration, train_with_recovery
+    from paramshard.strategies import (
+        FSDPModel,
+        FSDPOptimizer,
+        ShardingConfiguration,
+        train_with_recovery,
+    )
 
     data = torch.randint(0, 50, (steps, 4, 9), generator=torch.Generator().manual_seed(0))
 

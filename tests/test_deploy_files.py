@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from paramshard import cli
-from server import MALLOC_ENV
+from paramshard.server import MALLOC_ENV
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: pip install pyyaml")
 
@@ -155,9 +155,12 @@ def test_cuda_image() -> None:
     assert exec_form(final_stage("Dockerfile.cuda"), "ENTRYPOINT")[-2:] == ["--device", "cuda:0"]
 
 
+PYPROJECT = (ROOT / "pyproject.toml").read_text()
+
+
 def pyproject_list(key: str) -> list[str]:
     """The strings of ``KEY = [...]`` in pyproject.toml (tomllib is not in Python 3.10)."""
-    match = re.search(rf"^{key} = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    match = re.search(rf"^{key} = \[(.*?)\]", PYPROJECT, re.M | re.S)
     assert match, f"no {key} in pyproject.toml"
     return re.findall(r'"([^"]+)"', match.group(1))
 
@@ -178,7 +181,8 @@ def test_trainer_image_pins_the_projects_torch() -> None:
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_images_copy_every_package_and_ignore_the_rest(name: str) -> None:
-    packages = {p.rstrip("*") for p in pyproject_list("include")}
+    dirs = re.search(r"^\[tool.setuptools.package-dir\]\n(.*?)\n\n", PYPROJECT, re.M | re.S)
+    packages = {"paramshard", *re.findall(r'= "([^"]+)"', dirs.group(1))}  # the folders installed
     copied = {
         source
         for keyword, rest in instructions(name)

@@ -20,10 +20,10 @@ import torch
 from numerics import assert_equivalent
 from test_strategies import batches, initial_state, train_rank, train_sharded, train_single
 
-from client import ClusterSpec, ShardClient, ShardClientError, StepArgs
 from paramshard import LocalCluster
-from server import backend
-from strategies.device import Landing, Outgoing
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs
+from paramshard.server import backend
+from paramshard.strategies.device import Landing, Outgoing
 
 SHARDED = ["zero1", "zero2", "fsdp"]  # DDP's buckets go through the collectives, not pushes
 

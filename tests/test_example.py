@@ -57,7 +57,8 @@ def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
     ],
 )  # fmt: skip
 def test_train_gpt_refuses_bad_arguments(argv, message, capsys, monkeypatch) -> None:
-    from examples import train_gpt
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python examples/train_gpt.py` does
+    import train_gpt
 
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit) as exc:

@@ -33,10 +33,10 @@ from snapshot_job import (
     wrap,
 )
 
-from client import ClusterSpec, ShardClient, tools
-from examples.gpt import GPT
+from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.models.gpt import GPT
+from paramshard.server import ShardServer
 from paramshard.tools_cli import export_snapshot
-from server import ShardServer
 
 
 @pytest.fixture(scope="module")
@@ -204,11 +204,9 @@ def test_write_safetensors_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
         def __exit__(self, *exc: object) -> None:
             self.f.close()
 
-    import protos.atomic  # where write_safetensors's file is opened (atomic_write)
+    from paramshard.protos import atomic  # where write_safetensors's file is opened (atomic_write)
 
-    monkeypatch.setattr(
-        protos.atomic, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False
-    )
+    monkeypatch.setattr(atomic, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False)
 
     def producer(i: int) -> Any:
         def produce() -> np.ndarray:

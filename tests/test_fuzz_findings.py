@@ -15,14 +15,14 @@ import pytest
 from chaos_requests import N
 from test_chaos_fuzz import TOKENS, client, metadata
 
-from client import tools
-from protos import shard_pb2 as pb
+from paramshard.client import tools
+from paramshard.protos import shard_pb2 as pb
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An in-process server with tokens and a job 'j' (buffer "w"), called over gRPC."""
-    from server import ShardServer
+    from paramshard.server import ShardServer
 
     tokens = {t: role for role, t in TOKENS.items()}
     snapshots = tmp_path_factory.mktemp("snapshots")
@@ -202,7 +202,7 @@ def test_client_tools_never_count_to_what_a_server_claims(server: Any) -> None:
     list(range(2**31)) in the client (the OOM killer took the fuzzer at 24 GB)."""
     import tracemalloc
 
-    from client.jobs import server_jobs
+    from paramshard.client.jobs import server_jobs
 
     admin = client(server.address)
     try:

@@ -24,12 +24,12 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ShardClient, ShardClientError
-from client.rpc import Call, RpcCore
 from paramshard import cli, commands
-from protos import shard_pb2 as pb
-from server.limits import buffer_bytes
-from server.optimizers import OPTIMIZERS
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client.rpc import Call, RpcCore
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.limits import buffer_bytes
+from paramshard.server.optimizers import OPTIMIZERS
 
 N = 64
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 from test_cli import ServeProcess, paramshard
 
-from client import ClusterSpec, ShardClient, ShardClientError
-from protos import shard_pb2 as pb
-from server import ShardServer
-from server.limits import default_memory_limit, host_memory, parse_bytes
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
+from paramshard.server.limits import default_memory_limit, host_memory, parse_bytes
 
 N = 1024
 

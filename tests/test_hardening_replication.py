@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from pki import make_pki
 
-from client import ClusterSpec, ShardClient, StepArgs, tools
-from client.rpc import ShardClientError
-from protos import shard_pb2 as pb
-from server import MALLOC_ENV, ShardServer, auth
-from server.servicer import SERVICE_NAME
-from server.snapshots import Captured, encode_shard
+from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server.servicer import SERVICE_NAME
+from paramshard.server.snapshots import Captured, encode_shard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ShardClient, tools
-from client.rpc import ShardClientError
-from protos import shard_pb2 as pb
+from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
 N = 12

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
 
-from client import ClusterSpec, ShardClient, StepArgs
-from protos import shard_pb2 as pb
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.protos import shard_pb2 as pb
 
 N = 8
 TOKENS = {"reader": "read", "trainer": "train", "admin": "admin"}

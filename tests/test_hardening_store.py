@@ -18,9 +18,9 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
-from client.rpc import Call
-from protos import shard_pb2 as pb
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs
+from paramshard.client.rpc import Call
+from paramshard.protos import shard_pb2 as pb
 
 N = 8
 

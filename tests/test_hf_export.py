@@ -29,15 +29,15 @@ from test_hf_float64 import batches, logits_loss
 from test_hf_llama import llama_config
 from test_strategies import STRATEGIES
 
-from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, tools
-from client.export_hf import export_hf
 from paramshard.cli import CommandError, main
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, tools
+from paramshard.client.export_hf import export_hf
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import MODEL_CONFIG_MAX_BYTES, new_manifest
+from paramshard.server.manifest_schema import ManifestError, check_manifest
+from paramshard.strategies import ShardingConfiguration
+from paramshard.strategies.base import hf_model_config
 from paramshard.tools_cli import _recorded_model, export_snapshot
-from protos import shard_pb2 as pb
-from protos.manifest import MODEL_CONFIG_MAX_BYTES, new_manifest
-from server.manifest_schema import ManifestError, check_manifest
-from strategies import ShardingConfiguration
-from strategies.base import hf_model_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -156,8 +156,8 @@ def test_cli_export_hf_live_offline_and_after_restore(servers, snapshot_root, tm
 
 def test_a_job_of_another_model_has_no_config(servers, tmp_path) -> None:
     """The example GPT is not a PreTrainedModel: nothing recorded, a clear error."""
-    from examples.gpt import GPT, GPTConfig
-    from strategies import ZeRO1Model, ZeRO1Optimizer
+    from paramshard.models.gpt import GPT, GPTConfig
+    from paramshard.strategies import ZeRO1Model, ZeRO1Optimizer
 
     (server,) = servers(1)
     client = ShardClient(ClusterSpec([server.address]))
@@ -233,7 +233,7 @@ def test_3d_job_exports_the_whole_model(servers, snapshot_root, tmp_path, model)
     from test_hybrid_any_model import MODELS as HYBRID_MODELS
     from test_hybrid_any_model import VOCAB, _inputs, _loss
 
-    from strategies import HybridShardedModel, HybridShardedOptimizer
+    from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer
 
     make, split, _, _ = HYBRID_MODELS[model]
     torch.manual_seed(0)

@@ -25,9 +25,9 @@ import torch
 from numerics import assert_equivalent
 from test_strategies import STRATEGIES
 
-from client import ClusterSpec, ShardClient
-from server import ShardServer
-from strategies import ShardingConfiguration
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.server import ShardServer
+from paramshard.strategies import ShardingConfiguration
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block  # noqa: E402

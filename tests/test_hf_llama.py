@@ -36,8 +36,8 @@ from test_hf_float64 import (
 from test_strategies import STRATEGIES
 from torch_twin import run_gloo
 
-from strategies import FSDPModel, ShardingConfiguration
-from strategies.data_parallel.fsdp import no_split_classes
+from paramshard.strategies import FSDPModel, ShardingConfiguration
+from paramshard.strategies.data_parallel.fsdp import no_split_classes
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,8 +84,8 @@ def test_hf_llama_in_float64_equals_single_process(strategy: str, one_torch_thre
 def test_fsdp_wraps_the_models_no_split_modules_by_default(servers) -> None:
     """No ``wrap``: a transformers model's blocks are the units; a model without
     ``_no_split_modules`` keeps today's default (one root unit)."""
-    from client import ClusterSpec, ShardClient
-    from examples.gpt import GPT, GPTConfig
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.models.gpt import GPT, GPTConfig
 
     (server,) = servers(1)
     client = ShardClient(ClusterSpec([server.address]))

@@ -15,11 +15,11 @@ import pytest
 import torch
 from numerics import assert_equivalent
 
-from client import ClusterSpec, ShardClient
-from examples.gpt import GPT, GPTConfig, lm_loss
-from protos import local_servers
-from server import ShardServer
-from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.models.gpt import GPT, GPTConfig, lm_loss
+from paramshard.protos import local_servers
+from paramshard.server import ShardServer
+from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
 
 STEPS, BATCH = 10, 8
 CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # bias=False: see test_strategies

@@ -15,9 +15,9 @@ import torch
 from numerics import assert_equivalent
 from test_pipeline_any_model import VOCAB, MyTransformer, lm_loss
 
-from client import ClusterSpec, ShardClient
-from server import ShardServer
-from strategies import (
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.server import ShardServer
+from paramshard.strategies import (
     ColwiseParallel,
     HybridShardedModel,
     HybridShardedOptimizer,

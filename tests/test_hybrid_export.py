@@ -25,14 +25,14 @@ from numerics import assert_equivalent
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from client import ClusterSpec, ShardClient, ShardClientError, tools
-from client.tensor_parts import parse_part_job
-from examples.gpt import GPT, GPTConfig, lm_loss
 from paramshard.cli import main
-from protos import shard_pb2 as pb
-from server import ShardServer
-from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
-from strategies.topology import Topology
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
+from paramshard.client.tensor_parts import parse_part_job
+from paramshard.models.gpt import GPT, GPTConfig, lm_loss
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
+from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+from paramshard.strategies.topology import Topology
 
 BATCH = 8
 FIRST, AGAIN = 3, 2  # steps before the checkpoint, steps after it (done twice)
@@ -491,9 +491,9 @@ def test_load_state_dict_round_trip_and_training_continues():
 def test_join_parts_inverts_the_split(ranks, dim, packed, unit):
     """Equal parts, and uneven ones (24 rows on 3 ranks by whole units, 3 blocks of 3 heads
     of 4 on 2 ranks: 2 + 1 heads of each)."""
-    from client.tensor_parts import PartParam, join_parts
-    from protos.manifest import ParamSplit
-    from strategies.tensor import tensor_parallel_part
+    from paramshard.client.tensor_parts import PartParam, join_parts
+    from paramshard.protos.manifest import ParamSplit
+    from paramshard.strategies.tensor import tensor_parallel_part
 
     rows = 36 if unit > 1 else 24
     whole = torch.randn(rows, 12) if dim == 0 else torch.randn(6, rows)
@@ -566,8 +566,8 @@ def test_uneven_heads_export_and_load_the_whole_model(tmp_path):
 
 
 def test_join_parts_refuses_parts_that_do_not_fit():
-    from client.tensor_parts import PartParam, PartsError, join_parts
-    from protos.manifest import ParamSplit
+    from paramshard.client.tensor_parts import PartParam, PartsError, join_parts
+    from paramshard.protos.manifest import ParamSplit
 
     def p(name: str, shape: tuple, t: int = 0, parts: int = 0) -> PartParam:
         cut = ParamSplit(0, parts, t) if parts > 1 else None

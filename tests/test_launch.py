@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from client import ClusterSpec, ShardClient
-from client.run_id import run_id_from_env
 from paramshard import cli
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client.run_id import run_id_from_env
 from paramshard.launch import read_token
-from server import MALLOC_ENV
+from paramshard.server import MALLOC_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_S = 90.0  # one launcher run: 2 servers + 2 ranks importing grpc and numpy on a busy machine
@@ -44,7 +44,7 @@ print("ENV " + json.dumps({"pid": os.getpid(), "argv": sys.argv[1:],
                           **{k: os.environ.get(k) for k in names}}), flush=True)
 if mode == "ok":
     import numpy as np
-    from client import ShardClient
+    from paramshard.client import ShardClient
     client = ShardClient.from_env(timeout_s=20.0)
     total = client.all_reduce(np.array([rank + 1.0], dtype=np.float32))
     client.close()

@@ -18,7 +18,7 @@ from test_trainer_restart import launch_env  # the same clean environment for la
 
 from paramshard import cli
 from paramshard.launch_files import RankLogs
-from protos.config_file import CONFIG_ENV
+from paramshard.protos.config_file import CONFIG_ENV
 
 RUN_S = 240.0  # 2 servers, 2 ranks importing torch, one restart importing it again; 2 busy cores
 pytestmark = pytest.mark.timeout(400)
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.timeout(400)
 TRAIN = r"""
 import os, sys
 import torch
-from client import restarts
-from strategies import ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
+from paramshard.client import restarts
+from paramshard.strategies import ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer
 
 torch.set_num_threads(1)
 config = ShardingConfiguration.from_env(timeout_s=90.0)  # job and accumulation: from the file

@@ -9,9 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from examples.gpt import GPT, Block, CharTokenizer, GPTConfig, get_batch, lm_loss, load_text
-from protos.slicing import slice_bounds
-from strategies.layout import (
+from paramshard.models.gpt import (
+    GPT,
+    Block,
+    CharTokenizer,
+    GPTConfig,
+    get_batch,
+    lm_loss,
+    load_text,
+)
+from paramshard.protos.slicing import slice_bounds
+from paramshard.strategies.layout import (
     ROOT,
     buffers_from_manifest,
     flat_views,

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from conftest import unique_id, worker_env
 
-from client import ClusterSpec, ShardClient, ShardClientError
-from client.leases import LEASE_TTL_ENV, Notice, RunState
-from protos import shard_pb2 as pb
-from server.errors import ShardError
-from server.leases import ISOLATED_GRACE_S, LeaseTable
-from server.pending import run_epoch
-from server.slots import SlotStore
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client.leases import LEASE_TTL_ENV, Notice, RunState
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.errors import ShardError
+from paramshard.server.leases import ISOLATED_GRACE_S, LeaseTable
+from paramshard.server.pending import run_epoch
+from paramshard.server.slots import SlotStore
 
 
 class Clock:
@@ -315,7 +315,7 @@ RANK_1 = textwrap.dedent(
     """
     import os, signal, sys
     import numpy as np
-    from client import ClusterSpec, ShardClient
+    from paramshard.client import ClusterSpec, ShardClient
     c = ShardClient(ClusterSpec([sys.argv[1]]), rank=1, world_size=2, run_id=sys.argv[2])
     if sys.argv[3] == "first life":
         c.all_reduce(np.ones(3, dtype=np.float32))

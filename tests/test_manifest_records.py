@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from client import ParamInfo
-from client.jobs import LiveParam, ParamRef
-from client.tensor_parts import PartParam, WholeParam
-from protos import placement
-from protos import shard_pb2 as pb
-from protos.manifest import ParamEntry, ParamSplit
-from strategies import layout
+from paramshard.client import ParamInfo
+from paramshard.client.jobs import LiveParam, ParamRef
+from paramshard.client.tensor_parts import PartParam, WholeParam
+from paramshard.protos import placement
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import ParamEntry, ParamSplit
+from paramshard.strategies import layout
 
 SPLIT = ParamSplit(dim=0, parts=2, index=1, packed=3, unit=4)
 

@@ -17,11 +17,11 @@ from test_hybrid_any_model import BATCH, MODELS, STEPS, T, _inputs, _loss, singl
 from test_pipeline_any_model import VOCAB, MyTransformer
 from torch import nn
 
-from client import ClusterSpec, ShardClient
-from server import ShardServer
-from strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
-from strategies.pipeline.materialize import WeightInit, initialize_model
-from strategies.pipeline.split import plan_stages
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.server import ShardServer
+from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer, ShardingConfiguration
+from paramshard.strategies.pipeline.materialize import WeightInit, initialize_model
+from paramshard.strategies.pipeline.split import plan_stages
 
 transformers = pytest.importorskip("transformers")
 pytestmark = [pytest.mark.usefixtures("one_torch_thread")]

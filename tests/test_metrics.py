@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ShardClient, StepArgs
-from client.rpc import ShardClientError
-from protos import shard_pb2 as pb
-from server import MALLOC_ENV, ShardServer
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import MALLOC_ENV, ShardServer
 
 parser = pytest.importorskip("prometheus_client.parser")
 

@@ -23,10 +23,10 @@ import torch
 from numerics import assert_equivalent, assert_within_twin, worst_deviation
 from torch import nn
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from protos import codec
-from server import ShardServer
-from strategies import (
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.protos import codec
+from paramshard.server import ShardServer
+from paramshard.strategies import (
     DATA_PARALLEL,
     DDPModel,
     DDPOptimizer,
@@ -390,7 +390,7 @@ def test_float16_overflow_skips_everywhere_and_backs_off(
 def test_hybrid_pipeline_stages_compute_in_param_dtype(run_ranks: Any, addrs: list[str]) -> None:
     """3D (two pipeline stages): each stage's replica is the bfloat16 working copy, so its
     layers compute in bfloat16, and state_dict() still gives the servers' float32 masters."""
-    from strategies import HybridShardedModel, HybridShardedOptimizer
+    from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer
 
     init = init_state(torch.float32)
     job = f"mp-hybrid-{uuid.uuid4().hex[:8]}"

@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import run_ranks, unique_id
 
-from client import (
+from paramshard.client import (
     ClusterSpec,
     GradCheck,
     NonFiniteGradientError,
@@ -28,7 +28,7 @@ from client import (
     ShardClientError,
     StepArgs,
 )
-from strategies import (
+from paramshard.strategies import (
     DATA_PARALLEL,
     HybridShardedModel,
     HybridShardedOptimizer,

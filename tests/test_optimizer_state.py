@@ -17,8 +17,8 @@ import pytest
 import torch
 from numerics import assert_equivalent
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from strategies import (
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.strategies import (
     FSDPModel,
     FSDPOptimizer,
     ShardingConfiguration,

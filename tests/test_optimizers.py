@@ -20,8 +20,14 @@ import pytest
 import torch
 from numerics import assert_within_twin
 
-from server import backend
-from server.optimizers import OPTIMIZERS, OptimizerError, ServerOptimizer, kernels, make_optimizer
+from paramshard.server import backend
+from paramshard.server.optimizers import (
+    OPTIMIZERS,
+    OptimizerError,
+    ServerOptimizer,
+    kernels,
+    make_optimizer,
+)
 
 NUMEL = 1001  # odd on purpose: exercises torch's vectorised loop tail
 STEPS = 100

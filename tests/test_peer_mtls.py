@@ -12,9 +12,9 @@ import pytest
 from pki import make_pki
 from test_hardening_replication import client_for, replicate_and_recover, serve_cli
 
-from protos import shard_pb2 as pb
-from server import ShardServer
-from server.servicer import SERVICE_NAME
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
+from paramshard.server.servicer import SERVICE_NAME
 
 pytestmark = pytest.mark.timeout(120)
 

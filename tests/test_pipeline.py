@@ -11,15 +11,15 @@ import torch
 from numerics import assert_equivalent
 from torch import nn
 
-from examples.gpt import GPT, GPTConfig, lm_loss
-from strategies.config import ShardingConfiguration
-from strategies.pipeline import (
+from paramshard.models.gpt import GPT, GPTConfig, lm_loss
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.pipeline import (
     PipelineParallelModel,
     balanced_partition,
     default_split_points,
     plan_stages,
 )
-from strategies.pipeline.schedules import (
+from paramshard.strategies.pipeline.schedules import (
     build_schedule,
     gpipe_schedule,
     one_f_one_b_schedule,
@@ -382,8 +382,8 @@ def test_interleaved_ranks_hold_every_pth_chunk(servers, run_ranks):
 
 
 def test_partition_and_schedule_names_are_lenient():
-    from strategies import LoadBalancedPartitionStrategy, UniformPartitionStrategy
-    from strategies.pipeline import partition_name, schedule_name
+    from paramshard.strategies import LoadBalancedPartitionStrategy, UniformPartitionStrategy
+    from paramshard.strategies.pipeline import partition_name, schedule_name
 
     for given in ("balanced", "load_balanced", "Load-Balanced", LoadBalancedPartitionStrategy):
         assert partition_name(given) == "balanced"

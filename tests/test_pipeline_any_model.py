@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from numerics import assert_equivalent
 from torch import nn
 
-from strategies.config import ShardingConfiguration
-from strategies.pipeline import PipelineParallelModel
-from strategies.pipeline.communications import pack, unpack
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.pipeline import PipelineParallelModel
+from paramshard.strategies.pipeline.communications import pack, unpack
 
 VOCAB = 40
 

@@ -15,8 +15,8 @@ import grpc
 import numpy as np
 import pytest
 
-from client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, tools
-from protos import shard_pb2 as pb
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, tools
+from paramshard.protos import shard_pb2 as pb
 
 
 def client_for(addresses: list[str], **kw) -> ShardClient:
@@ -110,15 +110,15 @@ def test_concurrent_registrations_agree_on_one_placement(servers, monkeypatch):
     calls with the first placement to land succeed, the others are refused, and the job has
     one placement on the server. Allocating a slice is slowed down (the server runs in this
     process), so every call is past the first check before any inserts its buffer."""
-    import server.store
+    from paramshard.server import store
 
-    made = server.store.BufferSlice.__init__
+    made = store.BufferSlice.__init__
 
     def slow(self, *a, **kw):
         time.sleep(0.05)
         made(self, *a, **kw)
 
-    monkeypatch.setattr(server.store.BufferSlice, "__init__", slow)
+    monkeypatch.setattr(store.BufferSlice, "__init__", slow)
     (node,) = servers(1)
     c = client_for([node.address])
     try:

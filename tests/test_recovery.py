@@ -23,12 +23,12 @@ import pytest
 import torch
 from numerics import assert_equivalent
 
-from client import ClusterSpec, ShardClient
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.client import ClusterSpec, ShardClient
 from paramshard.local_servers import LISTENING
-from protos import shard_pb2 as pb
-from protos.placement import replica_holder
-from strategies import (
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.placement import replica_holder
+from paramshard.strategies import (
     FSDPModel,
     FSDPOptimizer,
     HybridShardedModel,
@@ -324,7 +324,7 @@ def test_3d_job_recovers_from_a_killed_server(cluster_of):
     assert killed.is_set() and restarted_after, "the server was not killed and restarted"
     # after the recovery, checkpoint tags carry the epoch: a tag some parts committed before
     # the failure is never written again
-    from client import tools
+    from paramshard.client import tools
 
     c = ShardClient(ClusterSpec(addresses))
     try:
@@ -359,8 +359,8 @@ def test_3d_job_refuses_neighbour_replication():
 
 def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
     """``serve --snapshot-dir D --restore latest --index I`` comes back with its part."""
-    from client import tools
-    from server import ShardServer
+    from paramshard.client import tools
+    from paramshard.server import ShardServer
 
     snaps = tmp_path / "snaps"
     first = [ShardServer(snapshot_dir=str(snaps)).start() for _ in range(2)]

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from test_hardening_replication import TOKENS, client_for, refused
 
-from client import StepArgs, tools
-from client.shm import SHM_MIN_BYTES
-from protos import shard_pb2 as pb
-from server import auth
+from paramshard.client import StepArgs, tools
+from paramshard.client.shm import SHM_MIN_BYTES
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import auth
 
 pytestmark = pytest.mark.timeout(120)
 N = 100_000  # Adam: params + two moments of half of it, a 600 kB replica: one chunk

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client import ClusterSpec, ShardClient, StepArgs
-from client.rpc import ShardClientError
-from protos import shard_pb2 as pb
-from server import MALLOC_ENV, ShardServer, auth
-from server.servicer import SERVICE_NAME
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server.servicer import SERVICE_NAME
 
 x509 = pytest.importorskip("cryptography.x509")
 from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402

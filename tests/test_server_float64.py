@@ -19,12 +19,12 @@ import torch
 from numerics import assert_equivalent
 from test_optimizers import CASES, case_id, torch_optimizer
 
-from protos import shard_pb2 as pb
-from server import backend
-from server.errors import ShardError
-from server.optimizers import make_optimizer
-from server.slots import SlotStore
-from server.store import BufferStore
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.errors import ShardError
+from paramshard.server.optimizers import make_optimizer
+from paramshard.server.slots import SlotStore
+from paramshard.server.store import BufferStore
 
 NUMEL = 257
 

@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from client import ClusterSpec, ParamInfo, ShardClient, StepArgs
-from protos.slicing import slice_bounds
-from server import ShardServer
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, StepArgs
+from paramshard.protos.slicing import slice_bounds
+from paramshard.server import ShardServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARD = "paramshard.v1.Shard"
@@ -223,7 +223,7 @@ def test_client_and_protos_never_import_torch() -> None:
 @pytest.mark.cupy
 def test_cuda_server(servers) -> None:
     """The backend is chosen per process: switch back to NumPy for the other tests."""
-    from server import backend
+    from paramshard.server import backend
 
     (s,) = servers(1, device="cuda:0")
     c = ShardClient(ClusterSpec([s.address]), timeout_s=10)

@@ -20,11 +20,11 @@ from conftest import run_ranks
 from test_shm import client as shm_client
 from test_shm import open_segment, push
 
-from client import ClusterSpec, ShardClient
-from protos import codec
-from protos import shard_pb2 as pb
-from protos.batches import take_ready
-from server import ShardServer, sessions
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import take_ready
+from paramshard.server import ShardServer, sessions
 
 SESSION = "/paramshard.v1.Shard/Session"
 TOKENS = {"tok-train": "train", "tok-read": "read"}

@@ -22,10 +22,10 @@ from test_sessions import (
     read,
 )
 
-from client import ClusterSpec, ShardClient
-from protos import codec
-from protos import shard_pb2 as pb
-from server import ShardServer, sessions
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer, sessions
 
 
 @pytest.fixture

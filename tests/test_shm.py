@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 from conftest import run_ranks
 
-from client import ClusterSpec, ShardClient, StepArgs
-from protos import codec
-from protos import shard_pb2 as pb
-from server import ShardServer, shm
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer, shm
 
 N = 200_000  # 800 kB of float32: above SHM_MIN_BYTES, several chunks with chunk_bytes=256 KiB
 CHUNK_BYTES = 256 * 2**10

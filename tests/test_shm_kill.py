@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from conftest import worker_env
 
-from client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.local_servers import start_local_servers
-from server import ShardServer
+from paramshard.server import ShardServer
 
 N = 1_000_000  # 4 MB of float32: 16 chunks of 256 KiB, each through a segment
 CHUNK_BYTES = 256 * 2**10
@@ -81,7 +81,7 @@ def test_a_server_killed_mid_transfer_leaves_no_segment() -> None:
 CLIENT = """
 import sys, time
 import numpy as np
-from client import ClusterSpec, ShardClient
+from paramshard.client import ClusterSpec, ShardClient
 c = ShardClient(ClusterSpec([sys.argv[1]]), timeout_s=10, chunk_bytes={chunk})
 c.register_buffer("j", "w", {n})
 c.set_params("j", "w", np.ones({n}, np.float32))

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protos.slicing import (
+from paramshard.protos.slicing import (
     SlicePiece,
     chunk_ranges,
     pieces,
@@ -137,7 +137,7 @@ def test_tensor_parallel_ranges_take_a_slice_of_each_packed_block():
 
 
 def test_coverage_finds_overlaps_on_either_side_and_counts_disjoint_ranges() -> None:
-    from protos.slicing import Coverage
+    from paramshard.protos.slicing import Coverage
 
     c = Coverage()
     c.add(10, 5)  # [10, 15)

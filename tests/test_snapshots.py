@@ -44,10 +44,10 @@ from snapshot_job import (
     wrap,
 )
 
-from client import ClusterSpec, ShardClient, ShardClientError, tools
-from protos import shard_pb2 as pb
-from server import ShardServer
-from server.snapshots import SnapshotDir
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer
+from paramshard.server.snapshots import SnapshotDir
 
 
 # -- consistent snapshot, restore, resharding ---------------------------------------------------

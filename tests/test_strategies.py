@@ -21,10 +21,10 @@ import torch
 from numerics import assert_equivalent, assert_within_twin
 from torch_twin import run_gloo
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
 from paramshard import LocalCluster
-from protos import local_servers
-from strategies import (
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.protos import local_servers
+from paramshard.strategies import (
     DATA_PARALLEL,
     ShardingConfiguration,
 )

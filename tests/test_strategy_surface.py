@@ -20,10 +20,10 @@ import torch
 from numerics import assert_equivalent
 from torch import nn
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss
-from protos import slicing
-from server import ShardServer
-from strategies import (
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.protos import slicing
+from paramshard.server import ShardServer
+from paramshard.strategies import (
     DATA_PARALLEL,
     DDPModel,
     FSDPModel,

@@ -17,10 +17,10 @@ import pytest
 import strict_backend as strict
 from test_optimizers import CASES, case_id
 
-from client import ClusterSpec, ShardClient, StepArgs
-from protos import shard_pb2 as pb
-from server import backend
-from server.optimizers import make_optimizer
+from paramshard.client import ClusterSpec, ShardClient, StepArgs
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import backend
+from paramshard.server.optimizers import make_optimizer
 
 WIRES = ("float32", "float16", "bfloat16", "float64")
 

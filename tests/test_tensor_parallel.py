@@ -17,9 +17,9 @@ import torch
 from numerics import assert_equivalent
 from torch import nn
 
-from examples.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, lm_loss
-from strategies import ShardingConfiguration, TensorParallelModel
-from strategies.tensor import (
+from paramshard.models.gpt import GPT, MLP, CausalSelfAttention, GPTConfig, lm_loss
+from paramshard.strategies import ShardingConfiguration, TensorParallelModel
+from paramshard.strategies.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,
     RowParallelLinear,
@@ -30,9 +30,12 @@ from strategies.tensor import (
     tensor_parallel_part,
     tensor_parallel_splits,
 )
-from strategies.tensor.communications import copy_to_tensor_parallel, reduce_from_tensor_parallel
-from strategies.tensor.layers import part_ranges
-from strategies.topology import Topology
+from paramshard.strategies.tensor.communications import (
+    copy_to_tensor_parallel,
+    reduce_from_tensor_parallel,
+)
+from paramshard.strategies.tensor.layers import part_ranges
+from paramshard.strategies.topology import Topology
 
 TP_SIZES = [1, 2, 3]
 F64 = torch.float64

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor import parallel as torch_tp
 
-from strategies import ShardingConfiguration
-from strategies.tensor import (
+from paramshard.strategies import ShardingConfiguration
+from paramshard.strategies.tensor import (
     ColumnParallelLinear,
     ColwiseParallel,
     RowwiseParallel,
@@ -34,7 +34,7 @@ from strategies.tensor import (
     default_plan,
     parallelize_module,
 )
-from strategies.tensor.plans import matches
+from paramshard.strategies.tensor.plans import matches
 
 transformers = pytest.importorskip("transformers")
 

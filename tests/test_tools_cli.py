@@ -24,9 +24,9 @@ from snapshot_job import (
     wrap,
 )
 
-from client import ClusterSpec, ShardClient, tools
-from examples.gpt import GPT
-from server import ShardServer
+from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.models.gpt import GPT
+from paramshard.server import ShardServer
 
 STEPS = 3
 

@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from client import ClusterSpec, ShardClient
-from strategies.topology import GroupClients, Topology
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.strategies.topology import GroupClients, Topology
 
 SHAPES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (2, 3, 4), (3, 1, 2)]
 
@@ -167,7 +167,7 @@ def test_group_clients_run_collectives_in_each_group(servers, run_ranks):
 
 
 def _open_slots(addresses: list[str]) -> list[int]:
-    from protos import shard_pb2 as pb
+    from paramshard.protos import shard_pb2 as pb
 
     c = ShardClient(ClusterSpec(addresses))
     try:
@@ -180,7 +180,7 @@ def test_groups_use_their_members_own_servers(servers, run_ranks):
     """A group's client has its members' servers only: a pipeline send waits in the
     receiver's own server's mailbox (DESIGN section 1), and a buffer registered through a
     data-parallel group is sharded over that group's servers, slice k on member k's."""
-    from protos import shard_pb2 as pb
+    from paramshard.protos import shard_pb2 as pb
 
     topo = Topology(4, 2, 1, 2)  # pipeline groups [0, 2] and [1, 3]; data groups [0, 1], [2, 3]
     addresses = [s.address for s in servers(4)]
@@ -232,7 +232,7 @@ def test_a_group_on_fewer_servers_shares_them(servers, run_ranks):
 
 
 def test_ring_neighbours_wrap_around():
-    from strategies.topology import ring_neighbours
+    from paramshard.strategies.topology import ring_neighbours
 
     assert ring_neighbours(0, 3) == (2, 1) and ring_neighbours(2, 3) == (1, 0)
     assert ring_neighbours(0, 1) == (0, 0)

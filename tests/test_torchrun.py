@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.timeout(450), pytest.mark.equivalence]
 TRAIN = r"""
 import os, sys
 import torch
-from strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
 
 job, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 torch.set_num_threads(1)

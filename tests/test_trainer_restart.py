@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from client import ClusterSpec, ShardClient, restarts
+from paramshard.client import ClusterSpec, ShardClient, restarts
 from paramshard.restarts import RankRestarts
-from server import MALLOC_ENV
-from strategies import DDPModel, ShardingConfiguration, ZeRO2Model
+from paramshard.server import MALLOC_ENV
+from paramshard.strategies import DDPModel, ShardingConfiguration, ZeRO2Model
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_S = 180.0  # one launcher run: 2 servers, 2 ranks importing torch, one restart, 2 cores
@@ -33,9 +33,9 @@ pytestmark = pytest.mark.timeout(600)
 TRAIN = r"""
 import os, signal, sys, time
 import torch
-from client import restarts
-from strategies import (DDPModel, DDPOptimizer, FSDPModel, FSDPOptimizer, ShardingConfiguration,
-                        ZeRO2Model, ZeRO2Optimizer)
+from paramshard.client import restarts
+from paramshard.strategies import (DDPModel, DDPOptimizer, FSDPModel, FSDPOptimizer,
+                                   ShardingConfiguration, ZeRO2Model, ZeRO2Optimizer)
 
 strategy, steps, die_at, when, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:6]
 torch.set_num_threads(1)

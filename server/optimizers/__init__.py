@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from server.optimizers.adagrad import Adagrad
-from server.optimizers.adam import Adam, AdamW
-from server.optimizers.base import OptimizerError, ServerOptimizer
-from server.optimizers.rmsprop import RMSprop
-from server.optimizers.sgd import SGD
+from paramshard.server.optimizers.adagrad import Adagrad
+from paramshard.server.optimizers.adam import Adam, AdamW
+from paramshard.server.optimizers.base import OptimizerError, ServerOptimizer
+from paramshard.server.optimizers.rmsprop import RMSprop
+from paramshard.server.optimizers.sgd import SGD
 
 __all__ = ["OPTIMIZERS", "OptimizerError", "ServerOptimizer", "make_optimizer"]
 __all__ += ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop"]

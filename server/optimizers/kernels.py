@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from server import backend
+from paramshard.server import backend
 
 
 def scalar(value: float, like: Any) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from server.optimizers.base import ServerOptimizer
-from server.optimizers.kernels import add_scaled, scalar
+from paramshard.server.optimizers.base import ServerOptimizer
+from paramshard.server.optimizers.kernels import add_scaled, scalar
 
 
 class SGD(ServerOptimizer):

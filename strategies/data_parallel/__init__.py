@@ -2,9 +2,9 @@
 (``fsdp``), the server-sharded model they share (``sharded``) and the optimizer wrappers
 (``optim``)."""
 
-from strategies.data_parallel.ddp import DDPModel
-from strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
-from strategies.data_parallel.optim import (
+from paramshard.strategies.data_parallel.ddp import DDPModel
+from paramshard.strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
+from paramshard.strategies.data_parallel.optim import (
     DDPOptimizer,
     FSDPOptimizer,
     ShardedOptimizer,
@@ -12,8 +12,8 @@ from strategies.data_parallel.optim import (
     ZeRO2Optimizer,
     ZeRO3Optimizer,
 )
-from strategies.data_parallel.sharded import ServerShardedModel
-from strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
+from paramshard.strategies.data_parallel.sharded import ServerShardedModel
+from paramshard.strategies.data_parallel.zero import ZeRO1Model, ZeRO2Model
 
 __all__ = [
     "DATA_PARALLEL",

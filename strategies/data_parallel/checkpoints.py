@@ -14,7 +14,7 @@ class ServerCheckpoints:
         """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
         in each server's --snapshot-dir. Every rank calls it at the same point; returns the
         version captured."""
-        from client import tools
+        from paramshard.client import tools
 
         self._ensure_idle()
         version = self._step
@@ -26,7 +26,7 @@ class ServerCheckpoints:
     def load_checkpoint(self, tag: str = "latest") -> int:
         """Restores snapshot ``tag`` into the servers (resharded if their number changed) and
         continues from its step. Every rank calls it at the same point; returns that step."""
-        from client import tools
+        from paramshard.client import tools
 
         if not self.registered:
             raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
@@ -45,7 +45,7 @@ class ServerCheckpoints:
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
         Every rank calls it at the same point; returns the step to continue from."""
-        from client import tools
+        from paramshard.client import tools
 
         self._ensure_idle()
         self.client.barrier()  # every rank has dropped its half-done step
@@ -63,7 +63,7 @@ class ServerCheckpoints:
         return self._adopt_server_version()
 
     def _adopt_server_version(self) -> int:
-        from client import tools
+        from paramshard.client import tools
 
         versions = {b.version for b in tools.job_params(self.client, self.config.job)}
         if len(versions) != 1:

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import ShardedModelBase
-from strategies.config import ShardingConfiguration, master_dtype
-from strategies.layout import copy_flat_into, to_master, torch_dtype
-from strategies.mixed_precision import compute_dtype
-from strategies.nonfinite import nonfinite_grads, settle
+from paramshard.strategies.base import ShardedModelBase
+from paramshard.strategies.config import ShardingConfiguration, master_dtype
+from paramshard.strategies.layout import copy_flat_into, to_master, torch_dtype
+from paramshard.strategies.mixed_precision import compute_dtype
+from paramshard.strategies.nonfinite import nonfinite_grads, settle
 
 __all__ = ["DDPModel"]
 

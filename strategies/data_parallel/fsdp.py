@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.base import eager_hook
-from strategies.config import ShardingConfiguration
-from strategies.data_parallel.sharded import ServerShardedModel
-from strategies.layout import BufferSpec, flatten, torch_dtype
-from strategies.mixed_precision import cast_forward_inputs, compute_views
+from paramshard.strategies.base import eager_hook
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.data_parallel.sharded import ServerShardedModel
+from paramshard.strategies.layout import BufferSpec, flatten, torch_dtype
+from paramshard.strategies.mixed_precision import cast_forward_inputs, compute_views
 
 __all__ = ["FSDPModel", "ZeRO3Model", "held_bytes", "no_split_classes"]
 

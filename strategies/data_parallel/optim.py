@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from protos.atomic import read_bytes, write_bytes
-from strategies.base import ShardedModelBase, owner_of
-from strategies.config import ShardingConfiguration
+from paramshard.protos.atomic import read_bytes, write_bytes
+from paramshard.strategies.base import ShardedModelBase, owner_of
+from paramshard.strategies.config import ShardingConfiguration
 
 __all__ = [
     "ShardedOptimizer",

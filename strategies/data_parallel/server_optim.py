@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from strategies.device import Landing, device_of, to_host
-from strategies.layout import torch_dtype
+from paramshard.strategies.device import Landing, device_of, to_host
+from paramshard.strategies.layout import torch_dtype
 
 __all__ = ["TorchOptimizerState", "server_hyper", "server_optimizer"]
 

@@ -25,18 +25,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from client import GradCheck, StepArgs, restarts
-from protos.manifest import ParamSplit
-from strategies.base import ShardedModelBase, hf_model_config
-from strategies.config import ShardingConfiguration
-from strategies.data_parallel.checkpoints import ServerCheckpoints
-from strategies.data_parallel.server_optim import (
+from paramshard.client import GradCheck, StepArgs, restarts
+from paramshard.protos.manifest import ParamSplit
+from paramshard.strategies.base import ShardedModelBase, hf_model_config
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.data_parallel.checkpoints import ServerCheckpoints
+from paramshard.strategies.data_parallel.server_optim import (
     TorchOptimizerState,
     server_hyper,
     server_optimizer,
 )
-from strategies.device import Landing, Outgoing, device_of, to_host
-from strategies.layout import (
+from paramshard.strategies.device import Landing, Outgoing, device_of, to_host
+from paramshard.strategies.layout import (
     BufferSpec,
     flatten,
     norm_tensor,
@@ -44,8 +44,8 @@ from strategies.layout import (
     plan_units,
     torch_dtype,
 )
-from strategies.mixed_precision import gather_dtype
-from strategies.nonfinite import settle
+from paramshard.strategies.mixed_precision import gather_dtype
+from paramshard.strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
@@ -153,7 +153,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
                 flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
                 self.client.set_params(job, b.name, to_host(flat, flat.dtype), version=0)
         if self.config.replicate_every and self.rank == 0:
-            from client import tools
+            from paramshard.client import tools
 
             tools.configure_replication(self.client, job, self.config.replicate_every)
         self._after_register()

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strategies.base import eager_hook
-from strategies.config import ShardingConfiguration
-from strategies.data_parallel.sharded import ServerShardedModel
-from strategies.device import Outgoing
-from strategies.layout import BufferSpec, flatten, to_master, torch_dtype
-from strategies.mixed_precision import compute_views
+from paramshard.strategies.base import eager_hook
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.data_parallel.sharded import ServerShardedModel
+from paramshard.strategies.device import Outgoing
+from paramshard.strategies.layout import BufferSpec, flatten, to_master, torch_dtype
+from paramshard.strategies.mixed_precision import compute_views
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
 

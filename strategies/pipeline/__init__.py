@@ -3,8 +3,8 @@ placed by a partition (``partition.py``), run by a schedule (``schedules.py``), 
 activations through the servers' mailboxes (``communications.py``); ``model.py`` puts it
 together as ``PipelineParallelModel``."""
 
-from strategies.pipeline.model import PipelineParallelModel
-from strategies.pipeline.partition import (
+from paramshard.strategies.pipeline.model import PipelineParallelModel
+from paramshard.strategies.pipeline.partition import (
     LoadBalancedPartitionStrategy,
     PartitionName,
     UniformPartitionStrategy,
@@ -14,8 +14,8 @@ from strategies.pipeline.partition import (
     partition_name,
     uniform_partition,
 )
-from strategies.pipeline.schedules import ScheduleName, schedule_name
-from strategies.pipeline.split import StagePlan, plan_stages
+from paramshard.strategies.pipeline.schedules import ScheduleName, schedule_name
+from paramshard.strategies.pipeline.split import StagePlan, plan_stages
 
 __all__ = [
     "PipelineParallelModel",

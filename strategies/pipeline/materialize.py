@@ -54,8 +54,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from strategies.pipeline.split import StagePlan, meta_copy, plan_stages
-from strategies.pipeline.weights import (
+from paramshard.strategies.pipeline.split import StagePlan, meta_copy, plan_stages
+from paramshard.strategies.pipeline.weights import (
     WeightSource,
     blank,
     make_real,
@@ -64,8 +64,8 @@ from strategies.pipeline.weights import (
     put,
     take,
 )
-from strategies.tensor.gather import tensor_splits
-from strategies.tensor.layers import TensorSplit
+from paramshard.strategies.tensor.gather import tensor_splits
+from paramshard.strategies.tensor.layers import TensorSplit
 
 __all__ = ["InitWeights", "WeightInit", "init_steps", "initialize_model"]
 

@@ -29,24 +29,24 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from strategies.config import ShardingConfiguration
-from strategies.losses import default_loss
-from strategies.pipeline.batches import call_args, micro_batches
-from strategies.pipeline.communications import _LIKE, Mailroom, new_pools, pack, unpack
-from strategies.pipeline.materialize import InitWeights, WeightInit
-from strategies.pipeline.partition import PartitionName, default_split_points
-from strategies.pipeline.schedules import (
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.losses import default_loss
+from paramshard.strategies.pipeline.batches import call_args, micro_batches
+from paramshard.strategies.pipeline.communications import _LIKE, Mailroom, new_pools, pack, unpack
+from paramshard.strategies.pipeline.materialize import InitWeights, WeightInit
+from paramshard.strategies.pipeline.partition import PartitionName, default_split_points
+from paramshard.strategies.pipeline.schedules import (
     ScheduleName,
     build_schedule,
     schedule_name,
     theoretical_bubble_fraction,
 )
-from strategies.pipeline.split import plan_stages
-from strategies.pipeline.stages import RankStages
-from strategies.topology import ring_neighbours
+from paramshard.strategies.pipeline.split import plan_stages
+from paramshard.strategies.pipeline.stages import RankStages
+from paramshard.strategies.topology import ring_neighbours
 
 if TYPE_CHECKING:
-    from client import ShardClient
+    from paramshard.client import ShardClient
 
 __all__ = ["PipelineParallelModel"]
 

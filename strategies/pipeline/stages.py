@@ -10,7 +10,14 @@ from collections.abc import Callable
 
 from torch import nn
 
-from strategies.pipeline.split import OWN_STATE, StagePlan, StageRunner, Stub, meta_copy, units_of
+from paramshard.strategies.pipeline.split import (
+    OWN_STATE,
+    StagePlan,
+    StageRunner,
+    Stub,
+    meta_copy,
+    units_of,
+)
 
 __all__ = ["RankStages"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.tensor.layers import TensorSplit
+from paramshard.strategies.tensor.layers import TensorSplit
 
 __all__ = ["WeightSource", "blank", "make_real", "move_to", "named_tensors", "put", "take"]
 

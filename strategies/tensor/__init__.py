@@ -11,23 +11,23 @@
 - ``model``: ``TensorParallelModel``.
 """
 
-from strategies.tensor.communications import (
+from paramshard.strategies.tensor.communications import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
-from strategies.tensor.gather import (
+from paramshard.strategies.tensor.gather import (
     gather_tensor_parallel_grads,
     gather_tensor_parallel_state,
     tensor_parallel_part,
     tensor_parallel_splits,
     tensor_splits,
 )
-from strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorSplit
-from strategies.tensor.model import TensorParallelModel
-from strategies.tensor.plans import SHIPPED_PLANS, default_plan, parallelize_module
-from strategies.tensor.styles import HF_STYLES, ColwiseParallel, RowwiseParallel
+from paramshard.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, TensorSplit
+from paramshard.strategies.tensor.model import TensorParallelModel
+from paramshard.strategies.tensor.plans import SHIPPED_PLANS, default_plan, parallelize_module
+from paramshard.strategies.tensor.styles import HF_STYLES, ColwiseParallel, RowwiseParallel
 
 __all__ = [
     "ColwiseParallel",

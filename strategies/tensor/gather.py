@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.tensor.layers import (
+from paramshard.strategies.tensor.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorSplit,

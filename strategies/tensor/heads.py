@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from protos import slicing
+from paramshard.protos import slicing
 
-__all__ = ["PlannedSplit", "assign_units", "adjust_counts", "ADJUSTED"]
+__all__ = ["PlannedSplit", "assign_units", "adjust_counts", "ADJUSTED", "OWN_ADJUST"]
 
 HEAD_COUNT_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads")
 """Attributes that hold an attention module's (query) head count."""
@@ -146,10 +146,6 @@ def _adjust_gpt2(parent: nn.Module, local_heads: int, head_dim: int) -> None:
     parent.split_size = parent.embed_dim = local_heads * head_dim
 
 
-def _adjust_example_gpt(parent: nn.Module, local_heads: int, head_dim: int) -> None:
-    parent.n_head = local_heads
-
-
 @dataclass(frozen=True)
 class Family:
     """An attention class whose stored counts the project sets per rank."""
@@ -162,14 +158,23 @@ class Family:
 
 ADJUSTED: dict[str, Family] = {
     "transformers.models.gpt2.modeling_gpt2.GPT2Attention": Family(_adjust_gpt2),
-    "examples.gpt.CausalSelfAttention": Family(
-        _adjust_example_gpt, lambda m: m.c_attn.in_features // m.n_head
-    ),
 }
-"""Attention classes (and their subclasses) whose stored counts the project sets per rank."""
+"""Attention classes (and their subclasses) of other libraries whose stored counts the project
+sets per rank. A model of one's own sets them itself: see ``OWN_ADJUST``."""
+
+OWN_ADJUST = "set_tensor_parallel_heads"
+"""A module with this method (``(local_heads, head_dim) -> None``) sets its own counts after the
+split, as ``paramshard.models.gpt.CausalSelfAttention`` does; its ``head_dim`` attribute gives its
+head width."""
+
+
+def _own_adjust(parent: nn.Module, local_heads: int, head_dim: int) -> None:
+    getattr(parent, OWN_ADJUST)(local_heads, head_dim)
 
 
 def _family(parent: nn.Module) -> Family | None:
+    if callable(getattr(parent, OWN_ADJUST, None)):
+        return Family(_own_adjust)
     for cls in type(parent).__mro__:
         found = ADJUSTED.get(f"{cls.__module__}.{cls.__qualname__}")
         if found is not None:
@@ -216,5 +221,6 @@ def adjust_counts(
             f" tensor_parallel_size={parts}, {type(parent).__name__} keeps a head count or width"
             " that no longer matches its rank's part. Make its forward infer it from the local"
             " width (as Llama's view(*shape, -1, head_dim)) or set it per rank; the project"
-            f" adjusts only {', '.join(sorted(c.rsplit('.', 1)[1] for c in ADJUSTED))}"
+            f" adjusts {', '.join(sorted(c.rsplit('.', 1)[1] for c in ADJUSTED))} and modules"
+            f" with a {OWN_ADJUST}(local_heads, head_dim) method"
         )

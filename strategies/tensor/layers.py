@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protos import slicing
-from protos.manifest import ParamSplit
-from strategies.tensor.communications import (
+from paramshard.protos import slicing
+from paramshard.protos.manifest import ParamSplit
+from paramshard.strategies.tensor.communications import (
     copy_to_tensor_parallel,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,

@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.config import ShardingConfiguration
-from strategies.layout import incompatible_keys, norm_tensor
-from strategies.tensor.gather import (
+from paramshard.strategies.config import ShardingConfiguration
+from paramshard.strategies.layout import incompatible_keys, norm_tensor
+from paramshard.strategies.tensor.gather import (
     gather_tensor_parallel_state,
     tensor_parallel_part,
     tensor_splits,
 )
-from strategies.tensor.plans import parallelize_module
+from paramshard.strategies.tensor.plans import parallelize_module
 
 __all__ = ["TensorParallelModel"]
 

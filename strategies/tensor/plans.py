@@ -8,8 +8,10 @@ block). With no plan, a model's own is used (``default_plan``):
 1. a Hugging Face model's: ``config.base_model_tp_plan`` (its keys are relative to the base
    model, so a ``*ForCausalLM`` prefixes them with ``base_model_prefix``) plus the class's own
    ``_tp_plan`` (Llama's ``{"lm_head": "colwise_gather_output"}``);
-2. else a plan the project ships for a family it knows (``SHIPPED_PLANS``): the example GPT,
-   and Hugging Face GPT-2, for which transformers has none.
+2. else the base model class's own ``_tp_plan`` (keys relative to the base model, values our
+   styles or Hugging Face's strings), as ``paramshard.models.gpt.GPT`` carries one;
+3. else a plan the project ships for a family it knows (``SHIPPED_PLANS``): Hugging Face GPT-2,
+   for which transformers has none.
 
 A module whose weight is tied to another module's (an ``lm_head`` sharing the embedding,
 Press & Wolf, arXiv 1608.05859) stays replicated: splitting one of the two would untie them.
@@ -24,18 +26,17 @@ from typing import Any
 
 from torch import nn
 
-from strategies.tensor.heads import PlannedSplit, adjust_counts, assign_units
-from strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, layout_of
-from strategies.tensor.styles import ColwiseParallel, Replicated, RowwiseParallel, resolve_style
+from paramshard.strategies.tensor.heads import PlannedSplit, adjust_counts, assign_units
+from paramshard.strategies.tensor.layers import ColumnParallelLinear, RowParallelLinear, layout_of
+from paramshard.strategies.tensor.styles import (
+    ColwiseParallel,
+    Replicated,
+    RowwiseParallel,
+    resolve_style,
+)
 
 __all__ = ["SHIPPED_PLANS", "default_plan", "parallelize_module", "matches"]
 
-_GPT_PLAN = {
-    "blocks.*.attn.c_attn": ColwiseParallel(packed=3),
-    "blocks.*.attn.c_proj": RowwiseParallel(),
-    "blocks.*.mlp.c_fc": ColwiseParallel(),
-    "blocks.*.mlp.c_proj": RowwiseParallel(),
-}
 _GPT2_PLAN = {  # relative to GPT2Model; c_attn is a Conv1D holding q|k|v
     "h.*.attn.c_attn": ColwiseParallel(packed=3),
     "h.*.attn.c_proj": RowwiseParallel(),
@@ -43,7 +44,6 @@ _GPT2_PLAN = {  # relative to GPT2Model; c_attn is a Conv1D holding q|k|v
     "h.*.mlp.c_proj": RowwiseParallel(),
 }
 SHIPPED_PLANS: dict[str, dict[str, Any]] = {
-    "examples.gpt.GPT": _GPT_PLAN,
     "transformers.models.gpt2.modeling_gpt2.GPT2Model": _GPT2_PLAN,
 }
 """Base-model class -> its plan (keys relative to that base model), for models whose library
@@ -110,6 +110,8 @@ def default_plan(model: nn.Module) -> dict[str, Any]:
     if hf_plan:
         plan = {f"{prefix}{k}": v for k, v in hf_plan.items()}
         plan.update(getattr(type(model), "_tp_plan", None) or {})
+    elif getattr(type(base), "_tp_plan", None):
+        plan = {f"{prefix}{k}": v for k, v in type(base)._tp_plan.items()}
     else:
         for name in _class_name(base):
             if name in SHIPPED_PLANS:
@@ -118,7 +120,7 @@ def default_plan(model: nn.Module) -> dict[str, Any]:
     if not plan:
         raise ValueError(
             f"no tensor-parallel plan is known for {type(model).__name__} (no"
-            " config.base_model_tp_plan, not a family the project ships a plan for:"
+            " config.base_model_tp_plan, no _tp_plan, not a family the project ships a plan for:"
             f" {', '.join(sorted(n.rsplit('.', 1)[1] for n in SHIPPED_PLANS))}): pass"
             ' parallelize_plan={"blocks.*.attn.q": ColwiseParallel(), ...}'
         )

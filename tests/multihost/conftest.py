@@ -140,7 +140,7 @@ class NetLab(Namespaces):
 
     # ------------------------------------------------------------------ processes
     def env(self, **extra: str) -> dict[str, str]:
-        from server.app import MALLOC_ENV
+        from paramshard.server.app import MALLOC_ENV
 
         # Namespaces share /dev/shm and memory: a trainer and a server in two of them could
         # share segments if the abstract socket were reachable. It is not (abstract sockets are

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from examples.gpt import GPT, Block, GPTConfig, lm_loss, param_groups
+from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss, param_groups
 
 CFG = GPTConfig.tiny(vocab_size=50, bias=False)
 WORLD = 2
@@ -83,8 +83,8 @@ def _touch(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file, save_file
 
-    from client import ShardClient
-    from strategies import (
+    from paramshard.client import ShardClient
+    from paramshard.strategies import (
         FSDPModel,
         FSDPOptimizer,
         HybridShardedModel,

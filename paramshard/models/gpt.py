@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paramshard.strategies.tensor.styles import ColwiseParallel, RowwiseParallel
+
 __all__ = [
     "GPTConfig",
     "GPT",
@@ -86,6 +88,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
+        self.head_dim = config.n_embd // config.n_head
         # q, k and v in one Linear, as GPT-2 does: one matmul, one parameter to shard.
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
@@ -112,6 +115,11 @@ class CausalSelfAttention(nn.Module):
         att = self.attn_dropout(F.softmax(att, dim=-1))
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
         return self.resid_dropout(self.c_proj(y))
+
+    def set_tensor_parallel_heads(self, local_heads: int, head_dim: int) -> None:
+        """Under tensor parallelism this rank's ``c_attn`` holds ``local_heads`` heads (the
+        plan's ``set_tensor_parallel_heads`` hook, paramshard.strategies.tensor.heads)."""
+        self.n_head = local_heads
 
 
 class MLP(nn.Module):
@@ -145,6 +153,15 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """Token + position embeddings, ``n_layer`` blocks, final LayerNorm, output head."""
+
+    _tp_plan = {  # tensor parallelism by Megatron's heads (arXiv 1909.08053, §3), as GPT-2's
+        "blocks.*.attn.c_attn": ColwiseParallel(packed=3),  # q|k|v in one weight
+        "blocks.*.attn.c_proj": RowwiseParallel(),
+        "blocks.*.mlp.c_fc": ColwiseParallel(),
+        "blocks.*.mlp.c_proj": RowwiseParallel(),
+    }
+    """The model's own tensor-parallel plan (``default_plan`` reads it, as it reads a Hugging
+    Face model's ``_tp_plan``)."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
