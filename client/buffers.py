@@ -328,8 +328,8 @@ class FlatBuffers(RpcCore):
         self.run(Call(i, "Step", req) for i in range(self.num_servers))
 
     def step_if_finite(self, job: str, step: int, args: Mapping[str, StepArgs]) -> GradCheck:
-        """Both phases of a step (server/nonfinite.py): every server's ``grad_check``, then the
-        step applied on all of them, or skipped on all of them when any slice holds NaN or Inf
+        """Both phases of a step (server/buffers/nonfinite.py): every server's ``grad_check``, then
+        the step applied on all of them, or skipped on all of them when any slice holds NaN or Inf
         (``check.finite`` False; ``check.nonfinite`` says where). Returns the check."""
         check = self.grad_check(job, list(args), step)
         self.step(job, step, args, skip=not check.finite)

@@ -13,12 +13,12 @@ __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
 # DESIGN section 7: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
 # Reconnection backs off at most 5 s (grpc's default grows to 120 s): after a link cut every
-# rank is back within about 6 s, before a server takes a late one for lost (server/leases.py).
-# The first wait stays grpc's 1 s: a dead server then fails every retry of a call at once,
-# instead of some of a collective's calls reaching its empty restart and waiting there.
-# Each channel keeps its own connections (grpc shares them between channels to one address by
-# default): a channel left to a stopped server, backing off, must not fail the calls of a new
-# client whose server got the same port (seen in CI as "Connection refused" from a live server).
+# rank is back within about 6 s, before a server takes a late one for lost
+# (server/collectives/leases.py). The first wait stays grpc's 1 s: a dead server then fails every
+# retry of a call at once, instead of some of a collective's calls reaching its empty restart and
+# waiting there. Each channel keeps its own connections (grpc shares them between channels to one
+# address by default): a channel left to a stopped server, backing off, must not fail the calls of a
+# new client whose server got the same port (seen in CI as "Connection refused" from a live server).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),

@@ -1,10 +1,10 @@
 """A rank's lease on the servers: the other ranks learn in about two seconds that it is gone.
 
-Every client of a multi-rank run holds a lease on each of its servers (server/leases.py),
-renewed every ``RENEW_S`` by one thread per process, so it works the same under ``paramshard
-launch``, torchrun, ``LocalCluster`` threads or a script of your own. A lease lapses
-``PARAMSHARD_LEASE_TTL_S`` (default 2 s) after its last renewal; raise it for scripts that hold
-Python's GIL longer than that (the renewing thread needs it).
+Every client of a multi-rank run holds a lease on each of its servers
+(server/collectives/leases.py), renewed every ``RENEW_S`` by one thread per process, so it works the
+same under ``paramshard launch``, torchrun, ``LocalCluster`` threads or a script of your own. A
+lease lapses ``PARAMSHARD_LEASE_TTL_S`` (default 2 s) after its last renewal; raise it for scripts
+that hold Python's GIL longer than that (the renewing thread needs it).
 
 When a server says the run's epoch was aborted (a rank's lease lapsed, or a rank gave up the
 epoch after losing a server: ``RunState.give_up``), the client *cancels its calls in flight*

@@ -22,9 +22,9 @@ from paramshard.client.cluster import ClusterSpec
 from paramshard.client.leases import WAITS_ON_PEERS, RunState
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
-from paramshard.client.shm import Segment, SharedMemory, is_stale
 from paramshard.protos import codec, local_servers
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.shm import Segment, SharedMemory, is_stale
 
 __all__ = [
     "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT"
@@ -37,7 +37,7 @@ CPU end to end, so fewer, larger messages move faster, up to grpcio's 4-16 MiB s
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 BUSY_MARK = "retry later"
-"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/admission.py: too
+"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/rpc/admission.py: too
 many waiting calls at once), not out of memory or past a size limit, which is final."""
 
 
@@ -88,7 +88,7 @@ _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
 
 
 class _ShmFuture:
-    """A call whose payload or reply is in a shared segment (client/shm.py): a failure
+    """A call whose payload or reply is in a shared segment (protos/shm.py): a failure
     retires the segment; ``settle`` gives it back after the reply was used."""
 
     def __init__(self, fut: Any, shm: SharedMemory, seg: Segment) -> None:
@@ -169,7 +169,7 @@ class RpcCore:
         self._local_calls: weakref.WeakSet[LocalFuture] = weakref.WeakSet()
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
-        # payloads to servers on this host (client/shm.py)
+        # payloads to servers on this host (protos/shm.py)
         self.shm = SharedMemory(chunk_bytes, max_in_flight, shared_memory)
         self.sessions = Sessions(sessions)  # one stream per server for the data plane
 

@@ -105,12 +105,12 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     print(f"paramshard: warning: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------ the cluster and tables, for client commands
-def _cluster_spec(servers: str | None) -> ClusterSpec:
+def cluster_spec(servers: str | None) -> ClusterSpec:
     """The cluster as ``paramshard launch`` describes it in the environment (token, TLS files),
     with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given."""
     from paramshard.client import ClusterSpec
@@ -133,7 +133,7 @@ def _cluster_spec(servers: str | None) -> ClusterSpec:
             os.environ["PARAMSHARD_SERVERS"] = saved
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]) -> str:
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -145,7 +145,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozens
     return "\n".join([line(headers), *(line(row) for row in rows)])
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -153,7 +153,7 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _duration(seconds: float) -> str:
+def human_duration(seconds: float) -> str:
     s = int(seconds)
     if s < 60:
         return f"{s}s"

@@ -33,6 +33,8 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
+from paramshard.local_ranks import RankFailed, rank_config
+
 __all__ = ["LocalCluster", "RankFailed", "run_in_threads"]
 
 T = TypeVar("T")
@@ -42,18 +44,6 @@ RUN_TIMEOUT_S = 3600.0
 GRACE_S = 10.0
 """After a rank fails, how long the other thread ranks get to end (their pending calls fail
 once their clients are closed, or at their own deadline)."""
-
-
-class RankFailed(RuntimeError):
-    """A rank raised. ``rank`` says which; ``error`` (also ``__cause__``) is what it raised."""
-
-    def __init__(self, rank: int, world_size: int, error: BaseException, detail: str = "") -> None:
-        super().__init__(
-            f"rank {rank} of {world_size} failed: {type(error).__name__}: {error}{detail}"
-        )
-        self.rank = rank
-        self.world_size = world_size
-        self.error = error
 
 
 def run_in_threads(
@@ -268,35 +258,6 @@ class LocalCluster:
             )
         finally:
             close_clients()
-
-
-def rank_config(
-    addresses: Sequence[str], rank: int, world_size: int, run_id: str, fields: Mapping[str, Any]
-) -> Any:
-    """Rank ``rank``'s ShardingConfiguration: a client of its own, the call deadline from the
-    configuration's ``timeout_s``."""
-    from paramshard.client import ClusterSpec, ShardClient
-    from paramshard.strategies.config import ShardingConfiguration
-
-    timeout = fields.get("timeout_s", _default("timeout_s"))
-    client = ShardClient(
-        ClusterSpec(list(addresses)),
-        rank=rank,
-        world_size=world_size,
-        run_id=run_id,
-        timeout_s=timeout,
-    )
-    try:
-        return ShardingConfiguration(client, **fields)
-    except BaseException:
-        client.close()
-        raise
-
-
-def _default(name: str) -> Any:
-    from paramshard.strategies.config import ShardingConfiguration
-
-    return next(f.default for f in dataclasses.fields(ShardingConfiguration) if f.name == name)
 
 
 def _checked_fields(fields: Mapping[str, Any], world_size: int) -> dict[str, Any]:

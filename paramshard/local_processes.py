@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from paramshard.local_cluster import RankFailed, rank_config
+from paramshard.local_ranks import RankFailed, rank_config
 
 __all__ = ["RemoteTraceback", "run_in_processes", "pickled_fn"]
 

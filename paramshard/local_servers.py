@@ -67,9 +67,9 @@ def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) ->
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from paramshard.commands import _cluster_spec
+    from paramshard.commands import cluster_spec
 
-    spec = _cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
+    spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
     if token:
         spec.token = token
     deadline = time.monotonic() + timeout

@@ -8,26 +8,25 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from paramshard.commands import (
     EXIT_FAILURE,
     EXIT_USAGE,
     CommandError,
-    _cluster_spec,
-    _warn,
     arg,
+    cluster_spec,
     command,
     non_negative,
     port_number,
     positive,
     positive_int,
+    warn,
 )
 from paramshard.serve_setup import (
-    check_exposure,
     is_loopback,
     join_host_port,
-    read_file,
     reexec_with_malloc_env,
     restore_at_start,
 )
@@ -207,81 +206,81 @@ def serve(args: argparse.Namespace) -> int:
     """
     reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise CommandError("--tls-cert and --tls-key go together", EXIT_USAGE)
-    if args.tls_ca is not None and args.tls_cert is None:
-        raise CommandError(
-            "--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key", EXIT_USAGE
-        )
-    if args.peer_ca is not None and args.tls_cert is None:
-        raise CommandError(
-            "--peer-ca checks the other servers' TLS certificates: it needs --tls-cert and"
-            " --tls-key",
-            EXIT_USAGE,
-        )
-    if args.peer_identity and args.tls_ca is None:
-        raise CommandError(
-            "--peer-identity names client certificates: it needs mutual TLS (--tls-ca)",
-            EXIT_USAGE,
-        )
-    tls = args.tls_cert is not None
-    exposed = check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
-    tls_files = {
-        name: read_file(path, flag)
-        for name, path, flag in (
-            ("tls_cert", args.tls_cert, "--tls-cert"),
-            ("tls_key", args.tls_key, "--tls-key"),
-            ("tls_ca", args.tls_ca, "--tls-ca"),
-            ("peer_tls_ca", args.peer_ca, "--peer-ca"),
-        )
-        if path is not None
-    }
 
-    from paramshard.server import ShardServer, backend
-    from paramshard.server.auth import load_token_file, token_file_is_private
+    from paramshard.server import ShardServer
+    from paramshard.server.config import (
+        BoundsConfig,
+        CallLimits,
+        SecurityConfig,
+        ServerConfig,
+        as_flags,
+    )
+    from paramshard.server.rpc.admission import default_reserved
+    from paramshard.server.rpc.auth import load_token_file, token_file_is_private
+    from paramshard.server.runtime import backend
 
-    tokens = None
+    tokens = {}
     if args.token_file is not None:
         try:
             tokens = load_token_file(args.token_file)
         except (OSError, ValueError) as exc:
             raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
         if not token_file_is_private(args.token_file):
-            _warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+            warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+    pem = {  # read by SecurityConfig, after it checked which go together
+        name: Path(path)
+        for name, path in (
+            ("tls_cert", args.tls_cert),
+            ("tls_key", args.tls_key),
+            ("tls_ca", args.tls_ca),
+            ("peer_tls_ca", args.peer_ca),
+        )
+        if path is not None
+    }
+    try:
+        config = ServerConfig(
+            host=host,
+            port=args.port,
+            device=args.device,
+            snapshot_dir=args.snapshot_dir,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            security=SecurityConfig(
+                tokens=tokens,
+                insecure=args.insecure,
+                peer_identities=tuple(args.peer_identity),
+                **pem,
+            ),
+            bounds=BoundsConfig(
+                max_memory=args.max_memory,
+                max_job_bytes=int(args.max_job_gb * 2**30),
+                max_receive_bytes=int(args.max_receive_mb * 2**20),
+                max_wait_s=args.max_wait_s,
+                pending_ttl_s=args.pending_ttl,
+            ),
+            threads=CallLimits(
+                workers=args.workers,
+                reserved=args.reserved_workers or default_reserved(args.workers),
+                max_waiting_read=args.max_waiting_read,
+                max_streams=args.max_streams,
+                max_sessions=args.max_sessions,
+            ),
+        )
+    except ValueError as exc:
+        raise CommandError(as_flags(str(exc)), EXIT_USAGE) from None
 
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     listen = join_host_port(host or "0.0.0.0", args.port)
     try:
-        server = ShardServer(
-            host,
-            args.port,
-            device=args.device,
-            max_workers=args.workers,
-            reserved_workers=args.reserved_workers,
-            max_waiting_read=args.max_waiting_read,
-            max_streams=args.max_streams,
-            max_sessions=args.max_sessions,
-            max_wait_s=args.max_wait_s,
-            max_receive_bytes=int(args.max_receive_mb * 2**20),
-            max_job_bytes=int(args.max_job_gb * 2**30),
-            max_memory=args.max_memory,
-            pending_ttl_s=args.pending_ttl,
-            tokens=tokens,
-            insecure=args.insecure,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            snapshot_dir=args.snapshot_dir,
-            peer_identities=args.peer_identity,
-            **tls_files,
-        )
+        server = ShardServer(config=config)
     except backend.BackendError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except ImportError as exc:  # --metrics-port without prometheus_client
         raise CommandError(str(exc), EXIT_USAGE) from None
     except ValueError as exc:  # PEM that is not PEM, and the like
-        raise CommandError(str(exc), EXIT_USAGE) from None
+        raise CommandError(as_flags(str(exc)), EXIT_USAGE) from None
     except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
         raise CommandError(f"cannot listen on {listen}: {exc}") from None
 
@@ -300,13 +299,13 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as exc:  # the metrics port is taken
             raise CommandError(str(exc)) from None
         address = join_host_port(host or "0.0.0.0", server.port)
-        if exposed:
-            _warn(
+        if server.exposed:
+            warn(
                 f"listening on {address} with no TLS and no token (--insecure): anyone who"
                 " can reach this port can read or overwrite the model"
             )
-        elif tokens and not tls and not is_loopback(host):
-            _warn(
+        elif tokens and not server.tls and not is_loopback(host):
+            warn(
                 f"listening on {address} with tokens but no TLS: tokens and the model travel"
                 " in clear text (add --tls-cert/--tls-key)"
             )
@@ -359,7 +358,7 @@ def health(args: argparse.Namespace) -> int:
     if "," in args.address:
         raise CommandError(f"one address, not a list: {args.address!r}")
     try:
-        spec = _cluster_spec(args.address)
+        spec = cluster_spec(args.address)
     except CommandError as exc:
         raise CommandError(str(exc)) from None
     address = spec.addresses[0]

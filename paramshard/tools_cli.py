@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paramshard.commands import EXIT_USAGE, CommandError, _cluster_spec, _table, arg, command
+from paramshard.commands import EXIT_USAGE, CommandError, arg, cluster_spec, command, table
 
 SERVERS = arg("--servers", metavar="HOST:PORT,...", help="servers (default: $PARAMSHARD_SERVERS)")
 JSON = arg("--json", action="store_true", help="print JSON instead of a table")
@@ -22,7 +22,7 @@ JSON = arg("--json", action="store_true", help="print JSON instead of a table")
 def _client(args: argparse.Namespace) -> Any:
     from paramshard.client import ShardClient
 
-    return ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=2)
+    return ShardClient(cluster_spec(args.servers), timeout_s=args.timeout, retries=2)
 
 
 TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s (default 120)")
@@ -65,7 +65,7 @@ def inspect(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(
-        _table(
+        table(
             ["NAME", "SHAPE", "DTYPE", "SERVERS", "VERSION", "NORM", "MIN", "MAX", "FINITE"],
             table,
             frozenset({4, 5, 6, 7}),
@@ -137,7 +137,7 @@ def snapshots(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(
-        _table(
+        table(
             ["JOB", "TAG", "VERSION", "SERVERS", "PARTS"],
             [
                 [
@@ -224,8 +224,8 @@ def export_snapshot(
     shard's checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
     ``<job>.pp<s>.tp<t>/<tag>``), the whole model, joined from every part's snapshot."""
     from paramshard.client.tensor_parts import find_parts
-    from paramshard.server.errors import ShardError
-    from paramshard.server.snapshots import SnapshotDir
+    from paramshard.server.runtime.errors import ShardError
+    from paramshard.server.snapshots.files import SnapshotDir
 
     folder = folder.resolve()
     snaps = SnapshotDir(folder.parent.parent)

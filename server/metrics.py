@@ -9,11 +9,11 @@ Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
 - ``paramshard_held_bytes{kind}``: params / grads / optimizer / slots held now;
 - ``paramshard_memory_reserved_bytes{kind}`` and ``paramshard_memory_limit_bytes``: what is
   reserved against the server's memory limit (buffers / staging / slots / replicas, see
-  server/limits.py) and the limit itself (``--max-memory``; 0: none);
+  server/runtime/limits.py) and the limit itself (``--max-memory``; 0: none);
 - ``paramshard_last_step_seconds{job,buffer}`` and ``paramshard_buffer_version{job,buffer}``:
   the duration of each buffer slice's latest optimizer step and its version;
 - ``paramshard_skipped_steps_total{job,buffer}``: steps skipped because their reduced gradient
-  held NaN or Inf (server/nonfinite.py);
+  held NaN or Inf (server/buffers/nonfinite.py);
 - ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
   the ``process_*`` metrics (memory, CPU, file descriptors) of the server process.
 
@@ -43,7 +43,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shard server metrics need the prometheus-client package: pip install prometheus-client"
     ) from exc
 
-from paramshard.server.servicer import SERVICE_NAME
+from paramshard.server.rpc.auth import SERVICE_NAME
 
 if TYPE_CHECKING:
     from paramshard.server.servicer import ShardServicer
@@ -172,7 +172,7 @@ class ServerMetrics:
     def observe(
         self, method: str, code: grpc.StatusCode, seconds: float, received: int, sent: int
     ) -> None:
-        """One call of a session (server/sessions.py), counted as its unary twin would be
+        """One call of a session (server/transport/sessions.py), counted as its unary twin would be
         (the session's frames count under ``Session`` too)."""
         self.latency.labels(method, code.name).observe(seconds)
         self.request_bytes.labels(method).inc(received)

@@ -21,19 +21,19 @@ from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
-from paramshard.server import backend
-from paramshard.server.auth import SERVICE_NAME  # one name for the service: the proto's
-from paramshard.server.errors import ShardError
-from paramshard.server.leases import LeaseTable
-from paramshard.server.limits import MemoryBudget
-from paramshard.server.nonfinite import grad_norm_reply, step_reply
-from paramshard.server.parsers import Malformed, plain, tensor, tensor_reply
-from paramshard.server.replication import Replicator
-from paramshard.server.shm import SegmentRegistry
-from paramshard.server.slots import SlotStore
-from paramshard.server.snapshots import SnapshotDir
+from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
+from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.collectives.leases import LeaseTable
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.replication.replicator import Replicator
+from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service: the proto's
+from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshots.files import SnapshotDir
 from paramshard.server.status import status_reply
-from paramshard.server.store import BufferSlice, BufferStore
+from paramshard.server.transport.shm import SegmentRegistry
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
@@ -56,7 +56,7 @@ class ShardServicer:
         pending_ttl_s: float = 600.0,
     ) -> None:
         """``max_memory``: bytes this server may hold for its callers (0: no limit, see
-        server/limits.py); ``pending_ttl_s``: slots and mailboxes untouched that long expire
+        server/runtime/limits.py); ``pending_ttl_s``: slots and mailboxes untouched that long expire
         (``SlotStore.expire``, run by the server's sweeper)."""
         self.budget = MemoryBudget(max_memory)
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
@@ -161,7 +161,7 @@ class ShardServicer:
         "SetParams": "set_params",
     }
     """The data-plane methods a client in this process may run directly (``call_local``), and
-    that sessions carry (``session_handlers``, server/sessions.py)."""
+    that sessions carry (``session_handlers``, server/transport/sessions.py)."""
 
     def call_local(
         self, method: str, request: Any, context: Any, device_reply: bool = False
@@ -200,7 +200,8 @@ class ShardServicer:
 
     def may_wait(self, method: str, request: Any) -> bool:
         """Whether a call may wait for other callers (False: what it asks for is here now, or
-        it fails at once). A peek without locks, for the admission gate (server/admission.py)."""
+        it fails at once). A peek without locks, for the admission gate
+        (server/rpc/admission.py)."""
         if isinstance(request, Malformed):
             return False
         if method == "PullParams":
@@ -244,7 +245,7 @@ class ShardServicer:
 
     def step(self, req: pb.StepRequest, context: Any) -> Any:
         slices = [(self.buffers.get(req.job, s.buffer), s.args) for s in req.buffers]
-        return step_reply(slices, req, self._timeout(context))  # server/nonfinite.py
+        return step_reply(slices, req, self._timeout(context))  # server/buffers/nonfinite.py
 
     # -- slots ---------------------------------------------------------------------------
     def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:

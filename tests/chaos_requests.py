@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.snapshots import Captured, encode_shard
+from paramshard.server.snapshots.files import Captured, encode_shard
 
 __all__ = ["GUARDED", "DECOYS", "N", "Method", "Context", "methods", "make_request"]
 

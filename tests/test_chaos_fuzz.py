@@ -51,7 +51,8 @@ from chaos_requests import DECOYS, GUARDED, Context, FuzzRequest, Method, N, mak
 
 from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, auth
+from paramshard.server import MALLOC_ENV
+from paramshard.server.rpc import auth
 
 pytestmark = pytest.mark.timeout(900)
 

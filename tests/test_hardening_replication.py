@@ -22,9 +22,10 @@ from pki import make_pki
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server import MALLOC_ENV, ShardServer
+from paramshard.server.rpc import auth
 from paramshard.server.servicer import SERVICE_NAME
-from paramshard.server.snapshots import Captured, encode_shard
+from paramshard.server.snapshots.files import Captured, encode_shard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,5 +1,5 @@
-"""Trainer leases and abort notices (server/leases.py, client/leases.py): a rank that dies is
-noticed through the servers in about a lease's TTL, not at a call deadline.
+"""Trainer leases and abort notices (server/collectives/leases.py, client/leases.py): a rank that
+dies is noticed through the servers in about a lease's TTL, not at a call deadline.
 
 The table's rules are checked with a fake clock (no sleeping, no timing); the end-to-end tests
 kill a real rank process with SIGKILL and check that its peer's waiting call ends with the
@@ -23,10 +23,10 @@ from conftest import unique_id, worker_env
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.leases import LEASE_TTL_ENV, Notice, RunState
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
-from paramshard.server.leases import ISOLATED_GRACE_S, LeaseTable
-from paramshard.server.pending import run_epoch
-from paramshard.server.slots import SlotStore
+from paramshard.server.collectives.leases import ISOLATED_GRACE_S, LeaseTable
+from paramshard.server.collectives.pending import run_epoch
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.runtime.errors import ShardError
 
 
 class Clock:

@@ -20,7 +20,6 @@ import pytest
 import torch
 from numerics import assert_within_twin
 
-from paramshard.server import backend
 from paramshard.server.optimizers import (
     OPTIMIZERS,
     OptimizerError,
@@ -28,6 +27,7 @@ from paramshard.server.optimizers import (
     kernels,
     make_optimizer,
 )
+from paramshard.server.runtime import backend
 
 NUMEL = 1001  # odd on purpose: exercises torch's vectorised loop tail
 STEPS = 100

@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server import MALLOC_ENV, ShardServer
+from paramshard.server.rpc import auth
 from paramshard.server.servicer import SERVICE_NAME
 
 x509 = pytest.importorskip("cryptography.x509")

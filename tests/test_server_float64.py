@@ -20,11 +20,11 @@ from numerics import assert_equivalent
 from test_optimizers import CASES, case_id, torch_optimizer
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
+from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.optimizers import make_optimizer
-from paramshard.server.slots import SlotStore
-from paramshard.server.store import BufferStore
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 
 NUMEL = 257
 

@@ -223,7 +223,7 @@ def test_client_and_protos_never_import_torch() -> None:
 @pytest.mark.cupy
 def test_cuda_server(servers) -> None:
     """The backend is chosen per process: switch back to NumPy for the other tests."""
-    from paramshard.server import backend
+    from paramshard.server.runtime import backend
 
     (s,) = servers(1, device="cuda:0")
     c = ShardClient(ClusterSpec([s.address]), timeout_s=10)

@@ -47,7 +47,7 @@ from snapshot_job import (
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.snapshots import SnapshotDir
+from paramshard.server.snapshots.files import SnapshotDir
 
 
 # -- consistent snapshot, restore, resharding ---------------------------------------------------

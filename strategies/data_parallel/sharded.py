@@ -275,7 +275,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
 
     def _optimizer_step(self) -> None:
         self._ensure_reduced()
-        # Both phases of a step (server/nonfinite.py): every server's finiteness first, then
+        # Both phases of a step (server/buffers/nonfinite.py): every server's finiteness first, then
         # the same Step, applied or skipped, to all. Asking first also means no server moves
         # on while another still waits for a (restartable) dead rank's gradient.
         where = list(self._grad_check().nonfinite)

@@ -7,7 +7,7 @@ is sound. The decision takes two phases, as ``torch.amp.GradScaler`` does with `
    global clipping already gathers) and whether the slice is finite;
 2. ``Step``: the client that gathered every server's answer sends all of them the same
    decision: apply, or ``skip`` (every rank computes the same one from the same answers; the
-   first request wins, as before).
+   first request wins, as before); ``step_replies`` answers both calls.
 
 A skipped step leaves parameters and optimizer state (its step count included) as they were and
 still moves the version on, so a version counts steps *taken*: a trainer waiting for version
@@ -20,16 +20,11 @@ first phase cannot poison the model either. Torch-free, like the rest of ``serve
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
+from paramshard.server.runtime import backend
 
-if TYPE_CHECKING:
-    from paramshard.server.store import BufferSlice
-
-__all__ = ["all_finite", "grad_norm_reply", "nonfinite_refusal", "step_reply"]
+__all__ = ["all_finite", "nonfinite_refusal"]
 
 
 def all_finite(values: Any, sum_squares: float) -> bool:
@@ -48,30 +43,3 @@ def nonfinite_refusal(label: str, step: int) -> str:
         " not applied; gather GradNorm.finite from every server of the job and send them all a"
         " Step with skip=true to discard it"
     )
-
-
-def grad_norm_reply(
-    slices: list[BufferSlice], req: pb.GradNormRequest, timeout: float
-) -> pb.GradNormReply:
-    """The first phase: each slice's sum of squares (per parameter too with ``per_param``)
-    and whether it is finite."""
-    reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
-    if req.per_param:
-        for b in slices:
-            reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout))
-    reply.finite.extend(b.finite(req.step, timeout) for b in slices)
-    return reply
-
-
-def step_reply(
-    slices: list[tuple[BufferSlice, pb.StepArgs]], req: pb.StepRequest, timeout: float
-) -> pb.StepReply:
-    """The second phase: every buffer of the request applied, or skipped with ``req.skip``.
-    Arguments and finiteness of every buffer are checked before any of them steps."""
-    for b, args in slices:
-        b.check_step_args(args)
-    if not req.skip:
-        for b, _ in slices:
-            if b.version == req.step and not b.finite(req.step, timeout):
-                raise ShardError.precondition(nonfinite_refusal(b.label, req.step))
-    return pb.StepReply(versions=[b.step(req.step, args, timeout, req.skip) for b, args in slices])

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
+from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["LeaseTable"]
 

@@ -36,16 +36,16 @@ from typing import Any
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.auth import bearer
-from paramshard.server.errors import ShardError
-from paramshard.server.limits import MemoryBudget
-from paramshard.server.parsers import plain
+from paramshard.protos.shm import PROOF_BYTES
+from paramshard.server.rpc.auth import bearer
+from paramshard.server.rpc.parsers import plain
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 
 log = logging.getLogger(__name__)
 
-PROOF_BYTES = 32
 MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
@@ -205,7 +205,7 @@ class SegmentRegistry:
 
     def chunk_in_band(self, chunk: pb.ReplicaChunk, context: Any) -> pb.ReplicaChunk:
         """A replica chunk with its bytes in ``data``, copied from the caller's segment when
-        it references one (server/replica_shm.py)."""
+        it references one (server/replication/neighbour_shm.py)."""
         if chunk.HasField("shm"):
             _, view = self.payload((chunk, memoryview(chunk.data)), context)
             chunk.data = bytes(view)

@@ -1,4 +1,5 @@
-"""How a server gets its state back from replicas (server/replication.py keeps and sends them).
+"""How a server gets its state back from replicas (server/replication/replicator.py keeps and sends
+them).
 
 A live server rolls back to a version it kept of its own (``rollback``); a restarted one reads
 its replica back from its neighbour (``fetch`` there, ``load_chunk`` here) and loads it once the
@@ -13,9 +14,9 @@ from collections import OrderedDict
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
-from paramshard.server.replica_inbox import Inbox, check_header, memory_bound, replica_bound
-from paramshard.server.snapshots import decode_shard
+from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.files import decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
 
@@ -88,7 +89,9 @@ class ReplicaRecovery:
         return self._restore(job, blob)
 
     def _restore(self, job: str, blob: bytes) -> int:
-        from paramshard.server.store import BufferSlice  # store imports snapshots; avoid a cycle
+        from paramshard.server.buffers.store import (
+            BufferSlice,  # store imports snapshots; avoid a cycle
+        )
 
         meta, tensors = decode_shard(blob)
         if meta.get("job") != job:

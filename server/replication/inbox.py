@@ -23,8 +23,8 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server.errors import ShardError
-from paramshard.server.limits import MemoryBudget
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
 
 __all__ = ["Inbox", "replica_bound", "memory_bound", "check_header", "MAX_PENDING"]
 

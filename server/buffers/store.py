@@ -1,9 +1,9 @@
 """The buffer store: every job's buffer slices on this server, registration and quotas.
 
 A slice (``BufferSlice``) is put together from one class per concern: its state
-(server/slice_state.py, which states the wire semantics), contributions and pulls
-(server/contributions.py), norms and optimizer steps (server/steps.py), and snapshot captures
-and restores (server/captures.py).
+(server/buffers/slice_state.py, which states the wire semantics), contributions and pulls
+(server/buffers/contributions.py), norms and optimizer steps (server/buffers/steps.py), and snapshot
+captures and restores (server/buffers/captures.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,18 @@ import threading
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.protos.manifest import check_model_config
-from paramshard.server.captures import Captures
-from paramshard.server.contributions import Contributions
-from paramshard.server.errors import ShardError
-from paramshard.server.limits import MemoryBudget, slice_bytes
+from paramshard.server.buffers.captures import Captures
+from paramshard.server.buffers.contributions import Contributions
+from paramshard.server.buffers.slice_state import (
+    MASTER_DTYPES,
+    PendingStep,
+    master_dtype,
+    slice_bytes,
+)
+from paramshard.server.buffers.steps import Steps
 from paramshard.server.optimizers import OptimizerError, make_optimizer
-from paramshard.server.slice_state import MASTER_DTYPES, PendingStep, master_dtype
-from paramshard.server.steps import Steps
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
 
 __all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
 
@@ -207,6 +212,46 @@ class BufferStore:
         return len(dropped)
 
     def status(self) -> list[pb.JobStatus]:
-        from paramshard.server.status import job_status  # it reads the store: imported on use
-
-        return job_status(self)
+        """One row per job on this server, one per buffer slice in it (Status, snapshots)."""
+        out = []
+        for job, buffers in sorted(self.jobs().items()):
+            rows = []
+            for b in buffers:
+                with b.cond:
+                    params, grads, opt = b.bytes_by_kind()
+                    rows.append(
+                        pb.BufferStatus(
+                            buffer=b.name,
+                            numel=b.numel,
+                            slice_start=b.start,
+                            slice_numel=b.slice_numel,
+                            dtype=str(b.dtype),
+                            version=b.version,
+                            initialized=b.initialized,
+                            optimizer=b.optimizer.name,
+                            param_bytes=params,
+                            grad_bytes=grads,
+                            optimizer_bytes=opt,
+                            params=b.spec.params,
+                            last_step_seconds=b.last_step_seconds,
+                            last_step_unix=b.last_step_unix,
+                            contributors=b.contributors,
+                            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
+                            state_keys=sorted(b.optimizer.state_arrays()),
+                            optimizer_steps=b.optimizer.step_count,
+                            skipped_steps=b.skipped_steps,
+                        )
+                    )
+            first = buffers[0].spec if buffers else None
+            out.append(
+                pb.JobStatus(
+                    job=job,
+                    buffers=rows,
+                    server_index=first.server_index if first else 0,
+                    num_servers=first.num_servers if first else 0,
+                    model_config=next(
+                        (b.spec.model_config for b in buffers if b.spec.model_config), ""
+                    ),
+                )
+            )
+        return out

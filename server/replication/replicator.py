@@ -12,7 +12,7 @@ must be the job's next server: before accepting it, this server asks the target 
 replica of the job from our slice index (an empty ``StoreReplica``, total 0), which the target
 accepts only if it holds the job and we are its predecessor ((its index - 1) mod N, from the
 placement the job was registered with). Replicas travel with this server's own ``peer`` token
-(server/auth.py), over TLS when this server serves TLS. A received replica is bounded by the
+(server/rpc/auth.py), over TLS when this server serves TLS. A received replica is bounded by the
 registered size of the job (``replica_inbox.replica_bound``), complete when its chunks cover
 every byte once, and dropped when it stays incomplete (``replica_inbox.Inbox``). The send queue
 is bounded (the oldest waiting replica gives way); a neighbour's channel is closed when
@@ -33,11 +33,11 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
-from paramshard.server.replica_inbox import Inbox, check_header, replica_bound
-from paramshard.server.replica_recovery import CHUNK, ReplicaRecovery
-from paramshard.server.replica_shm import NeighbourSegments
-from paramshard.server.snapshots import Captured, encode_shard
+from paramshard.server.replication.inbox import Inbox, check_header, replica_bound
+from paramshard.server.replication.neighbour_shm import NeighbourSegments
+from paramshard.server.replication.recovery import CHUNK, ReplicaRecovery
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.files import Captured, encode_shard
 
 __all__ = ["Replicator"]
 

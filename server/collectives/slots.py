@@ -11,7 +11,7 @@ freed keys are remembered so a late retry is acknowledged instead of opening a g
 
 Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
 arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
-are in, and an early arrival waits as a copy in ``_Chunk.staged``. Float addition is not
+are in, and an early arrival waits as a copy in ``Chunk.staged``. Float addition is not
 associative, so this is what makes two runs of the same training bitwise identical, as gloo's
 fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
 
@@ -21,42 +21,26 @@ drops every slot of a run (``DropJob`` with the run's name). Their memory is giv
 waiting readers fail with ABORTED naming the slot and why, and so does any later call on the
 key. Their memory, like every slot's, is paid for from the server's ``MemoryBudget`` first.
 Each slot also knows since when it is open and which readers wait on it: a timed-out read and
-Status name who arrived and who is missing (the hang doctor, server/pending.py).
+Status name who arrived and who is missing (the hang doctor, server/collectives/pending.py).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, OrderedDict
-from typing import Any
+from collections import OrderedDict
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import arrays, backend
-from paramshard.server.errors import ShardError
-from paramshard.server.limits import MemoryBudget
-from paramshard.server.pending import parse_key, run_epoch, who
-from paramshard.server.slot_checks import check_header, check_same
+from paramshard.server.collectives.pending import parse_key, run_epoch, who
+from paramshard.server.collectives.slot import Chunk, Slot
+from paramshard.server.collectives.slot_checks import check_header, check_same
+from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
 
 __all__ = ["SlotStore"]
 
 _FORGET_AFTER = 65536  # freed keys remembered for late retries
-
-
-class _Chunk:
-    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged")
-
-    def __init__(self, numel: int) -> None:
-        self.numel = numel
-        self.acc: Any = None
-        self.contributors: set[int] = set()
-        self.readers: set[int] = set()
-        self.head = 0  # rank-order sums: the next contributor to add
-        self.staged: dict[int, Any] = {}  # contributor -> its values, until ``head`` gets there
-
-    def nbytes(self) -> int:
-        held = 0 if self.acc is None else int(self.acc.nbytes)
-        return held + sum(int(v.nbytes) for v in self.staged.values())
 
 
 def _ordered(h: pb.SlotHeader) -> bool:
@@ -65,25 +49,6 @@ def _ordered(h: pb.SlotHeader) -> bool:
     change a sum."""
     floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
     return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
-
-
-class _Slot:
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.meta: pb.SlotHeader | None = None  # from the first contribution, without its chunk
-        self.dtype = 0  # wire dtype of every contribution and read
-        self.chunks: dict[int, _Chunk] = {}
-        self.freed: set[int] = set()  # offsets of chunks read by all their readers
-        self.cond = threading.Condition()
-        self.since = time.monotonic()  # opened: its first contribution or read
-        self.touched = self.since  # the last contribution or read
-        self.waiting: Counter[int] = Counter()  # readers blocked in ReadSlot now
-        self.ended: str | None = None  # why it expired or was dropped
-
-    def num_chunks(self) -> int:
-        assert self.meta is not None
-        m = self.meta
-        return max(1, -(-m.total_numel // m.chunk_numel)) if m.chunk_numel else 1
 
 
 class SlotStore:
@@ -96,7 +61,7 @@ class SlotStore:
         self.budget = budget or MemoryBudget()
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, Slot] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
         self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
         self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
@@ -107,12 +72,12 @@ class SlotStore:
         with self._lock:
             return self._bytes, len(self._slots)
 
-    def open_slots(self) -> list[_Slot]:
-        """Every open slot, for Status (server/pending.py reads each under its cond)."""
+    def open_slots(self) -> list[Slot]:
+        """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
         with self._lock:
             return list(self._slots.values())
 
-    def _slot(self, key: str) -> _Slot | None:
+    def _slot(self, key: str) -> Slot | None:
         """The slot for ``key``, created on first use; None when it was freed already."""
         with self._lock:
             if key in self._ended:
@@ -122,7 +87,7 @@ class SlotStore:
                 for run, (epoch, why) in self._aborted.items():
                     if (e := run_epoch(key, run)) is not None and e <= epoch:
                         raise ShardError.aborted(f"slot '{key}': {why}")
-                slot = self._slots[key] = _Slot(key)
+                slot = self._slots[key] = Slot(key)
             return slot
 
     def contribute(self, h: pb.SlotHeader, data: memoryview) -> bool:
@@ -167,7 +132,7 @@ class SlotStore:
                 slot.meta.ClearField("contributor")
                 slot.dtype = h.chunk.dtype
             if chunk is None:
-                chunk = slot.chunks[h.chunk.offset] = _Chunk(h.chunk.numel)
+                chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
             if early:
                 chunk.staged[h.contributor] = acc
             elif acc is not None:
@@ -267,7 +232,7 @@ class SlotStore:
                 self._free_chunk(slot, req.offset)
         return header, payload
 
-    def _free_chunk(self, slot: _Slot, offset: int) -> None:
+    def _free_chunk(self, slot: Slot, offset: int) -> None:
         """Caller holds slot.cond."""
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
@@ -279,7 +244,7 @@ class SlotStore:
                 while len(self._freed) > _FORGET_AFTER:
                     self._freed.popitem(last=False)
 
-    def _forget_if_unused(self, slot: _Slot) -> None:
+    def _forget_if_unused(self, slot: Slot) -> None:
         """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
         if slot.meta is None and not slot.chunks:
             with self._lock:
@@ -313,9 +278,9 @@ class SlotStore:
         return self._end_run(run, None, f"was dropped with run '{run}' (DropJob)")
 
     def abort_run(self, run: str, epoch: int, why: str) -> int:
-        """Aborts epochs ``0..epoch`` of run ``run`` (its lease lapsed, server/leases.py): its
-        open slots end, and a key of those epochs not open yet is refused, both with ABORTED
-        and ``why``. Returns how many slots ended."""
+        """Aborts epochs ``0..epoch`` of run ``run`` (its lease lapsed,
+        server/collectives/leases.py): its open slots end, and a key of those epochs not open yet is
+        refused, both with ABORTED and ``why``. Returns how many slots ended."""
         with self._lock:
             self._aborted[run] = (epoch, why)
         return self._end_run(run, epoch, f"ended: {why}")
@@ -339,7 +304,7 @@ class SlotStore:
                     self._end(slot, f"slot '{slot.key}' {why}")
         return len(mine)
 
-    def _end(self, slot: _Slot, why: str) -> None:
+    def _end(self, slot: Slot, why: str) -> None:
         """Caller holds ``slot.cond``: frees it, wakes its readers, remembers why."""
         slot.ended = why
         slot.cond.notify_all()

@@ -1,9 +1,9 @@
 """Replica chunks through shared memory when the neighbour runs on this host (DESIGN section 7).
 
 A server sending its replica to its neighbour is a client of that neighbour, and goes the way a
-trainer's payloads go (client/shm.py): the first chunk asks the neighbour for a segment over the
+trainer's payloads go (protos/shm.py): the first chunk asks the neighbour for a segment over the
 authenticated channel, with the server's ``peer`` token (which the segment calls accept besides
-``read``, server/auth.py), and the neighbour's abstract Unix socket hands it over only within
+``read``, server/rpc/auth.py), and the neighbour's abstract Unix socket hands it over only within
 one network namespace. A neighbour on another host, or in another container network, keeps
 getting its chunks in-band. A neighbour that forgot our segments (it restarted) gets the chunk
 in-band at once, and new segments later.
@@ -16,9 +16,9 @@ from typing import Any
 
 import grpc
 
-from paramshard.client.shm import SHM_MIN_BYTES, SharedMemory, is_stale
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.auth import SERVICE_NAME
+from paramshard.protos.shm import SHM_MIN_BYTES, SharedMemory, is_stale
+from paramshard.server.rpc.auth import SERVICE_NAME
 
 __all__ = ["NeighbourSegments"]
 

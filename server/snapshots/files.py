@@ -35,8 +35,8 @@ from safetensors.numpy import save as st_save
 from paramshard.protos import codec, slicing
 from paramshard.protos.atomic import fsync_dir
 from paramshard.protos.manifest import shard_name
-from paramshard.server.errors import ShardError
-from paramshard.server.manifest_schema import ManifestError, check_manifest
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 
 __all__ = ["Captured", "SnapshotDir", "Reservation", "encode_shard", "decode_shard"]
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes

@@ -17,14 +17,15 @@ the same to an admin's Status. So (``CallLimits``):
 - Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
-- Client sessions (server/sessions.py) likewise run on ``max_sessions`` threads of their own;
+- Client sessions (server/transport/sessions.py) likewise run on ``max_sessions`` threads of their
+own;
   each call a session carries passes ``enter``/``leave`` here like a unary call.
 - How long a call may wait is bounded by the servicer's ``max_wait_s``.
 - Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
   request!": the Shard service's own parsers never raise (server/servicer.py), the health and
   reflection services' protobuf parsers do, and the gate rebuilds every handler anyway.
 
-A caller's role is its token's (server/auth.py); without tokens every caller may do everything
+A caller's role is its token's (server/rpc/auth.py); without tokens every caller may do everything
 and counts as ``train``.
 """
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from paramshard.server.servicer import SERVICE_NAME
+from paramshard.server.rpc.auth import SERVICE_NAME
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
@@ -68,7 +69,7 @@ class CallLimits:
     """Open reflection / health Watch streams at once, on threads of their own
     [--max-streams]."""
     max_sessions: int = 64
-    """Open client sessions (server/sessions.py) at once, on threads of their own, of read
+    """Open client sessions (server/transport/sessions.py) at once, on threads of their own, of read
     tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
     [--max-sessions]."""
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
+from paramshard.server.runtime.errors import ShardError
 
 if TYPE_CHECKING:
-    from paramshard.server.slots import _Slot
+    from paramshard.server.collectives.slot import Slot
 
 __all__ = ["check_header", "check_same"]
 
@@ -44,7 +44,7 @@ def check_header(h: pb.SlotHeader) -> None:
         )
 
 
-def check_same(slot: _Slot, h: pb.SlotHeader) -> None:
+def check_same(slot: Slot, h: pb.SlotHeader) -> None:
     meta = slot.meta
     assert meta is not None
     mine = [

@@ -12,9 +12,9 @@ Each call of a session is what its unary twin is:
 - only the data-plane methods (``ShardServicer.LOCAL_METHODS``) travel in sessions, each parsed,
   guarded and run by the servicer's own handler; its status comes back in its reply and never
   ends the session;
-- the stream's token is every call's token: each call needs its method's role (server/auth.py),
-  and its segments are that token's (server/shm.py);
-- a call that may wait passes the admission gate (server/admission.py) with the unary calls;
+- the stream's token is every call's token: each call needs its method's role (server/rpc/auth.py),
+  and its segments are that token's (server/transport/shm.py);
+- a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls;
 - a call's deadline is its ``timeout_s`` from its arrival.
 
 Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
@@ -51,9 +51,9 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
-from paramshard.server import auth
-from paramshard.server.admission import WAITING_METHODS, CallGate
-from paramshard.server.parsers import Malformed
+from paramshard.server.rpc import auth
+from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
+from paramshard.server.rpc.parsers import Malformed
 
 __all__ = [
     "Sessions",

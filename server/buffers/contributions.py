@@ -1,6 +1,6 @@
 """A slice's contributions: SetParams chunks, gradient pushes added exactly once in rank order
 (staged until their turn), and pulls that wait for a version (the wire semantics:
-server/slice_state.py)."""
+server/buffers/slice_state.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server import arrays, backend
-from paramshard.server.errors import ShardError
+from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
-from paramshard.server.slice_state import PendingStep, SliceState
+from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["Contributions"]
 

@@ -112,7 +112,7 @@ def to_host(arr: Any) -> np.ndarray:
 def nonfinite_quietly() -> Any:
     """A context in which arithmetic reaching Inf or NaN does not warn (NumPy's RuntimeWarning;
     CuPy never warns): a non-finite gradient is input the servers expect and refuse to step on
-    (server/nonfinite.py), not a fault to print."""
+    (server/buffers/nonfinite.py), not a fault to print."""
     return np.errstate(over="ignore", invalid="ignore")
 
 

@@ -1,4 +1,8 @@
-"""A client's shared-memory segments with the servers on its host (server/shm.py, DESIGN §7).
+"""A client's shared-memory segments with the servers on its host (server/transport/shm.py,
+DESIGN §7).
+
+It lives in protos/, below both sides: trainers use it, and so does a server sending replica
+chunks to its neighbour (server/replication/neighbour_shm.py), which never imports client code.
 
 For each server, the first large payload opens a segment: ``OfferSegment`` (an authenticated
 call), the memfd received over the server's abstract Unix socket for the one-time ticket,
@@ -32,7 +36,7 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["SharedMemory", "enabled", "is_stale", "SHM_MIN_BYTES"]
+__all__ = ["SharedMemory", "enabled", "is_stale", "SHM_MIN_BYTES", "PROOF_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +45,9 @@ SHM_MIN_BYTES = 64 * 2**10
 _SEND = ("PushGrad", "SetParams", "Contribute")
 _RECEIVE = ("PullParams", "ReadSlot")
 _HANDSHAKE_TIMEOUT_S = 5.0
-_PROOF_BYTES = 32  # server/shm.py PROOF_BYTES
+PROOF_BYTES = 32
+"""Random bytes a server writes at a new segment's start; the client proves its mapping with
+them."""
 _STALE = "shared segment"  # in the server's message for a segment it does not know
 
 
@@ -226,7 +232,7 @@ class SharedMemory:
         try:
             core.plain_call(
                 index, "ConfirmSegment",
-                pb.ConfirmSegmentRequest(segment=offer.segment, proof=bytes(mapped[:_PROOF_BYTES])),
+                pb.ConfirmSegmentRequest(segment=offer.segment, proof=bytes(mapped[:PROOF_BYTES])),
                 _HANDSHAKE_TIMEOUT_S,
             )  # fmt: skip
         except grpc.RpcError as exc:

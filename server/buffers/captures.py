@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
+from paramshard.server.buffers.slice_state import SliceState, master_dtype
 from paramshard.server.optimizers import OptimizerError, make_optimizer
-from paramshard.server.slice_state import SliceState, master_dtype
-from paramshard.server.snapshots import Captured
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.files import Captured
 
 __all__ = ["Captures"]
 

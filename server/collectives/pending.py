@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 from paramshard.protos import shard_pb2 as pb
 
 if TYPE_CHECKING:
-    from paramshard.server.slots import _Slot
-    from paramshard.server.store import BufferSlice
+    from paramshard.server.buffers.store import BufferSlice
+    from paramshard.server.collectives.slot import Slot
 
 __all__ = [
     "SlotName",
@@ -157,7 +157,7 @@ def _listed(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks)) + more if ranks else "none"
 
 
-def who(slot: _Slot, offset: int) -> str:
+def who(slot: Slot, offset: int) -> str:
     """Who contributed to the chunk at ``offset`` and who is missing (caller holds its cond)."""
     name = parse_key(slot.key)
     meta = slot.meta
@@ -179,7 +179,7 @@ def who(slot: _Slot, offset: int) -> str:
     )
 
 
-def slot_row(slot: _Slot, now: float) -> pb.PendingWork:
+def slot_row(slot: Slot, now: float) -> pb.PendingWork:
     """The ``PendingWork`` row of an open slot (caller holds ``slot.cond``). A rank has
     arrived once its contribution to every chunk is in."""
     name = parse_key(slot.key)
@@ -245,7 +245,7 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
 
 
 def pending_rows(
-    slots: list[_Slot], buffers: list[BufferSlice], limit: int
+    slots: list[Slot], buffers: list[BufferSlice], limit: int
 ) -> tuple[list[pb.PendingWork], int]:
     """Rows for ``slots`` and ``buffers``, the oldest first, at most ``limit`` (0: the
     default, capped at ``MAX_PENDING``); and how many were left out."""

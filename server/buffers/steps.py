@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
-from paramshard.server.nonfinite import all_finite, nonfinite_refusal
+from paramshard.server.buffers.nonfinite import all_finite, nonfinite_refusal
+from paramshard.server.buffers.slice_state import SliceState
 from paramshard.server.optimizers import OptimizerError
-from paramshard.server.slice_state import SliceState
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["Steps"]
 

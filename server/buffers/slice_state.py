@@ -16,7 +16,7 @@ Wire semantics (DESIGN section 3):
 - A reduced gradient holding NaN or Inf is never applied: GradNorm reports each slice's
   finiteness, the client sends every server the same Step, applied or skipped (a skipped step
   leaves params and optimizer state as they were and still moves the version on); see
-  server/nonfinite.py.
+  server/buffers/nonfinite.py.
 - The master copy, the accumulator and the optimizer state are float64 for a buffer registered
   with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (DESIGN section 3).
 Every check happens before any state changes, so a rejected request leaves the slice as it was.
@@ -31,13 +31,20 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server import arrays, backend
-from paramshard.server.errors import ShardError
-from paramshard.server.limits import MemoryBudget
-from paramshard.server.optimizers import ServerOptimizer
-from paramshard.server.snapshots import Captured
+from paramshard.server.optimizers import OPTIMIZERS, ServerOptimizer
+from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshots.files import Captured
 
-__all__ = ["MASTER_DTYPES", "PendingStep", "SliceState", "master_dtype"]
+__all__ = [
+    "MASTER_DTYPES",
+    "PendingStep",
+    "SliceState",
+    "buffer_bytes",
+    "master_dtype",
+    "slice_bytes",
+]
 
 MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
 
@@ -67,7 +74,9 @@ class PendingStep:
     head: int = 0
     staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     staged_bytes: int = 0
-    opened: float = field(default_factory=time.monotonic)  # for Status (server/pending.py)
+    opened: float = field(
+        default_factory=time.monotonic
+    )  # for Status (server/collectives/pending.py)
 
     def received(self, k: int) -> int:
         """Elements of contribution ``k`` received so far."""
@@ -155,3 +164,20 @@ class SliceState:
         grad = 0 if self.grad is None else int(self.grad.nbytes)
         grad += self.pending.staged_bytes if self.pending is not None else 0
         return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
+
+
+def buffer_bytes(slice_numel: int, itemsize: int, state_arrays: int) -> int:
+    """What a slice may come to: params, the gradient accumulator and ``state_arrays``
+    optimizer-state arrays, each ``slice_numel`` elements of the master dtype."""
+    return slice_numel * itemsize * (2 + state_arrays)
+
+
+def slice_bytes(req: pb.RegisterBufferRequest) -> int:
+    """``buffer_bytes`` of the slice ``req`` registers here (its optimizer's state arrays, in
+    its master dtype: float64 for a float64 model, else float32), plus the model config the
+    request carries."""
+    start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
+    optimizer = OPTIMIZERS.get(req.optimizer.name)
+    states = len(optimizer.state_names) if optimizer is not None else 0
+    size = 8 if req.master_dtype == pb.FLOAT64 else 4
+    return buffer_bytes(stop - start, size, states) + len(req.model_config)

@@ -82,7 +82,8 @@ METHOD_ROLES: dict[str, str] = {
     "OfferSegment": "read",  # shared memory for pulls too; segments belong to the token
     "ConfirmSegment": "read",
     "ReleaseSegments": "read",
-    "Session": "read",  # each call it carries needs its own method's role (server/sessions.py)
+    # each call a session carries needs its own method's role (server/transport/sessions.py)
+    "Session": "read",
     # train: everything a training step does, collectives included
     "RegisterBuffer": "train",
     "SetParams": "train",
@@ -130,7 +131,7 @@ def required_role(full_method: str) -> str | None:
 
 PEER_SEGMENTS = frozenset({"OfferSegment", "ConfirmSegment", "ReleaseSegments"})
 """The ``read`` methods ``peer`` may call too: a server hands its neighbour replicas through
-shared memory when both run on one host (server/replica_shm.py)."""
+shared memory when both run on one host (server/replication/neighbour_shm.py)."""
 
 
 def role_allows(have: str, need: str, method: str = "") -> bool:
@@ -275,7 +276,8 @@ def check_binding(host: str, *, tls: bool, tokens: bool, insecure: bool) -> bool
         raise ValueError(
             f"refusing to listen on {host or 'all interfaces'!r} without TLS or tokens: a shard"
             " server holds the whole model, and whoever can reach the port can read or overwrite"
-            " it. Give TLS credentials or tokens, keep 127.0.0.1, or pass insecure=True"
+            " it. Give TLS (tls_cert and tls_key, and tls_ca for mutual TLS) or tokens, keep"
+            " 127.0.0.1 (and tunnel, e.g. ssh -L), or set insecure on a network you trust"
         )
     return True
 

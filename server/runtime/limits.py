@@ -4,14 +4,14 @@ Every array a server keeps on behalf of a caller is paid for from one ``MemoryBu
 it is allocated, and paid back when it is freed:
 
 - ``buffers``: a registered slice's params, gradient accumulator and every optimizer-state
-  array its optimizer may create (``buffer_bytes``), reserved whole at registration (or
-  restore), so a later step never allocates past the limit;
+  array its optimizer may create (``buffers.slice_state.buffer_bytes``), reserved whole at
+  registration (or restore), so a later step never allocates past the limit;
 - ``staging``: gradient contributions kept aside until the rank-order sum reaches them
   (``slice_state.PendingStep``), which a ``train`` token with a large ``num_micro`` could otherwise
   grow without bound;
 - ``slots``: reduction slots and mailboxes, their accumulators and staged contributions;
 - ``replicas``: replica chunks being received, and the replicas kept (received and own).
-- ``shm``: shared-memory segments offered to clients on this host (server/shm.py).
+- ``shm``: shared-memory segments offered to clients on this host (server/transport/shm.py).
 
 A reservation past the limit fails with RESOURCE_EXHAUSTED naming what was asked, what is in
 use and the limit, before anything changes. The check and the update happen under one lock, so
@@ -27,17 +27,12 @@ import os
 import re
 import threading
 
-from paramshard.protos import shard_pb2 as pb
-from paramshard.protos import slicing
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
-from paramshard.server.optimizers import OPTIMIZERS
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
     "MemoryBudget",
     "KINDS",
-    "buffer_bytes",
-    "slice_bytes",
     "parse_bytes",
     "host_memory",
     "default_total",
@@ -89,23 +84,6 @@ class MemoryBudget:
         with self._lock:
             self._by_kind[kind] -= int(nbytes)
             assert self._by_kind[kind] >= 0, f"{kind}: released more than was reserved"
-
-
-def buffer_bytes(slice_numel: int, itemsize: int, state_arrays: int) -> int:
-    """What a slice may come to: params, the gradient accumulator and ``state_arrays``
-    optimizer-state arrays, each ``slice_numel`` elements of the master dtype."""
-    return slice_numel * itemsize * (2 + state_arrays)
-
-
-def slice_bytes(req: pb.RegisterBufferRequest) -> int:
-    """``buffer_bytes`` of the slice ``req`` registers here (its optimizer's state arrays, in
-    its master dtype: float64 for a float64 model, else float32), plus the model config the
-    request carries."""
-    start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
-    optimizer = OPTIMIZERS.get(req.optimizer.name)
-    states = len(optimizer.state_names) if optimizer is not None else 0
-    size = 8 if req.master_dtype == pb.FLOAT64 else 4
-    return buffer_bytes(stop - start, size, states) + len(req.model_config)
 
 
 _UNITS = {

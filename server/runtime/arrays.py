@@ -11,8 +11,8 @@ import numpy as np
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
     "payload_array",

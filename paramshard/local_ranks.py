@@ -1,0 +1,53 @@
+"""What a rank of ``LocalCluster`` is made of, in threads or processes alike: its configuration
+(``rank_config``) and how its failure is reported (``RankFailed``). Both ``local_cluster`` and
+``local_processes`` use it, so neither imports the other's internals."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["RankFailed", "field_default", "rank_config"]
+
+
+class RankFailed(RuntimeError):
+    """A rank raised. ``rank`` says which; ``error`` (also ``__cause__``) is what it raised."""
+
+    def __init__(self, rank: int, world_size: int, error: BaseException, detail: str = "") -> None:
+        super().__init__(
+            f"rank {rank} of {world_size} failed: {type(error).__name__}: {error}{detail}"
+        )
+        self.rank = rank
+        self.world_size = world_size
+        self.error = error
+
+
+def rank_config(
+    addresses: Sequence[str], rank: int, world_size: int, run_id: str, fields: Mapping[str, Any]
+) -> Any:
+    """Rank ``rank``'s ShardingConfiguration: a client of its own, the call deadline from the
+    configuration's ``timeout_s``."""
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.strategies.config import ShardingConfiguration
+
+    timeout = fields.get("timeout_s", field_default("timeout_s"))
+    client = ShardClient(
+        ClusterSpec(list(addresses)),
+        rank=rank,
+        world_size=world_size,
+        run_id=run_id,
+        timeout_s=timeout,
+    )
+    try:
+        return ShardingConfiguration(client, **fields)
+    except BaseException:
+        client.close()
+        raise
+
+
+def field_default(name: str) -> Any:
+    """The default of ``ShardingConfiguration``'s field ``name``."""
+    from paramshard.strategies.config import ShardingConfiguration
+
+    return next(f.default for f in dataclasses.fields(ShardingConfiguration) if f.name == name)
