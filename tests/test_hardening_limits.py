@@ -253,4 +253,5 @@ def test_serve_flags_set_the_bounds() -> None:
     result = paramshard("serve", "--port", "0", "--max-memory", "12 parsecs")
     assert result.returncode != 0 and "memory size '12 parsecs'" in result.stderr
     result = paramshard("serve", "--port", "0", "--workers", "4", "--reserved-workers", "4")
-    assert result.returncode != 0 and "reserved (4) must be below workers (4)" in result.stderr
+    assert result.returncode == 2
+    assert "--reserved-workers (4) must be below --workers (4)" in result.stderr
