@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from test_chaos_fuzz import job_state
+from chaos_target import job_state
 from test_sessions import RawSession, code_of
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
@@ -370,7 +370,8 @@ def test_the_pre_parse_reads_what_protobuf_reads() -> None:
     """For every method whose request names a job or run: random requests (the chaos
     fuzzer's, from the descriptor), alone and concatenated (protobuf merges them), name in
     the pre-parse what the parsed message names."""
-    from chaos_requests import Context, random_message
+    from chaos_requests import random_message
+    from chaos_values import Context
 
     rng = np.random.default_rng(27)
     ctx = Context("127.0.0.1:1")

@@ -157,11 +157,11 @@ def grant_of(value: str | Grant) -> Grant:
     (``"train jobs=team-a/*"``, as after the token in a token file), or a Grant."""
     if isinstance(value, Grant):
         grant = value
-    elif isinstance(value, str):
+    elif isinstance(value, str) and value.split():
         role, *scope = value.split()
         grant = Grant(role, parse_scope(scope))
     else:
-        raise ValueError(f"a token's grant is a role or a Grant, not {type(value).__name__}")
+        raise ValueError(f"a token's grant is a role or a Grant, not {value!r:.64}")
     if grant.role not in ROLES:
         raise ValueError(f"unknown role {grant.role!r} (roles: {', '.join(ROLES)})")
     if grant.role == PEER and grant.scope is not None:
