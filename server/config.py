@@ -47,7 +47,7 @@ class SecurityConfig:
     tokens: Mapping[str, str | Grant] = field(default_factory=dict)
     """``{token: role}`` (roles read < train < admin, and peer): every Shard call then needs
     ``authorization: Bearer TOKEN``. A token scoped to jobs and runs maps to its role and
-    scope as a token file writes them (``"train jobs=team-a/*"``) or to a ``Grant``
+    scope as a token file writes them (``"train jobs=team-a-*"``) or to a ``Grant``
     (server/rpc/scopes.py); once checked, an unscoped token maps to its role and a scoped one
     to its ``Grant``."""
     peer_identities: tuple[str, ...] = ()

@@ -379,7 +379,7 @@ class ShardServicer:
         if job or scope is None or self.snapshots.root is None:
             return self.snapshots.list(job)
         found = []
-        for name in sorted(p.name for p in self.snapshots.root.iterdir()):
+        for name in sorted(p.name for p in self.snapshots.root.iterdir() if p.is_dir()):
             if scope.allows_job(name):
                 try:
                     found += self.snapshots.list(name)

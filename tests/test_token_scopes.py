@@ -418,6 +418,18 @@ def test_many_tiny_fields_cost_a_bounded_walk() -> None:
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "fields" in details
 
 
+def test_serve_reads_scopes_and_says_how(tmp_path: Path) -> None:
+    from test_security import run_cli
+
+    usage = run_cli("serve", "--help").stdout
+    assert "jobs=" in usage and "runs=" in usage and "prefix ending in '*'" in usage
+    tokens = tmp_path / "tokens"
+    tokens.write_text("train t1 jobs=a-*\npeer p1 runs=x\n")
+    result = run_cli("serve", "--port", "0", "--token-file", str(tokens))
+    assert result.returncode == 2
+    assert "line 2: a peer token takes no jobs= or runs=" in result.stderr
+
+
 def test_the_table_in_docs_is_the_codes() -> None:
     text = (ROOT / "docs" / "security.md").read_text()
     assert markdown() in text, "python -m paramshard.server.rpc.access_table > the table"

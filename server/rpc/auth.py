@@ -21,7 +21,7 @@ A call without a token, or with an unknown one, fails with UNAUTHENTICATED; a kn
 the role fails with PERMISSION_DENIED. Both happen before the request is even parsed, so a
 rejected call never changes the server.
 
-A token may also be scoped to jobs and runs (``train TOKEN jobs=team-a/*``,
+A token may also be scoped to jobs and runs (``train TOKEN jobs=team-a-*``,
 server/rpc/scopes.py): its calls naming another job or run fail with PERMISSION_DENIED, decided
 from the request's bytes before it is parsed; a session's calls are checked one by one
 (server/transport/sessions.py), and Status and listings show only what is in scope
@@ -154,7 +154,7 @@ def role_allows(have: str, need: str, method: str = "") -> bool:
 
 def grant_of(value: str | Grant) -> Grant:
     """A ``tokens`` value as a Grant: a role (``"train"``), a role and its scope
-    (``"train jobs=team-a/*"``, as after the token in a token file), or a Grant."""
+    (``"train jobs=team-a-*"``, as after the token in a token file), or a Grant."""
     if isinstance(value, Grant):
         grant = value
     elif isinstance(value, str) and value.split():
@@ -186,7 +186,7 @@ def _needs(role: str) -> str:
 
 def check_tokens(tokens: Mapping[str, str | Grant]) -> dict[str, str | Grant]:
     """Validates ``{token: grant}``: each grant a role, a role and its scope
-    (``"train jobs=team-a/*"``) or a ``Grant``; tokens usable as gRPC metadata. An unscoped
+    (``"train jobs=team-a-*"``) or a ``Grant``; tokens usable as gRPC metadata. An unscoped
     token maps to its role, as ``{token: role}`` always did; a scoped one to its Grant."""
     out: dict[str, str | Grant] = {}
     for token, value in tokens.items():

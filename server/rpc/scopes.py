@@ -3,7 +3,7 @@ its request's bytes before the request is parsed.
 
 A token line of ``--token-file`` may name the jobs and the runs its holder may touch::
 
-    train tok-a jobs=team-a/*,eval-a runs=team-a/*
+    train tok-a jobs=team-a-*,eval-a runs=team-a-*
 
 A pattern is an exact name, or a prefix ending in ``*`` (``*`` alone: every name). A line that
 names only ``jobs=`` uses the same patterns for runs, and the other way round (a team names its
