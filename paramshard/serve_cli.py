@@ -134,9 +134,13 @@ from paramshard.serve_setup import (
     arg(
         "--token-file",
         metavar="FILE",
-        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin, and peer:"
-        " the servers' own token for replicas, the same line in every server's file); every"
-        " call then needs 'authorization: Bearer TOKEN' (clients: PARAMSHARD_TOKEN)",
+        help="bearer tokens, one 'ROLE TOKEN [jobs=P,...] [runs=P,...]' per line (roles read <"
+        " train < admin, and peer: the servers' own token for replicas, the same line in every"
+        " server's file); every call then needs 'authorization: Bearer TOKEN' (clients:"
+        " PARAMSHARD_TOKEN). jobs= and runs= scope a token to the jobs and runs (PARAMSHARD_RUN)"
+        " it may touch: each P an exact name or a prefix ending in '*', e.g. 'train TOKEN"
+        " jobs=team-a/*'; one of them alone sets both; peer tokens take none; a line without"
+        " them may touch every job (docs/security.md)",
     ),
     arg(
         "--peer-ca",
@@ -197,7 +201,10 @@ def serve(args: argparse.Namespace) -> int:
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
     train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
     (replicas from the other servers; this server sends its own with it, over TLS when it
-    serves TLS). Health checks and reflection stay open (at most --max-streams streams at once).
+    serves TLS). A token line may add jobs=P,... and runs=P,... (exact names, or prefixes
+    ending in '*'): that token's calls naming any other job or run get PERMISSION_DENIED before
+    their request is parsed, and its Status shows only its jobs. Health checks and reflection
+    stay open (at most --max-streams streams at once).
     Without TLS or tokens only loopback addresses are allowed, unless --insecure.
 
     Bounds (DESIGN section 6): --max-memory for everything kept for callers, --pending-ttl for

@@ -102,7 +102,7 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    from paramshard.server.rpc.auth import (
+    from paramshard.server.rpc.tls import (
         is_loopback,  # the server's own rule, the one place for it
     )
 

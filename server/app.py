@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from paramshard.protos import local_servers
 from paramshard.server.config import ServerConfig
-from paramshard.server.rpc import auth
+from paramshard.server.rpc import auth, tls
 from paramshard.server.rpc.admission import CallGate
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.expiry import Sweeper, sweep_period
@@ -77,12 +77,12 @@ class ShardServer:
         if credentials is not None and security.tls:
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
         if credentials is None:
-            credentials = auth.server_credentials(
+            credentials = tls.server_credentials(
                 security.tls_cert, security.tls_key, security.tls_ca
             )
         checked_tokens = dict(security.tokens)
         host = config.host
-        self.exposed = auth.check_binding(
+        self.exposed = tls.check_binding(
             host,
             tls=credentials is not None,
             tokens=bool(checked_tokens),
@@ -113,7 +113,7 @@ class ShardServer:
             sweep_period(bounds.pending_ttl_s),
         )
         if peer_credentials is None and self.tls:
-            peer_credentials = auth.peer_channel_credentials(
+            peer_credentials = tls.peer_channel_credentials(
                 security.tls_cert, security.tls_key, security.tls_ca, security.peer_tls_ca
             )
         peer_identities = security.peer_identities
@@ -134,11 +134,12 @@ class ShardServer:
 
             self.metrics = ServerMetrics(self.servicer)
             chain.append(self.metrics.interceptor)
-        role_of = None
+        role_of = scope_of = None
         if checked_tokens or peer_identities:
             token_auth = auth.TokenAuthInterceptor(checked_tokens, peer_identities)
             chain.append(token_auth)
-            role_of = token_auth.caller_role
+            role_of, scope_of = token_auth.caller_role, token_auth.caller_scope
+            self.servicer.scope_of = token_auth.context_scope  # Status, listings: in scope only
         chain.extend(interceptors or [])
         self._local_ok = config.local_calls and not chain and credentials is None
         self._local: local_servers.LocalServer | None = None
@@ -168,6 +169,7 @@ class ShardServer:
             self.servicer.may_wait,
             self.limits.workers,
             self.metrics.observe if self.metrics is not None else None,
+            scope_of=scope_of,
         )
         if self.limits.max_sessions:
             self._server.add_generic_rpc_handlers((self.sessions.generic_handler(),))

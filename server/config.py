@@ -22,6 +22,7 @@ from typing import Any
 
 from paramshard.server.rpc import auth
 from paramshard.server.rpc.admission import CallLimits, default_reserved
+from paramshard.server.rpc.scopes import Grant
 from paramshard.server.runtime.limits import parse_bytes
 
 __all__ = ["BoundsConfig", "CallLimits", "FLAGS", "SecurityConfig", "ServerConfig", "as_flags"]
@@ -43,9 +44,12 @@ class SecurityConfig:
     peer_tls_ca: Pem = None
     """The other servers' certificates are checked against it when this server sends them
     replicas over TLS (default ``tls_ca``, else the system's roots). Needs ``tls_cert``."""
-    tokens: Mapping[str, str] = field(default_factory=dict)
+    tokens: Mapping[str, str | Grant] = field(default_factory=dict)
     """``{token: role}`` (roles read < train < admin, and peer): every Shard call then needs
-    ``authorization: Bearer TOKEN``."""
+    ``authorization: Bearer TOKEN``. A token scoped to jobs and runs maps to its role and
+    scope as a token file writes them (``"train jobs=team-a-*"``) or to a ``Grant``
+    (server/rpc/scopes.py); once checked, an unscoped token maps to its role and a scoped one
+    to its ``Grant``."""
     peer_identities: tuple[str, ...] = ()
     """Client certificates whose CN or a DNS name is one of these have the ``peer`` role without
     a token. Needs ``tls_ca``."""

@@ -28,6 +28,7 @@ from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.replication.replicator import Replicator
 from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service: the proto's
 from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
+from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
@@ -69,6 +70,10 @@ class ShardServicer:
         self.started = time.time()
         self.server_index = 0
         self.num_servers = 0
+        self.scope_of: Callable[[Any], Scope | None] = lambda context: None
+        """The scope of a call's token (server/rpc/scopes.py; None: every job), for the calls
+        that name no job and show only what is in scope (Status, ListSnapshots); the server
+        sets it when it has tokens. Calls that name a job were checked before they came."""
 
     # -- plumbing ------------------------------------------------------------------------
     def _timeout(self, context: grpc.ServicerContext) -> float:
@@ -274,7 +279,7 @@ class ShardServicer:
         return pb.DropJobReply(buffers=dropped)
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:
-        return status_reply(self, req, VERSION)
+        return status_reply(self, req, VERSION, self.scope_of(context))
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
         return self.leases.renew(req)
@@ -368,9 +373,23 @@ class ShardServicer:
         self.server_index, self.num_servers = req.server_index, req.num_servers
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
 
+    def _listed_snapshots(self, job: str, scope: Scope | None) -> list[dict[str, Any]]:
+        """``SnapshotDir.list(job)``; for a scoped caller naming no job, each job in scope
+        listed on its own (another job's manifests are not even read)."""
+        if job or scope is None or self.snapshots.root is None:
+            return self.snapshots.list(job)
+        found = []
+        for name in sorted(p.name for p in self.snapshots.root.iterdir() if p.is_dir()):
+            if scope.allows_job(name):
+                try:
+                    found += self.snapshots.list(name)
+                except ShardError:
+                    continue  # not a job's folder (a name no job may have)
+        return found
+
     def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
         infos = []
-        for m in self.snapshots.list(req.job):
+        for m in self._listed_snapshots(req.job, self.scope_of(context)):
             servers, cluster = recorded_placement(m)
             infos.append(
                 pb.SnapshotInfo(

@@ -16,6 +16,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.store import BufferStore
 from paramshard.server.collectives.pending import pending_rows
 from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.rpc.scopes import Scope, run_of_key
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.limits import MemoryBudget
 
@@ -33,8 +34,13 @@ class Reporting(Protocol):
     budget: MemoryBudget
 
 
-def status_reply(servicer: Reporting, req: pb.StatusRequest, version: str) -> pb.StatusReply:
-    """The Status reply of ``servicer``'s server (``version``: the paramshard version)."""
+def status_reply(
+    servicer: Reporting, req: pb.StatusRequest, version: str, scope: Scope | None = None
+) -> pb.StatusReply:
+    """The Status reply of ``servicer``'s server (``version``: the paramshard version). For a
+    token scoped to ``scope`` (server/rpc/scopes.py) it lists only the jobs, and the pending
+    work of the jobs and runs, in scope; the server-wide figures (device, memory account, slot
+    bytes and count, uptime) stay, as they name no job."""
     memory = backend.device_memory()
     slot_bytes, open_slots = servicer.slots.usage()
     reply = pb.StatusReply(
@@ -44,7 +50,7 @@ def status_reply(servicer: Reporting, req: pb.StatusRequest, version: str) -> pb
         device_memory_used=memory["used"],
         device_memory_total=memory["total"],
         uptime_seconds=time.time() - servicer.started,
-        jobs=servicer.buffers.status(),
+        jobs=[j for j in servicer.buffers.status() if scope is None or scope.allows_job(j.job)],
         slot_bytes=slot_bytes,
         open_slots=open_slots,
         version=version,
@@ -53,8 +59,18 @@ def status_reply(servicer: Reporting, req: pb.StatusRequest, version: str) -> pb
         memory_limit=servicer.budget.limit,
     )
     if req.pending:
-        slices = [b for buffers in servicer.buffers.jobs().values() for b in buffers]
-        rows, left_out = pending_rows(servicer.slots.open_slots(), slices, req.max_pending)
+        slices = [
+            b
+            for job, buffers in servicer.buffers.jobs().items()
+            if scope is None or scope.allows_job(job)
+            for b in buffers
+        ]
+        slots = [
+            s
+            for s in servicer.slots.open_slots()
+            if scope is None or scope.allows_run(run_of_key(s.key))
+        ]
+        rows, left_out = pending_rows(slots, slices, req.max_pending)
         reply.pending.extend(rows)
         reply.pending_left_out = left_out
     return reply

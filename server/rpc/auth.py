@@ -1,7 +1,5 @@
-"""Who may call what (DESIGN section 6): TLS credentials, bearer tokens with roles, binding rule.
-
-A shard server holds the whole model's slice: whoever reaches its port can read or overwrite it.
-So a server listens on loopback only, unless it has TLS or tokens, or is told ``insecure``.
+"""Who may call what (DESIGN section 6): bearer tokens with roles and scopes (TLS and the
+binding rule: server/rpc/tls.py).
 
 Tokens carry one of three roles, each including the ones before it::
 
@@ -23,6 +21,12 @@ A call without a token, or with an unknown one, fails with UNAUTHENTICATED; a kn
 the role fails with PERMISSION_DENIED. Both happen before the request is even parsed, so a
 rejected call never changes the server.
 
+A token may also be scoped to jobs and runs (``train TOKEN jobs=team-a-*``,
+server/rpc/scopes.py): its calls naming another job or run fail with PERMISSION_DENIED, decided
+from the request's bytes before it is parsed; a session's calls are checked one by one
+(server/transport/sessions.py), and Status and listings show only what is in scope
+(server/servicer.py). ``peer`` tokens carry every job's replicas and take no scope.
+
 Under mutual TLS, ``peer`` may also come from the caller's verified client certificate: a server
 given ``peer_identities`` (``paramshard serve --peer-identity NAME``) grants ``peer``, and only
 ``peer``, to a caller whose certificate's subject common name or a DNS subject alternative name
@@ -34,7 +38,6 @@ before; an identity never adds to it.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,6 +45,14 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.rpc.scopes import (
+    ROUTES,
+    Grant,
+    Scope,
+    parse_scope,
+    scope_checked,
+)
+from paramshard.server.rpc.scopes import refusal as scope_refusal
 
 __all__ = [
     "SERVICE_NAME",
@@ -55,12 +66,9 @@ __all__ = [
     "PEER_SEGMENTS",
     "peer_token",
     "check_tokens",
+    "grant_of",
     "parse_token_file",
     "load_token_file",
-    "server_credentials",
-    "peer_channel_credentials",
-    "is_loopback",
-    "check_binding",
     "certificate_names",
 ]
 
@@ -144,9 +152,29 @@ def role_allows(have: str, need: str, method: str = "") -> bool:
     return _RANK[have] >= _RANK[need]
 
 
-def peer_token(tokens: Mapping[str, str]) -> str | None:
+def grant_of(value: str | Grant) -> Grant:
+    """A ``tokens`` value as a Grant: a role (``"train"``), a role and its scope
+    (``"train jobs=team-a-*"``, as after the token in a token file), or a Grant."""
+    if isinstance(value, Grant):
+        grant = value
+    elif isinstance(value, str) and value.split():
+        role, *scope = value.split()
+        grant = Grant(role, parse_scope(scope))
+    else:
+        raise ValueError(f"a token's grant is a role or a Grant, not {value!r:.64}")
+    if grant.role not in ROLES:
+        raise ValueError(f"unknown role {grant.role!r} (roles: {', '.join(ROLES)})")
+    if grant.role == PEER and grant.scope is not None:
+        raise ValueError(
+            "a peer token takes no jobs= or runs=: it is the servers' own, and carries every"
+            " job's replicas to the neighbour server"
+        )
+    return grant
+
+
+def peer_token(tokens: Mapping[str, str | Grant]) -> str | None:
     """The token this server sends to its peers (the first ``peer`` line), None without one."""
-    return next((t for t, role in tokens.items() if role == PEER), None)
+    return next((t for t, g in tokens.items() if grant_of(g).role == PEER), None)
 
 
 def _needs(role: str) -> str:
@@ -156,52 +184,59 @@ def _needs(role: str) -> str:
     return f"a bearer token with role '{role}' or above"
 
 
-def check_tokens(tokens: Mapping[str, str]) -> dict[str, str]:
-    """Validates ``{token: role}``: known roles, tokens usable as gRPC metadata."""
-    out = {}
-    for token, role in tokens.items():
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
+def check_tokens(tokens: Mapping[str, str | Grant]) -> dict[str, str | Grant]:
+    """Validates ``{token: grant}``: each grant a role, a role and its scope
+    (``"train jobs=team-a-*"``) or a ``Grant``; tokens usable as gRPC metadata. An unscoped
+    token maps to its role, as ``{token: role}`` always did; a scoped one to its Grant."""
+    out: dict[str, str | Grant] = {}
+    for token, value in tokens.items():
+        grant = grant_of(value)
         if not isinstance(token, str) or not token:
             raise ValueError("a token must be a non-empty string")
         if not token.isascii() or not token.isprintable() or any(c.isspace() for c in token):
             raise ValueError(
-                f"a token of role {role!r} has whitespace or non-printable / non-ASCII characters"
-                " (it travels as an 'authorization: Bearer TOKEN' header)"
+                f"a token of role {grant.role!r} has whitespace or non-printable / non-ASCII"
+                " characters (it travels as an 'authorization: Bearer TOKEN' header)"
             )
-        out[token] = role
+        out[token] = grant.role if grant.scope is None else grant
     return out
 
 
-def parse_token_file(text: str, source: str = "token file") -> dict[str, str]:
-    """``ROLE TOKEN`` per line (roles read, train, admin, peer); blank lines and lines
-    starting with ``#`` are skipped."""
-    tokens: dict[str, str] = {}
+def parse_token_file(text: str, source: str = "token file") -> dict[str, str | Grant]:
+    """``ROLE TOKEN [jobs=PATTERNS] [runs=PATTERNS]`` per line (roles read, train, admin,
+    peer; patterns server/rpc/scopes.py); blank lines and lines starting with ``#`` are
+    skipped. An unscoped token maps to its role, a scoped one to its Grant."""
+    tokens: dict[str, str | Grant] = {}
     for number, raw in enumerate(text.splitlines(), 1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
         where = f"{source} line {number}"
-        if len(parts) != 2:
-            raise ValueError(f"{where}: expected 'ROLE TOKEN', got {len(parts)} fields")
-        role, token = parts
+        role, token, *scope = parts + [""] * (2 - len(parts))
+        if len(parts) < 2 or any("=" not in field for field in scope):
+            raise ValueError(
+                f"{where}: expected 'ROLE TOKEN' and then only jobs=PATTERNS or runs=PATTERNS,"
+                f" got {len(parts)} fields"
+            )
         if role not in ROLES:
             raise ValueError(f"{where}: unknown role {role!r} (roles: {', '.join(ROLES)})")
-        if token in tokens and tokens[token] != role:
-            raise ValueError(
-                f"{where}: the same token is listed with roles {tokens[token]!r} and {role!r}"
-            )
         try:
-            tokens.update(check_tokens({token: role}))
+            checked = check_tokens({token: " ".join([role, *scope])})
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        if token in tokens and tokens[token] != checked[token]:
+            raise ValueError(
+                f"{where}: the same token is listed as {str(tokens[token])!r} and"
+                f" {str(checked[token])!r}"
+            )
+        tokens.update(checked)
     if not tokens:
         raise ValueError(f"{source} has no tokens (expected lines 'ROLE TOKEN')")
     return tokens
 
 
-def load_token_file(path: str) -> dict[str, str]:
+def load_token_file(path: str) -> dict[str, str | Grant]:
     with open(path, encoding="utf-8") as f:
         return parse_token_file(f.read(), path)
 
@@ -212,74 +247,6 @@ def token_file_is_private(path: str) -> bool:
         return os.stat(path).st_mode & 0o077 == 0
     except OSError:
         return True
-
-
-def _pem(value: bytes | str | None) -> bytes | None:
-    if value is None:
-        return None
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
-def server_credentials(
-    cert: bytes | str | None, key: bytes | str | None, ca: bytes | str | None
-) -> grpc.ServerCredentials | None:
-    """TLS credentials from PEM: ``cert``+``key`` serve TLS; ``ca`` also requires client
-    certificates signed by it (mutual TLS). None when none is given."""
-    cert, key, ca = _pem(cert), _pem(key), _pem(ca)
-    if cert is None and key is None and ca is None:
-        return None
-    if cert is None or key is None:
-        raise ValueError("TLS needs both a certificate (tls_cert) and its private key (tls_key)")
-    for name, value in (("tls_cert", cert), ("tls_key", key), ("tls_ca", ca)):
-        if value is not None and b"-----BEGIN " not in value:
-            raise ValueError(f"{name} is not PEM (no '-----BEGIN' line)")
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
-def peer_channel_credentials(
-    cert: bytes | str | None,
-    key: bytes | str | None,
-    ca: bytes | str | None,
-    peer_ca: bytes | str | None = None,
-) -> grpc.ChannelCredentials:
-    """TLS for this server's calls to the other servers (replicas): their certificates are
-    checked against ``peer_ca`` (default ``ca``, else the system's roots); with mutual TLS
-    (``ca``) this server presents its own ``cert``."""
-    cert, key, ca, peer_ca = _pem(cert), _pem(key), _pem(ca), _pem(peer_ca)
-    mutual = ca is not None and cert is not None and key is not None
-    return grpc.ssl_channel_credentials(
-        root_certificates=peer_ca or ca,
-        private_key=key if mutual else None,
-        certificate_chain=cert if mutual else None,
-    )
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost, or "" (all interfaces)
-        return False
-
-
-def check_binding(host: str, *, tls: bool, tokens: bool, insecure: bool) -> bool:
-    """Raises ValueError for a non-loopback ``host`` without TLS or tokens unless ``insecure``.
-
-    Returns whether the server will be reachable beyond this host with no protection at all."""
-    if is_loopback(host) or tls or tokens:
-        return False
-    if not insecure:
-        raise ValueError(
-            f"refusing to listen on {host or 'all interfaces'!r} without TLS or tokens: a shard"
-            " server holds the whole model, and whoever can reach the port can read or overwrite"
-            " it. Give TLS (tls_cert and tls_key, and tls_ca for mutual TLS) or tokens, keep"
-            " 127.0.0.1 (and tunnel, e.g. ssh -L), or set insecure on a network you trust"
-        )
-    return True
 
 
 # --------------------------------------------------------------------------------- interceptor
@@ -340,28 +307,44 @@ def _identity_checked(
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Checks the bearer token of every call against ``tokens`` ({token: role}); with
-    ``peer_identities``, a client certificate naming one of them has role ``peer``."""
+    """Checks the bearer token of every call against ``tokens`` ({token: role or Grant}), and
+    a scoped token's calls against its scope; with ``peer_identities``, a client certificate
+    naming one of them has role ``peer``."""
 
-    def __init__(self, tokens: Mapping[str, str], peer_identities: Any = ()) -> None:
+    def __init__(self, tokens: Mapping[str, str | Grant], peer_identities: Any = ()) -> None:
         checked = check_tokens(tokens)
         self.identities = frozenset(peer_identities)
         if not checked and not self.identities:
             raise ValueError("TokenAuthInterceptor needs at least one token or peer identity")
-        self._tokens = [(t.encode(), role) for t, role in checked.items()]
+        self._tokens = [(t.encode(), grant_of(g)) for t, g in checked.items()]
 
-    def role_of(self, token: str) -> str | None:
+    def grant(self, token: str) -> Grant | None:
         presented = token.encode("utf-8", "replace")
         found = None
-        for known, role in self._tokens:  # no early exit: the time does not depend on the match
+        for known, grant in self._tokens:  # no early exit: the time does not depend on the match
             if hmac.compare_digest(known, presented):
-                found = role
+                found = grant
         return found
+
+    def role_of(self, token: str) -> str | None:
+        grant = self.grant(token)
+        return None if grant is None else grant.role
 
     def caller_role(self, metadata: Any) -> str | None:
         """The role of the token in ``metadata``; None without a known one."""
         token = bearer(metadata)
         return self.role_of(token) if token else None
+
+    def caller_scope(self, metadata: Any) -> Scope | None:
+        """The scope of the token in ``metadata``; None when it is unscoped (or unknown: such a
+        call never reaches a handler)."""
+        token = bearer(metadata)
+        grant = self.grant(token) if token else None
+        return None if grant is None else grant.scope
+
+    def context_scope(self, context: Any) -> Scope | None:
+        """``caller_scope`` of a handler's ``context`` (a session call's context too)."""
+        return self.caller_scope(context.invocation_metadata())
 
     def intercept_service(
         self,
@@ -377,9 +360,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return None  # UNIMPLEMENTED: the method list is public anyway (reflection)
         name = method.rsplit("/", 1)[-1]
         token = bearer(handler_call_details.invocation_metadata)
-        refusal = self._refusal(name, need, token)
+        grant = self.grant(token) if token else None
+        refusal = self._refusal(name, need, token, grant)
         if refusal is None:
-            return handler
+            return self._scoped(handler, name, grant)
         if need == PEER and self.identities and not handler.request_streaming:
             code, message = refusal
             return _identity_checked(
@@ -395,7 +379,24 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return handler  # identities only: the other methods stay as open as without tokens
         return _reject(handler, *refusal)
 
-    def _refusal(self, name: str, need: str, token: str | None) -> tuple[Any, str] | None:
+    @staticmethod
+    def _scoped(
+        handler: grpc.RpcMethodHandler, name: str, grant: Grant | None
+    ) -> grpc.RpcMethodHandler:
+        """``handler`` for a caller whose role suffices: as it is for an unscoped token, behind
+        the scope check for a scoped one (server/rpc/scopes.py)."""
+        if grant is None or grant.scope is None:
+            return handler
+        route = ROUTES.get(name)
+        if route is None:  # a method nobody routed yet: scoped tokens may not call it
+            return _reject(handler, *scope_refusal(grant.scope, name, b""))
+        if not route.checked:  # names nothing: Status and listings filter, segments are own
+            return handler  # (a session checks each call it carries)
+        return scope_checked(handler, grant.scope, name)
+
+    def _refusal(
+        self, name: str, need: str, token: str | None, grant: Grant | None
+    ) -> tuple[Any, str] | None:
         """Why the token does not let the call through (code, message), or None if it does."""
         if not token:
             how = "is missing" if token is None else "is not 'Bearer TOKEN'"
@@ -403,15 +404,14 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{name}: this server requires {_needs(need)}; the 'authorization' metadata {how}",
             )
-        have = self.role_of(token)
-        if have is None:
+        if grant is None:
             return (
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{name}: unknown bearer token; this call needs {_needs(need)}",
             )
-        if not role_allows(have, need, name):
+        if not role_allows(grant.role, need, name):
             return (
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"{name} needs role '{need}'; this token has role '{have}'",
+                f"{name} needs role '{need}'; this token has role '{grant.role}'",
             )
         return None

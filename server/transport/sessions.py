@@ -13,7 +13,8 @@ Each call of a session is what its unary twin is:
   guarded and run by the servicer's own handler; its status comes back in its reply and never
   ends the session;
 - the stream's token is every call's token: each call needs its method's role (server/rpc/auth.py),
-  and its segments are that token's (server/transport/shm.py);
+  a scoped token's call is checked against its scope before it is parsed, as a unary call is
+  (server/rpc/scopes.py), and its segments are that token's (server/transport/shm.py);
 - a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls;
 - a call's deadline is its ``timeout_s`` from its arrival.
 
@@ -51,7 +52,7 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
-from paramshard.server.rpc import auth
+from paramshard.server.rpc import auth, scopes
 from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
 from paramshard.server.rpc.parsers import Malformed
 
@@ -154,7 +155,8 @@ def _payload_bytes(request: Any) -> int:
 class Sessions:
     """The Session method of one server. ``handlers``: the data-plane methods' handlers;
     ``role_of(metadata)``: the caller's role (None without tokens); ``observe(method, code,
-    seconds, request bytes, reply bytes)``: metrics of each call (server/metrics.py)."""
+    seconds, request bytes, reply bytes)``: metrics of each call (server/metrics.py);
+    ``scope_of(metadata)``: the caller's token's scope (None: unscoped, or no tokens)."""
 
     def __init__(
         self,
@@ -164,8 +166,10 @@ class Sessions:
         may_wait: Callable[[str, Any], bool],
         workers: int,
         observe: Callable[[str, grpc.StatusCode, float, int, int], None] | None = None,
+        scope_of: Callable[[Any], scopes.Scope | None] | None = None,
     ) -> None:
         self.handlers = handlers
+        self.scope_of = scope_of
         self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
         self.calls = 0  # calls run through sessions (tests read it)
@@ -183,7 +187,8 @@ class Sessions:
 
     def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         role = self.role_of(context.invocation_metadata()) if self.role_of else None
-        session = _Session(self, context, role)
+        scope = self.scope_of(context.invocation_metadata()) if self.scope_of else None
+        session = _Session(self, context, role, scope)
         reader = threading.Thread(
             target=session.read, args=(batches,), name="session-reader", daemon=True
         )
@@ -195,8 +200,14 @@ class Sessions:
 
 
 class _Session:
-    def __init__(self, sessions: Sessions, context: grpc.ServicerContext, role: str | None):
-        self.s, self.context, self.role = sessions, context, role
+    def __init__(
+        self,
+        sessions: Sessions,
+        context: grpc.ServicerContext,
+        role: str | None,
+        scope: scopes.Scope | None = None,
+    ):
+        self.s, self.context, self.role, self.scope = sessions, context, role, scope
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.in_flight = 0  # calls taken and not yet replied to
@@ -313,7 +324,13 @@ class _Session:
             )
         timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
         fn, parse, serialize = handler
+        refused = self.scope and scopes.refusal(self.scope, method, body)  # before the parse
+        if refused:
+            return self.refuse(_reply(call.id, *refused))
         request = parse(body)
+        refused = self.scope and scopes.mismatch(self.scope, method, request)
+        if refused:
+            return self.refuse(_reply(call.id, *refused))
         waits = None
         if method in WAITING_METHODS and self.s.may_wait(method, request):
             waits = self.role or "train"
