@@ -14,6 +14,7 @@ from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
     _warn,
+    paramshard_argv,
 )
 
 REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
@@ -82,7 +83,7 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
 
 
 def reexec_with_malloc_env(argv: Sequence[str]) -> None:
-    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
+    """Re-executes ``paramshard ARGV`` with the MALLOC_* settings if any is missing.
 
     DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
     reads them only when the process starts, so setting ``os.environ`` now would do nothing.
@@ -104,7 +105,7 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
+        os.execve(sys.executable, paramshard_argv(*argv), env)
     except OSError as exc:
         _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
 

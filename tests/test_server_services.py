@@ -196,10 +196,11 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_server_never_imports_torch() -> None:
     result = run_python(
-        "import sys, server, server.app, server.store, server.optimizers, server.servicer,"
-        " server.slots, server.arrays, server.backend\n"
+        "import sys, paramshard.server, paramshard.server.app, paramshard.server.store,"
+        " paramshard.server.optimizers, paramshard.server.servicer, paramshard.server.slots,"
+        " paramshard.server.arrays, paramshard.server.backend\n"
         "assert 'torch' not in sys.modules, 'server imported torch'\n"
-        "from server import ShardServer\n"
+        "from paramshard.server import ShardServer\n"
         "s = ShardServer().start(); s.stop(0)\n"
         "assert 'torch' not in sys.modules, 'starting a server imported torch'\n"
     )
@@ -208,9 +209,10 @@ def test_server_never_imports_torch() -> None:
 
 def test_client_and_protos_never_import_torch() -> None:
     result = run_python(
-        "import sys, numpy as np, client, protos.codec, protos.slicing\n"
-        "from server import ShardServer\n"
-        "from client import ClusterSpec, ShardClient\n"
+        "import sys, numpy as np, paramshard.client, paramshard.protos.codec\n"
+        "import paramshard.protos.slicing\n"
+        "from paramshard.server import ShardServer\n"
+        "from paramshard.client import ClusterSpec, ShardClient\n"
         "s = ShardServer().start()\n"
         "c = ShardClient(ClusterSpec([s.address]))\n"
         "assert (c.all_reduce(np.ones(3, np.float32)) == 1).all()\n"
