@@ -37,7 +37,7 @@ Memory per rank (bytes), measured in one extra, untimed step after the timed one
   and its torch optimizer's state;
 - its server (index = rank): ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` of this job
   from ``client.status()``, and the server's reduction-slot bytes;
-- total against DESIGN section 4's formula: DDP 16Ψ; ZeRO-1 8Ψ + 16Ψ/N; ZeRO-2 4Ψ + 16Ψ/N;
+- total against docs/design.md §4's formula: DDP 16Ψ; ZeRO-1 8Ψ + 16Ψ/N; ZeRO-2 4Ψ + 16Ψ/N;
   FSDP 16Ψ/N + live units, where "live units" = 4 bytes x (root unit + two largest other units:
   the one computing and the one prefetched; the root stays gathered from the start of forward
   until its gradients are pushed at the end of backward);

@@ -1,4 +1,4 @@
-"""A client's shared-memory segments with the servers on its host (server/shm.py, DESIGN §7).
+"""A client's shared-memory segments with its host's servers (server/shm.py, docs/design.md §7.2).
 
 For each server, the first large payload opens a segment: ``OfferSegment`` (an authenticated
 call), the memfd received over the server's abstract Unix socket for the one-time ticket,

@@ -85,7 +85,7 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
 def reexec_with_malloc_env(argv: Sequence[str]) -> None:
     """Re-executes ``paramshard ARGV`` with the MALLOC_* settings if any is missing.
 
-    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
+    docs/design.md §7.5: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
     reads them only when the process starts, so setting ``os.environ`` now would do nothing.
     Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
     """
@@ -113,7 +113,7 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
 def check_exposure(
     host: str, port: int, insecure: bool, tls: bool = False, token: bool = False
 ) -> bool:
-    """DESIGN section 6: a server holds the model, so beyond loopback it needs TLS or a token,
+    """docs/design.md §6.1: a server holds the model, so beyond loopback it needs TLS or a token,
     or an explicit --insecure.
 
     Returns whether the server will be reachable beyond this host unprotected (worth a warning).
