@@ -2,7 +2,7 @@
 
     python -m benchmarks.collectives [--quick] [--sizes 1,16,64] [--world-sizes 2,4]
 
-Measured in one run, on 127.0.0.1 (DESIGN section 7 has the transport facts these compare to):
+Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts these compare to):
 
 - **collectives**: all_reduce, all_gather, reduce_scatter for each world size W and tensor size S,
   through the variants of ``_collective_runs.VARIANTS``: ours with each rank process hosting its

@@ -11,7 +11,7 @@ import grpc
 
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
-# DESIGN section 7: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
+# docs/design.md §7.5: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
 # Reconnection backs off at most 5 s (grpc's default grows to 120 s): after a link cut every
 # rank is back within about 6 s, before a server takes a late one for lost
 # (server/collectives/leases.py). The first wait stays grpc's 1 s: a dead server then fails every

@@ -1,6 +1,6 @@
 """Calls to many servers at once: one stub per server, many calls in flight, retries, deadlines.
 
-DESIGN section 7: several concurrent calls beat sequential ones by 25-40%, and 4-16 MiB messages
+docs/design.md §7.5: several concurrent calls beat sequential ones by 25-40%, and 4-16 MiB messages
 move fastest, so every tensor is cut into ``chunk_bytes`` pieces and up to ``max_in_flight`` of
 them travel at once. Requests are built lazily, so a large tensor is never encoded all at once.
 """
@@ -250,7 +250,7 @@ class RpcCore:
             else:
                 size += call.reply_bytes
         if size > MAX_BODY:
-            return None  # its own call: a session costs large payloads more (DESIGN §7)
+            return None  # its own call: a session costs large payloads more (docs/design.md §7.3)
         session = self.sessions.get(self, call.server)
         if session is None:
             return None
@@ -283,10 +283,10 @@ class RpcCore:
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe.
-        A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later", DESIGN
-        section 6) is re-sent with backoff until it is admitted or its deadline (``timeout_s``
-        from its first attempt) has passed; other RESOURCE_EXHAUSTED errors (memory, sizes)
-        are final.
+        A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
+        docs/design.md §6.2) is re-sent with backoff until it is admitted or its deadline
+        (``timeout_s`` from its first attempt) has passed; other RESOURCE_EXHAUSTED errors
+        (memory, sizes) are final.
         """
         results: list[Any] = []
         queue = deque(enumerate(calls))

@@ -1,5 +1,5 @@
 """A client's sessions: one persistent stream per server carrying its data-plane calls
-(server/transport/sessions.py, DESIGN section 7).
+(server/transport/sessions.py, docs/design.md §7.3).
 
 Unary calls cost grpcio a call's setup on both sides, and the first future after an idle spell
 makes grpcio start a polling thread for the channel; a session opens once and stays open, and

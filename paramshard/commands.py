@@ -2,7 +2,8 @@
 the helpers client commands share (the cluster from the environment, tables, sizes).
 
 Every subcommand is one function registered with ``@command``; its arguments are declared next to
-it, the first docstring line is its ``--help`` summary and the rest its description::
+it, the docstring's first paragraph is its line in ``paramshard --help`` (``summary``: a whole
+sentence, however it wraps) and the whole docstring its description::
 
     @command(arg("address", help="host:port of the server"))
     def ping(args: argparse.Namespace) -> int:
@@ -22,12 +23,22 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from inspect import cleandoc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paramshard.client import ClusterSpec
 
-__all__ = ["command", "arg", "CommandError", "COMMANDS", "EXIT_FAILURE", "EXIT_USAGE"]
+__all__ = [
+    "command",
+    "arg",
+    "CommandError",
+    "COMMANDS",
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+    "paramshard_argv",
+    "summary",
+]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # argparse's code for bad arguments; also ours for settings that cannot work
@@ -74,6 +85,33 @@ def command(*args: Arg, name: str | None = None) -> Callable[[Callable], Callabl
         return fn
 
     return register
+
+
+def summary(doc: str) -> str:
+    """A command's line in ``paramshard --help``: its docstring's first paragraph, on one line.
+
+    The first paragraph, not the first line: a sentence that wraps in the source would be cut
+    mid-sentence in the command list."""
+    return " ".join(cleandoc(doc).split("\n\n", 1)[0].split())
+
+
+# `python -m paramshard` and `python -c` both put the current directory first on sys.path, so a
+# server started from a user's folder would import that folder's logging.py, grpc.py or
+# paramshard.py instead of the real ones (the console script `paramshard` does not). `-P` stops
+# that from Python 3.11 only; this removes the entry itself before anything else is imported,
+# on 3.10 too, and leaves sys.path alone where PYTHONSAFEPATH already kept the entry out.
+_SAFE_MAIN = (
+    "import sys; sys.path[:1] == [''] and sys.path.pop(0); "
+    "from paramshard.cli import main; sys.exit(main())"
+)
+
+
+def paramshard_argv(*args: str) -> list[str]:
+    """The command line that runs ``paramshard ARGS`` in a new interpreter (this one's), whatever
+    files the current directory holds."""
+    if not sys.executable:
+        raise CommandError("cannot start paramshard: no sys.executable")
+    return [sys.executable, "-c", _SAFE_MAIN, *args]
 
 
 # ------------------------------------------------------------------------------ argument types

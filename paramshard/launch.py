@@ -10,8 +10,8 @@ waits, equally bounded, until every server's health check says SERVING. Then it 
 ``--nproc`` copies of ``python SCRIPT ARGS`` with the environment torchrun would give them plus
 the cluster: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, PARAMSHARD_SERVERS,
 PARAMSHARD_RUN (one id shared by all ranks, so two runs on the same servers never share
-collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of DESIGN
-section 7, which glibc reads only when a process starts.
+collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of
+docs/design.md §7.5, which glibc reads only when a process starts.
 
 Every line a rank prints comes out as ``[rank R] LINE`` (stdout to stdout, stderr to stderr);
 server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forwarded to the ranks;

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from paramshard.commands import CommandError
+from paramshard.commands import CommandError, paramshard_argv
 from paramshard.processes import Child, relay, spawn, stop
 
 __all__ = ["SERVER_STOP_S", "start_local_servers", "wait_serving"]
@@ -28,7 +28,7 @@ def start_local_servers(n: int, device: str, env: dict[str, str], timeout: float
     try:
         for i in range(n):
             dev = f"cuda:{i}" if device == "cuda" else device
-            cmd = [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--device", dev]
+            cmd = paramshard_argv("serve", "--port", "0", "--device", dev)
             children.append(spawn(f"server {i}", cmd, env))
             relay(children[-1], children[-1].proc.stdout, sys.stderr, lines)
             relay(children[-1], children[-1].proc.stderr, sys.stderr, None)

@@ -194,10 +194,10 @@ def serve(args: argparse.Namespace) -> int:
     Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls
     (then 'paramshard serve: metrics at URL' with --metrics-port).
     The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
-    one ends the process at once. The MALLOC_* settings of DESIGN section 7 are applied by
+    one ends the process at once. The MALLOC_* settings of docs/design.md §7.5 are applied by
     re-executing the interpreter when they are missing from the environment.
 
-    Security (DESIGN section 6): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
+    Security (docs/design.md §6.1): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
     train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
     (replicas from the other servers; this server sends its own with it, over TLS when it
@@ -207,7 +207,7 @@ def serve(args: argparse.Namespace) -> int:
     stay open (at most --max-streams streams at once).
     Without TLS or tokens only loopback addresses are allowed, unless --insecure.
 
-    Bounds (DESIGN section 6): --max-memory for everything kept for callers, --pending-ttl for
+    Bounds (docs/design.md §6.2): --max-memory for everything kept for callers, --pending-ttl for
     abandoned slots and mailboxes, --max-wait-s for any wait; waiting calls never take the
     last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
     """

@@ -13,6 +13,7 @@ from typing import Any
 from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
+    paramshard_argv,
     warn,
 )
 
@@ -74,9 +75,9 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
 
 
 def reexec_with_malloc_env(argv: Sequence[str]) -> None:
-    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
+    """Re-executes ``paramshard ARGV`` with the MALLOC_* settings if any is missing.
 
-    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
+    docs/design.md §7.5: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
     reads them only when the process starts, so setting ``os.environ`` now would do nothing.
     Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
     """
@@ -96,7 +97,7 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
+        os.execve(sys.executable, paramshard_argv(*argv), env)
     except OSError as exc:
         warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
 

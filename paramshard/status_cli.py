@@ -1,6 +1,6 @@
 """``paramshard status``: what each shard server holds and, with ``--pending``, what waits on it.
 
-``--pending`` is the hang doctor (DESIGN section 3). A collective hangs when a rank never
+``--pending`` is the hang doctor (docs/design.md §3.7). A collective hangs when a rank never
 reaches it; every server it was due on lists it, per run, with its kind and sequence number,
 the ranks whose contribution is in (ARRIVED), those whose is not (MISSING), the ranks blocked
 reading it (WAITING) or that have yet to read it, and how long ago it was opened (AGE) and last

@@ -194,9 +194,10 @@ def restore(args: argparse.Namespace) -> int:
     TIMEOUT,
 )
 def export(args: argparse.Namespace) -> int:
-    """The full state dict under the model's own names, loadable with
-    model.load_state_dict(safetensors.torch.load_file(OUT)); with --hf-dir, a Hugging Face
-    model's folder for from_pretrained. Streamed, one parameter at a time."""
+    """Write a job's full state dict under the model's own names, or a Hugging Face folder.
+
+    --out FILE is loadable with model.load_state_dict(safetensors.torch.load_file(FILE));
+    --hf-dir DIR with from_pretrained(DIR). Streamed, one parameter at a time."""
     if (args.out is None) == (args.hf_dir is None):
         raise CommandError("give one of --out FILE or --hf-dir DIR", EXIT_USAGE)
     if args.snapshot:

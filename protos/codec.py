@@ -1,7 +1,7 @@
 """Tensor codec: arrays <-> the protobuf wire bytes of shard.proto's tensor-carrying messages.
 
 Every message that carries a tensor is ``{ Header header = 1; bytes data = 15; }``. The protobuf
-runtime copies a ``bytes`` field on parse and again on serialise (DESIGN section 7: raw payloads
+runtime copies a ``bytes`` field on parse and again on serialise (docs/design.md §7.5: raw payloads
 were 1.6-2.4x faster at half the CPU), so we write those two fields by hand:
 
     0x0A <varint len(header)> <header bytes>  0x7A <varint len(data)> <data bytes>
@@ -68,7 +68,7 @@ def wire_dtype(name: str) -> int:
 
 
 MASTER_DTYPES = ("float32", "float64")
-"""The dtypes a flat buffer's master copy and optimizer state are kept in (DESIGN section 3)."""
+"""The dtypes a flat buffer's master copy and optimizer state are kept in (docs/design.md §3.1)."""
 
 
 def master_dtype(dtype: Any) -> str:
@@ -128,7 +128,7 @@ def encode(header: Any, payload: Any = b"") -> bytes:
     """Serialise ``header`` (a protobuf message) and a raw payload into one wire message.
 
     ``payload`` is bytes, or any C-contiguous buffer (a NumPy array): the join reads it in place,
-    so the payload is copied once, into the message grpcio needs as ``bytes`` (DESIGN section 7).
+    so the payload is copied once, into the message grpcio needs as ``bytes`` (docs/design.md §7.1).
     """
     return b"".join(encode_parts(header, payload)[0])
 

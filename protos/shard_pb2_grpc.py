@@ -246,7 +246,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lease(self, request, context):
-        """A rank's lease on this server (DESIGN section 3, fast failure): renewed about every
+        """A rank's lease on this server (docs/design.md §3.7, fast failure): renewed about every
         0.4 s; the reply carries the run's abort notice when one was raised.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -284,7 +284,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConfigureReplication(self, request, context):
-        """Neighbour replication (DESIGN section 5): every `every` steps this server copies a job's
+        """Neighbour replication (docs/design.md §5.2): every `every` steps this server copies a job's
         slices and optimizer state (one version, all buffers) to host memory and to its neighbour.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -328,7 +328,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OfferSegment(self, request, context):
-        """Shared memory with a client on this host (DESIGN section 7): the server offers a segment
+        """Shared memory with a client on this host (docs/design.md §7.2): the server offers a segment
         (a memfd handed over a Unix socket of its own to whoever shows the ticket), the client maps
         it and proves it by echoing the bytes the server put at its start; tensor payloads then
         travel in the segment, referenced by `ShmRef` fields. Segments belong to the caller's token.
@@ -350,7 +350,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """A client's persistent stream to this server (DESIGN section 7): data-plane calls
+        """A client's persistent stream to this server (docs/design.md §7.3): data-plane calls
         (Contribute, ReadSlot, PushGrad, PullParams, SetParams) travel as `SessionCall`s, each
         batch holding every call the client had ready, and come back, in any order, as replies
         naming the call's id. The server's first batch, empty, says the session is open. Each

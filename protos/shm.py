@@ -1,5 +1,5 @@
-"""A client's shared-memory segments with the servers on its host (server/transport/shm.py,
-DESIGN §7).
+"""A client's shared-memory segments with its host's servers (server/transport/shm.py,
+docs/design.md §7.2).
 
 It lives in protos/, below both sides: trainers use it, and so does a server sending replica
 chunks to its neighbour (server/replication/neighbour_shm.py), which never imports client code.

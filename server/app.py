@@ -23,7 +23,7 @@ from paramshard.server.transport.sessions import Sessions
 
 __all__ = ["ShardServer", "MALLOC_ENV"]
 
-# DESIGN section 7: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
+# docs/design.md §7.5: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
 # took a 256 MiB call from 0.35 to 0.96 GB/s. They only work if set before the interpreter starts.
 MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "1073741824",
@@ -36,7 +36,7 @@ class ShardServer:
     """A shard server bound to ``host:port`` (port 0 picks a free one; see ``.address``).
 
     Binds 127.0.0.1 by default: a server holds the whole model's slice, so whoever reaches the
-    port can read or overwrite it (DESIGN section 6). Another address needs TLS or tokens, or
+    port can read or overwrite it (docs/design.md §6.1). Another address needs TLS or tokens, or
     ``insecure=True``.
     """
 

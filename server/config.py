@@ -79,7 +79,7 @@ class SecurityConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class BoundsConfig:
-    """Memory and time a caller may take (docs/design.md §7)."""
+    """Memory and time a caller may take (docs/design.md §6.2)."""
 
     max_memory: int | str | None = None
     """Bytes this server may hold for callers (``"8GiB"``, ``"50%"``; None: 90% of the host's or

@@ -1,4 +1,4 @@
-"""server.optimizers against torch.optim's single-tensor CPU path (foreach=False).
+"""paramshard.server.optimizers against torch.optim's single-tensor CPU path (foreach=False).
 
 The server must reproduce torch's updates so that a model trained through shard servers
 ends where local torch training would. Float32 shards are held to a measured bound: after 1 to

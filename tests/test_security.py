@@ -1,4 +1,4 @@
-"""DESIGN section 6: TLS, mutual TLS, bearer tokens with roles, and the binding rule.
+"""docs/design.md §6.1: TLS, mutual TLS, bearer tokens with roles, and the binding rule.
 
 Certificates are made per session with ``cryptography``: a CA, a server certificate for
 127.0.0.1 / localhost, a client certificate, and a second CA standing for an impostor.

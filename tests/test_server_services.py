@@ -210,6 +210,7 @@ def test_server_never_imports_torch() -> None:
 def test_client_and_protos_never_import_torch() -> None:
     result = run_python(
         "import sys, numpy as np, paramshard.client, paramshard.protos.codec\n"
+        "import paramshard.protos.slicing\n"
         "from paramshard.server import ShardServer\n"
         "from paramshard.client import ClusterSpec, ShardClient\n"
         "s = ShardServer().start()\n"

@@ -1,4 +1,4 @@
-"""Snapshots (DESIGN section 5, issue 4): consistent on one version while training runs,
+"""Snapshots (docs/design.md §5.1, issue 4): consistent on one version while training runs,
 restorable into the same or a different number of servers, and checked on the way back in.
 
 Real in-process servers, a real tiny GPT trained by W=2 ranks (threads, one ShardClient each),

@@ -1,6 +1,6 @@
 """A flat-buffer slice's state: master params, accumulator, versions, pending step.
 
-Wire semantics (DESIGN section 3):
+Wire semantics (docs/design.md §3):
 - A slice's *version* counts optimizer steps applied. Gradient pushes for step s are accepted
   only while the version is s; pushes for an already applied step are acknowledged as duplicates.
 - A *contribution* is (step, contributor, micro-batch, chunk offset) and is added exactly once,
@@ -18,7 +18,7 @@ Wire semantics (DESIGN section 3):
   leaves params and optimizer state as they were and still moves the version on); see
   server/buffers/nonfinite.py.
 - The master copy, the accumulator and the optimizer state are float64 for a buffer registered
-  with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (DESIGN section 3).
+  with ``master_dtype=FLOAT64`` (a float64 model), float32 otherwise (docs/design.md §3.1).
 Every check happens before any state changes, so a rejected request leaves the slice as it was.
 """
 

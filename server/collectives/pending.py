@@ -1,4 +1,4 @@
-"""The hang doctor (DESIGN section 3): who a waiting slot or gradient step waits for.
+"""The hang doctor (docs/design.md §3.7): who a waiting slot or gradient step waits for.
 
 A collective hangs when a rank never reaches it. Every open reduction slot knows which
 contributors arrived, which readers wait and since when; this module turns that into words (a

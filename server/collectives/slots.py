@@ -15,7 +15,7 @@ are in, and an early arrival waits as a copy in ``Chunk.staged``. Float addition
 associative, so this is what makes two runs of the same training bitwise identical, as gloo's
 fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
 
-Pending work ends (DESIGN section 3): a slot or mailbox that gets no contribution and no read
+Pending work ends (docs/design.md §3.7): a slot or mailbox that gets no contribution and no read
 for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), and ``drop_run``
 drops every slot of a run (``DropJob`` with the run's name). Their memory is given back, their
 waiting readers fail with ABORTED naming the slot and why, and so does any later call on the

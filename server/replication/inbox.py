@@ -1,4 +1,4 @@
-"""Replicas being received, chunk by chunk (DESIGN sections 5 and 6): bounded, checked, expiring.
+"""Replicas being received, chunk by chunk (docs/design.md §5.2, §6.2): bounded, checked, expiring.
 
 A replica arrives as chunks ``[offset, offset + len(data))`` of a blob of ``total`` bytes. Nothing
 is allocated for ``total`` up front: the chunks are kept as they come, so memory follows the bytes

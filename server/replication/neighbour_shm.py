@@ -1,4 +1,4 @@
-"""Replica chunks through shared memory when the neighbour runs on this host (DESIGN section 7).
+"""Replica chunks through shared memory when the neighbour runs on this host (docs/design.md §7.2).
 
 A server sending its replica to its neighbour is a client of that neighbour, and goes the way a
 trainer's payloads go (protos/shm.py): the first chunk asks the neighbour for a segment over the

@@ -1,4 +1,4 @@
-"""Neighbour replication (DESIGN sections 5 and 6): a dead server is rebuilt from its neighbour.
+"""Neighbour replication (docs/design.md §5.2, §6.1): a dead server is rebuilt from its neighbour.
 
 Every ``every`` versions, right after a step, each buffer slice of a configured job copies its
 params and optimizer state (a memcpy, under the slice's lock). When all buffers of the job on
@@ -7,7 +7,7 @@ this server have been copied at that version, a background thread encodes them a
 server (index + 1) mod N, which keeps it for us: through shared memory when that server runs
 on this host (``replica_shm.py``), else in-band. Both sides keep the last ``KEEP`` versions.
 
-Who may do what (DESIGN section 6): ``ConfigureReplication`` is an admin call, and its target
+Who may do what (docs/design.md §6.1): ``ConfigureReplication`` is an admin call, and its target
 must be the job's next server: before accepting it, this server asks the target to take a
 replica of the job from our slice index (an empty ``StoreReplica``, total 0), which the target
 accepts only if it holds the job and we are its predecessor ((its index - 1) mod N, from the

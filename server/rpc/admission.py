@@ -1,4 +1,4 @@
-"""Which call gets a handler thread (DESIGN section 6): a caller that waits never starves one
+"""Which call gets a handler thread (docs/design.md §6.2): a caller that waits never starves one
 that works.
 
 The gRPC server runs every call on a thread of one pool, and a call that waits (a pull for a

@@ -1,4 +1,4 @@
-"""Who may call what (DESIGN section 6): bearer tokens with roles and scopes (TLS and the
+"""Who may call what (docs/design.md §6.1): bearer tokens with roles and scopes (TLS and the
 binding rule: server/rpc/tls.py).
 
 Tokens carry one of three roles, each including the ones before it::
@@ -6,7 +6,7 @@ Tokens carry one of three roles, each including the ones before it::
     read  < train < admin
 
 and a fourth, ``peer``, apart from them: the servers' own credential for server-to-server calls
-(replicas, DESIGN section 6). Only ``peer`` may call ``StoreReplica``, and ``peer`` may call
+(replicas, docs/design.md §6.1). Only ``peer`` may call ``StoreReplica``, and ``peer`` may call
 nothing else but the shared-segment calls (``PEER_SEGMENTS``, for replicas to a neighbour on
 the same host): an admin token does not store replicas, a server's token does not train. A server
 sends replicas with the ``peer`` token of its own token file (``peer_token``), so every server of a

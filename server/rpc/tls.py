@@ -1,4 +1,4 @@
-"""TLS credentials and the binding rule (DESIGN section 6, docs/security.md).
+"""TLS credentials and the binding rule (docs/design.md §6.1, docs/security.md).
 
 A shard server holds the whole model's slice: whoever reaches its port can read or overwrite it.
 So a server listens on loopback only, unless it has TLS or tokens (server/rpc/auth.py), or is

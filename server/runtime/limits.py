@@ -1,4 +1,4 @@
-"""The server-wide memory bound (DESIGN section 6): one account, reserved before allocating.
+"""The server-wide memory bound (docs/design.md §6.2): one account, reserved before allocating.
 
 Every array a server keeps on behalf of a caller is paid for from one ``MemoryBudget`` before
 it is allocated, and paid back when it is freed:

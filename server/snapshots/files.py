@@ -1,6 +1,6 @@
 """Snapshots on disk: ``<root>/<job>/<tag>/shard-<i>-of-<N>.safetensors`` + ``manifest.json``.
 
-Writing (DESIGN section 5): every buffer of the job is captured in memory at exactly one
+Writing (docs/design.md §5.1): every buffer of the job is captured in memory at exactly one
 version (training goes on), then the shard file is written to a temporary name, fsynced and
 renamed. The client commits the snapshot by sending the manifest (layout, versions, optimizer
 hyper-parameters, each shard's sha256), written the same way; a snapshot counts only when the

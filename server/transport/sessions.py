@@ -1,4 +1,4 @@
-"""Sessions: a client's persistent stream to this server (DESIGN section 7, ``rpc Session``).
+"""Sessions: a client's persistent stream to this server (docs/design.md §7.3, ``rpc Session``).
 
 A unary call costs grpcio about 0.2 ms of CPU on each side, and a client's first call after an
 idle spell makes grpcio start a polling thread (another 0.15 ms). A small collective is a few

@@ -1,4 +1,4 @@
-"""Shared-memory segments for clients on this host (DESIGN section 7).
+"""Shared-memory segments for clients on this host (docs/design.md §7.2).
 
 A client calls ``OfferSegment``; the server creates an anonymous memory file (``memfd``: it is
 never in a file system, so nothing outlives a SIGKILL of either side), maps it, writes
