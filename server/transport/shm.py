@@ -1,7 +1,10 @@
 """Shared-memory segments for clients on this host (DESIGN section 7).
 
 A client calls ``OfferSegment``; the server creates an anonymous memory file (``memfd``: it is
-never in a file system, so nothing outlives a SIGKILL of either side), maps it, writes
+never in a file system, so nothing outlives a SIGKILL of either side), seals it at its size
+(``F_SEAL_SHRINK | F_SEAL_GROW``, protos/shm.py ``SEALS``: a caller that shrank the file under
+the server's mapping would make the server die of SIGBUS at its next read or write there; the
+seals are checked again at confirm), maps it, writes
 ``PROOF_BYTES`` random bytes at its start, and answers with the segment's id, a one-time
 ticket and the name of its own abstract Unix socket. The client connects there, sends the
 ticket, receives the file descriptor (SCM_RIGHTS), maps it and calls ``ConfirmSegment`` with the
@@ -36,7 +39,7 @@ from typing import Any
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.shm import PROOF_BYTES
+from paramshard.protos.shm import MFD_ALLOW_SEALING, PROOF_BYTES, is_sealed, seal
 from paramshard.server.rpc.auth import bearer
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
@@ -109,16 +112,26 @@ class SegmentRegistry:
                 )
             self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
         try:
-            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, nbytes)
-                mapped = mmap.mmap(fd, nbytes)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC | MFD_ALLOW_SEALING)
         except OSError as exc:
             self.budget.release(nbytes, "shm")
             raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+        try:
+            os.ftruncate(fd, nbytes)
+            try:
+                seal(fd)  # before anyone else holds it: its size never changes
+            except OSError as exc:
+                raise ShardError.precondition(
+                    f"this server cannot seal a shared segment ({exc.strerror}); payloads stay"
+                    " in-band"
+                ) from None
+            mapped = mmap.mmap(fd, nbytes)
+        except BaseException as exc:
+            os.close(fd)
+            self.budget.release(nbytes, "shm")
+            if isinstance(exc, OSError):
+                raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+            raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
         seg = _Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
@@ -142,6 +155,11 @@ class SegmentRegistry:
                 raise ShardError.precondition(
                     f"segment {req.segment}: the proof does not match what the server wrote;"
                     " the caller does not share this server's memory"
+                )
+            if not is_sealed(seg.fd, seg.nbytes):
+                raise ShardError.precondition(
+                    f"segment {req.segment} is not sealed against shrinking and growing at"
+                    f" {seg.nbytes:,} bytes; the server does not use it"
                 )
             seg.confirmed = True
             seg.last_used = time.monotonic()

@@ -1,0 +1,152 @@
+"""Shared memory that no caller can turn against the server or another caller (issue 27,
+findings 1-4; server/transport/shm.py, server/transport/handover.py, protos/shm.py).
+
+Each probe runs against a real server: a ``paramshard serve`` subprocess where the failure
+was a crash (a SIGBUS ends the whole process), an in-process one otherwise, and checks what
+the other callers still have.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from shm_probes import Segment, raw
+from test_cli import ServeProcess
+
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.shm import SEALS, is_sealed
+
+TOKENS = {"tok-read": "read", "tok-train": "train", "tok-other": "train"}
+N = 2**16  # float32 elements of the job's buffer: 256 KiB
+REF = pb.BufferRef(job="g", buffer="w")
+
+
+def client(address: str, token: str | None, **kw) -> ShardClient:
+    spec = ClusterSpec([address])
+    spec.token = token
+    return ShardClient(spec, timeout_s=10, chunk_bytes=256 * 2**10, **kw)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[ServeProcess, str, np.ndarray]]:
+    """``paramshard serve`` with read and train tokens, job 'g' set by tok-train."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("".join(f"{role} {token}\n" for token, role in TOKENS.items()))
+    tokens.chmod(0o600)
+    serve = ServeProcess("--host", "127.0.0.1", "--port", "0", "--token-file", str(tokens))
+    try:
+        address, _ = serve.wait_listening()
+        values = np.arange(N, dtype=np.float32)
+        c = client(address, "tok-train")
+        try:
+            c.register_buffer("g", "w", N)
+            c.set_params("g", "w", values)
+        finally:
+            c.close()
+        yield serve, address, values
+    finally:
+        serve.stop()
+
+
+def answered(serve: ServeProcess, code: grpc.StatusCode, details: str) -> None:
+    """The call succeeded and the server lives (a SIGBUS ends it with exit -7)."""
+    if code != grpc.StatusCode.OK:
+        try:
+            serve.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+    died = serve.proc.poll()
+    assert died is None, f"the server died (exit {died}); stderr: {serve.stderr[-5:]}"
+    assert code == grpc.StatusCode.OK, (code, details)
+
+
+def resize(seg: Segment) -> list[int]:
+    """Tries to grow, then to shrink the segment under the server's mapping; the sizes that
+    took."""
+    took = []
+    for size in (2 * seg.nbytes, 0):
+        try:
+            os.ftruncate(seg.fd, size)
+            took.append(size)
+        except PermissionError:
+            pass
+    return took
+
+
+# -- finding 1: segments sealed against shrinking and growing --------------------------------
+def test_a_read_token_cannot_shrink_its_reply_segment_under_the_server(served) -> None:
+    """Before: the read token's ``ftruncate(fd, 0)`` took, and the PullParams that wrote the
+    reply there killed the server with SIGBUS."""
+    serve, address, values = served
+    seg = Segment(address, "tok-read")
+    try:
+        assert is_sealed(seg.fd, seg.nbytes) and SEALS
+        took = resize(seg)
+        pull = pb.PullParamsRequest(
+            ref=REF, chunk=pb.Chunk(offset=0, numel=N, dtype=pb.FLOAT32), reply_shm=seg.ref()
+        )
+        code, details, reply = raw(address, "PullParams", pull, "tok-read")
+        answered(serve, code, details)
+        assert took == [], f"the caller resized its segment to {took}"
+        header = pb.PullParamsReply.FromString(reply).header
+        assert header.shm.segment == seg.id and header.shm.nbytes == values.nbytes
+        np.testing.assert_array_equal(np.frombuffer(seg.map, np.float32, N), values)
+    finally:
+        seg.close()
+
+
+def test_a_train_token_cannot_shrink_a_segment_it_sets_params_from(served) -> None:
+    serve, address, values = served
+    seg = Segment(address, "tok-train")
+    try:
+        new = values + 1
+        seg.map[: new.nbytes] = new.tobytes()
+        took = resize(seg)
+        header = pb.SetParamsHeader(
+            ref=REF,
+            chunk=pb.Chunk(offset=0, numel=N, dtype=pb.FLOAT32),
+            version=0,
+            shm=seg.ref(new.nbytes),
+        )
+        code, details, _ = raw(address, "SetParams", (header, b""), "tok-train")
+        answered(serve, code, details)
+        assert took == [], f"the caller resized its segment to {took}"
+    finally:
+        seg.close()
+    c = client(address, "tok-other")
+    try:  # another caller reads what the segment held, and the server still serves
+        np.testing.assert_array_equal(c.pull_params("g", "w", N), new)
+    finally:
+        c.close()
+
+
+def test_an_unsealed_segment_is_refused_at_confirm(monkeypatch) -> None:
+    """The seals are checked at confirm (a kernel that dropped them, a bug): the segment is
+    refused, and a client sends its payloads in-band instead."""
+    from paramshard.server import ShardServer
+    from paramshard.server.transport import shm as server_shm
+
+    monkeypatch.setattr(server_shm, "seal", lambda fd: None)
+    with ShardServer(local_calls=False) as server:
+        seg = Segment(server.address, None, confirm=False)
+        try:
+            assert not is_sealed(seg.fd, seg.nbytes)
+            code, details = seg.confirm()
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and "not sealed" in details
+        finally:
+            seg.close()
+        c = client(server.address, None)
+        try:
+            c.register_buffer("j", "w", N)
+            c.set_params("j", "w", np.ones(N, np.float32))
+            np.testing.assert_array_equal(c.pull_params("j", "w", N), np.ones(N, np.float32))
+            assert c.shm.opened == 0 and server.servicer.segments.views == 0
+        finally:
+            c.close()
