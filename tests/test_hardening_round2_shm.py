@@ -150,3 +150,67 @@ def test_an_unsealed_segment_is_refused_at_confirm(monkeypatch) -> None:
             assert c.shm.opened == 0 and server.servicer.segments.views == 0
         finally:
             c.close()
+
+
+# -- finding 3: a reply header names only the reader's own segment ---------------------------
+def contribution(key: str, seg: Segment, values: np.ndarray, op: int, contributor: int) -> tuple:
+    seg.map[: values.nbytes] = values.tobytes()
+    header = pb.SlotHeader(
+        key=key,
+        op=op,
+        expected=2 if op == pb.SUM else 1,
+        readers=2,
+        total_numel=values.size,
+        chunk_numel=values.size,
+        chunk=pb.Chunk(offset=0, numel=values.size, dtype=pb.FLOAT32),
+        contributor=contributor,
+        shm=seg.ref(values.nbytes),
+    )
+    return header, b""
+
+
+@pytest.mark.parametrize("op", [pb.SET, pb.SUM], ids=["mailbox", "sum"])
+def test_a_slot_reader_never_gets_the_writers_segment(op: int) -> None:
+    """Before: the slot kept the first contribution's header, its ``shm`` included, and every
+    reader's reply repeated it: an in-band reader got the writer's segment id and size."""
+    from paramshard.server import ShardServer
+
+    with ShardServer(local_calls=False, tokens=TOKENS) as server:
+        address, key = server.address, f"r:probe-{op}/0"
+        values = np.arange(N, dtype=np.float32)
+        writers = [Segment(address, "tok-train"), Segment(address, "tok-other")]
+        mine = Segment(address, "tok-other")
+        try:
+            for rank, seg in enumerate(writers[: 2 if op == pb.SUM else 1]):
+                code, details, _ = raw(
+                    address, "Contribute", contribution(key, seg, values, op, rank), seg.token
+                )
+                assert code == grpc.StatusCode.OK, details
+            expected = values * (2 if op == pb.SUM else 1)
+            # an in-band reader: the reply carries the values and no segment at all
+            read = pb.ReadSlotRequest(key=key, offset=0, reader=0)
+            code, details, reply = raw(address, "ReadSlot", read, "tok-other")
+            assert code == grpc.StatusCode.OK, details
+            got = pb.ReadSlotReply.FromString(reply)
+            assert not got.header.HasField("shm"), f"an in-band reply names {got.header.shm}"
+            fields = {field.name for field, _ in got.header.ListFields()}
+            assert fields <= {
+                "key",
+                "op",
+                "expected",
+                "readers",
+                "total_numel",
+                "chunk_numel",
+                "chunk",
+            }
+            np.testing.assert_array_equal(np.frombuffer(got.data, np.float32), expected)
+            # a reader with a segment of its own: the reply names that one, and only that one
+            read = pb.ReadSlotRequest(key=key, offset=0, reader=1, reply_shm=mine.ref())
+            code, details, reply = raw(address, "ReadSlot", read, "tok-other")
+            assert code == grpc.StatusCode.OK, details
+            header = pb.ReadSlotReply.FromString(reply).header
+            assert header.shm == mine.ref(values.nbytes)
+            np.testing.assert_array_equal(np.frombuffer(mine.map, np.float32, N), expected)
+        finally:
+            for seg in (*writers, mine):
+                seg.close()

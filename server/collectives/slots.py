@@ -51,6 +51,22 @@ def _ordered(h: pb.SlotHeader) -> bool:
     return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
 
 
+def _meta(h: pb.SlotHeader) -> pb.SlotHeader:
+    """What every reader's reply header repeats of the first contribution: the slot's own
+    fields, listed, never a copy of the whole header. A copy would hand each reader the
+    writer's shared segment (``shm``), its contributor number and any unknown fields it sent."""
+    return pb.SlotHeader(
+        key=h.key,
+        op=h.op,
+        expected=h.expected,
+        readers=h.readers,
+        total_numel=h.total_numel,
+        shape=h.shape,
+        chunk_numel=h.chunk_numel,
+        arrival_order=h.arrival_order,
+    )
+
+
 class SlotStore:
     """Every reduction slot and mailbox on this server."""
 
@@ -126,10 +142,7 @@ class SlotStore:
             # -- all checks passed: mutate --
             slot.touched = time.monotonic()
             if slot.meta is None:
-                slot.meta = pb.SlotHeader()
-                slot.meta.CopyFrom(h)
-                slot.meta.ClearField("chunk")
-                slot.meta.ClearField("contributor")
+                slot.meta = _meta(h)
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
