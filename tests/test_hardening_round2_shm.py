@@ -9,14 +9,18 @@ the other callers still have.
 from __future__ import annotations
 
 import os
+import select
+import socket
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from shm_probes import Segment, raw
+from shm_probes import Segment, claim, offer, raw
 from test_cli import ServeProcess
 
 from paramshard.client import ClusterSpec, ShardClient
@@ -214,3 +218,78 @@ def test_a_slot_reader_never_gets_the_writers_segment(op: int) -> None:
         finally:
             for seg in (*writers, mine):
                 seg.close()
+
+
+# -- finding 2: the handover socket serves connections at once --------------------------------
+IDLER = """
+import socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    held.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+    held[-1].connect("\\0" + sys.argv[1])
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def closed_by_server(conns: list[socket.socket], within: float) -> list[int]:
+    """The indices of ``conns`` the server closed (end of stream) within ``within`` s."""
+    ends = set()
+    deadline = time.monotonic() + within
+    while len(ends) < len(conns) and time.monotonic() < deadline:
+        ready, _, _ = select.select([c for i, c in enumerate(conns) if i not in ends], [], [], 0.1)
+        ends |= {conns.index(c) for c in ready if c.recv(1) == b""}
+    return sorted(ends)
+
+
+def test_idle_connections_to_the_handover_socket_delay_no_claim() -> None:
+    """Before: the socket served one connection at a time, giving each 1 s for its ticket;
+    12 idle connections of another process (no token needed) held a trainer's claim past
+    the client's 5 s, and the client then sent everything in-band to that server for good."""
+    from paramshard.server import ShardServer
+
+    with ShardServer(local_calls=False) as server:
+        name = offer(server.address, None).socket[1:]
+        idler = subprocess.Popen(
+            [sys.executable, "-c", IDLER, name, "12"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert idler.stdout.readline().strip() == "ready"
+            c = client(server.address, None)
+            try:
+                values = np.arange(N, dtype=np.float32)
+                c.register_buffer("j", "w", N)
+                c.set_params("j", "w", values)
+                np.testing.assert_array_equal(c.pull_params("j", "w", N), values)
+                assert c.shm.opened >= 1, "the client gave up shared memory with this server"
+                assert server.servicer.segments.views >= 2  # the set and the pull went there
+            finally:
+                c.close()
+        finally:
+            idler.kill()
+            idler.wait()
+
+
+def test_a_peer_holds_few_handover_connections_and_none_for_long() -> None:
+    """One process's connections past PER_PEER close its oldest; one that sends no ticket is
+    closed after HANDOVER_S; a claim made meanwhile goes through."""
+    from paramshard.server import ShardServer
+    from paramshard.server.transport import handover
+
+    with ShardServer(local_calls=False) as server:
+        offered = offer(server.address, None)
+        conns = []
+        try:
+            for _ in range(3 * handover.PER_PEER):
+                conns.append(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                conns[-1].connect("\0" + offered.socket[1:])
+            early = closed_by_server(conns, within=handover.HANDOVER_S / 2)
+            assert early == list(range(2 * handover.PER_PEER)), early
+            fd = claim(offered.socket, offered.ticket)  # the newest: served at once
+            os.close(fd)
+            assert closed_by_server(conns, within=3 * handover.HANDOVER_S) == list(
+                range(len(conns))
+            )
+        finally:
+            for conn in conns:
+                conn.close()

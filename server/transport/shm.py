@@ -4,14 +4,15 @@ A client calls ``OfferSegment``; the server creates an anonymous memory file (``
 never in a file system, so nothing outlives a SIGKILL of either side), seals it at its size
 (``F_SEAL_SHRINK | F_SEAL_GROW``, protos/shm.py ``SEALS``: a caller that shrank the file under
 the server's mapping would make the server die of SIGBUS at its next read or write there; the
-seals are checked again at confirm), maps it, writes
-``PROOF_BYTES`` random bytes at its start, and answers with the segment's id, a one-time
-ticket and the name of its own abstract Unix socket. The client connects there, sends the
-ticket, receives the file descriptor (SCM_RIGHTS), maps it and calls ``ConfirmSegment`` with the
-bytes it finds at the start: that proves it shares this host's memory with the server (an
-abstract socket is reachable only within one network namespace, and a client in another one,
-or on another host, fails here and keeps sending its payloads in-band). Whether a client and
-a server share memory is found this way, never by comparing addresses.
+seals are checked again at confirm), maps it, writes ``PROOF_BYTES`` random bytes at its
+start, and answers with the segment's id, a one-time ticket and the name of its own abstract
+Unix socket. The client connects there, sends the ticket, receives the file descriptor
+(SCM_RIGHTS; server/transport/handover.py serves every connection at once, none able to
+delay another), maps it and calls ``ConfirmSegment`` with the bytes it finds at the start:
+that proves it shares this host's memory with the server (an abstract socket is reachable only
+within one network namespace, and a client in another one, or on another host, fails here and
+keeps sending its payloads in-band). Whether a client and a server share memory is found this
+way, never by comparing addresses.
 
 A tensor message then carries a ``ShmRef`` (segment, offset, bytes) instead of its payload, and
 the server reads (or, for replies, writes) the bytes in place. The registry refuses any
@@ -44,6 +45,7 @@ from paramshard.server.rpc.auth import bearer
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.transport.handover import TICKET_BYTES, Handover
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 
@@ -53,8 +55,6 @@ MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
-TICKET_BYTES = 32
-_SOCKET_TIMEOUT_S = 1.0  # a connection that does not send its ticket by then is closed
 
 
 @dataclass
@@ -81,8 +81,7 @@ class SegmentRegistry:
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
-        self._listener: socket.socket | None = None
-        self._name = ""
+        self._handover: Handover | None = None
         self._closed = False
         # payloads and replies that went through segments; request payloads that did not
         self.views = self.in_band = 0
@@ -289,11 +288,11 @@ class SegmentRegistry:
             self._closed = True
             gone = list(self._segments.values())
             self._segments.clear()
-            listener, self._listener = self._listener, None
+            handover, self._handover = self._handover, None
         for seg in gone:
             self._drop(seg)
-        if listener is not None:
-            listener.close()
+        if handover is not None:
+            handover.close()
 
     def _drop(self, seg: _Segment) -> None:
         with self._lock:
@@ -310,46 +309,20 @@ class SegmentRegistry:
         with self._lock:
             if self._closed:
                 raise ShardError.precondition("the server is stopping")
-            if self._listener is None:
-                name = f"paramshard-shm-{os.getpid()}-{secrets.token_hex(8)}"
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind("\0" + name)  # abstract: gone with the process, no file
-                listener.listen(64)
-                self._listener, self._name = listener, name
-                threading.Thread(
-                    target=self._serve, args=(listener,), name="shm-handover", daemon=True
-                ).start()
-            return self._name
+            if self._handover is None:
+                self._handover = Handover(self._claim)
+            return self._handover.name
 
-    def _serve(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    self._hand_over(conn)
-                except OSError as exc:
-                    log.debug("shared segment handover failed: %s", exc)
-
-    def _hand_over(self, conn: socket.socket) -> None:
-        conn.settimeout(_SOCKET_TIMEOUT_S)
-        ticket = b""
-        while len(ticket) < TICKET_BYTES:
-            part = conn.recv(TICKET_BYTES - len(ticket))
-            if not part:
-                return
-            ticket += part
+    def _claim(self, ticket: bytes) -> int | None:
+        """For the handover: a copy of the descriptor of the segment offered with ``ticket``
+        (once: one ticket, one descriptor), None for a ticket nobody holds."""
         with self._lock:
             segment_id = self._by_ticket.pop(ticket, None)
             seg = self._segments.get(segment_id) if segment_id is not None else None
-            if seg is not None:
-                seg.handed = True  # one ticket, one descriptor
-        if seg is None:
-            conn.sendall(b"no")
-            return
-        socket.send_fds(conn, [b"ok"], [seg.fd])
+            if seg is None:
+                return None
+            seg.handed = True
+            return os.dup(seg.fd)  # a release meanwhile closes seg.fd, never this one
 
 
 def caller(context: Any) -> str:
