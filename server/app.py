@@ -139,6 +139,7 @@ class ShardServer:
             token_auth = auth.TokenAuthInterceptor(checked_tokens, peer_identities)
             chain.append(token_auth)
             role_of = token_auth.caller_role
+            self.servicer.segments.role_of = role_of  # read tokens' segments: their own pool
         chain.extend(interceptors or [])
         self._local_ok = config.local_calls and not chain and credentials is None
         self._local: local_servers.LocalServer | None = None

@@ -57,10 +57,15 @@ class Segment:
     """A confirmed segment of ``token`` on ``address``: its id, descriptor and mapping."""
 
     def __init__(
-        self, address: str, token: str | None, nbytes: int = 2**20, confirm: bool = True
+        self,
+        address: str,
+        token: str | None,
+        nbytes: int = 2**20,
+        confirm: bool = True,
+        offered: pb.OfferSegmentReply | None = None,
     ) -> None:
         self.address, self.token = address, token
-        offered = offer(address, token, nbytes)
+        offered = offered or offer(address, token, nbytes)
         self.id, self.nbytes = offered.segment, offered.nbytes
         self.fd = claim(offered.socket, offered.ticket)
         self.map = mmap.mmap(self.fd, self.nbytes)

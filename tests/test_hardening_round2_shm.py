@@ -293,3 +293,54 @@ def test_a_peer_holds_few_handover_connections_and_none_for_long() -> None:
         finally:
             for conn in conns:
                 conn.close()
+
+
+# -- finding 4: read tokens' segments come from a pool of their own --------------------------
+def test_read_tokens_segments_never_take_trainers_memory() -> None:
+    """Before: with --max-memory 512MiB a read token confirmed 8 segments of 64 MiB (pages
+    never touched), all of the budget, and a trainer's RegisterBuffer of 1M floats then got
+    RESOURCE_EXHAUSTED. Read tokens' segments come from READ_POOL_BYTES now, never from the
+    budget, and still take the read token's replies."""
+    from paramshard.server import ShardServer
+    from paramshard.server.transport import shm as server_shm
+
+    with ShardServer(local_calls=False, tokens=TOKENS, max_memory="512MiB") as server:
+        address, held = server.address, []
+        try:
+            refusal = ""
+            for _ in range(8):
+                request = pb.OfferSegmentRequest(nbytes=64 * 2**20)
+                code, details, reply = raw(address, "OfferSegment", request, "tok-read")
+                if code != grpc.StatusCode.OK:
+                    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+                    refusal = details
+                    break
+                offered = pb.OfferSegmentReply.FromString(reply)
+                held.append(Segment(address, "tok-read", offered=offered))
+            c = client(address, "tok-train")
+            try:
+                values = np.arange(2**20, dtype=np.float32)
+                c.register_buffer("big", "w", values.size)
+                c.set_params("big", "w", values)
+            finally:
+                c.close()
+            assert "read tokens' segments come from a pool" in refusal, refusal
+            assert 0 < len(held) * 64 * 2**20 <= server_shm.READ_POOL_BYTES
+            assert server.servicer.budget.usage()["shm"] == 0  # the budget is the trainers'
+            pull = pb.PullParamsRequest(
+                ref=pb.BufferRef(job="big", buffer="w"),
+                chunk=pb.Chunk(offset=0, numel=values.size, dtype=pb.FLOAT32),
+                reply_shm=held[0].ref(),
+            )
+            code, details, _ = raw(address, "PullParams", pull, "tok-read")
+            assert code == grpc.StatusCode.OK, details
+            np.testing.assert_array_equal(
+                np.frombuffer(held[0].map, np.float32, values.size), values
+            )
+        finally:
+            for seg in held:
+                seg.close()
+        release = pb.ReleaseSegmentsRequest(segments=[seg.id for seg in held])
+        code, details, reply = raw(address, "ReleaseSegments", release, "tok-read")
+        assert pb.ReleaseSegmentsReply.FromString(reply).released == len(held)
+        assert server.servicer.segments.usage() == (0, 0)

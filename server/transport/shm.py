@@ -19,7 +19,9 @@ the server reads (or, for replies, writes) the bytes in place. The registry refu
 reference to a segment that is unknown, unconfirmed, out of range, or offered to another caller
 (segments belong to the caller's token: every container may run as the same uid, so file modes
 would isolate nothing). Bounds: ``MAX_SEGMENTS`` segments and ``MAX_OWNER_BYTES`` bytes per
-caller, each segment paid for from the server's memory budget; a segment not confirmed within
+caller, each segment paid for from the server's memory budget, except a ``read`` token's: those
+come from a pool of their own (``READ_POOL_BYTES``, ``MAX_READ_SEGMENTS`` per token) and take
+replies only, so read tokens never hold memory a trainer needs; a segment not confirmed within
 ``CONFIRM_S`` or idle for ``idle_s`` is dropped (the sweeper), as are the ones a client
 releases. ``PARAMSHARD_SHM=0`` on the client turns the path off.
 """
@@ -38,6 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import MFD_ALLOW_SEALING, PROOF_BYTES, is_sealed, seal
@@ -54,6 +58,11 @@ log = logging.getLogger(__name__)
 MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
+READ_POOL_BYTES = 128 * 2**20
+"""Read tokens' segments, all together: a pool of their own beside the memory budget, so
+segments a read token holds (pages never touched cost it nothing) never refuse a trainer's
+buffer; past it, their replies go in-band."""
+MAX_READ_SEGMENTS = 4  # per read token: a pull or two in flight through segments
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
 
 
@@ -66,6 +75,7 @@ class _Segment:
     ticket: bytes
     proof: bytes
     created: float
+    reader: bool  # a read token's: from the read pool, for replies only
     confirmed: bool = False
     handed: bool = False
     last_used: float = field(default_factory=time.monotonic)
@@ -82,13 +92,19 @@ class SegmentRegistry:
         self._segments: dict[int, _Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
+        self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
+        self.role_of: Callable[[Any], str | None] | None = None  # metadata -> role (the app's)
         self._closed = False
         # payloads and replies that went through segments; request payloads that did not
         self.views = self.in_band = 0
 
     # -- the calls ---------------------------------------------------------------------------
-    def offer(self, owner: str, req: pb.OfferSegmentRequest) -> pb.OfferSegmentReply:
+    def offer(
+        self, owner: str, req: pb.OfferSegmentRequest, role: str | None = None
+    ) -> pb.OfferSegmentReply:
+        """A new segment for ``owner``; a ``read`` token's comes from the read pool."""
         nbytes = int(req.nbytes)
+        reader = role == "read"
         if not PROOF_BYTES <= nbytes <= MAX_SEGMENT_BYTES:
             raise ShardError.invalid(
                 f"a segment has {PROOF_BYTES}..{MAX_SEGMENT_BYTES:,} bytes, not {nbytes:,}"
@@ -109,11 +125,14 @@ class SegmentRegistry:
                     f" bytes; at most {MAX_SEGMENTS} of {MAX_OWNER_BYTES:,} bytes in all"
                     " (ReleaseSegments gives them back)"
                 )
-            self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
+            if reader:
+                self._pay_read(len(mine), nbytes)
+            else:
+                self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
         try:
             fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC | MFD_ALLOW_SEALING)
         except OSError as exc:
-            self.budget.release(nbytes, "shm")
+            self._refund(nbytes, reader)
             raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
         try:
             os.ftruncate(fd, nbytes)
@@ -127,14 +146,14 @@ class SegmentRegistry:
             mapped = mmap.mmap(fd, nbytes)
         except BaseException as exc:
             os.close(fd)
-            self.budget.release(nbytes, "shm")
+            self._refund(nbytes, reader)
             if isinstance(exc, OSError):
                 raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
             raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
         seg = _Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
-                       time.monotonic())  # fmt: skip
+                       time.monotonic(), reader)  # fmt: skip
         with self._lock:
             segment_id = secrets.randbits(63) or 1
             while segment_id in self._segments:
@@ -175,14 +194,20 @@ class SegmentRegistry:
             self._drop(seg)
         return pb.ReleaseSegmentsReply(released=len(gone))
 
-    def view(self, owner: str, ref: pb.ShmRef) -> memoryview:
-        """The ``ref.nbytes`` bytes at ``ref.offset`` of a confirmed segment of ``owner``."""
+    def view(self, owner: str, ref: pb.ShmRef, reply: bool = False) -> memoryview:
+        """The ``ref.nbytes`` bytes at ``ref.offset`` of a confirmed segment of ``owner``
+        (``reply``: for a reply; a read token's segment takes nothing else)."""
         with self._lock:
             seg = self._segments.get(ref.segment)
             if seg is None or seg.owner != owner or not seg.confirmed:
                 raise ShardError.precondition(
                     f"shared segment {ref.segment} is unknown here (released, expired, or"
                     " the server restarted); send the payload in-band"
+                )
+            if seg.reader and not reply:
+                raise ShardError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"shared segment {ref.segment} is a read token's: it takes replies only",
                 )
             if ref.offset + ref.nbytes > seg.nbytes:
                 raise ShardError.invalid(
@@ -196,18 +221,30 @@ class SegmentRegistry:
     # -- the servicer's side ------------------------------------------------------------------
     def handlers(self) -> dict[str, tuple[Callable, Callable, Callable]]:
         """The segment methods for the servicer's table: name -> (handler, parser, serializer)."""
-        return {
+        table: dict[str, tuple[Callable, Callable, Callable]] = {
             name: (
                 lambda req, context, fn=fn: fn(caller(context), req),
                 plain(request_cls),
                 codec.serialize,
             )
             for name, fn, request_cls in (
-                ("OfferSegment", self.offer, pb.OfferSegmentRequest),
                 ("ConfirmSegment", self.confirm, pb.ConfirmSegmentRequest),
                 ("ReleaseSegments", self.release, pb.ReleaseSegmentsRequest),
             )
         }
+        table["OfferSegment"] = (
+            lambda req, context: self.offer(caller(context), req, self._role(context)),
+            plain(pb.OfferSegmentRequest),
+            codec.serialize,
+        )
+        return table
+
+    def _role(self, context: Any) -> str | None:
+        """The caller's role (None without tokens, or in this process)."""
+        metadata = getattr(context, "invocation_metadata", None)
+        if self.role_of is None or metadata is None:
+            return None
+        return self.role_of(metadata())
 
     def payload(self, msg: tuple[Any, memoryview], context: Any) -> tuple[Any, memoryview]:
         """A tensor request's (header, payload), the payload read from its segment when the
@@ -234,7 +271,7 @@ class SegmentRegistry:
         frees what it read, so a segment refused after it would lose the values."""
         if not req.HasField("reply_shm"):
             return None
-        return self.view(caller(context), req.reply_shm)
+        return self.view(caller(context), req.reply_shm, reply=True)
 
     @staticmethod
     def reply(req: Any, view: memoryview | None, header: Any, payload: Any) -> Any:
@@ -302,7 +339,26 @@ class SegmentRegistry:
         except BufferError:  # a handler still reads it: the mapping goes with the last view
             pass
         os.close(seg.fd)
-        self.budget.release(seg.nbytes, "shm")
+        self._refund(seg.nbytes, seg.reader)
+
+    def _pay_read(self, held: int, nbytes: int) -> None:
+        """Takes ``nbytes`` from the read pool for a read token holding ``held`` segments
+        (caller holds ``_lock``)."""
+        if held >= MAX_READ_SEGMENTS or self._read_bytes + nbytes > READ_POOL_BYTES:
+            raise ShardError.exhausted(
+                f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
+                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} per token (this"
+                f" one holds {held}); a segment of {nbytes:,} bytes does not fit: replies go"
+                " in-band"
+            )
+        self._read_bytes += nbytes
+
+    def _refund(self, nbytes: int, reader: bool) -> None:
+        if reader:
+            with self._lock:
+                self._read_bytes -= nbytes
+        else:
+            self.budget.release(nbytes, "shm")
 
     # -- the socket the descriptors travel through --------------------------------------------
     def _socket_name(self) -> str:
