@@ -169,6 +169,7 @@ class ShardServer:
             self.servicer.may_wait,
             self.limits.workers,
             self.metrics.observe if self.metrics is not None else None,
+            self.servicer.reply_bytes,
         )
         if self.limits.max_sessions:
             self._server.add_generic_rpc_handlers((self.sessions.generic_handler(),))

@@ -212,6 +212,23 @@ class ShardServicer:
             return not (b.initialized and b.version >= request.min_version)
         return True
 
+    def reply_bytes(self, method: str, request: Any) -> int:
+        """The payload bytes a call's reply may carry, known before it runs: sessions count
+        them when they take the call (server/transport/sessions.py). 0 for a reply that
+        goes into the caller's segment, and for methods whose replies carry no tensor."""
+        if isinstance(request, Malformed) or method not in ("PullParams", "ReadSlot"):
+            return 0
+        if method == "PullParams":
+            try:
+                size = request.chunk.numel * codec.numpy_dtype(request.chunk.dtype).itemsize
+            except ValueError:
+                return 0  # refused at once
+        else:  # a slot with no contribution yet: counted once the reply exists
+            size = self.slots.chunk_nbytes(request.key) or 0
+        if request.HasField("reply_shm") and size <= request.reply_shm.nbytes:
+            return 0
+        return size
+
     # -- buffers ---------------------------------------------------------------------------
     def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:
         b = self.buffers.register(req)

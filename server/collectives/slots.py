@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot
@@ -87,6 +88,18 @@ class SlotStore:
         """(bytes held, open slots)."""
         with self._lock:
             return self._bytes, len(self._slots)
+
+    def chunk_nbytes(self, key: str) -> int | None:
+        """The bytes a read of slot ``key`` replies at most (one chunk in its wire dtype);
+        None while it has no contribution. A peek without the slot's lock, for sessions'
+        admission (server/transport/sessions.py)."""
+        with self._lock:
+            slot = self._slots.get(key)
+        meta = slot.meta if slot is not None else None
+        if meta is None:
+            return None
+        numel = meta.chunk_numel or meta.total_numel
+        return numel * codec.numpy_dtype(slot.dtype).itemsize
 
     def open_slots(self) -> list[Slot]:
         """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
