@@ -204,12 +204,19 @@ class ShardServicer:
         (server/rpc/admission.py)."""
         if isinstance(request, Malformed):
             return False
-        if method == "PullParams":
-            try:
+        try:
+            if method == "PullParams":
                 b = self.buffers.get(request.ref.job, request.ref.buffer)
-            except ShardError:
-                return False
-            return not (b.initialized and b.version >= request.min_version)
+                return not (b.initialized and b.version >= request.min_version)
+            if method == "PushGrad":  # waits only for the initial values (SetParams)
+                header = request[0]
+                b = self.buffers.get(header.ref.job, header.ref.buffer)
+                return header.step == b.version and not b.initialized
+            if method == "Step":  # waits for the other ranks' pushes
+                slices = [self.buffers.get(request.job, s.buffer) for s in request.buffers]
+                return any(b.step_would_wait(request.step) for b in slices)
+        except ShardError:
+            return False  # no such buffer: it fails at once
         return True
 
     def reply_bytes(self, method: str, request: Any) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -110,3 +111,68 @@ def test_a_batch_of_pulls_nobody_reads_is_bounded_before_it_runs(monkeypatch) ->
         finally:
             c.close()
         assert settled(server, quiet_s=0.2) == 0
+
+
+# -- finding 6: calls that wait never hold the threads another caller's collective needs -------
+def push_body(numel: int) -> bytes:
+    header = pb.PushGradHeader(
+        ref=pb.BufferRef(job="stuck", buffer="w"),
+        chunk=pb.Chunk(offset=0, numel=numel, dtype=pb.FLOAT32),
+        step=0,
+        num_micro=1,
+    )
+    return codec.encode(header, np.ones(numel, np.float32))
+
+
+def test_pushes_waiting_for_initial_values_leave_others_collectives_alone() -> None:
+    """Before: a train token's session sent 256 PushGrads to a buffer never initialised; they
+    waited for its initial values on the sessions' threads without counting as waiting, and
+    two other ranks' all-reduce failed with RESOURCE_EXHAUSTED "256 calls are running". Now
+    such a push counts as waiting (the session's and the gate's bounds), and one token's
+    waiting calls hold at most half the waiting threads, its second session included."""
+    with ShardServer(local_calls=False, tokens=TOKENS) as server:
+        spec = ClusterSpec([server.address])
+        spec.token = "tok-greedy"
+        c = ShardClient(spec, timeout_s=10, sessions=False)
+        greedy = [WideSession(server.address, "tok-greedy") for _ in range(2)]
+        try:
+            c.register_buffer("stuck", "w", 16)  # never SetParams: pushes wait for it
+            for s in greedy:
+                s.opened()
+                s.send(*[call(i, "PushGrad", push_body(16), 30) for i in range(256)])
+            busy, since = -1, time.monotonic()
+            while time.monotonic() - since < 0.5:  # both sessions have taken their calls
+                if server.gate.busy != busy:
+                    busy, since = server.gate.busy, time.monotonic()
+                time.sleep(0.02)
+            other = ClusterSpec([server.address])
+            other.token = "tok-other"
+            ranks = [
+                ShardClient(other, rank=r, world_size=2, run_id="others", timeout_s=5.0)
+                for r in range(2)
+            ]
+            try:
+                with ThreadPoolExecutor(2) as pool:
+                    out = list(
+                        pool.map(
+                            lambda rank: rank.all_reduce(
+                                np.full(1000, rank.rank + 1.0, np.float32)
+                            ),
+                            ranks,
+                        )
+                    )
+            finally:
+                for rank in ranks:
+                    rank.close()
+            for got in out:
+                np.testing.assert_array_equal(got, np.full(1000, 3.0, np.float32))
+            # the greedy token: half the waiting threads at most, the rest refused at once
+            assert server.gate.waiting_of("tok-greedy") == server.gate.caller_bound
+            for s in greedy:
+                for reply in s.replies(1).values():
+                    assert code_of(reply) == grpc.StatusCode.RESOURCE_EXHAUSTED, reply.details
+                    assert "retry later" in reply.details
+        finally:
+            for s in greedy:
+                s.close()
+            c.close()

@@ -193,8 +193,11 @@ class Sessions:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        role = self.role_of(context.invocation_metadata()) if self.role_of else None
-        session = _Session(self, context, role)
+        role = caller = None
+        if self.role_of:
+            role = self.role_of(context.invocation_metadata())
+            caller = auth.bearer(context.invocation_metadata())
+        session = _Session(self, context, role, caller)
         reader = threading.Thread(
             target=session.read, args=(batches,), name="session-reader", daemon=True
         )
@@ -206,8 +209,15 @@ class Sessions:
 
 
 class _Session:
-    def __init__(self, sessions: Sessions, context: grpc.ServicerContext, role: str | None):
+    def __init__(
+        self,
+        sessions: Sessions,
+        context: grpc.ServicerContext,
+        role: str | None,
+        caller: str | None,
+    ) -> None:
         self.s, self.context, self.role = sessions, context, role
+        self.caller = caller  # the token: the gate bounds one caller's waiting calls
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.in_flight = 0  # calls taken and not yet replied to
@@ -345,7 +355,7 @@ class _Session:
             return self.refuse(
                 _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
             )
-        refusal = self.s.gate.enter(waits)
+        refusal = self.s.gate.enter(waits, self.caller)
         if refusal is not None:
             self.call_ended(waits)
             return self.put(
@@ -412,7 +422,7 @@ class _Session:
             code = grpc.StatusCode.INTERNAL
             reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
-            self.s.gate.leave(waits)
+            self.s.gate.leave(waits, self.caller)
             self.call_ended(waits, received)
         with self.s._count:
             self.s.calls += 1
