@@ -61,7 +61,6 @@ class Handover:
         except BaseException:
             self._listener.close()
             raise
-        self.closed_early = 0  # connections closed before their ticket came (tests read it)
         self._thread = threading.Thread(target=self._serve, name="shm-handover", daemon=True)
         self._thread.start()
 
@@ -94,7 +93,7 @@ class Handover:
                         self._read(sel, pending, key.fileobj)  # type: ignore[arg-type]
                 now = time.monotonic()
                 for conn in [c for c, p in pending.items() if p.deadline <= now]:
-                    self._drop(sel, pending, conn, early=True)
+                    self._drop(sel, pending, conn)
         except Exception:  # a bug: the segments stay usable in-band, the server goes on
             log.exception("the shared-memory handover stopped")
         finally:
@@ -117,9 +116,9 @@ class Handover:
             peer = _peer_pid(conn)
             mine = [c for c, p in pending.items() if p.peer == peer]
             if len(mine) >= PER_PEER:
-                self._drop(sel, pending, mine[0], early=True)
+                self._drop(sel, pending, mine[0])
             if len(pending) >= MAX_CONNECTIONS:
-                self._drop(sel, pending, next(iter(pending)), early=True)
+                self._drop(sel, pending, next(iter(pending)))
             pending[conn] = _Pending(peer, time.monotonic() + HANDOVER_S)
             sel.register(conn, selectors.EVENT_READ)
             self._read(sel, pending, conn)  # the ticket is often there already
@@ -138,7 +137,7 @@ class Handover:
         except OSError:
             part = b""
         if not part:
-            self._drop(sel, pending, conn, early=True)
+            self._drop(sel, pending, conn)
             return
         state.ticket += part
         if len(state.ticket) < TICKET_BYTES:
@@ -161,10 +160,8 @@ class Handover:
         sel: selectors.BaseSelector,
         pending: dict[socket.socket, _Pending],
         conn: socket.socket,
-        early: bool = False,
     ) -> None:
         pending.pop(conn, None)
-        self.closed_early += early
         try:
             sel.unregister(conn)
         except (KeyError, ValueError):
