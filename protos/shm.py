@@ -6,10 +6,11 @@ chunks to its neighbour (server/replication/neighbour_shm.py), which never impor
 
 For each server, the first large payload opens a segment: ``OfferSegment`` (an authenticated
 call), the memfd received over the server's abstract Unix socket for the one-time ticket,
-mapped, and ``ConfirmSegment`` with the bytes the server wrote at its start. A server on
-another host, or in another network namespace, cannot be reached on that socket: its calls
-keep their payloads in-band, and nothing is tried again with it. Whether memory is shared is
-found this way, never by comparing addresses. ``PARAMSHARD_SHM=0`` turns the path off.
+mapped (once its seals say its size can never change: ``is_sealed``), and ``ConfirmSegment``
+with the bytes the server wrote at its start. A server on another host, or in another network
+namespace, cannot be reached on that socket: its calls keep their payloads in-band, and
+nothing is tried again with it. Whether memory is shared is found this way, never by
+comparing addresses. ``PARAMSHARD_SHM=0`` turns the path off.
 
 Segments are pooled per server, each the size of one message (``chunk_bytes``), at most
 ``2 x max_in_flight`` of them. A payload of a push, a parameter set or a slot contribution is
@@ -24,6 +25,7 @@ and the call is sent again (``RpcCore.run``).
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -36,7 +38,17 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["SharedMemory", "enabled", "is_stale", "SHM_MIN_BYTES", "PROOF_BYTES"]
+__all__ = [
+    "SharedMemory",
+    "enabled",
+    "is_stale",
+    "is_sealed",
+    "seal",
+    "SHM_MIN_BYTES",
+    "PROOF_BYTES",
+    "SEALS",
+    "MFD_ALLOW_SEALING",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +61,18 @@ PROOF_BYTES = 32
 """Random bytes a server writes at a new segment's start; the client proves its mapping with
 them."""
 _STALE = "shared segment"  # in the server's message for a segment it does not know
+MFD_ALLOW_SEALING = getattr(os, "MFD_ALLOW_SEALING", 2)  # the Linux values where Python lacks them
+_F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+_F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+SEALS = (
+    getattr(fcntl, "F_SEAL_SHRINK", 2)
+    | getattr(fcntl, "F_SEAL_GROW", 4)
+    | getattr(fcntl, "F_SEAL_SEAL", 1)
+)
+"""A segment's size is fixed for good before anyone else holds it: a caller that shrank its
+segment under the server's mapping would make the server's next read or write there die of
+SIGBUS (the whole process), and one that grew it would hold memory past its budget. No seal
+can be added after these (``F_SEAL_SEAL``)."""
 
 
 def enabled() -> bool:
@@ -222,6 +246,8 @@ class SharedMemory:
             self._turn_off(server, f"its socket {offer.socket}: {exc}")
             return None
         try:
+            if not is_sealed(fd, offer.nbytes):  # its size could change under our mapping
+                raise OSError(f"the segment is not sealed at {offer.nbytes:,} bytes")
             mapped = mmap.mmap(fd, offer.nbytes)
         except (OSError, ValueError) as exc:
             self._turn_off(server, f"mapping the segment: {exc}")
@@ -272,6 +298,19 @@ def _receive_fd(name: str, ticket: bytes) -> int:
             os.close(fd)
         raise OSError(f"the server refused the ticket ({msg!r})")
     return fds[0]
+
+
+def seal(fd: int) -> None:
+    """Seals memfd ``fd`` (made with ``MFD_ALLOW_SEALING``) at its size: ``SEALS``."""
+    fcntl.fcntl(fd, _F_ADD_SEALS, SEALS)
+
+
+def is_sealed(fd: int, nbytes: int) -> bool:
+    """Whether ``fd`` has ``nbytes`` bytes and cannot shrink or grow (``SEALS``)."""
+    try:
+        return fcntl.fcntl(fd, _F_GET_SEALS) & SEALS == SEALS and os.fstat(fd).st_size == nbytes
+    except OSError:
+        return False
 
 
 def _unmap(seg: Segment) -> None:

@@ -140,6 +140,7 @@ class ShardServer:
             chain.append(token_auth)
             role_of, scope_of = token_auth.caller_role, token_auth.caller_scope
             self.servicer.scope_of = token_auth.context_scope  # Status, listings: in scope only
+            self.servicer.segments.role_of = role_of  # read tokens' segments: their own pool
         chain.extend(interceptors or [])
         self._local_ok = config.local_calls and not chain and credentials is None
         self._local: local_servers.LocalServer | None = None
@@ -169,6 +170,7 @@ class ShardServer:
             self.servicer.may_wait,
             self.limits.workers,
             self.metrics.observe if self.metrics is not None else None,
+            self.servicer.reply_bytes,
             scope_of=scope_of,
         )
         if self.limits.max_sessions:

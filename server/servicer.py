@@ -209,13 +209,37 @@ class ShardServicer:
         (server/rpc/admission.py)."""
         if isinstance(request, Malformed):
             return False
+        try:
+            if method == "PullParams":
+                b = self.buffers.get(request.ref.job, request.ref.buffer)
+                return not (b.initialized and b.version >= request.min_version)
+            if method == "PushGrad":  # waits only for the initial values (SetParams)
+                header = request[0]
+                b = self.buffers.get(header.ref.job, header.ref.buffer)
+                return header.step == b.version and not b.initialized
+            if method == "Step":  # waits for the other ranks' pushes
+                slices = [self.buffers.get(request.job, s.buffer) for s in request.buffers]
+                return any(b.step_would_wait(request.step) for b in slices)
+        except ShardError:
+            return False  # no such buffer: it fails at once
+        return True
+
+    def reply_bytes(self, method: str, request: Any) -> int:
+        """The payload bytes a call's reply may carry, known before it runs: sessions count
+        them when they take the call (server/transport/sessions.py). 0 for a reply that
+        goes into the caller's segment, and for methods whose replies carry no tensor."""
+        if isinstance(request, Malformed) or method not in ("PullParams", "ReadSlot"):
+            return 0
         if method == "PullParams":
             try:
-                b = self.buffers.get(request.ref.job, request.ref.buffer)
-            except ShardError:
-                return False
-            return not (b.initialized and b.version >= request.min_version)
-        return True
+                size = request.chunk.numel * codec.numpy_dtype(request.chunk.dtype).itemsize
+            except ValueError:
+                return 0  # refused at once
+        else:  # a slot with no contribution yet: counted once the reply exists
+            size = self.slots.chunk_nbytes(request.key) or 0
+        if request.HasField("reply_shm") and size <= request.reply_shm.nbytes:
+            return 0
+        return size
 
     # -- buffers ---------------------------------------------------------------------------
     def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:

@@ -25,7 +25,7 @@ from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from paramshard.protos.codec import master_dtype
-from paramshard.protos.config_file import CONFIG_ENV, check_keys, read_config_file
+from paramshard.protos.config_file import CONFIG_ENV, check_keys, read_config_file, shown
 
 if TYPE_CHECKING:
     from paramshard.client import ShardClient
@@ -115,7 +115,7 @@ class ShardingConfiguration(ClientRank):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(
-                    f"ShardingConfiguration.{name} must be True or False, got {value!r}"
+                    f"ShardingConfiguration.{name} must be True or False, got {shown(value)}"
                 )
         _check_int("minimum_parameter_group_size", self.minimum_parameter_group_size, minimum=0)
         _check_int("bucket_size_bytes", self.bucket_size_bytes, minimum=1)
@@ -126,14 +126,14 @@ class ShardingConfiguration(ClientRank):
         if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
             raise ValueError(
                 f"ShardingConfiguration.job must be a non-empty name made of "
-                f"letters, digits, '_', '.' or '-', got {self.job!r}"
+                f"letters, digits, '_', '.' or '-', got {shown(self.job)}"
             )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise ValueError(
                     f"ShardingConfiguration.{name} must be one of "
-                    f"{', '.join(_DTYPES)} or None (the parameters' own), got {value!r}"
+                    f"{', '.join(_DTYPES)} or None (the parameters' own), got {shown(value)}"
                 )
         timeout = self.timeout_s
         if (
@@ -144,7 +144,7 @@ class ShardingConfiguration(ClientRank):
         ):
             raise ValueError(
                 f"ShardingConfiguration.timeout_s must be a positive finite "
-                f"number of seconds, got {timeout!r}"
+                f"number of seconds, got {shown(timeout)}"
             )
 
     def _check_client(self) -> None:
@@ -159,12 +159,13 @@ class ShardingConfiguration(ClientRank):
         world_size = getattr(client, "world_size", None)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(
-                f"ShardingConfiguration.client.world_size must be an int >= 1, got {world_size!r}"
+                "ShardingConfiguration.client.world_size must be an int >= 1,"
+                f" got {shown(world_size)}"
             )
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(
                 f"ShardingConfiguration.client.rank must be an int in "
-                f"0..{world_size - 1}, got {rank!r}"
+                f"0..{world_size - 1}, got {shown(rank)}"
             )
 
     @property
@@ -285,7 +286,7 @@ def _resolve(choice: DType | None, dtype: str) -> DType:
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an int >= {minimum}" + (" or None" if none_ok else "")
-        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {shown(value)}")
 
 
 _FILE_FIELDS = tuple(f.name for f in fields(ShardingConfiguration) if f.name != "client")
@@ -306,4 +307,6 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise ValueError(
+            f"environment variable {name} must be an integer, got {shown(raw)}"
+        ) from None

@@ -61,6 +61,11 @@ class Steps(SliceState):
                 return kept[1]
             return compute()
 
+    def step_would_wait(self, step: int) -> bool:
+        """Whether a Step of ``step`` would wait for pushes now: a peek without the lock, for
+        the admission gate (server/rpc/admission.py)."""
+        return self.version == step and not self._reduced(step)
+
     def _reduced(self, step: int) -> bool:
         """All contributions of ``step`` are in. An empty slice (a buffer with fewer elements
         than servers) receives no pushes, so it is reduced whenever it is asked."""

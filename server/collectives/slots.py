@@ -30,6 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot
@@ -49,6 +50,22 @@ def _ordered(h: pb.SlotHeader) -> bool:
     change a sum."""
     floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
     return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
+
+
+def _meta(h: pb.SlotHeader) -> pb.SlotHeader:
+    """What every reader's reply header repeats of the first contribution: the slot's own
+    fields, listed, never a copy of the whole header. A copy would hand each reader the
+    writer's shared segment (``shm``), its contributor number and any unknown fields it sent."""
+    return pb.SlotHeader(
+        key=h.key,
+        op=h.op,
+        expected=h.expected,
+        readers=h.readers,
+        total_numel=h.total_numel,
+        shape=h.shape,
+        chunk_numel=h.chunk_numel,
+        arrival_order=h.arrival_order,
+    )
 
 
 class SlotStore:
@@ -71,6 +88,18 @@ class SlotStore:
         """(bytes held, open slots)."""
         with self._lock:
             return self._bytes, len(self._slots)
+
+    def chunk_nbytes(self, key: str) -> int | None:
+        """The bytes a read of slot ``key`` replies at most (one chunk in its wire dtype);
+        None while it has no contribution. A peek without the slot's lock, for sessions'
+        admission (server/transport/sessions.py)."""
+        with self._lock:
+            slot = self._slots.get(key)
+        meta = slot.meta if slot is not None else None
+        if meta is None:
+            return None
+        numel = meta.chunk_numel or meta.total_numel
+        return numel * codec.numpy_dtype(slot.dtype).itemsize
 
     def open_slots(self) -> list[Slot]:
         """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
@@ -126,10 +155,7 @@ class SlotStore:
             # -- all checks passed: mutate --
             slot.touched = time.monotonic()
             if slot.meta is None:
-                slot.meta = pb.SlotHeader()
-                slot.meta.CopyFrom(h)
-                slot.meta.ClearField("chunk")
-                slot.meta.ClearField("contributor")
+                slot.meta = _meta(h)
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)

@@ -9,11 +9,14 @@ the same to an admin's Status. So (``CallLimits``):
 
 - A call of a waiting method (``WAITING_METHODS``) that may have to wait (``may_wait``: a
   pull for a version the buffer has reached does not) is admitted only while at least
-  ``reserved`` of the ``workers`` threads stay free, and a ``read`` token's only while fewer
-  than ``max_waiting_read`` of them are in; beyond either it fails at once with
-  RESOURCE_EXHAUSTED, a message saying which bound, and nothing changed. Every other call
-  (pushes, steps, SetParams, registration, Status, ...) is never refused here, and finds one
-  of the reserved threads however many callers wait.
+  ``reserved`` of the ``workers`` threads stay free, a ``read`` token's only while fewer
+  than ``max_waiting_read`` of them are in, and another token's (unary calls and sessions
+  together) only while it holds fewer than ``caller_bound``, half the threads waiting calls
+  may take: one caller's waiting calls never hold the threads another caller's
+  collective needs. Beyond any of them it fails at once with RESOURCE_EXHAUSTED "retry later",
+  a message saying which bound, and nothing changed. Every other call (pushes to initialised
+  buffers, steps whose pushes are in, SetParams, registration, Status, ...) is never refused
+  here, and finds one of the reserved threads however many callers wait.
 - Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
@@ -39,13 +42,15 @@ from typing import Any
 
 import grpc
 
-from paramshard.server.rpc.auth import SERVICE_NAME
+from paramshard.server.rpc.auth import SERVICE_NAME, bearer
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
-WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot"})
-"""Shard methods that may wait for other callers; PushGrad and Step wait too (for the initial
-values, for the other ranks' pushes) but are the trainers' own work and never refused."""
+WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step"})
+"""Shard methods that may wait for other callers: a pull for a future version, a slot read, a
+push before the buffer's initial values, a step before every rank's push. Whether a call of
+them may wait is the servicer's ``may_wait`` (a push to an initialised buffer does not, nor a
+step whose pushes are all in: those are never refused)."""
 
 
 def default_reserved(workers: int) -> int:
@@ -112,6 +117,7 @@ class CallGate(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self.busy = 0  # calls in a handler (streams not included)
         self.waiting: Counter[str] = Counter()  # calls of waiting methods in a handler, by role
+        self._callers: Counter[str] = Counter()  # and by caller (token), where there are tokens
         self.streams = 0
         self.sessions = 0
         self.read_sessions = 0  # of them, sessions of read tokens
@@ -129,16 +135,32 @@ class CallGate(grpc.ServerInterceptor):
             session = service == SERVICE_NAME
             role = self.role_of(details.invocation_metadata) if session and self.role_of else None
             return self._stream(handler, method, session=session, reader=role == "read")
-        role = None
+        role = caller = None
         if service == SERVICE_NAME and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
             role = found or "train"
-        return self._unary(handler, method, role)
+            caller = bearer(details.invocation_metadata) if self.role_of else None
+        return self._unary(handler, method, role, caller)
 
     # -- unary calls -------------------------------------------------------------------------
-    def enter(self, role: str | None) -> str | None:
-        """Counts a call in; for a waiting call (``role`` set), why it is refused, if it is."""
+    @property
+    def caller_bound(self) -> int:
+        """Waiting calls one caller (a token of role train or above) may have in at once:
+        half of what waiting calls may take, so another caller always finds threads for its
+        own (read tokens, all together, have ``max_waiting_read``)."""
+        return max(1, (self.limits.workers - self.limits.reserved) // 2)
+
+    def waiting_of(self, caller: str) -> int:
+        """The waiting calls of ``caller`` (a token) in now."""
+        with self._lock:
+            return self._callers[caller]
+
+    def enter(self, role: str | None, caller: str | None = None) -> str | None:
+        """Counts a call in; for a waiting call (``role`` set; ``caller``: its token, None
+        without tokens), why it is refused, if it is."""
         lim = self.limits
+        if role == "read":
+            caller = None  # read tokens have a bound of their own, all together
         with self._lock:
             if role is not None:
                 if self.busy >= lim.workers - lim.reserved:
@@ -152,31 +174,45 @@ class CallGate(grpc.ServerInterceptor):
                         f"{self.waiting['read']} calls of read tokens already wait on this"
                         f" server, its bound (paramshard serve --max-waiting-read); retry later"
                     )
+                if caller is not None and self._callers[caller] >= self.caller_bound:
+                    return (
+                        f"{self._callers[caller]} calls of this token already wait on this"
+                        f" server, half of what waiting calls may take (paramshard serve"
+                        " --workers, --reserved-workers); retry later"
+                    )
                 self.waiting[role] += 1
+                if caller is not None:
+                    self._callers[caller] += 1
             self.busy += 1
         return None
 
-    def leave(self, role: str | None) -> None:
+    def leave(self, role: str | None, caller: str | None = None) -> None:
+        if role == "read":
+            caller = None
         with self._lock:
             self.busy -= 1
             if role is not None:
                 self.waiting[role] -= 1
+                if caller is not None:
+                    self._callers[caller] -= 1
+                    if not self._callers[caller]:
+                        del self._callers[caller]
 
     def _unary(
-        self, handler: grpc.RpcMethodHandler, method: str, role: str | None
+        self, handler: grpc.RpcMethodHandler, method: str, role: str | None, caller: str | None
     ) -> grpc.RpcMethodHandler:
         behavior = handler.unary_unary
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             _check_parsed(request, context, method)
             waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
-            refusal = self.enter(waits)
+            refusal = self.enter(waits, caller)
             if refusal is not None:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             try:
                 return behavior(request, context)
             finally:
-                self.leave(waits)
+                self.leave(waits, caller)
 
         return grpc.unary_unary_rpc_method_handler(
             gated,

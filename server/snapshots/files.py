@@ -15,13 +15,11 @@ names the file, and nothing is loaded.
 from __future__ import annotations
 
 import base64
-import errno
 import hashlib
 import json
 import logging
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +31,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from paramshard.protos import codec, slicing
-from paramshard.protos.atomic import fsync_dir
 from paramshard.protos.manifest import shard_name
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 
 __all__ = ["Captured", "SnapshotDir", "Reservation", "encode_shard", "decode_shard"]
@@ -63,42 +61,20 @@ def _checked(name: str, what: str) -> str:
     return name
 
 
-def _exclusive_write(path: Path, data: bytes) -> None:
-    """Creates ``path`` with ``data`` whole or not at all, never replacing a file already
-    there (FileExistsError): written to a temporary name, fsynced, then hard-linked to its
-    name, which fails if the name exists, even when servers share the folder over NFS."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)  # FileExistsError (errno EEXIST) goes to the caller
-        except OSError as exc:  # a filesystem without hard links: exclusive create instead
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
-            with open(path, "xb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-    finally:
-        os.unlink(tmp)
-    fsync_dir(path.parent)
-
-
 class Reservation:
     """Shard ``index`` of snapshot ``job/tag``, taken by one Snapshot call until it ends (a
     ``.shard-I-of-N.reserved`` file made with O_EXCL: servers sharing the folder see it)."""
 
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
+    def __init__(self, folder: Folder, marker: str) -> None:
+        self.folder, self.marker = folder, marker
 
     def release(self) -> None:
         try:
-            self.marker.unlink()
+            self.folder.unlink(self.marker)
         except FileNotFoundError:
             pass
+        finally:
+            self.folder.close()
 
 
 def _key(buffer: str, kind: str) -> str:
@@ -122,6 +98,17 @@ class SnapshotDir:
     def path(self, job: str, tag: str) -> Path:
         return self._require() / _checked(job, "job") / _checked(tag, "snapshot tag")
 
+    def _folder(self, job: str, tag: str, create: bool = False, missing: str = "") -> Folder:
+        """The folder of snapshot ``job/tag``, opened without following a link (folders.py);
+        made with ``create``, else NOT_FOUND (``missing`` says why) when it is not there."""
+        root, job, tag = self._require(), _checked(job, "job"), _checked(tag, "snapshot tag")
+        try:
+            with open_root(root, create) as top, top.child(job, create) as folder:
+                return folder.child(tag, create)
+        except FileNotFoundError:
+            why = missing or f"{root / job / tag / 'manifest.json'} is missing"
+            raise ShardError.not_found(f"snapshot '{job}/{tag}': {why}") from None
+
     # -- writing ------------------------------------------------------------------------------
     def _exists(self, job: str, what: str) -> ShardError:
         return ShardError(
@@ -132,39 +119,41 @@ class SnapshotDir:
     def reserve(self, job: str, tag: str, index: int, num: int) -> Reservation:
         """Takes shard ``index`` of ``job/tag`` for one Snapshot call: ALREADY_EXISTS when the
         snapshot is committed, the shard written, or another call is writing it."""
-        folder = self.path(job, tag)
-        if (folder / "manifest.json").exists():  # never add to a committed snapshot
-            raise self._exists(job, tag)
-        folder.mkdir(parents=True, exist_ok=True)
-        name = shard_name(index, num)
-        marker = folder / f".{name}.reserved"
+        folder = self._folder(job, tag, create=True)
         try:
-            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        except FileExistsError:
-            raise ShardError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
-            ) from None
-        if (folder / name).exists() or (folder / "manifest.json").exists():
-            marker.unlink()
-            raise self._exists(job, f"{tag}/{name}")
-        return Reservation(marker)
+            if folder.kind("manifest.json") is not None:  # never add to a committed snapshot
+                raise self._exists(job, tag)
+            name = shard_name(index, num)
+            marker = f".{name}.reserved"
+            try:
+                folder.create(marker)
+            except FileExistsError:
+                raise ShardError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
+                ) from None
+            if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
+                folder.unlink(marker)
+                raise self._exists(job, f"{tag}/{name}")
+        except BaseException:
+            folder.close()
+            raise
+        return Reservation(folder, marker)
 
     def write_shard(
         self, job: str, tag: str, index: int, num: int, version: int, captured: list[Captured]
     ) -> tuple[str, int, str]:
         """Writes this server's shard (never over one already there); returns (relative path,
         bytes, sha256)."""
-        folder = self.path(job, tag)
-        if (folder / "manifest.json").exists():  # never overwrite a committed snapshot
-            raise self._exists(job, tag)
-        folder.mkdir(parents=True, exist_ok=True)
         data = encode_shard(job, tag, index, num, version, captured)
         name = shard_name(index, num)
-        try:
-            _exclusive_write(folder / name, data)
-        except FileExistsError:
-            raise self._exists(job, f"{tag}/{name}") from None
+        with self._folder(job, tag, create=True) as folder:
+            if folder.kind("manifest.json") is not None:  # never overwrite a committed snapshot
+                raise self._exists(job, tag)
+            try:
+                folder.write_once(name, data)
+            except FileExistsError:
+                raise self._exists(job, f"{tag}/{name}") from None
         return f"{job}/{tag}/{name}", len(data), hashlib.sha256(data).hexdigest()
 
     def commit(self, job: str, tag: str, manifest_json: str) -> str:
@@ -172,65 +161,83 @@ class SnapshotDir:
         manifest (the folder may be shared): the same bytes again succeed, others get
         ALREADY_EXISTS."""
         where = f"snapshot '{job}/{tag}'"
-        folder = self.path(job, tag)
+        self.path(job, tag)  # the names, before the manifest
         try:
             manifest = check_manifest(json.loads(manifest_json), job, tag, strict=True)
         except (ValueError, RecursionError) as exc:  # not JSON, too deep, or ManifestError
             raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
-        if not folder.is_dir():
-            raise ShardError.not_found(f"{where} has no shard files here")
-        path = folder / "manifest.json"
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        try:
-            _exclusive_write(path, data)
-        except FileExistsError:
+        with self._folder(job, tag, missing="no shard files here") as folder:
             try:
-                same = path.read_bytes() == data
-            except OSError:
-                same = False
-            if not same:
-                raise ShardError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"{where} is committed already with another manifest; a committed snapshot"
-                    " never changes: pick another tag",
-                ) from None
-        return str(path)
+                folder.write_once("manifest.json", data)
+            except FileExistsError:
+                try:
+                    same = folder.read("manifest.json") == data
+                except (OSError, ShardError):
+                    same = False
+                if not same:
+                    raise ShardError(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"{where} is committed already with another manifest; a committed"
+                        " snapshot never changes: pick another tag",
+                    ) from None
+            return folder.name("manifest.json")
 
     # -- reading ------------------------------------------------------------------------------
     def list(self, job: str = "") -> list[dict[str, Any]]:
         """Complete snapshots (a valid manifest and every shard named in it), oldest first. A
-        manifest that is not valid is skipped and logged, never an error for the listing."""
+        manifest that is not valid, or a folder or file that is a link, is skipped and logged,
+        never an error for the listing."""
         root = self._require()
-        jobs = (
-            [_checked(job, "job")] if job else sorted(p.name for p in root.iterdir() if p.is_dir())
-        )
         found = []
-        for j in jobs:
-            jdir = root / j
-            if not jdir.is_dir():
-                continue
-            for tdir in sorted(jdir.iterdir()):
-                path = tdir / "manifest.json"
+        try:
+            top = open_root(root)
+        except FileNotFoundError:
+            return []
+        with top:
+            if job:
+                jobs = [_checked(job, "job")]
+            else:
+                jobs = [name for name, kind in top.entries() if kind == "folder"]
+            for j in jobs:
                 try:
-                    manifest = check_manifest(json.loads(path.read_text()), j, tdir.name)
-                except OSError:
-                    continue  # no manifest: not (yet) a snapshot
-                except (ValueError, RecursionError) as exc:  # not JSON, or ManifestError
-                    self._report(path, exc)
+                    jdir = top.child(j)
+                except FileNotFoundError:
                     continue
-                if all((tdir / Path(s["file"]).name).is_file() for s in manifest["shards"]):
-                    found.append({**manifest, "tag": tdir.name})  # restored by its folder
+                with jdir:
+                    for tag, kind in jdir.entries():
+                        manifest = self._listed(jdir, j, tag, kind)
+                        if manifest is not None:
+                            found.append({**manifest, "tag": tag})  # restored by its folder
         return sorted(found, key=lambda m: (m["version"], m["created_unix"]))
 
-    def _report(self, path: Path, exc: Exception) -> None:
-        """Logs an invalid manifest once (again when the file changes)."""
+    def _listed(self, jdir: Folder, job: str, tag: str, kind: str) -> dict[str, Any] | None:
+        """The manifest of folder ``tag`` of ``jdir`` when it is a complete snapshot."""
+        if kind == "link":
+            self._report(jdir.name(tag), 0, "a symbolic link: not followed")
+        if kind != "folder":
+            return None
         try:
-            key = (str(path), path.stat().st_mtime_ns)
-        except OSError:
-            return
+            with jdir.child(tag) as tdir:
+                try:
+                    manifest = check_manifest(json.loads(tdir.read("manifest.json")), job, tag)
+                except OSError:
+                    return None  # no manifest: not (yet) a snapshot
+                except (ValueError, RecursionError) as exc:  # not JSON, or ManifestError
+                    self._report(tdir.name("manifest.json"), tdir.mtime_ns("manifest.json"), exc)
+                    return None
+                if all(tdir.kind(Path(s["file"]).name) == "file" for s in manifest["shards"]):
+                    return manifest
+        except ShardError as exc:  # a link planted in the folder (folders.py)
+            self._report(jdir.name(tag), 0, exc.message)
+        return None
+
+    def _report(self, shown: str, mtime_ns: int, why: object) -> None:
+        """Logs a snapshot skipped by the listing once (again when the file changes)."""
+        key = (shown, mtime_ns)
         if key not in self.invalid:
-            self.invalid[key] = str(exc)
-            log.warning("skipping snapshot %s: invalid manifest: %s", path, exc)
+            self.invalid[key] = str(why)
+            log.warning("skipping snapshot %s: %s", shown, why)
 
     def latest(self, job: str) -> str:
         complete = self.list(job)
@@ -240,49 +247,47 @@ class SnapshotDir:
 
     def load_manifest(self, job: str, tag: str) -> dict[str, Any]:
         """The manifest, after checking that every shard is there and matches its checksum."""
-        folder = self.path(job, tag)
-        path = folder / "manifest.json"
-        try:
-            manifest = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
-        except (OSError, ValueError, RecursionError) as exc:
-            raise ShardError.precondition(
-                f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
-            ) from None
-        try:
-            check_manifest(manifest, job, tag)
-        except ManifestError as exc:
-            raise ShardError.precondition(
-                f"{path} is not a valid manifest of snapshot '{job}/{tag}': {exc}"
-            ) from None
-        for shard in manifest["shards"]:
-            file = folder / Path(shard["file"]).name
+        with self._folder(job, tag) as folder:
+            path = folder.name("manifest.json")
             try:
-                data = file.read_bytes()
-            except OSError:
-                raise ShardError.not_found(f"snapshot '{job}/{tag}': {file} is missing") from None
-            if len(data) != shard["bytes"] or hashlib.sha256(data).hexdigest() != shard["sha256"]:
+                manifest = json.loads(folder.read("manifest.json"))
+            except FileNotFoundError:
+                raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
+            except (OSError, ValueError, RecursionError) as exc:
                 raise ShardError.precondition(
-                    f"snapshot '{job}/{tag}': {file} does not match its checksum in the manifest"
-                    f" ({len(data):,} bytes, manifest says {shard['bytes']:,}): truncated or"
-                    " corrupt"
-                )
+                    f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
+                ) from None
+            try:
+                check_manifest(manifest, job, tag)
+            except ManifestError as exc:
+                raise ShardError.precondition(
+                    f"{path} is not a valid manifest of snapshot '{job}/{tag}': {exc}"
+                ) from None
+            for shard in manifest["shards"]:
+                name = Path(shard["file"]).name
+                try:
+                    data = folder.read(name)
+                except OSError:
+                    raise ShardError.not_found(
+                        f"snapshot '{job}/{tag}': {folder.name(name)} is missing"
+                    ) from None
+                if (
+                    len(data) != shard["bytes"]
+                    or hashlib.sha256(data).hexdigest() != shard["sha256"]
+                ):
+                    raise ShardError.precondition(
+                        f"snapshot '{job}/{tag}': {folder.name(name)} does not match its checksum"
+                        f" in the manifest ({len(data):,} bytes, manifest says"
+                        f" {shard['bytes']:,}): truncated or corrupt"
+                    )
         return manifest
 
     def layout(self, job: str, tag: str, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
         """Per buffer: the optimizer-state arrays and step count the shards recorded."""
-        folder = self.path(job, tag)
         out: dict[str, dict[str, Any]] = {}
-        for shard in manifest["shards"]:
-            file = folder / Path(shard["file"]).name
-            try:
-                with safe_open(str(file), framework="numpy") as f:
-                    meta = json.loads(f.metadata()["paramshard"])
-                if not isinstance(meta, dict):
-                    raise ValueError("its metadata is not an object")
-            except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-                raise ShardError.precondition(f"{file}: not a paramshard shard ({exc})") from None
+        with self._folder(job, tag) as folder:
+            metas = [(folder.name(n), _shard_meta(folder, n)) for n in _shard_files(manifest)]
+        for file, meta in metas:
             if meta.get("version") != manifest["version"]:
                 raise ShardError.precondition(
                     f"{file} holds version {meta.get('version')}, the manifest says"
@@ -310,27 +315,47 @@ class SnapshotDir:
         """Elements [start, stop) of a buffer's params (kind "params") or optimizer state
         ("state.<name>"), gathered from the old shards holding them, in the buffer's master
         dtype (the manifest's ``master_dtype``; float32 for snapshots that predate it)."""
-        folder = self.path(job, tag)
         info = manifest["buffers"][buffer]
         numel = info["numel"]
         old = manifest["num_servers"]
         dtype = np.dtype(codec.master_dtype(info.get("master_dtype")))
         out = np.zeros(stop - start, dtype=dtype)
-        for piece in slicing.pieces(numel, old, start, stop):
-            file = folder / shard_name(piece.server, old)
-            try:
-                with safe_open(str(file), framework="numpy") as f:
-                    key = _key(buffer, kind)
-                    if key not in f.keys():
-                        continue  # optimizer state not allocated yet at that version
-                    part = f.get_slice(key)[piece.local_offset : piece.local_offset + piece.numel]
-            except (OSError, ValueError, RuntimeError) as exc:
-                raise ShardError.precondition(
-                    f"{file}: cannot read {buffer} {kind} ({exc})"
-                ) from None
-            a = piece.global_offset - start
-            out[a : a + piece.numel] = part
+        with self._folder(job, tag) as folder:
+            for piece in slicing.pieces(numel, old, start, stop):
+                name = shard_name(piece.server, old)
+                try:
+                    with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
+                        key = _key(buffer, kind)
+                        if key not in f.keys():
+                            continue  # optimizer state not allocated yet at that version
+                        lo = piece.local_offset
+                        part = f.get_slice(key)[lo : lo + piece.numel]
+                except (OSError, ValueError, RuntimeError) as exc:
+                    raise ShardError.precondition(
+                        f"{folder.name(name)}: cannot read {buffer} {kind} ({exc})"
+                    ) from None
+                a = piece.global_offset - start
+                out[a : a + piece.numel] = part
         return out
+
+
+def _shard_files(manifest: dict[str, Any]) -> list[str]:
+    """The shard files a manifest names (their names in the snapshot's folder)."""
+    return [Path(shard["file"]).name for shard in manifest["shards"]]
+
+
+def _shard_meta(folder: Folder, name: str) -> dict[str, Any]:
+    """The ``paramshard`` metadata of shard file ``name`` of ``folder``."""
+    try:
+        with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
+            meta = json.loads(f.metadata()["paramshard"])
+        if not isinstance(meta, dict):
+            raise ValueError("its metadata is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ShardError.precondition(
+            f"{folder.name(name)}: not a paramshard shard ({exc})"
+        ) from None
+    return meta
 
 
 def encode_shard(

@@ -22,7 +22,11 @@ Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, runnin
 but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
 refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in one batch
 (beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
-gate counts open sessions against ``CallLimits.max_sessions``. A client that stops reading its
+gate counts open sessions against ``CallLimits.max_sessions``. A call counts the bytes its
+reply may carry from the moment it is taken (a pull's chunk, a read of an open slot's chunk:
+``Sessions.reply_bytes``), and one that would take the session's replies, unsent or to come,
+past ``MAX_UNSENT_BYTES`` is refused "retry later"; a read of a slot with no contribution yet
+counts once its reply exists (``MAX_WAITING`` of them at most). A client that stops reading its
 replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
 sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
 client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
@@ -81,7 +85,10 @@ MAX_BATCH = 1024
 MAX_UNSENT = 2 * MAX_CALLS
 """Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
 MAX_UNSENT_BYTES = 256 * 2**20
-"""The same bound in reply bytes."""
+"""The same bound in reply bytes. A call counts the bytes its reply may carry from the moment
+it is taken (``Sessions.reply_bytes``: a pull's chunk, a read of an open slot's chunk), and one
+that would take them past the bound is refused "retry later": a batch of pulls nobody reads
+is bounded when it is taken, not once its replies exist."""
 MAX_HELD_BYTES = 256 * 2**20
 """Request bytes of the calls taken and not yet run to their end past which the reader takes
 no more (one batch more at most: the server's largest message)."""
@@ -156,7 +163,9 @@ class Sessions:
     """The Session method of one server. ``handlers``: the data-plane methods' handlers;
     ``role_of(metadata)``: the caller's role (None without tokens); ``observe(method, code,
     seconds, request bytes, reply bytes)``: metrics of each call (server/metrics.py);
-    ``scope_of(metadata)``: the caller's token's scope (None: unscoped, or no tokens)."""
+    ``scope_of(metadata)``: the caller's token's scope (None: unscoped, or no tokens);
+    ``reply_bytes(method, request)``: the payload bytes a call's reply may carry, known before
+    it runs (the servicer's)."""
 
     def __init__(
         self,
@@ -166,11 +175,13 @@ class Sessions:
         may_wait: Callable[[str, Any], bool],
         workers: int,
         observe: Callable[[str, grpc.StatusCode, float, int, int], None] | None = None,
+        reply_bytes: Callable[[str, Any], int] | None = None,
         scope_of: Callable[[Any], scopes.Scope | None] | None = None,
     ) -> None:
         self.handlers = handlers
         self.scope_of = scope_of
         self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
+        self.reply_bytes = reply_bytes
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
         self.calls = 0  # calls run through sessions (tests read it)
         self._count = threading.Lock()
@@ -186,9 +197,13 @@ class Sessions:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        role = self.role_of(context.invocation_metadata()) if self.role_of else None
-        scope = self.scope_of(context.invocation_metadata()) if self.scope_of else None
-        session = _Session(self, context, role, scope)
+        role = caller = scope = None
+        if self.role_of:
+            role = self.role_of(context.invocation_metadata())
+            caller = auth.bearer(context.invocation_metadata())
+        if self.scope_of:
+            scope = self.scope_of(context.invocation_metadata())
+        session = _Session(self, context, role, caller, scope)
         reader = threading.Thread(
             target=session.read, args=(batches,), name="session-reader", daemon=True
         )
@@ -205,15 +220,18 @@ class _Session:
         sessions: Sessions,
         context: grpc.ServicerContext,
         role: str | None,
+        caller: str | None,
         scope: scopes.Scope | None = None,
-    ):
+    ) -> None:
         self.s, self.context, self.role, self.scope = sessions, context, role, scope
+        self.caller = caller  # the token: the gate bounds one caller's waiting calls
         self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.in_flight = 0  # calls taken and not yet replied to
         self.waiting = 0  # of them, calls that may wait (for other callers)
         self.unsent = 0  # replies in ``out``
         self.unsent_bytes = 0  # and their bytes
+        self.promised = 0  # reply bytes of the calls taken whose replies are not made yet
         self.held = 0  # request bytes of the calls taken and not yet run to their end
         self.drained = threading.Condition(self.lock)  # unsent or held went down, or we stopped
         self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
@@ -272,23 +290,28 @@ class _Session:
             and own * max(1, self.s.gate.sessions) >= SESSIONS_BYTES
         )
 
-    def _add(self, held: int = 0, replies: int = 0, reply_bytes: int = 0) -> None:
-        """Adds to the request bytes held and the replies unsent (and their bytes), under
-        ``lock``; the bytes go to the server's total too, unless the session stopped (its
-        bytes left the total then)."""
+    def _add(
+        self, held: int = 0, replies: int = 0, reply_bytes: int = 0, promised: int = 0
+    ) -> None:
+        """Adds to the request bytes held, the replies unsent (and their bytes) and the reply
+        bytes promised, under ``lock``; the bytes held and unsent go to the server's total
+        too, unless the session stopped (its bytes left the total then)."""
         self.held += held
         self.unsent += replies
         self.unsent_bytes += reply_bytes
+        self.promised += promised
         if not self.stopped:
             with self.s._count:
                 self.s.held_bytes += held + reply_bytes
 
-    def put(self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0) -> None:
-        """Queues a reply of ``size`` payload bytes; ``counted``: whether it ends a call
-        counted in flight."""
+    def put(
+        self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0, promised: int = 0
+    ) -> None:
+        """Queues a reply of ``size`` payload bytes, in place of the ``promised`` ones;
+        ``counted``: whether it ends a call counted in flight."""
         size += reply[0].ByteSize()
         with self.lock:
-            self._add(replies=1, reply_bytes=size)
+            self._add(replies=1, reply_bytes=size, promised=-promised)
         self.out.put((counted, size, reply))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
@@ -334,34 +357,48 @@ class _Session:
         waits = None
         if method in WAITING_METHODS and self.s.may_wait(method, request):
             waits = self.role or "train"
+        promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
         with self.lock:
-            full = self.in_flight >= MAX_CALLS or (waits and self.waiting >= MAX_WAITING)
-            if not full:
+            full = self._full(waits is not None, promised)
+            if full is None:
                 self.in_flight += 1
                 self.waiting += waits is not None
-        if full:
-            bound = "in flight" if self.in_flight >= MAX_CALLS else "waiting"
+                self._add(promised=promised)
+        if full is not None:
             return self.refuse(
-                _reply(
-                    call.id,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{method}: {MAX_CALLS if bound == 'in flight' else MAX_WAITING} calls of"
-                    f" this session are {bound}, its bound; retry later",
-                )
+                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
             )
-        refusal = self.s.gate.enter(waits)
+        refusal = self.s.gate.enter(waits, self.caller)
         if refusal is not None:
             self.call_ended(waits)
             return self.put(
-                1, _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+                1,
+                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
+                promised=promised,
             )
-        job = (call.id, method, fn, serialize, request, timeout, waits, len(body))
+        job = (call.id, method, fn, serialize, request, timeout, waits, len(body), promised)
         with self.lock:
             self._add(held=len(body))
         if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
             self.s.pool.submit(self.run, *job)
+
+    def _full(self, waits: bool, promised: int) -> str | None:
+        """Why a call that may wait (``waits``) and whose reply may carry ``promised`` bytes
+        cannot be taken now ("retry later"), None when it can; under ``lock``."""
+        if self.in_flight >= MAX_CALLS:
+            return f"{MAX_CALLS} calls of this session are in flight, its bound; retry later"
+        if waits and self.waiting >= MAX_WAITING:
+            return f"{MAX_WAITING} calls of this session are waiting, its bound; retry later"
+        coming = self.unsent_bytes + self.promised
+        if promised and coming and coming + promised > MAX_UNSENT_BYTES:
+            return (
+                f"the replies of this session's calls, unsent or to come, hold {coming:,}"
+                f" bytes; with this one's {promised:,} they would pass the bound of"
+                f" {MAX_UNSENT_BYTES:,}; retry later"
+            )
+        return None
 
     def call_ended(self, waits: str | None, received: int = 0) -> None:
         """A call taken with ``waits`` and ``received`` request bytes has ended."""
@@ -381,6 +418,7 @@ class _Session:
         timeout: float | None,
         waits: str | None,
         received: int,
+        promised: int,
     ) -> None:
         began = time.perf_counter()
         code = grpc.StatusCode.OK
@@ -397,14 +435,14 @@ class _Session:
             code = grpc.StatusCode.INTERNAL
             reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
-            self.s.gate.leave(waits)
+            self.s.gate.leave(waits, self.caller)
             self.call_ended(waits, received)
         with self.s._count:
             self.s.calls += 1
         size = _size(reply[1])
         if self.s.observe is not None:
             self.s.observe(method, code, time.perf_counter() - began, received, size)
-        self.put(1, reply, size)
+        self.put(1, reply, size, promised)
 
     # -- the stream's thread ---------------------------------------------------------------
     def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:

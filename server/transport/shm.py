@@ -1,21 +1,27 @@
 """Shared-memory segments for clients on this host (docs/design.md §7.2).
 
 A client calls ``OfferSegment``; the server creates an anonymous memory file (``memfd``: it is
-never in a file system, so nothing outlives a SIGKILL of either side), maps it, writes
-``PROOF_BYTES`` random bytes at its start, and answers with the segment's id, a one-time
-ticket and the name of its own abstract Unix socket. The client connects there, sends the
-ticket, receives the file descriptor (SCM_RIGHTS), maps it and calls ``ConfirmSegment`` with the
-bytes it finds at the start: that proves it shares this host's memory with the server (an
-abstract socket is reachable only within one network namespace, and a client in another one,
-or on another host, fails here and keeps sending its payloads in-band). Whether a client and
-a server share memory is found this way, never by comparing addresses.
+never in a file system, so nothing outlives a SIGKILL of either side), seals it at its size
+(``F_SEAL_SHRINK | F_SEAL_GROW``, protos/shm.py ``SEALS``: a caller that shrank the file under
+the server's mapping would make the server die of SIGBUS at its next read or write there; the
+seals are checked again at confirm), maps it, writes ``PROOF_BYTES`` random bytes at its
+start, and answers with the segment's id, a one-time ticket and the name of its own abstract
+Unix socket. The client connects there, sends the ticket, receives the file descriptor
+(SCM_RIGHTS; server/transport/handover.py serves every connection at once, none able to
+delay another), maps it and calls ``ConfirmSegment`` with the bytes it finds at the start:
+that proves it shares this host's memory with the server (an abstract socket is reachable only
+within one network namespace, and a client in another one, or on another host, fails here and
+keeps sending its payloads in-band). Whether a client and a server share memory is found this
+way, never by comparing addresses.
 
 A tensor message then carries a ``ShmRef`` (segment, offset, bytes) instead of its payload, and
 the server reads (or, for replies, writes) the bytes in place. The registry refuses any
 reference to a segment that is unknown, unconfirmed, out of range, or offered to another caller
 (segments belong to the caller's token: every container may run as the same uid, so file modes
 would isolate nothing). Bounds: ``MAX_SEGMENTS`` segments and ``MAX_OWNER_BYTES`` bytes per
-caller, each segment paid for from the server's memory budget; a segment not confirmed within
+caller, each segment paid for from the server's memory budget, except a ``read`` token's: those
+come from a pool of their own (``READ_POOL_BYTES``, ``MAX_READ_SEGMENTS`` per token) and take
+replies only, so read tokens never hold memory a trainer needs; a segment not confirmed within
 ``CONFIRM_S`` or idle for ``idle_s`` is dropped (the sweeper), as are the ones a client
 releases. ``PARAMSHARD_SHM=0`` on the client turns the path off.
 """
@@ -34,13 +40,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.shm import PROOF_BYTES
+from paramshard.protos.shm import MFD_ALLOW_SEALING, PROOF_BYTES, is_sealed, seal
 from paramshard.server.rpc.auth import bearer
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.transport.handover import TICKET_BYTES, Handover
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 
@@ -49,9 +58,12 @@ log = logging.getLogger(__name__)
 MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
+READ_POOL_BYTES = 128 * 2**20
+"""Read tokens' segments, all together: a pool of their own beside the memory budget, so
+segments a read token holds (pages never touched cost it nothing) never refuse a trainer's
+buffer; past it, their replies go in-band."""
+MAX_READ_SEGMENTS = 4  # per read token: a pull or two in flight through segments
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
-TICKET_BYTES = 32
-_SOCKET_TIMEOUT_S = 1.0  # a connection that does not send its ticket by then is closed
 
 
 @dataclass
@@ -63,6 +75,7 @@ class _Segment:
     ticket: bytes
     proof: bytes
     created: float
+    reader: bool  # a read token's: from the read pool, for replies only
     confirmed: bool = False
     handed: bool = False
     last_used: float = field(default_factory=time.monotonic)
@@ -78,15 +91,20 @@ class SegmentRegistry:
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
-        self._listener: socket.socket | None = None
-        self._name = ""
+        self._handover: Handover | None = None
+        self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
+        self.role_of: Callable[[Any], str | None] | None = None  # metadata -> role (the app's)
         self._closed = False
         # payloads and replies that went through segments; request payloads that did not
         self.views = self.in_band = 0
 
     # -- the calls ---------------------------------------------------------------------------
-    def offer(self, owner: str, req: pb.OfferSegmentRequest) -> pb.OfferSegmentReply:
+    def offer(
+        self, owner: str, req: pb.OfferSegmentRequest, role: str | None = None
+    ) -> pb.OfferSegmentReply:
+        """A new segment for ``owner``; a ``read`` token's comes from the read pool."""
         nbytes = int(req.nbytes)
+        reader = role == "read"
         if not PROOF_BYTES <= nbytes <= MAX_SEGMENT_BYTES:
             raise ShardError.invalid(
                 f"a segment has {PROOF_BYTES}..{MAX_SEGMENT_BYTES:,} bytes, not {nbytes:,}"
@@ -107,22 +125,35 @@ class SegmentRegistry:
                     f" bytes; at most {MAX_SEGMENTS} of {MAX_OWNER_BYTES:,} bytes in all"
                     " (ReleaseSegments gives them back)"
                 )
-            self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
+            if reader:
+                self._pay_read(len(mine), nbytes)
+            else:
+                self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
         try:
-            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, nbytes)
-                mapped = mmap.mmap(fd, nbytes)
-            except BaseException:
-                os.close(fd)
-                raise
+            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC | MFD_ALLOW_SEALING)
         except OSError as exc:
-            self.budget.release(nbytes, "shm")
+            self._refund(nbytes, reader)
             raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+        try:
+            os.ftruncate(fd, nbytes)
+            try:
+                seal(fd)  # before anyone else holds it: its size never changes
+            except OSError as exc:
+                raise ShardError.precondition(
+                    f"this server cannot seal a shared segment ({exc.strerror}); payloads stay"
+                    " in-band"
+                ) from None
+            mapped = mmap.mmap(fd, nbytes)
+        except BaseException as exc:
+            os.close(fd)
+            self._refund(nbytes, reader)
+            if isinstance(exc, OSError):
+                raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+            raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
         seg = _Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
-                       time.monotonic())  # fmt: skip
+                       time.monotonic(), reader)  # fmt: skip
         with self._lock:
             segment_id = secrets.randbits(63) or 1
             while segment_id in self._segments:
@@ -143,6 +174,11 @@ class SegmentRegistry:
                     f"segment {req.segment}: the proof does not match what the server wrote;"
                     " the caller does not share this server's memory"
                 )
+            if not is_sealed(seg.fd, seg.nbytes):
+                raise ShardError.precondition(
+                    f"segment {req.segment} is not sealed against shrinking and growing at"
+                    f" {seg.nbytes:,} bytes; the server does not use it"
+                )
             seg.confirmed = True
             seg.last_used = time.monotonic()
         return pb.ConfirmSegmentReply()
@@ -158,14 +194,20 @@ class SegmentRegistry:
             self._drop(seg)
         return pb.ReleaseSegmentsReply(released=len(gone))
 
-    def view(self, owner: str, ref: pb.ShmRef) -> memoryview:
-        """The ``ref.nbytes`` bytes at ``ref.offset`` of a confirmed segment of ``owner``."""
+    def view(self, owner: str, ref: pb.ShmRef, reply: bool = False) -> memoryview:
+        """The ``ref.nbytes`` bytes at ``ref.offset`` of a confirmed segment of ``owner``
+        (``reply``: for a reply; a read token's segment takes nothing else)."""
         with self._lock:
             seg = self._segments.get(ref.segment)
             if seg is None or seg.owner != owner or not seg.confirmed:
                 raise ShardError.precondition(
                     f"shared segment {ref.segment} is unknown here (released, expired, or"
                     " the server restarted); send the payload in-band"
+                )
+            if seg.reader and not reply:
+                raise ShardError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"shared segment {ref.segment} is a read token's: it takes replies only",
                 )
             if ref.offset + ref.nbytes > seg.nbytes:
                 raise ShardError.invalid(
@@ -179,18 +221,30 @@ class SegmentRegistry:
     # -- the servicer's side ------------------------------------------------------------------
     def handlers(self) -> dict[str, tuple[Callable, Callable, Callable]]:
         """The segment methods for the servicer's table: name -> (handler, parser, serializer)."""
-        return {
+        table: dict[str, tuple[Callable, Callable, Callable]] = {
             name: (
                 lambda req, context, fn=fn: fn(caller(context), req),
                 plain(request_cls),
                 codec.serialize,
             )
             for name, fn, request_cls in (
-                ("OfferSegment", self.offer, pb.OfferSegmentRequest),
                 ("ConfirmSegment", self.confirm, pb.ConfirmSegmentRequest),
                 ("ReleaseSegments", self.release, pb.ReleaseSegmentsRequest),
             )
         }
+        table["OfferSegment"] = (
+            lambda req, context: self.offer(caller(context), req, self._role(context)),
+            plain(pb.OfferSegmentRequest),
+            codec.serialize,
+        )
+        return table
+
+    def _role(self, context: Any) -> str | None:
+        """The caller's role (None without tokens, or in this process)."""
+        metadata = getattr(context, "invocation_metadata", None)
+        if self.role_of is None or metadata is None:
+            return None
+        return self.role_of(metadata())
 
     def payload(self, msg: tuple[Any, memoryview], context: Any) -> tuple[Any, memoryview]:
         """A tensor request's (header, payload), the payload read from its segment when the
@@ -217,7 +271,7 @@ class SegmentRegistry:
         frees what it read, so a segment refused after it would lose the values."""
         if not req.HasField("reply_shm"):
             return None
-        return self.view(caller(context), req.reply_shm)
+        return self.view(caller(context), req.reply_shm, reply=True)
 
     @staticmethod
     def reply(req: Any, view: memoryview | None, header: Any, payload: Any) -> Any:
@@ -271,11 +325,11 @@ class SegmentRegistry:
             self._closed = True
             gone = list(self._segments.values())
             self._segments.clear()
-            listener, self._listener = self._listener, None
+            handover, self._handover = self._handover, None
         for seg in gone:
             self._drop(seg)
-        if listener is not None:
-            listener.close()
+        if handover is not None:
+            handover.close()
 
     def _drop(self, seg: _Segment) -> None:
         with self._lock:
@@ -285,53 +339,46 @@ class SegmentRegistry:
         except BufferError:  # a handler still reads it: the mapping goes with the last view
             pass
         os.close(seg.fd)
-        self.budget.release(seg.nbytes, "shm")
+        self._refund(seg.nbytes, seg.reader)
+
+    def _pay_read(self, held: int, nbytes: int) -> None:
+        """Takes ``nbytes`` from the read pool for a read token holding ``held`` segments
+        (caller holds ``_lock``)."""
+        if held >= MAX_READ_SEGMENTS or self._read_bytes + nbytes > READ_POOL_BYTES:
+            raise ShardError.exhausted(
+                f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
+                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} per token (this"
+                f" one holds {held}); a segment of {nbytes:,} bytes does not fit: replies go"
+                " in-band"
+            )
+        self._read_bytes += nbytes
+
+    def _refund(self, nbytes: int, reader: bool) -> None:
+        if reader:
+            with self._lock:
+                self._read_bytes -= nbytes
+        else:
+            self.budget.release(nbytes, "shm")
 
     # -- the socket the descriptors travel through --------------------------------------------
     def _socket_name(self) -> str:
         with self._lock:
             if self._closed:
                 raise ShardError.precondition("the server is stopping")
-            if self._listener is None:
-                name = f"paramshard-shm-{os.getpid()}-{secrets.token_hex(8)}"
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind("\0" + name)  # abstract: gone with the process, no file
-                listener.listen(64)
-                self._listener, self._name = listener, name
-                threading.Thread(
-                    target=self._serve, args=(listener,), name="shm-handover", daemon=True
-                ).start()
-            return self._name
+            if self._handover is None:
+                self._handover = Handover(self._claim)
+            return self._handover.name
 
-    def _serve(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # closed
-            with conn:
-                try:
-                    self._hand_over(conn)
-                except OSError as exc:
-                    log.debug("shared segment handover failed: %s", exc)
-
-    def _hand_over(self, conn: socket.socket) -> None:
-        conn.settimeout(_SOCKET_TIMEOUT_S)
-        ticket = b""
-        while len(ticket) < TICKET_BYTES:
-            part = conn.recv(TICKET_BYTES - len(ticket))
-            if not part:
-                return
-            ticket += part
+    def _claim(self, ticket: bytes) -> int | None:
+        """For the handover: a copy of the descriptor of the segment offered with ``ticket``
+        (once: one ticket, one descriptor), None for a ticket nobody holds."""
         with self._lock:
             segment_id = self._by_ticket.pop(ticket, None)
             seg = self._segments.get(segment_id) if segment_id is not None else None
-            if seg is not None:
-                seg.handed = True  # one ticket, one descriptor
-        if seg is None:
-            conn.sendall(b"no")
-            return
-        socket.send_fds(conn, [b"ok"], [seg.fd])
+            if seg is None:
+                return None
+            seg.handed = True
+            return os.dup(seg.fd)  # a release meanwhile closes seg.fd, never this one
 
 
 def caller(context: Any) -> str:
