@@ -88,7 +88,7 @@ def _strict_backend() -> Any:
     ``sys.path``; a server process started by a test finds it beside this package)."""
     if "strict_backend" in sys.modules:
         return sys.modules["strict_backend"]
-    path = Path(__file__).resolve().parents[1] / "tests" / "strict_backend.py"
+    path = Path(__file__).resolve().parents[2] / "tests" / "strict_backend.py"  # server/runtime/
     if not path.is_file():
         raise BackendError(f"device 'strict' is a test backend: {path} is not here")
     spec = importlib.util.spec_from_file_location("strict_backend", path)
