@@ -101,7 +101,13 @@ class SlotStore:
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
             if slot.meta is not None:
-                check_same(slot, h)
+                try:
+                    check_same(slot, h)
+                except ShardError as exc:
+                    # The ranks disagree about this collective (world size, shape, dtype): it
+                    # can never complete, so its waiting readers learn now, not at a deadline.
+                    self._end(slot, f"{exc.message}: the ranks of the run disagree about it")
+                    raise
             if h.chunk.offset in slot.freed:
                 return True
             chunk = slot.chunks.get(h.chunk.offset)
