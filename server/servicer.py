@@ -300,7 +300,9 @@ class ShardServicer:
             )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
         # (tag, shard) is this call's until it ends; the shard file then keeps it
-        reservation = self.snapshots.reserve(req.job, req.tag, req.server_index, req.num_servers)
+        reservation = self.snapshots.reserve(
+            req.job, req.tag, req.server_index, req.num_servers, req.version
+        )
         try:
             timeout = self._timeout(context)
             try:  # every buffer asks first, so none can step past the version while we wait
