@@ -5,8 +5,11 @@
     paramshard launch --nnodes 2 --node-rank 1 --nproc 4 --servers ... --run-id exp7 train.py
 
 Without ``--servers`` it starts one ``paramshard serve --port 0`` per rank on 127.0.0.1 and reads
-each one's "listening on ADDRESS" line (bounded by ``--start-timeout``). With ``--servers`` it
-waits, equally bounded, until every server's health check says SERVING. Then it starts
+each one's "listening on ADDRESS" line (bounded by ``--start-timeout``), each with a snapshot
+directory (``--snapshot-dir``, default under the run directory). With ``--servers`` it waits,
+equally bounded, until every server's health check says SERVING and checks the token; a server
+it cannot reach is named with the cause within seconds (paramshard/local_servers.py). While it
+runs, a run file lets the job tools find the run (paramshard/run_files.py). Then it starts
 ``--nproc`` copies of ``python SCRIPT ARGS`` with the environment torchrun would give them plus
 the cluster: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, PARAMSHARD_SERVERS,
 PARAMSHARD_RUN (one id shared by all ranks, so two runs on the same servers never share
