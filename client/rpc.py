@@ -320,7 +320,8 @@ class RpcCore:
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
                 i, call = queue.popleft()
-                in_flight.append((i, call, self._send(call, alone), 0, 0, time.monotonic()))
+                began = time.monotonic()  # before: ``alone``, the call runs inside _send
+                in_flight.append((i, call, self._send(call, alone), 0, 0, began))
 
         submit()
         while in_flight:
