@@ -285,7 +285,9 @@ class RpcCore:
             call.server, address, call.method, code, unreachable.explain(address, code, details)
         )
 
-    def _final(self, call: Call, err: ShardClientError, attempts: int, began: float) -> Any:
+    def _final(
+        self, call: Call, err: ShardClientError, attempts: int, began: float
+    ) -> ShardClientError:
         """The error a call ends with: after retries, how many and for how long; a wait on
         other ranks that timed out without the server's account of it (grpc's bare "Deadline
         Exceeded": the server's reply came too late), that account from the server's Status
@@ -368,8 +370,8 @@ class RpcCore:
                     in_flight.appendleft((i, call, fut, attempt, busy + 1, began))
                     continue
                 else:
-                    err = self._final(call, err, attempt + 1, began)
-                    first_error = first_error or err
+                    if first_error is None:
+                        first_error = self._final(call, err, attempt + 1, began)
                     for _, _, other, *_ in in_flight:  # e.g. reads that would wait for ever
                         other.cancel()
                     continue
