@@ -48,7 +48,13 @@ from paramshard.commands import (
     read_token,
 )
 from paramshard.launch_files import RankLogs, config_env
-from paramshard.local_servers import SERVER_STOP_S, start_local_servers, wait_serving
+from paramshard.local_servers import (
+    CONNECT_GRACE_S,
+    SERVER_STOP_S,
+    START_TIMEOUT_S,
+    start_local_servers,
+    wait_serving,
+)
 from paramshard.processes import Child, relay, say, spawn, stop, watch
 from paramshard.restarts import RankRestarts, supervise
 from paramshard.run_files import announce_run, local_snapshot_dir
@@ -153,8 +159,11 @@ def rank_env(
     arg(
         "--start-timeout",
         type=positive,
-        default=60.0,
-        help="seconds the servers get to start or to answer SERVING (default: %(default)g)",
+        default=None,
+        help="seconds the servers get to start or to answer SERVING (default: 60). With"
+        " --servers, a server that cannot be reached (connection refused, DNS, TLS, token) is"
+        " refused within 3 s unless this is given: then it is awaited that long (servers"
+        " starting beside the trainers, as in docker/k8s)",
     ),
     arg(
         "--grace",
@@ -214,6 +223,7 @@ def launch(args: argparse.Namespace) -> int:
             EXIT_USAGE,
         )
     token = read_token(args.token_file)
+    start_timeout = args.start_timeout or START_TIMEOUT_S
     world_size = args.nnodes * args.nproc
     ranks_config = config_env(args.config)
     logs = RankLogs.create(args.log_dir, run_id)
@@ -243,14 +253,15 @@ def launch(args: argparse.Namespace) -> int:
         snapshot_dir = None
         if args.servers:
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-            wait_serving(addresses, token, args.start_timeout)
+            patience = args.start_timeout or CONNECT_GRACE_S  # asked for: servers still starting
+            wait_serving(addresses, token, start_timeout, unreachable_s=patience)
         else:
             snapshot_dir = local_snapshot_dir(args.snapshot_dir, run_id)
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
                 base,
-                args.start_timeout,
+                start_timeout,
                 serve_args=["--snapshot-dir", snapshot_dir],
             )
             say(f"started {len(servers)} shard servers: {', '.join(addresses)}")

@@ -12,16 +12,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from paramshard.commands import CommandError
-from paramshard.processes import Child, relay, spawn, stop
+from paramshard.processes import Child, relay, say, spawn, stop
 
-__all__ = ["SERVER_STOP_S", "start_local_servers", "wait_serving"]
+__all__ = [
+    "CONNECT_GRACE_S", "SERVER_STOP_S", "START_TIMEOUT_S", "start_local_servers", "wait_serving"
+]  # fmt: skip
 
 LISTENING = re.compile(rb"listening on (\S+)")
 SERVER_STOP_S = 15.0  # a server gets this long after SIGTERM (its own --grace is 5 s)
+START_TIMEOUT_S = 60.0  # launch's --start-timeout unless given
 CONNECT_GRACE_S = 3.0
-"""How long ``wait_serving`` tries a server it cannot reach (refused, DNS, TLS, token) before it
-says so: enough for a server just starting to open its port, short enough that a wrong address
-or credential is named at once instead of after --start-timeout."""
+"""How long ``wait_serving`` tries a server it cannot reach (refused, DNS, TLS, token) unless
+told otherwise: enough for a server just starting to open its port, short enough that a wrong
+address or credential is named at once instead of after --start-timeout."""
+_PROGRESS_S = 15.0  # a long wait for a server says every this often what it waits for
 
 
 def start_local_servers(
@@ -71,13 +75,20 @@ def start_local_servers(
     return children, [addresses[i] for i in range(n)]
 
 
-def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) -> None:
+def wait_serving(
+    addresses: Sequence[str],
+    token: str | None,
+    timeout: float,
+    *,
+    unreachable_s: float = CONNECT_GRACE_S,
+) -> None:
     """Waits until every server's grpc.health.v1 check says SERVING, at most ``timeout`` s,
     and checks that it takes the ranks' credentials (a ``Status`` call with the token). A
     server that cannot be reached (connection refused, a name that does not resolve, a TLS
-    handshake that fails) or refuses the token fails within ``CONNECT_GRACE_S``, naming its
-    address and the cause (client/unreachable.py); one that answers but is not serving yet is
-    awaited up to ``timeout``."""
+    handshake that fails) fails once that lasted ``unreachable_s`` (a server being started
+    beside the caller needs its whole start), naming its address and the cause
+    (client/unreachable.py); one that refuses the token fails at once; one that answers but is
+    not serving yet is awaited up to ``timeout``."""
     from paramshard.commands import cluster_spec
 
     spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
@@ -85,12 +96,12 @@ def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) ->
         spec.token = token
     try:
         for i in range(len(spec.addresses)):
-            _wait_one(spec, i, timeout)
+            _wait_one(spec, i, timeout, unreachable_s)
     finally:
         spec.close()
 
 
-def _wait_one(spec: Any, index: int, timeout: float) -> None:
+def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -103,6 +114,7 @@ def _wait_one(spec: Any, index: int, timeout: float) -> None:
     deadline = began + timeout
     stub = health_pb2_grpc.HealthStub(spec.channel(index))
     last = "no answer"
+    told = began
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -117,12 +129,15 @@ def _wait_one(spec: Any, index: int, timeout: float) -> None:
             code, details = exc.code(), exc.details() or ""
             last = f"{code.name}: {details}"
             why = unreachable.cause(code, details)
-            waited = time.monotonic() - began
-            if why is not None and waited >= min(CONNECT_GRACE_S, timeout):
+            now = time.monotonic()
+            if why is not None and now - began >= min(unreachable_s, timeout):
                 raise CommandError(
-                    f"server {address} is unreachable: {why} (tried for {waited:.1f} s;"
+                    f"server {address} is unreachable: {why} (tried for {now - began:.1f} s;"
                     f" grpc: {last})"
                 ) from None
+            if now - told >= _PROGRESS_S:  # a long wait is not a silent one
+                say(f"still waiting for server {address} ({now - began:.0f} s): {why or last}")
+                told = now
             time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
             continue
         if reply.status == health_pb2.HealthCheckResponse.SERVING:

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -179,3 +180,25 @@ def test_a_reachable_server_passes(token_server: str) -> None:
         assert c.call(0, "Status", pb.StatusRequest()).version
     finally:
         c.close()
+
+
+def test_servers_starting_beside_the_trainers_are_awaited_when_asked() -> None:
+    """``launch --servers ... --start-timeout T`` (docker/k8s: servers and trainers start
+    together): a server that refuses connections at first is awaited, not refused."""
+    address = closed_port()
+    started: list[ShardServer] = []
+
+    def start_late() -> None:
+        time.sleep(CONNECT_GRACE_S + 2.0)  # past the default grace: only T keeps launch waiting
+        started.append(ShardServer("127.0.0.1", int(address.rsplit(":", 1)[1])).start())
+
+    late = threading.Thread(target=start_late)
+    late.start()
+    try:
+        began = time.monotonic()
+        wait_serving([address], None, 60.0, unreachable_s=60.0)
+        assert time.monotonic() - began >= CONNECT_GRACE_S
+    finally:
+        late.join()
+        for s in started:
+            s.stop(0)
