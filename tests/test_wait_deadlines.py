@@ -280,3 +280,22 @@ def _open_slots(address: str, run: str) -> bool:
 
 def _jobs(address: str, job: str) -> bool:
     return any(j.job == job for j in _status(address).jobs)
+
+
+def _barrier_unless_rank_1(config: Any) -> None:
+    if config.rank == 0:
+        config.client.barrier()
+
+
+def test_local_cluster_timeout_is_each_ranks_deadline() -> None:
+    """``LocalCluster(timeout_s=...)`` is a configuration field like any other: a rank whose
+    peer skips a barrier fails at that deadline, naming the peer."""
+    from paramshard.local_cluster import LocalCluster, RankFailed
+
+    with LocalCluster(2, timeout_s=TIMEOUT_S) as cluster:
+        began = time.monotonic()
+        with pytest.raises(RankFailed) as info:
+            cluster.run(_barrier_unless_rank_1)
+        took = time.monotonic() - began
+    assert info.value.rank == 0 and took < TIMEOUT_S + MARGIN_S, (took, info.value)
+    assert "missing rank(s) 1 (arrived: 0)" in str(info.value), info.value
