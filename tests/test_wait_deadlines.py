@@ -135,8 +135,8 @@ def test_pipeline_receive_names_the_sender(address: str) -> None:
 
 def test_pull_at_a_version_names_the_missing_rank(address: str) -> None:
     """A pull of the next version waits for the step the other rank never contributes to."""
-    job, n = unique("pull"), 16
-    c = client(address, 0, 2, unique("run"))
+    job, n, run = unique("pull"), 16, unique("run")
+    c = client(address, 0, 2, run)
     try:
         c.register_buffer(job, "w", n, contributors=2)
         c.set_params(job, "w", np.zeros(n, np.float32))
@@ -145,7 +145,7 @@ def test_pull_at_a_version_names_the_missing_rank(address: str) -> None:
     finally:
         c.close()
     assert took < TIMEOUT_S + MARGIN_S, took
-    assert f"buffer '{job}/w' is at version 0" in err.details, err
+    assert f"buffer '{job}/w' (run '{run}') is at version 0" in err.details, err
     assert "version 1" in err.details and "missing rank(s) 1 (arrived: 0)" in err.details, err
 
 

@@ -171,8 +171,9 @@ class SliceState:
                 f"{self.label}: stopped waiting for {waiting_for}: {self.conflict}"
             )
         if not done:
+            run = f" (run '{self.run}')" if self.run else ""
             raise ShardError.deadline(
-                f"{self.label} is at version {self.version};"
+                f"{self.label}{run} is at version {self.version};"
                 f" waited {timeout:.1f} s for {waiting_for}; {self.waiting_on()}"
             )
 
