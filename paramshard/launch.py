@@ -57,7 +57,7 @@ from paramshard.local_servers import (
 )
 from paramshard.processes import Child, relay, say, spawn, stop, watch
 from paramshard.restarts import RankRestarts, supervise
-from paramshard.run_files import announce_run, local_snapshot_dir
+from paramshard.run_files import announce_run, drop_unused_snapshot_dir, local_snapshot_dir
 
 __all__ = ["launch", "rank_env", "read_token"]
 
@@ -312,6 +312,7 @@ def launch(args: argparse.Namespace) -> int:
         restarts.close()
         if announced is not None:
             announced.remove()  # the job tools no longer find this run
+        drop_unused_snapshot_dir(run_id)  # also when it stopped before announcing the run
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

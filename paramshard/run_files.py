@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "RUN_DIR_ENV", "RunFile", "RunLookupError", "announce_run", "find", "live_runs",
-    "local_snapshot_dir", "run_dir",
+    "RUN_DIR_ENV", "RunFile", "RunLookupError", "announce_run", "drop_unused_snapshot_dir",
+    "find", "live_runs", "local_snapshot_dir", "run_dir",
 ]  # fmt: skip
 
 RUN_DIR_ENV = "PARAMSHARD_RUN_DIR"
@@ -133,12 +133,7 @@ class RunFile:
         if self.path is None:
             return
         self.path.unlink(missing_ok=True)
-        own = self.path.parent / _file_name(self.run_id)
-        for folder in (own / "snapshots", own):
-            try:
-                folder.rmdir()  # only when empty: snapshots outlive the run
-            except OSError:
-                break
+        drop_unused_snapshot_dir(self.run_id, self.path.parent)
 
     def alive(self) -> bool:
         """Whether its launcher still runs. A run file of another host cannot be checked and
@@ -227,6 +222,17 @@ def find(run_id: str | None = None) -> RunFile:
         f"{len(runs)} runs started by paramshard launch are alive; pick one with --run RUN_ID"
         f" (or give --servers):\n  {listed}"
     )
+
+
+def drop_unused_snapshot_dir(run_id: str, folder: Path | None = None) -> None:
+    """Removes run ``run_id``'s default snapshot folder (``local_snapshot_dir``) when no
+    snapshot went into it: snapshots outlive the run, empty folders need not."""
+    own = (folder or run_dir()) / _file_name(run_id)
+    for path in (own / "snapshots", own):
+        try:
+            path.rmdir()  # only when empty
+        except OSError:
+            return
 
 
 # ------------------------------------------------------------------------ the launcher's side
