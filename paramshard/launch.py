@@ -256,17 +256,23 @@ def launch(args: argparse.Namespace) -> int:
             patience = args.start_timeout or CONNECT_GRACE_S  # asked for: servers still starting
             wait_serving(addresses, token, start_timeout, unreachable_s=patience)
         else:
-            snapshot_dir = local_snapshot_dir(args.snapshot_dir, run_id)
+            try:
+                snapshot_dir = local_snapshot_dir(args.snapshot_dir, run_id)
+            except OSError as exc:
+                raise CommandError(
+                    f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
+                ) from None
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
                 base,
                 start_timeout,
-                serve_args=["--snapshot-dir", snapshot_dir],
+                serve_args=["--snapshot-dir", snapshot_dir] if snapshot_dir else [],
             )
             say(f"started {len(servers)} shard servers: {', '.join(addresses)}")
         announced = announce_run(run_id, addresses, args.token_file, args.config, snapshot_dir)
-        say(f"run {run_id}: the job tools (paramshard status, ...) find it: {announced.path}")
+        if announced.path is not None:
+            say(f"run {run_id}: the job tools (paramshard status, ...) find it: {announced.path}")
         if snapshot_dir:
             say(f"snapshots go to {snapshot_dir}")
 

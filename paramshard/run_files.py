@@ -24,6 +24,7 @@ import json
 import os
 import socket
 import stat
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -115,7 +116,8 @@ class RunFile:
 
     def write(self) -> Path:
         """Writes it as ``<run dir>/<run id>.json`` (0600, replacing the file whole); returns
-        its path."""
+        its path. OSError (PermissionError) when the run directory cannot be made or is
+        another user's."""
         folder = _private_dir(run_dir())
         path = folder / f"{_file_name(self.run_id)}.json"
         tmp = folder / f".{path.name}.{os.getpid()}.tmp"
@@ -236,15 +238,20 @@ def drop_unused_snapshot_dir(run_id: str, folder: Path | None = None) -> None:
 
 
 # ------------------------------------------------------------------------ the launcher's side
-def local_snapshot_dir(chosen: str | None, run_id: str) -> str:
-    """Where launch's local servers write snapshots: ``--snapshot-dir`` (``chosen``), else
-    ``<run dir>/<run id>/snapshots``; created (0700 for the default), absolute."""
+def local_snapshot_dir(chosen: str | None, run_id: str) -> str | None:
+    """Where launch's local servers write snapshots: ``--snapshot-dir`` (``chosen``; OSError
+    when it cannot be made), else ``<run dir>/<run id>/snapshots`` (0700), or None with a
+    warning when that cannot be made (a read-only home): the servers then have none."""
     if chosen:
         path = Path(chosen).expanduser().resolve()
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
-    folder = _private_dir(_private_dir(run_dir()) / _file_name(run_id)) / "snapshots"
-    folder.mkdir(mode=0o700, exist_ok=True)
+    try:
+        folder = _private_dir(_private_dir(run_dir()) / _file_name(run_id)) / "snapshots"
+        folder.mkdir(mode=0o700, exist_ok=True)
+    except OSError as exc:
+        _warn(f"no snapshot directory for the local servers ({exc}); give --snapshot-dir")
+        return None
     return str(folder)
 
 
@@ -271,5 +278,12 @@ def announce_run(
         token_file=token_file,
         snapshot_dir=snapshot_dir,
     )
-    run.write()
+    try:
+        run.write()
+    except OSError as exc:  # the run goes on; only the tools will not find it by themselves
+        _warn(f"no run file ({exc}): the job tools need --servers to find this run")
     return run
+
+
+def _warn(message: str) -> None:
+    print(f"paramshard launch: warning: {message}", file=sys.stderr, flush=True)

@@ -260,3 +260,22 @@ def test_a_retried_snapshot_replaces_the_shard_its_first_attempt_left(tmp_path: 
 
     meta, tensors = decode_shard(shard.read_bytes())
     assert meta["version"] == 2 and float(tensors["w::params"][0]) == 2.0
+
+
+def test_launch_runs_without_a_run_directory(tmp_path: Path) -> None:
+    """A run directory that cannot be made (a read-only home, here a path under a file): the
+    job still runs, with a warning that the tools will not find it by themselves."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    (tmp_path / "go").write_text("0")
+    out = subprocess.run(
+        [sys.executable, "-m", "paramshard", "launch", "--nproc", "1", str(script),
+         str(tmp_path)],
+        cwd=ROOT, env=env(blocker / "runs"), capture_output=True, text=True, timeout=RUN_S,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "warning: no snapshot directory for the local servers" in out.stderr
+    assert "warning: no run file" in out.stderr and "need --servers" in out.stderr
