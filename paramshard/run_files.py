@@ -58,8 +58,9 @@ def run_dir() -> Path:
 
 
 def _private_dir(path: Path) -> Path:
-    """``path``, created with mode 0700 (parents too) and refused when another user owns it or
-    others may write into it: run files name token files, and snapshots hold the model."""
+    """``path``, created with mode 0700 (its missing parents as the umask says), refused when
+    another user owns it, closed to others when they may write into it: run files name token
+    files, and snapshots hold the model."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = path.stat()
     if info.st_uid != os.getuid():
