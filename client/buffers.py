@@ -62,6 +62,7 @@ def _master_wire(values: np.ndarray, dtype: str | None) -> str:
 class FlatBuffers(RpcCore):
     rank: int
     world_size: int
+    run_id: str
 
     def _ref(self, job: str, buffer: str) -> pb.BufferRef:
         return pb.BufferRef(job=job, buffer=buffer)
@@ -107,6 +108,7 @@ class FlatBuffers(RpcCore):
                     master_dtype=codec.wire_dtype(master_dtype),
                     arrival_order=arrival_order,
                     model_config=model_config,
+                    run=self.run_id,  # a refusal ends this run's waits on it (ranks disagree)
                 ),
             )
             for i in range(self.num_servers)

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 
+from paramshard.client import hang_report, unreachable
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.leases import WAITS_ON_PEERS, RunState
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
@@ -27,7 +28,8 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import Segment, SharedMemory, is_stale
 
 __all__ = [
-    "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT"
+    "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT",
+    "DEFAULT_TIMEOUT_S",
 ]  # fmt: skip
 
 SERVICE = "/paramshard.v1.Shard/"
@@ -35,6 +37,9 @@ CHUNK_BYTES = 16 * 2**20
 """The default size of one message's payload (``chunk_bytes``): each call costs 0.3-0.6 ms of
 CPU end to end, so fewer, larger messages move faster, up to grpcio's 4-16 MiB sweet spot."""
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
+DEFAULT_TIMEOUT_S = 120.0
+"""A client's deadline of every wait unless it is given one (``timeout_s``; a
+ShardingConfiguration's ``timeout_s`` sets it)."""
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 BUSY_MARK = "retry later"
 """In a RESOURCE_EXHAUSTED message, what says the server was busy (server/rpc/admission.py: too
@@ -150,7 +155,7 @@ class RpcCore:
         self,
         spec: ClusterSpec,
         *,
-        timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
         chunk_bytes: int = CHUNK_BYTES,
@@ -274,9 +279,27 @@ class RpcCore:
         return stub(request, timeout=timeout, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
+        address = self.spec.addresses[call.server]
+        code, details = exc.code(), exc.details() or ""
         return ShardClientError(
-            call.server, self.spec.addresses[call.server], call.method, exc.code(), exc.details()
+            call.server, address, call.method, code, unreachable.explain(address, code, details)
         )
+
+    def _final(
+        self, call: Call, err: ShardClientError, attempts: int, began: float
+    ) -> ShardClientError:
+        """The error a call ends with: after retries, how many and for how long; a wait on
+        other ranks that timed out without the server's account of it (grpc's bare "Deadline
+        Exceeded": the server's reply came too late), that account from the server's Status
+        (client/hang_report.py)."""
+        details = err.details
+        if attempts > 1:
+            details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and call.method in WAITS_ON_PEERS:
+            details = hang_report.complete(self, call.server, call.method, call.request, details)
+        if details == err.details:
+            return err
+        return ShardClientError(err.server, err.address, err.method, err.code, details)
 
     def run(self, calls: Iterable[Call]) -> list[Any]:
         """Sends ``calls`` with at most ``max_in_flight`` outstanding; returns replies in order.
@@ -284,9 +307,9 @@ class RpcCore:
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe.
         A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
-        docs/design.md §6.2) is re-sent with backoff until it is admitted or its deadline
-        (``timeout_s`` from its first attempt) has passed; other RESOURCE_EXHAUSTED errors
-        (memory, sizes) are final.
+        docs/design.md §6.2) is re-sent with backoff until it is admitted; other
+        RESOURCE_EXHAUSTED errors (memory, sizes) are final. Every attempt of a call shares one
+        deadline, ``timeout_s`` from its first attempt: retries never stretch a wait past it.
         """
         results: list[Any] = []
         queue = deque(enumerate(calls))
@@ -299,7 +322,8 @@ class RpcCore:
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
                 i, call = queue.popleft()
-                in_flight.append((i, call, self._send(call, alone), 0, 0, time.monotonic()))
+                began = time.monotonic()  # before: ``alone``, the call runs inside _send
+                in_flight.append((i, call, self._send(call, alone), 0, 0, began))
 
         submit()
         while in_flight:
@@ -315,33 +339,39 @@ class RpcCore:
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
-                pause = _busy_pause(busy, began + self.timeout_s) if is_busy(err) else None
+                deadline = began + self.timeout_s  # of every attempt of this call
+                pause = _busy_pause(busy, deadline) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
                 elif (
                     isinstance(fut, _ShmFuture)
                     and is_stale(err.code, err.details)
                     and i not in stale
+                    and deadline - time.monotonic() > _MIN_ATTEMPT_S
                 ):
                     # the server restarted (nothing was done): new segments, or in-band
                     self.shm.reset(self.spec.addresses[call.server])
                     stale.add(i)  # once per call: a second refusal is an error
-                    fut = self._send(call, alone)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt, busy, began))
                     continue
-                elif err.code in RETRYABLE and attempt < self.retries:
-                    time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
-                    fut = self._send(call, alone)
+                elif (
+                    err.code in RETRYABLE
+                    and attempt < self.retries
+                    and (backoff := _retry_pause(attempt, deadline))
+                ):
+                    time.sleep(backoff)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt + 1, busy, began))
                     continue
                 elif pause is not None:
                     time.sleep(pause)
-                    left = began + self.timeout_s - time.monotonic()
-                    fut = self._send(call, alone, timeout=left)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt, busy + 1, began))
                     continue
                 else:
-                    first_error = first_error or err
+                    if first_error is None:
+                        first_error = self._final(call, err, attempt + 1, began)
                     for _, _, other, *_ in in_flight:  # e.g. reads that would wait for ever
                         other.cancel()
                     continue
@@ -373,6 +403,20 @@ class RpcCore:
         self.sessions.close()
         self.shm.close()
         self.spec.close()
+
+
+_MIN_ATTEMPT_S = 0.05
+"""An attempt with less time than this before its call's deadline is not made."""
+
+
+def _retry_pause(attempt: int, deadline: float) -> float | None:
+    """How long to wait before re-sending a call that failed with UNAVAILABLE (jittered,
+    doubling from 50 ms to at most 2 s), or None when its ``deadline`` (monotonic) would leave
+    the next attempt no time."""
+    pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+    if time.monotonic() + pause + _MIN_ATTEMPT_S >= deadline:
+        return None
+    return pause
 
 
 def _busy_pause(refusals: int, deadline: float) -> float | None:

@@ -11,7 +11,7 @@ from paramshard.client import leases
 from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
-from paramshard.client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT, ShardClientError
+from paramshard.client.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
 from paramshard.client.run_id import run_id_from_env
 from paramshard.protos import shard_pb2 as pb
 
@@ -41,7 +41,7 @@ class ShardClient(Collectives, FlatBuffers):
         world_size: int = 1,
         *,
         run_id: str | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
         chunk_bytes: int = CHUNK_BYTES,

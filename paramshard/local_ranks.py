@@ -4,11 +4,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["RankFailed", "field_default", "rank_config"]
+__all__ = ["RankFailed", "rank_config"]
 
 
 class RankFailed(RuntimeError):
@@ -26,28 +25,16 @@ class RankFailed(RuntimeError):
 def rank_config(
     addresses: Sequence[str], rank: int, world_size: int, run_id: str, fields: Mapping[str, Any]
 ) -> Any:
-    """Rank ``rank``'s ShardingConfiguration: a client of its own, the call deadline from the
-    configuration's ``timeout_s``."""
+    """Rank ``rank``'s ShardingConfiguration: a client of its own, whose deadline the
+    configuration's ``timeout_s`` sets (strategies/config.py)."""
     from paramshard.client import ClusterSpec, ShardClient
     from paramshard.strategies.config import ShardingConfiguration
 
-    timeout = fields.get("timeout_s", field_default("timeout_s"))
     client = ShardClient(
-        ClusterSpec(list(addresses)),
-        rank=rank,
-        world_size=world_size,
-        run_id=run_id,
-        timeout_s=timeout,
+        ClusterSpec(list(addresses)), rank=rank, world_size=world_size, run_id=run_id
     )
     try:
         return ShardingConfiguration(client, **fields)
     except BaseException:
         client.close()
         raise
-
-
-def field_default(name: str) -> Any:
-    """The default of ``ShardingConfiguration``'s field ``name``."""
-    from paramshard.strategies.config import ShardingConfiguration
-
-    return next(f.default for f in dataclasses.fields(ShardingConfiguration) if f.name == name)

@@ -18,6 +18,7 @@ from typing import Any
 
 from paramshard.commands import (
     EXIT_FAILURE,
+    RUN,
     arg,
     cluster_spec,
     command,
@@ -53,7 +54,13 @@ MESSAGE_COLUMNS = ("RUN", "FROM", "TO", "TAG", "SEQ", "BYTES", "AGE", "KEY")
 
 
 @command(
-    arg("--servers", metavar="HOST:PORT,...", help="servers to ask (default: $PARAMSHARD_SERVERS)"),
+    arg(
+        "--servers",
+        metavar="HOST:PORT,...",
+        help="servers to ask (default: $PARAMSHARD_SERVERS, else the run paramshard launch is"
+        " running)",
+    ),
+    RUN,
     arg("--json", action="store_true", help="print the servers' Status replies as JSON"),
     arg(
         "--timeout",
@@ -86,7 +93,8 @@ def status(args: argparse.Namespace) -> int:
     """
     from paramshard.client import ShardClient
 
-    client = ShardClient(cluster_spec(args.servers), timeout_s=args.timeout, retries=1)
+    spec = cluster_spec(args.servers, args.run_id, role="read")
+    client = ShardClient(spec, timeout_s=args.timeout, retries=1)
     try:
         replies = client.status(pending=args.pending, max_pending=args.max_pending)
     finally:

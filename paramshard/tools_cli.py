@@ -2,7 +2,8 @@
 
 Each command is a thin shell over a function of ``client.tools`` (offline export reads the
 snapshot files directly, as a server restoring them does). Every command takes ``--servers``
-(default: $PARAMSHARD_SERVERS) and ``--json``.
+(default: $PARAMSHARD_SERVERS, else the run ``paramshard launch`` is running, ``--run`` picking
+one of several: paramshard/run_files.py) and ``--json``.
 """
 
 from __future__ import annotations
@@ -13,40 +14,49 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paramshard.commands import EXIT_USAGE, CommandError, arg, cluster_spec, command, table
+from paramshard.commands import EXIT_USAGE, RUN, CommandError, arg, cluster_spec, command, table
 
-SERVERS = arg("--servers", metavar="HOST:PORT,...", help="servers (default: $PARAMSHARD_SERVERS)")
+SERVERS = arg(
+    "--servers",
+    metavar="HOST:PORT,...",
+    help="servers (default: $PARAMSHARD_SERVERS, else the run paramshard launch is running)",
+)
 JSON = arg("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _client(args: argparse.Namespace) -> Any:
     from paramshard.client import ShardClient
 
-    return ShardClient(cluster_spec(args.servers), timeout_s=args.timeout, retries=2)
+    spec = cluster_spec(args.servers, args.run_id)
+    return ShardClient(spec, timeout_s=args.timeout, retries=2)
 
 
 TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s (default 120)")
 
 
-def _run(fn: Any, *a: Any) -> Any:
-    """Runs a tool function, turning its errors into one-line command errors."""
+def _run(args: argparse.Namespace, fn: Any, *a: Any) -> Any:
+    """Runs a tool function on a client of the servers (closed after it: no grpc object is
+    left to the garbage collector at exit), turning its errors into one-line command errors."""
     from paramshard.client import ShardClientError
 
+    client = _client(args)
     try:
-        return fn(*a)
+        return fn(client, *a)
     except (KeyError, ShardClientError, RuntimeError) as exc:
         # a KeyError's str() is its message quoted: take the message itself
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CommandError(str(message)) from None
+    finally:
+        client.close()
 
 
-@command(arg("job", help="the job name (see paramshard status)"), SERVERS, JSON, TIMEOUT)
+@command(arg("job", help="the job name (see paramshard status)"), SERVERS, RUN, JSON, TIMEOUT)
 def inspect(args: argparse.Namespace) -> int:
     """One row per parameter: name, shape, dtype, servers holding it, version, norm, min, max,
     all finite."""
     from paramshard.client import tools
 
-    rows = _run(tools.inspect, _client(args), args.job)
+    rows = _run(args, tools.inspect, args.job)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -79,6 +89,7 @@ def inspect(args: argparse.Namespace) -> int:
     arg("param", help="the parameter's name in the model"),
     arg("--out", required=True, help="file to write: .npy or .safetensors"),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def get(args: argparse.Namespace) -> int:
@@ -87,7 +98,7 @@ def get(args: argparse.Namespace) -> int:
 
     from paramshard.client import tools
 
-    values = _run(tools.get_param, _client(args), args.job, args.param)
+    values = _run(args, tools.get_param, args.job, args.param)
     if args.out.endswith(".safetensors"):
         from safetensors.numpy import save_file
 
@@ -101,14 +112,14 @@ def get(args: argparse.Namespace) -> int:
 
 
 @command(
-    arg("job"), arg("--tag", required=True, help="the snapshot's name"), SERVERS, JSON, TIMEOUT
+    arg("job"), arg("--tag", required=True, help="the snapshot's name"), SERVERS, RUN, JSON, TIMEOUT
 )
 def snapshot(args: argparse.Namespace) -> int:
     """Snapshot a job on one version while it trains; each server writes its shard into its
     --snapshot-dir, then the manifest is committed."""
     from paramshard.client import tools
 
-    manifest = _run(tools.snapshot, _client(args), args.job, args.tag)
+    manifest = _run(args, tools.snapshot, args.job, args.tag)
     if args.json:
         print(json.dumps(manifest, indent=1))
     elif "parts" in manifest:  # a 3D job: one snapshot per (stage, tensor rank) part
@@ -126,13 +137,13 @@ def snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-@command(arg("--job", default="", help="only this job"), SERVERS, JSON, TIMEOUT)
+@command(arg("--job", default="", help="only this job"), SERVERS, RUN, JSON, TIMEOUT)
 def snapshots(args: argparse.Namespace) -> int:
     """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
     tag: one row, by the base name)."""
     from paramshard.client import tools
 
-    rows = _run(tools.list_snapshots, _client(args), args.job, True)
+    rows = _run(args, tools.list_snapshots, args.job, True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -165,13 +176,14 @@ def snapshots(args: argparse.Namespace) -> int:
         help="data-parallel ranks from now on (default: as in the snapshot)",
     ),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def restore(args: argparse.Namespace) -> int:
     """Load a snapshot into these servers; their number may differ from the snapshot's."""
     from paramshard.client import tools
 
-    version = _run(tools.restore, _client(args), args.job, args.tag, args.contributors)
+    version = _run(args, tools.restore, args.job, args.tag, args.contributors)
     print(f"restored {args.job}/{args.tag} at version {version}")
     return 0
 
@@ -191,6 +203,7 @@ def restore(args: argparse.Namespace) -> int:
         " from_pretrained(DIR) (a Hugging Face model's job)",
     ),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def export(args: argparse.Namespace) -> int:
@@ -207,7 +220,7 @@ def export(args: argparse.Namespace) -> int:
         from paramshard.client.export_hf import export_hf
 
         fn = export_hf if args.hf_dir is not None else tools.export
-        count = _run(fn, _client(args), args.job, args.hf_dir or args.out)
+        count = _run(args, fn, args.job, args.hf_dir or args.out)
     else:
         raise CommandError("give a JOB (live servers) or --snapshot DIR", EXIT_USAGE)
     print(f"{count} tensors -> {args.hf_dir or args.out}")

@@ -87,7 +87,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterBufferRequest(_message.Message):
-    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order", "model_config")
+    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order", "model_config", "run")
     REF_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class RegisterBufferRequest(_message.Message):
     MASTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     numel: int
     num_servers: int
@@ -108,7 +109,8 @@ class RegisterBufferRequest(_message.Message):
     master_dtype: DType
     arrival_order: bool
     model_config: str
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ..., model_config: _Optional[str] = ...) -> None: ...
+    run: str
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ..., model_config: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
     __slots__ = ("slice_start", "slice_numel", "version", "initialized")

@@ -89,8 +89,11 @@ class ShardingConfiguration(ClientRank):
     """FSDP: gather the next unit while this one computes."""
     wrap_min_params: int | None = None
     """FSDP size-based wrap policy threshold; None wraps by module class only."""
-    timeout_s: float = 120.0
-    """Deadline in seconds for every wait on the servers."""
+    timeout_s: float | None = None
+    """Deadline in seconds of every wait of this rank on the servers and on the other ranks
+    (a collective, a gradient step, a pull at a version, a pipeline receive, a barrier),
+    retries included: the client's ``timeout_s`` is set to it. None: the client's own
+    (``ShardClient(timeout_s=...)``, 120 s unless given)."""
     replicate_every: int = 0
     """Neighbour replication: every this many steps each server copies its slices and
     optimizer state to server (i+1) mod N, so a dead server is rebuilt from it (0: off)."""
@@ -136,7 +139,7 @@ class ShardingConfiguration(ClientRank):
                     f"{', '.join(_DTYPES)} or None (the parameters' own), got {shown(value)}"
                 )
         timeout = self.timeout_s
-        if (
+        if timeout is not None and (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
             or not math.isfinite(timeout)
@@ -144,8 +147,10 @@ class ShardingConfiguration(ClientRank):
         ):
             raise ValueError(
                 f"ShardingConfiguration.timeout_s must be a positive finite "
-                f"number of seconds, got {shown(timeout)}"
+                f"number of seconds or None (the client's), got {shown(timeout)}"
             )
+        if timeout is not None:  # the one deadline of every wait of this rank (client/rpc.py)
+            self.client.timeout_s = float(timeout)
 
     def _check_client(self) -> None:
         client = self.client

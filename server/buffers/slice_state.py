@@ -24,6 +24,7 @@ Every check happens before any state changes, so a rejected request leaves the s
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from paramshard.server.optimizers import OPTIMIZERS, ServerOptimizer
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.rank_lists import absent, listed
 from paramshard.server.snapshots.files import Captured
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "SliceState",
     "buffer_bytes",
     "master_dtype",
+    "run_root",
     "slice_bytes",
 ]
 
@@ -83,6 +86,18 @@ class PendingStep:
         chunks = self.chunks.get(k)
         return chunks.covered if chunks is not None else 0
 
+    def arrived(self, slice_numel: int) -> list[int]:
+        """The contributors (ranks) whose every micro-batch covered the slice, in order: built
+        from the pushes received, never from ``range(contributors)`` (up to 2**32 - 1)."""
+        pushed = {k // self.num_micro for k in self.chunks}
+        return [
+            c
+            for c in sorted(pushed)
+            if all(
+                self.received(c * self.num_micro + m) >= slice_numel for m in range(self.num_micro)
+            )
+        ]
+
 
 class SliceState:
     """Slice ``index`` of one job's flat buffer, with its optimizer: its state and the
@@ -92,6 +107,8 @@ class SliceState:
         self.job, self.name = req.ref.job, req.ref.buffer
         self.label = f"buffer '{self.job}/{self.name}'"
         self.spec = req
+        self.run = run_root(req.run)  # the run that registered it last (RegisterBufferRequest.run)
+        self.conflict: str | None = None  # why its run's ranks disagree: their waits fail at once
         self.numel = req.numel
         self.start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
         self.slice_numel = stop - self.start
@@ -140,15 +157,65 @@ class SliceState:
             )
 
     def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
-        """Wait on the slice's condition (caller holds it) until ``ready()``, or fail."""
-        done = self.cond.wait_for(lambda: self.dropped or ready(), timeout=timeout)
+        """Wait on the slice's condition (caller holds it) until ``ready()``, or fail: at the
+        deadline with DEADLINE_EXCEEDED naming the ranks it waited for (``waiting_on``), at
+        once with FAILED_PRECONDITION when the run's ranks disagree about the buffer
+        (``conflict_with``)."""
+        done = self.cond.wait_for(
+            lambda: self.dropped or self.conflict is not None or ready(), timeout=timeout
+        )
         if self.dropped:
             raise ShardError.not_found(f"{self.label} was dropped while waiting for {waiting_for}")
-        if not done:
-            raise ShardError.deadline(
-                f"{self.label} is at version {self.version};"
-                f" waited {timeout:.1f} s for {waiting_for}"
+        if not ready() and self.conflict is not None:
+            raise ShardError.precondition(
+                f"{self.label}: stopped waiting for {waiting_for}: {self.conflict}"
             )
+        if not done:
+            run = f" (run '{self.run}')" if self.run else ""
+            raise ShardError.deadline(
+                f"{self.label}{run} is at version {self.version};"
+                f" waited {timeout:.1f} s for {waiting_for}; {self.waiting_on()}"
+            )
+
+    def waiting_on(self) -> str:
+        """Who the slice waits for to move on (caller holds the lock): its initial values, the
+        ranks whose gradients of the current step are missing, or a Step."""
+        if not self.initialized:
+            return (
+                f"its initial values are not all written (SetParams covered"
+                f" {self.written.covered:,} of {self.slice_numel:,} elements)"
+            )
+        step, p = self.version, self.pending
+        arrived = p.arrived(self.slice_numel) if p is not None and p.step == step else []
+        if p is not None and p.step == step and p.reduced:
+            return (
+                f"the gradients of step {step} of all {self.contributors} rank(s) are in;"
+                " no Step has applied it yet"
+            )
+        missing = absent(range(self.contributors), set(arrived))
+        return (
+            f"step {step}: {len(arrived)} of {self.contributors} rank(s) pushed their"
+            f" gradient; missing rank(s) {listed(missing)} (arrived: {listed(arrived)})"
+        )
+
+    def conflict_with(self, run: str, why: str) -> None:
+        """A registration of this buffer was refused for another layout (``why``): when it
+        came from the run that registered the buffer, the run's ranks disagree and their waits
+        here could never complete, so they fail now, and so does any later one. Another
+        run's refusal (a job name taken twice) leaves this run alone; a registration that fits
+        clears it (``registered``)."""
+        root = run_root(run)
+        if not root or root != self.run:
+            return
+        with self.cond:
+            self.conflict = why
+            self.cond.notify_all()
+
+    def registered(self, run: str) -> None:
+        """A registration that fits (a rank of ``run``, maybe a restarted one) came in."""
+        with self.cond:
+            self.run = run_root(run) or self.run
+            self.conflict = None
 
     def retire(self) -> None:
         """The slice left the store (dropped, replaced): waiters wake and fail, memory is freed."""
@@ -164,6 +231,12 @@ class SliceState:
         grad = 0 if self.grad is None else int(self.grad.nbytes)
         grad += self.pending.staged_bytes if self.pending is not None else 0
         return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
+
+
+def run_root(run: str) -> str:
+    """The run id ``run`` stands for: without a group's ``/<group>`` or a restart's
+    ``.e<epoch>`` suffix (client/collectives.py makes both)."""
+    return re.sub(r"\.e\d+$", "", run.split("/", 1)[0])
 
 
 def buffer_bytes(slice_numel: int, itemsize: int, state_arrays: int) -> int:

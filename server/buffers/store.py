@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import threading
 
+import grpc
+
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.protos.manifest import check_model_config
@@ -96,9 +98,17 @@ class BufferStore:
                     f" along dim {p.split_dim} in {p.split_packed} packed blocks, which does not"
                     f" fit its shape {list(p.shape)}"
                 )
+        try:
+            return self._register(req, label)
+        except _Refused as exc:  # its run's ranks disagree: theirs fail too (conflict_with)
+            exc.existing.conflict_with(req.run, exc.conflict)
+            raise
+
+    def _register(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
         with self._lock:
             existing = self._fitting(req, label)
         if existing is not None:
+            existing.registered(req.run)
             return existing
         need = slice_bytes(req)
         self.budget.reserve(need, "buffers", label)  # before anything is allocated
@@ -114,6 +124,7 @@ class BufferStore:
             self.budget.release(need, "buffers")
             raise
         self.budget.release(need, "buffers")
+        existing.registered(req.run)
         return existing
 
     def _create(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
@@ -166,23 +177,9 @@ class BufferStore:
         if existing is None:
             return None
         old = existing.spec
-        same = (
-            old.numel == req.numel
-            and old.num_servers == req.num_servers
-            and old.server_index == req.server_index
-            and old.contributors == req.contributors
-            and list(old.params) == list(req.params)
-            and old.optimizer.name == req.optimizer.name
-            and master_dtype(old) == master_dtype(req)
-            and old.arrival_order == req.arrival_order
-        )
-        if not same:
-            raise ShardError.precondition(
-                f"{label} exists with another layout (numel {old.numel:,} over"
-                f" {old.num_servers} servers, {old.contributors} contributors, optimizer"
-                f" '{old.optimizer.name}', {master_dtype(old)} master,"
-                f" {'arrival' if old.arrival_order else 'rank'}-order sums); drop the job first"
-            )
+        differs = _differences(old, req)
+        if differs:
+            raise _Refused(existing, label, differs)
         return existing
 
     def _job_bytes(self, job: str) -> int:
@@ -255,3 +252,37 @@ class BufferStore:
                 )
             )
         return out
+
+
+def _differences(old: pb.RegisterBufferRequest, new: pb.RegisterBufferRequest) -> str:
+    """What a refused registration says differently (``contributors 3 here, 2 asked``)."""
+    pairs = [
+        ("numel", f"{old.numel:,}", f"{new.numel:,}"),
+        ("servers", str(old.num_servers), str(new.num_servers)),
+        ("slice", str(old.server_index), str(new.server_index)),
+        ("contributors (data-parallel ranks)", str(old.contributors), str(new.contributors)),
+        ("optimizer", old.optimizer.name, new.optimizer.name),
+        ("master dtype", master_dtype(old), master_dtype(new)),
+        ("sums", *("arrival order" if r.arrival_order else "rank order" for r in (old, new))),
+    ]
+    out = [f"{name} {a} here, {b} asked" for name, a, b in pairs if a != b]
+    if list(old.params) != list(new.params):
+        out.append("other parameters (names, shapes or offsets)")
+    return "; ".join(out)
+
+
+class _Refused(ShardError):
+    """A registration of ``existing`` with another layout (FAILED_PRECONDITION)."""
+
+    def __init__(self, existing: BufferSlice, label: str, differs: str) -> None:
+        super().__init__(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{label} exists with another layout ({differs}): the ranks of one run disagree"
+            " (world size, model or configuration), or another job used this name (drop the"
+            " job first)",
+        )
+        self.existing = existing
+        self.conflict = (
+            f"a rank registered it with another layout ({differs}): the ranks of this run"
+            " disagree about the world size, the model or the configuration"
+        )

@@ -24,7 +24,6 @@ at most ``MAX_LISTED`` ranks (the chaos fuzzer's Status took 22 GB before).
 
 from __future__ import annotations
 
-import itertools
 import re
 import time
 from collections.abc import Iterable
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.rank_lists import MAX_LISTED, absent, listed
 
 if TYPE_CHECKING:
     from paramshard.server.buffers.store import BufferSlice
@@ -53,8 +53,6 @@ DEFAULT_PENDING = 100
 """Rows of ``StatusReply.pending`` when the request does not say."""
 MAX_PENDING = 1000
 """Rows a Status reply lists at most, whatever the request asks: the reply stays small."""
-MAX_LISTED = 1024
-"""Ranks a rank list of a row or a message holds at most (the lowest ones)."""
 
 _KINDS = {"ar": "all_reduce", "rs": "reduce_scatter", "ag": "all_gather", "bc": "broadcast"}
 _COLLECTIVE = re.compile(r"(?P<run>.*):(?P<kind>ar|rs|ag|bc)(?P<seq>\d+)/(?P<part>\d+)")
@@ -146,17 +144,6 @@ def _ranks(name: SlotName, contributors: Any) -> list[int]:
     return sorted({r for c in contributors if (r := name.rank_of(c)) is not None})[:MAX_LISTED]
 
 
-def _absent(ranks: Iterable[int], present: set[int]) -> list[int]:
-    """The first ``MAX_LISTED`` of ``ranks`` (a lazy range) that are not in ``present``: at
-    most ``len(present) + MAX_LISTED`` steps, however many ``ranks`` there are."""
-    return list(itertools.islice((r for r in ranks if r not in present), MAX_LISTED))
-
-
-def _listed(ranks: list[int]) -> str:
-    more = ", ..." if len(ranks) >= MAX_LISTED else ""
-    return ", ".join(map(str, ranks)) + more if ranks else "none"
-
-
 def who(slot: Slot, offset: int) -> str:
     """Who contributed to the chunk at ``offset`` and who is missing (caller holds its cond)."""
     name = parse_key(slot.key)
@@ -172,10 +159,10 @@ def who(slot: Slot, offset: int) -> str:
     arrived = set() if chunk is None else chunk.contributors
     if chunk is not None and len(arrived) == meta.expected:
         return f"complete; read by {len(chunk.readers)} of {meta.readers} reader(s)"
-    missing = _absent(range(meta.expected), arrived)
+    missing = absent(range(meta.expected), arrived)
     return (
         f"{len(arrived)} of {meta.expected} contributions arrived; missing rank(s)"
-        f" {_listed(_ranks(name, missing))} (arrived: {_listed(_ranks(name, arrived))})"
+        f" {listed(_ranks(name, missing))} (arrived: {listed(_ranks(name, arrived))})"
     )
 
 
@@ -211,11 +198,11 @@ def slot_row(slot: Slot, now: float) -> pb.PendingWork:
         arrived, complete = set(range(min(meta.expected, MAX_LISTED))), True
     row.arrived.extend(_ranks(name, arrived))
     if not complete:
-        row.missing.extend(_ranks(name, _absent(range(meta.expected), arrived)))
+        row.missing.extend(_ranks(name, absent(range(meta.expected), arrived)))
     readers = name.readers(meta)
     if complete and readers is not None and chunks:
         done = set.intersection(*(c.readers for c in chunks))
-        row.unread_by.extend(_absent(readers, done))
+        row.unread_by.extend(absent(readers, done))
     return row
 
 
@@ -225,12 +212,7 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     p = b.pending
     if p is None or p.reduced or not p.chunks:
         return None
-    pushed = {k // p.num_micro for k in p.chunks}  # never range(b.contributors): up to 2**32 - 1
-    arrived = [
-        c
-        for c in sorted(pushed)
-        if all(p.received(c * p.num_micro + m) >= b.slice_numel for m in range(p.num_micro))
-    ]
+    arrived = p.arrived(b.slice_numel)[:MAX_LISTED]
     return pb.PendingWork(
         run=b.job,
         kind="push_grad",
@@ -238,7 +220,7 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
         key=f"{b.job}/{b.name}",
         expected=b.contributors,
         arrived=arrived,
-        missing=_absent(range(b.contributors), set(arrived)),
+        missing=absent(range(b.contributors), set(arrived)),
         age_seconds=max(0.0, now - p.opened),
         bytes=p.staged_bytes,
     )

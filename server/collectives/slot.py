@@ -45,6 +45,7 @@ class Slot:
         self.touched = self.since  # the last contribution or read
         self.waiting: Counter[int] = Counter()  # readers blocked in ReadSlot now
         self.ended: str | None = None  # why it expired or was dropped
+        self.conflict: str | None = None  # a refused contribution's why: reads do not wait
 
     def num_chunks(self) -> int:
         assert self.meta is not None

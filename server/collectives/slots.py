@@ -130,7 +130,16 @@ class SlotStore:
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
             if slot.meta is not None:
-                check_same(slot, h)
+                try:
+                    check_same(slot, h)
+                except ShardError as exc:
+                    # The ranks disagree about this collective (world size, shape, dtype): its
+                    # readers would wait for a contribution that is not coming, so a read that
+                    # would wait fails now, not at its deadline. The slot itself is untouched:
+                    # contributions that agree may still complete it.
+                    slot.conflict = f"{exc.message}: the ranks of the run disagree about it"
+                    slot.cond.notify_all()
+                    raise
             if h.chunk.offset in slot.freed:
                 return True
             chunk = slot.chunks.get(h.chunk.offset)
@@ -229,13 +238,18 @@ class SlotStore:
                 )
             slot.waiting[req.reader] += 1
             try:
-                done = slot.cond.wait_for(lambda: slot.ended is not None or complete(), timeout)
+                done = slot.cond.wait_for(
+                    lambda: slot.ended is not None or slot.conflict is not None or complete(),
+                    timeout,
+                )
             finally:
                 slot.waiting[req.reader] -= 1
                 if not slot.waiting[req.reader]:
                     del slot.waiting[req.reader]
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
+            if slot.conflict is not None and not complete():
+                raise ShardError.precondition(slot.conflict)
             if not done:
                 self._forget_if_unused(slot)
                 raise ShardError.deadline(

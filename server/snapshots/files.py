@@ -116,9 +116,12 @@ class SnapshotDir:
             f"snapshot '{job}/{what}' exists already; a snapshot is written once: pick another tag",
         )
 
-    def reserve(self, job: str, tag: str, index: int, num: int) -> Reservation:
-        """Takes shard ``index`` of ``job/tag`` for one Snapshot call: ALREADY_EXISTS when the
-        snapshot is committed, the shard written, or another call is writing it."""
+    def reserve(self, job: str, tag: str, index: int, num: int, version: int) -> Reservation:
+        """Takes shard ``index`` of ``job/tag`` for one Snapshot call at ``version``:
+        ALREADY_EXISTS when the snapshot is committed, the shard written at that version, or
+        another call is writing it. A shard of another version with no manifest yet is what an
+        earlier attempt left when another server had stepped past its version (the client then
+        tries the next version: client/checkpoints.py): it is replaced."""
         folder = self._folder(job, tag, create=True)
         try:
             if folder.kind("manifest.json") is not None:  # never add to a committed snapshot
@@ -132,6 +135,11 @@ class SnapshotDir:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
                 ) from None
+            if folder.kind(name) is not None and _shard_version(folder, name) not in (
+                None,
+                version,
+            ):
+                folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
                 folder.unlink(marker)
                 raise self._exists(job, f"{tag}/{name}")
@@ -394,6 +402,21 @@ def encode_shard(
         "buffers": layout,
     }
     return st_save(tensors, metadata={"paramshard": json.dumps(meta)})
+
+
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
+
+
+def _shard_version(folder: Folder, name: str) -> int | None:
+    """The version shard file ``name`` holds (its header only), None when it cannot be read."""
+    try:
+        with os.fdopen(folder.open(name), "rb") as f:
+            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length
+            header = json.loads(f.read(min(size, _MAX_HEADER_BYTES)))
+        version = json.loads(header["__metadata__"]["paramshard"])["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) else None
 
 
 def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
