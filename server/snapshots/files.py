@@ -135,10 +135,8 @@ class SnapshotDir:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
                 ) from None
-            if folder.kind(name) is not None and _shard_version(folder, name) not in (
-                None,
-                version,
-            ):
+            held = folder.kind(name) == "file" and _shard_version(folder, name)  # no link read
+            if held not in (False, None, version):
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
                 folder.unlink(marker)
