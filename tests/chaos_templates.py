@@ -13,7 +13,7 @@ import numpy as np
 from chaos_values import U64, Context, N, manifest, payload, pick, run_of
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.snapshots.files import Captured, encode_shard
+from paramshard.server.snapshots.shards import Captured, encode_shard
 
 __all__ = ["valid_request", "replica_blob"]
 

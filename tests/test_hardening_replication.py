@@ -25,7 +25,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server import MALLOC_ENV, ShardServer
 from paramshard.server.rpc import auth
 from paramshard.server.servicer import SERVICE_NAME
-from paramshard.server.snapshots.files import Captured, encode_shard
+from paramshard.server.snapshots.shards import Captured, encode_shard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -256,7 +256,7 @@ def test_a_retried_snapshot_replaces_the_shard_its_first_attempt_left(tmp_path: 
             c.close()
     assert (first.version, second.version) == (1, 2) and first.sha256 != second.sha256
     shard = root / "j" / "t" / "shard-0-of-1.safetensors"
-    from paramshard.server.snapshots.files import decode_shard
+    from paramshard.server.snapshots.shards import decode_shard
 
     meta, tensors = decode_shard(shard.read_bytes())
     assert meta["version"] == 2 and float(tensors["w::params"][0]) == 2.0

@@ -10,7 +10,7 @@ from paramshard.server.buffers.slice_state import SliceState, master_dtype
 from paramshard.server.optimizers import OptimizerError, make_optimizer
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.files import Captured
+from paramshard.server.snapshots.shards import Captured
 
 __all__ = ["Captures"]
 

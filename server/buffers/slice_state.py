@@ -37,7 +37,7 @@ from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.rank_lists import absent, listed
-from paramshard.server.snapshots.files import Captured
+from paramshard.server.snapshots.shards import Captured
 
 __all__ = [
     "MASTER_DTYPES",

@@ -16,7 +16,7 @@ from typing import Any
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.files import decode_shard
+from paramshard.server.snapshots.shards import decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
 

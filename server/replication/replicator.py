@@ -37,7 +37,7 @@ from paramshard.server.replication.inbox import Inbox, check_header, replica_bou
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
 from paramshard.server.replication.recovery import CHUNK, ReplicaRecovery
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.files import Captured, encode_shard
+from paramshard.server.snapshots.shards import Captured, encode_shard
 
 __all__ = ["Replicator"]
 

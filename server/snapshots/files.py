@@ -14,42 +14,35 @@ names the file, and nothing is loaded.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
+from paramshard.server.snapshots.shards import (
+    Captured,
+    encode_shard,
+    shard_meta,
+    shard_version,
+    tensor_key,
+)
 
-__all__ = ["Captured", "SnapshotDir", "Reservation", "encode_shard", "decode_shard"]
+__all__ = ["SnapshotDir", "Reservation"]
+
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
 log = logging.getLogger("paramshard.snapshots")
-
-
-@dataclass
-class Captured:
-    """One buffer slice as it was at the snapshot's version (host copies)."""
-
-    buffer: str
-    slice_start: int
-    params: np.ndarray
-    state: dict[str, np.ndarray]
-    step_count: int
 
 
 def _checked(name: str, what: str) -> str:
@@ -75,10 +68,6 @@ class Reservation:
             pass
         finally:
             self.folder.close()
-
-
-def _key(buffer: str, kind: str) -> str:
-    return f"{buffer}::{kind}"
 
 
 class SnapshotDir:
@@ -135,7 +124,7 @@ class SnapshotDir:
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
                 ) from None
-            held = folder.kind(name) == "file" and _shard_version(folder, name)  # no link read
+            held = folder.kind(name) == "file" and shard_version(folder, name)  # no link read
             if held not in (False, None, version):
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
@@ -292,7 +281,7 @@ class SnapshotDir:
         """Per buffer: the optimizer-state arrays and step count the shards recorded."""
         out: dict[str, dict[str, Any]] = {}
         with self._folder(job, tag) as folder:
-            metas = [(folder.name(n), _shard_meta(folder, n)) for n in _shard_files(manifest)]
+            metas = [(folder.name(n), shard_meta(folder, n)) for n in _shard_files(manifest)]
         for file, meta in metas:
             if meta.get("version") != manifest["version"]:
                 raise ShardError.precondition(
@@ -331,7 +320,7 @@ class SnapshotDir:
                 name = shard_name(piece.server, old)
                 try:
                     with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
-                        key = _key(buffer, kind)
+                        key = tensor_key(buffer, kind)
                         if key not in f.keys():
                             continue  # optimizer state not allocated yet at that version
                         lo = piece.local_offset
@@ -348,81 +337,3 @@ class SnapshotDir:
 def _shard_files(manifest: dict[str, Any]) -> list[str]:
     """The shard files a manifest names (their names in the snapshot's folder)."""
     return [Path(shard["file"]).name for shard in manifest["shards"]]
-
-
-def _shard_meta(folder: Folder, name: str) -> dict[str, Any]:
-    """The ``paramshard`` metadata of shard file ``name`` of ``folder``."""
-    try:
-        with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
-            meta = json.loads(f.metadata()["paramshard"])
-        if not isinstance(meta, dict):
-            raise ValueError("its metadata is not an object")
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise ShardError.precondition(
-            f"{folder.name(name)}: not a paramshard shard ({exc})"
-        ) from None
-    return meta
-
-
-def encode_shard(
-    job: str,
-    tag: str,
-    index: int,
-    num: int,
-    version: int,
-    captured: list[Captured],
-    specs: dict[str, bytes] | None = None,
-) -> bytes:
-    """One server's slices as safetensors bytes: ``<buffer>::params`` and
-    ``<buffer>::state.<name>`` tensors, layout in the ``paramshard`` metadata. ``specs``
-    (buffer -> serialised RegisterBufferRequest) makes the shard loadable on its own, as a
-    neighbour replica is (a snapshot's manifest holds that instead)."""
-    tensors: dict[str, np.ndarray] = {}
-    layout = {}
-    for c in captured:
-        tensors[_key(c.buffer, "params")] = c.params
-        for name, arr in c.state.items():
-            tensors[_key(c.buffer, f"state.{name}")] = arr
-        layout[c.buffer] = {
-            "slice_start": c.slice_start,
-            "slice_numel": int(c.params.size),
-            "step_count": c.step_count,
-            "state": sorted(c.state),
-        }
-        if specs is not None:
-            layout[c.buffer]["spec"] = base64.b64encode(specs[c.buffer]).decode()
-    meta = {
-        "job": job,
-        "tag": tag,
-        "version": version,
-        "server_index": index,
-        "num_servers": num,
-        "buffers": layout,
-    }
-    return st_save(tensors, metadata={"paramshard": json.dumps(meta)})
-
-
-_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
-
-
-def _shard_version(folder: Folder, name: str) -> int | None:
-    """The version shard file ``name`` holds (its header only), None when it cannot be read."""
-    try:
-        with os.fdopen(folder.open(name), "rb") as f:
-            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length
-            header = json.loads(f.read(min(size, _MAX_HEADER_BYTES)))
-        version = json.loads(header["__metadata__"]["paramshard"])["version"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return version if isinstance(version, int) else None
-
-
-def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(metadata, tensors) of ``encode_shard`` bytes."""
-    try:
-        tensors = st_load(data)
-        header_len = int.from_bytes(data[:8], "little")
-        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["paramshard"])
-    except Exception as exc:  # safetensors raises its own error types
-        raise ShardError.invalid(f"not a paramshard shard ({exc})") from None
-    return meta, tensors
