@@ -223,7 +223,7 @@ def serve(args: argparse.Namespace) -> int:
         as_flags,
     )
     from paramshard.server.rpc.admission import default_reserved
-    from paramshard.server.rpc.auth import load_token_file, token_file_is_private
+    from paramshard.server.rpc.tokens import load_token_file, token_file_is_private
     from paramshard.server.runtime import backend
 
     tokens = {}

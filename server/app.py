@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from paramshard.protos import local_servers
 from paramshard.server.config import ServerConfig
-from paramshard.server.rpc import auth, tls
+from paramshard.server.rpc import auth, tls, tokens
 from paramshard.server.rpc.admission import CallGate
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.expiry import Sweeper, sweep_period
@@ -119,7 +119,7 @@ class ShardServer:
         peer_identities = security.peer_identities
         self.servicer.replicator.set_ttl(bounds.replica_ttl_s)
         self.servicer.replicator.set_transport(
-            peer_token=auth.peer_token(checked_tokens),
+            peer_token=tokens.peer_token(checked_tokens),
             tokens_required=bool(checked_tokens) and not peer_identities,
             credentials=peer_credentials,
         )

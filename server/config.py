@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from paramshard.server.rpc import auth
 from paramshard.server.rpc.admission import CallLimits, default_reserved
 from paramshard.server.rpc.scopes import Grant
+from paramshard.server.rpc.tokens import check_tokens
 from paramshard.server.runtime.limits import parse_bytes
 
 __all__ = ["BoundsConfig", "CallLimits", "FLAGS", "SecurityConfig", "ServerConfig", "as_flags"]
@@ -69,7 +69,7 @@ class SecurityConfig:
             )
         for name in ("tls_cert", "tls_key", "tls_ca", "peer_tls_ca"):
             object.__setattr__(self, name, _pem(name, getattr(self, name)))
-        object.__setattr__(self, "tokens", auth.check_tokens(self.tokens))
+        object.__setattr__(self, "tokens", check_tokens(self.tokens))
         object.__setattr__(self, "peer_identities", tuple(self.peer_identities))
 
     @property

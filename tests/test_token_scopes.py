@@ -35,6 +35,7 @@ from paramshard.server.config import SecurityConfig
 from paramshard.server.rpc import auth, scopes
 from paramshard.server.rpc.access_table import markdown
 from paramshard.server.rpc.scopes import Grant, Scope
+from paramshard.server.rpc.tokens import grant_of, parse_token_file
 from paramshard.server.servicer import ShardServicer
 from paramshard.server.transport import shm
 
@@ -226,7 +227,7 @@ def test_a_token_scoped_to_another_team_touches_nothing(server: ShardServer) -> 
     parsed = PARSED.copy()
     sent = [(m, raw(r)) for m, r in FOREIGN.items()] + [(m, raw(r)) for m, r in EXTRA]
     for token in TEAM_A:
-        role = auth.grant_of(TOKENS[token]).role
+        role = grant_of(TOKENS[token]).role
         for method, payload in sent:
             code, details, _ = call(server, method, payload, token)
             assert code == grpc.StatusCode.PERMISSION_DENIED, (token, method, code, details)
@@ -340,14 +341,14 @@ def test_patterns_and_runs() -> None:
 
 def test_token_lines_and_grants() -> None:
     text = "read r-1 jobs=a/*\ntrain t-1 runs=r\nadmin a-1\npeer p-1\n"
-    tokens = auth.parse_token_file(text)
+    tokens = parse_token_file(text)
     assert tokens == {
         "r-1": Grant("read", Scope(("a/*",), ("a/*",))),
         "t-1": Grant("train", Scope(("r",), ("r",))),
         "a-1": "admin",
         "p-1": "peer",
     }
-    assert auth.parse_token_file("read r-1 jobs=a\nread r-1 jobs=a\n") == {
+    assert parse_token_file("read r-1 jobs=a\nread r-1 jobs=a\n") == {
         "r-1": Grant("read", Scope(("a",), ("a",)))
     }
     for bad, match in (
@@ -357,7 +358,7 @@ def test_token_lines_and_grants() -> None:
         ("train t jobs=a runs=b jobs=c\n", "twice"),
     ):
         with pytest.raises(ValueError, match=match):
-            auth.parse_token_file(bad, "f")
+            parse_token_file(bad, "f")
     # {token: role} as before; a scope as a token file writes it, or a Grant
     config = SecurityConfig(tokens={"x": "train", "y": "read jobs=a", "z": Grant("admin")})
     assert dict(config.tokens) == {"x": "train", "y": Grant("read", Scope(("a",), ("a",))),
