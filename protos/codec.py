@@ -35,6 +35,8 @@ __all__ = [
     "f32_to_bf16_bits",
     "serialize",
     "deserializer",
+    "read_varint",
+    "varint",
 ]
 
 H = TypeVar("H")
@@ -144,9 +146,13 @@ def encode_parts(header: Any, payload: Any = b"") -> tuple[list[Any], int]:
     return parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: Any, pos: int, end: int | None = None) -> tuple[int, int]:
+    """(the varint at ``buf[pos:]``, the position after it), reading no further than ``end``
+    (default: the end of ``buf``); DecodeError when it is cut short or longer than 64 bits."""
+    end = len(buf) if end is None else end
+    if pos < end and buf[pos] < 0x80:  # one byte: nearly every key and length
+        return buf[pos], pos + 1
     result = shift = 0
-    end = len(buf)
     while True:
         if pos >= end or shift > 63:
             raise DecodeError("truncated or overlong varint")
@@ -166,12 +172,12 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]
     pos, end = 0, len(buf)
     while pos < end:
         start = pos
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         field, wire = key >> 3, key & 7
         if field == 0 or field > 0x1FFFFFFF:
             raise DecodeError(f"field number {field} is outside 1..2**29-1")
         if wire == 0:
-            _, pos = _read_varint(buf, pos)
+            _, pos = read_varint(buf, pos)
             yield field, start, pos, None
             continue
         if wire in {1, 5}:
@@ -182,7 +188,7 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]
             continue
         if wire != 2:
             raise DecodeError(f"unsupported wire type {wire} for field {field}")
-        length, pos = _read_varint(buf, pos)
+        length, pos = read_varint(buf, pos)
         if pos + length > end:
             raise DecodeError(f"field {field} claims {length} bytes, {end - pos} remain")
         pos += length

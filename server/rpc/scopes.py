@@ -225,21 +225,6 @@ def _numbers(method: str, path: tuple[str, ...]) -> tuple[int, ...]:
 _NUMBERS = {m: _numbers(m, r.path) for m, r in ROUTES.items() if r.path}
 
 
-def _varint(buf: Any, pos: int, end: int) -> tuple[int, int]:
-    if pos < end and buf[pos] < 0x80:  # one byte: nearly every key and length
-        return buf[pos], pos + 1
-    value = shift = 0
-    while True:
-        if pos >= end or shift > 63:
-            raise codec.DecodeError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
-
-
 def _last(buf: Any, numbers: tuple[int, ...], budget: list[int]) -> Any:
     """The bytes of the string at field path ``numbers`` in the message ``buf`` as protobuf
     reads them: the last occurrence of the string wins, occurrences of a message on the way
@@ -251,13 +236,13 @@ def _last(buf: Any, numbers: tuple[int, ...], budget: list[int]) -> Any:
         budget[0] -= 1
         if budget[0] < 0:
             raise codec.DecodeError(f"more than {MAX_SCANNED_FIELDS:,} fields")
-        key, pos = _varint(buf, pos, end)
+        key, pos = codec.read_varint(buf, pos, end)
         wire = key & 7
         if wire == 0:
-            _, pos = _varint(buf, pos, end)
+            _, pos = codec.read_varint(buf, pos, end)
             continue
         if wire == 2:
-            length, pos = _varint(buf, pos, end)
+            length, pos = codec.read_varint(buf, pos, end)
             start, pos = pos, pos + length
             if pos > end:
                 raise codec.DecodeError(f"field {key >> 3} claims {length} bytes past the end")
