@@ -226,19 +226,22 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     if p is None or p.reduced or not p.chunks:
         return None
     pushed = {k // p.num_micro for k in p.chunks}  # never range(b.contributors): up to 2**32 - 1
-    arrived = [
-        c
-        for c in sorted(pushed)
-        if all(p.received(c * p.num_micro + m) >= b.slice_numel for m in range(p.num_micro))
+    complete = [
+        i
+        for i in sorted(pushed)
+        if all(p.received(i * p.num_micro + m) >= b.slice_numel for m in range(p.num_micro))
     ]
+    arrived = [p.contributor_of(i * p.num_micro) for i in complete]
+    # an elastic step waits for its members only (server/buffers/membership.py)
+    expected = range(b.contributors) if p.members is None else p.members
     return pb.PendingWork(
         run=b.job,
         kind="push_grad",
         seq=p.step,
         key=f"{b.job}/{b.name}",
-        expected=b.contributors,
+        expected=len(expected),
         arrived=arrived,
-        missing=_absent(range(b.contributors), set(arrived)),
+        missing=_absent(expected, set(arrived)),
         age_seconds=max(0.0, now - p.opened),
         bytes=p.staged_bytes,
     )

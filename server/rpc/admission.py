@@ -43,7 +43,7 @@ from paramshard.server.rpc.auth import SERVICE_NAME
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
-WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot"})
+WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot", "Join"})
 """Shard methods that may wait for other callers; PushGrad and Step wait too (for the initial
 values, for the other ranks' pushes) but are the trainers' own work and never refused."""
 
