@@ -93,6 +93,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         sets the whole model's before attaching."""
         self._pending: list[Future] = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
+        self._skip_reason = ""  # skip_step: this step is skipped everywhere, whatever its norm
         self._last_step: tuple[int, dict[str, StepArgs], bool] | None = None
         """The Step this rank sent last (step, arguments, skip): an elastic rank resends it to
         servers a failure left one step behind (strategies/data_parallel/elastic_checkpoints.py)."""
@@ -291,6 +292,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         # the same Step, applied or skipped, to all. Asking first also means no server moves
         # on while another still waits for a (restartable) dead rank's gradient.
         where = list(self._grad_check().nonfinite)
+        if self._skip_reason:
+            where.append(self._skip_reason)
         if self.agree_on_finite is not None:
             where = self.agree_on_finite(where)
         groups = self.optimizer.param_groups
@@ -307,7 +310,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             self.config.job, step, args, skip=bool(where), generation=self._generation()
         )
         self._step += 1
-        self._micro = 0
+        self._micro, self._skip_reason = 0, ""
         self._clip_coef, self._inv_scale, self._check = 1.0, 1.0, None
         self._invalidate()
         self._after_step()
@@ -317,12 +320,17 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
     def _after_step(self) -> None:
         """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
 
+    def skip_step(self, reason: str) -> None:
+        """The coming ``optimizer.step()`` is skipped on every server, as for a gradient that
+        is not finite (``reason`` says why; every rank of the step must call it alike)."""
+        self._skip_reason = reason
+
     def _adopt_step(self, step: int) -> None:
         """Continues at the servers' ``step`` (elastic: a later step joined, or the step the
         servers came back to): drops what this rank held of its own step."""
         self._abandon_local()
         self._step, self._micro, self._clip_coef, self._inv_scale = step, 0, 1.0, 1.0
-        self._check, self._members = None, None
+        self._check, self._members, self._skip_reason = None, None, ""
         self._invalidate()
         self._after_load()
 
