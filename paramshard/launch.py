@@ -34,6 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paramshard import elastic
 from paramshard.client.run_id import run_id_from_env
 from paramshard.commands import (
     EXIT_USAGE,
@@ -192,6 +193,21 @@ def read_token(path: str | None) -> str | None:
         " FSDP, whose state is on the servers (a DDP or 3D rank's failure still stops the job;"
         " default: %(default)s)",
     ),
+    arg(
+        "--elastic",
+        action="store_true",
+        help="elastic data parallelism (ZeRO-1/2, FSDP; docs/elastic.md): ranks may leave and"
+        " join between steps; a rank that fails for good leaves and the others train on"
+        " (PARAMSHARD_ELASTIC=1); --nproc is then the most ranks",
+    ),
+    arg(
+        "--min-nproc",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="with --elastic: a step trains with at least M ranks; below that the ranks wait,"
+        " bounded, then fail naming who is there (PARAMSHARD_MIN_NPROC; default: 1)",
+    ),
     arg("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"),
     arg("script", metavar="SCRIPT", help="the training script (or module with -m)"),
     arg("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments"),
@@ -223,6 +239,7 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError(f"no such script: {args.script}", EXIT_USAGE)
     token = read_token(args.token_file)
     world_size = args.nnodes * args.nproc
+    elastic.check(args, world_size)
     ranks_config = config_env(args.config)
     logs = RankLogs.create(args.log_dir, run_id)
     if args.redirects and logs is None:
@@ -231,7 +248,13 @@ def launch(args: argparse.Namespace) -> int:
 
     from paramshard.server.app import MALLOC_ENV
 
-    base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
+    base = {
+        **MALLOC_ENV,
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **ranks_config,
+        **elastic.elastic_env(args),
+    }
     restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
@@ -287,7 +310,10 @@ def launch(args: argparse.Namespace) -> int:
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
             watch(server, events)
-        return supervise(ranks, servers, events, received, args.grace, restarts, start_rank)
+        departures = elastic.Departures() if args.elastic else None
+        return supervise(
+            ranks, servers, events, received, args.grace, restarts, start_rank, departures
+        )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")
         return 128 + exc.signum

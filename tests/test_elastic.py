@@ -260,3 +260,40 @@ def test_ddp_and_3d_refuse_to_be_elastic() -> None:
             HybridShardedModel(net(INIT), config, 2, 1, 1)
     finally:
         client.close()
+
+
+def local_rank(config: ShardingConfiguration) -> dict[str, torch.Tensor]:
+    """A ``LocalCluster`` rank: rank 1 raises in step 3 (it leaves: the others redo it)."""
+    x, y = data(3)
+    model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+    opt = FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+    def train_step(s: int) -> float:
+        part = model.batch_part(BATCH)
+        if config.rank == 1 and s == 3:
+            raise ValueError("rank 1's data loader broke")
+        loss = torch.nn.functional.mse_loss(model(x[s, part]), y[s, part])
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    train_with_recovery(model, train_step, STEPS, checkpoint_every=0, scheduler=sched)
+    return model.state_dict()
+
+
+@pytest.mark.equivalence
+def test_local_cluster_rank_that_raises_leaves_and_the_others_train_on() -> None:
+    from paramshard import LocalCluster, RankLeft
+
+    x, y = data(3)
+    want = single_process(x, y)
+    with LocalCluster(3, servers=2, elastic=True, min_world_size=2, timeout_s=60) as cluster:
+        results = cluster.run(local_rank)
+    left = results[1]
+    assert isinstance(left, RankLeft) and left.rank == 1
+    assert "data loader broke" in str(left.error)
+    for r in (0, 2):
+        assert_equivalent(results[r], want, f"LocalCluster rank {r} vs one process")

@@ -68,6 +68,12 @@ class ElasticSteps:
         return self.membership is not None
 
     @property
+    def joined(self) -> StepMembers | None:
+        """The members of the step this rank joined last (the step it trains, or after
+        ``optimizer.step()`` the one it trained); None before it joined one or unless elastic."""
+        return self._members
+
+    @property
     def step_members(self) -> tuple[int, ...]:
         """The ranks training the current step (all ranks unless elastic)."""
         if not self.elastic:
