@@ -89,6 +89,9 @@ class Membership:
         self.run = client.__dict__.get("_base_run_id", client.run_id)
         self.known: tuple[int, ...] = tuple(range(client.world_size))
         self.left = False
+        self.training: int | None = None
+        """The step this rank began training (its batch part taken, a forward or a push made),
+        until it is applied: leaving then makes the others redo it (``leave``)."""
         _registry.add(self)
 
     def _request(self, **kw: Any) -> pb.JoinRequest:
@@ -158,8 +161,8 @@ class Membership:
         self.client.call(0, "Join", self._request(recovery=True, done=True))
 
     def leave(self, reason: str = "") -> bool:
-        """Protocol step 6, best effort: says goodbye; when this rank was a member of a step
-        not applied yet, ends its epoch so the others redo that step. Whether it was."""
+        """Protocol step 6, best effort: says goodbye; when this rank began training a step
+        not applied yet, ends its epoch so the others redo that step. Whether it did."""
         if self.left:
             return False
         self.left = True
@@ -167,12 +170,12 @@ class Membership:
             reply = self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - the coordinator is gone: its leases will tell
             return False
-        if reply.in_flight:
+        if reply.in_flight and self.training is not None:
             why = f": {reason}" if reason else ""
             self.client.run_state.give_up(
                 f"run '{self.run}': rank {self.client.rank} left job '{self.job}'{why}"
             )
-        return reply.in_flight
+        return reply.in_flight and self.training is not None
 
     def _adopt_epoch(self, epoch: int) -> None:
         if epoch > self.client.run_state.epoch:

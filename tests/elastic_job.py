@@ -1,13 +1,14 @@
 """One rank of an elastic float64 FSDP job, as a script, and the single-process run it must equal.
 
-    python tests/elastic_job.py STEPS OUT [--die RANK:STEP[:LIFE] ...] [--after-backward]
+    python tests/elastic_job.py STEPS OUT [--die RANK:STEP[:LIFE[:after]] ...]
 
 Run by ``paramshard launch --elastic`` (tests/test_elastic_launch.py) or started by hand with
 RANK, WORLD_SIZE and PARAMSHARD_* set (the chaos test). Each step's global batch is a function
 of the step, each rank trains its ``model.batch_part`` of it through ``train_with_recovery``
-(AdamW, clipping at 1.0, an LR schedule by the global step). ``--die R:S[:L]`` makes rank R
-SIGKILL itself in step S of its life L (default 0: its first process), before its backward, or
-after it with ``--after-backward`` (its gradients are then on the servers). Every rank that
+(AdamW, clipping at 1.0, an LR schedule by the global step). ``--die R:S[:L[:after]]`` makes
+rank R SIGKILL itself in step S of its life L (default 0: its first process; ``LIFE`` in the
+environment counts lives a launcher does not), before its backward, or after it with
+``after`` (its gradients are then on the servers). Every rank that
 finishes writes its final parameters to OUT.rank<R>.pt, and the lowest finishing rank the
 coordinator's membership record to OUT.membership.json.
 """
@@ -75,16 +76,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("steps", type=int)
     p.add_argument("out")
     p.add_argument("--die", action="append", default=[])
-    p.add_argument("--after-backward", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = ShardingConfiguration.from_env(job="elastic", timeout_s=120.0, join_window_s=30.0)
     rank, life = config.rank, restarts.restart_count() + int(os.environ.get("LIFE", "0"))
     deaths = {}
     for spec in args.die:
-        r, s, *lf = map(int, spec.split(":"))
-        deaths[(r, lf[0] if lf else 0)] = s
-    die_at = deaths.get((rank, life))
+        r, s, lf, when = (spec.split(":") + ["0", "before"])[:4]
+        deaths[(int(r), int(lf))] = (int(s), when == "after")
+    die_at, after = deaths.get((rank, life), (None, False))
     model = FSDPModel(net(), config, wrap=(torch.nn.Linear,))
     opt = FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
@@ -93,7 +93,7 @@ def main(argv: list[str]) -> int:
     def train_step(s: int) -> float:
         x, y = batch(s)
         part = model.batch_part(BATCH)
-        if s == die_at and not args.after_backward:
+        if s == die_at and not after:
             print(f"KILL at step {s}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         loss = torch.nn.functional.mse_loss(model(x[part]), y[part])

@@ -202,3 +202,23 @@ def test_bad_requests_are_refused_and_jobs_are_bounded(table) -> None:
     assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert t.drop("a") and not t.drop("a")
     join(t, 0, job="c")
+
+
+def test_a_step_whose_members_are_all_gone_is_taken_by_whoever_comes(table) -> None:
+    """The job's ranks finished or died while a rank waited for the next step: it is sent
+    back to the servers' step, which it reopens and trains alone (a round is never decided
+    ahead of the servers)."""
+    t, leases, _, versions = table
+    leases.live = {0, 1}
+    join(t, 0, known=[0, 1])
+    assert join(t, 1, known=[0, 1]).decided  # step 0: ranks 0 and 1
+    waiting = join(t, 3, step=1)  # a new rank, for step 1: parked
+    assert not waiting.decided
+    leases.live = {3}  # ranks 0 and 1 die in step 0
+    sent_back = join(t, 3, step=1)
+    assert sent_back.decided and not sent_back.member and sent_back.next_step == 0
+    reply = join(t, 3, step=0)  # not a member, but nobody is left: generation 1, alone
+    assert reply.decided and reply.member and list(reply.members) == [3]
+    assert reply.generation == 1
+    versions["j"] = 1
+    assert join(t, 3, step=1).decided

@@ -34,14 +34,18 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    move to a newer epoch and Join ``s`` again. A member that Joins decided round ``s`` in an
    epoch above the round's (the round's collectives were aborted), while this server has not
    applied ``s``, reopens it as generation ``g + 1``, expecting its members but the ones gone
-   (step 2). Pushes of generation ``g + 1`` discard what a server accumulated for ``g``; pushes,
-   GradNorms and Steps of ``g`` are refused from then on (FAILED_PRECONDITION), so a member that
-   missed the abort redoes the step too. Non-members and members in the round's own epoch only
-   read the decision.
+   (step 2); so does any Join when every member of ``s`` is gone. Pushes of generation
+   ``g + 1`` discard what a server accumulated for ``g``; pushes, GradNorms and Steps of ``g``
+   are refused from then on (FAILED_PRECONDITION), so a member that missed the abort redoes the
+   step too. Non-members and members in the round's own epoch only read the decision. A round
+   is never decided before the step before it was applied here; a rank waiting for it while
+   every member of the servers' step is gone is sent to that step instead.
 6. **Leave.** A rank that ends (normally, or a ``LocalCluster`` rank that raised) sends
    ``Join(leave=True)``: it is dropped from rounds not decided and recorded; the reply's
-   ``in_flight`` says whether it was a member of a step not applied yet, in which case the rank
-   ends its epoch (``RunState.give_up``) so the others redo that step without it (step 5).
+   ``in_flight`` says whether it was a member of a step not applied yet. A rank that had begun
+   training that step (its batch part taken, a forward or a push made) then ends its epoch
+   (``RunState.give_up``), so the others redo the step without it (step 5); one that only
+   joined it (a rank that came as the job ended) ends nothing.
 7. **Recover.** After a server was lost and came back, the ranks that find the job's servers
    inconsistent Join a *recovery round* named by their new epoch (``recovery=True``), decided as
    in step 2. Its lowest live member restores the job (neighbour replicas or the newest
@@ -227,15 +231,25 @@ class MembershipTable:
             while len(job.rounds) > KEPT_ROUNDS:
                 del job.rounds[min(job.rounds)]
         alive = self._alive(job)
+        ahead = version is not None and s > version  # step s-1 is not applied here yet
+        if ahead:
+            current = job.rounds.get(version)
+            if current is not None and current.decided and not any(map(alive, current.members)):
+                # nobody is left to finish the servers' step: join that one instead
+                reply = pb.JoinReply(decided=True, step=s, next_step=version, epoch=job.epoch)
+                return reply, True
         if rnd.decided:
             applied = version is not None and version > s
-            if applied or req.rank not in rnd.members or req.epoch <= rnd.epoch:
+            orphaned = not applied and not any(map(alive, rnd.members))
+            back = req.rank in rnd.members and req.epoch > rnd.epoch
+            if applied or not (orphaned or back):
                 return self._decided_reply(job, rnd, req.rank), True
-            # A member back in a newer epoch: the round's epoch was aborted (step 5)
+            # a member back in a newer epoch (the round's epoch was aborted), or a step whose
+            # members are all gone: its ranks start it again (step 5)
             self._revise(job, rnd, [m for m in rnd.members if not alive(m)])
         self._announce(rnd, req)
-        if not self._decide(job, rnd, alive, step=True):
-            return None, False
+        if ahead or not self._decide(job, rnd, alive, step=True):
+            return None, False  # a round is decided once the step before it was applied
         return self._decided_reply(job, rnd, req.rank), True
 
     def _recovery(self, job: _Job, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:

@@ -98,6 +98,8 @@ class ServerCheckpoints(ElasticCheckpoints):
                 pass
         self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
         self._members = None  # elastic: the step is joined again (its members may change)
+        if self.membership is not None:
+            self.membership.training = None
         self._skip_reason = ""
         self._invalidate()
         self._abandon_local()

@@ -120,6 +120,7 @@ class ElasticSteps:
             return slice(lo, hi)
         part = members.part(self.client.rank, global_batch_size)
         self._global_batch = global_batch_size
+        self._begin_training()
         return part
 
     def micro_batch_parts(self, global_batch_size: int) -> list[slice]:
@@ -175,6 +176,11 @@ class ElasticSteps:
         if self.membership is not None:
             self.membership.leave(reason)
 
+    def _begin_training(self) -> None:
+        """This rank trains the step it joined: leaving now makes the others redo it."""
+        if self.membership is not None:
+            self.membership.training = self._step
+
     def _push_membership(self) -> pb.StepMembership | None:
         """What this step's pushes carry (None unless elastic)."""
         if self.membership is None:
@@ -186,6 +192,7 @@ class ElasticSteps:
                 f" step {self._step} without having joined it; call model.batch_part(B) (or a"
                 " forward with gradients) first"
             )
+        self._begin_training()
         return m.to_pb(self._global_batch)
 
     def _generation(self) -> int | None:

@@ -311,6 +311,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         )
         self._step += 1
         self._micro, self._skip_reason = 0, ""
+        if self.membership is not None:
+            self.membership.training = None
         self._clip_coef, self._inv_scale, self._check = 1.0, 1.0, None
         self._invalidate()
         self._after_step()
@@ -337,6 +339,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.registered and torch.is_grad_enabled():
             self.join_step()  # elastic: a step is trained by its members only
+            self._begin_training()
         return super().forward(*args, **kwargs)
 
     def get_model_metadata(self) -> dict[str, Any]:
