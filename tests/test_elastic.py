@@ -297,3 +297,30 @@ def test_local_cluster_rank_that_raises_leaves_and_the_others_train_on() -> None
     assert "data loader broke" in str(left.error)
     for r in (0, 2):
         assert_equivalent(results[r], want, f"LocalCluster rank {r} vs one process")
+
+
+def test_elastic_settings_from_the_environment_and_config_files(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("PARAMSHARD_SERVERS", "127.0.0.1:1")  # never called
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("PARAMSHARD_ELASTIC", "1")
+    config = ShardingConfiguration.from_env(job="e")
+    assert config.elastic and config.min_world_size == 1
+    config.client.close()
+    path = tmp_path / "sharding.toml"
+    path.write_text("elastic = false\njoin_window_s = 2.5\n")
+    monkeypatch.setenv("PARAMSHARD_CONFIG", str(path))
+    config = ShardingConfiguration.from_env(job="e")  # the launcher's variable wins the file
+    assert config.elastic and config.join_window_s == 2.5
+    config.client.close()
+    monkeypatch.setenv("PARAMSHARD_ELASTIC", "yes")
+    with pytest.raises(ValueError, match="PARAMSHARD_ELASTIC must be 0 or 1, got 'yes'"):
+        ShardingConfiguration.from_env(job="e")
+    monkeypatch.setenv("PARAMSHARD_ELASTIC", "1")
+    monkeypatch.setenv("PARAMSHARD_MIN_NPROC", "2")
+    with pytest.raises(ValueError, match="min_world_size 2 is more than the world size 1"):
+        ShardingConfiguration.from_env(job="e")
+    path.write_text("join_window_s = 0\n")
+    monkeypatch.delenv("PARAMSHARD_MIN_NPROC")
+    with pytest.raises(ValueError, match="join_window_s must be a positive finite number"):
+        ShardingConfiguration.from_env(job="e")

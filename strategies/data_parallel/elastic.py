@@ -158,16 +158,18 @@ class ElasticSteps:
             self._groups = {key: group}
         return group
 
-    def batch_mean(self, value: float) -> float:
-        """The mean over the step's global batch of a per-rank mean ``value`` (a loss over
-        this rank's ``batch_part``): the members' values weighted by their rows. Without
-        ``batch_part`` (or not elastic) the plain mean over the step's ranks."""
+    def batch_mean(self, value: float, global_batch_size: int | None = None) -> float:
+        """The mean over a global batch of a per-rank mean ``value`` (a loss over this rank's
+        part of it): the step's members' values weighted by their rows. The batch is the
+        step's (``batch_part``'s) unless ``global_batch_size`` names another one cut the same
+        way among the same members (a validation set); with neither (or not elastic), the
+        plain mean over the step's ranks."""
         group = self.step_group()
-        members = self._members
+        members, size = self._members, global_batch_size or self._global_batch
         weight = 1.0 / group.world_size
-        if members is not None and self._global_batch:
-            part = members.part(self.client.rank, self._global_batch)
-            weight = (part.stop - part.start) / self._global_batch
+        if members is not None and size:
+            part = members.part(self.client.rank, size)
+            weight = (part.stop - part.start) / size
         out = group.all_reduce(torch.tensor([value * weight], dtype=torch.float64), "sum")
         return float(out[0])
 
