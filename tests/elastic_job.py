@@ -7,7 +7,8 @@ RANK, WORLD_SIZE and PARAMSHARD_* set (the chaos test). Each step's global batch
 of the step, each rank trains its ``model.batch_part`` of it through ``train_with_recovery``
 (AdamW, clipping at 1.0, an LR schedule by the global step). ``--die R:S[:L[:after]]`` makes
 rank R SIGKILL itself in step S of its life L (default 0: its first process; ``LIFE`` in the
-environment counts lives a launcher does not), before its backward, or after it with
+environment counts lives a launcher does not, torchrun's ``TORCHELASTIC_RESTART_COUNT`` the
+group's restarts), before its backward, or after it with
 ``after`` (its gradients are then on the servers). Every rank that
 finishes writes its final parameters to OUT.rank<R>.pt, and the lowest finishing rank the
 coordinator's membership record to OUT.membership.json.
@@ -79,7 +80,8 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = ShardingConfiguration.from_env(job="elastic", timeout_s=120.0, join_window_s=30.0)
-    rank, life = config.rank, restarts.restart_count() + int(os.environ.get("LIFE", "0"))
+    lives = (os.environ.get(name, "0") for name in ("LIFE", "TORCHELASTIC_RESTART_COUNT"))
+    rank, life = config.rank, restarts.restart_count() + sum(map(int, lives))
     deaths = {}
     for spec in args.die:
         r, s, lf, when = (spec.split(":") + ["0", "before"])[:4]

@@ -26,6 +26,7 @@ from paramshard.client.membership import MembershipError
 from paramshard.strategies import (
     FSDPModel,
     FSDPOptimizer,
+    ShardedGradScaler,
     ShardingConfiguration,
     ZeRO2Model,
     ZeRO2Optimizer,
@@ -70,15 +71,19 @@ def schedule(step: int) -> float:
     return 1.0 / (1 + step)  # LambdaLR's factor: a decay by the global step
 
 
-def single_process(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    """AdamW with the LR schedule, clipping at 1.0, the whole global batch of every step."""
+def single_process(
+    x: torch.Tensor, y: torch.Tensor, skipped: tuple[int, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """AdamW with the LR schedule, clipping at 1.0, the whole global batch of every step;
+    the ``skipped`` steps update nothing (their schedule still moves on)."""
     model = net(INIT)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     for s in range(STEPS):
         torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if s not in skipped:
+            opt.step()
         opt.zero_grad()
         sched.step()
     return model.state_dict()
@@ -94,8 +99,10 @@ class Job:
     dies: dict[int, int] = field(default_factory=dict)  # rank -> step it dies at (no goodbye)
     leaves: dict[int, int] = field(default_factory=dict)  # rank -> step it raises at
     accumulation: int = 1
+    scaler: bool = False  # ShardedGradScaler: scales that grow every 3 steps
     run: str = "elastic"
     results: dict[int, tuple[dict, object]] = field(default_factory=dict)
+    scales: dict[int, list[float]] = field(default_factory=dict)  # each rank's, after each step
     threads: dict[int, threading.Thread] = field(default_factory=dict)
     coordinator: ShardClient | None = None
 
@@ -129,6 +136,7 @@ def rank_body(job: Job, r: int, x: torch.Tensor, y: torch.Tensor) -> None:
         model = ZeRO2Model(net(INIT), config)
         opt = ZeRO2Optimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    scaler = ShardedGradScaler(init_scale=2.0**10, growth_interval=3, enabled=job.scaler)
 
     def train_step(s: int) -> float:
         for later, at in job.starts.items():  # the others let a joining rank in at its step
@@ -143,11 +151,14 @@ def rank_body(job: Job, r: int, x: torch.Tensor, y: torch.Tensor) -> None:
         loss = 0.0
         for part in model.micro_batch_parts(BATCH):
             out = torch.nn.functional.mse_loss(model(x[s, part]), y[s, part])
-            out.backward()
+            scaler.scale(out).backward()
             loss += out.item()
+        scaler.unscale_(opt)
         model.clip_grad_norm_(1.0)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad()
+        job.scales.setdefault(r, []).append(scaler.get_scale())
         return loss
 
     try:
@@ -324,3 +335,20 @@ def test_elastic_settings_from_the_environment_and_config_files(tmp_path, monkey
     monkeypatch.delenv("PARAMSHARD_MIN_NPROC")
     with pytest.raises(ValueError, match="join_window_s must be a positive finite number"):
         ShardingConfiguration.from_env(job="e")
+
+
+@pytest.mark.equivalence
+def test_loss_scaling_a_joining_rank_costs_one_skipped_step(servers) -> None:
+    """Rank 2 joins at step 4 with a fresh scaler (2**10) while the others grew to 2**11:
+    step 4 is skipped everywhere, as for an overflow, every rank takes the others' state and
+    backs off, and the scales agree from then on."""
+    x, y = data(5)
+    want = single_process(x, y, skipped=(4,))
+    addresses = [s.address for s in servers(2)]
+    job = run(Job(addresses, "fsdp", starts={0: 0, 1: 0, 2: 4}, scaler=True), x, y)
+    assert sorted(job.results) == [0, 1, 2]
+    for r, (state, _) in job.results.items():
+        assert_equivalent(state, want, f"loss scaling, rank {r} vs one process")
+    assert job.scales[0][3] == 2.0**11 and job.scales[2][0] == 2.0**10  # after the skip
+    assert job.scales[0][4:] == job.scales[1][4:] == job.scales[2]
+    assert job.results[0][1].losses.keys() == set(range(STEPS))

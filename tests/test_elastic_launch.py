@@ -11,6 +11,7 @@ the others train on, and the servers drop it from the step it died in.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -82,3 +83,34 @@ def test_min_nproc_needs_elastic_and_fits_the_world() -> None:
     assert run.returncode == 2 and "--min-nproc needs --elastic" in run.stderr
     run = launch("--nproc", "2", "--elastic", "--min-nproc", "3", JOB, 1, "x", timeout=60)
     assert run.returncode == 2 and "--min-nproc 3 is more than the job's 2 ranks" in run.stderr
+
+
+def test_torchrun_against_running_servers(servers, tmp_path: Path) -> None:  # noqa: ANN001
+    """torchrun restarts its whole group when rank 2 dies in step 4 (``--max-restarts 1``): the
+    new processes join the elastic job at the servers' step, as a resumed job does, and the
+    job ends equal to single-process training."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PARAMSHARD_", "TORCHELASTIC_"))
+    }
+    env.update(
+        PARAMSHARD_SERVERS=",".join(s.address for s in servers(2)),
+        PARAMSHARD_ELASTIC="1",
+        PARAMSHARD_MIN_NPROC="2",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        OMP_NUM_THREADS="1",
+    )
+    out = tmp_path / "tr"
+    run = subprocess.run(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "3", "--max-restarts", "1", str(JOB), str(STEPS), str(out), "--die", "2:4",
+        ],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        stdin=subprocess.DEVNULL, check=False,
+    )  # fmt: skip
+    said = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 0, said
+    assert len(re.findall(r"START \d+ life 1", run.stdout + run.stderr)) == 3, said
+    want = single_process(STEPS)
+    for r in range(3):
+        assert_equivalent(torch.load(f"{out}.rank{r}.pt"), want, f"torchrun rank {r}")
