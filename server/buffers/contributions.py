@@ -8,7 +8,7 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server.buffers.membership import elastic_pending
+from paramshard.server.buffers.membership import check_membership, elastic_pending
 from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
@@ -73,6 +73,12 @@ class Contributions(SliceState):
         if h.num_micro == 0 or h.micro >= h.num_micro:
             raise ShardError.invalid(
                 f"{self.label}: micro-batch {h.micro} of num_micro={h.num_micro} is out of range"
+            )
+        if h.HasField("membership"):
+            check_membership(self.label, self.contributors, h)
+        elif h.contributor >= self.contributors:
+            raise ShardError.invalid(
+                f"{self.label}: contributor {h.contributor} is outside 0..{self.contributors - 1}"
             )
         with self.cond:
             if h.step < self.version:
@@ -146,13 +152,12 @@ class Contributions(SliceState):
         """The pending step push ``h`` adds to, and whether it replaces the current one (an
         elastic step's older membership generation). Checks only."""
         if h.HasField("membership"):
-            return elastic_pending(self.label, self.contributors, self.pending, h)
+            return elastic_pending(self.label, self.pending, h)
         if self.pending is not None and self.pending.members is not None:
             raise ShardError.precondition(
                 f"{self.label}: step {h.step} accumulates the pushes of an elastic membership;"
                 f" a push of rank {h.contributor} without one cannot join it"
             )
-
         return self.pending or PendingStep(h.step, h.num_micro), False
 
     @staticmethod

@@ -20,7 +20,7 @@ from paramshard.protos import slicing
 from paramshard.server.buffers.slice_state import PendingStep
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["check_generation", "elastic_pending", "weights"]
+__all__ = ["check_generation", "check_membership", "elastic_pending", "weights"]
 
 
 def weights(members: int, num_micro: int, global_batch: int) -> list[float]:
@@ -36,14 +36,8 @@ def weights(members: int, num_micro: int, global_batch: int) -> list[float]:
     return out
 
 
-def elastic_pending(
-    label: str,
-    contributors: int,
-    current: PendingStep | None,
-    h: pb.PushGradHeader,
-) -> tuple[PendingStep, bool]:
-    """(the pending step push ``h`` adds to, whether it replaces ``current``: an older
-    generation's). Checks only: nothing changes here."""
+def check_membership(label: str, contributors: int, h: pb.PushGradHeader) -> None:
+    """The checks of push ``h``'s membership that need nothing but the request."""
     m = h.membership
     members = tuple(m.members)
     if not members or any(b <= a for a, b in zip(members, members[1:], strict=False)):
@@ -66,6 +60,15 @@ def elastic_pending(
             f"{label}: a global batch of {m.global_batch} rows cannot give each of"
             f" {len(members)} members {h.num_micro} micro-batch(es) of at least one row"
         )
+
+
+def elastic_pending(
+    label: str, current: PendingStep | None, h: pb.PushGradHeader
+) -> tuple[PendingStep, bool]:
+    """(the pending step push ``h`` adds to, whether it replaces ``current``: an older
+    generation's). Checks only (after ``check_membership``): nothing changes here."""
+    m = h.membership
+    members = tuple(m.members)
     if current is not None and current.members is None:
         raise ShardError.precondition(
             f"{label}: step {h.step} accumulates pushes without membership; an elastic push"

@@ -54,6 +54,8 @@ class ServerCheckpoints(ElasticCheckpoints):
         Every rank calls it at the same point; returns the step to continue from."""
         from paramshard.client import tools
 
+        if self.membership is not None:  # the facts decide, a recovery round if they must
+            return self.resync(self.client.run_state.epoch, self.config.join_window_s)
         self._ensure_idle()
         self.client.barrier()  # every rank has dropped its half-done step
         if self.rank == 0:
