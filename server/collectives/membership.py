@@ -61,12 +61,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.rounds import (
+    KEPT_ROUNDS,
+    ElasticJob,
+    Round,
+    check_request,
+    status_row,
+)
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["MembershipTable"]
@@ -76,52 +81,12 @@ POLL_S = 2.0
 again), so a waiting rank holds a server thread only briefly and sees its own notices."""
 CHECK_S = 0.1
 """How often a waiting Join looks at the leases again (lapses are not signalled)."""
-KEPT_ROUNDS = 64
-KEPT_EVENTS = 64
-MAX_WORLD = 65536
-MAX_NAME = 256
-MAX_WINDOW_MS = 3_600_000
 
 
 class _Liveness(Protocol):
     """What the table needs of the lease table: which ranks of a run hold a live lease here."""
 
     def live_ranks(self, run: str) -> set[int] | None: ...
-
-
-@dataclass
-class _Round:
-    key: int  # the step, or for a recovery round the epoch
-    expected: set[int]
-    min_members: int
-    window_s: float
-    before: set[int]  # the members it follows (history: who joined, who left)
-    announced: dict[int, int] = field(default_factory=dict)  # rank -> its epoch
-    window_start: float | None = None
-    decided: bool = False
-    generation: int = 0
-    members: tuple[int, ...] = ()
-    epoch: int = 0
-    done: bool = False  # recovery rounds
-    below_min: bool = False  # all there, but fewer than min_members
-
-
-@dataclass
-class _Job:
-    run: str
-    world_size: int
-    touched: float
-    rounds: dict[int, _Round] = field(default_factory=dict)
-    recoveries: dict[int, _Round] = field(default_factory=dict)
-    last: _Round | None = None  # the newest step round decided
-    seen_live: set[int] = field(default_factory=set)
-    left: set[int] = field(default_factory=set)
-    epoch: int = 0
-    joins: int = 0
-    leaves: int = 0
-    revisions: int = 0
-    steps_by_size: Counter = field(default_factory=Counter)
-    history: deque = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
 
 
 class MembershipTable:
@@ -142,11 +107,11 @@ class MembershipTable:
         self.forget_s, self.max_jobs = forget_s, max_jobs
         self.clock, self.wall = clock, wall
         self._cond = threading.Condition()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, ElasticJob] = {}
 
     # -- the RPC ---------------------------------------------------------------------------
     def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
-        _check(req)
+        check_request(req)
         deadline = self.clock() + max(0.0, min(timeout, POLL_S))
         with self._cond:
             job = self._job_for(req)
@@ -178,10 +143,10 @@ class MembershipTable:
     def status(self) -> list[pb.JobMembership]:
         """One row per job: its newest decided step, counts and history (Status, metrics)."""
         with self._cond:
-            return [_status_row(name, job) for name, job in sorted(self._jobs.items())]
+            return [status_row(name, job) for name, job in sorted(self._jobs.items())]
 
     # -- rounds (caller holds the lock) -----------------------------------------------------
-    def _job_for(self, req: pb.JoinRequest) -> _Job:
+    def _job_for(self, req: pb.JoinRequest) -> ElasticJob:
         now = self.clock()
         job = self._jobs.get(req.job)
         if job is not None and (job.run, job.world_size) != (req.run, req.world_size):
@@ -189,7 +154,7 @@ class MembershipTable:
                 raise ShardError.precondition(
                     f"Join: job '{req.job}' is trained by run '{job.run}' here, not '{req.run}'"
                 )
-            fresh = _Job(req.run, req.world_size, now, history=job.history)  # a new run
+            fresh = ElasticJob(req.run, req.world_size, now, history=job.history)  # a new run
             job = self._jobs[req.job] = fresh
         if job is None:
             if len(self._jobs) >= self.max_jobs:
@@ -197,11 +162,11 @@ class MembershipTable:
                     f"Join: this server coordinates {len(self._jobs)} elastic jobs, its limit;"
                     f" job '{req.job}' was not added"
                 )
-            job = self._jobs[req.job] = _Job(req.run, req.world_size, now)
+            job = self._jobs[req.job] = ElasticJob(req.run, req.world_size, now)
         job.touched = now
         return job
 
-    def _alive(self, job: _Job) -> Callable[[int], bool]:
+    def _alive(self, job: ElasticJob) -> Callable[[int], bool]:
         """Whether a rank counts as alive: not left, and holding a live lease here unless it
         never held one (a coordinator that restarted knows no leases yet)."""
         live = self.liveness.live_ranks(job.run)
@@ -209,12 +174,14 @@ class MembershipTable:
             job.seen_live |= live
         return lambda r: r not in job.left and (live is None or r in live or r not in job.seen_live)
 
-    def _open(self, job: _Job, key: int, req: pb.JoinRequest, previous: _Round | None) -> _Round:
+    def _open(
+        self, job: ElasticJob, key: int, req: pb.JoinRequest, previous: Round | None
+    ) -> Round:
         before = set(previous.members) if previous is not None else set()
         expected = before or set(req.known_members)
-        return _Round(key, expected, max(1, req.min_members), req.window_ms / 1000, before=before)
+        return Round(key, expected, max(1, req.min_members), req.window_ms / 1000, before=before)
 
-    def _step(self, job: _Job, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:
+    def _step(self, job: ElasticJob, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:
         """Steps 1-3 and 5 for a step round: (the reply, whether it is final)."""
         s, version = req.step, self.version_of(req.job)
         if version is not None and s < version:
@@ -252,7 +219,7 @@ class MembershipTable:
             return None, False  # a round is decided once the step before it was applied
         return self._decided_reply(job, rnd, req.rank), True
 
-    def _recovery(self, job: _Job, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:
+    def _recovery(self, job: ElasticJob, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:
         """Step 7: (the reply, whether it is final: the round is done, or this rank leads)."""
         rnd = job.recoveries.get(req.epoch)
         if rnd is None:
@@ -281,14 +248,16 @@ class MembershipTable:
         )
         return reply, rnd.done or live[0] == req.rank
 
-    def _announce(self, rnd: _Round, req: pb.JoinRequest) -> None:
+    def _announce(self, rnd: Round, req: pb.JoinRequest) -> None:
         if req.rank not in rnd.announced:
             self._cond.notify_all()
         rnd.announced[req.rank] = max(req.epoch, rnd.announced.get(req.rank, 0))
         rnd.min_members = max(rnd.min_members, req.min_members)
         rnd.window_s = max(rnd.window_s, req.window_ms / 1000)
 
-    def _decide(self, job: _Job, rnd: _Round, alive: Callable[[int], bool], step: bool) -> bool:
+    def _decide(
+        self, job: ElasticJob, rnd: Round, alive: Callable[[int], bool], step: bool
+    ) -> bool:
         """Decides ``rnd`` when its rule says so (step 2); whether it is decided."""
         if rnd.decided:
             return True
@@ -309,7 +278,7 @@ class MembershipTable:
         self._cond.notify_all()
         return True
 
-    def _revise(self, job: _Job, rnd: _Round, gone: list[int]) -> None:
+    def _revise(self, job: ElasticJob, rnd: Round, gone: list[int]) -> None:
         """Reopens decided round ``rnd`` as generation g + 1, expecting its members but the
         ``gone`` ones (step 5)."""
         job.revisions += 1
@@ -321,7 +290,7 @@ class MembershipTable:
         rnd.generation += 1
         rnd.decided, rnd.members, rnd.announced, rnd.window_start = False, (), {}, None
 
-    def _record(self, job: _Job, rnd: _Round, alive: Callable[[int], bool]) -> None:
+    def _record(self, job: ElasticJob, rnd: Round, alive: Callable[[int], bool]) -> None:
         """History and counts of a step round just decided."""
         for r in sorted(set(rnd.members) - rnd.before):
             job.joins += 1
@@ -334,14 +303,14 @@ class MembershipTable:
         if job.last is None or rnd.key >= job.last.key:
             job.last = rnd
 
-    def _event(self, job: _Job, step: int, kind: str, rank: int, generation: int) -> None:
+    def _event(self, job: ElasticJob, step: int, kind: str, rank: int, generation: int) -> None:
         job.history.append(
             pb.MembershipEvent(
                 step=step, kind=kind, rank=rank, unix=self.wall(), generation=generation
             )
         )
 
-    def _decided_reply(self, job: _Job, rnd: _Round, rank: int) -> pb.JoinReply:
+    def _decided_reply(self, job: ElasticJob, rnd: Round, rank: int) -> pb.JoinReply:
         member = rank in rnd.members
         return pb.JoinReply(
             decided=True,
@@ -354,7 +323,7 @@ class MembershipTable:
             leader=rnd.members[0],
         )
 
-    def _undecided(self, job: _Job, req: pb.JoinRequest) -> pb.JoinReply:
+    def _undecided(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
         rnd = (job.recoveries if req.recovery else job.rounds).get(
             req.epoch if req.recovery else req.step
         )
@@ -365,7 +334,7 @@ class MembershipTable:
             reply.expected.extend(sorted(rnd.expected))
         return reply
 
-    def _leave(self, job: _Job, req: pb.JoinRequest) -> pb.JoinReply:
+    def _leave(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
         """Step 6: the rank leaves; whether it was a member of a step not applied yet."""
         job.left.add(req.rank)
         for rnd in [*job.rounds.values(), *job.recoveries.values()]:
@@ -380,47 +349,3 @@ class MembershipTable:
         )
         self._cond.notify_all()
         return pb.JoinReply(decided=True, in_flight=in_flight, epoch=job.epoch)
-
-
-def _status_row(name: str, job: _Job) -> pb.JobMembership:
-    last = job.last
-    waiting = sorted({r for rnd in job.rounds.values() if not rnd.decided for r in rnd.announced})
-    return pb.JobMembership(
-        job=name,
-        run=job.run,
-        step=last.key if last else 0,
-        generation=last.generation if last else 0,
-        members=last.members if last else (),
-        min_members=last.min_members if last else 0,
-        joins=job.joins,
-        leaves=job.leaves,
-        revisions=job.revisions,
-        steps_by_world_size={k: v for k, v in job.steps_by_size.items() if v > 0},
-        history=list(job.history),
-        waiting=waiting,
-    )
-
-
-def _check(req: pb.JoinRequest) -> None:
-    """Refuses a malformed request before anything changes."""
-    for what, value in (("run", req.run), ("job", req.job)):
-        if not value or len(value) > MAX_NAME:
-            raise ShardError.invalid(f"Join needs a {what} name of 1..{MAX_NAME} characters")
-    if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
-        raise ShardError.invalid(
-            f"Join: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
-        )
-    if req.min_members > req.world_size:
-        raise ShardError.invalid(
-            f"Join: min_members {req.min_members} is more than the world size {req.world_size}"
-        )
-    if req.window_ms > MAX_WINDOW_MS:
-        raise ShardError.invalid(f"Join: window_ms must be at most {MAX_WINDOW_MS}")
-    if len(req.known_members) > req.world_size or any(
-        r >= req.world_size for r in req.known_members
-    ):
-        raise ShardError.invalid(
-            f"Join: known_members must be ranks below the world size {req.world_size}"
-        )
-    if req.done and not req.recovery:
-        raise ShardError.invalid("Join: done is for recovery rounds")
