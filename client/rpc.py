@@ -73,6 +73,7 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "DropJob": pb.DropJobReply.FromString,
     "Status": pb.StatusReply.FromString,
     "Lease": pb.LeaseReply.FromString,
+    "Join": pb.JoinReply.FromString,
     "Snapshot": pb.SnapshotReply.FromString,
     "CommitSnapshot": pb.CommitSnapshotReply.FromString,
     "Restore": pb.RestoreReply.FromString,

@@ -37,6 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paramshard import elastic
 from paramshard.client.run_id import run_id_from_env
 from paramshard.commands import (
     EXIT_USAGE,
@@ -187,6 +188,21 @@ def rank_env(
         " (restore); default: the run directory's RUN_ID/snapshots (docs/launch.md). With"
         " --servers, each server's own --snapshot-dir applies",
     ),
+    arg(
+        "--elastic",
+        action="store_true",
+        help="elastic data parallelism (ZeRO-1/2, FSDP; docs/elastic.md): ranks may leave and"
+        " join between steps; a rank that fails for good leaves and the others train on"
+        " (PARAMSHARD_ELASTIC=1); --nproc is then the most ranks",
+    ),
+    arg(
+        "--min-nproc",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="with --elastic: a step trains with at least M ranks; below that the ranks wait,"
+        " bounded, then fail naming who is there (PARAMSHARD_MIN_NPROC; default: 1)",
+    ),
     arg("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"),
     arg("script", metavar="SCRIPT", help="the training script (or module with -m)"),
     arg("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="its arguments"),
@@ -225,6 +241,7 @@ def launch(args: argparse.Namespace) -> int:
     token = read_token(args.token_file)
     start_timeout = args.start_timeout or START_TIMEOUT_S
     world_size = args.nnodes * args.nproc
+    elastic.check(args, world_size)
     ranks_config = config_env(args.config)
     logs = RankLogs.create(args.log_dir, run_id)
     if args.redirects and logs is None:
@@ -233,7 +250,13 @@ def launch(args: argparse.Namespace) -> int:
 
     from paramshard.server.app import MALLOC_ENV
 
-    base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
+    base = {
+        **MALLOC_ENV,
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **ranks_config,
+        **elastic.elastic_env(args),
+    }
     restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
@@ -307,7 +330,10 @@ def launch(args: argparse.Namespace) -> int:
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
             watch(server, events)
-        return supervise(ranks, servers, events, received, args.grace, restarts, start_rank)
+        departures = elastic.Departures() if args.elastic else None
+        return supervise(
+            ranks, servers, events, received, args.grace, restarts, start_rank, departures
+        )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")
         return 128 + exc.signum

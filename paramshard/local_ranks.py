@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["RankFailed", "rank_config"]
+__all__ = ["RankFailed", "RankLeft", "all_left", "rank_config"]
 
 
 class RankFailed(RuntimeError):
@@ -20,6 +21,22 @@ class RankFailed(RuntimeError):
         self.rank = rank
         self.world_size = world_size
         self.error = error
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLeft:
+    """An elastic run's rank that raised and left the job while the others trained on
+    (``ShardingConfiguration(elastic=True)``): its entry in ``LocalCluster.run``'s results."""
+
+    rank: int
+    error: BaseException
+
+
+def all_left(results: Sequence[Any], world_size: int) -> None:
+    """Raises ``RankFailed`` for the first rank when every rank of an elastic run left."""
+    if results and all(isinstance(r, RankLeft) for r in results):
+        first = results[0]
+        raise RankFailed(first.rank, world_size, first.error, " (every rank left)") from first.error
 
 
 def rank_config(

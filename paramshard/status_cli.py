@@ -28,6 +28,7 @@ from paramshard.commands import (
     positive_int,
     table,
 )
+from paramshard.membership_status import membership_text
 
 __all__ = ["status", "STATUS_COLUMNS", "PENDING_COLUMNS", "MESSAGE_COLUMNS"]
 
@@ -89,7 +90,9 @@ def status(args: argparse.Namespace) -> int:
     With --pending, also what waits on each server, per run: every open collective (its kind
     and sequence number, which ranks arrived, which are missing, which wait to read it, and
     for how long), gradient steps waiting for ranks, and mailbox messages nobody took yet.
-    A server that does not answer gets an error row; the exit code is then 1.
+    A server that does not answer gets an error row; the exit code is then 1. Elastic jobs
+    (docs/elastic.md) get a section of their own: each one's members, the ranks that joined
+    and left, the steps trained at each world size, and its newest events.
     """
     from paramshard.client import ShardClient
 
@@ -106,6 +109,9 @@ def status(args: argparse.Namespace) -> int:
         for r in replies:
             if "error" in r:
                 print(f"{r['address']}: {r['error']}")
+        elastic = membership_text(replies)
+        if elastic:
+            print(f"\n{elastic}")
         if args.pending:
             for r in replies:
                 if "error" not in r:

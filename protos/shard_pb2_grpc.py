@@ -89,6 +89,11 @@ class ShardStub:
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/paramshard.v1.Shard/Join',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.JoinRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.JoinReply.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/paramshard.v1.Shard/Snapshot',
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.SnapshotRequest.SerializeToString,
@@ -248,6 +253,16 @@ class ShardServicer:
     def Lease(self, request, context):
         """A rank's lease on this server (docs/design.md §3.7, fast failure): renewed about every
         0.4 s; the reply carries the run's abort notice when one was raised.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """Elastic data parallelism: a rank announces itself for a step of a job (or a recovery round,
+        or leaves) on the job's coordinator, server 0 of its placement, which agrees each step's
+        members (server/collectives/membership.py numbers the protocol). Waits at most a few
+        seconds for the decision; the rank asks again while it is not made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -418,6 +433,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Lease,
                     request_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.FromString,
                     response_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.JoinRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.JoinReply.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -787,6 +807,33 @@ class Shard:
             '/paramshard.v1.Shard/Lease',
             paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
             paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/Join',
+            paramshard_dot_protos_dot_shard__pb2.JoinRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

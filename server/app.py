@@ -109,7 +109,12 @@ class ShardServer:
         segments = self.servicer.segments  # a payload in shared memory is no larger than a message
         segments.max_segment_bytes = min(segments.max_segment_bytes, max_receive_bytes)
         self.sweeper = Sweeper(
-            [self.servicer.slots.expire, self.servicer.leases.sweep, self.servicer.segments.expire],
+            [
+                self.servicer.slots.expire,
+                self.servicer.leases.sweep,
+                self.servicer.membership.sweep,
+                self.servicer.segments.expire,
+            ],
             sweep_period(bounds.pending_ttl_s),
         )
         if peer_credentials is None and self.tls:

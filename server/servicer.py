@@ -24,6 +24,7 @@ from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
 from paramshard.server.buffers.store import BufferSlice, BufferStore
 from paramshard.server.collectives.leases import LeaseTable
+from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.replication.replicator import Replicator
 from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service: the proto's
@@ -65,6 +66,7 @@ class ShardServicer:
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
+        self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
         self.max_wait_s = max_wait_s
         self.started = time.time()
@@ -127,6 +129,7 @@ class ShardServicer:
             "DropJob": (self.drop_job, plain(pb.DropJobRequest), plain_reply),
             "Status": (self.status, plain(pb.StatusRequest), plain_reply),
             "Lease": (self.lease, plain(pb.LeaseRequest), plain_reply),
+            "Join": (self.join, plain(pb.JoinRequest), plain_reply),
             "Snapshot": (self.snapshot, plain(pb.SnapshotRequest), plain_reply),
             "CommitSnapshot": (
                 self.commit_snapshot,
@@ -221,6 +224,8 @@ class ShardServicer:
             if method == "Step":  # waits for the other ranks' pushes
                 slices = [self.buffers.get(request.job, s.buffer) for s in request.buffers]
                 return any(b.step_would_wait(request.step) for b in slices)
+            if method == "Join":  # waits for its step's membership; a leave does not
+                return not request.leave
         except ShardError:
             return False  # no such buffer: it fails at once
         return True
@@ -294,6 +299,7 @@ class ShardServicer:
         if not req.job:
             raise ShardError.invalid("DropJob needs a job (or run) name")
         runs = self.slots.drop_run(req.job) + self.leases.drop(req.job)
+        runs += self.membership.drop(req.job)
         try:
             dropped = self.buffers.drop(req.job)
         except ShardError:
@@ -308,6 +314,14 @@ class ShardServicer:
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
         return self.leases.renew(req)
+
+    def join(self, req: pb.JoinRequest, context: Any) -> Any:
+        return self.membership.join(req, self._timeout(context))
+
+    def _job_version(self, job: str) -> int | None:
+        """This server's version of ``job`` (its slices' lowest), None when it holds none."""
+        slices = self.buffers.jobs().get(job)
+        return min(b.version for b in slices) if slices else None
 
     # -- snapshots -------------------------------------------------------------------------
     def _job_slices(self, job: str) -> list[BufferSlice]:

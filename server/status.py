@@ -14,6 +14,7 @@ from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.pending import pending_rows
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.rpc.scopes import Scope, run_of_key
@@ -31,6 +32,7 @@ class Reporting(Protocol):
     started: float
     buffers: BufferStore
     slots: SlotStore
+    membership: MembershipTable
     budget: MemoryBudget
 
 
@@ -57,6 +59,7 @@ def status_reply(
         pid=os.getpid(),
         memory_used=servicer.budget.used,
         memory_limit=servicer.budget.limit,
+        memberships=servicer.membership.status(),
     )
     if req.pending:
         slices = [

@@ -101,6 +101,13 @@ class ShardedModelBase(ModelFiles, ClientRank, nn.Module):
         self.module = model
         self.config = config
         self.client = config.client
+        if config.elastic and not self.state_on_servers:
+            raise ValueError(
+                f"ShardingConfiguration(elastic=True) needs ZeRO-1, ZeRO-2 or FSDP: a"
+                f" {self.strategy} rank keeps parameters and optimizer state in its process,"
+                " so no rank can leave or join it; run it without elastic (a lost rank then"
+                " ends the job at once)"
+            )
         restarts.declare(self.strategy, self.state_on_servers, self.client.rank)
         if not self.state_on_servers:  # a restart cannot rejoin: the servers wait for none
             self.client.run_state.cannot_rejoin()

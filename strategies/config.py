@@ -104,6 +104,21 @@ class ShardingConfiguration(ClientRank):
     """A step whose reduced gradient holds NaN or Inf is skipped everywhere either way
     (parameters and optimizer state unchanged); True counts it (``model.skipped_steps``) and
     trains on, as ``torch.amp.GradScaler`` does, False raises ``NonFiniteGradientError``."""
+    elastic: bool = False
+    """ZeRO-1/2, FSDP: the data-parallel ranks may change between steps (docs/elastic.md): each
+    step's members are agreed on the servers, ``model.batch_part(B)`` cuts the step's global
+    batch between them, and the servers weight each gradient by its share. The client's
+    ``world_size`` is then the most ranks the job may have. ``PARAMSHARD_ELASTIC=1``
+    (``paramshard launch --elastic``) sets it in ``from_env``."""
+    min_world_size: int = 1
+    """Elastic: a step trains with at least this many ranks; below it the ranks wait
+    (``elastic_wait_s``), then fail naming the ranks there (``PARAMSHARD_MIN_NPROC``,
+    ``paramshard launch --min-nproc``)."""
+    join_window_s: float = 10.0
+    """Elastic: how long a step waits for the ranks of the step before it once the first of
+    them is there; a rank later than that sits the step out and joins the next."""
+    elastic_wait_s: float = 600.0
+    """Elastic: how long a step waits for ``min_world_size`` ranks before it fails."""
 
     def __post_init__(self) -> None:
         self._check_client()
@@ -114,6 +129,7 @@ class ShardingConfiguration(ClientRank):
             "prefetch",
             "deterministic",
             "skip_nonfinite",
+            "elastic",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -124,6 +140,7 @@ class ShardingConfiguration(ClientRank):
         _check_int("bucket_size_bytes", self.bucket_size_bytes, minimum=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         _check_int("replicate_every", self.replicate_every, minimum=0)
+        _check_int("min_world_size", self.min_world_size, minimum=1)
         if self.wrap_min_params is not None:
             _check_int("wrap_min_params", self.wrap_min_params, minimum=1, none_ok=True)
         if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
@@ -138,19 +155,17 @@ class ShardingConfiguration(ClientRank):
                     f"ShardingConfiguration.{name} must be one of "
                     f"{', '.join(_DTYPES)} or None (the parameters' own), got {shown(value)}"
                 )
-        timeout = self.timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
+        for name in ("timeout_s", "join_window_s", "elastic_wait_s"):
+            _check_seconds(name, getattr(self, name), none_ok=name == "timeout_s")
+        if self.elastic and self.min_world_size > self.client.world_size:
             raise ValueError(
-                f"ShardingConfiguration.timeout_s must be a positive finite "
-                f"number of seconds or None (the client's), got {shown(timeout)}"
+                f"ShardingConfiguration.min_world_size {self.min_world_size} is more than the"
+                f" world size {self.client.world_size} (the most ranks an elastic job may have)"
             )
-        if timeout is not None:  # the one deadline of every wait of this rank (client/rpc.py)
-            self.client.timeout_s = float(timeout)
+        if (
+            self.timeout_s is not None
+        ):  # the one deadline of every wait of this rank (client/rpc.py)
+            self.client.timeout_s = float(self.timeout_s)
 
     def _check_client(self) -> None:
         client = self.client
@@ -206,6 +221,7 @@ class ShardingConfiguration(ClientRank):
         When PARAMSHARD_CONFIG names a config file (``paramshard launch --config FILE`` sets
         it), that file is the base: keyword ``overrides`` win over it, and it over the defaults.
         """
+        overrides = {**_elastic_from_env(), **overrides}
         path = os.environ.get(CONFIG_ENV, "").strip()
         if path:
             return cls.from_file(path, **overrides)
@@ -288,6 +304,19 @@ def _resolve(choice: DType | None, dtype: str) -> DType:
     return choice
 
 
+def _check_seconds(name: str, value: object, *, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        allowed = "a positive finite number of seconds" + (" or None (the client's)" * none_ok)
+        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {shown(value)}")
+
+
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an int >= {minimum}" + (" or None" if none_ok else "")
@@ -295,6 +324,22 @@ def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False)
 
 
 _FILE_FIELDS = tuple(f.name for f in fields(ShardingConfiguration) if f.name != "client")
+
+
+def _elastic_from_env() -> dict[str, Any]:
+    """``elastic`` and ``min_world_size`` from PARAMSHARD_ELASTIC and PARAMSHARD_MIN_NPROC
+    (``paramshard launch --elastic --min-nproc M`` sets them)."""
+    from paramshard.client.membership import ELASTIC_ENV, MIN_NPROC_ENV
+
+    out: dict[str, Any] = {}
+    raw = os.environ.get(ELASTIC_ENV, "").strip()
+    if raw:
+        if raw not in ("0", "1"):
+            raise ValueError(f"environment variable {ELASTIC_ENV} must be 0 or 1, got {raw!r}")
+        out["elastic"] = raw == "1"
+    if os.environ.get(MIN_NPROC_ENV, "").strip():
+        out["min_world_size"] = _env_int(MIN_NPROC_ENV, 1)
+    return out
 
 
 def _client_from_env() -> ShardClient:

@@ -105,6 +105,17 @@ def valid_request(rng: np.random.Generator, name: str, job: str, ctx: Context) -
         "FetchReplica": lambda: pb.FetchReplicaRequest(job=job, version=version, max_bytes=4096),
         "LoadReplica": lambda: _replica_chunk(rng, job, version),
         "RollbackToReplica": lambda: pb.RollbackRequest(job=job, version=version),
+        "Join": lambda: pb.JoinRequest(
+            run=run,
+            job=job,
+            rank=int(rng.integers(2)),
+            world_size=2,
+            step=version,
+            min_members=1,
+            window_ms=int(rng.choice((0, 50))),
+            leave=bool(rng.random() < 0.2),
+            recovery=bool(rng.random() < 0.2),
+        ),
         "Lease": lambda: pb.LeaseRequest(
             run=run,
             rank=int(rng.integers(3)),

@@ -36,6 +36,7 @@ METHODS = {
     "DropJob",
     "Status",
     "Lease",
+    "Join",
     "Snapshot",
     "CommitSnapshot",
     "Restore",

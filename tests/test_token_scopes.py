@@ -173,6 +173,7 @@ FOREIGN: dict[str, Any] = {
     "FetchReplica": pb.FetchReplicaRequest(job=B_JOB, version=1, max_bytes=4096),
     "LoadReplica": _chunk(B_JOB),
     "RollbackToReplica": pb.RollbackRequest(job=B_JOB, version=1),
+    "Join": pb.JoinRequest(run=B_RUN, job=B_JOB, rank=1, world_size=2, step=1, leave=True),
 }
 """A request of each method that names a job or run, naming team B's."""
 EXTRA = [  # more ways to touch team B's run and job

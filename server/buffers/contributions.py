@@ -8,6 +8,7 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
+from paramshard.server.buffers.membership import check_membership, elastic_pending
 from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
@@ -73,7 +74,9 @@ class Contributions(SliceState):
             raise ShardError.invalid(
                 f"{self.label}: micro-batch {h.micro} of num_micro={h.num_micro} is out of range"
             )
-        if h.contributor >= self.contributors:
+        if h.HasField("membership"):
+            check_membership(self.label, self.contributors, h)
+        elif h.contributor >= self.contributors:
             raise ShardError.invalid(
                 f"{self.label}: contributor {h.contributor} is outside 0..{self.contributors - 1}"
             )
@@ -91,14 +94,14 @@ class Contributions(SliceState):
                 raise ShardError.precondition(
                     f"{self.label} moved to version {self.version} while step {h.step} waited"
                 )
-            pending = self.pending or PendingStep(h.step, h.num_micro)
+            pending, replaces = self._pending_for(h)
             if pending.num_micro != h.num_micro:
                 raise ShardError.precondition(
                     f"{self.label}: step {h.step} accumulates {pending.num_micro} micro-batches"
                     f" per contributor, this push says {h.num_micro}"
                 )
             o, n = h.chunk.offset, h.chunk.numel
-            k = h.contributor * pending.num_micro + h.micro  # its place in the rank order
+            k = self._place(pending, h)  # its place in the rank order
             chunks = pending.chunks.get(k, slicing.Coverage())
             before = chunks.numel_at(o)
             if before is not None:
@@ -124,6 +127,9 @@ class Contributions(SliceState):
             if self._stages(pending, k):  # its copy waits for its turn: paid for first
                 self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
             # -- all checks passed: mutate --
+            if replaces:  # a newer membership generation: the older one's sums are void
+                self.budget.release(self.pending.staged_bytes, "staging")
+                self.cond.notify_all()  # its GradNorms and Steps end (membership.py)
             if self.grad is None:
                 self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
             if not pending.chunks:
@@ -132,9 +138,9 @@ class Contributions(SliceState):
             chunks.add(o, n)
             self._accumulate(pending, k, o, arrays.to_compute(host, h.chunk.dtype))
             self.pending = pending
-            if pending.head == self.contributors * pending.num_micro:  # every one complete
+            if pending.head == self._last(pending):  # every one complete
                 assert not pending.staged, "every contribution is complete, none may wait"
-                if self.contributors > 1:
+                if pending.weights is None and self.contributors > 1:
                     self.grad /= self.dtype.type(self.contributors)
                 pending.reduced = True
                 if h.HasField("step_args") and self._finite():  # else a Step decides
@@ -142,10 +148,35 @@ class Contributions(SliceState):
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
 
+    def _pending_for(self, h: pb.PushGradHeader) -> tuple[PendingStep, bool]:
+        """The pending step push ``h`` adds to, and whether it replaces the current one (an
+        elastic step's older membership generation). Checks only."""
+        if h.HasField("membership"):
+            return elastic_pending(self.label, self.pending, h)
+        if self.pending is not None and self.pending.members is not None:
+            raise ShardError.precondition(
+                f"{self.label}: step {h.step} accumulates the pushes of an elastic membership;"
+                f" a push of rank {h.contributor} without one cannot join it"
+            )
+        return self.pending or PendingStep(h.step, h.num_micro), False
+
+    @staticmethod
+    def _place(pending: PendingStep, h: pb.PushGradHeader) -> int:
+        """Contribution k of push ``h``: its place in the rank order."""
+        i = h.contributor if pending.members is None else pending.members.index(h.contributor)
+        return i * pending.num_micro + h.micro
+
+    def _last(self, pending: PendingStep) -> int:
+        """How many contributions the step sums."""
+        return pending.count or self.contributors * pending.num_micro
+
     def _accumulate(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
         """Adds contribution ``k``'s chunk at ``o`` (already recorded in ``pending.chunks``) in
-        rank order, or at once with ``arrival_order``; moves ``head`` past what is complete."""
-        last = self.contributors * pending.num_micro
+        rank order, or at once with ``arrival_order``; moves ``head`` past what is complete.
+        An elastic step's contribution is weighted by its share as it is added."""
+        last = self._last(pending)
+        if pending.weights is not None:
+            values = values * self.dtype.type(pending.weights[k])  # a new array: may be kept
         if not self._stages(pending, k):
             self.grad[o : o + values.size] += values
         else:
@@ -162,7 +193,7 @@ class Contributions(SliceState):
     def _stages(self, pending: PendingStep, k: int) -> bool:
         """Whether contribution ``k`` must wait in staging for its turn in the rank order.
         With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly."""
-        last = self.contributors * pending.num_micro
+        last = self._last(pending)
         return not (self.arrival_order or k == pending.head or last <= 2)
 
     def pull(

@@ -6,7 +6,9 @@ Wire semantics (docs/design.md §3):
 - A *contribution* is (step, contributor, micro-batch, chunk offset) and is added exactly once,
   so a client may retry any push.
 - When contributors x micro-batches contributions have covered the whole slice, the gradient is
-  *reduced*: micro-batches summed, contributors averaged (what DDP does). Unless the buffer was
+  *reduced*: micro-batches summed, contributors averaged (what DDP does). A push of an elastic
+  job names the step's members instead (``StepMembership``, server/buffers/membership.py):
+  only they contribute, each weighted by its share of the global batch. Unless the buffer was
   registered with ``arrival_order``, the sum runs in (contributor, micro-batch) order whatever
   order the pushes arrive in: a contribution whose predecessors are all in is added at once,
   any other waits in staging memory until they are (``PendingStep``), so two runs of the same
@@ -69,6 +71,14 @@ class PendingStep:
 
     step: int
     num_micro: int
+    members: tuple[int, ...] | None = None
+    """Elastic jobs: the step's members (``StepMembership``), in rank order; contribution k is
+    member ``members[k // num_micro]``'s. None: contributors 0..contributors-1."""
+    generation: int = 0
+    global_batch: int = 0
+    weights: list[float] | None = None
+    """Elastic jobs: contribution k is multiplied by ``weights[k]`` as it is added (its share
+    of the global batch); None: contributions are summed, then averaged over contributors."""
     chunks: dict[int, slicing.Coverage] = field(default_factory=dict)  # per contribution k
     reduced: bool = False
     sum_squares: float | None = None
@@ -81,6 +91,16 @@ class PendingStep:
         default_factory=time.monotonic
     )  # for Status (server/collectives/pending.py)
 
+    @property
+    def count(self) -> int:
+        """Contributions the step waits for (with ``contributors`` of a job without members)."""
+        return len(self.members) * self.num_micro if self.members is not None else 0
+
+    def contributor_of(self, k: int) -> int:
+        """The rank contribution ``k`` comes from."""
+        i = k // self.num_micro
+        return self.members[i] if self.members is not None else i
+
     def received(self, k: int) -> int:
         """Elements of contribution ``k`` received so far."""
         chunks = self.chunks.get(k)
@@ -88,13 +108,14 @@ class PendingStep:
 
     def arrived(self, slice_numel: int) -> list[int]:
         """The contributors (ranks) whose every micro-batch covered the slice, in order: built
-        from the pushes received, never from ``range(contributors)`` (up to 2**32 - 1)."""
+        from the pushes received, never from ``range(contributors)`` (up to 2**32 - 1); in an
+        elastic step, position i is member ``members[i]``'s (``contributor_of``)."""
         pushed = {k // self.num_micro for k in self.chunks}
         return [
-            c
-            for c in sorted(pushed)
+            self.contributor_of(i * self.num_micro)
+            for i in sorted(pushed)
             if all(
-                self.received(c * self.num_micro + m) >= slice_numel for m in range(self.num_micro)
+                self.received(i * self.num_micro + m) >= slice_numel for m in range(self.num_micro)
             )
         ]
 

@@ -16,11 +16,12 @@ def grad_norm_reply(
 ) -> pb.GradNormReply:
     """The first phase: each slice's sum of squares (per parameter too with ``per_param``)
     and whether it is finite."""
-    reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout) for b in slices])
+    gen = req.generation if req.HasField("generation") else None
+    reply = pb.GradNormReply(sum_squares=[b.sum_squares(req.step, timeout, gen) for b in slices])
     if req.per_param:
         for b in slices:
-            reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout))
-    reply.finite.extend(b.finite(req.step, timeout) for b in slices)
+            reply.param_sum_squares.extend(b.param_sum_squares(req.step, timeout, gen))
+    reply.finite.extend(b.finite(req.step, timeout, gen) for b in slices)
     return reply
 
 
@@ -29,10 +30,13 @@ def step_reply(
 ) -> pb.StepReply:
     """The second phase: every buffer of the request applied, or skipped with ``req.skip``.
     Arguments and finiteness of every buffer are checked before any of them steps."""
+    gen = req.generation if req.HasField("generation") else None
     for b, args in slices:
         b.check_step_args(args)
     if not req.skip:
         for b, _ in slices:
-            if b.version == req.step and not b.finite(req.step, timeout):
+            if b.version == req.step and not b.finite(req.step, timeout, gen):
                 raise ShardError.precondition(nonfinite_refusal(b.label, req.step))
-    return pb.StepReply(versions=[b.step(req.step, args, timeout, req.skip) for b, args in slices])
+    return pb.StepReply(
+        versions=[b.step(req.step, args, timeout, req.skip, gen) for b, args in slices]
+    )

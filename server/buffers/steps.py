@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.buffers.membership import check_generation
 from paramshard.server.buffers.nonfinite import all_finite, nonfinite_refusal
 from paramshard.server.buffers.slice_state import SliceState
 from paramshard.server.optimizers import OptimizerError
@@ -22,19 +23,26 @@ class Steps(SliceState):
     """GradNorm and Step of one slice. A step first lets ``Captures`` copy the version a
     snapshot waits for (``_capture``), so ``BufferSlice`` combines the two."""
 
-    def sum_squares(self, step: int, timeout: float) -> float:
-        """This slice's sum of squares of the reduced gradient of ``step``."""
-        return self._norm_of(step, timeout, "applied_sum_squares", self._sum_squares)
+    def sum_squares(self, step: int, timeout: float, generation: int | None = None) -> float:
+        """This slice's sum of squares of the reduced gradient of ``step`` (an elastic step:
+        of membership ``generation``, server/buffers/membership.py)."""
+        kept = "applied_sum_squares"
+        return self._norm_of(step, timeout, kept, self._sum_squares, generation)
 
-    def param_sum_squares(self, step: int, timeout: float) -> list[float]:
+    def param_sum_squares(
+        self, step: int, timeout: float, generation: int | None = None
+    ) -> list[float]:
         """The same, one value per registered parameter (its elements in this slice)."""
-        return self._norm_of(step, timeout, "applied_param_sum_squares", self._param_sum_squares)
+        kept = "applied_param_sum_squares"
+        return self._norm_of(step, timeout, kept, self._param_sum_squares, generation)
 
-    def finite(self, step: int, timeout: float) -> bool:
+    def finite(self, step: int, timeout: float, generation: int | None = None) -> bool:
         """Whether this slice's reduced gradient of ``step`` holds no NaN or Inf."""
-        return self._norm_of(step, timeout, "applied_finite", self._finite)
+        return self._norm_of(step, timeout, "applied_finite", self._finite, generation)
 
-    def _norm_of(self, step: int, timeout: float, kept_attr: str, compute: Any) -> Any:
+    def _norm_of(
+        self, step: int, timeout: float, kept_attr: str, compute: Any, generation: int | None
+    ) -> Any:
         """``compute()`` of the reduced gradient of ``step``, waiting for it, or the value
         kept when the step was applied (a faster rank already stepped)."""
         with self.cond:
@@ -47,7 +55,7 @@ class Steps(SliceState):
                     " its gradient is gone"
                 )
             self.wait_for(
-                lambda: self.version > step or self._reduced(step),
+                lambda: self.version > step or self._reduced(step, generation),
                 timeout,
                 f"the reduced gradient of step {step}",
             )
@@ -66,11 +74,16 @@ class Steps(SliceState):
         the admission gate (server/rpc/admission.py)."""
         return self.version == step and not self._reduced(step)
 
-    def _reduced(self, step: int) -> bool:
-        """All contributions of ``step`` are in. An empty slice (a buffer with fewer elements
-        than servers) receives no pushes, so it is reduced whenever it is asked."""
+    def _reduced(self, step: int, generation: int | None = None) -> bool:
+        """All contributions of ``step`` are in (of membership ``generation``, when given: a
+        newer one raises). An empty slice (a buffer with fewer elements than servers) receives
+        no pushes, so it is reduced whenever it is asked."""
         if self.slice_numel == 0:
             return self.version == step
+        if generation is not None and not check_generation(
+            self.label, self.pending, step, generation
+        ):
+            return False
         return self.pending is not None and self.pending.step == step and self.pending.reduced
 
     def _sum_squares(self) -> float:
@@ -108,8 +121,16 @@ class Steps(SliceState):
             pending.finite = all_finite(self.grad, self._sum_squares())
         return pending.finite
 
-    def step(self, step: int, args: pb.StepArgs, timeout: float, skip: bool = False) -> int:
-        """Applies step ``step`` (``skip``: discards its gradient and moves the version on)."""
+    def step(
+        self,
+        step: int,
+        args: pb.StepArgs,
+        timeout: float,
+        skip: bool = False,
+        generation: int | None = None,
+    ) -> int:
+        """Applies step ``step`` (``skip``: discards its gradient and moves the version on;
+        ``generation``: an elastic step's membership generation the caller trained)."""
         self.check_step_args(args)
         with self.cond:
             if step < self.version:
@@ -119,7 +140,7 @@ class Steps(SliceState):
                     f"{self.label} is at version {self.version}; cannot apply step {step}"
                 )
             self.wait_for(
-                lambda: self.version > step or self._reduced(step),
+                lambda: self.version > step or self._reduced(step, generation),
                 timeout,
                 f"all gradient contributions of step {step}",
             )

@@ -153,6 +153,14 @@ class LeaseTable:
                 self._check_lapses(name, run, now, force=True)
                 self._forget_if_idle(name, run, now)
 
+    def live_ranks(self, run: str) -> set[int] | None:
+        """The ranks of run ``run`` whose lease here has not lapsed; None when this server
+        knows no lease of the run (elastic membership reads it,
+        server/collectives/membership.py)."""
+        with self._lock:
+            held = self._runs.get(run)
+            return None if held is None else set(held.live(self.clock()))
+
     def drop(self, run: str) -> bool:
         """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
         with self._lock:

@@ -212,15 +212,17 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     p = b.pending
     if p is None or p.reduced or not p.chunks:
         return None
-    arrived = p.arrived(b.slice_numel)[:MAX_LISTED]
+    arrived = p.arrived(b.slice_numel)
+    # an elastic step waits for its members only (server/buffers/membership.py)
+    expected = range(b.contributors) if p.members is None else p.members
     return pb.PendingWork(
         run=b.job,
         kind="push_grad",
         seq=p.step,
         key=f"{b.job}/{b.name}",
-        expected=b.contributors,
-        arrived=arrived,
-        missing=absent(range(b.contributors), set(arrived)),
+        expected=len(expected),
+        arrived=arrived[:MAX_LISTED],
+        missing=absent(expected, set(arrived)),
         age_seconds=max(0.0, now - p.opened),
         bytes=p.staged_bytes,
     )

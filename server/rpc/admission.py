@@ -46,11 +46,14 @@ from paramshard.server.rpc.auth import SERVICE_NAME, bearer
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
-WAITING_METHODS = frozenset({"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step"})
+WAITING_METHODS = frozenset(
+    {"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step", "Join"}
+)
 """Shard methods that may wait for other callers: a pull for a future version, a slot read, a
-push before the buffer's initial values, a step before every rank's push. Whether a call of
-them may wait is the servicer's ``may_wait`` (a push to an initialised buffer does not, nor a
-step whose pushes are all in: those are never refused)."""
+push before the buffer's initial values, a step before every rank's push, a Join until its
+step's membership is decided. Whether a call of them may wait is the servicer's ``may_wait``
+(a push to an initialised buffer does not, nor a step whose pushes are all in: those are never
+refused)."""
 
 
 def default_reserved(workers: int) -> int:

@@ -206,6 +206,7 @@ ROUTES: dict[str, Route] = {
     "ConfirmSegment": Route("own", (), "the token's own segments; no job named"),
     "ReleaseSegments": Route("own", (), "the token's own segments; no job named"),
     "Session": Route("calls", (), "each call it carries, as its unary method"),
+    "Join": Route("job", ("job",), "`job` in `jobs=` (its run's lease: `runs=`)"),
 }
 """Every method of the Shard service (tests/test_token_scopes.py checks the descriptor): a
 method missing here refuses scoped tokens until someone routes it."""

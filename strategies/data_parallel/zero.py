@@ -72,6 +72,7 @@ class ZeRO1Model(_ReplicatedParams):
                 Outgoing(flat, flat.dtype),
                 self._step,
                 dtype=self.config.reduce_dtype_for(b.master_dtype),
+                membership=self._push_membership(),
             )
         self.client.run(calls)
         self._pushed = True
