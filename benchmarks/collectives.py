@@ -62,6 +62,7 @@ from benchmarks._collective_runs import (
 from benchmarks._processes import (
     ChildError,
     child_guard,
+    exit_without_collecting,
     install_cleanup,
     stop_all,
     wait_quiet,
@@ -271,14 +272,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.mode != "bench":
         child_guard(a.lifetime or 1800.0)
-        {
-            "_rank": rank_main,
-            "_server": server_main,
-            "_gloo": gloo_main,
-            "_tcp_recv": tcp_recv_main,
-            "_tcp_send": tcp_send_main,
-            "_pushpull": pushpull_main,
-        }[a.mode](a)
+        try:
+            {
+                "_rank": rank_main,
+                "_server": server_main,
+                "_gloo": gloo_main,
+                "_tcp_recv": tcp_recv_main,
+                "_tcp_send": tcp_send_main,
+                "_pushpull": pushpull_main,
+            }[a.mode](a)
+        finally:
+            exit_without_collecting()  # the child closed what it opened
         return 0
 
     if any(w < 1 for w in a.world_sizes) or any(s <= 0 for s in a.sizes):

@@ -43,6 +43,7 @@ MAX_BODY = 256 * 2**10
 OPEN_TIMEOUT_S = 5.0
 RETRY_OPEN_S = 30.0
 _REPLY_GRACE_S = 2.0  # past its deadline, a call without a reply fails here
+CLOSE_WAIT_S = 2.0  # how long closing a session waits for its receiving thread
 _SERVICE = "/paramshard.v1.Shard/Session"
 
 
@@ -129,7 +130,10 @@ class _Session:
             _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
         self._call = stub(self._batches(), metadata=metadata)
-        threading.Thread(target=self._receive, name="session-receiver", daemon=True).start()
+        self._receiver = threading.Thread(
+            target=self._receive, name="session-receiver", daemon=True
+        )
+        self._receiver.start()
 
     def wait_open(self, timeout: float) -> bool:
         if not self._opened.wait(timeout):
@@ -185,8 +189,12 @@ class _Session:
             fut.fail(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} ended ({why})")
 
     def close(self) -> None:
+        """Ends the stream; its calls in flight fail (UNAVAILABLE) and its thread ends, waited
+        for (bounded)."""
         self._out.put(None)
         self._call.cancel()
+        if self._receiver is not threading.current_thread():
+            self._receiver.join(CLOSE_WAIT_S)
 
 
 class Sessions:

@@ -50,7 +50,7 @@ def inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = [
+    cells = [
         [
             r["name"],
             "x".join(map(str, r["shape"])) or "()",
@@ -67,7 +67,7 @@ def inspect(args: argparse.Namespace) -> int:
     print(
         table(
             ["NAME", "SHAPE", "DTYPE", "SERVERS", "VERSION", "NORM", "MIN", "MAX", "FINITE"],
-            table,
+            cells,
             frozenset({4, 5, 6, 7}),
         )
     )

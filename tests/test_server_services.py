@@ -36,6 +36,7 @@ METHODS = {
     "DropJob",
     "Status",
     "Lease",
+    "HoldLease",
     "Snapshot",
     "CommitSnapshot",
     "Restore",

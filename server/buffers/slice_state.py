@@ -120,6 +120,7 @@ class SliceState:
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
+        self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
@@ -141,7 +142,11 @@ class SliceState:
 
     def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
         """Wait on the slice's condition (caller holds it) until ``ready()``, or fail."""
-        done = self.cond.wait_for(lambda: self.dropped or ready(), timeout=timeout)
+        done = self.cond.wait_for(lambda: self.dropped or self.stopped or ready(), timeout=timeout)
+        if self.stopped:
+            raise ShardError.aborted(
+                f"{self.label}: {self.stopped} while waiting for {waiting_for}"
+            )
         if self.dropped:
             raise ShardError.not_found(f"{self.label} was dropped while waiting for {waiting_for}")
         if not done:
@@ -149,6 +154,13 @@ class SliceState:
                 f"{self.label} is at version {self.version};"
                 f" waited {timeout:.1f} s for {waiting_for}"
             )
+
+    def interrupt(self, why: str) -> None:
+        """The server stops: every wait on the slice ends with ``why`` (its handler thread
+        returns, so the process can exit), and none starts again."""
+        with self.cond:
+            self.stopped = why
+            self.cond.notify_all()
 
     def retire(self) -> None:
         """The slice left the store (dropped, replaced): waiters wake and fail, memory is freed."""

@@ -4,7 +4,11 @@ snapshot, and dropping a step a failure cut short."""
 
 from __future__ import annotations
 
+import logging
+
 __all__ = ["ServerCheckpoints"]
+
+log = logging.getLogger("paramshard.recovery")
 
 
 class ServerCheckpoints:
@@ -41,6 +45,13 @@ class ServerCheckpoints:
         self.client.barrier()
         return self._adopt_server_version()
 
+    @property
+    def recovery_source(self) -> str:
+        """What ``recover`` restores from, in words (for the recovery's messages)."""
+        if self.config.replicate_every:
+            return "restoring from its neighbour's replica"
+        return "restoring from the newest snapshot"
+
     def recover(self) -> int:
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
@@ -55,7 +66,11 @@ class ServerCheckpoints:
                 if not self.config.replicate_every:
                     raise LookupError("replication is off")
                 tools.recover_from_replicas(self.client, job)
-            except LookupError:
+            except LookupError as exc:
+                if self.config.replicate_every:
+                    log.warning(
+                        "job '%s': no usable replica (%s): restoring the newest snapshot", job, exc
+                    )
                 tools.restore(self.client, job, "latest", contributors=self.world_size)
             if self.config.replicate_every:
                 tools.configure_replication(self.client, job, self.config.replicate_every)
