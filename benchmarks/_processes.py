@@ -10,8 +10,8 @@ own code (``serve_processes``). Conventions:
   (``emit``); other stdout lines are passed on to our stderr. The parent writes to its stdin.
 - Every child calls ``child_guard`` first: it dies with its parent (``PR_SET_PDEATHSIG``, and
   a thread that watches ``getppid``) and exits on its own when its lifetime runs out. It closes
-  its clients and servers on every way out (a closed stdin raises ``SystemExit``), then exits
-  without a final collection of its heap (``exit_without_collecting``).
+  its clients and servers on every way out (a closed stdin raises ``SystemExit``), and
+  ``run_child`` ends it at once after that.
 - The parent stops children by PID only (``stop_all``): close stdin (their cue to exit), wait,
   then SIGTERM, then SIGKILL; ``install_cleanup`` does it at exit and on SIGINT/TERM/HUP.
 - CPU accounting: ``Load`` measures the share of the machine other processes used meanwhile
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import gc
 import json
 import os
 import queue
@@ -33,8 +32,9 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MALLOC_KEYS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
@@ -282,13 +282,29 @@ def child_guard(lifetime: float) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def exit_without_collecting() -> None:
-    """Lets this process exit without the interpreter's final garbage collection of the whole
-    heap: a rank that imported torch and transformers holds about 350,000 objects, and those
-    collections took 15-25 s per process with four ranks on two busy cores (the ranks of the 3D
-    Llama cell, in ``gc_collect_main``). Call it once everything is closed: frozen objects stay
-    where the collector does not look, and the operating system takes the memory back."""
-    gc.freeze()
+def run_child(main: Callable[[], object]) -> NoReturn:
+    """Runs a child's ``main`` (which closes what it opens, on every way out), then ends the
+    process at once, with 0, the code of a ``SystemExit``, or 1 after printing what it raised.
+
+    At once: a rank that imported torch and transformers holds about 350,000 objects, and the
+    interpreter's own teardown of them (its final collections, then every module's objects)
+    took 15-25 s per process with four ranks on two busy cores (the 3D Llama cell's ranks, in
+    ``gc_collect_main``). Nothing left by then needs it: output is flushed here, and the
+    operating system takes the memory and descriptors back."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    except BaseException:  # noqa: BLE001 - reported, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def emit(tag: str, payload: Any) -> None:

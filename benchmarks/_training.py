@@ -24,9 +24,9 @@ from benchmarks._processes import (
     Load,
     child_env,
     emit,
-    exit_without_collecting,
     expect_all,
     read_line,
+    run_child,
     stop_all,
     wait_quiet,
 )
@@ -333,11 +333,8 @@ def run_main(
         for k in ("--world", "--rank", "--steps", "--port", *rank_options[1]):
             p.add_argument(k, type=int, default=0)
         p.add_argument("--lifetime", type=float, default=600.0)
-        try:
-            ranks[argv[0]](p.parse_args(argv[1:]))
-        finally:
-            exit_without_collecting()  # the rank closed what it opened
-        return 0
+        rank_args = p.parse_args(argv[1:])
+        run_child(lambda: ranks[argv[0]](rank_args))
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )

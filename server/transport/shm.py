@@ -275,6 +275,10 @@ class SegmentRegistry:
         for seg in gone:
             self._drop(seg)
         if listener is not None:
+            try:  # wakes the thread blocked in accept(), which close() alone does not
+                listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             listener.close()
 
     def _drop(self, seg: _Segment) -> None:
