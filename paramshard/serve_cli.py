@@ -119,9 +119,10 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         "--max-sessions",
         type=int,
         default=64,
-        help="open client sessions (one stream per client carrying its data-plane calls) at"
-        " once, on threads of their own, of read tokens at most a quarter; a client past it"
-        " calls one by one; 0: no sessions (default: %(default)s)",
+        help="open client streams at once, on threads of their own: sessions (one per client,"
+        " carrying its data-plane calls; of read tokens at most a quarter) and trainers' lease"
+        " streams (one per rank); a client past it calls one by one, a rank's lease then lives"
+        " on renewals alone; 0: none (default: %(default)s)",
     ),
     arg(
         "--grace",
