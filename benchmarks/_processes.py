@@ -266,9 +266,15 @@ def _die_with_parent() -> None:
 
 
 def child_guard(lifetime: float) -> None:
-    """Dies with the parent; exits on its own when ``lifetime`` s run out (no orphans)."""
+    """Dies with the parent; exits on its own when ``lifetime`` s run out (no orphans). SIGTERM
+    (``stop_all``'s second cue) unwinds like a closed stdin: what the child opened is closed."""
     _die_with_parent()
     parent = os.getppid()
+
+    def on_sigterm(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
     def watch() -> None:
         end = time.monotonic() + lifetime
