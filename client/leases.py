@@ -16,14 +16,8 @@ Every client of a multi-rank run holds a lease on each of its servers
   epoch and bring notices back. Where a server refuses the stream (an older server, one at its
   ``--max-sessions`` bound), the lease lives on renewals alone and lapses
   ``PARAMSHARD_LEASE_TTL_S`` (default 30 s) after the last one, so there the renewing thread
-  must get the GIL within that time.
-
-Why 30 s: torchelastic takes a node for dead after 3 missed keep-alives 5 s apart (15 s) and
-torchft's lighthouse after 5 s without a heartbeat, but both heartbeat from outside the
-training interpreter (the elastic agent's process, torchft's Rust manager), so a stalled
-trainer does not stall them. Our renewals come from the trainer's own interpreter, which a GC
-pause, a GIL-holding call or a loaded machine can stall for seconds (a 2 s TTL killed healthy
-ranks that way); a dead process is found by its stream in about a second anyway.
+  must get the GIL within that time. (Why 30 s, against torchelastic's 15 s and torchft's 5 s:
+  docs/inspection-and-recovery.md.)
 
 When a server says the run's epoch was aborted (a rank was lost, or a rank gave up the epoch
 after losing a server: ``RunState.give_up``), the client *cancels its calls in flight* and

@@ -28,11 +28,10 @@ TCP_USER_TIMEOUT_S = 30.0
 connection (gRPC sets TCP_USER_TIMEOUT from its keepalive timeout, default 20 s: gRPC proposal
 A18). A trainer's lease stream sends a heartbeat every few seconds, so this is how long a host
 that vanished holds its ranks' leases (server/collectives/lease_holds.py). A stopped or busy
-process is not affected: its kernel acknowledges. Twice torchelastic's node timeout (a 5 s
-keep-alive, 3 attempts) and six times torchft's lighthouse heartbeat timeout (5 s), as a
-retransmitting link on a loaded host may take a while; a dead process is found at once anyway.
-gRPC's keepalive pings (every two hours while a call is open) share this timeout: a process
-stopped for longer than that when a ping comes is taken for dead."""
+process is not affected: its kernel acknowledges. (Why 30 s, against torchelastic's 15 s and
+torchft's 5 s: docs/inspection-and-recovery.md.) gRPC's keepalive pings (every two hours while
+a call is open) share this timeout: a process stopped for longer than that when a ping comes
+is taken for dead."""
 STOP_MARGIN_S = 5.0
 """Past its grace, how long ``stop`` waits for gRPC to wind down before it goes on anyway."""
 
