@@ -16,12 +16,12 @@ from typing import Any
 
 import grpc
 
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["HoldStream", "REFUSALS"]
 
 _METHOD = "/paramshard.v1.Shard/HoldLease"
-CLOSE_WAIT_S = 2.0  # how long ``close`` waits for the reading thread to end
 REFUSALS = frozenset(
     {
         grpc.StatusCode.UNIMPLEMENTED,  # an older server
@@ -79,4 +79,4 @@ class HoldStream:
         on the server) and waits, bounded, for its thread."""
         self._call.cancel()
         if self._thread is not threading.current_thread():
-            self._thread.join(CLOSE_WAIT_S)
+            self._thread.join(closing.STEP_S)

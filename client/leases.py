@@ -56,6 +56,7 @@ import grpc
 
 from paramshard.client.lease_holds import REFUSALS, HoldStream
 from paramshard.client.restarts import max_restarts
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
@@ -216,6 +217,7 @@ class _Holding:
         with self._lock:
             if self.released:
                 return
+            wanted = []
             for i in range(client.num_servers):
                 old = self.holds.get(i)
                 if i in self.silenced or (old is not None and old.open):
@@ -228,18 +230,28 @@ class _Holding:
                     else:
                         self.stream_lost.add(i)
                     del self.holds[i]
-                if now < self.refused_until.get(i, 0.0):
-                    continue
-                try:
-                    self.holds[i] = HoldStream(
-                        client.spec.channel(i),
-                        self._request(),
-                        client.spec.metadata(),
-                        lambda reply, i=i: self._on_reply(i, reply),
-                        f"lease-stream-{i}",
-                    )
-                except ValueError:  # the channel was closed under us
-                    return
+                if now >= self.refused_until.get(i, 0.0):
+                    wanted.append(i)
+        # gRPC is called with no lock of ours held: a thread stuck in gRPC (see release)
+        # must not hold up the thread that closes
+        for i in wanted:
+            try:
+                hold = HoldStream(
+                    client.spec.channel(i),
+                    self._request(),
+                    client.spec.metadata(),
+                    lambda reply, i=i: self._on_reply(i, reply),
+                    f"lease-stream-{i}",
+                )
+            except ValueError:  # the channel was closed under us
+                return
+            with self._lock:
+                if self.released:  # released meanwhile: this one goes too
+                    stray = hold
+                else:
+                    stray, self.holds[i] = self.holds.get(i), hold
+            if stray is not None:
+                stray.close()
 
     def _on_reply(self, server: int, reply: pb.LeaseReply) -> None:
         self.stream_lost.discard(server)  # the stream is (back) up
@@ -277,9 +289,11 @@ class _Holding:
         now = time.monotonic()
         for i, fut in sent:
             try:
-                reply = fut.result()
+                reply = fut.result(timeout=2 * RENEW_S)  # its deadline is at most RENEW_S
             except grpc.RpcError as exc:
                 self._failed(i, exc, now)
+                continue
+            except grpc.FutureTimeoutError:  # a channel stuck in gRPC (protos/closing.py)
                 continue
             self.failing_since.pop(i, None)
             if reply.aborted:
@@ -313,10 +327,11 @@ class _Holding:
         """Asks every server to abort this rank's epoch for ``cause``; the notice as the
         servers word it (None: no server answered)."""
         worded = None
+        deadline = time.monotonic() + 2 * RENEW_S  # the calls' deadline is at most RENEW_S
         for _, fut in self.start(self._request(abort=cause[:1024])):
             try:
-                reply = fut.result()
-            except grpc.RpcError:
+                reply = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except (grpc.RpcError, grpc.FutureTimeoutError):
                 continue
             if worded is None and reply.aborted and reply.aborted_epoch == self.state.epoch:
                 worded = reply.aborted
@@ -332,12 +347,13 @@ class _Holding:
         self.close_holds()
 
 
-def _wait(sent: list[tuple[int, Any]]) -> None:
-    """Waits for calls whose replies do not matter (best effort)."""
+def _wait(sent: list[tuple[int, Any]], bound_s: float = closing.STEP_S) -> None:
+    """Waits, at most ``bound_s`` in all, for calls whose replies do not matter."""
+    deadline = time.monotonic() + bound_s
     for _, fut in sent:
         try:
-            fut.result()
-        except grpc.RpcError:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
             pass
 
 
@@ -366,7 +382,7 @@ class _Keeper:
             thread = self._thread if not self._holdings else None
         if thread is not None and thread is not threading.current_thread():
             self._wake.set()
-            thread.join(2 * RENEW_S + 1.0)
+            thread.join(closing.STEP_S)  # it ends after its renewals in flight (1 s deadline)
 
     def _run(self) -> None:
         while True:
@@ -374,11 +390,13 @@ class _Keeper:
             with self._lock:
                 self._wake.clear()
                 live = [h for h in self._holdings if not h.released and h.client() is not None]
-                gone = [h for h in self._holdings if h not in live]
+                # a client dropped without close(): its streams end here (a released one's
+                # end in its release, on the thread that closes)
+                dropped = [h for h in self._holdings if not h.released and h.client() is None]
                 self._holdings = live
                 if not live:
                     self._thread = None
-            for holding in gone:  # a client dropped without close(): its streams end here
+            for holding in dropped:
                 holding.close_holds()
             if not live:
                 return

@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from paramshard.client.local_calls import LocalRpcError
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import decode_batch, encode_batch, take_ready
 
@@ -43,7 +44,6 @@ MAX_BODY = 256 * 2**10
 OPEN_TIMEOUT_S = 5.0
 RETRY_OPEN_S = 30.0
 _REPLY_GRACE_S = 2.0  # past its deadline, a call without a reply fails here
-CLOSE_WAIT_S = 2.0  # how long closing a session waits for its receiving thread
 _SERVICE = "/paramshard.v1.Shard/Session"
 
 
@@ -190,11 +190,11 @@ class _Session:
 
     def close(self) -> None:
         """Ends the stream; its calls in flight fail (UNAVAILABLE) and its thread ends, waited
-        for (bounded)."""
+        for (``closing.STEP_S`` at most)."""
         self._out.put(None)
         self._call.cancel()
         if self._receiver is not threading.current_thread():
-            self._receiver.join(CLOSE_WAIT_S)
+            self._receiver.join(closing.STEP_S)
 
 
 class Sessions:

@@ -24,7 +24,16 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["close_at_exit", "forget", "close_all"]
+__all__ = ["close_at_exit", "forget", "close_all", "STEP_S"]
+
+STEP_S = 1.0
+"""How long one step of a close waits (the servers' replies to a release, a thread's end, a
+channel's close), so that a close always ends. Normally each takes milliseconds. But a
+KeyboardInterrupt that lands inside gRPC's channel code (Python runs the handler wherever the
+interrupted thread is, even between a lock's acquisition and the ``with`` that releases it)
+can leave the channel's lock taken or a call that no thread will ever complete: a rank of
+``paramshard launch`` interrupted mid-call then waited for ever in its close. Past the bound
+the step is left unfinished (a daemon thread, a reply never read) and the process exits."""
 
 log = logging.getLogger("paramshard")
 

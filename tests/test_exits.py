@@ -37,24 +37,47 @@ EXIT_S = 5.0
 ROUNDS = 2  # each shape runs this many times
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, dead but not reaped by its parent, does not)."""
+def _threads(pid: int) -> dict[str, str]:
+    """Each running thread of process ``pid``: its name -> its state (R, S, D...); a zombie's
+    are left out (dead, not reaped by its parent yet)."""
+    out = {}
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return False
-    return state != "Z"
+        return out
+    for tid in tasks:
+        try:
+            state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if state != "Z":
+            out[f"{name}/{tid}"] = state
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether any thread of process ``pid`` still runs."""
+    return bool(_threads(pid))
 
 
 class Lines:
-    """A child's stdout, line by line, from a thread."""
+    """A child's stdout, line by line, from a thread; ``seen`` keeps them with their time."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
         self.q: queue.Queue = queue.Queue()
-        threading.Thread(
-            target=lambda: [self.q.put(x.rstrip("\n")) for x in proc.stdout] + [self.q.put(None)],
-            daemon=True,
-        ).start()
+        self.seen: list[tuple[float, str]] = []
+
+        def pump() -> None:
+            for line in proc.stdout:
+                self.seen.append((time.monotonic(), line.rstrip("\n")))
+                self.q.put(self.seen[-1][1])
+            self.q.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
+
+    def since(self, t0: float) -> str:
+        return "\n".join(f"{t - t0:+7.2f} {line}" for t, line in self.seen if t >= t0 - 1)
 
     def expect(self, prefix: str, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -145,8 +168,11 @@ def test_a_3d_cells_ranks_exit_when_one_is_killed(round_):
     fail (a lost rank, a lost server) and exit."""
     procs, _ = start_cell()
     try:
-        time.sleep(5)  # into setup and training
+        time.sleep(0.5)  # into their setup: building and registering the model
         procs[3].kill()
+        for p in procs[:3]:  # had one finished already, its EXIT would come with the others'
+            p.stdin.write("EXIT\n")
+            p.stdin.flush()
         took = gone_within(procs[:3], 60.0)  # their calls' retries, then their exit
     finally:
         for p in procs:
@@ -198,12 +224,18 @@ def test_launch_exits_soon_after_one_rank_is_interrupted(tmp_path, round_):
                 pids[m.group(1)] = int(m.group(2))
             if m := re.match(r"\[(rank \d)\] ready", line):
                 pids[m.group(1)] = _child_pid(launch.pid, m.group(1))
+        interrupted = time.monotonic()
         os.kill(pids["rank 1"], signal.SIGINT)
         try:
-            gone_within([launch], EXIT_S)
-        except AssertionError as exc:  # where its children are
-            stacks = "".join(f"{n}: {_stack(pid)}" for n, pid in pids.items() if alive(pid))
-            raise AssertionError(f"{exc}\n{stacks}") from None
+            launch.wait(EXIT_S)
+        except subprocess.TimeoutExpired:  # where it and its children are, what it said when
+            stacks = "".join(
+                f"{n}: {_threads(pid)}\n{_stack(pid)}" for n, pid in pids.items() if alive(pid)
+            )
+            raise AssertionError(
+                f"launch still alive {EXIT_S} s after rank 1's SIGINT\n{_stack(launch.pid)}"
+                f"\n{stacks}\n{out.since(interrupted)}"
+            ) from None
     finally:
         if launch.poll() is None:
             launch.kill()
