@@ -63,6 +63,7 @@ from benchmarks._processes import (
     ChildError,
     child_guard,
     install_cleanup,
+    run_child,
     stop_all,
     wait_quiet,
 )
@@ -271,15 +272,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.mode != "bench":
         child_guard(a.lifetime or 1800.0)
-        {
+        child = {
             "_rank": rank_main,
             "_server": server_main,
             "_gloo": gloo_main,
             "_tcp_recv": tcp_recv_main,
             "_tcp_send": tcp_send_main,
             "_pushpull": pushpull_main,
-        }[a.mode](a)
-        return 0
+        }[a.mode]
+        run_child(lambda: child(a))
 
     if any(w < 1 for w in a.world_sizes) or any(s <= 0 for s in a.sizes):
         ap.error("sizes and world sizes must be positive")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
+
+from paramshard.protos import closing
 
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
@@ -28,6 +31,7 @@ CHANNEL_OPTIONS = [
 # Channels are made on first use from any rank's thread and closed from another (a harness
 # closing clients while a rank still runs): one lock for all specs, as channels are made rarely.
 _CHANNELS_LOCK = threading.Lock()
+log = logging.getLogger("paramshard.client")
 
 
 @dataclass
@@ -143,4 +147,15 @@ class ClusterSpec:
             channels = list(self._channels.values())
             self._channels.clear()
         for chan in channels:
-            chan.close()
+            _close_bounded(chan)
+
+
+def _close_bounded(chan: grpc.Channel) -> None:
+    """Closes ``chan``, waiting at most ``closing.STEP_S``: gRPC's close waits until the
+    channel's polling thread has drained every call, which an interrupted call may prevent
+    for ever (protos/closing.py). Past the bound the close is left to a daemon thread."""
+    closer = threading.Thread(target=chan.close, name="channel-close", daemon=True)
+    closer.start()
+    closer.join(closing.STEP_S)
+    if closer.is_alive():
+        log.warning("closing a gRPC channel took over %g s; left to the exit", closing.STEP_S)

@@ -18,12 +18,12 @@ from typing import Any
 
 import grpc
 
-from paramshard.client import hang_report, unreachable
+from paramshard.client import hang_report, leases, unreachable
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.leases import WAITS_ON_PEERS, RunState
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
-from paramshard.protos import codec, local_servers
+from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import Segment, SharedMemory, is_stale
 
@@ -393,9 +393,10 @@ class RpcCore:
         return self.run([Call(server, method, request)])[0]
 
     def close(self) -> None:
-        holding = self.run_state.holding
-        if holding is not None and holding.client() is self:
-            holding.release()  # the rank ends normally: nothing is aborted
+        """Releases the lease (the rank ends normally: nothing is aborted), cancels what is in
+        flight, ends the sessions and closes the channels; idempotent."""
+        closing.forget(self)
+        leases.release(self)
         self._closed = True
         with self._lock:
             pending = list(self._local_calls)

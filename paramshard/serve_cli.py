@@ -4,6 +4,7 @@ serving (for Docker's HEALTHCHECK)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -31,8 +32,12 @@ from paramshard.serve_setup import (
     restore_at_start,
 )
 
+EXIT_WATCHDOG_S = 10.0
+"""Once stopped, the process must be gone within this long: every thread of the server has
+been told to end. Past it, faulthandler prints every thread's stack and exits 1 (it needs no
+GIL, so an interpreter stuck in its own teardown ends too): a hang shows where it is."""
 
-# Set in the re-executed ``serve`` process so it never re-executes itself again.
+
 # ------------------------------------------------------------------------------------- serve
 @command(
     arg(
@@ -114,9 +119,10 @@ from paramshard.serve_setup import (
         "--max-sessions",
         type=int,
         default=64,
-        help="open client sessions (one stream per client carrying its data-plane calls) at"
-        " once, on threads of their own, of read tokens at most a quarter; a client past it"
-        " calls one by one; 0: no sessions (default: %(default)s)",
+        help="open client streams at once, on threads of their own: sessions (one per client,"
+        " carrying its data-plane calls; of read tokens at most a quarter) and trainers' lease"
+        " streams (one per rank); a client past it calls one by one, a rank's lease then lives"
+        " on renewals alone; 0: none (default: %(default)s)",
     ),
     arg(
         "--grace",
@@ -193,9 +199,10 @@ def serve(args: argparse.Namespace) -> int:
 
     Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls
     (then 'paramshard serve: metrics at URL' with --metrics-port).
-    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
-    one ends the process at once. The MALLOC_* settings of docs/design.md §7.5 are applied by
-    re-executing the interpreter when they are missing from the environment.
+    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds, then
+    whatever still waits ends, and the process exits); a second one ends the process at once.
+    The MALLOC_* settings of docs/design.md §7.5 are applied by re-executing the interpreter when
+    they are missing from the environment.
 
     Security (docs/design.md §6.1): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
@@ -333,6 +340,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"paramshard serve: {why}: stopping (grace {args.grace:g} s)", flush=True)
         server.stop(args.grace)
         print("paramshard serve: stopped", flush=True)
+        faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
     except BaseException:
         server.stop(0)
         raise

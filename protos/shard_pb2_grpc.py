@@ -89,6 +89,11 @@ class ShardStub:
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
                 _registered_method=True)
+        self.HoldLease = channel.unary_stream(
+                '/paramshard.v1.Shard/HoldLease',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+                _registered_method=True)
         self.Join = channel.unary_unary(
                 '/paramshard.v1.Shard/Join',
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.JoinRequest.SerializeToString,
@@ -252,7 +257,17 @@ class ShardServicer:
 
     def Lease(self, request, context):
         """A rank's lease on this server (docs/design.md §3.7, fast failure): renewed about every
-        0.4 s; the reply carries the run's abort notice when one was raised.
+        second; the reply carries the run's abort notice when one was raised.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldLease(self, request, context):
+        """The same lease held by an open stream while the rank lives: its end without a release
+        (the process died, its host is unreachable) lapses the lease within seconds, its silence
+        (a stopped or busy process) never does. The server sends the run's notices as they are
+        raised, and an empty reply every few seconds.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -431,6 +446,11 @@ def add_ShardServicer_to_server(servicer, server):
             ),
             'Lease': grpc.unary_unary_rpc_method_handler(
                     servicer.Lease,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.SerializeToString,
+            ),
+            'HoldLease': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldLease,
                     request_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.FromString,
                     response_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.SerializeToString,
             ),
@@ -805,6 +825,33 @@ class Shard:
             request,
             target,
             '/paramshard.v1.Shard/Lease',
+            paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramshard.v1.Shard/HoldLease',
             paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
             paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
             options,

@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from paramshard.protos import local_servers
+from paramshard.protos import closing, local_servers
 from paramshard.server.config import ServerConfig
 from paramshard.server.rpc import auth, tls, tokens
 from paramshard.server.rpc.admission import CallGate
@@ -21,7 +21,19 @@ from paramshard.server.runtime.limits import default_memory_limit, parse_bytes
 from paramshard.server.servicer import SERVICE_NAME, ShardServicer
 from paramshard.server.transport.sessions import Sessions
 
-__all__ = ["ShardServer", "MALLOC_ENV"]
+__all__ = ["ShardServer", "MALLOC_ENV", "TCP_USER_TIMEOUT_S"]
+
+TCP_USER_TIMEOUT_S = 30.0
+"""How long data this server sent may stay unacknowledged before the kernel closes the
+connection (gRPC sets TCP_USER_TIMEOUT from its keepalive timeout, default 20 s: gRPC proposal
+A18). A trainer's lease stream sends a heartbeat every few seconds, so this is how long a host
+that vanished holds its ranks' leases (server/collectives/lease_holds.py). A stopped or busy
+process is not affected: its kernel acknowledges. (Why 30 s, against torchelastic's 15 s and
+torchft's 5 s: docs/inspection-and-recovery.md.) gRPC's keepalive pings (every two hours while
+a call is open) share this timeout: a process stopped for longer than that when a ping comes
+is taken for dead."""
+STOP_MARGIN_S = 5.0
+"""Past its grace, how long ``stop`` waits for gRPC to wind down before it goes on anyway."""
 
 # docs/design.md §7.5: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
 # took a 256 MiB call from 0.35 to 0.96 GB/s. They only work if set before the interpreter starts.
@@ -158,11 +170,13 @@ class ShardServer:
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            ("grpc.keepalive_timeout_ms", int(TCP_USER_TIMEOUT_S * 1000)),
         ]
         # Waiting handlers (pull at a version, read a slot) hold a thread each: the gate keeps
         # some free for the calls that work, and gives the open streams threads of their own.
+        self._pool = futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard")
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard"),
+            self._pool,
             options=options,
             maximum_concurrent_rpcs=None,
             interceptors=chain,
@@ -197,6 +211,9 @@ class ShardServer:
         self._metrics_port = metrics_port
         self.metrics_port: int | None = None
         """The bound metrics port once started (None without metrics)."""
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        closing.close_at_exit(self, lambda server: server.stop(0))
 
     @property
     def address(self) -> str:
@@ -235,6 +252,16 @@ class ShardServer:
         return self
 
     def stop(self, grace: float | None = None) -> None:
+        """Stops serving; idempotent. New calls are refused at once and lease streams end
+        (their ranks' clients see the server go, nothing is decided about them); running calls
+        get ``grace`` seconds (None: none); then every call still waiting ends (a slot read, a
+        pull or step waiting for a version) and the server's threads are told to end, so
+        every handler thread returns and the process can exit."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        closing.forget(self)
         if self._local is not None:
             local_servers.unregister(self.address, self._local)
         # Health watchers learn NOT_SERVING first. Bounded: once, with outside clients holding
@@ -242,9 +269,15 @@ class ShardServer:
         notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True)
         notify.start()
         notify.join(timeout=2.0)
-        self._server.stop(grace).wait()
+        self.servicer.leases.close()  # open streams would hold the grace to its end
+        # gRPC cancels what still runs when the grace ends; a handler blocked in one of our
+        # waits does not notice, and Python's exit joins the pool's threads: so the waits end
+        # here (a `paramshard serve` that printed "stopped" and never exited was that).
+        self._server.stop(grace).wait((grace or 0.0) + STOP_MARGIN_S)
+        self.servicer.close("this server stopped")
         self.sweeper.stop()
         self.sessions.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.replicator.close()
         self.servicer.segments.close()
         if self.metrics is not None:

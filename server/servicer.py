@@ -23,6 +23,7 @@ from paramshard.protos.manifest import ParamEntry, recorded_model_config, record
 from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
 from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.collectives.lease_holds import hold_lease
 from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
@@ -160,7 +161,19 @@ class ShardServicer:
             name: unary(fn, request_deserializer=de, response_serializer=ser)
             for name, (fn, de, ser) in guarded.items()
         }
+        handlers["HoldLease"] = grpc.unary_stream_rpc_method_handler(
+            self._guard("HoldLease", self.hold_lease),  # a bad request fails before it streams
+            request_deserializer=plain(pb.LeaseRequest),
+            response_serializer=plain_reply,
+        )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def close(self, why: str) -> None:
+        """The server stops: every call still waiting ends with ``why`` (slot reads, pulls
+        and steps waiting for a version, lease streams), so every handler thread returns."""
+        self.leases.close()
+        self.slots.interrupt(why)
+        self.buffers.interrupt(why)
 
     LOCAL_METHODS = {
         "Contribute": "contribute",
@@ -314,6 +327,9 @@ class ShardServicer:
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
         return self.leases.renew(req)
+
+    def hold_lease(self, req: pb.LeaseRequest, context: Any) -> Any:
+        return hold_lease(self.leases, req, context)
 
     def join(self, req: pb.JoinRequest, context: Any) -> Any:
         return self.membership.join(req, self._timeout(context))

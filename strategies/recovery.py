@@ -165,11 +165,23 @@ def _recover(
     the servers, numbers the collectives afresh in ``epoch`` and brings the model back to
     the servers' step (``model.recover()``); ``report`` records it."""
     began = time.monotonic()
-    log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
-    # the ranks waiting on this one learn now, through the servers, not at a deadline
-    model.client.run_state.give_up(
-        f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
-    )
+    source = model.recovery_source
+    if exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
+        log.warning("rank %d: step %d: recovering with the others, %s", model.rank, step, source)
+        model.client.run_state.give_up(f"joined the recovery at step {step}")
+    else:
+        lost = f"server {exc.server} ({exc.address}) lost at step {step}"
+        log.warning(
+            "rank %d: %s: %s (%s: %s: %s)",
+            model.rank,
+            lost,
+            source,
+            exc.method,
+            exc.code.name,
+            exc.details,
+        )
+        # the ranks waiting on this one learn now, through the servers, not at a deadline
+        model.client.run_state.give_up(f"{lost} ({exc.method}: {exc.code.name})")
     report.recoveries += 1
     report.causes.append(exc.code.name)
     model.abandon_step()

@@ -7,6 +7,7 @@ says how it runs:
 
 - none: ``python block.py`` (a block starts its servers itself: ``LocalCluster``, ``ShardServer``);
 - ``<!-- run: paramshard launch --nproc N -->``: under the launcher, N ranks and N local servers
+  (flags without a value may follow: ``--elastic``)
   (a block that reads RANK, WORLD_SIZE and PARAMSHARD_SERVERS, as a user's script does);
 - ``<!-- run: after the block above -->`` (may follow the launch form, after a comma): the block
   continues the page's previous Python block, and runs appended to it;
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
 COMMENT = re.compile(r"^<!--\s*(run|not run|file):\s*(.*?)\s*-->\s*$")
-LAUNCH = re.compile(r"^paramshard launch --nproc (\d+)$")
+LAUNCH = re.compile(r"^paramshard launch --nproc (\d+)((?: --[a-z-]+)*)$")  # flags: no values
 TIMEOUT_S = 600
 
 
@@ -76,6 +77,7 @@ class Plan:
 
     script: str
     nproc: int  # 0: plain python
+    flags: list[str]  # launch's flags after --nproc N
     files: dict[str, str]
 
 
@@ -83,12 +85,12 @@ def plan(block: Block) -> Plan:
     page = blocks(block.page)
     files = {b.directive[1]: b.code for b in page if b.directive and b.directive[0] == "file"}
     earlier = [b for b in page if b.lang == "python" and b.line < block.line]
-    nproc, after = 0, False
+    nproc, after, flags = 0, False, []
     if block.directive and block.directive[0] == "run":
         for option in (o.strip() for o in block.directive[1].split(",")):
             launch = LAUNCH.match(option)
             if launch:
-                nproc = int(launch.group(1))
+                nproc, flags = int(launch.group(1)), launch.group(2).split()
             elif option == "after the block above":
                 after = True
             else:
@@ -98,7 +100,8 @@ def plan(block: Block) -> Plan:
         assert earlier, f"{block.name} runs after the block above, but none is there"
         previous = plan(earlier[-1])
         script, nproc = previous.script + script, nproc or previous.nproc
-    return Plan(script, nproc, files)
+        flags = flags or previous.flags
+    return Plan(script, nproc, flags, files)
 
 
 SNIPPETS = python_blocks()
@@ -137,7 +140,7 @@ def test_block_runs(block: Block, tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
     (tmp_path / "block.py").write_text(how.script)
     if how.nproc:
-        cmd = [paramshard_command(), "launch", "--nproc", str(how.nproc), "block.py"]
+        cmd = [paramshard_command(), "launch", "--nproc", str(how.nproc), *how.flags, "block.py"]
     else:
         cmd = [sys.executable, "block.py"]
     # One thread per process: several ranks and servers share this machine's few cores.

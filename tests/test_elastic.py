@@ -117,6 +117,16 @@ class Job:
         raise AssertionError(f"rank {rank} never waited to join step {step}")
 
 
+def vanish(client: ShardClient) -> None:
+    """What a process's death does to its client, for a rank that is a thread: its lease
+    streams end without a release and nothing renews or reopens them (the kernel closes a dead
+    process's connections), and its channels close."""
+    holding = client.run_state.holding
+    holding.released = True  # the process's renewing thread drops it; no release is sent
+    holding.close_holds()
+    client.spec.close()
+
+
 def rank_body(job: Job, r: int, x: torch.Tensor, y: torch.Tensor) -> None:
     client = ShardClient(
         ClusterSpec(job.addresses), rank=r, world_size=WORLD, run_id=job.run, timeout_s=60
@@ -146,7 +156,7 @@ def rank_body(job: Job, r: int, x: torch.Tensor, y: torch.Tensor) -> None:
         if job.leaves.get(r) == s:
             raise RuntimeError(f"rank {r} gives up at step {s}")
         if job.dies.get(r) == s:  # a member of step s, gone before any of its gradients
-            client.spec.close()  # the process vanishes: no goodbye, its lease lapses
+            vanish(client)  # the process vanishes: no goodbye, its lease lapses
             raise SystemExit
         loss = 0.0
         for part in model.micro_batch_parts(BATCH):

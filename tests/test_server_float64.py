@@ -194,7 +194,7 @@ def test_master_dtype_is_float32_or_float64_and_part_of_the_layout() -> None:
         optimizer=pb.OptimizerSpec(name="sgd", hyper={"lr": 1.0}),
         master_dtype=pb.FLOAT64,
     )
-    with pytest.raises(ShardError, match="float32 master") as err:
+    with pytest.raises(ShardError, match="master dtype float32 here, float64 asked") as err:
         store.register(again)
     assert err.value.code.name == "FAILED_PRECONDITION"
 

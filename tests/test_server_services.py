@@ -36,6 +36,7 @@ METHODS = {
     "DropJob",
     "Status",
     "Lease",
+    "HoldLease",
     "Join",
     "Snapshot",
     "CommitSnapshot",

@@ -158,6 +158,7 @@ class SliceState:
         self.last_step_seconds = 0.0
         self.last_step_unix = 0.0
         self.dropped = False
+        self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
@@ -183,8 +184,13 @@ class SliceState:
         once with FAILED_PRECONDITION when the run's ranks disagree about the buffer
         (``conflict_with``)."""
         done = self.cond.wait_for(
-            lambda: self.dropped or self.conflict is not None or ready(), timeout=timeout
+            lambda: self.dropped or self.stopped or self.conflict is not None or ready(),
+            timeout=timeout,
         )
+        if self.stopped:
+            raise ShardError.aborted(
+                f"{self.label}: {self.stopped} while waiting for {waiting_for}"
+            )
         if self.dropped:
             raise ShardError.not_found(f"{self.label} was dropped while waiting for {waiting_for}")
         if not ready() and self.conflict is not None:
@@ -237,6 +243,13 @@ class SliceState:
         with self.cond:
             self.run = run_root(run) or self.run
             self.conflict = None
+
+    def interrupt(self, why: str) -> None:
+        """The server stops: every wait on the slice ends with ``why`` (its handler thread
+        returns, so the process can exit), and none starts again."""
+        with self.cond:
+            self.stopped = why
+            self.cond.notify_all()
 
     def retire(self) -> None:
         """The slice left the store (dropped, replaced): waiters wake and fail, memory is freed."""

@@ -199,6 +199,12 @@ class BufferStore:
         for b in old.values():
             b.retire()
 
+    def interrupt(self, why: str) -> None:
+        """The server stops: every wait on a slice ends (``SliceState.interrupt``)."""
+        for slices in self.jobs().values():
+            for b in slices:
+                b.interrupt(why)
+
     def drop(self, job: str) -> int:
         with self._lock:
             dropped = self._jobs.pop(job, None)

@@ -1,19 +1,37 @@
-"""Trainer leases: a rank that dies is noticed in about two seconds, not at a deadline.
+"""Trainer leases: a rank that dies is noticed in about two seconds, not at a deadline; a rank
+that is only slow (a long GC pause, a loaded machine, a stopped process) is never taken for dead.
 
-Every rank of a run renews a lease on every server about every 0.4 s (client/leases.py). A
-lease that is not renewed within its TTL *lapses*: its rank died, hangs, or lost the network.
+A rank holds its lease on every server in two ways (client/leases.py):
+
+- an open ``HoldLease`` stream (server/collectives/lease_holds.py). Its connection is the
+  liveness signal, kept by the operating systems, not by the rank's Python code: a process that
+  is stopped, swapped out or holding the GIL keeps its sockets open and its kernel acknowledges
+  what this server sends, while a process that dies has its sockets closed by its kernel at once
+  (FIN or RST). So a lease whose stream is open never lapses; when the stream ends without a
+  release, the lease lapses ``STREAM_GRACE_S`` later unless the rank renews or holds again
+  within that time (a live client reconnects at once, a dead one never does). A host that
+  vanishes sends nothing at all: the stream's heartbeats go unacknowledged and the kernel
+  closes the connection after the server's TCP user timeout (server/app.py, 30 s).
+- renewals (``Lease``) about every second, which carry the rank's epoch and bring back the
+  run's notice. A lease with no open stream (a server at its stream bound, an older client)
+  lapses a TTL after its last renewal (``PARAMSHARD_LEASE_TTL_S``, 30 s by default).
+
+A lapse means the rank died or lost the network.
 Then the run's current epoch is aborted on this server: its open reduction slots and
-mailboxes end with ABORTED ("run 'R' aborted: rank 3 lost ..."), a key of that epoch not open
+mailboxes end with ABORTED ("run 'R' aborted: rank 3 lost ..."; "run 'R': rank 1 recovers:
+server 2 (ADDRESS) lost ..." when a rank asked for it), a key of that epoch not open
 yet is refused the same way (``SlotStore.abort_run``), and every renewal by a rank at that
 epoch or an earlier one carries the notice back (``LeaseReply.aborted``), so the other ranks
-stop waiting at once: their client cancels its calls in flight. A rank that lost a server asks
-the others' servers to abort the epoch (``LeaseRequest.abort``), and 3D recovery starts at once.
+stop waiting at once: their client cancels its calls in flight (the open streams carry the
+notice too, at once). A rank that lost a server asks the others' servers to abort the epoch
+(``LeaseRequest.abort``), and 3D recovery starts at once.
 
-A lapse counts only with a *witness*: another rank of the run whose renewals reached this
-server all along (since before the silent rank's last renewal, or for ``ISOLATED_GRACE_S``
-after they resumed). A server cut off from every trainer hears from nobody, so it cannot tell a
-dead rank from its own broken link and decides nothing; when the link comes back, the ranks'
-renewals resume and nothing was aborted. (A rank that a server alone cannot hear while the
+A lapse counts only with a *witness*: another rank of the run whose renewal reached this server
+after the silence began (the stream's end, or the TTL's), and whose renewals reached it all
+along (since before the silent rank's last one, or for ``ISOLATED_GRACE_S`` after they
+resumed). A server cut off from every trainer hears from nobody, so it cannot tell a dead rank
+from its own broken link and decides nothing; when the link comes back, the ranks' renewals
+resume and nothing was aborted. (A rank that a server alone cannot hear while the
 others can is taken for lost: to the run it is.) Leases that lapse with no witness are dropped
 silently after ``forget_s``.
 
@@ -28,7 +46,8 @@ abort does not touch. A run whose leases are all gone (released, lapsed) is forg
 ``max_leases`` leases in all (RESOURCE_EXHAUSTED past them).
 
 Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
-run) and by the server's sweeper, so no thread waits per lease.
+run), when a stream's grace ends (its handler looks) and by the server's sweeper, so no thread
+waits per lease.
 """
 
 from __future__ import annotations
@@ -49,6 +68,9 @@ TTL_MS = (100, 600_000)
 MAX_REJOIN_MS = 3_600_000
 MAX_REASON_CHARS = 1024
 CHECK_EVERY_S = 0.05
+STREAM_GRACE_S = 1.0
+"""After a rank's last stream ends without a release, how long it has to renew or hold again
+before its lease lapses: a live client's channel reconnects within it, a dead process never."""
 ISOLATED_GRACE_S = 10.0
 """How long renewals must have reached this server again, after it heard from no rank, before
 a rank still silent is taken for lost: covers ranks whose channels reconnect later than
@@ -63,19 +85,36 @@ class _Aborts(Protocol):
     def forget_abort(self, run: str) -> None: ...
 
 
+class Listener(Protocol):
+    """An open stream that is told the run's notices (lease_holds.Hold)."""
+
+    run: str
+    rank: int
+
+    def push(self, reply: pb.LeaseReply) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class _Lease:
-    expires: float
+    expires: float  # when it lapses while no stream holds it
     epoch: int
     ttl_s: float
     rejoin_s: float
-    since: float  # when its current unbroken run of renewals began
+    since: float  # when its current unbroken run of liveness began
+    heard: float  # its last renewal or stream opening
+    holds: int = 0  # its open streams
+    closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
     lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
 
+    def live(self, now: float) -> bool:
+        return self.holds > 0 or self.expires >= now
+
     @property
-    def renewed(self) -> float:
-        """When it was last renewed."""
-        return self.expires - self.ttl_s
+    def silent_from(self) -> float:
+        """When its silence began to count: its stream's end, else its TTL's."""
+        return self.closed_at if self.closed_at is not None else self.expires
 
 
 @dataclass
@@ -87,9 +126,19 @@ class _Run:
     lost_rank: int = -1
     checked: float = 0.0
     idle_since: float | None = None  # when its last lease went
+    streams: set[Listener] = field(default_factory=set)
 
     def live(self, now: float, but: int = -1) -> list[int]:
-        return [r for r, x in self.leases.items() if r != but and x.expires >= now]
+        return [r for r, x in self.leases.items() if r != but and x.live(now)]
+
+    def notice(self, epoch: int) -> pb.LeaseReply:
+        """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""
+        reply = pb.LeaseReply(lost_rank=-1)
+        if self.aborted_epoch >= epoch:
+            reply.aborted, reply.aborted_epoch = self.reason, self.aborted_epoch
+            reply.lost_rank = self.lost_rank
+        reply.awaiting.extend(sorted(r for r, x in self.leases.items() if x.lapsed_at))
+        return reply
 
 
 class LeaseTable:
@@ -112,6 +161,7 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
         self._count = 0  # leases held in all runs
+        self._closed = threading.Event()  # the server stops: streams end, nothing is decided
 
     # -- the RPC ---------------------------------------------------------------------------
     def renew(self, req: pb.LeaseRequest) -> pb.LeaseReply:
@@ -128,26 +178,76 @@ class LeaseTable:
             else:
                 self._hold(run, req, now)
             if req.abort:
-                self._abort(
-                    req.run,
-                    run,
-                    req.epoch,
-                    f"run '{req.run}' aborted by rank {req.rank}: {req.abort}",
-                    -1,
-                )
+                # a rank that lost a server and recovers (client/leases.py, give_up): the
+                # others recover with it, so it reads as a recovery, not as an abort
+                why = f"run '{req.run}': rank {req.rank} recovers: {req.abort}"
+                self._abort(req.run, run, req.epoch, why, -1)
             self._check_lapses(req.run, run, now, force=bool(req.abort))
-            reply = pb.LeaseReply(lost_rank=-1)
-            if run.aborted_epoch >= req.epoch:
-                reply.aborted, reply.aborted_epoch = run.reason, run.aborted_epoch
-                reply.lost_rank = run.lost_rank
-            reply.awaiting.extend(sorted(r for r, x in run.leases.items() if x.lapsed_at))
+            reply = run.notice(req.epoch)
             self._forget_if_idle(req.run, run, now)
             return reply
+
+    # -- streams (server/collectives/lease_holds.py) ---------------------------------------
+    def open_hold(self, req: pb.LeaseRequest, stream: Listener) -> pb.LeaseReply:
+        """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
+        too); its first reply: the run's notice for the rank's epoch, if any."""
+        _check(req)
+        if req.release or req.abort:
+            raise ShardError.invalid("HoldLease: release and abort go in a Lease call")
+        with self._lock:
+            if self._closed.is_set():
+                raise ShardError.precondition("HoldLease: this server is stopping")
+            now = self.clock()
+            run = self._run_for(req, now)
+            self._hold(run, req, now)
+            run.leases[req.rank].holds += 1
+            run.streams.add(stream)
+            return run.notice(req.epoch)
+
+    def end_hold(self, stream: Listener) -> bool:
+        """``stream`` ended; whether its rank now has ``STREAM_GRACE_S`` to come back (its
+        last stream, not released), after which the caller calls ``check``."""
+        with self._lock:
+            run = self._runs.get(stream.run)
+            if run is None or stream not in run.streams:
+                return False
+            run.streams.discard(stream)
+            lease = run.leases.get(stream.rank)
+            if lease is None or self._closed.is_set():
+                return False  # released (or the server stops): nothing to decide
+            lease.holds -= 1
+            if lease.holds:
+                return False
+            now = self.clock()
+            lease.closed_at, lease.expires = now, now + STREAM_GRACE_S
+            return True
+
+    def check(self, run: str) -> None:
+        """Looks for lapses in run ``run`` now."""
+        with self._lock:
+            found = self._runs.get(run)
+            if found is not None and not self._closed.is_set():
+                self._check_lapses(run, found, self.clock(), force=True)
+
+    def wait_closed(self, seconds: float) -> bool:
+        """Waits up to ``seconds``; whether the table was closed meanwhile."""
+        return self._closed.wait(seconds)
+
+    def close(self) -> None:
+        """The server stops: every stream ends (its rank's client reconnects elsewhere or
+        sees the server gone), and nothing more is decided."""
+        with self._lock:
+            self._closed.set()
+            streams = [x for run in self._runs.values() for x in run.streams]
+        for stream in streams:
+            stream.stop()
 
     def sweep(self) -> None:
         """Finds lapses of runs no live rank renews any more, and forgets idle runs (the
         server's sweeper calls it)."""
         with self._lock:
+            if self._closed.is_set():
+                return
             now = self.clock()
             for name, run in list(self._runs.items()):
                 self._check_lapses(name, run, now, force=True)
@@ -174,7 +274,7 @@ class LeaseTable:
         run = self._runs.get(req.run)
         if run is not None and not run.live(now, but=req.rank):
             mine = run.leases.get(req.rank)
-            survivor = mine is not None and mine.expires >= now  # keeps renewing after an abort
+            survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
             if run.world_size != req.world_size or (run.aborted_epoch >= 0 and not survivor):
                 self._forget(req.run, run)  # a new run under the same id
                 run = None
@@ -202,9 +302,21 @@ class LeaseTable:
                     f" {req.rank} of run '{req.run}' was not added"
                 )
             self._count += 1
-        ttl = req.ttl_ms / 1000
-        since = lease.since if lease is not None and lease.expires >= now else now
-        run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, req.rejoin_ms / 1000, since)
+        ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
+        if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
+            holds = lease.holds if lease is not None else 0
+            lease = run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, rejoin, now, now)
+            lease.holds = holds
+        else:
+            if not lease.live(now):
+                lease.since = now
+            lease.expires, lease.epoch, lease.ttl_s, lease.rejoin_s = (
+                now + ttl,
+                req.epoch,
+                ttl,
+                rejoin,
+            )
+            lease.heard, lease.closed_at = now, None
         run.idle_since = None
 
     def _drop_lease(self, run: _Run, rank: int, now: float) -> None:
@@ -218,7 +330,7 @@ class LeaseTable:
             return
         run.checked = now
         for rank, lease in list(run.leases.items()):
-            if lease.expires >= now:
+            if lease.live(now):
                 continue
             if lease.lapsed_at is None:
                 lease.lapsed_at = lease.expires
@@ -229,15 +341,15 @@ class LeaseTable:
                     self._drop_lease(run, rank, now)
                 continue  # this server may be the one cut off: it decides nothing
             waited = f", then {lease.rejoin_s:g} s for a restart" if lease.rejoin_s else ""
+            if lease.closed_at is not None:
+                how = "its lease stream to this server closed: its process ended or its host is"
+                how += " unreachable"
+            else:
+                how = f"no lease renewal for {lease.ttl_s:g} s"
             epoch = max(x.epoch for x in run.leases.values())
             self._drop_lease(run, rank, now)
             self._abort(
-                name,
-                run,
-                epoch,
-                f"run '{name}' aborted: rank {rank} lost (no lease renewal for"
-                f" {lease.ttl_s:g} s{waited})",
-                rank,
+                name, run, epoch, f"run '{name}' aborted: rank {rank} lost ({how}{waited})", rank
             )
 
     def _abort(self, name: str, run: _Run, epoch: int, why: str, lost: int) -> None:
@@ -245,6 +357,9 @@ class LeaseTable:
             return  # that epoch ended already: its first reason stands
         run.aborted_epoch, run.reason, run.lost_rank = epoch, why, lost
         self.slots.abort_run(name, epoch, why)
+        notice = run.notice(epoch)
+        for stream in run.streams:  # every rank learns now, not at its next renewal
+            stream.push(notice)
 
     def _forget_if_idle(self, name: str, run: _Run, now: float) -> None:
         if not run.leases and run.idle_since is not None and now - run.idle_since > self.forget_s:
@@ -258,10 +373,12 @@ class LeaseTable:
 
 def _witnessed(run: _Run, rank: int, silent: _Lease, now: float) -> bool:
     """Whether another rank's renewals reached this server all through ``rank``'s silence
-    (or for ``ISOLATED_GRACE_S`` since they resumed): proof that the silence is the rank's."""
+    (or for ``ISOLATED_GRACE_S`` since they resumed), one of them after the silence began:
+    proof that the silence is the rank's, not this server's."""
     return any(
-        other.expires >= now
-        and (other.since <= silent.renewed or now - other.since >= ISOLATED_GRACE_S)
+        other.live(now)
+        and other.heard > silent.silent_from
+        and (other.since <= silent.heard or now - other.since >= ISOLATED_GRACE_S)
         for r, other in run.leases.items()
         if r != rank
     )

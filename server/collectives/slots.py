@@ -325,6 +325,15 @@ class SlotStore:
             self._aborted[run] = (epoch, why)
         return self._end_run(run, epoch, f"ended: {why}")
 
+    def interrupt(self, why: str) -> None:
+        """The server stops: every open slot ends with ``why``, its readers' waits with it."""
+        with self._lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.cond:
+                if slot.ended is None:
+                    self._end(slot, f"slot '{slot.key}': {why}")
+
     def forget_abort(self, run: str) -> None:
         """Run ``run`` starts afresh (a new run under the same id): its keys open again."""
         with self._lock:

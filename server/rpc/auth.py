@@ -89,6 +89,7 @@ METHOD_ROLES: dict[str, str] = {
     "Contribute": "train",
     "ReadSlot": "train",
     "Lease": "train",
+    "HoldLease": "train",
     "Join": "train",
     # admin: destroys, writes, replaces or sends away state
     "ConfigureReplication": "admin",  # makes the server send its slices to another server

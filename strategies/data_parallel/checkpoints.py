@@ -4,9 +4,13 @@ snapshot, and dropping a step a failure cut short."""
 
 from __future__ import annotations
 
+import logging
+
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
 
 __all__ = ["ServerCheckpoints"]
+
+log = logging.getLogger("paramshard.recovery")
 
 
 class ServerCheckpoints(ElasticCheckpoints):
@@ -48,6 +52,13 @@ class ServerCheckpoints(ElasticCheckpoints):
         self.client.barrier()
         return self._adopt_server_version()
 
+    @property
+    def recovery_source(self) -> str:
+        """What ``recover`` restores from, in words (for the recovery's messages)."""
+        if self.config.replicate_every:
+            return "restoring from its neighbour's replica"
+        return "restoring from the newest snapshot"
+
     def recover(self) -> int:
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
@@ -64,7 +75,11 @@ class ServerCheckpoints(ElasticCheckpoints):
                 if not self.config.replicate_every:
                     raise LookupError("replication is off")
                 tools.recover_from_replicas(self.client, job)
-            except LookupError:
+            except LookupError as exc:
+                if self.config.replicate_every:
+                    log.warning(
+                        "job '%s': no usable replica (%s): restoring the newest snapshot", job, exc
+                    )
                 tools.restore(self.client, job, "latest", contributors=self.world_size)
             if self.config.replicate_every:
                 tools.configure_replication(self.client, job, self.config.replicate_every)
