@@ -94,6 +94,8 @@ def train_elastic(
                 epoch = model.client.run_state.epoch
                 model.save_checkpoint(f"{tag_prefix}-{step}" + (f"-e{epoch}" if epoch else ""))
                 taken = step
+            if model.membership is not None:  # it trains the step now: should it leave (an
+                model.membership.training = step  # exception), the others redo the step without it
             report.losses[step] = loss = train_step(step)
             sync_scheduler(scheduler, model.step_count)
             if hooks.after_step(step, loss):
