@@ -125,14 +125,20 @@ class DDPModel(ShardedModelBase):
         dtype = torch_dtype(self.config.reduce_dtype_for(bucket.master))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         flat = torch.cat([g.detach().reshape(-1).to(dtype) for g in grads])
-        bucket.future = self._pool.submit(self.client.all_reduce, flat, "mean")
+        bucket.future = self._pool.submit(self._all_reduce, flat)
+
+    def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        with self.comm_times.busy("all_reduce"):
+            return self.client.all_reduce(flat, "mean")
 
     def _finish(self, bucket: _Bucket) -> None:
         fut, bucket.future = bucket.future, None
         bucket.ready.clear()
         if fut is None:
             return
-        averaged = fut.result().to(torch_dtype(bucket.master))
+        with self.comm_times.blocked("all_reduce"):
+            averaged = fut.result()
+        averaged = averaged.to(torch_dtype(bucket.master))
         offset = 0
         for p in bucket.params:
             n = p.numel()

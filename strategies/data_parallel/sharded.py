@@ -218,15 +218,20 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             start=start,
             numel=b.numel,
         )
-        self._pending.append(self._pool.submit(self.client.run, calls))
+        self._pending.append(self._pool.submit(self._run_pushes, calls))
+
+    def _run_pushes(self, calls: list) -> None:
+        with self.comm_times.busy("push"):
+            self.client.run(calls)
 
     def _num_micro(self) -> int:
         return 1
 
     def _wait_pushes(self) -> None:
         pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        with self.comm_times.blocked("push"):
+            for fut in pending:
+                fut.result()
 
     def _ensure_reduced(self) -> None:
         """Every gradient of this step is on the servers (strategy-specific)."""
@@ -278,7 +283,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
         # Both phases of a step (server/nonfinite.py): every server's finiteness first, then
         # the same Step, applied or skipped, to all. Asking first also means no server moves
         # on while another still waits for a (restartable) dead rank's gradient.
-        where = list(self._grad_check().nonfinite)
+        with self.comm_times.blocked("grad_check"):
+            where = list(self._grad_check().nonfinite)
         if self.agree_on_finite is not None:
             where = self.agree_on_finite(where)
         groups = self.optimizer.param_groups
@@ -290,7 +296,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             for b in self._buffers
         }
         step = self._step
-        self.client.step(self.config.job, step, args, skip=bool(where))
+        with self.comm_times.blocked("step"):
+            self.client.step(self.config.job, step, args, skip=bool(where))
         self._step += 1
         self._micro = 0
         self._clip_coef, self._inv_scale, self._check = 1.0, 1.0, None

@@ -30,7 +30,8 @@ class _ReplicatedParams(ServerShardedModel):
     ``param_dtype`` a working copy in that dtype (the float32 master is on the servers)."""
 
     def _refresh_replica(self) -> None:
-        flats = self._pull(self._buffers, self._step, compute=True)
+        with self.comm_times.blocked("pull"):
+            flats = self._pull(self._buffers, self._step, compute=True)
         with torch.no_grad():
             for b in self._buffers:
                 values = compute_views(self.config, flats[b.name], b)
@@ -73,7 +74,8 @@ class ZeRO1Model(_ReplicatedParams):
                 self._step,
                 dtype=self.config.reduce_dtype_for(b.master_dtype),
             )
-        self.client.run(calls)
+        with self.comm_times.blocked("push"):
+            self.client.run(calls)
         self._pushed = True
 
     def _after_step(self) -> None:
