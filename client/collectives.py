@@ -151,12 +151,16 @@ class Collectives(RpcCore):
         return outs
 
     # -- public collectives ----------------------------------------------------------------
-    def all_reduce(self, x: Any, op: str = "sum") -> Any:
-        """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``)."""
+    def all_reduce(self, x: Any, op: str = "sum", *, in_place: bool = False) -> Any:
+        """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``).
+        ``in_place``: the result lands in ``x``'s own memory (a NumPy array or a CPU tensor;
+        a device tensor's host copy), no second buffer of its size: a chunk of it is
+        overwritten only by the read of that chunk's sum, which completes after the server
+        took this rank's contribution to it (a retry of that contribution is a duplicate)."""
         code = self._op(op)
         flat = as_flat(x)
         key = self._next_key("ar")
-        out = np.empty_like(flat.array)
+        out = flat.array if in_place else np.empty_like(flat.array)
         n, sends, reads = flat.array.size, [], []
         for piece in self._parts(n, flat.array.nbytes):
             a, b = piece.global_offset, piece.global_offset + piece.numel
