@@ -163,15 +163,21 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
 
     # -- pulling ------------------------------------------------------------------------------
     def _pull(
-        self, buffers: list[BufferSpec], version: int, compute: bool = False
+        self,
+        buffers: list[BufferSpec],
+        version: int,
+        compute: bool = False,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each buffer's full values at ``version`` (waits for it), in its master dtype, or
         with ``compute`` in the dtype it computes in (``gather_dtype``: the servers cast, once
-        per gather; strategies/mixed_precision.py)."""
+        per gather; strategies/mixed_precision.py). ``into``: buffer name -> a flat CPU
+        tensor of that dtype to land in (the result is that tensor)."""
         outs, calls = {}, []
+        into = into or {}
         for b in buffers:
             dtype = gather_dtype(self.config, b) if compute else b.master_dtype
-            landing = Landing(b.numel, dtype, device_of(b.params))
+            landing = Landing(b.numel, dtype, device_of(b.params), into.get(b.name))
             calls += self.client.pull_calls(self.config.job, b.name, landing, version, dtype=dtype)
             outs[b.name] = (landing, torch_dtype(dtype))
         self.client.run(calls)

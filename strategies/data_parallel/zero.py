@@ -27,19 +27,33 @@ __all__ = ["ZeRO1Model", "ZeRO2Model"]
 
 class _ReplicatedParams(ServerShardedModel):
     """ZeRO-1 and ZeRO-2 keep a full replica of the parameters on every rank: with
-    ``param_dtype`` a working copy in that dtype (the float32 master is on the servers)."""
+    ``param_dtype`` a working copy in that dtype (the float32 master is on the servers).
+
+    On the CPU, after the first pull each buffer's parameters are views of the one flat tensor
+    it landed in (``_replica``), and every later pull lands in that tensor: no second copy of
+    the model, no copy per step (a pull into new memory held 4 bytes a parameter more while it
+    was copied into the parameters, and copied them all)."""
 
     def _refresh_replica(self) -> None:
+        replica: dict[str, torch.Tensor] = self.__dict__.setdefault("_replica", {})
         with self.comm_times.blocked("pull"):
-            flats = self._pull(self._buffers, self._step, compute=True)
+            flats = self._pull(self._buffers, self._step, compute=True, into=replica)
         with torch.no_grad():
             for b in self._buffers:
-                values = compute_views(self.config, flats[b.name], b)
+                flat = flats[b.name]
+                if replica.get(b.name) is flat:
+                    continue  # pulled in place: the parameters are views of it
+                values = compute_views(self.config, flat, b)
+                views = all(v.dtype == flat.dtype for v in values)
                 for value, p in zip(values, b.params, strict=True):
-                    if p.dtype == value.dtype:
+                    if views and flat.device.type == "cpu":
+                        p.data = value  # from now on the parameter lives in ``flat``
+                    elif p.dtype == value.dtype:
                         p.copy_(value)
                     else:  # the first pull makes the working copy
                         p.data = value.clone()
+                if views and flat.device.type == "cpu":
+                    replica[b.name] = flat
 
     _after_register = _refresh_replica
     _after_step = _refresh_replica
