@@ -1,0 +1,258 @@
+"""A cost model of our parameter-server collectives and training steps against ring and tree
+all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
+
+    python -m benchmarks.cost_model --collectives COLL.json [--scale SCALE.json] [--markdown]
+
+1. **Fit** (``fit``): from ``benchmarks.collectives`` run with its namespaces, the W = 2 cells
+   with unlimited links (two "hosts" on the machine's two cores: one core each), ours and
+   gloo's median time of every op and size as ``a x messages a host handles (ring steps) + b x
+   bytes its processes copy`` (least squares of relative errors; the counts are
+   ``benchmarks/_cost_counts.py``'s).
+2. **Check** (``check``): every other cross-namespace cell of that run (W = 4: four hosts on two
+   cores, so each op's CPU time doubles; every link rate: ``max(CPU, bytes over a link / rate +
+   the per-message part)``) predicted against its measured median; the share of held-out cells
+   within 20% is reported.
+3. **Predict** (``predict``): for 8 to 1,024 hosts at 10, 25 and 100 Gbit/s, one rank and one
+   server per host with ``--host-cores`` cores for communication (default 1, as the W = 2 lab's
+   hosts), each model's step: DDP, ZeRO-2
+   and FSDP through our servers, and DDP's all-reduce as a ring and as a tree with gloo's
+   costs; time spent communicating and its share of a step whose compute is ``6 x params x
+   tokens / --host-tflops`` (a GPU host; ``--tokens`` per rank) or, with ``--scale``, this
+   machine's measured compute per step.
+
+Prints JSON (``--markdown``: the tables of docs/scaling.md instead). Nothing here is measured:
+it reads the JSON of the benchmarks, whose commands and machine it repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from benchmarks import _cost_counts as cc
+
+MiB = 2**20
+HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+RATES = (10.0, 25.0, 100.0)
+HOP_S = 25e-6  # one way, a data-centre hop (benchmarks/_netns.py DELAY_US)
+PARAMS = {  # parameters and FSDP units (blocks) of benchmarks/_scale_models.py's models
+    "gpt2-124m": (124_439_808, 12),
+    "gpt2-355m": (354_823_168, 24),
+    "llama-1b": (1_038_682_112, 16),
+}
+
+
+# ================================================================================ the fit
+LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
+
+
+def op_counts(side: str, op: str, nbytes: float, w: int) -> tuple[float, float, float]:
+    """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
+    one host's link each way) of one op (see benchmarks/_cost_counts.py). A host of ours runs
+    a rank and a server: both ends of every message count."""
+    k = max(1, math.ceil(nbytes / w / cc.CHUNK))
+    frac = (w - 1) / w
+    if side == "gloo":
+        steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
+        handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
+        return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
+    if op == "all_reduce":
+        t = cc.all_reduce(nbytes, w)
+        return 2 * t.messages, t.handled_bytes, t.wire_bytes
+    if op == "all_gather":
+        return 2 * w * k, 2 * nbytes, nbytes * frac
+    return 2 * (w + 1) * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac
+
+
+def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Non-negative (a, b) minimising sum ((a x + b y - z) / z)^2 (relative errors)."""
+    sxx = sxy = syy = sxz = syz = 0.0
+    for x, y, z in rows:
+        wgt = 1.0 / max(z, 1e-9) ** 2
+        sxx, sxy, syy = sxx + wgt * x * x, sxy + wgt * x * y, syy + wgt * y * y
+        sxz, syz = sxz + wgt * x * z, syz + wgt * y * z
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        return max(0.0, sxz / sxx if sxx else 0.0), 0.0
+    a, b = (sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det
+    if a < 0:
+        return 0.0, max(0.0, syz / syy)
+    if b < 0:
+        return max(0.0, sxz / sxx), 0.0
+    return a, b
+
+
+def _netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = doc.get("netns", {}).get("results") or []
+    if not rows:
+        raise SystemExit("the collectives JSON has no cross-namespace rows (run it as root)")
+    return rows
+
+
+def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per side, from the W = 2 rows with unlimited links (two hosts, one core each: the
+    machine's two): seconds per message (ring step) a host handles and per byte its processes
+    copy, ``wall = a x messages + b x bytes`` (least squares of relative errors)."""
+    out = {}
+    rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
+    for side in ("ours", "gloo"):
+        pts = []
+        for r in rows:
+            msgs, handled, _ = op_counts(side, r["op"], r["mib"] * MiB, r["world_size"])
+            pts.append((msgs, handled, r[f"{side}_ns_ms"] / 1e3))
+        per_msg, per_byte = _lstsq(pts)
+        out[side] = {
+            "s_per_message": per_msg,
+            "s_per_byte": per_byte,
+            "gb_per_s_per_core": 1e-9 / per_byte if per_byte else math.inf,
+            "fitted_on": len(pts),
+        }
+    return out
+
+
+# ================================================================================ the check
+def lab_time(side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any) -> float:
+    """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
+    (at most one), links at ``rate`` Gbit/s (None: unlimited)."""
+    msgs, handled, wire = op_counts(side, op, nbytes, w)
+    slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
+    cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
+    link = wire * 8 / (rate * 1e9) if rate else 0.0
+    return max(cpu, link + c["s_per_message"] * msgs * slow)
+
+
+def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    rows, within, held = [], 0, 0
+    for r in _netns_rows(doc):
+        fitted = r.get("rate_gbit") is None and r["world_size"] == 2
+        for side in ("ours", "gloo"):
+            key = f"{side}_ns_ms"
+            if key not in r:
+                continue
+            pred = lab_time(side, costs[side], r["op"], r["mib"] * MiB, r["world_size"],
+                            r.get("rate_gbit")) * 1e3  # fmt: skip
+            err = pred / r[key] - 1
+            if not fitted:
+                held += 1
+                within += abs(err) <= 0.2
+            rows.append({"side": side, "op": r["op"], "world_size": r["world_size"],
+                         "bytes": round(r["mib"] * MiB), "rate_gbit": r.get("rate_gbit"),
+                         "measured_ms": r[key], "predicted_ms": round(pred, 3),
+                         "error": round(err, 3), "fitted": fitted})  # fmt: skip
+    return {"rows": rows, "held_out_within_20pct": within, "held_out_cells": held}
+
+
+# ================================================================================ prediction
+def comm_seconds(
+    kind: str, psi: float, w: int, gbit: float, costs: dict[str, dict[str, float]], a: Any,
+    units: int,
+) -> float:  # fmt: skip
+    """A step's communication time for ``kind`` (ddp, zero2, fsdp: ours; ring, tree: gloo's
+    costs) on W hosts at ``gbit`` Gbit/s, one rank and ``a.servers_per_host`` servers a host
+    with ``a.host_cores`` cores for communication (the fit's host had one)."""
+    side = "gloo" if kind in ("ring", "tree") else "ours"
+    c = costs[side]
+    t = cc.step_traffic(kind, psi, w, units=units, s=a.servers_per_host, bucket=a.bucket)
+    # ours: a host handles its rank's messages and its servers' (each W x its parts)
+    msgs = t.messages + t.server_messages * a.servers_per_host if side == "ours" else t.messages
+    cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * t.handled_bytes) / a.host_cores
+    hops = t.round_trips * 2 * HOP_S if side == "gloo" else 0.0  # ring / tree: in sequence
+    link = t.wire_bytes * 8 / (gbit * 1e9)
+    return max(cpu, link) + hops
+
+
+def predict(costs: dict[str, dict[str, float]], a: Any, compute: dict[str, float]) -> list:
+    out = []
+    for model, (psi, units) in PARAMS.items():
+        for gbit in RATES:
+            for w in HOSTS:
+                row: dict[str, Any] = {"model": model, "gbit": gbit, "hosts": w}
+                row["compute_s"] = compute[model]
+                for kind in ("ddp", "zero2", "fsdp", "ring", "tree"):
+                    s = comm_seconds(kind, psi, w, gbit, costs, a, units)
+                    row[f"{kind}_comm_s"] = round(s, 4)
+                    row[f"{kind}_share"] = round(s / (s + compute[model]), 3)
+                out.append(row)
+    return out
+
+
+def compute_times(a: Any) -> dict[str, float]:
+    """Seconds of compute per rank and step: measured (``--scale``: rank 0's compute of our
+    FSDP cell, or torch's forward + backward) or 6 x params x tokens / host FLOP/s."""
+    out = {m: 6 * psi * a.tokens / (a.host_tflops * 1e12) for m, (psi, _) in PARAMS.items()}
+    if a.scale:
+        doc = json.load(open(a.scale))
+        for r in doc.get("results", []):
+            b = r.get("torch_breakdown_ms") or {}
+            if r.get("model") in out and r.get("world_size") == 2 and b:
+                out[r["model"]] = (b.get("forward", 0) + b.get("backward", 0)) / 1e3
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = []
+    for model in PARAMS:
+        lines.append(f"\n**{model}** (compute {result['compute_s'][model]:.3g} s a step)\n")
+        lines.append("| Gbit/s | hosts | DDP ours | ZeRO-2 ours | FSDP ours | ring | tree |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in result["prediction"]:
+            if r["model"] == model:
+                cells = [f"{r[f'{k}_comm_s'] * 1e3:.0f} ms ({100 * r[f'{k}_share']:.0f}%)"
+                         for k in ("ddp", "zero2", "fsdp", "ring", "tree")]  # fmt: skip
+                lines.append(f"| {r['gbit']:g} | {r['hosts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--collectives", required=True, help="benchmarks.collectives JSON (as root)")
+    p.add_argument("--scale", help="benchmarks.scale JSON: this machine's compute per step")
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        default=1.0,
+        help="cores a host gives to communication (the fit's: 1)",
+    )
+    p.add_argument("--servers-per-host", type=int, default=1)
+    p.add_argument("--bucket", type=int, default=cc.BUCKET, help="bucket bytes (DDP, ZeRO-2)")
+    p.add_argument("--in-flight", type=int, default=8, help="calls a rank keeps in flight")
+    p.add_argument("--tokens", type=int, default=8 * 1024, help="tokens per rank and step")
+    p.add_argument("--host-tflops", type=float, default=100.0, help="a host's effective TFLOP/s")
+    p.add_argument("--markdown", action="store_true")
+    a = p.parse_args(argv)
+    doc = json.load(open(a.collectives))
+    costs = fit(doc)
+    result = {
+        "source": {"collectives": a.collectives, "machine": doc.get("machine"), "scale": a.scale},
+        "costs": costs,
+        "check": check(doc, costs),
+        "assumptions": {
+            k: getattr(a, k)
+            for k in (
+                "host_cores",
+                "servers_per_host",
+                "bucket",
+                "in_flight",
+                "tokens",
+                "host_tflops",
+            )
+        }
+        | {"hop_s": HOP_S},  # fmt: skip
+        "compute_s": compute_times(a),
+    }
+    result["prediction"] = predict(costs, a, result["compute_s"])
+    if a.markdown:
+        print(markdown(result))
+    else:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
