@@ -98,7 +98,8 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
         argv += ["--chunk-mib", str(a.chunk_mib), "--in-flight", str(a.in_flight)]
         ranks = launch_ranks(
             "benchmarks.scale", "_ours", f"ours-{strategy}", w, argv, budget,
-            tuned=True, hosted_servers=False, log=log, watch=servers, send_exit=True,
+            tuned=a.trainer_env == "launch", hosted_servers=False, log=log, watch=servers,
+            send_exit=True,
         )  # fmt: skip
         server_rss = [rss_kinds(k.proc.pid) for k in servers]
         return {
@@ -220,6 +221,7 @@ def parent_main(a: argparse.Namespace) -> int:
     }
     out["machine"]["loadavg_at_start"] = loadavg()
     out["client"] = {"chunk_mib": a.chunk_mib or 16.0, "max_in_flight": a.in_flight or 8}
+    out["trainer_env"] = a.trainer_env
     out["process_overhead"] = over = process_overhead(600)
     out["models"] = {
         m: {"n_params": param_count(m), "config": MODELS[m].config, "seq_len": MODELS[m].seq_len,
@@ -270,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--in-flight", type=int, default=0, help="ours: ShardClient max_in_flight (default 8)"
+    )
+    p.add_argument(
+        "--trainer-env",
+        choices=("plain", "launch"),
+        default="plain",
+        help="our trainers' allocator settings: plain (as torch's ranks) or launch (the servers'"
+        " MALLOC_ENV, which `paramshard launch` gives its ranks too)",
     )
     return parent_main(p.parse_args(argv))
 

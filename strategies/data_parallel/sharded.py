@@ -150,13 +150,18 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 # set_params writes float64 as float64
-                flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
+                flat = self._initial_flat(b)
                 self.client.set_params(job, b.name, to_host(flat, flat.dtype), version=0)
         if self.config.replicate_every and self.rank == 0:
             from paramshard.client import tools
 
             tools.configure_replication(self.client, job, self.config.replicate_every)
         self._after_register()
+
+    def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
+        """Buffer ``b``'s values as one flat tensor in its master dtype: what rank 0 sets on
+        the servers when the job is new (ZeRO keeps it as its replica)."""
+        return flatten(b.params, b.numel, torch_dtype(b.master_dtype))
 
     def _after_register(self) -> None:
         """ZeRO: pull the servers' values into the replica; FSDP: free the local copy."""

@@ -18,9 +18,9 @@ from torch import nn
 from paramshard.strategies.base import eager_hook
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
-from paramshard.strategies.device import Outgoing
-from paramshard.strategies.layout import BufferSpec, flatten, to_master, torch_dtype
-from paramshard.strategies.mixed_precision import compute_views
+from paramshard.strategies.device import Outgoing, device_of
+from paramshard.strategies.layout import BufferSpec, flat_views, flatten, to_master, torch_dtype
+from paramshard.strategies.mixed_precision import compute_views, gather_dtype
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
 
@@ -34,8 +34,31 @@ class _ReplicatedParams(ServerShardedModel):
     the model, no copy per step (a pull into new memory held 4 bytes a parameter more while it
     was copied into the parameters, and copied them all)."""
 
+    def _in_place(self, b: BufferSpec) -> bool:
+        """Whether buffer ``b``'s parameters can be views of one flat CPU tensor of its gather
+        dtype (they compute in it: no mixed dtypes, no working copy of another dtype)."""
+        dtype = torch_dtype(gather_dtype(self.config, b))
+        return device_of(b.params).type == "cpu" and all(p.dtype == dtype for p in b.params)
+
+    def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
+        """Rank 0's values for a new job. Its replica is made first: the parameters are copied
+        into one flat tensor and become views of it (their old storage is freed), and that
+        tensor is what goes to the servers (no second flat copy next to the model)."""
+        if b.master_dtype != gather_dtype(self.config, b) or not self._in_place(b):
+            return super()._initial_flat(b)
+        flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
+        with torch.no_grad():
+            for view, p in zip(flat_views(flat, b.entries), b.params, strict=True):
+                p.data = view
+        self.__dict__.setdefault("_replica", {})[b.name] = flat
+        return flat
+
     def _refresh_replica(self) -> None:
         replica: dict[str, torch.Tensor] = self.__dict__.setdefault("_replica", {})
+        for b in self._buffers:
+            if b.name not in replica and self._in_place(b):
+                for p in b.params:  # their values come from the servers: free them first
+                    p.data = torch.empty(0, dtype=p.dtype)
         with self.comm_times.blocked("pull"):
             flats = self._pull(self._buffers, self._step, compute=True, into=replica)
         with torch.no_grad():
