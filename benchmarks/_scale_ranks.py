@@ -130,7 +130,9 @@ def ours_main(a: argparse.Namespace) -> None:
         **knobs,
     )
     job = f"scale-{a.strategy}-{a.run}"
-    config = ShardingConfiguration(client, job=job, timeout_s=STEP_TIMEOUT_S)
+    config = ShardingConfiguration(
+        client, job=job, timeout_s=STEP_TIMEOUT_S, deterministic=not a.arrival_order
+    )
     net = build(a.model)
     built = rss_bytes()[1]
     psi = sum(p.numel() for p in set(net.parameters()))

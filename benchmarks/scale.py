@@ -96,6 +96,7 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
         servers, addresses = serve_processes(w, 120)
         argv += ["--servers", ",".join(addresses), "--run", f"s{uuid.uuid4().hex[:10]}"]
         argv += ["--chunk-mib", str(a.chunk_mib), "--in-flight", str(a.in_flight)]
+        argv += ["--arrival-order"] if a.arrival_order else []
         ranks = launch_ranks(
             "benchmarks.scale", "_ours", f"ours-{strategy}", w, argv, budget,
             tuned=a.trainer_env == "launch", hosted_servers=False, log=log, watch=servers,
@@ -148,7 +149,8 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
     need = {s: estimate(model, strategy, s, psi, w, over) for s in ("torch", "ours")}
     row["estimate_gib"] = {s: round(v / GiB, 2) for s, v in need.items()}
     sides: dict[str, dict] = {}
-    for side in ("torch", "ours") if a.order_index % 2 == 0 else ("ours", "torch"):
+    order = [x for x in ("torch", "ours") if x in a.sides]
+    for side in order if a.order_index % 2 == 0 else order[::-1]:
         avail = meminfo("MemAvailable") - int(a.margin_gib * GiB)
         if need[side] > avail:
             row["skipped"] = (
@@ -171,15 +173,17 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
         row[f"{side}_foreign_cpu_frac"] = load.foreign
     a.order_index += 1
     warm = a.warmup_for[model]
+    for side, got in sides.items():
+        row[f"{side}_ms"] = step_ms(got["ranks"], warm)
+        row[f"{side}_breakdown_ms"] = breakdown(got["ranks"][0], warm)
+        row[f"{side}_memory"] = memory(got, strategy, side, psi, w, over, units)
+    if len(sides) < 2:  # --sides: one side only (a knob's effect on ours, say)
+        log("  " + ", ".join(f"{k} {row[k + '_ms']} ms" for k in sides))
+        return row
     ours, theirs = sides["ours"], sides["torch"]
-    row["ours_ms"], row["torch_ms"] = step_ms(ours["ranks"], warm), step_ms(theirs["ranks"], warm)
     row["ratio"] = round(row["ours_ms"] / row["torch_ms"], 3)
-    row["ours_breakdown_ms"] = breakdown(ours["ranks"][0], warm)
-    row["torch_breakdown_ms"] = breakdown(theirs["ranks"][0], warm)
     lo, lt = mean_losses(ours["ranks"]), mean_losses(theirs["ranks"])
     row["loss_max_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(lo, lt, strict=True))
-    row["ours_memory"] = memory(ours, strategy, "ours", psi, w, over, units)
-    row["torch_memory"] = memory(theirs, strategy, "torch", psi, w, over, units)
     ours_peak = max(row["ours_memory"]["trainer_peak_rss_mb"])
     row["trainer_peak_vs_torch"] = round(
         ours_peak / max(row["torch_memory"]["trainer_peak_rss_mb"]), 3
@@ -214,6 +218,9 @@ def parent_main(a: argparse.Namespace) -> int:
         if a.warmup_for[m] >= a.steps_for[m]:
             raise SystemExit(f"--steps ({a.steps_for[m]}) must exceed --warmup")
     a.order_index = 0
+    a.sides = [x.strip() for x in a.sides.split(",") if x.strip()]
+    if not a.sides or set(a.sides) - {"torch", "ours"}:
+        raise SystemExit("--sides takes torch and/or ours")
     out: dict[str, Any] = {
         "benchmark": "scale",
         "command": " ".join(sys.argv),
@@ -222,6 +229,7 @@ def parent_main(a: argparse.Namespace) -> int:
     out["machine"]["loadavg_at_start"] = loadavg()
     out["client"] = {"chunk_mib": a.chunk_mib or 16.0, "max_in_flight": a.in_flight or 8}
     out["trainer_env"] = a.trainer_env
+    out["deterministic"] = not a.arrival_order
     out["process_overhead"] = over = process_overhead(600)
     out["models"] = {
         m: {"n_params": param_count(m), "config": MODELS[m].config, "seq_len": MODELS[m].seq_len,
@@ -252,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in ("--world", "--rank", "--steps", "--port", "--in-flight"):
             p.add_argument(k, type=int, default=0)
         p.add_argument("--chunk-mib", type=float, default=0.0)
+        p.add_argument("--arrival-order", action="store_true")
         p.add_argument("--lifetime", type=float, default=3600.0)
         ranks[argv[0]](p.parse_args(argv[1:]))
         return 0
@@ -272,6 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--in-flight", type=int, default=0, help="ours: ShardClient max_in_flight (default 8)"
+    )
+    p.add_argument(
+        "--sides", default="torch,ours", help="which sides run (default both: the ratio)"
+    )
+    p.add_argument(
+        "--arrival-order",
+        action="store_true",
+        help="ours: ShardingConfiguration(deterministic=False): gradients summed as they arrive,"
+        " no staging on the servers (not bitwise reproducible)",
     )
     p.add_argument(
         "--trainer-env",
