@@ -96,59 +96,63 @@ def rank_main(a: argparse.Namespace) -> None:
 
     from paramshard.client import ClusterSpec, ShardClient
 
-    server = None
-    if a.host_server:
-        from paramshard.server import ShardServer
+    server, clients = None, [None]
+    try:
+        if a.host_server:
+            from paramshard.server import ShardServer
 
-        server = ShardServer(port=0).start()
-        emit("ADDR", server.address)
-    addrs, server_pids = json.loads(sys.stdin.readline())
-    world, rank = a.world, a.rank
+            server = ShardServer(port=0).start()
+            emit("ADDR", server.address)
+        addrs, server_pids = json.loads(sys.stdin.readline())
+        world, rank = a.world, a.rank
 
-    def clock() -> float:  # own CPU + an even share of the separate servers' CPU
-        return time.process_time() + sum(proc_cpu_s(p) for p in server_pids) / world
+        def clock() -> float:  # own CPU + an even share of the separate servers' CPU
+            return time.process_time() + sum(proc_cpu_s(p) for p in server_pids) / world
 
-    c = ShardClient(
-        ClusterSpec(addrs),
-        rank=rank,
-        world_size=world,
-        run_id=a.run_id,
-        chunk_bytes=a.chunk_bytes,
-        max_in_flight=a.in_flight,
-    )
-    bcpu = barrier_cpu_s(c.barrier, clock)
-    out: dict[str, Any] = {
-        "malloc_env": malloc_env_state(),
-        "pid": os.getpid(),
-        "barrier_cpu_ms": round(bcpu * 1e3, 3),
-    }
-    for mib in a.sizes:
-        n = numel(mib, world)
-        full = np.full(n, rank + 1, np.float32)
-        part = np.full(n // world, rank + 1, np.float32)
-        fns = {
-            "all_reduce": lambda full=full: c.all_reduce(full),
-            "all_gather": lambda part=part: c.all_gather(part),
-            "reduce_scatter": lambda full=full: c.reduce_scatter(full),
+        c = clients[0] = ShardClient(
+            ClusterSpec(addrs),
+            rank=rank,
+            world_size=world,
+            run_id=a.run_id,
+            chunk_bytes=a.chunk_bytes,
+            max_in_flight=a.in_flight,
+        )
+        bcpu = barrier_cpu_s(c.barrier, clock)
+        out: dict[str, Any] = {
+            "malloc_env": malloc_env_state(),
+            "pid": os.getpid(),
+            "barrier_cpu_ms": round(bcpu * 1e3, 3),
         }
-        for op in OPS:
-            fn = fns[op]
-            c.barrier()
-            ok = check_result(op, fn(), world, rank, n)
-            out[f"{op}/{mib:g}"] = {
-                **time_reps(fn, c.barrier, reps_for(mib, a), a.warmup, bcpu, clock),
-                "ok": ok,
+        for mib in a.sizes:
+            n = numel(mib, world)
+            full = np.full(n, rank + 1, np.float32)
+            part = np.full(n // world, rank + 1, np.float32)
+            fns = {
+                "all_reduce": lambda full=full: c.all_reduce(full),
+                "all_gather": lambda part=part: c.all_gather(part),
+                "reduce_scatter": lambda full=full: c.reduce_scatter(full),
             }
-    emit("RESULT", out)
-    # Two-phase exit: every rank closes its channels first (CLOSE), and the servers stop only
-    # when the parent closes stdin, so no rank sees another's server go away mid-call.
-    line = sys.stdin.readline()
-    c.close()
-    if line.strip() == "CLOSE":
-        emit("CLOSED", "")
-        wait_parent_eof()
-    if server is not None:
-        server.stop(grace=None)
+            for op in OPS:
+                fn = fns[op]
+                c.barrier()
+                ok = check_result(op, fn(), world, rank, n)
+                out[f"{op}/{mib:g}"] = {
+                    **time_reps(fn, c.barrier, reps_for(mib, a), a.warmup, bcpu, clock),
+                    "ok": ok,
+                }
+        emit("RESULT", out)
+        # Two-phase exit: every rank closes its channels first (CLOSE), and the servers stop only
+        # when the parent closes stdin, so no rank sees another's server go away mid-call.
+        line = sys.stdin.readline()
+        c.close()  # before the servers stop (closing twice does nothing)
+        if line.strip() == "CLOSE":
+            emit("CLOSED", "")
+            wait_parent_eof()
+    finally:  # on every way out, a failed rank's too: see benchmarks/_training.close_rank
+        if clients[0] is not None:
+            clients[0].close()
+        if server is not None:
+            server.stop(grace=None)
 
 
 def server_main(a: argparse.Namespace) -> None:
@@ -157,9 +161,11 @@ def server_main(a: argparse.Namespace) -> None:
     # --bind: an address inside the benchmark's own namespaces, reachable from nowhere else
     # (gloo there has no credentials either)
     server = ShardServer(a.bind, 0, fast_codec=not a.plain, insecure=True).start()
-    emit("ADDR", server.address)
-    wait_parent_eof()
-    server.stop(grace=None)
+    try:
+        emit("ADDR", server.address)
+        wait_parent_eof()
+    finally:
+        server.stop(grace=None)
 
 
 # -------------------------------------------------------------------------- gloo: rank process

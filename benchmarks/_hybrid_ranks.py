@@ -16,13 +16,14 @@ from benchmarks._processes import (
 from benchmarks._training import (
     adamw,
     build_gpt,
+    close_rank,
     end_gloo,
     hosted_server,
     init_gloo,
     make_batches,
     parse_list,
     set_threads,
-    wait_exit_then_close,
+    wait_exit,
 )
 
 
@@ -31,8 +32,40 @@ def ours_main(a: argparse.Namespace) -> None:
     ``--micro-batches`` (a fresh model, client run and job each), ``--steps`` steps each."""
     t_start = time.monotonic()
     child_guard(a.lifetime)
-    from benchmarks._llama_stages import llama_split_points
     from paramshard.client import ClusterSpec, ShardClient
+
+    set_threads(a.world)
+    server, clients = None, []
+    try:
+        server, addresses = hosted_server()
+        batches = make_batches(a.model, a.world, a.steps)
+        runs, t_first = [], None
+        for m in parse_list(a.micro_batches, int):
+            tag = f"{a.run}-m{m}"
+            client = ShardClient(
+                ClusterSpec(addresses), rank=a.rank, world_size=a.world, run_id=tag, timeout_s=120.0
+            )
+            clients.append(client)
+            run, t_train = _ours_run(a, client, m, f"bench-{a.cell}-{tag}", batches)
+            runs.append(run)
+            t_first = t_first or t_train
+        t_first = t_first or time.monotonic()
+        phases = {
+            "setup": round(t_first - t_start, 2),  # the first model's; later ones count as train
+            "train": round(time.monotonic() - t_first, 2),
+        }
+        emit("RESULT", {"rank": a.rank, "runs": runs, "phases_s": phases})
+        wait_exit()
+    finally:
+        close_rank(clients, server)  # a failed rank's too: see close_rank
+
+
+def _ours_run(
+    a: argparse.Namespace, client: Any, m: int, job: str, batches: list[Any]
+) -> tuple[dict[str, Any], float]:
+    """One HybridShardedModel with ``m`` micro-batches trained on ``batches``: its timings
+    and losses, and when its training began."""
+    from benchmarks._llama_stages import llama_split_points
     from paramshard.models.gpt import lm_loss
     from paramshard.strategies import (
         HybridShardedModel,
@@ -41,57 +74,39 @@ def ours_main(a: argparse.Namespace) -> None:
     )
 
     llama = a.family == "llama"
-    set_threads(a.world)
-    server, addresses = hosted_server()
-    batches = make_batches(a.model, a.world, a.steps)
-    clients, runs = [], []
-    t_first = None
-    for m in parse_list(a.micro_batches, int):
-        tag = f"{a.run}-m{m}"
-        client = ShardClient(
-            ClusterSpec(addresses), rank=a.rank, world_size=a.world, run_id=tag, timeout_s=120.0
-        )
-        clients.append(client)
-        config = ShardingConfiguration(client, job=f"bench-{a.cell}-{tag}", timeout_s=120.0)
-        net = build_model(a.family, a.model)
-        model = HybridShardedModel(
-            net,
-            config,
-            pipeline_parallel_size=a.pp,
-            tensor_parallel_size=a.tp,
-            data_parallel_size=a.dp,
-            micro_batch_count=m,
-            schedule=a.schedule,
-            split_points=llama_split_points(net, a.pp) if llama and a.pp > 1 else None,
-        )
-        if llama:  # HF returns a ModelOutput; the same loss as torch's side
-            model.default_loss_function = lambda out, y: lm_loss(out.logits, y)
-        HybridShardedOptimizer(adamw(model.parameters()), config)
-        per = batches[0][0].shape[0] // model.data_parallel_size
-        lo = model.data_parallel_rank * per
-        pipe = model.pipeline
-        run: dict[str, Any] = {"micro_batches": m, "coords": list(model.coords)}
-        run.update(times_s=[], losses=[], bubble=[], timing=[])
-        t_first, cpu0 = t_first or time.monotonic(), cpu_self_s()
-        for x, y in batches:
-            s0 = time.perf_counter()
-            part = x[lo : lo + per]
-            loss = model.train_on_batch({"input_ids": part} if llama else part, y[lo : lo + per])
-            run["times_s"].append(time.perf_counter() - s0)
-            run["losses"].append(loss)
-            run["bubble"].append(pipe.last_bubble_fraction)
-            run["timing"].append(dict(pipe.last_timing))
-        run["cpu_s"] = cpu_self_s() - cpu0
-        run["theoretical_fraction"] = pipe.theoretical_bubble_fraction
-        run["paper_ratio"] = pipe.paper_bubble_ratio
-        runs.append(run)
-    t_first = t_first or time.monotonic()
-    phases = {
-        "setup": round(t_first - t_start, 2),  # the first model's; later ones count as train
-        "train": round(time.monotonic() - t_first, 2),
-    }
-    emit("RESULT", {"rank": a.rank, "runs": runs, "phases_s": phases})
-    wait_exit_then_close(clients, server)
+    config = ShardingConfiguration(client, job=job, timeout_s=120.0)
+    net = build_model(a.family, a.model)
+    model = HybridShardedModel(
+        net,
+        config,
+        pipeline_parallel_size=a.pp,
+        tensor_parallel_size=a.tp,
+        data_parallel_size=a.dp,
+        micro_batch_count=m,
+        schedule=a.schedule,
+        split_points=llama_split_points(net, a.pp) if llama and a.pp > 1 else None,
+    )
+    if llama:  # HF returns a ModelOutput; the same loss as torch's side
+        model.default_loss_function = lambda out, y: lm_loss(out.logits, y)
+    HybridShardedOptimizer(adamw(model.parameters()), config)
+    per = batches[0][0].shape[0] // model.data_parallel_size
+    lo = model.data_parallel_rank * per
+    pipe = model.pipeline
+    run: dict[str, Any] = {"micro_batches": m, "coords": list(model.coords)}
+    run.update(times_s=[], losses=[], bubble=[], timing=[])
+    t_train, cpu0 = time.monotonic(), cpu_self_s()
+    for x, y in batches:
+        s0 = time.perf_counter()
+        part = x[lo : lo + per]
+        loss = model.train_on_batch({"input_ids": part} if llama else part, y[lo : lo + per])
+        run["times_s"].append(time.perf_counter() - s0)
+        run["losses"].append(loss)
+        run["bubble"].append(pipe.last_bubble_fraction)
+        run["timing"].append(dict(pipe.last_timing))
+    run["cpu_s"] = cpu_self_s() - cpu0
+    run["theoretical_fraction"] = pipe.theoretical_bubble_fraction
+    run["paper_ratio"] = pipe.paper_bubble_ratio
+    return run, t_train
 
 
 def torch_main(a: argparse.Namespace) -> None:

@@ -18,12 +18,13 @@ from benchmarks._training import (
     MODELS,
     adamw,
     build_gpt,
+    close_rank,
     end_gloo,
     hosted_server,
     init_gloo,
     make_batches,
     set_threads,
-    wait_exit_then_close,
+    wait_exit,
 )
 
 
@@ -107,86 +108,92 @@ def ours_main(a: argparse.Namespace) -> None:
     )
 
     set_threads(a.world)
-    server = None
-    if a.servers:
-        addresses = a.servers.split(",")
-    else:  # in-process: host one server, learn the others' addresses from the parent
-        server, addresses = hosted_server()
-    client = ShardClient(
-        ClusterSpec(addresses), rank=a.rank, world_size=a.world, run_id=a.run, timeout_s=120.0
-    )
-    config = ShardingConfiguration(client, job=f"bench-{a.strategy}-{a.run}", timeout_s=120.0)
-    gpt = build_gpt(a.model)
-    n_params = gpt.num_params()
-    model_cls, opt_cls = DATA_PARALLEL[a.strategy]
-    model = (
-        model_cls(gpt, config, wrap=(Block,)) if a.strategy == "fsdp" else model_cls(gpt, config)
-    )
-    params = [p for p in gpt.parameters() if p.requires_grad]
-    tracker = GradTracker(params)  # before the optimizer: ZeRO-2 / FSDP hook in at attach
-    inner = adamw(params)
-    opt = opt_cls(inner, config)
+    server, clients = None, []
+    try:
+        if a.servers:
+            addresses = a.servers.split(",")
+        else:  # in-process: host one server, learn the others' addresses from the parent
+            server, addresses = hosted_server()
+        client = ShardClient(
+            ClusterSpec(addresses), rank=a.rank, world_size=a.world, run_id=a.run, timeout_s=120.0
+        )
+        clients.append(client)
+        config = ShardingConfiguration(client, job=f"bench-{a.strategy}-{a.run}", timeout_s=120.0)
+        gpt = build_gpt(a.model)
+        n_params = gpt.num_params()
+        model_cls, opt_cls = DATA_PARALLEL[a.strategy]
+        model = (
+            model_cls(gpt, config, wrap=(Block,))
+            if a.strategy == "fsdp"
+            else model_cls(gpt, config)
+        )
+        params = [p for p in gpt.parameters() if p.requires_grad]
+        tracker = GradTracker(params)  # before the optimizer: ZeRO-2 / FSDP hook in at attach
+        inner = adamw(params)
+        opt = opt_cls(inner, config)
 
-    per = MODELS[a.model]["batch_per_rank"]
-    batches = make_batches(a.model, a.world, a.steps + 1)
-    t_setup, cpu0 = time.monotonic(), cpu_self_s()
-    times, losses, phases = timed_steps(model, opt, lm_loss, batches[:-1], a.rank, per)
-    t_train, cpu_timed = time.monotonic(), cpu_self_s() - cpu0
+        per = MODELS[a.model]["batch_per_rank"]
+        batches = make_batches(a.model, a.world, a.steps + 1)
+        t_setup, cpu0 = time.monotonic(), cpu_self_s()
+        times, losses, phases = timed_steps(model, opt, lm_loss, batches[:-1], a.rank, per)
+        t_train, cpu_timed = time.monotonic(), cpu_self_s() - cpu0
 
-    # -- the untimed accounting step
-    x, y = batches[-1]
-    xs, ys = x[a.rank * per : (a.rank + 1) * per], y[a.rank * per : (a.rank + 1) * per]
-    opt.zero_grad(set_to_none=True)
-    tracker.enabled, tracker.peak = True, 0
-    lm_loss(model(xs), ys).backward()
-    grads_after_backward = tracker.live()
-    opt.step()
-    tracker.enabled = False
-    grad_peak = max(tracker.peak, grads_after_backward)
-    if a.strategy == "fsdp":
-        param_bytes = int(model.peak_live_bytes)
-    else:
-        param_bytes = sum(tensor_bytes(p.data) for p in params)
-    trainer = {
-        "param_bytes": param_bytes,
-        "grad_bytes": grad_peak,
-        "optimizer_bytes": optimizer_state_bytes(inner),
-    }
-    extra: dict[str, Any] = {}
-    if a.strategy == "zero2":
-        extra["largest_bucket_bytes"] = max(4 * b.numel for b in model._buckets)
-    if a.strategy == "fsdp":
-        sizes = sorted((u.nbytes for u in model._unit_list[1:]), reverse=True)
-        extra["root_unit_bytes"] = model._unit_list[0].nbytes
-        extra["largest_units_bytes"] = sizes[:2]
-    row = client.status()[a.rank]
-    srv = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
-    step_s = 0.0
-    for job in row.get("jobs", []):
-        if job.get("job") == config.job:
-            for b in job.get("buffers", []):
-                for k in srv:
-                    srv[k] += int(b.get(k, 0))
-                step_s += float(b.get("last_step_seconds", 0.0))
-    srv["slot_bytes"] = int(row.get("slot_bytes", 0))
-    extra["server_last_step_ms"] = round(step_s * 1e3, 2)
-    emit(
-        "RESULT",
-        {
-            "rank": a.rank,
-            "n_params": n_params,
-            "times_s": times,
-            "phases": phases,
-            "losses": losses,
-            "trainer": trainer,
-            "server": srv,
-            "extra": extra,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "cpu_s": cpu_timed,
-            "phases_s": phase_seconds(t_start, t_setup, t_train),
-        },
-    )
-    wait_exit_then_close([client], server)
+        # -- the untimed accounting step
+        x, y = batches[-1]
+        xs, ys = x[a.rank * per : (a.rank + 1) * per], y[a.rank * per : (a.rank + 1) * per]
+        opt.zero_grad(set_to_none=True)
+        tracker.enabled, tracker.peak = True, 0
+        lm_loss(model(xs), ys).backward()
+        grads_after_backward = tracker.live()
+        opt.step()
+        tracker.enabled = False
+        grad_peak = max(tracker.peak, grads_after_backward)
+        if a.strategy == "fsdp":
+            param_bytes = int(model.peak_live_bytes)
+        else:
+            param_bytes = sum(tensor_bytes(p.data) for p in params)
+        trainer = {
+            "param_bytes": param_bytes,
+            "grad_bytes": grad_peak,
+            "optimizer_bytes": optimizer_state_bytes(inner),
+        }
+        extra: dict[str, Any] = {}
+        if a.strategy == "zero2":
+            extra["largest_bucket_bytes"] = max(4 * b.numel for b in model._buckets)
+        if a.strategy == "fsdp":
+            sizes = sorted((u.nbytes for u in model._unit_list[1:]), reverse=True)
+            extra["root_unit_bytes"] = model._unit_list[0].nbytes
+            extra["largest_units_bytes"] = sizes[:2]
+        row = client.status()[a.rank]
+        srv = {"param_bytes": 0, "grad_bytes": 0, "optimizer_bytes": 0}
+        step_s = 0.0
+        for job in row.get("jobs", []):
+            if job.get("job") == config.job:
+                for b in job.get("buffers", []):
+                    for k in srv:
+                        srv[k] += int(b.get(k, 0))
+                    step_s += float(b.get("last_step_seconds", 0.0))
+        srv["slot_bytes"] = int(row.get("slot_bytes", 0))
+        extra["server_last_step_ms"] = round(step_s * 1e3, 2)
+        emit(
+            "RESULT",
+            {
+                "rank": a.rank,
+                "n_params": n_params,
+                "times_s": times,
+                "phases": phases,
+                "losses": losses,
+                "trainer": trainer,
+                "server": srv,
+                "extra": extra,
+                "peak_rss_bytes": peak_rss_bytes(),
+                "cpu_s": cpu_timed,
+                "phases_s": phase_seconds(t_start, t_setup, t_train),
+            },
+        )
+        wait_exit()
+    finally:
+        close_rank(clients, server)  # a failed rank's too: see close_rank
 
 
 def torch_main(a: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ already up).
   ``ColwiseParallel`` on ``c_attn`` would instead give rank 0 all of q and part of k, which
   is not head-parallel attention. So the torch side first rewrites each attention as
   ``SplitQKVAttention``: three Linears q, k, v holding the same weights (the arithmetic of
-  ``examples.gpt.CausalSelfAttention``, head count taken from the local width), then shards
+  ``paramshard.models.gpt.CausalSelfAttention``, head count taken from the local width), then shards
   q, k, v with ``ColwiseParallel`` and ``c_proj`` with ``RowwiseParallel``; the MLP's
   ``c_fc`` / ``c_proj`` are Colwise / Rowwise. That is Megatron's split, the same as ours:
   two all-reduces per block forward; backward, one per Colwise module's input gradient, so
@@ -43,7 +43,7 @@ from paramshard.models.gpt import lm_loss
 
 
 class SplitQKVAttention(nn.Module):
-    """``examples.gpt.CausalSelfAttention`` with ``c_attn`` as three Linears q, k, v (its
+    """``paramshard.models.gpt.CausalSelfAttention`` with ``c_attn`` as three Linears q, k, v (its
     three row blocks, copied), so that ``ColwiseParallel`` on each splits by heads."""
 
     def __init__(self, attn: nn.Module) -> None:

@@ -26,6 +26,7 @@ from benchmarks._processes import (
     emit,
     expect_all,
     read_line,
+    run_child,
     stop_all,
     wait_quiet,
 )
@@ -141,16 +142,19 @@ def hosted_server() -> tuple[Any, list[str]]:
     return server, read_line("SERVERS ", STARTUP_S).split(",")
 
 
-def wait_exit_then_close(clients: list[Any], server: Any) -> None:
-    """Others may still pull from our server: stay until the parent says every rank is done,
-    then close the clients and stop the server (if this rank hosts one)."""
-    try:
-        read_line("EXIT", 120.0)
-    finally:
-        for c in clients:
-            c.close()
-        if server is not None:
-            server.stop(0)
+def wait_exit() -> None:
+    """Others may still pull from our server: stay until the parent says every rank is done."""
+    read_line("EXIT", 120.0)
+
+
+def close_rank(clients: list[Any], server: Any) -> None:
+    """Closes this rank's clients, then stops its server (if it hosts one). On every way out of
+    a rank, a failed one's included: a server left running at exit hangs the process
+    (protos/closing.py says how)."""
+    for c in clients:
+        c.close()
+    if server is not None:
+        server.stop(0)
 
 
 GLOO_ADDR_ENV = "PARAMSHARD_BENCH_GLOO_ADDR"
@@ -334,8 +338,8 @@ def run_main(
         for k in ("--world", "--rank", "--steps", "--port", *rank_options[1]):
             p.add_argument(k, type=int, default=0)
         p.add_argument("--lifetime", type=float, default=600.0)
-        ranks[argv[0]](p.parse_args(argv[1:]))
-        return 0
+        rank_args = p.parse_args(argv[1:])
+        run_child(lambda: ranks[argv[0]](rank_args))
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )

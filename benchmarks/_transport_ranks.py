@@ -226,55 +226,59 @@ def pushpull_main(a: argparse.Namespace) -> None:
         return c
 
     # the same servers: through shared segments, and in-band (job "inband")
-    ours, inband = client(True, job), client(False, "inband")
-    plain = PlainClient(plain_addrs, a.chunk_bytes, a.in_flight)
-    plain.register(job, buf, n)
-    plain.set_params(job, buf, params, 0)
-    step_args = StepArgs({"lr": 0.0})
-    res: dict[str, Any] = {"malloc_env": malloc_env_state()}
-    for k in ("ours", "ours_inband", "plain"):
-        res[k] = {"push": [], "pull": [], "set": [], "push_cpu": [], "pull_cpu": [], "ok": True}
-    for i in range(a.warmup + a.reps):
-        keep = i >= a.warmup
-        # interleaved, so drift on a noisy machine hits both alike
-        for name, push, pull, setp in (
-            (
-                "ours",
-                lambda s: ours.push_grads(job, buf, grads, s, step_args=step_args),
-                lambda v: ours.pull_params(job, buf, n, v),
-                lambda v: ours.set_params(job, buf, params, version=v),
-            ),
-            (
-                "ours_inband",
-                lambda s: inband.push_grads("inband", buf, grads, s, step_args=step_args),
-                lambda v: inband.pull_params("inband", buf, n, v),
-                lambda v: inband.set_params("inband", buf, params, version=v),
-            ),
-            (
-                "plain",
-                lambda s: plain.push(job, buf, grads, s),
-                lambda v: plain.pull(job, buf, n, v),
-                lambda v: plain.set_params(job, buf, params, v),
-            ),
-        ):
-            r = res[name]
-            # step i: version i -> i + 1 (SGD with lr=0 leaves the values as they were)
-            c0, t0 = time.process_time(), time.perf_counter()
-            push(2 * i)
-            c1, t1 = time.process_time(), time.perf_counter()
-            got = pull(2 * i + 1)
-            c2, t2 = time.process_time(), time.perf_counter()
-            setp(2 * i + 2)  # transport-only push: SetParams with the next version
-            t3 = time.perf_counter()
-            if i == 0 or not keep:
-                r["ok"] = r["ok"] and bool(np.array_equal(got, params))
-            if keep:
-                r["push"].append(t1 - t0)
-                r["pull"].append(t2 - t1)
-                r["set"].append(t3 - t2)
-                r["push_cpu"].append(c1 - c0)
-                r["pull_cpu"].append(c2 - c1)
-    emit("RESULT", res)
-    ours.close()
-    inband.close()
-    plain.close()
+    opened: list[Any] = []
+    try:
+        ours, inband = client(True, job), client(False, "inband")
+        opened += [ours, inband]
+        plain = PlainClient(plain_addrs, a.chunk_bytes, a.in_flight)
+        opened.append(plain)
+        plain.register(job, buf, n)
+        plain.set_params(job, buf, params, 0)
+        step_args = StepArgs({"lr": 0.0})
+        res: dict[str, Any] = {"malloc_env": malloc_env_state()}
+        for k in ("ours", "ours_inband", "plain"):
+            res[k] = {"push": [], "pull": [], "set": [], "push_cpu": [], "pull_cpu": [], "ok": True}
+        for i in range(a.warmup + a.reps):
+            keep = i >= a.warmup
+            # interleaved, so drift on a noisy machine hits both alike
+            for name, push, pull, setp in (
+                (
+                    "ours",
+                    lambda s: ours.push_grads(job, buf, grads, s, step_args=step_args),
+                    lambda v: ours.pull_params(job, buf, n, v),
+                    lambda v: ours.set_params(job, buf, params, version=v),
+                ),
+                (
+                    "ours_inband",
+                    lambda s: inband.push_grads("inband", buf, grads, s, step_args=step_args),
+                    lambda v: inband.pull_params("inband", buf, n, v),
+                    lambda v: inband.set_params("inband", buf, params, version=v),
+                ),
+                (
+                    "plain",
+                    lambda s: plain.push(job, buf, grads, s),
+                    lambda v: plain.pull(job, buf, n, v),
+                    lambda v: plain.set_params(job, buf, params, v),
+                ),
+            ):
+                r = res[name]
+                # step i: version i -> i + 1 (SGD with lr=0 leaves the values as they were)
+                c0, t0 = time.process_time(), time.perf_counter()
+                push(2 * i)
+                c1, t1 = time.process_time(), time.perf_counter()
+                got = pull(2 * i + 1)
+                c2, t2 = time.process_time(), time.perf_counter()
+                setp(2 * i + 2)  # transport-only push: SetParams with the next version
+                t3 = time.perf_counter()
+                if i == 0 or not keep:
+                    r["ok"] = r["ok"] and bool(np.array_equal(got, params))
+                if keep:
+                    r["push"].append(t1 - t0)
+                    r["pull"].append(t2 - t1)
+                    r["set"].append(t3 - t2)
+                    r["push_cpu"].append(c1 - c0)
+                    r["pull_cpu"].append(c2 - c1)
+        emit("RESULT", res)
+    finally:  # on every way out (benchmarks/_training.close_rank says why)
+        for opened_client in opened:
+            opened_client.close()

@@ -2,7 +2,7 @@
 
     python -m benchmarks.collectives [--quick] [--sizes 1,16,64] [--world-sizes 2,4]
 
-Measured in one run, on 127.0.0.1 (DESIGN section 7 has the transport facts these compare to):
+Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts these compare to):
 
 - **collectives**: all_reduce, all_gather, reduce_scatter for each world size W and tensor size S,
   through the variants of ``_collective_runs.VARIANTS``: ours with each rank process hosting its
@@ -68,6 +68,7 @@ from benchmarks._processes import (
     ChildError,
     child_guard,
     install_cleanup,
+    run_child,
     stop_all,
     wait_quiet,
 )
@@ -291,15 +292,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.mode != "bench":
         child_guard(a.lifetime or 1800.0)
-        {
+        child = {
             "_rank": rank_main,
             "_server": server_main,
             "_gloo": gloo_main,
             "_tcp_recv": tcp_recv_main,
             "_tcp_send": tcp_send_main,
             "_pushpull": pushpull_main,
-        }[a.mode](a)
-        return 0
+        }[a.mode]
+        run_child(lambda: child(a))
 
     if any(w < 1 for w in a.world_sizes) or any(s <= 0 for s in a.sizes):
         ap.error("sizes and world sizes must be positive")

@@ -4,7 +4,8 @@
 
 ``ShardingConfiguration(deterministic=True)`` (the default) makes the servers add
 contributions in rank order whatever order they arrive in: a contribution that arrives before
-its predecessors waits as a copy until they are in (server/contributions.py, server/slots.py). This
+its predecessors waits as a copy until they are in (server/buffers/contributions.py,
+server/collectives/slots.py). This
 measures, in one run and one process, for each world size W and size S:
 
 - **all_reduce**: W ranks (threads, one ShardClient each) all-reduce an S MiB float32 tensor

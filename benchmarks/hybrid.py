@@ -24,7 +24,7 @@ so both sides see the same machine load):
   an all-reduce of the gradients over dp. Plus single-process training on the whole global
   batch (the numerical reference).
 
-Model: ``examples.gpt`` with the anchors' sizes (see ``benchmarks/_training.py``): tiny =
+Model: ``paramshard.models.gpt`` with the anchors' sizes (see ``benchmarks/_training.py``): tiny =
 ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
 tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (as the anchors'
 ``W*B``): the pipeline cells run all of it through the pipeline in m micro-batches, the tensor

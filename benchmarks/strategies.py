@@ -19,7 +19,7 @@ strategy, so both sides see the same machine load):
   ``reshard_after_forward=False`` (torch's ZeRO-2) as the counterpart of our ZeRO-2; plus
   single-process training on the whole global batch (the numerical reference).
 
-Models: ``examples.gpt.GPTConfig`` presets with overrides that reproduce the anchors' GPTs
+Models: ``paramshard.models.gpt.GPTConfig`` presets with overrides that reproduce the anchors' GPTs
 (/work/shared/anchors): tiny = ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4,
 n_head=4, n_embd=128, tie_weights=False)``, 867,072 parameters, 8 sequences per rank; small =
 ``GPTConfig.small(vocab_size=4096, block_size=128, n_layer=6, n_head=6, n_embd=384,
@@ -37,7 +37,7 @@ Memory per rank (bytes), measured in one extra, untimed step after the timed one
   and its torch optimizer's state;
 - its server (index = rank): ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` of this job
   from ``client.status()``, and the server's reduction-slot bytes;
-- total against DESIGN section 4's formula: DDP 16Ψ; ZeRO-1 8Ψ + 16Ψ/N; ZeRO-2 4Ψ + 16Ψ/N;
+- total against docs/design.md §4's formula: DDP 16Ψ; ZeRO-1 8Ψ + 16Ψ/N; ZeRO-2 4Ψ + 16Ψ/N;
   FSDP 16Ψ/N + live units, where "live units" = 4 bytes x (root unit + two largest other units:
   the one computing and the one prefetched; the root stays gathered from the start of forward
   until its gradients are pushed at the end of backward);

@@ -62,6 +62,7 @@ def _master_wire(values: np.ndarray, dtype: str | None) -> str:
 class FlatBuffers(RpcCore):
     rank: int
     world_size: int
+    run_id: str
 
     def _ref(self, job: str, buffer: str) -> pb.BufferRef:
         return pb.BufferRef(job=job, buffer=buffer)
@@ -107,6 +108,7 @@ class FlatBuffers(RpcCore):
                     master_dtype=codec.wire_dtype(master_dtype),
                     arrival_order=arrival_order,
                     model_config=model_config,
+                    run=self.run_id,  # a refusal ends this run's waits on it (ranks disagree)
                 ),
             )
             for i in range(self.num_servers)
@@ -164,9 +166,12 @@ class FlatBuffers(RpcCore):
         dtype: str = "float32",
         start: int = 0,
         numel: int | None = None,
+        membership: pb.StepMembership | None = None,
     ) -> list[Call]:
         """The calls that push gradient ``flat`` (covering [start, start+len) of a buffer of
         ``numel`` elements) for ``step``; run them with ``run`` (or batch with other calls).
+        ``membership``: an elastic step's members (client/membership.py), carried by every
+        push so the servers weight it by its share.
 
         ``flat`` is a host array, or a device payload (strategies/device.py ``Outgoing``:
         ``dlpack_device``, ``size``, ``host()``, ``dlpack(start, n, wire dtype)``): its piece
@@ -197,6 +202,7 @@ class FlatBuffers(RpcCore):
                     num_micro=num_micro,
                     chunk=pb.Chunk(offset=local, numel=n, dtype=wire),
                     step_args=args,
+                    membership=membership,
                 )
                 if d:
                     return header, flat.dlpack(a, n, dtype)
@@ -281,14 +287,23 @@ class FlatBuffers(RpcCore):
         return [float(sum(r.sum_squares[k] for r in replies)) for k in range(len(buffers))]
 
     def grad_check(
-        self, job: str, buffers: Sequence[str], step: int, params: Mapping[str, int] | None = None
+        self,
+        job: str,
+        buffers: Sequence[str],
+        step: int,
+        params: Mapping[str, int] | None = None,
+        *,
+        generation: int | None = None,
     ) -> GradCheck:
         """Every server's sum of squares and finiteness of each buffer's reduced gradient of
         ``step`` (waits until reduced): the first phase of a step (client/grad_check.py).
         ``params`` (buffer -> how many parameters it registered): each parameter's sum of
-        squares too (``GradCheck.param_sum_squares``)."""
+        squares too (``GradCheck.param_sum_squares``). ``generation``: an elastic step's
+        membership generation (a step the servers accumulate for another one is refused)."""
         names = list(buffers)
-        req = pb.GradNormRequest(job=job, buffers=names, step=step, per_param=params is not None)
+        req = pb.GradNormRequest(
+            job=job, buffers=names, step=step, per_param=params is not None, generation=generation
+        )
         replies = self.run(Call(i, "GradNorm", req) for i in range(self.num_servers))
         servers = getattr(self, "servers", range(self.num_servers))
         return GradCheck.from_replies(
@@ -312,7 +327,13 @@ class FlatBuffers(RpcCore):
         raise KeyError(f"job '{job}' is not on server 0 ({self.spec.addresses[0]})")
 
     def step(
-        self, job: str, step: int, args: Mapping[str, StepArgs], *, skip: bool = False
+        self,
+        job: str,
+        step: int,
+        args: Mapping[str, StepArgs],
+        *,
+        skip: bool = False,
+        generation: int | None = None,
     ) -> None:
         """Applies step ``step`` to the named buffers on every server (first caller wins), or
         with ``skip`` discards it on all of them (parameters and optimizer state unchanged, the
@@ -324,12 +345,13 @@ class FlatBuffers(RpcCore):
             step=step,
             buffers=[pb.BufferStep(buffer=b, args=a.to_pb()) for b, a in args.items()],
             skip=skip,
+            generation=generation,
         )
         self.run(Call(i, "Step", req) for i in range(self.num_servers))
 
     def step_if_finite(self, job: str, step: int, args: Mapping[str, StepArgs]) -> GradCheck:
-        """Both phases of a step (server/nonfinite.py): every server's ``grad_check``, then the
-        step applied on all of them, or skipped on all of them when any slice holds NaN or Inf
+        """Both phases of a step (server/buffers/nonfinite.py): every server's ``grad_check``, then
+        the step applied on all of them, or skipped on all of them when any slice holds NaN or Inf
         (``check.finite`` False; ``check.nonfinite`` says where). Returns the check."""
         check = self.grad_check(job, list(args), step)
         self.step(job, step, args, skip=not check.finite)

@@ -2,7 +2,7 @@
 neighbour replication (``configure_replication``, ``recover_from_replicas``).
 
 A snapshot captures every buffer of a job at one version while training runs; every server
-holding the job writes its shard, and the client commits the manifest (DESIGN section 5),
+holding the job writes its shard, and the client commits the manifest (docs/design.md §5.1),
 which records the servers the slices came from: a restore into a cluster of the same size
 puts every slice back where it was, into another size it reshards over every server. Of a
 3D job's base name, ``snapshot`` takes every part at one version and ``restore`` checks every

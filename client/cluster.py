@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -9,16 +10,18 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from paramshard.protos import closing
+
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
-# DESIGN section 7: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
+# docs/design.md §7.5: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
 # Reconnection backs off at most 5 s (grpc's default grows to 120 s): after a link cut every
-# rank is back within about 6 s, before a server takes a late one for lost (server/leases.py).
-# The first wait stays grpc's 1 s: a dead server then fails every retry of a call at once,
-# instead of some of a collective's calls reaching its empty restart and waiting there.
-# Each channel keeps its own connections (grpc shares them between channels to one address by
-# default): a channel left to a stopped server, backing off, must not fail the calls of a new
-# client whose server got the same port (seen in CI as "Connection refused" from a live server).
+# rank is back within about 6 s, before a server takes a late one for lost
+# (server/collectives/leases.py). The first wait stays grpc's 1 s: a dead server then fails every
+# retry of a call at once, instead of some of a collective's calls reaching its empty restart and
+# waiting there. Each channel keeps its own connections (grpc shares them between channels to one
+# address by default): a channel left to a stopped server, backing off, must not fail the calls of a
+# new client whose server got the same port (seen in CI as "Connection refused" from a live server).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
@@ -28,6 +31,7 @@ CHANNEL_OPTIONS = [
 # Channels are made on first use from any rank's thread and closed from another (a harness
 # closing clients while a rank still runs): one lock for all specs, as channels are made rarely.
 _CHANNELS_LOCK = threading.Lock()
+log = logging.getLogger("paramshard.client")
 
 
 @dataclass
@@ -143,4 +147,15 @@ class ClusterSpec:
             channels = list(self._channels.values())
             self._channels.clear()
         for chan in channels:
-            chan.close()
+            _close_bounded(chan)
+
+
+def _close_bounded(chan: grpc.Channel) -> None:
+    """Closes ``chan``, waiting at most ``closing.STEP_S``: gRPC's close waits until the
+    channel's polling thread has drained every call, which an interrupted call may prevent
+    for ever (protos/closing.py). Past the bound the close is left to a daemon thread."""
+    closer = threading.Thread(target=chan.close, name="channel-close", daemon=True)
+    closer.start()
+    closer.join(closing.STEP_S)
+    if closer.is_alive():
+        log.warning("closing a gRPC channel took over %g s; left to the exit", closing.STEP_S)

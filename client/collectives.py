@@ -1,4 +1,4 @@
-"""Collectives carried out through the shard servers' reduction slots (DESIGN section 1).
+"""Collectives carried out through the shard servers' reduction slots (docs/design.md §1).
 
 - reduce-scatter: rank j's slice of the tensor (the slice rule over the ranks) is reduced on
   rank j's own server (``server_of``: j mod N), where only rank j reads it.

@@ -1,6 +1,6 @@
 """The first phase of a step: what every server says of its reduced gradient slice.
 
-A step is applied on all of a job's servers or on none (server/nonfinite.py): ``GradNorm``
+A step is applied on all of a job's servers or on none (server/buffers/nonfinite.py): ``GradNorm``
 tells each slice's sum of squares and whether it is finite, and the client sends every server
 the same ``Step``, applied or skipped, as ``torch.amp.GradScaler`` steps or skips on
 ``found_inf``. ``GradCheck`` is that gathered answer; ``NonFiniteGradientError`` is what a

@@ -1,6 +1,6 @@
 """Calls to many servers at once: one stub per server, many calls in flight, retries, deadlines.
 
-DESIGN section 7: several concurrent calls beat sequential ones by 25-40%, and 4-16 MiB messages
+docs/design.md §7.5: several concurrent calls beat sequential ones by 25-40%, and 4-16 MiB messages
 move fastest, so every tensor is cut into ``chunk_bytes`` pieces and up to ``max_in_flight`` of
 them travel at once. Requests are built lazily, so a large tensor is never encoded all at once.
 """
@@ -18,16 +18,18 @@ from typing import Any
 
 import grpc
 
+from paramshard.client import hang_report, leases, unreachable
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.leases import WAITS_ON_PEERS, RunState
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
-from paramshard.client.shm import Segment, SharedMemory, is_stale
-from paramshard.protos import codec, local_servers
+from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.shm import Segment, SharedMemory, is_stale
 
 __all__ = [
-    "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT"
+    "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT",
+    "DEFAULT_TIMEOUT_S",
 ]  # fmt: skip
 
 SERVICE = "/paramshard.v1.Shard/"
@@ -35,9 +37,12 @@ CHUNK_BYTES = 16 * 2**20
 """The default size of one message's payload (``chunk_bytes``): each call costs 0.3-0.6 ms of
 CPU end to end, so fewer, larger messages move faster, up to grpcio's 4-16 MiB sweet spot."""
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
+DEFAULT_TIMEOUT_S = 120.0
+"""A client's deadline of every wait unless it is given one (``timeout_s``; a
+ShardingConfiguration's ``timeout_s`` sets it)."""
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 BUSY_MARK = "retry later"
-"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/admission.py: too
+"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/rpc/admission.py: too
 many waiting calls at once), not out of memory or past a size limit, which is final."""
 
 
@@ -68,6 +73,7 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "DropJob": pb.DropJobReply.FromString,
     "Status": pb.StatusReply.FromString,
     "Lease": pb.LeaseReply.FromString,
+    "Join": pb.JoinReply.FromString,
     "Snapshot": pb.SnapshotReply.FromString,
     "CommitSnapshot": pb.CommitSnapshotReply.FromString,
     "Restore": pb.RestoreReply.FromString,
@@ -88,7 +94,7 @@ _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
 
 
 class _ShmFuture:
-    """A call whose payload or reply is in a shared segment (client/shm.py): a failure
+    """A call whose payload or reply is in a shared segment (protos/shm.py): a failure
     retires the segment; ``settle`` gives it back after the reply was used."""
 
     def __init__(self, fut: Any, shm: SharedMemory, seg: Segment) -> None:
@@ -150,7 +156,7 @@ class RpcCore:
         self,
         spec: ClusterSpec,
         *,
-        timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
         chunk_bytes: int = CHUNK_BYTES,
@@ -169,7 +175,7 @@ class RpcCore:
         self._local_calls: weakref.WeakSet[LocalFuture] = weakref.WeakSet()
         self._closed = False
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
-        # payloads to servers on this host (client/shm.py)
+        # payloads to servers on this host (protos/shm.py)
         self.shm = SharedMemory(chunk_bytes, max_in_flight, shared_memory)
         self.sessions = Sessions(sessions)  # one stream per server for the data plane
 
@@ -250,7 +256,7 @@ class RpcCore:
             else:
                 size += call.reply_bytes
         if size > MAX_BODY:
-            return None  # its own call: a session costs large payloads more (DESIGN §7)
+            return None  # its own call: a session costs large payloads more (docs/design.md §7.3)
         session = self.sessions.get(self, call.server)
         if session is None:
             return None
@@ -274,19 +280,37 @@ class RpcCore:
         return stub(request, timeout=timeout, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
+        address = self.spec.addresses[call.server]
+        code, details = exc.code(), exc.details() or ""
         return ShardClientError(
-            call.server, self.spec.addresses[call.server], call.method, exc.code(), exc.details()
+            call.server, address, call.method, code, unreachable.explain(address, code, details)
         )
+
+    def _final(
+        self, call: Call, err: ShardClientError, attempts: int, began: float
+    ) -> ShardClientError:
+        """The error a call ends with: after retries, how many and for how long; a wait on
+        other ranks that timed out without the server's account of it (grpc's bare "Deadline
+        Exceeded": the server's reply came too late), that account from the server's Status
+        (client/hang_report.py)."""
+        details = err.details
+        if attempts > 1:
+            details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"
+        if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and call.method in WAITS_ON_PEERS:
+            details = hang_report.complete(self, call.server, call.method, call.request, details)
+        if details == err.details:
+            return err
+        return ShardClientError(err.server, err.address, err.method, err.code, details)
 
     def run(self, calls: Iterable[Call]) -> list[Any]:
         """Sends ``calls`` with at most ``max_in_flight`` outstanding; returns replies in order.
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe.
-        A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later", DESIGN
-        section 6) is re-sent with backoff until it is admitted or its deadline (``timeout_s``
-        from its first attempt) has passed; other RESOURCE_EXHAUSTED errors (memory, sizes)
-        are final.
+        A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
+        docs/design.md §6.2) is re-sent with backoff until it is admitted; other
+        RESOURCE_EXHAUSTED errors (memory, sizes) are final. Every attempt of a call shares one
+        deadline, ``timeout_s`` from its first attempt: retries never stretch a wait past it.
         """
         results: list[Any] = []
         queue = deque(enumerate(calls))
@@ -299,7 +323,8 @@ class RpcCore:
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
                 i, call = queue.popleft()
-                in_flight.append((i, call, self._send(call, alone), 0, 0, time.monotonic()))
+                began = time.monotonic()  # before: ``alone``, the call runs inside _send
+                in_flight.append((i, call, self._send(call, alone), 0, 0, began))
 
         submit()
         while in_flight:
@@ -315,33 +340,39 @@ class RpcCore:
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
-                pause = _busy_pause(busy, began + self.timeout_s) if is_busy(err) else None
+                deadline = began + self.timeout_s  # of every attempt of this call
+                pause = _busy_pause(busy, deadline) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
                 elif (
                     isinstance(fut, _ShmFuture)
                     and is_stale(err.code, err.details)
                     and i not in stale
+                    and deadline - time.monotonic() > _MIN_ATTEMPT_S
                 ):
                     # the server restarted (nothing was done): new segments, or in-band
                     self.shm.reset(self.spec.addresses[call.server])
                     stale.add(i)  # once per call: a second refusal is an error
-                    fut = self._send(call, alone)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt, busy, began))
                     continue
-                elif err.code in RETRYABLE and attempt < self.retries:
-                    time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
-                    fut = self._send(call, alone)
+                elif (
+                    err.code in RETRYABLE
+                    and attempt < self.retries
+                    and (backoff := _retry_pause(attempt, deadline))
+                ):
+                    time.sleep(backoff)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt + 1, busy, began))
                     continue
                 elif pause is not None:
                     time.sleep(pause)
-                    left = began + self.timeout_s - time.monotonic()
-                    fut = self._send(call, alone, timeout=left)
+                    fut = self._send(call, alone, timeout=deadline - time.monotonic())
                     in_flight.appendleft((i, call, fut, attempt, busy + 1, began))
                     continue
                 else:
-                    first_error = first_error or err
+                    if first_error is None:
+                        first_error = self._final(call, err, attempt + 1, began)
                     for _, _, other, *_ in in_flight:  # e.g. reads that would wait for ever
                         other.cancel()
                     continue
@@ -362,9 +393,10 @@ class RpcCore:
         return self.run([Call(server, method, request)])[0]
 
     def close(self) -> None:
-        holding = self.run_state.holding
-        if holding is not None and holding.client() is self:
-            holding.release()  # the rank ends normally: nothing is aborted
+        """Releases the lease (the rank ends normally: nothing is aborted), cancels what is in
+        flight, ends the sessions and closes the channels; idempotent."""
+        closing.forget(self)
+        leases.release(self)
         self._closed = True
         with self._lock:
             pending = list(self._local_calls)
@@ -373,6 +405,20 @@ class RpcCore:
         self.sessions.close()
         self.shm.close()
         self.spec.close()
+
+
+_MIN_ATTEMPT_S = 0.05
+"""An attempt with less time than this before its call's deadline is not made."""
+
+
+def _retry_pause(attempt: int, deadline: float) -> float | None:
+    """How long to wait before re-sending a call that failed with UNAVAILABLE (jittered,
+    doubling from 50 ms to at most 2 s), or None when its ``deadline`` (monotonic) would leave
+    the next attempt no time."""
+    pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+    if time.monotonic() + pause + _MIN_ATTEMPT_S >= deadline:
+        return None
+    return pause
 
 
 def _busy_pause(refusals: int, deadline: float) -> float | None:

@@ -1,5 +1,5 @@
 """A client's sessions: one persistent stream per server carrying its data-plane calls
-(server/sessions.py, DESIGN section 7).
+(server/transport/sessions.py, docs/design.md §7.3).
 
 Unary calls cost grpcio a call's setup on both sides, and the first future after an idle spell
 makes grpcio start a polling thread for the channel; a session opens once and stays open, and
@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 
 from paramshard.client.local_calls import LocalRpcError
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import decode_batch, encode_batch, take_ready
 
@@ -129,7 +130,10 @@ class _Session:
             _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
         self._call = stub(self._batches(), metadata=metadata)
-        threading.Thread(target=self._receive, name="session-receiver", daemon=True).start()
+        self._receiver = threading.Thread(
+            target=self._receive, name="session-receiver", daemon=True
+        )
+        self._receiver.start()
 
     def wait_open(self, timeout: float) -> bool:
         if not self._opened.wait(timeout):
@@ -185,8 +189,12 @@ class _Session:
             fut.fail(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} ended ({why})")
 
     def close(self) -> None:
+        """Ends the stream; its calls in flight fail (UNAVAILABLE) and its thread ends, waited
+        for (``closing.STEP_S`` at most)."""
         self._out.put(None)
         self._call.cancel()
+        if self._receiver is not threading.current_thread():
+            self._receiver.join(closing.STEP_S)
 
 
 class Sessions:

@@ -11,8 +11,9 @@ from paramshard.client import leases
 from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
-from paramshard.client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT, ShardClientError
+from paramshard.client.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
 from paramshard.client.run_id import run_id_from_env
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["ShardClient"]
@@ -41,7 +42,7 @@ class ShardClient(Collectives, FlatBuffers):
         world_size: int = 1,
         *,
         run_id: str | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
         chunk_bytes: int = CHUNK_BYTES,
@@ -71,6 +72,7 @@ class ShardClient(Collectives, FlatBuffers):
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
         self.run_id = run_id or run_id_from_env() or "run"
         self.deterministic = deterministic
+        closing.close_at_exit(self, ShardClient.close)  # if the program forgets (or raises)
         if world_size > 1:
             leases.hold(self)  # the other ranks learn within seconds if this one dies
 

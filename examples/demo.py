@@ -102,7 +102,7 @@ class Server:
             cwd=_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         log.close()
-        wait_serving([self.address], None, START_TIMEOUT_S)
+        wait_serving([self.address], None, START_TIMEOUT_S, unreachable_s=START_TIMEOUT_S)
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

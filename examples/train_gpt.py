@@ -15,7 +15,9 @@ examples/demo.py). Rank 0 shows a tqdm bar (a line every ``--log-every`` steps w
 is not a terminal), the validation loss every ``--eval-every`` steps, and a sample at the end.
 Batches are a function of the step, and training starts at the model's ``step_count``, so a
 rank restarted by ``paramshard launch --max-restarts K`` (ZeRO-1/2, FSDP) resumes where the
-servers are.
+servers are. ``--elastic`` (ZeRO-1/2, FSDP; docs/elastic.md) lets ranks leave and join between
+steps: each step's global batch is drawn whole and each member trains its
+``model.batch_part`` of it, so the run does not depend on who was there.
 """
 
 from __future__ import annotations
@@ -91,7 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--checkpoint-every", type=int, default=0, help="snapshots every k steps (0: none)")
     arg("--log-every", type=int, default=10, help="progress line period without a terminal")
     arg("--servers", default=None, help="host:port,... of running servers (default: start)")
+    arg("--elastic", action="store_true", help="ranks may leave and join (ZeRO-1/2, FSDP)")
+    arg("--min-nproc", type=int, default=None, help="--elastic: fewest ranks a step trains with")
+    arg("--max-restarts", type=int, default=0, help="restart a failed rank (ZeRO-1/2, FSDP)")
     args = p.parse_args(argv)
+    args.elastic = args.elastic or os.environ.get("PARAMSHARD_ELASTIC") == "1"
     if os.environ.get("WORLD_SIZE", "").isdigit() and os.environ.get("RANK"):
         args.world_size = int(os.environ["WORLD_SIZE"])  # one trainer of a launcher's world
     for name in ("world_size", "steps", "eval_every", "log_every", "block_size", "pp", "tp"):
@@ -99,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.strategy != "hybrid" and (args.pp, args.tp) != (1, 1):
         p.error("--pp and --tp need --strategy hybrid")
+    if args.elastic and args.strategy in ("ddp", "hybrid"):
+        p.error(f"--elastic needs zero1, zero2 or fsdp: {args.strategy} keeps state in its ranks")
     if args.world_size % (args.pp * args.tp):
         p.error(f"--pp {args.pp} x --tp {args.tp} must divide --world-size {args.world_size}")
     if args.strategy == "hybrid":
@@ -108,6 +116,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         per, what = replicas * args.micro_batches, f"{replicas} replica(s) x --micro-batches"
     else:
         per, what = args.world_size, f"--world-size {args.world_size}"
+    if args.elastic and args.batch_size >= per:
+        per = 1  # each step's members cut it, parts differing by one row at most
     if args.batch_size < 1 or args.batch_size % per:
         p.error(f"--batch-size {args.batch_size} must be a positive multiple of {what} ({per})")
     if args.lr <= 0:
@@ -178,11 +188,16 @@ def run_rank(args: argparse.Namespace) -> int:
         group.setdefault("initial_lr", group["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps), last_epoch=start - 1)
     # A restarted rank cannot replay a collective the others finished before it died, so with
-    # --max-restarts the loop makes none: rank 0 reports the loss of its own share.
-    own_loss = restarts.max_restarts() > 0
+    # --max-restarts the loop makes none: rank 0 reports the loss of its own share. An elastic
+    # job's collectives go over each step's members (model.step_group), a restart included.
+    elastic = getattr(model, "elastic", False)
+    own_loss = restarts.max_restarts() > 0 and not elastic
     val_batches = validation_batches(val_data, local_batch, args.block_size, args.seed, replica)
+    if elastic:  # one held-out global batch, cut among each step's members like the others
+        val_batches = validation_batches(val_data, args.batch_size, args.block_size, args.seed, 0)
     if rank == 0:
         layout = f" (pp {args.pp} x tp {args.tp} x dp {replicas})" if hybrid else ""
+        layout = f", elastic (at most {world} ranks)" if elastic else layout
         print(
             f"{args.strategy}: GPT {args.model} ({n_params:,} parameters, vocab"
             f" {tok.vocab_size}), world size {world}{layout}, global batch {args.batch_size} x"
@@ -194,15 +209,25 @@ def run_rank(args: argparse.Namespace) -> int:
         print(f"rank {rank}: resumed at step {start}, the servers' step"
               f" (restart {restarts.restart_count()})", flush=True)  # fmt: skip
 
-    def mean(value: float) -> float:  # over the data-parallel ranks (one replica's in 3D)
+    def mean(value: float, rows: int | None = None) -> float:
+        """Over the data-parallel ranks (one replica's in 3D); elastic: the step's members,
+        weighted by their rows of the global batch (``rows``: another batch's size)."""
+        if elastic:
+            return model.batch_mean(value, rows)
         return value if own_loss else float(client.all_reduce(torch.tensor([value]), "mean")[0])
 
     comm = 0.0
 
     def train_step(step: int) -> float:
         nonlocal comm
-        gen = torch.Generator().manual_seed(args.seed + 1 + step * replicas + replica)
-        x, y = get_batch(train_data, local_batch, args.block_size, gen)
+        if elastic:  # the step's global batch, whoever trains it: this rank's part of it
+            gen = torch.Generator().manual_seed(args.seed + 1 + step)
+            x, y = get_batch(train_data, args.batch_size, args.block_size, gen)
+            part = model.batch_part(args.batch_size)
+            x, y = x[part], y[part]
+        else:
+            gen = torch.Generator().manual_seed(args.seed + 1 + step * replicas + replica)
+            x, y = get_batch(train_data, local_batch, args.block_size, gen)
         if hybrid:  # the pipeline schedule: forward and backward, the global batch's loss
             loss = model.forward_backward(x, y)
         else:
@@ -224,9 +249,13 @@ def run_rank(args: argparse.Namespace) -> int:
         done = step + 1
         if hybrid or (done % args.eval_every and done != args.steps):
             return False
+        batches, rows = val_batches, None
+        if elastic:  # this rank's rows of the held-out global batch, among the step's members
+            part, rows = model.joined.part(rank, args.batch_size), args.batch_size
+            batches = [(x[part], y[part]) for x, y in val_batches]
         with torch.no_grad():
-            local = sum(lm_loss(model(x), y).item() for x, y in val_batches) / len(val_batches)
-        val_losses[done] = val = mean(local)
+            local = sum(lm_loss(model(x), y).item() for x, y in batches) / len(batches)
+        val_losses[done] = val = mean(local, rows)
         if rank == 0:
             bar.write(f"step {done}: validation loss {val:.4f}", file=sys.stdout)
         return args.target_loss is not None and val < args.target_loss
@@ -245,7 +274,7 @@ def run_rank(args: argparse.Namespace) -> int:
         else:
             report = train_with_recovery(
                 model, train_step, args.steps, checkpoint_every=args.checkpoint_every,
-                progress=bar, should_stop=validate,
+                progress=bar, should_stop=validate, scheduler=sched,
             )  # fmt: skip
     elapsed = time.perf_counter() - began
     end = start + len(report.losses) if args.strategy == "ddp" else model.step_count
@@ -253,7 +282,8 @@ def run_rank(args: argparse.Namespace) -> int:
         whole = GPT(cfg)
         whole.load_state_dict(model.state_dict())
         model = whole
-    if rank != 0:
+    reports = model.joined.leader == rank if elastic else rank == 0  # rank 0 may be gone
+    if not reports:
         return 0
 
     def sample() -> str:
@@ -270,8 +300,12 @@ def main(argv: list[str] | None = None) -> int:
         return run_rank(args)
     from paramshard.cli import main as paramshard
 
-    servers = ["--servers", args.servers] if args.servers else []
-    return paramshard(["launch", "--nproc", str(args.world_size), *servers, __file__, *argv])
+    launch = ["--servers", args.servers] if args.servers else []
+    if args.elastic:
+        launch += ["--elastic"] + (["--min-nproc", str(args.min_nproc)] if args.min_nproc else [])
+    if args.max_restarts:
+        launch += ["--max-restarts", str(args.max_restarts)]
+    return paramshard(["launch", "--nproc", str(args.world_size), *launch, __file__, *argv])
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paramshard.client import ClusterSpec, ShardClient
-    from paramshard.local_cluster import LocalCluster, RankFailed
+    from paramshard.local_cluster import LocalCluster, RankFailed, RankLeft
     from paramshard.server import ShardServer
     from paramshard.strategies import (
         DDPModel,
@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LocalCluster",
     "RankFailed",
+    "RankLeft",
     "ClusterSpec",
     "ShardClient",
     "ShardServer",
@@ -66,6 +67,7 @@ __all__ = [
 _HOME = {
     "LocalCluster": "paramshard.local_cluster",
     "RankFailed": "paramshard.local_cluster",
+    "RankLeft": "paramshard.local_cluster",
     "ClusterSpec": "paramshard.client",
     "ShardClient": "paramshard.client",
     "ShardServer": "paramshard.server",

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from inspect import cleandoc
 
 from paramshard import __version__
-from paramshard.commands import COMMANDS, CommandError
+from paramshard.commands import COMMANDS, CommandError, summary
 
 __all__ = ["main", "build_parser", "CommandError"]
 
@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         doc = cleandoc(cmd.run.__doc__ or "")
         p = sub.add_parser(
             cmd.name,
-            help=doc.split("\n", 1)[0],
+            help=summary(doc),
             description=doc,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

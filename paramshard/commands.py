@@ -2,7 +2,8 @@
 the helpers client commands share (the cluster from the environment, tables, sizes).
 
 Every subcommand is one function registered with ``@command``; its arguments are declared next to
-it, the first docstring line is its ``--help`` summary and the rest its description::
+it, the docstring's first paragraph is its line in ``paramshard --help`` (``summary``: a whole
+sentence, however it wraps) and the whole docstring its description::
 
     @command(arg("address", help="host:port of the server"))
     def ping(args: argparse.Namespace) -> int:
@@ -22,12 +23,25 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from inspect import cleandoc
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from paramshard.client import ClusterSpec
 
-__all__ = ["command", "arg", "CommandError", "COMMANDS", "EXIT_FAILURE", "EXIT_USAGE"]
+__all__ = [
+    "command",
+    "arg",
+    "CommandError",
+    "COMMANDS",
+    "EXIT_FAILURE",
+    "EXIT_USAGE",
+    "RUN",
+    "cluster_spec",
+    "paramshard_argv",
+    "read_token",
+    "summary",
+]
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # argparse's code for bad arguments; also ours for settings that cannot work
@@ -76,6 +90,33 @@ def command(*args: Arg, name: str | None = None) -> Callable[[Callable], Callabl
     return register
 
 
+def summary(doc: str) -> str:
+    """A command's line in ``paramshard --help``: its docstring's first paragraph, on one line.
+
+    The first paragraph, not the first line: a sentence that wraps in the source would be cut
+    mid-sentence in the command list."""
+    return " ".join(cleandoc(doc).split("\n\n", 1)[0].split())
+
+
+# `python -m paramshard` and `python -c` both put the current directory first on sys.path, so a
+# server started from a user's folder would import that folder's logging.py, grpc.py or
+# paramshard.py instead of the real ones (the console script `paramshard` does not). `-P` stops
+# that from Python 3.11 only; this removes the entry itself before anything else is imported,
+# on 3.10 too, and leaves sys.path alone where PYTHONSAFEPATH already kept the entry out.
+_SAFE_MAIN = (
+    "import sys; sys.path[:1] == [''] and sys.path.pop(0); "
+    "from paramshard.cli import main; sys.exit(main())"
+)
+
+
+def paramshard_argv(*args: str) -> list[str]:
+    """The command line that runs ``paramshard ARGS`` in a new interpreter (this one's), whatever
+    files the current directory holds."""
+    if not sys.executable:
+        raise CommandError("cannot start paramshard: no sys.executable")
+    return [sys.executable, "-c", _SAFE_MAIN, *args]
+
+
 # ------------------------------------------------------------------------------ argument types
 def port_number(text: str) -> int:
     port = int(text)
@@ -105,35 +146,115 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _warn(message: str) -> None:
+def warn(message: str) -> None:
     print(f"paramshard: warning: {message}", file=sys.stderr, flush=True)
 
 
+def note(message: str) -> None:
+    """A line on stderr that says what a command decided for the user (stdout stays data)."""
+    print(f"paramshard: {message}", file=sys.stderr, flush=True)
+
+
 # ------------------------------------------------------ the cluster and tables, for client commands
-def _cluster_spec(servers: str | None) -> ClusterSpec:
+RUN = Arg(
+    ("--run",),
+    {
+        "metavar": "RUN_ID",
+        "dest": "run_id",  # args.run is the command itself (paramshard/cli.py)
+        "default": None,
+        "help": "the run of paramshard launch whose servers to use, when several are alive"
+        " (without --servers and $PARAMSHARD_SERVERS, the one alive is used)",
+    },
+)
+
+
+def cluster_spec(
+    servers: str | None, run: str | None = None, *, role: str = "admin"
+) -> ClusterSpec:
     """The cluster as ``paramshard launch`` describes it in the environment (token, TLS files),
-    with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given."""
+    with ``servers`` (``--servers``) standing in for PARAMSHARD_SERVERS when given. With
+    neither, the run ``paramshard launch`` is running (``run``: ``--run``, else the only one
+    alive; paramshard/run_files.py), its token taken from its token file (``role``'s token of
+    a server token file first, a tool needs it for snapshot and restore)."""
     from paramshard.client import ClusterSpec
 
-    if servers is None and not os.environ.get("PARAMSHARD_SERVERS", "").strip():
-        raise CommandError(
-            "no servers: pass --servers HOST:PORT,... or set PARAMSHARD_SERVERS", EXIT_USAGE
-        )
-    saved = os.environ.get("PARAMSHARD_SERVERS")
-    if servers is not None:  # ClusterSpec.from_env stays the one reader of PARAMSHARD_*
-        os.environ["PARAMSHARD_SERVERS"] = servers
+    overlay: dict[str, str] = {}
+    if servers is not None:
+        overlay["PARAMSHARD_SERVERS"] = servers
+    elif run is not None or not os.environ.get("PARAMSHARD_SERVERS", "").strip():
+        overlay = _launched(run, role)
+    saved = {k: os.environ.get(k) for k in overlay}
+    os.environ.update(overlay)  # ClusterSpec.from_env stays the one reader of PARAMSHARD_*
     try:
         return ClusterSpec.from_env()
     except (ValueError, OSError) as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     finally:
-        if saved is None:
-            os.environ.pop("PARAMSHARD_SERVERS", None)
-        else:
-            os.environ["PARAMSHARD_SERVERS"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]) -> str:
+def _launched(run: str | None, role: str) -> dict[str, str]:
+    """The settings of a run of ``paramshard launch`` (its run file), for ``cluster_spec``;
+    what the environment sets already (a token, TLS files) wins."""
+    from paramshard import run_files
+
+    try:
+        found = run_files.find(run)
+    except run_files.RunLookupError as exc:
+        if run is not None:
+            raise CommandError(str(exc), EXIT_USAGE) from None
+        raise CommandError(
+            f"no servers: pass --servers HOST:PORT,..., set PARAMSHARD_SERVERS, or start the job"
+            f" with paramshard launch ({exc})",
+            EXIT_USAGE,
+        ) from None
+    note(f"using run {found.describe()}")
+    overlay = {
+        k: v for k, v in found.env().items() if k == "PARAMSHARD_SERVERS" or k not in os.environ
+    }
+    if found.token_file and "PARAMSHARD_TOKEN" not in os.environ:
+        token = read_token(found.token_file, prefer=(role, *ROLES_DOWN[role]))
+        if token:
+            overlay["PARAMSHARD_TOKEN"] = token
+    return overlay
+
+
+ROLES_DOWN = {"admin": ("train", "read"), "train": ("admin",), "read": ("train", "admin")}
+"""Which token of a server token file a caller needing a role takes after that role's own."""
+
+
+def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> str | None:
+    """The token in the file ``path`` (``--token-file``): either the bare token, or a server
+    token file (``ROLE TOKEN`` per line, as ``paramshard serve --token-file`` reads) whose
+    token of the first role of ``prefer`` it has is taken, so one secret file can serve all."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.split() for ln in f.read().splitlines()]
+    except OSError as exc:
+        raise CommandError(
+            f"--token-file: cannot read {path}: {exc.strerror}", EXIT_USAGE
+        ) from None
+    lines = [ln for ln in lines if ln and not ln[0].startswith("#")]
+    if len(lines) == 1 and len(lines[0]) == 1:
+        return lines[0][0]
+    by_role = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+    for role in prefer:
+        if role in by_role:
+            return by_role[role]
+    raise CommandError(
+        f"--token-file {path}: expected one token, or 'ROLE TOKEN' lines with a"
+        f" {' or '.join(prefer)} token",
+        EXIT_USAGE,
+    )
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozenset[int]) -> str:
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
@@ -145,7 +266,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: frozens
     return "\n".join([line(headers), *(line(row) for row in rows)])
 
 
-def _bytes(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -153,7 +274,7 @@ def _bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _duration(seconds: float) -> str:
+def human_duration(seconds: float) -> str:
     s = int(seconds)
     if s < 60:
         return f"{s}s"

@@ -5,13 +5,16 @@
     paramshard launch --nnodes 2 --node-rank 1 --nproc 4 --servers ... --run-id exp7 train.py
 
 Without ``--servers`` it starts one ``paramshard serve --port 0`` per rank on 127.0.0.1 and reads
-each one's "listening on ADDRESS" line (bounded by ``--start-timeout``). With ``--servers`` it
-waits, equally bounded, until every server's health check says SERVING. Then it starts
+each one's "listening on ADDRESS" line (bounded by ``--start-timeout``), each with a snapshot
+directory (``--snapshot-dir``, default under the run directory). With ``--servers`` it waits,
+equally bounded, until every server's health check says SERVING and checks the token; a server
+it cannot reach is named with the cause within seconds (paramshard/local_servers.py). While it
+runs, a run file lets the job tools find the run (paramshard/run_files.py). Then it starts
 ``--nproc`` copies of ``python SCRIPT ARGS`` with the environment torchrun would give them plus
 the cluster: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, PARAMSHARD_SERVERS,
 PARAMSHARD_RUN (one id shared by all ranks, so two runs on the same servers never share
-collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of DESIGN
-section 7, which glibc reads only when a process starts.
+collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of
+docs/design.md §7.5, which glibc reads only when a process starts.
 
 Every line a rank prints comes out as ``[rank R] LINE`` (stdout to stdout, stderr to stderr);
 server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forwarded to the ranks;
@@ -34,6 +37,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from paramshard import elastic
 from paramshard.client.run_id import run_id_from_env
 from paramshard.commands import (
     EXIT_USAGE,
@@ -42,11 +46,19 @@ from paramshard.commands import (
     command,
     positive,
     positive_int,
+    read_token,
 )
 from paramshard.launch_files import RankLogs, config_env
-from paramshard.local_servers import SERVER_STOP_S, start_local_servers, wait_serving
+from paramshard.local_servers import (
+    CONNECT_GRACE_S,
+    SERVER_STOP_S,
+    START_TIMEOUT_S,
+    start_local_servers,
+    wait_serving,
+)
 from paramshard.processes import Child, relay, say, spawn, stop, watch
 from paramshard.restarts import RankRestarts, supervise
+from paramshard.run_files import announce_run, drop_unused_snapshot_dir, local_snapshot_dir
 
 __all__ = ["launch", "rank_env", "read_token"]
 
@@ -90,33 +102,6 @@ def rank_env(
     if token:
         env["PARAMSHARD_TOKEN"] = token
     return env
-
-
-def read_token(path: str | None) -> str | None:
-    """The token the ranks send, from ``--token-file``: either the bare token, or a server token
-    file (``ROLE TOKEN`` per line, as ``paramshard serve --token-file`` reads) whose ``train``
-    token is taken (``admin`` if it has none), so one secret can serve both."""
-    if path is None:
-        return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.split() for ln in f.read().splitlines()]
-    except OSError as exc:
-        raise CommandError(
-            f"--token-file: cannot read {path}: {exc.strerror}", EXIT_USAGE
-        ) from None
-    lines = [ln for ln in lines if ln and not ln[0].startswith("#")]
-    if len(lines) == 1 and len(lines[0]) == 1:
-        return lines[0][0]
-    by_role = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
-    for role in ("train", "admin"):
-        if role in by_role:
-            return by_role[role]
-    raise CommandError(
-        f"--token-file {path}: expected one token, or 'ROLE TOKEN' lines with a train or admin"
-        " token",
-        EXIT_USAGE,
-    )
 
 
 @command(
@@ -175,8 +160,11 @@ def read_token(path: str | None) -> str | None:
     arg(
         "--start-timeout",
         type=positive,
-        default=60.0,
-        help="seconds the servers get to start or to answer SERVING (default: %(default)g)",
+        default=None,
+        help="seconds the servers get to start or to answer SERVING (default: 60). With"
+        " --servers, a server that cannot be reached (connection refused, DNS, TLS, token) is"
+        " refused within 3 s unless this is given: then it is awaited that long (servers"
+        " starting beside the trainers, as in docker/k8s)",
     ),
     arg(
         "--grace",
@@ -191,6 +179,29 @@ def read_token(path: str | None) -> str | None:
         help="restart a failed rank, alone, up to this many times in all: for ZeRO-1/2 and"
         " FSDP, whose state is on the servers (a DDP or 3D rank's failure still stops the job;"
         " default: %(default)s)",
+    ),
+    arg(
+        "--snapshot-dir",
+        metavar="DIR",
+        default=None,
+        help="where the local servers write snapshots (paramshard snapshot) and read them"
+        " (restore); default: the run directory's RUN_ID/snapshots (docs/launch.md). With"
+        " --servers, each server's own --snapshot-dir applies",
+    ),
+    arg(
+        "--elastic",
+        action="store_true",
+        help="elastic data parallelism (ZeRO-1/2, FSDP; docs/elastic.md): ranks may leave and"
+        " join between steps; a rank that fails for good leaves and the others train on"
+        " (PARAMSHARD_ELASTIC=1); --nproc is then the most ranks",
+    ),
+    arg(
+        "--min-nproc",
+        type=positive_int,
+        default=None,
+        metavar="M",
+        help="with --elastic: a step trains with at least M ranks; below that the ranks wait,"
+        " bounded, then fail naming who is there (PARAMSHARD_MIN_NPROC; default: 1)",
     ),
     arg("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)"),
     arg("script", metavar="SCRIPT", help="the training script (or module with -m)"),
@@ -221,8 +232,16 @@ def launch(args: argparse.Namespace) -> int:
     run_id = run_id or f"run-{secrets.token_hex(6)}"
     if not args.module and not os.path.isfile(args.script):
         raise CommandError(f"no such script: {args.script}", EXIT_USAGE)
+    if args.servers and args.snapshot_dir:
+        raise CommandError(
+            "--snapshot-dir is for the local servers; with --servers, each server's own"
+            " --snapshot-dir applies",
+            EXIT_USAGE,
+        )
     token = read_token(args.token_file)
+    start_timeout = args.start_timeout or START_TIMEOUT_S
     world_size = args.nnodes * args.nproc
+    elastic.check(args, world_size)
     ranks_config = config_env(args.config)
     logs = RankLogs.create(args.log_dir, run_id)
     if args.redirects and logs is None:
@@ -231,7 +250,13 @@ def launch(args: argparse.Namespace) -> int:
 
     from paramshard.server.app import MALLOC_ENV
 
-    base = {**MALLOC_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **ranks_config}
+    base = {
+        **MALLOC_ENV,
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        **ranks_config,
+        **elastic.elastic_env(args),
+    }
     restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
@@ -246,15 +271,33 @@ def launch(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     servers: list[Child] = []
     ranks: list[Child] = []
+    announced = None
     try:
+        snapshot_dir = None
         if args.servers:
             addresses = [a.strip() for a in args.servers.split(",") if a.strip()]
-            wait_serving(addresses, token, args.start_timeout)
+            patience = args.start_timeout or CONNECT_GRACE_S  # asked for: servers still starting
+            wait_serving(addresses, token, start_timeout, unreachable_s=patience)
         else:
+            try:
+                snapshot_dir = local_snapshot_dir(args.snapshot_dir, run_id)
+            except OSError as exc:
+                raise CommandError(
+                    f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
+                ) from None
             servers, addresses = start_local_servers(
-                args.nproc, args.device, base, args.start_timeout
+                args.nproc,
+                args.device,
+                base,
+                start_timeout,
+                serve_args=["--snapshot-dir", snapshot_dir] if snapshot_dir else [],
             )
             say(f"started {len(servers)} shard servers: {', '.join(addresses)}")
+        announced = announce_run(run_id, addresses, args.token_file, args.config, snapshot_dir)
+        if announced.path is not None:
+            say(f"run {run_id}: the job tools (paramshard status, ...) find it: {announced.path}")
+        if snapshot_dir:
+            say(f"snapshots go to {snapshot_dir}")
 
         supervising = True
         python = [sys.executable, "-m"] if args.module else [sys.executable]
@@ -287,7 +330,10 @@ def launch(args: argparse.Namespace) -> int:
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
             watch(server, events)
-        return supervise(ranks, servers, events, received, args.grace, restarts, start_rank)
+        departures = elastic.Departures() if args.elastic else None
+        return supervise(
+            ranks, servers, events, received, args.grace, restarts, start_rank, departures
+        )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")
         return 128 + exc.signum
@@ -296,6 +342,9 @@ def launch(args: argparse.Namespace) -> int:
         stop(ranks, signal.SIGTERM, args.grace, received)
         stop(servers, signal.SIGTERM, SERVER_STOP_S, received)
         restarts.close()
+        if announced is not None:
+            announced.remove()  # the job tools no longer find this run
+        drop_unused_snapshot_dir(run_id)  # also when it stopped before announcing the run
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

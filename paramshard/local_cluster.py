@@ -33,7 +33,9 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-__all__ = ["LocalCluster", "RankFailed", "run_in_threads"]
+from paramshard.local_ranks import RankFailed, RankLeft, all_left, rank_config
+
+__all__ = ["LocalCluster", "RankFailed", "RankLeft", "run_in_threads"]
 
 T = TypeVar("T")
 
@@ -44,18 +46,6 @@ GRACE_S = 10.0
 once their clients are closed, or at their own deadline)."""
 
 
-class RankFailed(RuntimeError):
-    """A rank raised. ``rank`` says which; ``error`` (also ``__cause__``) is what it raised."""
-
-    def __init__(self, rank: int, world_size: int, error: BaseException, detail: str = "") -> None:
-        super().__init__(
-            f"rank {rank} of {world_size} failed: {type(error).__name__}: {error}{detail}"
-        )
-        self.rank = rank
-        self.world_size = world_size
-        self.error = error
-
-
 def run_in_threads(
     fns: Sequence[Callable[[], T]],
     *,
@@ -63,6 +53,7 @@ def run_in_threads(
     grace_s: float = GRACE_S,
     on_failure: Callable[[], None] = lambda: None,
     name: str = "rank",
+    on_leave: Callable[[int, BaseException], None] | None = None,
 ) -> list[T]:
     """Runs ``fns[r]()`` for every rank r in a thread of its own; returns the results in rank
     order.
@@ -72,6 +63,10 @@ def run_in_threads(
     seconds to end, then ``RankFailed`` is raised from that rank's exception. A run still going
     after ``timeout_s`` raises ``TimeoutError`` naming the ranks still running. Threads are
     daemons: one stuck in pure compute cannot keep the interpreter alive.
+
+    With ``on_leave`` (an elastic run) a rank that raises leaves instead: ``on_leave(rank,
+    exc)`` runs, its result is ``RankLeft(rank, exc)`` and the others go on; only when every
+    rank left is ``RankFailed`` raised.
     """
     world = len(fns)
     results: list[Any] = [None] * world
@@ -83,6 +78,10 @@ def run_in_threads(
         try:
             results[rank] = fns[rank]()
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, whatever it is
+            if on_leave is not None:
+                on_leave(rank, exc)
+                results[rank] = RankLeft(rank, exc)
+                return
             with changed:
                 failures.append((rank, exc))
         finally:
@@ -106,6 +105,7 @@ def run_in_threads(
     if ok:
         for t in threads:
             t.join()  # they are past their last statement
+        all_left(results, world)
         return results
     on_failure()
     with changed:
@@ -230,8 +230,10 @@ class LocalCluster:
         """``[fn(config_0), ..., fn(config_{W-1})]``: each rank's result, in rank order.
 
         A rank that raises ends the run: the others are stopped and ``RankFailed`` (naming the
-        rank, raised from its exception) propagates. ``config_fields`` add to or override the
-        cluster's ``ShardingConfiguration`` fields for this run only.
+        rank, raised from its exception) propagates. In an elastic run (``elastic=True``) it
+        leaves instead (docs/elastic.md): its result is ``RankLeft(rank, error)`` and the others
+        train on without it. ``config_fields`` add to or override the cluster's
+        ``ShardingConfiguration`` fields for this run only.
         """
         if not self._started:
             raise RuntimeError(
@@ -244,11 +246,12 @@ class LocalCluster:
         fields = _checked_fields(
             {"job": run_id, **self.config_fields, **config_fields}, self.world_size
         )
+        elastic = bool(fields.get("elastic", False))
         if self.processes:
             from paramshard.local_processes import run_in_processes
 
             return run_in_processes(
-                fn, self.world_size, self.addresses, run_id, fields, self.run_timeout_s
+                fn, self.world_size, self.addresses, run_id, fields, self.run_timeout_s, elastic
             )
         configs = [
             rank_config(self.addresses, r, self.world_size, run_id, fields)
@@ -259,44 +262,23 @@ class LocalCluster:
             for config in configs:
                 config.client.close()
 
+        def leave(rank: int, error: BaseException) -> None:
+            from paramshard.client.membership import leave
+
+            client = configs[rank].client
+            leave(client, f"{type(error).__name__}: {error}")  # the others redo its step
+            client.close()
+
         try:
             return run_in_threads(
                 [partial(fn, c) for c in configs],
                 timeout_s=self.run_timeout_s,
                 on_failure=close_clients,
                 name=f"paramshard-{run_id}-rank",
+                on_leave=leave if elastic else None,
             )
         finally:
             close_clients()
-
-
-def rank_config(
-    addresses: Sequence[str], rank: int, world_size: int, run_id: str, fields: Mapping[str, Any]
-) -> Any:
-    """Rank ``rank``'s ShardingConfiguration: a client of its own, the call deadline from the
-    configuration's ``timeout_s``."""
-    from paramshard.client import ClusterSpec, ShardClient
-    from paramshard.strategies.config import ShardingConfiguration
-
-    timeout = fields.get("timeout_s", _default("timeout_s"))
-    client = ShardClient(
-        ClusterSpec(list(addresses)),
-        rank=rank,
-        world_size=world_size,
-        run_id=run_id,
-        timeout_s=timeout,
-    )
-    try:
-        return ShardingConfiguration(client, **fields)
-    except BaseException:
-        client.close()
-        raise
-
-
-def _default(name: str) -> Any:
-    from paramshard.strategies.config import ShardingConfiguration
-
-    return next(f.default for f in dataclasses.fields(ShardingConfiguration) if f.name == name)
 
 
 def _checked_fields(fields: Mapping[str, Any], world_size: int) -> dict[str, Any]:

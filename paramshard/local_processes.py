@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from paramshard.local_cluster import RankFailed, rank_config
+from paramshard.local_ranks import RankFailed, RankLeft, all_left, rank_config
 
 __all__ = ["RemoteTraceback", "run_in_processes", "pickled_fn"]
 
@@ -70,8 +70,10 @@ def run_in_processes(
     run_id: str,
     fields: Mapping[str, Any],
     timeout_s: float,
+    elastic: bool = False,
 ) -> list[Any]:
-    """``fn(config)`` in one spawned process per rank; the results in rank order."""
+    """``fn(config)`` in one spawned process per rank; the results in rank order. ``elastic``:
+    a rank that fails leaves (its result is ``RankLeft``), the others go on."""
     blob = pickled_fn(fn)
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
@@ -101,9 +103,10 @@ def run_in_processes(
                 rank = waiting.pop(reader)
                 ok, value = _receive(reader, procs[rank])
                 reader.close()
-                if not ok:
+                if not ok and not elastic:
                     raise RankFailed(rank, world_size, value) from value
-                results[rank] = value
+                results[rank] = value if ok else RankLeft(rank, value)
+        all_left(results, world_size)
         return results
     finally:
         for reader in waiting:
@@ -165,6 +168,12 @@ def _rank_main(
         config = rank_config(addresses, rank, world_size, run_id, fields)
         try:
             reply: tuple = ("ok", fn(config))
+        except BaseException as exc:
+            if fields.get("elastic"):  # the others redo its step without it (docs/elastic.md)
+                from paramshard.client.membership import leave
+
+                leave(config.client, f"{type(exc).__name__}: {exc}")
+            raise
         finally:
             config.client.close()
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the parent

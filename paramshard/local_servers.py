@@ -9,26 +9,38 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
-from paramshard.commands import CommandError
-from paramshard.processes import Child, relay, spawn, stop
+from paramshard.commands import CommandError, paramshard_argv
+from paramshard.processes import Child, relay, say, spawn, stop
 
-__all__ = ["SERVER_STOP_S", "start_local_servers", "wait_serving"]
+__all__ = [
+    "CONNECT_GRACE_S", "SERVER_STOP_S", "START_TIMEOUT_S", "start_local_servers", "wait_serving"
+]  # fmt: skip
 
 LISTENING = re.compile(rb"listening on (\S+)")
 SERVER_STOP_S = 15.0  # a server gets this long after SIGTERM (its own --grace is 5 s)
+START_TIMEOUT_S = 60.0  # launch's --start-timeout unless given
+CONNECT_GRACE_S = 3.0
+"""How long ``wait_serving`` tries a server it cannot reach (refused, DNS, TLS, token) unless
+told otherwise: enough for a server just starting to open its port, short enough that a wrong
+address or credential is named at once instead of after --start-timeout."""
+_PROGRESS_S = 15.0  # a long wait for a server says every this often what it waits for
 
 
-def start_local_servers(n: int, device: str, env: dict[str, str], timeout: float) -> tuple:
+def start_local_servers(
+    n: int, device: str, env: dict[str, str], timeout: float, serve_args: Sequence[str] = ()
+) -> tuple:
     """Starts n ``paramshard serve --port 0`` on 127.0.0.1; returns (children, addresses).
 
-    ``--device cuda`` puts server i on cuda:i (one per GPU); cpu or cuda:K is used as given."""
+    ``--device cuda`` puts server i on cuda:i (one per GPU); cpu or cuda:K is used as given.
+    ``serve_args``: more ``paramshard serve`` arguments for each (launch's --snapshot-dir)."""
     lines: queue.SimpleQueue = queue.SimpleQueue()
     children: list[Child] = []
     try:
         for i in range(n):
             dev = f"cuda:{i}" if device == "cuda" else device
-            cmd = [sys.executable, "-m", "paramshard", "serve", "--port", "0", "--device", dev]
+            cmd = paramshard_argv("serve", "--port", "0", "--device", dev, *serve_args)
             children.append(spawn(f"server {i}", cmd, env))
             relay(children[-1], children[-1].proc.stdout, sys.stderr, lines)
             relay(children[-1], children[-1].proc.stderr, sys.stderr, None)
@@ -62,49 +74,87 @@ def start_local_servers(n: int, device: str, env: dict[str, str], timeout: float
     return children, [addresses[i] for i in range(n)]
 
 
-def wait_serving(addresses: Sequence[str], token: str | None, timeout: float) -> None:
-    """Waits until every server's grpc.health.v1 check says SERVING, at most ``timeout`` s."""
+def wait_serving(
+    addresses: Sequence[str],
+    token: str | None,
+    timeout: float,
+    *,
+    unreachable_s: float = CONNECT_GRACE_S,
+) -> None:
+    """Waits until every server's grpc.health.v1 check says SERVING, at most ``timeout`` s,
+    and checks that it takes the ranks' credentials (a ``Status`` call with the token). A
+    server that cannot be reached (connection refused, a name that does not resolve, a TLS
+    handshake that fails) fails once that lasted ``unreachable_s`` (a server being started
+    beside the caller needs its whole start), naming its address and the cause
+    (client/unreachable.py); one that refuses the token fails at once; one that answers but is
+    not serving yet is awaited up to ``timeout``."""
+    from paramshard.commands import cluster_spec
+
+    spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
+    if token:
+        spec.token = token
+    try:
+        for i in range(len(spec.addresses)):
+            _wait_one(spec, i, timeout, unreachable_s)
+    finally:
+        spec.close()
+
+
+def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from paramshard.commands import _cluster_spec
+    from paramshard.client import unreachable
+    from paramshard.client.rpc import SERVICE
+    from paramshard.protos import shard_pb2 as pb
 
-    spec = _cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
-    if token:
-        spec.token = token
-    deadline = time.monotonic() + timeout
+    address = spec.addresses[index]
+    began = time.monotonic()
+    deadline = began + timeout
+    stub = health_pb2_grpc.HealthStub(spec.channel(index))
+    last = "no answer"
+    told = began
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommandError(
+                f"server {address} is not serving after {timeout:g} s (--start-timeout): {last}"
+            )
+        try:
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(), timeout=min(left, 5.0), metadata=spec.metadata()
+            )
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            last = f"{code.name}: {details}"
+            why = unreachable.cause(code, details)
+            now = time.monotonic()
+            if why is not None and now - began >= min(unreachable_s, timeout):
+                raise CommandError(
+                    f"server {address} is unreachable: {why} (tried for {now - began:.1f} s;"
+                    f" grpc: {last})"
+                ) from None
+            if now - told >= _PROGRESS_S:  # a long wait is not a silent one
+                say(f"still waiting for server {address} ({now - began:.0f} s): {why or last}")
+                told = now
+            time.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+            continue
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            break
+        last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    # the health service is open to everyone: a call of the Shard service checks the token
+    status = spec.channel(index).unary_unary(
+        SERVICE + "Status",
+        request_serializer=pb.StatusRequest.SerializeToString,
+        response_deserializer=pb.StatusReply.FromString,
+    )
     try:
-        for i, address in enumerate(spec.addresses):
-            stub = health_pb2_grpc.HealthStub(spec.channel(i))
-            last = "no answer"
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommandError(
-                        f"server {address} is not serving after {timeout:g} s (--start-timeout):"
-                        f" {last}"
-                    )
-                try:
-                    reply = stub.Check(
-                        health_pb2.HealthCheckRequest(),
-                        timeout=min(left, 5.0),
-                        wait_for_ready=True,  # a server still starting (or its DNS name) is awaited
-                        metadata=spec.metadata(),
-                    )
-                except grpc.RpcError as exc:
-                    code = exc.code()
-                    if code in (
-                        grpc.StatusCode.UNAUTHENTICATED,
-                        grpc.StatusCode.PERMISSION_DENIED,
-                    ):
-                        raise CommandError(
-                            f"server {address}: {code.name}: {exc.details()}"
-                        ) from None
-                    last = f"{code.name}: {exc.details()}"
-                    continue
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
-    finally:
-        spec.close()
+        status(pb.StatusRequest(), timeout=5.0, metadata=spec.metadata())
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details() or ""
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            raise CommandError(
+                f"server {address} refuses the ranks' token: {code.name}:"
+                f" {unreachable.explain(address, code, details)}"
+            ) from None

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from paramshard.client import restarts as contract
 from paramshard.commands import EXIT_FAILURE
+from paramshard.elastic import Departures
 from paramshard.processes import Child, exit_code, say, stop
 
 __all__ = ["RankRestarts", "supervise"]
@@ -104,10 +105,12 @@ def supervise(
     grace: float,
     restarts: RankRestarts,
     start_rank: Callable[[int], Child],
+    departures: Departures | None = None,
 ) -> int:
     """Waits for the ranks; a failed rank is restarted when ``restarts`` allows it (the new
     process is appended to ``ranks``), else the first failure (a rank, a local server, a
-    signal) stops them all. ``start_rank(rank)`` starts rank ``rank``'s process."""
+    signal) stops them all. ``start_rank(rank)`` starts rank ``rank``'s process.
+    ``departures`` (``--elastic``): a rank that fails for good leaves, the others go on."""
     running = set(ranks)
     while running:
         kind, child, value = events.get()
@@ -122,6 +125,8 @@ def supervise(
             return EXIT_FAILURE
         running.discard(child)
         if value == 0:
+            if departures is not None:
+                departures.finished += 1
             continue
         code = exit_code(value)
         why = restarts.refusal(child.rank)
@@ -136,8 +141,15 @@ def supervise(
             running.add(new)
             continue
         why = f" ({why})" if why else ""
+        if departures is not None:
+            departures.leave(child.rank, code)
+            say(
+                f"{child.name} failed with exit code {code}{why}; it left the elastic job,"
+                f" {len(running)} rank(s) train on"
+            )
+            continue
         others = f"; stopping {len(running)} other ranks" if running else ""
         say(f"{child.name} failed with exit code {code}{why}{others}")
         stop(list(running), signal.SIGTERM, grace, received)
         return code
-    return 0
+    return departures.exit_code() if departures is not None else 0

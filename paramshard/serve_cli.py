@@ -4,36 +4,40 @@ serving (for Docker's HEALTHCHECK)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
 from paramshard.commands import (
     EXIT_FAILURE,
     EXIT_USAGE,
     CommandError,
-    _cluster_spec,
-    _warn,
     arg,
+    cluster_spec,
     command,
     non_negative,
     port_number,
     positive,
     positive_int,
+    warn,
 )
 from paramshard.serve_setup import (
-    check_exposure,
     is_loopback,
     join_host_port,
-    read_file,
     reexec_with_malloc_env,
     restore_at_start,
 )
 
+EXIT_WATCHDOG_S = 10.0
+"""Once stopped, the process must be gone within this long: every thread of the server has
+been told to end. Past it, faulthandler prints every thread's stack and exits 1 (it needs no
+GIL, so an interpreter stuck in its own teardown ends too): a hang shows where it is."""
 
-# Set in the re-executed ``serve`` process so it never re-executes itself again.
+
 # ------------------------------------------------------------------------------------- serve
 @command(
     arg(
@@ -115,9 +119,10 @@ from paramshard.serve_setup import (
         "--max-sessions",
         type=int,
         default=64,
-        help="open client sessions (one stream per client carrying its data-plane calls) at"
-        " once, on threads of their own, of read tokens at most a quarter; a client past it"
-        " calls one by one; 0: no sessions (default: %(default)s)",
+        help="open client streams at once, on threads of their own: sessions (one per client,"
+        " carrying its data-plane calls; of read tokens at most a quarter) and trainers' lease"
+        " streams (one per rank); a client past it calls one by one, a rank's lease then lives"
+        " on renewals alone; 0: none (default: %(default)s)",
     ),
     arg(
         "--grace",
@@ -135,9 +140,13 @@ from paramshard.serve_setup import (
     arg(
         "--token-file",
         metavar="FILE",
-        help="bearer tokens, one 'ROLE TOKEN' per line (roles read < train < admin, and peer:"
-        " the servers' own token for replicas, the same line in every server's file); every"
-        " call then needs 'authorization: Bearer TOKEN' (clients: PARAMSHARD_TOKEN)",
+        help="bearer tokens, one 'ROLE TOKEN [jobs=P,...] [runs=P,...]' per line (roles read <"
+        " train < admin, and peer: the servers' own token for replicas, the same line in every"
+        " server's file); every call then needs 'authorization: Bearer TOKEN' (clients:"
+        " PARAMSHARD_TOKEN). jobs= and runs= scope a token to the jobs and runs (PARAMSHARD_RUN)"
+        " it may touch: each P an exact name or a prefix ending in '*', e.g. 'train TOKEN"
+        " jobs=team-a/*'; one of them alone sets both; peer tokens take none; a line without"
+        " them may touch every job (docs/security.md)",
     ),
     arg(
         "--peer-ca",
@@ -190,98 +199,102 @@ def serve(args: argparse.Namespace) -> int:
 
     Prints 'paramshard serve: listening on HOST:PORT (device D, pid N)' once it accepts calls
     (then 'paramshard serve: metrics at URL' with --metrics-port).
-    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds); a second
-    one ends the process at once. The MALLOC_* settings of DESIGN section 7 are applied by
-    re-executing the interpreter when they are missing from the environment.
+    The first SIGINT/SIGTERM stops it gracefully (running calls get --grace seconds, then
+    whatever still waits ends, and the process exits); a second one ends the process at once.
+    The MALLOC_* settings of docs/design.md §7.5 are applied by re-executing the interpreter when
+    they are missing from the environment.
 
-    Security (DESIGN section 6): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
+    Security (docs/design.md §6.1): --tls-cert/--tls-key serve TLS, --tls-ca adds mutual TLS, and
     --token-file requires a bearer token whose role covers the call: read (Status, PullParams),
     train (pushes, steps, collectives), admin (DropJob, snapshots, restore, replication), peer
     (replicas from the other servers; this server sends its own with it, over TLS when it
-    serves TLS). Health checks and reflection stay open (at most --max-streams streams at once).
+    serves TLS). A token line may add jobs=P,... and runs=P,... (exact names, or prefixes
+    ending in '*'): that token's calls naming any other job or run get PERMISSION_DENIED before
+    their request is parsed, and its Status shows only its jobs. Health checks and reflection
+    stay open (at most --max-streams streams at once).
     Without TLS or tokens only loopback addresses are allowed, unless --insecure.
 
-    Bounds (DESIGN section 6): --max-memory for everything kept for callers, --pending-ttl for
+    Bounds (docs/design.md §6.2): --max-memory for everything kept for callers, --pending-ttl for
     abandoned slots and mailboxes, --max-wait-s for any wait; waiting calls never take the
     last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
     """
     reexec_with_malloc_env(args.argv)
     host = args.host.strip("[]")
-    if (args.tls_cert is None) != (args.tls_key is None):
-        raise CommandError("--tls-cert and --tls-key go together", EXIT_USAGE)
-    if args.tls_ca is not None and args.tls_cert is None:
-        raise CommandError(
-            "--tls-ca (mutual TLS) needs the server's own --tls-cert and --tls-key", EXIT_USAGE
-        )
-    if args.peer_ca is not None and args.tls_cert is None:
-        raise CommandError(
-            "--peer-ca checks the other servers' TLS certificates: it needs --tls-cert and"
-            " --tls-key",
-            EXIT_USAGE,
-        )
-    if args.peer_identity and args.tls_ca is None:
-        raise CommandError(
-            "--peer-identity names client certificates: it needs mutual TLS (--tls-ca)",
-            EXIT_USAGE,
-        )
-    tls = args.tls_cert is not None
-    exposed = check_exposure(host, args.port, args.insecure, tls, args.token_file is not None)
-    tls_files = {
-        name: read_file(path, flag)
-        for name, path, flag in (
-            ("tls_cert", args.tls_cert, "--tls-cert"),
-            ("tls_key", args.tls_key, "--tls-key"),
-            ("tls_ca", args.tls_ca, "--tls-ca"),
-            ("peer_tls_ca", args.peer_ca, "--peer-ca"),
-        )
-        if path is not None
-    }
 
-    from paramshard.server import ShardServer, backend
-    from paramshard.server.auth import load_token_file, token_file_is_private
+    from paramshard.server import ShardServer
+    from paramshard.server.config import (
+        BoundsConfig,
+        CallLimits,
+        SecurityConfig,
+        ServerConfig,
+        as_flags,
+    )
+    from paramshard.server.rpc.admission import default_reserved
+    from paramshard.server.rpc.tokens import load_token_file, token_file_is_private
+    from paramshard.server.runtime import backend
 
-    tokens = None
+    tokens = {}
     if args.token_file is not None:
         try:
             tokens = load_token_file(args.token_file)
         except (OSError, ValueError) as exc:
             raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
         if not token_file_is_private(args.token_file):
-            _warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+            warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+    pem = {  # read by SecurityConfig, after it checked which go together
+        name: Path(path)
+        for name, path in (
+            ("tls_cert", args.tls_cert),
+            ("tls_key", args.tls_key),
+            ("tls_ca", args.tls_ca),
+            ("peer_tls_ca", args.peer_ca),
+        )
+        if path is not None
+    }
+    try:
+        config = ServerConfig(
+            host=host,
+            port=args.port,
+            device=args.device,
+            snapshot_dir=args.snapshot_dir,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            security=SecurityConfig(
+                tokens=tokens,
+                insecure=args.insecure,
+                peer_identities=tuple(args.peer_identity),
+                **pem,
+            ),
+            bounds=BoundsConfig(
+                max_memory=args.max_memory,
+                max_job_bytes=int(args.max_job_gb * 2**30),
+                max_receive_bytes=int(args.max_receive_mb * 2**20),
+                max_wait_s=args.max_wait_s,
+                pending_ttl_s=args.pending_ttl,
+            ),
+            threads=CallLimits(
+                workers=args.workers,
+                reserved=args.reserved_workers or default_reserved(args.workers),
+                max_waiting_read=args.max_waiting_read,
+                max_streams=args.max_streams,
+                max_sessions=args.max_sessions,
+            ),
+        )
+    except ValueError as exc:
+        raise CommandError(as_flags(str(exc)), EXIT_USAGE) from None
 
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     listen = join_host_port(host or "0.0.0.0", args.port)
     try:
-        server = ShardServer(
-            host,
-            args.port,
-            device=args.device,
-            max_workers=args.workers,
-            reserved_workers=args.reserved_workers,
-            max_waiting_read=args.max_waiting_read,
-            max_streams=args.max_streams,
-            max_sessions=args.max_sessions,
-            max_wait_s=args.max_wait_s,
-            max_receive_bytes=int(args.max_receive_mb * 2**20),
-            max_job_bytes=int(args.max_job_gb * 2**30),
-            max_memory=args.max_memory,
-            pending_ttl_s=args.pending_ttl,
-            tokens=tokens,
-            insecure=args.insecure,
-            metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host,
-            snapshot_dir=args.snapshot_dir,
-            peer_identities=args.peer_identity,
-            **tls_files,
-        )
+        server = ShardServer(config=config)
     except backend.BackendError as exc:
         raise CommandError(str(exc), EXIT_USAGE) from None
     except ImportError as exc:  # --metrics-port without prometheus_client
         raise CommandError(str(exc), EXIT_USAGE) from None
     except ValueError as exc:  # PEM that is not PEM, and the like
-        raise CommandError(str(exc), EXIT_USAGE) from None
+        raise CommandError(as_flags(str(exc)), EXIT_USAGE) from None
     except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
         raise CommandError(f"cannot listen on {listen}: {exc}") from None
 
@@ -300,13 +313,13 @@ def serve(args: argparse.Namespace) -> int:
         except OSError as exc:  # the metrics port is taken
             raise CommandError(str(exc)) from None
         address = join_host_port(host or "0.0.0.0", server.port)
-        if exposed:
-            _warn(
+        if server.exposed:
+            warn(
                 f"listening on {address} with no TLS and no token (--insecure): anyone who"
                 " can reach this port can read or overwrite the model"
             )
-        elif tokens and not tls and not is_loopback(host):
-            _warn(
+        elif tokens and not server.tls and not is_loopback(host):
+            warn(
                 f"listening on {address} with tokens but no TLS: tokens and the model travel"
                 " in clear text (add --tls-cert/--tls-key)"
             )
@@ -327,6 +340,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"paramshard serve: {why}: stopping (grace {args.grace:g} s)", flush=True)
         server.stop(args.grace)
         print("paramshard serve: stopped", flush=True)
+        faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
     except BaseException:
         server.stop(0)
         raise
@@ -359,7 +373,7 @@ def health(args: argparse.Namespace) -> int:
     if "," in args.address:
         raise CommandError(f"one address, not a list: {args.address!r}")
     try:
-        spec = _cluster_spec(args.address)
+        spec = cluster_spec(args.address)
     except CommandError as exc:
         raise CommandError(str(exc)) from None
     address = spec.addresses[0]

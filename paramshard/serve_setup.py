@@ -13,18 +13,11 @@ from typing import Any
 from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
-    _warn,
+    paramshard_argv,
+    warn,
 )
 
 REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
-
-
-def read_file(path: str, flag: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as exc:
-        raise CommandError(f"{flag}: cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
 
 
 def restore_at_start(server: Any, args: argparse.Namespace) -> None:
@@ -42,7 +35,7 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
     )
     from paramshard.protos import shard_pb2 as pb
     from paramshard.protos.placement import recorded_placement, restore_slice
-    from paramshard.server.errors import ShardError
+    from paramshard.server.runtime.errors import ShardError
 
     if not args.snapshot_dir or args.index is None:
         raise CommandError("--restore needs --snapshot-dir and --index", EXIT_USAGE)
@@ -82,9 +75,9 @@ def restore_at_start(server: Any, args: argparse.Namespace) -> None:
 
 
 def reexec_with_malloc_env(argv: Sequence[str]) -> None:
-    """Re-executes ``python -m paramshard ARGV`` with the MALLOC_* settings if any is missing.
+    """Re-executes ``paramshard ARGV`` with the MALLOC_* settings if any is missing.
 
-    DESIGN section 7: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
+    docs/design.md §7.5: these glibc settings took a 256 MiB call from 0.35 to 0.96 GB/s, and glibc
     reads them only when the process starts, so setting ``os.environ`` now would do nothing.
     Values the user already set are kept. ``execve`` keeps the pid, so supervisors see no change.
     """
@@ -93,47 +86,26 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
     missing = {k: v for k, v in MALLOC_ENV.items() if k not in os.environ}
     if os.environ.pop(REEXEC_GUARD, None) is not None:  # we are the re-executed process
         if missing:
-            _warn(f"{', '.join(missing)} still unset after re-executing; serving without them")
+            warn(f"{', '.join(missing)} still unset after re-executing; serving without them")
         return
     if not missing:
         return
     if not sys.executable:
-        _warn(f"cannot re-execute to set {', '.join(missing)}: no sys.executable")
+        warn(f"cannot re-execute to set {', '.join(missing)}: no sys.executable")
         return
     env = {**os.environ, **missing, REEXEC_GUARD: "1"}
     sys.stdout.flush()
     sys.stderr.flush()
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "paramshard", *argv], env)
+        os.execve(sys.executable, paramshard_argv(*argv), env)
     except OSError as exc:
-        _warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
-
-
-def check_exposure(
-    host: str, port: int, insecure: bool, tls: bool = False, token: bool = False
-) -> bool:
-    """DESIGN section 6: a server holds the model, so beyond loopback it needs TLS or a token,
-    or an explicit --insecure.
-
-    Returns whether the server will be reachable beyond this host unprotected (worth a warning).
-    """
-    if is_loopback(host) or tls or token:
-        return False
-    where = join_host_port(host or "0.0.0.0", port)
-    if not insecure:
-        raise CommandError(
-            f"refusing to listen on {where} without TLS or a token: a shard server holds the"
-            " whole model, and whoever can reach the port can read or overwrite it. Give"
-            " --tls-cert/--tls-key (and --tls-ca for mutual TLS) or --token-file, keep the"
-            " default --host 127.0.0.1 (and tunnel, e.g. ssh -L), or pass --insecure on a"
-            " network you trust.",
-            EXIT_USAGE,
-        )
-    return True
+        warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
 
 
 def is_loopback(host: str) -> bool:
-    from paramshard.server.auth import is_loopback  # the server's own rule, the one place for it
+    from paramshard.server.rpc.tls import (
+        is_loopback,  # the server's own rule, the one place for it
+    )
 
     return is_loopback(host)
 

@@ -1,6 +1,6 @@
 """``paramshard status``: what each shard server holds and, with ``--pending``, what waits on it.
 
-``--pending`` is the hang doctor (DESIGN section 3). A collective hangs when a rank never
+``--pending`` is the hang doctor (docs/design.md §3.7). A collective hangs when a rank never
 reaches it; every server it was due on lists it, per run, with its kind and sequence number,
 the ranks whose contribution is in (ARRIVED), those whose is not (MISSING), the ranks blocked
 reading it (WAITING) or that have yet to read it, and how long ago it was opened (AGE) and last
@@ -18,15 +18,17 @@ from typing import Any
 
 from paramshard.commands import (
     EXIT_FAILURE,
-    _bytes,
-    _cluster_spec,
-    _duration,
-    _table,
+    RUN,
     arg,
+    cluster_spec,
     command,
+    human_bytes,
+    human_duration,
     positive,
     positive_int,
+    table,
 )
+from paramshard.membership_status import membership_text
 
 __all__ = ["status", "STATUS_COLUMNS", "PENDING_COLUMNS", "MESSAGE_COLUMNS"]
 
@@ -53,7 +55,13 @@ MESSAGE_COLUMNS = ("RUN", "FROM", "TO", "TAG", "SEQ", "BYTES", "AGE", "KEY")
 
 
 @command(
-    arg("--servers", metavar="HOST:PORT,...", help="servers to ask (default: $PARAMSHARD_SERVERS)"),
+    arg(
+        "--servers",
+        metavar="HOST:PORT,...",
+        help="servers to ask (default: $PARAMSHARD_SERVERS, else the run paramshard launch is"
+        " running)",
+    ),
+    RUN,
     arg("--json", action="store_true", help="print the servers' Status replies as JSON"),
     arg(
         "--timeout",
@@ -82,11 +90,14 @@ def status(args: argparse.Namespace) -> int:
     With --pending, also what waits on each server, per run: every open collective (its kind
     and sequence number, which ranks arrived, which are missing, which wait to read it, and
     for how long), gradient steps waiting for ranks, and mailbox messages nobody took yet.
-    A server that does not answer gets an error row; the exit code is then 1.
+    A server that does not answer gets an error row; the exit code is then 1. Elastic jobs
+    (docs/elastic.md) get a section of their own: each one's members, the ranks that joined
+    and left, the steps trained at each world size, and its newest events.
     """
     from paramshard.client import ShardClient
 
-    client = ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=1)
+    spec = cluster_spec(args.servers, args.run_id, role="read")
+    client = ShardClient(spec, timeout_s=args.timeout, retries=1)
     try:
         replies = client.status(pending=args.pending, max_pending=args.max_pending)
     finally:
@@ -94,10 +105,13 @@ def status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(replies, indent=2))
     else:
-        print(_table(STATUS_COLUMNS, [_status_row(r) for r in replies], _RIGHT_ALIGNED))
+        print(table(STATUS_COLUMNS, [_status_row(r) for r in replies], _RIGHT_ALIGNED))
         for r in replies:
             if "error" in r:
                 print(f"{r['address']}: {r['error']}")
+        elastic = membership_text(replies)
+        if elastic:
+            print(f"\n{elastic}")
         if args.pending:
             for r in replies:
                 if "error" not in r:
@@ -112,15 +126,15 @@ def _status_row(reply: dict[str, Any]) -> list[str]:
     buffers = [b for job in jobs for b in job.get("buffers", [])]
 
     def total(key: str) -> str:  # uint64 fields arrive as strings (protobuf JSON mapping)
-        return _bytes(sum(int(b.get(key, 0)) for b in buffers))
+        return human_bytes(sum(int(b.get(key, 0)) for b in buffers))
 
     version = max((int(b.get("version", 0)) for b in buffers), default=None)
     limit = int(reply.get("memory_limit", 0))
-    used = _bytes(int(reply.get("memory_used", 0)))
-    memory = f"{used} / {_bytes(limit) if limit else 'no limit'}"
+    used = human_bytes(int(reply.get("memory_used", 0)))
+    memory = f"{used} / {human_bytes(limit) if limit else 'no limit'}"
     device = (
-        f"{_bytes(int(reply.get('device_memory_used', 0)))}"
-        f" / {_bytes(int(reply.get('device_memory_total', 0)))}"
+        f"{human_bytes(int(reply.get('device_memory_used', 0)))}"
+        f" / {human_bytes(int(reply.get('device_memory_total', 0)))}"
     )
     return [
         reply["address"],
@@ -134,7 +148,7 @@ def _status_row(reply: dict[str, Any]) -> list[str]:
         total("optimizer_bytes"),
         memory,
         device,
-        _duration(float(reply.get("uptime_seconds", 0.0))),
+        human_duration(float(reply.get("uptime_seconds", 0.0))),
     ]
 
 
@@ -154,12 +168,12 @@ def _pending_text(reply: dict[str, Any]) -> str:
     ]
     if work:
         work.sort(key=lambda p: (p["run"], p["kind"], int(p["seq"]), p["part"]))
-        table = _table(PENDING_COLUMNS, [_pending_row(p) for p in work], frozenset({2, 3, 8, 9}))
-        lines += ["  " + line for line in table.splitlines()]
+        text = table(PENDING_COLUMNS, [_pending_row(p) for p in work], frozenset({2, 3, 8, 9}))
+        lines += ["  " + line for line in text.splitlines()]
     if messages:
         messages.sort(key=lambda p: (p["run"], p["channel"], int(p["seq"])))
-        table = _table(MESSAGE_COLUMNS, [_message_row(p) for p in messages], frozenset({4, 5, 6}))
-        lines += ["  Unread messages:"] + ["  " + line for line in table.splitlines()]
+        text = table(MESSAGE_COLUMNS, [_message_row(p) for p in messages], frozenset({4, 5, 6}))
+        lines += ["  Unread messages:"] + ["  " + line for line in text.splitlines()]
     return "\n".join(lines)
 
 
@@ -194,15 +208,15 @@ def _message_row(p: dict[str, Any]) -> list[str]:
         dst,
         tag or "-",
         str(p["seq"]),
-        _bytes(int(p["bytes"])),
+        human_bytes(int(p["bytes"])),
         _age(p["age_seconds"]),
         p["key"],
     ]
 
 
 def _age(seconds: float) -> str:
-    """``4.2s`` under a minute (hangs are told apart by seconds), else as ``_duration``."""
-    return f"{float(seconds):.1f}s" if float(seconds) < 60 else _duration(float(seconds))
+    """``4.2s`` under a minute (hangs are told apart by seconds), else as ``human_duration``."""
+    return f"{float(seconds):.1f}s" if float(seconds) < 60 else human_duration(float(seconds))
 
 
 def _ranks(ranks: Iterable[int]) -> str:

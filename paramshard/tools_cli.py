@@ -2,7 +2,8 @@
 
 Each command is a thin shell over a function of ``client.tools`` (offline export reads the
 snapshot files directly, as a server restoring them does). Every command takes ``--servers``
-(default: $PARAMSHARD_SERVERS) and ``--json``.
+(default: $PARAMSHARD_SERVERS, else the run ``paramshard launch`` is running, ``--run`` picking
+one of several: paramshard/run_files.py) and ``--json``.
 """
 
 from __future__ import annotations
@@ -13,44 +14,53 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paramshard.commands import EXIT_USAGE, CommandError, _cluster_spec, _table, arg, command
+from paramshard.commands import EXIT_USAGE, RUN, CommandError, arg, cluster_spec, command, table
 
-SERVERS = arg("--servers", metavar="HOST:PORT,...", help="servers (default: $PARAMSHARD_SERVERS)")
+SERVERS = arg(
+    "--servers",
+    metavar="HOST:PORT,...",
+    help="servers (default: $PARAMSHARD_SERVERS, else the run paramshard launch is running)",
+)
 JSON = arg("--json", action="store_true", help="print JSON instead of a table")
 
 
 def _client(args: argparse.Namespace) -> Any:
     from paramshard.client import ShardClient
 
-    return ShardClient(_cluster_spec(args.servers), timeout_s=args.timeout, retries=2)
+    spec = cluster_spec(args.servers, args.run_id)
+    return ShardClient(spec, timeout_s=args.timeout, retries=2)
 
 
 TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s (default 120)")
 
 
-def _run(fn: Any, *a: Any) -> Any:
-    """Runs a tool function, turning its errors into one-line command errors."""
+def _run(args: argparse.Namespace, fn: Any, *a: Any) -> Any:
+    """Runs a tool function on a client of the servers (closed after it: no grpc object is
+    left to the garbage collector at exit), turning its errors into one-line command errors."""
     from paramshard.client import ShardClientError
 
+    client = _client(args)
     try:
-        return fn(*a)
+        return fn(client, *a)
     except (KeyError, ShardClientError, RuntimeError) as exc:
         # a KeyError's str() is its message quoted: take the message itself
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CommandError(str(message)) from None
+    finally:
+        client.close()
 
 
-@command(arg("job", help="the job name (see paramshard status)"), SERVERS, JSON, TIMEOUT)
+@command(arg("job", help="the job name (see paramshard status)"), SERVERS, RUN, JSON, TIMEOUT)
 def inspect(args: argparse.Namespace) -> int:
     """One row per parameter: name, shape, dtype, servers holding it, version, norm, min, max,
     all finite."""
     from paramshard.client import tools
 
-    rows = _run(tools.inspect, _client(args), args.job)
+    rows = _run(args, tools.inspect, args.job)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    table = [
+    cells = [
         [
             r["name"],
             "x".join(map(str, r["shape"])) or "()",
@@ -65,9 +75,9 @@ def inspect(args: argparse.Namespace) -> int:
         for r in rows
     ]
     print(
-        _table(
+        table(
             ["NAME", "SHAPE", "DTYPE", "SERVERS", "VERSION", "NORM", "MIN", "MAX", "FINITE"],
-            table,
+            cells,
             frozenset({4, 5, 6, 7}),
         )
     )
@@ -79,6 +89,7 @@ def inspect(args: argparse.Namespace) -> int:
     arg("param", help="the parameter's name in the model"),
     arg("--out", required=True, help="file to write: .npy or .safetensors"),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def get(args: argparse.Namespace) -> int:
@@ -87,7 +98,7 @@ def get(args: argparse.Namespace) -> int:
 
     from paramshard.client import tools
 
-    values = _run(tools.get_param, _client(args), args.job, args.param)
+    values = _run(args, tools.get_param, args.job, args.param)
     if args.out.endswith(".safetensors"):
         from safetensors.numpy import save_file
 
@@ -101,14 +112,14 @@ def get(args: argparse.Namespace) -> int:
 
 
 @command(
-    arg("job"), arg("--tag", required=True, help="the snapshot's name"), SERVERS, JSON, TIMEOUT
+    arg("job"), arg("--tag", required=True, help="the snapshot's name"), SERVERS, RUN, JSON, TIMEOUT
 )
 def snapshot(args: argparse.Namespace) -> int:
     """Snapshot a job on one version while it trains; each server writes its shard into its
     --snapshot-dir, then the manifest is committed."""
     from paramshard.client import tools
 
-    manifest = _run(tools.snapshot, _client(args), args.job, args.tag)
+    manifest = _run(args, tools.snapshot, args.job, args.tag)
     if args.json:
         print(json.dumps(manifest, indent=1))
     elif "parts" in manifest:  # a 3D job: one snapshot per (stage, tensor rank) part
@@ -126,18 +137,18 @@ def snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-@command(arg("--job", default="", help="only this job"), SERVERS, JSON, TIMEOUT)
+@command(arg("--job", default="", help="only this job"), SERVERS, RUN, JSON, TIMEOUT)
 def snapshots(args: argparse.Namespace) -> int:
     """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
     tag: one row, by the base name)."""
     from paramshard.client import tools
 
-    rows = _run(tools.list_snapshots, _client(args), args.job, True)
+    rows = _run(args, tools.list_snapshots, args.job, True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(
-        _table(
+        table(
             ["JOB", "TAG", "VERSION", "SERVERS", "PARTS"],
             [
                 [
@@ -165,13 +176,14 @@ def snapshots(args: argparse.Namespace) -> int:
         help="data-parallel ranks from now on (default: as in the snapshot)",
     ),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def restore(args: argparse.Namespace) -> int:
     """Load a snapshot into these servers; their number may differ from the snapshot's."""
     from paramshard.client import tools
 
-    version = _run(tools.restore, _client(args), args.job, args.tag, args.contributors)
+    version = _run(args, tools.restore, args.job, args.tag, args.contributors)
     print(f"restored {args.job}/{args.tag} at version {version}")
     return 0
 
@@ -191,12 +203,14 @@ def restore(args: argparse.Namespace) -> int:
         " from_pretrained(DIR) (a Hugging Face model's job)",
     ),
     SERVERS,
+    RUN,
     TIMEOUT,
 )
 def export(args: argparse.Namespace) -> int:
-    """The full state dict under the model's own names, loadable with
-    model.load_state_dict(safetensors.torch.load_file(OUT)); with --hf-dir, a Hugging Face
-    model's folder for from_pretrained. Streamed, one parameter at a time."""
+    """Write a job's full state dict under the model's own names, or a Hugging Face folder.
+
+    --out FILE is loadable with model.load_state_dict(safetensors.torch.load_file(FILE));
+    --hf-dir DIR with from_pretrained(DIR). Streamed, one parameter at a time."""
     if (args.out is None) == (args.hf_dir is None):
         raise CommandError("give one of --out FILE or --hf-dir DIR", EXIT_USAGE)
     if args.snapshot:
@@ -206,7 +220,7 @@ def export(args: argparse.Namespace) -> int:
         from paramshard.client.export_hf import export_hf
 
         fn = export_hf if args.hf_dir is not None else tools.export
-        count = _run(fn, _client(args), args.job, args.hf_dir or args.out)
+        count = _run(args, fn, args.job, args.hf_dir or args.out)
     else:
         raise CommandError("give a JOB (live servers) or --snapshot DIR", EXIT_USAGE)
     print(f"{count} tensors -> {args.hf_dir or args.out}")
@@ -224,8 +238,8 @@ def export_snapshot(
     shard's checksum first. When ``<job>`` is a 3D job's base name (no folder ``<job>``, but
     ``<job>.pp<s>.tp<t>/<tag>``), the whole model, joined from every part's snapshot."""
     from paramshard.client.tensor_parts import find_parts
-    from paramshard.server.errors import ShardError
-    from paramshard.server.snapshots import SnapshotDir
+    from paramshard.server.runtime.errors import ShardError
+    from paramshard.server.snapshots.files import SnapshotDir
 
     folder = folder.resolve()
     snaps = SnapshotDir(folder.parent.parent)

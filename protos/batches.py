@@ -1,5 +1,5 @@
-"""A session's batches (client/session.py, server/sessions.py): which calls go together, and
-their bytes on the wire.
+"""A session's batches (client/session.py, server/transport/sessions.py): which calls go together,
+and their bytes on the wire.
 
 Whatever is ready when the stream takes its next message goes in it, so calls made together
 travel together, and one call alone is never held back waiting for company.

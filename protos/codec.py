@@ -1,7 +1,7 @@
 """Tensor codec: arrays <-> the protobuf wire bytes of shard.proto's tensor-carrying messages.
 
 Every message that carries a tensor is ``{ Header header = 1; bytes data = 15; }``. The protobuf
-runtime copies a ``bytes`` field on parse and again on serialise (DESIGN section 7: raw payloads
+runtime copies a ``bytes`` field on parse and again on serialise (docs/design.md §7.5: raw payloads
 were 1.6-2.4x faster at half the CPU), so we write those two fields by hand:
 
     0x0A <varint len(header)> <header bytes>  0x7A <varint len(data)> <data bytes>
@@ -35,6 +35,8 @@ __all__ = [
     "f32_to_bf16_bits",
     "serialize",
     "deserializer",
+    "read_varint",
+    "varint",
 ]
 
 H = TypeVar("H")
@@ -68,7 +70,7 @@ def wire_dtype(name: str) -> int:
 
 
 MASTER_DTYPES = ("float32", "float64")
-"""The dtypes a flat buffer's master copy and optimizer state are kept in (DESIGN section 3)."""
+"""The dtypes a flat buffer's master copy and optimizer state are kept in (docs/design.md §3.1)."""
 
 
 def master_dtype(dtype: Any) -> str:
@@ -128,7 +130,7 @@ def encode(header: Any, payload: Any = b"") -> bytes:
     """Serialise ``header`` (a protobuf message) and a raw payload into one wire message.
 
     ``payload`` is bytes, or any C-contiguous buffer (a NumPy array): the join reads it in place,
-    so the payload is copied once, into the message grpcio needs as ``bytes`` (DESIGN section 7).
+    so the payload is copied once, into the message grpcio needs as ``bytes`` (docs/design.md §7.1).
     """
     return b"".join(encode_parts(header, payload)[0])
 
@@ -144,9 +146,13 @@ def encode_parts(header: Any, payload: Any = b"") -> tuple[list[Any], int]:
     return parts, sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: Any, pos: int, end: int | None = None) -> tuple[int, int]:
+    """(the varint at ``buf[pos:]``, the position after it), reading no further than ``end``
+    (default: the end of ``buf``); DecodeError when it is cut short or longer than 64 bits."""
+    end = len(buf) if end is None else end
+    if pos < end and buf[pos] < 0x80:  # one byte: nearly every key and length
+        return buf[pos], pos + 1
     result = shift = 0
-    end = len(buf)
     while True:
         if pos >= end or shift > 63:
             raise DecodeError("truncated or overlong varint")
@@ -166,12 +172,12 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]
     pos, end = 0, len(buf)
     while pos < end:
         start = pos
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         field, wire = key >> 3, key & 7
         if field == 0 or field > 0x1FFFFFFF:
             raise DecodeError(f"field number {field} is outside 1..2**29-1")
         if wire == 0:
-            _, pos = _read_varint(buf, pos)
+            _, pos = read_varint(buf, pos)
             yield field, start, pos, None
             continue
         if wire in {1, 5}:
@@ -182,7 +188,7 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]
             continue
         if wire != 2:
             raise DecodeError(f"unsupported wire type {wire} for field {field}")
-        length, pos = _read_varint(buf, pos)
+        length, pos = read_varint(buf, pos)
         if pos + length > end:
             raise DecodeError(f"field {field} claims {length} bytes, {end - pos} remain")
         pos += length

@@ -8,7 +8,7 @@ the client never imports ``server``, and the server need not know who calls it.
 ``device`` is where the server's arrays live (``server.backend.device``: "cpu" or
 "cuda:N"). A payload already on that device may be handed over as a DLPack-capable object
 (``__dlpack__``) instead of bytes, and a pull may ask for its values as such an object, so the
-slice moves device to device with no host copy (DESIGN section 7).
+slice moves device to device with no host copy (docs/design.md §7.4).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 servers share it, as ``strategies/topology.py`` is the one place for the rank grid).
 
 - A rank's own server (mailboxes, the slices a reduce-scatter hands out): ``rank_server``.
-- Where server i's replica of a job lives (neighbour replication, DESIGN section 5):
+- Where server i's replica of a job lives (neighbour replication, docs/design.md §5.2):
   ``replica_holder``, the next server on the ring of the job's servers.
 - A 3D job's server jobs, one per (pipeline stage, tensor rank): ``part_job`` names them
   ``<job>.pp<s>.tp<t>`` and ``parse_part_job`` reads such a name back.

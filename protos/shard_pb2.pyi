@@ -87,7 +87,7 @@ class OptimizerSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., hyper: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class RegisterBufferRequest(_message.Message):
-    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order", "model_config")
+    __slots__ = ("ref", "numel", "num_servers", "server_index", "contributors", "params", "optimizer", "master_dtype", "arrival_order", "model_config", "run")
     REF_FIELD_NUMBER: _ClassVar[int]
     NUMEL_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class RegisterBufferRequest(_message.Message):
     MASTER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
     MODEL_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     numel: int
     num_servers: int
@@ -108,7 +109,8 @@ class RegisterBufferRequest(_message.Message):
     master_dtype: DType
     arrival_order: bool
     model_config: str
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ..., model_config: _Optional[str] = ...) -> None: ...
+    run: str
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., numel: _Optional[int] = ..., num_servers: _Optional[int] = ..., server_index: _Optional[int] = ..., contributors: _Optional[int] = ..., params: _Optional[_Iterable[_Union[ParamEntry, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., master_dtype: _Optional[_Union[DType, str]] = ..., arrival_order: _Optional[bool] = ..., model_config: _Optional[str] = ..., run: _Optional[str] = ...) -> None: ...
 
 class RegisterBufferReply(_message.Message):
     __slots__ = ("slice_start", "slice_numel", "version", "initialized")
@@ -178,7 +180,7 @@ class StepArgs(_message.Message):
     def __init__(self, hyper: _Optional[_Mapping[str, float]] = ..., clip_coef: _Optional[float] = ...) -> None: ...
 
 class PushGradHeader(_message.Message):
-    __slots__ = ("ref", "chunk", "step", "contributor", "micro", "num_micro", "step_args", "shm")
+    __slots__ = ("ref", "chunk", "step", "contributor", "micro", "num_micro", "step_args", "shm", "membership")
     REF_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class PushGradHeader(_message.Message):
     NUM_MICRO_FIELD_NUMBER: _ClassVar[int]
     STEP_ARGS_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     ref: BufferRef
     chunk: Chunk
     step: int
@@ -195,7 +198,18 @@ class PushGradHeader(_message.Message):
     num_micro: int
     step_args: StepArgs
     shm: ShmRef
-    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[int] = ..., contributor: _Optional[int] = ..., micro: _Optional[int] = ..., num_micro: _Optional[int] = ..., step_args: _Optional[_Union[StepArgs, _Mapping]] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    membership: StepMembership
+    def __init__(self, ref: _Optional[_Union[BufferRef, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., step: _Optional[int] = ..., contributor: _Optional[int] = ..., micro: _Optional[int] = ..., num_micro: _Optional[int] = ..., step_args: _Optional[_Union[StepArgs, _Mapping]] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., membership: _Optional[_Union[StepMembership, _Mapping]] = ...) -> None: ...
+
+class StepMembership(_message.Message):
+    __slots__ = ("generation", "members", "global_batch")
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_BATCH_FIELD_NUMBER: _ClassVar[int]
+    generation: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    global_batch: int
+    def __init__(self, generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., global_batch: _Optional[int] = ...) -> None: ...
 
 class PushGradRequest(_message.Message):
     __slots__ = ("header", "data")
@@ -252,16 +266,18 @@ class PullParamsReply(_message.Message):
     def __init__(self, header: _Optional[_Union[PullParamsHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class GradNormRequest(_message.Message):
-    __slots__ = ("job", "buffers", "step", "per_param")
+    __slots__ = ("job", "buffers", "step", "per_param", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PER_PARAM_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     buffers: _containers.RepeatedScalarFieldContainer[str]
     step: int
     per_param: bool
-    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., per_param: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[str]] = ..., step: _Optional[int] = ..., per_param: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class GradNormReply(_message.Message):
     __slots__ = ("sum_squares", "param_sum_squares", "finite")
@@ -282,16 +298,18 @@ class BufferStep(_message.Message):
     def __init__(self, buffer: _Optional[str] = ..., args: _Optional[_Union[StepArgs, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("job", "step", "buffers", "skip")
+    __slots__ = ("job", "step", "buffers", "skip", "generation")
     JOB_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     SKIP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     job: str
     step: int
     buffers: _containers.RepeatedCompositeFieldContainer[BufferStep]
     skip: bool
-    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStep, _Mapping]]] = ..., skip: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, job: _Optional[str] = ..., step: _Optional[int] = ..., buffers: _Optional[_Iterable[_Union[BufferStep, _Mapping]]] = ..., skip: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("versions",)
@@ -330,6 +348,64 @@ class LeaseReply(_message.Message):
     lost_rank: int
     awaiting: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, aborted: _Optional[str] = ..., aborted_epoch: _Optional[int] = ..., lost_rank: _Optional[int] = ..., awaiting: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("run", "job", "rank", "world_size", "step", "epoch", "min_members", "window_ms", "known_members", "leave", "recovery", "done")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MIN_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_MS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    job: str
+    rank: int
+    world_size: int
+    step: int
+    epoch: int
+    min_members: int
+    window_ms: int
+    known_members: _containers.RepeatedScalarFieldContainer[int]
+    leave: bool
+    recovery: bool
+    done: bool
+    def __init__(self, run: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., min_members: _Optional[int] = ..., window_ms: _Optional[int] = ..., known_members: _Optional[_Iterable[int]] = ..., leave: _Optional[bool] = ..., recovery: _Optional[bool] = ..., done: _Optional[bool] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("decided", "member", "step", "generation", "members", "epoch", "next_step", "announced", "expected", "leader", "done", "in_flight", "below_min")
+    DECIDED_FIELD_NUMBER: _ClassVar[int]
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCED_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BELOW_MIN_FIELD_NUMBER: _ClassVar[int]
+    decided: bool
+    member: bool
+    step: int
+    generation: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    next_step: int
+    announced: _containers.RepeatedScalarFieldContainer[int]
+    expected: _containers.RepeatedScalarFieldContainer[int]
+    leader: int
+    done: bool
+    in_flight: bool
+    below_min: bool
+    def __init__(self, decided: _Optional[bool] = ..., member: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., next_step: _Optional[int] = ..., announced: _Optional[_Iterable[int]] = ..., expected: _Optional[_Iterable[int]] = ..., leader: _Optional[int] = ..., done: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., below_min: _Optional[bool] = ...) -> None: ...
 
 class SlotHeader(_message.Message):
     __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order", "shm")
@@ -529,7 +605,7 @@ class JobStatus(_message.Message):
     def __init__(self, job: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[BufferStatus, _Mapping]]] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., model_config: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid", "memory_used", "memory_limit", "pending", "pending_left_out")
+    __slots__ = ("server_index", "num_servers", "device", "device_memory_used", "device_memory_total", "uptime_seconds", "jobs", "slot_bytes", "open_slots", "version", "pid", "memory_used", "memory_limit", "pending", "pending_left_out", "memberships")
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -545,6 +621,7 @@ class StatusReply(_message.Message):
     MEMORY_LIMIT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     PENDING_LEFT_OUT_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIPS_FIELD_NUMBER: _ClassVar[int]
     server_index: int
     num_servers: int
     device: str
@@ -560,7 +637,57 @@ class StatusReply(_message.Message):
     memory_limit: int
     pending: _containers.RepeatedCompositeFieldContainer[PendingWork]
     pending_left_out: int
-    def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_limit: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingWork, _Mapping]]] = ..., pending_left_out: _Optional[int] = ...) -> None: ...
+    memberships: _containers.RepeatedCompositeFieldContainer[JobMembership]
+    def __init__(self, server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., device: _Optional[str] = ..., device_memory_used: _Optional[int] = ..., device_memory_total: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., slot_bytes: _Optional[int] = ..., open_slots: _Optional[int] = ..., version: _Optional[str] = ..., pid: _Optional[int] = ..., memory_used: _Optional[int] = ..., memory_limit: _Optional[int] = ..., pending: _Optional[_Iterable[_Union[PendingWork, _Mapping]]] = ..., pending_left_out: _Optional[int] = ..., memberships: _Optional[_Iterable[_Union[JobMembership, _Mapping]]] = ...) -> None: ...
+
+class MembershipEvent(_message.Message):
+    __slots__ = ("step", "kind", "rank", "unix", "generation")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    UNIX_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    kind: str
+    rank: int
+    unix: float
+    generation: int
+    def __init__(self, step: _Optional[int] = ..., kind: _Optional[str] = ..., rank: _Optional[int] = ..., unix: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class JobMembership(_message.Message):
+    __slots__ = ("job", "run", "step", "generation", "members", "min_members", "joins", "leaves", "revisions", "steps_by_world_size", "history", "waiting")
+    class StepsByWorldSizeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    MIN_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    JOINS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    REVISIONS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_BY_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    run: str
+    step: int
+    generation: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    min_members: int
+    joins: int
+    leaves: int
+    revisions: int
+    steps_by_world_size: _containers.ScalarMap[int, int]
+    history: _containers.RepeatedCompositeFieldContainer[MembershipEvent]
+    waiting: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, job: _Optional[str] = ..., run: _Optional[str] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., min_members: _Optional[int] = ..., joins: _Optional[int] = ..., leaves: _Optional[int] = ..., revisions: _Optional[int] = ..., steps_by_world_size: _Optional[_Mapping[int, int]] = ..., history: _Optional[_Iterable[_Union[MembershipEvent, _Mapping]]] = ..., waiting: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
     __slots__ = ("job", "tag", "version", "server_index", "num_servers")

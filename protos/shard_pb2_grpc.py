@@ -89,6 +89,16 @@ class ShardStub:
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
                 response_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
                 _registered_method=True)
+        self.HoldLease = channel.unary_stream(
+                '/paramshard.v1.Shard/HoldLease',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+                _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/paramshard.v1.Shard/Join',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.JoinRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.JoinReply.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/paramshard.v1.Shard/Snapshot',
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.SnapshotRequest.SerializeToString,
@@ -246,8 +256,28 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Lease(self, request, context):
-        """A rank's lease on this server (DESIGN section 3, fast failure): renewed about every
-        0.4 s; the reply carries the run's abort notice when one was raised.
+        """A rank's lease on this server (docs/design.md §3.7, fast failure): renewed about every
+        second; the reply carries the run's abort notice when one was raised.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HoldLease(self, request, context):
+        """The same lease held by an open stream while the rank lives: its end without a release
+        (the process died, its host is unreachable) lapses the lease within seconds, its silence
+        (a stopped or busy process) never does. The server sends the run's notices as they are
+        raised, and an empty reply every few seconds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Join(self, request, context):
+        """Elastic data parallelism: a rank announces itself for a step of a job (or a recovery round,
+        or leaves) on the job's coordinator, server 0 of its placement, which agrees each step's
+        members (server/collectives/membership.py numbers the protocol). Waits at most a few
+        seconds for the decision; the rank asks again while it is not made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -284,7 +314,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ConfigureReplication(self, request, context):
-        """Neighbour replication (DESIGN section 5): every `every` steps this server copies a job's
+        """Neighbour replication (docs/design.md §5.2): every `every` steps this server copies a job's
         slices and optimizer state (one version, all buffers) to host memory and to its neighbour.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -328,7 +358,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def OfferSegment(self, request, context):
-        """Shared memory with a client on this host (DESIGN section 7): the server offers a segment
+        """Shared memory with a client on this host (docs/design.md §7.2): the server offers a segment
         (a memfd handed over a Unix socket of its own to whoever shows the ticket), the client maps
         it and proves it by echoing the bytes the server put at its start; tensor payloads then
         travel in the segment, referenced by `ShmRef` fields. Segments belong to the caller's token.
@@ -350,7 +380,7 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """A client's persistent stream to this server (DESIGN section 7): data-plane calls
+        """A client's persistent stream to this server (docs/design.md §7.3): data-plane calls
         (Contribute, ReadSlot, PushGrad, PullParams, SetParams) travel as `SessionCall`s, each
         batch holding every call the client had ready, and come back, in any order, as replies
         naming the call's id. The server's first batch, empty, says the session is open. Each
@@ -418,6 +448,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Lease,
                     request_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.FromString,
                     response_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.SerializeToString,
+            ),
+            'HoldLease': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldLease,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.LeaseRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.LeaseReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.JoinRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.JoinReply.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -787,6 +827,60 @@ class Shard:
             '/paramshard.v1.Shard/Lease',
             paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
             paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/paramshard.v1.Shard/HoldLease',
+            paramshard_dot_protos_dot_shard__pb2.LeaseRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.LeaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/Join',
+            paramshard_dot_protos_dot_shard__pb2.JoinRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

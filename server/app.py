@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -11,17 +11,31 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from paramshard.protos import local_servers
-from paramshard.server import auth, backend
-from paramshard.server.admission import CallGate, CallLimits, default_reserved
-from paramshard.server.expiry import Sweeper, sweep_period
-from paramshard.server.limits import default_memory_limit, parse_bytes
+from paramshard.protos import closing, local_servers
+from paramshard.server.config import ServerConfig
+from paramshard.server.rpc import auth, tls, tokens
+from paramshard.server.rpc.admission import CallGate
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.expiry import Sweeper, sweep_period
+from paramshard.server.runtime.limits import default_memory_limit, parse_bytes
 from paramshard.server.servicer import SERVICE_NAME, ShardServicer
-from paramshard.server.sessions import Sessions
+from paramshard.server.transport.sessions import Sessions
 
-__all__ = ["ShardServer", "MALLOC_ENV"]
+__all__ = ["ShardServer", "MALLOC_ENV", "TCP_USER_TIMEOUT_S"]
 
-# DESIGN section 7: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
+TCP_USER_TIMEOUT_S = 30.0
+"""How long data this server sent may stay unacknowledged before the kernel closes the
+connection (gRPC sets TCP_USER_TIMEOUT from its keepalive timeout, default 20 s: gRPC proposal
+A18). A trainer's lease stream sends a heartbeat every few seconds, so this is how long a host
+that vanished holds its ranks' leases (server/collectives/lease_holds.py). A stopped or busy
+process is not affected: its kernel acknowledges. (Why 30 s, against torchelastic's 15 s and
+torchft's 5 s: docs/inspection-and-recovery.md.) gRPC's keepalive pings (every two hours while
+a call is open) share this timeout: a process stopped for longer than that when a ping comes
+is taken for dead."""
+STOP_MARGIN_S = 5.0
+"""Past its grace, how long ``stop`` waits for gRPC to wind down before it goes on anyway."""
+
+# docs/design.md §7.5: glibc mmaps (and page-faults) every buffer >= 32 MiB afresh; these settings
 # took a 256 MiB call from 0.35 to 0.96 GB/s. They only work if set before the interpreter starts.
 MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "1073741824",
@@ -34,132 +48,99 @@ class ShardServer:
     """A shard server bound to ``host:port`` (port 0 picks a free one; see ``.address``).
 
     Binds 127.0.0.1 by default: a server holds the whole model's slice, so whoever reaches the
-    port can read or overwrite it (DESIGN section 6). Another address needs TLS or tokens, or
+    port can read or overwrite it (docs/design.md §6.1). Another address needs TLS or tokens, or
     ``insecure=True``.
     """
 
     def __init__(
         self,
-        host: str = "127.0.0.1",
-        port: int = 0,
+        host: str | None = None,
+        port: int | None = None,
         *,
-        device: str = "cpu",
-        max_workers: int = 128,
-        reserved_workers: int | None = None,
-        max_waiting_read: int = 16,
-        max_streams: int = 4,
-        max_sessions: int = 64,
-        max_receive_bytes: int = 256 * 2**20,
-        max_wait_s: float = 120.0,
-        max_job_bytes: int = 0,
-        max_memory: int | str | None = None,
-        pending_ttl_s: float = 600.0,
-        max_slot_bytes: int = 0,
-        snapshot_dir: str | None = None,
-        fast_codec: bool = True,
-        tls_cert: bytes | str | None = None,
-        tls_key: bytes | str | None = None,
-        tls_ca: bytes | str | None = None,
-        tokens: Mapping[str, str] | None = None,
-        insecure: bool = False,
-        metrics_port: int | None = None,
-        metrics_host: str | None = None,
+        config: ServerConfig | None = None,
         credentials: grpc.ServerCredentials | None = None,
         interceptors: list[Any] | None = None,
-        local_calls: bool = True,
-        peer_tls_ca: bytes | str | None = None,
         peer_credentials: grpc.ChannelCredentials | None = None,
-        replica_ttl_s: float = 300.0,
-        peer_identities: Sequence[str] = (),
+        **settings: Any,
     ) -> None:
-        """``tls_cert``/``tls_key`` (PEM) serve TLS; ``tls_ca`` (PEM) also requires client
-        certificates it signed (mutual TLS). ``credentials`` may stand in for all three.
-        ``tokens`` ({token: role}, roles read < train < admin) require an ``authorization:
-        Bearer TOKEN`` header on every Shard call (server/auth.py). A ``host`` other than
-        loopback needs TLS or tokens unless ``insecure=True`` (ValueError otherwise).
-        ``metrics_port`` (0 picks one) serves Prometheus metrics at
-        ``http://metrics_host:port/metrics``; ``metrics_host`` defaults to ``host``.
-        ``local_calls=False`` makes clients in this process go through gRPC like any other
-        (tests of the wire path; otherwise a plain server — no TLS, tokens or interceptors — is
-        called directly, skipping the encode, the copies and the loopback TCP, as gloo/NCCL
-        short-cut a rank's own part: protos/local_servers.py).
+        """Either ``config`` (server/config.py), or its settings as keywords (``max_memory=``,
+        ``tls_cert=``, ``max_workers=``, ...: each field of ``ServerConfig`` and its groups,
+        with ``max_workers`` and ``reserved_workers`` for ``CallLimits``' ``workers`` and
+        ``reserved``), from which one is built and checked.
 
-        Replicas (server/replication.py) go to the other servers with the ``peer`` token of
-        ``tokens`` (role ``peer``: every server lists the same one), over TLS when this server
-        serves TLS: the other servers' certificates are checked against ``peer_tls_ca`` (PEM;
-        default ``tls_ca``, else the system's roots), and with mutual TLS (``tls_ca``) this
-        server presents its own ``tls_cert``, which then needs the clientAuth usage too.
-        ``peer_credentials`` replaces all of that. An incomplete replica is dropped after
-        ``replica_ttl_s`` seconds without a chunk. ``peer_identities`` (mutual TLS only): a
-        client certificate whose common name or a DNS alternative name is one of them has the
-        ``peer`` role without a token (the servers' own certificates), so no peer token is
-        needed.
+        Runtime objects are not settings: ``credentials`` (``grpc.ServerCredentials``) stands in
+        for the TLS settings, ``interceptors`` run on every call (a server with them has no
+        sessions, so that every call passes them), and ``peer_credentials`` replace the TLS this
+        server's replica calls to the other servers use (server/replication/replicator.py).
 
-        Bounds (DESIGN section 6): ``max_memory`` (bytes, or a size such as ``"8GiB"`` or
-        ``"50%"``; None: 90% of the host's memory, or of the device's on a GPU; 0: no limit)
-        is what this server may hold for its callers: buffers, staged gradients, slots,
-        mailboxes and replicas (server/limits.py). Slots and mailboxes untouched for
-        ``pending_ttl_s`` seconds expire. ``max_workers`` threads run calls; calls that wait
-        (pulls at a version, slot reads, ...) never take the last ``reserved_workers`` of
-        them (None: a quarter, at most 16), ``read`` tokens' waiting calls are at most
-        ``max_waiting_read``, and reflection and health Watch streams at most
-        ``max_streams``, on threads of their own: beyond a bound, RESOURCE_EXHAUSTED at once
-        (server/admission.py). No call waits longer than ``max_wait_s``. Clients keep one
-        session each (a stream carrying their data-plane calls, server/sessions.py), at most
-        ``max_sessions`` at once (0: none); a server with ``interceptors`` has none, so that
-        every call passes them.
+        With mutual TLS, ``security.peer_identities`` name the client certificates that have the
+        ``peer`` role without a token (the servers' own), and ``local_calls=False`` makes
+        clients in this process go through gRPC like any other (otherwise a plain server — no
+        TLS, tokens or interceptors — is called directly, as gloo/NCCL short-cut a rank's own
+        part: protos/local_servers.py).
         """
-        if credentials is not None and (tls_cert or tls_key or tls_ca):
+        if config is None:
+            placed = {k: v for k, v in (("host", host), ("port", port)) if v is not None}
+            config = ServerConfig.from_options(**placed, **settings)
+        elif settings or host is not None or port is not None:
+            raise TypeError("ShardServer: pass config=ServerConfig(...) or settings, not both")
+        self.config = config
+        security, bounds = config.security, config.bounds
+        if credentials is not None and security.tls:
             raise ValueError("pass either credentials or tls_cert/tls_key/tls_ca, not both")
         if credentials is None:
-            credentials = auth.server_credentials(tls_cert, tls_key, tls_ca)
-        checked_tokens = auth.check_tokens(tokens or {})
-        if peer_identities and tls_ca is None:
-            raise ValueError(
-                "peer identities are read from client certificates: they need mutual TLS"
-                " (tls_ca, which makes the server require client certificates)"
+            credentials = tls.server_credentials(
+                security.tls_cert, security.tls_key, security.tls_ca
             )
-        self.exposed = auth.check_binding(
-            host, tls=credentials is not None, tokens=bool(checked_tokens), insecure=insecure
+        checked_tokens = dict(security.tokens)
+        host = config.host
+        self.exposed = tls.check_binding(
+            host,
+            tls=credentials is not None,
+            tokens=bool(checked_tokens),
+            insecure=security.insecure,
         )
         self.tls = credentials is not None
-        self.mutual_tls = self.tls and tls_ca is not None
-        if max_wait_s <= 0 or pending_ttl_s <= 0:
-            raise ValueError(
-                f"max_wait_s ({max_wait_s}) and pending_ttl_s ({pending_ttl_s}) must be > 0"
-            )
-        if reserved_workers is None:
-            reserved_workers = default_reserved(max_workers)
-        if interceptors:
-            max_sessions = 0  # a session's calls would pass the interceptors as one call
-        self.limits = CallLimits(
-            max_workers, reserved_workers, max_waiting_read, max_streams, max_sessions
-        )
-        backend.use_device(device)
+        self.mutual_tls = self.tls and security.tls_ca is not None
+        self.limits = config.threads
+        if interceptors:  # a session's calls would pass the interceptors as one call
+            self.limits = dataclasses.replace(self.limits, max_sessions=0)
+        backend.use_device(config.device)
         self.host = host
+        max_memory = bounds.max_memory
         memory = default_memory_limit() if max_memory is None else parse_bytes(max_memory)
         self.servicer = ShardServicer(
-            max_wait_s=max_wait_s,
-            max_job_bytes=max_job_bytes,
-            max_slot_bytes=max_slot_bytes,
-            snapshot_dir=snapshot_dir,
+            max_wait_s=bounds.max_wait_s,
+            max_job_bytes=bounds.max_job_bytes,
+            max_slot_bytes=bounds.max_slot_bytes,
+            snapshot_dir=config.snapshot_dir,
             max_memory=memory,
-            pending_ttl_s=pending_ttl_s,
+            pending_ttl_s=bounds.pending_ttl_s,
         )
+        max_receive_bytes = bounds.max_receive_bytes
         segments = self.servicer.segments  # a payload in shared memory is no larger than a message
         segments.max_segment_bytes = min(segments.max_segment_bytes, max_receive_bytes)
         self.sweeper = Sweeper(
-            [self.servicer.slots.expire, self.servicer.leases.sweep, self.servicer.segments.expire],
-            sweep_period(pending_ttl_s),
+            [
+                self.servicer.slots.expire,
+                self.servicer.leases.sweep,
+                self.servicer.membership.sweep,
+                self.servicer.segments.expire,
+            ],
+            sweep_period(bounds.pending_ttl_s),
         )
         if peer_credentials is None and self.tls:
-            peer_credentials = auth.peer_channel_credentials(tls_cert, tls_key, tls_ca, peer_tls_ca)
-        self.servicer.replicator.set_ttl(replica_ttl_s)
+            peer_credentials = tls.peer_channel_credentials(
+                security.tls_cert, security.tls_key, security.tls_ca, security.peer_tls_ca
+            )
+        peer_identities = security.peer_identities
+        self.servicer.replicator.set_ttl(bounds.replica_ttl_s)
         self.servicer.replicator.set_transport(
-            peer_token=auth.peer_token(checked_tokens),
+            peer_token=tokens.peer_token(checked_tokens),
             tokens_required=bool(checked_tokens) and not peer_identities,
             credentials=peer_credentials,
         )
+        metrics_port, metrics_host = config.metrics_port, config.metrics_host
         # First is outermost: metrics also see the calls that authentication rejects.
         chain: list[Any] = []
         self.metrics = None
@@ -170,13 +151,15 @@ class ShardServer:
 
             self.metrics = ServerMetrics(self.servicer)
             chain.append(self.metrics.interceptor)
-        role_of = None
+        role_of = scope_of = None
         if checked_tokens or peer_identities:
             token_auth = auth.TokenAuthInterceptor(checked_tokens, peer_identities)
             chain.append(token_auth)
-            role_of = token_auth.caller_role
+            role_of, scope_of = token_auth.caller_role, token_auth.caller_scope
+            self.servicer.scope_of = token_auth.context_scope  # Status, listings: in scope only
+            self.servicer.segments.role_of = role_of  # read tokens' segments: their own pool
         chain.extend(interceptors or [])
-        self._local_ok = local_calls and not chain and credentials is None
+        self._local_ok = config.local_calls and not chain and credentials is None
         self._local: local_servers.LocalServer | None = None
         # Innermost: counts only calls that passed authentication. In-process calls (above)
         # take no gRPC thread, so they pass no gate.
@@ -187,16 +170,18 @@ class ShardServer:
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            ("grpc.keepalive_timeout_ms", int(TCP_USER_TIMEOUT_S * 1000)),
         ]
         # Waiting handlers (pull at a version, read a slot) hold a thread each: the gate keeps
         # some free for the calls that work, and gives the open streams threads of their own.
+        self._pool = futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard")
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard"),
+            self._pool,
             options=options,
             maximum_concurrent_rpcs=None,
             interceptors=chain,
         )
-        self._server.add_generic_rpc_handlers((self.servicer.generic_handler(fast_codec),))
+        self._server.add_generic_rpc_handlers((self.servicer.generic_handler(config.fast_codec),))
         self.sessions = Sessions(
             self.servicer.session_handlers,
             self.gate,
@@ -204,6 +189,8 @@ class ShardServer:
             self.servicer.may_wait,
             self.limits.workers,
             self.metrics.observe if self.metrics is not None else None,
+            self.servicer.reply_bytes,
+            scope_of=scope_of,
         )
         if self.limits.max_sessions:
             self._server.add_generic_rpc_handlers((self.sessions.generic_handler(),))
@@ -212,6 +199,7 @@ class ShardServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
         )
+        port = config.port
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if credentials is None:
             self.port = self._server.add_insecure_port(target)
@@ -223,6 +211,9 @@ class ShardServer:
         self._metrics_port = metrics_port
         self.metrics_port: int | None = None
         """The bound metrics port once started (None without metrics)."""
+        self._stop_lock = threading.Lock()
+        self._stopped = False
+        closing.close_at_exit(self, lambda server: server.stop(0))
 
     @property
     def address(self) -> str:
@@ -261,6 +252,16 @@ class ShardServer:
         return self
 
     def stop(self, grace: float | None = None) -> None:
+        """Stops serving; idempotent. New calls are refused at once and lease streams end
+        (their ranks' clients see the server go, nothing is decided about them); running calls
+        get ``grace`` seconds (None: none); then every call still waiting ends (a slot read, a
+        pull or step waiting for a version) and the server's threads are told to end, so
+        every handler thread returns and the process can exit."""
+        with self._stop_lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        closing.forget(self)
         if self._local is not None:
             local_servers.unregister(self.address, self._local)
         # Health watchers learn NOT_SERVING first. Bounded: once, with outside clients holding
@@ -268,9 +269,15 @@ class ShardServer:
         notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True)
         notify.start()
         notify.join(timeout=2.0)
-        self._server.stop(grace).wait()
+        self.servicer.leases.close()  # open streams would hold the grace to its end
+        # gRPC cancels what still runs when the grace ends; a handler blocked in one of our
+        # waits does not notice, and Python's exit joins the pool's threads: so the waits end
+        # here (a `paramshard serve` that printed "stopped" and never exited was that).
+        self._server.stop(grace).wait((grace or 0.0) + STOP_MARGIN_S)
+        self.servicer.close("this server stopped")
         self.sweeper.stop()
         self.sessions.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self.servicer.replicator.close()
         self.servicer.segments.close()
         if self.metrics is not None:

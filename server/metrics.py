@@ -9,11 +9,16 @@ Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
 - ``paramshard_held_bytes{kind}``: params / grads / optimizer / slots held now;
 - ``paramshard_memory_reserved_bytes{kind}`` and ``paramshard_memory_limit_bytes``: what is
   reserved against the server's memory limit (buffers / staging / slots / replicas, see
-  server/limits.py) and the limit itself (``--max-memory``; 0: none);
+  server/runtime/limits.py) and the limit itself (``--max-memory``; 0: none);
 - ``paramshard_last_step_seconds{job,buffer}`` and ``paramshard_buffer_version{job,buffer}``:
   the duration of each buffer slice's latest optimizer step and its version;
 - ``paramshard_skipped_steps_total{job,buffer}``: steps skipped because their reduced gradient
-  held NaN or Inf (server/nonfinite.py);
+  held NaN or Inf (server/buffers/nonfinite.py);
+- ``paramshard_elastic_members{job}``, ``paramshard_elastic_joins_total{job}``,
+  ``paramshard_elastic_leaves_total{job}``, ``paramshard_elastic_revisions_total{job}`` and
+  ``paramshard_elastic_steps_total{job,world_size}``: the elastic jobs this server coordinates
+  (server/collectives/membership.py): members of the newest step, ranks that joined and left,
+  steps whose membership changed mid-step, steps decided at each world size;
 - ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
   the ``process_*`` metrics (memory, CPU, file descriptors) of the server process.
 
@@ -43,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shard server metrics need the prometheus-client package: pip install prometheus-client"
     ) from exc
 
-from paramshard.server.servicer import SERVICE_NAME
+from paramshard.server.rpc.auth import SERVICE_NAME
 
 if TYPE_CHECKING:
     from paramshard.server.servicer import ShardServicer
@@ -137,6 +142,37 @@ class _StoreCollector:
             "Seconds since this server started",
             time.time() - self.servicer.started,
         )
+        yield from _membership_metrics(self.servicer.membership.status())
+
+
+def _membership_metrics(rows: list[Any]) -> Iterator[GaugeMetricFamily]:
+    """The elastic jobs this server coordinates (server/collectives/membership.py)."""
+    members = GaugeMetricFamily(
+        "paramshard_elastic_members", "Members of each elastic job's newest step", labels=["job"]
+    )
+    counts = {
+        name: CounterMetricFamily(f"paramshard_elastic_{name}", text, labels=["job"])
+        for name, text in (
+            ("joins", "Ranks that joined each elastic job (its first step's included)"),
+            ("leaves", "Ranks that left each elastic job, were lost or sat a step out"),
+            ("revisions", "Steps of each elastic job whose membership changed mid-step"),
+        )
+    }
+    steps = CounterMetricFamily(
+        "paramshard_elastic_steps",
+        "Steps of each elastic job decided at each world size",
+        labels=["job", "world_size"],
+    )
+    for m in rows:
+        members.add_metric([m.job], len(m.members))
+        counts["joins"].add_metric([m.job], m.joins)
+        counts["leaves"].add_metric([m.job], m.leaves)
+        counts["revisions"].add_metric([m.job], m.revisions)
+        for size, n in sorted(m.steps_by_world_size.items()):
+            steps.add_metric([m.job, str(size)], n)
+    yield members
+    yield from counts.values()
+    yield steps
 
 
 class ServerMetrics:
@@ -172,7 +208,7 @@ class ServerMetrics:
     def observe(
         self, method: str, code: grpc.StatusCode, seconds: float, received: int, sent: int
     ) -> None:
-        """One call of a session (server/sessions.py), counted as its unary twin would be
+        """One call of a session (server/transport/sessions.py), counted as its unary twin would be
         (the session's frames count under ``Session`` too)."""
         self.latency.labels(method, code.name).observe(seconds)
         self.request_bytes.labels(method).inc(received)

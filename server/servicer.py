@@ -21,19 +21,22 @@ from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
-from paramshard.server import backend
-from paramshard.server.auth import SERVICE_NAME  # one name for the service: the proto's
-from paramshard.server.errors import ShardError
-from paramshard.server.leases import LeaseTable
-from paramshard.server.limits import MemoryBudget
-from paramshard.server.nonfinite import grad_norm_reply, step_reply
-from paramshard.server.parsers import Malformed, plain, tensor, tensor_reply
-from paramshard.server.replication import Replicator
-from paramshard.server.shm import SegmentRegistry
-from paramshard.server.slots import SlotStore
-from paramshard.server.snapshots import SnapshotDir
+from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
+from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.collectives.lease_holds import hold_lease
+from paramshard.server.collectives.leases import LeaseTable
+from paramshard.server.collectives.membership import MembershipTable
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.replication.replicator import Replicator
+from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service: the proto's
+from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
+from paramshard.server.rpc.scopes import Scope
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshots.files import SnapshotDir
 from paramshard.server.status import status_reply
-from paramshard.server.store import BufferSlice, BufferStore
+from paramshard.server.transport.shm import SegmentRegistry
 
 __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
@@ -56,7 +59,7 @@ class ShardServicer:
         pending_ttl_s: float = 600.0,
     ) -> None:
         """``max_memory``: bytes this server may hold for its callers (0: no limit, see
-        server/limits.py); ``pending_ttl_s``: slots and mailboxes untouched that long expire
+        server/runtime/limits.py); ``pending_ttl_s``: slots and mailboxes untouched that long expire
         (``SlotStore.expire``, run by the server's sweeper)."""
         self.budget = MemoryBudget(max_memory)
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
@@ -64,21 +67,27 @@ class ShardServicer:
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
+        self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
         self.max_wait_s = max_wait_s
         self.started = time.time()
         self.server_index = 0
         self.num_servers = 0
+        self.scope_of: Callable[[Any], Scope | None] = lambda context: None
+        """The scope of a call's token (server/rpc/scopes.py; None: every job), for the calls
+        that name no job and show only what is in scope (Status, ListSnapshots); the server
+        sets it when it has tokens. Calls that name a job were checked before they came."""
 
     # -- plumbing ------------------------------------------------------------------------
     def _timeout(self, context: grpc.ServicerContext) -> float:
-        """How long a call may wait: the caller's deadline less a margin (5%, at most 0.2 s),
+        """How long a call may wait: the caller's deadline less a margin (5%, at most 1 s),
         so the server's DEADLINE_EXCEEDED, which names what it waited for, reaches the caller
-        before its own deadline's bare one; at most ``max_wait_s``."""
+        before its own deadline's bare one, on a loaded machine too (0.2 s was not enough
+        there: issue 26); at most ``max_wait_s``."""
         remaining = context.time_remaining()
         if remaining is None:
             return self.max_wait_s
-        return max(0.0, min(remaining - min(0.2, 0.05 * remaining), self.max_wait_s))
+        return max(0.0, min(remaining - min(1.0, 0.05 * remaining), self.max_wait_s))
 
     def generic_handler(self, fast_codec: bool = True) -> grpc.GenericRpcHandler:
         fast = fast_codec
@@ -121,6 +130,7 @@ class ShardServicer:
             "DropJob": (self.drop_job, plain(pb.DropJobRequest), plain_reply),
             "Status": (self.status, plain(pb.StatusRequest), plain_reply),
             "Lease": (self.lease, plain(pb.LeaseRequest), plain_reply),
+            "Join": (self.join, plain(pb.JoinRequest), plain_reply),
             "Snapshot": (self.snapshot, plain(pb.SnapshotRequest), plain_reply),
             "CommitSnapshot": (
                 self.commit_snapshot,
@@ -151,7 +161,19 @@ class ShardServicer:
             name: unary(fn, request_deserializer=de, response_serializer=ser)
             for name, (fn, de, ser) in guarded.items()
         }
+        handlers["HoldLease"] = grpc.unary_stream_rpc_method_handler(
+            self._guard("HoldLease", self.hold_lease),  # a bad request fails before it streams
+            request_deserializer=plain(pb.LeaseRequest),
+            response_serializer=plain_reply,
+        )
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+    def close(self, why: str) -> None:
+        """The server stops: every call still waiting ends with ``why`` (slot reads, pulls
+        and steps waiting for a version, lease streams), so every handler thread returns."""
+        self.leases.close()
+        self.slots.interrupt(why)
+        self.buffers.interrupt(why)
 
     LOCAL_METHODS = {
         "Contribute": "contribute",
@@ -161,7 +183,7 @@ class ShardServicer:
         "SetParams": "set_params",
     }
     """The data-plane methods a client in this process may run directly (``call_local``), and
-    that sessions carry (``session_handlers``, server/sessions.py)."""
+    that sessions carry (``session_handlers``, server/transport/sessions.py)."""
 
     def call_local(
         self, method: str, request: Any, context: Any, device_reply: bool = False
@@ -200,16 +222,43 @@ class ShardServicer:
 
     def may_wait(self, method: str, request: Any) -> bool:
         """Whether a call may wait for other callers (False: what it asks for is here now, or
-        it fails at once). A peek without locks, for the admission gate (server/admission.py)."""
+        it fails at once). A peek without locks, for the admission gate
+        (server/rpc/admission.py)."""
         if isinstance(request, Malformed):
             return False
+        try:
+            if method == "PullParams":
+                b = self.buffers.get(request.ref.job, request.ref.buffer)
+                return not (b.initialized and b.version >= request.min_version)
+            if method == "PushGrad":  # waits only for the initial values (SetParams)
+                header = request[0]
+                b = self.buffers.get(header.ref.job, header.ref.buffer)
+                return header.step == b.version and not b.initialized
+            if method == "Step":  # waits for the other ranks' pushes
+                slices = [self.buffers.get(request.job, s.buffer) for s in request.buffers]
+                return any(b.step_would_wait(request.step) for b in slices)
+            if method == "Join":  # waits for its step's membership; a leave does not
+                return not request.leave
+        except ShardError:
+            return False  # no such buffer: it fails at once
+        return True
+
+    def reply_bytes(self, method: str, request: Any) -> int:
+        """The payload bytes a call's reply may carry, known before it runs: sessions count
+        them when they take the call (server/transport/sessions.py). 0 for a reply that
+        goes into the caller's segment, and for methods whose replies carry no tensor."""
+        if isinstance(request, Malformed) or method not in ("PullParams", "ReadSlot"):
+            return 0
         if method == "PullParams":
             try:
-                b = self.buffers.get(request.ref.job, request.ref.buffer)
-            except ShardError:
-                return False
-            return not (b.initialized and b.version >= request.min_version)
-        return True
+                size = request.chunk.numel * codec.numpy_dtype(request.chunk.dtype).itemsize
+            except ValueError:
+                return 0  # refused at once
+        else:  # a slot with no contribution yet: counted once the reply exists
+            size = self.slots.chunk_nbytes(request.key) or 0
+        if request.HasField("reply_shm") and size <= request.reply_shm.nbytes:
+            return 0
+        return size
 
     # -- buffers ---------------------------------------------------------------------------
     def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:
@@ -244,7 +293,7 @@ class ShardServicer:
 
     def step(self, req: pb.StepRequest, context: Any) -> Any:
         slices = [(self.buffers.get(req.job, s.buffer), s.args) for s in req.buffers]
-        return step_reply(slices, req, self._timeout(context))  # server/nonfinite.py
+        return step_reply(slices, req, self._timeout(context))  # server/buffers/nonfinite.py
 
     # -- slots ---------------------------------------------------------------------------
     def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:
@@ -263,6 +312,7 @@ class ShardServicer:
         if not req.job:
             raise ShardError.invalid("DropJob needs a job (or run) name")
         runs = self.slots.drop_run(req.job) + self.leases.drop(req.job)
+        runs += self.membership.drop(req.job)
         try:
             dropped = self.buffers.drop(req.job)
         except ShardError:
@@ -273,10 +323,21 @@ class ShardServicer:
         return pb.DropJobReply(buffers=dropped)
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:
-        return status_reply(self, req, VERSION)
+        return status_reply(self, req, VERSION, self.scope_of(context))
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
         return self.leases.renew(req)
+
+    def hold_lease(self, req: pb.LeaseRequest, context: Any) -> Any:
+        return hold_lease(self.leases, req, context)
+
+    def join(self, req: pb.JoinRequest, context: Any) -> Any:
+        return self.membership.join(req, self._timeout(context))
+
+    def _job_version(self, job: str) -> int | None:
+        """This server's version of ``job`` (its slices' lowest), None when it holds none."""
+        slices = self.buffers.jobs().get(job)
+        return min(b.version for b in slices) if slices else None
 
     # -- snapshots -------------------------------------------------------------------------
     def _job_slices(self, job: str) -> list[BufferSlice]:
@@ -299,7 +360,9 @@ class ShardServicer:
             )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
         # (tag, shard) is this call's until it ends; the shard file then keeps it
-        reservation = self.snapshots.reserve(req.job, req.tag, req.server_index, req.num_servers)
+        reservation = self.snapshots.reserve(
+            req.job, req.tag, req.server_index, req.num_servers, req.version
+        )
         try:
             timeout = self._timeout(context)
             try:  # every buffer asks first, so none can step past the version while we wait
@@ -367,9 +430,23 @@ class ShardServicer:
         self.server_index, self.num_servers = req.server_index, req.num_servers
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
 
+    def _listed_snapshots(self, job: str, scope: Scope | None) -> list[dict[str, Any]]:
+        """``SnapshotDir.list(job)``; for a scoped caller naming no job, each job in scope
+        listed on its own (another job's manifests are not even read)."""
+        if job or scope is None or self.snapshots.root is None:
+            return self.snapshots.list(job)
+        found = []
+        for name in sorted(p.name for p in self.snapshots.root.iterdir() if p.is_dir()):
+            if scope.allows_job(name):
+                try:
+                    found += self.snapshots.list(name)
+                except ShardError:
+                    continue  # not a job's folder (a name no job may have)
+        return found
+
     def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
         infos = []
-        for m in self.snapshots.list(req.job):
+        for m in self._listed_snapshots(req.job, self.scope_of(context)):
             servers, cluster = recorded_placement(m)
             infos.append(
                 pb.SnapshotInfo(

@@ -1,30 +1,48 @@
 """What a server reports in its Status reply: the buffers it holds, its memory, what waits.
 
-``status_reply`` answers the Status call (role ``read``, server/auth.py): device, memory
+``status_reply`` answers the Status call (role ``read``, server/rpc/auth.py): device, memory
 account, uptime, one row per job and buffer, and with ``StatusRequest.pending`` every open
-slot, unread mailbox message and gradient step waiting for contributions (server/pending.py),
-the oldest first and bounded in number.
+slot, unread mailbox message and gradient step waiting for contributions
+(server/collectives/pending.py), the oldest first and bounded in number.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.pending import pending_rows
-from paramshard.server.store import BufferStore
+from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.membership import MembershipTable
+from paramshard.server.collectives.pending import pending_rows
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.rpc.scopes import Scope, run_of_key
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.limits import MemoryBudget
 
-if TYPE_CHECKING:
-    from paramshard.server.servicer import ShardServicer
-
-__all__ = ["job_status", "status_reply"]
+__all__ = ["Reporting", "status_reply"]
 
 
-def status_reply(servicer: ShardServicer, req: pb.StatusRequest, version: str) -> pb.StatusReply:
-    """The Status reply of ``servicer``'s server (``version``: the paramshard version)."""
+class Reporting(Protocol):
+    """What a Status reply reads of a server (``ShardServicer`` has it)."""
+
+    server_index: int
+    num_servers: int
+    started: float
+    buffers: BufferStore
+    slots: SlotStore
+    membership: MembershipTable
+    budget: MemoryBudget
+
+
+def status_reply(
+    servicer: Reporting, req: pb.StatusRequest, version: str, scope: Scope | None = None
+) -> pb.StatusReply:
+    """The Status reply of ``servicer``'s server (``version``: the paramshard version). For a
+    token scoped to ``scope`` (server/rpc/scopes.py) it lists only the jobs, and the pending
+    work of the jobs and runs, in scope; the server-wide figures (device, memory account, slot
+    bytes and count, uptime) stay, as they name no job."""
     memory = backend.device_memory()
     slot_bytes, open_slots = servicer.slots.usage()
     reply = pb.StatusReply(
@@ -34,63 +52,28 @@ def status_reply(servicer: ShardServicer, req: pb.StatusRequest, version: str) -
         device_memory_used=memory["used"],
         device_memory_total=memory["total"],
         uptime_seconds=time.time() - servicer.started,
-        jobs=servicer.buffers.status(),
+        jobs=[j for j in servicer.buffers.status() if scope is None or scope.allows_job(j.job)],
         slot_bytes=slot_bytes,
         open_slots=open_slots,
         version=version,
         pid=os.getpid(),
         memory_used=servicer.budget.used,
         memory_limit=servicer.budget.limit,
+        memberships=servicer.membership.status(),
     )
     if req.pending:
-        slices = [b for buffers in servicer.buffers.jobs().values() for b in buffers]
-        rows, left_out = pending_rows(servicer.slots.open_slots(), slices, req.max_pending)
+        slices = [
+            b
+            for job, buffers in servicer.buffers.jobs().items()
+            if scope is None or scope.allows_job(job)
+            for b in buffers
+        ]
+        slots = [
+            s
+            for s in servicer.slots.open_slots()
+            if scope is None or scope.allows_run(run_of_key(s.key))
+        ]
+        rows, left_out = pending_rows(slots, slices, req.max_pending)
         reply.pending.extend(rows)
         reply.pending_left_out = left_out
     return reply
-
-
-def job_status(store: BufferStore) -> list[pb.JobStatus]:
-    """One row per job on this server, one per buffer slice in it (Status, snapshots)."""
-    out = []
-    for job, buffers in sorted(store.jobs().items()):
-        rows = []
-        for b in buffers:
-            with b.cond:
-                params, grads, opt = b.bytes_by_kind()
-                rows.append(
-                    pb.BufferStatus(
-                        buffer=b.name,
-                        numel=b.numel,
-                        slice_start=b.start,
-                        slice_numel=b.slice_numel,
-                        dtype=str(b.dtype),
-                        version=b.version,
-                        initialized=b.initialized,
-                        optimizer=b.optimizer.name,
-                        param_bytes=params,
-                        grad_bytes=grads,
-                        optimizer_bytes=opt,
-                        params=b.spec.params,
-                        last_step_seconds=b.last_step_seconds,
-                        last_step_unix=b.last_step_unix,
-                        contributors=b.contributors,
-                        hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
-                        state_keys=sorted(b.optimizer.state_arrays()),
-                        optimizer_steps=b.optimizer.step_count,
-                        skipped_steps=b.skipped_steps,
-                    )
-                )
-        first = buffers[0].spec if buffers else None
-        out.append(
-            pb.JobStatus(
-                job=job,
-                buffers=rows,
-                server_index=first.server_index if first else 0,
-                num_servers=first.num_servers if first else 0,
-                model_config=next(
-                    (b.spec.model_config for b in buffers if b.spec.model_config), ""
-                ),
-            )
-        )
-    return out

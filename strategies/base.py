@@ -41,12 +41,12 @@ __all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 
 # parameter id -> the wrapper holding it, so an optimizer wrapper built from
 # ``model.parameters()`` finds its model (torch's optimizers know only parameters).
-_OWNERS: weakref.WeakValueDictionary[int, ShardedModelBase] = weakref.WeakValueDictionary()
+OWNERS: weakref.WeakValueDictionary[int, ShardedModelBase] = weakref.WeakValueDictionary()
 
 
 def owner_of(params: list[nn.Parameter]) -> ShardedModelBase:
     """The sharded model wrapper that holds ``params``."""
-    owners = {id(_OWNERS[id(p)]): _OWNERS[id(p)] for p in params if id(p) in _OWNERS}
+    owners = {id(OWNERS[id(p)]): OWNERS[id(p)] for p in params if id(p) in OWNERS}
     if len(owners) != 1:
         raise ValueError(
             "the optimizer's parameters must come from exactly one sharded model's parameters()"
@@ -102,6 +102,13 @@ class ShardedModelBase(ModelFiles, ClientRank, nn.Module):
         self.module = model
         self.config = config
         self.client = config.client
+        if config.elastic and not self.state_on_servers:
+            raise ValueError(
+                f"ShardingConfiguration(elastic=True) needs ZeRO-1, ZeRO-2 or FSDP: a"
+                f" {self.strategy} rank keeps parameters and optimizer state in its process,"
+                " so no rank can leave or join it; run it without elastic (a lost rank then"
+                " ends the job at once)"
+            )
         restarts.declare(self.strategy, self.state_on_servers, self.client.rank)
         if not self.state_on_servers:  # a restart cannot rejoin: the servers wait for none
             self.client.run_state.cannot_rejoin()
@@ -121,7 +128,7 @@ class ShardedModelBase(ModelFiles, ClientRank, nn.Module):
         self._collect: dict[int, torch.Tensor] | None = None  # see _keep_local
         self._in_backward = False
         for _, p in self._named:
-            _OWNERS[id(p)] = self
+            OWNERS[id(p)] = self
 
     # -- AiDotNet's properties (``rank`` and ``world_size``: ClientRank) ----------------------
     @property

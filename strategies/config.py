@@ -25,7 +25,7 @@ from dataclasses import KW_ONLY, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from paramshard.protos.codec import master_dtype
-from paramshard.protos.config_file import CONFIG_ENV, check_keys, read_config_file
+from paramshard.protos.config_file import CONFIG_ENV, check_keys, read_config_file, shown
 
 if TYPE_CHECKING:
     from paramshard.client import ShardClient
@@ -89,8 +89,11 @@ class ShardingConfiguration(ClientRank):
     """FSDP: gather the next unit while this one computes."""
     wrap_min_params: int | None = None
     """FSDP size-based wrap policy threshold; None wraps by module class only."""
-    timeout_s: float = 120.0
-    """Deadline in seconds for every wait on the servers."""
+    timeout_s: float | None = None
+    """Deadline in seconds of every wait of this rank on the servers and on the other ranks
+    (a collective, a gradient step, a pull at a version, a pipeline receive, a barrier),
+    retries included: the client's ``timeout_s`` is set to it. None: the client's own
+    (``ShardClient(timeout_s=...)``, 120 s unless given)."""
     replicate_every: int = 0
     """Neighbour replication: every this many steps each server copies its slices and
     optimizer state to server (i+1) mod N, so a dead server is rebuilt from it (0: off)."""
@@ -101,6 +104,21 @@ class ShardingConfiguration(ClientRank):
     """A step whose reduced gradient holds NaN or Inf is skipped everywhere either way
     (parameters and optimizer state unchanged); True counts it (``model.skipped_steps``) and
     trains on, as ``torch.amp.GradScaler`` does, False raises ``NonFiniteGradientError``."""
+    elastic: bool = False
+    """ZeRO-1/2, FSDP: the data-parallel ranks may change between steps (docs/elastic.md): each
+    step's members are agreed on the servers, ``model.batch_part(B)`` cuts the step's global
+    batch between them, and the servers weight each gradient by its share. The client's
+    ``world_size`` is then the most ranks the job may have. ``PARAMSHARD_ELASTIC=1``
+    (``paramshard launch --elastic``) sets it in ``from_env``."""
+    min_world_size: int = 1
+    """Elastic: a step trains with at least this many ranks; below it the ranks wait
+    (``elastic_wait_s``), then fail naming the ranks there (``PARAMSHARD_MIN_NPROC``,
+    ``paramshard launch --min-nproc``)."""
+    join_window_s: float = 10.0
+    """Elastic: how long a step waits for the ranks of the step before it once the first of
+    them is there; a rank later than that sits the step out and joins the next."""
+    elastic_wait_s: float = 600.0
+    """Elastic: how long a step waits for ``min_world_size`` ranks before it fails."""
 
     def __post_init__(self) -> None:
         self._check_client()
@@ -111,41 +129,43 @@ class ShardingConfiguration(ClientRank):
             "prefetch",
             "deterministic",
             "skip_nonfinite",
+            "elastic",
         ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(
-                    f"ShardingConfiguration.{name} must be True or False, got {value!r}"
+                    f"ShardingConfiguration.{name} must be True or False, got {shown(value)}"
                 )
         _check_int("minimum_parameter_group_size", self.minimum_parameter_group_size, minimum=0)
         _check_int("bucket_size_bytes", self.bucket_size_bytes, minimum=1)
         _check_int("gradient_accumulation_steps", self.gradient_accumulation_steps, minimum=1)
         _check_int("replicate_every", self.replicate_every, minimum=0)
+        _check_int("min_world_size", self.min_world_size, minimum=1)
         if self.wrap_min_params is not None:
             _check_int("wrap_min_params", self.wrap_min_params, minimum=1, none_ok=True)
         if not isinstance(self.job, str) or not _JOB_NAME.fullmatch(self.job):
             raise ValueError(
                 f"ShardingConfiguration.job must be a non-empty name made of "
-                f"letters, digits, '_', '.' or '-', got {self.job!r}"
+                f"letters, digits, '_', '.' or '-', got {shown(self.job)}"
             )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _DTYPES:
                 raise ValueError(
                     f"ShardingConfiguration.{name} must be one of "
-                    f"{', '.join(_DTYPES)} or None (the parameters' own), got {value!r}"
+                    f"{', '.join(_DTYPES)} or None (the parameters' own), got {shown(value)}"
                 )
-        timeout = self.timeout_s
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not math.isfinite(timeout)
-            or timeout <= 0
-        ):
+        for name in ("timeout_s", "join_window_s", "elastic_wait_s"):
+            _check_seconds(name, getattr(self, name), none_ok=name == "timeout_s")
+        if self.elastic and self.min_world_size > self.client.world_size:
             raise ValueError(
-                f"ShardingConfiguration.timeout_s must be a positive finite "
-                f"number of seconds, got {timeout!r}"
+                f"ShardingConfiguration.min_world_size {self.min_world_size} is more than the"
+                f" world size {self.client.world_size} (the most ranks an elastic job may have)"
             )
+        if (
+            self.timeout_s is not None
+        ):  # the one deadline of every wait of this rank (client/rpc.py)
+            self.client.timeout_s = float(self.timeout_s)
 
     def _check_client(self) -> None:
         client = self.client
@@ -159,12 +179,13 @@ class ShardingConfiguration(ClientRank):
         world_size = getattr(client, "world_size", None)
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(
-                f"ShardingConfiguration.client.world_size must be an int >= 1, got {world_size!r}"
+                "ShardingConfiguration.client.world_size must be an int >= 1,"
+                f" got {shown(world_size)}"
             )
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(
                 f"ShardingConfiguration.client.rank must be an int in "
-                f"0..{world_size - 1}, got {rank!r}"
+                f"0..{world_size - 1}, got {shown(rank)}"
             )
 
     @property
@@ -200,6 +221,7 @@ class ShardingConfiguration(ClientRank):
         When PARAMSHARD_CONFIG names a config file (``paramshard launch --config FILE`` sets
         it), that file is the base: keyword ``overrides`` win over it, and it over the defaults.
         """
+        overrides = {**_elastic_from_env(), **overrides}
         path = os.environ.get(CONFIG_ENV, "").strip()
         if path:
             return cls.from_file(path, **overrides)
@@ -282,13 +304,42 @@ def _resolve(choice: DType | None, dtype: str) -> DType:
     return choice
 
 
+def _check_seconds(name: str, value: object, *, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        allowed = "a positive finite number of seconds" + (" or None (the client's)" * none_ok)
+        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {shown(value)}")
+
+
 def _check_int(name: str, value: object, *, minimum: int, none_ok: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an int >= {minimum}" + (" or None" if none_ok else "")
-        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"ShardingConfiguration.{name} must be {allowed}, got {shown(value)}")
 
 
 _FILE_FIELDS = tuple(f.name for f in fields(ShardingConfiguration) if f.name != "client")
+
+
+def _elastic_from_env() -> dict[str, Any]:
+    """``elastic`` and ``min_world_size`` from PARAMSHARD_ELASTIC and PARAMSHARD_MIN_NPROC
+    (``paramshard launch --elastic --min-nproc M`` sets them)."""
+    from paramshard.client.membership import ELASTIC_ENV, MIN_NPROC_ENV
+
+    out: dict[str, Any] = {}
+    raw = os.environ.get(ELASTIC_ENV, "").strip()
+    if raw:
+        if raw not in ("0", "1"):
+            raise ValueError(f"environment variable {ELASTIC_ENV} must be 0 or 1, got {raw!r}")
+        out["elastic"] = raw == "1"
+    if os.environ.get(MIN_NPROC_ENV, "").strip():
+        out["min_world_size"] = _env_int(MIN_NPROC_ENV, 1)
+    return out
 
 
 def _client_from_env() -> ShardClient:
@@ -306,4 +357,6 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
+        raise ValueError(
+            f"environment variable {name} must be an integer, got {shown(raw)}"
+        ) from None

@@ -22,6 +22,13 @@ DDP's averaged gradients are the same on every rank. ``unscale_`` does not touch
 the servers: clipping's norm is divided by S, and the servers multiply their slices by 1/S as
 part of the clip coefficient in the ``Step`` request. A skipped step is counted in
 ``model.skipped_steps`` and never raises, whatever ``ShardingConfiguration.skip_nonfinite`` says.
+
+An elastic job (strategies/data_parallel/elastic.py): a rank that joins brings a scaler of its
+own, whose scale may differ from the others', and the servers would sum gradients scaled
+differently. So ``step`` first compares the step's members' scalers (one small all-gather over
+the step's members): when their scales differ, the step is skipped everywhere, as for an
+overflow, and every member takes the state of the scaler that has seen the most steps (then
+backs off, as after any skipped step).
 """
 
 from __future__ import annotations
@@ -72,6 +79,7 @@ class ShardedGradScaler:
         self._backoff_factor = float(backoff_factor)
         self._growth_interval = growth_interval
         self._growth_tracker = 0
+        self._updates = 0  # update() calls: the scaler that saw most leads an elastic job's
         self._states: dict[int, str] = {}  # id(optimizer) -> where it is in this iteration
         self._found_inf: bool | None = None
 
@@ -118,6 +126,8 @@ class ShardedGradScaler:
         if state == _READY:
             self.unscale_(optimizer)
         model = _model_of(optimizer)
+        if getattr(model, "elastic", False):
+            self._agree(model)
         before = model.skipped_steps
         try:
             result = optimizer.step()
@@ -127,6 +137,19 @@ class ShardedGradScaler:
         self._found_inf = bool(self._found_inf) or found
         self._states[id(optimizer)] = _STEPPED
         return None if found else result
+
+    def _agree(self, model: Any) -> None:
+        """Elastic: the step's members compare scalers; differing scales skip the step and
+        every member takes the state of the one that saw the most steps (module docstring)."""
+        mine = torch.tensor([self._updates, self._scale, self._growth_tracker], dtype=torch.float64)
+        states = model.step_group().all_gather(mine)
+        if len({float(s[1]) for s in states}) == 1:
+            return
+        best = max(states, key=lambda s: float(s[0]))  # the first of the most experienced
+        scales = sorted({float(s[1]) for s in states})
+        model.skip_step(f"the loss scales of the step's members differ ({scales})")
+        self._updates, self._scale = int(best[0]), float(best[1])
+        self._growth_tracker = int(best[2])
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """Ends the iteration: the scale backs off if a step was skipped, grows after
@@ -150,6 +173,7 @@ class ShardedGradScaler:
                 self._growth_tracker = 0
         self._states.clear()
         self._found_inf = None
+        self._updates += 1
 
     # -- torch's accessors and state dict --------------------------------------------------------
     def get_scale(self) -> float:

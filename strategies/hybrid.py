@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from paramshard.protos.placement import part_job
-from paramshard.strategies.base import _OWNERS, ShardedModelBase
+from paramshard.strategies.base import OWNERS, ShardedModelBase
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.optim import ShardedOptimizer, ZeRO1Optimizer
 from paramshard.strategies.data_parallel.zero import ZeRO1Model
@@ -147,7 +147,7 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
         self._shapes = {n: p.shape for n, p in self._named}
         self._masters = {n: master_torch_dtype(p.dtype) for n, p in self._named}
         for _, p in self._named:  # an optimizer on parameters() belongs to this wrapper
-            _OWNERS[id(p)] = self
+            OWNERS[id(p)] = self
 
     def __str__(self) -> str:
         return self.topology.describe(self.config.client.rank)

@@ -87,6 +87,11 @@ class HybridCheckpoints:
         self._verdict = None
         self._invalidate()
 
+    @property
+    def recovery_source(self) -> str:
+        """What ``recover`` restores from, in words (for the recovery's messages)."""
+        return "restoring every part from their newest common snapshot"
+
     def recover(self) -> int:
         """After a server died and came back: every part returns to the newest snapshot all
         parts have (``load_checkpoint("latest")``; a restarted server gets its own slices

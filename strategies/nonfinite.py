@@ -6,8 +6,8 @@ Where each strategy decides, once for the whole model (as ``torch.amp.GradScaler
 
 - ZeRO-1, ZeRO-2, FSDP: the servers hold the reduced gradient, so they are asked
   (``client.grad_check``: every slice's finiteness beside the sum of squares clipping uses)
-  and all get the same Step, applied or skipped (server/nonfinite.py). With clipping the check
-  rides on the GradNorm call clipping makes anyway; without, it is one more small round trip.
+  and all get the same Step, applied or skipped (server/buffers/nonfinite.py). With clipping the
+  check rides on the GradNorm call clipping makes anyway; without, it is one more small round trip.
 - 3D (``HybridShardedModel``): each (stage, tensor rank) part is a ZeRO-1 job of its own; the
   parts agree through one all-reduce over the world (``across_parts``), so no part steps while
   another skips; with clipping it rides on the all-reduce of the norm.

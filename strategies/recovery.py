@@ -30,10 +30,16 @@ recovery: a server dying during them is recovered like one dying in ``train_step
 the replayed steps are the ones that were lost and training ends where it would have without
 the failure. At most ``checkpoint_every`` steps are recomputed.
 
+``scheduler``: a torch LR scheduler kept at the servers' step (``sync_scheduler``): stepped
+after each step (unless ``train_step`` stepped it), set back when a recovery goes back.
+
 A *trainer* that dies is another matter: ``paramshard launch --max-restarts`` restarts it and
-its model adopts the servers' step (paramshard/restarts.py). The two do not combine yet: the
-snapshots and recoveries here synchronise the ranks with barriers, and a restarted rank cannot
-replay a barrier the others already passed.
+its model adopts the servers' step (paramshard/restarts.py). With a fixed world the two do not
+combine: the snapshots and recoveries here synchronise the ranks with barriers, and a
+restarted rank cannot replay a barrier the others already passed. An *elastic* job
+(``ShardingConfiguration(elastic=True)``) synchronises each step's members instead, so a rank
+may die, come back or join while this runs, and a server may be lost in the same run
+(strategies/elastic_training.py).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
@@ -49,6 +56,8 @@ import grpc
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
+from paramshard.strategies.elastic_training import train_elastic
+from paramshard.strategies.lr_schedule import sync_scheduler
 
 if TYPE_CHECKING:
     from paramshard.strategies.hybrid import HybridShardedModel
@@ -121,6 +130,8 @@ def _recoverable(model: ServerShardedModel | HybridShardedModel, exc: ShardClien
     recovering from one; not a notice that a rank was lost (its process and state are gone)."""
     if exc.code != grpc.StatusCode.ABORTED:
         return exc.code in RECOVERABLE
+    if getattr(model, "elastic", False):
+        return True  # a member lost or gone: the others redo the step without it
     notice = model.client.run_state.refresh()
     return notice is not None and notice.recoverable
 
@@ -154,11 +165,23 @@ def _recover(
     the servers, numbers the collectives afresh in ``epoch`` and brings the model back to
     the servers' step (``model.recover()``); ``report`` records it."""
     began = time.monotonic()
-    log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
-    # the ranks waiting on this one learn now, through the servers, not at a deadline
-    model.client.run_state.give_up(
-        f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}"
-    )
+    source = model.recovery_source
+    if exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
+        log.warning("rank %d: step %d: recovering with the others, %s", model.rank, step, source)
+        model.client.run_state.give_up(f"joined the recovery at step {step}")
+    else:
+        lost = f"server {exc.server} ({exc.address}) lost at step {step}"
+        log.warning(
+            "rank %d: %s: %s (%s: %s: %s)",
+            model.rank,
+            lost,
+            source,
+            exc.method,
+            exc.code.name,
+            exc.details,
+        )
+        # the ranks waiting on this one learn now, through the servers, not at a deadline
+        model.client.run_state.give_up(f"{lost} ({exc.method}: {exc.code.name})")
     report.recoveries += 1
     report.causes.append(exc.code.name)
     model.abandon_step()
@@ -203,17 +226,24 @@ def train_with_recovery(
     max_recoveries: int = 5,
     progress: Callable[[int, float], Any] | ProgressBar | None = None,
     should_stop: Callable[[int, float], bool] | None = None,
+    scheduler: Any = None,
 ) -> RecoveryReport:
     """Runs ``train_step(step)`` for steps ``model.step_count .. steps-1`` surviving server
     failures (see the module docstring). ``train_step`` does forward, backward and the
     optimizer step and returns the loss. Every rank calls this the same way.
 
     ``progress``: a tqdm bar or a ``progress(step, loss)`` function, told after each step;
-    ``should_stop(step, loss)``: True (on every rank) ends training after that step."""
+    ``should_stop(step, loss)``: True (on every rank) ends training after that step;
+    ``scheduler``: an LR scheduler kept at ``model.step_count``."""
     if not model.registered:
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
     report = RecoveryReport()
     epoch = 0
+
+    def after_step(step: int, loss: float) -> bool:
+        if progress is not None:
+            _show(progress, step, loss, model.step_count)
+        return should_stop is not None and should_stop(step, loss)
 
     def checkpoint() -> None:
         # A failure may leave a tag half-written (a 3D job's parts are committed one by
@@ -226,17 +256,28 @@ def train_with_recovery(
     state = model.client.run_state
     fail_fast, state.fail_fast = state.fail_fast, True
     try:
+        if getattr(model, "elastic", False):
+            hooks = SimpleNamespace(
+                recoverable=_recoverable,
+                wait_for_servers=lambda m: _wait_for_servers(m, wait_s),
+                after_step=after_step,
+            )
+            train_elastic(
+                model, train_step, steps, hooks, report, checkpoint_every=checkpoint_every,
+                tag_prefix=tag_prefix, max_recoveries=max_recoveries, scheduler=scheduler,
+            )  # fmt: skip
+            return report
+        sync_scheduler(scheduler, model.step_count)
         if checkpoint_every and model.step_count % checkpoint_every == 0:
             checkpoint()
         while model.step_count < steps:
             step = model.step_count
             try:
                 report.losses[step] = loss = train_step(step)
+                sync_scheduler(scheduler, model.step_count)
                 if checkpoint_every and model.step_count % checkpoint_every == 0:
                     checkpoint()
-                if progress is not None:
-                    _show(progress, step, loss, model.step_count)
-                if should_stop is not None and should_stop(step, loss):
+                if after_step(step, loss):
                     report.stopped_early = True
                     break
             except ShardClientError as exc:
@@ -244,6 +285,7 @@ def train_with_recovery(
                     raise
                 epoch += 1
                 _recover(model, exc, step, epoch, wait_s, report)
+                sync_scheduler(scheduler, model.step_count)
     finally:
         state.fail_fast = fail_fast
     return report

@@ -7,7 +7,11 @@ without a change here. A request is one of:
 - ``template``: a valid request for a known method (``valid_request``), then zero to three
   random field mutations (``mutate``): huge and negative-like numbers, empty, overlong and
   path-traversal strings, unknown dtypes and ops, shapes of 2**62, payloads whose size does
-  not match the chunk, many repeated entries;
+  not match the chunk, many repeated entries. Templates cover the job's run too (slot keys
+  ``<run>:ar<seq>/0``, leases of its ranks: renewals with short TTLs, releases, aborts), the
+  shared segments (offers of any size, confirmations and releases of the segments every
+  caller holds, payloads and replies referencing them at any offset), and sessions (a batch
+  of one to six templates of the data-plane methods, each mutated on its own);
 - ``random``: every field drawn at random from the request type's descriptor (the only kind a
   method without a template gets, besides garbage);
 - ``garbage``: bytes that are not a well-formed request (random, truncated, bit-flipped,
@@ -20,144 +24,42 @@ loopback (``neighbour``).
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from chaos_templates import valid_request
+from chaos_values import (
+    FLOATS,
+    GUARDED,
+    I32,
+    I64,
+    ITEMSIZE,
+    MAX_REQUEST,
+    SESSION_METHODS,
+    STRINGS,
+    U32,
+    U64,
+    Context,
+    Method,
+    manifest,
+    payload,
+    pick,
+    run_of,
+)
 from google.protobuf import message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
-from grpc_health.v1 import health_pb2
-from grpc_reflection.v1alpha import reflection_pb2
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.snapshots import Captured, encode_shard
 
-__all__ = ["GUARDED", "DECOYS", "N", "Method", "Context", "methods", "make_request"]
-
-GUARDED = "guarded"
-"""The job the fuzzer must not change."""
-DECOYS = ("decoy-a", "decoy-b")
-"""Jobs that mutating calls with a role allowed to change them are sent to instead."""
-N = 64  # elements of buffer "w" (adam); buffer "v" (sgd, float64 master) has 7
+__all__ = ["FuzzRequest", "make_request", "random_message", "mutate"]
 
 F = FieldDescriptor
-U64 = (0, 1, 2, 3, 7, 63, 64, 65, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1, 2**62)
-U64 += (2**63 - 1, 2**63, 2**64 - 1)
-U32 = (0, 1, 2, 3, 7, 64, 2**16, 2**31 - 1, 2**31, 2**32 - 1)
-I64 = (0, 1, -1, 2, 8, -(2**31), 2**32, 2**62, -(2**62), 2**63 - 1, -(2**63))
-I32 = (0, 1, -1, 2, 2**31 - 1, -(2**31))
-FLOATS = (0.0, -0.0, 1e-3, 0.1, 0.9, 1.0, -1.0, 2.0, 1e308, -1e308, 5e-324)
-FLOATS += (math.nan, math.inf, -math.inf)
-STRINGS = (
-    GUARDED,
-    *DECOYS,
-    "",
-    "w",
-    "v",
-    "x",
-    "../guarded",
-    "../../../../etc/passwd",
-    "/etc/passwd",
-    "guarded/../guarded",
-    "..",
-    ".",
-    "guarded/",
-    " guarded",
-    "GUARDED",
-    "gu\x00arded",
-    "guarded.pp0.tp0",
-    "latest",
-    "baseline",
-    "d0",
-    "ünï©ødé",
-    "%s%n{}",
-    "a" * 300,
-    "a" * 4096,
-    "lr",
-    "momentum",
-    "exp_avg",
-    "exp_avg_sq",
-    "momentum_buffer",
-    "sgd",
-    "adam",
-    "float32",
-    "bfloat16",
-    "{}",
-    '{"architecture": "X", "config": {}}',
-    "fz/all_reduce/0",
-)
-MAX_REQUEST = 2**20  # bytes of a request at most (an emptied one takes the place of a larger)
-ITEMSIZE = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.INT64: 8, pb.INT32: 4, pb.FLOAT64: 8}
-
-
-@dataclass(frozen=True)
-class Method:
-    """One RPC method of a service the server exposes."""
-
-    service: str
-    name: str
-    request: Descriptor
-    client_streaming: bool
-    server_streaming: bool
-
-    @property
-    def path(self) -> str:
-        return f"/{self.service}/{self.name}"
-
-
-def methods() -> list[Method]:
-    """Every method of the Shard service, then the health and reflection services' methods."""
-    services = (
-        pb.DESCRIPTOR.services_by_name["Shard"],
-        health_pb2.DESCRIPTOR.services_by_name["Health"],
-        reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
-    )
-    return [
-        Method(s.full_name, m.name, m.input_type, m.client_streaming, m.server_streaming)
-        for s in services
-        for m in s.methods
-    ]
-
-
-@dataclass
-class Context:
-    """What templates need to know about the server under test."""
-
-    address: str
-    versions: dict[str, int] = field(default_factory=dict)  # job -> version of buffer "w"
-    manifest: dict[str, Any] = field(default_factory=dict)  # a real manifest (decoy-a, d0)
-    tags: int = 0  # fresh snapshot tags handed out
-
-    def neighbours(self) -> tuple[str, ...]:
-        """Replication targets a request may name: loopback addresses, and forms that name no
-        host (no name a resolver would look up: the fuzzer reaches nothing beyond loopback)."""
-        port = self.address.rsplit(":", 1)[1]
-        others = ("127.0.0.1:1", "[::1]:1", "127.0.0.1:99999", "unix:/nonexistent", ":", "")
-        return (self.address, f"localhost:{port}", *others)
-
-
-def pick(rng: np.random.Generator, options: Any) -> Any:
-    """One of ``options``, as it is (``rng.choice`` would turn 2**64 - 1 into a float)."""
-    return options[int(rng.integers(len(options)))]
 
 
 def _message(desc: Descriptor) -> Any:
     return message_factory.GetMessageClass(desc)()
-
-
-def _payload(rng: np.random.Generator, dtype: int, numel: int) -> bytes:
-    """``numel`` elements of wire dtype ``dtype``, sometimes not finite."""
-    values = rng.standard_normal(numel)
-    if numel and rng.random() < 0.1:
-        values[rng.integers(numel)] = rng.choice([np.nan, np.inf, -np.inf])
-    if dtype in (pb.FLOAT16, pb.BFLOAT16):
-        return values.astype(np.float16).tobytes()
-    wire = {pb.FLOAT64: np.float64, pb.INT64: np.int64, pb.INT32: np.int32}.get(dtype, np.float32)
-    with np.errstate(invalid="ignore"):
-        return values.astype(wire).tobytes()
 
 
 def _bytes(rng: np.random.Generator) -> bytes:
@@ -168,7 +70,7 @@ def _bytes(rng: np.random.Generator) -> bytes:
         return rng.bytes(int(rng.integers(1, 65)))
     if kind == 2:
         return b"\x00" * int(rng.choice((3, 4096, 65536)))
-    return _payload(rng, int(rng.choice(list(ITEMSIZE))), int(rng.choice((1, 2, 63, 64, 65, 1000))))
+    return payload(rng, int(rng.choice(list(ITEMSIZE))), int(rng.choice((1, 2, 63, 64, 65, 1000))))
 
 
 def _scalar(rng: np.random.Generator, f: FieldDescriptor, ctx: Context) -> Any:
@@ -176,7 +78,7 @@ def _scalar(rng: np.random.Generator, f: FieldDescriptor, ctx: Context) -> Any:
     if f.name == "neighbour":
         return pick(rng, ctx.neighbours())
     if f.name == "manifest_json" and ctx.manifest:
-        return _manifest(rng, ctx, GUARDED, "fz")
+        return manifest(rng, ctx, GUARDED, "fz")
     small = int(rng.integers(0, 100))
     pools: dict[int, tuple] = {
         F.TYPE_UINT64: U64,
@@ -274,140 +176,14 @@ def mutate(rng: np.random.Generator, msg: Any, ctx: Context, count: int) -> None
         _set(rng, owner, f, ctx, depth)
 
 
-def fit_payload(rng: np.random.Generator, msg: Any) -> None:
+def fitpayload(rng: np.random.Generator, msg: Any) -> None:
     """A tensor message (header.chunk + data): a payload of the size its chunk says, if small."""
     if "header" not in msg.DESCRIPTOR.fields_by_name or "data" not in msg.DESCRIPTOR.fields_by_name:
         return
     chunk = msg.header.chunk
     if chunk.numel <= 16384:
         known = chunk.dtype in ITEMSIZE
-        msg.data = _payload(rng, chunk.dtype, chunk.numel) if known else b"\x00" * 4 * chunk.numel
-
-
-def _manifest(rng: np.random.Generator, ctx: Context, job: str, tag: str) -> str:
-    """The real manifest of decoy-a's snapshot d0, renamed, often with one entry (at any
-    depth: a buffer's optimizer, a shard's size) removed or given a value of another kind."""
-    m = json.loads(json.dumps(ctx.manifest))
-    m["job"], m["tag"] = job, tag
-    if rng.random() < 0.7:
-        places = list(_places(m))
-        owner, key = places[int(rng.integers(len(places)))]
-        values = (None, -1, 2**64, 10**400, "x", [], {}, 1.5, 1e308, "../../x")
-        if rng.random() < 0.3 and isinstance(owner, dict):
-            del owner[key]
-        else:
-            owner[key] = values[int(rng.integers(len(values)))]
-    return json.dumps(m)
-
-
-def _places(node: Any) -> Any:
-    """Every (container, key or index) inside a parsed JSON value."""
-    items = node.items() if isinstance(node, dict) else enumerate(node)
-    for key, value in items:
-        yield node, key
-        if isinstance(value, (dict, list)):
-            yield from _places(value)
-
-
-def replica_blob(job: str, version: int) -> bytes:
-    """A well-formed replica of server 0's slice of buffer "w" of ``job`` (values zero)."""
-    spec = pb.RegisterBufferRequest(
-        ref=pb.BufferRef(job=job, buffer="w"),
-        numel=N,
-        num_servers=1,
-        contributors=1,
-        optimizer=pb.OptimizerSpec(name="adam", hyper={"lr": 0.01}),
-    )
-    captured = [Captured("w", 0, np.zeros(N, np.float32), {}, 0)]
-    return encode_shard(job, "replica", 0, 1, version, captured, {"w": spec.SerializeToString()})
-
-
-def valid_request(rng: np.random.Generator, name: str, job: str, ctx: Context) -> Any | None:
-    """A well-formed request of Shard method ``name`` for ``job``; None without a template."""
-    version = ctx.versions.get(job, 2)
-    ref = pb.BufferRef(job=job, buffer=str(rng.choice(["w", "w", "w", "v", "x"])))
-    n = int(rng.choice((1, 7, 16, N)))
-    chunk = pb.Chunk(offset=0, numel=n, dtype=pb.FLOAT32)
-    data = _payload(rng, pb.FLOAT32, n)
-    key = f"fz{rng.integers(4)}/all_reduce/{rng.integers(3)}"
-    tag = str(rng.choice(["baseline", "latest", "d0", f"fz-{ctx.tags}"]))
-    ctx.tags += 1
-    args = pb.StepArgs(hyper={"lr": 0.01}, clip_coef=1.0)
-    make: dict[str, Callable[[], Any]] = {
-        "RegisterBuffer": lambda: pb.RegisterBufferRequest(
-            ref=ref,
-            numel=N,
-            num_servers=1,
-            contributors=1,
-            params=[
-                pb.ParamEntry(name="a", shape=[8, 4], dtype="float32", offset=0, numel=32),
-                pb.ParamEntry(name="b", shape=[32], dtype="float32", offset=32, numel=32),
-            ],
-            optimizer=pb.OptimizerSpec(name="adam", hyper={"lr": 0.01}),
-        ),
-        "SetParams": lambda: pb.SetParamsRequest(
-            header=pb.SetParamsHeader(
-                ref=ref, chunk=chunk, version=version, state=str(rng.choice(["", "exp_avg"]))
-            ),
-            data=data,
-        ),
-        "PushGrad": lambda: pb.PushGradRequest(
-            header=pb.PushGradHeader(
-                ref=ref,
-                chunk=chunk,
-                step=version,
-                num_micro=1,
-                step_args=args if rng.random() < 0.5 else None,
-            ),
-            data=data,
-        ),
-        "PullParams": lambda: pb.PullParamsRequest(
-            ref=ref, min_version=version, chunk=chunk, state=str(rng.choice(["", "exp_avg"]))
-        ),
-        "GradNorm": lambda: pb.GradNormRequest(job=job, buffers=["w"], step=version),
-        "Step": lambda: pb.StepRequest(
-            job=job, step=version, buffers=[pb.BufferStep(buffer="w", args=args)]
-        ),
-        "Contribute": lambda: pb.ContributeRequest(
-            header=pb.SlotHeader(
-                key=key, expected=1, readers=1, total_numel=n, chunk=chunk, chunk_numel=n
-            ),
-            data=data,
-        ),
-        "ReadSlot": lambda: pb.ReadSlotRequest(key=key),
-        "DropJob": lambda: pb.DropJobRequest(job=job),
-        "Status": lambda: pb.StatusRequest(pending=bool(rng.integers(2))),
-        "Snapshot": lambda: pb.SnapshotRequest(
-            job=job, tag=tag, version=version, server_index=0, num_servers=1
-        ),
-        "CommitSnapshot": lambda: pb.CommitSnapshotRequest(
-            job=job, tag=tag, manifest_json=_manifest(rng, ctx, job, tag) if ctx.manifest else ""
-        ),
-        "Restore": lambda: pb.RestoreRequest(
-            job=job, tag=tag, server_index=0, num_servers=1, check_only=bool(rng.integers(2))
-        ),
-        "ListSnapshots": lambda: pb.ListSnapshotsRequest(job=job),
-        "ConfigureReplication": lambda: pb.ReplicationConfig(
-            job=job, every=1, neighbour=ctx.address, server_index=0, num_servers=1
-        ),
-        "StoreReplica": lambda: _replica_chunk(rng, job, version),
-        "ListReplicas": lambda: pb.ListReplicasRequest(job=job),
-        "FetchReplica": lambda: pb.FetchReplicaRequest(job=job, version=version, max_bytes=4096),
-        "LoadReplica": lambda: _replica_chunk(rng, job, version),
-        "RollbackToReplica": lambda: pb.RollbackRequest(job=job, version=version),
-    }
-    return make[name]() if name in make else None
-
-
-def _replica_chunk(rng: np.random.Generator, job: str, version: int) -> pb.ReplicaChunk:
-    blob = replica_blob(job, version)
-    if rng.random() < 0.5:  # the whole replica in one chunk
-        return pb.ReplicaChunk(job=job, version=version, total=len(blob), data=blob)
-    start = int(rng.integers(len(blob)))
-    end = int(rng.integers(start, len(blob) + 1))
-    return pb.ReplicaChunk(
-        job=job, version=version, offset=start, total=len(blob), data=blob[start:end]
-    )
+        msg.data = payload(rng, chunk.dtype, chunk.numel) if known else b"\x00" * 4 * chunk.numel
 
 
 def garbage(rng: np.random.Generator, valid: bytes) -> bytes:
@@ -455,9 +231,19 @@ def make_request(
     job: str,
     ctx: Context,
     redirect_to: str | None = None,
+    runs_to: str | None = None,
 ) -> FuzzRequest:
-    """A fuzzed request of ``method`` for ``job`` (a template's target; random fields may name
-    any job). ``redirect_to``: every ``job`` field naming GUARDED names this job instead."""
+    """A fuzzed request of ``method`` for ``job`` and its run (a template's target; random
+    fields may name any job). ``redirect_to``: every field naming GUARDED or its run names this
+    job or its run instead; ``runs_to``: only the run is renamed so (a run's leases and slots
+    cannot be restored the way a job is)."""
+    if method.service == "paramshard.v1.Shard" and method.name == "Session":
+        if rng.random() < 0.7:
+            count = int(rng.integers(1, 4))
+            payloads = [
+                _session_batch(rng, job, ctx, redirect_to, runs_to, 8 * i) for i in range(count)
+            ]
+            return FuzzRequest(method, role, payloads, "template", job)
     template = None
     if method.service == "paramshard.v1.Shard":
         template = valid_request(rng, method.name, job, ctx)
@@ -467,19 +253,18 @@ def make_request(
         mutations = int(rng.choice((0, 1, 1, 2, 3)))
         mutate(rng, msg, ctx, mutations)
         if mutations and rng.random() < 0.5:
-            fit_payload(rng, msg)
+            fitpayload(rng, msg)
     elif draw < 0.85:
         kind, msg = "random", random_message(rng, method.request, ctx)
         if rng.random() < 0.5:
-            fit_payload(rng, msg)
+            fitpayload(rng, msg)
     else:
         kind = "garbage"
         msg = template if template is not None else random_message(rng, method.request, ctx)
     if msg.ByteSize() > MAX_REQUEST:  # nested repeated fields multiply: keep requests small
         msg.Clear()
         kind = "random"
-    if redirect_to is not None:
-        _rename_job(msg, GUARDED, redirect_to)
+    _redirect(msg, redirect_to, runs_to)
     count = int(rng.integers(1, 4)) if method.client_streaming else 1
     payloads = [msg.SerializeToString() for _ in range(count)]
     if kind == "garbage":
@@ -487,9 +272,40 @@ def make_request(
     return FuzzRequest(method, role, payloads, kind, job if kind == "template" else None)
 
 
-def _rename_job(msg: Any, away: str, to: str) -> None:
-    """Every ``job`` field of ``msg`` (at any depth) naming ``away`` names ``to`` instead."""
+def _session_batch(
+    rng: np.random.Generator,
+    job: str,
+    ctx: Context,
+    redirect_to: str | None,
+    runs_to: str | None,
+    first_id: int,
+) -> bytes:
+    """A session's batch of one to six calls: templates of the data-plane methods, each
+    mutated on its own, sometimes a method sessions do not carry or a meaningless deadline."""
+    calls = []
+    for i in range(int(rng.integers(1, 7))):
+        name = str(pick(rng, SESSION_METHODS)) if rng.random() < 0.9 else str(pick(rng, STRINGS))
+        msg = valid_request(rng, name, job, ctx) or pb.StatusRequest()
+        mutate(rng, msg, ctx, int(rng.choice((0, 0, 1, 2))))
+        if msg.ByteSize() > MAX_REQUEST // 8:
+            msg.Clear()
+        _redirect(msg, redirect_to, runs_to)
+        timeout = float(pick(rng, (0.2, 0.2, 1.0, 0.0, -1.0, math.nan, math.inf, 1e300)))
+        calls.append(pb.SessionCall(id=first_id + i, method=name, body=msg.SerializeToString(),
+                                    timeout_s=timeout))  # fmt: skip
+    return pb.SessionBatch(calls=calls).SerializeToString()
+
+
+def _redirect(msg: Any, jobs_to: str | None, runs_to: str | None) -> None:
+    """Every string field of ``msg`` (at any depth) naming GUARDED names ``jobs_to`` instead,
+    and every one naming its run (a run, a slot key) names ``jobs_to``'s or ``runs_to``'s run."""
+    run = run_of(GUARDED)
+    to_run = runs_to or jobs_to
     for owner, f, _ in _fields(msg, depth=-10):
-        if f.name == "job" and f.type == F.TYPE_STRING and not f.is_repeated:
-            if getattr(owner, f.name) == away:
-                setattr(owner, f.name, to)
+        if f.type != F.TYPE_STRING or f.is_repeated:
+            continue
+        value = getattr(owner, f.name)
+        if jobs_to is not None and value == GUARDED:
+            setattr(owner, f.name, jobs_to)
+        elif to_run is not None and value.startswith(run):
+            setattr(owner, f.name, run_of(to_run) + value[len(run) :])

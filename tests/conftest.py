@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.client import shm as client_shm
 from paramshard.local_cluster import RankFailed, run_in_threads
+from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
 
 _runs = itertools.count()

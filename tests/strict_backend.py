@@ -5,8 +5,8 @@ hosts. CuPy arrays do not convert to NumPy implicitly ("NumPy functions cannot t
 cupy.ndarrays as inputs, and vice versa": docs.cupy.dev, reference/ndarray), so a NumPy-only
 call in server code works on the CPU backend and fails on the first GPU. This backend makes it
 fail on the CPU: ``backend.use_device("strict")``, or ``PARAMSHARD_TEST_BACKEND=strict`` (then
-every server this process starts with ``device="cpu"`` gets it; server/backend.py). It is a test
-backend, not a device: its memory is host memory and Status reports ``cpu``.
+every server this process starts with ``device="cpu"`` gets it; server/runtime/backend.py). It is a
+test backend, not a device: its memory is host memory and Status reports ``cpu``.
 
 Its ``xp`` is this module: NumPy's namespace with every function wrapped so that device arrays
 (``StrictArray``) go in and come out. What fails here, as on CuPy:

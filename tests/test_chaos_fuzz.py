@@ -1,25 +1,37 @@
-"""Issue 13, chaos suite, fuzz part: fuzzed requests over every method with random roles.
+"""Issues 13 and 27, chaos suite, fuzz part: fuzzed requests over every method with random roles
+and scopes.
 
-A real ``paramshard serve`` process with a token file (read, train, admin and peer tokens) on
-127.0.0.1:0 holds a legit job, ``guarded`` (two buffers, Adam and SGD-momentum state, version
-2, a committed snapshot ``baseline``), and two decoy jobs. Then ``PARAMSHARD_CHAOS_REQUESTS``
-(default 10,000) requests made by tests/chaos_requests.py go to every method of the Shard
-service (enumerated from protos/shard_pb2.py, so a new method is covered at once) and of the
-open health and reflection services, in batches, several calls in flight, each with a random
-caller: no token, an unknown token, a malformed header, or a read, train, admin or peer token.
+A real ``paramshard serve`` process (tests/chaos_target.py) with a token file on 127.0.0.1:0
+holds a legit job, ``guarded`` (two buffers, Adam and SGD-momentum state, version 2, a
+committed snapshot ``baseline``), and two decoy jobs. Then ``PARAMSHARD_CHAOS_REQUESTS``
+(default 10,000) requests made by tests/chaos_requests.py (from the templates of
+tests/chaos_templates.py) go to every method of the Shard service (enumerated from
+protos/shard_pb2.py, so a new method is covered at once) and of the open health and
+reflection services, in batches, several calls in flight, each with a random
+caller: no token, an unknown token, a malformed header, a read, train, admin or peer token, or
+a read, train or admin token scoped to the decoys (``jobs=decoy-*``, server/rpc/scopes.py).
+The requests cover the runs (leases of ``guarded-run``'s ranks, its slots), shared segments
+(every caller holds a confirmed one, renewed each batch, and requests reference any of them)
+and sessions (batches of data-plane calls, each call's reply code counted). The run stops at
+``PARAMSHARD_CHAOS_REQUESTS`` requests or ``PARAMSHARD_CHAOS_SECONDS`` seconds (default 600).
 
 Checked after every batch:
 - the server process is alive and answers, and its log has no error; its resident memory stays
   under --max-memory plus 768 MiB (it runs under RLIMIT_DATA 4 GiB, so a memory bomb fails in
   the server, not on the host);
 - no call got INTERNAL or UNKNOWN, or hung until the client's deadline; a call whose role may
-  not call the method got UNAUTHENTICATED (no or unknown token) or PERMISSION_DENIED;
+  not call the method got UNAUTHENTICATED (no or unknown token) or PERMISSION_DENIED; a scoped
+  token's call (or call carried by its session) naming a job or run outside ``decoy-*`` got
+  PERMISSION_DENIED;
 - ``guarded`` is bitwise unchanged: parameters, optimizer state, version, step counts,
   hyper-parameters, layout, pending contributions (Status and pulls with the read token).
   Mutating calls whose role may change it are sent to a decoy instead ("redirected"), except
   for a sample of "guarded" calls, each run alone between two reads of the job's state: a
   refused one must leave it as it was; an accepted one is undone by restoring ``baseline``,
-  which must bring back the same bits.
+  which must bring back the same bits. Scoped tokens are never redirected: their calls name
+  ``guarded`` and its run as often as the decoys.
+- ``guarded-run`` goes on: both of its ranks' leases renew without an abort notice or a rank
+  awaited, and its all-reduce slot of the batch still holds the one contribution it had.
 At the end the ``baseline`` snapshot's files are unchanged too. The seed is
 ``PARAMSHARD_CHAOS_SEED``; the decoys' versions (which the templates use) depend on the order
 concurrent calls ran in, so a seed fixes the requests' kinds, not every byte.
@@ -31,15 +43,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
-import hashlib
-import json
 import os
-import queue
-import re
 import resource
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,36 +52,24 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from chaos_requests import DECOYS, GUARDED, Context, FuzzRequest, Method, N, make_request, methods
+from chaos_requests import FuzzRequest, make_request
+from chaos_target import DATA_LIMIT, MAX_MEMORY, TOKENS, Target, difference, job_state, metadata
+from chaos_values import DECOYS, GUARDED, Method, methods
+from google.protobuf import message_factory
 
-from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, auth
+from paramshard.server.rpc import auth, scopes
 
 pytestmark = pytest.mark.timeout(900)
 
-TOKENS = {"read": "fz-reader", "train": "fz-trainer", "admin": "fz-admin", "peer": "fz-peer"}
-ROLES = ("none", "unknown", "malformed", "read", "train", "admin", "peer")
-ROLE_WEIGHTS = np.array([6, 5, 3, 14, 27, 35, 10], float) / 100
+ROLES = ("none", "unknown", "malformed", *TOKENS)
+ROLE_WEIGHTS = np.array([5, 4, 2, 10, 20, 25, 8, 6, 10, 10], float) / 100
 BATCH, IN_FLIGHT, GUARDED_SHARE = 200, 8, 0.08
 DEADLINE_S = 20.0  # the server waits at most --max-wait-s 0.3: reaching this is a hang
 CRASH_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-MAX_MEMORY = 256 * 2**20  # the server's --max-memory
 RSS_SLACK = 768 * 2**20  # the interpreter, grpcio, threads: more than this over is a leak
-DATA_LIMIT = 4 * 2**30  # RLIMIT_DATA of the server: a memory bomb fails there, not the host
-ROOT = Path(__file__).resolve().parents[1]
 # grpcio-health-checking's servicer lacks Health.List: UNIMPLEMENTED, and grpcio logs an error
 LIBRARY_LOG = "Exception calling application: Method not implemented!"
-
-
-def metadata(role: str) -> tuple[tuple[str, str], ...]:
-    if role == "none":
-        return ()
-    if role == "unknown":
-        return (("authorization", "Bearer not-a-token"),)
-    if role == "malformed":
-        return (("authorization", "Basic fz-admin"),)
-    return (("authorization", f"Bearer {TOKENS[role]}"),)
 
 
 def expected_refusal(role: str, method: Method) -> grpc.StatusCode | None:
@@ -87,210 +80,45 @@ def expected_refusal(role: str, method: Method) -> grpc.StatusCode | None:
     if role in ("none", "unknown", "malformed"):
         return grpc.StatusCode.UNAUTHENTICATED
     name = method.path.rsplit("/", 1)[-1]  # the peer role may call the segment methods too
-    return None if auth.role_allows(role, need, name) else grpc.StatusCode.PERMISSION_DENIED
+    base = role.partition("@")[0]
+    return None if auth.role_allows(base, need, name) else grpc.StatusCode.PERMISSION_DENIED
+
+
+def outside_scope(role: str, method: str, body: bytes) -> bool:
+    """Whether a scoped ``role``'s request ``body`` of ``method`` names a job or run outside
+    ``decoy-*`` (False for unscoped roles, and bodies that do not parse)."""
+    route = scopes.ROUTES.get(method)
+    if "@" not in role or route is None or not route.checked:
+        return False
+    service = pb.DESCRIPTOR.services_by_name["Shard"]
+    cls = message_factory.GetMessageClass(service.methods_by_name[method].input_type)
+    try:
+        name: Any = cls.FromString(body)
+    except Exception:  # noqa: BLE001 - garbage: the server says what it says
+        return False
+    for field in route.path:
+        name = getattr(name, field)
+    if route.kind == "key":
+        name = name.split(":", 1)[0]
+    if route.kind == "listing" and not name:
+        return False
+    return not name.startswith("decoy-")
 
 
 def mutating(method: Method) -> bool:
-    """Whether a method may change a job: every Shard method the read role may not call."""
+    """Whether a method may change a job: every Shard method the read role may not call, and
+    sessions, which carry train calls."""
     need = auth.required_role(method.path)
-    return need is not None and not auth.role_allows("read", need)
-
-
-# ---------------------------------------------------------------------------------- the server
-class ServeProcess:
-    """``paramshard serve ARGS`` in the background, its private memory capped (RLIMIT_DATA),
-    so a request that allocates without bound fails in the server, not on the host."""
-
-    LISTENING = re.compile(r"^paramshard serve: listening on (\S+) ")
-
-    def __init__(self, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-
-        def cap() -> None:
-            resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
-
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paramshard", "serve", *args],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            preexec_fn=cap,  # noqa: PLW1509 - setrlimit only, before exec
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        for stream, sink in (
-            (self.proc.stdout, self.lines.put),
-            (self.proc.stderr, self.stderr.append),
-        ):
-            threading.Thread(target=self._read, args=(stream, sink), daemon=True).start()
-        line = self.lines.get(timeout=30)
-        match = self.LISTENING.match(line)
-        assert match, f"{line!r}; stderr: {self.stderr}"
-        self.port = int(match.group(1).rsplit(":", 1)[1])
-
-    @staticmethod
-    def _read(stream: Any, sink: Any) -> None:
-        for line in stream:
-            sink(line.rstrip("\n"))
-
-    def rss(self) -> int:
-        """Resident bytes of the server process."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-        return kb * 1024
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-
-
-def client(address: str, role: str = "admin") -> ShardClient:
-    return ShardClient(ClusterSpec([address], token=TOKENS[role]), timeout_s=10.0, retries=0)
-
-
-def register(c: ShardClient, job: str) -> None:
-    """Buffer "w" (two parameters, Adam) and "v" (SGD with momentum, float64 master)."""
-    params = [ParamInfo("a", (8, 4), 0), ParamInfo("b", (32,), 32)]
-    c.register_buffer(job, "w", N, params=params, optimizer="adam", hyper={"lr": 0.01})
-    c.register_buffer(
-        job, "v", 7, optimizer="sgd", hyper={"lr": 0.1, "momentum": 0.9}, master_dtype="float64"
-    )
-    c.set_params(job, "w", np.linspace(-1, 1, N, dtype=np.float32))
-    c.set_params(job, "v", np.arange(7, dtype=np.float64) / 3)
-
-
-def train(c: ShardClient, job: str, steps: int) -> None:
-    for s in range(steps):
-        c.push_grads(job, "w", np.cos(np.arange(N, dtype=np.float32) + s), s)
-        c.push_grads(job, "v", np.sin(np.arange(7, dtype=np.float64) + s), s, dtype="float64")
-        c.step(job, s, {"w": StepArgs({"lr": 0.01}), "v": StepArgs({"lr": 0.1})})
-
-
-def job_state(reader: ShardClient, job: str) -> Any:
-    """Everything the server holds of ``job``, bitwise: layout, versions, step counts,
-    hyper-parameters, pending contributions, parameters and optimizer state arrays."""
-    try:
-        reply = reader.call(0, "Status", pb.StatusRequest(pending=True, max_pending=1000))
-        rows = [j for j in reply.jobs if j.job == job]
-        if not rows:
-            return "missing"
-        (row,) = rows
-        state: list[Any] = [row.server_index, row.num_servers, row.model_config]
-        for b in sorted(row.buffers, key=lambda b: b.buffer):
-            fixed = pb.BufferStatus()
-            fixed.CopyFrom(b)
-            fixed.ClearField("last_step_seconds")  # a duration, not state
-            state.append(fixed.SerializeToString(deterministic=True))
-            arrays = {"params": ""} | {k: k for k in b.state_keys}
-            for name, key in arrays.items():
-                out = np.empty(b.slice_numel, dtype=b.dtype)
-                reader.run(reader.pull_calls(job, b.buffer, out, 0, dtype=b.dtype, state=key))
-                state.append((b.buffer, name, out.tobytes()))
-        for p in reply.pending:  # its steps' contributions (a slot's run is not a job)
-            if p.kind == "push_grad" and p.key.startswith(f"{job}/"):
-                state.append((p.kind, p.seq, p.key, p.expected, list(p.arrived), list(p.missing)))
-        return state
-    except ShardClientError as exc:
-        return f"unreadable: {exc.code.name}: {exc.details}"
-
-
-def difference(before: Any, after: Any) -> str:
-    """The first thing that differs between two ``job_state`` results, readably."""
-    if isinstance(before, str) or isinstance(after, str):
-        return f"{str(before)[:300]} -> {str(after)[:300]}"
-    if len(before) != len(after):
-        gone = [x for x in before if x not in after][:3]
-        new = [x for x in after if x not in before][:3]
-        return f"gone: {str(gone)[:400]}; new: {str(new)[:400]}"
-    for a, b in zip(before, after, strict=True):
-        if a == b:
-            continue
-        if isinstance(a, bytes):  # a BufferStatus
-            return f"{pb.BufferStatus.FromString(a)} -> {pb.BufferStatus.FromString(b)}"
-        if isinstance(a, tuple) and isinstance(a[-1], bytes):
-            return (
-                f"{a[:2]}: {sum(x != y for x, y in zip(a[-1], b[-1], strict=False))} bytes differ"
-            )
-        return f"{a} -> {b}"
-    return "equal"
-
-
-class Target:
-    """The server under test, the jobs on it, and the clients that set them up and check them."""
-
-    def __init__(self, tmp: Path) -> None:
-        tokens = tmp / "tokens"
-        tokens.write_text("".join(f"{role} {t}\n" for role, t in TOKENS.items()))
-        tokens.chmod(0o600)
-        self.snapshots = tmp / "snapshots"
-        args = ["--host", "127.0.0.1", "--port", "0", "--token-file", str(tokens)]
-        args += ["--snapshot-dir", str(self.snapshots), "--max-memory", "256MiB"]
-        args += ["--max-wait-s", "0.3", "--pending-ttl", "5"]
-        self.serve = ServeProcess(*args)
-        self.address = f"127.0.0.1:{self.serve.port}"
-        self.admin, self.reader = client(self.address), client(self.address, "read")
-        register(self.admin, GUARDED)
-        train(self.admin, GUARDED, 2)
-        tools.snapshot(self.admin, GUARDED, "baseline")
-        # restored once, so the state a roll-back brings back is the state checked against
-        # (a restored slice has no gradient accumulator yet and no time of a last step)
-        tools.restore(self.admin, GUARDED, "baseline")
-        self.baseline = job_state(self.reader, GUARDED)
-        self.baseline_files = self.snapshot_files(GUARDED, "baseline")
-        self.ctx = Context(self.address)
-        self.maintain()
-        tools.snapshot(self.admin, DECOYS[0], "d0")
-        self.ctx.manifest = json.loads(
-            (self.snapshots / DECOYS[0] / "d0/manifest.json").read_text()
-        )
-
-    def snapshot_files(self, job: str, tag: str) -> dict[str, str]:
-        folder = self.snapshots / job / tag
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
-
-    def maintain(self) -> None:
-        """Between batches: jobs the fuzzer made are dropped (memory), broken decoys made anew;
-        the templates learn the decoys' versions."""
-        jobs = {j.job: j for j in self.admin.call(0, "Status", pb.StatusRequest()).jobs}
-        for job, row in list(jobs.items()):
-            whole = {b.buffer for b in row.buffers if b.initialized} == {"w", "v"}
-            if job != GUARDED and (job not in DECOYS or not whole or len(row.buffers) != 2):
-                self.admin.call(0, "DropJob", pb.DropJobRequest(job=job))
-                jobs.pop(job)
-        for job in DECOYS:
-            if job not in jobs:
-                register(self.admin, job)
-        status = self.admin.call(0, "Status", pb.StatusRequest())
-        self.ctx.versions = {
-            j.job: b.version for j in status.jobs for b in j.buffers if b.buffer == "w"
-        }
-
-    def roll_back(self) -> None:
-        """Restores ``guarded`` from ``baseline`` (after a guarded call that was accepted)."""
-        try:
-            tools.restore(self.admin, GUARDED, "baseline")
-        except ShardClientError as exc:
-            if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-            self.maintain()  # the fuzzer's jobs filled the memory limit: free it, try again
-            tools.restore(self.admin, GUARDED, "baseline")
-
-    def close(self) -> None:
-        self.admin.close()
-        self.reader.close()
-        self.serve.stop()
+    return need is not None and (method.name == "Session" or not auth.role_allows("read", need))
 
 
 # ---------------------------------------------------------------------------------- the calls
-def send(channel: grpc.Channel, req: FuzzRequest) -> tuple[grpc.StatusCode, str, float]:
-    """One call of raw bytes (identity serialisers); (code, details, seconds)."""
+def send(channel: grpc.Channel, req: FuzzRequest) -> tuple[grpc.StatusCode, str, float, list]:
+    """One call of raw bytes (identity serialisers); (code, details, seconds, a stream's
+    replies)."""
     m, ident = req.method, {"request_serializer": None, "response_deserializer": None}
     began = time.monotonic()
+    replies: list[bytes] = []
     timeout = DEADLINE_S if not m.server_streaming else 1.0  # Health.Watch never ends
     try:
         if not m.client_streaming and not m.server_streaming:
@@ -307,12 +135,12 @@ def send(channel: grpc.Channel, req: FuzzRequest) -> tuple[grpc.StatusCode, str,
             )
         else:
             call = channel.stream_stream(m.path, **ident)
-            for _ in call(iter(req.payloads), timeout=timeout, metadata=metadata(req.role)):
-                pass
+            for reply in call(iter(req.payloads), timeout=timeout, metadata=metadata(req.role)):
+                replies.append(reply)
         code, details = grpc.StatusCode.OK, ""
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details() or ""
-    return code, details, time.monotonic() - began
+    return code, details, time.monotonic() - began, replies
 
 
 def describe(req: FuzzRequest, code: grpc.StatusCode, details: str) -> str:
@@ -332,6 +160,9 @@ class Fuzzer:
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.roles: collections.Counter = collections.Counter()
         self.guarded: collections.Counter = collections.Counter()
+        self.carried: collections.Counter = collections.Counter()  # session calls, by code
+        self.out_of_scope: collections.Counter = collections.Counter()  # checked, by where
+        self.run_checks = 0
         self.peak_rss = 0
         self.failures: list[str] = []
         self.channel = grpc.insecure_channel(
@@ -345,14 +176,20 @@ class Fuzzer:
         role = str(rng.choice(ROLES, p=ROLE_WEIGHTS))
         jobs = [GUARDED, GUARDED, *DECOYS, *DECOYS, "nojob", "../guarded"]
         job = GUARDED if guarded else str(rng.choice(jobs))
-        redirect = None
-        if not guarded and mutating(method) and expected_refusal(role, method) is None:
-            redirect = DECOYS[int(rng.integers(len(DECOYS)))]
+        redirect = runs_to = None
+        if "@" not in role and mutating(method) and expected_refusal(role, method) is None:
+            decoy = DECOYS[int(rng.integers(len(DECOYS)))]
+            if guarded:
+                runs_to = decoy  # the job is guarded's; its run's leases cannot be restored
+            else:
+                redirect = decoy
         if redirect is not None and job == GUARDED:
             job = redirect
-        return make_request(rng, method, role, job, self.target.ctx, redirect)
+        return make_request(rng, method, role, job, self.target.ctx, redirect, runs_to)
 
-    def record(self, req: FuzzRequest, code: grpc.StatusCode, details: str, took: float) -> None:
+    def record(
+        self, req: FuzzRequest, code: grpc.StatusCode, details: str, took: float, replies: list
+    ) -> None:
         self.counts[req.method.path][code.name] += 1
         self.roles[req.role] += 1
         if code in CRASH_CODES:
@@ -360,10 +197,44 @@ class Fuzzer:
         elif took >= DEADLINE_S * 0.95 and not req.method.server_streaming:
             self.failures.append("hang: " + describe(req, code, details))
         want = expected_refusal(req.role, req.method)
+        if want is None and req.kind != "garbage" and req.method.service == "paramshard.v1.Shard":
+            if outside_scope(req.role, req.method.name, req.payloads[0]):
+                want = grpc.StatusCode.PERMISSION_DENIED
+                self.out_of_scope["unary"] += 1
         if want is not None and code != want:
             self.failures.append(f"expected {want.name}: " + describe(req, code, details))
+        if req.method.path == "/paramshard.v1.Shard/Session" and req.kind != "garbage":
+            self.record_carried(req, replies)
         if code == grpc.StatusCode.UNIMPLEMENTED and req.method.service == "paramshard.v1.Shard":
             self.failures.append("not served: " + describe(req, code, details))
+
+    def record_carried(self, req: FuzzRequest, replies: list[bytes]) -> None:
+        """The calls a session carried: no crash codes, and a scoped token's calls naming
+        another job or run refused, each in its reply."""
+        sent = {c.id: c for p in req.payloads for c in pb.SessionBatch.FromString(p).calls}
+        for raw in replies:
+            for reply in pb.SessionBatch.FromString(raw).calls:
+                code = next(c for c in grpc.StatusCode if c.value[0] == reply.code)
+                self.carried[code.name] += 1
+                call = sent.get(reply.id)
+                what = f"session call {reply.id} ({call.method if call else '?'}) -> {code.name}"
+                if code in CRASH_CODES:
+                    self.failures.append(
+                        f"{what}: {reply.details[:300]}: " + describe(req, code, "")
+                    )
+                elif call is not None and outside_scope(req.role, call.method, call.body):
+                    self.out_of_scope["carried by a session"] += 1
+                    if code != grpc.StatusCode.PERMISSION_DENIED:
+                        self.failures.append(
+                            f"{what}, expected PERMISSION_DENIED: " + describe(req, code, "")
+                        )
+
+    def check_run(self, after: str) -> None:
+        """``guarded-run`` went on (Target.run_state)."""
+        self.run_checks += 1
+        problem = self.target.run_state()
+        if problem:
+            self.failures.append(f"guarded run changed ({problem}) {after}")
 
     def batch(self, pool: cf.ThreadPoolExecutor, size: int) -> None:
         t = self.target
@@ -376,9 +247,13 @@ class Fuzzer:
         for req, result in zip(plain, results, strict=True):
             self.record(req, *result)
         self.check_alive(plain)
+        accepted = [describe(r, c, d) for r, (c, d, *_) in zip(plain, results, strict=True)]
+        self.check_run(
+            "in a batch without guarded calls; the calls that succeeded: "
+            + "\n  ".join(a for a in accepted if " -> OK" in a)
+        )
         state = job_state(t.reader, GUARDED)
         if state != t.baseline:
-            accepted = [describe(r, c, d) for r, (c, d, _) in zip(plain, results, strict=True)]
             self.failures.append(
                 f"guarded job changed ({difference(t.baseline, state)}) in a batch without"
                 " guarded calls; the calls that succeeded: "
@@ -386,8 +261,9 @@ class Fuzzer:
             )
             self.roll_back()
         for req in guarded:  # one at a time, between two reads of the job's state
-            code, details, took = send(self.channel, req)
-            self.record(req, code, details, took)
+            code, details, took, replies = send(self.channel, req)
+            self.record(req, code, details, took, replies)
+            self.check_run("by " + describe(req, code, details))
             after = job_state(t.reader, GUARDED)
             if code != grpc.StatusCode.OK:
                 self.guarded["refused"] += 1
@@ -447,6 +323,11 @@ class Fuzzer:
         lines.append("by code: " + ", ".join(f"{k} {v}" for k, v in codes.most_common()))
         lines.append("by role: " + ", ".join(f"{k} {v}" for k, v in self.roles.most_common()))
         lines.append("guarded calls: " + ", ".join(f"{k} {v}" for k, v in self.guarded.items()))
+        lines.append("calls carried by sessions: " + ", ".join(
+            f"{k} {v}" for k, v in self.carried.most_common()))  # fmt: skip
+        lines.append("scoped calls naming guarded or its run, checked refused: " + ", ".join(
+            f"{k} {v}" for k, v in self.out_of_scope.items()))  # fmt: skip
+        lines.append(f"guarded run checked {self.run_checks} times")
         return "\n".join(lines)
 
 
@@ -471,11 +352,12 @@ def target(tmp_path: Path) -> Any:
 @pytest.mark.slow
 def test_fuzzed_requests_change_nothing_and_crash_nothing(target: Target) -> None:
     total = int(os.environ.get("PARAMSHARD_CHAOS_REQUESTS", "10000"))
+    budget = float(os.environ.get("PARAMSHARD_CHAOS_SECONDS", "600"))
     fuzzer = Fuzzer(target, int(os.environ.get("PARAMSHARD_CHAOS_SEED", "13")))
     began = time.monotonic()
     with cf.ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="fuzz") as pool:
         done = 0
-        while done < total and len(fuzzer.failures) < 20:
+        while done < total and len(fuzzer.failures) < 20 and time.monotonic() - began < budget:
             size = min(BATCH, total - done)
             fuzzer.batch(pool, size)
             done += size
@@ -487,4 +369,7 @@ def test_fuzzed_requests_change_nothing_and_crash_nothing(target: Target) -> Non
     assert target.snapshot_files(GUARDED, "baseline") == target.baseline_files
     shard = {m.path for m in methods() if m.service == "paramshard.v1.Shard"}
     assert shard <= set(fuzzer.counts), f"never called: {shard - set(fuzzer.counts)}"
-    assert sum(sum(c.values()) for c in fuzzer.counts.values()) >= total
+    assert sum(sum(c.values()) for c in fuzzer.counts.values()) >= done
+    if done >= 1000:  # enough requests that each kind of check must have run
+        assert fuzzer.carried and fuzzer.run_checks >= done // BATCH, report
+        assert set(fuzzer.out_of_scope) == {"unary", "carried by a session"}, report

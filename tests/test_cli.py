@@ -262,7 +262,7 @@ def test_status_table_sums_buffers(servers, capsys: pytest.CaptureFixture) -> No
         assert cells[:6] == [reply["address"], "ok", "cpu", "2", "2", "7"]
         param_bytes = sum(int(b["param_bytes"]) for j in reply["jobs"] for b in j["buffers"])
         assert param_bytes >= 505 * 4  # each server holds about half of 1000 + 10 float32
-        assert cells[6] == commands._bytes(param_bytes)
+        assert cells[6] == commands.human_bytes(param_bytes)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from paramshard.client.rpc import DEFAULT_TIMEOUT_S
 from paramshard.strategies.config import ShardingConfiguration
 
 
@@ -34,7 +35,7 @@ def test_defaults() -> None:
     assert config.deterministic is True  # rank-order reduction: bitwise reproducible runs
     assert config.reshard_after_forward and config.prefetch
     assert config.wrap_min_params is None
-    assert config.timeout_s == 120.0
+    assert config.timeout_s is None  # the client's own deadline (120 s unless it says)
 
 
 def test_seed_fields_are_positional_the_rest_keyword_only() -> None:
@@ -171,7 +172,8 @@ def test_presets() -> None:
     low = ShardingConfiguration.create_for_low_bandwidth(client)
     assert low.enable_gradient_compression and low.effective_reduce_dtype == "bfloat16"
     assert low.bucket_size_bytes < default.bucket_size_bytes
-    assert low.timeout_s > default.timeout_s
+    assert low.timeout_s > DEFAULT_TIMEOUT_S  # longer than a client's own deadline
+    assert client.timeout_s == low.timeout_s  # the configuration sets the client's deadline
 
     custom = ShardingConfiguration.create_for_low_bandwidth(client, job="j", timeout_s=30.0)
     assert (custom.job, custom.timeout_s, custom.enable_gradient_compression) == ("j", 30.0, True)

@@ -119,6 +119,10 @@ def test_demo_kills_a_server_and_loses_no_step(tmp_path: Path) -> None:
     assert trained.group(2) == "continuous" and trained.group(1) == trained.group(3)
     assert int(trained.group(1)) > kill_step
     assert "0 steps replayed" in out
+    # the recovery reads as one (issue 26): who recovers from what, from where, one prefix
+    assert re.search(r"run '\S+': rank \d recovers: server 1 \(\S+\) lost", out), out[-4000:]
+    assert "restoring from its neighbour's replica" in out, out[-4000:]
+    assert "aborted" not in out.lower(), out[-4000:]
     # the export holds the snapshot's tensors, and loads into a plain GPT
     snapshot = tmp_path / "snapshots" / job / "final"
     assert f"snapshot: {snapshot}" in out

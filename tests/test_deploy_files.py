@@ -5,7 +5,7 @@
   docker/k8s/: the newest schemas it ships, and 1.28, the oldest Kubernetes with everything the
   manifests use (gRPC probes, the Job's controller-uid label, the pod-index label). A linter
   that is not installed skips its test, naming the package to install (all are in ``dev``).
-- Facts the linters cannot know: the images set the MALLOC_* settings of DESIGN section 7, run as
+- Facts the linters cannot know: the images set the MALLOC_* settings of docs/design.md §7.5, run as
   a non-root user and have a HEALTHCHECK; the server images never install torch; the compose file
   and the manifests agree on names, ports, indices and the GPU per server; and every
   ``paramshard`` flag they pass is one the CLI accepts.

@@ -22,7 +22,7 @@ from test_strategies import batches, initial_state, train_rank, train_sharded, t
 
 from paramshard import LocalCluster
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs
-from paramshard.server import backend
+from paramshard.server.runtime import backend
 from paramshard.strategies.device import Landing, Outgoing
 
 SHARDED = ["zero1", "zero2", "fsdp"]  # DDP's buckets go through the collectives, not pushes

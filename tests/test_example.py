@@ -19,6 +19,7 @@ TIMEOUT_S = 180
     "strategy,extra",
     [
         ("fsdp", ["--world-size", "2"]),
+        ("fsdp", ["--world-size", "3", "--elastic", "--min-nproc", "2"]),  # parts 6, 5, 5
         ("ddp", ["--world-size", "2"]),
         ("hybrid", ["--world-size", "4", "--pp", "2", "--tp", "2", "--schedule", "gpipe"]),
     ],
@@ -54,6 +55,8 @@ def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
          "--target-loss: validation runs with ddp, zero1, zero2 and fsdp"),
         (["--eval-every", "0"], "--eval-every must be >= 1"),
         (["--batch-size", "15"], "--batch-size 15 must be a positive multiple of --world-size 2"),
+        (["--strategy", "ddp", "--elastic"],
+         "--elastic needs zero1, zero2 or fsdp: ddp keeps state in its ranks"),
     ],
 )  # fmt: skip
 def test_train_gpt_refuses_bad_arguments(argv, message, capsys, monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""Export (DESIGN section 5, issue 4): one model.safetensors under the model's own names, from
+"""Export (docs/design.md §5.1, issue 4): one model.safetensors under the model's own names, from
 live servers or offline from a snapshot folder, loadable by ``model.load_state_dict``; streamed
 one parameter at a time.
 

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from chaos_requests import N
-from test_chaos_fuzz import TOKENS, client, metadata
+from chaos_target import client, grants, metadata
+from chaos_values import N
 
 from paramshard.client import tools
 from paramshard.protos import shard_pb2 as pb
@@ -24,7 +24,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """An in-process server with tokens and a job 'j' (buffer "w"), called over gRPC."""
     from paramshard.server import ShardServer
 
-    tokens = {t: role for role, t in TOKENS.items()}
+    tokens = grants()
     snapshots = tmp_path_factory.mktemp("snapshots")
     s = ShardServer(tokens=tokens, snapshot_dir=str(snapshots), max_wait_s=0.5, local_calls=False)
     s.start()

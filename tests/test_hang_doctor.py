@@ -6,7 +6,7 @@
   steps waiting for a rank and mailbox messages nobody took.
 - Status reports the server's memory account (used and limit), and ``paramshard status``
   shows it.
-- A call a busy server refused ("retry later", server/admission.py) is retried until a thread
+- A call a busy server refused ("retry later", server/rpc/admission.py) is retried until a thread
   frees or its deadline passes; a memory-limit refusal is final.
 
 Every test runs over real gRPC (``local_calls=False``).
@@ -28,7 +28,7 @@ from paramshard import cli, commands
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.rpc import Call, RpcCore
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.limits import buffer_bytes
+from paramshard.server.buffers.slice_state import buffer_bytes
 from paramshard.server.optimizers import OPTIMIZERS
 
 N = 64
@@ -208,7 +208,7 @@ def test_status_reports_the_memory_account(servers, capsys: pytest.CaptureFixtur
     assert cli.main(["status", "--servers", server.address]) == 0
     header, line = capsys.readouterr().out.splitlines()
     cells = dict(zip(re.split(r"\s{2,}", header), re.split(r"\s{2,}", line), strict=True))
-    assert cells["MEMORY"] == f"{commands._bytes(reserved)} / 64.0 MiB"
+    assert cells["MEMORY"] == f"{commands.human_bytes(reserved)} / 64.0 MiB"
 
 
 # --- retry when busy, not when out of memory ---------------------------------------------------

@@ -23,7 +23,7 @@ from test_cli import ServeProcess, paramshard
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.limits import default_memory_limit, host_memory, parse_bytes
+from paramshard.server.runtime.limits import default_memory_limit, host_memory, parse_bytes
 
 N = 1024
 
@@ -128,7 +128,7 @@ def test_drop_job_drops_its_pending_contributions_and_its_runs_slots(servers) ->
         assert "slot 'j:ar1/0' was dropped with run 'j' (DropJob)" in err.details
         (row,) = ranks[0].status()
         assert row["jobs"] == [] and (int(row["open_slots"]), int(row["slot_bytes"])) == (0, 0)
-        # the ranks' shared-memory segments are theirs, not the job's: they stay (client/shm.py)
+        # the ranks' shared-memory segments are theirs, not the job's: they stay (protos/shm.py)
         shm_bytes = budget.usage().pop("shm")
         assert shm_bytes == server.servicer.segments.usage()[1]
         left = {k: v for k, v in budget.usage().items() if k != "shm"}
@@ -253,4 +253,5 @@ def test_serve_flags_set_the_bounds() -> None:
     result = paramshard("serve", "--port", "0", "--max-memory", "12 parsecs")
     assert result.returncode != 0 and "memory size '12 parsecs'" in result.stderr
     result = paramshard("serve", "--port", "0", "--workers", "4", "--reserved-workers", "4")
-    assert result.returncode != 0 and "reserved (4) must be below workers (4)" in result.stderr
+    assert result.returncode == 2
+    assert "--reserved-workers (4) must be below --workers (4)" in result.stderr

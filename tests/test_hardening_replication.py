@@ -22,9 +22,10 @@ from pki import make_pki
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server import MALLOC_ENV, ShardServer
+from paramshard.server.rpc import auth, tokens
 from paramshard.server.servicer import SERVICE_NAME
-from paramshard.server.snapshots import Captured, encode_shard
+from paramshard.server.snapshots.shards import Captured, encode_shard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -134,7 +135,7 @@ def test_store_replica_needs_the_peer_token(pair) -> None:
     assert second.servicer.replicator.list("j") == []
     assert auth.role_allows("peer", "peer") and not auth.role_allows("admin", "peer")
     assert not auth.role_allows("peer", "read")
-    assert auth.parse_token_file("peer p-1\nadmin a-1\n") == {"p-1": "peer", "a-1": "admin"}
+    assert tokens.parse_token_file("peer p-1\nadmin a-1\n") == {"p-1": "peer", "a-1": "admin"}
 
 
 def test_store_replica_only_from_the_predecessor(servers) -> None:

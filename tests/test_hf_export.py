@@ -34,7 +34,7 @@ from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientEr
 from paramshard.client.export_hf import export_hf
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import MODEL_CONFIG_MAX_BYTES, new_manifest
-from paramshard.server.manifest_schema import ManifestError, check_manifest
+from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 from paramshard.strategies import ShardingConfiguration
 from paramshard.strategies.base import hf_model_config
 from paramshard.tools_cli import _recorded_model, export_snapshot

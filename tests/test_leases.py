@@ -1,5 +1,6 @@
-"""Trainer leases and abort notices (server/leases.py, client/leases.py): a rank that dies is
-noticed through the servers in about a lease's TTL, not at a call deadline.
+"""Trainer leases and abort notices (server/collectives/leases.py, client/leases.py): a rank that
+dies is noticed through the servers within seconds, not at a call deadline (its lease streams:
+tests/test_liveness.py; here the renewals' TTL).
 
 The table's rules are checked with a fake clock (no sleeping, no timing); the end-to-end tests
 kill a real rank process with SIGKILL and check that its peer's waiting call ends with the
@@ -23,10 +24,10 @@ from conftest import unique_id, worker_env
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.leases import LEASE_TTL_ENV, Notice, RunState
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.errors import ShardError
-from paramshard.server.leases import ISOLATED_GRACE_S, LeaseTable
-from paramshard.server.pending import run_epoch
-from paramshard.server.slots import SlotStore
+from paramshard.server.collectives.leases import ISOLATED_GRACE_S, LeaseTable
+from paramshard.server.collectives.pending import run_epoch
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.runtime.errors import ShardError
 
 
 class Clock:
@@ -138,8 +139,9 @@ def test_an_abort_request_ends_the_epoch_for_every_rank(table):
     leases.renew(lease(rank=0))
     leases.renew(lease(rank=1))
     reply = leases.renew(lease(rank=1, abort="server 2 unreachable"))
-    assert "aborted by rank 1: server 2 unreachable" in reply.aborted and reply.lost_rank == -1
-    assert "aborted by rank 1" in leases.renew(lease(rank=0)).aborted
+    assert reply.aborted == "run 'r': rank 1 recovers: server 2 unreachable"  # one prefix
+    assert reply.lost_rank == -1  # a recovery, not a lost rank
+    assert "rank 1 recovers" in leases.renew(lease(rank=0)).aborted
     assert not leases.renew(lease(rank=0, epoch=1)).aborted
 
 

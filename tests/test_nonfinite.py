@@ -2,7 +2,7 @@
 
 Issue 13, finding 9: a NaN PushGrad used to be accepted and left every parameter NaN after the
 step. Now each server reports its reduced slice's finiteness (GradNorm), the client sends all
-of them the same Step, applied or skipped (server/nonfinite.py), and the trainer raises
+of them the same Step, applied or skipped (server/buffers/nonfinite.py), and the trainer raises
 ``NonFiniteGradientError`` naming job, buffer and server, or with
 ``ShardingConfiguration(skip_nonfinite=True)`` counts the step and trains on. Real gRPC
 servers (``local_calls=False``); the bad gradient sits in one rank's contribution to one

@@ -1,4 +1,4 @@
-"""server.optimizers against torch.optim's single-tensor CPU path (foreach=False).
+"""paramshard.server.optimizers against torch.optim's single-tensor CPU path (foreach=False).
 
 The server must reproduce torch's updates so that a model trained through shard servers
 ends where local torch training would. Float32 shards are held to a measured bound: after 1 to
@@ -20,7 +20,6 @@ import pytest
 import torch
 from numerics import assert_within_twin
 
-from paramshard.server import backend
 from paramshard.server.optimizers import (
     OPTIMIZERS,
     OptimizerError,
@@ -28,6 +27,7 @@ from paramshard.server.optimizers import (
     kernels,
     make_optimizer,
 )
+from paramshard.server.runtime import backend
 
 NUMEL = 1001  # odd on purpose: exercises torch's vectorised loop tail
 STEPS = 100
@@ -345,6 +345,6 @@ def test_state_is_lazy_like_torch() -> None:
 
 
 def test_server_module_does_not_import_torch() -> None:
-    code = "import sys, server.optimizers; sys.exit('torch' in sys.modules)"
+    code = "import sys, paramshard.server.optimizers; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

@@ -1,4 +1,4 @@
-"""The peer role from a mutual-TLS identity (server/auth.py): a server given ``peer_identities``
+"""The peer role from a mutual-TLS identity (server/rpc/auth.py): a server given ``peer_identities``
 lets a client certificate naming one of them store replicas without a token, and nothing else;
 two such servers replicate to each other with no peer token at all.
 

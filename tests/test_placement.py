@@ -110,7 +110,7 @@ def test_concurrent_registrations_agree_on_one_placement(servers, monkeypatch):
     calls with the first placement to land succeed, the others are refused, and the job has
     one placement on the server. Allocating a slice is slowed down (the server runs in this
     process), so every call is past the first check before any inserts its buffer."""
-    from paramshard.server import store
+    from paramshard.server.buffers import store
 
     made = store.BufferSlice.__init__
 

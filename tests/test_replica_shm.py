@@ -1,4 +1,4 @@
-"""Neighbour replicas through shared memory (server/replica_shm.py).
+"""Neighbour replicas through shared memory (server/replication/neighbour_shm.py).
 
 Two real servers on 127.0.0.1 with tokens: server 0 sends its replicas to server 1 with the
 peer token, through a segment server 1 offers it, since both share this host's memory. The
@@ -17,9 +17,9 @@ import pytest
 from test_hardening_replication import TOKENS, client_for, refused
 
 from paramshard.client import StepArgs, tools
-from paramshard.client.shm import SHM_MIN_BYTES
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import auth
+from paramshard.protos.shm import SHM_MIN_BYTES
+from paramshard.server.rpc import auth
 
 pytestmark = pytest.mark.timeout(120)
 N = 100_000  # Adam: params + two moments of half of it, a 600 kB replica: one chunk

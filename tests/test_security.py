@@ -1,4 +1,4 @@
-"""DESIGN section 6: TLS, mutual TLS, bearer tokens with roles, and the binding rule.
+"""docs/design.md §6.1: TLS, mutual TLS, bearer tokens with roles, and the binding rule.
 
 Certificates are made per session with ``cryptography``: a CA, a server certificate for
 127.0.0.1 / localhost, a client certificate, and a second CA standing for an impostor.
@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, ShardServer, auth
+from paramshard.server import MALLOC_ENV, ShardServer
+from paramshard.server.rpc import auth, tokens
 from paramshard.server.servicer import SERVICE_NAME
 
 x509 = pytest.importorskip("cryptography.x509")
@@ -390,7 +391,7 @@ def test_admin_token_can_do_everything(token_server: ShardServer) -> None:
 def test_role_table() -> None:
     served = [m.name for m in pb.DESCRIPTOR.services_by_name["Shard"].methods]
     for method in served:  # every method has a role; unlisted ones default to admin
-        assert auth.required_role(f"/{SERVICE_NAME}/{method}") in auth.ROLES
+        assert auth.required_role(f"/{SERVICE_NAME}/{method}") in tokens.ROLES
     expected = {
         "Status": "read",
         "PullParams": "read",
@@ -416,7 +417,7 @@ def test_role_table() -> None:
 
 def test_token_file_parsing() -> None:
     text = "# roles\n\nread r-1\ntrain  t-1 \nadmin a-1\nread r-1\n"
-    assert auth.parse_token_file(text) == {"r-1": "read", "t-1": "train", "a-1": "admin"}
+    assert tokens.parse_token_file(text) == {"r-1": "read", "t-1": "train", "a-1": "admin"}
     for bad, match in (
         ("root x\n", "unknown role 'root'"),
         ("read\n", "expected 'ROLE TOKEN'"),
@@ -425,7 +426,7 @@ def test_token_file_parsing() -> None:
         ("# nothing\n", "no tokens"),
     ):
         with pytest.raises(ValueError, match=match):
-            auth.parse_token_file(bad, "f")
+            tokens.parse_token_file(bad, "f")
     with pytest.raises(ValueError, match="unknown role"):
         ShardServer(tokens={"x": "superuser"})
 

@@ -20,11 +20,11 @@ from numerics import assert_equivalent
 from test_optimizers import CASES, case_id, torch_optimizer
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
-from paramshard.server.errors import ShardError
+from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.optimizers import make_optimizer
-from paramshard.server.slots import SlotStore
-from paramshard.server.store import BufferStore
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 
 NUMEL = 257
 
@@ -194,7 +194,7 @@ def test_master_dtype_is_float32_or_float64_and_part_of_the_layout() -> None:
         optimizer=pb.OptimizerSpec(name="sgd", hyper={"lr": 1.0}),
         master_dtype=pb.FLOAT64,
     )
-    with pytest.raises(ShardError, match="float32 master") as err:
+    with pytest.raises(ShardError, match="master dtype float32 here, float64 asked") as err:
         store.register(again)
     assert err.value.code.name == "FAILED_PRECONDITION"
 

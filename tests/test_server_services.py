@@ -36,6 +36,8 @@ METHODS = {
     "DropJob",
     "Status",
     "Lease",
+    "HoldLease",
+    "Join",
     "Snapshot",
     "CommitSnapshot",
     "Restore",
@@ -196,10 +198,11 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_server_never_imports_torch() -> None:
     result = run_python(
-        "import sys, server, server.app, server.store, server.optimizers, server.servicer,"
-        " server.slots, server.arrays, server.backend\n"
+        "import importlib, pkgutil, sys, paramshard.server as server\n"
+        "for m in pkgutil.walk_packages(server.__path__, 'paramshard.server.'):\n"
+        "    importlib.import_module(m.name)  # every module, the ones loaded on demand too\n"
         "assert 'torch' not in sys.modules, 'server imported torch'\n"
-        "from server import ShardServer\n"
+        "from paramshard.server import ShardServer\n"
         "s = ShardServer().start(); s.stop(0)\n"
         "assert 'torch' not in sys.modules, 'starting a server imported torch'\n"
     )
@@ -208,9 +211,10 @@ def test_server_never_imports_torch() -> None:
 
 def test_client_and_protos_never_import_torch() -> None:
     result = run_python(
-        "import sys, numpy as np, client, protos.codec, protos.slicing\n"
-        "from server import ShardServer\n"
-        "from client import ClusterSpec, ShardClient\n"
+        "import sys, numpy as np, paramshard.client, paramshard.protos.codec\n"
+        "import paramshard.protos.slicing\n"
+        "from paramshard.server import ShardServer\n"
+        "from paramshard.client import ClusterSpec, ShardClient\n"
         "s = ShardServer().start()\n"
         "c = ShardClient(ClusterSpec([s.address]))\n"
         "assert (c.all_reduce(np.ones(3, np.float32)) == 1).all()\n"
@@ -223,7 +227,7 @@ def test_client_and_protos_never_import_torch() -> None:
 @pytest.mark.cupy
 def test_cuda_server(servers) -> None:
     """The backend is chosen per process: switch back to NumPy for the other tests."""
-    from paramshard.server import backend
+    from paramshard.server.runtime import backend
 
     (s,) = servers(1, device="cuda:0")
     c = ShardClient(ClusterSpec([s.address]), timeout_s=10)

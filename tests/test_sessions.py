@@ -1,5 +1,5 @@
-"""Sessions: one stream per client and server carrying data-plane calls (server/sessions.py,
-client/session.py).
+"""Sessions: one stream per client and server carrying data-plane calls
+(server/transport/sessions.py, client/session.py).
 
 The collectives and buffer tests run over sessions already (the ``transport`` matrix of
 conftest.py); here: what a session does that unary calls do not, and what a hostile or broken
@@ -24,7 +24,8 @@ from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import take_ready
-from paramshard.server import ShardServer, sessions
+from paramshard.server import ShardServer
+from paramshard.server.transport import sessions
 
 SESSION = "/paramshard.v1.Shard/Session"
 TOKENS = {"tok-train": "train", "tok-read": "read"}

@@ -1,5 +1,5 @@
-"""Sessions under hostile or greedy callers (server/sessions.py, server/admission.py): the
-bounds of a batch, of calls in flight and waiting, of replies a client does not read and of
+"""Sessions under hostile or greedy callers (server/transport/sessions.py, server/rpc/admission.py):
+the bounds of a batch, of calls in flight and waiting, of replies a client does not read and of
 requests it holds, of open sessions, and each call's role. The helpers are test_sessions.py's.
 """
 
@@ -25,7 +25,8 @@ from test_sessions import (
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import ShardServer, sessions
+from paramshard.server import ShardServer
+from paramshard.server.transport import sessions
 
 
 @pytest.fixture

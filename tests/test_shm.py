@@ -1,4 +1,4 @@
-"""Shared memory between a client and a server on one host (server/shm.py, client/shm.py).
+"""Shared memory between a client and a server on one host (server/transport/shm.py, protos/shm.py).
 
 Real servers on 127.0.0.1 called through gRPC (``local_calls=False``, so the in-process fast
 path does not hide the wire): payloads of pushes, sets, contributions and the replies of pulls
@@ -21,7 +21,8 @@ from conftest import run_ranks
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import ShardServer, shm
+from paramshard.server import ShardServer
+from paramshard.server.transport import shm
 
 N = 200_000  # 800 kB of float32: above SHM_MIN_BYTES, several chunks with chunk_bytes=256 KiB
 CHUNK_BYTES = 256 * 2**10

@@ -1,4 +1,4 @@
-"""Shared segments when a side is SIGKILLed (server/shm.py, client/shm.py).
+"""Shared segments when a side is SIGKILLed (server/transport/shm.py, protos/shm.py).
 
 Segments are memfds handed over an abstract socket: no file in ``/dev/shm`` or anywhere else,
 so nothing outlives the processes that map them. A server killed in the middle of a stream of

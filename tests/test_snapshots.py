@@ -1,4 +1,4 @@
-"""Snapshots (DESIGN section 5, issue 4): consistent on one version while training runs,
+"""Snapshots (docs/design.md §5.1, issue 4): consistent on one version while training runs,
 restorable into the same or a different number of servers, and checked on the way back in.
 
 Real in-process servers, a real tiny GPT trained by W=2 ranks (threads, one ShardClient each),
@@ -47,7 +47,7 @@ from snapshot_job import (
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.snapshots import SnapshotDir
+from paramshard.server.snapshots.files import SnapshotDir
 
 
 # -- consistent snapshot, restore, resharding ---------------------------------------------------

@@ -19,8 +19,8 @@ from test_optimizers import CASES, case_id
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import backend
 from paramshard.server.optimizers import make_optimizer
+from paramshard.server.runtime import backend
 
 WIRES = ("float32", "float16", "bfloat16", "float64")
 

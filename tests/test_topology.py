@@ -178,7 +178,7 @@ def _open_slots(addresses: list[str]) -> list[int]:
 
 def test_groups_use_their_members_own_servers(servers, run_ranks):
     """A group's client has its members' servers only: a pipeline send waits in the
-    receiver's own server's mailbox (DESIGN section 1), and a buffer registered through a
+    receiver's own server's mailbox (docs/design.md §1), and a buffer registered through a
     data-parallel group is sharded over that group's servers, slice k on member k's."""
     from paramshard.protos import shard_pb2 as pb
 

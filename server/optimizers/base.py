@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from paramshard.server import backend
+from paramshard.server.runtime import backend
 
 __all__ = ["BLOCK", "OptimizerError", "ServerOptimizer"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from paramshard.server import backend
+from paramshard.server.runtime import backend
 
 
 def scalar(value: float, like: Any) -> Any:

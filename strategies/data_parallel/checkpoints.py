@@ -4,18 +4,27 @@ snapshot, and dropping a step a failure cut short."""
 
 from __future__ import annotations
 
+import logging
+
+from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
+
 __all__ = ["ServerCheckpoints"]
 
+log = logging.getLogger("paramshard.recovery")
 
-class ServerCheckpoints:
-    """Mixed into ``ServerShardedModel``: every rank calls these at the same point."""
+
+class ServerCheckpoints(ElasticCheckpoints):
+    """Mixed into ``ServerShardedModel``: every rank calls these at the same point (an
+    elastic job: every member of the step, strategies/data_parallel/elastic_checkpoints.py)."""
 
     def save_checkpoint(self, tag: str) -> int:
         """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
         in each server's --snapshot-dir. Every rank calls it at the same point; returns the
-        version captured."""
+        version captured. Elastic: the members of the step about to be trained call it."""
         from paramshard.client import tools
 
+        if self.membership is not None:
+            return self._elastic_save(tag)
         self._ensure_idle()
         version = self._step
         if self.rank == 0:
@@ -30,6 +39,8 @@ class ServerCheckpoints:
 
         if not self.registered:
             raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
+        if self.membership is not None:
+            return self._elastic_load(tag)
         self._ensure_idle()
         self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
         if self.rank == 0:
@@ -41,12 +52,21 @@ class ServerCheckpoints:
         self.client.barrier()
         return self._adopt_server_version()
 
+    @property
+    def recovery_source(self) -> str:
+        """What ``recover`` restores from, in words (for the recovery's messages)."""
+        if self.config.replicate_every:
+            return "restoring from its neighbour's replica"
+        return "restoring from the newest snapshot"
+
     def recover(self) -> int:
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
         Every rank calls it at the same point; returns the step to continue from."""
         from paramshard.client import tools
 
+        if self.membership is not None:  # the facts decide, a recovery round if they must
+            return self.resync(self.client.run_state.epoch, self.config.join_window_s)
         self._ensure_idle()
         self.client.barrier()  # every rank has dropped its half-done step
         if self.rank == 0:
@@ -55,7 +75,11 @@ class ServerCheckpoints:
                 if not self.config.replicate_every:
                     raise LookupError("replication is off")
                 tools.recover_from_replicas(self.client, job)
-            except LookupError:
+            except LookupError as exc:
+                if self.config.replicate_every:
+                    log.warning(
+                        "job '%s': no usable replica (%s): restoring the newest snapshot", job, exc
+                    )
                 tools.restore(self.client, job, "latest", contributors=self.world_size)
             if self.config.replicate_every:
                 tools.configure_replication(self.client, job, self.config.replicate_every)
@@ -69,6 +93,7 @@ class ServerCheckpoints:
         if len(versions) != 1:
             raise RuntimeError(f"after restore the job is at versions {sorted(versions)}")
         self._step = versions.pop()
+        self._members = None
         self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
         self._invalidate()
         self._after_load()
@@ -89,6 +114,10 @@ class ServerCheckpoints:
             except Exception:  # noqa: BLE001, S110 - the step is being abandoned anyway
                 pass
         self._micro, self._clip_coef, self._inv_scale, self._check = 0, 1.0, 1.0, None
+        self._members = None  # elastic: the step is joined again (its members may change)
+        if self.membership is not None:
+            self.membership.training = None
+        self._skip_reason = ""
         self._invalidate()
         self._abandon_local()
 

@@ -164,6 +164,9 @@ class FSDPModel(ServerShardedModel):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.registered:  # no optimizer yet: still the plain local model
             return self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.join_step()  # elastic: a step is trained by its members only
+            self._begin_training()
         args, kwargs = cast_forward_inputs(self.config, args, kwargs)
         root = self._unit_list[0]
         self._gather(root)

@@ -125,7 +125,8 @@ class TorchOptimizerState:
                         )
                     flat[e.offset : e.offset + e.numel] = value.detach().reshape(-1)
                 writes.append((b.name, key, flat, count))
-        if self.rank == 0:
+        members = self.step_members  # elastic: the step's members, not the world
+        if self.rank == members[0]:
             for name, key, flat, count in writes:
                 self.client.set_params(
                     self.config.job,
@@ -135,4 +136,4 @@ class TorchOptimizerState:
                     state=key,
                     optimizer_steps=count,
                 )
-        self.client.barrier()
+        self.step_group().barrier()

@@ -30,6 +30,7 @@ from paramshard.protos.manifest import ParamSplit
 from paramshard.strategies.base import ShardedModelBase, hf_model_config
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.checkpoints import ServerCheckpoints
+from paramshard.strategies.data_parallel.elastic import ElasticSteps
 from paramshard.strategies.data_parallel.server_optim import (
     TorchOptimizerState,
     server_hyper,
@@ -50,7 +51,7 @@ from paramshard.strategies.nonfinite import settle
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 
 
-class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBase):
+class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, ShardedModelBase):
     """Base of the strategies whose optimizer runs on the servers."""
 
     state_on_servers = True
@@ -92,6 +93,11 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
         sets the whole model's before attaching."""
         self._pending: list[Future] = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
+        self._skip_reason = ""  # skip_step: this step is skipped everywhere, whatever its norm
+        self._last_step: tuple[int, dict[str, StepArgs], bool] | None = None
+        """The Step this rank sent last (step, arguments, skip): an elastic rank resends it to
+        servers a failure left one step behind (strategies/data_parallel/elastic_checkpoints.py)."""
+        self._init_elastic()
 
     @property
     def registered(self) -> bool:
@@ -135,7 +141,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             )
             versions |= {r.version for r in replies}
             initialized &= all(r.initialized for r in replies)
-        if len(versions) > 1 and restarts.restart_count() and max(versions) - min(versions) == 1:
+        rejoining = restarts.restart_count() or self.config.elastic
+        if len(versions) > 1 and rejoining and max(versions) - min(versions) == 1:
             # A restarted rank arrived while a step was being applied (or its sender died
             # half-way): every server already holds that step's reduced gradient (see
             # _optimizer_step), so replaying it pushes duplicates and completes the step.
@@ -156,6 +163,9 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             from paramshard.client import tools
 
             tools.configure_replication(self.client, job, self.config.replicate_every)
+        if self.membership is not None:  # a member of the servers' step, or of a later one
+            self._members = self.membership.join(self._step)
+            self._step = self._members.step
         self._after_register()
 
     def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
@@ -228,6 +238,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             dtype=self.config.reduce_dtype_for(b.master_dtype),
             start=start,
             numel=b.numel,
+            membership=self._push_membership(),
         )
         self._pending.append(self._pool.submit(self._run_pushes, calls))
 
@@ -286,16 +297,20 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
         if self._check is None or (per_param and self._check.param_sum_squares is None):
             names = {b.name: len(b.entries) for b in self._buffers}
             params = names if per_param else None
-            self._check = self.client.grad_check(self.config.job, list(names), self._step, params)
+            self._check = self.client.grad_check(
+                self.config.job, list(names), self._step, params, generation=self._generation()
+            )
         return self._check
 
     def _optimizer_step(self) -> None:
         self._ensure_reduced()
-        # Both phases of a step (server/nonfinite.py): every server's finiteness first, then
+        # Both phases of a step (server/buffers/nonfinite.py): every server's finiteness first, then
         # the same Step, applied or skipped, to all. Asking first also means no server moves
         # on while another still waits for a (restartable) dead rank's gradient.
         with self.comm_times.blocked("grad_check"):
             where = list(self._grad_check().nonfinite)
+        if self._skip_reason:
+            where.append(self._skip_reason)
         if self.agree_on_finite is not None:
             where = self.agree_on_finite(where)
         groups = self.optimizer.param_groups
@@ -307,10 +322,15 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
             for b in self._buffers
         }
         step = self._step
+        self._last_step = (step, args, bool(where))
         with self.comm_times.blocked("step"):
-            self.client.step(self.config.job, step, args, skip=bool(where))
+            self.client.step(
+                self.config.job, step, args, skip=bool(where), generation=self._generation()
+            )
         self._step += 1
-        self._micro = 0
+        self._micro, self._skip_reason = 0, ""
+        if self.membership is not None:
+            self.membership.training = None
         self._clip_coef, self._inv_scale, self._check = 1.0, 1.0, None
         self._invalidate()
         self._after_step()
@@ -319,6 +339,26 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ShardedModelBas
 
     def _after_step(self) -> None:
         """ZeRO: pull the new parameters into the replica; FSDP: gathered lazily."""
+
+    def skip_step(self, reason: str) -> None:
+        """The coming ``optimizer.step()`` is skipped on every server, as for a gradient that
+        is not finite (``reason`` says why; every rank of the step must call it alike)."""
+        self._skip_reason = reason
+
+    def _adopt_step(self, step: int) -> None:
+        """Continues at the servers' ``step`` (elastic: a later step joined, or the step the
+        servers came back to): drops what this rank held of its own step."""
+        self._abandon_local()
+        self._step, self._micro, self._clip_coef, self._inv_scale = step, 0, 1.0, 1.0
+        self._check, self._members, self._skip_reason = None, None, ""
+        self._invalidate()
+        self._after_load()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.registered and torch.is_grad_enabled():
+            self.join_step()  # elastic: a step is trained by its members only
+            self._begin_training()
+        return super().forward(*args, **kwargs)
 
     def get_model_metadata(self) -> dict[str, Any]:
         meta = super().get_model_metadata()

@@ -110,6 +110,7 @@ class ZeRO1Model(_ReplicatedParams):
                 Outgoing(flat, flat.dtype),
                 self._step,
                 dtype=self.config.reduce_dtype_for(b.master_dtype),
+                membership=self._push_membership(),
             )
         with self.comm_times.blocked("push"):
             self.client.run(calls)

@@ -20,7 +20,7 @@ import torch
 __all__ = ["pack", "unpack", "Mailroom"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LIKE = torch.empty(0)  # recv template: "give me a torch tensor"
+RECV_LIKE = torch.empty(0)  # recv template: "give me a torch tensor"
 
 
 def pack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -79,7 +79,7 @@ class Mailroom:
     def __init__(self, pp: Any, pools: tuple[Any, Any], recvs: list[tuple[int, str]]) -> None:
         self.pp, (self._send_pool, recv_pool) = pp, pools
         self._incoming = [
-            recv_pool.submit(pp.recv, src, _LIKE, tag, key=pp.recv_key(src, tag))
+            recv_pool.submit(pp.recv, src, RECV_LIKE, tag, key=pp.recv_key(src, tag))
             for src, tag in recvs
         ]
         self._incoming.reverse()  # pop() takes the earliest

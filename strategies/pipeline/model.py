@@ -32,7 +32,13 @@ from torch.utils import _pytree as pytree
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.losses import default_loss
 from paramshard.strategies.pipeline.batches import call_args, micro_batches
-from paramshard.strategies.pipeline.communications import _LIKE, Mailroom, new_pools, pack, unpack
+from paramshard.strategies.pipeline.communications import (
+    RECV_LIKE,
+    Mailroom,
+    new_pools,
+    pack,
+    unpack,
+)
 from paramshard.strategies.pipeline.materialize import InitWeights, WeightInit
 from paramshard.strategies.pipeline.partition import PartitionName, default_split_points
 from paramshard.strategies.pipeline.schedules import (
@@ -207,7 +213,7 @@ class PipelineParallelModel(nn.Module):
             for c, runner in enumerate(self._runners):
                 k = c * p + self.stage_index
                 prev = ring_neighbours(self.stage_index, p)[0]
-                received = [] if k == 0 else self._arrived(self.pp.recv(prev, _LIKE, "fwd"))
+                received = [] if k == 0 else self._arrived(self.pp.recv(prev, RECV_LIKE, "fwd"))
                 sent, out = runner.run(args, kwargs, received)
                 if k != last:
                     self.pp.send(pack(sent), ring_neighbours(self.stage_index, p)[1], "fwd")

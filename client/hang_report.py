@@ -1,0 +1,79 @@
+"""What a timed-out wait waited for, when the server's own account did not arrive in time.
+
+A server ends a wait on other ranks a little before the caller's deadline with
+DEADLINE_EXCEEDED and words naming the run, the collective or step, who arrived and who is
+missing (server/collectives/pending.py, server/buffers/slice_state.py). On a loaded machine
+that reply can come later than the deadline, and grpc says only "Deadline Exceeded". Then the
+client asks the server's hang doctor (``Status`` with ``pending``, what ``paramshard status
+--pending`` shows) about the call's slot or job and puts its answer into the error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from paramshard.protos import shard_pb2 as pb
+
+__all__ = ["complete", "STATUS_TIMEOUT_S"]
+
+STATUS_TIMEOUT_S = 2.0
+"""How long the question may take: the wait is over already, the error should not linger."""
+_MAX_ROWS = 200
+
+
+def _has_account(details: str) -> bool:
+    """Whether ``details`` is the server's own account of the wait (its messages say how long
+    they waited and what for)."""
+    return "waited " in details
+
+
+def _matches(method: str, request: Any, row: pb.PendingWork) -> bool:
+    if method == "ReadSlot":
+        return row.key == request.key
+    job = {
+        "GradNorm": lambda: request.job,
+        "Step": lambda: request.job,
+        "PullParams": lambda: request.ref.job,
+    }.get(method)
+    return job is not None and row.kind == "push_grad" and row.run == job()
+
+
+def _words(row: pb.PendingWork) -> str:
+    def ranks(values: Any) -> str:
+        return ", ".join(map(str, values)) or "none"
+
+    what = (
+        f"step {row.seq} of job '{row.run}'"
+        if row.kind == "push_grad"
+        else (f"{row.kind} #{row.seq} of run '{row.run}' (slot '{row.key}')")
+    )
+    return (
+        f"{what}: missing rank(s) {ranks(row.missing)} (arrived: {ranks(row.arrived)}),"
+        f" open for {row.age_seconds:.1f} s"
+    )
+
+
+def complete(core: Any, server: int, method: str, request: Any, details: str) -> str:
+    """``details`` of a timed-out call, with the server's pending rows about it when the
+    details do not already say what the call waited for."""
+    if _has_account(details) or callable(request):
+        return details
+    try:
+        reply = core.plain_call(
+            server,
+            "Status",
+            pb.StatusRequest(pending=True, max_pending=_MAX_ROWS),
+            STATUS_TIMEOUT_S,
+        )
+    except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed
+        why = f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
+        return f"{details} (no reply within {core.timeout_s:g} s; the server's Status: {why})"
+    rows = [_words(r) for r in reply.pending if _matches(method, request, r)]
+    if not rows:
+        return (
+            f"{details} (no reply within {core.timeout_s:g} s; the server lists nothing"
+            " pending for this call now)"
+        )
+    return f"{details} (no reply within {core.timeout_s:g} s; the server: {'; '.join(rows)})"

@@ -1,0 +1,82 @@
+"""A rank's open ``HoldLease`` stream to one server: the half of its lease that needs no Python.
+
+While the stream is open the server holds the rank's lease, however long the rank's Python code
+is stopped, paused or busy: the connection lives in the two hosts' kernels
+(server/collectives/lease_holds.py). When the process dies its kernel closes the connection and
+the server takes the rank for lost within seconds. The stream also brings the run's notices as
+the server raises them, read here by a thread of its own that blocks in gRPC (without the GIL).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from paramshard.protos import closing
+from paramshard.protos import shard_pb2 as pb
+
+__all__ = ["HoldStream", "REFUSALS"]
+
+_METHOD = "/paramshard.v1.Shard/HoldLease"
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.UNIMPLEMENTED,  # an older server
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # at its bound of streams (--max-sessions)
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
+"""How a server says no to a stream: asked again only after a while (the lease lives on
+renewals meanwhile), unlike a stream that broke, which is opened again at once."""
+
+
+class HoldStream:
+    """One open stream; ``on_reply(reply)`` runs on its thread for every reply."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        request: pb.LeaseRequest,
+        metadata: Any,
+        on_reply: Callable[[pb.LeaseReply], None],
+        name: str,
+    ) -> None:
+        stub = channel.unary_stream(
+            _METHOD,
+            request_serializer=pb.LeaseRequest.SerializeToString,
+            response_deserializer=pb.LeaseReply.FromString,
+        )
+        self._call = stub(request, metadata=metadata)  # no deadline: open while the rank lives
+        self.ended: tuple[grpc.StatusCode, str] | None = None
+        self.ended_at = 0.0
+        self._thread = threading.Thread(target=self._read, args=(on_reply,), name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def open(self) -> bool:
+        return self.ended is None
+
+    def _read(self, on_reply: Callable[[pb.LeaseReply], None]) -> None:
+        ended = (grpc.StatusCode.OK, "the server ended it")
+        try:
+            for reply in self._call:
+                on_reply(reply)
+        except grpc.RpcError as exc:
+            ended = (exc.code(), exc.details() or "")
+        except Exception as exc:  # noqa: BLE001 - whatever it was, the stream is over
+            ended = (grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
+        self.ended_at = time.monotonic()
+        self.ended = ended
+
+    def close(self) -> None:
+        """Ends the stream (after the lease's release: a stream ended alone reads as a death
+        on the server) and waits, bounded, for its thread."""
+        self._call.cancel()
+        if self._thread is not threading.current_thread():
+            self._thread.join(closing.STEP_S)

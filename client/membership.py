@@ -1,0 +1,226 @@
+"""A rank's side of elastic membership: join each step, leave, take part in a recovery round.
+
+The protocol is numbered once, in server/collectives/membership.py. Here a rank of an elastic
+job (``Membership``) asks the job's coordinator (its client's server 0) which ranks train a
+step, waiting for the decision, and says goodbye when it ends. Torch-free: the strategies turn
+a step's members into batch parts and pushes (strategies/data_parallel/elastic.py).
+
+A rank that ends while it is a member of a step not applied yet (an exception in a
+``LocalCluster`` rank, a script that stops early) gives up its epoch when it leaves, so the
+others redo that step without it at once instead of waiting for its gradient. Every
+``Membership`` leaves at interpreter exit too, before the client's lease is released.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+
+__all__ = ["ELASTIC_ENV", "MIN_NPROC_ENV", "Membership", "MembershipError", "StepMembers", "leave"]
+
+ELASTIC_ENV = "PARAMSHARD_ELASTIC"
+"""Set to 1 by ``paramshard launch --elastic``: ``ShardingConfiguration.from_env`` is elastic."""
+MIN_NPROC_ENV = "PARAMSHARD_MIN_NPROC"
+"""``paramshard launch --min-nproc M``: the fewest members a step trains with."""
+LEAVE_TIMEOUT_S = 2.0
+
+
+class MembershipError(RuntimeError):
+    """A step could not get its minimum of members within the wait allowed."""
+
+
+@dataclass(frozen=True)
+class StepMembers:
+    """The ranks that train one step (a decided round, server/collectives/membership.py)."""
+
+    step: int
+    generation: int
+    members: tuple[int, ...]
+    epoch: int
+
+    @property
+    def leader(self) -> int:
+        """The lowest member: the one that takes a checkpoint for all."""
+        return self.members[0]
+
+    def index(self, rank: int) -> int:
+        """``rank``'s place among the members (rank order)."""
+        return self.members.index(rank)
+
+    def part(self, rank: int, global_batch: int) -> slice:
+        """``rank``'s rows of a global batch of ``global_batch`` rows: the members cut it in
+        rank order, contiguous parts whose sizes differ by at most one (protos/slicing.py)."""
+        if global_batch < len(self.members):
+            raise ValueError(
+                f"a global batch of {global_batch} rows cannot give each of the"
+                f" {len(self.members)} members of step {self.step} a row"
+            )
+        lo, hi = slicing.slice_bounds(global_batch, len(self.members), self.index(rank))
+        return slice(lo, hi)
+
+    def to_pb(self, global_batch: int) -> pb.StepMembership:
+        return pb.StepMembership(
+            generation=self.generation, members=self.members, global_batch=global_batch
+        )
+
+
+class Membership:
+    """Rank ``client.rank``'s membership in elastic job ``job``: ``join`` each step.
+
+    ``min_members``: a step trains with at least this many members; ``window_s``: how long a
+    round waits for the ranks it expects; ``wait_s``: how long a rank waits while fewer than
+    ``min_members`` are there before ``MembershipError``."""
+
+    def __init__(
+        self, client: Any, job: str, *, min_members: int, window_s: float, wait_s: float
+    ) -> None:
+        self.client, self.job = client, job
+        self.min_members, self.window_s, self.wait_s = min_members, window_s, wait_s
+        self.run = client.__dict__.get("_base_run_id", client.run_id)
+        self.known: tuple[int, ...] = tuple(range(client.world_size))
+        self.left = False
+        self.training: int | None = None
+        """The step this rank began training (its batch part taken, a forward or a push made),
+        until it is applied: leaving then makes the others redo it (``leave``)."""
+        _registry.add(self)
+
+    def _request(self, **kw: Any) -> pb.JoinRequest:
+        return pb.JoinRequest(
+            run=self.run,
+            job=self.job,
+            rank=self.client.rank,
+            world_size=self.client.world_size,
+            epoch=self.client.run_state.epoch,
+            min_members=self.min_members,
+            window_ms=int(self.window_s * 1000),
+            known_members=self.known,
+            **kw,
+        )
+
+    def _ask(self, label: str, **kw: Any) -> pb.JoinReply:
+        """Asks the coordinator until the round is decided (and, for ``final``, done);
+        raises ``MembershipError`` once it waited ``wait_s`` below the minimum."""
+        below_since, began = None, time.monotonic()
+        while True:
+            reply = self.client.call(0, "Join", self._request(**kw))
+            recovery = kw.get("recovery", False)
+            if reply.decided and (not recovery or reply.done or self._leads(reply)):
+                return reply
+            now = time.monotonic()
+            notice = self.client.run_state.current()
+            if recovery and (notice is not None or now - began > self.wait_s):
+                # this round's leader gave up (a new failure): recover again, in a new epoch
+                why = notice.reason if notice else f"no restore after {now - began:.0f} s"
+                address = self.client.spec.addresses[0]
+                raise ShardClientError(0, address, "Join", grpc.StatusCode.ABORTED, why)
+            if not reply.below_min:
+                below_since = None
+                continue
+            below_since = below_since or now
+            if now - below_since > self.wait_s:
+                raise MembershipError(
+                    f"job '{self.job}' {label}: {len(reply.announced)} rank(s) there"
+                    f" ({_listed(reply.announced)}), fewer than the minimum of"
+                    f" {self.min_members} (min_world_size, paramshard launch --min-nproc);"
+                    f" waited {now - below_since:.0f} s (elastic_wait_s)"
+                )
+
+    def _leads(self, reply: pb.JoinReply) -> bool:
+        return reply.decided and reply.leader == self.client.rank and reply.member
+
+    def join(self, step: int) -> StepMembers:
+        """Waits until this rank is a member of step ``step`` or a later one (protocol steps
+        1-3); moves the client to the round's epoch. Returns the members."""
+        while True:
+            reply = self._ask(f"step {step}", step=step)
+            if reply.member:
+                self._adopt_epoch(reply.epoch)
+                self.known = tuple(reply.members)
+                return StepMembers(reply.step, reply.generation, tuple(reply.members), reply.epoch)
+            step = reply.next_step  # too late for this one: the next (a joining rank)
+
+    def recovery(self, epoch: int) -> bool:
+        """Takes part in the recovery round of ``epoch`` (protocol step 7): True when this
+        rank is to restore the job (then call ``recovered``), False once another did."""
+        reply = self._ask(f"recovery round {epoch}", recovery=True)
+        self._adopt_epoch(reply.epoch)
+        return not reply.done
+
+    def recovered(self) -> None:
+        """The leader of this epoch's recovery round restored the job."""
+        self.client.call(0, "Join", self._request(recovery=True, done=True))
+
+    def leave(self, reason: str = "") -> bool:
+        """Protocol step 6, best effort: says goodbye; when this rank began training a step
+        not applied yet, ends its epoch so the others redo that step. Whether it did."""
+        if self.left:
+            return False
+        self.left = True
+        try:
+            reply = self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: its leases will tell
+            return False
+        if reply.in_flight and self.training is not None:
+            why = f": {reason}" if reason else ""
+            self.client.run_state.give_up(
+                f"run '{self.run}': rank {self.client.rank} left job '{self.job}'{why}"
+            )
+        return reply.in_flight and self.training is not None
+
+    def _adopt_epoch(self, epoch: int) -> None:
+        if epoch > self.client.run_state.epoch:
+            self.client.restart_collectives(epoch)
+
+
+def leave(client: Any, reason: str = "") -> None:
+    """Every elastic membership of ``client`` leaves (``LocalCluster`` when a rank raises)."""
+    for m in _registry.of(client):
+        m.leave(reason)
+
+
+class _Registry:
+    """The process's memberships, left at interpreter exit before the leases are released
+    (atexit runs the last registered first: this is registered after the lease keeper)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: weakref.WeakSet[Membership] = weakref.WeakSet()
+        self._registered = False
+
+    def add(self, m: Membership) -> None:
+        with self._lock:
+            self._items.add(m)
+            if not self._registered:
+                atexit.register(self._leave_all)
+                self._registered = True
+
+    def of(self, client: Any) -> list[Membership]:
+        with self._lock:
+            return [m for m in self._items if m.client is client]
+
+    def _leave_all(self) -> None:
+        with self._lock:
+            items = list(self._items)
+        for m in items:
+            try:
+                m.leave("its process ended")
+            except (ShardClientError, ValueError):
+                pass
+
+
+_registry = _Registry()
+
+
+def _listed(ranks: Any) -> str:
+    ranks = list(ranks)
+    return "ranks " + ", ".join(map(str, ranks[:16])) if ranks else "none"

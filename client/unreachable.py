@@ -1,0 +1,62 @@
+"""Why a call did not reach its server, in words: grpc says ``UNAVAILABLE: failed to connect to
+all addresses; last error: UNKNOWN: ipv4:...: Tls handshake failed (TSI_PROTOCOL_FAILURE):
+SSL_ERROR_SSL: ...`` for a dozen different mistakes. ``cause`` picks the one a user can act on
+(nothing listens there, the name does not resolve, TLS on one side only, the wrong CA, a
+certificate for another name, a refused token); ``RpcCore`` and ``paramshard launch --servers``
+put it into their errors, beside grpc's own words."""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = ["cause", "explain"]
+
+_DNS = ("dns resolution failed", "errors resolving", "domain name not found")
+# While connecting ("failed to connect to all addresses; last error: ..."): (words grpc uses,
+# what they mean), the most specific first; matched case-insensitively
+_CAUSES = (
+    ("connection refused", "connection refused: nothing listens on that port (is `paramshard"
+     " serve` running there, on that port?)"),
+    ("wrong_version_number", "TLS handshake failed: the server does not speak TLS (it runs"
+     " without --tls-cert; do not set PARAMSHARD_TLS_CA for it)"),
+    ("hostname verification", "TLS handshake failed: the server's certificate does not name"
+     " this address (set PARAMSHARD_TLS_SERVER_NAME to a name it has)"),
+    ("certificate_verify_failed", "TLS handshake failed: the server's certificate is not"
+     " signed by the CA given (PARAMSHARD_TLS_CA)"),
+    ("certificate signature failure", "TLS handshake failed: the server's certificate is not"
+     " signed by the CA given (PARAMSHARD_TLS_CA)"),
+    ("handshake failed", "TLS handshake failed"),
+    ("socket closed", "the server closed the connection while it was being set up: it requires"
+     " TLS (set PARAMSHARD_TLS_CA) or a client certificate (mutual TLS), or it stopped"),
+    ("connection reset", "the connection was reset while it was being set up: the server"
+     " requires TLS or a client certificate, or it stopped"),
+    ("failed to connect", "cannot connect"),
+)  # fmt: skip
+
+
+def cause(code: grpc.StatusCode, details: str) -> str | None:
+    """What kept a call from its server, or None when the failure was not about reaching it."""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            "the server refused the credentials: check the token (PARAMSHARD_TOKEN,"
+            " --token-file) against the server's --token-file"
+        )
+    if code != grpc.StatusCode.UNAVAILABLE:
+        return None
+    low = details.lower()
+    if any(key in low for key in _DNS):
+        return "DNS failure: the host name does not resolve"
+    if "failed to connect" not in low:  # not while connecting: a call the server dropped
+        return None
+    return next((words for key, words in _CAUSES if key in low), None)
+
+
+def explain(address: str, code: grpc.StatusCode, details: str) -> str:
+    """``details`` led by its cause (``cannot reach HOST:PORT: connection refused ...;
+    grpc: <details>``); unchanged when no cause is recognised."""
+    why = cause(code, details)
+    if why is None:
+        return details
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{details} ({why})"
+    return f"cannot reach {address}: {why}; grpc: {details}"

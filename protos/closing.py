@@ -1,0 +1,81 @@
+"""The safety net under ``close()``: servers and clients a process left open are closed before
+the interpreter tears down.
+
+Every ``ShardServer`` and ``ShardClient`` closes explicitly (``stop()``, ``close()``, ``with``);
+that is the fix. This is what still happens when a program forgets, or dies on an exception
+before its ``finally``: gRPC objects left to the interpreter's exit hang it. At exit Python
+first marks every thread pool shut (``concurrent.futures``' own exit hook), so a running gRPC
+server's serving thread dies on the next call that comes in ("cannot schedule new futures
+after shutdown"), and the server never shuts down; the final garbage collection then drains
+its completion queue for ever (the main thread in ``epoll_wait`` under ``gc_collect_main``, no
+Python frames). So the hook closing what is open runs before that pool hook: ``threading``'s
+exit hooks run before the threads are joined and before ``atexit``'s, last registered first,
+and this module registers after ``concurrent.futures.thread`` (imported above it) did.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["close_at_exit", "forget", "close_all", "STEP_S"]
+
+STEP_S = 1.0
+"""How long one step of a close waits (the servers' replies to a release, a thread's end, a
+channel's close), so that a close always ends. Normally each takes milliseconds. But a
+KeyboardInterrupt that lands inside gRPC's channel code (Python runs the handler wherever the
+interrupted thread is, even between a lock's acquisition and the ``with`` that releases it)
+can leave the channel's lock taken or a call that no thread will ever complete: a rank of
+``paramshard launch`` interrupted mid-call then waited for ever in its close. Past the bound
+the step is left unfinished (a daemon thread, a reply never read) and the process exits."""
+
+log = logging.getLogger("paramshard")
+
+_lock = threading.Lock()
+_open: dict[int, tuple[weakref.ref, Callable[[Any], None]]] = {}
+_order = itertools.count()
+_ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
+    """``close(obj)`` runs at the interpreter's exit unless ``forget(obj)`` came first (its
+    own close did). Holds ``obj`` weakly; the latest registered is closed first (clients,
+    made after the servers they call, before those servers)."""
+    with _lock:
+        key = next(_order)
+        _ids[obj] = key
+        _open[key] = (weakref.ref(obj), close)
+
+
+def forget(obj: Any) -> None:
+    """``obj`` was closed: nothing to do for it at exit."""
+    with _lock:
+        key = _ids.pop(obj, None)
+        if key is not None:
+            _open.pop(key, None)
+
+
+def close_all() -> None:
+    """Closes everything still registered, latest first (the exit hook)."""
+    with _lock:
+        pending = [_open.pop(k) for k in sorted(_open, reverse=True)]
+        _ids.clear()
+    for ref, close in pending:
+        obj = ref()
+        if obj is None:
+            continue
+        try:
+            close(obj)
+        except Exception:  # noqa: BLE001 - at exit: close the others whatever this one did
+            log.exception("closing %r at exit failed", obj)
+
+
+# threading's exit hooks are internal to the standard library (concurrent.futures uses them);
+# atexit, should they ever go, runs too late to save a running server but still closes clients.
+getattr(threading, "_register_atexit", atexit.register)(close_all)

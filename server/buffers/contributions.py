@@ -1,0 +1,231 @@
+"""A slice's contributions: SetParams chunks, gradient pushes added exactly once in rank order
+(staged until their turn), and pulls that wait for a version (the wire semantics:
+server/buffers/slice_state.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server.buffers.membership import check_membership, elastic_pending
+from paramshard.server.buffers.slice_state import PendingStep, SliceState
+from paramshard.server.optimizers import OptimizerError
+from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime.errors import ShardError
+
+__all__ = ["Contributions"]
+
+
+class Contributions(SliceState):
+    """SetParams, PushGrad and PullParams of one slice."""
+
+    def set_params(self, header: pb.SetParamsHeader, data: memoryview) -> bool:
+        self.check_chunk(header.chunk, "SetParams")
+        host = arrays.payload_array(data, header.chunk.dtype, header.chunk.numel, self.label)
+        if header.state:
+            return self._set_state(header, host)
+        with self.cond:
+            if header.version != self.version:
+                # A new version of the values (restore): start counting coverage again.
+                self.written = slicing.Coverage()
+                self.initialized = self.slice_numel == 0
+                self.version = header.version
+                self.budget.release(self.pending.staged_bytes if self.pending else 0, "staging")
+                self.pending = None
+            o, n = header.chunk.offset, header.chunk.numel
+            retry = self.written.numel_at(o) == n  # a chunk written before, written again
+            clash = None if retry else self.written.clash(o, n)
+            if clash is not None:
+                raise ShardError.invalid(
+                    f"{self.label}: SetParams chunk [{o:,}, {o + n:,}) overlaps chunk"
+                    f" [{clash[0]:,}, {clash[1]:,}) written for version {self.version};"
+                    " chunks must cover the slice exactly once"
+                )
+            arrays.to_compute(host, header.chunk.dtype, into=self.master[o : o + n])
+            if not retry:
+                self.written.add(o, n)
+            if self.written.covered >= self.slice_numel:
+                self.initialized = True
+            self.cond.notify_all()
+            return self.initialized
+
+    def _set_state(self, header: pb.SetParamsHeader, host: Any) -> bool:
+        """SetParams into an optimizer state array (at the current version only)."""
+        with self.cond:
+            if header.version != self.version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}; optimizer state for version"
+                    f" {header.version} cannot be written"
+                )
+            values = arrays.to_compute(host, header.chunk.dtype)
+            try:
+                self.optimizer.write_state(
+                    header.state, header.chunk.offset, values, header.optimizer_steps
+                )
+            except OptimizerError as exc:
+                raise ShardError.invalid(f"{self.label}: {exc}") from None
+            return self.initialized
+
+    def push_grad(self, h: pb.PushGradHeader, data: memoryview, timeout: float) -> pb.PushGradReply:
+        self.check_chunk(h.chunk, "PushGrad")
+        host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
+        if h.num_micro == 0 or h.micro >= h.num_micro:
+            raise ShardError.invalid(
+                f"{self.label}: micro-batch {h.micro} of num_micro={h.num_micro} is out of range"
+            )
+        if h.HasField("membership"):
+            check_membership(self.label, self.contributors, h)
+        elif h.contributor >= self.contributors:
+            raise ShardError.invalid(
+                f"{self.label}: contributor {h.contributor} is outside 0..{self.contributors - 1}"
+            )
+        with self.cond:
+            if h.step < self.version:
+                return pb.PushGradReply(duplicate=True, reduced=True, version=self.version)
+            if h.step > self.version:
+                raise ShardError.precondition(
+                    f"{self.label} is at version {self.version}; cannot take gradients of step"
+                    f" {h.step} before step {self.version} is applied"
+                )
+            # Another rank may still be writing the initial values: wait for them, bounded.
+            self.wait_for(lambda: self.initialized, timeout, "its initial parameters (SetParams)")
+            if h.step != self.version:
+                raise ShardError.precondition(
+                    f"{self.label} moved to version {self.version} while step {h.step} waited"
+                )
+            pending, replaces = self._pending_for(h)
+            if pending.num_micro != h.num_micro:
+                raise ShardError.precondition(
+                    f"{self.label}: step {h.step} accumulates {pending.num_micro} micro-batches"
+                    f" per contributor, this push says {h.num_micro}"
+                )
+            o, n = h.chunk.offset, h.chunk.numel
+            k = self._place(pending, h)  # its place in the rank order
+            chunks = pending.chunks.get(k, slicing.Coverage())
+            before = chunks.numel_at(o)
+            if before is not None:
+                if before != n:
+                    key = (h.contributor, h.micro, o)
+                    raise ShardError.invalid(
+                        f"{self.label}: contribution {key} was {before:,} elements,"
+                        f" the retry has {n:,}"
+                    )
+                return pb.PushGradReply(
+                    duplicate=True, reduced=pending.reduced, version=self.version
+                )
+            clash = chunks.clash(o, n)
+            if clash is not None:
+                raise ShardError.invalid(
+                    f"{self.label}: step {h.step}, contributor {h.contributor}, micro-batch"
+                    f" {h.micro}: chunk [{o:,}, {o + n:,}) overlaps chunk"
+                    f" [{clash[0]:,}, {clash[1]:,}) pushed before; chunks must cover the slice"
+                    " exactly once"
+                )
+            if h.HasField("step_args"):
+                self.check_step_args(h.step_args)
+            if self._stages(pending, k):  # its copy waits for its turn: paid for first
+                self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
+            # -- all checks passed: mutate --
+            if replaces:  # a newer membership generation: the older one's sums are void
+                self.budget.release(self.pending.staged_bytes, "staging")
+                self.cond.notify_all()  # its GradNorms and Steps end (membership.py)
+            if self.grad is None:
+                self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
+            if not pending.chunks:
+                self.grad.fill(0)
+            pending.chunks[k] = chunks
+            chunks.add(o, n)
+            self._accumulate(pending, k, o, arrays.to_compute(host, h.chunk.dtype))
+            self.pending = pending
+            if pending.head == self._last(pending):  # every one complete
+                assert not pending.staged, "every contribution is complete, none may wait"
+                if pending.weights is None and self.contributors > 1:
+                    self.grad /= self.dtype.type(self.contributors)
+                pending.reduced = True
+                if h.HasField("step_args") and self._finite():  # else a Step decides
+                    self._apply_step(h.step_args)
+                self.cond.notify_all()
+            return pb.PushGradReply(reduced=pending.reduced, version=self.version)
+
+    def _pending_for(self, h: pb.PushGradHeader) -> tuple[PendingStep, bool]:
+        """The pending step push ``h`` adds to, and whether it replaces the current one (an
+        elastic step's older membership generation). Checks only."""
+        if h.HasField("membership"):
+            return elastic_pending(self.label, self.pending, h)
+        if self.pending is not None and self.pending.members is not None:
+            raise ShardError.precondition(
+                f"{self.label}: step {h.step} accumulates the pushes of an elastic membership;"
+                f" a push of rank {h.contributor} without one cannot join it"
+            )
+        return self.pending or PendingStep(h.step, h.num_micro), False
+
+    @staticmethod
+    def _place(pending: PendingStep, h: pb.PushGradHeader) -> int:
+        """Contribution k of push ``h``: its place in the rank order."""
+        i = h.contributor if pending.members is None else pending.members.index(h.contributor)
+        return i * pending.num_micro + h.micro
+
+    def _last(self, pending: PendingStep) -> int:
+        """How many contributions the step sums."""
+        return pending.count or self.contributors * pending.num_micro
+
+    def _accumulate(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
+        """Adds contribution ``k``'s chunk at ``o`` (already recorded in ``pending.chunks``) in
+        rank order, or at once with ``arrival_order``; moves ``head`` past what is complete.
+        An elastic step's contribution is weighted by its share as it is added."""
+        last = self._last(pending)
+        if pending.weights is not None:
+            values = values * self.dtype.type(pending.weights[k])  # a new array: may be kept
+        if not self._stages(pending, k):
+            self.grad[o : o + values.size] += values
+        else:
+            kept = values.copy()  # ``values`` may be a view of the request's bytes
+            pending.staged.setdefault(k, []).append((o, kept))
+            pending.staged_bytes += int(kept.nbytes)
+        while pending.head < last and pending.received(pending.head) >= self.slice_numel:
+            pending.head += 1
+            for lo, kept in pending.staged.pop(pending.head, ()):
+                self.grad[lo : lo + kept.size] += kept
+                pending.staged_bytes -= int(kept.nbytes)
+                self.budget.release(kept.nbytes, "staging")
+
+    def _stages(self, pending: PendingStep, k: int) -> bool:
+        """Whether contribution ``k`` must wait in staging for its turn in the rank order.
+        With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly."""
+        last = self._last(pending)
+        return not (self.arrival_order or k == pending.head or last <= 2)
+
+    def pull(
+        self, req: pb.PullParamsRequest, timeout: float, encode: Any = None, on_device: bool = False
+    ) -> Any:
+        """(header, payload bytes), or ``encode(header, payload view)`` run under the lock (a
+        later step rewrites master, so the one copy must be taken before it is released);
+        ``on_device``: (header, a device array copy) for a caller in this process."""
+        chunk = req.chunk
+        self.check_chunk(chunk, "PullParams")
+        with self.cond:
+            self.wait_for(
+                lambda: self.initialized and self.version >= req.min_version,
+                timeout,
+                f"version {req.min_version}",
+            )
+            o, n = chunk.offset, chunk.numel
+            header = pb.PullParamsHeader(
+                ref=req.ref,
+                chunk=chunk,
+                version=self.version,
+                optimizer_steps=self.optimizer.step_count,
+            )
+            source = self.master
+            if req.state:
+                try:
+                    source = self.optimizer.read_state(req.state)
+                except OptimizerError as exc:
+                    raise ShardError.precondition(f"{self.label}: {exc}") from None
+            if on_device:
+                return header, arrays.device_wire(source[o : o + n], chunk.dtype)
+            if encode is not None:
+                return encode(header, arrays.wire_array(source[o : o + n], chunk.dtype))
+            payload = arrays.from_compute(source[o : o + n], chunk.dtype)
+        return header, payload

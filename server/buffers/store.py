@@ -1,0 +1,294 @@
+"""The buffer store: every job's buffer slices on this server, registration and quotas.
+
+A slice (``BufferSlice``) is put together from one class per concern: its state
+(server/buffers/slice_state.py, which states the wire semantics), contributions and pulls
+(server/buffers/contributions.py), norms and optimizer steps (server/buffers/steps.py), and snapshot
+captures and restores (server/buffers/captures.py).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.protos.manifest import check_model_config
+from paramshard.server.buffers.captures import Captures
+from paramshard.server.buffers.contributions import Contributions
+from paramshard.server.buffers.slice_state import (
+    MASTER_DTYPES,
+    PendingStep,
+    master_dtype,
+    slice_bytes,
+)
+from paramshard.server.buffers.steps import Steps
+from paramshard.server.optimizers import OptimizerError, make_optimizer
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+
+__all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
+
+
+class BufferSlice(Contributions, Steps, Captures):
+    """Slice ``index`` of one job's flat buffer, with its optimizer."""
+
+
+class BufferStore:
+    """All buffers of all jobs on this server."""
+
+    def __init__(self, max_job_bytes: int = 0, budget: MemoryBudget | None = None) -> None:
+        self.max_job_bytes = max_job_bytes  # 0: unbounded
+        self.budget = budget or MemoryBudget()  # the server's memory, shared with slots etc.
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[str, BufferSlice]] = {}
+
+    def get(self, job: str, buffer: str) -> BufferSlice:
+        with self._lock:
+            buffers = self._jobs.get(job)
+            if buffers is None:
+                known = ", ".join(sorted(self._jobs)) or "none"
+                raise ShardError.not_found(f"job '{job}' is not on this server (jobs: {known})")
+            found = buffers.get(buffer)
+        if found is None:
+            raise ShardError.not_found(f"job '{job}' has no buffer '{buffer}'")
+        return found
+
+    def jobs(self) -> dict[str, list[BufferSlice]]:
+        with self._lock:
+            return {job: list(b.values()) for job, b in self._jobs.items()}
+
+    def register(self, req: pb.RegisterBufferRequest) -> BufferSlice:
+        label = f"buffer '{req.ref.job}/{req.ref.buffer}'"
+        if not req.ref.job or not req.ref.buffer:
+            raise ShardError.invalid("RegisterBuffer needs a job name and a buffer name")
+        if req.num_servers == 0 or req.server_index >= req.num_servers:
+            raise ShardError.invalid(
+                f"{label}: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
+            )
+        if req.contributors == 0:
+            raise ShardError.invalid(f"{label}: contributors must be at least 1")
+        if req.master_dtype not in MASTER_DTYPES:
+            raise ShardError.invalid(
+                f"{label}: master_dtype must be FLOAT32 or FLOAT64 (for float64 models),"
+                f" got DType value {req.master_dtype}"
+            )
+        if req.model_config:
+            try:
+                check_model_config(req.model_config)
+            except ValueError as exc:
+                raise ShardError.invalid(f"{label}: {exc}") from None
+        for p in req.params:
+            if (
+                any(d < 0 for d in p.shape)
+                or p.offset + p.numel > req.numel
+                or math.prod(p.shape) != p.numel  # Python ints: no int64 overflow to 0
+            ):
+                raise ShardError.invalid(
+                    f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
+                    f" does not fit a buffer of {req.numel:,} elements"
+                )
+            if p.split_parts > 1 and (
+                p.split_index >= p.split_parts or p.split_dim >= len(p.shape)
+            ):
+                raise ShardError.invalid(
+                    f"{label}: parameter '{p.name}' is part {p.split_index} of {p.split_parts}"
+                    f" along dim {p.split_dim} in {p.split_packed} packed blocks, which does not"
+                    f" fit its shape {list(p.shape)}"
+                )
+        try:
+            return self._register(req, label)
+        except _Refused as exc:  # its run's ranks disagree: theirs fail too (conflict_with)
+            exc.existing.conflict_with(req.run, exc.conflict)
+            raise
+
+    def _register(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
+        with self._lock:
+            existing = self._fitting(req, label)
+        if existing is not None:
+            existing.registered(req.run)
+            return existing
+        need = slice_bytes(req)
+        self.budget.reserve(need, "buffers", label)  # before anything is allocated
+        try:
+            created = self._create(req, label)
+            with self._lock:  # again: another call may have registered meanwhile
+                existing = self._fitting(req, label)
+                if existing is None:
+                    created.budget, created.reserved = self.budget, need
+                    self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
+                    return created
+        except BaseException:
+            self.budget.release(need, "buffers")
+            raise
+        self.budget.release(need, "buffers")
+        existing.registered(req.run)
+        return existing
+
+    def _create(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
+        start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
+        slice_numel = stop - start
+        try:
+            optimizer = make_optimizer(
+                req.optimizer.name, slice_numel, dict(req.optimizer.hyper), master_dtype(req)
+            )
+        except OptimizerError as exc:
+            raise ShardError.invalid(f"{label}: {exc}") from None
+        except (MemoryError, ValueError) as exc:
+            raise ShardError.exhausted(
+                f"{label}: cannot allocate optimizer state for {slice_numel:,} elements ({exc})"
+            ) from None
+        if self.max_job_bytes:
+            # params + grad accumulator + up to three optimizer-state arrays, master dtype
+            need = slice_numel * optimizer.dtype.itemsize * 5 + self._job_bytes(req.ref.job)
+            if need > self.max_job_bytes:
+                raise ShardError.exhausted(
+                    f"{label}: job '{req.ref.job}' would need about {need:,} bytes on this server,"
+                    f" over its quota of {self.max_job_bytes:,}"
+                )
+        try:
+            return BufferSlice(req, optimizer)
+        except (MemoryError, ValueError) as exc:
+            raise ShardError.exhausted(
+                f"{label}: cannot allocate {slice_numel * optimizer.dtype.itemsize:,} bytes of"
+                f" parameters ({exc})"
+            ) from None
+
+    def _fitting(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice | None:
+        """The buffer ``req`` registers again, None if it is new; FAILED_PRECONDITION when it
+        does not fit what the job holds here: every buffer of a job is the same slice of the
+        same number of servers (its placement), and a buffer keeps its layout. Called under
+        the store's lock."""
+        siblings = self._jobs.get(req.ref.job, {})
+        other = next(iter(siblings.values()), None)
+        if other is not None and (other.spec.server_index, other.spec.num_servers) != (
+            req.server_index,
+            req.num_servers,
+        ):
+            raise ShardError.precondition(
+                f"{label}: job '{req.ref.job}' is on this server as slice"
+                f" {other.spec.server_index} of {other.spec.num_servers}, this buffer says"
+                f" {req.server_index} of {req.num_servers}: every buffer of a job has the same"
+                " servers"
+            )
+        existing = siblings.get(req.ref.buffer)
+        if existing is None:
+            return None
+        old = existing.spec
+        differs = _differences(old, req)
+        if differs:
+            raise _Refused(existing, label, differs)
+        return existing
+
+    def _job_bytes(self, job: str) -> int:
+        with self._lock:
+            buffers = list(self._jobs.get(job, {}).values())
+        return sum(sum(b.bytes_by_kind()) for b in buffers)
+
+    def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
+        """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
+        need = [slice_bytes(b.spec) for b in slices]
+        self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
+        for b, n in zip(slices, need, strict=True):
+            b.budget, b.reserved = self.budget, n
+        with self._lock:
+            old = self._jobs.pop(job, {})
+            self._jobs[job] = {b.name: b for b in slices}
+        for b in old.values():
+            b.retire()
+
+    def interrupt(self, why: str) -> None:
+        """The server stops: every wait on a slice ends (``SliceState.interrupt``)."""
+        for slices in self.jobs().values():
+            for b in slices:
+                b.interrupt(why)
+
+    def drop(self, job: str) -> int:
+        with self._lock:
+            dropped = self._jobs.pop(job, None)
+        if dropped is None:
+            raise ShardError.not_found(f"job '{job}' is not on this server")
+        for b in dropped.values():  # waiters fail fast; pending contributions go with them
+            b.retire()
+        return len(dropped)
+
+    def status(self) -> list[pb.JobStatus]:
+        """One row per job on this server, one per buffer slice in it (Status, snapshots)."""
+        out = []
+        for job, buffers in sorted(self.jobs().items()):
+            rows = []
+            for b in buffers:
+                with b.cond:
+                    params, grads, opt = b.bytes_by_kind()
+                    rows.append(
+                        pb.BufferStatus(
+                            buffer=b.name,
+                            numel=b.numel,
+                            slice_start=b.start,
+                            slice_numel=b.slice_numel,
+                            dtype=str(b.dtype),
+                            version=b.version,
+                            initialized=b.initialized,
+                            optimizer=b.optimizer.name,
+                            param_bytes=params,
+                            grad_bytes=grads,
+                            optimizer_bytes=opt,
+                            params=b.spec.params,
+                            last_step_seconds=b.last_step_seconds,
+                            last_step_unix=b.last_step_unix,
+                            contributors=b.contributors,
+                            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
+                            state_keys=sorted(b.optimizer.state_arrays()),
+                            optimizer_steps=b.optimizer.step_count,
+                            skipped_steps=b.skipped_steps,
+                        )
+                    )
+            first = buffers[0].spec if buffers else None
+            out.append(
+                pb.JobStatus(
+                    job=job,
+                    buffers=rows,
+                    server_index=first.server_index if first else 0,
+                    num_servers=first.num_servers if first else 0,
+                    model_config=next(
+                        (b.spec.model_config for b in buffers if b.spec.model_config), ""
+                    ),
+                )
+            )
+        return out
+
+
+def _differences(old: pb.RegisterBufferRequest, new: pb.RegisterBufferRequest) -> str:
+    """What a refused registration says differently (``contributors 3 here, 2 asked``)."""
+    pairs = [
+        ("numel", f"{old.numel:,}", f"{new.numel:,}"),
+        ("servers", str(old.num_servers), str(new.num_servers)),
+        ("slice", str(old.server_index), str(new.server_index)),
+        ("contributors (data-parallel ranks)", str(old.contributors), str(new.contributors)),
+        ("optimizer", old.optimizer.name, new.optimizer.name),
+        ("master dtype", master_dtype(old), master_dtype(new)),
+        ("sums", *("arrival order" if r.arrival_order else "rank order" for r in (old, new))),
+    ]
+    out = [f"{name} {a} here, {b} asked" for name, a, b in pairs if a != b]
+    if list(old.params) != list(new.params):
+        out.append("other parameters (names, shapes or offsets)")
+    return "; ".join(out)
+
+
+class _Refused(ShardError):
+    """A registration of ``existing`` with another layout (FAILED_PRECONDITION)."""
+
+    def __init__(self, existing: BufferSlice, label: str, differs: str) -> None:
+        super().__init__(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{label} exists with another layout ({differs}): the ranks of one run disagree"
+            " (world size, model or configuration), or another job used this name (drop the"
+            " job first)",
+        )
+        self.existing = existing
+        self.conflict = (
+            f"a rank registered it with another layout ({differs}): the ranks of this run"
+            " disagree about the world size, the model or the configuration"
+        )

@@ -1,0 +1,409 @@
+"""Trainer leases: a rank that dies is noticed in about two seconds, not at a deadline; a rank
+that is only slow (a long GC pause, a loaded machine, a stopped process) is never taken for dead.
+
+A rank holds its lease on every server in two ways (client/leases.py):
+
+- an open ``HoldLease`` stream (server/collectives/lease_holds.py). Its connection is the
+  liveness signal, kept by the operating systems, not by the rank's Python code: a process that
+  is stopped, swapped out or holding the GIL keeps its sockets open and its kernel acknowledges
+  what this server sends, while a process that dies has its sockets closed by its kernel at once
+  (FIN or RST). So a lease whose stream is open never lapses; when the stream ends without a
+  release, the lease lapses ``STREAM_GRACE_S`` later unless the rank renews or holds again
+  within that time (a live client reconnects at once, a dead one never does). A host that
+  vanishes sends nothing at all: the stream's heartbeats go unacknowledged and the kernel
+  closes the connection after the server's TCP user timeout (server/app.py, 30 s).
+- renewals (``Lease``) about every second, which carry the rank's epoch and bring back the
+  run's notice. A lease with no open stream (a server at its stream bound, an older client)
+  lapses a TTL after its last renewal (``PARAMSHARD_LEASE_TTL_S``, 30 s by default).
+
+A lapse means the rank died or lost the network.
+Then the run's current epoch is aborted on this server: its open reduction slots and
+mailboxes end with ABORTED ("run 'R' aborted: rank 3 lost ..."; "run 'R': rank 1 recovers:
+server 2 (ADDRESS) lost ..." when a rank asked for it), a key of that epoch not open
+yet is refused the same way (``SlotStore.abort_run``), and every renewal by a rank at that
+epoch or an earlier one carries the notice back (``LeaseReply.aborted``), so the other ranks
+stop waiting at once: their client cancels its calls in flight (the open streams carry the
+notice too, at once). A rank that lost a server asks the others' servers to abort the epoch
+(``LeaseRequest.abort``), and 3D recovery starts at once.
+
+A lapse counts only with a *witness*: another rank of the run whose renewal reached this server
+after the silence began (the stream's end, or the TTL's), and whose renewals reached it all
+along (since before the silent rank's last one, or for ``ISOLATED_GRACE_S`` after they
+resumed). A server cut off from every trainer hears from nobody, so it cannot tell a dead rank
+from its own broken link and decides nothing; when the link comes back, the ranks' renewals
+resume and nothing was aborted. (A rank that a server alone cannot hear while the
+others can is taken for lost: to the run it is.) Leases that lapse with no witness are dropped
+silently after ``forget_s``.
+
+A rank that may come back (``paramshard launch --max-restarts``; its lease carries
+``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
+within that time after the lapse. A restarted trainer renews the same rank.
+
+Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
+abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
+``forget_s``; a renewal for a run that was aborted and has no live lease left starts it afresh
+(a new run under the same id). Memory is bounded: at most ``max_runs`` runs and
+``max_leases`` leases in all (RESOURCE_EXHAUSTED past them).
+
+Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
+run), when a stream's grace ends (its handler looks) and by the server's sweeper, so no thread
+waits per lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.errors import ShardError
+
+__all__ = ["LeaseTable"]
+
+MAX_RUN_CHARS = 256
+MAX_WORLD = 1 << 20
+TTL_MS = (100, 600_000)
+MAX_REJOIN_MS = 3_600_000
+MAX_REASON_CHARS = 1024
+CHECK_EVERY_S = 0.05
+STREAM_GRACE_S = 1.0
+"""After a rank's last stream ends without a release, how long it has to renew or hold again
+before its lease lapses: a live client's channel reconnects within it, a dead process never."""
+ISOLATED_GRACE_S = 10.0
+"""How long renewals must have reached this server again, after it heard from no rank, before
+a rank still silent is taken for lost: covers ranks whose channels reconnect later than
+others' (client channels back off at most 5 s: client/cluster.py)."""
+
+
+class _Aborts(Protocol):
+    """What a lease table needs of the slot store."""
+
+    def abort_run(self, run: str, epoch: int, why: str) -> int: ...
+
+    def forget_abort(self, run: str) -> None: ...
+
+
+class Listener(Protocol):
+    """An open stream that is told the run's notices (lease_holds.Hold)."""
+
+    run: str
+    rank: int
+
+    def push(self, reply: pb.LeaseReply) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class _Lease:
+    expires: float  # when it lapses while no stream holds it
+    epoch: int
+    ttl_s: float
+    rejoin_s: float
+    since: float  # when its current unbroken run of liveness began
+    heard: float  # its last renewal or stream opening
+    holds: int = 0  # its open streams
+    closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
+    lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
+
+    def live(self, now: float) -> bool:
+        return self.holds > 0 or self.expires >= now
+
+    @property
+    def silent_from(self) -> float:
+        """When its silence began to count: its stream's end, else its TTL's."""
+        return self.closed_at if self.closed_at is not None else self.expires
+
+
+@dataclass
+class _Run:
+    world_size: int
+    leases: dict[int, _Lease] = field(default_factory=dict)
+    aborted_epoch: int = -1
+    reason: str = ""
+    lost_rank: int = -1
+    checked: float = 0.0
+    idle_since: float | None = None  # when its last lease went
+    streams: set[Listener] = field(default_factory=set)
+
+    def live(self, now: float, but: int = -1) -> list[int]:
+        return [r for r, x in self.leases.items() if r != but and x.live(now)]
+
+    def notice(self, epoch: int) -> pb.LeaseReply:
+        """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""
+        reply = pb.LeaseReply(lost_rank=-1)
+        if self.aborted_epoch >= epoch:
+            reply.aborted, reply.aborted_epoch = self.reason, self.aborted_epoch
+            reply.lost_rank = self.lost_rank
+        reply.awaiting.extend(sorted(r for r, x in self.leases.items() if x.lapsed_at))
+        return reply
+
+
+class LeaseTable:
+    """The leases of every run on this server (see the module docstring)."""
+
+    def __init__(
+        self,
+        slots: _Aborts,
+        *,
+        forget_s: float = 600.0,
+        max_runs: int = 4096,
+        max_leases: int = 65536,
+        clock=time.monotonic,
+    ) -> None:
+        self.slots = slots
+        self.forget_s = forget_s
+        self.max_runs = max_runs
+        self.max_leases = max_leases
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+        self._count = 0  # leases held in all runs
+        self._closed = threading.Event()  # the server stops: streams end, nothing is decided
+
+    # -- the RPC ---------------------------------------------------------------------------
+    def renew(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+        """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
+        when asked; returns the run's notice for the rank's epoch, if any."""
+        _check(req)
+        with self._lock:
+            now = self.clock()
+            if req.release and req.run not in self._runs:
+                return pb.LeaseReply(lost_rank=-1)
+            run = self._run_for(req, now)
+            if req.release:
+                self._drop_lease(run, req.rank, now)
+            else:
+                self._hold(run, req, now)
+            if req.abort:
+                # a rank that lost a server and recovers (client/leases.py, give_up): the
+                # others recover with it, so it reads as a recovery, not as an abort
+                why = f"run '{req.run}': rank {req.rank} recovers: {req.abort}"
+                self._abort(req.run, run, req.epoch, why, -1)
+            self._check_lapses(req.run, run, now, force=bool(req.abort))
+            reply = run.notice(req.epoch)
+            self._forget_if_idle(req.run, run, now)
+            return reply
+
+    # -- streams (server/collectives/lease_holds.py) ---------------------------------------
+    def open_hold(self, req: pb.LeaseRequest, stream: Listener) -> pb.LeaseReply:
+        """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
+        too); its first reply: the run's notice for the rank's epoch, if any."""
+        _check(req)
+        if req.release or req.abort:
+            raise ShardError.invalid("HoldLease: release and abort go in a Lease call")
+        with self._lock:
+            if self._closed.is_set():
+                raise ShardError.precondition("HoldLease: this server is stopping")
+            now = self.clock()
+            run = self._run_for(req, now)
+            self._hold(run, req, now)
+            run.leases[req.rank].holds += 1
+            run.streams.add(stream)
+            return run.notice(req.epoch)
+
+    def end_hold(self, stream: Listener) -> bool:
+        """``stream`` ended; whether its rank now has ``STREAM_GRACE_S`` to come back (its
+        last stream, not released), after which the caller calls ``check``."""
+        with self._lock:
+            run = self._runs.get(stream.run)
+            if run is None or stream not in run.streams:
+                return False
+            run.streams.discard(stream)
+            lease = run.leases.get(stream.rank)
+            if lease is None or self._closed.is_set():
+                return False  # released (or the server stops): nothing to decide
+            lease.holds -= 1
+            if lease.holds:
+                return False
+            now = self.clock()
+            lease.closed_at, lease.expires = now, now + STREAM_GRACE_S
+            return True
+
+    def check(self, run: str) -> None:
+        """Looks for lapses in run ``run`` now."""
+        with self._lock:
+            found = self._runs.get(run)
+            if found is not None and not self._closed.is_set():
+                self._check_lapses(run, found, self.clock(), force=True)
+
+    def wait_closed(self, seconds: float) -> bool:
+        """Waits up to ``seconds``; whether the table was closed meanwhile."""
+        return self._closed.wait(seconds)
+
+    def close(self) -> None:
+        """The server stops: every stream ends (its rank's client reconnects elsewhere or
+        sees the server gone), and nothing more is decided."""
+        with self._lock:
+            self._closed.set()
+            streams = [x for run in self._runs.values() for x in run.streams]
+        for stream in streams:
+            stream.stop()
+
+    def sweep(self) -> None:
+        """Finds lapses of runs no live rank renews any more, and forgets idle runs (the
+        server's sweeper calls it)."""
+        with self._lock:
+            if self._closed.is_set():
+                return
+            now = self.clock()
+            for name, run in list(self._runs.items()):
+                self._check_lapses(name, run, now, force=True)
+                self._forget_if_idle(name, run, now)
+
+    def live_ranks(self, run: str) -> set[int] | None:
+        """The ranks of run ``run`` whose lease here has not lapsed; None when this server
+        knows no lease of the run (elastic membership reads it,
+        server/collectives/membership.py)."""
+        with self._lock:
+            held = self._runs.get(run)
+            return None if held is None else set(held.live(self.clock()))
+
+    def drop(self, run: str) -> bool:
+        """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
+        with self._lock:
+            gone = self._runs.pop(run, None)
+            if gone is not None:
+                self._count -= len(gone.leases)
+            return gone is not None
+
+    # -- bookkeeping (caller holds the lock) ------------------------------------------------
+    def _run_for(self, req: pb.LeaseRequest, now: float) -> _Run:
+        run = self._runs.get(req.run)
+        if run is not None and not run.live(now, but=req.rank):
+            mine = run.leases.get(req.rank)
+            survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
+            if run.world_size != req.world_size or (run.aborted_epoch >= 0 and not survivor):
+                self._forget(req.run, run)  # a new run under the same id
+                run = None
+        if run is None:
+            if len(self._runs) >= self.max_runs:
+                raise ShardError.exhausted(
+                    f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
+                    f" run '{req.run}' was not added"
+                )
+            run = self._runs[req.run] = _Run(req.world_size)
+        elif run.world_size != req.world_size:
+            raise ShardError.precondition(
+                f"Lease: run '{req.run}' has world size {run.world_size} here (ranks"
+                f" {_listed(run.live(now))} hold leases), rank {req.rank} renews with world"
+                f" size {req.world_size}: two runs share the id"
+            )
+        return run
+
+    def _hold(self, run: _Run, req: pb.LeaseRequest, now: float) -> None:
+        lease = run.leases.get(req.rank)
+        if lease is None:
+            if self._count >= self.max_leases:
+                raise ShardError.exhausted(
+                    f"Lease: this server holds {self._count} leases, its limit; rank"
+                    f" {req.rank} of run '{req.run}' was not added"
+                )
+            self._count += 1
+        ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
+        if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
+            holds = lease.holds if lease is not None else 0
+            lease = run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, rejoin, now, now)
+            lease.holds = holds
+        else:
+            if not lease.live(now):
+                lease.since = now
+            lease.expires, lease.epoch, lease.ttl_s, lease.rejoin_s = (
+                now + ttl,
+                req.epoch,
+                ttl,
+                rejoin,
+            )
+            lease.heard, lease.closed_at = now, None
+        run.idle_since = None
+
+    def _drop_lease(self, run: _Run, rank: int, now: float) -> None:
+        if run.leases.pop(rank, None) is not None:
+            self._count -= 1
+        if not run.leases:
+            run.idle_since = now
+
+    def _check_lapses(self, name: str, run: _Run, now: float, force: bool = False) -> None:
+        if not force and now - run.checked < CHECK_EVERY_S:
+            return
+        run.checked = now
+        for rank, lease in list(run.leases.items()):
+            if lease.live(now):
+                continue
+            if lease.lapsed_at is None:
+                lease.lapsed_at = lease.expires
+            if now - lease.lapsed_at < lease.rejoin_s:
+                continue  # the run waits for a restart of this rank
+            if not _witnessed(run, rank, lease, now):
+                if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
+                    self._drop_lease(run, rank, now)
+                continue  # this server may be the one cut off: it decides nothing
+            waited = f", then {lease.rejoin_s:g} s for a restart" if lease.rejoin_s else ""
+            if lease.closed_at is not None:
+                how = "its lease stream to this server closed: its process ended or its host is"
+                how += " unreachable"
+            else:
+                how = f"no lease renewal for {lease.ttl_s:g} s"
+            epoch = max(x.epoch for x in run.leases.values())
+            self._drop_lease(run, rank, now)
+            self._abort(
+                name, run, epoch, f"run '{name}' aborted: rank {rank} lost ({how}{waited})", rank
+            )
+
+    def _abort(self, name: str, run: _Run, epoch: int, why: str, lost: int) -> None:
+        if epoch <= run.aborted_epoch:
+            return  # that epoch ended already: its first reason stands
+        run.aborted_epoch, run.reason, run.lost_rank = epoch, why, lost
+        self.slots.abort_run(name, epoch, why)
+        notice = run.notice(epoch)
+        for stream in run.streams:  # every rank learns now, not at its next renewal
+            stream.push(notice)
+
+    def _forget_if_idle(self, name: str, run: _Run, now: float) -> None:
+        if not run.leases and run.idle_since is not None and now - run.idle_since > self.forget_s:
+            self._forget(name, run)
+
+    def _forget(self, name: str, run: _Run) -> None:
+        self._count -= len(run.leases)
+        del self._runs[name]
+        self.slots.forget_abort(name)
+
+
+def _witnessed(run: _Run, rank: int, silent: _Lease, now: float) -> bool:
+    """Whether another rank's renewals reached this server all through ``rank``'s silence
+    (or for ``ISOLATED_GRACE_S`` since they resumed), one of them after the silence began:
+    proof that the silence is the rank's, not this server's."""
+    return any(
+        other.live(now)
+        and other.heard > silent.silent_from
+        and (other.since <= silent.heard or now - other.since >= ISOLATED_GRACE_S)
+        for r, other in run.leases.items()
+        if r != rank
+    )
+
+
+def _check(req: pb.LeaseRequest) -> None:
+    """Refuses a malformed request before anything changes."""
+    if not req.run or len(req.run) > MAX_RUN_CHARS or ":" in req.run:
+        raise ShardError.invalid(
+            f"Lease needs a run id of 1..{MAX_RUN_CHARS} characters without ':',"
+            f" got {req.run[:64]!r}{'...' if len(req.run) > 64 else ''}"
+        )
+    if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
+        raise ShardError.invalid(
+            f"Lease: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
+        )
+    if not req.release and not TTL_MS[0] <= req.ttl_ms <= TTL_MS[1]:
+        raise ShardError.invalid(
+            f"Lease: ttl_ms must be in {TTL_MS[0]}..{TTL_MS[1]}, got {req.ttl_ms}"
+        )
+    if req.rejoin_ms > MAX_REJOIN_MS:
+        raise ShardError.invalid(f"Lease: rejoin_ms must be at most {MAX_REJOIN_MS}")
+    if len(req.abort) > MAX_REASON_CHARS:
+        raise ShardError.invalid(f"Lease: an abort reason is at most {MAX_REASON_CHARS} chars")
+
+
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")

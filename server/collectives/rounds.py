@@ -1,0 +1,103 @@
+"""The records of elastic membership (server/collectives/membership.py numbers the protocol):
+a round (one step's, or one recovery's), a job's rounds and history, their Status rows, and the
+checks a Join request passes before anything changes."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.errors import ShardError
+
+__all__ = ["ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "Round", "check_request", "status_row"]
+
+KEPT_ROUNDS = 64
+KEPT_EVENTS = 64
+MAX_WORLD = 65536
+MAX_NAME = 256
+MAX_WINDOW_MS = 3_600_000
+
+
+@dataclass
+class Round:
+    """One round: a step's membership (revised into generations), or a recovery's."""
+
+    key: int  # the step, or for a recovery round the epoch
+    expected: set[int]
+    min_members: int
+    window_s: float
+    before: set[int]  # the members it follows (history: who joined, who left)
+    announced: dict[int, int] = field(default_factory=dict)  # rank -> its epoch
+    window_start: float | None = None
+    decided: bool = False
+    generation: int = 0
+    members: tuple[int, ...] = ()
+    epoch: int = 0
+    done: bool = False  # recovery rounds
+    below_min: bool = False  # all there, but fewer than min_members
+
+
+@dataclass
+class ElasticJob:
+    """One elastic job on its coordinator: its rounds, who was seen alive or left, counts."""
+
+    run: str
+    world_size: int
+    touched: float
+    rounds: dict[int, Round] = field(default_factory=dict)
+    recoveries: dict[int, Round] = field(default_factory=dict)
+    last: Round | None = None  # the newest step round decided
+    seen_live: set[int] = field(default_factory=set)
+    left: set[int] = field(default_factory=set)
+    epoch: int = 0
+    joins: int = 0
+    leaves: int = 0
+    revisions: int = 0
+    steps_by_size: Counter = field(default_factory=Counter)
+    history: deque = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
+
+
+def status_row(name: str, job: ElasticJob) -> pb.JobMembership:
+    """Job ``name``'s row of the Status reply (``StatusReply.memberships``)."""
+    last = job.last
+    waiting = sorted({r for rnd in job.rounds.values() if not rnd.decided for r in rnd.announced})
+    return pb.JobMembership(
+        job=name,
+        run=job.run,
+        step=last.key if last else 0,
+        generation=last.generation if last else 0,
+        members=last.members if last else (),
+        min_members=last.min_members if last else 0,
+        joins=job.joins,
+        leaves=job.leaves,
+        revisions=job.revisions,
+        steps_by_world_size={k: v for k, v in job.steps_by_size.items() if v > 0},
+        history=list(job.history),
+        waiting=waiting,
+    )
+
+
+def check_request(req: pb.JoinRequest) -> None:
+    """Refuses a malformed request before anything changes."""
+    for what, value in (("run", req.run), ("job", req.job)):
+        if not value or len(value) > MAX_NAME:
+            raise ShardError.invalid(f"Join needs a {what} name of 1..{MAX_NAME} characters")
+    if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
+        raise ShardError.invalid(
+            f"Join: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
+        )
+    if req.min_members > req.world_size:
+        raise ShardError.invalid(
+            f"Join: min_members {req.min_members} is more than the world size {req.world_size}"
+        )
+    if req.window_ms > MAX_WINDOW_MS:
+        raise ShardError.invalid(f"Join: window_ms must be at most {MAX_WINDOW_MS}")
+    if len(req.known_members) > req.world_size or any(
+        r >= req.world_size for r in req.known_members
+    ):
+        raise ShardError.invalid(
+            f"Join: known_members must be ranks below the world size {req.world_size}"
+        )
+    if req.done and not req.recovery:
+        raise ShardError.invalid("Join: done is for recovery rounds")

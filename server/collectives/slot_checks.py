@@ -1,0 +1,60 @@
+"""What a slot contribution must agree with: its header on its own, and the slot's first one."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.errors import ShardError
+
+if TYPE_CHECKING:
+    from paramshard.server.collectives.slot import Slot
+
+__all__ = ["check_header", "check_same"]
+
+
+def check_header(h: pb.SlotHeader) -> None:
+    label = f"slot '{h.key}'"
+    if not h.key:
+        raise ShardError.invalid("Contribute needs a slot key")
+    if h.expected == 0 or h.readers == 0:
+        raise ShardError.invalid(f"{label}: expected contributors and readers must be >= 1")
+    if h.op not in (pb.SUM, pb.MEAN, pb.MAX, pb.MIN, pb.SET):
+        raise ShardError.invalid(f"{label}: unknown reduce op {h.op}")
+    if h.op == pb.SET and h.expected != 1:
+        raise ShardError.invalid(f"{label}: SET takes exactly one contributor, not {h.expected}")
+    if h.contributor >= h.expected:
+        raise ShardError.invalid(
+            f"{label}: contributor {h.contributor} is outside 0..{h.expected - 1}"
+        )
+    if h.op == pb.MEAN and h.chunk.dtype in (pb.INT64, pb.INT32):
+        raise ShardError.invalid(f"{label}: MEAN needs a floating dtype, got integers")
+    c = h.chunk
+    if h.total_numel and h.chunk_numel == 0:
+        raise ShardError.invalid(f"{label}: chunk_numel must be positive")
+    if h.total_numel and (c.offset % h.chunk_numel or c.offset >= h.total_numel):
+        raise ShardError.invalid(
+            f"{label}: offset {c.offset:,} does not start a chunk of {h.chunk_numel:,}"
+            f" inside {h.total_numel:,} elements"
+        )
+    want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
+    if c.numel != want:
+        raise ShardError.invalid(
+            f"{label}: the chunk at offset {c.offset:,} has {want:,} elements, not {c.numel:,}"
+        )
+
+
+def check_same(slot: Slot, h: pb.SlotHeader) -> None:
+    meta = slot.meta
+    assert meta is not None
+    mine = [
+        (n, getattr(meta, n)) for n in ("op", "expected", "readers", "total_numel", "chunk_numel")
+    ]
+    mine += [("shape", list(meta.shape)), ("dtype", slot.dtype)]
+    theirs = [getattr(h, n) for n, _ in mine[:5]] + [list(h.shape), h.chunk.dtype]
+    for (name, old), new in zip(mine, theirs, strict=True):
+        if old != new:
+            raise ShardError.precondition(
+                f"slot '{h.key}': {name} is {old} for earlier contributors, {new} for"
+                f" contributor {h.contributor}"
+            )

@@ -1,0 +1,373 @@
+"""Reduction slots: keyed accumulators behind the collectives, broadcasts and mailboxes.
+
+A slot is one tensor (or one server's part of it) cut into chunks of ``chunk_numel`` elements.
+Each chunk completes on its own when ``expected`` contributors have added it, and is freed once
+``readers`` distinct readers have read it. Because every rank cuts a tensor the same way, a
+reader can fetch chunk k while chunk k+1 is still being reduced: the reduce-scatter and the
+all-gather halves of an all-reduce overlap.
+
+A contribution is identified by (key, chunk offset, contributor) and counted once; recently
+freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot.
+
+Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
+arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
+are in, and an early arrival waits as a copy in ``Chunk.staged``. Float addition is not
+associative, so this is what makes two runs of the same training bitwise identical, as gloo's
+fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
+
+Pending work ends (docs/design.md §3.7): a slot or mailbox that gets no contribution and no read
+for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), and ``drop_run``
+drops every slot of a run (``DropJob`` with the run's name). Their memory is given back, their
+waiting readers fail with ABORTED naming the slot and why, and so does any later call on the
+key. Their memory, like every slot's, is paid for from the server's ``MemoryBudget`` first.
+Each slot also knows since when it is open and which readers wait on it: a timed-out read and
+Status name who arrived and who is missing (the hang doctor, server/collectives/pending.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.pending import parse_key, run_epoch, who
+from paramshard.server.collectives.slot import Chunk, Slot
+from paramshard.server.collectives.slot_checks import check_header, check_same
+from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+
+__all__ = ["SlotStore"]
+
+_FORGET_AFTER = 65536  # freed keys remembered for late retries
+
+
+def _ordered(h: pb.SlotHeader) -> bool:
+    """Whether the contributions of this slot are added in contributor order. Two need no
+    order: a + b == b + a exactly in IEEE arithmetic; only the grouping of three or more can
+    change a sum."""
+    floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
+    return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
+
+
+def _meta(h: pb.SlotHeader) -> pb.SlotHeader:
+    """What every reader's reply header repeats of the first contribution: the slot's own
+    fields, listed, never a copy of the whole header. A copy would hand each reader the
+    writer's shared segment (``shm``), its contributor number and any unknown fields it sent."""
+    return pb.SlotHeader(
+        key=h.key,
+        op=h.op,
+        expected=h.expected,
+        readers=h.readers,
+        total_numel=h.total_numel,
+        shape=h.shape,
+        chunk_numel=h.chunk_numel,
+        arrival_order=h.arrival_order,
+    )
+
+
+class SlotStore:
+    """Every reduction slot and mailbox on this server."""
+
+    def __init__(
+        self, max_bytes: int = 0, budget: MemoryBudget | None = None, ttl_s: float = 600.0
+    ) -> None:
+        self.max_bytes = max_bytes  # 0: unbounded
+        self.budget = budget or MemoryBudget()
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._slots: dict[str, Slot] = {}
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
+        self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
+        self._bytes = 0
+
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, open slots)."""
+        with self._lock:
+            return self._bytes, len(self._slots)
+
+    def chunk_nbytes(self, key: str) -> int | None:
+        """The bytes a read of slot ``key`` replies at most (one chunk in its wire dtype);
+        None while it has no contribution. A peek without the slot's lock, for sessions'
+        admission (server/transport/sessions.py)."""
+        with self._lock:
+            slot = self._slots.get(key)
+        meta = slot.meta if slot is not None else None
+        if meta is None:
+            return None
+        numel = meta.chunk_numel or meta.total_numel
+        return numel * codec.numpy_dtype(slot.dtype).itemsize
+
+    def open_slots(self) -> list[Slot]:
+        """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
+        with self._lock:
+            return list(self._slots.values())
+
+    def _slot(self, key: str) -> Slot | None:
+        """The slot for ``key``, created on first use; None when it was freed already."""
+        with self._lock:
+            if key in self._ended:
+                raise ShardError.aborted(self._ended[key])
+            slot = self._slots.get(key)
+            if slot is None and key not in self._freed:
+                for run, (epoch, why) in self._aborted.items():
+                    if (e := run_epoch(key, run)) is not None and e <= epoch:
+                        raise ShardError.aborted(f"slot '{key}': {why}")
+                slot = self._slots[key] = Slot(key)
+            return slot
+
+    def contribute(self, h: pb.SlotHeader, data: memoryview) -> bool:
+        """Adds a contribution; returns True when it had been counted before."""
+        check_header(h)
+        host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
+        slot = self._slot(h.key)
+        if slot is None:
+            return True  # read by everyone and freed: a late retry
+        with slot.cond:
+            if slot.ended is not None:
+                raise ShardError.aborted(slot.ended)
+            if slot.meta is not None:
+                try:
+                    check_same(slot, h)
+                except ShardError as exc:
+                    # The ranks disagree about this collective (world size, shape, dtype): its
+                    # readers would wait for a contribution that is not coming, so a read that
+                    # would wait fails now, not at its deadline. The slot itself is untouched:
+                    # contributions that agree may still complete it.
+                    slot.conflict = f"{exc.message}: the ranks of the run disagree about it"
+                    slot.cond.notify_all()
+                    raise
+            if h.chunk.offset in slot.freed:
+                return True
+            chunk = slot.chunks.get(h.chunk.offset)
+            if chunk is not None and h.contributor in chunk.contributors:
+                return True
+            ordered = _ordered(h)
+            early = ordered and (chunk.head if chunk is not None else 0) != h.contributor
+            acc = None
+            if early or chunk is None or chunk.acc is None:
+                # A chunk's first contribution becomes its accumulator, and in rank order an
+                # early one is kept aside. Its memory is reserved before anything changes, so
+                # a rejected contribution leaves no trace.
+                if h.op == pb.SET:
+                    acc = backend.to_device(host.copy())
+                else:
+                    acc = arrays.to_compute(host, h.chunk.dtype, own=True)
+                try:
+                    self._reserve(int(acc.nbytes), h.key)
+                except ShardError:
+                    self._forget_if_unused(slot)
+                    raise
+            # -- all checks passed: mutate --
+            slot.touched = time.monotonic()
+            if slot.meta is None:
+                slot.meta = _meta(h)
+                slot.dtype = h.chunk.dtype
+            if chunk is None:
+                chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
+            if early:
+                chunk.staged[h.contributor] = acc
+            elif acc is not None:
+                chunk.acc = acc
+            else:
+                values = arrays.to_compute(host, h.chunk.dtype)
+                if h.op in (pb.SUM, pb.MEAN):
+                    chunk.acc += values
+                elif h.op == pb.MAX:
+                    backend.xp.maximum(chunk.acc, values, out=chunk.acc)
+                else:
+                    backend.xp.minimum(chunk.acc, values, out=chunk.acc)
+            if ordered and not early:
+                chunk.head += 1
+                while chunk.head in chunk.staged:  # the ones that waited for this one
+                    kept = chunk.staged.pop(chunk.head)
+                    chunk.acc += kept
+                    self._release(int(kept.nbytes))
+                    chunk.head += 1
+            chunk.contributors.add(h.contributor)
+            if len(chunk.contributors) == h.expected:
+                if h.op == pb.MEAN and h.expected > 1:
+                    chunk.acc /= chunk.acc.dtype.type(h.expected)
+                slot.cond.notify_all()
+            return False
+
+    def _reserve(self, nbytes: int, key: str) -> None:
+        with self._lock:
+            if self.max_bytes and self._bytes + nbytes > self.max_bytes:
+                raise ShardError.exhausted(
+                    f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
+                    f" limit of {self.max_bytes:,} bytes ({self._bytes:,} in use)"
+                )
+            self.budget.reserve(nbytes, "slots", f"slot '{key}'")
+            self._bytes += nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._release_locked(nbytes)
+
+    def _release_locked(self, nbytes: int) -> None:
+        """Caller holds ``_lock``."""
+        self._bytes -= nbytes
+        self.budget.release(nbytes, "slots")
+
+    def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
+        """Waits for the chunk at ``req.offset`` to complete and returns it."""
+        if not req.key:
+            raise ShardError.invalid("ReadSlot needs a slot key")
+        slot = self._slot(req.key)
+        if slot is None:
+            raise ShardError.not_found(f"slot '{req.key}' was read by all its readers and freed")
+
+        def complete() -> bool:
+            chunk = slot.chunks.get(req.offset)
+            return chunk is not None and len(chunk.contributors) == slot.meta.expected
+
+        with slot.cond:
+            slot.touched = time.monotonic()
+            if req.offset in slot.freed:
+                raise ShardError.not_found(
+                    f"slot '{req.key}': the chunk at {req.offset:,} was read by all its readers"
+                )
+            if slot.meta is not None and req.offset >= max(slot.meta.total_numel, 1):
+                raise ShardError.invalid(
+                    f"slot '{req.key}': offset {req.offset:,} is past its"
+                    f" {slot.meta.total_numel:,} elements"
+                )
+            slot.waiting[req.reader] += 1
+            try:
+                done = slot.cond.wait_for(
+                    lambda: slot.ended is not None or slot.conflict is not None or complete(),
+                    timeout,
+                )
+            finally:
+                slot.waiting[req.reader] -= 1
+                if not slot.waiting[req.reader]:
+                    del slot.waiting[req.reader]
+            if slot.ended is not None:
+                raise ShardError.aborted(slot.ended)
+            if slot.conflict is not None and not complete():
+                raise ShardError.precondition(slot.conflict)
+            if not done:
+                self._forget_if_unused(slot)
+                raise ShardError.deadline(
+                    f"{parse_key(req.key).describe()}, chunk at {req.offset:,}: waited"
+                    f" {timeout:.1f} s; {who(slot, req.offset)}"
+                )
+            meta = slot.meta
+            chunk = slot.chunks[req.offset]
+            header = pb.SlotHeader()
+            header.CopyFrom(meta)
+            header.chunk.CopyFrom(pb.Chunk(offset=req.offset, numel=chunk.numel, dtype=slot.dtype))
+            # A complete chunk is never written again, so the reply may hold a view of it: the
+            # serialiser copies it once, straight into the message.
+            if meta.op == pb.SET:
+                payload = backend.to_host(chunk.acc)
+            else:
+                payload = arrays.wire_array(chunk.acc, slot.dtype)
+            chunk.readers.add(req.reader)
+            if len(chunk.readers) >= meta.readers:
+                self._free_chunk(slot, req.offset)
+        return header, payload
+
+    def _free_chunk(self, slot: Slot, offset: int) -> None:
+        """Caller holds slot.cond."""
+        chunk = slot.chunks.pop(offset)
+        slot.freed.add(offset)
+        with self._lock:
+            self._release_locked(chunk.nbytes())
+            if len(slot.freed) == slot.num_chunks():
+                self._slots.pop(slot.key, None)
+                self._freed[slot.key] = None
+                while len(self._freed) > _FORGET_AFTER:
+                    self._freed.popitem(last=False)
+
+    def _forget_if_unused(self, slot: Slot) -> None:
+        """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
+        if slot.meta is None and not slot.chunks:
+            with self._lock:
+                if self._slots.get(slot.key) is slot:
+                    del self._slots[slot.key]
+
+    # -- the end of pending work -------------------------------------------------------------
+    def expire(self) -> int:
+        """Drops the slots that got no contribution or read for ``ttl_s`` seconds; returns
+        how many."""
+        limit = time.monotonic() - self.ttl_s
+        with self._lock:
+            stale = [s for s in self._slots.values() if s.touched < limit]
+        ended = 0
+        for slot in stale:
+            with slot.cond:
+                if slot.touched < limit and slot.ended is None:
+                    first = min(slot.chunks, default=0)
+                    self._end(
+                        slot,
+                        f"slot '{slot.key}' expired: no contribution or read for"
+                        f" {self.ttl_s:g} s ({_what(slot.key)}{who(slot, first)})",
+                    )
+                    ended += 1
+        return ended
+
+    def drop_run(self, run: str) -> int:
+        """Drops every slot and mailbox of run ``run`` (keys ``<run>:...``, and its groups'
+        ``<run>/<group>:...`` and restarts' ``<run>.e<epoch>:...``); returns how many."""
+        self.forget_abort(run)
+        return self._end_run(run, None, f"was dropped with run '{run}' (DropJob)")
+
+    def abort_run(self, run: str, epoch: int, why: str) -> int:
+        """Aborts epochs ``0..epoch`` of run ``run`` (its lease lapsed,
+        server/collectives/leases.py): its open slots end, and a key of those epochs not open yet is
+        refused, both with ABORTED and ``why``. Returns how many slots ended."""
+        with self._lock:
+            self._aborted[run] = (epoch, why)
+        return self._end_run(run, epoch, f"ended: {why}")
+
+    def interrupt(self, why: str) -> None:
+        """The server stops: every open slot ends with ``why``, its readers' waits with it."""
+        with self._lock:
+            slots = list(self._slots.values())
+        for slot in slots:
+            with slot.cond:
+                if slot.ended is None:
+                    self._end(slot, f"slot '{slot.key}': {why}")
+
+    def forget_abort(self, run: str) -> None:
+        """Run ``run`` starts afresh (a new run under the same id): its keys open again."""
+        with self._lock:
+            self._aborted.pop(run, None)
+
+    def _end_run(self, run: str, epoch: int | None, why: str) -> int:
+        """Ends the open slots of ``run`` (of epochs up to ``epoch``; None: all)."""
+        with self._lock:
+            mine = [
+                slot
+                for key, slot in self._slots.items()
+                if (e := run_epoch(key, run)) is not None and (epoch is None or e <= epoch)
+            ]
+        for slot in mine:
+            with slot.cond:
+                if slot.ended is None:
+                    self._end(slot, f"slot '{slot.key}' {why}")
+        return len(mine)
+
+    def _end(self, slot: Slot, why: str) -> None:
+        """Caller holds ``slot.cond``: frees it, wakes its readers, remembers why."""
+        slot.ended = why
+        slot.cond.notify_all()
+        with self._lock:
+            self._release_locked(sum(c.nbytes() for c in slot.chunks.values()))
+            slot.chunks.clear()
+            if self._slots.get(slot.key) is slot:
+                del self._slots[slot.key]
+            self._ended[slot.key] = why
+            while len(self._ended) > _FORGET_AFTER:
+                self._ended.popitem(last=False)
+
+
+def _what(key: str) -> str:
+    """``all_reduce #3 of run 'r'; `` for a collective's key, else ""."""
+    what = parse_key(key).what()
+    return f"{what}; " if what else ""

@@ -1,0 +1,112 @@
+"""How a server gets its state back from replicas (server/replication/replicator.py keeps and sends
+them).
+
+A live server rolls back to a version it kept of its own (``rollback``); a restarted one reads
+its replica back from its neighbour (``fetch`` there, ``load_chunk`` here) and loads it once the
+chunks cover it. ``client.tools.recover_from_replicas`` picks the version and drives the calls.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.shards import decode_shard
+
+__all__ = ["CHUNK", "ReplicaRecovery"]
+
+CHUNK = 4 * 2**20  # bytes per replica chunk, sent or fetched
+
+
+class ReplicaRecovery:
+    """Replicator's recovery side: its replicas, kept and held, read back into the store."""
+
+    store: Any  # BufferStore
+    _lock: threading.Lock
+    configs: dict[str, pb.ReplicationConfig]
+    own: dict[str, OrderedDict[int, bytes]]
+    held: dict[tuple[str, int], OrderedDict[int, bytes]]
+    inbox: Inbox
+    budget: Any
+
+    def fetch(self, req: pb.FetchReplicaRequest) -> pb.ReplicaChunk:
+        with self._lock:
+            cfg = self.configs.get(req.job)
+            if cfg is not None and cfg.server_index == req.source_index:
+                blob = self.own.get(req.job, {}).get(req.version)
+            else:
+                blob = self.held.get((req.job, req.source_index), {}).get(req.version)
+        if blob is None:
+            raise ShardError.not_found(
+                f"no replica of job '{req.job}' from server {req.source_index} at version"
+                f" {req.version} here"
+            )
+        size = req.max_bytes or CHUNK
+        return pb.ReplicaChunk(
+            job=req.job,
+            source_index=req.source_index,
+            version=req.version,
+            offset=req.offset,
+            total=len(blob),
+            data=blob[req.offset : req.offset + size],
+        )
+
+    def load_chunk(self, chunk: pb.ReplicaChunk) -> bool:
+        """A restarted server gets its own replica back; loaded once whole."""
+        what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
+        if chunk.total == 0:
+            raise ShardError.invalid(f"{what}: a replica is not empty (total is 0)")
+        slices = self.store.jobs().get(chunk.job)
+        if slices:
+            num = slices[0].spec.num_servers
+            if chunk.source_index >= num:
+                raise ShardError.invalid(
+                    f"{what}: job '{chunk.job}' is on {num} server(s) here, slices 0..{num - 1}"
+                )
+            bound = replica_bound(slices, chunk.source_index)
+        else:  # not here (the server restarted): this job's quota, else the host's memory
+            bound = self.store.max_job_bytes or memory_bound()
+        blob = self.inbox.add("load", chunk, bound, what)
+        if blob is None:
+            return False
+        try:  # once loaded, the slices hold what they need: the blob goes
+            check_header(blob, chunk, what)
+            self._restore(chunk.job, blob)
+        finally:
+            self.budget.release(len(blob), "replicas")  # reserved by the inbox
+        return True
+
+    def rollback(self, job: str, version: int) -> int:
+        with self._lock:
+            blob = self.own.get(job, {}).get(version)
+        if blob is None:
+            raise ShardError.not_found(f"this server has no copy of job '{job}' at v{version}")
+        return self._restore(job, blob)
+
+    def _restore(self, job: str, blob: bytes) -> int:
+        from paramshard.server.buffers.store import (
+            BufferSlice,  # store imports snapshots; avoid a cycle
+        )
+
+        meta, tensors = decode_shard(blob)
+        if meta.get("job") != job:
+            raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
+        slices = []
+        try:
+            for name, info in meta["buffers"].items():
+                spec = pb.RegisterBufferRequest.FromString(base64.b64decode(info["spec"]))
+                state = {k: tensors[f"{name}::state.{k}"] for k in info["state"]}
+                b = BufferSlice.restored(
+                    spec, meta["version"], tensors[f"{name}::params"], state, info["step_count"]
+                )
+                b.replicator = self if job in self.configs else None
+                slices.append(b)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
+        self.store.replace_job(job, slices)
+        return int(meta["version"])

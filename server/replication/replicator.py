@@ -1,0 +1,352 @@
+"""Neighbour replication (docs/design.md §5.2, §6.1): a dead server is rebuilt from its neighbour.
+
+Every ``every`` versions, right after a step, each buffer slice of a configured job copies its
+params and optimizer state (a memcpy, under the slice's lock). When all buffers of the job on
+this server have been copied at that version, a background thread encodes them as one shard
+(the snapshot format, plus each buffer's registration), keeps it, and sends it in chunks to
+server (index + 1) mod N, which keeps it for us: through shared memory when that server runs
+on this host (``replica_shm.py``), else in-band. Both sides keep the last ``KEEP`` versions.
+
+Who may do what (docs/design.md §6.1): ``ConfigureReplication`` is an admin call, and its target
+must be the job's next server: before accepting it, this server asks the target to take a
+replica of the job from our slice index (an empty ``StoreReplica``, total 0), which the target
+accepts only if it holds the job and we are its predecessor ((its index - 1) mod N, from the
+placement the job was registered with). Replicas travel with this server's own ``peer`` token
+(server/rpc/auth.py), over TLS when this server serves TLS. A received replica is bounded by the
+registered size of the job (``replica_inbox.replica_bound``), complete when its chunks cover
+every byte once, and dropped when it stays incomplete (``replica_inbox.Inbox``). The send queue
+is bounded (the oldest waiting replica gives way); a neighbour's channel is closed when
+replication stops, moves elsewhere, or the job is dropped.
+
+Recovery (client.tools.recover_from_replicas) picks the newest version every server can get
+back: a live server from its own copy (rollback), a restarted one from its neighbour's.
+Encoding and sending happen off the training path; only the copy is on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict, deque
+from typing import Any
+
+import grpc
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.replication.inbox import Inbox, check_header, replica_bound
+from paramshard.server.replication.neighbour_shm import NeighbourSegments
+from paramshard.server.replication.recovery import CHUNK, ReplicaRecovery
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.shards import Captured, encode_shard
+
+__all__ = ["Replicator"]
+
+log = logging.getLogger("paramshard.replication")
+KEEP = 2  # versions kept of each replica
+QUEUE = 4  # replicas waiting to be encoded and sent
+PROBE_TIMEOUT_S = 10.0
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_STORE = "/paramshard.v1.Shard/StoreReplica"
+
+
+class Replicator(ReplicaRecovery):
+    def __init__(self, store: Any, *, ttl_s: float = 300.0, queue_size: int = QUEUE) -> None:
+        self.store = store  # BufferStore
+        self._lock = threading.Lock()
+        self.configs: dict[str, pb.ReplicationConfig] = {}
+        self._collecting: dict[tuple[str, int], dict[str, tuple[Captured, bytes]]] = {}
+        self.own: dict[str, OrderedDict[int, bytes]] = {}
+        self.held: dict[tuple[str, int], OrderedDict[int, bytes]] = {}
+        self.budget = store.budget  # replicas kept here are paid for from the server's memory
+        self.inbox = Inbox(ttl_s, self.budget)
+        self.queue_size = queue_size
+        self._queue: deque[tuple[pb.ReplicationConfig, int, dict]] = deque()
+        self._wake = threading.Condition(self._lock)
+        self._channels: dict[str, grpc.Channel] = {}
+        self.segments = NeighbourSegments(CHUNK)  # chunks to a neighbour on this host
+        self._closed = False
+        # set by ShardServer: how replicas reach the neighbour
+        self.peer_token: str | None = None
+        self.tokens_required = False
+        self.credentials: grpc.ChannelCredentials | None = None
+        threading.Thread(target=self._send_loop, name="replicate", daemon=True).start()
+
+    def set_transport(
+        self,
+        *,
+        peer_token: str | None,
+        tokens_required: bool,
+        credentials: grpc.ChannelCredentials | None,
+    ) -> None:
+        """``peer_token``: sent on every replica call; ``tokens_required``: this server takes
+        tokens, so its peers do too and a missing peer token is a configuration error;
+        ``credentials``: TLS for replica channels (None: plaintext, for plaintext servers)."""
+        self.peer_token, self.tokens_required = peer_token, tokens_required
+        self.credentials = credentials
+
+    def set_ttl(self, ttl_s: float) -> None:
+        """Incomplete replicas are dropped after ``ttl_s`` seconds without a chunk."""
+        with self._lock:
+            self.inbox.ttl_s = ttl_s
+            self._wake.notify_all()  # the sweep's period follows
+
+    # -- configuration and capture (the training path) --------------------------------------
+    def configure(self, cfg: pb.ReplicationConfig) -> None:
+        slices = self.store.jobs().get(cfg.job)
+        if not slices:
+            raise ShardError.not_found(f"job '{cfg.job}' is not on this server")
+        if not cfg.every:
+            self._stop(cfg.job)
+            return
+        held = (slices[0].spec.server_index, slices[0].spec.num_servers)
+        if (cfg.server_index, cfg.num_servers) != held:
+            raise ShardError.invalid(
+                f"replication of '{cfg.job}': this server holds slice {held[0]} of {held[1]},"
+                f" the configuration says {cfg.server_index} of {cfg.num_servers}"
+            )
+        if ":" not in cfg.neighbour:
+            raise ShardError.invalid(
+                f"replication of '{cfg.job}': neighbour {cfg.neighbour!r} must be host:port"
+            )
+        if self.tokens_required and not self.peer_token:
+            raise ShardError.precondition(
+                f"replication of '{cfg.job}': this server has tokens but no peer token to send"
+                " replicas with; add a 'peer TOKEN' line (the same on every server) to its"
+                " --token-file"
+            )
+        self._probe(cfg)
+        with self._lock:
+            old = self.configs.get(cfg.job)
+            self.configs[cfg.job] = cfg
+            if old is not None and old.neighbour != cfg.neighbour:
+                self._close_unused(old.neighbour)
+        for b in slices:  # a first copy now, so a failure before step `every` is covered too
+            b.replicator = self
+            with b.cond:
+                self.on_version(b, force=True)
+
+    def _stop(self, job: str) -> None:
+        for b in self.store.jobs().get(job, ()):
+            b.replicator = None
+        with self._lock:
+            old = self.configs.pop(job, None)
+            for key in [k for k in self._collecting if k[0] == job]:
+                del self._collecting[key]
+            self._queue = deque(item for item in self._queue if item[0].job != job)
+            if old is not None:
+                self._close_unused(old.neighbour)
+
+    def drop(self, job: str) -> None:
+        """The job left this server: stop replicating it, forget its replicas, close channels."""
+        self._stop(job)
+        with self._lock:
+            gone = list(self.own.pop(job, {}).values())
+            for key in [k for k in self.held if k[0] == job]:
+                gone += self.held.pop(key).values()
+        self.budget.release(sum(map(len, gone)), "replicas")
+        self.inbox.drop(job)
+
+    def _close_unused(self, neighbour: str) -> None:
+        """Under the lock: closes the channel to ``neighbour`` unless a job still sends there."""
+        if any(c.neighbour == neighbour for c in self.configs.values()):
+            return
+        chan = self._channels.pop(neighbour, None)
+        if chan is not None:
+            self.segments.forget(neighbour)
+            chan.close()
+
+    def on_version(self, b: Any, force: bool = False) -> None:
+        """Called with ``b.cond`` held after ``b`` reached a new version."""
+        cfg = self.configs.get(b.job)
+        if cfg is None or not cfg.every or (b.version % cfg.every and not force):
+            return
+        captured = b.copy_state()
+        key = (b.job, b.version)
+        total = len(self.store.jobs().get(b.job, ()))
+        with self._lock:
+            bucket = self._collecting.setdefault(key, {})
+            bucket[b.name] = (captured, b.spec.SerializeToString())
+            older = sorted(k for k in self._collecting if k[0] == b.job)
+            for stale in older[: max(0, len(older) - KEEP)]:  # a buffer never got there
+                del self._collecting[stale]
+            if len(bucket) < total:
+                return
+            self._collecting.pop(key, None)
+            if len(self._queue) >= self.queue_size:
+                late, version, _ = self._queue.popleft()
+                log.warning(
+                    "replica of %s v%d dropped: %d replicas wait to be sent to slow neighbours",
+                    late.job,
+                    version,
+                    self.queue_size,
+                )
+            self._queue.append((cfg, b.version, bucket))
+            self._wake.notify()
+
+    # -- encoding and sending (background) ----------------------------------------------------
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._wake.wait(timeout=min(60.0, self.inbox.ttl_s / 2))
+                    self.inbox.sweep()
+                if self._closed:
+                    return
+                cfg, version, bucket = self._queue.popleft()
+            try:
+                captured = [c for c, _ in bucket.values()]
+                specs = {name: spec for name, (_, spec) in bucket.items()}
+                blob = encode_shard(
+                    cfg.job, "replica", cfg.server_index, cfg.num_servers, version, captured, specs
+                )
+                with self._lock:
+                    if self.configs.get(cfg.job) is not cfg:
+                        continue  # reconfigured or stopped meanwhile
+                    self.budget.reserve(len(blob), "replicas", f"own replica of '{cfg.job}'")
+                    self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
+                self._send(cfg, version, blob)
+            except Exception:  # the neighbour may be down: the next version tries again
+                log.warning(
+                    "replica of %s v%d to %s failed", cfg.job, version, cfg.neighbour, exc_info=True
+                )
+
+    def close(self) -> None:
+        """Stops the sender and closes every channel (the server stops)."""
+        with self._lock:
+            self._closed = True
+            self._queue.clear()
+            channels, self._channels = list(self._channels.values()), {}
+            self._wake.notify_all()
+        self.segments.close()
+        for chan in channels:
+            chan.close()
+
+    def _stub(self, neighbour: str) -> Any:
+        """A StoreReplica stub to ``neighbour``."""
+        return _store_stub(self._channel(neighbour))
+
+    def _channel(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> grpc.Channel:
+        """The channel to ``neighbour``; with ``cfg``, only while it is the job's."""
+        with self._lock:
+            if self._closed:
+                raise ShardError.precondition("this server is stopping")
+            if cfg is not None and self.configs.get(cfg.job) is not cfg:
+                raise ShardError.precondition(f"replication of '{cfg.job}' was reconfigured")
+            chan = self._channels.get(neighbour)
+            if chan is None:
+                if self.credentials is not None:
+                    chan = grpc.secure_channel(neighbour, self.credentials, _CHANNEL_OPTIONS)
+                else:
+                    chan = grpc.insecure_channel(neighbour, options=_CHANNEL_OPTIONS)
+                self._channels[neighbour] = chan
+        return chan
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()
+
+    def _probe(self, cfg: pb.ReplicationConfig) -> None:
+        """Asks the neighbour whether it takes this job's replicas from our slice index."""
+        store = self._stub(cfg.neighbour)
+        hello = pb.ReplicaChunk(job=cfg.job, source_index=cfg.server_index)
+        try:
+            store(hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata())
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()
+            where = f"replication of '{cfg.job}' to {cfg.neighbour}"
+            with self._lock:
+                self._close_unused(cfg.neighbour)
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
+                raise ShardError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{where} refused: the target is not slice {cfg.server_index + 1} of"
+                    f" {cfg.num_servers} of the job's placement ({details})",
+                ) from None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                raise ShardError.precondition(
+                    f"{where}: the target refused this server's peer token (every server needs"
+                    f" the same 'peer TOKEN' line): {details}"
+                ) from None
+            raise ShardError.precondition(
+                f"{where}: the target did not answer ({code.name}: {details})"
+            ) from None
+
+    def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
+        """The replica in chunks, through shared memory when the neighbour is on this host."""
+        channel = self._channel(cfg.neighbour, cfg)
+        store = _store_stub(channel)
+        view = memoryview(blob)
+        for offset in range(0, len(blob), CHUNK):
+            chunk = pb.ReplicaChunk(
+                job=cfg.job,
+                source_index=cfg.server_index,
+                version=version,
+                offset=offset,
+                total=len(blob),
+            )
+            data = view[offset : offset + CHUNK]
+            self.segments.store(cfg.neighbour, channel, store, self._metadata(), chunk, data, 60)
+
+    # -- the neighbour's side ---------------------------------------------------
+    def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
+        """A chunk of our predecessor's replica (an empty one, total 0: may it send?)."""
+        what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
+        slices = self.store.jobs().get(chunk.job)
+        if not slices:
+            raise ShardError.not_found(f"{what}: job '{chunk.job}' is not on this server")
+        index, num = slices[0].spec.server_index, slices[0].spec.num_servers
+        if chunk.source_index != (index - 1) % num:
+            raise ShardError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{what}: this server holds slice {index} of {num} and takes replicas only from"
+                f" server {(index - 1) % num}, its predecessor",
+            )
+        if chunk.total == 0 and not chunk.data:
+            return False  # the sender's probe
+        blob = self.inbox.add("held", chunk, replica_bound(slices, chunk.source_index), what)
+        if blob is None:
+            return False
+        try:
+            check_header(blob, chunk, what)
+        except ShardError:
+            self.budget.release(len(blob), "replicas")  # reserved by the inbox
+            raise
+        with self._lock:
+            self._keep(
+                self.held.setdefault((chunk.job, chunk.source_index), OrderedDict()),
+                chunk.version,
+                blob,
+            )
+        return True
+
+    def list(self, job: str) -> list[pb.ReplicaInfo]:
+        with self._lock:
+            cfg = self.configs.get(job)
+            rows = [
+                pb.ReplicaInfo(
+                    source_index=cfg.server_index if cfg else 0, version=v, bytes=len(b), own=True
+                )
+                for v, b in self.own.get(job, {}).items()
+            ]
+            rows += [
+                pb.ReplicaInfo(source_index=src, version=v, bytes=len(b), own=False)
+                for (j, src), kept in self.held.items()
+                if j == job
+                for v, b in kept.items()
+            ]
+        return rows
+
+    def _keep(self, kept: OrderedDict[int, bytes], version: int, blob: bytes) -> None:
+        """Under the lock: keeps ``blob`` (its bytes reserved) and the newest ``KEEP``."""
+        freed = len(kept.pop(version, b""))
+        kept[version] = blob
+        while len(kept) > KEEP:
+            freed += len(kept.popitem(last=False)[1])
+        self.budget.release(freed, "replicas")
+
+
+def _store_stub(channel: grpc.Channel) -> Any:
+    return channel.unary_unary(
+        _STORE,
+        request_serializer=pb.ReplicaChunk.SerializeToString,
+        response_deserializer=pb.ReplicaAck.FromString,
+    )

@@ -1,0 +1,348 @@
+"""Which call gets a handler thread (docs/design.md §6.2): a caller that waits never starves one
+that works.
+
+The gRPC server runs every call on a thread of one pool, and a call that waits (a pull for a
+future version, a slot read, a gradient norm or a snapshot waiting for a step) holds its thread
+while it waits. Unbounded, eight ``read``-token pulls for a far version took every thread of an
+8-thread pool and a trainer's PushGrad timed out behind them; four open reflection streams did
+the same to an admin's Status. So (``CallLimits``):
+
+- A call of a waiting method (``WAITING_METHODS``) that may have to wait (``may_wait``: a
+  pull for a version the buffer has reached does not) is admitted only while at least
+  ``reserved`` of the ``workers`` threads stay free, a ``read`` token's only while fewer
+  than ``max_waiting_read`` of them are in, and another token's (unary calls and sessions
+  together) only while it holds fewer than ``caller_bound``, half the threads waiting calls
+  may take: one caller's waiting calls never hold the threads another caller's
+  collective needs. Beyond any of them it fails at once with RESOURCE_EXHAUSTED "retry later",
+  a message saying which bound, and nothing changed. Every other call (pushes to initialised
+  buffers, steps whose pushes are in, SetParams, registration, Status, ...) is never refused
+  here, and finds one of the reserved threads however many callers wait.
+- Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
+  their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
+  open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
+- Client sessions (server/transport/sessions.py) likewise run on ``max_sessions`` threads of their
+own;
+  each call a session carries passes ``enter``/``leave`` here like a unary call.
+- How long a call may wait is bounded by the servicer's ``max_wait_s``.
+- Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
+  request!": the Shard service's own parsers never raise (server/servicer.py), the health and
+  reflection services' protobuf parsers do, and the gate rebuilds every handler anyway.
+
+A caller's role is its token's (server/rpc/auth.py); without tokens every caller may do everything
+and counts as ``train``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paramshard.server.rpc.auth import SERVICE_NAME, bearer
+
+__all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
+
+WAITING_METHODS = frozenset(
+    {"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step", "Join"}
+)
+"""Shard methods that may wait for other callers: a pull for a future version, a slot read, a
+push before the buffer's initial values, a step before every rank's push, a Join until its
+step's membership is decided. Whether a call of them may wait is the servicer's ``may_wait``
+(a push to an initialised buffer does not, nor a step whose pushes are all in: those are never
+refused)."""
+
+
+def default_reserved(workers: int) -> int:
+    """Threads kept for working calls unless told: a quarter of the workers, at most 16."""
+    return max(1, min(16, workers // 4))
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Bounds on the calls a server runs at once (``paramshard serve`` flags in brackets)."""
+
+    workers: int = 128
+    """Threads for calls [--workers]; waiting calls take at most ``workers - reserved``."""
+    reserved: int = 16
+    """Threads a waiting call never takes: pushes, steps and Status always find one
+    [--reserved-workers]."""
+    max_waiting_read: int = 16
+    """Calls of waiting methods by ``read`` tokens at once (inspect, get, export)
+    [--max-waiting-read]."""
+    max_streams: int = 4
+    """Open reflection / health Watch streams at once, on threads of their own
+    [--max-streams]."""
+    max_sessions: int = 64
+    """Open client sessions (server/transport/sessions.py) at once, on threads of their own, of read
+    tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
+    [--max-sessions]."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
+        for name in ("max_streams", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"CallLimits.{name} must be an int >= 0, got {value!r}")
+        if self.reserved >= self.workers:
+            raise ValueError(
+                f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"
+                " waiting calls need threads too"
+            )
+
+    @property
+    def threads(self) -> int:
+        """The size of the server's thread pool: the workers, the streams' and the sessions'
+        own."""
+        return self.workers + self.max_streams + self.max_sessions
+
+
+class CallGate(grpc.ServerInterceptor):
+    """Admits calls to handler threads by ``limits``; ``role_of(metadata)`` names the caller's
+    role (None: no tokens, or none presented); ``may_wait(method, request)`` tells whether a
+    call of a waiting method may wait (default: it may)."""
+
+    def __init__(
+        self,
+        limits: CallLimits,
+        role_of: Callable[[Any], str | None] | None = None,
+        may_wait: Callable[[str, Any], bool] | None = None,
+    ) -> None:
+        self.limits = limits
+        self.role_of = role_of
+        self.may_wait = may_wait
+        self._lock = threading.Lock()
+        self.busy = 0  # calls in a handler (streams not included)
+        self.waiting: Counter[str] = Counter()  # calls of waiting methods in a handler, by role
+        self._callers: Counter[str] = Counter()  # and by caller (token), where there are tokens
+        self.streams = 0
+        self.sessions = 0
+        self.read_sessions = 0  # of them, sessions of read tokens
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        service, _, method = details.method.lstrip("/").rpartition("/")
+        if handler.request_streaming or handler.response_streaming:
+            session = service == SERVICE_NAME
+            role = self.role_of(details.invocation_metadata) if session and self.role_of else None
+            return self._stream(handler, method, session=session, reader=role == "read")
+        role = caller = None
+        if service == SERVICE_NAME and method in WAITING_METHODS:
+            found = self.role_of(details.invocation_metadata) if self.role_of else None
+            role = found or "train"
+            caller = bearer(details.invocation_metadata) if self.role_of else None
+        return self._unary(handler, method, role, caller)
+
+    # -- unary calls -------------------------------------------------------------------------
+    @property
+    def caller_bound(self) -> int:
+        """Waiting calls one caller (a token of role train or above) may have in at once:
+        half of what waiting calls may take, so another caller always finds threads for its
+        own (read tokens, all together, have ``max_waiting_read``)."""
+        return max(1, (self.limits.workers - self.limits.reserved) // 2)
+
+    def waiting_of(self, caller: str) -> int:
+        """The waiting calls of ``caller`` (a token) in now."""
+        with self._lock:
+            return self._callers[caller]
+
+    def enter(self, role: str | None, caller: str | None = None) -> str | None:
+        """Counts a call in; for a waiting call (``role`` set; ``caller``: its token, None
+        without tokens), why it is refused, if it is."""
+        lim = self.limits
+        if role == "read":
+            caller = None  # read tokens have a bound of their own, all together
+        with self._lock:
+            if role is not None:
+                if self.busy >= lim.workers - lim.reserved:
+                    return (
+                        f"{self.busy} calls are running on this server's {lim.workers} worker"
+                        f" threads and {lim.reserved} are kept for calls that do not wait"
+                        " (pushes, steps, Status); retry later (paramshard serve --workers)"
+                    )
+                if role == "read" and self.waiting["read"] >= lim.max_waiting_read:
+                    return (
+                        f"{self.waiting['read']} calls of read tokens already wait on this"
+                        f" server, its bound (paramshard serve --max-waiting-read); retry later"
+                    )
+                if caller is not None and self._callers[caller] >= self.caller_bound:
+                    return (
+                        f"{self._callers[caller]} calls of this token already wait on this"
+                        f" server, half of what waiting calls may take (paramshard serve"
+                        " --workers, --reserved-workers); retry later"
+                    )
+                self.waiting[role] += 1
+                if caller is not None:
+                    self._callers[caller] += 1
+            self.busy += 1
+        return None
+
+    def leave(self, role: str | None, caller: str | None = None) -> None:
+        if role == "read":
+            caller = None
+        with self._lock:
+            self.busy -= 1
+            if role is not None:
+                self.waiting[role] -= 1
+                if caller is not None:
+                    self._callers[caller] -= 1
+                    if not self._callers[caller]:
+                        del self._callers[caller]
+
+    def _unary(
+        self, handler: grpc.RpcMethodHandler, method: str, role: str | None, caller: str | None
+    ) -> grpc.RpcMethodHandler:
+        behavior = handler.unary_unary
+
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            _check_parsed(request, context, method)
+            waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
+            refusal = self.enter(waits, caller)
+            if refusal is not None:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+            try:
+                return behavior(request, context)
+            finally:
+                self.leave(waits, caller)
+
+        return grpc.unary_unary_rpc_method_handler(
+            gated,
+            request_deserializer=_never_raising(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+    # -- streams -------------------------------------------------------------------------------
+    @property
+    def read_bound(self) -> int:
+        """Sessions of read tokens open at once: a quarter of ``max_sessions``, at least 1."""
+        return max(1, self.limits.max_sessions // 4)
+
+    def _stream(
+        self,
+        handler: grpc.RpcMethodHandler,
+        method: str,
+        session: bool = False,
+        reader: bool = False,
+    ) -> grpc.RpcMethodHandler:
+        """An open service's stream (reflection, health Watch), or a Shard ``session``:
+        each kind counted against its own bound. A ``reader``'s session (a read token's) also
+        counts against a quarter of the sessions' bound, so read tokens never take the places
+        of trainers."""
+        behavior, make = _streaming(handler)
+        if not session:
+            counts = [("streams", self.limits.max_streams)]
+            refusal = (
+                f"{self.limits.max_streams} streams (reflection, health Watch) are open on this"
+                " server, its bound (paramshard serve --max-streams); retry later"
+            )
+        elif reader:
+            counts = [("sessions", self.limits.max_sessions), ("read_sessions", self.read_bound)]
+            refusal = (
+                f"{self.read_bound} sessions of read tokens (a quarter of --max-sessions) or"
+                f" {self.limits.max_sessions} in all are open on this server, the bounds; calls"
+                " go one by one meanwhile"
+            )
+        else:
+            counts = [("sessions", self.limits.max_sessions)]
+            refusal = (
+                f"{self.limits.max_sessions} sessions are open on this server, its bound"
+                " (paramshard serve --max-sessions); calls go one by one meanwhile"
+            )
+
+        def gated(request: Any, context: grpc.ServicerContext) -> Any:
+            if handler.request_streaming:
+                request = _parsed(request, context, method)
+            else:
+                _check_parsed(request, context, method)
+            with self._lock:
+                admitted = all(getattr(self, kind) < bound for kind, bound in counts)
+                for kind, _ in counts:
+                    setattr(self, kind, getattr(self, kind) + admitted)
+            if not admitted:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+            left = threading.Lock()
+
+            def leave() -> None:  # once, whichever comes first: the end or the cancellation
+                if left.acquire(blocking=False):
+                    with self._lock:
+                        for kind, _ in counts:
+                            setattr(self, kind, getattr(self, kind) - 1)
+
+            context.add_callback(leave)
+            try:
+                result = behavior(request, context)
+            except BaseException:
+                leave()
+                raise
+            if not handler.response_streaming:
+                leave()
+                return result
+            return _closing(result, leave)
+
+        return make(
+            gated,
+            request_deserializer=_never_raising(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+
+
+class _Unparsed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _never_raising(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if parse is None:
+        return None
+
+    def parse_or_flag(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except Exception as exc:  # noqa: BLE001 - whatever the parser says, the bytes are bad
+            return _Unparsed(exc)
+
+    return parse_or_flag
+
+
+def _check_parsed(request: Any, context: grpc.ServicerContext, method: str) -> None:
+    if isinstance(request, _Unparsed):
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{method}: request does not parse: {type(request.error).__name__}: {request.error}",
+        )
+
+
+def _parsed(requests: Iterator[Any], context: grpc.ServicerContext, method: str) -> Iterator[Any]:
+    for request in requests:
+        _check_parsed(request, context, method)
+        yield request
+
+
+def _closing(responses: Iterator[Any], leave: Callable[[], None]) -> Iterator[Any]:
+    try:
+        yield from responses
+    finally:
+        leave()
+
+
+def _streaming(handler: grpc.RpcMethodHandler) -> tuple[Any, Callable[..., Any]]:
+    """The behaviour of a streaming handler and the constructor of its kind."""
+    if handler.request_streaming and handler.response_streaming:
+        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    if handler.request_streaming:
+        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    return handler.unary_stream, grpc.unary_stream_rpc_method_handler

@@ -1,0 +1,339 @@
+"""Snapshots on disk: ``<root>/<job>/<tag>/shard-<i>-of-<N>.safetensors`` + ``manifest.json``.
+
+Writing (docs/design.md §5.1): every buffer of the job is captured in memory at exactly one
+version (training goes on), then the shard file is written to a temporary name, fsynced and
+renamed. The client commits the snapshot by sending the manifest (layout, versions, optimizer
+hyper-parameters, each shard's sha256), written the same way; a snapshot counts only when the
+manifest and every shard it names are there.
+
+Reading for restore: each server cuts its new slice of every buffer (any number of servers)
+and reads just those ranges of params and optimizer state from the old shards, after checking
+every shard's checksum. Any missing, truncated, corrupt or mismatched file is an error that
+names the file, and nothing is loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from safetensors import safe_open
+
+from paramshard.protos import codec, slicing
+from paramshard.protos.manifest import shard_name
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.folders import Folder, open_root
+from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
+from paramshard.server.snapshots.shards import (
+    Captured,
+    encode_shard,
+    shard_meta,
+    shard_version,
+    tensor_key,
+)
+
+__all__ = ["SnapshotDir", "Reservation"]
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
+log = logging.getLogger("paramshard.snapshots")
+
+
+def _checked(name: str, what: str) -> str:
+    if not _NAME.fullmatch(name) or name in (".", ".."):
+        raise ShardError.invalid(
+            f"{what} {name[:80]!r}{'...' if len(name) > 80 else ''} must be 1 to 255 letters,"
+            " digits, '_', '.' or '-'"
+        )
+    return name
+
+
+class Reservation:
+    """Shard ``index`` of snapshot ``job/tag``, taken by one Snapshot call until it ends (a
+    ``.shard-I-of-N.reserved`` file made with O_EXCL: servers sharing the folder see it)."""
+
+    def __init__(self, folder: Folder, marker: str) -> None:
+        self.folder, self.marker = folder, marker
+
+    def release(self) -> None:
+        try:
+            self.folder.unlink(self.marker)
+        except FileNotFoundError:
+            pass
+        finally:
+            self.folder.close()
+
+
+class SnapshotDir:
+    """The snapshot directory of one server (None: snapshots are disabled)."""
+
+    def __init__(self, root: str | os.PathLike | None) -> None:
+        self.root = Path(root) if root else None
+        self.invalid: dict[tuple[str, int], str] = {}  # (manifest path, mtime) -> why skipped
+
+    def _require(self) -> Path:
+        if self.root is None:
+            raise ShardError.precondition(
+                "this server has no snapshot directory: start it with --snapshot-dir DIR"
+            )
+        return self.root
+
+    def path(self, job: str, tag: str) -> Path:
+        return self._require() / _checked(job, "job") / _checked(tag, "snapshot tag")
+
+    def _folder(self, job: str, tag: str, create: bool = False, missing: str = "") -> Folder:
+        """The folder of snapshot ``job/tag``, opened without following a link (folders.py);
+        made with ``create``, else NOT_FOUND (``missing`` says why) when it is not there."""
+        root, job, tag = self._require(), _checked(job, "job"), _checked(tag, "snapshot tag")
+        try:
+            with open_root(root, create) as top, top.child(job, create) as folder:
+                return folder.child(tag, create)
+        except FileNotFoundError:
+            why = missing or f"{root / job / tag / 'manifest.json'} is missing"
+            raise ShardError.not_found(f"snapshot '{job}/{tag}': {why}") from None
+
+    # -- writing ------------------------------------------------------------------------------
+    def _exists(self, job: str, what: str) -> ShardError:
+        return ShardError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"snapshot '{job}/{what}' exists already; a snapshot is written once: pick another tag",
+        )
+
+    def reserve(self, job: str, tag: str, index: int, num: int, version: int) -> Reservation:
+        """Takes shard ``index`` of ``job/tag`` for one Snapshot call at ``version``:
+        ALREADY_EXISTS when the snapshot is committed, the shard written at that version, or
+        another call is writing it. A shard of another version with no manifest yet is what an
+        earlier attempt left when another server had stepped past its version (the client then
+        tries the next version: client/checkpoints.py): it is replaced."""
+        folder = self._folder(job, tag, create=True)
+        try:
+            if folder.kind("manifest.json") is not None:  # never add to a committed snapshot
+                raise self._exists(job, tag)
+            name = shard_name(index, num)
+            marker = f".{name}.reserved"
+            try:
+                folder.create(marker)
+            except FileExistsError:
+                raise ShardError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
+                ) from None
+            held = folder.kind(name) == "file" and shard_version(folder, name)  # no link read
+            if held not in (False, None, version):
+                folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
+            if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
+                folder.unlink(marker)
+                raise self._exists(job, f"{tag}/{name}")
+        except BaseException:
+            folder.close()
+            raise
+        return Reservation(folder, marker)
+
+    def write_shard(
+        self, job: str, tag: str, index: int, num: int, version: int, captured: list[Captured]
+    ) -> tuple[str, int, str]:
+        """Writes this server's shard (never over one already there); returns (relative path,
+        bytes, sha256)."""
+        data = encode_shard(job, tag, index, num, version, captured)
+        name = shard_name(index, num)
+        with self._folder(job, tag, create=True) as folder:
+            if folder.kind("manifest.json") is not None:  # never overwrite a committed snapshot
+                raise self._exists(job, tag)
+            try:
+                folder.write_once(name, data)
+            except FileExistsError:
+                raise self._exists(job, f"{tag}/{name}") from None
+        return f"{job}/{tag}/{name}", len(data), hashlib.sha256(data).hexdigest()
+
+    def commit(self, job: str, tag: str, manifest_json: str) -> str:
+        """Writes the manifest of ``job/tag`` once. Every server of the job commits the same
+        manifest (the folder may be shared): the same bytes again succeed, others get
+        ALREADY_EXISTS."""
+        where = f"snapshot '{job}/{tag}'"
+        self.path(job, tag)  # the names, before the manifest
+        try:
+            manifest = check_manifest(json.loads(manifest_json), job, tag, strict=True)
+        except (ValueError, RecursionError) as exc:  # not JSON, too deep, or ManifestError
+            raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
+        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        with self._folder(job, tag, missing="no shard files here") as folder:
+            try:
+                folder.write_once("manifest.json", data)
+            except FileExistsError:
+                try:
+                    same = folder.read("manifest.json") == data
+                except (OSError, ShardError):
+                    same = False
+                if not same:
+                    raise ShardError(
+                        grpc.StatusCode.ALREADY_EXISTS,
+                        f"{where} is committed already with another manifest; a committed"
+                        " snapshot never changes: pick another tag",
+                    ) from None
+            return folder.name("manifest.json")
+
+    # -- reading ------------------------------------------------------------------------------
+    def list(self, job: str = "") -> list[dict[str, Any]]:
+        """Complete snapshots (a valid manifest and every shard named in it), oldest first. A
+        manifest that is not valid, or a folder or file that is a link, is skipped and logged,
+        never an error for the listing."""
+        root = self._require()
+        found = []
+        try:
+            top = open_root(root)
+        except FileNotFoundError:
+            return []
+        with top:
+            if job:
+                jobs = [_checked(job, "job")]
+            else:
+                jobs = [name for name, kind in top.entries() if kind == "folder"]
+            for j in jobs:
+                try:
+                    jdir = top.child(j)
+                except FileNotFoundError:
+                    continue
+                with jdir:
+                    for tag, kind in jdir.entries():
+                        manifest = self._listed(jdir, j, tag, kind)
+                        if manifest is not None:
+                            found.append({**manifest, "tag": tag})  # restored by its folder
+        return sorted(found, key=lambda m: (m["version"], m["created_unix"]))
+
+    def _listed(self, jdir: Folder, job: str, tag: str, kind: str) -> dict[str, Any] | None:
+        """The manifest of folder ``tag`` of ``jdir`` when it is a complete snapshot."""
+        if kind == "link":
+            self._report(jdir.name(tag), 0, "a symbolic link: not followed")
+        if kind != "folder":
+            return None
+        try:
+            with jdir.child(tag) as tdir:
+                try:
+                    manifest = check_manifest(json.loads(tdir.read("manifest.json")), job, tag)
+                except OSError:
+                    return None  # no manifest: not (yet) a snapshot
+                except (ValueError, RecursionError) as exc:  # not JSON, or ManifestError
+                    self._report(tdir.name("manifest.json"), tdir.mtime_ns("manifest.json"), exc)
+                    return None
+                if all(tdir.kind(Path(s["file"]).name) == "file" for s in manifest["shards"]):
+                    return manifest
+        except ShardError as exc:  # a link planted in the folder (folders.py)
+            self._report(jdir.name(tag), 0, exc.message)
+        return None
+
+    def _report(self, shown: str, mtime_ns: int, why: object) -> None:
+        """Logs a snapshot skipped by the listing once (again when the file changes)."""
+        key = (shown, mtime_ns)
+        if key not in self.invalid:
+            self.invalid[key] = str(why)
+            log.warning("skipping snapshot %s: %s", shown, why)
+
+    def latest(self, job: str) -> str:
+        complete = self.list(job)
+        if not complete:
+            raise ShardError.not_found(f"job '{job}' has no complete snapshot in {self.root}")
+        return complete[-1]["tag"]
+
+    def load_manifest(self, job: str, tag: str) -> dict[str, Any]:
+        """The manifest, after checking that every shard is there and matches its checksum."""
+        with self._folder(job, tag) as folder:
+            path = folder.name("manifest.json")
+            try:
+                manifest = json.loads(folder.read("manifest.json"))
+            except FileNotFoundError:
+                raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
+            except (OSError, ValueError, RecursionError) as exc:
+                raise ShardError.precondition(
+                    f"snapshot '{job}/{tag}': {path} is corrupt ({exc})"
+                ) from None
+            try:
+                check_manifest(manifest, job, tag)
+            except ManifestError as exc:
+                raise ShardError.precondition(
+                    f"{path} is not a valid manifest of snapshot '{job}/{tag}': {exc}"
+                ) from None
+            for shard in manifest["shards"]:
+                name = Path(shard["file"]).name
+                try:
+                    data = folder.read(name)
+                except OSError:
+                    raise ShardError.not_found(
+                        f"snapshot '{job}/{tag}': {folder.name(name)} is missing"
+                    ) from None
+                if (
+                    len(data) != shard["bytes"]
+                    or hashlib.sha256(data).hexdigest() != shard["sha256"]
+                ):
+                    raise ShardError.precondition(
+                        f"snapshot '{job}/{tag}': {folder.name(name)} does not match its checksum"
+                        f" in the manifest ({len(data):,} bytes, manifest says"
+                        f" {shard['bytes']:,}): truncated or corrupt"
+                    )
+        return manifest
+
+    def layout(self, job: str, tag: str, manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        """Per buffer: the optimizer-state arrays and step count the shards recorded."""
+        out: dict[str, dict[str, Any]] = {}
+        with self._folder(job, tag) as folder:
+            metas = [(folder.name(n), shard_meta(folder, n)) for n in _shard_files(manifest)]
+        for file, meta in metas:
+            if meta.get("version") != manifest["version"]:
+                raise ShardError.precondition(
+                    f"{file} holds version {meta.get('version')}, the manifest says"
+                    f" {manifest['version']}: it belongs to another snapshot"
+                )
+            try:
+                for name, info in meta["buffers"].items():
+                    row = out.setdefault(name, {"state": set(), "step_count": 0})
+                    row["state"] |= {str(k) for k in info["state"]}
+                    row["step_count"] = max(row["step_count"], int(info["step_count"]))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise ShardError.precondition(f"{file}: malformed shard layout ({exc!r})") from None
+        return out
+
+    def read_range(
+        self,
+        job: str,
+        tag: str,
+        manifest: dict[str, Any],
+        buffer: str,
+        kind: str,
+        start: int,
+        stop: int,
+    ) -> np.ndarray:
+        """Elements [start, stop) of a buffer's params (kind "params") or optimizer state
+        ("state.<name>"), gathered from the old shards holding them, in the buffer's master
+        dtype (the manifest's ``master_dtype``; float32 for snapshots that predate it)."""
+        info = manifest["buffers"][buffer]
+        numel = info["numel"]
+        old = manifest["num_servers"]
+        dtype = np.dtype(codec.master_dtype(info.get("master_dtype")))
+        out = np.zeros(stop - start, dtype=dtype)
+        with self._folder(job, tag) as folder:
+            for piece in slicing.pieces(numel, old, start, stop):
+                name = shard_name(piece.server, old)
+                try:
+                    with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
+                        key = tensor_key(buffer, kind)
+                        if key not in f.keys():
+                            continue  # optimizer state not allocated yet at that version
+                        lo = piece.local_offset
+                        part = f.get_slice(key)[lo : lo + piece.numel]
+                except (OSError, ValueError, RuntimeError) as exc:
+                    raise ShardError.precondition(
+                        f"{folder.name(name)}: cannot read {buffer} {kind} ({exc})"
+                    ) from None
+                a = piece.global_offset - start
+                out[a : a + piece.numel] = part
+        return out
+
+
+def _shard_files(manifest: dict[str, Any]) -> list[str]:
+    """The shard files a manifest names (their names in the snapshot's folder)."""
+    return [Path(shard["file"]).name for shard in manifest["shards"]]

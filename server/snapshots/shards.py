@@ -1,0 +1,122 @@
+"""A shard file: one server's slices of a job at one version, as safetensors bytes
+(``<buffer>::params`` and ``<buffer>::state.<name>`` tensors, the layout in the ``paramshard``
+metadata). Snapshots (``files``) write and read them on disk; neighbour replicas
+(server/replication/) send them over the wire."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.folders import Folder
+
+__all__ = [
+    "Captured",
+    "decode_shard",
+    "encode_shard",
+    "shard_meta",
+    "shard_version",
+    "tensor_key",
+]
+
+
+@dataclass
+class Captured:
+    """One buffer slice as it was at the snapshot's version (host copies)."""
+
+    buffer: str
+    slice_start: int
+    params: np.ndarray
+    state: dict[str, np.ndarray]
+    step_count: int
+
+
+def tensor_key(buffer: str, kind: str) -> str:
+    return f"{buffer}::{kind}"
+
+
+def shard_meta(folder: Folder, name: str) -> dict[str, Any]:
+    """The ``paramshard`` metadata of shard file ``name`` of ``folder``."""
+    try:
+        with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
+            meta = json.loads(f.metadata()["paramshard"])
+        if not isinstance(meta, dict):
+            raise ValueError("its metadata is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
+        raise ShardError.precondition(
+            f"{folder.name(name)}: not a paramshard shard ({exc})"
+        ) from None
+    return meta
+
+
+def encode_shard(
+    job: str,
+    tag: str,
+    index: int,
+    num: int,
+    version: int,
+    captured: list[Captured],
+    specs: dict[str, bytes] | None = None,
+) -> bytes:
+    """One server's slices as safetensors bytes: ``<buffer>::params`` and
+    ``<buffer>::state.<name>`` tensors, layout in the ``paramshard`` metadata. ``specs``
+    (buffer -> serialised RegisterBufferRequest) makes the shard loadable on its own, as a
+    neighbour replica is (a snapshot's manifest holds that instead)."""
+    tensors: dict[str, np.ndarray] = {}
+    layout = {}
+    for c in captured:
+        tensors[tensor_key(c.buffer, "params")] = c.params
+        for name, arr in c.state.items():
+            tensors[tensor_key(c.buffer, f"state.{name}")] = arr
+        layout[c.buffer] = {
+            "slice_start": c.slice_start,
+            "slice_numel": int(c.params.size),
+            "step_count": c.step_count,
+            "state": sorted(c.state),
+        }
+        if specs is not None:
+            layout[c.buffer]["spec"] = base64.b64encode(specs[c.buffer]).decode()
+    meta = {
+        "job": job,
+        "tag": tag,
+        "version": version,
+        "server_index": index,
+        "num_servers": num,
+        "buffers": layout,
+    }
+    return st_save(tensors, metadata={"paramshard": json.dumps(meta)})
+
+
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound on a header
+
+
+def shard_version(folder: Folder, name: str) -> int | None:
+    """The version shard file ``name`` holds (its header only), None when it cannot be read."""
+    try:
+        with os.fdopen(folder.open(name), "rb") as f:
+            size = int.from_bytes(f.read(8), "little")  # safetensors: the header's length
+            header = json.loads(f.read(min(size, _MAX_HEADER_BYTES)))
+        version = json.loads(header["__metadata__"]["paramshard"])["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) else None
+
+
+def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(metadata, tensors) of ``encode_shard`` bytes."""
+    try:
+        tensors = st_load(data)
+        header_len = int.from_bytes(data[:8], "little")
+        meta = json.loads(json.loads(data[8 : 8 + header_len])["__metadata__"]["paramshard"])
+    except Exception as exc:  # safetensors raises its own error types
+        raise ShardError.invalid(f"not a paramshard shard ({exc})") from None
+    return meta, tensors

@@ -1,0 +1,467 @@
+"""Sessions: a client's persistent stream to this server (docs/design.md §7.3, ``rpc Session``).
+
+A unary call costs grpcio about 0.2 ms of CPU on each side, and a client's first call after an
+idle spell makes grpcio start a polling thread (another 0.15 ms). A small collective is a few
+such calls, so they, not the bytes, are its time. A session is one bidirectional stream per
+client and server, open as long as the client: each direction carries batches of calls, a batch
+holding every call its sender had ready (a small all-reduce's contribution and read travel as
+one message), and the stream keeps grpcio's polling thread alive.
+
+Each call of a session is what its unary twin is:
+
+- only the data-plane methods (``ShardServicer.LOCAL_METHODS``) travel in sessions, each parsed,
+  guarded and run by the servicer's own handler; its status comes back in its reply and never
+  ends the session;
+- the stream's token is every call's token: each call needs its method's role (server/rpc/auth.py),
+  a scoped token's call is checked against its scope before it is parsed, as a unary call is
+  (server/rpc/scopes.py), and its segments are that token's (server/transport/shm.py);
+- a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls;
+- a call's deadline is its ``timeout_s`` from its arrival.
+
+Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
+but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
+refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in one batch
+(beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
+gate counts open sessions against ``CallLimits.max_sessions``. A call counts the bytes its
+reply may carry from the moment it is taken (a pull's chunk, a read of an open slot's chunk:
+``Sessions.reply_bytes``), and one that would take the session's replies, unsent or to come,
+past ``MAX_UNSENT_BYTES`` is refused "retry later"; a read of a slot with no contribution yet
+counts once its reply exists (``MAX_WAITING`` of them at most). A client that stops reading its
+replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
+sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
+client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
+one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. Those bytes, over all the
+server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding its share
+of it or more (the bound divided by the sessions open) takes no more calls until the total is
+back under it. A greedy client holds itself back, never the trainers' small calls, which one
+of them may wait for: the sessions under their share hold less than the bound between them,
+so the total stays about twice the bound at most, plus, per session, a message and the
+replies of the calls it has running. A small contribution runs on the session's reader
+thread, as it never waits; any other call runs on a pool of the server's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
+from paramshard.server.rpc import auth, scopes
+from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
+from paramshard.server.rpc.parsers import Malformed
+
+__all__ = [
+    "Sessions",
+    "MAX_CALLS",
+    "MAX_WAITING",
+    "MAX_BATCH",
+    "MAX_UNSENT",
+    "MAX_UNSENT_BYTES",
+    "MAX_HELD_BYTES",
+    "SESSIONS_BYTES",
+    "INLINE_BYTES",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_CALLS = 256
+"""Calls of one session in flight at once, replies not yet sent included: only a client that
+does not read its replies reaches it (one keeps ``max_in_flight`` calls per batch)."""
+MAX_WAITING = 64
+"""Of them, calls that may wait for other callers (slot reads, pulls of a future version): a
+contribution that would end their wait is never refused for them."""
+MAX_BATCH = 1024
+"""Calls in one batch: a client sends at most what it has in flight."""
+MAX_UNSENT = 2 * MAX_CALLS
+"""Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
+MAX_UNSENT_BYTES = 256 * 2**20
+"""The same bound in reply bytes. A call counts the bytes its reply may carry from the moment
+it is taken (``Sessions.reply_bytes``: a pull's chunk, a read of an open slot's chunk), and one
+that would take them past the bound is refused "retry later": a batch of pulls nobody reads
+is bounded when it is taken, not once its replies exist."""
+MAX_HELD_BYTES = 256 * 2**20
+"""Request bytes of the calls taken and not yet run to their end past which the reader takes
+no more (one batch more at most: the server's largest message)."""
+SESSIONS_BYTES = 1024 * 2**20
+"""Request bytes held and reply bytes unsent, over all the sessions of a server, past which a
+session holding its share of them or more is not read."""
+_BUDGET_POLL_S = 0.05
+"""How often a session held back by ``SESSIONS_BYTES`` (others' bytes too) looks again."""
+BATCH_BYTES = 4 * 2**20
+"""Replies ready together go in one batch up to this many bytes (gRPC's default receive
+bound: a client with its defaults can read every batch but one holding a larger reply)."""
+INLINE_BYTES = 256 * 2**10
+"""A contribution up to this size runs on the reader thread (it never waits, and the add
+costs less than handing it to another thread); a larger one on the pool."""
+_END = object()
+
+Handler = tuple[Callable[[Any, Any], Any], Callable[[bytes], Any], Callable[[Any], bytes]]
+"""A method's guarded handler, request parser and reply serialiser (the servicer's own)."""
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _CallContext:
+    """The part of grpc.ServicerContext the data-plane handlers use, for one call of a
+    session: its own deadline, the stream's caller."""
+
+    def __init__(self, stream: grpc.ServicerContext, timeout_s: float | None) -> None:
+        self._stream = stream
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Abort(code, details)
+
+    def invocation_metadata(self) -> Any:
+        return self._stream.invocation_metadata()
+
+    def auth_context(self) -> Any:
+        return self._stream.auth_context()
+
+
+def _reply(call_id: int, code: grpc.StatusCode, details: str) -> tuple[pb.SessionCall, bytes]:
+    return pb.SessionCall(id=call_id, code=code.value[0], details=details), b""
+
+
+def _size(body: Any) -> int:
+    return codec.encode_parts(*body)[1] if isinstance(body, tuple) else len(body)
+
+
+def _parse_batch(raw: bytes) -> Any:
+    try:
+        return decode_batch(raw, limit=MAX_BATCH)
+    except Exception as exc:  # noqa: BLE001 - whatever the decoder says, the bytes are bad
+        return Malformed(exc)
+
+
+def _payload_bytes(request: Any) -> int:
+    """The payload size of a tensor request (in-band or in a segment); 0 for anything else."""
+    if not isinstance(request, tuple):
+        return 0
+    header, data = request
+    return header.shm.nbytes if header.HasField("shm") else len(data)
+
+
+class Sessions:
+    """The Session method of one server. ``handlers``: the data-plane methods' handlers;
+    ``role_of(metadata)``: the caller's role (None without tokens); ``observe(method, code,
+    seconds, request bytes, reply bytes)``: metrics of each call (server/metrics.py);
+    ``scope_of(metadata)``: the caller's token's scope (None: unscoped, or no tokens);
+    ``reply_bytes(method, request)``: the payload bytes a call's reply may carry, known before
+    it runs (the servicer's)."""
+
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        gate: CallGate,
+        role_of: Callable[[Any], str | None] | None,
+        may_wait: Callable[[str, Any], bool],
+        workers: int,
+        observe: Callable[[str, grpc.StatusCode, float, int, int], None] | None = None,
+        reply_bytes: Callable[[str, Any], int] | None = None,
+        scope_of: Callable[[Any], scopes.Scope | None] | None = None,
+    ) -> None:
+        self.handlers = handlers
+        self.scope_of = scope_of
+        self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
+        self.reply_bytes = reply_bytes
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
+        self.calls = 0  # calls run through sessions (tests read it)
+        self._count = threading.Lock()
+        self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        handler = grpc.stream_stream_rpc_method_handler(
+            self._serve, request_deserializer=_parse_batch, response_serializer=encode_batch
+        )
+        return grpc.method_handlers_generic_handler(auth.SERVICE_NAME, {"Session": handler})
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        role = caller = scope = None
+        if self.role_of:
+            role = self.role_of(context.invocation_metadata())
+            caller = auth.bearer(context.invocation_metadata())
+        if self.scope_of:
+            scope = self.scope_of(context.invocation_metadata())
+        session = _Session(self, context, role, caller, scope)
+        reader = threading.Thread(
+            target=session.read, args=(batches,), name="session-reader", daemon=True
+        )
+        reader.start()
+        yield []  # an empty batch: open
+        yield from session.replies()
+        if session.ended is not None:
+            context.abort(*session.ended)
+
+
+class _Session:
+    def __init__(
+        self,
+        sessions: Sessions,
+        context: grpc.ServicerContext,
+        role: str | None,
+        caller: str | None,
+        scope: scopes.Scope | None = None,
+    ) -> None:
+        self.s, self.context, self.role, self.scope = sessions, context, role, scope
+        self.caller = caller  # the token: the gate bounds one caller's waiting calls
+        self.out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.in_flight = 0  # calls taken and not yet replied to
+        self.waiting = 0  # of them, calls that may wait (for other callers)
+        self.unsent = 0  # replies in ``out``
+        self.unsent_bytes = 0  # and their bytes
+        self.promised = 0  # reply bytes of the calls taken whose replies are not made yet
+        self.held = 0  # request bytes of the calls taken and not yet run to their end
+        self.drained = threading.Condition(self.lock)  # unsent or held went down, or we stopped
+        self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
+        self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
+
+    # -- the reader thread ---------------------------------------------------------------
+    def read(self, batches: Iterator[Any]) -> None:
+        try:
+            for batch in batches:
+                if isinstance(batch, Malformed):
+                    if isinstance(batch.error, TooManyCalls):
+                        self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, str(batch.error))
+                    else:
+                        why = f"a batch does not parse: {batch.error}"
+                        self.end(grpc.StatusCode.INVALID_ARGUMENT, why)
+                    return
+                for call, body in batch:
+                    if not self.room():
+                        return
+                    self.start(call, body)
+        except grpc.RpcError:
+            pass  # the client went away (cancelled, connection lost)
+        except Exception as exc:  # a bug, not bad input: say so, keep serving the others
+            log.exception("session reader failed")
+            self.end(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            return
+        self.out.put(_END)
+
+    def room(self) -> bool:
+        """Waits while the replies not yet sent, or the requests not yet run, are past their
+        bounds, this session's or the server's; False once the stream is gone (nothing will
+        drain them)."""
+        with self.drained:
+            while not self.stopped:
+                if (
+                    self.unsent >= MAX_UNSENT
+                    or self.unsent_bytes >= MAX_UNSENT_BYTES
+                    or self.held >= MAX_HELD_BYTES
+                ):
+                    self.drained.wait(1.0)  # this session's replies or calls end: notified
+                elif self._over_share():
+                    self.drained.wait(_BUDGET_POLL_S)  # other sessions' bytes: not notified
+                else:
+                    return True
+                if not self.context.is_active():
+                    return False
+            return False
+
+    def _over_share(self) -> bool:
+        """Whether the server's sessions hold ``SESSIONS_BYTES`` or more, this one at least
+        its share of them (a session holding none is always read)."""
+        own = self.held + self.unsent_bytes
+        return (
+            own > 0
+            and self.s.held_bytes >= SESSIONS_BYTES
+            and own * max(1, self.s.gate.sessions) >= SESSIONS_BYTES
+        )
+
+    def _add(
+        self, held: int = 0, replies: int = 0, reply_bytes: int = 0, promised: int = 0
+    ) -> None:
+        """Adds to the request bytes held, the replies unsent (and their bytes) and the reply
+        bytes promised, under ``lock``; the bytes held and unsent go to the server's total
+        too, unless the session stopped (its bytes left the total then)."""
+        self.held += held
+        self.unsent += replies
+        self.unsent_bytes += reply_bytes
+        self.promised += promised
+        if not self.stopped:
+            with self.s._count:
+                self.s.held_bytes += held + reply_bytes
+
+    def put(
+        self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0, promised: int = 0
+    ) -> None:
+        """Queues a reply of ``size`` payload bytes, in place of the ``promised`` ones;
+        ``counted``: whether it ends a call counted in flight."""
+        size += reply[0].ByteSize()
+        with self.lock:
+            self._add(replies=1, reply_bytes=size, promised=-promised)
+        self.out.put((counted, size, reply))
+
+    def end(self, code: grpc.StatusCode, details: str) -> None:
+        self.ended = (code, f"Session: {details}")
+        self.out.put(_END)
+
+    def refuse(self, reply: tuple[pb.SessionCall, bytes]) -> None:
+        """A reply to a call refused before it counted as in flight."""
+        self.put(0, reply)
+
+    def start(self, call: pb.SessionCall, body: memoryview) -> None:
+        """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
+        method = call.method
+        handler = self.s.handlers.get(method)
+        if handler is None:
+            shown = method[:64] + ("..." if len(method) > 64 else "")
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"{shown!r} is not a method sessions carry; they carry"
+                    f" {', '.join(sorted(self.s.handlers))}",
+                )
+            )
+        need = auth.METHOD_ROLES[method]
+        if self.role is not None and not auth.role_allows(self.role, need, method):
+            return self.refuse(
+                _reply(
+                    call.id,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{method} needs role '{need}'; this session's token has role '{self.role}'",
+                )
+            )
+        timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
+        fn, parse, serialize = handler
+        refused = self.scope and scopes.refusal(self.scope, method, body)  # before the parse
+        if refused:
+            return self.refuse(_reply(call.id, *refused))
+        request = parse(body)
+        refused = self.scope and scopes.mismatch(self.scope, method, request)
+        if refused:
+            return self.refuse(_reply(call.id, *refused))
+        waits = None
+        if method in WAITING_METHODS and self.s.may_wait(method, request):
+            waits = self.role or "train"
+        promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
+        with self.lock:
+            full = self._full(waits is not None, promised)
+            if full is None:
+                self.in_flight += 1
+                self.waiting += waits is not None
+                self._add(promised=promised)
+        if full is not None:
+            return self.refuse(
+                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
+            )
+        refusal = self.s.gate.enter(waits, self.caller)
+        if refusal is not None:
+            self.call_ended(waits)
+            return self.put(
+                1,
+                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
+                promised=promised,
+            )
+        job = (call.id, method, fn, serialize, request, timeout, waits, len(body), promised)
+        with self.lock:
+            self._add(held=len(body))
+        if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
+            self.run(*job)
+        else:
+            self.s.pool.submit(self.run, *job)
+
+    def _full(self, waits: bool, promised: int) -> str | None:
+        """Why a call that may wait (``waits``) and whose reply may carry ``promised`` bytes
+        cannot be taken now ("retry later"), None when it can; under ``lock``."""
+        if self.in_flight >= MAX_CALLS:
+            return f"{MAX_CALLS} calls of this session are in flight, its bound; retry later"
+        if waits and self.waiting >= MAX_WAITING:
+            return f"{MAX_WAITING} calls of this session are waiting, its bound; retry later"
+        coming = self.unsent_bytes + self.promised
+        if promised and coming and coming + promised > MAX_UNSENT_BYTES:
+            return (
+                f"the replies of this session's calls, unsent or to come, hold {coming:,}"
+                f" bytes; with this one's {promised:,} they would pass the bound of"
+                f" {MAX_UNSENT_BYTES:,}; retry later"
+            )
+        return None
+
+    def call_ended(self, waits: str | None, received: int = 0) -> None:
+        """A call taken with ``waits`` and ``received`` request bytes has ended."""
+        with self.drained:
+            self.waiting -= waits is not None
+            if received:
+                self._add(held=-received)
+                self.drained.notify_all()
+
+    def run(
+        self,
+        call_id: int,
+        method: str,
+        fn: Callable[[Any, Any], Any],
+        serialize: Callable[[Any], bytes],
+        request: Any,
+        timeout: float | None,
+        waits: str | None,
+        received: int,
+        promised: int,
+    ) -> None:
+        began = time.perf_counter()
+        code = grpc.StatusCode.OK
+        try:
+            reply = (
+                pb.SessionCall(id=call_id),
+                serialize(fn(request, _CallContext(self.context, timeout))),
+            )
+        except _Abort as exc:
+            code = exc.code
+            reply = _reply(call_id, exc.code, exc.details)
+        except Exception as exc:  # the guard reports handler bugs; this is one in the reply
+            log.exception("session call %s failed", method)
+            code = grpc.StatusCode.INTERNAL
+            reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
+        finally:
+            self.s.gate.leave(waits, self.caller)
+            self.call_ended(waits, received)
+        with self.s._count:
+            self.s.calls += 1
+        size = _size(reply[1])
+        if self.s.observe is not None:
+            self.s.observe(method, code, time.perf_counter() - began, received, size)
+        self.put(1, reply, size, promised)
+
+    # -- the stream's thread ---------------------------------------------------------------
+    def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:
+        """Batches of the replies ready, until the client ends the session."""
+        try:
+            while True:
+                items, ended = take_ready(self.out, _END, BATCH_BYTES, lambda item: item[1])
+                if items:
+                    yield [reply for _, _, reply in items]
+                    with self.drained:  # handed to gRPC, which asks for the next batch
+                        self.in_flight -= sum(counted for counted, _, _ in items)
+                        sent = sum(size for _, size, _ in items)
+                        self._add(replies=-len(items), reply_bytes=-sent)
+                        self.drained.notify_all()
+                if ended:
+                    return
+        finally:
+            with self.drained:
+                with self.s._count:
+                    self.s.held_bytes -= self.held + self.unsent_bytes
+                self.stopped = True
+                self.drained.notify_all()

@@ -1,0 +1,123 @@
+"""An elastic job's checkpoints and recovery: taken by a step's members, not by the world.
+
+Without elasticity every rank meets at barriers over the world and rank 0 acts
+(strategies/data_parallel/checkpoints.py). An elastic job's world is whoever trains now, so:
+
+- a snapshot is taken *before* a step, by that step's members: the lowest member snapshots the
+  servers' version while the others wait at the step group's barrier;
+- a restore is made the same way, between two such barriers;
+- after a failure (``resync``), the servers are brought back to one version, by facts rather
+  than by who failed: if they agree (or differ by one step whose Step this rank sent, which it
+  sends again), the rank adopts that version; otherwise the ranks hold a recovery round on the
+  coordinator (server/collectives/membership.py, step 7) whose leader restores the job from
+  neighbour replicas or the newest snapshot while the others wait for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from paramshard.protos import shard_pb2 as pb
+
+__all__ = ["ElasticCheckpoints", "job_versions"]
+
+SETTLE_S = 0.2  # between looks at the servers while another rank finishes a half-applied step
+
+
+def job_versions(client: Any, job: str) -> list[int | None]:
+    """Each server's version of ``job`` (its slices' lowest), None where it does not hold the
+    job whole and initialised (a server that came back empty)."""
+    out: list[int | None] = []
+    for i in range(client.num_servers):
+        reply = client.call(i, "Status", pb.StatusRequest())
+        rows = [j for j in reply.jobs if j.job == job]
+        buffers = rows[0].buffers if rows else []
+        ready = buffers and all(b.initialized for b in buffers)
+        out.append(min(b.version for b in buffers) if ready else None)
+    return out
+
+
+class ElasticCheckpoints:
+    """Mixed into ``ServerCheckpoints``: the elastic variants, every member at the same point."""
+
+    client: Any
+    config: Any
+    membership: Any
+    _step: int
+    _last_step: Any
+
+    def _elastic_save(self, tag: str) -> int:
+        from paramshard.client import tools
+
+        self._ensure_idle()
+        members = self.join_step()
+        version = self._step
+        if self.client.rank == members.leader:
+            version = tools.snapshot(self.client, self.config.job, tag)["version"]
+        self.step_group().barrier()
+        return version
+
+    def _elastic_load(self, tag: str) -> int:
+        from paramshard.client import tools
+
+        self._ensure_idle()
+        members = self.join_step()
+        group = self.step_group()
+        group.barrier()  # nobody still reads the old state when the leader replaces it
+        if self.client.rank == members.leader:
+            job, world = self.config.job, self.world_size
+            self._restore(lambda: tools.restore(self.client, job, tag, contributors=world))
+        group.barrier()
+        return self.resync(self.client.run_state.epoch, 0.0)
+
+    def _restore(self, restore: Any) -> None:
+        from paramshard.client import tools
+
+        restore()
+        if self.config.replicate_every:
+            tools.configure_replication(self.client, self.config.job, self.config.replicate_every)
+
+    def _recover_job(self) -> None:
+        """The leader's part of a recovery round: neighbour replicas, else the newest snapshot."""
+        from paramshard.client import tools
+
+        job = self.config.job
+
+        def restore() -> None:
+            try:
+                if not self.config.replicate_every:
+                    raise LookupError("replication is off")
+                tools.recover_from_replicas(self.client, job)
+            except LookupError:
+                tools.restore(self.client, job, "latest", contributors=self.world_size)
+
+        self._restore(restore)
+
+    def resync(self, epoch: int, settle_s: float) -> int:
+        """After a failure (every rank calls it, in its new ``epoch``): brings the servers to
+        one version of the job and continues there; returns that step. ``settle_s``: how long
+        to let another rank finish a step half applied before restoring instead."""
+        job = self.config.job
+        waited = 0.0
+        while True:
+            versions = job_versions(self.client, job)
+            known = [v for v in versions if v is not None]
+            low = min(known, default=None)
+            if len(known) == len(versions) and max(known) == low:
+                break
+            last = self._last_step
+            if len(known) == len(versions) and max(known) == low + 1:
+                if last is not None and last[0] == low:  # this rank's own Step, sent again
+                    step, args, skip = last
+                    self.client.step(job, step, args, skip=skip)
+                    continue
+                if waited < settle_s:  # another member may hold that Step's arguments
+                    time.sleep(SETTLE_S)
+                    waited += SETTLE_S
+                    continue
+            if self.membership.recovery(epoch):
+                self._recover_job()
+                self.membership.recovered()
+        self._adopt_step(low)
+        return low

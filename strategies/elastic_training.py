@@ -1,0 +1,107 @@
+"""``train_with_recovery`` for an elastic job: each step joined, trained by its members, redone
+when its members change (strategies/data_parallel/elastic.py says what elastic means).
+
+The loop differs from the fixed-world one (strategies/recovery.py) in three ways:
+
+1. each step begins with ``model.join_step()``: the rank waits until it is a member of the
+   step the servers train next (a rank that joins, or sat a step out, adopts a later step), and
+   ``train_step`` is then called with that step's number, so its batch is that step's;
+2. a snapshot (``checkpoint_every``) is taken *before* a step whose number is a multiple of
+   it, by the step's members (strategies/data_parallel/elastic_checkpoints.py);
+3. an abort notice is always recoverable: a member was lost or left (the others redo the step
+   without it: its membership is revised on the coordinator, server/collectives/membership.py
+   step 5) or a server failed (the servers are brought back to one version first: ``resync``).
+   A rank that met the failure itself tells the others (``give_up``), unless it only learned
+   that the step's membership changed (a push of an older generation refused).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from paramshard.client import ShardClientError
+from paramshard.strategies.lr_schedule import sync_scheduler
+
+__all__ = ["recover_elastic", "train_elastic"]
+
+log = logging.getLogger("paramshard.recovery")
+
+STALE_GENERATION = "membership generation"
+"""What a server's refusal of an older generation's push says (server/buffers/membership.py)."""
+
+
+def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, report: Any) -> None:
+    """After ``step`` failed with ``exc``: drops the step, moves to a new epoch and brings the
+    servers and this rank to one step (``hooks``: ``wait_for_servers(model)``)."""
+    began = time.monotonic()
+    state = model.client.run_state
+    log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
+    stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and STALE_GENERATION in exc.details
+    if exc.code != grpc.StatusCode.ABORTED and not stale:
+        state.give_up(f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}")
+    notice = state.current()
+    report.recoveries += 1
+    report.causes.append(exc.code.name)
+    model.abandon_step()
+    if model.optimizer is not None:
+        model.optimizer.zero_grad()
+    hooks.wait_for_servers(model)
+    epoch = max(state.epoch, notice.epoch if notice is not None else 0) + 1
+    model.restart_collectives(epoch)
+    restored = model.resync(epoch, model.config.join_window_s)
+    report.replayed_steps += max(0, step - restored)
+    report.committed_without_loss.extend(range(step, restored))
+    report.recovery_seconds.append(time.monotonic() - began)
+    report.failed_at.append(step)
+    report.resumed_at.append(restored)
+    log.warning(
+        "rank %d: recovered in %.1f s: the servers are at step %d, training continues there",
+        model.rank,
+        report.recovery_seconds[-1],
+        restored,
+    )
+
+
+def train_elastic(
+    model: Any,
+    train_step: Callable[[int], float],
+    steps: int,
+    hooks: Any,
+    report: Any,
+    *,
+    checkpoint_every: int,
+    tag_prefix: str,
+    max_recoveries: int,
+    scheduler: Any,
+) -> None:
+    """The elastic loop (module docstring); ``hooks``: ``recoverable(model, exc)``,
+    ``wait_for_servers(model)`` and ``after_step(step, loss) -> stop``."""
+    taken = -1  # the step a checkpoint was taken before, in this epoch
+    while model.step_count < steps:
+        step = model.step_count
+        try:
+            model.join_step()
+            step = model.step_count
+            if step >= steps:
+                break
+            sync_scheduler(scheduler, step)
+            if checkpoint_every and step % checkpoint_every == 0 and step != taken:
+                epoch = model.client.run_state.epoch
+                model.save_checkpoint(f"{tag_prefix}-{step}" + (f"-e{epoch}" if epoch else ""))
+                taken = step
+            report.losses[step] = loss = train_step(step)
+            sync_scheduler(scheduler, model.step_count)
+            if hooks.after_step(step, loss):
+                report.stopped_early = True
+                break
+        except ShardClientError as exc:
+            if not hooks.recoverable(model, exc) or report.recoveries >= max_recoveries:
+                raise
+            recover_elastic(model, exc, step, hooks, report)
+            taken = -1
+            sync_scheduler(scheduler, model.step_count)

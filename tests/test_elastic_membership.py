@@ -1,0 +1,224 @@
+"""The coordinator's rounds (server/collectives/membership.py), step by step of its protocol.
+
+A ``MembershipTable`` on a fake clock, fake leases and fake versions: every Join is answered at
+once (``timeout`` 0), so each test walks the protocol's numbered steps and checks the replies,
+the history and the counts the Status call shows. The RPC itself, through a real server, is
+exercised by tests/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.membership import MembershipTable
+from paramshard.server.runtime.errors import ShardError
+
+WORLD = 4
+
+
+class Leases:
+    """Which ranks hold a live lease (None: the run is unknown, as on a fresh server)."""
+
+    def __init__(self) -> None:
+        self.live: set[int] | None = None
+
+    def live_ranks(self, run: str) -> set[int] | None:
+        return None if self.live is None else set(self.live)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def table() -> tuple[MembershipTable, Leases, Clock, dict[str, int]]:
+    leases, clock, versions = Leases(), Clock(), {"j": 0}
+    t = MembershipTable(leases, versions.get, clock=clock, wall=lambda: 1.0, max_jobs=2)
+    return t, leases, clock, versions
+
+
+def join(t: MembershipTable, rank: int, step: int = 0, **kw) -> pb.JoinReply:
+    req = pb.JoinRequest(
+        run="r",
+        job=kw.pop("job", "j"),
+        rank=rank,
+        world_size=WORLD,
+        step=step,
+        min_members=kw.pop("min_members", 1),
+        window_ms=kw.pop("window_ms", 5000),
+        known_members=kw.pop("known", range(WORLD)),
+        **kw,
+    )
+    return t.join(req, 0.0)
+
+
+def history(t: MembershipTable) -> list[tuple[int, str, int]]:
+    (row,) = t.status()
+    return [(e.step, e.kind, e.rank) for e in row.history]
+
+
+def test_a_round_waits_its_window_for_the_expected_ranks_then_takes_those_there(table) -> None:
+    t, _, clock, _ = table
+    for r in (0, 1, 2):
+        reply = join(t, r)
+        assert not reply.decided and list(reply.announced) == list(range(r + 1))
+    assert list(reply.expected) == [0, 1, 2, 3]
+    clock.now += 5.0  # the window (5 s) since the first expected rank came
+    reply = join(t, 0)
+    assert reply.decided and reply.member and list(reply.members) == [0, 1, 2]
+    assert (reply.step, reply.generation, reply.leader) == (0, 0, 0)
+    late = join(t, 3)  # after the decision: the next step (protocol step 3)
+    assert late.decided and not late.member and late.next_step == 1
+    assert history(t) == [(0, "join", 0), (0, "join", 1), (0, "join", 2)]
+
+
+def test_every_expected_rank_there_decides_at_once(table) -> None:
+    t, *_ = table
+    for r in range(WORLD - 1):
+        assert not join(t, r).decided
+    reply = join(t, WORLD - 1)
+    assert reply.decided and list(reply.members) == list(range(WORLD))
+
+
+def test_a_joining_rank_waits_for_the_step_before_to_end_and_is_taken_in(table) -> None:
+    t, _, clock, versions = table
+    for r in range(3):
+        join(t, r, known=range(3))
+    assert join(t, 2, known=range(3)).decided  # step 0: ranks 0, 1, 2
+    parked = join(t, 3, step=1)  # a new rank, for the next step: opens no window
+    assert not parked.decided and list(parked.expected) == [0, 1, 2]
+    clock.now += 60.0  # step 0 takes long: the joining rank alone never starts the window
+    assert not join(t, 3, step=1).decided
+    versions["j"] = 1  # step 0 applied; its members come
+    for r in range(3):
+        reply = join(t, r, step=1)
+    assert reply.decided and list(reply.members) == [0, 1, 2, 3]
+    assert (1, "join", 3) in history(t)
+    (row,) = t.status()
+    assert dict(row.steps_by_world_size) == {3: 1, 4: 1} and row.joins == 4
+
+
+def test_a_member_lost_mid_step_revises_the_round_when_the_others_come_back(table) -> None:
+    t, leases, _, _ = table
+    leases.live = {0, 1, 2}
+    for r in range(3):
+        join(t, r, known=range(3))
+    assert list(join(t, 0, known=range(3)).members) == [0, 1, 2]
+    leases.live = {0, 1}  # rank 2's lease lapsed: the run's epoch 0 was aborted
+    same = join(t, 1)  # a member in the round's own epoch only reads the decision
+    assert same.generation == 0 and list(same.members) == [0, 1, 2]
+    reopened = join(t, 0, epoch=1)  # back in a newer epoch: generation 1 without rank 2
+    assert not reopened.decided and list(reopened.expected) == [0, 1]
+    reply = join(t, 1, epoch=1)
+    assert reply.decided and list(reply.members) == [0, 1]
+    assert (reply.generation, reply.epoch) == (1, 1)
+    assert history(t)[-1] == (0, "lost", 2)
+    (row,) = t.status()
+    assert row.revisions == 1 and row.leaves == 1 and dict(row.steps_by_world_size) == {2: 1}
+
+
+def test_a_round_below_its_minimum_stays_open_and_says_so(table) -> None:
+    t, leases, clock, _ = table
+    leases.live = {0}
+    first = join(t, 0, min_members=2, known=[0, 1])
+    assert not first.decided and not first.below_min
+    clock.now += 5.0  # the window passed: rank 1 never came, but one rank is not enough
+    waiting = join(t, 0, min_members=2, known=[0, 1])
+    assert not waiting.decided and waiting.below_min and list(waiting.announced) == [0]
+    leases.live = {0, 3}
+    reply = join(t, 3, min_members=2)
+    assert reply.decided and list(reply.members) == [0, 3]
+
+
+def test_a_step_already_applied_sends_the_rank_to_the_servers_step(table) -> None:
+    t, _, _, versions = table
+    versions["j"] = 7
+    reply = join(t, 0, step=5)
+    assert reply.decided and not reply.member and reply.next_step == 7
+    with pytest.raises(ShardError, match="step 9 of job 'j' is ahead of the servers"):
+        join(t, 0, step=9)
+
+
+def test_leaving_drops_the_rank_and_says_whether_a_step_waits_for_it(table) -> None:
+    t, _, _, versions = table
+    for r in range(3):
+        join(t, r, known=range(3))
+    assert join(t, 0, known=range(3)).decided
+    gone = join(t, 2, leave=True)
+    assert gone.in_flight  # a member of step 0, not applied: the others must redo it
+    versions["j"] = 1
+    join(t, 0, step=1)
+    join(t, 1, step=1)  # step 1 expects 0 and 1 only: rank 2 left
+    assert list(join(t, 1, step=1).members) == [0, 1]
+    assert join(t, 1, leave=True).in_flight  # a member of step 1, which waits for it
+    versions["j"] = 2
+    assert not join(t, 0, leave=True).in_flight  # its last step was applied
+
+
+def test_recovery_round_has_one_leader_and_the_others_wait_for_it(table) -> None:
+    t, leases, _, _ = table
+    leases.live = {0, 1, 2}
+    for r in range(3):
+        join(t, r, known=range(3))
+    join(t, 0, known=range(3))
+    known = range(3)  # what each rank knew: step 0's members
+    follower = join(t, 2, recovery=True, epoch=1, known=known)
+    assert not follower.decided
+    join(t, 1, recovery=True, epoch=1, known=known)
+    leader = join(t, 0, recovery=True, epoch=1, known=known)
+    assert leader.decided and leader.leader == 0 and not leader.done
+    assert not join(t, 2, recovery=True, epoch=1, known=known).done
+    leases.live = {1, 2}  # the leader died before restoring: the next one leads
+    assert join(t, 2, recovery=True, epoch=1, known=known).leader == 1
+    assert join(t, 1, recovery=True, epoch=1, known=known, done=True).done
+    assert join(t, 2, recovery=True, epoch=1, known=known).done
+
+
+def test_bad_requests_are_refused_and_jobs_are_bounded(table) -> None:
+    t, *_ = table
+    cases = [
+        ({"rank": 4}, "rank 4 of world size 4"),
+        ({"min_members": 5}, "min_members 5 is more than the world size 4"),
+        ({"window_ms": 4_000_000}, "window_ms must be at most"),
+        ({"known": [0, 9]}, "known_members must be ranks below"),
+        ({"done": True}, "done is for recovery rounds"),
+    ]
+    for kw, message in cases:
+        rank = kw.pop("rank", 0)
+        with pytest.raises(ShardError, match=message) as err:
+            join(t, rank, **kw)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert t.status() == []  # nothing was added
+    join(t, 0, job="a")
+    join(t, 0, job="b")
+    with pytest.raises(ShardError, match="coordinates 2 elastic jobs, its limit") as err:
+        join(t, 0, job="c")
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert t.drop("a") and not t.drop("a")
+    join(t, 0, job="c")
+
+
+def test_a_step_whose_members_are_all_gone_is_taken_by_whoever_comes(table) -> None:
+    """The job's ranks finished or died while a rank waited for the next step: it is sent
+    back to the servers' step, which it reopens and trains alone (a round is never decided
+    ahead of the servers)."""
+    t, leases, _, versions = table
+    leases.live = {0, 1}
+    join(t, 0, known=[0, 1])
+    assert join(t, 1, known=[0, 1]).decided  # step 0: ranks 0 and 1
+    waiting = join(t, 3, step=1)  # a new rank, for step 1: parked
+    assert not waiting.decided
+    leases.live = {3}  # ranks 0 and 1 die in step 0
+    sent_back = join(t, 3, step=1)
+    assert sent_back.decided and not sent_back.member and sent_back.next_step == 0
+    reply = join(t, 3, step=0)  # not a member, but nobody is left: generation 1, alone
+    assert reply.decided and reply.member and list(reply.members) == [3]
+    assert reply.generation == 1
+    versions["j"] = 1
+    assert join(t, 3, step=1).decided

@@ -1,0 +1,438 @@
+"""Issue 27, finding 9: tokens scoped to jobs and runs (server/rpc/scopes.py).
+
+One in-process server, called over gRPC only (``local_calls=False``), holds team B's job
+``team-b-job`` (trained a step, a committed snapshot), its run ``team-b-run`` (two ranks'
+leases, an all-reduce slot waiting for its second contribution) and a shared segment of team
+B's token. Team A's read, train and admin tokens are scoped to ``team-a-*``. Every method of
+the Shard service, taken from its descriptor (a new method fails here until it has a scope
+rule and a request below), is called by each of them naming team B's job or run, unary and
+carried by a session: each is refused with PERMISSION_DENIED before its request is parsed (the
+servicer's parsers count what they parse), and team B's job is bitwise what it was
+(parameters, optimizer state, versions, pending work, snapshot files, memory, segments), its
+run not aborted.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from chaos_target import job_state
+from test_sessions import RawSession, code_of
+
+from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server import ShardServer, servicer
+from paramshard.server.config import SecurityConfig
+from paramshard.server.rpc import auth, scopes
+from paramshard.server.rpc.access_table import markdown
+from paramshard.server.rpc.scopes import Grant, Scope
+from paramshard.server.rpc.tokens import grant_of, parse_token_file
+from paramshard.server.servicer import ShardServicer
+from paramshard.server.transport import shm
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = "/paramshard.v1.Shard/"
+METHODS = [m.name for m in pb.DESCRIPTOR.services_by_name["Shard"].methods]
+TOKENS = {
+    "root": "admin",
+    "b-train": "train jobs=team-b-*",
+    "a-read": "read jobs=team-a-*",
+    "a-train": "train jobs=team-a-*",
+    "a-admin": "admin jobs=team-a-*",
+    "peer-1": "peer",
+}
+TEAM_A = ("a-read", "a-train", "a-admin")
+B_JOB, B_RUN, N = "team-b-job", "team-b-run", 64
+B_SLOT = f"{B_RUN}:ar0/0"
+PARSED: collections.Counter[str] = collections.Counter()
+"""Requests the servicer's parsers parsed, by request type."""
+
+
+def _counting(make: Any) -> Any:
+    """``parsers.plain`` / ``parsers.tensor`` whose parsers count what they parse."""
+
+    def made(cls: Any, *rest: Any) -> Any:
+        parse = make(cls, *rest)
+        name = (rest[0] if rest else cls).DESCRIPTOR.name  # tensor(header, request, fast)
+
+        def counted(raw: Any) -> Any:
+            PARSED[name] += 1
+            return parse(raw)
+
+        return counted
+
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShardServer]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(servicer, "plain", _counting(servicer.plain))
+        mp.setattr(servicer, "tensor", _counting(servicer.tensor))
+        mp.setattr(shm, "plain", _counting(shm.plain))
+        s = ShardServer(
+            tokens=TOKENS,
+            snapshot_dir=str(tmp_path_factory.mktemp("snapshots")),
+            max_wait_s=0.5,
+            local_calls=False,
+        ).start()
+    b = client(s, "b-train", B_RUN)
+    b.register_buffer(B_JOB, "w", N, optimizer="adam", hyper={"lr": 0.01})
+    b.set_params(B_JOB, "w", np.linspace(-1, 1, N, dtype=np.float32))
+    b.push_grads(B_JOB, "w", np.cos(np.arange(N, dtype=np.float32)), 0)
+    b.step(B_JOB, 0, {"w": StepArgs({"lr": 0.01})})
+    b.close()
+    root = client(s, "root")
+    tools.snapshot(root, B_JOB, "base")
+    root.close()
+    for rank in (0, 1):
+        assert call(s, "Lease", lease(rank, 60_000), "b-train")[0] == grpc.StatusCode.OK
+    half = contribution(B_SLOT, contributor=0)
+    assert call(s, "Contribute", half, "b-train")[0] == grpc.StatusCode.OK
+    offer = pb.OfferSegmentRequest(nbytes=4096).SerializeToString()
+    code, _, reply = call(s, "OfferSegment", offer, "b-train")
+    assert code == grpc.StatusCode.OK
+    s.b_segment = pb.OfferSegmentReply.FromString(reply).segment
+    yield s
+    s.stop(0)
+
+
+def client(s: ShardServer, token: str, run: str = "team-a-run") -> ShardClient:
+    return ShardClient(ClusterSpec([s.address], token=token), run_id=run, timeout_s=10, retries=0)
+
+
+def call(s: ShardServer, method: str, payload: bytes, token: str) -> tuple[Any, str, bytes]:
+    """One unary call of raw bytes: (code, details, reply bytes or b"")."""
+    with grpc.insecure_channel(s.address) as chan:
+        stub = chan.unary_unary(SHARD + method, request_serializer=None, response_deserializer=None)
+        try:
+            reply = stub(payload, timeout=10, metadata=(("authorization", f"Bearer {token}"),))
+            return grpc.StatusCode.OK, "", reply
+        except grpc.RpcError as exc:
+            return exc.code(), exc.details(), b""
+
+
+def lease(rank: int, ttl_ms: int, run: str = B_RUN, abort: str = "") -> bytes:
+    req = pb.LeaseRequest(run=run, rank=rank, world_size=2, ttl_ms=ttl_ms, abort=abort)
+    return req.SerializeToString()
+
+
+def contribution(key: str, contributor: int) -> bytes:
+    header = pb.SlotHeader(
+        key=key,
+        op=pb.SUM,
+        expected=2,
+        readers=2,
+        total_numel=4,
+        chunk=pb.Chunk(numel=4, dtype=pb.FLOAT32),
+        chunk_numel=4,
+        contributor=contributor,
+    )
+    return codec.encode(header, np.ones(4, np.float32))
+
+
+def _chunk(job: str) -> pb.ReplicaChunk:
+    return pb.ReplicaChunk(job=job, version=1, total=8, data=b"\0" * 8)
+
+
+ref = pb.BufferRef(job=B_JOB, buffer="w")
+whole = pb.Chunk(offset=0, numel=N, dtype=pb.FLOAT32)
+FOREIGN: dict[str, Any] = {
+    "RegisterBuffer": pb.RegisterBufferRequest(
+        ref=pb.BufferRef(job=B_JOB, buffer="more"), numel=2**20, num_servers=1, contributors=1
+    ),
+    "SetParams": codec.encode(pb.SetParamsHeader(ref=ref, chunk=whole, version=1), np.zeros(N)),
+    "PushGrad": codec.encode(
+        pb.PushGradHeader(ref=ref, chunk=whole, step=1, num_micro=1), np.ones(N, np.float32)
+    ),  # fmt: skip
+    "PullParams": pb.PullParamsRequest(ref=ref, chunk=whole, min_version=5),
+    "GradNorm": pb.GradNormRequest(job=B_JOB, buffers=["w"], step=1),
+    "Step": pb.StepRequest(job=B_JOB, step=1, skip=True),
+    "Contribute": contribution(B_SLOT, contributor=1),
+    "ReadSlot": pb.ReadSlotRequest(key=B_SLOT),
+    "DropJob": pb.DropJobRequest(job=B_JOB),
+    "Lease": lease(1, 100),  # lapses in 100 ms: the run would be aborted, "rank 1 lost"
+    "Snapshot": pb.SnapshotRequest(job=B_JOB, tag="evil", version=1, num_servers=1),
+    "CommitSnapshot": pb.CommitSnapshotRequest(job=B_JOB, tag="evil", manifest_json="{}"),
+    "Restore": pb.RestoreRequest(job=B_JOB, tag="base", num_servers=1),
+    "ListSnapshots": pb.ListSnapshotsRequest(job=B_JOB),
+    "ConfigureReplication": pb.ReplicationConfig(job=B_JOB, every=1, num_servers=1),
+    "StoreReplica": _chunk(B_JOB),
+    "ListReplicas": pb.ListReplicasRequest(job=B_JOB),
+    "FetchReplica": pb.FetchReplicaRequest(job=B_JOB, version=1, max_bytes=4096),
+    "LoadReplica": _chunk(B_JOB),
+    "RollbackToReplica": pb.RollbackRequest(job=B_JOB, version=1),
+    "Join": pb.JoinRequest(run=B_RUN, job=B_JOB, rank=1, world_size=2, step=1, leave=True),
+}
+"""A request of each method that names a job or run, naming team B's."""
+EXTRA = [  # more ways to touch team B's run and job
+    ("Lease", lease(0, 600_000, abort="stop them")),
+    ("Lease", pb.LeaseRequest(run=B_RUN, rank=1, world_size=2, release=True)),
+    ("Lease", lease(1, 600_000, run=f"{B_RUN}.e1")),
+    ("ReadSlot", pb.ReadSlotRequest(key=f"{B_RUN}/grp:ar0/0")),
+    ("DropJob", pb.DropJobRequest(job=B_RUN)),
+    # the job of the last occurrence counts, as protobuf reads it: team B's
+    (
+        "PullParams",
+        pb.PullParamsRequest(ref=pb.BufferRef(job="team-a-x")).SerializeToString()
+        + pb.PullParamsRequest(ref=ref).SerializeToString(),
+    ),  # fmt: skip
+]
+
+
+def raw(request: Any) -> bytes:
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
+def team_b(s: ShardServer) -> Any:
+    """Everything of team B's: its job bitwise (tests/test_chaos_fuzz.py), its open slot, its
+    snapshot files, and the server's memory and segments."""
+    root = client(s, "root")
+    try:
+        state = job_state(root, B_JOB)
+        status = root.call(0, "Status", pb.StatusRequest(pending=True))
+    finally:
+        root.close()
+    slots = [(p.key, list(p.arrived), p.expected) for p in status.pending if p.run == B_RUN]
+    folder = s.servicer.snapshots.root / B_JOB
+    files = {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in folder.rglob("*")
+        if p.is_file()
+    }
+    replicas = s.servicer.replicator.configs.get(B_JOB)
+    return state, slots, files, s.servicer.budget.used, s.servicer.segments.usage(), replicas
+
+
+def test_every_method_has_a_scope_rule_and_a_foreign_request() -> None:
+    for method in METHODS:
+        assert method in scopes.ROUTES, f"{method} has no scope rule (server/rpc/scopes.py)"
+        if scopes.ROUTES[method].checked:
+            assert method in FOREIGN, f"add a request of {method} naming team B's job or run"
+    assert set(scopes.ROUTES) == set(METHODS)
+
+
+def test_a_token_scoped_to_another_team_touches_nothing(server: ShardServer) -> None:
+    before = team_b(server)
+    parsed = PARSED.copy()
+    sent = [(m, raw(r)) for m, r in FOREIGN.items()] + [(m, raw(r)) for m, r in EXTRA]
+    for token in TEAM_A:
+        role = grant_of(TOKENS[token]).role
+        for method, payload in sent:
+            code, details, _ = call(server, method, payload, token)
+            assert code == grpc.StatusCode.PERMISSION_DENIED, (token, method, code, details)
+            if auth.role_allows(role, auth.METHOD_ROLES[method], method):
+                assert "outside this token's scope (jobs=team-a-*" in details, details
+    session_methods = sorted(ShardServicer.LOCAL_METHODS)
+    for token in TEAM_A:
+        s = RawSession(server.address, token)
+        s.opened()
+        carried = [(m, raw(r)) for m, r in sent if m in session_methods]
+        s.send(*[pb.SessionCall(id=i, method=m, body=b) for i, (m, b) in enumerate(carried)])
+        replies = s.replies(len(carried))
+        s.close()
+        for i, (method, _) in enumerate(carried):
+            assert code_of(replies[i]) == grpc.StatusCode.PERMISSION_DENIED, (token, method)
+    assert PARSED == parsed, f"parsed: {PARSED - parsed}"  # refused before the parse
+    time.sleep(0.3)  # a lease renewed with a 100 ms TTL would have lapsed by now
+    for rank in (0, 1):  # the run goes on: nothing aborted, no rank awaited
+        code, details, reply = call(server, "Lease", lease(rank, 60_000), "b-train")
+        assert code == grpc.StatusCode.OK, details
+        notice = pb.LeaseReply.FromString(reply)
+        assert (notice.aborted, list(notice.awaiting)) == ("", []), notice
+    assert team_b(server) == before
+
+
+def test_a_token_of_another_team_cannot_abort_a_run_through_its_lease(
+    server: ShardServer,
+) -> None:
+    """The finding: a train token renewed rank 1 of another team's run with a 100 ms TTL,
+    and that run was aborted, "rank 1 lost"; or renewed a dead rank's lease for ever."""
+    code, details, _ = call(server, "Lease", lease(1, 100), "a-train")
+    assert code == grpc.StatusCode.PERMISSION_DENIED, details
+    assert f"run '{B_RUN}' is outside this token's scope" in details
+    time.sleep(0.3)
+    code, details, reply = call(server, "Lease", lease(0, 60_000), "b-train")
+    assert code == grpc.StatusCode.OK, details
+    assert pb.LeaseReply.FromString(reply).aborted == ""
+    code, _, _ = call(server, "Lease", lease(0, 100, abort="stop"), "a-admin")
+    assert code == grpc.StatusCode.PERMISSION_DENIED
+    code, _, reply = call(server, "Lease", lease(1, 60_000), "b-train")
+    assert pb.LeaseReply.FromString(reply).aborted == ""
+
+
+def test_a_scoped_token_works_on_its_own_jobs(server: ShardServer) -> None:
+    """The same server, team A's tokens on team A's job and run: through the ordinary client
+    (sessions and shared memory as it chooses), whose token and calls do not change."""
+    a = client(server, "a-train")
+    a.register_buffer("team-a-job", "w", N, optimizer="sgd", hyper={"lr": 0.5})
+    a.set_params("team-a-job", "w", np.zeros(N, np.float32))
+    a.push_grads("team-a-job", "w", np.ones(N, np.float32), 0)
+    a.step("team-a-job", 0, {"w": StepArgs({"lr": 0.5})})
+    out = a.pull_params("team-a-job", "w", N, min_version=1)
+    np.testing.assert_array_equal(out, np.full(N, -0.5, np.float32))
+    np.testing.assert_array_equal(a.all_reduce(np.arange(4.0)), np.arange(4.0))
+    a.close()
+    assert call(server, "Lease", lease(0, 60_000, run="team-a-run"), "a-train")[0].name == "OK"
+    admin = client(server, "a-admin")
+    tools.snapshot(admin, "team-a-job", "t1")
+    admin.close()
+    for token in ("a-read", "root"):
+        code, _, reply = call(server, "Status", b"", token)
+        jobs = {j.job for j in pb.StatusReply.FromString(reply).jobs}
+        assert jobs == ({"team-a-job"} if token == "a-read" else {"team-a-job", B_JOB})
+        pending = pb.StatusReply.FromString(call(server, "Status", b"\x08\x01", token)[2]).pending
+        assert (B_RUN in {p.run for p in pending}) == (token == "root")
+        code, _, reply = call(server, "ListSnapshots", b"", token)
+        listed = {(i.job, i.tag) for i in pb.ListSnapshotsReply.FromString(reply).snapshots}
+        assert (B_JOB, "base") in listed if token == "root" else listed == {("team-a-job", "t1")}
+    drop = pb.DropJobRequest(job="team-a-job").SerializeToString()
+    assert call(server, "DropJob", drop, "a-admin")[0] == grpc.StatusCode.OK
+
+
+def test_segments_stay_their_tokens_own(server: ShardServer) -> None:
+    """Segments name no job: they belong to the token, so team A cannot confirm or release
+    team B's, and its own cannot carry a request for team B's job."""
+    segment = server.servicer.segments.usage()
+    confirm = pb.ConfirmSegmentRequest(segment=server.b_segment, proof=b"x" * 16)
+    code, _, _ = call(server, "ConfirmSegment", confirm.SerializeToString(), "a-train")
+    assert code == grpc.StatusCode.NOT_FOUND
+    release = pb.ReleaseSegmentsRequest(segments=[server.b_segment]).SerializeToString()
+    code, _, reply = call(server, "ReleaseSegments", release, "a-admin")
+    assert pb.ReleaseSegmentsReply.FromString(reply).released == 0
+    assert server.servicer.segments.usage() == segment
+
+
+# ------------------------------------------------------------------------------ the pieces
+def test_patterns_and_runs() -> None:
+    scope = scopes.parse_scope(["jobs=team-a-*,eval"])
+    assert scope == Scope(jobs=("team-a-*", "eval"), runs=("team-a-*", "eval"))
+    assert scope.allows_job("team-a-x") and scope.allows_job("eval")
+    assert not scope.allows_job("team-a") and not scope.allows_job("eval2")
+    assert not scope.allows_job("team-b-x") and not scope.allows_job("")
+    # an exact run covers its groups and epochs, not a run whose id merely starts with it
+    for run, inside in (("eval", True), ("eval/g", True), ("eval.e3", True),
+                        ("eval.e3/g", True), ("evalx", False), ("eval.ex", False)):  # fmt: skip
+        assert scope.allows_run(run) is inside, run
+    assert scopes.parse_scope(["runs=r1", "jobs=j*"]) == Scope(jobs=("j*",), runs=("r1",))
+    assert scopes.parse_scope([]) is None
+    assert scopes.parse_scope(["jobs=*"]).allows_job("anything")
+    for bad, match in (
+        (["jobs="], "needs comma-separated"),
+        (["jobs=a,,b"], "needs comma-separated"),
+        (["jobs=a*b"], "may only end"),
+        (["runs=a:b"], "':'"),
+        (["jobs=a", "jobs=b"], "twice"),
+        (["teams=a"], "not a scope"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            scopes.parse_scope(bad)
+
+
+def test_token_lines_and_grants() -> None:
+    text = "read r-1 jobs=a/*\ntrain t-1 runs=r\nadmin a-1\npeer p-1\n"
+    tokens = parse_token_file(text)
+    assert tokens == {
+        "r-1": Grant("read", Scope(("a/*",), ("a/*",))),
+        "t-1": Grant("train", Scope(("r",), ("r",))),
+        "a-1": "admin",
+        "p-1": "peer",
+    }
+    assert parse_token_file("read r-1 jobs=a\nread r-1 jobs=a\n") == {
+        "r-1": Grant("read", Scope(("a",), ("a",)))
+    }
+    for bad, match in (
+        ("peer p jobs=a\n", "peer token takes no"),
+        ("train t jobs=a\ntrain t jobs=b\n", "same token"),
+        ("train t team-a\n", "expected 'ROLE TOKEN'"),
+        ("train t jobs=a runs=b jobs=c\n", "twice"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            parse_token_file(bad, "f")
+    # {token: role} as before; a scope as a token file writes it, or a Grant
+    config = SecurityConfig(tokens={"x": "train", "y": "read jobs=a", "z": Grant("admin")})
+    assert dict(config.tokens) == {"x": "train", "y": Grant("read", Scope(("a",), ("a",))),
+                                   "z": "admin"}  # fmt: skip
+    with pytest.raises(ValueError, match="unknown role"):
+        SecurityConfig(tokens={"x": "root jobs=a"})
+
+
+def test_the_pre_parse_reads_what_protobuf_reads() -> None:
+    """For every method whose request names a job or run: random requests (the chaos
+    fuzzer's, from the descriptor), alone and concatenated (protobuf merges them), name in
+    the pre-parse what the parsed message names."""
+    from chaos_requests import random_message
+    from chaos_values import Context
+
+    rng = np.random.default_rng(27)
+    ctx = Context("127.0.0.1:1")
+    service = pb.DESCRIPTOR.services_by_name["Shard"]
+    checked = 0
+    for method, route in scopes.ROUTES.items():
+        if not route.checked:
+            continue
+        desc = service.methods_by_name[method].input_type
+        cls = type(random_message(rng, desc, ctx))
+        for _ in range(60):
+            parts = [random_message(rng, desc, ctx) for _ in range(int(rng.integers(1, 4)))]
+            wire = b"".join(p.SerializeToString() for p in parts)
+            parsed: Any = cls.FromString(wire)
+            for name in route.path:
+                parsed = getattr(parsed, name)
+            assert scopes.named(method, wire) == parsed, (method, wire.hex())
+            checked += 1
+    assert checked == 60 * sum(r.checked for r in scopes.ROUTES.values())
+
+
+def test_a_parse_that_disagrees_is_refused_too() -> None:
+    """The second reading: a parsed request naming another job is refused even if the
+    pre-parse had let it through."""
+    scope = Scope(("team-a-*",), ("team-a-*",))
+    header = pb.PushGradHeader(ref=pb.BufferRef(job="team-b-job"))
+    code, details = scopes.mismatch(scope, "PushGrad", (header, memoryview(b"")))
+    assert code == grpc.StatusCode.PERMISSION_DENIED and "(as parsed)" in details
+    ok = pb.PullParamsRequest(ref=pb.BufferRef(job="team-a-job"))
+    assert scopes.mismatch(scope, "PullParams", ok) is None
+    drop = scope_drop = Scope(("team-a-*",), ("runs-a/*",))
+    assert "run 'team-a-x'" in scopes.refusal(drop, "DropJob", b"\x0a\x08team-a-x")[1]
+    assert scopes.refusal(scope_drop, "Status", b"garbage") is None  # names nothing
+
+
+def test_many_tiny_fields_cost_a_bounded_walk() -> None:
+    scope = Scope(("a",), ("a",))
+    fine = (
+        b"\x18\x01" * (scopes.MAX_SCANNED_FIELDS - 1)
+        + pb.GradNormRequest(job="a").SerializeToString()
+    )
+    assert scopes.refusal(scope, "GradNorm", fine) is None
+    code, details = scopes.refusal(scope, "GradNorm", b"\x18\x01" * (scopes.MAX_SCANNED_FIELDS + 1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "fields" in details
+
+
+def test_serve_reads_scopes_and_says_how(tmp_path: Path) -> None:
+    from test_security import run_cli
+
+    usage = run_cli("serve", "--help").stdout
+    assert "jobs=" in usage and "runs=" in usage and "prefix ending in '*'" in usage
+    tokens = tmp_path / "tokens"
+    tokens.write_text("train t1 jobs=a-*\npeer p1 runs=x\n")
+    result = run_cli("serve", "--port", "0", "--token-file", str(tokens))
+    assert result.returncode == 2
+    assert "line 2: a peer token takes no jobs= or runs=" in result.stderr
+
+
+def test_the_table_in_docs_is_the_codes() -> None:
+    text = (ROOT / "docs" / "security.md").read_text()
+    assert markdown() in text, "python -m paramshard.server.rpc.access_table > the table"
+    assert set(METHODS) <= {line.split("`")[1] for line in markdown().splitlines()[2:]}
