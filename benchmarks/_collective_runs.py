@@ -17,6 +17,7 @@ from benchmarks._collective_ranks import (
     reps_for,
 )
 from benchmarks._netns import Namespaces, unavailable
+from benchmarks._ns_training import gradient_mib, section_training
 from benchmarks._processes import (
     Child,
     Load,
@@ -66,6 +67,10 @@ RATIO_KEY = {  # the row's key of each variant's ratio to its gloo
     "ours_sep_inband": "sep_inband_ratio_vs_gloo",
     "ours_ns": "ns_ratio_vs_gloo",
 }
+
+
+HOST_VARIANTS = ("ours", "ours_sep", "ours_sep_inband", "gloo")
+NS_VARIANTS = ("ours_ns", "gloo_ns")
 
 
 def variants(a: argparse.Namespace, lab: Any) -> list[str]:
@@ -177,10 +182,14 @@ def summarise(rounds: list[list[dict[str, Any]]], op: str, mib: float) -> dict[s
 
 
 def section_collectives(doc: dict[str, Any], a: argparse.Namespace) -> None:
-    """Every variant (``VARIANTS``) of every op and size, each world size in one run."""
+    """Every variant (``VARIANTS``) of every op and size, each world size in one run; the
+    cross-namespace ones once per link rate of ``--rates`` (``Namespaces.shape``), their rows
+    in ``doc["netns"]["results"]`` with the rate."""
     if not a.no_netns:
         why = unavailable()
-        doc["netns"] = why or "one namespace per rank on a veth bridge (benchmarks/_netns.py)"
+        doc["netns"] = {
+            "lab": why or "one namespace per rank on a veth bridge (benchmarks/_netns.py)"
+        }
         if why is None:
             with Namespaces([f"h{r}" for r in range(max(a.world_sizes))]) as lab:
                 _collectives(doc, a, lab)
@@ -189,41 +198,76 @@ def section_collectives(doc: dict[str, Any], a: argparse.Namespace) -> None:
 
 
 def _collectives(doc: dict[str, Any], a: argparse.Namespace, lab: Any) -> None:
+    every = variants(a, lab)
+    doc["phases"] = []
+    if "collectives" in a.parts:
+        doc["variants"] = {v: VARIANTS[v] for v in every}
+        host = [v for v in every if v in HOST_VARIANTS]
+        doc["results"] = _measure(doc, a, lab, host, None)
+    if lab is None:
+        return
+    ns = [v for v in every if v in NS_VARIANTS]
+    doc["netns"].update(shaping=[], results=[], training=[])
+    if "training" in a.parts:
+        doc["netns"]["training_model"] = {
+            "model": a.train_model,
+            "gradient_mib": gradient_mib(a.train_model),
+            "how": "benchmarks/_ns_training.py",
+        }
+    for rate in a.rates:
+        applied = lab.shape(rate)
+        log(f"links: {applied}")
+        doc["netns"]["shaping"].append(applied)
+        try:
+            if "collectives" in a.parts:
+                doc["netns"]["results"] += _measure(doc, a, lab, ns, rate)
+            if "training" in a.parts:
+                doc["netns"]["training"] += section_training(a, lab, rate)
+        finally:
+            lab.shape(None)
+
+
+def _measure(
+    doc: dict[str, Any], a: argparse.Namespace, lab: Any, order: list[str], rate: float | None
+) -> list[dict[str, Any]]:
+    """The rows of ``order``'s variants at every world size (links at ``rate`` Gbit/s)."""
     rows: list[dict[str, Any]] = []
-    phases: list[dict[str, Any]] = []
-    doc["variants"] = {v: VARIANTS[v] for v in variants(a, lab)}
     for w in a.world_sizes:
         got: dict[str, list[list[dict[str, Any]]]] = {}
-        order = variants(a, lab)
         for rnd in range(a.rounds):
             # alternate the order, so drift on a busy machine does not favour one variant
             for v in order if rnd % 2 == 0 else order[::-1]:
                 busy_before = wait_quiet(a.wait_quiet, 0.2) if a.wait_quiet > 0 else None
-                log(f"W={w}: {v} (round {rnd + 1}/{a.rounds})")
+                log(f"W={w}: {v} (round {rnd + 1}/{a.rounds}, links {rate or 'unlimited'})")
                 t0 = time.monotonic()
+                loadavg = [round(x, 2) for x in os.getloadavg()]
                 with Load() as load:
                     if v.startswith("gloo"):
                         res = run_gloo(w, a, lab if v == "gloo_ns" else None)
                     else:
                         res = run_ours(w, a, v, lab)
                 got.setdefault(v, []).append(res)
-                phases.append(
+                doc["phases"].append(
                     {
                         "world_size": w,
                         "variant": v,
+                        "rate_gbit": rate,
                         "round": rnd,
                         "seconds": round(time.monotonic() - t0, 1),
                         "foreign_cpu_frac": load.foreign,
                         "busy_before": busy_before,
+                        "loadavg_at_start": loadavg,
                     }
                 )
         if "gloo" in got:
             doc.setdefault("gloo_reduce_scatter_impl", got["gloo"][0][0]["reduce_scatter_impl"])
         for op in OPS:
             for mib in a.sizes:
-                rows.append(_row(op, w, mib, {v: summarise(got[v], op, mib) for v in got}))
-    doc["results"] = rows
-    doc["phases"] = phases
+                row = _row(op, w, mib, {v: summarise(got[v], op, mib) for v in got})
+                if rate is not None or order[0] in NS_VARIANTS:
+                    row["rate_gbit"] = rate
+                rows.append(row)
+    return rows
 
 
 def _row(op: str, w: int, mib: float, s: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -243,11 +287,11 @@ def _row(op: str, w: int, mib: float, s: dict[str, dict[str, Any]]) -> dict[str,
         row["faster_placement"] = (
             "in-process" if row["ours_ms"] <= row["ours_sep_ms"] else "separate"
         )
-    if "gloo" in s:
+    if "gloo" in s and "ours" in s:
         row["cpu_ratio_vs_gloo"] = round(
             s["ours"]["cpu_ms_per_rank"] / max(1e-9, s["gloo"]["cpu_ms_per_rank"]), 3
         )
-    row["reps"] = s["ours"]["reps"]
+    row["reps"] = next(iter(s.values()))["reps"]
     log(
         f"  {op:<14} W={w} {mib:>4g} MiB"
         + "".join(f"  {v} {row[f'{v}_ms']:.1f} ms" for v in s)

@@ -13,6 +13,15 @@ Only addresses inside these namespaces are ever used. ``teardown`` (safe after a
 halfway through ``build``) kills whatever still runs inside the namespaces and deletes them,
 which removes the veths and the bridge. Needs Linux, root and iproute2 (``unavailable`` says
 why not).
+
+**Links of real speed** (``shape``): every host's cable runs at a given rate in both directions:
+a token bucket (``tc`` tbf) on the host's ``eth0`` (what it sends) and on its bridge port (what
+it receives), so a host's traffic to all others shares one link of that rate, as a host's NIC.
+The bucket holds 200 us of traffic (at least 128 KiB: whole 64 KiB GSO packets pass unsplit).
+A data-centre hop also delays each packet (``DELAY_US`` one way, split over the two queues), but
+only ``netem`` can add delay: where the kernel lacks it (``sch_netem``; the 6.x Firecracker
+guest this was written on has neither netem nor fq) the links are shaped in rate only and
+``shape`` says so.
 """
 
 from __future__ import annotations
@@ -26,9 +35,12 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["Namespaces", "ip", "unavailable"]
+__all__ = ["DELAY_US", "Namespaces", "ip", "tc", "unavailable"]
 
 CMD_TIMEOUT_S = 15.0
+DELAY_US = 25.0
+"""One way across a data-centre hop (NIC, switch, NIC; kernel TCP adds its own): 25 us, so
+a round trip between two hosts is 50 us, the lower end of what same-rack TCP measures."""
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -37,6 +49,15 @@ def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     )
     if check and done.returncode != 0:
         raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done
+
+
+def tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        ["tc", *args], check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S
+    )
+    if check and done.returncode != 0:
+        raise RuntimeError(f"`tc {' '.join(args)}` failed: {done.stderr.strip()}")
     return done
 
 
@@ -98,6 +119,40 @@ class Namespaces:
     def set_link(self, host: str, up: bool) -> None:
         """Cuts (or restores) ``host``'s cable: its bridge-side veth end goes down (up)."""
         ip("-n", self.switch, "link", "set", self.veth[host], "up" if up else "down")
+
+    def _links(self) -> list[tuple[str, str]]:
+        """(namespace, device) of both ends of every host's cable."""
+        return [(self.ns[h], "eth0") for h in self.hosts] + [
+            (self.switch, self.veth[h]) for h in self.hosts
+        ]
+
+    def shape(self, gbit: float | None, delay_us: float = DELAY_US) -> dict[str, object]:
+        """Every host's link at ``gbit`` Gbit/s each way (None: unlimited, the queues removed),
+        with ``delay_us`` one way where netem exists; returns what was applied."""
+        for ns, dev in self._links():
+            tc("-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+        if gbit is None:
+            return {"rate_gbit": None, "delay_us": 0.0, "qdisc": "none"}
+        rate = f"{gbit:g}gbit"
+        half = f"{delay_us / 2:g}us"
+        burst = max(128 * 1024, int(gbit * 1e9 / 8 * 200e-6))
+        applied: dict[str, object] = {"rate_gbit": gbit, "burst_bytes": burst}
+        for i, (ns, dev) in enumerate(self._links()):
+            if delay_us > 0 and applied.get("qdisc") != "tbf":
+                done = tc("-n", ns, "qdisc", "replace", "dev", dev, "root", "netem",
+                          "delay", half, "rate", rate, "limit", "100000", check=False)  # fmt: skip
+                if done.returncode == 0:
+                    applied.update(qdisc="netem", delay_us=delay_us)
+                    continue
+                if i > 0:  # netem worked on the first link: it must on all
+                    raise RuntimeError(f"netem on {ns}/{dev}: {done.stderr.strip()}")
+                applied.update(qdisc="tbf", delay_us=0.0)
+                applied["delay_unavailable"] = f"netem refused: {done.stderr.strip()}"
+            tc("-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+               "rate", rate, "burst", str(burst), "latency", "10ms")  # fmt: skip
+            applied.setdefault("qdisc", "tbf")
+            applied.setdefault("delay_us", 0.0)
+        return applied
 
     def teardown(self) -> None:
         """Kills what still runs in the namespaces (started for them) and deletes them."""

@@ -157,14 +157,19 @@ def close_rank(clients: list[Any], server: Any) -> None:
         server.stop(0)
 
 
+GLOO_ADDR_ENV = "PARAMSHARD_BENCH_GLOO_ADDR"
+"""Where rank 0's gloo store listens (default 127.0.0.1; the lab's ranks: host 0's address)."""
+
+
 def init_gloo(port: int, rank: int, world: int) -> None:
     import datetime
 
     import torch.distributed as dist
 
+    host = os.environ.get(GLOO_ADDR_ENV, "127.0.0.1")
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"tcp://{host}:{port}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=120),

@@ -13,7 +13,12 @@ Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts 
   the same namespaces (``gloo_ns``). Every rank is its own process, started with subprocess
   so that ``server.MALLOC_ENV`` is in its environment before the interpreter starts; gloo
   ranks get the same settings (``--gloo-env default`` runs them in the plain environment, as
-  torch users usually do). Each repetition:
+  torch users usually do). The namespaces' links run at each rate of ``--rates`` (10, 25
+  Gbit/s and unlimited by default: ``Namespaces.shape``, a tc token bucket on both ends of each
+  host's cable); those rows are in ``netns.results`` with their ``rate_gbit``.
+- **training** (``--parts training``): a training step across the namespaces at each rate,
+  ours (DDP, FSDP) against torch's (DDP, FSDP2) on gloo in the same namespaces
+  (benchmarks/_ns_training.py), rows in ``netns.training``. Each repetition:
   barrier, then time the op on every rank; a repetition's time is the max over ranks; we quote
   the median over the repetitions of all rounds, after warm-up. CPU seconds per op and rank are
   reported too: on 2 cores both sides are CPU-bound, and CPU is steadier than wall time.
@@ -153,7 +158,7 @@ def bench_main(a: argparse.Namespace) -> int:
         doc["machine"]["busy_before_start"] = wait_quiet(a.wait_quiet, 0.2)
     if "transport" in a.parts:
         section_transport(doc, a)
-    if "collectives" in a.parts:
+    if "collectives" in a.parts or "training" in a.parts:
         section_collectives(doc, a)
     doc["machine"]["loadavg_at_end"] = list(os.getloadavg())
     doc["seconds"] = round(time.monotonic() - t_start, 1)
@@ -224,7 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--parts",
         default="transport,collectives",
-        help="what to run: transport (raw TCP, push/pull, codec) and/or collectives",
+        help="what to run: transport (raw TCP, push/pull, codec), collectives, training (a"
+        " training step across the namespaces, ours against gloo's, at each of --rates)",
+    )
+    ap.add_argument(
+        "--rates",
+        default="10,25,0",
+        help="the namespaces' link rates in Gbit/s, 0 = unlimited (benchmarks/_netns.py"
+        " Namespaces.shape); the cross-namespace variants run at each (default %(default)s)",
+    )
+    ap.add_argument(
+        "--train-model",
+        default="small",
+        help="the GPT of the training part (benchmarks.strategies' models; --quick: tiny)",
     )
     ap.add_argument(
         "--rounds",
@@ -262,8 +279,11 @@ def main(argv: list[str] | None = None) -> int:
     a.world_sizes = parse_list(a.world_sizes, int)
     a.parts = parse_list(a.parts, str)
     a.chunk_bytes = max(4096, int(a.chunk_mib * MiB))
-    if not a.parts or set(a.parts) - {"transport", "collectives"}:
-        ap.error("--parts takes transport and/or collectives")
+    if not a.parts or set(a.parts) - {"transport", "collectives", "training"}:
+        ap.error("--parts takes transport, collectives and/or training")
+    a.rates = [float(r) or None for r in parse_list(a.rates, str)]
+    if a.quick:
+        a.train_model = "tiny"
     if a.quick:
         a.no_separate = a.no_netns = True
     a.rounds = a.rounds or (1 if a.quick else 2)

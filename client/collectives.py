@@ -151,12 +151,16 @@ class Collectives(RpcCore):
         return outs
 
     # -- public collectives ----------------------------------------------------------------
-    def all_reduce(self, x: Any, op: str = "sum") -> Any:
-        """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``)."""
+    def all_reduce(self, x: Any, op: str = "sum", *, in_place: bool = False) -> Any:
+        """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``).
+        ``in_place``: the result lands in ``x``'s own memory (a NumPy array or a CPU tensor;
+        a device tensor's host copy), no second buffer of its size: a chunk of it is
+        overwritten only by the read of that chunk's sum, which completes after the server
+        took this rank's contribution to it (a retry of that contribution is a duplicate)."""
         code = self._op(op)
         flat = as_flat(x)
         key = self._next_key("ar")
-        out = np.empty_like(flat.array)
+        out = flat.array if in_place else np.empty_like(flat.array)
         n, sends, reads = flat.array.size, [], []
         for piece in self._parts(n, flat.array.nbytes):
             a, b = piece.global_offset, piece.global_offset + piece.numel
@@ -274,13 +278,15 @@ class Collectives(RpcCore):
         """Returns once every rank has entered the barrier."""
         self.all_reduce(np.zeros(1, dtype=np.int64))
 
-    def send(self, x: Any, dst: int, tag: str = "") -> None:
+    def send(self, x: Any, dst: int, tag: str = "", *, key: str | None = None) -> None:
         """Puts ``x`` in rank ``dst``'s mailbox on its server; returns once it is stored.
         Messages from one rank to another arrive in the order sent, per ``tag``: a tag is a
-        separate queue (a pipeline's activations and gradients between the same two ranks)."""
+        separate queue (a pipeline's activations and gradients between the same two ranks).
+        ``key``: the place ``send_key`` took for it earlier, so that several sends can travel
+        at once, or in any order, and still arrive in the order their keys were taken."""
         self._check_rank(dst, "dst")
         flat = as_flat(x)
-        key = self._p2p_key(self.rank, dst, "send", tag)
+        key = key or self._p2p_key(self.rank, dst, "send", tag)
         self.run(
             self._contributions(
                 self.server_of(dst),
@@ -295,12 +301,22 @@ class Collectives(RpcCore):
             )
         )
 
-    def recv(self, src: int, like: Any = None, tag: str = "") -> Any:
-        """Takes the next tensor rank ``src`` sent to this rank with ``tag`` (waits for it).
-        The result is a torch tensor if ``like`` is one or torch is loaded and the sender sent
-        bfloat16, else a NumPy array."""
+    def send_key(self, dst: int, tag: str = "") -> str:
+        """Takes the place of the next message to ``dst`` under ``tag``, for ``send(key=)``."""
+        self._check_rank(dst, "dst")
+        return self._p2p_key(self.rank, dst, "send", tag)
+
+    def recv_key(self, src: int, tag: str = "") -> str:
+        """Takes the place of the next message from ``src`` under ``tag``, for ``recv(key=)``."""
         self._check_rank(src, "src")
-        key = self._p2p_key(src, self.rank, "recv", tag)
+        return self._p2p_key(src, self.rank, "recv", tag)
+
+    def recv(self, src: int, like: Any = None, tag: str = "", *, key: str | None = None) -> Any:
+        """Takes the next tensor rank ``src`` sent to this rank with ``tag`` (waits for it), or
+        with ``key`` the one ``recv_key`` named. The result is a torch tensor if ``like`` is
+        one or torch is loaded and the sender sent bfloat16, else a NumPy array."""
+        self._check_rank(src, "src")
+        key = key or self._p2p_key(src, self.rank, "recv", tag)
         guess = int(getattr(like, "nbytes", 0))  # a hint only: no copy of a device tensor
         ((arr, shape, dtype),) = self._read_unknown([(self.server_of(self.rank), key)], guess=guess)
         return _wrap_received(arr, shape, dtype, like)

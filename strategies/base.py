@@ -35,6 +35,7 @@ from paramshard.strategies.layout import (
 from paramshard.strategies.losses import default_loss
 from paramshard.strategies.mixed_precision import cast_forward_inputs, outputs_for_loss
 from paramshard.strategies.model_files import ModelFiles
+from paramshard.strategies.timing import CommTimes
 
 __all__ = ["ShardedModelBase", "eager_hook", "hf_model_config", "owner_of"]
 
@@ -116,6 +117,8 @@ class ShardedModelBase(ModelFiles, ClientRank, nn.Module):
         self.default_loss_function: Callable[[Any, Any], torch.Tensor] = default_loss
         self.optimizer: Any = None  # the attached optimizer wrapper
         self.skipped_steps = 0
+        self.comm_times = CommTimes()
+        """Seconds spent waiting on and talking to the servers, by kind (strategies/timing.py)."""
         """Steps skipped because their gradient held NaN or Inf (strategies/nonfinite.py)."""
         self._named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         # shapes as built: FSDP frees parameters' storage, so p.shape says nothing later

@@ -95,15 +95,29 @@ class Outgoing:
 
 class Landing:
     """Host memory that ``numel`` pulled elements in ``wire`` dtype land in (pinned when they go
-    on to a CUDA device); ``array`` is what the client fills (bfloat16 as uint16 bits)."""
+    on to a CUDA device); ``array`` is what the client fills (bfloat16 as uint16 bits).
+    ``into``: a contiguous CPU tensor of that dtype and size to land in, instead of new memory
+    (ZeRO's replica: parameters that are views of one flat tensor are pulled in place)."""
 
-    def __init__(self, numel: int, wire: str, device: torch.device) -> None:
+    def __init__(
+        self, numel: int, wire: str, device: torch.device, into: torch.Tensor | None = None
+    ) -> None:
         self.device = torch.device(device)
         self.dlpack_device = device_name(self.device)
         self._direct: list[tuple[int, torch.Tensor]] = []
-        self.tensor = torch.empty(
-            numel, dtype=torch_dtype(wire), pin_memory=self.device.type == "cuda"
-        )
+        if into is not None:
+            if into.device.type != "cpu" or self.device.type != "cpu":
+                raise ValueError("Landing(into=...) lands on the CPU only")
+            if into.dtype != torch_dtype(wire) or into.numel() != numel or not into.is_contiguous():
+                raise ValueError(
+                    f"Landing(into=...) needs a contiguous {wire} tensor of {numel} elements,"
+                    f" got {into.dtype} with {into.numel()}"
+                )
+            self.tensor = into
+        else:
+            self.tensor = torch.empty(
+                numel, dtype=torch_dtype(wire), pin_memory=self.device.type == "cuda"
+            )
         raw = self.tensor.view(torch.int16) if wire == "bfloat16" else self.tensor
         self.array = raw.numpy().view(codec.numpy_dtype(codec.wire_dtype(wire)))
 

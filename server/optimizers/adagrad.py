@@ -37,9 +37,9 @@ class Adagrad(ServerOptimizer):
         init = self.hyper["initial_accumulator_value"]
         self._state = {"sum": xp.full(self.numel, init, dtype=self.dtype)}
 
-    def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
+    def _update(self, param: Any, grad: Any, state: dict[str, Any], h: Mapping[str, float]) -> None:
         xp = backend.xp
-        state_sum = self._state["sum"]
+        state_sum = state["sum"]
         if h["weight_decay"] != 0:
             add_scaled(grad, param, h["weight_decay"])
         step = float(self.step_count)

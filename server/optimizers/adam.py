@@ -34,10 +34,10 @@ class Adam(ServerOptimizer):
     def _required_state(self, h: Mapping[str, float]) -> tuple[str, ...]:
         return self.state_names if h["amsgrad"] else self.state_names[:2]
 
-    def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
+    def _update(self, param: Any, grad: Any, state: dict[str, Any], h: Mapping[str, float]) -> None:
         xp = backend.xp
         lr, beta1, beta2 = h["lr"], h["beta1"], h["beta2"]
-        exp_avg, exp_avg_sq = self._state["exp_avg"], self._state["exp_avg_sq"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
         if h["weight_decay"] != 0:
             if self.decoupled_weight_decay:
                 param *= scalar(1 - lr * h["weight_decay"], param)
@@ -55,7 +55,7 @@ class Adam(ServerOptimizer):
 
         second = exp_avg_sq
         if h["amsgrad"]:
-            second = self._state["max_exp_avg_sq"]
+            second = state["max_exp_avg_sq"]
             xp.maximum(second, exp_avg_sq, out=second)
         denom = xp.sqrt(second)
         denom /= scalar(bias_correction2_sqrt, denom)

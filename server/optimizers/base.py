@@ -9,7 +9,14 @@ from typing import Any, ClassVar
 
 from paramshard.server.runtime import backend
 
-__all__ = ["OptimizerError", "ServerOptimizer"]
+__all__ = ["BLOCK", "OptimizerError", "ServerOptimizer"]
+
+BLOCK = 1 << 16
+"""Elements one pass of an update covers on the CPU (256 KiB of float32 per array):
+temporaries stay this size and in cache; the Python loop over blocks costs about 0.1 ns per
+element."""
+DEVICE_BLOCK = 1 << 24
+"""The same on a GPU, where each term is a kernel launch (~10 us): 64 MiB temporaries."""
 
 
 class OptimizerError(ValueError):
@@ -189,7 +196,13 @@ class ServerOptimizer:
         return sum(int(a.nbytes) for a in self._state.values())
 
     def step(self, param: Any, grad: Any) -> None:
-        """One optimizer step in place on ``param``; ``grad`` may be overwritten."""
+        """One optimizer step in place on ``param``; ``grad`` may be overwritten.
+
+        The update runs over ``BLOCK`` elements at a time: every rule is elementwise, so the
+        result is the same, while each temporary the formulas make (``sqrt``, quotients, the
+        FMA's float64 scratch) is one block, not one slice. Whole-slice temporaries cost up to
+        8 bytes per element at once on top of the 16 the slice holds (Adam: 1.5x the memory
+        formula at the step), and streaming each block through every term stays in cache."""
         xp = backend.xp
         for what, arr in (("param", param), ("grad", grad)):
             if arr.size != self.numel or arr.dtype != self.dtype:
@@ -202,9 +215,24 @@ class ServerOptimizer:
                 if key not in self._state:
                     self._state[key] = xp.zeros(self.numel, dtype=self.dtype)
         self.step_count += 1
-        if self.hyper.get("maximize", 0.0):
-            xp.negative(grad, out=grad)  # torch: grad = -grad
-        self._update(param, grad, self.hyper)
+        h = self.hyper
+        self._before_update(grad, h)
+        block = BLOCK if backend.device == "cpu" else DEVICE_BLOCK
+        for lo in range(0, self.numel, block):
+            hi = min(lo + block, self.numel)
+            g = grad[lo:hi]
+            if h.get("maximize", 0.0):
+                xp.negative(g, out=g)  # torch: grad = -grad
+            state = {k: v[lo:hi] for k, v in self._state.items()}
+            self._update(param[lo:hi], g, state, h)
+        self._after_update()
 
-    def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
+    def _before_update(self, grad: Any, h: Mapping[str, float]) -> None:
+        """Allocates state the first blocks need (SGD's momentum buffer, seeded in them)."""
+
+    def _after_update(self) -> None:
+        """Runs after the last block."""
+
+    def _update(self, param: Any, grad: Any, state: dict[str, Any], h: Mapping[str, float]) -> None:
+        """The rule on one block: ``param``, ``grad`` and each state array's same elements."""
         raise NotImplementedError

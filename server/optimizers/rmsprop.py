@@ -30,16 +30,16 @@ class RMSprop(ServerOptimizer):
         wanted = (True, h["momentum"] > 0, bool(h["centered"]))
         return tuple(n for n, want in zip(self.state_names, wanted, strict=True) if want)
 
-    def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
+    def _update(self, param: Any, grad: Any, state: dict[str, Any], h: Mapping[str, float]) -> None:
         xp = backend.xp
         alpha = h["alpha"]
-        square_avg = self._state["square_avg"]
+        square_avg = state["square_avg"]
         if h["weight_decay"] != 0:
             add_scaled(grad, param, h["weight_decay"])
         square_avg *= scalar(alpha, square_avg)
         addcmul_sq(square_avg, grad, 1 - alpha)
         if h["centered"]:
-            grad_avg = self._state["grad_avg"]
+            grad_avg = state["grad_avg"]
             lerp(grad_avg, grad, 1 - alpha)
             avg = square_avg.copy()  # square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt_()
             addcmul_sq(avg, grad_avg, -1.0)
@@ -48,7 +48,7 @@ class RMSprop(ServerOptimizer):
             avg = xp.sqrt(square_avg)
         avg += scalar(h["eps"], avg)
         if h["momentum"] > 0:
-            buf = self._state["momentum_buffer"]
+            buf = state["momentum_buffer"]
             buf *= scalar(h["momentum"], buf)
             addcdiv(buf, grad, avg, 1.0)
             add_scaled(param, buf, -h["lr"])

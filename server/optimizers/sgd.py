@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from paramshard.server import backend
 from paramshard.server.optimizers.base import ServerOptimizer
 from paramshard.server.optimizers.kernels import add_scaled, scalar
 
@@ -32,15 +33,24 @@ class SGD(ServerOptimizer):
     def _usable_state(self, h: Mapping[str, float]) -> tuple[str, ...]:
         return ("momentum_buffer",) if h["momentum"] != 0 else ()
 
-    def _update(self, param: Any, grad: Any, h: Mapping[str, float]) -> None:
+    _seeding = False  # this step creates the momentum buffer: each block copies its gradient
+
+    def _before_update(self, grad: Any, h: Mapping[str, float]) -> None:
+        if h["momentum"] != 0 and "momentum_buffer" not in self._state:
+            self._state["momentum_buffer"] = backend.xp.empty_like(grad)
+            self._seeding = True
+
+    def _after_update(self) -> None:
+        self._seeding = False
+
+    def _update(self, param: Any, grad: Any, state: dict[str, Any], h: Mapping[str, float]) -> None:
         if h["weight_decay"] != 0:
             add_scaled(grad, param, h["weight_decay"])
         momentum = h["momentum"]
         if momentum != 0:
-            buf = self._state.get("momentum_buffer")
-            if buf is None:
-                buf = grad.copy()
-                self._state["momentum_buffer"] = buf
+            buf = state["momentum_buffer"]
+            if self._seeding:
+                buf[...] = grad
             else:
                 buf *= scalar(momentum, buf)
                 add_scaled(buf, grad, 1 - h["dampening"])

@@ -53,9 +53,6 @@ class DDPModel(ShardedModelBase):
         self._sync = True
         self._full_precision: dict[int, torch.Tensor] = {}  # id(p) -> its data, while swapped
         params = [p for _, p in self._named]
-        # every replica starts from rank 0's values (torch DDP broadcasts them too)
-        flat = torch.cat([p.detach().reshape(-1) for p in params])  # the widest dtype
-        copy_flat_into(self.client.broadcast(flat, src=0), params)  # each keeps its dtype
         self._buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         limit, size = config.bucket_size_bytes, 0
@@ -69,6 +66,13 @@ class DDPModel(ShardedModelBase):
             self._bucket_of[id(p)] = self._buckets[-1]
             size += nbytes
             p.register_post_accumulate_grad_hook(self._on_grad)
+        # Every replica starts from rank 0's values (torch DDP broadcasts them too), a bucket
+        # at a time: one flat copy of the whole model (and its broadcast result) held 8 bytes
+        # a parameter at once, and its 16 MiB chunks, 8 in flight, grew the client's pool of
+        # shared segments to 8 a server for good (GPT-2 124M: 256 MB resident all run long).
+        for bucket in self._buckets:
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket.params])  # the widest dtype
+            copy_flat_into(self.client.broadcast(flat, src=0), bucket.params)  # each its own
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -125,14 +129,23 @@ class DDPModel(ShardedModelBase):
         dtype = torch_dtype(self.config.reduce_dtype_for(bucket.master))
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         flat = torch.cat([g.detach().reshape(-1).to(dtype) for g in grads])
-        bucket.future = self._pool.submit(self.client.all_reduce, flat, "mean")
+        bucket.future = self._pool.submit(self._all_reduce, flat)
+
+    def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
+        # in place: a bucket's average replaces its flat copy instead of a second buffer (at
+        # the end of backward every bucket's flat and average were held at once: 8 bytes a
+        # parameter on top of the 16 of parameters, gradients and Adam's moments)
+        with self.comm_times.busy("all_reduce"):
+            return self.client.all_reduce(flat, "mean", in_place=True)
 
     def _finish(self, bucket: _Bucket) -> None:
         fut, bucket.future = bucket.future, None
         bucket.ready.clear()
         if fut is None:
             return
-        averaged = fut.result().to(torch_dtype(bucket.master))
+        with self.comm_times.blocked("all_reduce"):
+            averaged = fut.result()
+        averaged = averaged.to(torch_dtype(bucket.master))
         offset = 0
         for p in bucket.params:
             n = p.numel()

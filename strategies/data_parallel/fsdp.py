@@ -127,15 +127,20 @@ class FSDPModel(ServerShardedModel):
     def _fetch(self, unit: _Unit) -> dict[str, torch.Tensor]:
         return self._pull(unit.buffers, self._step, compute=True)
 
+    def _prefetched(self, unit: _Unit) -> dict[str, torch.Tensor]:
+        with self.comm_times.busy("gather"):
+            return self._fetch(unit)
+
     def _prefetch(self, unit: _Unit) -> None:
         if self.config.prefetch and not unit.materialized and unit.fetch is None:
-            unit.fetch = self._fetcher.submit(self._fetch, unit)
+            unit.fetch = self._fetcher.submit(self._prefetched, unit)
 
     def _gather(self, unit: _Unit) -> None:
         if unit.materialized or not unit.buffers:
             return
         fetch, unit.fetch = unit.fetch, None
-        flats = fetch.result() if fetch is not None else self._fetch(unit)
+        with self.comm_times.blocked("gather"):
+            flats = fetch.result() if fetch is not None else self._fetch(unit)
         for b in unit.buffers:  # in param_dtype: forward and backward compute in it (FSDP2)
             for view, p in zip(compute_views(self.config, flats[b.name], b), b.params, strict=True):
                 p.data = view

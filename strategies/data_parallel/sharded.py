@@ -157,7 +157,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 # set_params writes float64 as float64
-                flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
+                flat = self._initial_flat(b)
                 self.client.set_params(job, b.name, to_host(flat, flat.dtype), version=0)
         if self.config.replicate_every and self.rank == 0:
             from paramshard.client import tools
@@ -168,20 +168,31 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             self._step = self._members.step
         self._after_register()
 
+    def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
+        """Buffer ``b``'s values as one flat tensor in its master dtype: what rank 0 sets on
+        the servers when the job is new (ZeRO keeps it as its replica)."""
+        return flatten(b.params, b.numel, torch_dtype(b.master_dtype))
+
     def _after_register(self) -> None:
         """ZeRO: pull the servers' values into the replica; FSDP: free the local copy."""
 
     # -- pulling ------------------------------------------------------------------------------
     def _pull(
-        self, buffers: list[BufferSpec], version: int, compute: bool = False
+        self,
+        buffers: list[BufferSpec],
+        version: int,
+        compute: bool = False,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> dict[str, torch.Tensor]:
         """Each buffer's full values at ``version`` (waits for it), in its master dtype, or
         with ``compute`` in the dtype it computes in (``gather_dtype``: the servers cast, once
-        per gather; strategies/mixed_precision.py)."""
+        per gather; strategies/mixed_precision.py). ``into``: buffer name -> a flat CPU
+        tensor of that dtype to land in (the result is that tensor)."""
         outs, calls = {}, []
+        into = into or {}
         for b in buffers:
             dtype = gather_dtype(self.config, b) if compute else b.master_dtype
-            landing = Landing(b.numel, dtype, device_of(b.params))
+            landing = Landing(b.numel, dtype, device_of(b.params), into.get(b.name))
             calls += self.client.pull_calls(self.config.job, b.name, landing, version, dtype=dtype)
             outs[b.name] = (landing, torch_dtype(dtype))
         self.client.run(calls)
@@ -229,15 +240,20 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             numel=b.numel,
             membership=self._push_membership(),
         )
-        self._pending.append(self._pool.submit(self.client.run, calls))
+        self._pending.append(self._pool.submit(self._run_pushes, calls))
+
+    def _run_pushes(self, calls: list) -> None:
+        with self.comm_times.busy("push"):
+            self.client.run(calls)
 
     def _num_micro(self) -> int:
         return 1
 
     def _wait_pushes(self) -> None:
         pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        with self.comm_times.blocked("push"):
+            for fut in pending:
+                fut.result()
 
     def _ensure_reduced(self) -> None:
         """Every gradient of this step is on the servers (strategy-specific)."""
@@ -291,7 +307,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         # Both phases of a step (server/buffers/nonfinite.py): every server's finiteness first, then
         # the same Step, applied or skipped, to all. Asking first also means no server moves
         # on while another still waits for a (restartable) dead rank's gradient.
-        where = list(self._grad_check().nonfinite)
+        with self.comm_times.blocked("grad_check"):
+            where = list(self._grad_check().nonfinite)
         if self._skip_reason:
             where.append(self._skip_reason)
         if self.agree_on_finite is not None:
@@ -306,9 +323,10 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         }
         step = self._step
         self._last_step = (step, args, bool(where))
-        self.client.step(
-            self.config.job, step, args, skip=bool(where), generation=self._generation()
-        )
+        with self.comm_times.blocked("step"):
+            self.client.step(
+                self.config.job, step, args, skip=bool(where), generation=self._generation()
+            )
         self._step += 1
         self._micro, self._skip_reason = 0, ""
         if self.membership is not None:

@@ -18,27 +18,65 @@ from torch import nn
 from paramshard.strategies.base import eager_hook
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
-from paramshard.strategies.device import Outgoing
-from paramshard.strategies.layout import BufferSpec, flatten, to_master, torch_dtype
-from paramshard.strategies.mixed_precision import compute_views
+from paramshard.strategies.device import Outgoing, device_of
+from paramshard.strategies.layout import BufferSpec, flat_views, flatten, to_master, torch_dtype
+from paramshard.strategies.mixed_precision import compute_views, gather_dtype
 
 __all__ = ["ZeRO1Model", "ZeRO2Model"]
 
 
 class _ReplicatedParams(ServerShardedModel):
     """ZeRO-1 and ZeRO-2 keep a full replica of the parameters on every rank: with
-    ``param_dtype`` a working copy in that dtype (the float32 master is on the servers)."""
+    ``param_dtype`` a working copy in that dtype (the float32 master is on the servers).
+
+    On the CPU, after the first pull each buffer's parameters are views of the one flat tensor
+    it landed in (``_replica``), and every later pull lands in that tensor: no second copy of
+    the model, no copy per step (a pull into new memory held 4 bytes a parameter more while it
+    was copied into the parameters, and copied them all)."""
+
+    def _in_place(self, b: BufferSpec) -> bool:
+        """Whether buffer ``b``'s parameters can be views of one flat CPU tensor of its gather
+        dtype (they compute in it: no mixed dtypes, no working copy of another dtype)."""
+        dtype = torch_dtype(gather_dtype(self.config, b))
+        return device_of(b.params).type == "cpu" and all(p.dtype == dtype for p in b.params)
+
+    def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
+        """Rank 0's values for a new job. Its replica is made first: the parameters are copied
+        into one flat tensor and become views of it (their old storage is freed), and that
+        tensor is what goes to the servers (no second flat copy next to the model)."""
+        if b.master_dtype != gather_dtype(self.config, b) or not self._in_place(b):
+            return super()._initial_flat(b)
+        flat = flatten(b.params, b.numel, torch_dtype(b.master_dtype))
+        with torch.no_grad():
+            for view, p in zip(flat_views(flat, b.entries), b.params, strict=True):
+                p.data = view
+        self.__dict__.setdefault("_replica", {})[b.name] = flat
+        return flat
 
     def _refresh_replica(self) -> None:
-        flats = self._pull(self._buffers, self._step, compute=True)
+        replica: dict[str, torch.Tensor] = self.__dict__.setdefault("_replica", {})
+        for b in self._buffers:
+            if b.name not in replica and self._in_place(b):
+                for p in b.params:  # their values come from the servers: free them first
+                    p.data = torch.empty(0, dtype=p.dtype)
+        with self.comm_times.blocked("pull"):
+            flats = self._pull(self._buffers, self._step, compute=True, into=replica)
         with torch.no_grad():
             for b in self._buffers:
-                values = compute_views(self.config, flats[b.name], b)
+                flat = flats[b.name]
+                if replica.get(b.name) is flat:
+                    continue  # pulled in place: the parameters are views of it
+                values = compute_views(self.config, flat, b)
+                views = all(v.dtype == flat.dtype for v in values)
                 for value, p in zip(values, b.params, strict=True):
-                    if p.dtype == value.dtype:
+                    if views and flat.device.type == "cpu":
+                        p.data = value  # from now on the parameter lives in ``flat``
+                    elif p.dtype == value.dtype:
                         p.copy_(value)
                     else:  # the first pull makes the working copy
                         p.data = value.clone()
+                if views and flat.device.type == "cpu":
+                    replica[b.name] = flat
 
     _after_register = _refresh_replica
     _after_step = _refresh_replica
@@ -74,7 +112,8 @@ class ZeRO1Model(_ReplicatedParams):
                 dtype=self.config.reduce_dtype_for(b.master_dtype),
                 membership=self._push_membership(),
             )
-        self.client.run(calls)
+        with self.comm_times.blocked("push"):
+            self.client.run(calls)
         self._pushed = True
 
     def _after_step(self) -> None:

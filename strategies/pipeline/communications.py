@@ -63,19 +63,31 @@ def unpack(message: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+IN_FLIGHT = 4
+"""Sends (and posted receives) a stage keeps in flight at once. Each message's mailbox key is
+taken in schedule order on the stage's own thread (``send_key``/``recv_key``), so messages may
+travel together and in any order and are still matched in order: a send no longer waits for
+the one before it to be stored (one round trip each, one after another, was the floor under
+a stage's idle time), and receives are read as soon as they land."""
+
+
 class Mailroom:
-    """One schedule's traffic: sends go out in the background (one thread, in order, like
-    Megatron's isend) and receives are posted ahead, all in the schedule's order (one thread),
-    so a tensor is usually here by the time its step needs it."""
+    """One schedule's traffic: sends go out in the background (like Megatron's isend) and
+    receives are posted ahead, keys taken in the schedule's order, up to ``IN_FLIGHT`` of each
+    at once, so a tensor is usually here by the time its step needs it."""
 
     def __init__(self, pp: Any, pools: tuple[Any, Any], recvs: list[tuple[int, str]]) -> None:
         self.pp, (self._send_pool, recv_pool) = pp, pools
-        self._incoming = [recv_pool.submit(pp.recv, src, RECV_LIKE, tag) for src, tag in recvs]
+        self._incoming = [
+            recv_pool.submit(pp.recv, src, RECV_LIKE, tag, key=pp.recv_key(src, tag))
+            for src, tag in recvs
+        ]
         self._incoming.reverse()  # pop() takes the earliest
         self._sent: list[Any] = []
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: str) -> None:
-        self._sent.append(self._send_pool.submit(self.pp.send, pack(tensors), dst, tag))
+        key = self.pp.send_key(dst, tag)  # here, in schedule order
+        self._sent.append(self._send_pool.submit(self.pp.send, pack(tensors), dst, tag, key=key))
 
     def recv(self) -> list[torch.Tensor]:
         return unpack(self._incoming.pop().result())
@@ -92,8 +104,8 @@ class Mailroom:
 
 
 def new_pools() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
-    """The send and the receive thread of a pipeline model."""
+    """The send and the receive threads of a pipeline model (``IN_FLIGHT`` each)."""
     return (
-        ThreadPoolExecutor(1, thread_name_prefix="pp-send"),
-        ThreadPoolExecutor(1, thread_name_prefix="pp-recv"),
+        ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="pp-send"),
+        ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="pp-recv"),
     )

@@ -1,0 +1,109 @@
+"""Messages and bytes of one collective and of one training step, per rank and per server, for
+our parameter-server layout and for ring and tree all-reduce (benchmarks/cost_model.py).
+
+Ours (client/collectives.py, client/buffers.py): W ranks, N = W x s servers (s per host).
+- all-reduce of S bytes: the tensor is cut into N parts (one server, if S <= 256 KiB); each
+  rank sends each part to its server and reads the part's sum back, in ``chunk``-byte messages:
+  2 x N x ceil(S / N / chunk) messages a rank; every server handles W contributions and W
+  reads of its part. On the wire, per host and direction: its rank's parts for other hosts'
+  servers and its servers' replies to other hosts' ranks, 2 S (W - 1) / W, as a ring's.
+- reduce-scatter / push of S: the contributions only (S (W - 1) / W out of each host), and
+  each rank reads S / W; all-gather / pull of S: S (W - 1) / W into each host.
+- a training step: DDP all-reduces 4 Ψ bytes of gradient in buckets of ``bucket`` bytes;
+  ZeRO-2 pushes them (buckets) and pulls 4 Ψ of parameters; FSDP pulls each unit twice
+  (forward, backward) and pushes its gradient: 12 Ψ bytes a rank. ZeRO-2 and FSDP add two
+  small calls per server and step (GradNorm, Step) and the servers' optimizer step over Ψ / N
+  elements.
+
+Ring all-reduce (gloo, NCCL's ring): 2 (W - 1) steps, each of S / W bytes; tree (NCCL's double
+binary tree): 2 log2(W) hops, pipelined, about 2 S bytes per host and direction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SMALL = 256 * 2**10  # client/collectives.py SMALL_TENSOR_BYTES: one server
+CHUNK = 16 * 2**20  # client/rpc.py CHUNK_BYTES
+BUCKET = 25 * 2**20  # ShardingConfiguration.bucket_size_bytes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One operation's cost drivers for one rank (and its host's servers)."""
+
+    messages: float  # messages this rank sends or reads (each handled by a server too)
+    server_messages: float  # messages the busiest server handles
+    wire_bytes: float  # bytes per host and direction over its link
+    handled_bytes: float  # bytes this rank's process and its host's servers copy
+    round_trips: float  # sequential round trips (latency terms)
+
+
+def _pieces(nbytes: float, n: int, chunk: int) -> float:
+    """Messages to move ``nbytes`` cut into ``n`` parts of at most ``chunk`` bytes each."""
+    if nbytes <= 0:
+        return n
+    return n * max(1, math.ceil(nbytes / n / chunk))
+
+
+def all_reduce(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+    n = 1 if nbytes <= SMALL else w * s
+    per = _pieces(nbytes, n, chunk)
+    wire = 2 * nbytes * (w - 1) / w  # the parts on other hosts' servers, out and back
+    server = 2 * w * max(1, math.ceil(nbytes / n / chunk))
+    return Traffic(2 * per, server, wire, 4 * nbytes, 2)
+
+
+def push(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+    """A gradient push (a reduce-scatter with the sum kept on the servers)."""
+    n = w * s
+    per = _pieces(nbytes, n, chunk)
+    return Traffic(per, w * max(1, math.ceil(nbytes / n / chunk)), nbytes * (w - 1) / w,
+                   2 * nbytes, 1)  # fmt: skip
+
+
+def pull(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+    """A parameter pull (an all-gather of what the servers hold)."""
+    return push(nbytes, w, s, chunk)
+
+
+def ring_all_reduce(nbytes: float, w: int) -> Traffic:
+    steps = 2 * (w - 1)
+    wire = 2 * nbytes * (w - 1) / w
+    return Traffic(steps, 0, wire, 3 * nbytes * (w - 1) / w, steps)
+
+
+def tree_all_reduce(nbytes: float, w: int) -> Traffic:
+    hops = 2 * math.ceil(math.log2(max(2, w)))
+    return Traffic(hops, 0, 2 * nbytes, 3 * nbytes, hops)
+
+
+def _add(parts: list[Traffic]) -> Traffic:
+    return Traffic(*(sum(getattr(p, f) for p in parts) for f in Traffic.__dataclass_fields__))
+
+
+def step_traffic(
+    strategy: str, psi: float, w: int, *, units: int = 12, s: int = 1, bucket: int = BUCKET,
+    chunk: int = CHUNK,
+) -> Traffic:  # fmt: skip
+    """A training step's traffic for ``psi`` float32 parameters (``units``: FSDP's blocks)."""
+    grad = 4 * psi
+    buckets = max(1, math.ceil(grad / bucket))
+    if strategy == "ddp":
+        return _add([all_reduce(grad / buckets, w, s, chunk)] * buckets)
+    small = Traffic(2 * w * s, 2 * w, 0, 0, 2)  # GradNorm and Step to every server
+    if strategy == "zero2":
+        return _add(
+            [push(grad / buckets, w, s, chunk)] * buckets + [pull(grad, w, s, chunk), small]
+        )
+    if strategy == "fsdp":
+        unit = grad / units
+        return _add(
+            [pull(unit, w, s, chunk)] * (2 * units) + [push(unit, w, s, chunk)] * units + [small]
+        )
+    if strategy == "ring":
+        return _add([ring_all_reduce(grad / buckets, w)] * buckets)
+    if strategy == "tree":
+        return _add([tree_all_reduce(grad / buckets, w)] * buckets)
+    raise ValueError(f"unknown strategy {strategy!r}")

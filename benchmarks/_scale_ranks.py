@@ -1,0 +1,238 @@
+"""The rank processes of ``benchmarks.scale``: ours (DDP, ZeRO-2, FSDP over separate ``paramshard
+serve`` processes) and torch's twins on gloo (DDP, DDP + ZeroRedundancyOptimizer, FSDP2), and
+the process that measures a bare trainer's memory.
+
+Each rank trains the same model from the same seed on its rows of the same global batches with
+AdamW, one intra-op thread, and answers ``RESULT {json}``: per step the wall seconds, forward /
+backward / optimizer-step seconds and (ours) the seconds its training thread waited on the
+servers and its background threads spent in calls, by kind (``model.comm_times``); rank 0 of
+ours also the servers' optimizer-step seconds of each step (their Status); the losses; its
+peak resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from benchmarks._processes import child_guard, emit, peak_rss_bytes, wait_parent_eof
+from benchmarks._scale_models import ADAMW, MODELS, batches, build, loss_of
+
+STEP_TIMEOUT_S = 900.0  # a 1B-parameter step on 2 cores takes about a minute
+
+
+def rss_bytes(pid: int | str = "self") -> tuple[int, int]:
+    """(resident now, peak resident) bytes of process ``pid``, from /proc."""
+    kinds = rss_kinds(pid)
+    return kinds["VmRSS"], kinds["VmHWM"]
+
+
+def rss_kinds(pid: int | str = "self") -> dict[str, int]:
+    """Process ``pid``'s resident bytes now (VmRSS; of them RssAnon: its own memory, RssShmem:
+    shared segments it maps) and at the peak (VmHWM), from /proc."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssShmem"):
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+def gathered_units_bytes(net: Any, psi: int) -> int:
+    """4 bytes x (the root unit + the two largest blocks): what FSDP holds gathered at most
+    (the block computing and the one prefetched; the root stays gathered through the step).
+    Units are the model's ``_no_split_modules`` blocks, the root is the rest."""
+    names = set(net._no_split_modules)
+    blocks = sorted(
+        (sum(p.numel() for p in m.parameters()) for m in net.modules()
+         if type(m).__name__ in names),
+        reverse=True,
+    )  # fmt: skip
+    return 4 * (psi - sum(blocks) + sum(blocks[:2]))
+
+
+def one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one intra-op thread per rank, both sides (the issue's rule)
+    import transformers
+
+    transformers.logging.set_verbosity_error()  # one line per rank about loss_type=None
+
+
+def overhead_main(a: argparse.Namespace) -> None:
+    """A trainer's memory before any model: interpreter, torch, transformers, paramshard."""
+    child_guard(a.lifetime)
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    from paramshard.client import ShardClient  # noqa: F401
+    from paramshard.strategies import DATA_PARALLEL  # noqa: F401
+
+    one_thread()
+    emit("RESULT", {"rss_bytes": rss_bytes()[0]})
+
+
+def _server_step_seconds(client: Any, job: str) -> float:
+    """The slowest server's optimizer-step seconds of its last step of ``job`` (buffers are
+    stepped one after another, so a server's is their sum)."""
+    worst = 0.0
+    for row in client.status():
+        for j in row.get("jobs", []):
+            if j.get("job") == job:
+                worst = max(worst, sum(float(b.get("last_step_seconds", 0)) for b in j["buffers"]))
+    return worst
+
+
+def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) -> dict[str, Any]:
+    """The timed steps on this rank's rows; per-step figures (see the module docstring)."""
+    per = MODELS[a.model].batch_per_rank
+    rows = slice(a.rank * per, (a.rank + 1) * per)
+    steps: list[dict[str, Any]] = []
+    losses = []
+    for x in batches(a.model, a.world, a.steps):
+        xs = x[rows]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, xs)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        losses.append(float(loss.detach()))
+        row: dict[str, Any] = {"s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1}
+        row["optimizer"] = t3 - t2
+        row["peak_rss_mb"] = round(rss_bytes()[1] / 2**20)  # when the peak happens
+        if after_step is not None:
+            row.update(after_step())
+        steps.append(row)
+    return {"steps": steps, "losses": losses}
+
+
+def ours_main(a: argparse.Namespace) -> None:
+    child_guard(a.lifetime)
+    one_thread()
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.strategies import DATA_PARALLEL, ShardingConfiguration
+
+    knobs = {"chunk_bytes": int(a.chunk_mib * 2**20)} if a.chunk_mib else {}
+    if a.in_flight:
+        knobs["max_in_flight"] = a.in_flight
+    client = ShardClient(
+        ClusterSpec(a.servers.split(",")),
+        rank=a.rank,
+        world_size=a.world,
+        run_id=a.run,
+        timeout_s=STEP_TIMEOUT_S,
+        **knobs,
+    )
+    job = f"scale-{a.strategy}-{a.run}"
+    config = ShardingConfiguration(
+        client, job=job, timeout_s=STEP_TIMEOUT_S, deterministic=not a.arrival_order
+    )
+    net = build(a.model)
+    built = rss_bytes()[1]
+    psi = sum(p.numel() for p in set(net.parameters()))
+    model_cls, opt_cls = DATA_PARALLEL[a.strategy]
+    model = model_cls(net, config)
+    import torch
+
+    opt = opt_cls(torch.optim.AdamW(net.parameters(), **ADAMW), config)  # registers
+    setup_rss = rss_bytes()[0]
+    extra_setup = {"peak_after_build_mb": round(built / 2**20)}
+    extra_setup["peak_after_setup_mb"] = round(rss_bytes()[1] / 2**20)
+    extra: dict[str, Any] = {}
+    if a.strategy == "fsdp":
+        extra["gathered_units_bytes"] = gathered_units_bytes(net, psi)
+
+    def after_step() -> dict[str, Any]:
+        out: dict[str, Any] = {"comm": model.comm_times.take()}
+        if a.rank == 0 and a.strategy != "ddp":
+            out["server_step_s"] = _server_step_seconds(client, job)
+        return out
+
+    result = _train(a, model, opt, after_step)
+    if a.strategy == "fsdp":
+        extra["peak_live_bytes"] = int(model.peak_live_bytes)
+    emit(
+        "RESULT",
+        {
+            "rank": a.rank,
+            "n_params": psi,
+            **result,
+            "setup_rss_bytes": setup_rss,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "rss_at_end": rss_kinds(),
+            **extra_setup,
+            **extra,
+        },
+    )
+    wait_parent_eof()  # others may still pull from the servers: leave together
+    client.close()
+
+
+def _torch_wrap(a: argparse.Namespace, net: Any) -> tuple[Any, Any]:
+    import torch
+
+    if a.strategy in ("ddp", "zero2"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(net)
+        if a.strategy == "ddp":
+            return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW
+        )
+        return model, opt
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (a.world,))
+    blocks = set(net._no_split_modules)
+    for m in net.modules():
+        if type(m).__name__ in blocks:
+            fully_shard(m, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net, torch.optim.AdamW(net.parameters(), **ADAMW)
+
+
+def torch_main(a: argparse.Namespace) -> None:
+    child_guard(a.lifetime)
+    one_thread()
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{a.port}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=datetime.timedelta(seconds=STEP_TIMEOUT_S),
+    )
+    net = build(a.model)
+    built = rss_bytes()[1]
+    psi = sum(p.numel() for p in set(net.parameters()))
+    model, opt = _torch_wrap(a, net)
+    setup_rss = rss_bytes()[0]
+    extra_setup = {"peak_after_build_mb": round(built / 2**20)}
+    extra_setup["peak_after_setup_mb"] = round(rss_bytes()[1] / 2**20)
+    result = _train(a, model, opt)
+    emit(
+        "RESULT",
+        {
+            "rank": a.rank,
+            "n_params": psi,
+            **result,
+            "setup_rss_bytes": setup_rss,
+            "peak_rss_bytes": peak_rss_bytes(),
+            **extra_setup,
+        },
+    )
+    dist.barrier()
+    dist.destroy_process_group()

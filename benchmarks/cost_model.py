@@ -1,0 +1,300 @@
+"""A cost model of our parameter-server collectives and training steps against ring and tree
+all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
+
+    python -m benchmarks.cost_model --collectives COLL.json [--scale SCALE.json] [--markdown]
+
+1. **Fit** (``fit``): from ``benchmarks.collectives`` run with its namespaces, the W = 2 cells
+   with unlimited links (two "hosts" on the machine's two cores: one core each), ours and
+   gloo's median time of every op and size as ``a x messages a host handles (ring steps) + b x
+   bytes its processes copy`` (least squares of relative errors; the counts are
+   ``benchmarks/_cost_counts.py``'s).
+   The CPU fit is the model's: a host's CPU per op does not depend on how the lab shares its
+   cores, while the lab's times do.
+2. **Check** (``check``): every other cross-namespace cell of that run (W = 4, and every link
+   rate), its CPU per host predicted from the counts and its time as ``max(CPU, bytes over a
+   link / rate + the per-message part)`` (W = 4: four hosts on two cores, so twice the time),
+   against what was measured; the held-out cells within 20% are counted, by side, W and rate.
+3. **Predict** (``predict``): for 8 to 1,024 hosts at 10, 25 and 100 Gbit/s, one rank and one
+   server per host with ``--host-cores`` cores for communication (default 1, as the W = 2 lab's
+   hosts), each model's step: DDP, ZeRO-2 and FSDP through our servers (``max(CPU, link)`` +
+   nothing for latency: two round trips overlap with the transfer), and DDP's all-reduce as a
+   ring and as a tree with gloo's CPU costs plus a 25 us hop per step in sequence; time spent
+   communicating and its share of a step whose compute is ``6 x params x tokens /
+   --host-tflops`` (a GPU host; ``--tokens`` per rank) or, with ``--scale``, this machine's
+   measured compute per step. Both sides' CPU costs include the lab's kernel path (veth and a
+   software bridge, no NIC offloads), so both are pessimistic for a real NIC alike.
+
+Prints JSON (``--markdown``: the tables of docs/scaling.md instead). Nothing here is measured:
+it reads the JSON of the benchmarks, whose commands and machine it repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from benchmarks import _cost_counts as cc
+
+MiB = 2**20
+HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+RATES = (10.0, 25.0, 100.0)
+HOP_S = 25e-6  # one way, a data-centre hop (benchmarks/_netns.py DELAY_US)
+PARAMS = {  # parameters and FSDP units (blocks) of benchmarks/_scale_models.py's models
+    "gpt2-124m": (124_439_808, 12),
+    "gpt2-355m": (354_823_168, 24),
+    "llama-1b": (1_038_682_112, 16),
+}
+
+
+# ================================================================================ the fit
+LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
+
+
+def op_counts(side: str, op: str, nbytes: float, w: int) -> tuple[float, float, float]:
+    """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
+    one host's link each way) of one op (see benchmarks/_cost_counts.py). A host of ours runs
+    a rank and a server: both ends of every message count."""
+    k = max(1, math.ceil(nbytes / w / cc.CHUNK))
+    frac = (w - 1) / w
+    if side == "gloo":
+        steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
+        handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
+        return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
+    if op == "all_reduce":
+        t = cc.all_reduce(nbytes, w)
+        return 2 * t.messages, t.handled_bytes, t.wire_bytes
+    if op == "all_gather":
+        return 2 * w * k, 2 * nbytes, nbytes * frac
+    return 2 * (w + 1) * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac
+
+
+def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """Non-negative (a, b) minimising sum ((a x + b y - z) / z)^2 (relative errors)."""
+    sxx = sxy = syy = sxz = syz = 0.0
+    for x, y, z in rows:
+        wgt = 1.0 / max(z, 1e-9) ** 2
+        sxx, sxy, syy = sxx + wgt * x * x, sxy + wgt * x * y, syy + wgt * y * y
+        sxz, syz = sxz + wgt * x * z, syz + wgt * y * z
+    det = sxx * syy - sxy * sxy
+    if det <= 0:
+        return max(0.0, sxz / sxx if sxx else 0.0), 0.0
+    a, b = (sxz * syy - syz * sxy) / det, (syz * sxx - sxz * sxy) / det
+    if a < 0:
+        return 0.0, max(0.0, syz / syy)
+    if b < 0:
+        return max(0.0, sxz / sxx), 0.0
+    return a, b
+
+
+def _netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = doc.get("netns", {}).get("results") or []
+    if not rows:
+        raise SystemExit("the collectives JSON has no cross-namespace rows (run it as root)")
+    return rows
+
+
+def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per side, from the W = 2 rows with unlimited links (two hosts, one core each: the
+    machine's two), two fits of ``a x messages a host handles (ring steps) + b x bytes its
+    processes copy`` (least squares of relative errors): of the median wall time (``s_per_*``,
+    the lab's time, kernel networking included) and of the CPU seconds of a host's processes
+    (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""
+    out = {}
+    rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
+    for side in ("ours", "gloo"):
+        wall, cpu = [], []
+        for r in rows:
+            msgs, handled, _ = op_counts(side, r["op"], r["mib"] * MiB, r["world_size"])
+            wall.append((msgs, handled, r[f"{side}_ns_ms"] / 1e3))
+            cpu.append((msgs, handled, r[f"{side}_ns_cpu_ms_per_rank"] / 1e3))
+        per_msg, per_byte = _lstsq(wall)
+        cpu_msg, cpu_byte = _lstsq(cpu)
+        out[side] = {
+            "s_per_message": per_msg,
+            "s_per_byte": per_byte,
+            "cpu_s_per_message": cpu_msg,
+            "cpu_s_per_byte": cpu_byte,
+            "cpu_gb_per_s_per_core": 1e-9 / cpu_byte if cpu_byte else math.inf,
+            "fitted_on": len(wall),
+        }
+    return out
+
+
+# ================================================================================ the check
+def lab_time(side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any) -> float:
+    """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
+    (at most one), links at ``rate`` Gbit/s (None: unlimited)."""
+    msgs, handled, wire = op_counts(side, op, nbytes, w)
+    slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
+    cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
+    link = wire * 8 / (rate * 1e9) if rate else 0.0
+    return max(cpu, link + c["s_per_message"] * msgs * slow)
+
+
+def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    rows, within, held = [], 0, 0
+    for r in _netns_rows(doc):
+        fitted = r.get("rate_gbit") is None and r["world_size"] == 2
+        for side in ("ours", "gloo"):
+            key = f"{side}_ns_ms"
+            if key not in r:
+                continue
+            c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
+            pred = lab_time(side, c, r["op"], nbytes, w, r.get("rate_gbit")) * 1e3
+            msgs, handled, _ = op_counts(side, r["op"], nbytes, w)
+            cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
+            err = pred / r[key] - 1
+            cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1
+            if not fitted:
+                held += 1
+                within += abs(err) <= 0.2
+            rows.append({"side": side, "op": r["op"], "world_size": w,
+                         "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
+                         "measured_ms": r[key], "predicted_ms": round(pred, 3),
+                         "error": round(err, 3), "fitted": fitted,
+                         "measured_cpu_ms": r[f"{side}_ns_cpu_ms_per_rank"],
+                         "predicted_cpu_ms": round(cpu, 3),
+                         "cpu_error": round(cpu_err, 3)})  # fmt: skip
+    groups: dict[str, list[int]] = {}
+    for r in rows:
+        if not r["fitted"]:
+            key = f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
+            g = groups.setdefault(key, [0, 0, 0])
+            g[0] += abs(r["error"]) <= 0.2
+            g[1] += abs(r["cpu_error"]) <= 0.2
+            g[2] += 1
+    return {
+        "rows": rows,
+        "held_out_within_20pct": within,
+        "held_out_cells": held,
+        "by_group": {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()},
+    }
+
+
+# ================================================================================ prediction
+def comm_seconds(
+    kind: str, psi: float, w: int, gbit: float, costs: dict[str, dict[str, float]], a: Any,
+    units: int,
+) -> float:  # fmt: skip
+    """A step's communication time for ``kind`` (ddp, zero2, fsdp: ours; ring, tree: gloo's
+    costs) on W hosts at ``gbit`` Gbit/s, one rank and ``a.servers_per_host`` servers a host
+    with ``a.host_cores`` cores for communication (the fit's host had one)."""
+    side = "gloo" if kind in ("ring", "tree") else "ours"
+    c = costs[side]
+    t = cc.step_traffic(kind, psi, w, units=units, s=a.servers_per_host, bucket=a.bucket)
+    # ours: a host handles its rank's messages and its servers' (each W x its parts)
+    msgs = t.messages + t.server_messages * a.servers_per_host if side == "ours" else t.messages
+    cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * t.handled_bytes) / a.host_cores
+    hops = t.round_trips * 2 * HOP_S if side == "gloo" else 0.0  # ring / tree: in sequence
+    link = t.wire_bytes * 8 / (gbit * 1e9)
+    return max(cpu, link) + hops
+
+
+def predict(costs: dict[str, dict[str, float]], a: Any, compute: dict[str, float]) -> list:
+    out = []
+    for model, (psi, units) in PARAMS.items():
+        for gbit in RATES:
+            for w in HOSTS:
+                row: dict[str, Any] = {"model": model, "gbit": gbit, "hosts": w}
+                row["compute_s"] = compute[model]
+                for kind in ("ddp", "zero2", "fsdp", "ring", "tree"):
+                    s = comm_seconds(kind, psi, w, gbit, costs, a, units)
+                    row[f"{kind}_comm_s"] = round(s, 4)
+                    row[f"{kind}_share"] = round(s / (s + compute[model]), 3)
+                out.append(row)
+    return out
+
+
+def compute_times(a: Any) -> dict[str, float]:
+    """Seconds of compute per rank and step: measured (``--scale``: rank 0's compute of our
+    FSDP cell, or torch's forward + backward) or 6 x params x tokens / host FLOP/s."""
+    out = {m: 6 * psi * a.tokens / (a.host_tflops * 1e12) for m, (psi, _) in PARAMS.items()}
+    if a.scale:
+        doc = json.load(open(a.scale))
+        for r in doc.get("results", []):
+            b = r.get("torch_breakdown_ms") or {}
+            if r.get("model") in out and r.get("world_size") == 2 and b:
+                out[r["model"]] = (b.get("forward", 0) + b.get("backward", 0)) / 1e3
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    head = "| side | lab time a message | lab time a byte | CPU a message | CPU a byte (GB/s) |"
+    lines = [head, "|---|---|---|---|---|"]
+    for side, c in result["costs"].items():
+        lines.append(
+            f"| {side} | {c['s_per_message'] * 1e3:.3f} ms | {c['s_per_byte'] * 1e9:.3f} ns"
+            f" | {c['cpu_s_per_message'] * 1e3:.3f} ms | {c['cpu_s_per_byte'] * 1e9:.3f} ns"
+            f" ({c['cpu_gb_per_s_per_core']:.2f}) |"
+        )
+    chk = result["check"]
+    lines.append(
+        f"\nHeld-out cells within 20%: {chk['held_out_within_20pct']} of {chk['held_out_cells']}"
+    )
+    lines += ["", "| held-out cells | within 20% |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in chk["by_group"].items()]
+    for model in PARAMS:
+        lines.append(f"\n**{model}** (compute {result['compute_s'][model]:.3g} s a step)\n")
+        lines.append("| Gbit/s | hosts | DDP ours | ZeRO-2 ours | FSDP ours | ring | tree |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in result["prediction"]:
+            if r["model"] == model:
+                cells = [f"{r[f'{k}_comm_s'] * 1e3:.0f} ms ({100 * r[f'{k}_share']:.0f}%)"
+                         for k in ("ddp", "zero2", "fsdp", "ring", "tree")]  # fmt: skip
+                lines.append(f"| {r['gbit']:g} | {r['hosts']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--collectives", required=True, help="benchmarks.collectives JSON (as root)")
+    p.add_argument("--scale", help="benchmarks.scale JSON: this machine's compute per step")
+    p.add_argument(
+        "--host-cores",
+        type=float,
+        default=1.0,
+        help="cores a host gives to communication (the fit's: 1)",
+    )
+    p.add_argument("--servers-per-host", type=int, default=1)
+    p.add_argument("--bucket", type=int, default=cc.BUCKET, help="bucket bytes (DDP, ZeRO-2)")
+    p.add_argument("--in-flight", type=int, default=8, help="calls a rank keeps in flight")
+    p.add_argument("--tokens", type=int, default=8 * 1024, help="tokens per rank and step")
+    p.add_argument("--host-tflops", type=float, default=100.0, help="a host's effective TFLOP/s")
+    p.add_argument("--markdown", action="store_true")
+    a = p.parse_args(argv)
+    doc = json.load(open(a.collectives))
+    costs = fit(doc)
+    result = {
+        "source": {"collectives": a.collectives, "machine": doc.get("machine"), "scale": a.scale},
+        "costs": costs,
+        "check": check(doc, costs),
+        "assumptions": {
+            k: getattr(a, k)
+            for k in (
+                "host_cores",
+                "servers_per_host",
+                "bucket",
+                "in_flight",
+                "tokens",
+                "host_tflops",
+            )
+        }
+        | {"hop_s": HOP_S},  # fmt: skip
+        "compute_s": compute_times(a),
+    }
+    result["prediction"] = predict(costs, a, result["compute_s"])
+    if a.markdown:
+        print(markdown(result))
+    else:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Smoke test of ``python -m benchmarks.scale --quick``: every strategy runs against its torch
+twin, trains the same losses, and the JSON carries the step times, where ours spends them,
+and every trainer's and server's peak memory against the formula.
+
+Runs the benchmark as a user would, in its own process group (stopped by its id on a
+timeout)."""
+
+from __future__ import annotations
+
+import pytest
+from test_benchmarks_smoke import run_quick
+
+STRATEGIES = ("ddp", "zero2", "fsdp")
+
+
+@pytest.mark.slow
+def test_quick_scale_benchmark_reports_every_cell() -> None:
+    report = run_quick("benchmarks.scale")
+    assert report["machine"]["cores"] >= 1 and "loadavg_at_start" in report["machine"]
+    over = report["process_overhead"]
+    assert over["trainer"] > 50 * 2**20 and over["server"] > 20 * 2**20, over
+    rows = {r["strategy"]: r for r in report["results"]}
+    assert set(rows) == set(STRATEGIES), rows.keys()
+    for strategy, row in rows.items():
+        assert not row.get("error") and not row.get("skipped"), row
+        assert row["world_size"] == 2
+        assert row["ours_ms"] > 0 and row["torch_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=1e-2)
+        # the same model, batches and AdamW on both sides: float32 losses stay together
+        assert row["loss_max_rel_diff"] < 1e-4, row["loss_max_rel_diff"]
+        ours = row["ours_breakdown_ms"]
+        assert ours["compute"] > 0 and ours["blocked_total"] >= 0, ours
+        waits = {"ddp": "blocked/all_reduce", "zero2": "blocked/step", "fsdp": "blocked/gather"}
+        assert waits[strategy] in ours, ours
+        mem = row["ours_memory"]
+        assert len(mem["trainer_peak_rss_mb"]) == 2
+        assert min(mem["trainer_peak_rss_mb"]) >= over["trainer"] / 2**20
+        if strategy != "ddp":  # DDP keeps nothing on the servers
+            assert len(mem["server_peak_rss_mb"]) == 2 and ours["server_step"] >= 0
+            assert 0.9 < mem["server_ratio_to_formula"] < 2.0, mem
+        assert len(row["torch_memory"]["trainer_peak_rss_mb"]) == 2
