@@ -175,7 +175,7 @@ def gloo_main(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # as the anchors (torch_gloo_collectives.py)
+    torch.set_num_threads(1)  # one intra-op thread a rank, as gloo's ranks
     dist.init_process_group(
         "gloo",
         init_method=f"file://{a.init_file}",

@@ -1,6 +1,6 @@
 """What the training benchmarks (``benchmarks.strategies``, ``benchmarks.hybrid``) share.
 
-- the GPTs, sized like the anchors' (/work/shared/anchors/torch_gloo_bench.py), the AdamW
+- the GPTs (tiny 867,072 and small 13,842,432 parameters, untied), the AdamW
   settings and the batches: fixed random tokens, seeded per step, W x per-rank sequences;
 - starting one cell's rank processes (``launch_ranks``): ours, each rank hosting a
   ``ShardServer`` whose address the ranks exchange through the parent (``hosted_server``), or
@@ -185,7 +185,7 @@ def end_gloo() -> None:
 
 
 def set_threads(world: int) -> None:
-    """Each of W processes on this machine gets cores // W torch threads (as the anchors)."""
+    """Each of W processes on this machine gets cores // W torch threads (torch's ranks too)."""
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -32,7 +32,7 @@ Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts 
   uses the generated protobuf classes (``ShardStub``, ``PushGradRequest(data=arr.tobytes())``)
   with the same chunking and calls in flight, against ours.
 
-Size convention (as nccl-tests and the torch anchors): S is the all_reduce tensor, the all_gather
+Size convention (as nccl-tests'): S is the all_reduce tensor, the all_gather
 OUTPUT (each rank contributes S/W) and the reduce_scatter INPUT (each rank keeps S/W).
 GB/s = S bytes / median seconds / 1e9 (algorithm bandwidth, payload bytes only).
 

@@ -12,7 +12,7 @@ so both sides see the same machine load):
   ``ShardServer`` (as ``benchmarks.strategies`` does by default), started with ``subprocess``
   and ``server.MALLOC_ENV``. Cells (pipeline x tensor x data):
   ``pp_gpipe`` = (W, 1, 1) GPipe, ``pp_1f1b`` = (W, 1, 1) 1F1B, ``tp`` = (1, W, 1) and
-  ``3d`` = (2, 2, W/4) GPipe (as the anchor's mode "3d"; only where 4 divides W). A step is
+  ``3d`` = (2, 2, W/4) GPipe (only where 4 divides W). A step is
   ``model.train_on_batch(x, y)``: forward and backward through the schedule, then the
   optimizer step (ZeRO-1 on the servers of each (stage, tensor rank)).
 - **torch** (gloo, same GPT, same batches, same AdamW; ``benchmarks/_torch_parallel.py``):
@@ -24,10 +24,9 @@ so both sides see the same machine load):
   an all-reduce of the gradients over dp. Plus single-process training on the whole global
   batch (the numerical reference).
 
-Model: ``paramshard.models.gpt`` with the anchors' sizes (see ``benchmarks/_training.py``): tiny =
+Model: ``paramshard.models.gpt`` with the benchmarks' sizes (see ``benchmarks/_training.py``): tiny =
 ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
-tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (as the anchors'
-``W*B``): the pipeline cells run all of it through the pipeline in m micro-batches, the tensor
+tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (``W*B``): the pipeline cells run all of it through the pipeline in m micro-batches, the tensor
 cell gives all of it to every rank, the 3D cell splits it over the dp replicas. m defaults to
 2 x the number of stages for the pipeline cells (``--micro-batches`` sets it), 1 for ``tp``;
 both sides use the same m.
