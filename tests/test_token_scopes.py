@@ -163,6 +163,7 @@ FOREIGN: dict[str, Any] = {
     "ReadSlot": pb.ReadSlotRequest(key=B_SLOT),
     "DropJob": pb.DropJobRequest(job=B_JOB),
     "Lease": lease(1, 100),  # lapses in 100 ms: the run would be aborted, "rank 1 lost"
+    "HoldLease": lease(1, 100),  # a stream, refused before it opens (its end would lose rank 1)
     "Snapshot": pb.SnapshotRequest(job=B_JOB, tag="evil", version=1, num_servers=1),
     "CommitSnapshot": pb.CommitSnapshotRequest(job=B_JOB, tag="evil", manifest_json="{}"),
     "Restore": pb.RestoreRequest(job=B_JOB, tag="base", num_servers=1),
@@ -285,6 +286,19 @@ def test_a_scoped_token_works_on_its_own_jobs(server: ShardServer) -> None:
     np.testing.assert_array_equal(a.all_reduce(np.arange(4.0)), np.arange(4.0))
     a.close()
     assert call(server, "Lease", lease(0, 60_000, run="team-a-run"), "a-train")[0].name == "OK"
+    with grpc.insecure_channel(server.address) as chan:  # the lease held by a stream, in scope
+        hold = chan.unary_stream(
+            SHARD + "HoldLease",
+            request_serializer=None,
+            response_deserializer=pb.LeaseReply.FromString,
+        )
+        stream = hold(
+            lease(0, 60_000, run="team-a-run"), metadata=(("authorization", "Bearer a-train"),)
+        )
+        assert not next(stream).aborted  # the stream opened: its first reply
+        bye = pb.LeaseRequest(run="team-a-run", rank=0, world_size=2, release=True)
+        assert call(server, "Lease", bye.SerializeToString(), "a-train")[0].name == "OK"
+        stream.cancel()
     admin = client(server, "a-admin")
     tools.snapshot(admin, "team-a-job", "t1")
     admin.close()

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from paramshard.server.runtime import backend
 from paramshard.server.optimizers.base import ServerOptimizer
 from paramshard.server.optimizers.kernels import add_scaled, scalar
+from paramshard.server.runtime import backend
 
 
 class SGD(ServerOptimizer):

@@ -190,6 +190,7 @@ ROUTES: dict[str, Route] = {
     "Contribute": Route("key", ("header", "key"), "the run of `header.key` in `runs=`"),
     "ReadSlot": Route("key", ("key",), "the run of `key` in `runs=`"),
     "Lease": Route("run", ("run",), "`run` in `runs=` (renewals, releases and aborts alike)"),
+    "HoldLease": Route("run", ("run",), "`run` in `runs=` (the stream holds the lease, as Lease)"),
     "DropJob": Route("job+run", ("job",), "`job` in `jobs=` and in `runs=`"),
     "Status": Route("status", (), "only jobs in `jobs=` and pending work of runs in `runs=`"),
     "Snapshot": _job("job"),
@@ -340,10 +341,13 @@ def mismatch(scope: Scope, method: str, request: Any) -> tuple[grpc.StatusCode, 
 def scope_checked(
     handler: grpc.RpcMethodHandler, scope: Scope, method: str
 ) -> grpc.RpcMethodHandler:
-    """``handler`` (unary) behind ``scope``'s check of what its request names: the request is
-    parsed only once the check passed, and run only if the parsed request agrees."""
+    """``handler`` (a unary request; a unary or streamed reply) behind ``scope``'s check of
+    what its request names: the request is parsed only once the check passed, and run only if
+    the parsed request agrees."""
     parse: Callable[[bytes], Any] | None = handler.request_deserializer
-    behave = handler.unary_unary
+    streams = handler.response_streaming
+    behave = handler.unary_stream if streams else handler.unary_unary
+    make = grpc.unary_stream_rpc_method_handler if streams else grpc.unary_unary_rpc_method_handler
 
     def checked(raw: bytes, context: grpc.ServicerContext) -> Any:
         refused = refusal(scope, method, raw)
@@ -355,6 +359,4 @@ def scope_checked(
             context.abort(*refused)
         return behave(request, context)
 
-    return grpc.unary_unary_rpc_method_handler(
-        checked, request_deserializer=None, response_serializer=handler.response_serializer
-    )
+    return make(checked, request_deserializer=None, response_serializer=handler.response_serializer)
