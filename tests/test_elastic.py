@@ -33,7 +33,11 @@ from paramshard.strategies import (
     train_with_recovery,
 )
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [
+    pytest.mark.faults,
+    pytest.mark.timeout(600),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 STEPS, BATCH, WORLD, LR = 10, 12, 4, 1e-2
 

@@ -33,7 +33,7 @@ from paramshard.server import ShardServer
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "elastic_job.py"
 STEPS, WORLD, LIMIT_S = 20, 5, 600.0
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(int(LIMIT_S) + 120)]
+pytestmark = [pytest.mark.faults, pytest.mark.slow, pytest.mark.timeout(int(LIMIT_S) + 120)]
 
 
 def plan(seed: int) -> tuple[list[tuple[int, float, int]], list[tuple[int, int]]]:
@@ -141,7 +141,10 @@ def test_random_kills_and_joins_end_equal_to_one_process(tmp_path: Path, seed: i
     failed = [(r, life, code) for r, life, code in codes if code not in (0, -signal.SIGKILL)]
     assert not failed, f"(rank, life, exit code) {failed}: {log[-6000:]}"
     finished = sorted(tmp_path.glob("job.rank*.pt"))
-    assert len(finished) == sum(code == 0 for *_, code in codes), log[-4000:]
+    # every rank that exited 0 wrote its result (a rank killed just after writing one, as the
+    # job ended, leaves a file too: it is checked like the others)
+    wrote = {int(path.name.split(".rank")[1].split(".")[0]) for path in finished}
+    assert {r for r, _, code in codes if code == 0} <= wrote, log[-4000:]
     want = single_process(STEPS)
     for path in finished:
         assert_equivalent(torch.load(path), want, f"chaos seed {seed}: {path.name}")

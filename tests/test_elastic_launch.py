@@ -26,7 +26,7 @@ from test_trainer_restart import launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "elastic_job.py"
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(900)]
 STEPS = 14
 
 

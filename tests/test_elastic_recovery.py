@@ -30,6 +30,7 @@ from paramshard.strategies import (
 )
 
 pytestmark = [
+    pytest.mark.faults,
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.usefixtures("one_torch_thread"),

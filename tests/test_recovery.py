@@ -66,7 +66,7 @@ def single_process(init, data, param_groups: bool) -> dict[str, torch.Tensor]:
     return net.state_dict()
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
 class ServerProcess:

@@ -36,6 +36,7 @@ from .conftest import NetLab, Proc
 from .trainer import WORLD, initial_state, train_single
 
 pytestmark = [
+    pytest.mark.faults,
     pytest.mark.multihost,
     pytest.mark.slow,
     pytest.mark.equivalence,
