@@ -2,8 +2,8 @@
 
 Never imports torch: the server image needs only grpc, protobuf and numpy (+ cupy on GPUs).
 Its sub-packages, lowest first (docs/design.md has a sentence on each); a module imports only
-from packages below its own, and the top-level modules (``servicer``, ``status``, ``metrics``,
-``config``, ``app``) from any (tests/test_server_layers.py checks both):
+from packages below its own, and the top-level modules (``servicer``, ``snapshot_calls``,
+``status``, ``metrics``, ``config``, ``app``) from any (tests/test_server_layers.py checks both):
 
     runtime < optimizers < snapshots < buffers < collectives < rpc < transport < replication
 

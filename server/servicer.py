@@ -17,12 +17,10 @@ from typing import Any
 
 import grpc
 
-from paramshard.protos import codec, slicing
+from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
-from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
-from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.buffers.store import BufferStore
 from paramshard.server.collectives.lease_holds import hold_lease
 from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.membership import MembershipTable
@@ -34,6 +32,7 @@ from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshot_calls import SnapshotCalls
 from paramshard.server.snapshots.files import SnapshotDir
 from paramshard.server.status import status_reply
 from paramshard.server.transport.shm import SegmentRegistry
@@ -64,6 +63,7 @@ class ShardServicer:
         self.budget = MemoryBudget(max_memory)
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
         self.snapshots = SnapshotDir(snapshot_dir)
+        self.snapshot_calls = SnapshotCalls(self.buffers, self.snapshots)
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
@@ -339,128 +339,21 @@ class ShardServicer:
         slices = self.buffers.jobs().get(job)
         return min(b.version for b in slices) if slices else None
 
-    # -- snapshots -------------------------------------------------------------------------
-    def _job_slices(self, job: str) -> list[BufferSlice]:
-        slices = self.buffers.jobs().get(job)
-        if not slices:
-            raise ShardError.not_found(f"job '{job}' is not on this server")
-        return slices
-
+    # -- snapshots (server/snapshot_calls.py) ---------------------------------------------
     def snapshot(self, req: pb.SnapshotRequest, context: Any) -> Any:
-        slices = self._job_slices(req.job)
-        if req.num_servers == 0 or req.server_index >= req.num_servers:
-            raise ShardError.invalid(
-                f"snapshot: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
-            )
-        held = (slices[0].spec.server_index, slices[0].spec.num_servers)
-        if (req.server_index, req.num_servers) != held:
-            raise ShardError.precondition(
-                f"snapshot of job '{req.job}': this server holds slice {held[0]} of {held[1]},"
-                f" the request names shard {req.server_index} of {req.num_servers}"
-            )
-        self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
-        # (tag, shard) is this call's until it ends; the shard file then keeps it
-        reservation = self.snapshots.reserve(
-            req.job, req.tag, req.server_index, req.num_servers, req.version
-        )
-        try:
-            timeout = self._timeout(context)
-            try:  # every buffer asks first, so none can step past the version while we wait
-                for b in slices:
-                    b.request_capture(req.version)
-                captured = [b.capture(req.version, timeout) for b in slices]
-            except ShardError:
-                for b in slices:
-                    b.cancel_capture(req.version)
-                raise
-            file, nbytes, sha = self.snapshots.write_shard(
-                req.job, req.tag, req.server_index, req.num_servers, req.version, captured
-            )
-        finally:
-            reservation.release()
-        (rows,) = [j.buffers for j in self.buffers.status() if j.job == req.job] or [[]]
-        return pb.SnapshotReply(
-            file=file, bytes=nbytes, sha256=sha, version=req.version, buffers=rows
-        )
+        return self.snapshot_calls.snapshot(req, self._timeout(context))
 
     def commit_snapshot(self, req: pb.CommitSnapshotRequest, context: Any) -> Any:
-        return pb.CommitSnapshotReply(
-            path=self.snapshots.commit(req.job, req.tag, req.manifest_json)
-        )
+        return self.snapshot_calls.commit(req)
 
     def restore(self, req: pb.RestoreRequest, context: Any) -> Any:
-        if req.num_servers == 0 or req.server_index >= req.num_servers:
-            raise ShardError.invalid(
-                f"restore: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
-            )
-        tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
-        manifest = self.snapshots.load_manifest(req.job, tag)
-        layout = self.snapshots.layout(req.job, tag, manifest)
-        model_config = recorded_model_config(manifest)
-        slices = []
-        for name, info in manifest["buffers"].items():
-            start, stop = slicing.slice_bounds(info["numel"], req.num_servers, req.server_index)
-
-            def read(kind: str, n: str = name, a: int = start, b: int = stop) -> Any:
-                return self.snapshots.read_range(req.job, tag, manifest, n, kind, a, b)
-
-            spec = pb.RegisterBufferRequest(
-                ref=pb.BufferRef(job=req.job, buffer=name),
-                numel=info["numel"],
-                num_servers=req.num_servers,
-                server_index=req.server_index,
-                contributors=req.contributors or info["contributors"],
-                params=[ParamEntry.from_manifest(p).to_pb() for p in info["params"]],
-                optimizer=pb.OptimizerSpec(
-                    name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
-                ),
-                master_dtype=codec.wire_dtype(codec.master_dtype(info.get("master_dtype"))),
-                model_config=model_config,
-            )
-            row = layout.get(name, {"state": set(), "step_count": 0})
-            state = {k: read(f"state.{k}") for k in sorted(row["state"])}
-            slices.append(
-                BufferSlice.restored(
-                    spec, manifest["version"], read("params"), state, row["step_count"]
-                )
-            )
-        if req.check_only:
-            return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
-        self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
-        self.server_index, self.num_servers = req.server_index, req.num_servers
-        return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
-
-    def _listed_snapshots(self, job: str, scope: Scope | None) -> list[dict[str, Any]]:
-        """``SnapshotDir.list(job)``; for a scoped caller naming no job, each job in scope
-        listed on its own (another job's manifests are not even read)."""
-        if job or scope is None or self.snapshots.root is None:
-            return self.snapshots.list(job)
-        found = []
-        for name in sorted(p.name for p in self.snapshots.root.iterdir() if p.is_dir()):
-            if scope.allows_job(name):
-                try:
-                    found += self.snapshots.list(name)
-                except ShardError:
-                    continue  # not a job's folder (a name no job may have)
-        return found
+        reply = self.snapshot_calls.restore(req)
+        if not req.check_only:
+            self.server_index, self.num_servers = req.server_index, req.num_servers
+        return reply
 
     def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
-        infos = []
-        for m in self._listed_snapshots(req.job, self.scope_of(context)):
-            servers, cluster = recorded_placement(m)
-            infos.append(
-                pb.SnapshotInfo(
-                    job=m["job"],
-                    tag=m["tag"],
-                    version=m["version"],
-                    num_servers=m["num_servers"],
-                    created_unix=m["created_unix"],
-                    servers=servers,
-                    cluster_servers=cluster,
-                    parts=recorded_parts(m),
-                )
-            )
-        return pb.ListSnapshotsReply(snapshots=infos)
+        return self.snapshot_calls.list(req, self.scope_of(context))
 
     # -- neighbour replication ---------------------------------------------------------------
     def configure_replication(self, req: pb.ReplicationConfig, context: Any) -> Any:
