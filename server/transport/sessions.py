@@ -53,12 +53,18 @@ from typing import Any
 
 import grpc
 
-from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
 from paramshard.server.rpc import auth, scopes
 from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
 from paramshard.server.rpc.parsers import Malformed
+from paramshard.server.transport.session_calls import (
+    CallAbort,
+    CallContext,
+    body_size,
+    payload_bytes,
+    status_reply,
+)
 
 __all__ = [
     "Sessions",
@@ -109,54 +115,11 @@ Handler = tuple[Callable[[Any, Any], Any], Callable[[bytes], Any], Callable[[Any
 """A method's guarded handler, request parser and reply serialiser (the servicer's own)."""
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _CallContext:
-    """The part of grpc.ServicerContext the data-plane handlers use, for one call of a
-    session: its own deadline, the stream's caller."""
-
-    def __init__(self, stream: grpc.ServicerContext, timeout_s: float | None) -> None:
-        self._stream = stream
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-
-    def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Abort(code, details)
-
-    def invocation_metadata(self) -> Any:
-        return self._stream.invocation_metadata()
-
-    def auth_context(self) -> Any:
-        return self._stream.auth_context()
-
-
-def _reply(call_id: int, code: grpc.StatusCode, details: str) -> tuple[pb.SessionCall, bytes]:
-    return pb.SessionCall(id=call_id, code=code.value[0], details=details), b""
-
-
-def _size(body: Any) -> int:
-    return codec.encode_parts(*body)[1] if isinstance(body, tuple) else len(body)
-
-
 def _parse_batch(raw: bytes) -> Any:
     try:
         return decode_batch(raw, limit=MAX_BATCH)
     except Exception as exc:  # noqa: BLE001 - whatever the decoder says, the bytes are bad
         return Malformed(exc)
-
-
-def _payload_bytes(request: Any) -> int:
-    """The payload size of a tensor request (in-band or in a segment); 0 for anything else."""
-    if not isinstance(request, tuple):
-        return 0
-    header, data = request
-    return header.shm.nbytes if header.HasField("shm") else len(data)
 
 
 class Sessions:
@@ -329,7 +292,7 @@ class _Session:
         if handler is None:
             shown = method[:64] + ("..." if len(method) > 64 else "")
             return self.refuse(
-                _reply(
+                status_reply(
                     call.id,
                     grpc.StatusCode.UNIMPLEMENTED,
                     f"{shown!r} is not a method sessions carry; they carry"
@@ -339,7 +302,7 @@ class _Session:
         need = auth.METHOD_ROLES[method]
         if self.role is not None and not auth.role_allows(self.role, need, method):
             return self.refuse(
-                _reply(
+                status_reply(
                     call.id,
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{method} needs role '{need}'; this session's token has role '{self.role}'",
@@ -349,11 +312,11 @@ class _Session:
         fn, parse, serialize = handler
         refused = self.scope and scopes.refusal(self.scope, method, body)  # before the parse
         if refused:
-            return self.refuse(_reply(call.id, *refused))
+            return self.refuse(status_reply(call.id, *refused))
         request = parse(body)
         refused = self.scope and scopes.mismatch(self.scope, method, request)
         if refused:
-            return self.refuse(_reply(call.id, *refused))
+            return self.refuse(status_reply(call.id, *refused))
         waits = None
         if method in WAITING_METHODS and self.s.may_wait(method, request):
             waits = self.role or "train"
@@ -366,20 +329,20 @@ class _Session:
                 self._add(promised=promised)
         if full is not None:
             return self.refuse(
-                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
+                status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
             )
         refusal = self.s.gate.enter(waits, self.caller)
         if refusal is not None:
             self.call_ended(waits)
             return self.put(
                 1,
-                _reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
+                status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
                 promised=promised,
             )
         job = (call.id, method, fn, serialize, request, timeout, waits, len(body), promised)
         with self.lock:
             self._add(held=len(body))
-        if method == "Contribute" and _payload_bytes(request) <= INLINE_BYTES:
+        if method == "Contribute" and payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
             self.s.pool.submit(self.run, *job)
@@ -425,21 +388,21 @@ class _Session:
         try:
             reply = (
                 pb.SessionCall(id=call_id),
-                serialize(fn(request, _CallContext(self.context, timeout))),
+                serialize(fn(request, CallContext(self.context, timeout))),
             )
-        except _Abort as exc:
+        except CallAbort as exc:
             code = exc.code
-            reply = _reply(call_id, exc.code, exc.details)
+            reply = status_reply(call_id, exc.code, exc.details)
         except Exception as exc:  # the guard reports handler bugs; this is one in the reply
             log.exception("session call %s failed", method)
             code = grpc.StatusCode.INTERNAL
-            reply = _reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
+            reply = status_reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
         finally:
             self.s.gate.leave(waits, self.caller)
             self.call_ended(waits, received)
         with self.s._count:
             self.s.calls += 1
-        size = _size(reply[1])
+        size = body_size(reply[1])
         if self.s.observe is not None:
             self.s.observe(method, code, time.perf_counter() - began, received, size)
         self.put(1, reply, size, promised)

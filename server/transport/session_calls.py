@@ -1,0 +1,62 @@
+"""One call of a session as its handler sees it (server/transport/sessions.py): the part of
+a gRPC context the data-plane handlers use, with the call's own deadline, and the sizes the
+session's bounds count."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+
+from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
+
+__all__ = ["CallAbort", "CallContext", "body_size", "payload_bytes", "status_reply"]
+
+
+class CallAbort(Exception):
+    """A handler's ``context.abort`` inside a session: the call ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """The part of grpc.ServicerContext the data-plane handlers use, for one call of a
+    session: its own deadline, the stream's caller."""
+
+    def __init__(self, stream: grpc.ServicerContext, timeout_s: float | None) -> None:
+        self._stream = stream
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise CallAbort(code, details)
+
+    def invocation_metadata(self) -> Any:
+        return self._stream.invocation_metadata()
+
+    def auth_context(self) -> Any:
+        return self._stream.auth_context()
+
+
+def status_reply(call_id: int, code: grpc.StatusCode, details: str) -> tuple[pb.SessionCall, bytes]:
+    """A call's reply that carries only its status."""
+    return pb.SessionCall(id=call_id, code=code.value[0], details=details), b""
+
+
+def body_size(body: Any) -> int:
+    """The bytes a reply body takes on the wire (a tensor reply's header and payload)."""
+    return codec.encode_parts(*body)[1] if isinstance(body, tuple) else len(body)
+
+
+def payload_bytes(request: Any) -> int:
+    """The payload size of a tensor request (in-band or in a segment); 0 for anything else."""
+    if not isinstance(request, tuple):
+        return 0
+    header, data = request
+    return header.shm.nbytes if header.HasField("shm") else len(data)
