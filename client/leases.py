@@ -49,19 +49,17 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from paramshard.client.lease_holds import REFUSALS, HoldStream
 from paramshard.client.restarts import max_restarts
+from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = [
-    "Notice", "RunState", "LEASE_TTL_ENV", "REJOIN_ENV", "WAITS_ON_PEERS", "hold", "release"
-]  # fmt: skip
+__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
 
 log = logging.getLogger("paramshard.leases")
 
@@ -79,8 +77,6 @@ _FAILING = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,  # a server that stops cancels the calls it runs
 )
-WAITS_ON_PEERS = frozenset({"PushGrad", "PullParams", "GradNorm", "Step", "Contribute", "ReadSlot"})
-"""The calls whose outcome depends on other ranks: refused once the run's epoch is aborted."""
 
 
 def _env_seconds(name: str, default: float, low: float, high: float) -> float:
@@ -94,88 +90,6 @@ def _env_seconds(name: str, default: float, low: float, high: float) -> float:
     if not low <= value <= high:
         raise ValueError(f"environment variable {name} must be seconds in {low:g}..{high:g}")
     return value
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A run's epoch was aborted: why, which epoch, and the rank lost (-1: none)."""
-
-    reason: str
-    epoch: int
-    lost_rank: int = -1
-
-    @property
-    def recoverable(self) -> bool:
-        """Whether the surviving ranks can go on (a lost server: restore and replay), as
-        opposed to a lost trainer, whose process and state are gone."""
-        return self.lost_rank < 0
-
-
-class RunState:
-    """What a client and its views (groups, ``on_servers``) share about their run: the epoch,
-    the abort notice, and the calls in flight a notice cancels."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.epoch = 0
-        self.notice: Notice | None = None
-        self._in_flight: set[Any] = set()
-        self.holding: _Holding | None = None
-        self.fail_fast = False  # give up the epoch when a server stops answering renewals
-
-    def current(self) -> Notice | None:
-        """The notice when it applies to this client's epoch, else None."""
-        notice = self.notice
-        return notice if notice is not None and notice.epoch >= self.epoch else None
-
-    def advance(self, epoch: int) -> None:
-        """The client moved to epoch ``epoch`` (``restart_collectives``)."""
-        with self._lock:
-            self.epoch = max(self.epoch, epoch)
-
-    def track(self, future: Any) -> None:
-        """Registers a call in flight, until it completes."""
-        with self._lock:
-            self._in_flight.add(future)
-            late = self.current() is not None  # a notice came after the caller checked
-        future.add_done_callback(self._done)
-        if late:
-            future.cancel()
-
-    def _done(self, future: Any) -> None:
-        with self._lock:
-            self._in_flight.discard(future)
-
-    def abort(self, notice: Notice) -> None:
-        """Takes ``notice`` and cancels the calls in flight, if it applies to this epoch."""
-        with self._lock:
-            if notice.epoch < self.epoch or self.notice == notice:
-                return
-            if self.notice is not None and self.notice.epoch >= notice.epoch:
-                return  # that epoch ended already
-            self.notice = notice
-            pending = list(self._in_flight)
-        log.warning("%s", notice.reason)
-        for future in pending:
-            future.cancel()
-
-    def give_up(self, cause: str) -> None:
-        """This rank abandons its epoch (it lost a server, it recovers): the others' waits end
-        at once. ``cause`` says why; the servers' notice adds who ("run 'R': rank 1 ...")."""
-        reason = self.holding.post_abort(cause) if self.holding is not None else None
-        self.abort(Notice(reason or cause, self.epoch))
-
-    def cannot_rejoin(self) -> None:
-        """This rank keeps state in its process (DDP, 3D): were it lost, the others must not
-        wait for a restart."""
-        if self.holding is not None:
-            self.holding.rejoin_s = 0.0
-
-    def refresh(self) -> Notice | None:
-        """Asks the servers now (one renewal), then ``current()``."""
-        if self.holding is not None:
-            self.holding.renew()
-        return self.current()
 
 
 class _Holding:

@@ -20,8 +20,8 @@ import grpc
 
 from paramshard.client import hang_report, leases, unreachable
 from paramshard.client.cluster import ClusterSpec
-from paramshard.client.leases import WAITS_ON_PEERS, RunState
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
+from paramshard.client.run_state import WAITS_ON_PEERS, RunState
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
 from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb

@@ -22,7 +22,8 @@ import pytest
 from conftest import unique_id, worker_env
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
-from paramshard.client.leases import LEASE_TTL_ENV, Notice, RunState
+from paramshard.client.leases import LEASE_TTL_ENV
+from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.leases import ISOLATED_GRACE_S, LeaseTable
 from paramshard.server.collectives.pending import run_epoch
