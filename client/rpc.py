@@ -7,7 +7,6 @@ them travel at once. Requests are built lazily, so a large tensor is never encod
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import weakref
@@ -21,6 +20,13 @@ import grpc
 from paramshard.client import hang_report, leases, unreachable
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
+from paramshard.client.retries import (
+    MIN_ATTEMPT_S,
+    RETRYABLE,
+    busy_pause,
+    is_busy,
+    retry_pause,
+)
 from paramshard.client.run_state import WAITS_ON_PEERS, RunState
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
 from paramshard.protos import closing, codec, local_servers
@@ -28,8 +34,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import Segment, SharedMemory, is_stale
 
 __all__ = [
-    "ShardClientError", "Call", "RpcCore", "RETRYABLE", "is_busy", "CHUNK_BYTES", "MAX_IN_FLIGHT",
-    "DEFAULT_TIMEOUT_S",
+    "ShardClientError", "Call", "RpcCore", "CHUNK_BYTES", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
 ]  # fmt: skip
 
 SERVICE = "/paramshard.v1.Shard/"
@@ -40,10 +45,6 @@ MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 DEFAULT_TIMEOUT_S = 120.0
 """A client's deadline of every wait unless it is given one (``timeout_s``; a
 ShardingConfiguration's ``timeout_s`` sets it)."""
-RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-BUSY_MARK = "retry later"
-"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/rpc/admission.py: too
-many waiting calls at once), not out of memory or past a size limit, which is final."""
 
 
 class ShardClientError(RuntimeError):
@@ -53,11 +54,6 @@ class ShardClientError(RuntimeError):
         super().__init__(f"server {server} ({address}) {method}: {code.name}: {details}")
         self.server, self.address, self.method = server, address, method
         self.code, self.details = code, details
-
-
-def is_busy(err: ShardClientError) -> bool:
-    """Whether ``err`` is a server's "busy, retry later" refusal (nothing was done)."""
-    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY_MARK in err.details
 
 
 # method -> (response deserializer): the request side always uses codec.serialize
@@ -341,14 +337,14 @@ class RpcCore:
             except grpc.RpcError as exc:
                 err = self._error(call, exc)
                 deadline = began + self.timeout_s  # of every attempt of this call
-                pause = _busy_pause(busy, deadline) if is_busy(err) else None
+                pause = busy_pause(busy, deadline) if is_busy(err) else None
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
                 elif (
                     isinstance(fut, _ShmFuture)
                     and is_stale(err.code, err.details)
                     and i not in stale
-                    and deadline - time.monotonic() > _MIN_ATTEMPT_S
+                    and deadline - time.monotonic() > MIN_ATTEMPT_S
                 ):
                     # the server restarted (nothing was done): new segments, or in-band
                     self.shm.reset(self.spec.addresses[call.server])
@@ -359,7 +355,7 @@ class RpcCore:
                 elif (
                     err.code in RETRYABLE
                     and attempt < self.retries
-                    and (backoff := _retry_pause(attempt, deadline))
+                    and (backoff := retry_pause(attempt, deadline))
                 ):
                     time.sleep(backoff)
                     fut = self._send(call, alone, timeout=deadline - time.monotonic())
@@ -405,26 +401,3 @@ class RpcCore:
         self.sessions.close()
         self.shm.close()
         self.spec.close()
-
-
-_MIN_ATTEMPT_S = 0.05
-"""An attempt with less time than this before its call's deadline is not made."""
-
-
-def _retry_pause(attempt: int, deadline: float) -> float | None:
-    """How long to wait before re-sending a call that failed with UNAVAILABLE (jittered,
-    doubling from 50 ms to at most 2 s), or None when its ``deadline`` (monotonic) would leave
-    the next attempt no time."""
-    pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
-    if time.monotonic() + pause + _MIN_ATTEMPT_S >= deadline:
-        return None
-    return pause
-
-
-def _busy_pause(refusals: int, deadline: float) -> float | None:
-    """How long to wait before asking a busy server again (jittered, doubling from 20 ms to
-    at most 1 s), or None when the call's ``deadline`` (monotonic) would pass first."""
-    pause = min(1.0, 0.02 * 2**refusals) * (0.5 + random.random())
-    if time.monotonic() + pause + 0.05 >= deadline:
-        return None
-    return pause

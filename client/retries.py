@@ -1,0 +1,46 @@
+"""When a client asks again: which failures are retried, what marks a busy server's refusal,
+and the jittered pauses between attempts, bounded by the call's deadline (client/rpc.py)."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import grpc
+
+__all__ = ["BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "retry_pause"]
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+BUSY_MARK = "retry later"
+"""In a RESOURCE_EXHAUSTED message, what says the server was busy (server/rpc/admission.py: too
+many waiting calls at once), not out of memory or past a size limit, which is final."""
+
+
+def is_busy(err: Any) -> bool:
+    """Whether ``err`` (a ``ShardClientError``) is a server's "busy, retry later" refusal
+    (nothing was done)."""
+    return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY_MARK in err.details
+
+
+MIN_ATTEMPT_S = 0.05
+"""An attempt with less time than this before its call's deadline is not made."""
+
+
+def retry_pause(attempt: int, deadline: float) -> float | None:
+    """How long to wait before re-sending a call that failed with UNAVAILABLE (jittered,
+    doubling from 50 ms to at most 2 s), or None when its ``deadline`` (monotonic) would leave
+    the next attempt no time."""
+    pause = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+    if time.monotonic() + pause + MIN_ATTEMPT_S >= deadline:
+        return None
+    return pause
+
+
+def busy_pause(refusals: int, deadline: float) -> float | None:
+    """How long to wait before asking a busy server again (jittered, doubling from 20 ms to
+    at most 1 s), or None when the call's ``deadline`` (monotonic) would pass first."""
+    pause = min(1.0, 0.02 * 2**refusals) * (0.5 + random.random())
+    if time.monotonic() + pause + 0.05 >= deadline:
+        return None
+    return pause
