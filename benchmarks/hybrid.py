@@ -24,10 +24,11 @@ so both sides see the same machine load):
   an all-reduce of the gradients over dp. Plus single-process training on the whole global
   batch (the numerical reference).
 
-Model: ``paramshard.models.gpt`` with the benchmarks' sizes (see ``benchmarks/_training.py``): tiny =
-``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
-tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (``W*B``): the pipeline cells run all of it through the pipeline in m micro-batches, the tensor
-cell gives all of it to every rank, the 3D cell splits it over the dp replicas. m defaults to
+Model: ``paramshard.models.gpt`` with the benchmarks' sizes (see ``benchmarks/_training.py``):
+tiny = ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
+tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (``W*B``): the
+pipeline cells run all of it through the pipeline in m micro-batches, the tensor cell gives all
+of it to every rank, the 3D cell splits it over the dp replicas. m defaults to
 2 x the number of stages for the pipeline cells (``--micro-batches`` sets it), 1 for ``tp``;
 both sides use the same m.
 

@@ -19,8 +19,8 @@ strategy, so both sides see the same machine load):
   ``reshard_after_forward=False`` (torch's ZeRO-2) as the counterpart of our ZeRO-2; plus
   single-process training on the whole global batch (the numerical reference).
 
-Models: ``paramshard.models.gpt.GPTConfig`` presets with overrides (the sizes every training benchmark
-uses): tiny = ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4,
+Models: ``paramshard.models.gpt.GPTConfig`` presets with overrides (the sizes every training
+benchmark uses): tiny = ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4,
 n_head=4, n_embd=128, tie_weights=False)``, 867,072 parameters, 8 sequences per rank; small =
 ``GPTConfig.small(vocab_size=4096, block_size=128, n_layer=6, n_head=6, n_embd=384,
 tie_weights=False)``, 13,842,432 parameters, 4 sequences per rank. Untied, so the parameter counts
