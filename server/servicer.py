@@ -62,8 +62,7 @@ class ShardServicer:
         (``SlotStore.expire``, run by the server's sweeper)."""
         self.budget = MemoryBudget(max_memory)
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
-        self.snapshots = SnapshotDir(snapshot_dir)
-        self.snapshot_calls = SnapshotCalls(self.buffers, self.snapshots)
+        self.snapshot_calls = SnapshotCalls(self.buffers, SnapshotDir(snapshot_dir))
         self.replicator = Replicator(self.buffers)
         self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
@@ -338,6 +337,15 @@ class ShardServicer:
         """This server's version of ``job`` (its slices' lowest), None when it holds none."""
         slices = self.buffers.jobs().get(job)
         return min(b.version for b in slices) if slices else None
+
+    @property
+    def snapshots(self) -> SnapshotDir:
+        """This server's snapshot folder (the snapshot calls' one: set it there, or here)."""
+        return self.snapshot_calls.snapshots
+
+    @snapshots.setter
+    def snapshots(self, folder: SnapshotDir) -> None:
+        self.snapshot_calls.snapshots = folder
 
     # -- snapshots (server/snapshot_calls.py) ---------------------------------------------
     def snapshot(self, req: pb.SnapshotRequest, context: Any) -> Any:
