@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Iterable
 from typing import Any
 
 from paramshard.commands import (
@@ -28,7 +27,7 @@ from paramshard.commands import (
     positive_int,
     table,
 )
-from paramshard.membership_status import membership_text
+from paramshard.membership_status import membership_text, ranks_text
 
 __all__ = ["status", "STATUS_COLUMNS", "PENDING_COLUMNS", "MESSAGE_COLUMNS"]
 
@@ -189,10 +188,10 @@ def _pending_row(p: dict[str, Any]) -> list[str]:
         p["kind"],
         str(p["seq"]),
         str(p["part"]) if p["kind"] not in ("push_grad", "send", "slot") else "-",
-        _ranks(p["arrived"]),
-        "? (no contribution yet)" if unknown else _ranks(p["missing"]),
-        _ranks(p["waiting"]),
-        _ranks(p["unread_by"]),
+        ranks_text(p["arrived"]),
+        "? (no contribution yet)" if unknown else ranks_text(p["missing"]),
+        ranks_text(p["waiting"]),
+        ranks_text(p["unread_by"]),
         _age(p["age_seconds"]),
         _age(p["idle_seconds"]),
         p["key"],
@@ -217,14 +216,3 @@ def _message_row(p: dict[str, Any]) -> list[str]:
 def _age(seconds: float) -> str:
     """``4.2s`` under a minute (hangs are told apart by seconds), else as ``human_duration``."""
     return f"{float(seconds):.1f}s" if float(seconds) < 60 else human_duration(float(seconds))
-
-
-def _ranks(ranks: Iterable[int]) -> str:
-    """``0-3, 5`` for ranks 0, 1, 2, 3, 5; ``-`` for none."""
-    spans: list[list[int]] = []
-    for r in sorted(int(r) for r in ranks):
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) or "-"

@@ -54,11 +54,7 @@ def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, re
     epoch = max(state.epoch, notice.epoch if notice is not None else 0) + 1
     model.restart_collectives(epoch)
     restored = model.resync(epoch, model.config.join_window_s)
-    report.replayed_steps += max(0, step - restored)
-    report.committed_without_loss.extend(range(step, restored))
-    report.recovery_seconds.append(time.monotonic() - began)
-    report.failed_at.append(step)
-    report.resumed_at.append(restored)
+    report.recovered(step, restored, began)
     log.warning(
         "rank %d: recovered in %.1f s: the servers are at step %d, training continues there",
         model.rank,

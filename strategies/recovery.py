@@ -106,6 +106,17 @@ class RecoveryReport:
     ``losses``. ``should_stop`` and ``progress`` were not called for them either."""
     stopped_early: bool = False
 
+    def recovered(self, failed: int, restored: int, began: float) -> None:
+        """Records a recovery from step ``failed`` that resumed at step ``restored`` and began
+        at ``began`` (monotonic). A rank whose failed call came after the step's update (the
+        loss's all-reduce) finds the servers one step ahead of it: that step was trained, only
+        its loss is unknown."""
+        self.replayed_steps += max(0, failed - restored)
+        self.committed_without_loss.extend(range(failed, restored))
+        self.recovery_seconds.append(time.monotonic() - began)
+        self.failed_at.append(failed)
+        self.resumed_at.append(restored)
+
     @property
     def trained_steps(self) -> list[int]:
         """Every step this rank saw trained, in order: with a loss or committed without one."""
@@ -198,13 +209,7 @@ def _recover(
         restored = model.recover()
     finally:
         client.timeout_s = deadline
-    # a rank whose failed call came after the step's update (the loss's all-reduce) finds
-    # the servers one step ahead of it: that step was trained, only its loss is unknown
-    report.replayed_steps += max(0, step - restored)
-    report.committed_without_loss.extend(range(step, restored))
-    report.recovery_seconds.append(time.monotonic() - began)
-    report.failed_at.append(step)
-    report.resumed_at.append(restored)
+    report.recovered(step, restored, began)
     log.warning(
         "rank %d: recovered in %.1f s: the servers are at step %d, training continues there"
         " (%d steps replayed)",
