@@ -54,35 +54,37 @@ def start_servers(
     return kids, expect_all(kids, "ADDR", 60, watch=kids)
 
 
-def phase_tcp(a: argparse.Namespace) -> list[float]:
-    """Seconds per transfer of one raw TCP stream (sender and receiver processes)."""
+def phase_tcp(
+    a: argparse.Namespace, lab: Any = None, reps: int = 0, mib: float = 0.0
+) -> list[float]:
+    """Seconds per transfer of one raw TCP stream (sender and receiver processes): on loopback,
+    or (``lab``) from host h0's namespace to h1's across the lab's bridge and links."""
     env = child_env(True)
-    recv = child("tcprecv", ["_tcp_recv"], env, a.lifetime)
+    mib = mib or a.tcp_mib
+    at_recv, at_send, addr = (), (), "127.0.0.1"
+    if lab is not None:
+        at_recv, at_send, addr = lab.exec_prefix("h1"), lab.exec_prefix("h0"), lab.ip["h1"]
+    recv = child("tcprecv", ["_tcp_recv", "--bind", addr], env, a.lifetime, at_recv)
     kids = [recv]
     try:
         port = recv.expect("PORT", 60)
-        reps = 5 if a.quick else 20
-        send = child(
-            "tcpsend",
-            [
-                "_tcp_send",
-                "--port",
-                port,
-                "--mib",
-                str(a.tcp_mib),
-                "--reps",
-                str(reps),
-                "--warmup",
-                "2",
-            ],
-            env,
-            a.lifetime,
-        )
+        reps = reps or (5 if a.quick else 20)
+        argv = ["_tcp_send", "--port", port, "--to", addr, "--mib", str(mib),
+                "--reps", str(reps), "--warmup", "2"]  # fmt: skip
+        send = child("tcpsend", argv, env, a.lifetime, at_send)
         kids.append(send)
         t = json.loads(send.expect("RESULT", 120))["t"]
     finally:
         stop_all(kids)
     return t
+
+
+def link_gbit(a: argparse.Namespace, lab: Any, mib: float = 64.0, reps: int = 10) -> float:
+    """What one raw TCP stream moves across the lab's link from host h0 to h1 (Gbit/s, the
+    median of ``reps`` transfers of ``mib`` MiB): the link's real rate, which a shaped lab on
+    busy cores keeps below its nominal one (the token buckets' timers run on the same cores)."""
+    t = phase_tcp(a, lab, reps=reps, mib=mib)
+    return round(mib * MiB * 8 / statistics.median(t) / 1e9, 3)
 
 
 def phase_pushpull(w: int, a: argparse.Namespace) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def tcp_recv_main(a: argparse.Namespace) -> None:
     import numpy as np
 
     ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
+    ls.bind((a.bind, 0))
     ls.listen(1)
     emit("PORT", str(ls.getsockname()[1]))
     conn, _ = ls.accept()
@@ -56,7 +56,7 @@ def tcp_send_main(a: argparse.Namespace) -> None:
     n = int(a.mib * MiB)
     src = np.random.default_rng(0).standard_normal(n // 4, dtype=np.float32)
     view = memoryview(src).cast("B")
-    sock = socket.create_connection(("127.0.0.1", a.port), timeout=120)
+    sock = socket.create_connection((a.to, a.port), timeout=120)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ack = bytearray(1)
     times = []

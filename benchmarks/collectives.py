@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--init-file", default="", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--bind", default="127.0.0.1", help=argparse.SUPPRESS)
+    ap.add_argument("--to", default="127.0.0.1", help=argparse.SUPPRESS)
     ap.add_argument("--mib", type=float, default=64.0, help=argparse.SUPPRESS)
     ap.add_argument("--lifetime", type=float, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

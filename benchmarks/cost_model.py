@@ -12,7 +12,8 @@ all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
    cores, while the lab's times do.
 2. **Check** (``check``): every other cross-namespace cell of that run (W = 4, and every link
    rate), its CPU per host predicted from the counts and its time as ``max(CPU, bytes over a
-   link / rate + the per-message part)`` (W = 4: four hosts on two cores, so twice the time),
+   link / its rate + the per-message part)``, the rate being what one raw TCP stream moved
+   across the shaped link in the same run (W = 4: four hosts on two cores, so twice the time),
    against what was measured; the held-out cells within 20% are counted, by side, W and rate.
 3. **Predict** (``predict``): for 8 to 1,024 hosts at 10, 25 and 100 Gbit/s, one rank and one
    server per host with ``--host-cores`` cores for communication (default 1, as the W = 2 lab's
@@ -126,7 +127,7 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
 # ================================================================================ the check
 def lab_time(side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any) -> float:
     """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
-    (at most one), links at ``rate`` Gbit/s (None: unlimited)."""
+    (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
     msgs, handled, wire = op_counts(side, op, nbytes, w)
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
@@ -134,16 +135,31 @@ def lab_time(side: str, c: dict[str, float], op: str, nbytes: float, w: int, rat
     return max(cpu, link + c["s_per_message"] * msgs * slow)
 
 
+def link_rates(doc: dict[str, Any]) -> dict[float, float]:
+    """Nominal rate -> what a raw TCP stream moved across the shaped link in the same run
+    (``benchmarks.collectives`` measures it before and after each rate's cells; the mean).
+    A rate without that measurement (older JSON) stands for itself."""
+    out = {}
+    for s in doc.get("netns", {}).get("shaping") or []:
+        got = s.get("raw_tcp_gbit") or []
+        if s.get("rate_gbit") and got:
+            out[s["rate_gbit"]] = sum(got) / len(got)
+    return out
+
+
 def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Every held-out cell's time predicted with the link's measured rate (``link_rates``)."""
     rows, within, held = [], 0, 0
+    measured = link_rates(doc)
     for r in _netns_rows(doc):
         fitted = r.get("rate_gbit") is None and r["world_size"] == 2
+        link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
         for side in ("ours", "gloo"):
             key = f"{side}_ns_ms"
             if key not in r:
                 continue
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
-            pred = lab_time(side, c, r["op"], nbytes, w, r.get("rate_gbit")) * 1e3
+            pred = lab_time(side, c, r["op"], nbytes, w, link) * 1e3
             msgs, handled, _ = op_counts(side, r["op"], nbytes, w)
             cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
             err = pred / r[key] - 1
@@ -153,6 +169,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
                 within += abs(err) <= 0.2
             rows.append({"side": side, "op": r["op"], "world_size": w,
                          "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
+                         "link_gbit": link,
                          "measured_ms": r[key], "predicted_ms": round(pred, 3),
                          "error": round(err, 3), "fitted": fitted,
                          "measured_cpu_ms": r[f"{side}_ns_cpu_ms_per_rank"],
@@ -171,6 +188,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
         "held_out_within_20pct": within,
         "held_out_cells": held,
         "by_group": {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()},
+        "link_gbit_measured": measured,
     }
 
 
@@ -236,6 +254,8 @@ def markdown(result: dict[str, Any]) -> str:
     )
     lines += ["", "| held-out cells | within 20% |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in chk["by_group"].items()]
+    lines += [f"\nLinks shaped to {k:g} Gbit/s moved {v:.2f} Gbit/s (one raw TCP stream)"
+              for k, v in chk["link_gbit_measured"].items()]  # fmt: skip
     for model in PARAMS:
         lines.append(f"\n**{model}** (compute {result['compute_s'][model]:.3g} s a step)\n")
         lines.append("| Gbit/s | hosts | DDP ours | ZeRO-2 ours | FSDP ours | ring | tree |")

@@ -1,0 +1,89 @@
+"""benchmarks/cost_model.py on a run whose costs are known: the fit recovers them, the check
+predicts a shaped link's cells from the rate measured across it (not the nominal one), and the
+prediction reaches 1,024 hosts. The benchmark's own JSON is made here from chosen costs, so
+every expected number follows from the model's formulas, not from a machine."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from benchmarks import cost_model as cm
+
+MiB = 2**20
+COSTS = {  # seconds a message, seconds a byte: the lab's time and a host's CPU
+    "ours": {"s_per_message": 7e-4, "s_per_byte": 1.0e-9,
+             "cpu_s_per_message": 6e-4, "cpu_s_per_byte": 0.8e-9},
+    "gloo": {"s_per_message": 4e-4, "s_per_byte": 1.2e-9,
+             "cpu_s_per_message": 2e-4, "cpu_s_per_byte": 0.9e-9},
+}  # fmt: skip
+SIZES_MIB = (4 / MiB, 1.0, 16.0, 64.0)
+OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def row(op: str, w: int, mib: float, rate: float | None, link: float | None) -> dict:
+    """One cross-namespace row as benchmarks.collectives writes it, timed by the model itself
+    with links that move ``link`` Gbit/s."""
+    out = {"op": op, "world_size": w, "mib": mib, "rate_gbit": rate}
+    for side, c in COSTS.items():
+        msgs, handled, _ = cm.op_counts(side, op, mib * MiB, w)
+        cpu = c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled
+        out[f"{side}_ns_ms"] = cm.lab_time(side, c, op, mib * MiB, w, link) * 1e3
+        out[f"{side}_ns_cpu_ms_per_rank"] = cpu * 1e3
+    return out
+
+
+def run(shaped_moved: float | None) -> dict:
+    """W = 2 and 4 unlimited, and W = 2 and 4 on links shaped to 10 Gbit/s that really moved
+    1 Gbit/s (slow enough that the link, not the CPU, decides the large cells);
+    ``shaped_moved``: what the JSON says a raw stream moved (None: not measured)."""
+    rows = [row(op, w, mib, None, None) for op in OPS for w in (2, 4) for mib in SIZES_MIB]
+    rows += [row(op, w, mib, 10.0, 1.0) for op in OPS for w in (2, 4) for mib in SIZES_MIB]
+    shaping = [{"rate_gbit": None, "qdisc": "none"}, {"rate_gbit": 10.0, "qdisc": "tbf"}]
+    if shaped_moved is not None:
+        shaping[1]["raw_tcp_gbit"] = [shaped_moved - 0.5, shaped_moved + 0.5]
+    return {"netns": {"results": rows, "shaping": shaping}, "machine": {"cpu": "test"}}
+
+
+def test_fit_recovers_the_costs_the_cells_were_made_with() -> None:
+    fitted = cm.fit(run(1.0))
+    for side, c in COSTS.items():
+        for key, want in c.items():
+            assert fitted[side][key] == pytest.approx(want, rel=1e-6), (side, key)
+        assert fitted[side]["fitted_on"] == len(OPS) * len(SIZES_MIB)
+
+
+def test_check_uses_the_rate_measured_across_the_shaped_link() -> None:
+    doc = run(1.0)
+    chk = cm.check(doc, cm.fit(doc))
+    assert chk["link_gbit_measured"] == {10.0: 1.0}
+    assert chk["held_out_cells"] == 2 * len(OPS) * len(SIZES_MIB) * 3  # two sides, 3 groups
+    assert chk["held_out_within_20pct"] == chk["held_out_cells"]
+    assert all(abs(r["error"]) < 1e-6 for r in chk["rows"])
+    # the nominal rate under-predicts the 64 MiB cells, whose time is the link's
+    nominal = cm.check(run(None), cm.fit(doc))
+    big = [r for r in nominal["rows"] if r["rate_gbit"] and r["bytes"] == 64 * MiB]
+    assert big and all(r["link_gbit"] == 10.0 for r in big)
+    assert any(r["error"] < -0.2 for r in big)
+    assert nominal["held_out_within_20pct"] < chk["held_out_within_20pct"]
+
+
+def test_prediction_reaches_a_thousand_hosts_for_every_model(tmp_path, capsys) -> None:
+    path = tmp_path / "coll.json"
+    path.write_text(json.dumps(run(1.0)))
+    assert cm.main(["--collectives", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    hosts = {(r["model"], r["gbit"]): [] for r in out["prediction"]}
+    for r in out["prediction"]:
+        hosts[(r["model"], r["gbit"])].append(r["hosts"])
+        for kind in ("ddp", "zero2", "fsdp", "ring", "tree"):
+            assert r[f"{kind}_comm_s"] > 0 and 0 < r[f"{kind}_share"] < 1
+    assert set(hosts) == {(m, g) for m in cm.PARAMS for g in cm.RATES}
+    assert all(v == list(cm.HOSTS) and max(v) == 1024 for v in hosts.values())
+    # a ring's steps grow with W; ours' round trips do not, its messages do
+    ring = {r["hosts"]: r["ring_comm_s"] for r in out["prediction"]
+            if r["model"] == "gpt2-124m" and r["gbit"] == 100.0}  # fmt: skip
+    assert ring[1024] > ring[8]
+    assert math.isfinite(out["costs"]["ours"]["cpu_gb_per_s_per_core"])
