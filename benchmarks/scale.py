@@ -150,13 +150,22 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
     row["estimate_gib"] = {s: round(v / GiB, 2) for s, v in need.items()}
     sides: dict[str, dict] = {}
     order = [x for x in ("torch", "ours") if x in a.sides]
-    for side in order if a.order_index % 2 == 0 else order[::-1]:
+
+    def too_big(side: str) -> str | None:
         avail = meminfo("MemAvailable") - int(a.margin_gib * GiB)
-        if need[side] > avail:
-            row["skipped"] = (
-                f"{side}: needs about {need[side] / GiB:.1f} GiB (estimate), MemAvailable less"
-                f" the {a.margin_gib:g} GiB margin is {avail / GiB:.1f} GiB"
-            )
+        if need[side] <= avail:
+            return None
+        return (
+            f"{side}: needs about {need[side] / GiB:.1f} GiB (estimate), MemAvailable less"
+            f" the {a.margin_gib:g} GiB margin is {avail / GiB:.1f} GiB"
+        )
+
+    # every side before either runs (one side alone compares nothing and takes its time),
+    # then each again just before it runs (other processes may have taken memory since)
+    early = next((why for side in order if (why := too_big(side))), None)
+    for side in order if a.order_index % 2 == 0 else order[::-1]:
+        if (why := early or too_big(side)) is not None:
+            row["skipped"] = why
             log(f"  skipped: {row['skipped']}")
             return row
         if a.wait_quiet > 0:

@@ -7,6 +7,8 @@ timeout)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from test_benchmarks_smoke import run_quick
 
@@ -39,3 +41,22 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
             assert len(mem["server_peak_rss_mb"]) == 2 and ours["server_step"] >= 0
             assert 0.9 < mem["server_ratio_to_formula"] < 2.0, mem
         assert len(row["torch_memory"]["trainer_peak_rss_mb"]) == 2
+
+
+def test_a_cell_that_cannot_fit_is_skipped_before_either_side_runs(monkeypatch) -> None:
+    """torch's side fits and ours does not: the cell is skipped before torch's runs (one
+    side alone compares nothing, and at 1B it took minutes), whichever side comes first."""
+    from benchmarks import scale
+
+    gib = scale.GiB
+    need = {"torch": 1 * gib, "ours": 3 * gib}
+    monkeypatch.setattr(scale, "estimate", lambda m, st, side, *rest: need[side])
+    monkeypatch.setattr(scale, "meminfo", lambda key: 2 * gib)
+    ran = []
+    monkeypatch.setattr(scale, "run_side", lambda side, *rest: ran.append(side))
+    for first in (0, 1):  # torch first, then ours first
+        a = argparse.Namespace(sides=["torch", "ours"], order_index=first, margin_gib=0.0,
+                               wait_quiet=0.0, warmup_for={"quick": 1})  # fmt: skip
+        row = scale.run_cell("quick", "fsdp", 2, a, {"trainer": 0, "server": 0})
+        assert row["skipped"].startswith("ours: needs about 3.0 GiB"), row
+        assert ran == [] and a.order_index == first
