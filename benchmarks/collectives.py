@@ -15,7 +15,9 @@ Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts 
   ranks get the same settings (``--gloo-env default`` runs them in the plain environment, as
   torch users usually do). The namespaces' links run at each rate of ``--rates`` (10, 25
   Gbit/s and unlimited by default: ``Namespaces.shape``, a tc token bucket on both ends of each
-  host's cable); those rows are in ``netns.results`` with their ``rate_gbit``.
+  host's cable); those rows are in ``netns.results`` with their ``rate_gbit``, and what one
+  raw TCP stream moved across the links before and after each rate's cells is in
+  ``netns.shaping[].raw_tcp_gbit`` (benchmarks/cost_model.py predicts with it).
 - **training** (``--parts training``): a training step across the namespaces at each rate,
   ours (DDP, FSDP) against torch's (DDP, FSDP2) on gloo in the same namespaces
   (benchmarks/_ns_training.py), rows in ``netns.training``. Each repetition:
