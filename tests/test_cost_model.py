@@ -82,7 +82,7 @@ def test_prediction_reaches_a_thousand_hosts_for_every_model(tmp_path, capsys) -
             assert r[f"{kind}_comm_s"] > 0 and 0 < r[f"{kind}_share"] < 1
     assert set(hosts) == {(m, g) for m in cm.PARAMS for g in cm.RATES}
     assert all(v == list(cm.HOSTS) and max(v) == 1024 for v in hosts.values())
-    # a ring's steps grow with W; ours' round trips do not, its messages do
+    # a ring's steps in sequence grow with W
     ring = {r["hosts"]: r["ring_comm_s"] for r in out["prediction"]
             if r["model"] == "gpt2-124m" and r["gbit"] == 100.0}  # fmt: skip
     assert ring[1024] > ring[8]
