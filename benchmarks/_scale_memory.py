@@ -85,16 +85,18 @@ def process_overhead(lifetime: float) -> dict[str, int]:
 
 
 def estimate(model: str, strategy: str, side: str, psi: int, w: int, over: dict) -> int:
-    """Bytes a cell needs at most: per trainer overhead + the larger of 8Ψ (every rank builds
-    the model whole, and a step adds about as much again: gradients held until they are
-    pushed or reduced, or gathered units and theirs; GPT-2 124M FSDP ranks grew 0.85 GB over
-    their build) and the formula + activations + transients; per server overhead + 1.5 x
-    formula (optimizer temporaries, staged contributions) + transients. With 4Ψ in place of
-    8Ψ, GPT-2 355M ZeRO-2 at W=4 was estimated to fit in 20.4 GiB and a rank was killed by the
-    kernel's OOM killer (its trainers peaked at 4.1 GB resident, shared segments included)."""
+    """Bytes a cell needs at most: per trainer overhead + the larger of the model as built (4Ψ,
+    every rank builds it whole) and its formula + activations + transients, and for our ZeRO-2
+    4Ψ more (its formula counts the parameters only, but the backward makes a gradient for
+    every parameter before the buckets push them: without this term GPT-2 355M ZeRO-2 at W=4
+    was estimated to fit in 20.4 GiB and the kernel's OOM killer killed a rank, whose trainers
+    held 4.1 GB each); per server overhead + 1.5 x formula (optimizer temporaries, staged
+    contributions) + transients."""
     units = gathered_units_from_shape(model, psi)
     f = formula(strategy, side, psi, w, units)
-    trainer = over["trainer"] + max(8 * psi, f["trainer"]) + activation_bytes(model) + TRANSIENT
+    grads = 4 * psi if (strategy, side) == ("zero2", "ours") else 0
+    trainer = over["trainer"] + max(4 * psi, f["trainer"]) + grads
+    trainer += activation_bytes(model) + TRANSIENT
     servers = over["server"] + int(1.5 * f["server"]) + TRANSIENT if side == "ours" else 0
     return w * (trainer + servers)
 
