@@ -124,7 +124,7 @@ class Contributions(SliceState):
                 )
             if h.HasField("step_args"):
                 self.check_step_args(h.step_args)
-            if self._stages(pending, k):  # its copy waits for its turn: paid for first
+            if self._stages(pending, k, o, n):  # its copy waits for its turn: paid for first
                 self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
             # -- all checks passed: mutate --
             if replaces:  # a newer membership generation: the older one's sums are void
@@ -172,29 +172,52 @@ class Contributions(SliceState):
 
     def _accumulate(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
         """Adds contribution ``k``'s chunk at ``o`` (already recorded in ``pending.chunks``) in
-        rank order, or at once with ``arrival_order``; moves ``head`` past what is complete.
-        An elastic step's contribution is weighted by its share as it is added."""
-        last = self._last(pending)
+        rank order over its elements, or at once with ``arrival_order``: a chunk whose
+        elements have not taken contributions 0..k-1 yet waits as a copy in ``staged`` and is
+        added (with the staged chunks it unblocks) when they have (``RankOrder``). Moves
+        ``head`` past the contributions complete. An elastic step's contribution is weighted
+        by its share as it is added."""
         if pending.weights is not None:
             values = values * self.dtype.type(pending.weights[k])  # a new array: may be kept
-        if not self._stages(pending, k):
+        if not self._ordered(pending):
             self.grad[o : o + values.size] += values
+        elif not self._stages(pending, k, o, values.size):
+            self._add_in_order(pending, k, o, values)
         else:
             kept = values.copy()  # ``values`` may be a view of the request's bytes
             pending.staged.setdefault(k, []).append((o, kept))
             pending.staged_bytes += int(kept.nbytes)
+        last = self._last(pending)
         while pending.head < last and pending.received(pending.head) >= self.slice_numel:
             pending.head += 1
-            for lo, kept in pending.staged.pop(pending.head, ()):
-                self.grad[lo : lo + kept.size] += kept
-                pending.staged_bytes -= int(kept.nbytes)
-                self.budget.release(kept.nbytes, "staging")
 
-    def _stages(self, pending: PendingStep, k: int) -> bool:
-        """Whether contribution ``k`` must wait in staging for its turn in the rank order.
-        With two contributions there is nothing to order: 0 + a + b == 0 + b + a exactly."""
-        last = self._last(pending)
-        return not (self.arrival_order or k == pending.head or last <= 2)
+    def _add_in_order(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
+        """Adds a ready chunk, then every staged chunk it makes ready, and theirs."""
+        ready = [(k, o, values)]
+        while ready:
+            k, o, values = ready.pop()
+            n = values.size
+            self.grad[o : o + n] += values
+            pending.order.advance(o, n)
+            waiting = pending.staged.get(k + 1, [])
+            for entry in [e for e in waiting if e[0] < o + n and o < e[0] + e[1].size]:
+                lo, kept = entry
+                if pending.order.ready(lo, kept.size, k + 1):
+                    waiting.remove(entry)
+                    pending.staged_bytes -= int(kept.nbytes)
+                    self.budget.release(kept.nbytes, "staging")
+                    ready.append((k + 1, lo, kept))
+            if not waiting:
+                pending.staged.pop(k + 1, None)
+
+    def _ordered(self, pending: PendingStep) -> bool:
+        """Whether the step's sum keeps rank order. With two contributions there is nothing
+        to order: 0 + a + b == 0 + b + a exactly."""
+        return not self.arrival_order and self._last(pending) > 2
+
+    def _stages(self, pending: PendingStep, k: int, o: int, n: int) -> bool:
+        """Whether contribution ``k``'s chunk [o, o + n) must wait in staging for its turn."""
+        return n > 0 and self._ordered(pending) and not pending.order.ready(o, n, k)
 
     def pull(
         self, req: pb.PullParamsRequest, timeout: float, encode: Any = None, on_device: bool = False

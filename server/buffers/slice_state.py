@@ -10,8 +10,8 @@ Wire semantics (docs/design.md §3):
   job names the step's members instead (``StepMembership``, server/buffers/membership.py):
   only they contribute, each weighted by its share of the global batch. Unless the buffer was
   registered with ``arrival_order``, the sum runs in (contributor, micro-batch) order whatever
-  order the pushes arrive in: a contribution whose predecessors are all in is added at once,
-  any other waits in staging memory until they are (``PendingStep``), so two runs of the same
+  order the pushes arrive in: a chunk whose predecessors over its elements are in is added at
+  once, any other waits in staging memory until they are (``PendingStep``), so two runs of the same
   training are bitwise identical, as with torch's gloo collectives. The optimizer then
   runs either at once (the pushes carried step arguments) or when a Step request arrives
   (global gradient clipping needs the norm first).
@@ -34,6 +34,7 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
+from paramshard.server.buffers.rank_order import RankOrder
 from paramshard.server.optimizers import OPTIMIZERS, ServerOptimizer
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -63,10 +64,12 @@ def master_dtype(req: pb.RegisterBufferRequest) -> str:
 class PendingStep:
     """Gradient contributions of the step being accumulated.
 
-    Rank-order reduction: contribution k = contributor * num_micro + micro is added to the
-    accumulator only after contributions 0..k-1 are complete, so every element sees the same
-    sequence of additions whatever the arrival order. ``head`` is the first incomplete one;
-    chunks of later ones wait in ``staged`` (copies) until ``head`` reaches them.
+    Rank-order reduction: contribution k = contributor * num_micro + micro is added to an
+    element of the accumulator only after contributions 0..k-1 were added there, so every
+    element sees the same sequence of additions whatever the arrival order. ``order`` says
+    how many each range has taken (server/buffers/rank_order.py); a chunk that came early
+    waits in ``staged`` (a copy) until the chunks before it over its elements are in.
+    ``head`` is the first contribution not yet received whole.
     """
 
     step: int
@@ -85,6 +88,7 @@ class PendingStep:
     param_sum_squares: list[float] | None = None
     finite: bool | None = None  # the reduced gradient holds no NaN or Inf (computed once)
     head: int = 0
+    order: RankOrder = field(default_factory=RankOrder)
     staged: dict[int, list[tuple[int, Any]]] = field(default_factory=dict)
     staged_bytes: int = 0
     opened: float = field(
