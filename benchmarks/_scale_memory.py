@@ -13,7 +13,7 @@ from typing import Any
 
 from benchmarks._processes import ROOT, Child, serve_processes, stop_all
 from benchmarks._scale_models import activation_bytes, formula
-from benchmarks._scale_ranks import gathered_units_bytes, rss_bytes
+from benchmarks._scale_ranks import gathered_units_bytes, rss_bytes, rss_kinds
 
 GiB = 2**30
 TRANSIENT = 256 * 2**20  # buffers in flight per process (buckets, segments, staged chunks)
@@ -120,6 +120,39 @@ def param_count(model: str) -> int:
     return sum(p.numel() for p in set(net.parameters()))
 
 
+class ServerSampler:
+    """Each server's own memory (RssAnon) and shared segments it maps (RssShmem) at their
+    peaks, sampled every ``period`` seconds while the ranks run: VmHWM alone counts a segment
+    in both the trainer and the server mapping it, though it is one copy of the bytes."""
+
+    def __init__(self, pids: list[int], period: float = 0.1) -> None:
+        import threading
+
+        self.pids, self.period = pids, period
+        self.anon = [0] * len(pids)
+        self.shmem = [0] * len(pids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-rss", daemon=True)
+
+    def __enter__(self) -> ServerSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            for i, pid in enumerate(self.pids):
+                try:
+                    kinds = rss_kinds(pid)
+                except OSError:  # it exited: its last sample stands
+                    continue
+                self.anon[i] = max(self.anon[i], kinds.get("RssAnon", 0))
+                self.shmem[i] = max(self.shmem[i], kinds.get("RssShmem", 0))
+
+
 def memory(side: dict, strategy: str, which: str, psi: int, w: int, over: dict, units: int):
     f = formula(strategy, which, psi, w, units)
     out: dict[str, Any] = {
@@ -139,6 +172,15 @@ def memory(side: dict, strategy: str, which: str, psi: int, w: int, over: dict, 
         out["server_peak_rss_mb"] = [round(p / 2**20) for p in peaks]
         out["server_formula_mb"] = round((f["server"] + over["server"]) / 2**20)
         out["server_ratio_to_formula"] = round(max(peaks) / (f["server"] + over["server"]), 2)
+        if "server_peak_anon_bytes" in side:  # sampled (ServerSampler)
+            own = side["server_peak_anon_bytes"]
+            out["server_peak_own_mb"] = [round(p / 2**20) for p in own]
+            out["server_own_ratio_to_formula"] = round(
+                max(own) / (f["server"] + over["server"]), 2
+            )
+            out["server_peak_shmem_mb"] = [
+                round(p / 2**20) for p in side["server_peak_shmem_bytes"]
+            ]
         out["server_shmem_at_end_mb"] = [
             round(r.get("RssShmem", 0) / 2**20) for r in side["server_rss_at_end"]
         ]

@@ -56,6 +56,7 @@ from benchmarks._processes import (
 )
 from benchmarks._scale_memory import (
     GiB,
+    ServerSampler,
     estimate,
     gathered_units_from_shape,
     loadavg,
@@ -97,15 +98,18 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
         argv += ["--servers", ",".join(addresses), "--run", f"s{uuid.uuid4().hex[:10]}"]
         argv += ["--chunk-mib", str(a.chunk_mib), "--in-flight", str(a.in_flight)]
         argv += ["--arrival-order"] if a.arrival_order else []
-        ranks = launch_ranks(
-            "benchmarks.scale", "_ours", f"ours-{strategy}", w, argv, budget,
-            tuned=a.trainer_env == "launch", hosted_servers=False, log=log, watch=servers,
-            send_exit=True,
-        )  # fmt: skip
+        with ServerSampler([k.proc.pid for k in servers]) as sampled:
+            ranks = launch_ranks(
+                "benchmarks.scale", "_ours", f"ours-{strategy}", w, argv, budget,
+                tuned=a.trainer_env == "launch", hosted_servers=False, log=log, watch=servers,
+                send_exit=True,
+            )  # fmt: skip
         server_rss = [rss_kinds(k.proc.pid) for k in servers]
         return {
             "ranks": ranks,
             "server_peak_rss_bytes": [r["VmHWM"] for r in server_rss],
+            "server_peak_anon_bytes": sampled.anon,
+            "server_peak_shmem_bytes": sampled.shmem,
             "server_rss_at_end": server_rss,
         }
     finally:
