@@ -117,6 +117,9 @@ class ShardServer:
             max_memory=memory,
             pending_ttl_s=bounds.pending_ttl_s,
         )
+        # Pushes that came before their turn wait for it on a quarter of the threads that
+        # waiting calls may take; the rest stay free for the pushes they wait for.
+        self.servicer.buffers.turns.limit = (self.limits.workers - self.limits.reserved) // 4
         max_receive_bytes = bounds.max_receive_bytes
         segments = self.servicer.segments  # a payload in shared memory is no larger than a message
         segments.max_segment_bytes = min(segments.max_segment_bytes, max_receive_bytes)

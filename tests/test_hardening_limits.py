@@ -102,7 +102,8 @@ def test_a_reader_of_an_expiring_slot_gets_aborted(servers) -> None:
 
 def test_drop_job_drops_its_pending_contributions_and_its_runs_slots(servers) -> None:
     (server,) = servers(1, local_calls=False)
-    budget = server.servicer.budget
+    server.servicer.buffers.turns.limit = 0  # rank 2's early push is staged at once, not after
+    budget = server.servicer.budget  # waiting for a turn that this one thread gives later
     ranks = [make_client(server, rank=r, world=3, run_id="j") for r in range(3)]
     try:
         ranks[0].register_buffer("j", "b", N, contributors=3)
@@ -148,7 +149,8 @@ def test_drop_job_drops_its_pending_contributions_and_its_runs_slots(servers) ->
 # --- the server-wide memory bound ---------------------------------------------------------------
 def test_the_memory_limit_refuses_what_does_not_fit_and_changes_nothing(servers) -> None:
     (server,) = servers(1, max_memory="64KiB", local_calls=False)
-    budget = server.servicer.budget
+    server.servicer.buffers.turns.limit = 0  # micro-batches 1.. of one thread, and never 0:
+    budget = server.servicer.budget  # each would wait for its turn until the bound first
     c = make_client(server)
     try:
         # Adam: params, grads and three state arrays of 4 KiB: 80 KiB

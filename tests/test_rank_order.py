@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -110,3 +112,66 @@ def test_a_chunk_waits_only_for_earlier_chunks_over_its_own_elements() -> None:
     push(b, 2, 0, 1, half, NUMEL - half, ones)  # the last: rank 3's goes too
     assert staged() == (0, 0) and b.pending.reduced
     np.testing.assert_array_equal(b.grad, ones)  # 4 ones, averaged
+
+
+# --- early chunks wait for their turn (TurnWaits) before any copy is made -----------------------
+def pushing(b: object, c: int, values: np.ndarray, timeout: float = 10.0) -> threading.Thread:
+    """Rank ``c``'s whole push in a thread of its own, as its server's handler runs it."""
+    wire = pb.FLOAT32
+    header = pb.PushGradHeader(
+        ref=pb.BufferRef(job="j", buffer="b"),
+        chunk=pb.Chunk(offset=0, numel=NUMEL, dtype=wire),
+        step=0,
+        contributor=c,
+        num_micro=1,
+    )
+    t = threading.Thread(target=b.push_grad, args=(header, memoryview(values.tobytes()), timeout))
+    t.start()
+    return t
+
+
+def settle(condition: object, what: str) -> None:
+    deadline = time.monotonic() + 10.0
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_an_early_push_waits_for_its_turn_and_is_added_without_a_copy() -> None:
+    store = BufferStore()
+    store.turns.limit = 4
+    b = register(store, 3, master=pb.FLOAT32)
+    values = contributions(3, 1, np.float32)
+    late = [pushing(b, c, values[c, 0]) for c in (2, 1)]  # both before rank 0
+    settle(lambda: store.turns.waiting == 2, "ranks 2 and 1 to wait")
+    assert store.budget.usage()["staging"] == 0 and b.pending is None  # nothing recorded yet
+    pushing(b, 0, values[0, 0]).join(10.0)
+    for t in late:
+        t.join(10.0)
+    assert b.pending.reduced and store.turns.waiting == 0 and b.turn_waiters == 0
+    assert store.budget.usage()["staging"] == 0
+    want = (values[0, 0] + values[1, 0]) + values[2, 0]
+    np.testing.assert_array_equal(b.grad, want / np.float32(3))
+
+
+def test_a_turn_that_does_not_come_is_waited_for_until_its_bound_then_staged() -> None:
+    store = BufferStore()
+    store.turns.limit = 4
+    b = register(store, 3, master=pb.FLOAT32)
+    pushing(b, 2, np.ones(NUMEL, np.float32), timeout=0.4).join(10.0)  # waits 0.2 s at most
+    assert store.turns.waiting == 0 and b.pending.staged_bytes == NUMEL * 4
+    assert store.budget.usage()["staging"] == NUMEL * 4
+
+
+def test_pushes_past_the_bound_on_waits_are_staged_at_once() -> None:
+    store = BufferStore()
+    store.turns.limit = 1
+    b = register(store, 3, master=pb.FLOAT32)
+    waiting = pushing(b, 2, np.ones(NUMEL, np.float32))
+    settle(lambda: store.turns.waiting == 1, "rank 2 to wait")
+    pushing(b, 1, np.ones(NUMEL, np.float32)).join(10.0)  # no room to wait: a copy at once
+    assert store.turns.waiting == 1 and b.pending.staged_bytes == NUMEL * 4
+    pushing(b, 0, np.ones(NUMEL, np.float32)).join(10.0)
+    waiting.join(10.0)
+    assert b.pending.reduced and b.pending.staged_bytes == 0
+    np.testing.assert_array_equal(b.grad, np.ones(NUMEL, np.float32))

@@ -4,11 +4,13 @@ server/buffers/slice_state.py)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.server.buffers.membership import check_membership, elastic_pending
+from paramshard.server.buffers.rank_order import TURN_WAIT_S
 from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
@@ -67,7 +69,13 @@ class Contributions(SliceState):
                 raise ShardError.invalid(f"{self.label}: {exc}") from None
             return self.initialized
 
-    def push_grad(self, h: pb.PushGradHeader, data: memoryview, timeout: float) -> pb.PushGradReply:
+    def push_grad(
+        self, h: pb.PushGradHeader, data: memoryview, timeout: float, turn_until: float = 0.0
+    ) -> pb.PushGradReply:
+        """Adds a chunk of a contribution; one that came before its turn waits for it first,
+        until ``turn_until`` (``_wait_turn``), then is staged as a copy."""
+        now = time.monotonic()
+        deadline, turn_until = now + timeout, turn_until or now + min(TURN_WAIT_S, timeout / 2)
         self.check_chunk(h.chunk, "PushGrad")
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
         if h.num_micro == 0 or h.micro >= h.num_micro:
@@ -124,7 +132,10 @@ class Contributions(SliceState):
                 )
             if h.HasField("step_args"):
                 self.check_step_args(h.step_args)
-            if self._stages(pending, k, o, n):  # its copy waits for its turn: paid for first
+            stages = self._stages(pending, k, o, n)
+            if stages and self._wait_turn(pending, k, o, n, h.step, turn_until):
+                return self.push_grad(h, data, deadline - time.monotonic(), turn_until)
+            if stages:  # its copy waits for its turn: paid for first
                 self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
             # -- all checks passed: mutate --
             if replaces:  # a newer membership generation: the older one's sums are void
@@ -183,6 +194,8 @@ class Contributions(SliceState):
             self.grad[o : o + values.size] += values
         elif not self._stages(pending, k, o, values.size):
             self._add_in_order(pending, k, o, values)
+            if self.turn_waiters:
+                self.cond.notify_all()  # a push waiting for its turn may have it now
         else:
             kept = values.copy()  # ``values`` may be a view of the request's bytes
             pending.staged.setdefault(k, []).append((o, kept))
@@ -209,6 +222,36 @@ class Contributions(SliceState):
                     ready.append((k + 1, lo, kept))
             if not waiting:
                 pending.staged.pop(k + 1, None)
+
+    def _wait_turn(
+        self, pending: PendingStep, k: int, o: int, n: int, step: int, until: float
+    ) -> bool:
+        """Waits (the lock held) for chunk [o, o + n) of contribution ``k`` to have its turn,
+        while the server's pushes waiting so stay under their bound (``TurnWaits``) and until
+        ``until``; True when it waited and the push should look again. A chunk that waits
+        here is added from the request's own bytes (a shared segment or the message) when
+        its turn comes, never copied: staged instead, early chunks held up to W - 1 slices
+        of copies a server while the slowest rank caught up."""
+        if time.monotonic() >= until or not self.turns.enter():
+            return False
+        seen = self.pending
+        self.turn_waiters += 1
+        try:
+            self.cond.wait_for(
+                lambda: (
+                    self.dropped
+                    or bool(self.stopped)
+                    or self.conflict is not None
+                    or self.version != step
+                    or (seen is not None and self.pending is not seen)
+                    or (self.pending is not None and self.pending.order.ready(o, n, k))
+                ),
+                timeout=max(0.0, until - time.monotonic()),
+            )
+        finally:
+            self.turn_waiters -= 1
+            self.turns.leave()
+        return not (self.dropped or self.stopped or self.conflict is not None)
 
     def _ordered(self, pending: PendingStep) -> bool:
         """Whether the step's sum keeps rank order. With two contributions there is nothing

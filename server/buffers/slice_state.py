@@ -34,7 +34,7 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server.buffers.rank_order import RankOrder
+from paramshard.server.buffers.rank_order import RankOrder, TurnWaits
 from paramshard.server.optimizers import OPTIMIZERS, ServerOptimizer
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -164,6 +164,8 @@ class SliceState:
         self.dropped = False
         self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
+        self.turns = TurnWaits()  # the store's, once it holds the slice (rank_order.py)
+        self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
         self.captures: dict[int, Captured] = {}

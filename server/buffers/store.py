@@ -18,6 +18,7 @@ from paramshard.protos import slicing
 from paramshard.protos.manifest import check_model_config
 from paramshard.server.buffers.captures import Captures
 from paramshard.server.buffers.contributions import Contributions
+from paramshard.server.buffers.rank_order import TurnWaits
 from paramshard.server.buffers.slice_state import (
     MASTER_DTYPES,
     PendingStep,
@@ -42,6 +43,7 @@ class BufferStore:
     def __init__(self, max_job_bytes: int = 0, budget: MemoryBudget | None = None) -> None:
         self.max_job_bytes = max_job_bytes  # 0: unbounded
         self.budget = budget or MemoryBudget()  # the server's memory, shared with slots etc.
+        self.turns = TurnWaits()  # none wait until the server sets the bound (app.py)
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
 
@@ -118,6 +120,7 @@ class BufferStore:
                 existing = self._fitting(req, label)
                 if existing is None:
                     created.budget, created.reserved = self.budget, need
+                    created.turns = self.turns
                     self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
                     return created
         except BaseException:
@@ -192,7 +195,7 @@ class BufferStore:
         need = [slice_bytes(b.spec) for b in slices]
         self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
         for b, n in zip(slices, need, strict=True):
-            b.budget, b.reserved = self.budget, n
+            b.budget, b.reserved, b.turns = self.budget, n, self.turns
         with self._lock:
             old = self._jobs.pop(job, {})
             self._jobs[job] = {b.name: b for b in slices}
