@@ -117,8 +117,9 @@ class ShardServer:
             max_memory=memory,
             pending_ttl_s=bounds.pending_ttl_s,
         )
-        # Pushes that came before their turn wait for it on a quarter of the threads that
-        # waiting calls may take; the rest stay free for the pushes they wait for.
+        # Contributions that came before their turn wait for it on a quarter of the threads
+        # waiting calls may take (server/runtime/turns.py); the rest stay free for the ones
+        # they wait for. One bound for pushes and slot contributions.
         self.servicer.buffers.turns.limit = (self.limits.workers - self.limits.reserved) // 4
         max_receive_bytes = bounds.max_receive_bytes
         segments = self.servicer.segments  # a payload in shared memory is no larger than a message

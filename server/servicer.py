@@ -64,7 +64,10 @@ class ShardServicer:
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
         self.snapshot_calls = SnapshotCalls(self.buffers, SnapshotDir(snapshot_dir))
         self.replicator = Replicator(self.buffers)
-        self.slots = SlotStore(max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s)
+        self.slots = SlotStore(
+            max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s,
+            turns=self.buffers.turns,  # one bound on waits for a turn, server wide
+        )  # fmt: skip
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
         self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
@@ -297,7 +300,8 @@ class ShardServicer:
     # -- slots ---------------------------------------------------------------------------
     def contribute(self, msg: tuple[pb.SlotHeader, memoryview], context: Any) -> Any:
         header, data = self.segments.payload(msg, context)
-        return pb.ContributeReply(duplicate=self.slots.contribute(header, data))
+        duplicate = self.slots.contribute(header, data, self._timeout(context))
+        return pb.ContributeReply(duplicate=duplicate)
 
     def read_slot(self, req: pb.ReadSlotRequest, context: Any) -> Any:
         view = self.segments.reply_view(req, context)  # refused before the read frees anything

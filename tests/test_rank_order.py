@@ -21,7 +21,10 @@ from test_server_float64 import NUMEL, contributions, register
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.rank_order import RankOrder
 from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime import backend
+from paramshard.server.runtime.turns import TurnWaits
+from paramshard.server.transport.sessions import INLINE_BYTES
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +117,7 @@ def test_a_chunk_waits_only_for_earlier_chunks_over_its_own_elements() -> None:
     np.testing.assert_array_equal(b.grad, ones)  # 4 ones, averaged
 
 
-# --- early chunks wait for their turn (TurnWaits) before any copy is made -----------------------
+# --- early chunks wait for their turn (server/runtime/turns.py) before any copy is made ---------
 def pushing(b: object, c: int, values: np.ndarray, timeout: float = 10.0) -> threading.Thread:
     """Rank ``c``'s whole push in a thread of its own, as its server's handler runs it."""
     wire = pb.FLOAT32
@@ -139,7 +142,7 @@ def settle(condition: object, what: str) -> None:
 
 def test_an_early_push_waits_for_its_turn_and_is_added_without_a_copy() -> None:
     store = BufferStore()
-    store.turns.limit = 4
+    store.turns.limit, store.turns.min_bytes = 4, 0  # NUMEL floats: 1 KiB
     b = register(store, 3, master=pb.FLOAT32)
     values = contributions(3, 1, np.float32)
     late = [pushing(b, c, values[c, 0]) for c in (2, 1)]  # both before rank 0
@@ -156,7 +159,7 @@ def test_an_early_push_waits_for_its_turn_and_is_added_without_a_copy() -> None:
 
 def test_a_turn_that_does_not_come_is_waited_for_until_its_bound_then_staged() -> None:
     store = BufferStore()
-    store.turns.limit = 4
+    store.turns.limit, store.turns.min_bytes = 4, 0  # NUMEL floats: 1 KiB
     b = register(store, 3, master=pb.FLOAT32)
     pushing(b, 2, np.ones(NUMEL, np.float32), timeout=0.4).join(10.0)  # waits 0.2 s at most
     assert store.turns.waiting == 0 and b.pending.staged_bytes == NUMEL * 4
@@ -165,7 +168,7 @@ def test_a_turn_that_does_not_come_is_waited_for_until_its_bound_then_staged() -
 
 def test_pushes_past_the_bound_on_waits_are_staged_at_once() -> None:
     store = BufferStore()
-    store.turns.limit = 1
+    store.turns.limit, store.turns.min_bytes = 1, 0
     b = register(store, 3, master=pb.FLOAT32)
     waiting = pushing(b, 2, np.ones(NUMEL, np.float32))
     settle(lambda: store.turns.waiting == 1, "rank 2 to wait")
@@ -175,3 +178,43 @@ def test_pushes_past_the_bound_on_waits_are_staged_at_once() -> None:
     waiting.join(10.0)
     assert b.pending.reduced and b.pending.staged_bytes == 0
     np.testing.assert_array_equal(b.grad, np.ones(NUMEL, np.float32))
+
+
+def test_small_contributions_never_wait_for_their_turn() -> None:
+    """A session runs contributions up to INLINE_BYTES on its reader thread, which must never
+    wait (its other calls would wait behind it): those are staged at once."""
+    assert INLINE_BYTES < TurnWaits().min_bytes
+    store = BufferStore()
+    store.turns.limit = 4
+    b = register(store, 3, master=pb.FLOAT32)  # 1 KiB chunks
+    pushing(b, 2, np.ones(NUMEL, np.float32)).join(10.0)
+    assert store.turns.waiting == 0 and b.pending.staged_bytes == NUMEL * 4
+
+
+def contributing(slots: SlotStore, c: int, values: np.ndarray) -> threading.Thread:
+    header = pb.SlotHeader(
+        key="r:ar1", op=pb.SUM, expected=3, readers=1, total_numel=values.size,
+        chunk_numel=values.size, chunk=pb.Chunk(offset=0, numel=values.size, dtype=pb.FLOAT32),
+        contributor=c,
+    )  # fmt: skip
+    args = (header, memoryview(values.tobytes()), 10.0)
+    t = threading.Thread(target=slots.contribute, args=args)
+    t.start()
+    return t
+
+
+def test_an_early_slot_contribution_waits_for_its_turn_without_a_copy() -> None:
+    turns = TurnWaits(4)
+    turns.min_bytes = 0
+    slots = SlotStore(turns=turns)
+    values = contributions(3, 1, np.float32)
+    late = [contributing(slots, c, values[c, 0]) for c in (2, 1)]
+    settle(lambda: turns.waiting == 2, "contributors 2 and 1 to wait")
+    assert slots.usage()[0] == 0  # nothing copied: no accumulator, nothing staged
+    contributing(slots, 0, values[0, 0]).join(10.0)
+    for t in late:
+        t.join(10.0)
+    assert turns.waiting == 0
+    _, total = slots.read(pb.ReadSlotRequest(key="r:ar1", offset=0, reader=0), 5.0)
+    want = (values[0, 0] + values[1, 0]) + values[2, 0]
+    np.testing.assert_array_equal(np.asarray(total), want)

@@ -40,6 +40,10 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
         if strategy != "ddp":  # DDP keeps nothing on the servers
             assert len(mem["server_peak_rss_mb"]) == 2 and ours["server_step"] >= 0
             assert 0.9 < mem["server_ratio_to_formula"] < 2.0, mem
+            # sampled while the ranks ran: the servers' own memory and the segments they map
+            own, shmem = mem["server_peak_own_mb"], mem["server_peak_shmem_mb"]
+            assert len(own) == len(shmem) == 2 and min(own) > 0, mem
+            assert all(o <= p for o, p in zip(own, mem["server_peak_rss_mb"], strict=True)), mem
         assert len(row["torch_memory"]["trainer_peak_rss_mb"]) == 2
 
 

@@ -10,11 +10,11 @@ from typing import Any
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.server.buffers.membership import check_membership, elastic_pending
-from paramshard.server.buffers.rank_order import TURN_WAIT_S
 from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["Contributions"]
 
@@ -74,8 +74,7 @@ class Contributions(SliceState):
     ) -> pb.PushGradReply:
         """Adds a chunk of a contribution; one that came before its turn waits for it first,
         until ``turn_until`` (``_wait_turn``), then is staged as a copy."""
-        now = time.monotonic()
-        deadline, turn_until = now + timeout, turn_until or now + min(TURN_WAIT_S, timeout / 2)
+        deadline, turn_until = time.monotonic() + timeout, turn_until or TurnWaits.until(timeout)
         self.check_chunk(h.chunk, "PushGrad")
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, self.label)
         if h.num_micro == 0 or h.micro >= h.num_micro:
@@ -227,12 +226,12 @@ class Contributions(SliceState):
         self, pending: PendingStep, k: int, o: int, n: int, step: int, until: float
     ) -> bool:
         """Waits (the lock held) for chunk [o, o + n) of contribution ``k`` to have its turn,
-        while the server's pushes waiting so stay under their bound (``TurnWaits``) and until
-        ``until``; True when it waited and the push should look again. A chunk that waits
-        here is added from the request's own bytes (a shared segment or the message) when
-        its turn comes, never copied: staged instead, early chunks held up to W - 1 slices
-        of copies a server while the slowest rank caught up."""
-        if time.monotonic() >= until or not self.turns.enter():
+        within the server's bounds (server/runtime/turns.py) and until ``until``; True when it
+        waited and the push should look again. A chunk that waits here is added from the
+        request's own bytes (a shared segment or the message) when its turn comes, never
+        copied: staged instead, early chunks held up to W - 1 slices of copies a server while
+        the slowest rank caught up."""
+        if not self.turns.enter(n * self.dtype.itemsize, until):
             return False
         seen = self.pending
         self.turn_waiters += 1

@@ -11,25 +11,15 @@ elements*, so what is staged is bounded by how far ranks drift apart, not by the
 ``RankOrder`` keeps, for [0, ∞), how many contributions each element has taken, as maximal
 runs of equal counts (as many as the chunk boundaries at most, usually one or two).
 
-An early chunk first waits for its turn, holding its request (a shared segment or the message,
-which exist anyway), and is added from it without a copy: up to ``TURN_WAIT_S`` and only while
-the server's pushes waiting so stay under ``TurnWaits``' bound (each holds a handler thread;
-the rest must stay free for the pushes they wait for). Only past either is it staged as a copy.
-Contribution k's chunks wait only for those of contributions below k, and contribution 0's
-(rank 0's first micro-batch) never wait, so a wait ends as soon as those arrive; the bound in
-time only ends a wait for a rank that does not push (it died: its membership changes, or the
-step fails at its deadline).
+An early chunk first waits for its turn, holding its request, and is added from it without a
+copy; only past the bounds of server/runtime/turns.py is it staged as a copy.
 """
 
 from __future__ import annotations
 
 import bisect
-import threading
 
-__all__ = ["RankOrder", "TurnWaits", "TURN_WAIT_S"]
-
-TURN_WAIT_S = 30.0
-"""How long an early chunk waits for its turn at most (and half its call's time at most)."""
+__all__ = ["RankOrder"]
 
 
 class RankOrder:
@@ -77,25 +67,3 @@ class RankOrder:
             del self.starts[i + 1], self.taken[i + 1]
         if i > 0 and self.taken[i - 1] == k + 1:
             del self.starts[i], self.taken[i]
-
-
-class TurnWaits:
-    """The server's pushes waiting for their turn (``RankOrder``), at most ``limit`` at once.
-    The server sets ``limit`` from its worker threads (server/app.py); 0 stages every early
-    chunk at once."""
-
-    def __init__(self, limit: int = 0) -> None:
-        self.limit, self.waiting = limit, 0
-        self._lock = threading.Lock()
-
-    def enter(self) -> bool:
-        """Whether one more push may wait (then ``leave`` after it)."""
-        with self._lock:
-            if self.waiting >= self.limit:
-                return False
-            self.waiting += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.waiting -= 1

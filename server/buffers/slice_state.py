@@ -34,12 +34,13 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server.buffers.rank_order import RankOrder, TurnWaits
+from paramshard.server.buffers.rank_order import RankOrder
 from paramshard.server.optimizers import OPTIMIZERS, ServerOptimizer
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.rank_lists import absent, listed
+from paramshard.server.runtime.turns import TurnWaits
 from paramshard.server.snapshots.shards import Captured
 
 __all__ = [
@@ -164,7 +165,7 @@ class SliceState:
         self.dropped = False
         self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
-        self.turns = TurnWaits()  # the store's, once it holds the slice (rank_order.py)
+        self.turns = TurnWaits()  # the store's, once it holds the slice (runtime/turns.py)
         self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture

@@ -18,7 +18,6 @@ from paramshard.protos import slicing
 from paramshard.protos.manifest import check_model_config
 from paramshard.server.buffers.captures import Captures
 from paramshard.server.buffers.contributions import Contributions
-from paramshard.server.buffers.rank_order import TurnWaits
 from paramshard.server.buffers.slice_state import (
     MASTER_DTYPES,
     PendingStep,
@@ -29,6 +28,7 @@ from paramshard.server.buffers.steps import Steps
 from paramshard.server.optimizers import OptimizerError, make_optimizer
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
 

@@ -46,6 +46,7 @@ class Slot:
         self.waiting: Counter[int] = Counter()  # readers blocked in ReadSlot now
         self.ended: str | None = None  # why it expired or was dropped
         self.conflict: str | None = None  # a refused contribution's why: reads do not wait
+        self.turn_waiters = 0  # contributions waiting for their turn (server/runtime/turns.py)
 
     def num_chunks(self) -> int:
         assert self.meta is not None

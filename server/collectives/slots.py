@@ -11,9 +11,11 @@ freed keys are remembered so a late retry is acknowledged instead of opening a g
 
 Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
 arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
-are in, and an early arrival waits as a copy in ``Chunk.staged``. Float addition is not
-associative, so this is what makes two runs of the same training bitwise identical, as gloo's
-fixed reduction order does. MAX, MIN, integers and SET do not depend on the order.
+are in; an early arrival first waits for its turn holding its own request (bounded:
+server/runtime/turns.py), and past those bounds waits as a copy in ``Chunk.staged``. Float
+addition is not associative, so this is what makes two runs of the same training bitwise
+identical, as gloo's fixed reduction order does. MAX, MIN, integers and SET do not depend on
+the order.
 
 Pending work ends (docs/design.md §3.7): a slot or mailbox that gets no contribution and no read
 for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), and ``drop_run``
@@ -38,6 +40,7 @@ from paramshard.server.collectives.slot_checks import check_header, check_same
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
 
@@ -72,10 +75,15 @@ class SlotStore:
     """Every reduction slot and mailbox on this server."""
 
     def __init__(
-        self, max_bytes: int = 0, budget: MemoryBudget | None = None, ttl_s: float = 600.0
+        self,
+        max_bytes: int = 0,
+        budget: MemoryBudget | None = None,
+        ttl_s: float = 600.0,
+        turns: TurnWaits | None = None,
     ) -> None:
         self.max_bytes = max_bytes  # 0: unbounded
         self.budget = budget or MemoryBudget()
+        self.turns = turns or TurnWaits()  # the server's, shared with its buffers
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
@@ -119,8 +127,13 @@ class SlotStore:
                 slot = self._slots[key] = Slot(key)
             return slot
 
-    def contribute(self, h: pb.SlotHeader, data: memoryview) -> bool:
-        """Adds a contribution; returns True when it had been counted before."""
+    def contribute(
+        self, h: pb.SlotHeader, data: memoryview, timeout: float = 0.0, turn_until: float = 0.0
+    ) -> bool:
+        """Adds a contribution; returns True when it had been counted before. One that came
+        before its turn waits for it first, within ``timeout`` and the server's bounds
+        (server/runtime/turns.py), then is staged as a copy."""
+        deadline, turn_until = time.monotonic() + timeout, turn_until or TurnWaits.until(timeout)
         check_header(h)
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
         slot = self._slot(h.key)
@@ -147,6 +160,8 @@ class SlotStore:
                 return True
             ordered = _ordered(h)
             early = ordered and (chunk.head if chunk is not None else 0) != h.contributor
+            if early and self._wait_turn(slot, h, int(host.nbytes), turn_until):
+                return self.contribute(h, data, deadline - time.monotonic(), turn_until)
             acc = None
             if early or chunk is None or chunk.acc is None:
                 # A chunk's first contribution becomes its accumulator, and in rank order an
@@ -187,12 +202,37 @@ class SlotStore:
                     chunk.acc += kept
                     self._release(int(kept.nbytes))
                     chunk.head += 1
+                if slot.turn_waiters:
+                    slot.cond.notify_all()  # a contribution waiting for its turn may have it
             chunk.contributors.add(h.contributor)
             if len(chunk.contributors) == h.expected:
                 if h.op == pb.MEAN and h.expected > 1:
                     chunk.acc /= chunk.acc.dtype.type(h.expected)
                 slot.cond.notify_all()
             return False
+
+    def _wait_turn(self, slot: Slot, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
+        """Waits (``slot.cond`` held) until contributor ``h.contributor`` is next on its chunk,
+        within the server's bounds; True when it waited and the contribution should look
+        again (it is then added from its own request, never copied)."""
+        if not self.turns.enter(nbytes, until):
+            return False
+        offset = h.chunk.offset
+
+        def turn() -> bool:
+            chunk = slot.chunks.get(offset)
+            return offset in slot.freed or (chunk.head if chunk else 0) == h.contributor
+
+        slot.turn_waiters += 1
+        try:
+            slot.cond.wait_for(
+                lambda: slot.ended is not None or slot.conflict is not None or turn(),
+                timeout=max(0.0, until - time.monotonic()),
+            )
+        finally:
+            slot.turn_waiters -= 1
+            self.turns.leave()
+        return slot.ended is None and slot.conflict is None
 
     def _reserve(self, nbytes: int, key: str) -> None:
         with self._lock:
