@@ -92,7 +92,9 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         "--workers",
         type=positive_int,
         default=128,
-        help="handler threads; every waiting call holds one (default: %(default)s)",
+        help="handler threads; every waiting call holds one, and a quarter of those waiting"
+        " calls may take can hold gradient pushes waiting for their turn in the rank order"
+        " (default: %(default)s)",
     ),
     arg(
         "--reserved-workers",
