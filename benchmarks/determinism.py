@@ -3,9 +3,10 @@
     python -m benchmarks.determinism [--sizes 16,64] [--world-sizes 3,4] [--reps 7]
 
 ``ShardingConfiguration(deterministic=True)`` (the default) makes the servers add
-contributions in rank order whatever order they arrive in: a contribution that arrives before
-its predecessors waits as a copy until they are in (server/buffers/contributions.py,
-server/collectives/slots.py). This
+contributions in rank order whatever order they arrive in: a contribution of more than 1 MiB
+that arrives before its predecessors waits for its turn holding its own request, a smaller one
+(or one past the bounds on waiting, server/runtime/turns.py) as a copy until they are in
+(server/buffers/contributions.py, server/collectives/slots.py). This
 measures, in one run and one process, for each world size W and size S:
 
 - **all_reduce**: W ranks (threads, one ShardClient each) all-reduce an S MiB float32 tensor
