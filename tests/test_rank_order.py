@@ -23,6 +23,7 @@ from paramshard.server.buffers.rank_order import RankOrder
 from paramshard.server.buffers.store import BufferStore
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.turns import TurnWaits
 from paramshard.server.transport.sessions import INLINE_BYTES
 
@@ -218,3 +219,30 @@ def test_an_early_slot_contribution_waits_for_its_turn_without_a_copy() -> None:
     _, total = slots.read(pb.ReadSlotRequest(key="r:ar1", offset=0, reader=0), 5.0)
     want = (values[0, 0] + values[1, 0]) + values[2, 0]
     np.testing.assert_array_equal(np.asarray(total), want)
+
+
+def test_a_push_waiting_for_its_turn_when_its_job_is_dropped_fails_and_keeps_nothing() -> None:
+    store = BufferStore()
+    store.turns.limit, store.turns.min_bytes = 4, 0
+    b = register(store, 3, master=pb.FLOAT32)
+    failed: list[ShardError] = []
+    header = pb.PushGradHeader(
+        ref=pb.BufferRef(job="j", buffer="b"),
+        chunk=pb.Chunk(offset=0, numel=NUMEL, dtype=pb.FLOAT32),
+        step=0, contributor=2, num_micro=1,
+    )  # fmt: skip
+
+    def push() -> None:
+        try:
+            b.push_grad(header, memoryview(np.ones(NUMEL, np.float32).tobytes()), 10.0)
+        except ShardError as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=push)
+    t.start()
+    settle(lambda: store.turns.waiting == 1, "rank 2 to wait")
+    assert store.drop("j") == 1
+    t.join(10.0)
+    (err,) = failed
+    assert "was dropped while waiting" in err.message, err.message
+    assert store.turns.waiting == 0 and store.budget.usage()["staging"] == 0

@@ -227,7 +227,10 @@ class Contributions(SliceState):
     ) -> bool:
         """Waits (the lock held) for chunk [o, o + n) of contribution ``k`` to have its turn,
         within the server's bounds (server/runtime/turns.py) and until ``until``; True when it
-        waited and the push should look again. A chunk that waits here is added from the
+        waited and the push should look again (a slice dropped or stopped meanwhile fails
+        it there), False when it is to be staged now: no wait was allowed, or the run's
+        ranks disagree (``conflict``: contributions still count). A chunk that waits here is
+        added from the
         request's own bytes (a shared segment or the message) when its turn comes, never
         copied: staged instead, early chunks held up to W - 1 slices of copies a server while
         the slowest rank caught up."""
@@ -250,7 +253,7 @@ class Contributions(SliceState):
         finally:
             self.turn_waiters -= 1
             self.turns.leave()
-        return not (self.dropped or self.stopped or self.conflict is not None)
+        return self.conflict is None or self.dropped or bool(self.stopped)
 
     def _ordered(self, pending: PendingStep) -> bool:
         """Whether the step's sum keeps rank order. With two contributions there is nothing

@@ -11,8 +11,9 @@ Wire semantics (docs/design.md §3):
   only they contribute, each weighted by its share of the global batch. Unless the buffer was
   registered with ``arrival_order``, the sum runs in (contributor, micro-batch) order whatever
   order the pushes arrive in: a chunk whose predecessors over its elements are in is added at
-  once, any other waits in staging memory until they are (``PendingStep``), so two runs of the same
-  training are bitwise identical, as with torch's gloo collectives. The optimizer then
+  once, any other waits for its turn (server/runtime/turns.py) or, past the bounds on that,
+  in staging memory until they are (``PendingStep``), so two runs of the same training are
+  bitwise identical, as with torch's gloo collectives. The optimizer then
   runs either at once (the pushes carried step arguments) or when a Step request arrives
   (global gradient clipping needs the norm first).
 - A reduced gradient holding NaN or Inf is never applied: GradNorm reports each slice's

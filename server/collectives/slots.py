@@ -214,7 +214,9 @@ class SlotStore:
     def _wait_turn(self, slot: Slot, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
         """Waits (``slot.cond`` held) until contributor ``h.contributor`` is next on its chunk,
         within the server's bounds; True when it waited and the contribution should look
-        again (it is then added from its own request, never copied)."""
+        again (it is then added from its own request, never copied; a slot that ended
+        meanwhile fails it there), False when it is to be staged now: no wait was allowed,
+        or the ranks disagree about the slot (``conflict``: contributions still count)."""
         if not self.turns.enter(nbytes, until):
             return False
         offset = h.chunk.offset
@@ -232,7 +234,7 @@ class SlotStore:
         finally:
             slot.turn_waiters -= 1
             self.turns.leave()
-        return slot.ended is None and slot.conflict is None
+        return slot.conflict is None or slot.ended is not None
 
     def _reserve(self, nbytes: int, key: str) -> None:
         with self._lock:
