@@ -22,7 +22,9 @@ Reported per cell:
 - **memory**: the peak resident memory (VmHWM) of every trainer and every server, against the
   formula (model state per process, as the strategy divides it, ``_scale_models.formula``)
   plus the measured resident memory of a bare process (``process_overhead``); trainers also
-  against torch's ranks' peak;
+  against torch's ranks' peak; each server's own memory (RssAnon) and the trainers' shared
+  segments it maps (RssShmem) at their peaks, sampled every 0.1 s (``ServerSampler``: VmHWM
+  counts a segment in both processes that map it);
 - **losses**: the largest relative difference between ours and torch's per-step mean loss.
 
 Before each cell the benchmark estimates its memory (formula + overhead + activations + a
