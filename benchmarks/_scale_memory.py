@@ -175,9 +175,7 @@ def memory(side: dict, strategy: str, which: str, psi: int, w: int, over: dict, 
         if "server_peak_anon_bytes" in side:  # sampled (ServerSampler)
             own = side["server_peak_anon_bytes"]
             out["server_peak_own_mb"] = [round(p / 2**20) for p in own]
-            out["server_own_ratio_to_formula"] = round(
-                max(own) / (f["server"] + over["server"]), 2
-            )
+            out["server_own_ratio_to_formula"] = round(max(own) / (f["server"] + over["server"]), 2)
             out["server_peak_shmem_mb"] = [
                 round(p / 2**20) for p in side["server_peak_shmem_bytes"]
             ]
