@@ -230,29 +230,20 @@ class Contributions(SliceState):
         waited and the push should look again (a slice dropped or stopped meanwhile fails
         it there), False when it is to be staged now: no wait was allowed, or the run's
         ranks disagree (``conflict``: contributions still count). A chunk that waits here is
-        added from the
-        request's own bytes (a shared segment or the message) when its turn comes, never
-        copied: staged instead, early chunks held up to W - 1 slices of copies a server while
-        the slowest rank caught up."""
-        if not self.turns.enter(n * self.dtype.itemsize, until):
-            return False
+        added from the request's own bytes (a shared segment or the message) when its turn
+        comes, never copied: staged instead, early chunks held up to W - 1 slices of copies a
+        server while the slowest rank caught up."""
         seen = self.pending
-        self.turn_waiters += 1
-        try:
-            self.cond.wait_for(
-                lambda: (
-                    self.dropped
-                    or bool(self.stopped)
-                    or self.conflict is not None
-                    or self.version != step
-                    or (seen is not None and self.pending is not seen)
-                    or (self.pending is not None and self.pending.order.ready(o, n, k))
-                ),
-                timeout=max(0.0, until - time.monotonic()),
-            )
-        finally:
-            self.turn_waiters -= 1
-            self.turns.leave()
+        done = lambda: (  # noqa: E731
+            self.dropped
+            or bool(self.stopped)
+            or self.conflict is not None
+            or self.version != step
+            or (seen is not None and self.pending is not seen)
+            or (self.pending is not None and self.pending.order.ready(o, n, k))
+        )
+        if not self.turns.wait(self.cond, done, n * self.dtype.itemsize, until, of=self):
+            return False
         return self.conflict is None or self.dropped or bool(self.stopped)
 
     def _ordered(self, pending: PendingStep) -> bool:

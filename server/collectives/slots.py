@@ -217,23 +217,16 @@ class SlotStore:
         again (it is then added from its own request, never copied; a slot that ended
         meanwhile fails it there), False when it is to be staged now: no wait was allowed,
         or the ranks disagree about the slot (``conflict``: contributions still count)."""
-        if not self.turns.enter(nbytes, until):
-            return False
         offset = h.chunk.offset
 
-        def turn() -> bool:
+        def done() -> bool:
+            if slot.ended is not None or slot.conflict is not None or offset in slot.freed:
+                return True
             chunk = slot.chunks.get(offset)
-            return offset in slot.freed or (chunk.head if chunk else 0) == h.contributor
+            return (chunk.head if chunk else 0) == h.contributor
 
-        slot.turn_waiters += 1
-        try:
-            slot.cond.wait_for(
-                lambda: slot.ended is not None or slot.conflict is not None or turn(),
-                timeout=max(0.0, until - time.monotonic()),
-            )
-        finally:
-            slot.turn_waiters -= 1
-            self.turns.leave()
+        if not self.turns.wait(slot.cond, done, nbytes, until, of=slot):
+            return False
         return slot.conflict is None or slot.ended is not None
 
     def _reserve(self, nbytes: int, key: str) -> None:

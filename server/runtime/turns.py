@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["TurnWaits", "TURN_WAIT_S", "WAITS_FROM_BYTES"]
 
@@ -44,19 +46,25 @@ class TurnWaits:
         self.min_bytes = WAITS_FROM_BYTES  # contributions of no more bytes never wait
         self._lock = threading.Lock()
 
-    def enter(self, nbytes: int, until: float) -> bool:
-        """Whether a contribution of ``nbytes`` may wait until ``until`` (then ``leave``)."""
+    def wait(self, cond: Any, done: Callable[[], bool], nbytes: int, until: float, of: Any) -> bool:
+        """Waits on ``cond`` (held by the caller) until ``done()`` or ``until``, for a
+        contribution of ``nbytes``; False, at once, when it may not wait (too small, too late,
+        or ``limit`` others wait). ``of`` (a slice or a slot) counts its waiters in
+        ``turn_waiters``: whoever changes what they wait for notifies ``cond`` while any do."""
         if nbytes <= self.min_bytes or time.monotonic() >= until:
             return False
         with self._lock:
             if self.waiting >= self.limit:
                 return False
             self.waiting += 1
-            return True
-
-    def leave(self) -> None:
-        with self._lock:
-            self.waiting -= 1
+        of.turn_waiters += 1
+        try:
+            cond.wait_for(done, timeout=max(0.0, until - time.monotonic()))
+        finally:
+            of.turn_waiters -= 1
+            with self._lock:
+                self.waiting -= 1
+        return True
 
     @staticmethod
     def until(timeout: float) -> float:
