@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import threading
 import time
 from typing import Any
 
@@ -126,8 +127,6 @@ class ServerSampler:
     in both the trainer and the server mapping it, though it is one copy of the bytes."""
 
     def __init__(self, pids: list[int], period: float = 0.1) -> None:
-        import threading
-
         self.pids, self.period = pids, period
         self.anon = [0] * len(pids)
         self.shmem = [0] * len(pids)
