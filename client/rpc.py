@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 
 from paramshard.client import hang_report, leases, unreachable
+from paramshard.client.call_order import Batch
 from paramshard.client.cluster import ClusterSpec
+from paramshard.client.futures import Done, ShmFuture
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from paramshard.client.retries import (
     MIN_ATTEMPT_S,
@@ -31,7 +33,7 @@ from paramshard.client.run_state import WAITS_ON_PEERS, RunState
 from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
 from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.shm import Segment, SharedMemory, is_stale
+from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
     "ShardClientError", "Call", "RpcCore", "CHUNK_BYTES", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
@@ -87,43 +89,6 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 
 _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
 """Calls that may wait for other ranks: sent as futures even alone, so a notice cancels them."""
-
-
-class _ShmFuture:
-    """A call whose payload or reply is in a shared segment (protos/shm.py): a failure
-    retires the segment; ``settle`` gives it back after the reply was used."""
-
-    def __init__(self, fut: Any, shm: SharedMemory, seg: Segment) -> None:
-        self._fut, self._shm, self.seg = fut, shm, seg
-
-    def cancel(self) -> bool:
-        return self._fut.cancel()
-
-    def result(self, timeout: float | None = None) -> Any:
-        try:
-            reply = self._fut.result(timeout)
-            return self._shm.reply_payload(self.seg, reply)
-        except BaseException:
-            self._shm.retire(self.seg)
-            raise
-
-    def settle(self, reply: Any, consumed: bool) -> Any:
-        return self._shm.settle(self.seg, reply, consumed)
-
-
-class _Done:
-    """A call already finished (see ``RpcCore._send``'s blocking path), as a future."""
-
-    def __init__(self, reply: Any = None, error: grpc.RpcError | None = None) -> None:
-        self._reply, self._error = reply, error
-
-    def cancel(self) -> bool:
-        return False
-
-    def result(self, timeout: float | None = None) -> Any:
-        if self._error is not None:
-            raise self._error
-        return self._reply
 
 
 @dataclass
@@ -216,7 +181,7 @@ class RpcCore:
         timeout = self.timeout_s if timeout is None else timeout
         peers = call.method in WAITS_ON_PEERS
         if peers and (notice := self.run_state.current()) is not None:
-            return _Done(error=LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
+            return Done(error=LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
         request = call.request() if callable(call.request) else call.request
         if self._may_call_locally():
             address = self.spec.addresses[call.server]
@@ -233,9 +198,9 @@ class RpcCore:
         future = self._in_session(call, request, timeout)
         if future is None:
             future = self._unary(call, request, timeout, alone)
-        if peers and not isinstance(future, _Done):  # a notice cancels it (client/leases.py)
+        if peers and not isinstance(future, Done):  # a notice cancels it (client/leases.py)
             self.run_state.track(future)
-        return future if seg is None else _ShmFuture(future, self.shm, seg)
+        return future if seg is None else ShmFuture(future, self.shm, seg)
 
     def _in_session(self, call: Call, request: Any, timeout: float) -> Any:
         """``call`` sent in its server's session (client/session.py), or None."""
@@ -259,13 +224,21 @@ class RpcCore:
         body = codec.serialize(request)
         return session.submit(call.method, body, _METHODS[call.method], timeout)
 
+    def _in_flight_cap(self, server: int) -> int:
+        """How many calls of one batch may be in flight to server ``server`` at once
+        (client/call_order.py): a server of this process takes no segments, so no bound."""
+        address = self.spec.addresses[server]
+        if self._may_call_locally() and local_servers.lookup(address) is not None:
+            return self.max_in_flight
+        return self.shm.in_flight_cap(address) or self.max_in_flight
+
     def _unary(self, call: Call, request: Any, timeout: float, alone: bool) -> Any:
         stub = self._stub(call.server, call.method)
         if alone and call.method not in _MAY_WAIT:
             try:
-                future = _Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
+                future = Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
             except grpc.RpcError as exc:
-                future = _Done(error=exc)
+                future = Done(error=exc)
         else:
             future = stub.future(request, timeout=timeout, metadata=self.spec.metadata())
         return future
@@ -299,7 +272,9 @@ class RpcCore:
         return ShardClientError(err.server, err.address, err.method, err.code, details)
 
     def run(self, calls: Iterable[Call]) -> list[Any]:
-        """Sends ``calls`` with at most ``max_in_flight`` outstanding; returns replies in order.
+        """Sends ``calls`` with at most ``max_in_flight`` outstanding, each server's in turn
+        and a few at a time to a server of this host (client/call_order.py); returns replies
+        in the order of ``calls``.
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe.
@@ -309,8 +284,8 @@ class RpcCore:
         deadline, ``timeout_s`` from its first attempt: retries never stretch a wait past it.
         """
         results: list[Any] = []
-        queue = deque(enumerate(calls))
-        alone = len(queue) == 1
+        queue = Batch(calls, self._in_flight_cap)  # each server's calls in turn (call_order.py)
+        alone = queue.alone
         # (index, call, future, attempts after errors, busy refusals, first sent)
         in_flight: deque[tuple[int, Call, Any, int, int, float]] = deque()
         first_error: ShardClientError | None = None
@@ -318,7 +293,9 @@ class RpcCore:
 
         def submit() -> None:
             while queue and len(in_flight) < self.max_in_flight and first_error is None:
-                i, call = queue.popleft()
+                if (taken := queue.take()) is None:
+                    return  # its server's bound: after a call in flight ends
+                i, call = taken
                 began = time.monotonic()  # before: ``alone``, the call runs inside _send
                 in_flight.append((i, call, self._send(call, alone), 0, 0, began))
 
@@ -341,7 +318,7 @@ class RpcCore:
                 if attempt > 0 and call.retry_ok is not None and call.retry_ok(err):
                     reply = None  # the first attempt went through before the connection broke
                 elif (
-                    isinstance(fut, _ShmFuture)
+                    isinstance(fut, ShmFuture)
                     and is_stale(err.code, err.details)
                     and i not in stale
                     and deadline - time.monotonic() > MIN_ATTEMPT_S
@@ -374,11 +351,12 @@ class RpcCore:
                     continue
             if call.on_result is not None and reply is not None:
                 call.on_result(reply)
-            if isinstance(fut, _ShmFuture):  # the reply was read: the segment is free again
+            if isinstance(fut, ShmFuture):  # the reply was read: the segment is free again
                 reply = fut.settle(reply, consumed=call.on_result is not None)
             while len(results) <= i:
                 results.append(None)
             results[i] = reply
+            queue.done(call)
             submit()
         if first_error is not None:
             raise first_error

@@ -45,6 +45,7 @@ __all__ = [
     "is_sealed",
     "seal",
     "SHM_MIN_BYTES",
+    "IN_FLIGHT_PER_SERVER",
     "PROOF_BYTES",
     "SEALS",
     "MFD_ALLOW_SEALING",
@@ -52,6 +53,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+IN_FLIGHT_PER_SERVER = 2
+"""Calls with segments one batch keeps in flight to one server (``in_flight_cap``): a
+server's pool of a client's segments grows to the most that were in flight at once, and
+stays. Two keep the copies on both sides going (the client fills one segment while the
+server reads the other); a whole window of 8 to one server held 8 x 16 MiB per trainer and
+server (docs/benchmarks.md)."""
 SHM_MIN_BYTES = 64 * 2**10
 """Smaller payloads stay in-band: their copy costs less than the bookkeeping."""
 _SEND = ("PushGrad", "SetParams", "Contribute")
@@ -114,6 +121,15 @@ class SharedMemory:
         self.opened = 0  # segments opened (a test reads it)
 
     # -- what RpcCore calls --------------------------------------------------------------------
+    def in_flight_cap(self, server: str) -> int | None:
+        """How many calls of one batch go to ``server`` (an address) at once: None (no
+        bound) for a server known to share no memory with this client, or with shared
+        memory off; else ``IN_FLIGHT_PER_SERVER``."""
+        if not (enabled() if self.on is None else self.on):
+            return None
+        with self._lock:
+            return None if server in self._off else IN_FLIGHT_PER_SERVER
+
     def attach(
         self, core: Any, server: int, method: str, request: Any
     ) -> tuple[Any, Segment | None]:

@@ -1,0 +1,90 @@
+"""The order a batch of calls goes out in (``RpcCore.run``): each server's calls in turn,
+a few at a time to a server whose payloads travel through shared segments.
+
+A batch often holds the chunks of several servers one server after the other (a pull walks
+the slices in order). Sent in that order, all of a client's ``max_in_flight`` calls go to one
+server at once, and each server's pool of shared segments (protos/shm.py) grows to the whole
+window: ``max_in_flight`` chunks per trainer and server on the host, kept for the segments'
+life. Taken a server at a time in turn, the window spreads over the servers, which also work
+on it at once. A batch that still goes mostly to one server (a pull of one large tensor, a
+bucket inside one server's slice) keeps at most ``cap(server)`` calls in flight to it
+(``SharedMemory.in_flight_cap``: 2 to a server of this host, no bound to one elsewhere),
+taking later calls of other servers meanwhile.
+
+Only the order between servers changes: each server's calls keep their order, and a run of
+calls of one method never mixes with the next one (a call held back for its server's bound
+lets later calls of its own run go ahead, never those of the next run) (an all-reduce queues all its
+contributions before any read, so a window full of waiting reads never holds back a
+contribution another rank waits for: client/collectives.py). Replies still come back in the
+batch's order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+__all__ = ["in_turn", "Batch"]
+
+
+def in_turn(calls: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """``(index, call)`` pairs reordered: within each run of consecutive calls of the same
+    ``method``, one call of each server in turn (servers in the order they first appear),
+    each server's calls in their own order."""
+    out: list[tuple[int, Any]] = []
+    run: list[tuple[int, Any]] = []
+    for item in calls:
+        if run and item[1].method != run[-1][1].method:
+            _take_in_turn(run, out)
+            run = []
+        run.append(item)
+    _take_in_turn(run, out)
+    return out
+
+
+def _take_in_turn(run: list[tuple[int, Any]], out: list[tuple[int, Any]]) -> None:
+    lanes: dict[int, deque[tuple[int, Any]]] = {}
+    for item in run:
+        lanes.setdefault(item[1].server, deque()).append(item)
+    if len(lanes) == 1:
+        out += run
+        return
+    queues = list(lanes.values())
+    while queues:
+        for lane in queues:
+            out.append(lane.popleft())
+        queues = [lane for lane in queues if lane]
+
+
+class Batch:
+    """The calls of one ``RpcCore.run`` not sent yet, in turn, and how many of each server's
+    are in flight; ``cap(server)``: how many may be at once."""
+
+    def __init__(self, calls: Iterable[Any], cap: Callable[[int], int]) -> None:
+        self._queue = deque(in_turn(enumerate(calls)))
+        self._cap, self._caps = cap, {}  # cap asked once per server and batch
+        self._busy: dict[int, int] = {}
+        self.alone = len(self._queue) == 1
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def take(self) -> tuple[int, Any] | None:
+        """The next call to send: the first of the head's run of one method whose server has
+        room; None when none has (a call in flight must end first)."""
+        head = self._queue[0][1].method
+        for k, (i, call) in enumerate(self._queue):
+            if call.method != head:
+                return None
+            if call.server not in self._caps:
+                self._caps[call.server] = self._cap(call.server)
+            if self._busy.get(call.server, 0) < self._caps[call.server]:
+                del self._queue[k]
+                self._busy[call.server] = self._busy.get(call.server, 0) + 1
+                return i, call
+        return None
+
+    def done(self, call: Any) -> None:
+        """``call`` (taken earlier) is no longer in flight."""
+        self._busy[call.server] -= 1

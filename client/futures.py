@@ -1,0 +1,49 @@
+"""Futures of ``RpcCore.run`` beside grpc's: a call whose payload or reply is in a shared
+segment, and a call that already ended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from paramshard.protos.shm import Segment, SharedMemory
+
+__all__ = ["ShmFuture", "Done"]
+
+
+class ShmFuture:
+    """A call whose payload or reply is in a shared segment (protos/shm.py): a failure
+    retires the segment; ``settle`` gives it back after the reply was used."""
+
+    def __init__(self, fut: Any, shm: SharedMemory, seg: Segment) -> None:
+        self._fut, self._shm, self.seg = fut, shm, seg
+
+    def cancel(self) -> bool:
+        return self._fut.cancel()
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            reply = self._fut.result(timeout)
+            return self._shm.reply_payload(self.seg, reply)
+        except BaseException:
+            self._shm.retire(self.seg)
+            raise
+
+    def settle(self, reply: Any, consumed: bool) -> Any:
+        return self._shm.settle(self.seg, reply, consumed)
+
+
+class Done:
+    """A call already finished (see ``RpcCore._send``'s blocking path), as a future."""
+
+    def __init__(self, reply: Any = None, error: grpc.RpcError | None = None) -> None:
+        self._reply, self._error = reply, error
+
+    def cancel(self) -> bool:
+        return False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._reply
