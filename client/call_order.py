@@ -7,9 +7,11 @@ server at once, and each server's pool of shared segments (protos/shm.py) grows 
 window: ``max_in_flight`` chunks per trainer and server on the host, kept for the segments'
 life. Taken a server at a time in turn, the window spreads over the servers, which also work
 on it at once. A batch that still goes mostly to one server (a pull of one large tensor, a
-bucket inside one server's slice) keeps at most ``cap(server)`` calls in flight to it
-(``SharedMemory.in_flight_cap``: 2 to a server of this host, no bound to one elsewhere),
-taking later calls of other servers meanwhile.
+bucket inside one server's slice) sends it a second call only while the client's calls
+with segments to that server, all its batches together, are fewer than 2
+(``SharedMemory.has_room``; no bound to a server elsewhere or in this process), and takes
+later calls of other servers meanwhile. Its first call to a server always goes: a batch
+waits only on its own calls, never on another batch's.
 
 Only the order between servers changes: each server's calls keep their order, and a run of
 calls of one method never mixes with the next one (a call held back for its server's bound
@@ -59,11 +61,13 @@ def _take_in_turn(run: list[tuple[int, Any]], out: list[tuple[int, Any]]) -> Non
 
 class Batch:
     """The calls of one ``RpcCore.run`` not sent yet, in turn, and how many of each server's
-    are in flight; ``cap(server)``: how many may be at once."""
+    are in flight; ``room(server, in_flight)``: whether one more may go to ``server`` while
+    ``in_flight`` of this batch's are there (asked only when there is at least one: a batch
+    always gets its first call to a server out, so it never waits on another batch)."""
 
-    def __init__(self, calls: Iterable[Any], cap: Callable[[int], int]) -> None:
+    def __init__(self, calls: Iterable[Any], room: Callable[[int, int], bool]) -> None:
         self._queue = deque(in_turn(enumerate(calls)))
-        self._cap, self._caps = cap, {}  # cap asked once per server and batch
+        self._room = room
         self._busy: dict[int, int] = {}
         self.alone = len(self._queue) == 1
 
@@ -73,16 +77,19 @@ class Batch:
     def take(self) -> tuple[int, Any] | None:
         """The next call to send: the first of the head's run of one method whose server has
         room; None when none has (a call in flight must end first)."""
-        head = self._queue[0][1].method
+        head, full = self._queue[0][1].method, set()
         for k, (i, call) in enumerate(self._queue):
             if call.method != head:
                 return None
-            if call.server not in self._caps:
-                self._caps[call.server] = self._cap(call.server)
-            if self._busy.get(call.server, 0) < self._caps[call.server]:
-                del self._queue[k]
-                self._busy[call.server] = self._busy.get(call.server, 0) + 1
-                return i, call
+            if call.server in full:
+                continue
+            busy = self._busy.get(call.server, 0)
+            if busy and not self._room(call.server, busy):
+                full.add(call.server)
+                continue
+            del self._queue[k]
+            self._busy[call.server] = busy + 1
+            return i, call
         return None
 
     def done(self, call: Any) -> None:

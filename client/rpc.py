@@ -224,13 +224,15 @@ class RpcCore:
         body = codec.serialize(request)
         return session.submit(call.method, body, _METHODS[call.method], timeout)
 
-    def _in_flight_cap(self, server: int) -> int:
-        """How many calls of one batch may be in flight to server ``server`` at once
-        (client/call_order.py): a server of this process takes no segments, so no bound."""
+    def _room(self, server: int, here: int) -> bool:
+        """Whether a batch with ``here`` calls in flight to server ``server`` may send one
+        more (client/call_order.py): to a server of this process, always (no segments)."""
         address = self.spec.addresses[server]
+        if here >= self.max_in_flight:
+            return False
         if self._may_call_locally() and local_servers.lookup(address) is not None:
-            return self.max_in_flight
-        return self.shm.in_flight_cap(address) or self.max_in_flight
+            return True
+        return self.shm.has_room(address)
 
     def _unary(self, call: Call, request: Any, timeout: float, alone: bool) -> Any:
         stub = self._stub(call.server, call.method)
@@ -284,7 +286,7 @@ class RpcCore:
         deadline, ``timeout_s`` from its first attempt: retries never stretch a wait past it.
         """
         results: list[Any] = []
-        queue = Batch(calls, self._in_flight_cap)  # each server's calls in turn (call_order.py)
+        queue = Batch(calls, self._room)  # each server's calls in turn (call_order.py)
         alone = queue.alone
         # (index, call, future, attempts after errors, busy refusals, first sent)
         in_flight: deque[tuple[int, Call, Any, int, int, float]] = deque()

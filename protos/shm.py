@@ -13,7 +13,9 @@ nothing is tried again with it. Whether memory is shared is found this way, neve
 comparing addresses. ``PARAMSHARD_SHM=0`` turns the path off.
 
 Segments are pooled per server, each the size of one message (``chunk_bytes``), at most
-``2 x max_in_flight`` of them. A payload of a push, a parameter set or a slot contribution is
+``2 x max_in_flight`` of them; a pool grows to the most calls in flight to its server at
+once, which ``RpcCore.run`` keeps near ``IN_FLIGHT_PER_SERVER`` (client/call_order.py).
+A payload of a push, a parameter set or a slot contribution is
 copied into a free segment (one memcpy) and the message carries its reference; a pull or a
 slot read names a segment for the reply, which the server writes into, and the reply's values
 are read from it in place. A segment goes back to the pool when its call succeeded and its
@@ -54,9 +56,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IN_FLIGHT_PER_SERVER = 2
-"""Calls with segments one batch keeps in flight to one server (``in_flight_cap``): a
-server's pool of a client's segments grows to the most that were in flight at once, and
-stays. Two keep the copies on both sides going (the client fills one segment while the
+"""Calls with segments a client keeps in flight to one server beyond each batch's first
+(``has_room``): a server's pool of a client's segments grows to the most that were in flight
+at once, and stays. Two keep the copies on both sides going (the client fills one segment while the
 server reads the other); a whole window of 8 to one server held 8 x 16 MiB per trainer and
 server (docs/benchmarks.md)."""
 SHM_MIN_BYTES = 64 * 2**10
@@ -121,14 +123,18 @@ class SharedMemory:
         self.opened = 0  # segments opened (a test reads it)
 
     # -- what RpcCore calls --------------------------------------------------------------------
-    def in_flight_cap(self, server: str) -> int | None:
-        """How many calls of one batch go to ``server`` (an address) at once: None (no
-        bound) for a server known to share no memory with this client, or with shared
-        memory off; else ``IN_FLIGHT_PER_SERVER``."""
+    def has_room(self, server: str) -> bool:
+        """Whether one more call to ``server`` (an address) may take a segment now: this
+        client's segments in use there (by all its batches) are fewer than
+        ``IN_FLIGHT_PER_SERVER``, or it shares no memory with that server, or shared memory
+        is off."""
         if not (enabled() if self.on is None else self.on):
-            return None
+            return True
         with self._lock:
-            return None if server in self._off else IN_FLIGHT_PER_SERVER
+            if server in self._off:
+                return True
+            taken = self._count.get(server, 0) - len(self._free.get(server, ()))
+        return taken < IN_FLIGHT_PER_SERVER
 
     def attach(
         self, core: Any, server: int, method: str, request: Any
