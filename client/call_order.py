@@ -14,11 +14,11 @@ later calls of other servers meanwhile. Its first call to a server always goes: 
 waits only on its own calls, never on another batch's.
 
 Only the order between servers changes: each server's calls keep their order, and a run of
-calls of one method never mixes with the next one (a call held back for its server's bound
-lets later calls of its own run go ahead, never those of the next run) (an all-reduce queues all its
+calls of one method never mixes with the next one. An all-reduce queues all its
 contributions before any read, so a window full of waiting reads never holds back a
-contribution another rank waits for: client/collectives.py). Replies still come back in the
-batch's order.
+contribution another rank waits for (client/collectives.py); a call held back for its
+server's bound therefore lets later calls of its own run go ahead, never those of the next
+run. Replies still come back in the batch's order.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_a_pull_across_servers_spreads_its_window_and_its_segments(four) -> None
     finally:
         c.close()
     assert sum(per_server) == c.shm.opened
-    assert max(per_server) <= 4, per_server  # 8 when a whole window went to one server
+    assert max(per_server) <= 2, per_server  # 8 when a whole window went to one server
 
 
 def test_a_pull_from_one_server_keeps_two_segments_in_flight(four) -> None:
@@ -119,7 +119,7 @@ def test_a_pull_from_one_server_keeps_two_segments_in_flight(four) -> None:
             np.testing.assert_array_equal(c.pull_params("j", "w", n // 4), values)
     finally:
         c.close()
-    assert c.shm.opened <= 4  # IN_FLIGHT_PER_SERVER of the set, and of the pulls
+    assert c.shm.opened <= 2  # IN_FLIGHT_PER_SERVER: the set's, reused by the pulls
 
 
 def test_collectives_over_several_servers_complete_in_turn(four) -> None:
