@@ -14,15 +14,15 @@ comparing addresses. ``PARAMSHARD_SHM=0`` turns the path off.
 
 Segments are pooled per server, each the size of one message (``chunk_bytes``), at most
 ``2 x max_in_flight`` of them; a pool grows to the most calls in flight to its server at
-once, which ``RpcCore.run`` keeps near ``IN_FLIGHT_PER_SERVER`` (client/call_order.py).
-A payload of a push, a parameter set or a slot contribution is
-copied into a free segment (one memcpy) and the message carries its reference; a pull or a
-slot read names a segment for the reply, which the server writes into, and the reply's values
-are read from it in place. A segment goes back to the pool when its call succeeded and its
-reply was used; after any failure it is retired (unmapped here, released at the server), since
-the server may still be reading it. A server that no longer knows a segment (it restarted, or
-the segment sat idle past its TTL) answers FAILED_PRECONDITION: that server's pool is emptied
-and the call is sent again (``RpcCore.run``).
+once, which ``RpcCore.run`` keeps near ``IN_FLIGHT_PER_SERVER`` (client/call_order.py). A
+payload of a push, a parameter set or a slot contribution is copied into a free segment (one
+memcpy) and the message carries its reference; a pull or a slot read names a segment for the
+reply, which the server writes into, and the reply's values are read from it in place. A
+segment goes back to the pool when its call succeeded and its reply was used; after any
+failure it is retired (unmapped here, released at the server), since the server may still be
+reading it. A server that no longer knows a segment (it restarted, or the segment sat idle
+past its TTL) answers FAILED_PRECONDITION: that server's pool is emptied and the call is sent
+again (``RpcCore.run``).
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ log = logging.getLogger(__name__)
 IN_FLIGHT_PER_SERVER = 2
 """Calls with segments a client keeps in flight to one server beyond each batch's first
 (``has_room``): a server's pool of a client's segments grows to the most that were in flight
-at once, and stays. Two keep the copies on both sides going (the client fills one segment while the
-server reads the other); a whole window of 8 to one server held 8 x 16 MiB per trainer and
-server (docs/benchmarks.md)."""
+at once, and stays. Two keep the copies on both sides going (the client fills one segment
+while the server reads the other); a whole window of 8 to one server held 8 x 16 MiB per
+trainer and server (docs/benchmarks.md)."""
 SHM_MIN_BYTES = 64 * 2**10
 """Smaller payloads stay in-band: their copy costs less than the bookkeeping."""
 _SEND = ("PushGrad", "SetParams", "Contribute")
