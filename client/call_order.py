@@ -61,11 +61,11 @@ def _take_in_turn(run: list[tuple[int, Any]], out: list[tuple[int, Any]]) -> Non
 
 class Batch:
     """The calls of one ``RpcCore.run`` not sent yet, in turn, and how many of each server's
-    are in flight; ``room(server, in_flight)``: whether one more may go to ``server`` while
-    ``in_flight`` of this batch's are there (asked only when there is at least one: a batch
-    always gets its first call to a server out, so it never waits on another batch)."""
+    are in flight; ``room(server)``: whether one more may go to ``server`` while some of this
+    batch's are there (asked only then: a batch always gets its first call to a server out,
+    so it never waits on another batch)."""
 
-    def __init__(self, calls: Iterable[Any], room: Callable[[int, int], bool]) -> None:
+    def __init__(self, calls: Iterable[Any], room: Callable[[int], bool]) -> None:
         self._queue = deque(in_turn(enumerate(calls)))
         self._room = room
         self._busy: dict[int, int] = {}
@@ -84,7 +84,7 @@ class Batch:
             if call.server in full:
                 continue
             busy = self._busy.get(call.server, 0)
-            if busy and not self._room(call.server, busy):
+            if busy and not self._room(call.server):
                 full.add(call.server)
                 continue
             del self._queue[k]

@@ -224,12 +224,11 @@ class RpcCore:
         body = codec.serialize(request)
         return session.submit(call.method, body, _METHODS[call.method], timeout)
 
-    def _room(self, server: int, here: int) -> bool:
-        """Whether a batch with ``here`` calls in flight to server ``server`` may send one
-        more (client/call_order.py): to a server of this process, always (no segments)."""
+    def _room(self, server: int) -> bool:
+        """Whether a batch with calls in flight to server ``server`` may send one more
+        (client/call_order.py): to a server of this process, always (no segments). The window
+        (``max_in_flight``) is ``run``'s to keep."""
         address = self.spec.addresses[server]
-        if here >= self.max_in_flight:
-            return False
         if self._may_call_locally() and local_servers.lookup(address) is not None:
             return True
         return self.shm.has_room(address)

@@ -128,7 +128,7 @@ class SharedMemory:
         client's segments in use there (by all its batches) are fewer than
         ``IN_FLIGHT_PER_SERVER``, or it shares no memory with that server, or shared memory
         is off."""
-        if not (enabled() if self.on is None else self.on):
+        if not self._on():
             return True
         with self._lock:
             if server in self._off:
@@ -222,8 +222,12 @@ class SharedMemory:
             self._release(server, ids, timeout=0.5)
 
     # -- the pool ------------------------------------------------------------------------------
+    def _on(self) -> bool:
+        """Whether this client uses shared memory (``on``, or ``PARAMSHARD_SHM``)."""
+        return enabled() if self.on is None else self.on
+
     def _take(self, core: Any, index: int, nbytes: int) -> Segment | None:
-        if nbytes > self.segment_bytes or not (enabled() if self.on is None else self.on):
+        if nbytes > self.segment_bytes or not self._on():
             return None
         server = core.spec.addresses[index]
         with self._lock:
