@@ -179,12 +179,27 @@ class _Holding:
             hold.close()
 
     # -- renewals ------------------------------------------------------------------------
+    def renewals(self) -> dict[int, pb.LeaseRequest]:
+        """A renewal per server, each saying whether this rank holds a stream there (empty once
+        released). Both are read at one moment, so a renewal that goes out after the release
+        (from the renewing thread, which read this before) still claims the streams the release
+        closed: the server then gives it no TTL (server/collectives/leases.py, UNSEEN_END_S)."""
+        with self._lock:
+            if self.released:
+                return {}
+            streams = {i for i, hold in self.holds.items() if hold.open}
+        client = self.client()
+        servers = range(client.num_servers) if client is not None else ()
+        return {i: self._request(stream=i in streams) for i in servers}
+
     def start(self, request: pb.LeaseRequest | None = None) -> list[tuple[int, Any]]:
         """Sends ``request`` (default: a renewal) to every server at once: (server, future)."""
         client = self.client()
-        if (self.released and request is None) or client is None or client._closed:
+        if client is None or client._closed:
             return []
-        request = request or self._request()
+        requests = self.renewals() if request is None else {}
+        if request is None and not requests:
+            return []
         timeout = max(0.2, min(1.0, self.ttl_s / 2))
         sent = []
         for i in range(client.num_servers):
@@ -192,7 +207,8 @@ class _Holding:
                 continue
             try:
                 stub = client._stub(i, "Lease")
-                fut = stub.future(request, timeout=timeout, metadata=client.spec.metadata())
+                req = requests[i] if request is None else request
+                fut = stub.future(req, timeout=timeout, metadata=client.spec.metadata())
             except ValueError:  # the channel was closed under us
                 return sent
             sent.append((i, fut))

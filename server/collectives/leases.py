@@ -54,23 +54,31 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.lease_records import (
+    LeaseRecord,
+    Listener,
+    RunRecord,
+    check_request,
+    witnessed,
+)
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["LeaseTable"]
 
-MAX_RUN_CHARS = 256
-MAX_WORLD = 1 << 20
-TTL_MS = (100, 600_000)
-MAX_REJOIN_MS = 3_600_000
-MAX_REASON_CHARS = 1024
 CHECK_EVERY_S = 0.05
 STREAM_GRACE_S = 1.0
 """After a rank's last stream ends without a release, how long it has to renew or hold again
 before its lease lapses: a live client's channel reconnects within it, a dead process never."""
+UNSEEN_END_S = 5.0
+"""After a rank's last stream ended, how long renewals that still claim a stream
+(``LeaseRequest.stream``) keep its lease. Such a renewal was sent before the rank saw the end:
+a live rank opens a new stream at its next renewal after seeing it (``RENEW_S``, 1 s, in
+client/leases.py; the rest is room for a loaded machine), while a rank that died sends nothing
+more. Without this bound, a dead rank's last renewal, handled after its stream's end on a busy
+server, would hold its lease for a whole TTL (30 s by default)."""
 ISOLATED_GRACE_S = 10.0
 """How long renewals must have reached this server again, after it heard from no rank, before
 a rank still silent is taken for lost: covers ranks whose channels reconnect later than
@@ -83,62 +91,6 @@ class _Aborts(Protocol):
     def abort_run(self, run: str, epoch: int, why: str) -> int: ...
 
     def forget_abort(self, run: str) -> None: ...
-
-
-class Listener(Protocol):
-    """An open stream that is told the run's notices (lease_holds.Hold)."""
-
-    run: str
-    rank: int
-
-    def push(self, reply: pb.LeaseReply) -> None: ...
-
-    def stop(self) -> None: ...
-
-
-@dataclass
-class _Lease:
-    expires: float  # when it lapses while no stream holds it
-    epoch: int
-    ttl_s: float
-    rejoin_s: float
-    since: float  # when its current unbroken run of liveness began
-    heard: float  # its last renewal or stream opening
-    holds: int = 0  # its open streams
-    closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
-    lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
-
-    def live(self, now: float) -> bool:
-        return self.holds > 0 or self.expires >= now
-
-    @property
-    def silent_from(self) -> float:
-        """When its silence began to count: its stream's end, else its TTL's."""
-        return self.closed_at if self.closed_at is not None else self.expires
-
-
-@dataclass
-class _Run:
-    world_size: int
-    leases: dict[int, _Lease] = field(default_factory=dict)
-    aborted_epoch: int = -1
-    reason: str = ""
-    lost_rank: int = -1
-    checked: float = 0.0
-    idle_since: float | None = None  # when its last lease went
-    streams: set[Listener] = field(default_factory=set)
-
-    def live(self, now: float, but: int = -1) -> list[int]:
-        return [r for r, x in self.leases.items() if r != but and x.live(now)]
-
-    def notice(self, epoch: int) -> pb.LeaseReply:
-        """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""
-        reply = pb.LeaseReply(lost_rank=-1)
-        if self.aborted_epoch >= epoch:
-            reply.aborted, reply.aborted_epoch = self.reason, self.aborted_epoch
-            reply.lost_rank = self.lost_rank
-        reply.awaiting.extend(sorted(r for r, x in self.leases.items() if x.lapsed_at))
-        return reply
 
 
 class LeaseTable:
@@ -159,7 +111,7 @@ class LeaseTable:
         self.max_leases = max_leases
         self.clock = clock
         self._lock = threading.Lock()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, RunRecord] = {}
         self._count = 0  # leases held in all runs
         self._closed = threading.Event()  # the server stops: streams end, nothing is decided
 
@@ -167,7 +119,7 @@ class LeaseTable:
     def renew(self, req: pb.LeaseRequest) -> pb.LeaseReply:
         """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
         when asked; returns the run's notice for the rank's epoch, if any."""
-        _check(req)
+        check_request(req)
         with self._lock:
             now = self.clock()
             if req.release and req.run not in self._runs:
@@ -175,7 +127,7 @@ class LeaseTable:
             run = self._run_for(req, now)
             if req.release:
                 self._drop_lease(run, req.rank, now)
-            else:
+            elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
             if req.abort:
                 # a rank that lost a server and recovers (client/leases.py, give_up): the
@@ -191,7 +143,7 @@ class LeaseTable:
     def open_hold(self, req: pb.LeaseRequest, stream: Listener) -> pb.LeaseReply:
         """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
         too); its first reply: the run's notice for the rank's epoch, if any."""
-        _check(req)
+        check_request(req)
         if req.release or req.abort:
             raise ShardError.invalid("HoldLease: release and abort go in a Lease call")
         with self._lock:
@@ -270,7 +222,7 @@ class LeaseTable:
             return gone is not None
 
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
-    def _run_for(self, req: pb.LeaseRequest, now: float) -> _Run:
+    def _run_for(self, req: pb.LeaseRequest, now: float) -> RunRecord:
         run = self._runs.get(req.run)
         if run is not None and not run.live(now, but=req.rank):
             mine = run.leases.get(req.rank)
@@ -284,7 +236,7 @@ class LeaseTable:
                     f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
                     f" run '{req.run}' was not added"
                 )
-            run = self._runs[req.run] = _Run(req.world_size)
+            run = self._runs[req.run] = RunRecord(req.world_size)
         elif run.world_size != req.world_size:
             raise ShardError.precondition(
                 f"Lease: run '{req.run}' has world size {run.world_size} here (ranks"
@@ -293,7 +245,7 @@ class LeaseTable:
             )
         return run
 
-    def _hold(self, run: _Run, req: pb.LeaseRequest, now: float) -> None:
+    def _hold(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
         lease = run.leases.get(req.rank)
         if lease is None:
             if self._count >= self.max_leases:
@@ -305,7 +257,7 @@ class LeaseTable:
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
             holds = lease.holds if lease is not None else 0
-            lease = run.leases[req.rank] = _Lease(now + ttl, req.epoch, ttl, rejoin, now, now)
+            lease = run.leases[req.rank] = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now)
             lease.holds = holds
         else:
             if not lease.live(now):
@@ -319,13 +271,30 @@ class LeaseTable:
             lease.heard, lease.closed_at = now, None
         run.idle_since = None
 
-    def _drop_lease(self, run: _Run, rank: int, now: float) -> None:
+    def _unseen_end(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
+        """Whether renewal ``req`` claims a stream that this server saw end: then it holds the
+        lease at most until ``UNSEEN_END_S`` after the end, and a lease that lapsed stays
+        lapsed for that long (a new stream, or a renewal from a rank that knows its stream is
+        gone, brings it back). A renewal that beat its rank's first stream here holds the lease
+        as before."""
+        if not req.stream:
+            return False
+        lease = run.leases.get(req.rank)
+        if lease is None:  # went with its lapse just now, or never here
+            return now - run.lost.get(req.rank, -UNSEEN_END_S) < UNSEEN_END_S
+        if lease.holds or (lease.closed_at is None and lease.lapsed_at is None):
+            return False
+        if lease.lapsed_at is None:
+            lease.expires = max(lease.expires, lease.closed_at + UNSEEN_END_S)
+        return True
+
+    def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:
         if run.leases.pop(rank, None) is not None:
             self._count -= 1
         if not run.leases:
             run.idle_since = now
 
-    def _check_lapses(self, name: str, run: _Run, now: float, force: bool = False) -> None:
+    def _check_lapses(self, name: str, run: RunRecord, now: float, force: bool = False) -> None:
         if not force and now - run.checked < CHECK_EVERY_S:
             return
         run.checked = now
@@ -336,7 +305,7 @@ class LeaseTable:
                 lease.lapsed_at = lease.expires
             if now - lease.lapsed_at < lease.rejoin_s:
                 continue  # the run waits for a restart of this rank
-            if not _witnessed(run, rank, lease, now):
+            if not witnessed(run, rank, lease, now, ISOLATED_GRACE_S):
                 if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
                     self._drop_lease(run, rank, now)
                 continue  # this server may be the one cut off: it decides nothing
@@ -348,11 +317,13 @@ class LeaseTable:
                 how = f"no lease renewal for {lease.ttl_s:g} s"
             epoch = max(x.epoch for x in run.leases.values())
             self._drop_lease(run, rank, now)
+            run.lost = {r: t for r, t in run.lost.items() if now - t < UNSEEN_END_S}
+            run.lost[rank] = now
             self._abort(
                 name, run, epoch, f"run '{name}' aborted: rank {rank} lost ({how}{waited})", rank
             )
 
-    def _abort(self, name: str, run: _Run, epoch: int, why: str, lost: int) -> None:
+    def _abort(self, name: str, run: RunRecord, epoch: int, why: str, lost: int) -> None:
         if epoch <= run.aborted_epoch:
             return  # that epoch ended already: its first reason stands
         run.aborted_epoch, run.reason, run.lost_rank = epoch, why, lost
@@ -361,48 +332,14 @@ class LeaseTable:
         for stream in run.streams:  # every rank learns now, not at its next renewal
             stream.push(notice)
 
-    def _forget_if_idle(self, name: str, run: _Run, now: float) -> None:
+    def _forget_if_idle(self, name: str, run: RunRecord, now: float) -> None:
         if not run.leases and run.idle_since is not None and now - run.idle_since > self.forget_s:
             self._forget(name, run)
 
-    def _forget(self, name: str, run: _Run) -> None:
+    def _forget(self, name: str, run: RunRecord) -> None:
         self._count -= len(run.leases)
         del self._runs[name]
         self.slots.forget_abort(name)
-
-
-def _witnessed(run: _Run, rank: int, silent: _Lease, now: float) -> bool:
-    """Whether another rank's renewals reached this server all through ``rank``'s silence
-    (or for ``ISOLATED_GRACE_S`` since they resumed), one of them after the silence began:
-    proof that the silence is the rank's, not this server's."""
-    return any(
-        other.live(now)
-        and other.heard > silent.silent_from
-        and (other.since <= silent.heard or now - other.since >= ISOLATED_GRACE_S)
-        for r, other in run.leases.items()
-        if r != rank
-    )
-
-
-def _check(req: pb.LeaseRequest) -> None:
-    """Refuses a malformed request before anything changes."""
-    if not req.run or len(req.run) > MAX_RUN_CHARS or ":" in req.run:
-        raise ShardError.invalid(
-            f"Lease needs a run id of 1..{MAX_RUN_CHARS} characters without ':',"
-            f" got {req.run[:64]!r}{'...' if len(req.run) > 64 else ''}"
-        )
-    if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
-        raise ShardError.invalid(
-            f"Lease: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
-        )
-    if not req.release and not TTL_MS[0] <= req.ttl_ms <= TTL_MS[1]:
-        raise ShardError.invalid(
-            f"Lease: ttl_ms must be in {TTL_MS[0]}..{TTL_MS[1]}, got {req.ttl_ms}"
-        )
-    if req.rejoin_ms > MAX_REJOIN_MS:
-        raise ShardError.invalid(f"Lease: rejoin_ms must be at most {MAX_REJOIN_MS}")
-    if len(req.abort) > MAX_REASON_CHARS:
-        raise ShardError.invalid(f"Lease: an abort reason is at most {MAX_REASON_CHARS} chars")
 
 
 def _listed(ranks: list[int]) -> str:
