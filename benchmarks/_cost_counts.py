@@ -24,8 +24,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from paramshard.client.rpc import CHUNK_BYTES
+
 SMALL = 256 * 2**10  # client/collectives.py SMALL_TENSOR_BYTES: one server
-CHUNK = 16 * 2**20  # client/rpc.py CHUNK_BYTES
+CHUNK = CHUNK_BYTES  # what a client sends in one message unless told otherwise
+CHUNK_BEFORE = 16 * 2**20
+"""The default chunk of runs whose JSON does not say (benchmarks.collectives before it wrote
+``client.chunk_mib``): docs/scaling.md's fit was made with these."""
 BUCKET = 25 * 2**20  # ShardingConfiguration.bucket_size_bytes
 
 

@@ -131,6 +131,7 @@ def bench_main(a: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     doc: dict[str, Any] = {"machine": machine()}
+    doc["client"] = {"chunk_mib": a.chunk_bytes / MiB, "max_in_flight": a.in_flight}
     doc["conventions"] = {
         "size": "S = all_reduce tensor = all_gather OUTPUT (each rank sends S/W) = reduce_scatter"
         " INPUT (each rank keeps S/W); mib = S / 2**20, float32",

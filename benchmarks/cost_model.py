@@ -54,18 +54,21 @@ PARAMS = {  # parameters and FSDP units (blocks) of benchmarks/_scale_models.py'
 LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
 
 
-def op_counts(side: str, op: str, nbytes: float, w: int) -> tuple[float, float, float]:
+def op_counts(
+    side: str, op: str, nbytes: float, w: int, chunk: int = cc.CHUNK
+) -> tuple[float, float, float]:
     """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
-    one host's link each way) of one op (see benchmarks/_cost_counts.py). A host of ours runs
-    a rank and a server: both ends of every message count."""
-    k = max(1, math.ceil(nbytes / w / cc.CHUNK))
+    one host's link each way) of one op with messages of at most ``chunk`` bytes (see
+    benchmarks/_cost_counts.py). A host of ours runs a rank and a server: both ends of every
+    message count."""
+    k = max(1, math.ceil(nbytes / w / chunk))
     frac = (w - 1) / w
     if side == "gloo":
         steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
         handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
         return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
     if op == "all_reduce":
-        t = cc.all_reduce(nbytes, w)
+        t = cc.all_reduce(nbytes, w, chunk=chunk)
         return 2 * t.messages, t.handled_bytes, t.wire_bytes
     if op == "all_gather":
         return 2 * w * k, 2 * nbytes, nbytes * frac
@@ -90,6 +93,12 @@ def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return a, b
 
 
+def chunk_of(doc: dict[str, Any]) -> int:
+    """The chunk the run's clients sent (``cc.CHUNK_BEFORE`` for JSON that does not say)."""
+    mib = (doc.get("client") or {}).get("chunk_mib")
+    return int(mib * MiB) if mib else cc.CHUNK_BEFORE
+
+
 def _netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = doc.get("netns", {}).get("results") or []
     if not rows:
@@ -105,10 +114,11 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
     (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""
     out = {}
     rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
+    chunk = chunk_of(doc)
     for side in ("ours", "gloo"):
         wall, cpu = [], []
         for r in rows:
-            msgs, handled, _ = op_counts(side, r["op"], r["mib"] * MiB, r["world_size"])
+            msgs, handled, _ = op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk)
             wall.append((msgs, handled, r[f"{side}_ns_ms"] / 1e3))
             cpu.append((msgs, handled, r[f"{side}_ns_cpu_ms_per_rank"] / 1e3))
         per_msg, per_byte = _lstsq(wall)
@@ -125,10 +135,13 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 # ================================================================================ the check
-def lab_time(side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any) -> float:
+def lab_time(
+    side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any,
+    chunk: int = cc.CHUNK,
+) -> float:  # fmt: skip
     """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
     (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
-    msgs, handled, wire = op_counts(side, op, nbytes, w)
+    msgs, handled, wire = op_counts(side, op, nbytes, w, chunk)
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
     link = wire * 8 / (rate * 1e9) if rate else 0.0
@@ -150,7 +163,7 @@ def link_rates(doc: dict[str, Any]) -> dict[float, float]:
 def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Every held-out cell's time predicted with the link's measured rate (``link_rates``)."""
     rows, within, held = [], 0, 0
-    measured = link_rates(doc)
+    measured, chunk = link_rates(doc), chunk_of(doc)
     for r in _netns_rows(doc):
         fitted = r.get("rate_gbit") is None and r["world_size"] == 2
         link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
@@ -159,8 +172,8 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
             if key not in r:
                 continue
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
-            pred = lab_time(side, c, r["op"], nbytes, w, link) * 1e3
-            msgs, handled, _ = op_counts(side, r["op"], nbytes, w)
+            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk) * 1e3
+            msgs, handled, _ = op_counts(side, r["op"], nbytes, w, chunk)
             cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
             err = pred / r[key] - 1
             cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1

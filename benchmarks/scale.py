@@ -71,6 +71,7 @@ from benchmarks._scale_memory import (
 from benchmarks._scale_models import MODELS
 from benchmarks._scale_ranks import ours_main, overhead_main, rss_kinds, torch_main
 from benchmarks._training import launch_ranks
+from paramshard.client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT
 
 STRATEGIES = ("ddp", "zero2", "fsdp")
 TORCH_PEER = {
@@ -242,7 +243,10 @@ def parent_main(a: argparse.Namespace) -> int:
         "machine": machine(),
     }
     out["machine"]["loadavg_at_start"] = loadavg()
-    out["client"] = {"chunk_mib": a.chunk_mib or 16.0, "max_in_flight": a.in_flight or 8}
+    out["client"] = {
+        "chunk_mib": a.chunk_mib or CHUNK_BYTES / 2**20,
+        "max_in_flight": a.in_flight or MAX_IN_FLIGHT,
+    }
     out["trainer_env"] = a.trainer_env
     out["deterministic"] = not a.arrival_order
     out["process_overhead"] = over = process_overhead(600)
@@ -292,10 +296,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin-gib", type=float, default=1.5, help="memory left free (GiB)")
     p.add_argument("--step-budget", type=float, default=300.0, help="seconds a step may take")
     p.add_argument(
-        "--chunk-mib", type=float, default=0.0, help="ours: ShardClient chunk_bytes (default 16)"
+        "--chunk-mib",
+        type=float,
+        default=0.0,
+        help=f"ours: ShardClient chunk_bytes (default {CHUNK_BYTES / 2**20:g})",
     )
     p.add_argument(
-        "--in-flight", type=int, default=0, help="ours: ShardClient max_in_flight (default 8)"
+        "--in-flight",
+        type=int,
+        default=0,
+        help=f"ours: ShardClient max_in_flight (default {MAX_IN_FLIGHT})",
     )
     p.add_argument(
         "--sides", default="torch,ours", help="which sides run (default both: the ratio)"

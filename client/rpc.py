@@ -40,9 +40,14 @@ __all__ = [
 ]  # fmt: skip
 
 SERVICE = "/paramshard.v1.Shard/"
-CHUNK_BYTES = 16 * 2**20
-"""The default size of one message's payload (``chunk_bytes``): each call costs 0.3-0.6 ms of
-CPU end to end, so fewer, larger messages move faster, up to grpcio's 4-16 MiB sweet spot."""
+CHUNK_BYTES = 4 * 2**20
+"""The default size of one message's payload (``chunk_bytes``; NCCL's default buffer is 4 MiB
+too). Each call costs 0.3-0.6 ms of CPU end to end, so larger messages cost less CPU a byte,
+but a server maps about 2 x W segments of one chunk each from the trainers of its host
+(protos/shm.py). With 4 MiB instead of 16, GPT-2 124M servers peaked at 1.10-1.12x the memory
+formula at W=4 (1.28-1.34x) and 1.31-1.44x at W=8 (2.22-2.36x), DDP's step at W=4 took 0.95x
+torch's (1.02x), ZeRO-2's and FSDP's the same, while an isolated 64 MiB all-reduce between
+processes of one host took 1.5-1.7x as long (docs/benchmarks.md, "Chunk size")."""
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 DEFAULT_TIMEOUT_S = 120.0
 """A client's deadline of every wait unless it is given one (``timeout_s``; a

@@ -44,7 +44,9 @@ def run(shaped_moved: float | None) -> dict:
     shaping = [{"rate_gbit": None, "qdisc": "none"}, {"rate_gbit": 10.0, "qdisc": "tbf"}]
     if shaped_moved is not None:
         shaping[1]["raw_tcp_gbit"] = [shaped_moved - 0.5, shaped_moved + 0.5]
-    return {"netns": {"results": rows, "shaping": shaping}, "machine": {"cpu": "test"}}
+    client = {"chunk_mib": cm.cc.CHUNK / MiB}  # the chunk op_counts counted the rows with
+    return {"netns": {"results": rows, "shaping": shaping}, "machine": {"cpu": "test"},
+            "client": client}  # fmt: skip
 
 
 def test_fit_recovers_the_costs_the_cells_were_made_with() -> None:
@@ -87,3 +89,12 @@ def test_prediction_reaches_a_thousand_hosts_for_every_model(tmp_path, capsys) -
             if r["model"] == "gpt2-124m" and r["gbit"] == 100.0}  # fmt: skip
     assert ring[1024] > ring[8]
     assert math.isfinite(out["costs"]["ours"]["cpu_gb_per_s_per_core"])
+
+
+def test_the_fit_counts_messages_with_the_chunk_the_run_used() -> None:
+    """A run's JSON says its chunk; one made before it said was made with 16 MiB."""
+    assert cm.chunk_of({"client": {"chunk_mib": 4.0}}) == 4 * MiB
+    assert cm.chunk_of({"machine": {}}) == 16 * MiB
+    msgs_4, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 4 * MiB)
+    msgs_16, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 16 * MiB)
+    assert msgs_4 == 4 * msgs_16
