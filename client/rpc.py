@@ -45,9 +45,10 @@ CHUNK_BYTES = 4 * 2**20
 too). Each call costs 0.3-0.6 ms of CPU end to end, so larger messages cost less CPU a byte,
 but a server maps about 2 x W segments of one chunk each from the trainers of its host
 (protos/shm.py). With 4 MiB instead of 16, GPT-2 124M servers peaked at 1.10-1.12x the memory
-formula at W=4 (1.28-1.34x) and 1.31-1.44x at W=8 (2.22-2.36x), DDP's step at W=4 took 0.95x
-torch's (1.02x), ZeRO-2's and FSDP's the same, while an isolated 64 MiB all-reduce between
-processes of one host took 1.5-1.7x as long (docs/benchmarks.md, "Chunk size")."""
+formula at W=4 (1.28-1.34x) and 1.31-1.44x at W=8 (2.22-2.36x); DDP's step at W=4 took
+14.0-14.1 s (15.5-16.5 s), ZeRO-2's and FSDP's the same within the noise; an isolated 64 MiB
+all-reduce between processes of one host took 1.5-1.7x as long (docs/benchmarks.md, "Chunk
+size")."""
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 DEFAULT_TIMEOUT_S = 120.0
 """A client's deadline of every wait unless it is given one (``timeout_s``; a
