@@ -197,17 +197,17 @@ class _Holding:
         client = self.client()
         if client is None or client._closed:
             return []
-        requests = self.renewals() if request is None else {}
-        if request is None and not requests:
-            return []
+        if request is None:
+            requests = self.renewals()
+        else:
+            requests = dict.fromkeys(range(client.num_servers), request)
         timeout = max(0.2, min(1.0, self.ttl_s / 2))
         sent = []
-        for i in range(client.num_servers):
+        for i, req in requests.items():
             if i in self.silenced:
                 continue
             try:
                 stub = client._stub(i, "Lease")
-                req = requests[i] if request is None else request
                 fut = stub.future(req, timeout=timeout, metadata=client.spec.metadata())
             except ValueError:  # the channel was closed under us
                 return sent
