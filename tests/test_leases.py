@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import unique_id, worker_env
+from lease_fakes import Clock
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.leases import LEASE_TTL_ENV
@@ -29,14 +30,6 @@ from paramshard.server.collectives.leases import ISOLATED_GRACE_S, LeaseTable
 from paramshard.server.collectives.pending import run_epoch
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime.errors import ShardError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def lease(run="r", rank=0, world=2, epoch=0, ttl_ms=1000, **kw) -> pb.LeaseRequest:
