@@ -4,6 +4,7 @@
 #   make test        the whole suite, slow-marked tests included, then the server-side tests
 #                    again on the strict test backend (what CI runs)
 #   make test-strict only that second run
+#   make test-gpu    on a GPU host: the gpu/cupy-marked tests, then the server-side tests on CuPy
 #   make test-fast   everything except tests marked slow
 #   make demo        GPT on 2 FSDP ranks to a validation loss; inspect, SIGKILL a server, recover,
 #                    snapshot, export, sample in plain torch (examples/demo.py, ~2 min)
@@ -22,10 +23,10 @@ export PIP_NO_INPUT := 1
 
 .DEFAULT_GOAL := help
 .DELETE_ON_ERROR:
-.PHONY: help venv test test-strict test-fast demo lint bench clean distclean
+.PHONY: help venv test test-strict test-gpu test-fast demo lint bench clean distclean
 
 help:
-	@echo "targets: venv test test-strict test-fast demo lint bench clean distclean"
+	@echo "targets: venv test test-strict test-gpu test-fast demo lint bench clean distclean"
 	@echo "  (PYTHON=$(PYTHON) VENV=$(VENV); see the top of the Makefile)"
 
 venv: $(STAMP)
@@ -66,8 +67,8 @@ $(STAMP): pyproject.toml
 STRICT_TESTS := $(addprefix tests/test_,$(addsuffix .py,server_services bad_input collectives \
   bad_requests buffers nonfinite snapshots hardening_snapshots hardening_replication hardening_store \
   hardening_limits optimizer_state recovery determinism dlpack shm replica_shm))
-STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(PY) -m pytest -q $(STRICT_TESTS) \
-  --deselect tests/test_recovery.py::test_3d_job_recovers_from_a_killed_server
+SERVER_TESTS = $(PY) -m pytest -q $(1) --deselect tests/test_recovery.py::test_3d_job_recovers_from_a_killed_server
+STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(call SERVER_TESTS,$(STRICT_TESTS))
 
 # Both runs happen even when the first fails, so one pass shows everything to fix; the exit
 # status is the first failing pytest's own (5: no tests collected fails too).
@@ -79,6 +80,18 @@ test: venv
 
 test-strict: venv
 	$(STRICT_RUN)
+
+# On a GPU host: CuPy into $(VENV), the tests marked gpu or cupy, then the strict set's files with
+# every server on CuPy (PARAMSHARD_TEST_BACKEND=cuda:0). test_dlpack.py's CPU cases need CPU
+# servers beside CPU tensors, so it runs only in the first part (its GPU case).
+test-gpu: venv
+	$(PY) -m pip install -q -e ".[gpu]"
+	@status=0; \
+	$(PY) -m pytest -q -m "gpu or cupy" tests/test_cuda.py tests/test_dlpack.py \
+	  tests/test_server_services.py || status=$$?; \
+	PARAMSHARD_TEST_BACKEND=cuda:0 $(call SERVER_TESTS,$(filter-out tests/test_dlpack.py,$(STRICT_TESTS))) \
+	  || { code=$$?; [ $$status -ne 0 ] || status=$$code; }; \
+	exit $$status
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"

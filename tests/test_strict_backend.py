@@ -110,8 +110,15 @@ def test_the_environment_variable_puts_cpu_servers_on_the_strict_backend(
         backend.use_device("cpu")
         assert backend.xp is strict and backend.device == "cpu"
         monkeypatch.setenv(backend.TEST_BACKEND_ENV, "cupy")
-        with pytest.raises(backend.BackendError, match="the only test backend is 'strict'"):
+        with pytest.raises(backend.BackendError, match="test backends are 'strict' and 'cuda"):
             backend.use_device("cpu")
+        monkeypatch.setenv(backend.TEST_BACKEND_ENV, "cuda:0")  # make test-gpu's servers
+        try:
+            backend.use_device("cpu")
+        except backend.BackendError as exc:  # no CuPy or no device: refused as --device is
+            assert "device 'cuda:0'" in str(exc)
+        else:
+            assert backend.device == "cuda:0" and backend.xp is not np
     finally:
         monkeypatch.undo()
         backend.use_device("cpu")

@@ -9,7 +9,9 @@ Tests also select ``strict`` (tests/strict_backend.py): NumPy whose arrays refus
 conversion to NumPy as CuPy's do, so a NumPy-only call in server code fails on CPU CI instead of
 on the first GPU. ``PARAMSHARD_TEST_BACKEND=strict`` makes every ``use_device("cpu")`` of the
 process select it, in servers that tests start as processes too (it needs a checkout: the
-module lives in tests/, which no wheel or image ships).
+module lives in tests/, which no wheel or image ships). On a GPU host,
+``PARAMSHARD_TEST_BACKEND=cuda:N`` does the same with CuPy on device N, so the CPU suites run
+against real device arrays (``make test-cupy``).
 """
 
 from __future__ import annotations
@@ -55,8 +57,10 @@ def use_device(name: str) -> None:
     global xp, device, _upload
     if name == "cpu" and os.environ.get(TEST_BACKEND_ENV):
         name = os.environ[TEST_BACKEND_ENV]
-        if name != "strict":
-            raise BackendError(f"{TEST_BACKEND_ENV}={name!r}: the only test backend is 'strict'")
+        if name != "strict" and not name.startswith("cuda"):
+            raise BackendError(
+                f"{TEST_BACKEND_ENV}={name!r}: test backends are 'strict' and 'cuda[:N]'"
+            )
     if name == "cpu":
         xp, device, _upload = np, "cpu", None
         return
