@@ -75,14 +75,17 @@ def tcp_send_main(a: argparse.Namespace) -> None:
 class PlainClient:
     """The generated protobuf classes (ShardStub, ``bytes`` fields), same chunking and windowing."""
 
-    def __init__(self, addrs: list[str], chunk_bytes: int, max_in_flight: int) -> None:
+    def __init__(self, addrs: list[str], chunk_bytes: int | None, max_in_flight: int) -> None:
         import grpc
 
+        from paramshard.client import ClusterSpec
+        from paramshard.client.chunk_size import default_chunk_bytes
         from paramshard.protos import shard_pb2_grpc
 
         self.chans = [grpc.insecure_channel(x, options=GRPC_BIG) for x in addrs]
         self.stubs = [shard_pb2_grpc.ShardStub(ch) for ch in self.chans]
-        self.chunk = chunk_bytes // 4
+        default = default_chunk_bytes(ClusterSpec(addrs).servers_per_host)  # as ShardClient's
+        self.chunk = (chunk_bytes or default) // 4
         self.window = max_in_flight
 
     def _run(self, calls: list[Any]) -> None:

@@ -79,10 +79,8 @@ from benchmarks._transport import (
     section_transport,
 )
 from benchmarks._transport_ranks import pushpull_main, tcp_recv_main, tcp_send_main
-from paramshard.client.rpc import (  # ShardClient's defaults: the cells use them
-    CHUNK_BYTES,
-    MAX_IN_FLIGHT,
-)
+from paramshard.client.chunk_size import default_chunk_bytes  # the cells use the defaults
+from paramshard.client.rpc import MAX_IN_FLIGHT
 
 
 # =============================================================================== parent: phases
@@ -131,7 +129,12 @@ def bench_main(a: argparse.Namespace) -> int:
 
     t_start = time.monotonic()
     doc: dict[str, Any] = {"machine": machine()}
-    doc["client"] = {"chunk_mib": a.chunk_bytes / MiB, "max_in_flight": a.in_flight}
+    doc["client"] = {"chunk_mib": a.chunk_mib or None, "max_in_flight": a.in_flight}
+    if not a.chunk_mib:  # ShardClient's default: W servers on this host, one a namespace
+        doc["client"]["chunk_mib_same_host"] = {
+            str(w): default_chunk_bytes(w) / MiB for w in a.world_sizes
+        }
+        doc["client"]["chunk_mib_netns"] = default_chunk_bytes(1) / MiB
     doc["conventions"] = {
         "size": "S = all_reduce tensor = all_gather OUTPUT (each rank sends S/W) = reduce_scatter"
         " INPUT (each rank keeps S/W); mib = S / 2**20, float32",
@@ -146,8 +149,9 @@ def bench_main(a: argparse.Namespace) -> int:
         " than wall time",
         "rounds": "each world size runs every variant --rounds times in alternating order; the"
         " repetitions of all rounds are pooled before the median",
-        "ours": f"each rank process hosts its ShardServer (in-process server threads); chunk"
-        f" {a.chunk_bytes / MiB:g} MiB, {a.in_flight} calls in flight per rank",
+        "ours": "each rank process hosts its ShardServer (in-process server threads); chunk"
+        f" {f'{a.chunk_mib:g} MiB' if a.chunk_mib else 'client.chunk_mib_same_host / _netns'},"
+        f" {a.in_flight} calls in flight per rank",
         "ours_sep": "same ranks, servers as W separate processes (ours_sep*_cpu_ms_per_rank ="
         " a rank's own CPU + 1/W of all servers' CPU); the variants are in 'variants'",
         "malloc_env": MALLOC_ENV,
@@ -224,7 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument(
-        "--chunk-mib", type=float, default=CHUNK_BYTES / MiB, help="ShardClient chunk_bytes, MiB"
+        "--chunk-mib",
+        type=float,
+        default=0.0,
+        help="ShardClient chunk_bytes, MiB (default: the client's own for the cell's servers"
+        " a host, client/chunk_size.py)",
     )
     ap.add_argument(
         "--in-flight", type=int, default=MAX_IN_FLIGHT, help="ShardClient max_in_flight"
@@ -282,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a.world_sizes = parse_list(a.world_sizes, int)
     a.parts = parse_list(a.parts, str)
-    a.chunk_bytes = max(4096, int(a.chunk_mib * MiB))
+    a.chunk_bytes = max(4096, int(a.chunk_mib * MiB)) if a.chunk_mib else None
     if not a.parts or set(a.parts) - {"transport", "collectives", "training"}:
         ap.error("--parts takes transport, collectives and/or training")
     a.rates = [float(r) or None for r in parse_list(a.rates, str)]

@@ -71,7 +71,8 @@ from benchmarks._scale_memory import (
 from benchmarks._scale_models import MODELS
 from benchmarks._scale_ranks import ours_main, overhead_main, rss_kinds, torch_main
 from benchmarks._training import launch_ranks
-from paramshard.client.rpc import CHUNK_BYTES, MAX_IN_FLIGHT
+from paramshard.client.chunk_size import default_chunk_bytes
+from paramshard.client.rpc import MAX_IN_FLIGHT
 
 STRATEGIES = ("ddp", "zero2", "fsdp")
 TORCH_PEER = {
@@ -244,9 +245,13 @@ def parent_main(a: argparse.Namespace) -> int:
     }
     out["machine"]["loadavg_at_start"] = loadavg()
     out["client"] = {
-        "chunk_mib": a.chunk_mib or CHUNK_BYTES / 2**20,
+        "chunk_mib": a.chunk_mib or None,  # None: each W's default, chunk_mib_by_world
         "max_in_flight": a.in_flight or MAX_IN_FLIGHT,
     }
+    if not a.chunk_mib:
+        out["client"]["chunk_mib_by_world"] = {
+            str(w): default_chunk_bytes(w) / 2**20 for w in worlds
+        }
     out["trainer_env"] = a.trainer_env
     out["deterministic"] = not a.arrival_order
     out["process_overhead"] = over = process_overhead(600)
@@ -299,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-mib",
         type=float,
         default=0.0,
-        help=f"ours: ShardClient chunk_bytes (default {CHUNK_BYTES / 2**20:g})",
+        help="ours: ShardClient chunk_bytes (default: the client's own for W servers on one"
+        " host, client/chunk_size.py)",
     )
     p.add_argument(
         "--in-flight",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -109,6 +110,13 @@ class ClusterSpec:
     def __len__(self) -> int:
         return len(self.addresses)
 
+    @property
+    def servers_per_host(self) -> int:
+        """The most servers whose addresses name one host (every loopback name is one host):
+        the servers a trainer of the fullest host may share memory with, as far as the
+        addresses tell. Every rank of a job has the same addresses, so all agree."""
+        return max(Counter(_host_of(a) for a in self.addresses).values())
+
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
@@ -159,3 +167,11 @@ def _close_bounded(chan: grpc.Channel) -> None:
     closer.join(closing.STEP_S)
     if closer.is_alive():
         log.warning("closing a gRPC channel took over %g s; left to the exit", closing.STEP_S)
+
+
+def _host_of(address: str) -> str:
+    """The host part of ``host:port`` (``[v6]:port`` too), one name for every loopback one."""
+    host = address.rsplit(":", 1)[0].strip("[]").lower()
+    if host in ("localhost", "::1", "0.0.0.0") or host.startswith("127."):
+        return "loopback"
+    return host

@@ -19,6 +19,7 @@ import grpc
 
 from paramshard.client import hang_report, leases, unreachable
 from paramshard.client.call_order import Batch
+from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.futures import Done, ShmFuture
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
@@ -36,19 +37,10 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
-    "ShardClientError", "Call", "RpcCore", "CHUNK_BYTES", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
+    "ShardClientError", "Call", "RpcCore", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
 ]  # fmt: skip
 
 SERVICE = "/paramshard.v1.Shard/"
-CHUNK_BYTES = 4 * 2**20
-"""The default size of one message's payload (``chunk_bytes``; NCCL's default buffer is 4 MiB
-too). Each call costs 0.3-0.6 ms of CPU end to end, so larger messages cost less CPU a byte,
-but a server maps about 2 x W segments of one chunk each from the trainers of its host
-(protos/shm.py). With 4 MiB instead of 16, GPT-2 124M servers peaked at 1.10-1.12x the memory
-formula at W=4 (1.28-1.34x) and 1.31-1.44x at W=8 (2.22-2.36x); DDP's step at W=4 took
-14.0-14.1 s (15.5-16.5 s), ZeRO-2's and FSDP's the same within the noise; an isolated 64 MiB
-all-reduce between processes of one host took 1.5-1.7x as long (docs/benchmarks.md, "Chunk
-size")."""
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 DEFAULT_TIMEOUT_S = 120.0
 """A client's deadline of every wait unless it is given one (``timeout_s``; a
@@ -126,10 +118,12 @@ class RpcCore:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         shared_memory: bool | None = None,
         sessions: bool | None = None,
     ) -> None:
+        if chunk_bytes is None:
+            chunk_bytes = default_chunk_bytes(spec.servers_per_host)
         self.spec = spec
         self.timeout_s = timeout_s
         self.retries = retries

@@ -11,7 +11,7 @@ from paramshard.client import leases
 from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
-from paramshard.client.rpc import CHUNK_BYTES, DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
+from paramshard.client.rpc import DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
 from paramshard.client.run_id import run_id_from_env
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
@@ -25,6 +25,8 @@ class ShardClient(Collectives, FlatBuffers):
     ``run_id`` names this run's collective slots: all ranks of one run must agree on it, and two
     runs on the same servers must differ (default: ``PARAMSHARD_RUN``, which ``paramshard
     launch`` sets, else torchrun's ``TORCHELASTIC_RUN_ID``; client/run_id.py).
+    ``chunk_bytes``: the most payload one message carries (default: ``default_chunk_bytes``
+    of the servers on one host, 4 MiB for 4); every rank of a job must use the same.
     ``deterministic`` (default): sums and means of collectives are reduced in rank order,
     bitwise reproducible; False: in arrival order (strategies set it from their
     configuration's ``deterministic``).
@@ -45,7 +47,7 @@ class ShardClient(Collectives, FlatBuffers):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         retries: int = 5,
         max_in_flight: int = MAX_IN_FLIGHT,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int | None = None,
         deterministic: bool = True,
         shared_memory: bool | None = None,
         sessions: bool | None = None,
