@@ -24,10 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from paramshard.client.rpc import CHUNK_BYTES
+from paramshard.client.chunk_size import default_chunk_bytes
 
 SMALL = 256 * 2**10  # client/collectives.py SMALL_TENSOR_BYTES: one server
-CHUNK = CHUNK_BYTES  # what a client sends in one message unless told otherwise
 CHUNK_BEFORE = 16 * 2**20
 """The default chunk of runs whose JSON does not say (benchmarks.collectives before it wrote
 ``client.chunk_mib``): docs/scaling.md's fit was made with these."""
@@ -45,6 +44,12 @@ class Traffic:
     round_trips: float  # sequential round trips (latency terms)
 
 
+def chunk_for(servers_per_host: int, chunk: int | None) -> int:
+    """``chunk``, or what a client sends in one message unless told, with
+    ``servers_per_host`` servers on each host (client/chunk_size.py)."""
+    return chunk or default_chunk_bytes(servers_per_host)
+
+
 def _pieces(nbytes: float, n: int, chunk: int) -> float:
     """Messages to move ``nbytes`` cut into ``n`` parts of at most ``chunk`` bytes each."""
     if nbytes <= 0:
@@ -52,7 +57,8 @@ def _pieces(nbytes: float, n: int, chunk: int) -> float:
     return n * max(1, math.ceil(nbytes / n / chunk))
 
 
-def all_reduce(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+def all_reduce(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic:
+    chunk = chunk_for(s, chunk)
     n = 1 if nbytes <= SMALL else w * s
     per = _pieces(nbytes, n, chunk)
     wire = 2 * nbytes * (w - 1) / w  # the parts on other hosts' servers, out and back
@@ -60,15 +66,16 @@ def all_reduce(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic
     return Traffic(2 * per, server, wire, 4 * nbytes, 2)
 
 
-def push(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+def push(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic:
     """A gradient push (a reduce-scatter with the sum kept on the servers)."""
     n = w * s
+    chunk = chunk_for(s, chunk)
     per = _pieces(nbytes, n, chunk)
     return Traffic(per, w * max(1, math.ceil(nbytes / n / chunk)), nbytes * (w - 1) / w,
                    2 * nbytes, 1)  # fmt: skip
 
 
-def pull(nbytes: float, w: int, s: int = 1, chunk: int = CHUNK) -> Traffic:
+def pull(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic:
     """A parameter pull (an all-gather of what the servers hold)."""
     return push(nbytes, w, s, chunk)
 
@@ -90,7 +97,7 @@ def _add(parts: list[Traffic]) -> Traffic:
 
 def step_traffic(
     strategy: str, psi: float, w: int, *, units: int = 12, s: int = 1, bucket: int = BUCKET,
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> Traffic:  # fmt: skip
     """A training step's traffic for ``psi`` float32 parameters (``units``: FSDP's blocks)."""
     grad = 4 * psi

@@ -55,13 +55,13 @@ LAB_CORES = 2  # the machine the lab runs on: every host's processes share its c
 
 
 def op_counts(
-    side: str, op: str, nbytes: float, w: int, chunk: int = cc.CHUNK
+    side: str, op: str, nbytes: float, w: int, chunk: int | None = None
 ) -> tuple[float, float, float]:
     """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
     one host's link each way) of one op with messages of at most ``chunk`` bytes (see
     benchmarks/_cost_counts.py). A host of ours runs a rank and a server: both ends of every
-    message count."""
-    k = max(1, math.ceil(nbytes / w / chunk))
+    message count. ``chunk``: None, a client's default with one server a host."""
+    k = max(1, math.ceil(nbytes / w / cc.chunk_for(1, chunk)))
     frac = (w - 1) / w
     if side == "gloo":
         steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
@@ -94,8 +94,11 @@ def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 
 def chunk_of(doc: dict[str, Any]) -> int:
-    """The chunk the run's clients sent (``cc.CHUNK_BEFORE`` for JSON that does not say)."""
-    mib = (doc.get("client") or {}).get("chunk_mib")
+    """The chunk the run's clients sent across the namespaces: the one it names, or the
+    clients' default there (``client.chunk_mib_netns``), or ``cc.CHUNK_BEFORE`` for JSON that
+    says neither."""
+    client = doc.get("client") or {}
+    mib = client.get("chunk_mib") or client.get("chunk_mib_netns")
     return int(mib * MiB) if mib else cc.CHUNK_BEFORE
 
 
@@ -137,7 +140,7 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
 # ================================================================================ the check
 def lab_time(
     side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any,
-    chunk: int = cc.CHUNK,
+    chunk: int | None = None,
 ) -> float:  # fmt: skip
     """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
     (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
@@ -301,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-tflops", type=float, default=100.0, help="a host's effective TFLOP/s")
     p.add_argument("--markdown", action="store_true")
     a = p.parse_args(argv)
+    if a.bucket < 2**16 or a.servers_per_host < 1:  # a few bytes: millions of buckets a step
+        p.error(
+            "--bucket is in bytes (at least 65536; 100 MiB is 104857600) and"
+            " --servers-per-host at least 1"
+        )
     doc = json.load(open(a.collectives))
     costs = fit(doc)
     result = {

@@ -44,7 +44,8 @@ def run(shaped_moved: float | None) -> dict:
     shaping = [{"rate_gbit": None, "qdisc": "none"}, {"rate_gbit": 10.0, "qdisc": "tbf"}]
     if shaped_moved is not None:
         shaping[1]["raw_tcp_gbit"] = [shaped_moved - 0.5, shaped_moved + 0.5]
-    client = {"chunk_mib": cm.cc.CHUNK / MiB}  # the chunk op_counts counted the rows with
+    # the chunk op_counts counted the rows with: a client's default, one server a host
+    client = {"chunk_mib": None, "chunk_mib_netns": cm.cc.chunk_for(1, None) / MiB}
     return {"netns": {"results": rows, "shaping": shaping}, "machine": {"cpu": "test"},
             "client": client}  # fmt: skip
 
@@ -92,8 +93,10 @@ def test_prediction_reaches_a_thousand_hosts_for_every_model(tmp_path, capsys) -
 
 
 def test_the_fit_counts_messages_with_the_chunk_the_run_used() -> None:
-    """A run's JSON says its chunk; one made before it said was made with 16 MiB."""
+    """A run's JSON says its chunk, or its clients' default across the namespaces; one made
+    before it said either was made with 16 MiB."""
     assert cm.chunk_of({"client": {"chunk_mib": 4.0}}) == 4 * MiB
+    assert cm.chunk_of({"client": {"chunk_mib": None, "chunk_mib_netns": 8.0}}) == 8 * MiB
     assert cm.chunk_of({"machine": {}}) == 16 * MiB
     msgs_4, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 4 * MiB)
     msgs_16, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 16 * MiB)
