@@ -11,7 +11,7 @@ on the first GPU. ``PARAMSHARD_TEST_BACKEND=strict`` makes every ``use_device("c
 process select it, in servers that tests start as processes too (it needs a checkout: the
 module lives in tests/, which no wheel or image ships). On a GPU host,
 ``PARAMSHARD_TEST_BACKEND=cuda:N`` does the same with CuPy on device N, so the CPU suites run
-against real device arrays (``make test-cupy``).
+against real device arrays (``make test-gpu``).
 """
 
 from __future__ import annotations
