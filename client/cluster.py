@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from paramshard.protos import closing
+from paramshard.protos.hosts import is_loopback
 
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
@@ -170,8 +171,7 @@ def _close_bounded(chan: grpc.Channel) -> None:
 
 
 def _host_of(address: str) -> str:
-    """The host part of ``host:port`` (``[v6]:port`` too), one name for every loopback one."""
+    """The host part of ``host:port`` (``[v6]:port`` too), one name for every loopback one and
+    for 0.0.0.0 (which a client reaches on its own host)."""
     host = address.rsplit(":", 1)[0].strip("[]").lower()
-    if host in ("localhost", "::1", "0.0.0.0") or host.startswith("127."):
-        return "loopback"
-    return host
+    return "loopback" if host == "0.0.0.0" or is_loopback(host) else host

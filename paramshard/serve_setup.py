@@ -16,6 +16,7 @@ from paramshard.commands import (
     paramshard_argv,
     warn,
 )
+from paramshard.protos.hosts import is_loopback  # noqa: F401 - serve_cli's, and the tests'
 
 REEXEC_GUARD = "PARAMSHARD_SERVE_REEXEC"
 
@@ -100,14 +101,6 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
         os.execve(sys.executable, paramshard_argv(*argv), env)
     except OSError as exc:
         warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
-
-
-def is_loopback(host: str) -> bool:
-    from paramshard.server.rpc.tls import (
-        is_loopback,  # the server's own rule, the one place for it
-    )
-
-    return is_loopback(host)
 
 
 def join_host_port(host: str, port: int) -> str:

@@ -7,11 +7,11 @@ told ``insecure``.
 
 from __future__ import annotations
 
-import ipaddress
-
 import grpc
 
-__all__ = ["server_credentials", "peer_channel_credentials", "is_loopback", "check_binding"]
+from paramshard.protos.hosts import is_loopback
+
+__all__ = ["server_credentials", "peer_channel_credentials", "check_binding"]
 
 
 def _pem(value: bytes | str | None) -> bytes | None:
@@ -54,16 +54,6 @@ def peer_channel_credentials(
         private_key=key if mutual else None,
         certificate_chain=cert if mutual else None,
     )
-
-
-def is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost, or "" (all interfaces)
-        return False
 
 
 def check_binding(host: str, *, tls: bool, tokens: bool, insecure: bool) -> bool:
