@@ -1,7 +1,8 @@
 """What the training benchmarks (``benchmarks.strategies``, ``benchmarks.hybrid``) share.
 
-- the GPTs (tiny 867,072 and small 13,842,432 parameters, untied), the AdamW
-  settings and the batches: fixed random tokens, seeded per step, W x per-rank sequences;
+- the GPTs (tiny 867,072, small 13,842,432 and gpt2, GPT-2 124M's shape, 162,349,056
+  parameters; all untied), the AdamW settings and the batches: fixed random tokens, seeded
+  per step, W x per-rank sequences;
 - starting one cell's rank processes (``launch_ranks``): ours, each rank hosting a
   ``ShardServer`` whose address the ranks exchange through the parent (``hosted_server``), or
   torch's gloo ranks (``init_gloo``), measured with the share of CPU others used meanwhile;
@@ -51,6 +52,16 @@ MODELS: dict[str, dict[str, Any]] = {
         "steps": 9,
         "warmup": 3,
         "step_budget_s": 40.0,
+    },
+    "gpt2": {  # GPT-2 124M's shape; untied (torch's pipelining splits no tied weight)
+        "preset": "small",
+        "overrides": dict(
+            vocab_size=50257, block_size=128, n_layer=12, n_head=12, n_embd=768, tie_weights=False
+        ),
+        "batch_per_rank": 2,
+        "steps": 6,
+        "warmup": 2,
+        "step_budget_s": 120.0,
     },
 }
 LR, BETAS, EPS, WD, SEED = 1e-3, (0.9, 0.95), 1e-8, 0.01, 1234
