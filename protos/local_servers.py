@@ -30,7 +30,8 @@ class LocalServer:
     gRPC handler would, failing through ``context.abort(code, details)``; with
     ``device_reply`` a PullParams reply carries its values as a device array, not bytes."""
     methods: frozenset[str]
-    """The methods ``call`` runs (the data plane: pushes, pulls, slots)."""
+    """The methods ``call`` runs (the data plane: pushes, pulls, slots; and a step's grad
+    check and step)."""
     max_receive_bytes: int
     """Larger requests go through gRPC, which refuses them with its own message."""
     device: str

@@ -158,7 +158,7 @@ class ShardServicer:
             **self.segments.handlers(),
         }
         guarded = {name: (self._guard(name, fn), de, ser) for name, (fn, de, ser) in table.items()}
-        self.session_handlers = {name: guarded[name] for name in self.LOCAL_METHODS}
+        self.session_handlers = {name: guarded[name] for name in self.SESSION_METHODS}
         handlers = {
             name: unary(fn, request_deserializer=de, response_serializer=ser)
             for name, (fn, de, ser) in guarded.items()
@@ -177,15 +177,19 @@ class ShardServicer:
         self.slots.interrupt(why)
         self.buffers.interrupt(why)
 
-    LOCAL_METHODS = {
+    SESSION_METHODS = {
         "Contribute": "contribute",
         "ReadSlot": "read_slot",
         "PushGrad": "push_grad",
         "PullParams": "pull_params",
         "SetParams": "set_params",
     }
-    """The data-plane methods a client in this process may run directly (``call_local``), and
-    that sessions carry (``session_handlers``, server/transport/sessions.py)."""
+    """The data-plane methods sessions carry (``session_handlers``,
+    server/transport/sessions.py)."""
+    LOCAL_METHODS = {**SESSION_METHODS, "GradNorm": "grad_norm", "Step": "step"}
+    """What a client in this process may run directly (``call_local``): the data plane and a
+    step's two calls, so a step on a rank's own server makes no gRPC call
+    (docs/benchmarks.md, "In-process steps")."""
 
     def call_local(
         self, method: str, request: Any, context: Any, device_reply: bool = False

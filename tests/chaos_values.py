@@ -39,7 +39,7 @@ DECOYS = ("decoy-a", "decoy-b")
 """Jobs that mutating calls with a role allowed to change them are sent to instead."""
 N = 64  # elements of buffer "w" (adam); buffer "v" (sgd, float64 master) has 7
 SESSION_METHODS = ("Contribute", "ReadSlot", "PushGrad", "PullParams", "SetParams")
-"""The methods a session carries (ShardServicer.LOCAL_METHODS)."""
+"""The methods a session carries (ShardServicer.SESSION_METHODS)."""
 
 
 def run_of(job: str) -> str:

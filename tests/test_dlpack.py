@@ -87,6 +87,28 @@ def test_in_process_servers_equal_the_grpc_path(strategy, handovers):
     assert handovers["landed"] > 0, "no pulled piece came back as a device array"
 
 
+@pytest.mark.parametrize("local_calls", [True, False], ids=["in-process", "over-the-wire"])
+def test_a_step_on_in_process_servers_makes_no_grpc_call(local_calls, monkeypatch):
+    """A step's GradNorm and Step go to a server of the trainer's process directly, as its
+    pushes and pulls do (``ShardServicer.LOCAL_METHODS``): they run on the in-process pool's
+    threads, and on gRPC's only when the servers refuse in-process calls."""
+    from paramshard.server.servicer import ShardServicer
+
+    ran: list[tuple[str, str]] = []  # (handler, thread)
+    for name in ("grad_norm", "step"):
+        real = getattr(ShardServicer, name)
+
+        def spy(self, req, context, _real=real, _name=name):
+            ran.append((_name, threading.current_thread().name))
+            return _real(self, req, context)
+
+        monkeypatch.setattr(ShardServicer, name, spy)
+    train_sharded("zero2", "adamw", 2, 2, initial_state(), batches(), local_calls=local_calls)
+    assert {name for name, _ in ran} == {"grad_norm", "step"}, ran
+    in_process = [thread.startswith("local-shard") for _, thread in ran]
+    assert all(in_process) if local_calls else not any(in_process), ran
+
+
 @pytest.mark.gpu
 @pytest.mark.cupy
 @pytest.mark.parametrize("strategy", SHARDED)

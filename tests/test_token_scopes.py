@@ -235,7 +235,7 @@ def test_a_token_scoped_to_another_team_touches_nothing(server: ShardServer) -> 
             assert code == grpc.StatusCode.PERMISSION_DENIED, (token, method, code, details)
             if auth.role_allows(role, auth.METHOD_ROLES[method], method):
                 assert "outside this token's scope (jobs=team-a-*" in details, details
-    session_methods = sorted(ShardServicer.LOCAL_METHODS)
+    session_methods = sorted(ShardServicer.SESSION_METHODS)
     for token in TEAM_A:
         s = RawSession(server.address, token)
         s.opened()

@@ -9,7 +9,7 @@ one message), and the stream keeps grpcio's polling thread alive.
 
 Each call of a session is what its unary twin is:
 
-- only the data-plane methods (``ShardServicer.LOCAL_METHODS``) travel in sessions, each parsed,
+- only the data-plane methods (``ShardServicer.SESSION_METHODS``) travel in sessions, each parsed,
   guarded and run by the servicer's own handler; its status comes back in its reply and never
   ends the session;
 - the stream's token is every call's token: each call needs its method's role (server/rpc/auth.py),
