@@ -222,3 +222,28 @@ def test_a_step_whose_members_are_all_gone_is_taken_by_whoever_comes(table) -> N
     assert reply.generation == 1
     versions["j"] = 1
     assert join(t, 3, step=1).decided
+
+
+def test_a_step_reopened_below_its_minimum_takes_a_rank_parked_for_the_next(table) -> None:
+    """The launch test's deadlock (tests/test_elastic_launch.py): a restarted rank came while
+    step 0 was decided without it and was parked for step 1; then a member was lost, and step
+    0, reopened without it, waited below its minimum for a rank that waited for step 1. The
+    parked rank is sent back to the servers' step, which it completes."""
+    t, leases, _, versions = table
+    leases.live = {0, 1, 2}
+    join(t, 0, min_members=2, known=[0, 2])
+    assert list(join(t, 2, min_members=2, known=[0, 2]).members) == [0, 2]
+    late = join(t, 1, min_members=2)  # the restarted rank 1, after the decision
+    assert late.decided and not late.member and late.next_step == 1
+    assert not join(t, 1, step=1, min_members=2).decided  # parked: step 0 is not applied
+    leases.live = {0, 1}  # rank 2 dies in step 0: the epoch is aborted
+    reopened = join(t, 0, epoch=1, min_members=2)  # generation 1 expects rank 0 alone
+    assert not reopened.decided and reopened.below_min and list(reopened.announced) == [0]
+    sent_back = join(t, 1, step=1, min_members=2)
+    assert sent_back.decided and not sent_back.member and sent_back.next_step == 0
+    reply = join(t, 1, epoch=1, min_members=2)
+    assert reply.decided and reply.member and list(reply.members) == [0, 1]
+    assert reply.generation == 1
+    assert list(join(t, 0, epoch=1, min_members=2).members) == [0, 1]
+    versions["j"] = 1  # step 0 applied: rank 1 announced step 1 already, so it is decided
+    assert list(join(t, 0, step=1, epoch=1, min_members=2).members) == [0, 1]

@@ -39,7 +39,8 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    are refused from then on (FAILED_PRECONDITION), so a member that missed the abort redoes the
    step too. Non-members and members in the round's own epoch only read the decision. A round
    is never decided before the step before it was applied here; a rank waiting for it while
-   every member of the servers' step is gone is sent to that step instead.
+   every member of the servers' step is gone, or while that step, reopened, waits below its
+   minimum, is sent to that step instead.
 6. **Leave.** A rank that ends (normally, or a ``LocalCluster`` rank that raised) sends
    ``Join(leave=True)``: it is dropped from rounds not decided and recorded; the reply's
    ``in_flight`` says whether it was a member of a step not applied yet. A rank that had begun
@@ -201,10 +202,9 @@ class MembershipTable:
         ahead = version is not None and s > version  # step s-1 is not applied here yet
         if ahead:
             current = job.rounds.get(version)
-            if current is not None and current.decided and not any(map(alive, current.members)):
-                # nobody is left to finish the servers' step: join that one instead
+            if current is not None and _needs_help(current, alive):
                 reply = pb.JoinReply(decided=True, step=s, next_step=version, epoch=job.epoch)
-                return reply, True
+                return reply, True  # join the servers' step instead
         if rnd.decided:
             applied = version is not None and version > s
             orphaned = not applied and not any(map(alive, rnd.members))
@@ -349,3 +349,13 @@ class MembershipTable:
         )
         self._cond.notify_all()
         return pb.JoinReply(decided=True, in_flight=in_flight, epoch=job.epoch)
+
+
+def _needs_help(current: Round, alive: Callable[[int], bool]) -> bool:
+    """Whether the servers' step (round ``current``) cannot end without the ranks waiting for
+    the next one: every member of it is gone, or it was reopened without a lost member and
+    waits below its minimum. Such a rank, parked for the next step when the round was decided
+    without it (a restarted rank), would otherwise wait on a round that waits for it."""
+    if current.decided:
+        return not any(map(alive, current.members))
+    return current.below_min
