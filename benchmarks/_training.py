@@ -357,7 +357,11 @@ def run_main(
     per_model = ", ".join(f"{m} {MODELS[m]['steps']}" for m in MODELS)
     warm = ", ".join(f"{m} {MODELS[m]['warmup']}" for m in MODELS)
     p.add_argument("--quick", action="store_true", help=quick)
-    p.add_argument("--models", default=models, help="default: %(default)s")
+    p.add_argument(
+        "--models",
+        default=models,
+        help=f"comma-separated, of {', '.join(MODELS)} (default: %(default)s)",
+    )
     p.add_argument("--world-sizes", default=world_sizes, help="default: %(default)s")
     p.add_argument(
         "--steps",

@@ -1,7 +1,7 @@
 """Step time of our pipeline, tensor and 3D parallelism against PyTorch's own, on the same
 model: the example GPT and Hugging Face's Llama.
 
-    python -m benchmarks.hybrid [--quick] [--models tiny] [--world-sizes 4,2] [--steps N]
+    python -m benchmarks.hybrid [--quick] [--models tiny,small,gpt2] [--world-sizes 4,2] [--steps N]
                                 [--warmup K] [--micro-batches M] [--wait-quiet S]
                                 [--family gpt|llama|both]
 
@@ -26,11 +26,13 @@ so both sides see the same machine load):
 
 Model: ``paramshard.models.gpt`` with the benchmarks' sizes (see ``benchmarks/_training.py``):
 tiny = ``GPTConfig.tiny(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128,
-tie_weights=False)``, 867,072 parameters. The global batch is W x 8 sequences (``W*B``): the
-pipeline cells run all of it through the pipeline in m micro-batches, the tensor cell gives all
-of it to every rank, the 3D cell splits it over the dp replicas. m defaults to
-2 x the number of stages for the pipeline cells (``--micro-batches`` sets it), 1 for ``tp``;
-both sides use the same m.
+tie_weights=False)``, 867,072 parameters; ``--models gpt2``: GPT-2 124M's shape (768 wide, 12
+layers, 12 heads, vocabulary 50,257, 128-token sequences, 2 a rank), untied because torch's
+pipelining splits no tied weight: 162,349,056 parameters. The global batch is W x 8 sequences
+(``W*B``; gpt2: W x 2): the pipeline cells run all of it through the pipeline in m
+micro-batches, the tensor cell gives all of it to every rank, the 3D cell splits it over the
+dp replicas. m defaults to 2 x the number of stages for the pipeline cells
+(``--micro-batches`` sets it), 1 for ``tp``; both sides use the same m.
 
 Llama (``--family``, default both; ``benchmarks/_llama_stages.py``): ``LlamaForCausalLM`` from
 a config (tiny: hidden 256, 4 layers, 4 heads, 2 key/value heads, 3,033,344 parameters, SDPA)
