@@ -247,3 +247,21 @@ def test_a_step_reopened_below_its_minimum_takes_a_rank_parked_for_the_next(tabl
     assert list(join(t, 0, epoch=1, min_members=2).members) == [0, 1]
     versions["j"] = 1  # step 0 applied: rank 1 announced step 1 already, so it is decided
     assert list(join(t, 0, step=1, epoch=1, min_members=2).members) == [0, 1]
+
+
+def test_a_rank_that_starts_late_gets_the_runs_newest_epoch(table) -> None:
+    """tests/test_elastic_chaos.py's seed 23: ranks 0 and 1 recovered from a lost rank into
+    epoch 1 (epoch 0 aborted on the servers), finished and left; a rank started then, in epoch
+    0, became the only member of the next step and kept epoch 0, so its next call was refused
+    as aborted. The round gives it the run's newest epoch."""
+    t, leases, _, versions = table
+    leases.live = {0, 1}
+    join(t, 0, epoch=1, known=[0, 1])
+    assert join(t, 1, epoch=1, known=[0, 1]).epoch == 1
+    versions["j"] = 1
+    for r in (0, 1):
+        assert join(t, r, epoch=1, leave=True).decided
+    leases.live = {3}
+    reply = join(t, 3, step=1)  # epoch 0: it never saw the abort
+    assert reply.decided and reply.member and list(reply.members) == [3]
+    assert reply.epoch == 1

@@ -19,11 +19,12 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    that only join (not expected) never open the window: they wait for the others to finish
    ``s-1``. The members are the ranks there, ascending; generation 0.
 3. **Reply.** A member gets the members, the generation and the run's *epoch* (the highest any
-   announcer had): every member moves its collectives there, so the step's group collectives
-   (``<run>.e<epoch>/s<step>g<generation>``) meet. A rank that is not a member (it came after the
-   decision, or missed the window) gets ``next_step = s + 1`` and joins that round: a new or
-   restarted rank adopts the servers' step, as a resumed job does. A Join for a step this
-   server has already applied gets ``next_step`` = its version.
+   of its ranks has sent, so a rank that starts late, in an epoch the others left when it was
+   aborted, moves on too): every member moves its collectives there, so the step's group
+   collectives (``<run>.e<epoch>/s<step>g<generation>``) meet. A rank that is not a member (it
+   came after the decision, or missed the window) gets ``next_step = s + 1`` and joins that
+   round: a new or restarted rank adopts the servers' step, as a resumed job does. A Join for
+   a step this server has already applied gets ``next_step`` = its version.
 4. **Train.** Each member pushes its gradients of ``s`` with ``StepMembership(generation,
    members, global_batch)``; every server of the job takes contributions from those ranks only,
    weights member i's micro-batch j by ``n_ij / global_batch`` (its rows by the slice rule of
@@ -272,7 +273,8 @@ class MembershipTable:
         if not (all_in or expired) or rnd.below_min:
             return False
         rnd.decided, rnd.members = True, tuple(sorted(present))
-        rnd.epoch = max(rnd.announced[r] for r in present)
+        # the run's newest epoch: a rank that comes late, still in an aborted one, moves on
+        rnd.epoch = max(job.epoch, *(rnd.announced[r] for r in present))
         if step:
             self._record(job, rnd, alive)
         self._cond.notify_all()
