@@ -355,9 +355,10 @@ class MembershipTable:
 
 def _needs_help(current: Round, alive: Callable[[int], bool]) -> bool:
     """Whether the servers' step (round ``current``) cannot end without the ranks waiting for
-    the next one: every member of it is gone, or it was reopened without a lost member and
-    waits below its minimum. Such a rank, parked for the next step when the round was decided
-    without it (a restarted rank), would otherwise wait on a round that waits for it."""
+    the next one: decided, every member of it is gone; undecided, it waits below its minimum
+    (as a round reopened without a lost member does). Such a rank, parked for the next step
+    when the round was decided without it (a restarted rank), would otherwise wait on a round
+    that waits for it."""
     if current.decided:
         return not any(map(alive, current.members))
     return current.below_min
