@@ -32,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 TRAIN = r"""
 import os, sys, time
 from pathlib import Path
+import numpy as np
 import torch
 from paramshard.strategies import ShardingConfiguration, FSDPModel, FSDPOptimizer
 
@@ -41,7 +42,12 @@ torch.manual_seed(0)
 model = FSDPModel(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)), config)
 opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), config)
 step, deadline = 0, time.monotonic() + 400
-while not (here / "stop").exists() and time.monotonic() < deadline:
+while time.monotonic() < deadline:
+    # the ranks agree on when to stop, as with torch.distributed: a rank that saw the file a
+    # step before the other would leave it waiting for its gradient in a step it never runs
+    seen = np.array([(here / "stop").exists()], dtype=np.int64)
+    if config.client.all_reduce(seen, "max")[0]:
+        break
     torch.manual_seed(1000 * step + config.client.rank)
     model(torch.randn(8, 16)).pow(2).mean().backward()
     opt.step()
@@ -49,6 +55,7 @@ while not (here / "stop").exists() and time.monotonic() < deadline:
     step += 1
     time.sleep(0.01)
 print(f"stopped at step {step}", flush=True)
+(here / f"stopped-{config.client.rank}").touch()
 while not (here / "exit").exists() and time.monotonic() < deadline:
     time.sleep(0.05)
 """
@@ -66,6 +73,17 @@ def readme_commands() -> list[list[str]]:
             assert words[0] == "paramshard", line
             commands.append([JOB if w == "JOB" else w for w in words[1:]])
     return commands
+
+
+def wait_stopped(here: Path, launch: subprocess.Popen) -> None:
+    """Until both ranks have left their training loop: a fixed sleep is not enough on a loaded
+    machine, where a rank's last step can take longer (CI met a restore under a rank still
+    waiting for its step's reduced gradient)."""
+    deadline = time.monotonic() + 120
+    while not all((here / f"stopped-{rank}").exists() for rank in range(2)):
+        assert launch.poll() is None, launch.communicate()
+        assert time.monotonic() < deadline, "the ranks did not stop stepping within 120 s"
+        time.sleep(0.1)
 
 
 def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
@@ -118,7 +136,7 @@ def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
         for args in commands:
             if args[0] == "restore":
                 (tmp_path / "stop").touch()
-                time.sleep(2.0)  # the ranks' last step ends; they stop stepping
+                wait_stopped(tmp_path, launch)  # the ranks' last step ended
             outputs[args[0]] = paramshard(args)
         (tmp_path / "exit").touch()
         out, err = launch.communicate(timeout=120)
@@ -127,6 +145,8 @@ def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
             launch.kill()
             launch.communicate(timeout=30)
     assert launch.returncode == 0, out + err
+    stopped = re.findall(r"\[rank \d\] stopped at step (\d+)", out + err)
+    assert len(stopped) == 2 and len(set(stopped)) == 1, out + err  # both left after one step
     servers = re.search(r"started 2 shard servers: (\S+), (\S+)", err)
     assert servers, err
     for address in servers.groups():  # one row per server, healthy
