@@ -34,6 +34,7 @@ from paramshard.strategies import (
     HybridShardedOptimizer,
     ShardingConfiguration,
 )
+from paramshard.strategies.nonfinite import nonfinite_grads
 
 STRATEGIES = DATA_PARALLEL
 WORLD, STEPS, BAD_STEP, BAD_RANK = 2, 4, 1, 1
@@ -339,3 +340,42 @@ def test_hybrid_parts_agree(servers, max_norm):
     for r in range(WORLD):
         assert got[r]["skipped"] == 1 and not got[r]["errors"]
         assert_bitwise(got[r]["params"], want[r]["params"], f"rank {r}")
+
+
+# -- the trainer's own check (DDP) ------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_nonfinite_grads_finds_every_nan_and_inf_wherever_it_is(dtype):
+    """``nonfinite_grads`` reads a dense gradient once through its least and greatest value:
+    a NaN or an infinity of either sign is found at its first, last and a middle element
+    (inside the vectorized loop and in its tail), and the largest finite values are finite."""
+    n = 1027  # not a multiple of any vector width: a tail after the vectorized part
+    big = torch.finfo(dtype).max
+    named = [("empty", torch.nn.Parameter(torch.zeros(0, dtype=dtype)))]
+    named[0][1].grad = torch.zeros(0, dtype=dtype)  # nothing to check: never named
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, n // 2, n - 1):
+            p = torch.nn.Parameter(torch.zeros(n, dtype=dtype))
+            p.grad = torch.full((n,), big, dtype=dtype)
+            p.grad[at] = bad
+            named.append((f"{bad}@{at}", p))
+    ok = torch.nn.Parameter(torch.zeros(3, n, dtype=dtype))
+    ok.grad = torch.tensor([big, -big, 0.0], dtype=dtype).repeat_interleave(n).view(3, n)
+    named.append(("largest", ok))
+    expected = [f"parameter '{name}'" for name, _ in named[1:-1]]
+    assert nonfinite_grads(named) == expected
+    assert nonfinite_grads([named[0], named[-1]]) == []
+
+
+def test_nonfinite_grads_of_sparse_and_strided_views():
+    """A sparse gradient (``nn.Embedding(sparse=True)``) and a non-contiguous one are checked
+    too."""
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    emb(torch.tensor([1, 3])).sum().backward()
+    assert emb.weight.grad.is_sparse
+    w = torch.nn.Parameter(torch.zeros(4, 6))
+    w.grad = torch.ones(6, 4).t()  # a transposed view
+    assert nonfinite_grads([("emb", emb.weight), ("w", w)]) == []
+    nan = torch.tensor([[0.0, float("nan"), 0.0, 0.0]])
+    emb.weight.grad = torch.sparse_coo_tensor([[2]], nan, (10, 4), check_invariants=True)
+    w.grad[1, 5] = float("inf")
+    assert nonfinite_grads([("emb", emb.weight), ("w", w)]) == ["parameter 'emb'", "parameter 'w'"]
