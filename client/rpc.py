@@ -31,9 +31,10 @@ from paramshard.client.retries import (
     retry_pause,
 )
 from paramshard.client.run_state import WAITS_ON_PEERS, RunState
-from paramshard.client.session import MAX_BODY, SESSION_METHODS, Sessions
+from paramshard.client.session import MAX_BODY, Sessions
 from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import SESSION_METHODS
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [

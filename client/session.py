@@ -34,12 +34,10 @@ from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import decode_batch, encode_batch, take_ready
 
-__all__ = ["Sessions", "SESSION_METHODS", "MAX_BODY", "enabled"]
+__all__ = ["Sessions", "MAX_BODY", "enabled"]
 
 log = logging.getLogger(__name__)
 
-SESSION_METHODS = frozenset({"Contribute", "ReadSlot", "PushGrad", "PullParams", "SetParams"})
-"""What sessions carry: the data plane (the server's ``ShardServicer.SESSION_METHODS``)."""
 MAX_BODY = 256 * 2**10
 OPEN_TIMEOUT_S = 5.0
 RETRY_OPEN_S = 30.0

@@ -19,7 +19,11 @@ from typing import Any
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
+__all__ = ["SESSION_METHODS", "take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
+
+SESSION_METHODS = ("Contribute", "ReadSlot", "PushGrad", "PullParams", "SetParams")
+"""The calls a session carries: the data plane. The client sends only these in its sessions
+(client/session.py) and the server takes only these from one (``ShardServicer``)."""
 
 _CALL_TAG = bytes([1 << 3 | 2])  # SessionBatch.calls
 _BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body

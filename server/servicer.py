@@ -10,6 +10,7 @@ generic INTERNAL "Exception deserializing request!".
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from importlib.metadata import version
@@ -17,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from paramshard.protos import codec
+from paramshard.protos import batches, codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
 from paramshard.server.buffers.store import BufferStore
@@ -42,6 +43,11 @@ __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 VERSION = version("paramshard")
 """The installed distribution's version (pyproject.toml holds the one there is)."""
 log = logging.getLogger("paramshard.server")
+
+
+def handler_name(method: str) -> str:
+    """The servicer's handler of an RPC: ``ReadSlot`` -> ``read_slot``."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", method).lower()
 
 
 class ShardServicer:
@@ -177,15 +183,9 @@ class ShardServicer:
         self.slots.interrupt(why)
         self.buffers.interrupt(why)
 
-    SESSION_METHODS = {
-        "Contribute": "contribute",
-        "ReadSlot": "read_slot",
-        "PushGrad": "push_grad",
-        "PullParams": "pull_params",
-        "SetParams": "set_params",
-    }
+    SESSION_METHODS = {m: handler_name(m) for m in batches.SESSION_METHODS}
     """The data-plane methods sessions carry (``session_handlers``,
-    server/transport/sessions.py)."""
+    server/transport/sessions.py), each with its handler's name here."""
     LOCAL_METHODS = {**SESSION_METHODS, "GradNorm": "grad_norm", "Step": "step"}
     """What a client in this process may run directly (``call_local``): the data plane and a
     step's two calls, so a step on a rank's own server makes no gRPC call

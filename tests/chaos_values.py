@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.batches import SESSION_METHODS
 
 __all__ = [
     "GUARDED",
@@ -38,8 +39,6 @@ GUARDED = "guarded"
 DECOYS = ("decoy-a", "decoy-b")
 """Jobs that mutating calls with a role allowed to change them are sent to instead."""
 N = 64  # elements of buffer "w" (adam); buffer "v" (sgd, float64 master) has 7
-SESSION_METHODS = ("Contribute", "ReadSlot", "PushGrad", "PullParams", "SetParams")
-"""The methods a session carries (ShardServicer.SESSION_METHODS)."""
 
 
 def run_of(job: str) -> str:
