@@ -132,6 +132,13 @@ def cpu_ms_per_step(ranks: list[dict[str, Any]]) -> float:
     return round(sum(r["cpu_s"] for r in ranks) / len(ranks[0]["times_s"]) * 1e3, 1)
 
 
+def optimizer_ms(ranks: list[dict[str, Any]], warmup: int) -> list[float]:
+    """Each rank's median optimizer step after the warm-up, ms, in rank order: ours, its
+    part's push, servers' step and pull; torch's, the dp gradient mean and AdamW."""
+    ordered = sorted(ranks, key=lambda r: r["rank"])
+    return [round(_med(r["optimizer_s"], warmup) * 1e3, 1) for r in ordered]
+
+
 def bubble_summary(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     """Per rank (stage): the measured bubble against the theory (see NOTES["bubble"])."""
     rows = []
@@ -200,6 +207,7 @@ def cell_row(
         first["torch"] = mean_losses(tv)[0]
         row["torch_foreign_cpu_frac"] = tv[0]["foreign"]
         row["torch_cpu_ms_per_step"] = cpu_ms_per_step(tv)
+        row["torch_optimizer_ms"] = optimizer_ms(tv, warm)
     if ores:
         ov = run_view(ores, 0)
         row["ours_ms"], row["ours_step_ms"] = median_ms(ov, warm)
@@ -208,6 +216,7 @@ def cell_row(
         row["ours_vs_single"] = round(row["ours_ms"] / single_ms, 2) if single_ms else None
         row["ours_foreign_cpu_frac"] = ov[0]["foreign"]
         row["ours_cpu_ms_per_step"] = cpu_ms_per_step(ov)
+        row["ours_optimizer_ms"] = optimizer_ms(ov, warm)
         if sizes[0] > 1:
             row["bubble"] = bubble_summary(ov, warm)
     if row["ours_ms"] and row["torch_ms"]:

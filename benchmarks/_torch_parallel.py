@@ -28,6 +28,7 @@ already up).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -157,17 +158,21 @@ def _with_optimizer(
     dp: int,
 ) -> Callable[[torch.Tensor, torch.Tensor], float | None]:
     """A training step: zero_grad, ``run`` (forward and backward), the gradients' mean over
-    the data-parallel ``group`` (None: no data parallelism), AdamW's step."""
+    the data-parallel ``group`` (None: no data parallelism), AdamW's step. The step's
+    ``optimizer_s`` is then the last step's seconds after ``run``: the mean and AdamW."""
     opt = adamw(params)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
         opt.zero_grad(set_to_none=True)
         loss = run(x, y)
+        t0 = time.perf_counter()
         if group is not None:
             _average_grads(params, group, dp)
         opt.step()
+        step.optimizer_s = time.perf_counter() - t0
         return loss
 
+    step.optimizer_s = 0.0
     return step
 
 

@@ -44,7 +44,10 @@ W/4). Each row also gives step 1's loss on both sides (``first_step_loss``).
 
 A cell's step time is the slowest rank's; we report the median over the steps after
 ``--warmup``, and ratio = ours / torch. Losses: the largest relative difference, over the
-steps, from single-process training on the same batches.
+steps, from single-process training on the same batches. ``ours_optimizer_ms`` and
+``torch_optimizer_ms``: each rank's median optimizer step (ours: its part's push, its
+servers' step and the pull; torch: the dp gradient mean and AdamW), the rest of a step being
+forward and backward.
 
 Bubble (ours): each stage times its compute (forward and backward of its layers) within the
 schedule's wall time (``PipelineParallelModel.last_timing``); measured fraction = 1 - compute

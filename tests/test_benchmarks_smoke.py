@@ -112,6 +112,9 @@ def assert_cell(row: dict, layout: tuple[int, int, int]) -> None:
     assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
     assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
     assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
+    for side in ("ours", "torch"):  # each rank's optimizer step: a part of its step
+        opt = row[f"{side}_optimizer_ms"]
+        assert len(opt) == pp * tp * dp and all(0 < t < row[f"{side}_ms"] for t in opt), row
     # both sides train correctly: ours no further from single-process than torch's twin
     assert_like_torch(row)
     first, theirs = row["first_step_loss"], row["torch_loss_rel_diff_vs_single"]
