@@ -62,6 +62,12 @@ from paramshard.run_files import announce_run, drop_unused_snapshot_dir, local_s
 
 __all__ = ["launch", "rank_env", "read_token"]
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+"""The signals the launcher passes on to its ranks before it stops them and its servers and
+removes its run file, the four torchrun forwards. SIGHUP comes when the terminal it ran in
+closes (an ssh session ended), SIGQUIT from Ctrl-\\; their default actions would end the
+launcher at once and leave its servers and run file behind."""
+
 
 def non_negative_int(text: str) -> int:
     value = int(text)
@@ -213,10 +219,10 @@ def launch(args: argparse.Namespace) -> int:
     Each rank runs 'python SCRIPT ARGS' with RANK, WORLD_SIZE, LOCAL_RANK, PARAMSHARD_SERVERS,
     PARAMSHARD_RUN and the MALLOC_* settings set; its lines are printed as '[rank R] ...'.
     Without --servers, --nproc local servers are started on 127.0.0.1 and stopped at the end.
-    Ctrl-C/SIGTERM are forwarded to the ranks. If a rank fails, the others are stopped (SIGTERM,
-    --grace seconds, SIGKILL) and the launcher exits with the failed rank's code; 0 when all
-    ranks succeed. With --max-restarts K, a failed ZeRO-1/2 or FSDP rank is started again
-    instead (K times in all) and resumes at the servers' step.
+    Ctrl-C, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks. If a rank fails, the
+    others are stopped (SIGTERM, --grace seconds, SIGKILL) and the launcher exits with the
+    failed rank's code; 0 when all ranks succeed. With --max-restarts K, a failed ZeRO-1/2 or
+    FSDP rank is started again instead (K times in all) and resumes at the servers' step.
     """
     if args.node_rank >= args.nnodes:
         raise CommandError(
@@ -268,7 +274,7 @@ def launch(args: argparse.Namespace) -> int:
             raise _Interrupted(signum)
         events.put(("signal", None, signum))  # supervise forwards it; stop() sees `received`
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, on_signal) for s in FORWARDED}
     servers: list[Child] = []
     ranks: list[Child] = []
     announced = None
@@ -350,7 +356,7 @@ def launch(args: argparse.Namespace) -> int:
 
 
 class _Interrupted(Exception):
-    """SIGINT or SIGTERM before the ranks run (the launcher exits with 128 + signum)."""
+    """A signal of ``FORWARDED`` before the ranks run (the launcher exits with 128 + signum)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)

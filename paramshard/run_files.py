@@ -4,8 +4,9 @@ While it runs, ``paramshard launch`` keeps one file per run in the per-user run 
 ``<run dir>/<run id>.json`` (the directory mode 0700, the file 0600): the servers' addresses,
 the run id, the job name when the launcher knows it (a ``--config`` file's ``job``), the token
 file and TLS files the ranks use, the launcher's pid and host, and where the local servers
-write snapshots. It removes the file when it exits (normal end, failure, SIGINT, SIGTERM); a
-launcher killed outright leaves it behind, and readers drop such a file once its pid is gone.
+write snapshots. It removes the file when it exits (normal end, failure, SIGINT, SIGTERM,
+SIGHUP, SIGQUIT); a launcher killed outright leaves it behind, and readers drop such a file
+once its pid is gone.
 
 ``paramshard status``, ``inspect``, ``get``, ``snapshot``, ``snapshots``, ``restore`` and
 ``export`` read it when neither ``--servers`` nor ``PARAMSHARD_SERVERS`` says where the servers

@@ -215,7 +215,7 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tiny: Path, tmp_pa
     assert wait_gone([rank0, *server_pids(result.stderr)]) == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_is_forwarded_to_the_ranks(tiny: Path, signum: int) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "paramshard", "launch", "--nproc", "2", str(tiny), "wait"],

@@ -87,7 +87,7 @@ def start_launch(tmp_path: Path, *extra: str) -> subprocess.Popen:
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("ending", ["ok", "rank fails", "SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("ending", ["ok", "rank fails", "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT"])
 def test_launch_keeps_a_run_file_while_it_runs(tmp_path: Path, ending: str) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"job": "gpt"}))
@@ -112,7 +112,7 @@ def test_launch_keeps_a_run_file_while_it_runs(tmp_path: Path, ending: str) -> N
             (tmp_path / "go").write_text("0" if ending == "ok" else "3")
             expected = 0 if ending == "ok" else 3
         else:
-            signum = signal.SIGINT if ending == "SIGINT" else signal.SIGTERM
+            signum = signal.Signals[ending]
             proc.send_signal(signum)
             expected = 128 + signum
         assert proc.wait(timeout=60) == expected, proc.stderr.read()
