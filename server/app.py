@@ -162,6 +162,8 @@ class ShardServer:
             role_of, scope_of = token_auth.caller_role, token_auth.caller_scope
             self.servicer.scope_of = token_auth.context_scope  # Status, listings: in scope only
             self.servicer.segments.role_of = role_of  # read tokens' segments: their own pool
+            if self.metrics is not None and checked_tokens:  # scrapes need a token too
+                self.metrics.grant = token_auth.grant
         chain.extend(interceptors or [])
         self._local_ok = config.local_calls and not chain and credentials is None
         self._local: local_servers.LocalServer | None = None

@@ -19,18 +19,25 @@ Exposed at ``http://HOST:P/metrics`` in the Prometheus text format:
   ``paramshard_elastic_steps_total{job,world_size}``: the elastic jobs this server coordinates
   (server/collectives/membership.py): members of the newest step, ranks that joined and left,
   steps whose membership changed mid-step, steps decided at each world size;
-- ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots``, ``paramshard_up``, plus
-  the ``process_*`` metrics (memory, CPU, file descriptors) of the server process.
+- ``paramshard_jobs``, ``paramshard_buffers``, ``paramshard_open_slots`` (counts over the whole
+  server), ``paramshard_uptime_seconds``, plus the ``process_*`` metrics (memory, CPU, file
+  descriptors) of the server process.
 
 Held bytes and step times are read from the store at scrape time, so nothing is added to the
 hot path but two counter increments and one histogram observation per call. Methods are labelled
 by name (``PushGrad``) for the Shard service and ``service/Method`` for the others (health).
+
+A server with tokens serves its metrics only to a bearer token of role ``read`` or above
+(``Authorization: Bearer TOKEN``, a Prometheus scrape's ``authorization`` setting), and a token
+scoped to jobs sees only their series and those that name no job; 401 and 403 otherwise. A
+server without tokens serves them to whoever reaches ``--metrics-host``.
 
 Needs ``prometheus_client`` (pure Python); only imported when metrics are asked for.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,9 +55,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "shard server metrics need the prometheus-client package: pip install prometheus-client"
     ) from exc
 
-from paramshard.server.rpc.auth import SERVICE_NAME
+from paramshard.server.rpc.auth import SERVICE_NAME, bearer, role_allows
 
 if TYPE_CHECKING:
+    from paramshard.server.rpc.scopes import Grant, Scope
     from paramshard.server.servicer import ShardServicer
 
 __all__ = ["ServerMetrics", "MetricsInterceptor", "LATENCY_BUCKETS"]
@@ -202,6 +210,10 @@ class ServerMetrics:
         self.registry.register(_StoreCollector(servicer))  # type: ignore[arg-type]
         ProcessCollector(registry=self.registry)
         self.interceptor = MetricsInterceptor(self)
+        self.grant: Callable[[str], Grant | None] | None = None
+        """Set by a server that has tokens (``TokenAuthInterceptor.grant``): a scrape must then
+        present one of role ``read`` or above, and a token scoped to jobs sees only their
+        series (``authorize``). Without tokens, anyone who reaches the port may scrape."""
         self._http: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -214,23 +226,52 @@ class ServerMetrics:
         self.request_bytes.labels(method).inc(received)
         self.response_bytes.labels(method).inc(sent)
 
-    def render(self) -> bytes:
-        """The current metrics in the Prometheus text format."""
-        return generate_latest(self.registry)
+    def render(self, scope: Scope | None = None) -> bytes:
+        """The current metrics in the Prometheus text format; with ``scope``, only the series
+        of its jobs and those that name no job."""
+        return generate_latest(self.registry if scope is None else _InScope(self.registry, scope))
+
+    def authorize(self, header: str | None) -> tuple[int, str, Scope | None]:
+        """(HTTP status, why refused, scope) of a scrape whose ``Authorization`` header is
+        ``header``: 401 without a known bearer token, 403 for a role below ``read`` (``peer``,
+        the servers' own), else 200 and the token's scope (None: every job)."""
+        if self.grant is None:
+            return 200, "", None
+        token = bearer([("authorization", header)]) if header is not None else None
+        grant = self.grant(token) if token else None
+        if grant is None:
+            return 401, "this server's metrics need a bearer token (Authorization: Bearer T)", None
+        if not role_allows(grant.role, "read"):
+            return 403, f"a token of role '{grant.role}' may not read metrics", None
+        return 200, "", grant.scope
 
     # -- HTTP ------------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
         """Serves ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
-        render = self.render
+        render, authorize = self.render, self.authorize
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
                 if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                     self.send_error(404, "only /metrics is served here")
                     return
-                body = render()
+                status, why, scope = authorize(self.headers.get("Authorization"))
+                if status != 200:
+                    self.refuse(status, why)
+                    return
+                body = render(scope)
                 self.send_response(200)
                 self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def refuse(self, status: int, why: str) -> None:
+                body = (why + "\n").encode()
+                self.send_response(status)
+                if status == 401:
+                    self.send_header("WWW-Authenticate", 'Bearer realm="paramshard"')
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -254,6 +295,29 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _InScope:
+    """What a token scoped to jobs may scrape of ``registry``: the series whose ``job`` label
+    is in its scope, and those that name no job (bytes and latency by method, memory, the
+    process), as Status shows it (server/status.py)."""
+
+    def __init__(self, registry: CollectorRegistry, scope: Scope) -> None:
+        self.registry, self.scope = registry, scope
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            kept = [
+                s
+                for s in family.samples
+                if "job" not in s.labels or self.scope.allows_job(s.labels["job"])
+            ]
+            if len(kept) == len(family.samples):
+                yield family
+                continue
+            narrowed = copy.copy(family)
+            narrowed.samples = kept
+            yield narrowed
 
 
 def _family(host: str) -> Any:

@@ -40,9 +40,9 @@ def status_reply(
     servicer: Reporting, req: pb.StatusRequest, version: str, scope: Scope | None = None
 ) -> pb.StatusReply:
     """The Status reply of ``servicer``'s server (``version``: the paramshard version). For a
-    token scoped to ``scope`` (server/rpc/scopes.py) it lists only the jobs, and the pending
-    work of the jobs and runs, in scope; the server-wide figures (device, memory account, slot
-    bytes and count, uptime) stay, as they name no job."""
+    token scoped to ``scope`` (server/rpc/scopes.py) it lists only the jobs, their elastic
+    memberships and the pending work of the jobs and runs, in scope; the server-wide figures
+    (device, memory account, slot bytes and count, uptime) stay, as they name no job."""
     memory = backend.device_memory()
     slot_bytes, open_slots = servicer.slots.usage()
     reply = pb.StatusReply(
@@ -59,7 +59,9 @@ def status_reply(
         pid=os.getpid(),
         memory_used=servicer.budget.used,
         memory_limit=servicer.budget.limit,
-        memberships=servicer.membership.status(),
+        memberships=[
+            m for m in servicer.membership.status() if scope is None or scope.allows_job(m.job)
+        ],
     )
     if req.pending:
         slices = [

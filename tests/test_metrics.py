@@ -28,9 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of one scrape."""
-    with urllib.request.urlopen(url, timeout=10) as reply:
+def scrape(url: str, token: str = "") -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of one scrape (with a server's ``token``)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as reply:
         assert reply.status == 200
         assert reply.headers["Content-Type"].startswith("text/plain")
         text = reply.read().decode()
@@ -119,7 +120,7 @@ def test_rejected_calls_are_counted() -> None:
             c.call(0, "Status", pb.StatusRequest())
         finally:
             c.close()
-        samples = scrape(s.metrics_url)
+        samples = scrape(s.metrics_url, token="r")  # a server with tokens asks for one
     count = "paramshard_rpc_duration_seconds_count"
     assert value(samples, count, method="RegisterBuffer", code="PERMISSION_DENIED") == 1
     assert value(samples, count, method="Status", code="OK") == 1

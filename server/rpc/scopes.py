@@ -192,7 +192,9 @@ ROUTES: dict[str, Route] = {
     "Lease": Route("run", ("run",), "`run` in `runs=` (renewals, releases and aborts alike)"),
     "HoldLease": Route("run", ("run",), "`run` in `runs=` (the stream holds the lease, as Lease)"),
     "DropJob": Route("job+run", ("job",), "`job` in `jobs=` and in `runs=`"),
-    "Status": Route("status", (), "only jobs in `jobs=` and pending work of runs in `runs=`"),
+    "Status": Route(
+        "status", (), "only jobs in `jobs=`, their memberships, pending work of runs in `runs=`"
+    ),
     "Snapshot": _job("job"),
     "CommitSnapshot": _job("job"),
     "Restore": _job("job"),
