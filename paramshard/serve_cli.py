@@ -169,7 +169,9 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         "--metrics-port",
         type=port_number,
         metavar="PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port)",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0 picks a free port); with"
+        " --token-file only to a bearer token of role read or above, a scoped one seeing its"
+        " jobs' series",
     ),
     arg(
         "--metrics-host",
