@@ -310,12 +310,23 @@ def local_rank(config: ShardingConfiguration) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.equivalence
-def test_local_cluster_rank_that_raises_leaves_and_the_others_train_on() -> None:
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_local_cluster_rank_that_raises_leaves_and_the_others_train_on(processes: bool) -> None:
+    """Ranks as threads, or as spawned processes: rank 1's process returns its error and
+    exits, and its lease ends with it."""
     from paramshard import LocalCluster, RankLeft
 
     x, y = data(3)
     want = single_process(x, y)
-    with LocalCluster(3, servers=2, elastic=True, min_world_size=2, timeout_s=60) as cluster:
+    with LocalCluster(
+        3,
+        servers=2,
+        processes=processes,
+        run_timeout_s=240,
+        elastic=True,
+        min_world_size=2,
+        timeout_s=60,
+    ) as cluster:
         results = cluster.run(local_rank)
     left = results[1]
     assert isinstance(left, RankLeft) and left.rank == 1
