@@ -38,9 +38,10 @@ RUN_S = 90.0  # one launch: a server and a rank starting on a busy machine
 pytestmark = pytest.mark.timeout(300)
 
 RANK = r"""
-import json, os, sys, time
+import json, os, resource, sys, time
 from pathlib import Path
 
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a forwarded SIGQUIT leaves no core file
 here = Path(sys.argv[1])
 (here / "env.json").write_text(json.dumps({k: v for k, v in os.environ.items()
                                            if k.startswith("PARAMSHARD_")}))
