@@ -186,7 +186,7 @@ class ShardServicer:
     SESSION_METHODS = {m: handler_name(m) for m in batches.SESSION_METHODS}
     """The data-plane methods sessions carry (``session_handlers``,
     server/transport/sessions.py), each with its handler's name here."""
-    LOCAL_METHODS = {**SESSION_METHODS, "GradNorm": "grad_norm", "Step": "step"}
+    LOCAL_METHODS = {**SESSION_METHODS, **{m: handler_name(m) for m in ("GradNorm", "Step")}}
     """What a client in this process may run directly (``call_local``): the data plane and a
     step's two calls, so a step on a rank's own server makes no gRPC call
     (docs/benchmarks.md, "In-process steps")."""
