@@ -7,7 +7,10 @@ each batch it sends holds every call that was ready (a small all-reduce's contri
 travel together). A session opens on the first data-plane call to a server: the client waits
 for the server's empty first batch, and a server that refuses (an older server, one with
 ``--max-sessions 0`` or at its bound, a token it does not take) gets that client's calls one by
-one, as before; it is asked again after ``RETRY_OPEN_S``. A session that breaks fails its calls
+one, as before; it is asked again after ``RETRY_OPEN_S``, or after ``RETRY_UNREACHABLE_S`` when
+no server answered (UNAVAILABLE: one that is still starting, or restarting, is not a server that
+refused, and its calls should not go one by one for half a minute once it is up). A session that
+breaks fails its calls
 in flight with UNAVAILABLE (every call is idempotent: ``RpcCore.run`` sends them again) and the
 next call opens a new one. ``PARAMSHARD_SESSIONS=0`` turns sessions off.
 
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 MAX_BODY = 256 * 2**10
 OPEN_TIMEOUT_S = 5.0
 RETRY_OPEN_S = 30.0
+RETRY_UNREACHABLE_S = 1.0
 _REPLY_GRACE_S = 2.0  # past its deadline, a call without a reply fails here
 _SERVICE = "/paramshard.v1.Shard/Session"
 
@@ -124,6 +128,7 @@ class _Session:
         self._ids = itertools.count(1)
         self._opened = threading.Event()
         self.broken: str | None = None  # why it ended
+        self.unreachable = False  # it ended UNAVAILABLE: no server answered (yet)
         stub = channel.stream_stream(
             _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
@@ -177,6 +182,7 @@ class _Session:
                         fut.resolve(reply, body)
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
+            self.unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over
             why = f"{type(exc).__name__}: {exc}"
         with self._lock:
@@ -222,8 +228,9 @@ class Sessions:
         session = _Session(core.spec.channel(index), core.spec.metadata(), address)
         if not session.wait_open(OPEN_TIMEOUT_S):
             log.debug("server %s: no session (%s); calls go one by one", address, session.broken)
+            wait = RETRY_UNREACHABLE_S if session.unreachable else RETRY_OPEN_S
             with self._lock:
-                self._refused[address] = time.monotonic() + RETRY_OPEN_S
+                self._refused[address] = time.monotonic() + wait
             return None
         with self._lock:
             if self._closed or address in self._open:  # closed, or another thread won the race

@@ -9,6 +9,8 @@ caller can do with one. Real servers on 127.0.0.1, called through gRPC (``local_
 from __future__ import annotations
 
 import queue
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +23,7 @@ from test_shm import client as shm_client
 from test_shm import open_segment, push
 
 from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client import session as client_session
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import take_ready
@@ -218,6 +221,34 @@ def test_a_restarted_server_gets_a_new_session() -> None:
             second.stop(0)
     finally:
         c.close()
+
+
+def test_a_server_that_starts_late_gets_a_session_soon_after() -> None:
+    """A client's first call to a server still starting fails to open a session (UNAVAILABLE)
+    and is retried one by one until the server is up; that is not a refusal, so the session is
+    asked for again after ``RETRY_UNREACHABLE_S``, not the half minute of a refusal (a rank
+    whose peer's server started a moment later used to call it one by one for 30 s)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    c = ShardClient(ClusterSpec([f"127.0.0.1:{port}"]), timeout_s=20, retries=20)
+    late: list[ShardServer] = []
+    starter = threading.Timer(
+        0.5, lambda: late.append(ShardServer(port=port, local_calls=False).start())
+    )
+    starter.start()
+    try:
+        assert c.all_reduce(np.ones(2, np.float32)).tolist() == [1.0, 1.0]  # while it starts
+        starter.join()
+        before = late[0].sessions.calls  # its retries may have come after the server was up
+        time.sleep(client_session.RETRY_UNREACHABLE_S)
+        assert c.all_reduce(np.full(2, 3.0, np.float32)).tolist() == [3.0, 3.0]
+        assert late[0].sessions.calls == before + 2  # its contribution and read, in a session
+    finally:
+        starter.join()
+        c.close()
+        for s in late:
+            s.stop(0)
 
 
 def test_two_ranks_sessions_and_unary_agree(servers) -> None:
