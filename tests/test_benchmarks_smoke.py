@@ -181,3 +181,19 @@ def test_quick_hybrid_benchmark_reports_the_llama_3d_cell() -> None:
         found = [r for r in rows if r["cell"] == cell]
         assert len(found) == 1, (cell, found)
         assert_cell(found[0], layout)
+
+
+def test_quick_p2p_benchmark_reports_every_side() -> None:
+    """``benchmarks.p2p --quick``: both ranks of every side exchanged the tensors their peer
+    sent, and the report gives each side's medians and ours' CPU by thread."""
+    report = run_quick("benchmarks.p2p")
+    rows = report["rows"]
+    assert {r["side"] for r in rows} == {"ours", "ours-unary", "gloo"}
+    for r in rows:
+        assert "error" not in r and r["received_ok"] is True, r
+        assert r["roundtrip_ms"] > 0 and r["cpu_per_message_ms"] > 0, r
+        if r["side"] != "gloo":  # 10 ms clock ticks: 200 round trips take several
+            assert r["cpu_by_thread_ms"] and min(r["cpu_by_thread_ms"].values()) > 0, r
+    (summary,) = report["summary"]
+    assert set(summary["medians"]) == {"ours", "ours-unary", "gloo"}
+    assert summary["ours_over_gloo"]["roundtrip_ms"] > 0
