@@ -566,3 +566,27 @@ def test_ddp_no_sync_matches_whole_batch(run_ranks: Any, addrs: list[str]) -> No
         assert_equivalent(model.get_parameters(), want, "no_sync")
 
     world(run_ranks, addrs, "ddp", fn, init=init)
+
+
+@pytest.mark.equivalence
+def test_ddp_buckets_kept_across_steps_and_synchronizations(
+    run_ranks: Any, addrs: list[str]
+) -> None:
+    """Each bucket's flat buffer is made once and reused (strategies/data_parallel/ddp.py): two
+    steps of backward under no_sync, then ``synchronize_gradients`` twice (the second averages
+    averages, which changes nothing), match the whole batch's training."""
+    init = init_state()
+    want = reference(init, 2)
+
+    def fn(client: Any, model: DDPModel, opt: Any, ref: GPT) -> None:
+        x, y = rank_data(client.rank)
+        for _ in range(2):
+            with model.no_sync():
+                lm_loss(model(x), y).backward()
+            model.synchronize_gradients()
+            model.synchronize_gradients()
+            opt.step()
+            opt.zero_grad()
+        assert_equivalent(model.get_parameters(), want, "synchronized twice a step")
+
+    world(run_ranks, addrs, "ddp", fn, init=init)
