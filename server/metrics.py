@@ -37,11 +37,8 @@ Needs ``prometheus_client`` (pure Python); only imported when metrics are asked 
 
 from __future__ import annotations
 
-import copy
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -49,12 +46,13 @@ import grpc
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-    from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+    from prometheus_client.exposition import generate_latest
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "shard server metrics need the prometheus-client package: pip install prometheus-client"
     ) from exc
 
+from paramshard.server import metrics_http
 from paramshard.server.rpc.auth import SERVICE_NAME, bearer, role_allows
 
 if TYPE_CHECKING:
@@ -214,8 +212,7 @@ class ServerMetrics:
         """Set by a server that has tokens (``TokenAuthInterceptor.grant``): a scrape must then
         present one of role ``read`` or above, and a token scoped to jobs sees only their
         series (``authorize``). Without tokens, anyone who reaches the port may scrape."""
-        self._http: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._http: metrics_http.Endpoint | None = None
 
     def observe(
         self, method: str, code: grpc.StatusCode, seconds: float, received: int, sent: int
@@ -229,7 +226,8 @@ class ServerMetrics:
     def render(self, scope: Scope | None = None) -> bytes:
         """The current metrics in the Prometheus text format; with ``scope``, only the series
         of its jobs and those that name no job."""
-        return generate_latest(self.registry if scope is None else _InScope(self.registry, scope))
+        registry = self.registry if scope is None else metrics_http.InScope(self.registry, scope)
+        return generate_latest(registry)
 
     def authorize(self, header: str | None) -> tuple[int, str, Scope | None]:
         """(HTTP status, why refused, scope) of a scrape whose ``Authorization`` header is
@@ -245,85 +243,16 @@ class ServerMetrics:
             return 403, f"a token of role '{grant.role}' may not read metrics", None
         return 200, "", grant.scope
 
-    # -- HTTP ------------------------------------------------------------------------------
     def serve(self, host: str, port: int) -> int:
-        """Serves ``/metrics`` on ``host:port`` in a daemon thread; returns the bound port."""
-        render, authorize = self.render, self.authorize
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                    self.send_error(404, "only /metrics is served here")
-                    return
-                status, why, scope = authorize(self.headers.get("Authorization"))
-                if status != 200:
-                    self.refuse(status, why)
-                    return
-                body = render(scope)
-                self.send_response(200)
-                self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def refuse(self, status: int, why: str) -> None:
-                body = (why + "\n").encode()
-                self.send_response(status)
-                if status == 401:
-                    self.send_header("WWW-Authenticate", 'Bearer realm="paramshard"')
-                self.send_header("Content-Type", "text/plain; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass  # one line per scrape on stderr helps no one
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            address_family = _family(host)
-
-        self._http = Server((host, port), Handler)
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, name="shard-metrics", daemon=True
-        )
-        self._thread.start()
-        return int(self._http.server_address[1])
+        """Serves ``/metrics`` on ``host:port`` in a daemon thread (server/metrics_http.py);
+        returns the bound port."""
+        self._http = metrics_http.serve(host, port, self.render, self.authorize)
+        return self._http.port
 
     def close(self) -> None:
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
             self._http = None
-
-
-class _InScope:
-    """What a token scoped to jobs may scrape of ``registry``: the series whose ``job`` label
-    is in its scope, and those that name no job (bytes and latency by method, memory, the
-    process), as Status shows it (server/status.py)."""
-
-    def __init__(self, registry: CollectorRegistry, scope: Scope) -> None:
-        self.registry, self.scope = registry, scope
-
-    def collect(self) -> Iterator[Any]:
-        for family in self.registry.collect():
-            kept = [
-                s
-                for s in family.samples
-                if "job" not in s.labels or self.scope.allows_job(s.labels["job"])
-            ]
-            if len(kept) == len(family.samples):
-                yield family
-                continue
-            narrowed = copy.copy(family)
-            narrowed.samples = kept
-            yield narrowed
-
-
-def _family(host: str) -> Any:
-    import socket
-
-    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 class MetricsInterceptor(grpc.ServerInterceptor):

@@ -1,0 +1,107 @@
+"""The HTTP side of a server's metrics (server/metrics.py): ``/metrics`` served on a daemon
+thread, refusals with their HTTP status, and what a token scoped to jobs may see.
+
+Needs ``prometheus_client``, as server/metrics.py does (only imported when metrics are asked
+for).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from paramshard.server.rpc.scopes import Scope
+
+__all__ = ["Endpoint", "InScope", "serve"]
+
+Render = Callable[["Scope | None"], bytes]
+Authorize = Callable[[str | None], "tuple[int, str, Scope | None]"]
+
+
+class Endpoint:
+    """A running ``/metrics`` endpoint: its bound port, and ``close``."""
+
+    def __init__(self, http: ThreadingHTTPServer) -> None:
+        self._http = http
+        self.port = int(http.server_address[1])
+        self._thread = threading.Thread(
+            target=http.serve_forever, name="shard-metrics", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def serve(host: str, port: int, render: Render, authorize: Authorize) -> Endpoint:
+    """Serves ``render(scope)`` at ``/metrics`` (and ``/``) on ``host:port`` to whoever
+    ``authorize`` (given the ``Authorization`` header) lets in: (HTTP status, why refused,
+    scope)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404, "only /metrics is served here")
+                return
+            status, why, scope = authorize(self.headers.get("Authorization"))
+            if status != 200:
+                self.refuse(status, why)
+                return
+            body = render(scope)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def refuse(self, status: int, why: str) -> None:
+            body = (why + "\n").encode()
+            self.send_response(status)
+            if status == 401:
+                self.send_header("WWW-Authenticate", 'Bearer realm="paramshard"')
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            pass  # one line per scrape on stderr helps no one
+
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    return Endpoint(Server((host, port), Handler))
+
+
+class InScope:
+    """What a token scoped to jobs may scrape of ``registry``: the series whose ``job`` label
+    is in its scope, and those that name no job (bytes and latency by method, memory, the
+    process), as Status shows it (server/status.py)."""
+
+    def __init__(self, registry: CollectorRegistry, scope: Scope) -> None:
+        self.registry, self.scope = registry, scope
+
+    def collect(self) -> Iterator[Any]:
+        for family in self.registry.collect():
+            kept = [
+                s
+                for s in family.samples
+                if "job" not in s.labels or self.scope.allows_job(s.labels["job"])
+            ]
+            if len(kept) == len(family.samples):
+                yield family
+                continue
+            narrowed = copy.copy(family)
+            narrowed.samples = kept
+            yield narrowed
