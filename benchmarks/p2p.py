@@ -56,11 +56,10 @@ def _thread_cpu() -> dict[str, int]:
                 stat = f.read()
         except OSError:
             continue  # the thread ended
-        fields = stat[stat.rindex(")") + 2 :].split()
-        tid = int(task.rsplit("/", 1)[1])
-        ticks[_label(py.get(tid), stat[stat.index("(") + 1 : stat.rindex(")")])] += int(
-            fields[11]
-        ) + int(fields[12])
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()  # utime and stime: fields 14 and 15
+        thread = py.get(int(task.rsplit("/", 1)[1]))
+        ticks[_label(thread, comm)] += int(fields[11]) + int(fields[12])
     return dict(ticks)
 
 
@@ -120,13 +119,16 @@ def _rank(side: str, size: int, messages: int, rank: int, ports: list[int], out:
                 return client.recv(peer, like, "pp")
 
             sync = client.barrier
-        steps = (send, recv) if rank == 0 else (recv, send)
 
         def loop(count: int) -> torch.Tensor:
             got = x
             for _ in range(count):
-                for step in steps:
-                    got = step() if step is recv else (step() or got)
+                if rank == 0:  # ping
+                    send()
+                    got = recv()
+                else:  # pong
+                    got = recv()
+                    send()
             return got
 
         loop(WARMUP)

@@ -9,10 +9,10 @@ for the server's empty first batch, and a server that refuses (an older server, 
 ``--max-sessions 0`` or at its bound, a token it does not take) gets that client's calls one by
 one, as before; it is asked again after ``RETRY_OPEN_S``, or after ``RETRY_UNREACHABLE_S`` when
 no server answered (UNAVAILABLE: one that is still starting, or restarting, is not a server that
-refused, and its calls should not go one by one for half a minute once it is up). A session that
-breaks fails its calls
-in flight with UNAVAILABLE (every call is idempotent: ``RpcCore.run`` sends them again) and the
-next call opens a new one. ``PARAMSHARD_SESSIONS=0`` turns sessions off.
+refused, and its calls should not go one by one for half a minute once it is up). A session
+that breaks fails its calls in flight with UNAVAILABLE (every call is idempotent:
+``RpcCore.run`` sends them again) and the next call opens a new one. ``PARAMSHARD_SESSIONS=0``
+turns sessions off.
 
 Only calls whose message is at most ``MAX_BODY`` bytes travel in sessions: a tensor whose
 payload is in a shared segment, or a small one. A large in-band payload goes as its own call,
