@@ -14,7 +14,7 @@ from lease_fakes import KILL_NOTICE_S, Stream, keep, lease, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.leases import UNSEEN_END_S
+from paramshard.server.collectives.leases import STREAM_GRACE_S, UNSEEN_END_S
 
 
 @pytest.fixture
@@ -124,3 +124,20 @@ def test_a_renewal_that_outlives_its_rank_delays_the_notice_by_seconds_only(serv
     finally:
         for c in ranks:
             c.close()
+
+
+def test_a_peer_that_came_after_the_lost_ranks_stream_opened_witnesses_its_end(table):
+    """Rank 1's stream reaches the server before rank 0's first renewal; later the stream ends
+    and rank 1 sends nothing more. Rank 0 was live all through that silence (its stream was
+    heard until its end), so rank 1 is lost within a renewal of ``STREAM_GRACE_S``, not
+    ``ISOLATED_GRACE_S`` after rank 0 came (the through-gRPC test above met this 10 s wait
+    whenever rank 1's stream opened first)."""
+    leases, clock = table
+    mine = Stream(rank=1)
+    leases.open_hold(lease(1, ttl_ms=30_000), mine)  # heard at its opening only
+    clock.now += 0.5
+    leases.renew(lease(0))  # rank 0's liveness begins after rank 1 was last heard
+    keep(leases, clock, 2, 0)
+    assert leases.end_hold(mine)
+    reply = keep(leases, clock, STREAM_GRACE_S + 1.0, 0)
+    assert reply.lost_rank == 1 and "rank 1 lost (its lease stream" in reply.aborted, reply

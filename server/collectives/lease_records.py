@@ -45,6 +45,12 @@ class LeaseRecord:
         return self.holds > 0 or self.expires >= now
 
     @property
+    def last_alive(self) -> float:
+        """The last moment this server knew its rank alive: its stream's end while a stream
+        held it (an open stream is heard all along), else its last renewal or opening."""
+        return self.closed_at if self.closed_at is not None else self.heard
+
+    @property
     def silent_from(self) -> float:
         """When its silence began to count: its stream's end, else its TTL's."""
         return self.closed_at if self.closed_at is not None else self.expires
@@ -79,12 +85,13 @@ def witnessed(
     run: RunRecord, rank: int, silent: LeaseRecord, now: float, isolated_grace_s: float
 ) -> bool:
     """Whether another rank's renewals reached this server all through ``rank``'s silence
-    (or for ``isolated_grace_s`` since they resumed), one of them after the silence began:
-    proof that the silence is the rank's, not this server's."""
+    (live since before ``rank`` was last known alive, or for ``isolated_grace_s`` since they
+    resumed), one of them after the silence began: proof that the silence is the rank's, not
+    this server's."""
     return any(
         other.live(now)
         and other.heard > silent.silent_from
-        and (other.since <= silent.heard or now - other.since >= isolated_grace_s)
+        and (other.since <= silent.last_alive or now - other.since >= isolated_grace_s)
         for r, other in run.leases.items()
         if r != rank
     )

@@ -28,10 +28,11 @@ notice too, at once). A rank that lost a server asks the others' servers to abor
 
 A lapse counts only with a *witness*: another rank of the run whose renewal reached this server
 after the silence began (the stream's end, or the TTL's), and whose renewals reached it all
-along (since before the silent rank's last one, or for ``ISOLATED_GRACE_S`` after they
-resumed). A server cut off from every trainer hears from nobody, so it cannot tell a dead rank
-from its own broken link and decides nothing; when the link comes back, the ranks' renewals
-resume and nothing was aborted. (A rank that a server alone cannot hear while the
+along (since before the silent rank was last known alive: its last renewal, or its stream's
+end while a stream held its lease; or for ``ISOLATED_GRACE_S`` after they resumed). A server
+cut off from every trainer hears from nobody, so it cannot tell a dead rank from its own
+broken link and decides nothing; when the link comes back, the ranks' renewals resume and
+nothing was aborted. (A rank that a server alone cannot hear while the
 others can is taken for lost: to the run it is.) Leases that lapse with no witness are dropped
 silently after ``forget_s``.
 
