@@ -297,15 +297,17 @@ def flatten(
     numel: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Concatenate ``tensors`` (detached) into a new flat tensor of ``numel`` values.
+    """Concatenate ``tensors`` (detached) into a new flat tensor of ``numel`` values, or into
+    ``out`` (a flat tensor of ``numel`` values, kept by the caller across steps).
 
     Tensors are copied in order, cast to ``dtype``, so the result lines up with the entries of
     the buffer the tensors (parameters or their gradients) came from.
     """
     if device is None:
         device = tensors[0].device if tensors else "cpu"
-    flat = torch.empty(numel, dtype=dtype, device=device)
+    flat = torch.empty(numel, dtype=dtype, device=device) if out is None else out
     offset = 0
     for t in tensors:
         n = t.numel()

@@ -30,7 +30,7 @@ from torch import nn
 
 from paramshard.strategies.base import ShardedModelBase
 from paramshard.strategies.config import ShardingConfiguration, master_dtype
-from paramshard.strategies.layout import copy_flat_into, to_master, torch_dtype
+from paramshard.strategies.layout import copy_flat_into, flatten, to_master, torch_dtype
 from paramshard.strategies.mixed_precision import compute_dtype
 from paramshard.strategies.nonfinite import nonfinite_grads, settle
 
@@ -133,19 +133,13 @@ class DDPModel(ShardedModelBase):
         if bucket.future is not None:  # launched again before its end: its buffer is in use
             wait([bucket.future])  # (its outcome is dropped, as a relaunch always did)
         dtype = torch_dtype(self.config.reduce_dtype_for(bucket.master))
-        first = bucket.params[0]
+        device = bucket.params[0].device
         flat = bucket.flat
-        if flat is None or flat.dtype != dtype or flat.device != first.device:
+        if flat is None or flat.dtype != dtype or flat.device != device:
             numel = sum(p.numel() for p in bucket.params)
-            flat = bucket.flat = torch.empty(numel, dtype=dtype, device=first.device)
-        offset = 0
-        for p in bucket.params:
-            n = p.numel()
-            if p.grad is None:
-                flat[offset : offset + n].zero_()
-            else:
-                flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))  # cast to dtype
-            offset += n
+            flat = bucket.flat = torch.empty(numel, dtype=dtype, device=device)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        flatten(grads, flat.numel(), dtype, out=flat)  # cast to dtype
         bucket.future = self._pool.submit(self._all_reduce, flat)
 
     def _all_reduce(self, flat: torch.Tensor) -> torch.Tensor:
