@@ -122,6 +122,15 @@ class FSDPModel(ServerShardedModel):
                 p.register_post_accumulate_grad_hook(eager_hook(self._on_grad))
         for unit in self._unit_list:
             self._free(unit)
+        # the flats of two units wait for reuse; the root's (embeddings, often the largest)
+        # is kept only when it fits in that
+        self._flats.max_idle_bytes = 2 * max(
+            (
+                sum(b.numel * torch_dtype(b.master_dtype).itemsize for b in u.buffers)
+                for u in self._unit_list[1:]
+            ),
+            default=0,
+        )
 
     # -- gather and free ---------------------------------------------------------------------
     def _fetch(self, unit: _Unit) -> dict[str, torch.Tensor]:
@@ -233,7 +242,8 @@ class FSDPModel(ServerShardedModel):
                 else torch.zeros(e.shape, dtype=master, device=p.device)
                 for p, e in zip(b.params, b.entries, strict=True)
             ]
-            flat = flatten(grads, b.numel, master)
+            out = self._flats.take(b.numel, master, grads[0].device)
+            flat = flatten(grads, b.numel, master, out=out)
             for p in b.params:
                 p.grad = None
             self._push_async(b, flat)

@@ -31,6 +31,7 @@ from paramshard.strategies.base import ShardedModelBase, hf_model_config
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.checkpoints import ServerCheckpoints
 from paramshard.strategies.data_parallel.elastic import ElasticSteps
+from paramshard.strategies.data_parallel.flat_pool import FlatPool
 from paramshard.strategies.data_parallel.server_optim import (
     TorchOptimizerState,
     server_hyper,
@@ -93,6 +94,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         sets the whole model's before attaching."""
         self._pending: list[Future] = []
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="push")
+        self._flats = FlatPool()  # pushed flats, reused (the strategy sets its bound)
         self._skip_reason = ""  # skip_step: this step is skipped everywhere, whatever its norm
         self._last_step: tuple[int, dict[str, StepArgs], bool] | None = None
         """The Step this rank sent last (step, arguments, skip): an elastic rank resends it to
@@ -227,7 +229,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
 
     # -- pushing --------------------------------------------------------------------------
     def _push_async(self, b: BufferSpec, grads: torch.Tensor, start: int = 0) -> None:
-        """Sends this micro-batch's gradient for [start, start + len) of buffer ``b``."""
+        """Sends this micro-batch's gradient for [start, start + len) of buffer ``b``: a flat
+        from ``self._flats``, which it goes back to once pushed."""
         calls = self.client.push_calls(
             self.config.job,
             b.name,
@@ -240,11 +243,12 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             numel=b.numel,
             membership=self._push_membership(),
         )
-        self._pending.append(self._pool.submit(self._run_pushes, calls))
+        self._pending.append(self._pool.submit(self._run_pushes, calls, grads))
 
-    def _run_pushes(self, calls: list) -> None:
+    def _run_pushes(self, calls: list, flat: torch.Tensor) -> None:
         with self.comm_times.busy("push"):
             self.client.run(calls)
+        self._flats.give(flat)
 
     def _num_micro(self) -> int:
         return 1

@@ -152,6 +152,7 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _after_register(self) -> None:
         self._refresh_replica()
+        self._flats.max_idle_bytes = 2 * self.config.bucket_size_bytes  # two buckets
         for b in self._buffers:
             limit = max(1, self.config.bucket_size_bytes // torch_dtype(b.master_dtype).itemsize)
             bucket: _Bucket | None = None
@@ -175,7 +176,9 @@ class ZeRO2Model(_ReplicatedParams):
 
     def _push_bucket(self, bucket: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        flat = flatten(grads, bucket.numel, torch_dtype(bucket.buffer.master_dtype))
+        master = torch_dtype(bucket.buffer.master_dtype)
+        out = self._flats.take(bucket.numel, master, grads[0].device)
+        flat = flatten(grads, bucket.numel, master, out=out)
         for p in bucket.params:
             p.grad = None  # ZeRO-2: the full gradient never stays on the trainer
         bucket.ready.clear()
