@@ -6,13 +6,16 @@ Each rank trains the same model from the same seed on its rows of the same globa
 AdamW, one intra-op thread, and answers ``RESULT {json}``: per step the wall seconds, forward /
 backward / optimizer-step seconds and (ours) the seconds its training thread waited on the
 servers and its background threads spent in calls, by kind (``model.comm_times``); rank 0 of
-ours also the servers' optimizer-step seconds of each step (their Status); the losses; its
-peak resident memory.
+ours also the servers' optimizer-step seconds of each step (their Status); the CPU seconds
+the rank's process used in each step (all its threads), and rank 0 of ours the CPU seconds
+the server processes used in it (``--server-pids``: read from /proc, they run on this host);
+the losses; its peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -86,6 +89,16 @@ def _server_step_seconds(client: Any, job: str) -> float:
     return worst
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used, all its threads; 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) -> dict[str, Any]:
     """The timed steps on this rank's rows; per-step figures (see the module docstring)."""
     per = MODELS[a.model].batch_per_rank
@@ -94,6 +107,7 @@ def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) 
     losses = []
     for x in batches(a.model, a.world, a.steps):
         xs = x[rows]
+        c0 = time.process_time()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, xs)
@@ -105,6 +119,7 @@ def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) 
         losses.append(float(loss.detach()))
         row: dict[str, Any] = {"s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1}
         row["optimizer"] = t3 - t2
+        row["cpu"] = time.process_time() - c0
         row["peak_rss_mb"] = round(rss_bytes()[1] / 2**20)  # when the peak happens
         if after_step is not None:
             row.update(after_step())
@@ -148,10 +163,16 @@ def ours_main(a: argparse.Namespace) -> None:
     if a.strategy == "fsdp":
         extra["gathered_units_bytes"] = gathered_units_bytes(net, psi)
 
+    server_pids = [int(pid) for pid in a.server_pids.split(",") if pid]
+    servers_cpu = [sum(process_cpu_s(pid) for pid in server_pids)]  # at the last step's end
+
     def after_step() -> dict[str, Any]:
         out: dict[str, Any] = {"comm": model.comm_times.take()}
         if a.rank == 0 and a.strategy != "ddp":
             out["server_step_s"] = _server_step_seconds(client, job)
+        if a.rank == 0 and server_pids:
+            now = sum(process_cpu_s(pid) for pid in server_pids)
+            out["servers_cpu"], servers_cpu[0] = now - servers_cpu[0], now
         return out
 
     result = _train(a, model, opt, after_step)

@@ -19,6 +19,9 @@ Reported per cell:
   optimizer step; the training thread's waits on the servers by kind and the background
   threads' time in calls (``model.comm_times``: strategies/timing.py); the slowest server's
   optimizer step (its Status); compute = step - waits;
+- **CPU a step**, both sides (medians over the timed steps): the CPU seconds of all the rank
+  processes together, and ours' servers' (``cpu_per_step_s``): with more processes than
+  cores, a step's time follows the CPU both sides spend;
 - **memory**: the peak resident memory (VmHWM) of every trainer and every server, against the
   formula (model state per process, as the strategy divides it, ``_scale_models.formula``)
   plus the measured resident memory of a bare process (``process_overhead``); trainers also
@@ -102,6 +105,7 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
         argv += ["--servers", ",".join(addresses), "--run", f"s{uuid.uuid4().hex[:10]}"]
         argv += ["--chunk-mib", str(a.chunk_mib), "--in-flight", str(a.in_flight)]
         argv += ["--arrival-order"] if a.arrival_order else []
+        argv += ["--server-pids", ",".join(str(k.proc.pid) for k in servers)]
         with ServerSampler([k.proc.pid for k in servers]) as sampled:
             ranks = launch_ranks(
                 "benchmarks.scale", "_ours", f"ours-{strategy}", w, argv, budget,
@@ -142,6 +146,16 @@ def breakdown(rank0: dict, warmup: int) -> dict[str, float]:
         out["blocked_total"] = med(waits)
         out["compute"] = med([r["s"] - b for r, b in zip(rows, waits, strict=True)])
     return out
+
+
+def cpu_per_step(ranks: list[dict], warmup: int) -> dict[str, float]:
+    """Median CPU seconds a step of all the ranks' processes together and (ours) of all the
+    servers': on a machine with fewer cores than processes, where the time goes."""
+    steps = range(warmup, len(ranks[0]["steps"]))
+    out = {"trainers": statistics.median(sum(r["steps"][i]["cpu"] for r in ranks) for i in steps)}
+    if "servers_cpu" in ranks[0]["steps"][0]:
+        out["servers"] = statistics.median(ranks[0]["steps"][i]["servers_cpu"] for i in steps)
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def mean_losses(ranks: list[dict]) -> list[float]:
@@ -193,6 +207,7 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
     for side, got in sides.items():
         row[f"{side}_ms"] = step_ms(got["ranks"], warm)
         row[f"{side}_breakdown_ms"] = breakdown(got["ranks"][0], warm)
+        row[f"{side}_cpu_per_step_s"] = cpu_per_step(got["ranks"], warm)
         row[f"{side}_memory"] = memory(got, strategy, side, psi, w, over, units)
     if len(sides) < 2:  # --sides: one side only (a knob's effect on ours, say)
         log("  " + ", ".join(f"{k} {row[k + '_ms']} ms" for k in sides))
@@ -279,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ranks = {"_ours": ours_main, "_torch": torch_main, "_overhead": overhead_main}
     if argv and argv[0] in ranks:
         p = argparse.ArgumentParser()
-        for k in ("--model", "--strategy", "--servers", "--run"):
+        for k in ("--model", "--strategy", "--servers", "--run", "--server-pids"):
             p.add_argument(k, default="")
         for k in ("--world", "--rank", "--steps", "--port", "--in-flight"):
             p.add_argument(k, type=int, default=0)

@@ -1,6 +1,7 @@
 """Smoke test of ``python -m benchmarks.scale --quick``: every strategy runs against its torch
 twin, trains the same losses, and the JSON carries the step times, where ours spends them,
-and every trainer's and server's peak memory against the formula.
+the CPU a step of both sides, and every trainer's and server's peak memory against the
+formula.
 
 Runs the benchmark as a user would, in its own process group (stopped by its id on a
 timeout)."""
@@ -45,6 +46,14 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
             assert len(own) == len(shmem) == 2 and min(own) > 0, mem
             assert all(o <= p for o, p in zip(own, mem["server_peak_rss_mb"], strict=True)), mem
         assert len(row["torch_memory"]["trainer_peak_rss_mb"]) == 2
+        # CPU a step: both sides' ranks, ours' servers (read from /proc by rank 0)
+        assert row["torch_cpu_per_step_s"]["trainers"] > 0, row
+        cpu = row["ours_cpu_per_step_s"]
+        assert (
+            cpu["trainers"] > 0
+            and cpu["servers"] >= 0
+            and "servers" not in row["torch_cpu_per_step_s"]
+        ), row
 
 
 def test_a_cell_that_cannot_fit_is_skipped_before_either_side_runs(monkeypatch) -> None:
