@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from numerics import assert_equivalent
-from test_strategy_surface import init_state, rank_data, reference, world
+from test_strategy_surface import init_state, rank_data, reference, train_accumulated, world
 
 from paramshard.server import ShardServer
 from paramshard.strategies.data_parallel.flat_pool import FlatPool
@@ -91,11 +91,7 @@ def test_training_with_reused_flats_matches_whole_batch(
 
         client.run = late_pushes
         x, y = rank_data(client.rank)
-        for _ in range(3):
-            for i in range(2):
-                (model.default_loss_function(model(x[i : i + 1]), y[i : i + 1]) / 2).backward()
-            opt.step()
-            opt.zero_grad()
+        train_accumulated(model, opt, x, y, 3)
         assert_equivalent(model.get_parameters(), want, f"{kind} with reused flats")
         pool = model._flats
         assert pool.reused > 0

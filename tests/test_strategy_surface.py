@@ -136,6 +136,15 @@ def world(
     return run_ranks(per_rank, W, addrs, wait_s=wait_s)
 
 
+def train_accumulated(model: ShardedModelBase, opt: Any, x: Any, y: Any, steps: int) -> None:
+    """``steps`` optimizer steps of two micro-batches each (gradient_accumulation_steps=2)."""
+    for _ in range(steps):
+        for i in range(2):
+            (model.default_loss_function(model(x[i : i + 1]), y[i : i + 1]) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def steps_of(model: ShardedModelBase) -> int:
     return getattr(model, "step_count", -1)
 
@@ -535,11 +544,7 @@ def test_gradient_accumulation_matches_whole_batch(
 
     def fn(client: Any, model: ShardedModelBase, opt: Any, ref: GPT) -> None:
         x, y = rank_data(client.rank)
-        for _ in range(2):
-            for i in range(2):
-                (model.default_loss_function(model(x[i : i + 1]), y[i : i + 1]) / 2).backward()
-            opt.step()
-            opt.zero_grad()
+        train_accumulated(model, opt, x, y, 2)
         assert_equivalent(model.get_parameters(), want, "accumulated over 2 micro-batches")
         client.barrier()
         # one backward instead of two: the step refuses
