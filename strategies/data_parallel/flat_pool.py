@@ -2,13 +2,13 @@
 
 ZeRO-2 flattens each bucket's gradients, and FSDP each unit's, into a flat tensor that is
 pushed to the servers and then dropped. Made new each time, the allocator may map those bytes
-anew, to fault in page by page in the training thread, or find no room for them beside the
-freed ones (GPT-2 124M at W = 2, docs/benchmarks.md "Flat gradients reused": ZeRO-2's step
-5% shorter, FSDP's trainer peak 150-300 MB lower with the pool). The pool keeps flats whose
-push finished, at most ``max_idle_bytes`` of them, and hands one to the next flatten of the
-same size and dtype. A strategy's memory stays what it was: a flat is held idle only in place
-of the next one, never a whole model's gradients (ZeRO-2's bound: two buckets; FSDP's: two
-units).
+anew, to fault in page by page in the training thread, or grow past the freed ones (GPT-2
+124M at W = 2, docs/benchmarks.md "Flat gradients reused": ZeRO-2's step 5% shorter, FSDP's
+trainer peak 150-300 MB lower with the pool). The pool keeps flats whose push finished, at
+most ``max_idle_bytes`` of them, and hands one to the next flatten of the same size and dtype.
+A strategy's memory stays what it was: a flat is held idle only in place of the next one,
+never a whole model's gradients (ZeRO-2's bound: two buckets; FSDP's: two units).
+
 Only host flats are kept: CUDA's caching allocator already reuses device memory, in the order
 of its streams, which a pool outside it would not know.
 
