@@ -17,7 +17,9 @@ name, so two runs on one cluster never see each other's collectives or buffers.
 
 Thread ranks share one interpreter: torch's global RNG (``torch.manual_seed`` in one rank seeds
 them all; give each rank a ``torch.Generator``) and its intra-op thread pool (call
-``torch.set_num_threads`` before ``run`` on a small machine). Autograd state is per thread.
+``torch.set_num_threads`` before ``run`` on a small machine). Autograd state is per thread, but
+the backward of CUDA tensors runs on torch's one autograd thread per device: thread ranks of
+DDP or tensor parallelism on one GPU are refused (strategies/device.py); use ``processes=True``.
 
 ``run_in_threads`` is the thread runner ``LocalCluster`` uses; the test suite's ``run_ranks``
 uses it too, so there is one way to run ranks as threads.

@@ -17,10 +17,17 @@ gives its slice of a pull, device to device through DLPack (``Outgoing``, ``Land
 no pinned staging, no bytes. The pieces for other servers cross the host as above. The client
 decides per server (``RpcCore.local_device``); ``set_params`` (loading, not per step) and the
 collectives on torch tensors always cross the host.
+
+Ranks that are threads of one process (``LocalCluster``) cannot share a CUDA device when a rank
+waits for the others inside backward: torch's autograd engine runs the backward of CUDA tensors
+on one worker thread per device, shared by every thread of the process, so a rank waiting there
+for another rank's contribution holds the thread the other rank's backward needs, and both wait
+until their deadline. ``claim_backward_device`` refuses that at once, with what to do instead.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -29,7 +36,11 @@ import torch
 from paramshard.protos import codec
 from paramshard.strategies.layout import torch_dtype
 
-__all__ = ["to_host", "Outgoing", "Landing", "device_of", "device_name"]
+__all__ = ["to_host", "Outgoing", "Landing", "device_of", "device_name", "claim_backward_device"]
+
+# (the group's run id, "cuda:N") -> rank -> the thread that claimed it (claim_backward_device)
+_BACKWARD_CLAIMS: dict[tuple[str, str], dict[int, threading.Thread]] = {}
+_CLAIMS_LOCK = threading.Lock()
 
 
 def device_name(device: torch.device) -> str:
@@ -37,6 +48,35 @@ def device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
     return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def claim_backward_device(device: torch.device, client: Any, what: str) -> None:
+    """Called from a rank's own thread before a backward in which it will wait for the other
+    ranks of ``client``'s group (``what``: DDP's end-of-backward all-reduce, tensor
+    parallelism's all-reduce); raises ``ValueError`` when another rank of that group trains
+    on the same CUDA device from another live thread of this process (see the module's
+    docstring). Nothing to check on the CPU, where each thread runs its own backward."""
+    if device.type != "cuda" or client.world_size <= 1:
+        return
+    key = (str(client.run_id), device_name(device))
+    me = threading.current_thread()
+    with _CLAIMS_LOCK:
+        claims = _BACKWARD_CLAIMS.setdefault(key, {})
+        for rank, thread in list(claims.items()):
+            if not thread.is_alive():
+                del claims[rank]
+        others = sorted(r for r, t in claims.items() if r != client.rank and t is not me)
+        if not others:
+            claims[client.rank] = me
+            return
+    raise ValueError(
+        f"rank {client.rank} and rank {others[0]} of group {client.run_id!r} both train on"
+        f" {key[1]} from threads of one process, and {what} waits inside backward: torch runs"
+        " the backward of CUDA tensors on one autograd thread per device, shared by the"
+        " process's threads, so one rank's wait would hold the thread the other rank's"
+        " backward needs. Run the ranks as processes (LocalCluster(processes=True) or"
+        " `paramshard launch`) or give each rank a GPU of its own (cuda:<rank>)"
+    )
 
 
 def _wire_tensor(t: torch.Tensor, wire: str) -> torch.Tensor:

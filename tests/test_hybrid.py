@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
 from numerics import assert_equivalent
 
+from paramshard import LocalCluster
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.models.gpt import GPT, GPTConfig, lm_loss
 from paramshard.protos import local_servers
@@ -81,6 +83,36 @@ def _same_state(state, ref_state, who):
     assert_equivalent(state, ref_state, who)
 
 
+def hybrid_rank(pp, tp, dp, init, data, max_norm, make_opt, schedule, on_step, device, config):
+    """One rank of ``train_hybrid`` (module level: ``processes=True`` pickles it)."""
+    r = config.rank
+    net = new_model(init).to(device)
+    model = HybridShardedModel(
+        net,
+        config,
+        pipeline_parallel_size=pp,
+        tensor_parallel_size=tp,
+        data_parallel_size=-1,
+        micro_batch_count=2,
+        schedule=schedule,
+    )
+    opt = HybridShardedOptimizer(make_opt(model.parameters()), config)
+    per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
+    losses, norms = [], []
+    for s in range(STEPS):
+        if on_step is not None:
+            on_step(r, s)
+        part = data[s, d * per : (d + 1) * per].to(device)
+        if max_norm is None:
+            losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
+        else:  # the torchtitan order: forward/backward, clip, step
+            losses.append(model.forward_backward(part[:, :-1], part[:, 1:]))
+            norms.append(float(model.clip_grad_norm_(max_norm)))
+            opt.step()
+            opt.zero_grad()
+    return losses, model.state_dict(), str(model), norms
+
+
 def train_hybrid(
     pp,
     tp,
@@ -94,54 +126,26 @@ def train_hybrid(
     local_calls=True,
     on_step=None,
     device="cpu",
+    processes=False,
 ):
     """``local_calls=False``: activations, partial sums and the ZeRO traffic all cross gRPC
     (else ranks call the servers of their own process directly). ``on_step(rank, step)`` runs
     as each rank begins each step. The model takes the dtype of ``init`` and lives on
-    ``device`` (tests/test_cuda.py: "cuda"), its batches too."""
-    world = pp * tp * dp
-    nodes = [ShardServer(local_calls=local_calls).start() for _ in range(servers)]
-    addresses = [n.address for n in nodes]
-    assert local_calls or not set(addresses) & local_servers.addresses()  # no in-process shortcut
-    run, job = uuid.uuid4().hex[:6], f"hybrid-{uuid.uuid4().hex[:6]}"
-
-    def rank(r):
-        client = ShardClient(
-            ClusterSpec(addresses), rank=r, world_size=world, run_id=run, timeout_s=60
-        )
-        config = ShardingConfiguration(client, job=job)
-        net = new_model(init).to(device)
-        model = HybridShardedModel(
-            net,
-            config,
-            pipeline_parallel_size=pp,
-            tensor_parallel_size=tp,
-            data_parallel_size=-1,
-            micro_batch_count=2,
-            schedule=schedule,
-        )
-        opt = HybridShardedOptimizer(make_opt(model.parameters()), config)
-        per, d = BATCH // model.data_parallel_size, model.data_parallel_rank
-        losses, norms = [], []
-        for s in range(STEPS):
-            if on_step is not None:
-                on_step(r, s)
-            part = data[s, d * per : (d + 1) * per].to(device)
-            if max_norm is None:
-                losses.append(model.train_on_batch(part[:, :-1], part[:, 1:]))
-            else:  # the torchtitan order: forward/backward, clip, step
-                losses.append(model.forward_backward(part[:, :-1], part[:, 1:]))
-                norms.append(float(model.clip_grad_norm_(max_norm)))
-                opt.step()
-                opt.zero_grad()
-        return losses, model.state_dict(), str(model), norms
-
-    try:
-        with ThreadPoolExecutor(world) as pool:
-            return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(world)]]
-    finally:
-        for n in nodes:
-            n.stop()
+    ``device`` (tests/test_cuda.py: "cuda"), its batches too. ``processes``: the ranks are
+    spawned processes (LocalCluster(processes=True)), not threads."""
+    cluster = LocalCluster(
+        pp * tp * dp,
+        servers,
+        processes=processes,
+        run_timeout_s=600,
+        server_options={"local_calls": local_calls},
+        job=f"hybrid-{uuid.uuid4().hex[:6]}",
+        timeout_s=60.0,
+    )
+    with cluster:
+        assert local_calls or not set(cluster.addresses) & local_servers.addresses()  # no shortcut
+        args = (pp, tp, dp, init, data, max_norm, make_opt, schedule, on_step, device)
+        return cluster.run(partial(hybrid_rank, *args))
 
 
 @equivalence

@@ -125,9 +125,11 @@ def train_sharded(
     local_calls=True,
     on_step=None,
     device="cpu",
+    processes=False,
     **conf,
 ):
-    """``train_rank`` on ``world`` thread ranks of a LocalCluster of ``servers`` servers.
+    """``train_rank`` on ``world`` thread ranks of a LocalCluster of ``servers`` servers
+    (``processes``: spawned processes).
     ``local_calls=False``: every push, pull and collective crosses gRPC, though ranks and
     servers share this process (else a rank calls the servers in-process directly).
     ``device``: where the model and its batches live (tests/test_cuda.py: "cuda").
@@ -135,7 +137,12 @@ def train_sharded(
     ShardingConfiguration fields (the defaults otherwise)."""
     conf.setdefault("timeout_s", 60.0)
     cluster = LocalCluster(
-        world, servers, server_options={"local_calls": local_calls}, run_timeout_s=300, **conf
+        world,
+        servers,
+        processes=processes,
+        server_options={"local_calls": local_calls},
+        run_timeout_s=300,
+        **conf,
     )
     with cluster:
         assert local_calls or not set(cluster.addresses) & local_servers.addresses()  # no shortcut

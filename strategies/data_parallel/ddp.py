@@ -30,6 +30,7 @@ from torch import nn
 
 from paramshard.strategies.base import ShardedModelBase
 from paramshard.strategies.config import ShardingConfiguration, master_dtype
+from paramshard.strategies.device import claim_backward_device
 from paramshard.strategies.layout import copy_flat_into, flatten, to_master, torch_dtype
 from paramshard.strategies.mixed_precision import compute_dtype
 from paramshard.strategies.nonfinite import nonfinite_grads, settle
@@ -90,6 +91,9 @@ class DDPModel(ShardedModelBase):
 
     # -- mixed precision: a working copy for forward and backward ----------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self._syncing() and self._named:
+            what = "DDP's end-of-backward all-reduce"
+            claim_backward_device(self._named[0][1].device, self.client, what)
         self._use_working_copy()
         out = super().forward(*args, **kwargs)
         if not torch.is_grad_enabled():  # no backward will come to swap the parameters back

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from paramshard.strategies.device import claim_backward_device
+
 __all__ = [
     "copy_to_tensor_parallel",
     "reduce_from_tensor_parallel",
@@ -113,6 +115,13 @@ class _ScatterToTensorParallel(torch.autograd.Function):
         return _assemble(ctx.client.all_gather(grad.contiguous()), ctx.ranges), None, None
 
 
+def _claim(x: torch.Tensor, tp_client: Any, what: str) -> None:
+    """A backward will wait for the group here: the group's ranks may not share a CUDA device
+    from threads of one process (strategies/device.py)."""
+    if x.requires_grad and torch.is_grad_enabled():
+        claim_backward_device(x.device, tp_client, what)
+
+
 def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """Megatron's ``f``; a no-op on a group of one.
 
@@ -125,6 +134,7 @@ def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """
     if tp_client.world_size == 1:
         return x
+    _claim(x, tp_client, "tensor parallelism's all-reduce of input gradients")
     last = _LAST_F.get(tp_client)
     if last is not None:
         seen, version, out = last
@@ -156,4 +166,5 @@ def scatter_to_tensor_parallel(
     """This rank's part of the last dim of ``x`` (``ranges[rank]``; default: its equal part)."""
     if tp_client.world_size == 1:
         return x
+    _claim(x, tp_client, "tensor parallelism's all-gather of input gradients")
     return _ScatterToTensorParallel.apply(x, tp_client, ranges)
