@@ -122,7 +122,7 @@ def start_cell() -> tuple[list[subprocess.Popen], list[Lines]]:
     argv = ["--model", "tiny", "--world", "4", "--steps", "2", "--cell", "3d", "--family", "gpt"]
     argv += ["--pp", "2", "--tp", "2", "--dp", "1", "--schedule", "gpipe", "--micro-batches", "2"]
     argv += ["--run", f"x{uuid.uuid4().hex[:10]}", "--lifetime", "600"]
-    env = {**worker_env(), "GRPC_VERBOSITY": "ERROR", "PYTHONPATH": str(ROOT)}
+    env = {**worker_env(), "GRPC_VERBOSITY": "ERROR"}  # worker_env: this checkout first
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks.hybrid", "_ours", *argv, "--rank", str(r)],

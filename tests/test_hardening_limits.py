@@ -23,6 +23,7 @@ from test_cli import ServeProcess, paramshard
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
+from paramshard.server.runtime import backend
 from paramshard.server.runtime.limits import default_memory_limit, host_memory, parse_bytes
 
 N = 1024
@@ -224,10 +225,14 @@ def test_memory_sizes_and_the_default_limit() -> None:
     with open("/proc/meminfo") as f:
         (line,) = [ln for ln in f if ln.startswith("MemTotal:")]
     assert 0 < host_memory() <= int(line.split()[1]) * 1024
-    assert default_memory_limit() == int(0.9 * host_memory())  # the CPU path
-    server = ShardServer("127.0.0.1", 0)  # not started: the limit is set at construction
+    server = ShardServer("127.0.0.1", 0)  # not started: backend and limit are set at construction
     try:
-        assert server.servicer.budget.limit == default_memory_limit()
+        if backend.device == "cpu":
+            expected = int(0.9 * host_memory())
+        else:  # a GPU (PARAMSHARD_TEST_BACKEND=cuda:N): a fraction of the device's memory
+            expected = int(0.9 * backend.device_memory()["total"])
+        assert default_memory_limit() == expected
+        assert server.servicer.budget.limit == expected
     finally:
         server.stop(0)
 

@@ -6,7 +6,6 @@ Real servers on 127.0.0.1:0 with tokens (read < train < admin, and peer: the ser
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from conftest import worker_env
 from pki import make_pki
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
@@ -335,11 +335,10 @@ def replicate_and_recover(nodes: list[ShardServer], c: ShardClient) -> None:
 
 def serve_cli(*flags: str) -> subprocess.CompletedProcess:
     """``paramshard serve --port 0 FLAGS`` run to its end (bounded): for usage errors."""
-    root = Path(__file__).resolve().parents[1]
     return subprocess.run(
         [sys.executable, "-m", "paramshard", "serve", "--port", "0", *flags],
-        cwd=root,
-        env={**os.environ, **MALLOC_ENV, "PYTHONPATH": str(root)},
+        cwd=Path(__file__).resolve().parents[1],
+        env={**worker_env(), **MALLOC_ENV},  # this checkout first, the caller's path kept
         capture_output=True,
         text=True,
         timeout=30,

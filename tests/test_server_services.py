@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from paramshard.client import ClusterSpec, ParamInfo, ShardClient, StepArgs
 from paramshard.protos.slicing import slice_bounds
 from paramshard.server import ShardServer
+from paramshard.server.runtime import backend
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARD = "paramshard.v1.Shard"
@@ -124,7 +125,7 @@ def test_status_reports_jobs_buffers_and_bytes(servers) -> None:
         c.set_params("statjob", "w", np.zeros(numel, np.float32))
         rows = status_rows(c)
         for i, row in enumerate(rows):
-            assert row["device"] == "cpu"
+            assert row["device"] == backend.device  # cuda:N under PARAMSHARD_TEST_BACKEND
             assert row["uptime_seconds"] > 0
             assert int(row["server_index"]) == i and int(row["num_servers"]) == 2
             assert int(row["pid"]) == os.getpid()
