@@ -9,12 +9,12 @@ checks the refusal there, and this file checks who is refused and who is not.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from types import SimpleNamespace
 
 import torch
 
+from paramshard.local_cluster import RankFailed, run_in_threads
 from paramshard.strategies.device import claim_backward_device
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)  # names only: no GPU is used
@@ -26,20 +26,13 @@ def group(rank: int, run_id: str, world_size: int = 2) -> SimpleNamespace:
 
 
 def in_thread(fn) -> BaseException | None:
-    """Runs ``fn`` in a new thread that ends before this returns; what it raised, if anything."""
-    raised: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            raised.append(exc)
-
-    t = threading.Thread(target=body)
-    t.start()
-    t.join(timeout=10)
-    assert not t.is_alive()
-    return raised[0] if raised else None
+    """Runs ``fn`` in a thread of its own (LocalCluster's thread runner), which has ended when
+    it succeeds; what it raised, if anything."""
+    try:
+        run_in_threads([fn], timeout_s=10)
+    except RankFailed as failed:
+        return failed.error
+    return None
 
 
 def test_a_second_thread_rank_on_the_same_device_is_refused_by_name() -> None:
