@@ -13,6 +13,8 @@
 - ``run_ranks(fn, world_size, addresses, **client_kw)``: runs ``fn(client)`` for every rank in
   its own thread (LocalCluster's thread runner) and returns the results in rank order; the
   first exception is re-raised.
+- Run files (``paramshard launch``) go to a folder of this process's own (``PARAMSHARD_RUN_DIR``),
+  so tests in parallel workers (``make test`` runs pytest-xdist) never see each other's runs.
 - ``gpu`` marker: trainers on a GPU; skipped unless torch sees a CUDA device (the servers may
   be NumPy ones). ``cupy`` marker: servers on a GPU; skipped unless CuPy imports and sees one.
 """
@@ -22,6 +24,8 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,6 +38,16 @@ from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
 
 _runs = itertools.count()
+
+# Every pytest process (each xdist worker too) keeps the run files of the launchers its tests
+# start in a folder of its own, removed at the end: a tool that looks for "the only live run"
+# must not find another worker's, and no test writes into the user's own run directory.
+_RUN_DIR = tempfile.mkdtemp(prefix="paramshard-test-runs-")
+os.environ["PARAMSHARD_RUN_DIR"] = _RUN_DIR
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_RUN_DIR, ignore_errors=True)
 
 
 def _torch_cuda() -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from numerics import assert_equivalent
-from test_strategy_surface import init_state, rank_data, reference, train_accumulated, world
+from strategy_world import init_state, rank_data, reference, train_accumulated, world
 
 from paramshard.server import ShardServer
 from paramshard.strategies.data_parallel.flat_pool import FlatPool
