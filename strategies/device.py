@@ -36,7 +36,15 @@ import torch
 from paramshard.protos import codec
 from paramshard.strategies.layout import torch_dtype
 
-__all__ = ["to_host", "Outgoing", "Landing", "device_of", "device_name", "claim_backward_device"]
+__all__ = [
+    "to_host",
+    "Outgoing",
+    "Landing",
+    "device_of",
+    "device_name",
+    "claim_backward_device",
+    "backward_claims",
+]
 
 # (the group's run id, "cuda:N") -> rank -> the thread that claimed it (claim_backward_device)
 _BACKWARD_CLAIMS: dict[tuple[str, str], dict[int, threading.Thread]] = {}
@@ -61,10 +69,8 @@ def claim_backward_device(device: torch.device, client: Any, what: str) -> None:
     key = (str(client.run_id), device_name(device))
     me = threading.current_thread()
     with _CLAIMS_LOCK:
+        _drop_ended()
         claims = _BACKWARD_CLAIMS.setdefault(key, {})
-        for rank, thread in list(claims.items()):
-            if not thread.is_alive():
-                del claims[rank]
         others = sorted(r for r, t in claims.items() if r != client.rank and t is not me)
         if not others:
             claims[client.rank] = me
@@ -77,6 +83,25 @@ def claim_backward_device(device: torch.device, client: Any, what: str) -> None:
         " backward needs. Run the ranks as processes (LocalCluster(processes=True) or"
         " `paramshard launch`) or give each rank a GPU of its own (cuda:<rank>)"
     )
+
+
+def _drop_ended() -> None:
+    """Forgets the claims of threads that have ended, and the groups left with none (a
+    process that trains group after group keeps only its live ones). Under _CLAIMS_LOCK."""
+    for key, claims in list(_BACKWARD_CLAIMS.items()):
+        for rank, thread in list(claims.items()):
+            if not thread.is_alive():
+                del claims[rank]
+        if not claims:
+            del _BACKWARD_CLAIMS[key]
+
+
+def backward_claims() -> dict[tuple[str, str], list[int]]:
+    """The live claims of this process: (group's run id, "cuda:N") -> the ranks whose threads
+    train there (``claim_backward_device``), for diagnostics."""
+    with _CLAIMS_LOCK:
+        _drop_ended()
+        return {key: sorted(claims) for key, claims in _BACKWARD_CLAIMS.items()}
 
 
 def _wire_tensor(t: torch.Tensor, wire: str) -> torch.Tensor:

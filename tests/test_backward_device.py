@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from paramshard.local_cluster import RankFailed, run_in_threads
-from paramshard.strategies.device import claim_backward_device
+from paramshard.strategies.device import backward_claims, claim_backward_device
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)  # names only: no GPU is used
 
@@ -67,3 +67,16 @@ def test_a_claim_ends_with_its_thread() -> None:
     claim_backward_device(CUDA0, group(1, run), "x")  # rank 0's thread is gone
     error = in_thread(lambda: claim_backward_device(CUDA0, group(0, run), "x"))
     assert isinstance(error, ValueError) and "rank 0 and rank 1" in str(error)
+
+
+def test_groups_whose_threads_ended_are_forgotten() -> None:
+    """A process that trains group after group in threads keeps only the live groups' claims:
+    the claims of ended threads, and their groups, go at the next claim or look."""
+    runs = [uuid.uuid4().hex for _ in range(3)]
+    for run in runs:  # each group's rank 0 in a thread that has ended
+        assert in_thread(lambda run=run: claim_backward_device(CUDA0, group(0, run), "x")) is None
+    live = uuid.uuid4().hex
+    claim_backward_device(CUDA1, group(1, live), "x")  # this thread, still running
+    claims = backward_claims()
+    assert not any(run in key for key in claims for run in runs), claims
+    assert claims[(live, "cuda:1")] == [1]
