@@ -91,11 +91,12 @@ def estimate(model: str, strategy: str, side: str, psi: int, w: int, over: dict)
     4Ψ more (its formula counts the parameters only, but the backward makes a gradient for
     every parameter before the buckets push them: without this term GPT-2 355M ZeRO-2 at W=4
     was estimated to fit in 20.4 GiB and the kernel's OOM killer killed a rank, whose trainers
-    held 4.1 GB each); per server overhead + 1.5 x formula (optimizer temporaries, staged
+    held 4.1 GB each), and for our ZeRO-1 4Ψ more (the flat its gradients are pushed from);
+    per server overhead + 1.5 x formula (optimizer temporaries, staged
     contributions) + transients."""
     units = gathered_units_from_shape(model, psi)
     f = formula(strategy, side, psi, w, units)
-    grads = 4 * psi if (strategy, side) == ("zero2", "ours") else 0
+    grads = 4 * psi if side == "ours" and strategy in ("zero1", "zero2") else 0
     trainer = over["trainer"] + max(4 * psi, f["trainer"]) + grads
     trainer += activation_bytes(model) + TRANSIENT
     servers = over["server"] + int(1.5 * f["server"]) + TRANSIENT if side == "ours" else 0

@@ -18,9 +18,12 @@ Memory formulas (bytes per process; Ψ parameters, W ranks and W servers, AdamW)
 
 - DDP (ours and torch's): each trainer 16Ψ (parameters, gradients, two moments); servers
   hold no model state;
-- ZeRO-2 (ours): trainer 4Ψ (parameters) + its gradient buckets in flight; each server 16Ψ/W
-  (master, reduced gradient, two moments). Torch's ``ZeroRedundancyOptimizer`` over DDP keeps
-  parameters and gradients whole: 8Ψ + 8Ψ/W per rank;
+- ZeRO-1 (ours): trainer 8Ψ (parameters, gradients) + the flat its gradients are pushed
+  from; each server 16Ψ/W (master, reduced gradient, two moments);
+- ZeRO-2 (ours): trainer 4Ψ (parameters) + its gradient buckets in flight; each server 16Ψ/W.
+  Torch's ``ZeroRedundancyOptimizer`` over DDP, the peer of both ZeRO cells (it shards the
+  optimizer state only: ZeRO stage 1), keeps parameters and gradients whole: 8Ψ + 8Ψ/W per
+  rank, plus DDP's gradient buckets;
 - FSDP (ours and FSDP2): trainer the gathered units (root + the two largest: computing and
   prefetched, 4 bytes a parameter); each server 16Ψ/W; FSDP2 ranks hold 16Ψ/W + the units.
 
@@ -48,7 +51,7 @@ class ModelSpec:
     batch_per_rank: int
     steps: int  # per run, warm-up included
     warmup: int
-    strategies: tuple[str, ...] = ("ddp", "zero2", "fsdp")
+    strategies: tuple[str, ...] = ("ddp", "zero1", "zero2", "fsdp")
     worlds: tuple[int, ...] = (2, 4, 8)
     notes: list[str] = field(default_factory=list)
 
@@ -171,9 +174,11 @@ def formula(strategy: str, side: str, psi: int, world: int, units: int) -> dict[
     is 4 bytes x the gathered units' parameters."""
     if strategy == "ddp":
         return {"trainer": 16 * psi, "server": 0}
+    if strategy in ("zero1", "zero2") and side == "torch":  # one peer for both
+        return {"trainer": 8 * psi + 8 * psi // world, "server": 0}
+    if strategy == "zero1":
+        return {"trainer": 8 * psi, "server": 16 * psi // world}
     if strategy == "zero2":
-        if side == "torch":
-            return {"trainer": 8 * psi + 8 * psi // world, "server": 0}
         return {"trainer": 4 * psi, "server": 16 * psi // world}
     if side == "torch":
         return {"trainer": 16 * psi // world + units, "server": 0}

@@ -198,12 +198,13 @@ def ours_main(a: argparse.Namespace) -> None:
 def _torch_wrap(a: argparse.Namespace, net: Any) -> tuple[Any, Any]:
     import torch
 
-    if a.strategy in ("ddp", "zero2"):
+    if a.strategy in ("ddp", "zero1", "zero2"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(net)
         if a.strategy == "ddp":
             return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+        # ZeRO-1 and ZeRO-2 alike: torch's one optimizer-state sharding over DDP
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(

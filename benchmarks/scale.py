@@ -1,13 +1,14 @@
 """Training at the sizes users train: GPT-2 124M and 355M, a Llama-shaped 1B, against torch.
 
     python -m benchmarks.scale [--quick] [--models gpt2-124m,gpt2-355m,llama-1b]
-                               [--world-sizes 2,4,8] [--strategies ddp,zero2,fsdp]
+                               [--world-sizes 2,4,8] [--strategies ddp,zero1,zero2,fsdp]
                                [--steps N] [--warmup K] [--wait-quiet S] [--margin-gib G]
 
 For every model, W and strategy, in one run: ours with W rank processes against W separate
 ``paramshard serve`` processes on this host (the deployed shape: payloads through shared
 memory), and torch's twin on gloo with W rank processes: DDP against
-``DistributedDataParallel``, ZeRO-2 against DDP + ``ZeroRedundancyOptimizer``, FSDP against
+``DistributedDataParallel``, ZeRO-1 and ZeRO-2 against DDP + ``ZeroRedundancyOptimizer``
+(torch's one optimizer-state sharding), FSDP against
 FSDP2 ``fully_shard`` per block + root. Same model and seed, same batches (W x 2 sequences of
 128 tokens), AdamW, float32, one intra-op thread per rank on both sides (models and formulas:
 ``benchmarks/_scale_models.py``; ranks: ``benchmarks/_scale_ranks.py``).
@@ -77,9 +78,10 @@ from benchmarks._training import launch_ranks
 from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.rpc import MAX_IN_FLIGHT
 
-STRATEGIES = ("ddp", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 TORCH_PEER = {
     "ddp": "DistributedDataParallel",
+    "zero1": "DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)",
     "zero2": "DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)",
     "fsdp": "fully_shard per block + root (FSDP2)",
 }

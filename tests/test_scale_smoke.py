@@ -13,7 +13,7 @@ import argparse
 import pytest
 from test_benchmarks_smoke import run_quick
 
-STRATEGIES = ("ddp", "zero2", "fsdp")
+STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 @pytest.mark.slow
@@ -33,7 +33,8 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
         assert row["loss_max_rel_diff"] < 1e-4, row["loss_max_rel_diff"]
         ours = row["ours_breakdown_ms"]
         assert ours["compute"] > 0 and ours["blocked_total"] >= 0, ours
-        waits = {"ddp": "blocked/all_reduce", "zero2": "blocked/step", "fsdp": "blocked/gather"}
+        waits = {"ddp": "blocked/all_reduce", "zero1": "blocked/push"}
+        waits |= {"zero2": "blocked/step", "fsdp": "blocked/gather"}
         assert waits[strategy] in ours, ours
         mem = row["ours_memory"]
         assert len(mem["trainer_peak_rss_mb"]) == 2
