@@ -14,7 +14,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks._processes import emit, malloc_env_state, proc_cpu_s, wait_parent_eof
+from benchmarks._cpu import proc_cpu_s
+from benchmarks._processes import emit, malloc_env_state, wait_parent_eof
 
 MiB = 1 << 20
 OPS = ("all_reduce", "all_gather", "reduce_scatter")

@@ -16,16 +16,10 @@ from benchmarks._collective_ranks import (
     MiB,
     reps_for,
 )
+from benchmarks._cpu import Load, wait_quiet
 from benchmarks._netns import Namespaces, unavailable
 from benchmarks._ns_training import gradient_mib, section_training
-from benchmarks._processes import (
-    Child,
-    Load,
-    child_env,
-    expect_all,
-    stop_all,
-    wait_quiet,
-)
+from benchmarks._processes import Child, child_env, expect_all, stop_all
 from benchmarks._transport import (
     child,
     gbps,

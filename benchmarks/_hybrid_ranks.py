@@ -8,11 +8,8 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._processes import (
-    child_guard,
-    cpu_self_s,
-    emit,
-)
+from benchmarks._cpu import cpu_self_s
+from benchmarks._processes import child_guard, emit
 from benchmarks._training import (
     adamw,
     build_gpt,

@@ -19,7 +19,8 @@ import os
 import time
 from typing import Any
 
-from benchmarks._processes import child_guard, emit, peak_rss_bytes, wait_parent_eof
+from benchmarks._cpu import peak_rss_bytes
+from benchmarks._processes import child_guard, emit, wait_parent_eof
 from benchmarks._scale_models import ADAMW, MODELS, batches, build, loss_of
 
 STEP_TIMEOUT_S = 900.0  # a 1B-parameter step on 2 cores takes about a minute

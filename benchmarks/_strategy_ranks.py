@@ -7,12 +7,8 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._processes import (
-    child_guard,
-    cpu_self_s,
-    emit,
-    peak_rss_bytes,
-)
+from benchmarks._cpu import cpu_self_s, peak_rss_bytes
+from benchmarks._processes import child_guard, emit
 from benchmarks._training import (
     ADAMW,
     MODELS,

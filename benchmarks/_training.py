@@ -20,17 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks._processes import (
-    Child,
-    Load,
-    child_env,
-    emit,
-    expect_all,
-    read_line,
-    run_child,
-    stop_all,
-    wait_quiet,
-)
+from benchmarks._cpu import Load, wait_quiet
+from benchmarks._processes import Child, child_env, emit, expect_all, read_line, run_child, stop_all
 
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": {

@@ -12,16 +12,8 @@ from typing import Any
 from benchmarks._collective_ranks import (
     MiB,
 )
-from benchmarks._processes import (
-    Child,
-    Load,
-    child_env,
-    expect_all,
-    logger,
-    proc_cpu_s,
-    serve_processes,
-    stop_all,
-)
+from benchmarks._cpu import Load, proc_cpu_s
+from benchmarks._processes import Child, child_env, expect_all, logger, serve_processes, stop_all
 
 log = logger("collectives")
 

@@ -66,14 +66,8 @@ from benchmarks._collective_ranks import (
 from benchmarks._collective_runs import (
     section_collectives,
 )
-from benchmarks._processes import (
-    ChildError,
-    child_guard,
-    install_cleanup,
-    run_child,
-    stop_all,
-    wait_quiet,
-)
+from benchmarks._cpu import wait_quiet
+from benchmarks._processes import ChildError, child_guard, install_cleanup, run_child, stop_all
 from benchmarks._transport import (
     log,
     section_transport,

@@ -70,6 +70,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks._cpu import Load
 from benchmarks._hybrid_cells import (
     cell_row,
     log,
@@ -77,10 +78,7 @@ from benchmarks._hybrid_cells import (
     sweep,
 )
 from benchmarks._hybrid_ranks import ours_main, torch_main
-from benchmarks._processes import (
-    Load,
-    install_cleanup,
-)
+from benchmarks._processes import install_cleanup
 from benchmarks._training import (
     MODELS,
     model_info,

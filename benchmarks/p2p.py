@@ -39,7 +39,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from benchmarks._processes import Load, free_port, wait_quiet
+from benchmarks._cpu import Load, wait_quiet
+from benchmarks._processes import free_port
 
 SIDES = ("ours", "ours-unary", "gloo")
 WARMUP = 20

@@ -51,15 +51,8 @@ import time
 import uuid
 from typing import Any
 
-from benchmarks._processes import (
-    Load,
-    free_port,
-    install_cleanup,
-    logger,
-    serve_processes,
-    stop_all,
-    wait_quiet,
-)
+from benchmarks._cpu import Load, wait_quiet
+from benchmarks._processes import free_port, install_cleanup, logger, serve_processes, stop_all
 from benchmarks._scale_memory import (
     GiB,
     ServerSampler,

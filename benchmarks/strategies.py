@@ -59,13 +59,12 @@ import time
 import uuid
 from typing import Any
 
+from benchmarks._cpu import Load, proc_cpu_s
 from benchmarks._processes import (
     Child,
-    Load,
     free_port,
     install_cleanup,
     logger,
-    proc_cpu_s,
     serve_processes,
     stop_all,
 )

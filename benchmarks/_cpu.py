@@ -1,0 +1,81 @@
+"""What the benchmarks measure of CPU and memory: the machine's busy time, a process's CPU
+seconds and peak resident memory, and the share of the machine other processes use (``Load``,
+``wait_quiet``: a measurement waits for that share to drop first). Linux (/proc, getrusage).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+
+def cpu_busy_s() -> float:
+    """System-wide busy CPU seconds (all cores, steal included) from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its reaped children."""
+    a = resource.getrusage(resource.RUSAGE_SELF)
+    b = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
+def cpu_self_s() -> float:
+    """CPU seconds used so far by this process (all its threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by process ``pid`` (all threads), from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class Load:
+    """``with Load() as load: ...`` (or ``load = Load().start(); ...; load.stop()``); then
+    ``load.foreign`` is the share of the machine's CPU that processes other than ours (this
+    one and its reaped children) used meanwhile."""
+
+    foreign = 0.0
+
+    def start(self) -> Load:
+        self.t, self.busy, self.own = time.monotonic(), cpu_busy_s(), own_cpu_s()
+        return self
+
+    def stop(self) -> float:
+        dt = max(1e-9, time.monotonic() - self.t)
+        foreign = (cpu_busy_s() - self.busy) - (own_cpu_s() - self.own)
+        self.foreign = round(max(0.0, foreign) / (dt * (os.cpu_count() or 1)), 3)
+        return self.foreign
+
+    def __enter__(self) -> Load:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.15) -> float:
+    """Waits (at most ``max_wait`` s) until other processes use < ``threshold`` of the CPUs;
+    returns the last measured share."""
+    end = time.monotonic() + max_wait
+    while True:
+        with Load() as load:
+            time.sleep(2.0)
+        if load.foreign < threshold or time.monotonic() >= end:
+            return load.foreign
+        time.sleep(3.0)
