@@ -25,7 +25,7 @@ from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.turns import TurnWaits
-from paramshard.server.transport.sessions import INLINE_BYTES
+from paramshard.server.transport.session_bounds import INLINE_BYTES
 
 
 @pytest.fixture(autouse=True)

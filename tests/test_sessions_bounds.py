@@ -26,7 +26,7 @@ from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.transport import sessions
+from paramshard.server.transport import sessions  # its bounds are patched where they are read
 
 
 @pytest.fixture

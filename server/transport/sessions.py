@@ -58,6 +58,17 @@ from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, 
 from paramshard.server.rpc import auth, scopes
 from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
 from paramshard.server.rpc.parsers import Malformed
+from paramshard.server.transport.session_bounds import (
+    BATCH_BYTES,
+    INLINE_BYTES,
+    MAX_BATCH,
+    MAX_CALLS,
+    MAX_HELD_BYTES,
+    MAX_UNSENT,
+    MAX_UNSENT_BYTES,
+    MAX_WAITING,
+    SESSIONS_BYTES,
+)
 from paramshard.server.transport.session_calls import (
     CallAbort,
     CallContext,
@@ -66,49 +77,12 @@ from paramshard.server.transport.session_calls import (
     status_reply,
 )
 
-__all__ = [
-    "Sessions",
-    "MAX_CALLS",
-    "MAX_WAITING",
-    "MAX_BATCH",
-    "MAX_UNSENT",
-    "MAX_UNSENT_BYTES",
-    "MAX_HELD_BYTES",
-    "SESSIONS_BYTES",
-    "INLINE_BYTES",
-]
+__all__ = ["Sessions"]  # its bounds: server/transport/session_bounds.py
 
 log = logging.getLogger(__name__)
 
-MAX_CALLS = 256
-"""Calls of one session in flight at once, replies not yet sent included: only a client that
-does not read its replies reaches it (one keeps ``max_in_flight`` calls per batch)."""
-MAX_WAITING = 64
-"""Of them, calls that may wait for other callers (slot reads, pulls of a future version): a
-contribution that would end their wait is never refused for them."""
-MAX_BATCH = 1024
-"""Calls in one batch: a client sends at most what it has in flight."""
-MAX_UNSENT = 2 * MAX_CALLS
-"""Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
-MAX_UNSENT_BYTES = 256 * 2**20
-"""The same bound in reply bytes. A call counts the bytes its reply may carry from the moment
-it is taken (``Sessions.reply_bytes``: a pull's chunk, a read of an open slot's chunk), and one
-that would take them past the bound is refused "retry later": a batch of pulls nobody reads
-is bounded when it is taken, not once its replies exist."""
-MAX_HELD_BYTES = 256 * 2**20
-"""Request bytes of the calls taken and not yet run to their end past which the reader takes
-no more (one batch more at most: the server's largest message)."""
-SESSIONS_BYTES = 1024 * 2**20
-"""Request bytes held and reply bytes unsent, over all the sessions of a server, past which a
-session holding its share of them or more is not read."""
 _BUDGET_POLL_S = 0.05
 """How often a session held back by ``SESSIONS_BYTES`` (others' bytes too) looks again."""
-BATCH_BYTES = 4 * 2**20
-"""Replies ready together go in one batch up to this many bytes (gRPC's default receive
-bound: a client with its defaults can read every batch but one holding a larger reply)."""
-INLINE_BYTES = 256 * 2**10
-"""A contribution up to this size runs on the reader thread (it never waits, and the add
-costs less than handing it to another thread); a larger one on the pool."""
 _END = object()
 
 Handler = tuple[Callable[[Any, Any], Any], Callable[[bytes], Any], Callable[[Any], bytes]]
