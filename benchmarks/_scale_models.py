@@ -23,7 +23,7 @@ Memory formulas (bytes per process; Ψ parameters, W ranks and W servers, AdamW)
 - ZeRO-2 (ours): trainer 4Ψ (parameters) + its gradient buckets in flight; each server 16Ψ/W.
   Torch's ``ZeroRedundancyOptimizer`` over DDP, the peer of both ZeRO cells (it shards the
   optimizer state only: ZeRO stage 1), keeps parameters and gradients whole: 8Ψ + 8Ψ/W per
-  rank, plus DDP's gradient buckets;
+  rank (DDP's gradient buckets come on top, not counted);
 - FSDP (ours and FSDP2): trainer the gathered units (root + the two largest: computing and
   prefetched, 4 bytes a parameter); each server 16Ψ/W; FSDP2 ranks hold 16Ψ/W + the units.
 
