@@ -8,7 +8,7 @@ hand (docs/scaling.md); this one runs on loopback, as a user's first try would."
 from __future__ import annotations
 
 import pytest
-from test_benchmarks_smoke import run_quick
+from quick_benchmarks import run_quick
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 

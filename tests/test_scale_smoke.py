@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from test_benchmarks_smoke import run_quick
+from quick_benchmarks import run_quick
 
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
