@@ -15,8 +15,8 @@
 # (--dist loadfile: a file's module fixtures, such as the multi-host lab, are built once and
 # its tests keep their order). Many tests wait on sockets, timers and child processes, so two
 # workers finish sooner even on two cores: on a 2-core AMD EPYC, idle, the whole suite took
-# 21-22 minutes with JOBS=2 (three runs) against 32-35 in one process, the strict set about
-# 3.5 minutes against 4:17.
+# 20:52-22:16 with JOBS=2 (three runs) against 32-35 minutes in one process, the strict set
+# 3:23-3:29 against 4:17.
 # JOBS=0 runs the tests in pytest's own process, one at a time.
 
 PYTHON ?= python3
