@@ -10,9 +10,15 @@ from typing import Any
 import pytest
 import torch
 from numerics import assert_equivalent
-from strategy_world import init_state, rank_data, reference, train_accumulated, world
+from strategy_world import (
+    addrs_fixture,  # noqa: F401 - the module's servers: ``addrs``
+    init_state,
+    rank_data,
+    reference,
+    train_accumulated,
+    world,
+)
 
-from paramshard.server import ShardServer
 from paramshard.strategies.data_parallel.flat_pool import FlatPool
 
 
@@ -55,14 +61,6 @@ def test_device_flats_are_left_to_their_allocator() -> None:
     assert t.device.type == "meta"
     pool.give(t)
     assert pool.idle_bytes == 0
-
-
-@pytest.fixture(scope="module")
-def addrs() -> Any:
-    started = [ShardServer("127.0.0.1", 0).start() for _ in range(2)]
-    yield [s.address for s in started]
-    for s in started:
-        s.stop(0)
 
 
 @pytest.mark.equivalence
