@@ -7,7 +7,8 @@ the model, on one machine in about two minutes.
    loss is below ``--target-loss``;
 3. meanwhile looks into the live job (``paramshard inspect``) and, a little later, SIGKILLs
    server 1 and starts an empty one at its address: the ranks recover from server 0's replica
-   of server 1's slices and continue with the next step, none lost or replayed;
+   of server 1's slices and continue with the step they were on, no finished step lost or
+   replayed (the step in flight is redone);
 4. snapshots the job (``paramshard snapshot``) and exports it to safetensors
    (``paramshard export``);
 5. loads the export into a plain torch GPT, measures its validation loss on the trainers'
@@ -20,6 +21,8 @@ the reason, and exits 1. ``--workdir DIR`` keeps the servers' logs, the snapshot
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import queue
 import re
 import signal
@@ -70,12 +73,20 @@ def say(text: str) -> None:
 
 
 def paramshard(*argv: str) -> str:
-    """Runs one ``paramshard`` command; returns its output (raises with it on failure)."""
-    cmd = [sys.executable, "-m", "paramshard", *argv]
-    done = subprocess.run(cmd, check=False, cwd=_ROOT, capture_output=True, text=True, timeout=120)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(argv[:2])} failed: {done.stdout}{done.stderr}")
-    return done.stdout
+    """Runs one ``paramshard`` command in this process (the same ``main`` as ``python -m
+    paramshard``, without a new interpreter's start: the live inspection must not hold the demo
+    back while training goes on); returns its output (raises with it on failure)."""
+    from paramshard.cli import main as paramshard_main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = paramshard_main(list(argv))
+        except SystemExit as exc:  # argparse, on bad arguments
+            code = exc.code if isinstance(exc.code, int) else 2
+    if code:
+        raise RuntimeError(f"{' '.join(argv[:2])} failed: {out.getvalue()}{err.getvalue()}")
+    return out.getvalue()
 
 
 class Server:
@@ -159,7 +170,12 @@ def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -
                 print(line, end="", flush=True)
                 if m := RECOVERED.match(line):
                     resumed, replayed = int(m.group(2)), int(m.group(3))
-                    lost = replayed + max(0, seen.get("killed_at", resumed) - resumed)
+                    # killed_at is the servers' version when the demo killed. The last step
+                    # they committed may still have been in flight on the ranks (its update
+                    # on the servers, not yet in their replicas): the ranks redo it, so only
+                    # the steps before it count
+                    killed_at = seen.get("killed_at", resumed + 1)
+                    lost = replayed + max(0, killed_at - 1 - resumed)
                     seen.update(resumed=resumed, lost=lost, recovery_s=float(m.group(1)))
                     say(f"recovered in {m.group(1)} s: step {resumed + 1} continues,"
                         f" {lost} steps lost")  # fmt: skip
@@ -168,6 +184,9 @@ def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -
                     seen["continuous"] = m.group(3) == "continuous"
                 elif m := VALIDATION.match(line):
                     seen["val"][int(m.group(1))] = float(m.group(2))
+                    # training stops after this step: a server killed now would die under
+                    # the trainers' final sample, which no recovery covers
+                    seen["ending"] = float(m.group(2)) < args.target_loss
             if time.monotonic() > deadline:
                 raise RuntimeError(f"training took longer than {RUN_TIMEOUT_S:g} s")
             if "killed_at" in seen:
@@ -177,7 +196,7 @@ def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -
                 seen["inspected"] = step
                 say(f"paramshard inspect {job}  (live, at step {step})")
                 print(paramshard("inspect", job, "--servers", addresses), end="", flush=True)
-            elif step >= args.kill_at:
+            elif args.kill_at <= step < args.max_steps and not seen.get("ending"):
                 victim = servers[1]
                 assert victim.proc is not None
                 pid = victim.proc.pid

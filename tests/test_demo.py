@@ -113,7 +113,10 @@ def test_demo_kills_a_server_and_loses_no_step(tmp_path: Path) -> None:
     recovered = re.search(r"recovered in [\d.]+ s: step (\d+) continues, (\d+) steps lost", out)
     assert killed and recovered, out[-4000:]
     kill_step, next_step = int(killed.group(2)), int(recovered.group(1))
-    assert kill_step >= 13 and next_step - 1 >= kill_step and recovered.group(2) == "0"
+    # kill_step is the servers' version at the kill; the step it counts may have been in
+    # flight on the ranks (committed on the servers before their replicas, seen on a loaded
+    # machine): the ranks redo that one step, never one they had finished
+    assert kill_step >= 13 and next_step >= kill_step and recovered.group(2) == "0"
     trained = re.search(r"steps 1\.\.(\d+) trained \((\w+)\), the servers at version (\d+)", out)
     assert trained, out[-4000:]
     assert trained.group(2) == "continuous" and trained.group(1) == trained.group(3)
