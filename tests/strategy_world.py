@@ -1,7 +1,7 @@
 """The world the strategy-surface tests train in (tests/test_strategy_surface.py,
-tests/test_strategy_training.py): the tiny GPT in float64, two ranks in threads against two
-in-process shard servers (``addrs``, one pair per test module), the batches, and
-single-process AdamW on the whole batch as the reference.
+tests/test_strategy_training.py, tests/test_mixed_precision.py): the tiny GPT in float64,
+two ranks in threads against two in-process shard servers (``addrs``, one pair per test
+module), the batches, and single-process AdamW on the whole batch as the reference.
 
 The initial state dict is built once in the main thread (threads share torch's global RNG) and
 loaded into every rank's model. Each rank trains on its half of a 4-sample batch, so the
@@ -85,14 +85,21 @@ def vec(module: nn.Module) -> torch.Tensor:
 
 
 def reference(
-    init: dict[str, torch.Tensor], steps: int, lr: float = LR, cfg: GPTConfig = CFG
+    init: dict[str, torch.Tensor],
+    steps: int,
+    lr: float = LR,
+    cfg: GPTConfig = CFG,
+    max_norm: float | None = None,
 ) -> torch.Tensor:
-    """Single-process AdamW on the whole batch."""
+    """Single-process AdamW on the whole batch, in the dtype of ``init``; ``max_norm`` clips
+    the gradient's norm before each step."""
     m = plain(init, cfg)
     opt = torch.optim.AdamW(m.param_groups(0.1), lr=lr)
     for _ in range(steps):
         opt.zero_grad()
         lm_loss(m(X), Y).backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
         opt.step()
     return vec(m)
 

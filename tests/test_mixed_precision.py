@@ -19,74 +19,32 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import strategy_world
 import torch
 from numerics import assert_equivalent, assert_within_twin, worst_deviation
+from strategy_world import (
+    KINDS,
+    W,
+    X,
+    Y,
+    addrs_fixture,  # noqa: F401 - the module's servers: ``addrs``
+    init_state,
+    plain,
+    rank_data,
+    reference,
+)
 from torch import nn
 
-from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
+from paramshard.models.gpt import lm_loss
 from paramshard.protos import codec
-from paramshard.server import ShardServer
-from paramshard.strategies import (
-    DATA_PARALLEL,
-    DDPModel,
-    DDPOptimizer,
-    ShardedGradScaler,
-    ShardingConfiguration,
-)
+from paramshard.strategies import DDPModel, DDPOptimizer, ShardedGradScaler, ShardingConfiguration
 
 pytestmark = pytest.mark.timeout(240)
 
-W = 2
-VOCAB = 50
-CFG = GPTConfig.tiny(vocab_size=VOCAB, bias=False)
-KINDS = ["ddp", "zero1", "zero2", "fsdp"]
-_CLASSES = DATA_PARALLEL
-_gen = torch.Generator().manual_seed(4321)
-X = torch.randint(0, VOCAB, (2 * W, CFG.block_size), generator=_gen)
-Y = torch.randint(0, VOCAB, (2 * W, CFG.block_size), generator=_gen)
 
-
-def rank_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return X[2 * rank : 2 * rank + 2], Y[2 * rank : 2 * rank + 2]
-
-
-@pytest.fixture(scope="module")
-def addrs() -> Any:
-    started = [ShardServer("127.0.0.1", 0).start() for _ in range(W)]
-    yield [s.address for s in started]
-    for s in started:
-        s.stop(0)
-
-
-def init_state(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Built once, in the main thread (rank threads share torch's global RNG)."""
-    torch.manual_seed(0)
-    return {k: v.to(dtype).clone() for k, v in GPT(CFG).state_dict().items()}
-
-
-def plain(init: dict[str, torch.Tensor]) -> GPT:
-    m = GPT(CFG).to(next(iter(init.values())).dtype)
-    m.load_state_dict(init)
-    return m
-
-
-def vec(module: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
-
-
-def reference(
-    init: dict[str, torch.Tensor], steps: int, lr: float, max_norm: float | None = None
-) -> torch.Tensor:
-    """Single-process AdamW on the whole batch, in float64."""
-    m = plain({k: v.double() for k, v in init.items()})
-    opt = torch.optim.AdamW(m.param_groups(0.1), lr=lr)
-    for _ in range(steps):
-        opt.zero_grad()
-        lm_loss(m(X), Y).backward()
-        if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(m.parameters(), max_norm)
-        opt.step()
-    return vec(m)
+def double(init: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float64 copy single-process references train from."""
+    return {k: v.double() for k, v in init.items()}
 
 
 def world(
@@ -98,19 +56,12 @@ def world(
     lr: float = 1e-2,
     **conf: Any,
 ) -> list[Any]:
-    """``fn(client, model, opt)`` on every rank, results in rank order."""
-    job = f"mp-{kind}-{uuid.uuid4().hex[:10]}"
-    model_cls, opt_cls = _CLASSES[kind]
-
-    def per_rank(client: Any) -> Any:
-        module = plain(init)
-        config = ShardingConfiguration(client, job=job, timeout_s=20.0, **conf)
-        wrap = {"wrap": (Block,)} if kind == "fsdp" else {}
-        model = model_cls(module, config, **wrap)
-        opt = opt_cls(torch.optim.AdamW(module.param_groups(0.1), lr=lr), config)
-        return fn(client, model, opt)
-
-    return run_ranks(per_rank, W, addrs, wait_s=200.0)
+    """``fn(client, model, opt)`` on every rank (strategy_world's world), results in rank
+    order."""
+    return strategy_world.world(
+        run_ranks, addrs, kind, lambda c, m, o, _plain: fn(c, m, o), init=init, lr=lr,
+        wait_s=200.0, **conf,
+    )  # fmt: skip
 
 
 def record_wire(client: Any) -> list[tuple[str, str, int]]:
@@ -144,7 +95,7 @@ def test_forward_sees_param_dtype_and_gradients_leave_in_reduce_dtype(
     """param_dtype="bfloat16", reduce_dtype="float16": a forward hook sees bfloat16 weights
     and activations, every gradient on the wire is float16 (2 bytes a value), and the float32
     masters come back from state_dict()."""
-    init = init_state(torch.float32)
+    init = init_state(dtype=torch.float32)
 
     def fn(client: Any, model: Any, opt: Any) -> dict[str, Any]:
         seen: dict[str, set] = {"weight": set(), "input": set()}
@@ -196,7 +147,7 @@ def test_forward_sees_param_dtype_and_gradients_leave_in_reduce_dtype(
 def test_float64_model_stays_float64(
     kind: str, param_dtype: str | None, run_ranks: Any, addrs: list[str]
 ) -> None:
-    init = init_state(torch.float64)
+    init = init_state(dtype=torch.float64)
     want = reference(init, 2, lr=1e-2)
 
     def fn(client: Any, model: Any, opt: Any) -> Any:
@@ -272,8 +223,8 @@ def test_bfloat16_compute_within_torch_fsdp2(run_ranks: Any, addrs: list[str]) -
     against float64 single-process training (tests/numerics.py ``assert_within_twin``)."""
     from torch_twin import run_gloo
 
-    init = init_state(torch.float32)
-    want = reference(init, STEPS_BF16, lr=LR_BF16)
+    init = init_state(dtype=torch.float32)
+    want = reference(double(init), STEPS_BF16, lr=LR_BF16)
     twin = run_gloo(fsdp2_twin_rank, W, init, LR_BF16, STEPS_BF16)[0]
     twin_gap = worst_deviation(twin, want)
     assert twin_gap > 1e-3  # bfloat16 compute really moved torch's own run that far
@@ -323,7 +274,7 @@ def test_scaler_unscales_exactly(kind: str, run_ranks: Any, addrs: list[str]) ->
     """float64, a scale of 2**10 and clipping that bites: unscale_ divides the norm clipping
     sees and the servers fold 1/scale into the clip coefficient, so training equals
     single-process float64 with the same clipping (1e-9, tests/numerics.py)."""
-    init = init_state(torch.float64)
+    init = init_state(dtype=torch.float64)
     want = reference(init, 3, lr=1e-2, max_norm=0.05)
 
     def fn(client: Any, model: Any, opt: Any) -> Any:
@@ -348,7 +299,7 @@ def test_float16_overflow_skips_everywhere_and_backs_off(
     """float16 compute from a scale far too large: the gradients overflow, every rank and
     server skips the step (no error, although skip_nonfinite is False), the parameters stay
     bitwise as they were and the scale halves, until it fits and training goes on."""
-    init = init_state(torch.float32)
+    init = init_state(dtype=torch.float32)
 
     def fn(client: Any, model: Any, opt: Any) -> Any:
         scaler = ShardedGradScaler(init_scale=2.0**24, growth_interval=3)
@@ -392,7 +343,7 @@ def test_hybrid_pipeline_stages_compute_in_param_dtype(run_ranks: Any, addrs: li
     layers compute in bfloat16, and state_dict() still gives the servers' float32 masters."""
     from paramshard.strategies import HybridShardedModel, HybridShardedOptimizer
 
-    init = init_state(torch.float32)
+    init = init_state(dtype=torch.float32)
     job = f"mp-hybrid-{uuid.uuid4().hex[:8]}"
 
     def fn(client: Any) -> Any:
