@@ -224,6 +224,9 @@ def check_export(path: Path, args: argparse.Namespace) -> tuple[float, str]:
     sample."""
     from safetensors.torch import load_file
 
+    # A 0.87M-parameter model: one torch thread is the fastest here, idle (0.3 s against 0.4
+    # with two) and on a loaded machine (1 s against 25-60 s: OpenMP threads wait for cores)
+    torch.set_num_threads(1)
     text = load_text()
     tok = CharTokenizer(text)
     _, val_data = split_text(tok.encode(text))
