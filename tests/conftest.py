@@ -15,6 +15,8 @@
   first exception is re-raised.
 - Run files (``paramshard launch``) go to a folder of this process's own (``PARAMSHARD_RUN_DIR``),
   so tests in parallel workers (``make test`` runs pytest-xdist) never see each other's runs.
+- In an xdist worker, torch (and ``OMP_NUM_THREADS`` for the processes tests start) uses the
+  worker's share of the cores.
 - ``gpu`` marker: trainers on a GPU; skipped unless torch sees a CUDA device (the servers may
   be NumPy ones). ``cupy`` marker: servers on a GPU; skipped unless CuPy imports and sees one.
 """
@@ -44,6 +46,17 @@ _runs = itertools.count()
 # must not find another worker's, and no test writes into the user's own run directory.
 _RUN_DIR = tempfile.mkdtemp(prefix="paramshard-test-runs-")
 os.environ["PARAMSHARD_RUN_DIR"] = _RUN_DIR
+
+# Each xdist worker takes its share of the cores for torch's intra-op threads (one each when
+# two workers share two cores), and so do the processes its tests start (OMP_NUM_THREADS,
+# unless set): OpenMP threads beyond the cores spin and wait for one another, and on a loaded
+# machine a tiny model's forward took 40x longer with two threads than with one.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS:
+    import torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
