@@ -16,7 +16,7 @@
 # its tests keep their order). Many tests wait on sockets, timers and child processes, so two
 # workers finish sooner even on two cores: on a 2-core AMD EPYC, idle, the whole suite took
 # 20:52-22:16 with JOBS=2 (three runs) against 32-35 minutes in one process, the strict set
-# 3:23-3:29 against 4:17.
+# 3:23-3:29 against 4:17; with one torch thread per worker (tests/conftest.py), 20:00 and 3:02.
 # JOBS=0 runs the tests in pytest's own process, one at a time.
 
 PYTHON ?= python3
