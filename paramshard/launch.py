@@ -14,7 +14,9 @@ runs, a run file lets the job tools find the run (paramshard/run_files.py). Then
 the cluster: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, PARAMSHARD_SERVERS,
 PARAMSHARD_RUN (one id shared by all ranks, so two runs on the same servers never share
 collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of
-docs/design.md §7.5, which glibc reads only when a process starts.
+docs/design.md §7.5, which glibc reads only when a process starts. Like torchrun, it sets
+OMP_NUM_THREADS when it is unset and there is more than one rank, to each rank's share of the
+cores (``omp_threads``) where torchrun sets 1, and says so.
 
 Every line a rank prints comes out as ``[rank R] LINE`` (stdout to stdout, stderr to stderr);
 server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forwarded to the ranks;
@@ -77,6 +79,17 @@ def non_negative_int(text: str) -> int:
 
 
 # ----------------------------------------------------------------------------------- the ranks
+def omp_threads(base: dict[str, str], nproc: int) -> int | None:
+    """The OMP_NUM_THREADS the ranks get when ``base`` has none and ``nproc`` > 1: this
+    process's cores (its CPU affinity) divided among the ranks, at least 1. More intra-op
+    threads than cores spin and wait for one another: a loaded machine runs them many times
+    slower (docs/launch.md)."""
+    if "OMP_NUM_THREADS" in base or nproc <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // nproc)
+
+
 def rank_env(
     base: dict[str, str],
     *,
@@ -263,6 +276,10 @@ def launch(args: argparse.Namespace) -> int:
         **ranks_config,
         **elastic.elastic_env(args),
     }
+    if (threads := omp_threads(base, args.nproc)) is not None:
+        base["OMP_NUM_THREADS"] = str(threads)
+        say(f"OMP_NUM_THREADS={threads} for every rank (the cores shared among {args.nproc}"
+            " ranks); set it in the environment to choose")  # fmt: skip
     restarts = RankRestarts.create(args.max_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler

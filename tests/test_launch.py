@@ -38,7 +38,7 @@ from pathlib import Path
 
 mode, rank = sys.argv[1], int(os.environ["RANK"])
 names = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-         "PARAMSHARD_RUN", "PARAMSHARD_SERVERS", "PARAMSHARD_TOKEN",
+         "PARAMSHARD_RUN", "PARAMSHARD_SERVERS", "PARAMSHARD_TOKEN", "OMP_NUM_THREADS",
          *sorted(k for k in os.environ if k.startswith("MALLOC_"))]
 print("ENV " + json.dumps({"pid": os.getpid(), "argv": sys.argv[1:],
                           **{k: os.environ.get(k) for k in names}}), flush=True)
@@ -80,22 +80,27 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    """The test's environment without MALLOC_* and PARAMSHARD_* (launch must set them)."""
+    """The test's environment without MALLOC_*, PARAMSHARD_* and OMP_NUM_THREADS (launch must
+    set them)."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in MALLOC_ENV and not k.startswith("PARAMSHARD_") and k != "RANK"
+        if k not in MALLOC_ENV
+        and not k.startswith("PARAMSHARD_")
+        and k not in ("RANK", "OMP_NUM_THREADS")
     }
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.update(extra)
     return env
 
 
-def launch(*args: str | Path, timeout: float = RUN_S) -> subprocess.CompletedProcess:
+def launch(
+    *args: str | Path, timeout: float = RUN_S, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "paramshard", "launch", *map(str, args)],
         cwd=ROOT,
-        env=launch_env(),
+        env=env or launch_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -158,12 +163,26 @@ def test_local_servers_env_prefixes_and_all_reduce(tiny: Path) -> None:
         assert env["PARAMSHARD_RUN"] == envs[0]["PARAMSHARD_RUN"] != ""
         assert env["PARAMSHARD_TOKEN"] is None
         assert {k: env.get(k) for k in MALLOC_ENV} == MALLOC_ENV
+        assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert f"OMP_NUM_THREADS={envs[0]['OMP_NUM_THREADS']} for every rank" in result.stderr
 
     pids = server_pids(result.stderr)
     assert len(pids) == 2, result.stderr
     assert result.stderr.count("paramshard serve: stopped") == 2, result.stderr
     assert wait_gone(pids) == []
     assert "Traceback" not in result.stderr
+
+
+def test_omp_num_threads_of_the_user_is_kept(tiny: Path) -> None:
+    """OMP_NUM_THREADS in the environment wins over the launcher's share of the cores, and
+    one rank gets none (torch's own default), as under torchrun."""
+    result = launch("--nproc", "2", tiny, "ok", env=launch_env(OMP_NUM_THREADS="3"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [e["OMP_NUM_THREADS"] for e in rank_envs(result.stdout).values()] == ["3", "3"]
+    assert "OMP_NUM_THREADS=" not in result.stderr
+    result = launch("--nproc", "1", tiny, "ok")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert rank_envs(result.stdout)[0]["OMP_NUM_THREADS"] is None
 
 
 def test_given_servers_and_two_nodes(tiny: Path, servers, tmp_path: Path) -> None:  # noqa: ANN001
