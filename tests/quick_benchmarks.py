@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import worker_env
 from numerics import TWIN_FACTOR, TWIN_FLOOR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,12 +24,10 @@ TIMEOUT_S = 600  # --quick takes < 2 (hybrid, each family: < 3) minutes on an id
 
 
 def run_quick(module: str = "benchmarks.strategies", *options: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen(
         [sys.executable, "-m", module, "--quick", *options],
         cwd=ROOT,
-        env=env,
+        env=worker_env(),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
