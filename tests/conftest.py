@@ -35,6 +35,7 @@ from typing import Any
 import pytest
 
 from paramshard.client import ClusterSpec, ShardClient
+from paramshard.launch import omp_threads
 from paramshard.local_cluster import RankFailed, run_in_threads
 from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
@@ -49,14 +50,15 @@ os.environ["PARAMSHARD_RUN_DIR"] = _RUN_DIR
 
 # Each xdist worker takes its share of the cores for torch's intra-op threads (one each when
 # two workers share two cores), and so do the processes its tests start (OMP_NUM_THREADS,
-# unless set): OpenMP threads beyond the cores spin and wait for one another, and on a loaded
-# machine a tiny model's forward took 40x longer with two threads than with one.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-if _WORKERS:
+# unless set), by paramshard launch's rule for its ranks: OpenMP threads beyond the cores spin
+# and wait for one another, and on a loaded machine a tiny model's forward took 40x longer
+# with two threads than with one.
+_threads = omp_threads(dict(os.environ), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")))
+if _threads is not None:
     import torch
 
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
+    torch.set_num_threads(_threads)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
