@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -226,10 +225,6 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
 # ================================================================================ main
 def parent_main(a: argparse.Namespace) -> int:
     install_cleanup()
-    # A rank's lease lapses after 2 s without a renewal (client/leases.py): on 2 cores shared by
-    # 8 ranks, their servers and other users, a renewal thread can wait longer than that for
-    # the CPU and the run is aborted as if the rank had died. The ranks inherit this.
-    os.environ.setdefault("PARAMSHARD_LEASE_TTL_S", "60")
     models = ["quick"] if a.quick else [m.strip() for m in a.models.split(",") if m.strip()]
     for m in models:
         if m not in MODELS:

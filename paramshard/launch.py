@@ -13,8 +13,9 @@ runs, a run file lets the job tools find the run (paramshard/run_files.py). Then
 ``--nproc`` copies of ``python SCRIPT ARGS`` with the environment torchrun would give them plus
 the cluster: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, PARAMSHARD_SERVERS,
 PARAMSHARD_RUN (one id shared by all ranks, so two runs on the same servers never share
-collective slots), PARAMSHARD_TOKEN (from ``--token-file``) and the MALLOC_* settings of
-docs/design.md §7.5, which glibc reads only when a process starts. Like torchrun, it sets
+collective slots) and PARAMSHARD_TOKEN (from ``--token-file``). The MALLOC_* settings of
+docs/design.md §7.5 go to the local servers only: a rank's allocator is left as torchrun leaves
+it (docs/launch.md, "Memory"), unless the environment sets them. Like torchrun, it sets
 OMP_NUM_THREADS when it is unset and there is more than one rank, to each rank's share of the
 cores (``omp_threads``) where torchrun sets 1, and says so.
 
@@ -104,10 +105,9 @@ def rank_env(
 ) -> dict[str, str]:
     """The environment of one rank: ``base`` plus what torchrun sets plus the cluster.
 
-    MALLOC_* values already in ``base`` are kept (the user's choice); the rest are overridden."""
-    from paramshard.server.app import MALLOC_ENV
-
-    env = {**MALLOC_ENV, **base}
+    glibc's MALLOC_* settings are whatever ``base`` has: the servers' (server.MALLOC_ENV) trade a
+    trainer's memory for speed, so a rank gets them only if the user set them."""
+    env = dict(base)
     env.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -230,7 +230,7 @@ def launch(args: argparse.Namespace) -> int:
     """Start shard servers and --nproc trainer ranks (torchrun style); stop them all at the end.
 
     Each rank runs 'python SCRIPT ARGS' with RANK, WORLD_SIZE, LOCAL_RANK, PARAMSHARD_SERVERS,
-    PARAMSHARD_RUN and the MALLOC_* settings set; its lines are printed as '[rank R] ...'.
+    PARAMSHARD_RUN and OMP_NUM_THREADS set; its lines are printed as '[rank R] ...'.
     Without --servers, --nproc local servers are started on 127.0.0.1 and stopped at the end.
     Ctrl-C, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks. If a rank fails, the
     others are stopped (SIGTERM, --grace seconds, SIGKILL) and the launcher exits with the
@@ -267,10 +267,7 @@ def launch(args: argparse.Namespace) -> int:
         raise CommandError("--redirects needs --log-dir (where the output goes)", EXIT_USAGE)
     console_out, console_err = (None, None) if args.redirects else (sys.stdout, sys.stderr)
 
-    from paramshard.server.app import MALLOC_ENV
-
     base = {
-        **MALLOC_ENV,
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         **ranks_config,
@@ -308,10 +305,12 @@ def launch(args: argparse.Namespace) -> int:
                 raise CommandError(
                     f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
                 ) from None
+            from paramshard.server.app import MALLOC_ENV
+
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
-                base,
+                {**MALLOC_ENV, **base},  # serve would re-execute itself to get them
                 start_timeout,
                 serve_args=["--snapshot-dir", snapshot_dir] if snapshot_dir else [],
             )

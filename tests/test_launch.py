@@ -162,7 +162,8 @@ def test_local_servers_env_prefixes_and_all_reduce(tiny: Path) -> None:
         assert env["PARAMSHARD_SERVERS"] == envs[0]["PARAMSHARD_SERVERS"]
         assert env["PARAMSHARD_RUN"] == envs[0]["PARAMSHARD_RUN"] != ""
         assert env["PARAMSHARD_TOKEN"] is None
-        assert {k: env.get(k) for k in MALLOC_ENV} == MALLOC_ENV
+        # glibc's defaults, as under torchrun: the servers' settings cost a trainer memory
+        assert [env.get(k) for k in MALLOC_ENV] == [None] * len(MALLOC_ENV)
         assert env["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
     assert f"OMP_NUM_THREADS={envs[0]['OMP_NUM_THREADS']} for every rank" in result.stderr
 
@@ -173,12 +174,17 @@ def test_local_servers_env_prefixes_and_all_reduce(tiny: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_omp_num_threads_of_the_user_is_kept(tiny: Path) -> None:
+def test_omp_num_threads_and_malloc_settings_of_the_user_are_kept(tiny: Path) -> None:
     """OMP_NUM_THREADS in the environment wins over the launcher's share of the cores, and
-    one rank gets none (torch's own default), as under torchrun."""
-    result = launch("--nproc", "2", tiny, "ok", env=launch_env(OMP_NUM_THREADS="3"))
+    one rank gets none (torch's own default), as under torchrun. MALLOC_* settings the user
+    set reach the ranks as set."""
+    user = launch_env(OMP_NUM_THREADS="3", MALLOC_ARENA_MAX="2")
+    result = launch("--nproc", "2", tiny, "ok", env=user)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert [e["OMP_NUM_THREADS"] for e in rank_envs(result.stdout).values()] == ["3", "3"]
+    envs = rank_envs(result.stdout).values()
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["3", "3"]
+    assert [e["MALLOC_ARENA_MAX"] for e in envs] == ["2", "2"]
+    assert [e.get("MALLOC_MMAP_THRESHOLD_") for e in envs] == [None, None]
     assert "OMP_NUM_THREADS=" not in result.stderr
     result = launch("--nproc", "1", tiny, "ok")
     assert result.returncode == 0, result.stdout + result.stderr
