@@ -184,8 +184,9 @@ def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -
                     seen["continuous"] = m.group(3) == "continuous"
                 elif m := VALIDATION.match(line):
                     seen["val"][int(m.group(1))] = float(m.group(2))
-                    # training stops after this step: a server killed now would die under
-                    # the trainers' final sample, which no recovery covers
+                    # training stops after this step: a kill now would be recovered (the
+                    # trainers gather the model in train_with_recovery's finish) but would
+                    # not show training going on
                     seen["ending"] = float(m.group(2)) < args.target_loss
             if time.monotonic() > deadline:
                 raise RuntimeError(f"training took longer than {RUN_TIMEOUT_S:g} s")

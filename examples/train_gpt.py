@@ -12,7 +12,9 @@ Each rank builds its client from the environment (``ShardingConfiguration.from_e
 trains on its share of every global batch through ``train_with_recovery``, so a shard server
 killed mid-training costs no work (``--replicate-every 1``: no step is even replayed; see
 examples/demo.py). Rank 0 shows a tqdm bar (a line every ``--log-every`` steps when its output
-is not a terminal), the validation loss every ``--eval-every`` steps, and a sample at the end.
+is not a terminal), the validation loss every ``--eval-every`` steps, and a sample at the end,
+from the model gathered out of the servers as ``train_with_recovery``'s ``finish``: a server
+that dies once training has ended is recovered too.
 Batches are a function of the step, and training starts at the model's ``step_count``, so a
 rank restarted by ``paramshard launch --max-restarts K`` (ZeRO-1/2, FSDP) resumes where the
 servers are. ``--elastic`` (ZeRO-1/2, FSDP; docs/elastic.md) lets ranks leave and join between
@@ -260,6 +262,16 @@ def run_rank(args: argparse.Namespace) -> int:
             bar.write(f"step {done}: validation loss {val:.4f}", file=sys.stdout)
         return args.target_loss is not None and val < args.target_loss
 
+    whole: list[GPT] = []  # the trained model, gathered from the servers for the sample
+
+    def gather() -> None:
+        """Rank 0 copies the trained model out of the servers (in 3D every rank takes part:
+        the gather is collective); run as ``finish``, so a server dying now is recovered."""
+        if hybrid or rank == 0:
+            state = model.state_dict()
+            whole[:] = [GPT(cfg)]
+            whole[0].load_state_dict(state)
+
     bar = progress_bar(args, start, enabled=rank == 0)
     began = time.perf_counter()
     with bar:
@@ -275,20 +287,18 @@ def run_rank(args: argparse.Namespace) -> int:
             report = train_with_recovery(
                 model, train_step, args.steps, checkpoint_every=args.checkpoint_every,
                 progress=bar, should_stop=validate, scheduler=sched,
+                finish=None if elastic else gather,  # elastic: its leader samples the servers
             )  # fmt: skip
     elapsed = time.perf_counter() - began
     end = start + len(report.losses) if args.strategy == "ddp" else model.step_count
-    if hybrid:  # every rank gathers the whole model (collective); rank 0 samples from it
-        whole = GPT(cfg)
-        whole.load_state_dict(model.state_dict())
-        model = whole
     reports = model.joined.leader == rank if elastic else rank == 0  # rank 0 may be gone
     if not reports:
         return 0
+    trained = whole[0] if whole else model  # DDP's model is in the trainer already
 
     def sample() -> str:
         gen = torch.Generator().manual_seed(args.seed)
-        return generate(model, tok, "The ", 80, args.block_size, SAMPLE_TEMPERATURE, gen)
+        return generate(trained, tok, "The ", 80, args.block_size, SAMPLE_TEMPERATURE, gen)
 
     return summarize(args, report, start, end, elapsed, comm, val_losses, sample)
 

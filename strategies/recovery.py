@@ -24,7 +24,10 @@ follows ``model.step_count``, so a replay moves it back, and ``set_postfix`` sho
 function ``progress(step, loss)`` called after each step with the step passed to ``train_step``.
 ``should_stop(step, loss)`` returning True ends training after that step (early stopping: every
 rank must return the same, e.g. from an all-reduced validation loss). Both run inside the
-recovery: a server dying during them is recovered like one dying in ``train_step``.
+recovery: a server dying during them is recovered like one dying in ``train_step``. So does
+``finish()``, the ranks' work with the servers once training has ended (a final evaluation,
+gathering the model for a sample or an export): a server dying before every rank is through
+it is recovered, and every rank runs it again.
 
 ``train_step`` must be a function of the step number (the same data for the same step), so
 the replayed steps are the ones that were lost and training ends where it would have without
@@ -232,6 +235,7 @@ def train_with_recovery(
     progress: Callable[[int, float], Any] | ProgressBar | None = None,
     should_stop: Callable[[int, float], bool] | None = None,
     scheduler: Any = None,
+    finish: Callable[[], Any] | None = None,
 ) -> RecoveryReport:
     """Runs ``train_step(step)`` for steps ``model.step_count .. steps-1`` surviving server
     failures (see the module docstring). ``train_step`` does forward, backward and the
@@ -239,9 +243,20 @@ def train_with_recovery(
 
     ``progress``: a tqdm bar or a ``progress(step, loss)`` function, told after each step;
     ``should_stop(step, loss)``: True (on every rank) ends training after that step;
-    ``scheduler``: an LR scheduler kept at ``model.step_count``."""
+    ``scheduler``: an LR scheduler kept at ``model.step_count``;
+    ``finish()``: what every rank does with the servers once training has ended (a final
+    evaluation, gathering the model, an export), followed by a barrier: a server dying before
+    every rank is through it is recovered like one dying in a step (steps the recovery went
+    back are replayed), and ``finish`` runs again. Not for an elastic job, whose ranks need
+    not end together."""
     if not model.registered:
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
+    if finish is not None and getattr(model, "elastic", False):
+        raise ValueError(
+            "train_with_recovery: finish= is not supported for an elastic job (its ranks may"
+            " leave or join at the end, so no barrier holds them all); do the final work after"
+            " train_with_recovery returns"
+        )
     report = RecoveryReport()
     epoch = 0
 
@@ -275,21 +290,29 @@ def train_with_recovery(
         sync_scheduler(scheduler, model.step_count)
         if checkpoint_every and model.step_count % checkpoint_every == 0:
             checkpoint()
-        while model.step_count < steps:
+        end = steps  # the step count training ends at: ``steps``, or after should_stop said so
+        while True:
             step = model.step_count
             try:
-                report.losses[step] = loss = train_step(step)
-                sync_scheduler(scheduler, model.step_count)
-                if checkpoint_every and model.step_count % checkpoint_every == 0:
-                    checkpoint()
-                if after_step(step, loss):
-                    report.stopped_early = True
-                    break
+                if step < end:
+                    report.losses[step] = loss = train_step(step)
+                    sync_scheduler(scheduler, model.step_count)
+                    if checkpoint_every and model.step_count % checkpoint_every == 0:
+                        checkpoint()
+                    if after_step(step, loss):
+                        report.stopped_early, end = True, step + 1
+                    continue
+                if finish is not None:
+                    finish()
+                    model.config.client.barrier()  # every rank is through it, or all recover
+                break
             except ShardClientError as exc:
                 if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
                     raise
                 epoch += 1
                 _recover(model, exc, step, epoch, wait_s, report)
+                if model.step_count < end < steps:  # the step that stopped it is replayed,
+                    report.stopped_early, end = False, steps  # and should_stop asked again
                 sync_scheduler(scheduler, model.step_count)
     finally:
         state.fail_fast = fail_fast

@@ -287,6 +287,22 @@ def test_ddp_and_3d_refuse_to_be_elastic() -> None:
         client.close()
 
 
+def test_finish_is_refused_for_an_elastic_job_before_any_step(servers) -> None:
+    """``train_with_recovery(finish=)`` holds every rank in a barrier at the end, which an
+    elastic job's members cannot promise: refused by name, nothing trained."""
+    client = ShardClient(ClusterSpec([servers(1)[0].address]), rank=0, world_size=1, run_id="f")
+    try:
+        config = ShardingConfiguration(client, job="fin", elastic=True, join_window_s=0.5)
+        model = FSDPModel(net(INIT), config)
+        FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+        steps: list[int] = []
+        with pytest.raises(ValueError, match=r"finish= is not supported for an elastic job"):
+            train_with_recovery(model, steps.append, 3, finish=lambda: None)
+        assert steps == [] and model.step_count == 0
+    finally:
+        client.close()
+
+
 def local_rank(config: ShardingConfiguration) -> dict[str, torch.Tensor]:
     """A ``LocalCluster`` rank: rank 1 raises in step 3 (it leaves: the others redo it)."""
     x, y = data(3)

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -167,10 +168,22 @@ def killer(server: ServerProcess, at: int):
     return on_step, killed, restarted_after
 
 
-def train(addresses, init, data, on_step=None, replicate_every=0, on_committed=None):
+def train(
+    addresses,
+    init,
+    data,
+    on_step=None,
+    replicate_every=0,
+    on_committed=None,
+    at_end=None,
+    should_stop=None,
+):
     """W ranks of FSDP training with recovery; returns (final state dict, reports).
     ``on_committed(step, client, job)`` runs on rank 0 after the step's update, before the two
-    all-reduces of the step's metrics (mean token accuracy, then the mean loss it returns)."""
+    all-reduces of the step's metrics (mean token accuracy, then the mean loss it returns).
+    ``at_end(rank, client, job)``: each rank's ``finish`` runs it, then gathers the model
+    there; the state returned is the last one gathered. ``should_stop(step)`` ends training
+    early, as ``train_with_recovery``'s ``should_stop``."""
     job, run = f"recover-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
     def rank(r: int):
@@ -201,9 +214,19 @@ def train(addresses, init, data, on_step=None, replicate_every=0, on_committed=N
             client.all_reduce(hits.detach().reshape(1), "mean")  # a loop would log it
             return float(client.all_reduce(loss.detach().reshape(1), "mean")[0])
 
+        gathered = []
+
+        def finish() -> None:
+            at_end(r, client, job)
+            gathered.append(model.state_dict())
+
         every = 0 if replicate_every else EVERY  # replicas alone, or snapshots alone
-        report = train_with_recovery(model, step, STEPS, checkpoint_every=every, wait_s=60)
-        return model.state_dict(), report
+        report = train_with_recovery(
+            model, step, STEPS, checkpoint_every=every, wait_s=60,
+            finish=finish if at_end is not None else None,
+            should_stop=(lambda s, _loss: should_stop(s)) if should_stop is not None else None,
+        )  # fmt: skip
+        return (gathered[-1] if at_end is not None else model.state_dict()), report
 
     with ThreadPoolExecutor(W) as pool:
         return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(W)]]
@@ -267,6 +290,47 @@ def test_a_step_committed_before_the_failure_is_trained_not_replayed(cluster):
         assert report.committed_without_loss == [KILL_AT]
         assert KILL_AT not in report.losses and report.trained_steps == list(range(STEPS))
         assert_equivalent(state, ref_state, "recovered vs uninterrupted")
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("replicate_every", [1, 0], ids=["replica", "snapshot-stopped-early"])
+def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(cluster, replicate_every):
+    """Server 1 dies once training has ended, while the ranks gather the model in
+    ``finish``: every rank recovers and runs ``finish`` again, and gathers the parameters of
+    an uninterrupted run. With replicas the servers come back at the last step, nothing is
+    replayed. With snapshots every EVERY steps and ``should_stop`` ending training at
+    STOP_AT, they come back at the last snapshot before it: the steps from there are
+    replayed, ``should_stop`` ends training at the same step again, then ``finish`` runs."""
+    stop_at = None if replicate_every else STEPS - 3  # not a multiple of EVERY: replayed
+    should_stop = None if stop_at is None else (lambda s: s == stop_at)
+    end = STEPS if stop_at is None else stop_at + 1
+    init = initial_state()
+    data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(5))
+    addresses = [s.address for s in cluster]
+    reference = train(addresses, init, data, should_stop=should_stop)
+
+    kill_server_1, killed, restarted_after = killer(cluster[1], end)
+    calls: Counter[int] = Counter()
+
+    def at_end(rank: int, client: ShardClient, job: str) -> None:
+        calls[rank] += 1
+        if rank == 0 and not killed.is_set():
+            if replicate_every:  # its neighbour holds the last step: nothing to replay
+                wait_for_replica(client, job, 1, end)
+            kill_server_1(end)
+
+    recovered = train(
+        addresses, init, data, replicate_every=replicate_every, at_end=at_end,
+        should_stop=should_stop,
+    )  # fmt: skip
+    assert killed.is_set() and restarted_after, "the server was not killed and restarted"
+    assert calls == {r: 2 for r in range(W)}, calls
+    replayed = 0 if replicate_every else end - end // EVERY * EVERY
+    for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
+        assert report.recoveries == 1 and report.replayed_steps == replayed, report
+        assert report.trained_steps == list(range(end)), report
+        assert report.stopped_early == (stop_at is not None), report
+        assert_equivalent(state, ref_state, "gathered after a recovery in finish vs uninterrupted")
 
 
 def wait_for_replica(client: ShardClient, job: str, source: int, version: int) -> None:
