@@ -311,10 +311,14 @@ def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(cluster, r
 
     kill_server_1, killed, restarted_after = killer(cluster[1], end)
     calls: Counter[int] = Counter()
+    all_in_finish = threading.Barrier(W)
 
     def at_end(rank: int, client: ShardClient, job: str) -> None:
         calls[rank] += 1
-        if rank == 0 and not killed.is_set():
+        if calls[rank] > 1:
+            return
+        all_in_finish.wait(timeout=60)  # no rank is still in its last step at the kill
+        if rank == 0:
             if replicate_every:  # its neighbour holds the last step: nothing to replay
                 wait_for_replica(client, job, 1, end)
             kill_server_1(end)
@@ -327,7 +331,8 @@ def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(cluster, r
     assert calls == {r: 2 for r in range(W)}, calls
     replayed = 0 if replicate_every else end - end // EVERY * EVERY
     for (state, report), (ref_state, _) in zip(recovered, reference, strict=True):
-        assert report.recoveries == 1 and report.replayed_steps == replayed, report
+        assert report.recoveries == 1 and report.failed_at == [end], report
+        assert report.replayed_steps == replayed, report
         assert report.trained_steps == list(range(end)), report
         assert report.stopped_early == (stop_at is not None), report
         assert_equivalent(state, ref_state, "gathered after a recovery in finish vs uninterrupted")
