@@ -298,8 +298,8 @@ def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(cluster, r
     """Server 1 dies once training has ended, while the ranks gather the model in
     ``finish``: every rank recovers and runs ``finish`` again, and gathers the parameters of
     an uninterrupted run. With replicas the servers come back at the last step, nothing is
-    replayed. With snapshots every EVERY steps and ``should_stop`` ending training at
-    STOP_AT, they come back at the last snapshot before it: the steps from there are
+    replayed. With snapshots every EVERY steps and ``should_stop`` ending training after
+    step STEPS - 3, they come back at the last snapshot before it: the steps from there are
     replayed, ``should_stop`` ends training at the same step again, then ``finish`` runs."""
     stop_at = None if replicate_every else STEPS - 3  # not a multiple of EVERY: replayed
     should_stop = None if stop_at is None else (lambda s: s == stop_at)
