@@ -230,7 +230,8 @@ def launch(args: argparse.Namespace) -> int:
     """Start shard servers and --nproc trainer ranks (torchrun style); stop them all at the end.
 
     Each rank runs 'python SCRIPT ARGS' with RANK, WORLD_SIZE, LOCAL_RANK, PARAMSHARD_SERVERS,
-    PARAMSHARD_RUN and OMP_NUM_THREADS set; its lines are printed as '[rank R] ...'.
+    PARAMSHARD_RUN set (and OMP_NUM_THREADS, to its share of the cores, when unset and
+    --nproc > 1); its lines are printed as '[rank R] ...'.
     Without --servers, --nproc local servers are started on 127.0.0.1 and stopped at the end.
     Ctrl-C, SIGTERM, SIGHUP and SIGQUIT are forwarded to the ranks. If a rank fails, the
     others are stopped (SIGTERM, --grace seconds, SIGKILL) and the launcher exits with the
@@ -305,12 +306,10 @@ def launch(args: argparse.Namespace) -> int:
                 raise CommandError(
                     f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
                 ) from None
-            from paramshard.server.app import MALLOC_ENV
-
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
-                {**MALLOC_ENV, **base},  # serve would re-execute itself to get them
+                base,  # the servers get MALLOC_* there; the ranks do not
                 start_timeout,
                 serve_args=["--snapshot-dir", snapshot_dir] if snapshot_dir else [],
             )

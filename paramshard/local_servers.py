@@ -34,7 +34,12 @@ def start_local_servers(
     """Starts n ``paramshard serve --port 0`` on 127.0.0.1; returns (children, addresses).
 
     ``--device cuda`` puts server i on cuda:i (one per GPU); cpu or cuda:K is used as given.
-    ``serve_args``: more ``paramshard serve`` arguments for each (launch's --snapshot-dir)."""
+    ``serve_args``: more ``paramshard serve`` arguments for each (launch's --snapshot-dir).
+    ``env`` gets the MALLOC_* settings of docs/design.md §7.5 where it has none of its own (serve
+    would re-execute itself to get them)."""
+    from paramshard.server.app import MALLOC_ENV
+
+    env = {**MALLOC_ENV, **env}
     lines: queue.SimpleQueue = queue.SimpleQueue()
     children: list[Child] = []
     try:
