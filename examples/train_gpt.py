@@ -262,15 +262,16 @@ def run_rank(args: argparse.Namespace) -> int:
             bar.write(f"step {done}: validation loss {val:.4f}", file=sys.stdout)
         return args.target_loss is not None and val < args.target_loss
 
-    whole: list[GPT] = []  # the trained model, gathered from the servers for the sample
+    whole: GPT | None = None  # the trained model, gathered from the servers for the sample
 
     def gather() -> None:
         """Rank 0 copies the trained model out of the servers (in 3D every rank takes part:
         the gather is collective); run as ``finish``, so a server dying now is recovered."""
+        nonlocal whole
         if hybrid or rank == 0:
             state = model.state_dict()
-            whole[:] = [GPT(cfg)]
-            whole[0].load_state_dict(state)
+            whole = GPT(cfg)
+            whole.load_state_dict(state)
 
     bar = progress_bar(args, start, enabled=rank == 0)
     began = time.perf_counter()
@@ -294,7 +295,7 @@ def run_rank(args: argparse.Namespace) -> int:
     reports = model.joined.leader == rank if elastic else rank == 0  # rank 0 may be gone
     if not reports:
         return 0
-    trained = whole[0] if whole else model  # DDP's model is in the trainer already
+    trained = whole if whole is not None else model  # DDP's model is in the trainer already
 
     def sample() -> str:
         gen = torch.Generator().manual_seed(args.seed)

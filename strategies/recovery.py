@@ -311,8 +311,8 @@ def train_with_recovery(
                     raise
                 epoch += 1
                 _recover(model, exc, step, epoch, wait_s, report)
-                if model.step_count < end < steps:  # the step that stopped it is replayed,
-                    report.stopped_early, end = False, steps  # and should_stop asked again
+                if model.step_count < end:  # a replayed stop step: should_stop decides again
+                    report.stopped_early, end = False, steps
                 sync_scheduler(scheduler, model.step_count)
     finally:
         state.fail_fast = fail_fast
