@@ -205,7 +205,16 @@ class Replicator(ReplicaRecovery):
                     self.budget.reserve(len(blob), "replicas", f"own replica of '{cfg.job}'")
                     self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
                 self._send(cfg, version, blob)
-            except Exception:  # the neighbour may be down: the next version tries again
+            except grpc.RpcError as exc:  # the neighbour is down or restarting: an expected
+                # failure, said in one line; the next version tries again
+                log.warning(
+                    "replica of %s v%d to %s failed: %s: %s",
+                    cfg.job,
+                    version,
+                    cfg.neighbour,
+                    *_status(exc),
+                )
+            except Exception:  # anything else is a bug to see in full; the next version tries
                 log.warning(
                     "replica of %s v%d to %s failed", cfg.job, version, cfg.neighbour, exc_info=True
                 )
@@ -350,3 +359,10 @@ def _store_stub(channel: grpc.Channel) -> Any:
         request_serializer=pb.ReplicaChunk.SerializeToString,
         response_deserializer=pb.ReplicaAck.FromString,
     )
+
+
+def _status(exc: grpc.RpcError) -> tuple[str, str]:
+    """(code name, details) of a failed call; a bare RpcError has neither."""
+    code = exc.code() if callable(getattr(exc, "code", None)) else None
+    details = exc.details() if callable(getattr(exc, "details", None)) else None
+    return getattr(code, "name", "UNKNOWN"), details or str(exc)
