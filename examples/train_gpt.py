@@ -10,11 +10,13 @@ Run without RANK set, the script hands itself to ``paramshard launch --nproc WOR
 ``--servers`` when given), which starts the shard servers and one copy of this script per rank.
 Each rank builds its client from the environment (``ShardingConfiguration.from_env``) and
 trains on its share of every global batch through ``train_with_recovery``, so a shard server
-killed mid-training costs no work (``--replicate-every 1``: no step is even replayed; see
-examples/demo.py). Rank 0 shows a tqdm bar (a line every ``--log-every`` steps when its output
-is not a terminal), the validation loss every ``--eval-every`` steps, and a sample at the end,
-from the model gathered out of the servers as ``train_with_recovery``'s ``finish``: a server
-that dies once training has ended is recovered too.
+killed mid-training costs no work once it is back at its address (``--max-server-restarts K``
+has the launcher start its local servers again; with ``--replicate-every 1`` at most one step
+is replayed; see examples/demo.py). Rank 0 shows a tqdm bar (a line every ``--log-every``
+steps when its output is not a terminal), the validation loss every ``--eval-every`` steps,
+and a sample at the end, from the model gathered out of the servers as
+``train_with_recovery``'s ``finish``: a server that dies once training has ended is recovered
+too.
 Batches are a function of the step, and training starts at the model's ``step_count``, so a
 rank restarted by ``paramshard launch --max-restarts K`` (ZeRO-1/2, FSDP) resumes where the
 servers are. ``--elastic`` (ZeRO-1/2, FSDP; docs/elastic.md) lets ranks leave and join between
@@ -98,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     arg("--elastic", action="store_true", help="ranks may leave and join (ZeRO-1/2, FSDP)")
     arg("--min-nproc", type=int, default=None, help="--elastic: fewest ranks a step trains with")
     arg("--max-restarts", type=int, default=0, help="restart a failed rank (ZeRO-1/2, FSDP)")
+    arg("--max-server-restarts", type=int, default=0, help="start a dead local server again")
     args = p.parse_args(argv)
     args.elastic = args.elastic or os.environ.get("PARAMSHARD_ELASTIC") == "1"
     if os.environ.get("WORLD_SIZE", "").isdigit() and os.environ.get("RANK"):
@@ -316,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         launch += ["--elastic"] + (["--min-nproc", str(args.min_nproc)] if args.min_nproc else [])
     if args.max_restarts:
         launch += ["--max-restarts", str(args.max_restarts)]
+    if args.max_server_restarts:
+        launch += ["--max-server-restarts", str(args.max_server_restarts)]
     return paramshard(["launch", "--nproc", str(args.world_size), *launch, __file__, *argv])
 
 

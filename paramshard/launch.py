@@ -24,9 +24,10 @@ server lines go to stderr as ``[server I] LINE``. Ctrl-C and SIGTERM are forward
 a second one kills them. When a rank exits non-zero the others get SIGTERM, ``--grace`` seconds,
 then SIGKILL, and the launcher exits with that rank's code. Local servers are stopped last.
 With ``--max-restarts K`` a failed ZeRO-1/2 or FSDP rank is started again instead, alone, and
-resumes at the servers' step (paramshard/restarts.py). ``--config FILE`` hands every rank the same
-ShardingConfiguration file and ``--log-dir DIR`` keeps each rank's output in files, in torchrun's
-layout (paramshard/launch_files.py).
+resumes at the servers' step, and with ``--max-server-restarts K`` a local server that exits
+is started again, empty, at its address (paramshard/restarts.py). ``--config FILE`` hands
+every rank the same ShardingConfiguration file and ``--log-dir DIR`` keeps each rank's output
+in files, in torchrun's layout (paramshard/launch_files.py).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import queue
 import secrets
 import signal
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from paramshard import elastic
@@ -51,19 +51,21 @@ from paramshard.commands import (
     positive_int,
     read_token,
 )
+from paramshard.launch_env import omp_threads, rank_env
 from paramshard.launch_files import RankLogs, config_env
 from paramshard.local_servers import (
     CONNECT_GRACE_S,
     SERVER_STOP_S,
     START_TIMEOUT_S,
+    restart_local_server,
     start_local_servers,
     wait_serving,
 )
 from paramshard.processes import Child, relay, say, spawn, stop, watch
-from paramshard.restarts import RankRestarts, supervise
+from paramshard.restarts import RankRestarts, ServerRestarts, supervise
 from paramshard.run_files import announce_run, drop_unused_snapshot_dir, local_snapshot_dir
 
-__all__ = ["launch", "rank_env", "read_token"]
+__all__ = ["launch", "read_token"]
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
 """The signals the launcher passes on to its ranks before it stops them and its servers and
@@ -77,50 +79,6 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{text} is not an integer >= 0")
     return value
-
-
-# ----------------------------------------------------------------------------------- the ranks
-def omp_threads(base: dict[str, str], nproc: int) -> int | None:
-    """The OMP_NUM_THREADS the ranks get when ``base`` has none and ``nproc`` > 1: this
-    process's cores (its CPU affinity) divided among the ranks, at least 1. More intra-op
-    threads than cores spin and wait for one another: a loaded machine runs them many times
-    slower (docs/launch.md)."""
-    if "OMP_NUM_THREADS" in base or nproc <= 1:
-        return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // nproc)
-
-
-def rank_env(
-    base: dict[str, str],
-    *,
-    rank: int,
-    local_rank: int,
-    nproc: int,
-    node_rank: int,
-    world_size: int,
-    servers: Sequence[str],
-    run_id: str,
-    token: str | None = None,
-) -> dict[str, str]:
-    """The environment of one rank: ``base`` plus what torchrun sets plus the cluster.
-
-    glibc's MALLOC_* settings are whatever ``base`` has: the servers' (server.MALLOC_ENV) trade a
-    trainer's memory for speed, so a rank gets them only if the user set them."""
-    env = dict(base)
-    env.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(local_rank),
-        LOCAL_WORLD_SIZE=str(nproc),
-        GROUP_RANK=str(node_rank),
-        PARAMSHARD_SERVERS=",".join(servers),
-        PARAMSHARD_RUN=run_id,
-        PYTHONUNBUFFERED="1",  # lines reach us as they are printed, not when a buffer fills
-    )
-    if token:
-        env["PARAMSHARD_TOKEN"] = token
-    return env
 
 
 @command(
@@ -200,6 +158,14 @@ def rank_env(
         " default: %(default)s)",
     ),
     arg(
+        "--max-server-restarts",
+        type=non_negative_int,
+        default=0,
+        help="start a local server that exits again, empty, at its address, up to this many"
+        " times in all; ranks in train_with_recovery restore its state from replicas or"
+        " snapshots (default: %(default)s: a server's exit stops the job)",
+    ),
+    arg(
         "--snapshot-dir",
         metavar="DIR",
         default=None,
@@ -237,6 +203,8 @@ def launch(args: argparse.Namespace) -> int:
     others are stopped (SIGTERM, --grace seconds, SIGKILL) and the launcher exits with the
     failed rank's code; 0 when all ranks succeed. With --max-restarts K, a failed ZeRO-1/2 or
     FSDP rank is started again instead (K times in all) and resumes at the servers' step.
+    With --max-server-restarts K, a local server that exits is started again, empty, at its
+    address, and ranks in train_with_recovery restore its state.
     """
     if args.node_rank >= args.nnodes:
         raise CommandError(
@@ -252,6 +220,12 @@ def launch(args: argparse.Namespace) -> int:
     run_id = run_id or f"run-{secrets.token_hex(6)}"
     if not args.module and not os.path.isfile(args.script):
         raise CommandError(f"no such script: {args.script}", EXIT_USAGE)
+    if args.servers and args.max_server_restarts:
+        raise CommandError(
+            "--max-server-restarts restarts the local servers; servers given with --servers"
+            " are restarted by whatever runs them (docs/deployment.md)",
+            EXIT_USAGE,
+        )
     if args.servers and args.snapshot_dir:
         raise CommandError(
             "--snapshot-dir is for the local servers; with --servers, each server's own"
@@ -279,6 +253,7 @@ def launch(args: argparse.Namespace) -> int:
         say(f"OMP_NUM_THREADS={threads} for every rank (the cores shared among {args.nproc}"
             " ranks); set it in the environment to choose")  # fmt: skip
     restarts = RankRestarts.create(args.max_restarts)
+    server_restarts = ServerRestarts(args.max_server_restarts)
     received: list[int] = []
     events: queue.SimpleQueue = queue.SimpleQueue()  # put() is safe inside a signal handler
     supervising = False
@@ -306,12 +281,16 @@ def launch(args: argparse.Namespace) -> int:
                 raise CommandError(
                     f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
                 ) from None
+            serve_args = ["--snapshot-dir", snapshot_dir] if snapshot_dir else []
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
                 base,  # the servers get MALLOC_* there; the ranks do not
                 start_timeout,
-                serve_args=["--snapshot-dir", snapshot_dir] if snapshot_dir else [],
+                serve_args=serve_args,
+            )
+            server_restarts.start_again = lambda i: restart_local_server(
+                i, addresses[i], args.device, base, start_timeout, serve_args
             )
             say(f"started {len(servers)} shard servers: {', '.join(addresses)}")
         announced = announce_run(run_id, addresses, args.token_file, args.config, snapshot_dir)
@@ -353,7 +332,15 @@ def launch(args: argparse.Namespace) -> int:
             watch(server, events)
         departures = elastic.Departures() if args.elastic else None
         return supervise(
-            ranks, servers, events, received, args.grace, restarts, start_rank, departures
+            ranks,
+            servers,
+            events,
+            received,
+            args.grace,
+            restarts,
+            start_rank,
+            departures,
+            server_restarts,
         )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")

@@ -1,5 +1,6 @@
 """Shard servers for ``paramshard launch``: starting local ones (``paramshard serve --port 0``,
-reading each one's address) and waiting until running ones answer SERVING."""
+reading each one's address), starting one again at its address after it exited, and waiting
+until running ones answer SERVING."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from paramshard.commands import CommandError, paramshard_argv
 from paramshard.processes import Child, relay, say, spawn, stop
 
 __all__ = [
-    "CONNECT_GRACE_S", "SERVER_STOP_S", "START_TIMEOUT_S", "start_local_servers", "wait_serving"
+    "CONNECT_GRACE_S", "SERVER_STOP_S", "START_TIMEOUT_S", "restart_local_server",
+    "start_local_servers", "wait_serving",
 ]  # fmt: skip
 
 LISTENING = re.compile(rb"listening on (\S+)")
@@ -37,46 +39,89 @@ def start_local_servers(
     ``serve_args``: more ``paramshard serve`` arguments for each (launch's --snapshot-dir).
     ``env`` gets the MALLOC_* settings of docs/design.md §7.5 where it has none of its own (serve
     would re-execute itself to get them)."""
-    from paramshard.server.app import MALLOC_ENV
-
-    env = {**MALLOC_ENV, **env}
     lines: queue.SimpleQueue = queue.SimpleQueue()
     children: list[Child] = []
     try:
         for i in range(n):
-            dev = f"cuda:{i}" if device == "cuda" else device
-            cmd = paramshard_argv("serve", "--port", "0", "--device", dev, *serve_args)
-            children.append(spawn(f"server {i}", cmd, env))
-            relay(children[-1], children[-1].proc.stdout, sys.stderr, lines)
-            relay(children[-1], children[-1].proc.stderr, sys.stderr, None)
-        addresses: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        while len(addresses) < n:
-            try:
-                child, line = lines.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                for i, c in enumerate(children):
-                    if i not in addresses and not c.alive():
-                        c.drain()
-                        raise CommandError(
-                            f"{c.name} exited while starting (exit code {c.proc.returncode});"
-                            " its output is above"
-                        ) from None
-                if time.monotonic() >= deadline:
-                    late = [c.name for i, c in enumerate(children) if i not in addresses]
-                    raise CommandError(
-                        f"{', '.join(late)} did not print its address within {timeout:g} s"
-                        " (--start-timeout)"
-                    ) from None
-                continue
-            match = LISTENING.search(line)
-            index = children.index(child)
-            if match and index not in addresses:
-                addresses[index] = match.group(1).decode()
+            children.append(_spawn_server(i, 0, device, env, serve_args, lines))
+        addresses = _read_addresses(children, lines, timeout)
     except BaseException:
         stop(children, signal.SIGTERM, SERVER_STOP_S, [])
         raise
-    return children, [addresses[i] for i in range(n)]
+    return children, addresses
+
+
+def restart_local_server(
+    index: int,
+    address: str,
+    device: str,
+    env: dict[str, str],
+    timeout: float,
+    serve_args: Sequence[str] = (),
+) -> Child:
+    """Starts server ``index`` of ``start_local_servers`` again, empty, at ``address`` (its
+    port) after it exited; returns its process once it prints that address. CommandError if it
+    exits first (its port taken meanwhile) or stays silent for ``timeout`` s."""
+    lines: queue.SimpleQueue = queue.SimpleQueue()
+    port = int(address.rsplit(":", 1)[1])
+    child = _spawn_server(index, port, device, env, serve_args, lines)
+    try:
+        (got,) = _read_addresses([child], lines, timeout)
+    except BaseException:
+        stop([child], signal.SIGTERM, SERVER_STOP_S, [])
+        raise
+    if got != address:  # cannot happen with an explicit --port; a guard, not a wait
+        stop([child], signal.SIGTERM, SERVER_STOP_S, [])
+        raise CommandError(f"{child.name} came back at {got}, not at {address}")
+    return child
+
+
+def _spawn_server(
+    index: int,
+    port: int,
+    device: str,
+    env: dict[str, str],
+    serve_args: Sequence[str],
+    lines: queue.SimpleQueue,
+) -> Child:
+    from paramshard.server.app import MALLOC_ENV
+
+    dev = f"cuda:{index}" if device == "cuda" else device
+    cmd = paramshard_argv("serve", "--port", str(port), "--device", dev, *serve_args)
+    child = spawn(f"server {index}", cmd, {**MALLOC_ENV, **env})
+    relay(child, child.proc.stdout, sys.stderr, lines)
+    relay(child, child.proc.stderr, sys.stderr, None)
+    return child
+
+
+def _read_addresses(children: list[Child], lines: queue.SimpleQueue, timeout: float) -> list[str]:
+    """Each child's address from its "listening on ADDRESS" line, within ``timeout`` s."""
+    n = len(children)
+    addresses: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(addresses) < n:
+        try:
+            child, line = lines.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+        except queue.Empty:
+            for i, c in enumerate(children):
+                if i not in addresses and not c.alive():
+                    c.drain()
+                    raise CommandError(
+                        f"{c.name} exited while starting (exit code {c.proc.returncode});"
+                        " its output is above"
+                    ) from None
+            if time.monotonic() >= deadline:
+                late = [c.name for i, c in enumerate(children) if i not in addresses]
+                raise CommandError(
+                    f"{', '.join(late)} did not print its address within {timeout:g} s"
+                    " (--start-timeout)"
+                ) from None
+            continue
+        match = LISTENING.search(line)
+        index = children.index(child)
+        if match and index not in addresses:
+            addresses[index] = match.group(1).decode()
+    return [addresses[i] for i in range(n)]
 
 
 def wait_serving(

@@ -15,6 +15,13 @@ and any failure once the K restarts are used up.
 Every rank's other calls wait for the restarted one within their deadline (``timeout_s``,
 120 s by default, and the servers' ``--max-wait-s``): a restart must get back to the servers
 within it.
+
+With ``--max-server-restarts K`` a local server that exits while the ranks run is started
+again, empty, at its address (K times in all over the job). Ranks in ``train_with_recovery``
+(strategies/recovery.py) wait for it there and restore its state from the neighbour's replica
+or the newest snapshot; a rank that does not recover fails at its next call to it, and its
+failure is handled as any other. Without it, or once the K are used, a server's exit stops the
+job.
 """
 
 from __future__ import annotations
@@ -28,11 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paramshard.client import restarts as contract
-from paramshard.commands import EXIT_FAILURE
+from paramshard.commands import EXIT_FAILURE, CommandError
 from paramshard.elastic import Departures
-from paramshard.processes import Child, exit_code, say, stop
+from paramshard.processes import Child, exit_code, say, stop, watch
 
-__all__ = ["RankRestarts", "supervise"]
+__all__ = ["RankRestarts", "ServerRestarts", "supervise"]
 
 
 @dataclass
@@ -97,6 +104,24 @@ class RankRestarts:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
+@dataclass
+class ServerRestarts:
+    """--max-server-restarts: the local servers the launcher may start again, and how."""
+
+    max_restarts: int
+    start_again: Callable[[int], Child] | None = None  # server index -> its new process
+    used: int = 0
+
+    def refusal(self) -> str | None:
+        """None if a local server that exited may be started again; else why not ("" when
+        restarts were not asked for)."""
+        if not self.max_restarts or self.start_again is None:
+            return ""
+        if self.used >= self.max_restarts:
+            return f"--max-server-restarts {self.max_restarts} used up"
+        return None
+
+
 def supervise(
     ranks: list[Child],
     servers: list[Child],
@@ -106,11 +131,15 @@ def supervise(
     restarts: RankRestarts,
     start_rank: Callable[[int], Child],
     departures: Departures | None = None,
+    server_restarts: ServerRestarts | None = None,
 ) -> int:
     """Waits for the ranks; a failed rank is restarted when ``restarts`` allows it (the new
-    process is appended to ``ranks``), else the first failure (a rank, a local server, a
-    signal) stops them all. ``start_rank(rank)`` starts rank ``rank``'s process.
-    ``departures`` (``--elastic``): a rank that fails for good leaves, the others go on."""
+    process is appended to ``ranks``), a local server that exited when ``server_restarts``
+    allows it (the new process takes its place in ``servers``), else the first failure (a
+    rank, a local server, a signal) stops them all. ``start_rank(rank)`` starts rank
+    ``rank``'s process. ``departures`` (``--elastic``): a rank that fails for good leaves, the
+    others go on."""
+    server_restarts = server_restarts or ServerRestarts(0)
     running = set(ranks)
     while running:
         kind, child, value = events.get()
@@ -120,7 +149,24 @@ def supervise(
             stop(list(running), value, grace, received)
             return 128 + value
         if child in servers:
-            say(f"{child.name} exited (exit code {child.proc.returncode}); stopping the ranks")
+            exited = f"{child.name} exited (exit code {child.proc.returncode})"
+            why = server_restarts.refusal()
+            if why is None:
+                try:
+                    new = _start_server_again(servers, child, server_restarts)
+                except CommandError as exc:
+                    say(f"{exited}; starting it again failed: {exc}; stopping the ranks")
+                    stop(list(running), signal.SIGTERM, grace, received)
+                    return EXIT_FAILURE
+                watch(new, events)
+                say(
+                    f"{exited}; started it again, empty, at its address ({server_restarts.used}"
+                    f" of --max-server-restarts {server_restarts.max_restarts} used): ranks in"
+                    " train_with_recovery restore its state, others fail at their next call"
+                )
+                continue
+            why = f" ({why})" if why else ""
+            say(f"{exited}{why}; stopping the ranks")
             stop(list(running), signal.SIGTERM, grace, received)
             return EXIT_FAILURE
         running.discard(child)
@@ -153,3 +199,14 @@ def supervise(
         stop(list(running), signal.SIGTERM, grace, received)
         return code
     return departures.exit_code() if departures is not None else 0
+
+
+def _start_server_again(servers: list[Child], child: Child, budget: ServerRestarts) -> Child:
+    """Starts the server ``child`` was at its address; it takes ``child``'s place in
+    ``servers`` (which the launcher stops at the end). A failed start counts too."""
+    assert budget.start_again is not None
+    index = servers.index(child)
+    budget.used += 1
+    new = budget.start_again(index)
+    servers[index] = new
+    return new

@@ -35,7 +35,7 @@ from typing import Any
 import pytest
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.launch import omp_threads
+from paramshard.launch_env import omp_threads
 from paramshard.local_cluster import RankFailed, run_in_threads
 from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
