@@ -27,7 +27,7 @@ import pytest
 from chaos_target import job_state
 from test_sessions import RawSession, code_of
 
-from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer, servicer
@@ -313,6 +313,21 @@ def test_a_scoped_token_works_on_its_own_jobs(server: ShardServer) -> None:
         assert (B_JOB, "base") in listed if token == "root" else listed == {("team-a-job", "t1")}
     drop = pb.DropJobRequest(job="team-a-job").SerializeToString()
     assert call(server, "DropJob", drop, "a-admin")[0] == grpc.StatusCode.OK
+
+
+def test_a_job_not_on_the_server_is_refused_without_naming_others(server: ShardServer) -> None:
+    """A job of its own scope that the server does not hold: NOT_FOUND, and the message names
+    no job of another team (Status lists only the jobs in scope; an error must not either)."""
+    for token in TEAM_A:
+        a = client(server, token)
+        try:
+            with pytest.raises(ShardClientError) as err:
+                a.pull_params("team-a-missing", "w", N)
+        finally:
+            a.close()
+        assert err.value.code == grpc.StatusCode.NOT_FOUND, err.value
+        assert "job 'team-a-missing' is not on this server" in str(err.value)
+        assert B_JOB not in str(err.value)
 
 
 def test_segments_stay_their_tokens_own(server: ShardServer) -> None:

@@ -50,9 +50,11 @@ class BufferStore:
     def get(self, job: str, buffer: str) -> BufferSlice:
         with self._lock:
             buffers = self._jobs.get(job)
-            if buffers is None:
-                known = ", ".join(sorted(self._jobs)) or "none"
-                raise ShardError.not_found(f"job '{job}' is not on this server (jobs: {known})")
+            if buffers is None:  # names no other job: the caller's token may not see them
+                raise ShardError.not_found(
+                    f"job '{job}' is not on this server (never registered, dropped, or lost"
+                    " when the server restarted)"
+                )
             found = buffers.get(buffer)
         if found is None:
             raise ShardError.not_found(f"job '{job}' has no buffer '{buffer}'")
