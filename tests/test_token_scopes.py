@@ -183,6 +183,20 @@ EXTRA = [  # more ways to touch team B's run and job
     ("Lease", lease(1, 600_000, run=f"{B_RUN}.e1")),
     ("ReadSlot", pb.ReadSlotRequest(key=f"{B_RUN}/grp:ar0/0")),
     ("DropJob", pb.DropJobRequest(job=B_RUN)),
+    # its own job, team B's run: the decision would tell whose leases in that run are alive
+    (
+        "Join",
+        pb.JoinRequest(
+            run=B_RUN,
+            job="team-a-probe",
+            rank=0,
+            world_size=2,
+            step=1,
+            min_members=1,
+            window_ms=60_000,
+            known_members=[0, 1],
+        ),
+    ),  # fmt: skip
     # the job of the last occurrence counts, as protobuf reads it: team B's
     (
         "PullParams",

@@ -169,6 +169,9 @@ class Route:
     path: tuple[str, ...] = ()
     rule: str = ""
     """One line for the docs' table."""
+    run_path: tuple[str, ...] = ()
+    """Where the request also names a run that must be in ``runs=`` (Join: its job, and the
+    run whose leases decide the members)."""
 
     @property
     def checked(self) -> bool:
@@ -209,7 +212,7 @@ ROUTES: dict[str, Route] = {
     "ConfirmSegment": Route("own", (), "the token's own segments; no job named"),
     "ReleaseSegments": Route("own", (), "the token's own segments; no job named"),
     "Session": Route("calls", (), "each call it carries, as its unary method"),
-    "Join": Route("job", ("job",), "`job` in `jobs=` (its run's lease: `runs=`)"),
+    "Join": Route("job", ("job",), "`job` in `jobs=` and `run` in `runs=`", ("run",)),
 }
 """Every method of the Shard service (tests/test_token_scopes.py checks the descriptor): a
 method missing here refuses scoped tokens until someone routes it."""
@@ -227,6 +230,7 @@ def _numbers(method: str, path: tuple[str, ...]) -> tuple[int, ...]:
 
 
 _NUMBERS = {m: _numbers(m, r.path) for m, r in ROUTES.items() if r.path}
+_RUN_NUMBERS = {m: _numbers(m, r.run_path) for m, r in ROUTES.items() if r.run_path}
 
 
 def _last(buf: Any, numbers: tuple[int, ...], budget: list[int]) -> Any:
@@ -264,10 +268,12 @@ def _last(buf: Any, numbers: tuple[int, ...], budget: list[int]) -> Any:
     return found
 
 
-def named(method: str, raw: Any) -> str:
-    """The job or run ``method``'s request ``raw`` (wire bytes) names ("" when none); raises
-    ``codec.DecodeError`` for bytes that do not parse on the way."""
-    value = _last(memoryview(raw).cast("B"), _NUMBERS[method], [MAX_SCANNED_FIELDS])
+def named(method: str, raw: Any, numbers: tuple[int, ...] | None = None) -> str:
+    """The job or run ``method``'s request ``raw`` (wire bytes) names ("" when none), at its
+    route's path or at field path ``numbers``; raises ``codec.DecodeError`` for bytes that do
+    not parse on the way."""
+    numbers = _NUMBERS[method] if numbers is None else numbers
+    value = _last(memoryview(raw).cast("B"), numbers, [MAX_SCANNED_FIELDS])
     try:
         return "" if value is None else str(value, "utf-8")
     except UnicodeDecodeError as exc:
@@ -304,12 +310,15 @@ def refusal(scope: Scope, method: str, raw: Any) -> tuple[grpc.StatusCode, str] 
         return None
     try:
         name = named(method, raw)
+        run = named(method, raw, _RUN_NUMBERS[method]) if route.run_path else None
     except codec.DecodeError as exc:
         return (
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: request does not parse as a {method} message: {exc}",
         )
     what = _outside(scope, route, name)
+    if what is None and run is not None and not scope.allows_run(run):
+        what = f"run {run[:128]!r}"
     if what is None:
         return None
     return (
@@ -329,9 +338,15 @@ def mismatch(scope: Scope, method: str, request: Any) -> tuple[grpc.StatusCode, 
         request, path = request[0], path[1:]
     if not hasattr(request, "DESCRIPTOR"):
         return None  # Malformed: INVALID_ARGUMENT follows
+    named_value = request
     for name in path:
-        request = getattr(request, name)
-    what = _outside(scope, route, request)
+        named_value = getattr(named_value, name)
+    what = _outside(scope, route, named_value)
+    if what is None and route.run_path:
+        run = request
+        for name in route.run_path:
+            run = getattr(run, name)
+        what = None if scope.allows_run(run) else f"run {run[:128]!r}"
     if what is None:
         return None
     return (
