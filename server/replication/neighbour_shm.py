@@ -2,11 +2,12 @@
 
 A server sending its replica to its neighbour is a client of that neighbour, and goes the way a
 trainer's payloads go (protos/shm.py): the first chunk asks the neighbour for a segment over the
-authenticated channel, with the server's ``peer`` token (which the segment calls accept besides
-``read``, server/rpc/auth.py), and the neighbour's abstract Unix socket hands it over only within
-one network namespace. A neighbour on another host, or in another container network, keeps
-getting its chunks in-band. A neighbour that forgot our segments (it restarted) gets the chunk
-in-band at once, and new segments later.
+authenticated channel, with the credential derived from the server's ``peer`` token
+(server/rpc/peer_credentials.py; the segment calls accept it besides ``read``,
+server/rpc/auth.py), and the neighbour's abstract Unix socket hands it over only within one
+network namespace. A neighbour on another host, or in another container network, keeps getting
+its chunks in-band. A neighbour that forgot our segments (it restarted) gets the chunk in-band
+at once, and new segments later.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class NeighbourSegments:
         caller = self._callers.get(neighbour)
         if caller is None or caller._channel is not channel:  # noqa: SLF001 - our own class
             caller = self._callers[neighbour] = _Caller(neighbour, channel, metadata)
+        caller._metadata = metadata  # noqa: SLF001 - a credential made for this call
         placed = self.shm.put(caller, 0, data) if len(data) >= SHM_MIN_BYTES else None
         if placed is not None:
             ref, seg = placed

@@ -36,6 +36,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server.replication.inbox import Inbox, check_header, replica_bound
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
 from paramshard.server.replication.recovery import CHUNK, ReplicaRecovery
+from paramshard.server.rpc import peer_credentials
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.shards import Captured, encode_shard
 
@@ -250,15 +251,20 @@ class Replicator(ReplicaRecovery):
                 self._channels[neighbour] = chan
         return chan
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.peer_token}"),) if self.peer_token else ()
+    def _metadata(self, job: str) -> tuple[tuple[str, str], ...]:
+        """The credential of a call about ``job``'s replicas: derived from the peer token for
+        that job (server/rpc/peer_credentials.py); the token itself never leaves this server,
+        since the neighbour is whatever address the caller of ConfigureReplication named."""
+        if not self.peer_token:
+            return ()
+        return (("authorization", f"Bearer {peer_credentials.derive(self.peer_token, job)}"),)
 
     def _probe(self, cfg: pb.ReplicationConfig) -> None:
         """Asks the neighbour whether it takes this job's replicas from our slice index."""
         store = self._stub(cfg.neighbour)
         hello = pb.ReplicaChunk(job=cfg.job, source_index=cfg.server_index)
         try:
-            store(hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata())
+            store(hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata(cfg.job))
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details()
             where = f"replication of '{cfg.job}' to {cfg.neighbour}"
@@ -293,7 +299,8 @@ class Replicator(ReplicaRecovery):
                 total=len(blob),
             )
             data = view[offset : offset + CHUNK]
-            self.segments.store(cfg.neighbour, channel, store, self._metadata(), chunk, data, 60)
+            metadata = self._metadata(cfg.job)
+            self.segments.store(cfg.neighbour, channel, store, metadata, chunk, data, 60)
 
     # -- the neighbour's side ---------------------------------------------------
     def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:

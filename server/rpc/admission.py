@@ -42,7 +42,7 @@ from typing import Any
 
 import grpc
 
-from paramshard.server.rpc.auth import SERVICE_NAME, bearer
+from paramshard.server.rpc.auth import SERVICE_NAME, caller_id
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
@@ -142,7 +142,7 @@ class CallGate(grpc.ServerInterceptor):
         if service == SERVICE_NAME and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
             role = found or "train"
-            caller = bearer(details.invocation_metadata) if self.role_of else None
+            caller = caller_id(details.invocation_metadata) if self.role_of else None
         return self._unary(handler, method, role, caller)
 
     # -- unary calls -------------------------------------------------------------------------

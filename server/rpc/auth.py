@@ -8,9 +8,10 @@ Tokens carry one of three roles, each including the ones before it::
 and a fourth, ``peer``, apart from them: the servers' own credential for server-to-server calls
 (replicas, docs/design.md §6.1). Only ``peer`` may call ``StoreReplica``, and ``peer`` may call
 nothing else but the shared-segment calls (``PEER_SEGMENTS``, for replicas to a neighbour on
-the same host): an admin token does not store replicas, a server's token does not train. A server
-sends replicas with the ``peer`` token of its own token file (``peer_token``), so every server of a
-cluster lists the same one, and trainers never hold it.
+the same host): an admin token does not store replicas, a server's token does not train. Every
+server of a cluster lists the same ``peer`` token, and trainers never hold it. A server sends its
+replicas with a credential derived from that token for the one job (``peer_credentials``), never
+the token itself; the receiver grants ``peer`` scoped to exactly that job.
 
 ``METHOD_ROLES`` maps every method of the Shard service to the role it needs; a method missing
 from it (a new RPC: Snapshot*, Restore*, Replica*, Shutdown*, ...) needs ``admin`` until someone
@@ -25,7 +26,7 @@ A token may also be scoped to jobs and runs (``train TOKEN jobs=team-a-*``,
 server/rpc/scopes.py): its calls naming another job or run fail with PERMISSION_DENIED, decided
 from the request's bytes before it is parsed; a session's calls are checked one by one
 (server/transport/sessions.py), and Status and listings show only what is in scope
-(server/servicer.py). ``peer`` tokens carry every job's replicas and take no scope.
+(server/servicer.py). ``peer`` tokens take no scope; the credentials derived from them have one job.
 
 Under mutual TLS, ``peer`` may also come from the caller's verified client certificate: a server
 given ``peer_identities`` (``paramshard serve --peer-identity NAME``) grants ``peer``, and only
@@ -44,6 +45,7 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.rpc import peer_credentials
 from paramshard.server.rpc.scopes import (
     ROUTES,
     Grant,
@@ -56,6 +58,7 @@ from paramshard.server.rpc.tokens import LADDER, PEER, check_tokens, grant_of
 __all__ = [
     "SERVICE_NAME",
     "bearer",
+    "caller_id",
     "METHOD_ROLES",
     "OPEN_SERVICES",
     "TokenAuthInterceptor",
@@ -160,6 +163,16 @@ def bearer(metadata: Any) -> str | None:
     return None
 
 
+def caller_id(metadata: Any) -> str | None:
+    """Who a call is, for what belongs to its caller (shared segments, fair shares): its bearer
+    token, or one owner for every server's derived peer credential, which changes from call
+    to call (server/rpc/peer_credentials.py)."""
+    token = bearer(metadata)
+    if token and peer_credentials.is_derived(token):
+        return peer_credentials.OWNER
+    return token
+
+
 def _reject(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
     """A handler of the same shape as ``handler`` that fails at once, never parsing the request."""
 
@@ -217,14 +230,26 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if not checked and not self.identities:
             raise ValueError("TokenAuthInterceptor needs at least one token or peer identity")
         self._tokens = [(t.encode(), grant_of(g)) for t, g in checked.items()]
+        self._peer_tokens = [t for t, g in checked.items() if grant_of(g).role == PEER]
 
     def grant(self, token: str) -> Grant | None:
+        if peer_credentials.is_derived(token):
+            return self._derived(token)[0]
         presented = token.encode("utf-8", "replace")
         found = None
         for known, grant in self._tokens:  # no early exit: the time does not depend on the match
             if hmac.compare_digest(known, presented):
                 found = grant
         return found
+
+    def _derived(self, credential: str) -> tuple[Grant | None, str]:
+        """A server's derived peer credential: the peer role for its one job, or why not."""
+        if not self._peer_tokens:
+            return None, "a peer credential, and this server has no peer token"
+        job, why = peer_credentials.verify(self._peer_tokens, credential)
+        if job is None:
+            return None, why
+        return Grant(PEER, Scope(jobs=(job,), runs=(), exact=True)), ""
 
     def role_of(self, token: str) -> str | None:
         grant = self.grant(token)
@@ -305,9 +330,12 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
                 f"{name}: this server requires {_needs(need)}; the 'authorization' metadata {how}",
             )
         if grant is None:
+            what = "unknown bearer token"
+            if peer_credentials.is_derived(token):
+                what = self._derived(token)[1]
             return (
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{name}: unknown bearer token; this call needs {_needs(need)}",
+                f"{name}: {what}; this call needs {_needs(need)}",
             )
         if not role_allows(grant.role, need, name):
             return (

@@ -92,13 +92,20 @@ class Scope:
 
     jobs: tuple[str, ...]
     runs: tuple[str, ...]
+    exact: bool = False
+    """Names, not patterns: a server's derived peer credential (server/rpc/peer_credentials.py)
+    is good for one job, whatever characters its name has."""
 
     def allows_job(self, job: str) -> bool:
+        if self.exact:
+            return job in self.jobs
         return any(_matches(p, job) for p in self.jobs)
 
     def allows_run(self, run: str) -> bool:
         """Whether run ``run`` (a lease's run, a slot key's text before ``:``) is in scope:
         an exact pattern also covers the run's groups and epochs."""
+        if self.exact:
+            return run in self.runs
         return any(_run_matches(p, run) for p in self.runs)
 
     def __str__(self) -> str:
@@ -203,7 +210,9 @@ ROUTES: dict[str, Route] = {
     "Restore": _job("job"),
     "ListSnapshots": Route("listing", ("job",), "`job` in `jobs=`; empty: only jobs in `jobs=`"),
     "ConfigureReplication": _job("job"),
-    "StoreReplica": Route("job", ("job",), "peer only; peer tokens take no scope"),
+    "StoreReplica": Route(
+        "job", ("job",), "peer only; a derived peer credential: `job` is its job"
+    ),
     "ListReplicas": _job("job"),
     "FetchReplica": _job("job"),
     "LoadReplica": _job("job"),

@@ -137,7 +137,7 @@ class Sessions:
         role = caller = scope = None
         if self.role_of:
             role = self.role_of(context.invocation_metadata())
-            caller = auth.bearer(context.invocation_metadata())
+            caller = auth.caller_id(context.invocation_metadata())
         if self.scope_of:
             scope = self.scope_of(context.invocation_metadata())
         session = _Session(self, context, role, caller, scope)

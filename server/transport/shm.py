@@ -45,7 +45,7 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import MFD_ALLOW_SEALING, PROOF_BYTES, is_sealed, seal
-from paramshard.server.rpc.auth import bearer
+from paramshard.server.rpc.auth import caller_id
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
@@ -382,6 +382,7 @@ class SegmentRegistry:
 
 
 def caller(context: Any) -> str:
-    """Who owns a segment: the caller's token ("" without one, or for a call in this process)."""
+    """Who owns a segment: the caller's token ("" without one, or for a call in this process;
+    every server's derived peer credential is one owner, auth.caller_id)."""
     metadata = getattr(context, "invocation_metadata", None)
-    return (bearer(metadata()) if metadata is not None else None) or ""
+    return (caller_id(metadata()) if metadata is not None else None) or ""
