@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives import rounds
 from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.runtime.errors import ShardError
 
@@ -265,3 +266,36 @@ def test_a_rank_that_starts_late_gets_the_runs_newest_epoch(table) -> None:
     reply = join(t, 3, step=1)  # epoch 0: it never saw the abort
     assert reply.decided and reply.member and list(reply.members) == [3]
     assert reply.epoch == 1
+
+
+def test_the_records_of_every_job_together_are_bounded() -> None:
+    """Rounds that name many known members: a job of 65,536 ranks keeps 8 rounds, and the
+    jobs' records together stay within MAX_SLOTS ranks (RESOURCE_EXHAUSTED beyond, which
+    DropJob or the sweep makes room from). Found by a review: 700 such rounds took a server
+    from 57 MB to 2.6 GB, uncounted by --max-memory."""
+    world = rounds.MAX_WORLD
+    t = MembershipTable(Leases(), {}.get, clock=Clock(), wall=lambda: 1.0)
+
+    def big(job: str, step: int) -> pb.JoinReply:
+        req = pb.JoinRequest(
+            run="r", job=job, rank=0, world_size=world, step=step, min_members=world,
+            window_ms=60_000, known_members=range(world),
+        )  # fmt: skip
+        return t.join(req, 0.0)
+
+    for step in range(20):  # one job: its oldest rounds make room for the new ones
+        assert not big("j0", step).decided
+    kept = rounds.kept_rounds(world)
+    assert kept == 8 and len(t._jobs["j0"].rounds) == kept  # noqa: SLF001 - the records
+    made = 1
+    with pytest.raises(ShardError, match="would pass its bound") as err:
+        for made in range(1, 64):  # more jobs, each with its rounds, until the bound
+            for step in range(kept):
+                big(f"j{made}", step)
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    held = sum(rounds.slots(j) for j in t._jobs.values())  # noqa: SLF001
+    assert held <= rounds.MAX_SLOTS and made < 4
+    with pytest.raises(ShardError, match="would pass its bound"):
+        big("fresh", 0)
+    assert t.drop("j0")
+    assert not big("fresh", 0).decided  # room again

@@ -54,9 +54,11 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    snapshot) and sends ``done``; the others, members or late, wait for ``done``. If the leader
    is lost first, the next lowest live member leads.
 
-Everything is bounded: at most ``max_jobs`` jobs, ``KEPT_ROUNDS`` rounds and ``KEPT_EVENTS``
-history events per job, member lists no longer than the job's world size; a job untouched for
-``forget_s`` is forgotten (``sweep``), and DropJob forgets it at once.
+Everything is bounded: at most ``max_jobs`` jobs, ``KEPT_ROUNDS`` rounds (fewer for jobs of
+many ranks, ``kept_rounds``) and ``KEPT_EVENTS`` history events per job, member lists no longer
+than the job's world size, and ``MAX_SLOTS`` ranks in all jobs' records together (a round
+that would pass it is refused with RESOURCE_EXHAUSTED); a job untouched for ``forget_s`` is
+forgotten (``sweep``), and DropJob forgets it at once.
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.rounds import (
-    KEPT_ROUNDS,
+    MAX_SLOTS,
     ElasticJob,
     Round,
     check_request,
+    kept_rounds,
+    slots,
     status_row,
 )
 from paramshard.server.runtime.errors import ShardError
@@ -164,9 +168,21 @@ class MembershipTable:
                     f"Join: this server coordinates {len(self._jobs)} elastic jobs, its limit;"
                     f" job '{req.job}' was not added"
                 )
+            self._room_for(2 * req.world_size, req)
             job = self._jobs[req.job] = ElasticJob(req.run, req.world_size, now)
         job.touched = now
         return job
+
+    def _room_for(self, more: int, req: pb.JoinRequest) -> None:
+        """Refuses (RESOURCE_EXHAUSTED) records of ``more`` ranks that would take every job's
+        past ``MAX_SLOTS`` (caller holds the lock; at most ``max_jobs`` jobs to add up)."""
+        held = sum(slots(j) for j in self._jobs.values())
+        if held + more > MAX_SLOTS:
+            raise ShardError.exhausted(
+                f"Join: this server's elastic jobs hold records of {held:,} ranks; a round of"
+                f" job '{req.job}' ({req.world_size:,} ranks) would pass its bound of"
+                f" {MAX_SLOTS:,}"
+            )
 
     def _alive(self, job: ElasticJob) -> Callable[[int], bool]:
         """Whether a rank counts as alive: not left, and holding a live lease here unless it
@@ -194,10 +210,12 @@ class MembershipTable:
             )
         rnd = job.rounds.get(s)
         if rnd is None:
+            if len(job.rounds) < kept_rounds(job.world_size):  # else one is dropped for it
+                self._room_for(job.world_size, req)
             prev = job.rounds.get(s - 1)
             previous = prev if prev is not None and prev.decided else job.last
             rnd = job.rounds[s] = self._open(job, s, req, previous)
-            while len(job.rounds) > KEPT_ROUNDS:
+            while len(job.rounds) > kept_rounds(job.world_size):
                 del job.rounds[min(job.rounds)]
         alive = self._alive(job)
         ahead = version is not None and s > version  # step s-1 is not applied here yet
@@ -224,10 +242,12 @@ class MembershipTable:
         """Step 7: (the reply, whether it is final: the round is done, or this rank leads)."""
         rnd = job.recoveries.get(req.epoch)
         if rnd is None:
+            if len(job.recoveries) < kept_rounds(job.world_size):
+                self._room_for(job.world_size, req)
             rnd = job.recoveries[req.epoch] = self._open(job, req.epoch, req, job.last)
             rnd.expected |= set(req.known_members)
             rnd.min_members = 1  # restoring needs one rank
-            while len(job.recoveries) > KEPT_ROUNDS:
+            while len(job.recoveries) > kept_rounds(job.world_size):
                 del job.recoveries[min(job.recoveries)]
         if req.done:
             rnd.done = True

@@ -10,13 +10,34 @@ from dataclasses import dataclass, field
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "Round", "check_request", "status_row"]
+__all__ = [
+    "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round", "check_request",
+    "kept_rounds", "slots", "status_row",
+]  # fmt: skip
 
 KEPT_ROUNDS = 64
+MAX_SLOTS = 1 << 21
+"""Rank slots every elastic job's records on one server may hold together (``slots``). A
+round holds sets of its job's ranks, up to the world size each, at about 56 bytes a rank, so
+requests naming many known members cannot grow the server past about 120 MB of them."""
+JOB_SLOTS = MAX_SLOTS // 4
+"""One job's share: a job of 65,536 ranks keeps its last 8 rounds, one of 8,192 or fewer its
+last ``KEPT_ROUNDS``."""
 KEPT_EVENTS = 64
 MAX_WORLD = 65536
 MAX_NAME = 256
 MAX_WINDOW_MS = 3_600_000
+
+
+def kept_rounds(world_size: int) -> int:
+    """How many step (or recovery) rounds a job of ``world_size`` ranks keeps."""
+    return max(2, min(KEPT_ROUNDS, JOB_SLOTS // world_size))
+
+
+def slots(job: ElasticJob) -> int:
+    """What ``job``'s records may hold at most, in ranks: every round it keeps, its last
+    decided round, and who was seen alive or left, each up to its world size."""
+    return job.world_size * (len(job.rounds) + len(job.recoveries) + 2)
 
 
 @dataclass
