@@ -25,6 +25,8 @@ from conftest import unique_id, worker_env
 from lease_fakes import KILL_NOTICE_S, Stream, keep, lease, new_table
 
 from paramshard.client.leases import LEASE_TTL_ENV
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.lease_holds import MAX_WAITING, Hold
 from paramshard.server.collectives.leases import STREAM_GRACE_S
 from paramshard.server.runtime.errors import ShardError
 
@@ -113,6 +115,20 @@ def test_a_stopping_server_ends_its_streams_and_decides_nothing(table):
     with pytest.raises(ShardError) as refused:
         leases.open_hold(lease(0), Stream())
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_stream_whose_rank_does_not_read_keeps_its_newest_notices_only() -> None:
+    """A rank that holds its stream open and never reads it: the notices wait for it, at most
+    MAX_WAITING of them, the newest; the server's own stop still gets through. Found by a
+    review: one unread stream and a loop of aborts grew a server by 27 kB an abort."""
+    hold = Hold("r", 0)
+    for step in range(5 * MAX_WAITING):
+        hold.push(pb.LeaseReply(lost_rank=step))
+    hold.stop()
+    got = [hold.next(0.0) for _ in range(MAX_WAITING + 2)]
+    assert [g.lost_rank for g in got[:MAX_WAITING]] == list(range(4 * MAX_WAITING, 5 * MAX_WAITING))
+    assert got[MAX_WAITING] is not None and got[MAX_WAITING + 1] is None  # the stop, then nothing
+    assert hold.dropped == 4 * MAX_WAITING
 
 
 @pytest.mark.parametrize("extra", [{"release": True}, {"abort": "x"}, {"ttl_ms": 5}])

@@ -21,14 +21,15 @@ while it is open (server/rpc/admission.py counts it as a session).
 
 from __future__ import annotations
 
-import queue
+import threading
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.leases import STREAM_GRACE_S, LeaseTable
 
-__all__ = ["HEARTBEAT_S", "Hold", "hold_lease"]
+__all__ = ["HEARTBEAT_S", "MAX_WAITING", "Hold", "hold_lease"]
 
 HEARTBEAT_S = 5.0
 """How often an open stream sends an empty reply: data the client's kernel must acknowledge,
@@ -37,27 +38,46 @@ _STOP = object()  # the server stops
 _WAKE = object()  # the call ended: look at the context
 
 
+MAX_WAITING = 64
+"""Notices a stream keeps for its rank while the rank does not read them; beyond, the oldest
+is dropped. A notice only hurries what the rank's next renewal or call tells it anyway, and a
+rank that never reads must not make the server keep every notice of its run."""
+
+
 class Hold:
     """One open stream: the replies waiting to be sent to rank ``rank`` of run ``run``."""
 
     def __init__(self, run: str, rank: int) -> None:
         self.run, self.rank = run, rank
-        self._out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._out: deque[Any] = deque()
+        self._cond = threading.Condition()
+        self.dropped = 0  # notices dropped, the oldest first, while the rank did not read
 
     def push(self, reply: pb.LeaseReply) -> None:
-        self._out.put(reply)
+        with self._cond:
+            waiting = [i for i, item in enumerate(self._out) if isinstance(item, pb.LeaseReply)]
+            if len(waiting) >= MAX_WAITING:
+                del self._out[waiting[0]]
+                self.dropped += 1
+            self._put(reply)
 
     def stop(self) -> None:
-        self._out.put(_STOP)
+        with self._cond:
+            self._put(_STOP)
 
     def wake(self) -> None:
-        self._out.put(_WAKE)
+        with self._cond:
+            self._put(_WAKE)
+
+    def _put(self, item: Any) -> None:
+        self._out.append(item)
+        self._cond.notify()
 
     def next(self, timeout: float) -> Any:
-        try:
-            return self._out.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        with self._cond:
+            if not self._out:
+                self._cond.wait(timeout)
+            return self._out.popleft() if self._out else None
 
 
 def hold_lease(table: LeaseTable, req: pb.LeaseRequest, context: Any) -> Iterator[pb.LeaseReply]:
