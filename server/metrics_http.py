@@ -23,6 +23,13 @@ if TYPE_CHECKING:
 
 __all__ = ["Endpoint", "InScope", "serve"]
 
+REQUEST_TIMEOUT_S = 10.0
+"""How long a connection may take to send its request (and to read the reply): one that stalls
+is closed instead of holding a thread for ever."""
+MAX_CONNECTIONS = 32
+"""Connections served at once; one more is closed at once (a Prometheus server scrapes with
+one, so these are for several scrapers, not for a client that opens many)."""
+
 Render = Callable[["Scope | None"], bytes]
 Authorize = Callable[[str | None], "tuple[int, str, Scope | None]"]
 
@@ -49,6 +56,8 @@ def serve(host: str, port: int, render: Render, authorize: Authorize) -> Endpoin
     scope)."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_TIMEOUT_S  # socket timeout: a stalled request ends the connection
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                 self.send_error(404, "only /metrics is served here")
@@ -80,6 +89,23 @@ def serve(host: str, port: int, render: Render, authorize: Authorize) -> Endpoin
     class Server(ThreadingHTTPServer):
         daemon_threads = True
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):  # full: this one is closed unserved
+                self.shutdown_request(request)
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
 
     return Endpoint(Server((host, port), Handler))
 

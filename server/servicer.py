@@ -31,7 +31,7 @@ from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service:
 from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime import backend
-from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.errors import ShardError, clip
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshot_calls import SnapshotCalls
 from paramshard.server.snapshots.files import SnapshotDir
@@ -213,16 +213,18 @@ class ShardServicer:
             if isinstance(request, Malformed):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{name}: request does not parse as a {name} message: {request.error}",
+                    clip(f"{name}: request does not parse as a {name} message: {request.error}"),
                 )
             try:
                 with backend.nonfinite_quietly():
                     return fn(request, context)
             except ShardError as exc:
-                context.abort(exc.code, f"{name}: {exc.message}")
+                context.abort(exc.code, clip(f"{name}: {exc.message}"))
             except Exception as exc:  # a bug, not bad input: report it, keep serving
                 log.exception("%s failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"{name}: {type(exc).__name__}: {exc}")
+                context.abort(
+                    grpc.StatusCode.INTERNAL, clip(f"{name}: {type(exc).__name__}: {exc}")
+                )
 
         return handle
 

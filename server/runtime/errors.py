@@ -4,7 +4,22 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["ShardError"]
+__all__ = ["MAX_DETAILS", "ShardError", "clip"]
+
+MAX_DETAILS = 2048
+"""Characters of an error's message a caller gets. A status's message travels as metadata,
+which a client refuses above 16 KiB (grpcio's hard limit): a message that quotes a long name
+from the request would otherwise reach the caller as a transport error instead of its own."""
+
+
+def clip(message: str) -> str:
+    """``message`` in at most ``MAX_DETAILS`` characters: its start and its end (where a
+    message says what was wrong after quoting the name), and how much was cut between."""
+    if len(message) <= MAX_DETAILS:
+        return message
+    keep = (MAX_DETAILS - 48) // 2
+    cut = len(message) - 2 * keep
+    return f"{message[:keep]} ...({cut:,} characters cut)... {message[-keep:]}"
 
 
 def _status(code: grpc.StatusCode) -> classmethod:
@@ -16,6 +31,7 @@ class ShardError(Exception):
     """A rejected request. The servicer turns it into a gRPC status; state is left untouched."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        message = clip(message)
         super().__init__(message)
         self.code = code
         self.message = message
