@@ -14,9 +14,11 @@ pulls in torch through it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
+    "shape_elements",
     "SlicePiece",
     "slice_bounds",
     "slice_sizes",
@@ -147,3 +149,17 @@ def tensor_parallel_ranges(
     block = size // packed
     lo, hi = slice_bounds(block // unit, parts, index)
     return [range(b * block + lo * unit, b * block + hi * unit) for b in range(packed)]
+
+
+def shape_elements(shape: Sequence[int], limit: int) -> int:
+    """The elements of ``shape`` (dims >= 0), or -1 once the product passes ``limit``. Python
+    ints do not overflow to 0 as int64 would; stopping early keeps a shape of many huge dims
+    (a request's or a manifest's) from costing time quadratic in its length."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for d in shape:
+        n *= d
+        if n > limit:
+            return -1
+    return n

@@ -169,7 +169,9 @@ class ShardServer:
         self._local: local_servers.LocalServer | None = None
         # Innermost: counts only calls that passed authentication. In-process calls (above)
         # take no gRPC thread, so they pass no gate.
-        self.gate = CallGate(self.limits, role_of, self.servicer.may_wait)
+        self.gate = CallGate(
+            self.limits, role_of, self.servicer.may_wait, self.servicer.reply_bytes
+        )
         chain.append(self.gate)
         self._max_receive_bytes = max_receive_bytes
         options = [

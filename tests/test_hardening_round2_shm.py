@@ -135,9 +135,9 @@ def test_an_unsealed_segment_is_refused_at_confirm(monkeypatch) -> None:
     """The seals are checked at confirm (a kernel that dropped them, a bug): the segment is
     refused, and a client sends its payloads in-band instead."""
     from paramshard.server import ShardServer
-    from paramshard.server.transport import shm as server_shm
+    from paramshard.server.transport import segment_files
 
-    monkeypatch.setattr(server_shm, "seal", lambda fd: None)
+    monkeypatch.setattr(segment_files, "seal", lambda fd: None)
     with ShardServer(local_calls=False) as server:
         seg = Segment(server.address, None, confirm=False)
         try:

@@ -11,18 +11,27 @@ stream are in tests/test_elastic_membership.py and tests/test_liveness.py).
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import pytest
+from h2_unread import Unread
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.manifest import new_manifest
 from paramshard.server import ShardServer, metrics_http
-from paramshard.server.runtime.errors import MAX_DETAILS
+from paramshard.server.runtime.errors import MAX_DETAILS, ShardError
+from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
+from paramshard.server.transport import segment_files
+from paramshard.server.transport.handover import TICKET_BYTES, Handover
+from paramshard.server.transport.shm import MAX_SEGMENTS, SegmentRegistry
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,3 +128,120 @@ def test_the_metrics_endpoint_closes_silent_connections_and_bounds_them(
         with socket.create_connection(address, timeout=5) as s:  # their slots came back
             s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             assert s.recv(64).startswith(b"HTTP/1.0 200")
+
+
+# -- the second review: segments and manifests ---------------------------------------------
+def test_offers_sent_at_once_stay_within_the_callers_bound() -> None:
+    """32 threads offering for one token got 152 segments against a bound of 128: the count
+    was checked before the segment was listed. Offers in flight count now."""
+    registry = SegmentRegistry(MemoryBudget())
+    try:
+        with ThreadPoolExecutor(32) as pool:
+            results = list(pool.map(lambda _: _offer(registry, "tok"), range(200)))
+        assert sum(results) == MAX_SEGMENTS, sum(results)
+    finally:
+        registry.close()
+
+
+def test_the_descriptor_limit_bounds_every_callers_segments() -> None:
+    """Each segment holds two descriptors: 4 tokens' small segments once took a server's
+    1,024, and then new connections hung. Past the bound an offer is refused by name."""
+    registry = SegmentRegistry(MemoryBudget())
+    registry.max_total = 10
+    try:
+        assert [_offer(registry, f"tok{i % 4}") for i in range(12)] == [True] * 10 + [False] * 2
+        with pytest.raises(ShardError, match="file descriptor limit") as err:
+            registry.offer("tok9", pb.OfferSegmentRequest(nbytes=4096))
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        registry.close()
+    assert 16 <= segment_files.segment_bound()
+
+
+def _offer(registry: SegmentRegistry, owner: str) -> bool:
+    try:
+        registry.offer(owner, pb.OfferSegmentRequest(nbytes=4096))
+        return True
+    except ShardError:
+        return False
+
+
+def test_a_claim_that_fails_does_not_stop_the_handover() -> None:
+    """Out of descriptors, the claim's dup raised EMFILE, which ended the handover thread: every
+    later claim was refused for the server's life. Now that claim alone fails."""
+    tickets = iter([OSError(24, "Too many open files"), None])
+    kept = os.memfd_create("t")
+
+    def claim(_ticket: bytes) -> int | None:
+        outcome = next(tickets)
+        if isinstance(outcome, OSError):
+            raise outcome
+        return os.dup(kept)
+
+    handover = Handover(claim)
+    try:
+        for expect in (b"no", b"ok"):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                s.connect("\0" + handover.name)
+                s.sendall(b"t" * TICKET_BYTES)
+                msg, fds, _, _ = socket.recv_fds(s, 16, 1)
+                for fd in fds:
+                    os.close(fd)
+            assert msg == expect
+    finally:
+        handover.close()
+        os.close(kept)
+
+
+def test_a_manifest_shape_of_many_huge_dimensions_is_refused_at_once() -> None:
+    """CommitSnapshot checks a manifest's shapes as RegisterBuffer does its own: 40,000 dims of
+    2**62 took 8.2 s of the server before."""
+    buffers = {
+        "w": {
+            "numel": 8, "contributors": 1, "master_dtype": "float32",
+            "optimizer": {"name": "sgd", "hyper": {"lr": 0.1}},
+            "params": [{"name": "p", "shape": [2**62] * 40_000, "offset": 0, "numel": 8}],
+        }
+    }  # fmt: skip
+    shards = [{"file": "j/t/shard-0-of-1.safetensors", "server": 0, "bytes": 1, "sha256": "0" * 64}]
+    began = time.monotonic()
+    with pytest.raises(ManifestError, match="does not fit"):
+        check_manifest(new_manifest("j", "t", 0, 1, buffers, shards), "j", "t")
+    assert time.monotonic() - began < 5.0  # a bound on the refusal, not a timing (8.2 s before)
+
+
+def test_replies_a_caller_does_not_read_are_bounded() -> None:
+    """A read token's pulls over a connection that never lets a reply through: gRPC holds each
+    reply, and eight pulls of a 256 MiB buffer grew a server by 8 GB. Now a caller's unsent
+    replies take at most half of the server's bound (here 64 MiB, lowered for the test); its
+    further pulls are refused "retry later", another caller's are served, and closing the
+    connection gives the bytes back."""
+    numel = 4 * 2**20  # 16 MiB of float32 a pull
+    with ShardServer(tokens={"r": "read", "t": "train"}, local_calls=False) as server:
+        server.gate.unsent.max_bytes = 64 * 2**20
+        trainer = ShardClient(ClusterSpec([server.address], token="t"), timeout_s=30, retries=0)
+        slow = Unread(server.address)
+        try:
+            trainer.register_buffer("j", "w", numel, optimizer="sgd", hyper={"lr": 0.1})
+            trainer.set_params("j", "w", np.ones(numel, np.float32))
+            pull = pb.PullParamsRequest(
+                ref=pb.BufferRef(job="j", buffer="w"),
+                chunk=pb.Chunk(offset=0, numel=numel, dtype=pb.FLOAT32),
+            ).SerializeToString()
+            for _ in range(8):
+                slow.call("/paramshard.v1.Shard/PullParams", pull, token="r")
+            deadline = time.monotonic() + 20
+            while server.gate.unsent.total < 32 * 2**20 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)  # the rest of the eight: refused, not held
+            assert server.gate.unsent.total == 32 * 2**20  # two pulls: half of 64 MiB
+            got = trainer.pull_params("j", "w", numel)  # another caller's share
+            assert got.shape == (numel,) and float(got[0]) == 1.0
+        finally:
+            slow.close()
+            trainer.close()
+        deadline = time.monotonic() + 20
+        while server.gate.unsent.total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.gate.unsent.total == 0

@@ -9,7 +9,6 @@ captures and restores (server/buffers/captures.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import grpc
 
@@ -31,20 +30,6 @@ from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
-
-
-def _elements(shape: Sequence[int], limit: int) -> int:
-    """The elements of ``shape`` (non-negative dims), or -1 once the product passes ``limit``.
-    Python ints do not overflow to 0 as int64 would; stopping early keeps a shape of many huge
-    dims from costing time quadratic in its length."""
-    if 0 in shape:
-        return 0
-    n = 1
-    for d in shape:
-        n *= d
-        if n > limit:
-            return -1
-    return n
 
 
 class BufferSlice(Contributions, Steps, Captures):
@@ -102,7 +87,7 @@ class BufferStore:
             if (
                 any(d < 0 for d in p.shape)
                 or p.offset + p.numel > req.numel
-                or _elements(p.shape, req.numel) != p.numel
+                or slicing.shape_elements(p.shape, req.numel) != p.numel
             ):
                 raise ShardError.invalid(
                     f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"

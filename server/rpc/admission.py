@@ -43,6 +43,7 @@ from typing import Any
 import grpc
 
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_id
+from paramshard.server.rpc.unsent_replies import UnsentReplies
 
 __all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
 
@@ -113,9 +114,12 @@ class CallGate(grpc.ServerInterceptor):
         limits: CallLimits,
         role_of: Callable[[Any], str | None] | None = None,
         may_wait: Callable[[str, Any], bool] | None = None,
+        reply_bytes: Callable[[str, Any], int] | None = None,
     ) -> None:
         self.limits = limits
         self.role_of = role_of
+        self.reply_bytes = reply_bytes  # the servicer's: what a call's reply may carry
+        self.unsent = UnsentReplies()
         self.may_wait = may_wait
         self._lock = threading.Lock()
         self.busy = 0  # calls in a handler (streams not included)
@@ -208,6 +212,7 @@ class CallGate(grpc.ServerInterceptor):
 
         def gated(request: Any, context: grpc.ServicerContext) -> Any:
             _check_parsed(request, context, method)
+            self._hold_reply(method, request, caller, context)
             waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
             refusal = self.enter(waits, caller)
             if refusal is not None:
@@ -222,6 +227,27 @@ class CallGate(grpc.ServerInterceptor):
             request_deserializer=_never_raising(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+    def _hold_reply(
+        self, method: str, request: Any, caller: str | None, context: grpc.ServicerContext
+    ) -> None:
+        """Counts the bytes the call's reply may carry until gRPC ends the call, which it
+        does once the caller read the reply (server/rpc/unsent_replies.py); aborts "retry
+        later" past the bounds."""
+        nbytes = self.reply_bytes(method, request) if self.reply_bytes else 0
+        if not nbytes:
+            return
+        refusal = self.unsent.take(caller, nbytes)
+        if refusal is not None:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
+        given = threading.Lock()
+
+        def give() -> None:  # once: the call ended (sent, failed or cancelled)
+            if given.acquire(blocking=False):
+                self.unsent.give(caller, nbytes)
+
+        if not context.add_callback(give):
+            give()  # the call already ended
 
     # -- streams -------------------------------------------------------------------------------
     @property

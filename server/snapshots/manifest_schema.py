@@ -25,6 +25,7 @@ from paramshard.protos.manifest import (
     recorded_model_config,
     shard_name,
 )
+from paramshard.protos.slicing import shape_elements
 
 __all__ = ["ManifestError", "check_manifest"]
 
@@ -116,15 +117,16 @@ def _check_buffer(name: str, info: Any) -> None:
         for key in _PARAM_INTS:
             if key in p:
                 _int(p, key, at)
-        try:  # what a restore makes of it
-            ParamEntry.from_manifest(p).to_pb()
-        except (TypeError, ValueError) as exc:
-            raise ManifestError(f"{at[:-1]} is not a parameter entry ({exc})") from None
-        if p.get("offset", 0) + p.get("numel", 0) > numel or math.prod(shape) != p.get("numel", 0):
+        elements = shape_elements(shape, numel)  # before anything multiplies the dims out
+        if p.get("offset", 0) + p.get("numel", 0) > numel or elements != p.get("numel", 0):
             raise ManifestError(
                 f"{at[:-1]} (shape {shape}, offset {p.get('offset', 0)}) does not fit the"
                 f" buffer's {numel} elements"
             )
+        try:  # what a restore makes of it
+            ParamEntry.from_manifest(p).to_pb()
+        except (TypeError, ValueError) as exc:
+            raise ManifestError(f"{at[:-1]} is not a parameter entry ({exc})") from None
 
 
 def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -> dict[str, Any]:

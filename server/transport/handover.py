@@ -111,6 +111,7 @@ class Handover:
                 return
             except OSError as exc:  # out of descriptors: those open go first
                 log.debug("shared-memory handover: accept failed: %s", exc)
+                time.sleep(0.05)  # the listener stays readable: no busy loop meanwhile
                 return
             conn.setblocking(False)
             peer = _peer_pid(conn)
@@ -142,7 +143,11 @@ class Handover:
         state.ticket += part
         if len(state.ticket) < TICKET_BYTES:
             return
-        fd = self._claim(bytes(state.ticket))
+        try:
+            fd = self._claim(bytes(state.ticket))
+        except OSError as exc:  # out of descriptors (EMFILE): this claim fails, not the thread
+            log.warning("shared segment handover refused: %s", exc)
+            fd = None
         try:
             if fd is None:
                 conn.send(b"no")

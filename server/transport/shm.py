@@ -36,6 +36,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,11 +45,12 @@ import grpc
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.shm import MFD_ALLOW_SEALING, PROOF_BYTES, is_sealed, seal
+from paramshard.protos.shm import PROOF_BYTES, is_sealed
 from paramshard.server.rpc.auth import caller_id
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.transport import segment_files
 from paramshard.server.transport.handover import TICKET_BYTES, Handover
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
@@ -93,6 +95,8 @@ class SegmentRegistry:
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
         self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
+        self._offering: Counter[str] = Counter()  # offers checked, not yet in _segments
+        self.max_total = segment_files.segment_bound()
         self.role_of: Callable[[Any], str | None] | None = None  # metadata -> role (the app's)
         self._closed = False
         # payloads and replies that went through segments; request payloads that did not
@@ -119,36 +123,39 @@ class SegmentRegistry:
         name = self._socket_name()
         with self._lock:
             mine = [s for s in self._segments.values() if s.owner == owner]
-            if len(mine) >= MAX_SEGMENTS or sum(s.nbytes for s in mine) + nbytes > MAX_OWNER_BYTES:
+            held = len(mine) + self._offering[owner]  # offers in flight count: no race past
+            if held >= MAX_SEGMENTS or sum(s.nbytes for s in mine) + nbytes > MAX_OWNER_BYTES:
                 raise ShardError.exhausted(
-                    f"this caller holds {len(mine)} segments of {sum(s.nbytes for s in mine):,}"
+                    f"this caller holds {held} segments of {sum(s.nbytes for s in mine):,}"
                     f" bytes; at most {MAX_SEGMENTS} of {MAX_OWNER_BYTES:,} bytes in all"
                     " (ReleaseSegments gives them back)"
                 )
+            if len(self._segments) + sum(self._offering.values()) >= self.max_total:
+                raise ShardError.exhausted(
+                    f"this server holds {len(self._segments)} shared segments, the most its"
+                    f" file descriptor limit leaves room for (two each); payloads go in-band"
+                    " meanwhile (raise the server's ulimit -n)"
+                )
             if reader:
-                self._pay_read(len(mine), nbytes)
+                self._pay_read(held, nbytes)
             else:
                 self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
+            self._offering[owner] += 1
         try:
-            fd = os.memfd_create("paramshard-segment", os.MFD_CLOEXEC | MFD_ALLOW_SEALING)
-        except OSError as exc:
-            self._refund(nbytes, reader)
-            raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
+            return self._make(owner, nbytes, reader, name)
+        finally:
+            with self._lock:
+                self._offering[owner] -= 1
+                if not self._offering[owner]:
+                    del self._offering[owner]
+
+    def _make(self, owner: str, nbytes: int, reader: bool, name: str) -> pb.OfferSegmentReply:
+        """The segment an offer paid for: made, mapped, sealed and listed (refunded if not);
+        ``name``: the handover socket's."""
         try:
-            os.ftruncate(fd, nbytes)
-            try:
-                seal(fd)  # before anyone else holds it: its size never changes
-            except OSError as exc:
-                raise ShardError.precondition(
-                    f"this server cannot seal a shared segment ({exc.strerror}); payloads stay"
-                    " in-band"
-                ) from None
-            mapped = mmap.mmap(fd, nbytes)
-        except BaseException as exc:
-            os.close(fd)
+            fd, mapped = segment_files.create(nbytes)
+        except BaseException:
             self._refund(nbytes, reader)
-            if isinstance(exc, OSError):
-                raise ShardError.exhausted(f"a shared segment of {nbytes:,} bytes: {exc}") from None
             raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
