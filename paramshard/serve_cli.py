@@ -28,6 +28,7 @@ from paramshard.commands import (
 from paramshard.serve_setup import (
     is_loopback,
     join_host_port,
+    raise_open_files_limit,
     reexec_with_malloc_env,
     restore_at_start,
 )
@@ -223,6 +224,7 @@ def serve(args: argparse.Namespace) -> int:
     last --reserved-workers threads, and read tokens' at most --max-waiting-read of them.
     """
     reexec_with_malloc_env(args.argv)
+    raise_open_files_limit()
     host = args.host.strip("[]")
 
     from paramshard.server import ShardServer

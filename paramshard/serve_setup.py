@@ -103,5 +103,20 @@ def reexec_with_malloc_env(argv: Sequence[str]) -> None:
         warn(f"cannot re-execute to set {', '.join(missing)}: {exc}; serving without them")
 
 
+def raise_open_files_limit() -> None:
+    """Raises this process's soft limit on open descriptors to its hard limit, as servers
+    commonly do: each shared segment holds two descriptors and each connection one, and the
+    server holds only as many segments as the soft limit leaves room for
+    (server/transport/segment_files.py). 1,024, a common soft default, leaves room for 384."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard not in (soft, resource.RLIM_INFINITY):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, OSError, ValueError) as exc:  # not Unix, or not allowed: keep it
+        warn(f"could not raise the open-files limit: {exc}")
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -245,3 +246,53 @@ def test_replies_a_caller_does_not_read_are_bounded() -> None:
         while server.gate.unsent.total and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.gate.unsent.total == 0
+
+
+def test_a_snapshot_may_not_be_called_latest(tmp_path) -> None:  # noqa: ANN001
+    """Restore reads the tag 'latest' as the newest snapshot, so one named so could never be
+    restored by its name: Snapshot refuses it, and takes any other."""
+    with ShardServer(local_calls=False, snapshot_dir=str(tmp_path)) as server:
+        c = ShardClient(ClusterSpec([server.address]), timeout_s=30, retries=0)
+        try:
+            c.register_buffer("j", "w", 8, optimizer="sgd", hyper={"lr": 0.1})
+            c.set_params("j", "w", np.zeros(8, np.float32))
+            request = pb.SnapshotRequest(job="j", tag="latest", version=0, num_servers=1)
+            with pytest.raises(ShardClientError) as err:
+                c.call(0, "Snapshot", request)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+            assert "means the newest snapshot" in str(err.value)
+            request.tag = "latest-1"
+            assert c.call(0, "Snapshot", request).version == 0
+        finally:
+            c.close()
+
+
+def test_paramshard_serve_raises_its_open_files_limit() -> None:
+    """Started with a soft limit of 512 descriptors, a server raises it to the hard limit: the
+    segments it may hold follow it (two descriptors each)."""
+    import resource
+    import subprocess
+    import sys
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard <= 512:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paramshard", "serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard)),  # noqa: PLW1509
+    )
+    try:
+        deadline = time.monotonic() + 60
+        line = ""
+        while "listening on" not in line and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "the server exited"
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        (row,) = [r for r in limits.splitlines() if r.startswith("Max open files")]
+        assert row.split()[3:5] == [str(hard), str(hard)], row
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
