@@ -289,8 +289,9 @@ def named(method: str, raw: Any, numbers: tuple[int, ...] | None = None) -> str:
         raise codec.DecodeError(f"a name is not UTF-8: {exc.reason}") from None
 
 
-def _outside(scope: Scope, route: Route, name: str) -> str | None:
-    """Why ``name`` is outside ``scope`` for ``route`` (None: inside)."""
+def _outside(scope: Scope, route: Route, name: str, also: str | None = None) -> str | None:
+    """Why ``name`` is outside ``scope`` for ``route``, or ``also``, the run a job's route
+    names at its ``run_path`` (None: inside)."""
     if route.kind == "key":
         run = run_of_key(name)
         return None if scope.allows_run(run) else f"run '{run}' (of slot key {name[:128]!r})"
@@ -302,6 +303,8 @@ def _outside(scope: Scope, route: Route, name: str) -> str | None:
         return f"job {name[:128]!r}"
     if route.kind == "job+run" and not scope.allows_run(name):
         return f"run {name[:128]!r}"
+    if also is not None and not scope.allows_run(also):
+        return f"run {also[:128]!r}"
     return None
 
 
@@ -325,9 +328,7 @@ def refusal(scope: Scope, method: str, raw: Any) -> tuple[grpc.StatusCode, str] 
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: request does not parse as a {method} message: {exc}",
         )
-    what = _outside(scope, route, name)
-    if what is None and run is not None and not scope.allows_run(run):
-        what = f"run {run[:128]!r}"
+    what = _outside(scope, route, name, run)
     if what is None:
         return None
     return (
@@ -347,21 +348,21 @@ def mismatch(scope: Scope, method: str, request: Any) -> tuple[grpc.StatusCode, 
         request, path = request[0], path[1:]
     if not hasattr(request, "DESCRIPTOR"):
         return None  # Malformed: INVALID_ARGUMENT follows
-    named_value = request
-    for name in path:
-        named_value = getattr(named_value, name)
-    what = _outside(scope, route, named_value)
-    if what is None and route.run_path:
-        run = request
-        for name in route.run_path:
-            run = getattr(run, name)
-        what = None if scope.allows_run(run) else f"run {run[:128]!r}"
+    run = _field_at(request, route.run_path) if route.run_path else None
+    what = _outside(scope, route, _field_at(request, path), run)
     if what is None:
         return None
     return (
         grpc.StatusCode.PERMISSION_DENIED,
         f"{method}: {what} is outside this token's scope ({scope}) (as parsed)",
     )
+
+
+def _field_at(message: Any, path: tuple[str, ...]) -> Any:
+    """The field of parsed ``message`` at ``path`` (field names)."""
+    for name in path:
+        message = getattr(message, name)
+    return message
 
 
 def scope_checked(
