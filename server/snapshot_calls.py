@@ -44,11 +44,6 @@ class SnapshotCalls:
                 f"snapshot of job '{req.job}': this server holds slice {held[0]} of {held[1]},"
                 f" the request names shard {req.server_index} of {req.num_servers}"
             )
-        if req.tag == "latest":  # Restore reads it as the newest: one so named never restores
-            raise ShardError.invalid(
-                "snapshot: the tag 'latest' means the newest snapshot when restoring; choose"
-                " another tag"
-            )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
         # (tag, shard) is this call's until it ends; the shard file then keeps it
         reservation = self.snapshots.reserve(

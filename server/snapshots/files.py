@@ -91,6 +91,11 @@ class SnapshotDir:
         """The folder of snapshot ``job/tag``, opened without following a link (folders.py);
         made with ``create``, else NOT_FOUND (``missing`` says why) when it is not there."""
         root, job, tag = self._require(), _checked(job, "job"), _checked(tag, "snapshot tag")
+        if create and tag == "latest":  # Restore reads it as the newest: one never restores
+            raise ShardError.invalid(
+                "snapshot: the tag 'latest' means the newest snapshot when restoring; choose"
+                " another tag"
+            )
         try:
             with open_root(root, create) as top, top.child(job, create) as folder:
                 return folder.child(tag, create)
