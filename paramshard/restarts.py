@@ -121,6 +121,15 @@ class ServerRestarts:
             return f"--max-server-restarts {self.max_restarts} used up"
         return None
 
+    def start(self, servers: list[Child], child: Child) -> Child:
+        """Starts the server ``child`` was at its address; it takes ``child``'s place in
+        ``servers`` (which the launcher stops at the end). A failed start counts too."""
+        assert self.start_again is not None
+        index = servers.index(child)
+        self.used += 1
+        servers[index] = self.start_again(index)
+        return servers[index]
+
 
 def supervise(
     ranks: list[Child],
@@ -153,7 +162,7 @@ def supervise(
             why = server_restarts.refusal()
             if why is None:
                 try:
-                    new = _start_server_again(servers, child, server_restarts)
+                    new = server_restarts.start(servers, child)
                 except CommandError as exc:
                     say(f"{exited}; starting it again failed: {exc}; stopping the ranks")
                     stop(list(running), signal.SIGTERM, grace, received)
@@ -199,14 +208,3 @@ def supervise(
         stop(list(running), signal.SIGTERM, grace, received)
         return code
     return departures.exit_code() if departures is not None else 0
-
-
-def _start_server_again(servers: list[Child], child: Child, budget: ServerRestarts) -> Child:
-    """Starts the server ``child`` was at its address; it takes ``child``'s place in
-    ``servers`` (which the launcher stops at the end). A failed start counts too."""
-    assert budget.start_again is not None
-    index = servers.index(child)
-    budget.used += 1
-    new = budget.start_again(index)
-    servers[index] = new
-    return new

@@ -213,7 +213,8 @@ class Replicator(ReplicaRecovery):
                     cfg.job,
                     version,
                     cfg.neighbour,
-                    *_status(exc),
+                    exc.code().name,
+                    exc.details(),
                 )
             except Exception:  # anything else is a bug to see in full; the next version tries
                 log.warning(
@@ -366,10 +367,3 @@ def _store_stub(channel: grpc.Channel) -> Any:
         request_serializer=pb.ReplicaChunk.SerializeToString,
         response_deserializer=pb.ReplicaAck.FromString,
     )
-
-
-def _status(exc: grpc.RpcError) -> tuple[str, str]:
-    """(code name, details) of a failed call; a bare RpcError has neither."""
-    code = exc.code() if callable(getattr(exc, "code", None)) else None
-    details = exc.details() if callable(getattr(exc, "details", None)) else None
-    return getattr(code, "name", "UNKNOWN"), details or str(exc)
