@@ -141,21 +141,24 @@ class SegmentRegistry:
             else:
                 self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
             self._offering[owner] += 1
-        try:
-            return self._make(owner, nbytes, reader, name)
-        finally:
-            with self._lock:
-                self._offering[owner] -= 1
-                if not self._offering[owner]:
-                    del self._offering[owner]
+        return self._make(owner, nbytes, reader, name)
+
+    def _offered(self, owner: str) -> None:
+        """Ends an offer's count in flight (caller holds the lock): it is listed, or failed."""
+        self._offering[owner] -= 1
+        if not self._offering[owner]:
+            del self._offering[owner]
 
     def _make(self, owner: str, nbytes: int, reader: bool, name: str) -> pb.OfferSegmentReply:
         """The segment an offer paid for: made, mapped, sealed and listed (refunded if not);
-        ``name``: the handover socket's."""
+        ``name``: the handover socket's. It moves from the offers in flight to the listed
+        segments in one step, so it is never counted twice against its caller's bound."""
         try:
             fd, mapped = segment_files.create(nbytes)
         except BaseException:
             self._refund(nbytes, reader)
+            with self._lock:
+                self._offered(owner)
             raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
@@ -167,6 +170,7 @@ class SegmentRegistry:
                 segment_id = secrets.randbits(63) or 1
             self._segments[segment_id] = seg
             self._by_ticket[seg.ticket] = segment_id
+            self._offered(owner)
         return pb.OfferSegmentReply(
             segment=segment_id, socket="@" + name, ticket=seg.ticket, nbytes=nbytes
         )
