@@ -277,12 +277,13 @@ def test_paramshard_serve_raises_its_open_files_limit() -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard <= 512:
         pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    # the shell lowers the limit: a preexec_fn would fork this process, whose gRPC threads
+    # (servers of earlier tests) may abort the child
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramshard", "serve", "--port", "0"],
+        ["sh", "-c", 'ulimit -Sn 512 && exec "$0" -m paramshard serve --port 0', sys.executable],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard)),  # noqa: PLW1509
     )
     try:
         deadline = time.monotonic() + 60
