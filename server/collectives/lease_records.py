@@ -3,13 +3,15 @@ anything changes (server/collectives/leases.py holds the rules that use them).""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["LeaseRecord", "Listener", "RunRecord", "check_request", "witnessed"]
+__all__ = ["LeaseRecord", "Listener", "RunRecord", "Witnesses", "check_request"]
 
 MAX_RUN_CHARS = 256
 MAX_WORLD = 1 << 20
@@ -58,6 +60,10 @@ class LeaseRecord:
 
 @dataclass
 class RunRecord:
+    """One run's leases. A renewal costs the same whatever the run's size: nothing a renewal
+    does walks the run's leases (a run of 8,192 ranks renews 8,192 times a second on every
+    server), only the lapse checks do, at most every ``CHECK_EVERY_S``."""
+
     world_size: int
     leases: dict[int, LeaseRecord] = field(default_factory=dict)
     aborted_epoch: int = -1
@@ -67,9 +73,39 @@ class RunRecord:
     idle_since: float | None = None  # when its last lease went
     lost: dict[int, float] = field(default_factory=dict)  # rank -> when its lapsed lease went
     streams: set[Listener] = field(default_factory=set)
+    awaiting: set[int] = field(default_factory=set)  # ranks whose lease lapsed, still kept
+    recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
 
     def live(self, now: float, but: int = -1) -> list[int]:
         return [r for r, x in self.leases.items() if r != but and x.live(now)]
+
+    def any_live(self, now: float, but: int = -1) -> bool:
+        """Whether a lease other than ``but``'s is live; the rank last known live is asked
+        first, so a run whose ranks renew answers at once."""
+        first = self.leases.get(self.recent)
+        if self.recent != but and first is not None and first.live(now):
+            return True
+        for rank, lease in self.leases.items():
+            if rank != but and lease.live(now):
+                self.recent = rank
+                return True
+        return False
+
+    def lapse(self, rank: int, lease: LeaseRecord) -> None:
+        """``rank``'s lease lapsed (at its expiry); the run waits for the rank or loses it."""
+        if lease.lapsed_at is None:
+            lease.lapsed_at = lease.expires
+            self.awaiting.add(rank)
+
+    def put(self, rank: int, lease: LeaseRecord) -> None:
+        """``lease`` is now ``rank``'s, live: a new one, or one back from a lapse."""
+        self.leases[rank] = lease
+        self.awaiting.discard(rank)
+        self.recent = rank
+
+    def pop(self, rank: int) -> LeaseRecord | None:
+        self.awaiting.discard(rank)
+        return self.leases.pop(rank, None)
 
     def notice(self, epoch: int) -> pb.LeaseReply:
         """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""
@@ -77,24 +113,36 @@ class RunRecord:
         if self.aborted_epoch >= epoch:
             reply.aborted, reply.aborted_epoch = self.reason, self.aborted_epoch
             reply.lost_rank = self.lost_rank
-        reply.awaiting.extend(sorted(r for r, x in self.leases.items() if x.lapsed_at))
+        reply.awaiting.extend(sorted(self.awaiting))
         return reply
 
 
-def witnessed(
-    run: RunRecord, rank: int, silent: LeaseRecord, now: float, isolated_grace_s: float
-) -> bool:
-    """Whether another rank's renewals reached this server all through ``rank``'s silence
-    (live since before ``rank`` was last known alive, or for ``isolated_grace_s`` since they
+class Witnesses:
+    """Whether another rank's renewals reached this server all through a rank's silence (live
+    since before that rank was last known alive, or for ``isolated_grace_s`` since they
     resumed), one of them after the silence began: proof that the silence is the rank's, not
-    this server's."""
-    return any(
-        other.live(now)
-        and other.heard > silent.silent_from
-        and (other.since <= silent.last_alive or now - other.since >= isolated_grace_s)
-        for r, other in run.leases.items()
-        if r != rank
-    )
+    this server's.
+
+    Built once per lapse check from the run's live leases, then answered for each silent
+    lease in O(log n): the live leases sorted by ``since`` with the latest ``heard`` up to each,
+    and the latest ``heard`` of those live for ``isolated_grace_s``. A server cut off from
+    every rank sees every lease silent at once, and asking each of them about every other one
+    was quadratic in the run's size."""
+
+    def __init__(self, run: RunRecord, now: float, isolated_grace_s: float) -> None:
+        live = sorted((x.since, x.heard) for x in run.leases.values() if x.live(now))
+        self._since = [since for since, _ in live]
+        self._latest = list(accumulate((heard for _, heard in live), max))
+        settled = bisect_right(self._since, now - isolated_grace_s)
+        self._settled = self._latest[settled - 1] if settled else float("-inf")
+
+    def saw(self, silent: LeaseRecord) -> bool:
+        """Whether ``silent``'s silence was witnessed (a silent lease is never live, so no
+        witness is ``silent`` itself)."""
+        if self._settled > silent.silent_from:
+            return True
+        before = bisect_right(self._since, silent.last_alive)
+        return bool(before) and self._latest[before - 1] > silent.silent_from
 
 
 def check_request(req: pb.LeaseRequest) -> None:

@@ -62,8 +62,8 @@ from paramshard.server.collectives.lease_records import (
     LeaseRecord,
     Listener,
     RunRecord,
+    Witnesses,
     check_request,
-    witnessed,
 )
 from paramshard.server.runtime.errors import ShardError
 
@@ -225,7 +225,7 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float) -> RunRecord:
         run = self._runs.get(req.run)
-        if run is not None and not run.live(now, but=req.rank):
+        if run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
             if run.world_size != req.world_size or (run.aborted_epoch >= 0 and not survivor):
@@ -258,8 +258,8 @@ class LeaseTable:
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
             holds = lease.holds if lease is not None else 0
-            lease = run.leases[req.rank] = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now)
-            lease.holds = holds
+            lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, holds=holds)
+            run.put(req.rank, lease)
         else:
             if not lease.live(now):
                 lease.since = now
@@ -270,6 +270,7 @@ class LeaseTable:
                 rejoin,
             )
             lease.heard, lease.closed_at = now, None
+            run.recent = req.rank
         run.idle_since = None
 
     def _unseen_end(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
@@ -290,7 +291,7 @@ class LeaseTable:
         return True
 
     def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:
-        if run.leases.pop(rank, None) is not None:
+        if run.pop(rank) is not None:
             self._count -= 1
         if not run.leases:
             run.idle_since = now
@@ -299,14 +300,18 @@ class LeaseTable:
         if not force and now - run.checked < CHECK_EVERY_S:
             return
         run.checked = now
-        for rank, lease in list(run.leases.items()):
-            if lease.live(now):
-                continue
-            if lease.lapsed_at is None:
-                lease.lapsed_at = lease.expires
+        silent = [(rank, lease) for rank, lease in run.leases.items() if not lease.live(now)]
+        if not silent:
+            return
+        witnesses = None  # built once, if a lease is past its wait for a restart
+        epoch = max(x.epoch for x in run.leases.values())
+        for rank, lease in silent:
+            run.lapse(rank, lease)
             if now - lease.lapsed_at < lease.rejoin_s:
                 continue  # the run waits for a restart of this rank
-            if not witnessed(run, rank, lease, now, ISOLATED_GRACE_S):
+            if witnesses is None:
+                witnesses = Witnesses(run, now, ISOLATED_GRACE_S)
+            if not witnesses.saw(lease):
                 if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
                     self._drop_lease(run, rank, now)
                 continue  # this server may be the one cut off: it decides nothing
@@ -316,7 +321,6 @@ class LeaseTable:
                 how += " unreachable"
             else:
                 how = f"no lease renewal for {lease.ttl_s:g} s"
-            epoch = max(x.epoch for x in run.leases.values())
             self._drop_lease(run, rank, now)
             run.lost = {r: t for r, t in run.lost.items() if now - t < UNSEEN_END_S}
             run.lost[rank] = now

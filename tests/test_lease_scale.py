@@ -1,0 +1,119 @@
+"""Leases of runs of thousands of ranks (server/collectives/leases.py): every rank renews on
+every server each second, so a server of a run of W ranks handles W renewals a second, and what
+one renewal costs must not grow with W.
+
+Work is counted, not timed: how often the table asks a lease whether it is live
+(``LeaseRecord.live``) per renewal, at two run sizes, on a fake clock that moves at the
+renewals' pace (W renewals a second, as W ranks renewing once a second send them).
+``python -m benchmarks.leases`` measures the time.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from lease_fakes import new_table
+
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives import lease_records
+from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
+from paramshard.server.collectives.leases import ISOLATED_GRACE_S
+
+
+def lease(rank: int, world: int, ttl_ms: int = 30_000) -> pb.LeaseRequest:
+    return pb.LeaseRequest(run="big", rank=rank, world_size=world, ttl_ms=ttl_ms)
+
+
+@pytest.fixture
+def asks(monkeypatch):
+    """Counts the calls of ``LeaseRecord.live``."""
+    count = [0]
+    live = LeaseRecord.live
+
+    def counted(self, now):
+        count[0] += 1
+        return live(self, now)
+
+    monkeypatch.setattr(lease_records.LeaseRecord, "live", counted)
+    return count
+
+
+def asks_per_renewal(world: int, asks: list[int]) -> float:
+    """Registers ``world`` ranks, then counts the lease asks of one second of renewals."""
+    leases, clock = new_table()
+    for rank in range(world):
+        leases.renew(lease(rank, world))
+    asks[0] = 0
+    for rank in range(world):
+        clock.now += 1.0 / world
+        reply = leases.renew(lease(rank, world))
+        assert not reply.aborted and not reply.awaiting
+    return asks[0] / world
+
+
+def test_a_renewal_costs_the_same_in_a_run_25_times_larger(asks):
+    """Before, each renewal asked every other lease of the run (a run of 8,192 ranks took 7.8 s
+    of a server's CPU for one second of its renewals). The lapse checks still walk the run,
+    at most 20 times a second, which a run's W renewals a second share."""
+    small, large = asks_per_renewal(200, asks), asks_per_renewal(5000, asks)
+    assert large <= small * 1.25 + 2, (small, large)
+    assert large < 40, large  # 20 checks a second of W asks each, over W renewals, and a few
+
+
+def test_a_server_cut_off_from_every_rank_asks_each_lease_a_bounded_number_of_times(asks):
+    """A server that heard from no rank for a TTL sees every lease silent at once. It decides
+    nothing (no witness), and deciding that asks each lease a few times, not once per other
+    lease (5,000 silent leases: 25 million asks before)."""
+    world = 5000
+    leases, clock = new_table()
+    for rank in range(world):
+        leases.renew(lease(rank, world))
+    clock.now += 31
+    asks[0] = 0
+    leases.sweep()
+    run = leases._runs["big"]
+    assert run.aborted_epoch == -1 and len(run.awaiting) == world
+    assert asks[0] <= 4 * world, asks[0]
+    reply = leases.renew(lease(0, world))  # the link is back: ranks are awaited, not lost
+    assert not reply.aborted and list(reply.awaiting) == list(range(1, world))
+
+
+def witnessed_by_the_rule(run: RunRecord, rank: int, now: float) -> bool:
+    """The rule as stated (``Witnesses``), lease by lease."""
+    silent = run.leases[rank]
+    return any(
+        other.live(now)
+        and other.heard > silent.silent_from
+        and (other.since <= silent.last_alive or now - other.since >= ISOLATED_GRACE_S)
+        for r, other in run.leases.items()
+        if r != rank
+    )
+
+
+def random_run(rng: random.Random, now: float, world: int) -> RunRecord:
+    """Leases at random points of their lives: open or closed streams, renewed or not."""
+    run = RunRecord(world_size=world)
+    for rank in range(world):
+        since = now - rng.uniform(0, 30)
+        heard = rng.uniform(since, now)
+        closed = rng.choice([None, rng.uniform(since, now)])
+        expires = rng.uniform(now - 10, now + 10) if closed is None else closed + 1.0
+        record = LeaseRecord(expires, 0, 30.0, 0.0, since, heard, closed_at=closed)
+        record.holds = rng.choice([0, 0, 0, 1])
+        run.leases[rank] = record
+    return run
+
+
+def test_witnesses_answer_as_the_rule_for_every_silent_lease():
+    rng, now = random.Random(7), 1000.0
+    answers: list[bool] = []
+    for _ in range(300):
+        run = random_run(rng, now, rng.randint(2, 40))
+        witnesses = Witnesses(run, now, ISOLATED_GRACE_S)
+        for rank, record in run.leases.items():
+            if not record.live(now):
+                answer = witnesses.saw(record)
+                assert answer == witnessed_by_the_rule(run, rank, now), (rank, record)
+                answers.append(answer)
+    assert answers.count(True) > 100 and answers.count(False) > 100  # both kinds were asked
