@@ -12,8 +12,9 @@ Every client of a multi-rank run holds a lease on each of its servers
   dies is taken for lost about ``STREAM_GRACE_S`` (1 s) after its kernel closed the connection;
   a host that vanishes, after the servers' TCP user timeout (30 s, server/app.py). The stream
   also brings the run's notices the moment a server raises them.
-- renewals (``Lease``) every ``RENEW_S`` by one thread per process, which carry the rank's
-  epoch and bring notices back. Where a server refuses the stream (an older server, one at its
+- renewals (``Lease``) every ``RENEW_S`` by one thread per process (in runs of more than
+  ``RENEWALS_A_SECOND`` ranks, less often), which carry the rank's epoch and bring notices
+  back. Where a server refuses the stream (an older server, one at its
   ``--max-sessions`` bound), the lease lives on renewals alone and lapses
   ``PARAMSHARD_LEASE_TTL_S`` (default 30 s) after the last one, so there the renewing thread
   must get the GIL within that time. (Why 30 s, against torchelastic's 15 s and torchft's 5 s:
@@ -72,6 +73,14 @@ STREAM_GRACE_S = 1.0
 """A server whose stream ended is taken for lost (under ``fail_fast``) once its renewals have
 failed this long: the servers give a rank the same (server/collectives/leases.py)."""
 HOLD_RETRY_S = 30.0  # a server that refused a stream is asked again after this long
+RENEWALS_A_SECOND = 64
+"""Renewals a second a server gets from a run of more ranks than this: each rank renews it
+every ``world_size / RENEWALS_A_SECOND`` s. A renewal costs a server about 0.5 ms of CPU
+(``python -m benchmarks.leases``): 8,192 ranks renewing every second would take four cores.
+The server still hears the run 64 times a second (the witnesses of a lapse), an open stream
+holds the lease and brings notices at once, and a server whose last renewal failed, went at an
+older epoch or whose stream broke is renewed at once."""
+PACED_MAX_S = 30.0  # the longest pace with a stream; without, a sixth of the TTL (5 may fail)
 _FAILING = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -106,6 +115,10 @@ class _Holding:
         self.holds: dict[int, HoldStream] = {}  # server -> its stream
         self.refused_until: dict[int, float] = {}  # server -> when to ask for a stream again
         self.stream_lost: set[int] = set()  # servers whose stream broke and is not back
+        self.answered: dict[int, tuple[float, int]] = {}  # server -> (sent at, epoch): answered
+        self._sending: dict[int, tuple[float, int]] = {}  # the same, for renewals in flight
+        # how often this rank renews a server where it holds a stream (RENEWALS_A_SECOND)
+        self.paced_s = max(RENEW_S, min(PACED_MAX_S, self.world_size / RENEWALS_A_SECOND))
         self._lock = threading.Lock()
         self.released = False
 
@@ -179,26 +192,46 @@ class _Holding:
             hold.close()
 
     # -- renewals ------------------------------------------------------------------------
-    def renewals(self) -> dict[int, pb.LeaseRequest]:
-        """A renewal per server, each saying whether this rank holds a stream there (empty once
-        released). Both are read at one moment, so a renewal that goes out after the release
-        (from the renewing thread, which read this before) still claims the streams the release
-        closed: the server then gives it no TTL (server/collectives/leases.py, UNSEEN_END_S)."""
+    def renewals(self, paced: bool = False) -> dict[int, pb.LeaseRequest]:
+        """A renewal per server (``paced``: per server that is due, ``_due``), each saying
+        whether this rank holds a stream there (empty once released). Both are read at one
+        moment, so a renewal that goes out after the release (from the renewing thread, which
+        read this before) still claims the streams the release closed: the server then gives it
+        no TTL (server/collectives/leases.py, UNSEEN_END_S)."""
         with self._lock:
             if self.released:
                 return {}
             streams = {i for i, hold in self.holds.items() if hold.open}
         client = self.client()
         servers = range(client.num_servers) if client is not None else ()
-        return {i: self._request(stream=i in streams) for i in servers}
+        now, epoch = time.monotonic(), self.state.epoch
+        return {
+            i: self._request(stream=i in streams)
+            for i in servers
+            if not paced or self._due(i, i in streams, now, epoch)
+        }
 
-    def start(self, request: pb.LeaseRequest | None = None) -> list[tuple[int, Any]]:
-        """Sends ``request`` (default: a renewal) to every server at once: (server, future)."""
+    def _due(self, server: int, streamed: bool, now: float, epoch: int) -> bool:
+        """Whether ``server`` gets a renewal now at this rank's pace (``RENEWALS_A_SECOND``):
+        at once if its last one failed, went at another epoch or its stream broke."""
+        last = self.answered.get(server)
+        if last is None or last[1] != epoch or server in self.stream_lost:
+            return True
+        pace = self.paced_s if streamed else min(self.paced_s, self.ttl_s / 6)
+        return now - last[0] >= pace - RENEW_S / 2  # the renewing thread wakes every RENEW_S
+
+    def start(
+        self, request: pb.LeaseRequest | None = None, paced: bool = False
+    ) -> list[tuple[int, Any]]:
+        """Sends ``request`` (default: a renewal; ``paced``: to the servers that are due) to
+        every server at once: (server, future)."""
         client = self.client()
         if client is None or client._closed:
             return []
         if request is None:
-            requests = self.renewals()
+            requests = self.renewals(paced)
+            now = time.monotonic()
+            self._sending = {i: (now, req.epoch) for i, req in requests.items()}
         else:
             requests = dict.fromkeys(range(client.num_servers), request)
         timeout = max(0.2, min(1.0, self.ttl_s / 2))
@@ -218,13 +251,18 @@ class _Holding:
         """Takes the replies of a renewal: notices, lost servers."""
         now = time.monotonic()
         for i, fut in sent:
+            sending = self._sending.pop(i, None)
             try:
                 reply = fut.result(timeout=2 * RENEW_S)  # its deadline is at most RENEW_S
             except grpc.RpcError as exc:
+                self.answered.pop(i, None)
                 self._failed(i, exc, now)
                 continue
             except grpc.FutureTimeoutError:  # a channel stuck in gRPC (protos/closing.py)
+                self.answered.pop(i, None)
                 continue
+            if sending is not None:
+                self.answered[i] = sending
             self.failing_since.pop(i, None)
             if reply.aborted:
                 self.state.abort(Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank))
@@ -333,7 +371,7 @@ class _Keeper:
             try:  # every renewal in flight at once: a slow server delays no other lease
                 for holding in live:
                     holding.keep_holds()
-                for holding, sent in [(h, h.start()) for h in live]:
+                for holding, sent in [(h, h.start(paced=True)) for h in live]:
                     holding.finish(sent)
             except Exception:  # never let the thread die: the leases would lapse
                 log.exception("renewing leases failed")

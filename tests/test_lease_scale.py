@@ -5,16 +5,22 @@ one renewal costs must not grow with W.
 Work is counted, not timed: how often the table asks a lease whether it is live
 (``LeaseRecord.live``) per renewal, at two run sizes, on a fake clock that moves at the
 renewals' pace (W renewals a second, as W ranks renewing once a second send them).
-``python -m benchmarks.leases`` measures the time.
+``python -m benchmarks.leases`` measures the time. The ranks' side: in a run of more than
+``RENEWALS_A_SECOND`` ranks each rank renews a server less often (client/leases.py).
 """
 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
+from conftest import unique_id
 from lease_fakes import new_table
 
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
@@ -117,3 +123,44 @@ def test_witnesses_answer_as_the_rule_for_every_silent_lease():
                 assert answer == witnessed_by_the_rule(run, rank, now), (rank, record)
                 answers.append(answer)
     assert answers.count(True) > 100 and answers.count(False) > 100  # both kinds were asked
+
+
+def test_a_rank_of_a_large_run_renews_at_its_pace_and_at_once_on_a_new_epoch(servers):
+    """A rank of a run of 256 renews a server where it holds a stream every 256 / 64 = 4 s, not
+    every second: through a real server, the renewals the server's table takes are counted.
+    Moving to a new epoch (recovery) renews at once, whatever the pace."""
+    (srv,) = servers(1)
+    table, run = srv.servicer.leases, unique_id()
+    world = 4 * RENEWALS_A_SECOND
+    took: list[tuple[float, int]] = []
+    renew, lock = table.renew, threading.Lock()
+
+    def counted(req):
+        if req.run == run:
+            with lock:
+                took.append((time.monotonic(), req.epoch))
+        return renew(req)
+
+    table.renew = counted
+    client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=world, run_id=run)
+    try:
+        holding = client.run_state.holding
+        assert holding.paced_s == 4.0
+        deadline = time.monotonic() + 30
+        while not (took and holding.holds.get(0) and holding.holds[0].open):
+            assert time.monotonic() < deadline, "no renewal, or no stream, within 30 s"
+            time.sleep(0.05)
+        time.sleep(0.2)  # the first renewal's answer is taken
+        start, before = time.monotonic(), len(took)
+        time.sleep(5 * RENEW_S + 0.5)
+        paced = [t for t, _ in took[before:] if t >= start]
+        assert len(paced) <= 2, f"{len(paced)} renewals in 5.5 s at a 4 s pace"
+        assert holding.renewals(paced=False), "asked all at once (refresh) it renews"
+        client.restart_collectives(1)  # the next epoch: the server hears it at once
+        deadline = time.monotonic() + 3 * RENEW_S
+        while not any(epoch == 1 for _, epoch in took):
+            assert time.monotonic() < deadline, "the new epoch was not renewed within 3 s"
+            time.sleep(0.05)
+    finally:
+        client.close()
+        table.renew = renew
