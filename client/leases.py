@@ -77,7 +77,7 @@ RENEWALS_A_SECOND = 64
 """Renewals a second a server gets from a run of more ranks than this: each rank renews it
 every ``world_size / RENEWALS_A_SECOND`` s. A renewal costs a server about 0.5 ms of CPU
 (``python -m benchmarks.leases``): 8,192 ranks renewing every second would take four cores.
-The server still hears the run 64 times a second (the witnesses of a lapse), an open stream
+The server still hears the run 64 times a second or more (witnesses of lapses), an open stream
 holds the lease and brings notices at once, and a server whose last renewal failed, went at an
 older epoch or whose stream broke is renewed at once."""
 PACED_MAX_S = 30.0  # the longest pace with a stream; without, a sixth of the TTL (5 may fail)

@@ -1,7 +1,7 @@
 """Smoke tests of ``python -m benchmarks.strategies --quick`` (every data-parallel strategy
-against torch's) and ``python -m benchmarks.p2p --quick``: they run, and their JSON is
-complete. The runner is tests/quick_benchmarks.py; the hybrid benchmark's smoke tests are
-tests/test_hybrid_smoke.py.
+against torch's), ``python -m benchmarks.p2p --quick`` and ``benchmarks.leases --quick``: they
+run, and their JSON is complete. The runner is tests/quick_benchmarks.py; the hybrid
+benchmark's smoke tests are tests/test_hybrid_smoke.py.
 """
 
 from __future__ import annotations
@@ -68,3 +68,18 @@ def test_quick_p2p_benchmark_reports_every_side() -> None:
     (summary,) = report["summary"]
     assert set(summary["medians"]) == {"ours", "ours-unary", "gloo"}
     assert summary["ours_over_gloo"]["roundtrip_ms"] > 0
+
+
+def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
+    """``benchmarks.leases --quick``: the lease table's costs at 256 ranks (a server cut off
+    from every rank aborted nothing), and a real server's and torch's TCPStore's CPU a call
+    with the share of a core the run's renewals take at each pace."""
+    report = run_quick("benchmarks.leases")
+    (table,) = report["table"]
+    assert table["world"] == 256 and table["cut_off_aborted"] is False, table
+    assert table["renewal_us"] > 0 and table["register_s"] > 0, table
+    (served,) = report["served"]
+    assert served["ours"]["server_cpu_us"] > 0 and served["tcpstore"]["client_cpu_us"] > 0
+    assert served["renewals_a_second"] == {"streamed": 64.0, "renewed": 64.0}, served
+    shares = served["server_core_share"]
+    assert shares["unpaced"] == pytest.approx(4 * shares["streamed"], rel=0.01), shares

@@ -1,0 +1,254 @@
+"""What keeping ranks' leases costs a server, by the run's size: ours against a heartbeat
+through torch's ``TCPStore``.
+
+    python -m benchmarks.leases [--quick] [--worlds 1024,8192,32768] [--served 1024,8192]
+                                [--wait-quiet S]
+
+Every rank of a run renews its lease on every server once a second (client/leases.py), so a
+server of a run of W ranks handles W renewals a second, at 1,024 hosts of 8 GPUs 8,192. Two
+parts, every size in one run:
+
+- **table**: the lease table alone (``server/collectives/leases.py``, in this process, on a
+  clock that moves 1/W s a renewal, as W ranks renewing once a second move it): the wall time
+  of registering W ranks, of one second of their renewals (``renewal_us``: per renewal;
+  ``core_share``: the share of one core those W renewals a second take) and of the lapse
+  check of a server that heard from no rank for a TTL (every lease silent at once,
+  ``cut_off_sweep_s``).
+- **served**: a real ``paramshard serve`` process; this process sends it W ranks' renewals one
+  after another (``Lease``, the RPC the ranks send): W to register them, then at least
+  ``MIN_CALLS`` more, over which it reads the server's CPU seconds from /proc
+  (``server_cpu_us`` a renewal; ``client_cpu_us``: this process's). The reference, in the same
+  run: torch's ``TCPStore`` (its master in a process of its own; the store torchelastic's c10d
+  rendezvous keeps its heartbeats in) takes the same calls as ``set``s of a small value; its
+  master's CPU a call. ``ratio``: ours ÷ the store's, server CPU a call. A heartbeat in the
+  store records that a node is alive; a renewal also checks the run's other leases for lapses
+  and brings back the run's notice. ``server_core_share``: the share of a server's core the
+  run's renewals take a second, as every rank renewing every second (``unpaced``) and at the
+  ranks' pace (``renewals_a_second``: where they hold a stream, and where they renew alone).
+
+JSON to stdout, progress to stderr; every child is started here and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from benchmarks._cpu import Load, cpu_self_s, proc_cpu_s, wait_quiet
+from benchmarks._processes import (
+    Child,
+    child_env,
+    child_guard,
+    emit,
+    free_port,
+    install_cleanup,
+    logger,
+    run_child,
+    serve_processes,
+    stop_all,
+    wait_parent_eof,
+)
+from paramshard.client.leases import DEFAULT_TTL_S, PACED_MAX_S, RENEW_S, RENEWALS_A_SECOND
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import shard_pb2_grpc
+from paramshard.server.collectives.leases import LeaseTable
+from paramshard.server.collectives.slots import SlotStore
+
+say = logger("leases")
+TTL_MS = 30_000
+
+
+def _renewal(rank: int, world: int) -> pb.LeaseRequest:
+    return pb.LeaseRequest(run="bench", rank=rank, world_size=world, ttl_ms=TTL_MS)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table_row(world: int) -> dict[str, Any]:
+    """The lease table alone: registering ``world`` ranks, a second of their renewals, and the
+    check of a server cut off from all of them."""
+    clock = _Clock()
+    table = LeaseTable(SlotStore(), max_leases=1 << 21, clock=clock)
+    began = time.perf_counter()
+    for rank in range(world):
+        clock.now += 1.0 / world
+        table.renew(_renewal(rank, world))
+    registered = time.perf_counter() - began
+    began = time.perf_counter()
+    for rank in range(world):
+        clock.now += 1.0 / world
+        table.renew(_renewal(rank, world))
+    renewed = time.perf_counter() - began
+    clock.now += TTL_MS / 1000 + 1  # nobody heard for a TTL: every lease silent at once
+    began = time.perf_counter()
+    table.sweep()
+    swept = time.perf_counter() - began
+    aborted = table.renew(_renewal(0, world)).aborted  # a server cut off decides nothing
+    return {
+        "world": world,
+        "register_s": round(registered, 4),
+        "renewal_us": round(renewed / world * 1e6, 2),
+        "core_share": round(renewed, 4),
+        "cut_off_sweep_s": round(swept, 4),
+        "cut_off_aborted": bool(aborted),
+    }
+
+
+MIN_CALLS = 20_000
+"""Calls a measurement takes at least (ranks again from the first past W): /proc counts CPU in
+ticks of 10 ms, and a store's call takes microseconds."""
+
+
+def _timed_calls(pid: int, world: int, send) -> tuple[float, float]:
+    """Sends calls for ranks 0..world-1 one after another, again from rank 0 until there were
+    ``MIN_CALLS``; (the server's CPU, this process's) a call in microseconds."""
+    calls = max(world, MIN_CALLS)
+    server, own = proc_cpu_s(pid), cpu_self_s()
+    for i in range(calls):
+        send(i % world)
+    return (
+        (proc_cpu_s(pid) - server) / calls * 1e6,
+        (cpu_self_s() - own) / calls * 1e6,
+    )
+
+
+def renewals_a_second(world: int) -> dict[str, float]:
+    """Renewals a second a server gets from a run of ``world`` ranks (client/leases.py): each
+    rank every ``RENEW_S`` up to ``RENEWALS_A_SECOND`` ranks, then at its pace, longer where
+    it holds a stream (``streamed``) than where its lease lives on renewals (``renewed``,
+    the default TTL's sixth at most)."""
+    pace = max(RENEW_S, min(PACED_MAX_S, world / RENEWALS_A_SECOND))
+    alone = max(RENEW_S, min(pace, DEFAULT_TTL_S / 6))
+    return {"streamed": round(world / pace, 1), "renewed": round(world / alone, 1)}
+
+
+def ours_served(world: int) -> dict[str, Any]:
+    servers, addresses = serve_processes(1, 120)
+    channel = grpc.insecure_channel(addresses[0])
+    try:
+        stub = shard_pb2_grpc.ShardStub(channel)
+        pid = servers[0].proc.pid
+
+        def renew(rank: int) -> None:
+            stub.Lease(_renewal(rank, world), timeout=60)
+
+        for rank in range(world):  # registers the ranks
+            renew(rank)
+        renewal = _timed_calls(pid, world, renew)
+    finally:
+        channel.close()
+        stop_all(servers)
+    return {
+        "server_cpu_us": round(renewal[0], 1),
+        "client_cpu_us": round(renewal[1], 1),
+    }
+
+
+def store_served(world: int) -> dict[str, Any]:
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    env = child_env(tuned=False)
+    master = Child.module("store", "benchmarks.leases", ["_store", str(port)], env, 600)
+    try:
+        master.expect("READY", 60)
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        value = str(time.time()).encode()  # a heartbeat: when the node was last alive
+
+        def beat(node: int) -> None:
+            client.set(f"hb/{node}", value)
+
+        for node in range(world):
+            beat(node)
+        again = _timed_calls(master.proc.pid, world, beat)
+    finally:
+        stop_all([master])
+    return {
+        "server_cpu_us": round(again[0], 1),
+        "client_cpu_us": round(again[1], 1),
+    }
+
+
+def _store_child(port: int, lifetime: float) -> None:
+    """The TCPStore master: serves until its stdin closes."""
+    from torch.distributed import TCPStore
+
+    child_guard(lifetime)
+    store = TCPStore(
+        "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    emit("READY", str(port))
+    wait_parent_eof()
+    del store
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(ln.split(":", 1)[1].strip() for ln in f if "model name" in ln)
+    except (OSError, StopIteration):
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_store"]:  # _store PORT --lifetime S
+        run_child(lambda: _store_child(int(argv[1]), float(argv[3])))
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.leases", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument("--quick", action="store_true", help="W = 256 only")
+    ap.add_argument("--worlds", default="1024,8192,32768", help="run sizes, the table alone")
+    ap.add_argument("--served", default="1024,8192", help="run sizes, through a real server")
+    ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait for other load (s)")
+    a = ap.parse_args(argv)
+    worlds = [256] if a.quick else [int(w) for w in a.worlds.split(",") if w]
+    served = [256] if a.quick else [int(w) for w in a.served.split(",") if w]
+    install_cleanup()
+    if a.wait_quiet:
+        wait_quiet(a.wait_quiet)
+    load, t0 = Load().start(), time.time()
+    table = []
+    for world in worlds:
+        table.append(table_row(world))
+        say(json.dumps(table[-1]))
+    rows = []
+    for world in served:
+        row = {"world": world, "ours": ours_served(world), "tcpstore": store_served(world)}
+        rate = row["renewals_a_second"] = renewals_a_second(world)
+        cost = row["ours"]["server_cpu_us"] / 1e6
+        row["server_core_share"] = {
+            "unpaced": round(world * cost, 3),
+            **{how: round(per_s * cost, 3) for how, per_s in rate.items()},
+        }
+        store_us = row["tcpstore"]["server_cpu_us"]
+        row["ratio"] = round(row["ours"]["server_cpu_us"] / store_us, 2) if store_us else None
+        rows.append(row)
+        say(json.dumps(row))
+    out = {
+        "benchmark": "leases",
+        "host": {"python": platform.python_version(), "cpu": _cpu_model()},
+        "table": table,
+        "served": rows,
+        "wall_s": round(time.time() - t0, 1),
+        "foreign_cpu_frac": load.stop(),
+    }
+    print(json.dumps(out, indent=1))
+    return 1 if any(r["cut_off_aborted"] for r in table) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
