@@ -283,14 +283,18 @@ class MembershipTable:
         if rnd.decided:
             return True
         now = self.clock()
-        expected = {r for r in rnd.expected if alive(r)}
-        present = {r for r in rnd.announced if alive(r)}
-        if rnd.window_start is None and (present & expected or not expected):
+        if rnd.window_start is None and (
+            any(r in rnd.expected and alive(r) for r in rnd.announced)
+            or not any(map(alive, rnd.expected))  # nobody it expects is alive
+        ):
             rnd.window_start = now
-        all_in = expected <= present
         expired = rnd.window_start is not None and now - rnd.window_start >= rnd.window_s
-        rnd.below_min = (all_in or expired) and len(present) < rnd.min_members
-        if not (all_in or expired) or rnd.below_min:
+        if not expired and rnd.unheard(alive):  # each Join of a large round costs O(1) here
+            rnd.below_min = False
+            return False
+        present = {r for r in rnd.announced if alive(r)}
+        rnd.below_min = len(present) < rnd.min_members
+        if rnd.below_min:
             return False
         rnd.decided, rnd.members = True, tuple(sorted(present))
         # the run's newest epoch: a rank that comes late, still in an aborted one, moves on
@@ -308,9 +312,8 @@ class MembershipTable:
         for r in gone:
             self._event(job, rnd.key, "leave" if r in job.left else "lost", r, rnd.generation + 1)
         job.leaves += len(gone)
-        rnd.before = rnd.expected = set(rnd.members) - set(gone)
+        rnd.reopen(set(rnd.members) - set(gone))
         rnd.generation += 1
-        rnd.decided, rnd.members, rnd.announced, rnd.window_start = False, (), {}, None
 
     def _record(self, job: ElasticJob, rnd: Round, alive: Callable[[int], bool]) -> None:
         """History and counts of a step round just decided."""

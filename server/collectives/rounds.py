@@ -5,6 +5,7 @@ checks a Join request passes before anything changes."""
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from paramshard.protos import shard_pb2 as pb
@@ -57,6 +58,33 @@ class Round:
     epoch: int = 0
     done: bool = False  # recovery rounds
     below_min: bool = False  # all there, but fewer than min_members
+    order: list[int] | None = None  # ``expected`` sorted, once: ``unheard`` walks it
+    cursor: int = 0  # ``order`` before it: announced, left or not alive when last looked at
+
+    def unheard(self, alive: Callable[[int], bool]) -> bool:
+        """Whether an expected rank that is alive has not announced itself yet.
+
+        A round of W ranks is asked this at each of its W Joins. The walk goes on from where
+        the last one stopped (ranks announce, they do not take it back), so a round's walks
+        take O(W) together; at the end one full look confirms, since a rank skipped as not
+        alive may have come back."""
+        if self.order is None:
+            self.order = sorted(self.expected)
+        while self.cursor < len(self.order):
+            r = self.order[self.cursor]
+            if r in self.expected and r not in self.announced and alive(r):
+                return True
+            self.cursor += 1
+        if any(r not in self.announced and alive(r) for r in self.expected):
+            self.cursor = 0  # a rank came back: walk again
+            return True
+        return False
+
+    def reopen(self, expected: set[int]) -> None:
+        """A new generation expecting ``expected``: nobody has announced yet."""
+        self.before = self.expected = expected
+        self.decided, self.members, self.announced, self.window_start = False, (), {}, None
+        self.order, self.cursor = None, 0
 
 
 @dataclass
@@ -114,8 +142,8 @@ def check_request(req: pb.JoinRequest) -> None:
         )
     if req.window_ms > MAX_WINDOW_MS:
         raise ShardError.invalid(f"Join: window_ms must be at most {MAX_WINDOW_MS}")
-    if len(req.known_members) > req.world_size or any(
-        r >= req.world_size for r in req.known_members
+    if len(req.known_members) > req.world_size or (
+        max(req.known_members, default=-1) >= req.world_size  # one pass in C, not in Python
     ):
         raise ShardError.invalid(
             f"Join: known_members must be ranks below the world size {req.world_size}"
