@@ -1,12 +1,13 @@
-"""What keeping ranks' leases costs a server, by the run's size: ours against a heartbeat
-through torch's ``TCPStore``.
+"""What a run's ranks cost a server, by the run's size: their leases (ours against a heartbeat
+through torch's ``TCPStore``) and an elastic step's membership.
 
     python -m benchmarks.leases [--quick] [--worlds 1024,8192,32768] [--served 1024,8192]
-                                [--wait-quiet S]
+                                [--members 1024,4096] [--wait-quiet S]
 
 Every rank of a run renews its lease on every server once a second (client/leases.py), so a
-server of a run of W ranks handles W renewals a second, at 1,024 hosts of 8 GPUs 8,192. Two
-parts, every size in one run:
+server of a run of W ranks handles W renewals a second, at 1,024 hosts of 8 GPUs 8,192; and
+each rank of an elastic job Joins the job's coordinator at every step. Three parts, every size
+in one run:
 
 - **table**: the lease table alone (``server/collectives/leases.py``, in this process, on a
   clock that moves 1/W s a renewal, as W ranks renewing once a second move it): the wall time
@@ -25,6 +26,11 @@ parts, every size in one run:
   and brings back the run's notice. ``server_core_share``: the share of a server's core the
   run's renewals take a second, as every rank renewing every second (``unpaced``) and at the
   ranks' pace (``renewals_a_second``: where they hold a stream, and where they renew alone).
+
+- **membership**: an elastic step of W ranks on its coordinator alone
+  (``server/collectives/membership.py``, in this process, every rank alive): W Joins that
+  announce the ranks (the last one decides the round), then W that get the step's members;
+  the wall time of each half (``announce_s``, ``decided_s``) and the replies' bytes.
 
 JSON to stdout, progress to stderr; every child is started here and stopped by PID.
 """
@@ -59,6 +65,7 @@ from paramshard.client.leases import DEFAULT_TTL_S, PACED_MAX_S, RENEW_S, RENEWA
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
 from paramshard.server.collectives.leases import LeaseTable
+from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
 
 say = logger("leases")
@@ -110,6 +117,46 @@ def table_row(world: int) -> dict[str, Any]:
 MIN_CALLS = 20_000
 """Calls a measurement takes at least (ranks again from the first past W): /proc counts CPU in
 ticks of 10 ms, and a store's call takes microseconds."""
+
+
+class _AllLive:
+    """Every rank of the run holds a live lease (what the coordinator asks of its leases)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def live_ranks(self, run: str) -> set[int]:
+        return set(range(self.world))
+
+
+def membership_row(world: int) -> dict[str, Any]:
+    """An elastic step of ``world`` ranks on its coordinator alone (server/collectives/
+    membership.py): every rank Joins, the last one decides the round, every rank asks again
+    and gets the members; wall time of each half and the replies' bytes."""
+    clock = _Clock()
+    table = MembershipTable(_AllLive(world), {"bench": 0}.get, clock=clock)
+    requests = [
+        pb.JoinRequest(
+            run="bench", job="bench", rank=rank, world_size=world, step=0, min_members=1,
+            window_ms=600_000, known_members=range(world),
+        )
+        for rank in range(world)
+    ]  # fmt: skip
+    times, sizes = [], 0
+    for _ in range(2):
+        began = time.perf_counter()
+        for req in requests:
+            clock.now += 1e-4
+            reply = table.join(req, 0.0)
+            sizes += len(reply.SerializeToString())
+        times.append(time.perf_counter() - began)
+    return {
+        "world": world,
+        "announce_s": round(times[0], 4),
+        "decided_s": round(times[1], 4),
+        "reply_mb": round(sizes / 1e6, 2),
+        "decided": bool(reply.decided and len(reply.members) == world),
+    }
 
 
 def _timed_calls(pid: int, world: int, send) -> tuple[float, float]:
@@ -213,10 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="W = 256 only")
     ap.add_argument("--worlds", default="1024,8192,32768", help="run sizes, the table alone")
     ap.add_argument("--served", default="1024,8192", help="run sizes, through a real server")
+    ap.add_argument("--members", default="1024,4096", help="run sizes, an elastic step's Joins")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait for other load (s)")
     a = ap.parse_args(argv)
     worlds = [256] if a.quick else [int(w) for w in a.worlds.split(",") if w]
     served = [256] if a.quick else [int(w) for w in a.served.split(",") if w]
+    members = [256] if a.quick else [int(w) for w in a.members.split(",") if w]
     install_cleanup()
     if a.wait_quiet:
         wait_quiet(a.wait_quiet)
@@ -225,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     for world in worlds:
         table.append(table_row(world))
         say(json.dumps(table[-1]))
+    membership = []
+    for world in members:
+        membership.append(membership_row(world))
+        say(json.dumps(membership[-1]))
     rows = []
     for world in served:
         row = {"world": world, "ours": ours_served(world), "tcpstore": store_served(world)}
@@ -242,12 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "leases",
         "host": {"python": platform.python_version(), "cpu": _cpu_model()},
         "table": table,
+        "membership": membership,
         "served": rows,
         "wall_s": round(time.time() - t0, 1),
         "foreign_cpu_frac": load.stop(),
     }
     print(json.dumps(out, indent=1))
-    return 1 if any(r["cut_off_aborted"] for r in table) else 0
+    failed = any(r["cut_off_aborted"] for r in table) or not all(r["decided"] for r in membership)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -72,8 +72,9 @@ def test_quick_p2p_benchmark_reports_every_side() -> None:
 
 def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
     """``benchmarks.leases --quick``: the lease table's costs at 256 ranks (a server cut off
-    from every rank aborted nothing), and a real server's and torch's TCPStore's CPU a call
-    with the share of a core the run's renewals take at each pace."""
+    from every rank aborted nothing), a real server's and torch's TCPStore's CPU a call with
+    the share of a core the run's renewals take at each pace, and an elastic step's Joins
+    (its round decided with every rank)."""
     report = run_quick("benchmarks.leases")
     (table,) = report["table"]
     assert table["world"] == 256 and table["cut_off_aborted"] is False, table
@@ -83,3 +84,6 @@ def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
     assert served["renewals_a_second"] == {"streamed": 64.0, "renewed": 64.0}, served
     shares = served["server_core_share"]
     assert shares["unpaced"] == pytest.approx(4 * shares["streamed"], rel=0.01), shares
+    (membership,) = report["membership"]
+    assert membership["world"] == 256 and membership["decided"] is True, membership
+    assert membership["announce_s"] > 0 and membership["reply_mb"] > 0, membership
