@@ -27,7 +27,7 @@ from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.replication.replicator import Replicator
-from paramshard.server.rpc.auth import SERVICE_NAME  # one name for the service: the proto's
+from paramshard.server.rpc.auth import SERVICE_NAME, caller_of  # SERVICE_NAME: the proto's
 from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime import backend
@@ -335,13 +335,13 @@ class ShardServicer:
         return status_reply(self, req, VERSION, self.scope_of(context))
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
-        return self.leases.renew(req)
+        return self.leases.renew(req, caller_of(context))
 
     def hold_lease(self, req: pb.LeaseRequest, context: Any) -> Any:
-        return hold_lease(self.leases, req, context)
+        return hold_lease(self.leases, req, context, caller_of(context))
 
     def join(self, req: pb.JoinRequest, context: Any) -> Any:
-        return self.membership.join(req, self._timeout(context))
+        return self.membership.join(req, self._timeout(context), caller_of(context))
 
     def _job_version(self, job: str) -> int | None:
         """This server's version of ``job`` (its slices' lowest), None when it holds none."""

@@ -135,11 +135,11 @@ def test_a_rank_of_a_large_run_renews_at_its_pace_and_at_once_on_a_new_epoch(ser
     took: list[tuple[float, int]] = []
     renew, lock = table.renew, threading.Lock()
 
-    def counted(req):
+    def counted(req, owner=None):
         if req.run == run:
             with lock:
                 took.append((time.monotonic(), req.epoch))
-        return renew(req)
+        return renew(req, owner)
 
     table.renew = counted
     client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=world, run_id=run)

@@ -80,12 +80,14 @@ class Hold:
             return self._out.popleft() if self._out else None
 
 
-def hold_lease(table: LeaseTable, req: pb.LeaseRequest, context: Any) -> Iterator[pb.LeaseReply]:
+def hold_lease(
+    table: LeaseTable, req: pb.LeaseRequest, context: Any, owner: str | None = None
+) -> Iterator[pb.LeaseReply]:
     """The ``HoldLease`` handler: checks and holds the lease now (a bad request fails here,
     before the stream opens), then streams the run's notices and heartbeats until the call
-    ends or the server stops."""
+    ends or the server stops. ``owner``: the caller (``LeaseTable.renew``)."""
     hold = Hold(req.run, req.rank)
-    first = table.open_hold(req, hold)
+    first = table.open_hold(req, hold, owner)
     context.add_callback(hold.wake)  # the call ended (cancelled, connection closed)
     return _replies(table, hold, first, context)
 

@@ -65,6 +65,7 @@ class RunRecord:
     server), only the lapse checks do, at most every ``CHECK_EVERY_S``."""
 
     world_size: int
+    owner: str | None = None  # the caller (token) whose renewal made it: its share counts it
     leases: dict[int, LeaseRecord] = field(default_factory=dict)
     aborted_epoch: int = -1
     reason: str = ""

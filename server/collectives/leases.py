@@ -44,7 +44,9 @@ Epochs: after an abort, ranks recover under the next epoch (``restart_collective
 abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
 ``forget_s``; a renewal for a run that was aborted and has no live lease left starts it afresh
 (a new run under the same id). Memory is bounded: at most ``max_runs`` runs and
-``max_leases`` leases in all (RESOURCE_EXHAUSTED past them).
+``max_leases`` leases in all (RESOURCE_EXHAUSTED past them), and one caller's runs (where
+tokens are on: a token's) at most half of ``max_runs``, so the teams sharing a server cannot
+take each other's place.
 
 Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
 run), when a stream's grace ends (its handler looks) and by the server's sweeper, so no thread
@@ -55,6 +57,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
@@ -114,18 +117,20 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
         self._count = 0  # leases held in all runs
+        self._owned: Counter[str] = Counter()  # runs by the caller that made them
         self._closed = threading.Event()  # the server stops: streams end, nothing is decided
 
     # -- the RPC ---------------------------------------------------------------------------
-    def renew(self, req: pb.LeaseRequest) -> pb.LeaseReply:
+    def renew(self, req: pb.LeaseRequest, owner: str | None = None) -> pb.LeaseReply:
         """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
-        when asked; returns the run's notice for the rank's epoch, if any."""
+        when asked; returns the run's notice for the rank's epoch, if any. ``owner``: the
+        caller (its token), whose share a run it makes counts against."""
         check_request(req)
         with self._lock:
             now = self.clock()
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
-            run = self._run_for(req, now)
+            run = self._run_for(req, now, owner)
             if req.release:
                 self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
@@ -141,7 +146,9 @@ class LeaseTable:
             return reply
 
     # -- streams (server/collectives/lease_holds.py) ---------------------------------------
-    def open_hold(self, req: pb.LeaseRequest, stream: Listener) -> pb.LeaseReply:
+    def open_hold(
+        self, req: pb.LeaseRequest, stream: Listener, owner: str | None = None
+    ) -> pb.LeaseReply:
         """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
         too); its first reply: the run's notice for the rank's epoch, if any."""
         check_request(req)
@@ -151,7 +158,7 @@ class LeaseTable:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
             now = self.clock()
-            run = self._run_for(req, now)
+            run = self._run_for(req, now, owner)
             self._hold(run, req, now)
             run.leases[req.rank].holds += 1
             run.streams.add(stream)
@@ -220,10 +227,11 @@ class LeaseTable:
             gone = self._runs.pop(run, None)
             if gone is not None:
                 self._count -= len(gone.leases)
+                self._disown(gone)
             return gone is not None
 
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
-    def _run_for(self, req: pb.LeaseRequest, now: float) -> RunRecord:
+    def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
         if run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
@@ -237,7 +245,16 @@ class LeaseTable:
                     f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
                     f" run '{req.run}' was not added"
                 )
-            run = self._runs[req.run] = RunRecord(req.world_size)
+            share = self.max_runs // 2
+            if owner is not None and self._owned[owner] >= share:
+                raise ShardError.exhausted(
+                    f"Lease: this caller's token holds leases of {self._owned[owner]} runs on"
+                    f" this server, its share (half of the server's {self.max_runs}); run"
+                    f" '{req.run}' was not added"
+                )
+            run = self._runs[req.run] = RunRecord(req.world_size, owner)
+            if owner is not None:
+                self._owned[owner] += 1
         elif run.world_size != req.world_size:
             raise ShardError.precondition(
                 f"Lease: run '{req.run}' has world size {run.world_size} here (ranks"
@@ -344,7 +361,14 @@ class LeaseTable:
     def _forget(self, name: str, run: RunRecord) -> None:
         self._count -= len(run.leases)
         del self._runs[name]
+        self._disown(run)
         self.slots.forget_abort(name)
+
+    def _disown(self, run: RunRecord) -> None:
+        if run.owner is not None:
+            self._owned[run.owner] -= 1
+            if not self._owned[run.owner]:
+                del self._owned[run.owner]
 
 
 def _listed(ranks: list[int]) -> str:

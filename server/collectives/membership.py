@@ -54,7 +54,8 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    snapshot) and sends ``done``; the others, members or late, wait for ``done``. If the leader
    is lost first, the next lowest live member leads.
 
-Everything is bounded: at most ``max_jobs`` jobs, ``KEPT_ROUNDS`` rounds (fewer for jobs of
+Everything is bounded: at most ``max_jobs`` jobs (half of them made by one token: ``check_share``
+in rounds.py), ``KEPT_ROUNDS`` rounds (fewer for jobs of
 many ranks, ``kept_rounds``) and ``KEPT_EVENTS`` history events per job, member lists no longer
 than the job's world size, and ``MAX_SLOTS`` ranks in all jobs' records together (a round
 that would pass it is refused with RESOURCE_EXHAUSTED); a job untouched for ``forget_s`` is
@@ -74,6 +75,7 @@ from paramshard.server.collectives.rounds import (
     ElasticJob,
     Round,
     check_request,
+    check_share,
     kept_rounds,
     slots,
     status_row,
@@ -116,11 +118,12 @@ class MembershipTable:
         self._jobs: dict[str, ElasticJob] = {}
 
     # -- the RPC ---------------------------------------------------------------------------
-    def join(self, req: pb.JoinRequest, timeout: float) -> pb.JoinReply:
+    def join(self, req: pb.JoinRequest, timeout: float, owner: str | None = None) -> pb.JoinReply:
+        """``owner``: the caller (its token), whose share a job it makes counts against."""
         check_request(req)
         deadline = self.clock() + max(0.0, min(timeout, POLL_S))
         with self._cond:
-            job = self._job_for(req)
+            job = self._job_for(req, owner)
             job.epoch = max(job.epoch, req.epoch)
             if req.leave:
                 return self._leave(job, req)
@@ -152,7 +155,7 @@ class MembershipTable:
             return [status_row(name, job) for name, job in sorted(self._jobs.items())]
 
     # -- rounds (caller holds the lock) -----------------------------------------------------
-    def _job_for(self, req: pb.JoinRequest) -> ElasticJob:
+    def _job_for(self, req: pb.JoinRequest, owner: str | None) -> ElasticJob:
         now = self.clock()
         job = self._jobs.get(req.job)
         if job is not None and (job.run, job.world_size) != (req.run, req.world_size):
@@ -160,7 +163,10 @@ class MembershipTable:
                 raise ShardError.precondition(
                     f"Join: job '{req.job}' is trained by run '{job.run}' here, not '{req.run}'"
                 )
-            fresh = ElasticJob(req.run, req.world_size, now, history=job.history)  # a new run
+            if owner != job.owner:
+                check_share(self._jobs.values(), owner, self.max_jobs, req)
+            # a new run
+            fresh = ElasticJob(req.run, req.world_size, now, owner, history=job.history)
             job = self._jobs[req.job] = fresh
         if job is None:
             if len(self._jobs) >= self.max_jobs:
@@ -168,8 +174,9 @@ class MembershipTable:
                     f"Join: this server coordinates {len(self._jobs)} elastic jobs, its limit;"
                     f" job '{req.job}' was not added"
                 )
+            check_share(self._jobs.values(), owner, self.max_jobs, req)
             self._room_for(2 * req.world_size, req)
-            job = self._jobs[req.job] = ElasticJob(req.run, req.world_size, now)
+            job = self._jobs[req.job] = ElasticJob(req.run, req.world_size, now, owner)
         job.touched = now
         return job
 

@@ -5,7 +5,7 @@ checks a Join request passes before anything changes."""
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from paramshard.protos import shard_pb2 as pb
@@ -13,7 +13,7 @@ from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
     "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round", "check_request",
-    "kept_rounds", "slots", "status_row",
+    "check_share", "kept_rounds", "slots", "status_row",
 ]  # fmt: skip
 
 KEPT_ROUNDS = 64
@@ -94,6 +94,7 @@ class ElasticJob:
     run: str
     world_size: int
     touched: float
+    owner: str | None = None  # the caller (token) whose Join made it: its share counts it
     rounds: dict[int, Round] = field(default_factory=dict)
     recoveries: dict[int, Round] = field(default_factory=dict)
     last: Round | None = None  # the newest step round decided
@@ -150,3 +151,20 @@ def check_request(req: pb.JoinRequest) -> None:
         )
     if req.done and not req.recovery:
         raise ShardError.invalid("Join: done is for recovery rounds")
+
+
+def check_share(
+    jobs: Iterable[ElasticJob], owner: str | None, max_jobs: int, req: pb.JoinRequest
+) -> None:
+    """Refuses (RESOURCE_EXHAUSTED) a job more for a caller (its token) that made half of
+    ``max_jobs`` of ``jobs`` already, so the teams sharing a server cannot take each other's
+    place; None (no tokens): no share."""
+    if owner is None:
+        return
+    owned = sum(1 for job in jobs if job.owner == owner)
+    if owned >= max_jobs // 2:
+        raise ShardError.exhausted(
+            f"Join: this caller's token made {owned} of the elastic jobs this server"
+            f" coordinates, its share (half of the server's {max_jobs}); job '{req.job}' was"
+            " not added"
+        )

@@ -59,6 +59,7 @@ __all__ = [
     "SERVICE_NAME",
     "bearer",
     "caller_id",
+    "caller_of",
     "METHOD_ROLES",
     "OPEN_SERVICES",
     "TokenAuthInterceptor",
@@ -171,6 +172,11 @@ def caller_id(metadata: Any) -> str | None:
     if token and peer_credentials.is_derived(token):
         return peer_credentials.OWNER
     return token
+
+
+def caller_of(context: Any) -> str | None:
+    """``caller_id`` of a call's context; None for a call without a token."""
+    return caller_id(context.invocation_metadata()) or None
 
 
 def _reject(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:
