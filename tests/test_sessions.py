@@ -160,6 +160,35 @@ def test_a_meaningless_deadline_is_the_servers_own(timeout_s) -> None:
             s.close()
 
 
+def test_a_calls_deadline_counts_from_its_arrival_not_from_when_a_thread_takes_it() -> None:
+    """A waiting call queued behind a busy pool (here: its thread comes 0.6 s late) has waited
+    that long already: its handler starts with the rest of its 1 s, not a whole second."""
+    with ShardServer(local_calls=False) as server:
+        pool, sessions = server.sessions.pool, server.sessions
+        submit, left = pool.submit, []
+
+        def late(fn, *args):
+            time.sleep(0.6)  # a pool whose threads are all taken, for a while
+            return submit(fn, *args)
+
+        fn, parse, serialize = sessions.handlers["ReadSlot"]
+
+        def read_slot(request, context):
+            left.append(context.time_remaining())
+            return fn(request, context)
+
+        pool.submit = late
+        sessions.handlers["ReadSlot"] = (read_slot, parse, serialize)
+        s = RawSession(server.address)
+        try:
+            s.opened()
+            s.send(call(1, "ReadSlot", read("r:never/0"), timeout_s=1.0))
+            assert code_of(s.replies(1)[1]) == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert left and left[0] <= 0.45, left
+        finally:
+            s.close()
+
+
 def test_bytes_that_do_not_parse_end_the_session_not_the_server(server) -> None:
     s = RawSession(server.address)
     s.opened()

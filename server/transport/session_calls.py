@@ -25,11 +25,12 @@ class CallAbort(Exception):
 
 class CallContext:
     """The part of grpc.ServicerContext the data-plane handlers use, for one call of a
-    session: its own deadline, the stream's caller."""
+    session: its own deadline (``time.monotonic``, from the call's arrival: a call that waited
+    for a thread has waited that long already), the stream's caller."""
 
-    def __init__(self, stream: grpc.ServicerContext, timeout_s: float | None) -> None:
+    def __init__(self, stream: grpc.ServicerContext, deadline: float | None) -> None:
         self._stream = stream
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._deadline = deadline
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())

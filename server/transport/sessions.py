@@ -1,11 +1,9 @@
 """Sessions: a client's persistent stream to this server (docs/design.md §7.3, ``rpc Session``).
 
-A unary call costs grpcio about 0.2 ms of CPU on each side, and a client's first call after an
-idle spell makes grpcio start a polling thread (another 0.15 ms). A small collective is a few
-such calls, so they, not the bytes, are its time. A session is one bidirectional stream per
-client and server, open as long as the client: each direction carries batches of calls, a batch
-holding every call its sender had ready (a small all-reduce's contribution and read travel as
-one message), and the stream keeps grpcio's polling thread alive.
+A unary call costs grpcio about 0.2 ms of CPU a side (0.15 ms more to start a polling thread
+after an idle spell), and a small collective is a few such calls. A session is one stream per
+client and server, open as long as the client: each direction carries batches of calls, each
+holding every call its sender had ready, and it keeps grpcio's polling thread alive.
 
 Each call of a session is what its unary twin is:
 
@@ -282,7 +280,8 @@ class _Session:
                     f"{method} needs role '{need}'; this session's token has role '{self.role}'",
                 )
             )
-        timeout = call.timeout_s if math.isfinite(call.timeout_s) and call.timeout_s > 0 else None
+        finite = math.isfinite(call.timeout_s) and call.timeout_s > 0
+        deadline = time.monotonic() + call.timeout_s if finite else None  # from its arrival
         fn, parse, serialize = handler
         refused = self.scope and scopes.refusal(self.scope, method, body)  # before the parse
         if refused:
@@ -313,7 +312,7 @@ class _Session:
                 status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
                 promised=promised,
             )
-        job = (call.id, method, fn, serialize, request, timeout, waits, len(body), promised)
+        job = (call.id, method, fn, serialize, request, deadline, waits, len(body), promised)
         with self.lock:
             self._add(held=len(body))
         if method == "Contribute" and payload_bytes(request) <= INLINE_BYTES:
@@ -352,7 +351,7 @@ class _Session:
         fn: Callable[[Any, Any], Any],
         serialize: Callable[[Any], bytes],
         request: Any,
-        timeout: float | None,
+        deadline: float | None,
         waits: str | None,
         received: int,
         promised: int,
@@ -362,7 +361,7 @@ class _Session:
         try:
             reply = (
                 pb.SessionCall(id=call_id),
-                serialize(fn(request, CallContext(self.context, timeout))),
+                serialize(fn(request, CallContext(self.context, deadline))),
             )
         except CallAbort as exc:
             code = exc.code
