@@ -316,3 +316,46 @@ def test_a_slot_read_into_a_forgotten_segment_loses_nothing(server) -> None:
         np.testing.assert_array_equal(c.all_reduce(x + 1), x + 1)
     finally:
         c.close()
+
+
+def test_a_released_segment_a_pull_waits_to_write_into_stays_paid_for(guarded) -> None:
+    """A pull for a version not reached yet holds a view of the segment its reply goes to. The
+    caller releasing that segment meanwhile no longer gives its memory back to the budget at
+    once (its pages stay mapped for the pull): it is unmapped and refunded once the pull has
+    ended and the sweeper looks (``expire``)."""
+    import threading
+
+    s, _ = guarded
+    segments, budget = s.servicer.segments, s.servicer.budget
+    s.servicer.max_wait_s = 3.0  # the pull gives up after 3 s
+    segment, mapped = open_segment(s.address, "tok-a")
+    assert budget.usage()["shm"] == 2**20
+    pull = pb.PullParamsRequest(
+        ref=pb.BufferRef(job="g", buffer="w"),
+        min_version=1,  # never reached: nobody pushes
+        chunk=pb.Chunk(offset=0, numel=2**16, dtype=pb.FLOAT32),
+        reply_shm=pb.ShmRef(segment=segment, offset=0, nbytes=2**18),
+    )
+    ended: list[Any] = []
+    waiting = threading.Thread(
+        target=lambda: ended.append(raw(s.address, "PullParams", pull, "tok-a")[0])
+    )
+    waiting.start()
+    try:
+        for _ in range(200):  # the pull is waiting once the view is taken
+            if segments.views:
+                break
+            __import__("time").sleep(0.02)
+        assert segments.views, "the pull never took its view of the segment"
+        release = pb.ReleaseSegmentsRequest(segments=[segment])
+        assert raw(s.address, "ReleaseSegments", release, "tok-a")[0] == grpc.StatusCode.OK
+        assert segments.usage() == (0, 0)  # not listed: no call can name it any more
+        assert budget.usage()["shm"] == 2**20, "refunded while the pull still holds its pages"
+        segments.expire()
+        assert budget.usage()["shm"] == 2**20
+    finally:
+        waiting.join(30)
+    assert ended == [grpc.StatusCode.DEADLINE_EXCEEDED], ended
+    segments.expire()
+    assert budget.usage()["shm"] == 0
+    mapped.close()

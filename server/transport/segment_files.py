@@ -1,19 +1,38 @@
-"""The files behind a server's shared segments (server/transport/shm.py): making one, and how
-many the server's descriptor limit leaves room for."""
+"""The files behind a server's shared segments (server/transport/shm.py): the record of one,
+making one, and how many the server's descriptor limit leaves room for."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import resource
+import time
+from dataclasses import dataclass, field
 
 from paramshard.protos.shm import MFD_ALLOW_SEALING, seal
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["FD_RESERVE", "create", "segment_bound"]
+__all__ = ["FD_RESERVE", "Segment", "create", "segment_bound"]
 
 FD_RESERVE = 256
 """Descriptors left to connections, files and snapshots (``segment_bound``)."""
+
+
+@dataclass
+class Segment:
+    """One segment the registry offered: whose, its file and mapping, how it was handed over."""
+
+    owner: str
+    nbytes: int
+    fd: int
+    map: mmap.mmap
+    ticket: bytes
+    proof: bytes
+    created: float
+    reader: bool  # a read token's: from the read pool, for replies only
+    confirmed: bool = False
+    handed: bool = False
+    last_used: float = field(default_factory=time.monotonic)
 
 
 def create(nbytes: int) -> tuple[int, mmap.mmap]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -38,7 +37,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -52,6 +50,7 @@ from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.transport import segment_files
 from paramshard.server.transport.handover import TICKET_BYTES, Handover
+from paramshard.server.transport.segment_files import Segment
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
 
@@ -68,21 +67,6 @@ MAX_READ_SEGMENTS = 4  # per read token: a pull or two in flight through segment
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
 
 
-@dataclass
-class _Segment:
-    owner: str
-    nbytes: int
-    fd: int
-    map: mmap.mmap
-    ticket: bytes
-    proof: bytes
-    created: float
-    reader: bool  # a read token's: from the read pool, for replies only
-    confirmed: bool = False
-    handed: bool = False
-    last_used: float = field(default_factory=time.monotonic)
-
-
 class SegmentRegistry:
     """The segments this server has offered, by id; their socket; their memory."""
 
@@ -91,11 +75,12 @@ class SegmentRegistry:
         self.idle_s = idle_s
         self.max_segment_bytes = MAX_SEGMENT_BYTES  # the server lowers it to its message limit
         self._lock = threading.Lock()
-        self._segments: dict[int, _Segment] = {}
+        self._segments: dict[int, Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
         self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
         self._offering: Counter[str] = Counter()  # offers checked, not yet in _segments
+        self._lingering: list[Segment] = []  # dropped while a call still holds a view of it
         self.max_total = segment_files.segment_bound()
         self.role_of: Callable[[Any], str | None] | None = None  # metadata -> role (the app's)
         self._closed = False
@@ -162,7 +147,7 @@ class SegmentRegistry:
             raise
         proof = secrets.token_bytes(PROOF_BYTES)
         mapped[:PROOF_BYTES] = proof
-        seg = _Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
+        seg = Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
                        time.monotonic(), reader)  # fmt: skip
         with self._lock:
             segment_id = secrets.randbits(63) or 1
@@ -313,8 +298,13 @@ class SegmentRegistry:
 
     # -- upkeep ------------------------------------------------------------------------------
     def expire(self) -> int:
-        """Drops segments offered but not confirmed within CONFIRM_S, or idle for idle_s."""
+        """Drops segments offered but not confirmed within CONFIRM_S, or idle for idle_s, and
+        unmaps (and refunds) dropped segments whose last view has gone."""
         now = time.monotonic()
+        with self._lock:
+            lingering, self._lingering = self._lingering, []
+        for seg in lingering:
+            self._unmap(seg)
         with self._lock:
             old = [
                 i
@@ -342,14 +332,22 @@ class SegmentRegistry:
         if handover is not None:
             handover.close()
 
-    def _drop(self, seg: _Segment) -> None:
+    def _drop(self, seg: Segment) -> None:
         with self._lock:
             self._by_ticket.pop(seg.ticket, None)
+        os.close(seg.fd)
+        self._unmap(seg)
+
+    def _unmap(self, seg: Segment) -> None:
+        """Unmaps ``seg`` and refunds its memory, or, while a call still holds a view of it (a
+        pull waiting to write its reply there), keeps it mapped and paid for until ``expire``
+        finds the view gone: its pages live as long as the mapping."""
         try:
             seg.map.close()
-        except BufferError:  # a handler still reads it: the mapping goes with the last view
-            pass
-        os.close(seg.fd)
+        except BufferError:
+            with self._lock:
+                self._lingering.append(seg)
+            return
         self._refund(seg.nbytes, seg.reader)
 
     def _pay_read(self, held: int, nbytes: int) -> None:
