@@ -61,7 +61,7 @@ from benchmarks._processes import (
     stop_all,
     wait_parent_eof,
 )
-from paramshard.client.leases import DEFAULT_TTL_S, PACED_MAX_S, RENEW_S, RENEWALS_A_SECOND
+from paramshard.client.leases import DEFAULT_TTL_S, RENEW_S, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
 from paramshard.server.collectives.leases import LeaseTable
@@ -173,13 +173,13 @@ def _timed_calls(pid: int, world: int, send) -> tuple[float, float]:
 
 
 def renewals_a_second(world: int) -> dict[str, float]:
-    """Renewals a second a server gets from a run of ``world`` ranks (client/leases.py): each
-    rank every ``RENEW_S`` up to ``RENEWALS_A_SECOND`` ranks, then at its pace, longer where
-    it holds a stream (``streamed``) than where its lease lives on renewals (``renewed``,
-    the default TTL's sixth at most)."""
-    pace = max(RENEW_S, min(PACED_MAX_S, world / RENEWALS_A_SECOND))
-    alone = max(RENEW_S, min(pace, DEFAULT_TTL_S / 6))
-    return {"streamed": round(world / pace, 1), "renewed": round(world / alone, 1)}
+    """Renewals a second a server gets from a run of ``world`` ranks at their pace
+    (``client.leases.renewal_pace``, the default TTL): where they hold a stream there
+    (``streamed``), and where their lease lives on renewals alone (``renewed``)."""
+    return {
+        how: round(world / max(RENEW_S, renewal_pace(world, DEFAULT_TTL_S, streamed)), 1)
+        for how, streamed in (("streamed", True), ("renewed", False))
+    }
 
 
 def ours_served(world: int) -> dict[str, Any]:

@@ -12,13 +12,11 @@ Every client of a multi-rank run holds a lease on each of its servers
   dies is taken for lost about ``STREAM_GRACE_S`` (1 s) after its kernel closed the connection;
   a host that vanishes, after the servers' TCP user timeout (30 s, server/app.py). The stream
   also brings the run's notices the moment a server raises them.
-- renewals (``Lease``) every ``RENEW_S`` by one thread per process (in runs of more than
-  ``RENEWALS_A_SECOND`` ranks, less often), which carry the rank's epoch and bring notices
-  back. Where a server refuses the stream (an older server, one at its
-  ``--max-sessions`` bound), the lease lives on renewals alone and lapses
-  ``PARAMSHARD_LEASE_TTL_S`` (default 30 s) after the last one, so there the renewing thread
-  must get the GIL within that time. (Why 30 s, against torchelastic's 15 s and torchft's 5 s:
-  docs/inspection-and-recovery.md.)
+- renewals (``Lease``) every ``RENEW_S`` by one thread per process (less often in runs of more
+  than ``RENEWALS_A_SECOND`` ranks), which carry the rank's epoch and bring notices back. Where
+  a server refuses the stream (an older server, one at its ``--max-sessions`` bound), the lease
+  lives on renewals alone and lapses ``PARAMSHARD_LEASE_TTL_S`` (30 s: why, in
+  docs/inspection-and-recovery.md) after the last one: the renewing thread needs the GIL then.
 
 When a server says the run's epoch was aborted (a rank was lost, or a rank gave up the epoch
 after losing a server: ``RunState.give_up``), the client *cancels its calls in flight* and
@@ -60,7 +58,7 @@ from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
+__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release", "renewal_pace"]
 
 log = logging.getLogger("paramshard.leases")
 
@@ -74,13 +72,19 @@ STREAM_GRACE_S = 1.0
 failed this long: the servers give a rank the same (server/collectives/leases.py)."""
 HOLD_RETRY_S = 30.0  # a server that refused a stream is asked again after this long
 RENEWALS_A_SECOND = 64
-"""Renewals a second a server gets from a run of more ranks than this: each rank renews it
-every ``world_size / RENEWALS_A_SECOND`` s. A renewal costs a server about 0.5 ms of CPU
-(``python -m benchmarks.leases``): 8,192 ranks renewing every second would take four cores.
-The server still hears the run 64 times a second or more (witnesses of lapses), an open stream
-holds the lease and brings notices at once, and a server whose last renewal failed, went at an
-older epoch or whose stream broke is renewed at once."""
+"""A rank of a run of more ranks renews a server every ``world_size / RENEWALS_A_SECOND`` s: a
+renewal costs a server 0.3-0.45 ms of CPU (``python -m benchmarks.leases``). The server still
+hears the run 64 times a second (witnesses of lapses), a stream holds the lease and brings
+notices at once, and a failed renewal, a new epoch or a broken stream is renewed at once."""
 PACED_MAX_S = 30.0  # the longest pace with a stream; without, a sixth of the TTL (5 may fail)
+
+
+def renewal_pace(world_size: int, ttl_s: float, streamed: bool) -> float:
+    """Seconds between a rank's renewals of a server where it holds a stream (or not)."""
+    pace = max(RENEW_S, min(PACED_MAX_S, world_size / RENEWALS_A_SECOND))
+    return pace if streamed else min(pace, ttl_s / 6)
+
+
 _FAILING = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -117,8 +121,6 @@ class _Holding:
         self.stream_lost: set[int] = set()  # servers whose stream broke and is not back
         self.answered: dict[int, tuple[float, int]] = {}  # server -> (sent at, epoch): answered
         self._sending: dict[int, tuple[float, int]] = {}  # the same, for renewals in flight
-        # how often this rank renews a server where it holds a stream (RENEWALS_A_SECOND)
-        self.paced_s = max(RENEW_S, min(PACED_MAX_S, self.world_size / RENEWALS_A_SECOND))
         self._lock = threading.Lock()
         self.released = False
 
@@ -217,7 +219,7 @@ class _Holding:
         last = self.answered.get(server)
         if last is None or last[1] != epoch or server in self.stream_lost:
             return True
-        pace = self.paced_s if streamed else min(self.paced_s, self.ttl_s / 6)
+        pace = renewal_pace(self.world_size, self.ttl_s, streamed)
         return now - last[0] >= pace - RENEW_S / 2  # the renewing thread wakes every RENEW_S
 
     def start(

@@ -20,7 +20,7 @@ from conftest import unique_id
 from lease_fakes import new_table
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND
+from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
@@ -145,7 +145,7 @@ def test_a_rank_of_a_large_run_renews_at_its_pace_and_at_once_on_a_new_epoch(ser
     client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=world, run_id=run)
     try:
         holding = client.run_state.holding
-        assert holding.paced_s == 4.0
+        assert renewal_pace(world, holding.ttl_s, streamed=True) == 4.0
         deadline = time.monotonic() + 30
         while not (took and holding.holds.get(0) and holding.holds[0].open):
             assert time.monotonic() < deadline, "no renewal, or no stream, within 30 s"
