@@ -163,11 +163,7 @@ def _close_bounded(chan: grpc.Channel) -> None:
     """Closes ``chan``, waiting at most ``closing.STEP_S``: gRPC's close waits until the
     channel's polling thread has drained every call, which an interrupted call may prevent
     for ever (protos/closing.py). Past the bound the close is left to a daemon thread."""
-    closer = threading.Thread(target=chan.close, name="channel-close", daemon=True)
-    closer.start()
-    closer.join(closing.STEP_S)
-    if closer.is_alive():
-        log.warning("closing a gRPC channel took over %g s; left to the exit", closing.STEP_S)
+    closing.bounded(chan.close, "closing a gRPC channel")
 
 
 def _host_of(address: str) -> str:

@@ -77,6 +77,6 @@ class HoldStream:
     def close(self) -> None:
         """Ends the stream (after the lease's release: a stream ended alone reads as a death
         on the server) and waits, bounded, for its thread."""
-        self._call.cancel()
+        closing.bounded(self._call.cancel, "cancelling a lease stream")  # as a session's
         if self._thread is not threading.current_thread():
-            self._thread.join(closing.STEP_S)
+            self._thread.join(closing.step_s())

@@ -196,9 +196,10 @@ class _Session:
         """Ends the stream; its calls in flight fail (UNAVAILABLE) and its thread ends, waited
         for (``closing.STEP_S`` at most)."""
         self._out.put(None)
-        self._call.cancel()
+        # bounded: an interrupt inside gRPC may have left the call's lock taken (protos/closing.py)
+        closing.bounded(self._call.cancel, "cancelling a session")
         if self._receiver is not threading.current_thread():
-            self._receiver.join(closing.STEP_S)
+            self._receiver.join(closing.step_s())
 
 
 class Sessions:

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["close_at_exit", "forget", "close_all", "STEP_S"]
+__all__ = ["bounded", "close_at_exit", "forget", "close_all", "step_s", "STEP_S"]
 
 STEP_S = 1.0
 """How long one step of a close waits (the servers' replies to a release, a thread's end, a
@@ -51,6 +51,34 @@ def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
         key = next(_order)
         _ids[obj] = key
         _open[key] = (weakref.ref(obj), close)
+
+
+WEDGED_STEP_S = 0.1
+"""How long a step waits once one was left unfinished: a lock left taken in a channel holds
+every later step on it, and those add up (a session and a lease stream a server, their
+threads, the channel: 5 s a server at ``STEP_S``)."""
+_wedged = threading.Event()
+
+
+def step_s() -> float:
+    """How long the next step of a close may wait: ``STEP_S``, or ``WEDGED_STEP_S`` once a
+    step of this process was left unfinished."""
+    return WEDGED_STEP_S if _wedged.is_set() else STEP_S
+
+
+def bounded(step: Callable[[], Any], name: str) -> bool:
+    """Runs one step of a close (a call's ``cancel``, a channel's ``close``) on a daemon thread
+    and waits for it ``step_s()`` at most: whether it ended. Past the bound it is left to that
+    thread, and the close goes on."""
+    thread = threading.Thread(target=step, name=name, daemon=True)
+    thread.start()
+    wait = step_s()
+    thread.join(wait)
+    if thread.is_alive():
+        _wedged.set()
+        log.warning("%s took over %g s (a gRPC lock left taken?); left to the exit", name, wait)
+        return False
+    return True
 
 
 def forget(obj: Any) -> None:
