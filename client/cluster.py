@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections import Counter
@@ -33,7 +32,6 @@ CHANNEL_OPTIONS = [
 # Channels are made on first use from any rank's thread and closed from another (a harness
 # closing clients while a rank still runs): one lock for all specs, as channels are made rarely.
 _CHANNELS_LOCK = threading.Lock()
-log = logging.getLogger("paramshard.client")
 
 
 @dataclass
