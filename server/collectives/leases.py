@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
@@ -117,7 +116,6 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
         self._count = 0  # leases held in all runs
-        self._owned: Counter[str] = Counter()  # runs by the caller that made them
         self._closed = threading.Event()  # the server stops: streams end, nothing is decided
 
     # -- the RPC ---------------------------------------------------------------------------
@@ -227,7 +225,6 @@ class LeaseTable:
             gone = self._runs.pop(run, None)
             if gone is not None:
                 self._count -= len(gone.leases)
-                self._disown(gone)
             return gone is not None
 
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
@@ -245,16 +242,14 @@ class LeaseTable:
                     f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
                     f" run '{req.run}' was not added"
                 )
-            share = self.max_runs // 2
-            if owner is not None and self._owned[owner] >= share:
+            owned = 0 if owner is None else sum(r.owner == owner for r in self._runs.values())
+            if owner is not None and owned >= self.max_runs // 2:  # counted: new runs are rare
                 raise ShardError.exhausted(
-                    f"Lease: this caller's token holds leases of {self._owned[owner]} runs on"
-                    f" this server, its share (half of the server's {self.max_runs}); run"
-                    f" '{req.run}' was not added"
+                    f"Lease: this caller's token holds leases of {owned} runs on this server,"
+                    f" its share (half of the server's {self.max_runs}); run '{req.run}' was"
+                    " not added"
                 )
             run = self._runs[req.run] = RunRecord(req.world_size, owner)
-            if owner is not None:
-                self._owned[owner] += 1
         elif run.world_size != req.world_size:
             raise ShardError.precondition(
                 f"Lease: run '{req.run}' has world size {run.world_size} here (ranks"
@@ -361,14 +356,7 @@ class LeaseTable:
     def _forget(self, name: str, run: RunRecord) -> None:
         self._count -= len(run.leases)
         del self._runs[name]
-        self._disown(run)
         self.slots.forget_abort(name)
-
-    def _disown(self, run: RunRecord) -> None:
-        if run.owner is not None:
-            self._owned[run.owner] -= 1
-            if not self._owned[run.owner]:
-                del self._owned[run.owner]
 
 
 def _listed(ranks: list[int]) -> str:

@@ -175,8 +175,10 @@ def caller_id(metadata: Any) -> str | None:
 
 
 def caller_of(context: Any) -> str | None:
-    """``caller_id`` of a call's context; None for a call without a token."""
-    return caller_id(context.invocation_metadata()) or None
+    """``caller_id`` of a call's context; None for a call without a token, or one made in this
+    process (its context has no metadata: client/local_calls.py)."""
+    metadata = getattr(context, "invocation_metadata", None)
+    return (caller_id(metadata()) if metadata is not None else None) or None
 
 
 def _reject(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> Any:

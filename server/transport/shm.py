@@ -44,7 +44,7 @@ import grpc
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import PROOF_BYTES, is_sealed
-from paramshard.server.rpc.auth import caller_id
+from paramshard.server.rpc.auth import caller_of
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
@@ -393,5 +393,4 @@ class SegmentRegistry:
 def caller(context: Any) -> str:
     """Who owns a segment: the caller's token ("" without one, or for a call in this process;
     every server's derived peer credential is one owner, auth.caller_id)."""
-    metadata = getattr(context, "invocation_metadata", None)
-    return (caller_id(metadata()) if metadata is not None else None) or ""
+    return caller_of(context) or ""
