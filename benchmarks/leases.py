@@ -28,9 +28,14 @@ in one run:
   ranks' pace (``renewals_a_second``: where they hold a stream, and where they renew alone).
 
 - **membership**: an elastic step of W ranks on its coordinator alone
-  (``server/collectives/membership.py``, in this process, every rank alive): W Joins that
-  announce the ranks (the last one decides the round), then W that get the step's members;
-  the wall time of each half (``announce_s``, ``decided_s``) and the replies' bytes.
+  (``server/collectives/membership.py``, in this process, every rank holding a live lease in
+  the coordinator's lease table): W Joins that announce the ranks (the last one decides the
+  round; the first sent again with its known members, as the coordinator asks a new job's),
+  then W that get the step's members; the wall time of each half (``announce_s``,
+  ``decided_s``) and the replies' bytes. Then what a step's membership costs a server's
+  pushes (``server/buffers/membership.py``): every member pushes each bucket to every server
+  with the step's W members; the check of a server's first push of the step
+  (``first_push_us``) and of each push after it (``push_us``).
 
 JSON to stdout, progress to stderr; every child is started here and stopped by PID.
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -64,6 +70,7 @@ from benchmarks._processes import (
 from paramshard.client.leases import DEFAULT_TTL_S, RENEW_S, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
+from paramshard.server.buffers.membership import check_membership, elastic_pending
 from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
@@ -119,35 +126,32 @@ MIN_CALLS = 20_000
 ticks of 10 ms, and a store's call takes microseconds."""
 
 
-class _AllLive:
-    """Every rank of the run holds a live lease (what the coordinator asks of its leases)."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-
-    def live_ranks(self, run: str) -> set[int]:
-        return set(range(self.world))
-
-
 def membership_row(world: int) -> dict[str, Any]:
     """An elastic step of ``world`` ranks on its coordinator alone (server/collectives/
     membership.py): every rank Joins, the last one decides the round, every rank asks again
-    and gets the members; wall time of each half and the replies' bytes."""
+    and gets the members; wall time of each half and the replies' bytes. Then the pushes'
+    membership checks (``push_checks``)."""
     clock = _Clock()
-    table = MembershipTable(_AllLive(world), {"bench": 0}.get, clock=clock)
-    requests = [
-        pb.JoinRequest(
+    leases = LeaseTable(SlotStore(), max_leases=1 << 21, clock=clock)
+    for rank in range(world):
+        leases.renew(_renewal(rank, world))
+    table = MembershipTable(leases, {"bench": 0}.get, clock=clock)
+
+    def request(rank: int, known: bool = False) -> pb.JoinRequest:
+        return pb.JoinRequest(
             run="bench", job="bench", rank=rank, world_size=world, step=0, min_members=1,
-            window_ms=600_000, known_members=range(world),
-        )
-        for rank in range(world)
-    ]  # fmt: skip
+            window_ms=600_000, known_members=range(world) if known else (),
+        )  # fmt: skip
+
+    requests = [request(rank) for rank in range(world)]
     times, sizes = [], 0
     for _ in range(2):
         began = time.perf_counter()
         for req in requests:
             clock.now += 1e-4
             reply = table.join(req, 0.0)
+            if reply.send_known:  # as the client does (client/membership.py)
+                reply = table.join(request(req.rank, known=True), 0.0)
             sizes += len(reply.SerializeToString())
         times.append(time.perf_counter() - began)
     return {
@@ -156,6 +160,28 @@ def membership_row(world: int) -> dict[str, Any]:
         "decided_s": round(times[1], 4),
         "reply_mb": round(sizes / 1e6, 2),
         "decided": bool(reply.decided and len(reply.members) == world),
+        **push_checks(world),
+    }
+
+
+def push_checks(world: int, pushes: int = 200) -> dict[str, float]:
+    """A server's membership checks of a step's pushes (server/buffers/membership.py): its
+    first push of the step, and the median of ``pushes`` pushes after it, microseconds."""
+    h = pb.PushGradHeader(step=0, num_micro=1, contributor=world - 1)
+    h.membership.members.extend(range(world))
+    began = time.perf_counter()
+    key = check_membership("bench", world, h)
+    pending, _ = elastic_pending("bench", None, h, key)
+    first = time.perf_counter() - began
+    times = []
+    for _ in range(pushes):
+        began = time.perf_counter()
+        key = check_membership("bench", world, h, pending)
+        elastic_pending("bench", pending, h, key)
+        times.append(time.perf_counter() - began)
+    return {
+        "first_push_us": round(first * 1e6, 1),
+        "push_us": round(statistics.median(times) * 1e6, 1),
     }
 
 

@@ -94,7 +94,10 @@ class Membership:
         until it is applied: leaving then makes the others redo it (``leave``)."""
         _registry.add(self)
 
-    def _request(self, **kw: Any) -> pb.JoinRequest:
+    def _request(self, known: bool = False, **kw: Any) -> pb.JoinRequest:
+        """``known``: with the members this rank knew last, which the coordinator asks for
+        only to open a round it has no record for (``send_known``); a Join of W ranks that
+        carried them each time made a step cost the coordinator O(W^2)."""
         return pb.JoinRequest(
             run=self.run,
             job=self.job,
@@ -103,16 +106,23 @@ class Membership:
             epoch=self.client.run_state.epoch,
             min_members=self.min_members,
             window_ms=int(self.window_s * 1000),
-            known_members=self.known,
+            known_members=self.known if known else (),
             **kw,
         )
+
+    def _call(self, **kw: Any) -> pb.JoinReply:
+        """One Join, sent again with the known members when the coordinator asks for them."""
+        reply = self.client.call(0, "Join", self._request(**kw))
+        if reply.send_known:
+            reply = self.client.call(0, "Join", self._request(known=True, **kw))
+        return reply
 
     def _ask(self, label: str, **kw: Any) -> pb.JoinReply:
         """Asks the coordinator until the round is decided (and, for ``final``, done);
         raises ``MembershipError`` once it waited ``wait_s`` below the minimum."""
         below_since, began = None, time.monotonic()
         while True:
-            reply = self.client.call(0, "Join", self._request(**kw))
+            reply = self._call(**kw)
             recovery = kw.get("recovery", False)
             if reply.decided and (not recovery or reply.done or self._leads(reply)):
                 return reply
@@ -128,10 +138,11 @@ class Membership:
                 continue
             below_since = below_since or now
             if now - below_since > self.wait_s:
+                there = _listed(reply.announced, reply.announced_count)
                 raise MembershipError(
-                    f"job '{self.job}' {label}: {len(reply.announced)} rank(s) there"
-                    f" ({_listed(reply.announced)}), fewer than the minimum of"
-                    f" {self.min_members} (min_world_size, paramshard launch --min-nproc);"
+                    f"job '{self.job}' {label}: {reply.announced_count} rank(s) there"
+                    f" ({there}), fewer than the minimum of {self.min_members}"
+                    f" (min_world_size, paramshard launch --min-nproc);"
                     f" waited {now - below_since:.0f} s (elastic_wait_s)"
                 )
 
@@ -158,7 +169,7 @@ class Membership:
 
     def recovered(self) -> None:
         """The leader of this epoch's recovery round restored the job."""
-        self.client.call(0, "Join", self._request(recovery=True, done=True))
+        self._call(recovery=True, done=True)
 
     def leave(self, reason: str = "") -> bool:
         """Protocol step 6, best effort: says goodbye; when this rank began training a step
@@ -221,6 +232,8 @@ class _Registry:
 _registry = _Registry()
 
 
-def _listed(ranks: Any) -> str:
-    ranks = list(ranks)
-    return "ranks " + ", ".join(map(str, ranks[:16])) if ranks else "none"
+def _listed(ranks: Any, count: int) -> str:
+    """The lowest ranks a reply lists, of ``count``."""
+    ranks = list(ranks)[:16]
+    more = ", ..." if count > len(ranks) else ""
+    return "ranks " + ", ".join(map(str, ranks)) + more if ranks else "none"

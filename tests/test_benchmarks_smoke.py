@@ -83,7 +83,9 @@ def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
     assert served["ours"]["server_cpu_us"] > 0 and served["tcpstore"]["client_cpu_us"] > 0
     assert served["renewals_a_second"] == {"streamed": 64.0, "renewed": 64.0}, served
     shares = served["server_core_share"]
-    assert shares["unpaced"] == pytest.approx(4 * shares["streamed"], rel=0.01), shares
+    # each share is rounded to 3 decimals: 4 x 0.021 may stand for 0.085 (it did, once)
+    assert shares["unpaced"] == pytest.approx(4 * shares["streamed"], abs=0.0025), shares
     (membership,) = report["membership"]
     assert membership["world"] == 256 and membership["decided"] is True, membership
     assert membership["announce_s"] > 0 and membership["reply_mb"] > 0, membership
+    assert membership["first_push_us"] > 0 and membership["push_us"] > 0, membership

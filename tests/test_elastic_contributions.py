@@ -116,6 +116,9 @@ def test_what_breaks_the_rules_is_refused_and_changes_nothing(cluster) -> None:
     push(cluster[0], [0, 1], batch=8)
     cases = [
         (cluster[2], {"members": [0, 1]}, "rank 2 is not a member of step 0"),
+        # the step's own membership, byte for byte: checked against the step's, not rank by rank
+        (cluster[2], {"members": [0, 1], "batch": 8}, "rank 2 is not a member of step 0"),
+        (cluster[1], {"members": [0, 1], "batch": 8, "num_micro": 5}, "8 rows cannot give"),
         (cluster[0], {"members": [1, 0]}, "distinct ranks in ascending order"),
         (cluster[0], {"members": [0, 7]}, "member rank 7 is outside 0..3"),
         (cluster[0], {"members": [0, 1], "batch": 1}, "global batch of 1 rows cannot give"),

@@ -68,8 +68,9 @@ def test_a_round_waits_its_window_for_the_expected_ranks_then_takes_those_there(
     t, _, clock, _ = table
     for r in (0, 1, 2):
         reply = join(t, r)
-        assert not reply.decided and list(reply.announced) == list(range(r + 1))
-    assert list(reply.expected) == [0, 1, 2, 3]
+        assert not reply.decided and reply.announced_count == r + 1
+        assert list(reply.announced) == []  # listed only below the minimum (a client's error)
+    assert list(reply.expected) == [0, 1, 2, 3] and reply.expected_count == 4
     clock.now += 5.0  # the window (5 s) since the first expected rank came
     reply = join(t, 0)
     assert reply.decided and reply.member and list(reply.members) == [0, 1, 2]
@@ -299,3 +300,21 @@ def test_the_records_of_every_job_together_are_bounded() -> None:
         big("fresh", 0)
     assert t.drop("j0")
     assert not big("fresh", 0).decided  # room again
+
+
+def test_a_coordinator_with_no_record_of_the_members_asks_for_them(table) -> None:
+    """A client sends its known members only when asked (``send_known``): a round is opened
+    from the step before's members, and only a new job, or a coordinator that restarted, has
+    none. Asking changes no round."""
+    t, _, _, versions = table
+    asked = join(t, 1, known=())
+    assert asked.send_known and not asked.decided
+    (row,) = t.status()
+    assert list(row.waiting) == []  # nobody announced
+    opened = join(t, 1, known=[0, 1])  # the client asks again with them
+    assert not opened.send_known and list(opened.expected) == [0, 1]
+    assert join(t, 0, known=()).decided  # the round is open: no need to know
+    versions["j"] = 1  # step 0 applied
+    nxt = [join(t, r, step=1, known=()) for r in (0, 1)]  # step 1 expects step 0's members
+    assert not any(r.send_known for r in nxt) and list(nxt[1].members) == [0, 1]
+    assert join(t, 0, known=(), recovery=True, epoch=1).send_known  # a new recovery round

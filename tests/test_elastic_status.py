@@ -75,7 +75,9 @@ def test_status_shows_members_history_and_steps_by_world_size(capsys) -> None:  
 
 def test_join_needs_the_train_role() -> None:
     with ShardServer(tokens={"r": "read", "t": "train"}) as server:
-        request = pb.JoinRequest(run="r", job="j", rank=0, world_size=1, min_members=1)
+        request = pb.JoinRequest(
+            run="r", job="j", rank=0, world_size=1, min_members=1, known_members=[0]
+        )
         reader = ShardClient(ClusterSpec([server.address], token="r"), timeout_s=5)
         trainer = ShardClient(ClusterSpec([server.address], token="t"), timeout_s=5)
         try:

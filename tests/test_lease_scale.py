@@ -17,14 +17,14 @@ import time
 
 import pytest
 from conftest import unique_id
-from lease_fakes import new_table
+from lease_fakes import Stream, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
-from paramshard.server.collectives.leases import ISOLATED_GRACE_S
+from paramshard.server.collectives.leases import ISOLATED_GRACE_S, STREAM_GRACE_S
 
 
 def lease(rank: int, world: int, ttl_ms: int = 30_000) -> pb.LeaseRequest:
@@ -164,3 +164,48 @@ def test_a_rank_of_a_large_run_renews_at_its_pace_and_at_once_on_a_new_epoch(ser
     finally:
         client.close()
         table.renew = renew
+
+
+def test_the_kept_live_set_follows_every_way_a_lease_comes_and_goes():
+    """``live_ranks`` answers the same set object while no lease may have come or gone
+    (``RunRecord.live_set``); each way one does is seen at once."""
+    leases, clock = new_table()
+
+    def live() -> frozenset[int]:
+        return leases.live_ranks("big")
+
+    for rank in (0, 1):
+        leases.renew(lease(rank, 8, ttl_ms=1_000))
+    kept = live()
+    clock.now += 0.5
+    assert live() is kept == {0, 1}  # nothing moved: the same set
+    leases.renew(lease(2, 8, ttl_ms=1_000))  # a new lease
+    assert live() == {0, 1, 2}
+    leases.renew(pb.LeaseRequest(run="big", rank=1, world_size=8, release=True))  # released
+    assert live() == {0, 2}
+    leases.renew(lease(2, 8, ttl_ms=200))  # a renewal shortens its lease
+    clock.now += 0.3
+    assert live() == {0}  # rank 2's shorter lease ran out first
+    clock.now += 0.3  # past rank 0's TTL, no renewal: expired (not yet found lapsed)
+    assert live() == set()
+    leases.renew(lease(0, 8, ttl_ms=1_000))  # back before its lapse was found
+    assert live() == {0}
+    stream = Stream("big", rank=3)
+    leases.open_hold(lease(3, 8, ttl_ms=100), stream)
+    clock.now += 0.9  # a stream holds it past its TTL
+    assert live() == {0, 3}
+    assert leases.end_hold(stream)  # its stream ended: STREAM_GRACE_S to come back
+    clock.now += 0.5
+    assert live() == {3}  # rank 0 expired, rank 3 within its grace
+    clock.now += 0.6
+    assert live() == set()
+    leases.renew(lease(0, 8, ttl_ms=30_000))  # a long lease: the kept set's bound is far off
+    stream = Stream("big", rank=4)
+    leases.open_hold(lease(4, 8, ttl_ms=30_000), stream)
+    assert live() == {0, 4}
+    assert leases.end_hold(stream)
+    clock.now += STREAM_GRACE_S + 0.1
+    assert live() == {0}  # rank 4's stream ended and its grace ran out, long before 30 s
+    claims = pb.LeaseRequest(run="big", rank=4, world_size=8, ttl_ms=30_000, stream=True)
+    leases.renew(claims)  # sent before it saw its stream end
+    assert live() == {0, 4}  # held until UNSEEN_END_S after the end (test_late_renewals.py)

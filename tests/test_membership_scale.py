@@ -3,13 +3,19 @@ Joins the coordinator at every step, so a step of W ranks is W Joins (and as man
 once the round is decided), and what deciding costs a Join must not grow with W.
 
 Work is counted, not timed: how often the coordinator asks whether a rank is alive (a lookup
-in the lease table's live set) per Join, at two run sizes. A Join still reads its request's
-known members and a decided reply lists the step's members: those are O(W) a Join, in C.
+in the lease table's live set) per Join, and how often the lease table asks a lease, at two
+run sizes. A request carries its rank's known members only when the coordinator asks for them
+(a new job's first round), and an undecided reply lists at most 16 ranks; a decided reply
+still lists the step's members, O(W) a Join in C.
 """
 
 from __future__ import annotations
 
+import pytest
+from lease_fakes import new_table
+
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.membership import MembershipTable
 
 
@@ -39,28 +45,62 @@ class Clock:
         return self.now
 
 
-def lookups_per_join(world: int) -> float:
-    """A step's round of ``world`` ranks: each announces itself, then asks again once it is
-    decided; the lookups of the live set per Join."""
-    clock = Clock()
-    table = MembershipTable(Leases(world), {"j": 0}.get, clock=clock)
+def a_step(table: MembershipTable, clock, world: int) -> None:
+    """A step's round of ``world`` ranks, as their clients ask: each announces itself (the
+    first sent again with its known members, as the coordinator asks), then asks again once it
+    is decided."""
 
-    def join(rank: int) -> pb.JoinReply:
+    def join(rank: int, known: bool = False) -> pb.JoinReply:
         clock.now += 1e-4  # W Joins within the round's window
         req = pb.JoinRequest(
             run="r", job="j", rank=rank, world_size=world, step=0, min_members=1,
-            window_ms=60_000, known_members=range(world),
+            window_ms=60_000, known_members=range(world) if known else (),
         )  # fmt: skip
-        return table.join(req, 0.0)
+        reply = table.join(req, 0.0)
+        return join(rank, known=True) if reply.send_known else reply
 
-    CountedSet.lookups = 0
     for rank in range(world):
         reply = join(rank)
         assert reply.decided == (rank == world - 1), (rank, reply)
+        assert reply.decided or len(reply.SerializeToString()) < 128  # at most 16 ranks listed
     for rank in range(world):
         reply = join(rank)
         assert reply.decided and reply.member and len(reply.members) == world
+
+
+def lookups_per_join(world: int) -> float:
+    """The lookups of the live set per Join of a step of ``world`` ranks."""
+    clock = Clock()
+    table = MembershipTable(Leases(world), {"j": 0}.get, clock=clock)
+    CountedSet.lookups = 0
+    a_step(table, clock, world)
     return CountedSet.lookups / (2 * world)
+
+
+@pytest.fixture
+def asks(monkeypatch):
+    """Counts the calls of ``LeaseRecord.live``."""
+    count = [0]
+    live = lease_records.LeaseRecord.live
+
+    def counted(self, now):
+        count[0] += 1
+        return live(self, now)
+
+    monkeypatch.setattr(lease_records.LeaseRecord, "live", counted)
+    return count
+
+
+def lease_asks_per_join(world: int, asks: list[int]) -> float:
+    """The asks of a lease (``LeaseRecord.live``) per Join of a step of ``world`` ranks that
+    hold leases on the coordinator: the real lease table answers the live ranks."""
+    leases, clock = new_table()
+    for rank in range(world):
+        leases.renew(pb.LeaseRequest(run="r", rank=rank, world_size=world, ttl_ms=30_000))
+    table = MembershipTable(leases, {"j": 0}.get, clock=clock)
+    asks[0] = 0
+    a_step(table, clock, world)
+    return asks[0] / (2 * world)
 
 
 def test_a_join_asks_about_a_bounded_number_of_ranks_whatever_the_round_size():
@@ -71,3 +111,12 @@ def test_a_join_asks_about_a_bounded_number_of_ranks_whatever_the_round_size():
     small, large = lookups_per_join(200), lookups_per_join(4000)
     assert large <= small * 1.25 + 2, (small, large)
     assert large < 10, large
+
+
+def test_the_live_ranks_are_walked_once_a_step_not_once_a_join(asks):
+    """Before, the lease table listed the run's live leases for each Join (W asks a Join, and a
+    set of W ranks built). Now it keeps the set until a lease may have come or gone
+    (``RunRecord.live_set``): the step's Joins ask each lease about once in all."""
+    small, large = lease_asks_per_join(200, asks), lease_asks_per_join(4000, asks)
+    assert large <= small * 1.25 + 1, (small, large)
+    assert large < 2, large

@@ -54,6 +54,7 @@ def server() -> Iterator[ShardServer]:
             step=1,
             min_members=1,
             window_ms=10,
+            known_members=[0],  # a new job: its coordinator would ask for them (send_known)
         )
         assert call(s, "Join", join, "b-train", pb.JoinReply).member
         yield s

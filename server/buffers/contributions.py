@@ -81,8 +81,9 @@ class Contributions(SliceState):
             raise ShardError.invalid(
                 f"{self.label}: micro-batch {h.micro} of num_micro={h.num_micro} is out of range"
             )
+        key = b""
         if h.HasField("membership"):
-            check_membership(self.label, self.contributors, h)
+            key = check_membership(self.label, self.contributors, h, self.pending)
         elif h.contributor >= self.contributors:
             raise ShardError.invalid(
                 f"{self.label}: contributor {h.contributor} is outside 0..{self.contributors - 1}"
@@ -101,7 +102,7 @@ class Contributions(SliceState):
                 raise ShardError.precondition(
                     f"{self.label} moved to version {self.version} while step {h.step} waited"
                 )
-            pending, replaces = self._pending_for(h)
+            pending, replaces = self._pending_for(h, key)
             if pending.num_micro != h.num_micro:
                 raise ShardError.precondition(
                     f"{self.label}: step {h.step} accumulates {pending.num_micro} micro-batches"
@@ -158,11 +159,11 @@ class Contributions(SliceState):
                 self.cond.notify_all()
             return pb.PushGradReply(reduced=pending.reduced, version=self.version)
 
-    def _pending_for(self, h: pb.PushGradHeader) -> tuple[PendingStep, bool]:
+    def _pending_for(self, h: pb.PushGradHeader, key: bytes) -> tuple[PendingStep, bool]:
         """The pending step push ``h`` adds to, and whether it replaces the current one (an
         elastic step's older membership generation). Checks only."""
         if h.HasField("membership"):
-            return elastic_pending(self.label, self.pending, h)
+            return elastic_pending(self.label, self.pending, h, key)
         if self.pending is not None and self.pending.members is not None:
             raise ShardError.precondition(
                 f"{self.label}: step {h.step} accumulates the pushes of an elastic membership;"
@@ -173,7 +174,7 @@ class Contributions(SliceState):
     @staticmethod
     def _place(pending: PendingStep, h: pb.PushGradHeader) -> int:
         """Contribution k of push ``h``: its place in the rank order."""
-        i = h.contributor if pending.members is None else pending.members.index(h.contributor)
+        i = h.contributor if pending.positions is None else pending.positions[h.contributor]
         return i * pending.num_micro + h.micro
 
     def _last(self, pending: PendingStep) -> int:

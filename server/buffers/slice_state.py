@@ -81,6 +81,8 @@ class PendingStep:
     member ``members[k // num_micro]``'s. None: contributors 0..contributors-1."""
     generation: int = 0
     global_batch: int = 0
+    membership_key: bytes = b""  # elastic jobs: the ``StepMembership`` as pushes encode it
+    positions: dict[int, int] | None = None  # elastic jobs: member -> its index in ``members``
     weights: list[float] | None = None
     """Elastic jobs: contribution k is multiplied by ``weights[k]`` as it is added (its share
     of the global batch); None: contributions are summed, then averaged over contributors."""

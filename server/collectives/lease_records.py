@@ -76,9 +76,34 @@ class RunRecord:
     streams: set[Listener] = field(default_factory=set)
     awaiting: set[int] = field(default_factory=set)  # ranks whose lease lapsed, still kept
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
+    live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
+    live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
 
     def live(self, now: float, but: int = -1) -> list[int]:
         return [r for r, x in self.leases.items() if r != but and x.live(now)]
+
+    def live_set(self, now: float) -> frozenset[int]:
+        """The ranks whose lease is live at ``now``: the same set object until a lease may have
+        come or gone. An elastic job's coordinator asks it at each of a step's W Joins; walking
+        the run each time made a step cost it O(W^2).
+
+        A lease of the set without a stream lives at least until its ``expires`` (a renewal
+        only moves that later); one held by a stream until the stream ends. Whatever else can
+        change the set calls ``moved``: a lease made or back (``put``), gone (``pop``), its last
+        stream ended, a renewal that brings back an expired lease or shortens one."""
+        if self.live_cache is None or now > self.live_until:
+            live, until = [], float("inf")
+            for rank, lease in self.leases.items():
+                if lease.live(now):
+                    live.append(rank)
+                    if not lease.holds:
+                        until = min(until, lease.expires)
+            self.live_cache, self.live_until = frozenset(live), until
+        return self.live_cache
+
+    def moved(self) -> None:
+        """A lease may have come or gone otherwise than by lapsing: ``live_set`` looks again."""
+        self.live_cache = None
 
     def any_live(self, now: float, but: int = -1) -> bool:
         """Whether a lease other than ``but``'s is live; the rank last known live is asked
@@ -103,9 +128,11 @@ class RunRecord:
         self.leases[rank] = lease
         self.awaiting.discard(rank)
         self.recent = rank
+        self.moved()
 
     def pop(self, rank: int) -> LeaseRecord | None:
         self.awaiting.discard(rank)
+        self.moved()
         return self.leases.pop(rank, None)
 
     def notice(self, epoch: int) -> pb.LeaseReply:

@@ -178,6 +178,7 @@ class LeaseTable:
                 return False
             now = self.clock()
             lease.closed_at, lease.expires = now, now + STREAM_GRACE_S
+            run.moved()
             return True
 
     def check(self, run: str) -> None:
@@ -211,13 +212,14 @@ class LeaseTable:
                 self._check_lapses(name, run, now, force=True)
                 self._forget_if_idle(name, run, now)
 
-    def live_ranks(self, run: str) -> set[int] | None:
+    def live_ranks(self, run: str) -> frozenset[int] | None:
         """The ranks of run ``run`` whose lease here has not lapsed; None when this server
         knows no lease of the run (elastic membership reads it,
-        server/collectives/membership.py)."""
+        server/collectives/membership.py). The same set object while it holds
+        (``RunRecord.live_set``)."""
         with self._lock:
             held = self._runs.get(run)
-            return None if held is None else set(held.live(self.clock()))
+            return None if held is None else held.live_set(self.clock())
 
     def drop(self, run: str) -> bool:
         """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
@@ -273,8 +275,11 @@ class LeaseTable:
             lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, holds=holds)
             run.put(req.rank, lease)
         else:
-            if not lease.live(now):
+            back = not lease.live(now)
+            if back:
                 lease.since = now
+            if back or now + ttl < lease.expires:
+                run.moved()  # back, or shorter than it was: the live set may change
             lease.expires, lease.epoch, lease.ttl_s, lease.rejoin_s = (
                 now + ttl,
                 req.epoch,
@@ -300,6 +305,7 @@ class LeaseTable:
             return False
         if lease.lapsed_at is None:
             lease.expires = max(lease.expires, lease.closed_at + UNSEEN_END_S)
+            run.moved()  # an expired lease not yet found lapsed may be live again
         return True
 
     def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:

@@ -9,8 +9,9 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    accumulated) sends ``Join(run, job, rank, step=s, epoch)`` to the coordinator and waits,
    asking again every few seconds, until the round is decided.
 2. **Decide.** The first Join for ``s`` opens round ``s``. It *expects* the members of step
-   ``s-1`` (without that record, e.g. a coordinator that restarted: the ranks the requests name
-   in ``known_members``), less those found lost: a rank whose lease on this server lapsed or was
+   ``s-1`` (without that record, a new job or a coordinator that restarted: the ranks its
+   opening request names in ``known_members``, which a client sends only when a reply asks,
+   ``send_known``), less those found lost: a rank whose lease on this server lapsed or was
    released after it had held one (``_Liveness``; server/collectives/leases.py), or that left
    (step 6). The round is decided once every expected rank has announced, or ``window_ms``
    after the first expected rank did, whichever comes first, and in either case only once at
@@ -89,12 +90,14 @@ POLL_S = 2.0
 again), so a waiting rank holds a server thread only briefly and sees its own notices."""
 CHECK_S = 0.1
 """How often a waiting Join looks at the leases again (lapses are not signalled)."""
+LISTED = 16
+"""Ranks an undecided reply lists (the lowest): a client's error names them."""
 
 
 class _Liveness(Protocol):
     """What the table needs of the lease table: which ranks of a run hold a live lease here."""
 
-    def live_ranks(self, run: str) -> set[int] | None: ...
+    def live_ranks(self, run: str) -> frozenset[int] | None: ...
 
 
 class MembershipTable:
@@ -195,8 +198,9 @@ class MembershipTable:
         """Whether a rank counts as alive: not left, and holding a live lease here unless it
         never held one (a coordinator that restarted knows no leases yet)."""
         live = self.liveness.live_ranks(job.run)
-        if live is not None:
+        if live is not None and live is not job.seen_from:  # the same set: nothing new seen
             job.seen_live |= live
+            job.seen_from = live
         return lambda r: r not in job.left and (live is None or r in live or r not in job.seen_live)
 
     def _open(
@@ -217,10 +221,12 @@ class MembershipTable:
             )
         rnd = job.rounds.get(s)
         if rnd is None:
-            if len(job.rounds) < kept_rounds(job.world_size):  # else one is dropped for it
-                self._room_for(job.world_size, req)
             prev = job.rounds.get(s - 1)
             previous = prev if prev is not None and prev.decided else job.last
+            if previous is None and not req.known_members:
+                return self._send_known(job, req), True
+            if len(job.rounds) < kept_rounds(job.world_size):  # else one is dropped for it
+                self._room_for(job.world_size, req)
             rnd = job.rounds[s] = self._open(job, s, req, previous)
             while len(job.rounds) > kept_rounds(job.world_size):
                 del job.rounds[min(job.rounds)]
@@ -234,21 +240,23 @@ class MembershipTable:
         if rnd.decided:
             applied = version is not None and version > s
             orphaned = not applied and not any(map(alive, rnd.members))
-            back = req.rank in rnd.members and req.epoch > rnd.epoch
+            back = req.rank in rnd.member_set and req.epoch > rnd.epoch
             if applied or not (orphaned or back):
-                return self._decided_reply(job, rnd, req.rank), True
+                return rnd.decided_reply(req.rank, job.epoch), True
             # a member back in a newer epoch (the round's epoch was aborted), or a step whose
             # members are all gone: its ranks start it again (step 5)
             self._revise(job, rnd, [m for m in rnd.members if not alive(m)])
         self._announce(rnd, req)
         if ahead or not self._decide(job, rnd, alive, step=True):
             return None, False  # a round is decided once the step before it was applied
-        return self._decided_reply(job, rnd, req.rank), True
+        return rnd.decided_reply(req.rank, job.epoch), True
 
     def _recovery(self, job: ElasticJob, req: pb.JoinRequest) -> tuple[pb.JoinReply | None, bool]:
         """Step 7: (the reply, whether it is final: the round is done, or this rank leads)."""
         rnd = job.recoveries.get(req.epoch)
         if rnd is None:
+            if not req.known_members:
+                return self._send_known(job, req), True
             if len(job.recoveries) < kept_rounds(job.world_size):
                 self._room_for(job.world_size, req)
             rnd = job.recoveries[req.epoch] = self._open(job, req.epoch, req, job.last)
@@ -267,7 +275,7 @@ class MembershipTable:
         live = [m for m in rnd.members if alive(m)] or list(rnd.members)
         reply = pb.JoinReply(
             decided=True,
-            member=req.rank in rnd.members,
+            member=req.rank in rnd.member_set,
             generation=rnd.generation,
             members=rnd.members,
             epoch=max(rnd.epoch, job.epoch),
@@ -303,9 +311,8 @@ class MembershipTable:
         rnd.below_min = len(present) < rnd.min_members
         if rnd.below_min:
             return False
-        rnd.decided, rnd.members = True, tuple(sorted(present))
         # the run's newest epoch: a rank that comes late, still in an aborted one, moves on
-        rnd.epoch = max(job.epoch, *(rnd.announced[r] for r in present))
+        rnd.decide(tuple(sorted(present)), max(job.epoch, *(rnd.announced[r] for r in present)))
         if step:
             self._record(job, rnd, alive)
         self._cond.notify_all()
@@ -342,19 +349,6 @@ class MembershipTable:
             )
         )
 
-    def _decided_reply(self, job: ElasticJob, rnd: Round, rank: int) -> pb.JoinReply:
-        member = rank in rnd.members
-        return pb.JoinReply(
-            decided=True,
-            member=member,
-            step=rnd.key,
-            generation=rnd.generation,
-            members=rnd.members,
-            epoch=max(rnd.epoch, job.epoch) if not member else rnd.epoch,
-            next_step=0 if member else rnd.key + 1,
-            leader=rnd.members[0],
-        )
-
     def _undecided(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
         rnd = (job.recoveries if req.recovery else job.rounds).get(
             req.epoch if req.recovery else req.step
@@ -362,9 +356,17 @@ class MembershipTable:
         reply = pb.JoinReply(decided=False, step=req.step, epoch=job.epoch)
         if rnd is not None:
             reply.below_min = rnd.below_min
-            reply.announced.extend(sorted(rnd.announced))
-            reply.expected.extend(sorted(rnd.expected))
+            reply.announced_count, reply.expected_count = len(rnd.announced), len(rnd.expected)
+            reply.expected.extend(rnd.lowest_expected(LISTED))
+            if rnd.below_min:  # fewer than min_members are there: the client's error lists them
+                reply.announced.extend(sorted(rnd.announced)[:LISTED])
         return reply
+
+    def _send_known(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
+        """A round must be opened and nothing says whom it expects: no round of the job was
+        decided here (a new job, or this server restarted) and the request carries no
+        ``known_members``. The client asks again with them (steps 2 and 7)."""
+        return pb.JoinReply(decided=False, send_known=True, step=req.step, epoch=job.epoch)
 
     def _leave(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
         """Step 6: the rank leaves; whether it was a member of a step not applied yet."""
@@ -376,7 +378,7 @@ class MembershipTable:
         last, version = job.last, self.version_of(req.job)
         in_flight = (
             last is not None
-            and req.rank in last.members
+            and req.rank in last.member_set
             and (version is None or version <= last.key)
         )
         self._cond.notify_all()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
@@ -55,6 +56,8 @@ class Round:
     decided: bool = False
     generation: int = 0
     members: tuple[int, ...] = ()
+    member_set: frozenset[int] = frozenset()  # ``members``, to ask in O(1)
+    member_reply: pb.JoinReply | None = None  # a step member's reply, built once (``reply_to``)
     epoch: int = 0
     done: bool = False  # recovery rounds
     below_min: bool = False  # all there, but fewer than min_members
@@ -80,10 +83,49 @@ class Round:
             return True
         return False
 
+    def lowest_expected(self, n: int) -> list[int]:
+        """The lowest ``n`` ranks the round expects, without sorting them again."""
+        if self.order is None:
+            self.order = sorted(self.expected)
+        return list(islice((r for r in self.order if r in self.expected), n))
+
+    def decide(self, members: tuple[int, ...], epoch: int) -> None:
+        self.decided, self.members, self.member_set = True, members, frozenset(members)
+        self.epoch, self.member_reply = epoch, None
+
+    def decided_reply(self, rank: int, job_epoch: int) -> pb.JoinReply:
+        """What this decided step round tells ``rank`` (protocol step 3). A member's reply is
+        built once and copied for each: each of W members asks at least once, and building
+        the W members into each reply was most of what a step cost its coordinator."""
+        if rank not in self.member_set:
+            return pb.JoinReply(
+                decided=True,
+                step=self.key,
+                generation=self.generation,
+                members=self.members,
+                epoch=max(self.epoch, job_epoch),
+                next_step=self.key + 1,
+                leader=self.members[0],
+            )
+        if self.member_reply is None:
+            self.member_reply = pb.JoinReply(
+                decided=True,
+                member=True,
+                step=self.key,
+                generation=self.generation,
+                members=self.members,
+                epoch=self.epoch,
+                leader=self.members[0],
+            )
+        reply = pb.JoinReply()
+        reply.CopyFrom(self.member_reply)
+        return reply
+
     def reopen(self, expected: set[int]) -> None:
         """A new generation expecting ``expected``: nobody has announced yet."""
         self.before = self.expected = expected
         self.decided, self.members, self.announced, self.window_start = False, (), {}, None
+        self.member_set, self.member_reply = frozenset(), None
         self.order, self.cursor = None, 0
 
 
@@ -99,6 +141,7 @@ class ElasticJob:
     recoveries: dict[int, Round] = field(default_factory=dict)
     last: Round | None = None  # the newest step round decided
     seen_live: set[int] = field(default_factory=set)
+    seen_from: frozenset[int] | None = None  # the live set last added to ``seen_live``
     left: set[int] = field(default_factory=set)
     epoch: int = 0
     joins: int = 0
