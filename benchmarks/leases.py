@@ -2,7 +2,7 @@
 through torch's ``TCPStore``) and an elastic step's membership.
 
     python -m benchmarks.leases [--quick] [--worlds 1024,8192,32768] [--served 1024,8192]
-                                [--members 1024,4096] [--wait-quiet S]
+                                [--members 1024,4096] [--crowd 150,400] [--wait-quiet S]
 
 Every rank of a run renews its lease on every server once a second (client/leases.py), so a
 server of a run of W ranks handles W renewals a second, at 1,024 hosts of 8 GPUs 8,192; and
@@ -36,6 +36,9 @@ in one run:
   pushes (``server/buffers/membership.py``): every member pushes each bucket to every server
   with the step's W members; the check of a server's first push of the step
   (``first_push_us``) and of each push after it (``push_us``).
+- **crowd**: an elastic step's Joins through a real in-process server with the default bounds,
+  more ranks than it has threads for waiting calls (benchmarks/_membership_crowd.py): the
+  members of the step, and how long the last rank waited.
 
 JSON to stdout, progress to stderr; every child is started here and stopped by PID.
 """
@@ -54,6 +57,7 @@ from typing import Any
 import grpc
 
 from benchmarks._cpu import Load, cpu_self_s, proc_cpu_s, wait_quiet
+from benchmarks._membership_crowd import crowd_row
 from benchmarks._processes import (
     Child,
     child_env,
@@ -287,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worlds", default="1024,8192,32768", help="run sizes, the table alone")
     ap.add_argument("--served", default="1024,8192", help="run sizes, through a real server")
     ap.add_argument("--members", default="1024,4096", help="run sizes, an elastic step's Joins")
+    ap.add_argument("--crowd", default="150,400", help="run sizes, Joins through a server")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait for other load (s)")
     a = ap.parse_args(argv)
     worlds = [256] if a.quick else [int(w) for w in a.worlds.split(",") if w]
@@ -304,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     for world in members:
         membership.append(membership_row(world))
         say(json.dumps(membership[-1]))
+    crowd = []
+    for world in [64] if a.quick else [int(w) for w in a.crowd.split(",") if w]:
+        crowd.append(crowd_row(world))
+        say(json.dumps(crowd[-1]))
     rows = []
     for world in served:
         row = {"world": world, "ours": ours_served(world), "tcpstore": store_served(world)}
@@ -322,12 +331,14 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"python": platform.python_version(), "cpu": _cpu_model()},
         "table": table,
         "membership": membership,
+        "crowd": crowd,
         "served": rows,
         "wall_s": round(time.time() - t0, 1),
         "foreign_cpu_frac": load.stop(),
     }
     print(json.dumps(out, indent=1))
     failed = any(r["cut_off_aborted"] for r in table) or not all(r["decided"] for r in membership)
+    failed |= any(r["members_of_step_0"] < r["world"] for r in crowd)
     return 1 if failed else 0
 
 

@@ -14,6 +14,7 @@ others redo that step without it at once instead of waiting for its gradient. Ev
 from __future__ import annotations
 
 import atexit
+import random
 import threading
 import time
 import weakref
@@ -133,6 +134,8 @@ class Membership:
                 why = notice.reason if notice else f"no restore after {now - began:.0f} s"
                 address = self.client.spec.addresses[0]
                 raise ShardClientError(0, address, "Join", grpc.StatusCode.ABORTED, why)
+            if reply.retry_after_ms:  # it answered before it could wait: ask again later
+                time.sleep(reply.retry_after_ms / 1000 * random.uniform(0.5, 1.0))
             if not reply.below_min:
                 below_since = None
                 continue

@@ -69,6 +69,7 @@ def test_a_round_waits_its_window_for_the_expected_ranks_then_takes_those_there(
     for r in (0, 1, 2):
         reply = join(t, r)
         assert not reply.decided and reply.announced_count == r + 1
+        assert reply.retry_after_ms == 100  # answered without waiting: ask again after a pause
         assert list(reply.announced) == []  # listed only below the minimum (a client's error)
     assert list(reply.expected) == [0, 1, 2, 3] and reply.expected_count == 4
     clock.now += 5.0  # the window (5 s) since the first expected rank came

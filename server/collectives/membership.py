@@ -92,6 +92,11 @@ CHECK_S = 0.1
 """How often a waiting Join looks at the leases again (lapses are not signalled)."""
 LISTED = 16
 """Ranks an undecided reply lists (the lowest): a client's error names them."""
+ASKS_A_SECOND = 500
+"""A Join answered before it could wait (the server had no thread to spare: ``ANSWERS_AT_ONCE``
+in server/rpc/admission.py) is told to ask again after a pause that keeps a round's ranks to
+about this many asks a second, between ``MIN_PAUSE_S`` and ``POLL_S``."""
+MIN_PAUSE_S = 0.1
 
 
 class _Liveness(Protocol):
@@ -124,7 +129,8 @@ class MembershipTable:
     def join(self, req: pb.JoinRequest, timeout: float, owner: str | None = None) -> pb.JoinReply:
         """``owner``: the caller (its token), whose share a job it makes counts against."""
         check_request(req)
-        deadline = self.clock() + max(0.0, min(timeout, POLL_S))
+        began = self.clock()
+        deadline = began + max(0.0, min(timeout, POLL_S))
         with self._cond:
             job = self._job_for(req, owner)
             job.epoch = max(job.epoch, req.epoch)
@@ -134,7 +140,7 @@ class MembershipTable:
             while True:
                 reply, final = self._recovery(job, req) if req.recovery else self._step(job, req)
                 if final or self.clock() >= deadline:
-                    return reply or self._undecided(job, req)
+                    return reply or self._undecided(job, req, self.clock() - began)
                 self._cond.wait(min(CHECK_S, max(0.0, deadline - self.clock())))
 
     def drop(self, job: str) -> bool:
@@ -234,7 +240,7 @@ class MembershipTable:
         ahead = version is not None and s > version  # step s-1 is not applied here yet
         if ahead:
             current = job.rounds.get(version)
-            if current is not None and _needs_help(current, alive):
+            if current is not None and current.needs_help(alive):
                 reply = pb.JoinReply(decided=True, step=s, next_step=version, epoch=job.epoch)
                 return reply, True  # join the servers' step instead
         if rnd.decided:
@@ -349,11 +355,16 @@ class MembershipTable:
             )
         )
 
-    def _undecided(self, job: ElasticJob, req: pb.JoinRequest) -> pb.JoinReply:
+    def _undecided(self, job: ElasticJob, req: pb.JoinRequest, waited: float) -> pb.JoinReply:
+        """The reply "not yet", after ``waited`` s; one that could not wait asks again later."""
         rnd = (job.recoveries if req.recovery else job.rounds).get(
             req.epoch if req.recovery else req.step
         )
         reply = pb.JoinReply(decided=False, step=req.step, epoch=job.epoch)
+        if waited < POLL_S / 2:
+            crowd = len(rnd.announced) if rnd is not None else 1
+            pause = min(POLL_S, max(MIN_PAUSE_S, crowd / ASKS_A_SECOND))
+            reply.retry_after_ms = max(0, round(1000 * (pause - waited)))
         if rnd is not None:
             reply.below_min = rnd.below_min
             reply.announced_count, reply.expected_count = len(rnd.announced), len(rnd.expected)
@@ -383,14 +394,3 @@ class MembershipTable:
         )
         self._cond.notify_all()
         return pb.JoinReply(decided=True, in_flight=in_flight, epoch=job.epoch)
-
-
-def _needs_help(current: Round, alive: Callable[[int], bool]) -> bool:
-    """Whether the servers' step (round ``current``) cannot end without the ranks waiting for
-    the next one: decided, every member of it is gone; undecided, it waits below its minimum
-    (as a round reopened without a lost member does). Such a rank, parked for the next step
-    when the round was decided without it (a restarted rank), would otherwise wait on a round
-    that waits for it."""
-    if current.decided:
-        return not any(map(alive, current.members))
-    return current.below_min

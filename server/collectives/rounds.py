@@ -121,6 +121,16 @@ class Round:
         reply.CopyFrom(self.member_reply)
         return reply
 
+    def needs_help(self, alive: Callable[[int], bool]) -> bool:
+        """Whether this round, the servers' step, cannot end without the ranks waiting for the
+        next one: decided, every member of it is gone; undecided, it waits below its minimum
+        (as a round reopened without a lost member does). Such a rank, parked for the next
+        step when the round was decided without it (a restarted rank), would otherwise wait on
+        a round that waits for it."""
+        if self.decided:
+            return not any(map(alive, self.members))
+        return self.below_min
+
     def reopen(self, expected: set[int]) -> None:
         """A new generation expecting ``expected``: nobody has announced yet."""
         self.before = self.expected = expected

@@ -14,15 +14,15 @@ the same to an admin's Status. So (``CallLimits``):
   together) only while it holds fewer than ``caller_bound``, half the threads waiting calls
   may take: one caller's waiting calls never hold the threads another caller's
   collective needs. Beyond any of them it fails at once with RESOURCE_EXHAUSTED "retry later",
-  a message saying which bound, and nothing changed. Every other call (pushes to initialised
+  a message saying which bound, and nothing changed; but a Join (``ANSWERS_AT_ONCE``) runs at
+  once with no time to wait, so every rank is heard. Every other call (pushes to initialised
   buffers, steps whose pushes are in, SetParams, registration, Status, ...) is never refused
   here, and finds one of the reserved threads however many callers wait.
 - Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
-- Client sessions (server/transport/sessions.py) likewise run on ``max_sessions`` threads of their
-own;
-  each call a session carries passes ``enter``/``leave`` here like a unary call.
+- Client sessions (server/transport/sessions.py) likewise run on ``max_sessions`` threads of
+  their own; each call a session carries passes ``admit``/``leave`` here like a unary call.
 - How long a call may wait is bounded by the servicer's ``max_wait_s``.
 - Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
   request!": the Shard service's own parsers never raise (server/servicer.py), the health and
@@ -45,7 +45,13 @@ import grpc
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_id
 from paramshard.server.rpc.unsent_replies import UnsentReplies
 
-__all__ = ["CallLimits", "CallGate", "WAITING_METHODS", "default_reserved"]
+__all__ = ["ANSWERS_AT_ONCE", "CallGate", "CallLimits", "WAITING_METHODS", "default_reserved"]
+
+ANSWERS_AT_ONCE = frozenset({"Join"})
+"""Waiting methods whose call, past a bound of waiting calls, runs with no time to wait instead
+of being refused: a Join announces its rank and answers "ask again after a pause". Refused, the
+ranks of an elastic job larger than the waiting threads (112, or 56 for one token) could not all
+announce themselves within a round's window, and its step went on without them."""
 
 WAITING_METHODS = frozenset(
     {"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step", "Join"}
@@ -193,6 +199,16 @@ class CallGate(grpc.ServerInterceptor):
             self.busy += 1
         return None
 
+    def admit(
+        self, method: str, role: str | None, caller: str | None = None
+    ) -> tuple[str | None, str | None]:
+        """``enter`` for a call of ``method``: (why it is refused, the role it waits as): past
+        the bounds, one of ``ANSWERS_AT_ONCE`` comes in as a call that does not wait."""
+        refusal = self.enter(role, caller)
+        if refusal is None or role is None or method not in ANSWERS_AT_ONCE:
+            return refusal, role
+        return self.enter(None, caller), None
+
     def leave(self, role: str | None, caller: str | None = None) -> None:
         if role == "read":
             caller = None
@@ -214,13 +230,13 @@ class CallGate(grpc.ServerInterceptor):
             _check_parsed(request, context, method)
             self._hold_reply(method, request, caller, context)
             waits = role if role and (not self.may_wait or self.may_wait(method, request)) else None
-            refusal = self.enter(waits, caller)
+            refusal, admitted = self.admit(method, waits, caller)
             if refusal is not None:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}")
             try:
-                return behavior(request, context)
+                return behavior(request, context if admitted == waits else _AtOnce(context))
             finally:
-                self.leave(waits, caller)
+                self.leave(admitted, caller)
 
         return grpc.unary_unary_rpc_method_handler(
             gated,
@@ -342,6 +358,16 @@ def _never_raising(parse: Callable[[bytes], Any] | None) -> Callable[[bytes], An
             return _Unparsed(exc)
 
     return parse_or_flag
+
+
+class _AtOnce:
+    """A unary call's context with no time left to wait (``ANSWERS_AT_ONCE``)."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context, self.time_remaining = context, lambda: 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
 
 
 def _check_parsed(request: Any, context: grpc.ServicerContext, method: str) -> None:

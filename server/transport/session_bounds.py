@@ -1,7 +1,28 @@
-"""The bounds of one server's sessions (server/transport/sessions.py, whose docstring says how
-they work together): calls in flight and waiting, a batch's calls, unsent replies and held
-request bytes per session, bytes over all sessions, and the sizes that decide how replies are
-batched and where a contribution runs.
+"""The bounds of one server's sessions (server/transport/sessions.py): calls in flight and
+waiting, a batch's calls, unsent replies and held request bytes per session, bytes over all
+sessions, and the sizes that decide how replies are batched and where a contribution runs.
+
+At most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
+but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
+refused "retry later", as a busy server refuses, but a Join answers at once without waiting:
+``ANSWERS_AT_ONCE``, server/rpc/admission.py), at most ``MAX_BATCH`` calls in one batch
+(beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
+gate counts open sessions against ``CallLimits.max_sessions``. A call counts the bytes its
+reply may carry from the moment it is taken (a pull's chunk, a read of an open slot's chunk:
+``Sessions.reply_bytes``), and one that would take the session's replies, unsent or to come,
+past ``MAX_UNSENT_BYTES`` is refused "retry later"; a read of a slot with no contribution yet
+counts once its reply exists (``MAX_WAITING`` of them at most). A client that stops reading its
+replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
+sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
+client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
+one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. Those bytes, over all the
+server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding its share
+of it or more (the bound divided by the sessions open) takes no more calls until the total is
+back under it. A greedy client holds itself back, never the trainers' small calls, which one
+of them may wait for: the sessions under their share hold less than the bound between them,
+so the total stays about twice the bound at most, plus, per session, a message and the
+replies of the calls it has running. A small contribution runs on the session's reader
+thread, as it never waits; any other call runs on a pool of the server's.
 """
 
 from __future__ import annotations

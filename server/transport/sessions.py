@@ -16,26 +16,8 @@ Each call of a session is what its unary twin is:
 - a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls;
 - a call's deadline is its ``timeout_s`` from its arrival.
 
-Bounds: at most ``MAX_CALLS`` calls of one session are in flight (queued, running, or replied
-but not yet sent), ``MAX_WAITING`` of them calls that may wait (beyond either, the call is
-refused "retry later", as a busy server refuses), at most ``MAX_BATCH`` calls in one batch
-(beyond, the session ends with RESOURCE_EXHAUSTED, before the batch is parsed), and the
-gate counts open sessions against ``CallLimits.max_sessions``. A call counts the bytes its
-reply may carry from the moment it is taken (a pull's chunk, a read of an open slot's chunk:
-``Sessions.reply_bytes``), and one that would take the session's replies, unsent or to come,
-past ``MAX_UNSENT_BYTES`` is refused "retry later"; a read of a slot with no contribution yet
-counts once its reply exists (``MAX_WAITING`` of them at most). A client that stops reading its
-replies stops being read: past ``MAX_UNSENT`` replies or ``MAX_UNSENT_BYTES`` waiting to be
-sent, the reader takes no more calls until they drain, and gRPC's flow control holds the
-client's sends (refusals are replies too, so a caller cannot grow them without bound); so does
-one whose calls hold ``MAX_HELD_BYTES`` of requests not yet run. Those bytes, over all the
-server's sessions, have a bound too, ``SESSIONS_BYTES``: past it, a session holding its share
-of it or more (the bound divided by the sessions open) takes no more calls until the total is
-back under it. A greedy client holds itself back, never the trainers' small calls, which one
-of them may wait for: the sessions under their share hold less than the bound between them,
-so the total stays about twice the bound at most, plus, per session, a message and the
-replies of the calls it has running. A small contribution runs on the session's reader
-thread, as it never waits; any other call runs on a pool of the server's.
+Its bounds, what each refuses and how they hold a greedy client back, and which calls run on
+the reader thread: server/transport/session_bounds.py.
 """
 
 from __future__ import annotations
@@ -54,7 +36,7 @@ import grpc
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, take_ready
 from paramshard.server.rpc import auth, scopes
-from paramshard.server.rpc.admission import WAITING_METHODS, CallGate
+from paramshard.server.rpc.admission import ANSWERS_AT_ONCE, WAITING_METHODS, CallGate
 from paramshard.server.rpc.parsers import Malformed
 from paramshard.server.transport.session_bounds import (
     BATCH_BYTES,
@@ -295,23 +277,29 @@ class _Session:
             waits = self.role or "train"
         promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
         with self.lock:
-            full = self._full(waits is not None, promised)
-            if full is None:
+            crowded = self._full(waits is not None, promised)
+            if crowded is not None and waits is not None and method in ANSWERS_AT_ONCE:
+                waits, deadline = None, time.monotonic()  # it answers at once, not waiting
+                crowded = self._full(False, promised)
+            if crowded is None:
                 self.in_flight += 1
                 self.waiting += waits is not None
                 self._add(promised=promised)
-        if full is not None:
+        if crowded is not None:
             return self.refuse(
-                status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {full}")
+                status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {crowded}")
             )
-        refusal = self.s.gate.enter(waits, self.caller)
-        if refusal is not None:
+        refusal, admitted = self.s.gate.admit(method, waits, self.caller)
+        if refusal is not None or admitted != waits:
             self.call_ended(waits)
+        if refusal is not None:
             return self.put(
                 1,
                 status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
                 promised=promised,
             )
+        if admitted != waits:  # past the gate's bounds: it answers at once (ANSWERS_AT_ONCE)
+            waits, deadline = None, time.monotonic()
         job = (call.id, method, fn, serialize, request, deadline, waits, len(body), promised)
         with self.lock:
             self._add(held=len(body))
