@@ -34,6 +34,9 @@ ELASTIC_ENV = "PARAMSHARD_ELASTIC"
 MIN_NPROC_ENV = "PARAMSHARD_MIN_NPROC"
 """``paramshard launch --min-nproc M``: the fewest members a step trains with."""
 LEAVE_TIMEOUT_S = 2.0
+MAX_PAUSE_S = 5.0
+"""The longest pause before asking again that a coordinator's ``retry_after_ms`` can set
+(it asks for at most 2 s; this bounds what a wrong server could make a rank sleep)."""
 
 
 class MembershipError(RuntimeError):
@@ -135,7 +138,8 @@ class Membership:
                 address = self.client.spec.addresses[0]
                 raise ShardClientError(0, address, "Join", grpc.StatusCode.ABORTED, why)
             if reply.retry_after_ms:  # it answered before it could wait: ask again later
-                time.sleep(reply.retry_after_ms / 1000 * random.uniform(0.5, 1.0))
+                pause = min(reply.retry_after_ms / 1000, MAX_PAUSE_S)
+                time.sleep(pause * random.uniform(0.5, 1.0))
             if not reply.below_min:
                 below_since = None
                 continue
