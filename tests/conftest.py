@@ -39,6 +39,7 @@ from paramshard.launch_env import omp_threads
 from paramshard.local_cluster import RankFailed, run_in_threads
 from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
+from paramshard.server.collectives import lease_records
 
 _runs = itertools.count()
 
@@ -287,3 +288,17 @@ def one_torch_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def lease_asks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of ``LeaseRecord.live`` (the lease table's work, counted not timed)."""
+    count = [0]
+    live = lease_records.LeaseRecord.live
+
+    def counted(self: lease_records.LeaseRecord, now: float) -> bool:
+        count[0] += 1
+        return live(self, now)
+
+    monkeypatch.setattr(lease_records.LeaseRecord, "live", counted)
+    return count

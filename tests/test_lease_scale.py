@@ -15,14 +15,12 @@ import random
 import threading
 import time
 
-import pytest
 from conftest import unique_id
 from lease_fakes import Stream, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND, renewal_pace
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
 from paramshard.server.collectives.leases import ISOLATED_GRACE_S, STREAM_GRACE_S
 
@@ -31,43 +29,29 @@ def lease(rank: int, world: int, ttl_ms: int = 30_000) -> pb.LeaseRequest:
     return pb.LeaseRequest(run="big", rank=rank, world_size=world, ttl_ms=ttl_ms)
 
 
-@pytest.fixture
-def asks(monkeypatch):
-    """Counts the calls of ``LeaseRecord.live``."""
-    count = [0]
-    live = LeaseRecord.live
-
-    def counted(self, now):
-        count[0] += 1
-        return live(self, now)
-
-    monkeypatch.setattr(lease_records.LeaseRecord, "live", counted)
-    return count
-
-
-def asks_per_renewal(world: int, asks: list[int]) -> float:
+def asks_per_renewal(world: int, lease_asks: list[int]) -> float:
     """Registers ``world`` ranks, then counts the lease asks of one second of renewals."""
     leases, clock = new_table()
     for rank in range(world):
         leases.renew(lease(rank, world))
-    asks[0] = 0
+    lease_asks[0] = 0
     for rank in range(world):
         clock.now += 1.0 / world
         reply = leases.renew(lease(rank, world))
         assert not reply.aborted and not reply.awaiting
-    return asks[0] / world
+    return lease_asks[0] / world
 
 
-def test_a_renewal_costs_the_same_in_a_run_25_times_larger(asks):
+def test_a_renewal_costs_the_same_in_a_run_25_times_larger(lease_asks):
     """Before, each renewal asked every other lease of the run (a run of 8,192 ranks took 7.8 s
     of a server's CPU for one second of its renewals). The lapse checks still walk the run,
     at most 20 times a second, which a run's W renewals a second share."""
-    small, large = asks_per_renewal(200, asks), asks_per_renewal(5000, asks)
+    small, large = asks_per_renewal(200, lease_asks), asks_per_renewal(5000, lease_asks)
     assert large <= small * 1.25 + 2, (small, large)
     assert large < 40, large  # 20 checks a second of W asks each, over W renewals, and a few
 
 
-def test_a_server_cut_off_from_every_rank_asks_each_lease_a_bounded_number_of_times(asks):
+def test_a_server_cut_off_from_every_rank_asks_each_lease_a_bounded_number_of_times(lease_asks):
     """A server that heard from no rank for a TTL sees every lease silent at once. It decides
     nothing (no witness), and deciding that asks each lease a few times, not once per other
     lease (5,000 silent leases: 25 million asks before)."""
@@ -76,11 +60,11 @@ def test_a_server_cut_off_from_every_rank_asks_each_lease_a_bounded_number_of_ti
     for rank in range(world):
         leases.renew(lease(rank, world))
     clock.now += 31
-    asks[0] = 0
+    lease_asks[0] = 0
     leases.sweep()
     run = leases._runs["big"]
     assert run.aborted_epoch == -1 and len(run.awaiting) == world
-    assert asks[0] <= 4 * world, asks[0]
+    assert lease_asks[0] <= 4 * world, lease_asks[0]
     reply = leases.renew(lease(0, world))  # the link is back: ranks are awaited, not lost
     assert not reply.aborted and list(reply.awaiting) == list(range(1, world))
 

@@ -11,11 +11,9 @@ still lists the step's members, O(W) a Join in C.
 
 from __future__ import annotations
 
-import pytest
 from lease_fakes import new_table
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.membership import MembershipTable
 
 
@@ -77,30 +75,16 @@ def lookups_per_join(world: int) -> float:
     return CountedSet.lookups / (2 * world)
 
 
-@pytest.fixture
-def asks(monkeypatch):
-    """Counts the calls of ``LeaseRecord.live``."""
-    count = [0]
-    live = lease_records.LeaseRecord.live
-
-    def counted(self, now):
-        count[0] += 1
-        return live(self, now)
-
-    monkeypatch.setattr(lease_records.LeaseRecord, "live", counted)
-    return count
-
-
-def lease_asks_per_join(world: int, asks: list[int]) -> float:
+def lease_asks_per_join(world: int, lease_asks: list[int]) -> float:
     """The asks of a lease (``LeaseRecord.live``) per Join of a step of ``world`` ranks that
     hold leases on the coordinator: the real lease table answers the live ranks."""
     leases, clock = new_table()
     for rank in range(world):
         leases.renew(pb.LeaseRequest(run="r", rank=rank, world_size=world, ttl_ms=30_000))
     table = MembershipTable(leases, {"j": 0}.get, clock=clock)
-    asks[0] = 0
+    lease_asks[0] = 0
     a_step(table, clock, world)
-    return asks[0] / (2 * world)
+    return lease_asks[0] / (2 * world)
 
 
 def test_a_join_asks_about_a_bounded_number_of_ranks_whatever_the_round_size():
@@ -113,10 +97,10 @@ def test_a_join_asks_about_a_bounded_number_of_ranks_whatever_the_round_size():
     assert large < 10, large
 
 
-def test_the_live_ranks_are_walked_once_a_step_not_once_a_join(asks):
+def test_the_live_ranks_are_walked_once_a_step_not_once_a_join(lease_asks):
     """Before, the lease table listed the run's live leases for each Join (W asks a Join, and a
     set of W ranks built). Now it keeps the set until a lease may have come or gone
     (``RunRecord.live_set``): the step's Joins ask each lease about once in all."""
-    small, large = lease_asks_per_join(200, asks), lease_asks_per_join(4000, asks)
+    small, large = lease_asks_per_join(200, lease_asks), lease_asks_per_join(4000, lease_asks)
     assert large <= small * 1.25 + 1, (small, large)
     assert large < 2, large
