@@ -57,7 +57,7 @@ class Round:
     generation: int = 0
     members: tuple[int, ...] = ()
     member_set: frozenset[int] = frozenset()  # ``members``, to ask in O(1)
-    member_reply: pb.JoinReply | None = None  # a step member's reply, built once (``reply_to``)
+    member_reply: pb.JoinReply | None = None  # a member's reply, built once (``decided_reply``)
     epoch: int = 0
     done: bool = False  # recovery rounds
     below_min: bool = False  # all there, but fewer than min_members
@@ -90,6 +90,7 @@ class Round:
         return list(islice((r for r in self.order if r in self.expected), n))
 
     def decide(self, members: tuple[int, ...], epoch: int) -> None:
+        """The round is decided: these members, in this epoch."""
         self.decided, self.members, self.member_set = True, members, frozenset(members)
         self.epoch, self.member_reply = epoch, None
 
