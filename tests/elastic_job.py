@@ -66,6 +66,7 @@ def single_process(steps: int) -> dict[str, torch.Tensor]:
 
 def main(argv: list[str]) -> int:
     from paramshard.client import restarts
+    from paramshard.protos.atomic import atomic_write
     from paramshard.strategies import (
         FSDPModel,
         FSDPOptimizer,
@@ -110,7 +111,10 @@ def main(argv: list[str]) -> int:
         return loss.item()
 
     report = train_with_recovery(model, train_step, args.steps, checkpoint_every=0, scheduler=sched)
-    torch.save(model.state_dict(), f"{args.out}.rank{rank}.pt")
+    # at once whole or not at all: the chaos test may kill a rank as it writes (a SIGKILL in
+    # torch.save left a truncated file that the test then read: EOFError)
+    with atomic_write(f"{args.out}.rank{rank}.pt") as f:
+        torch.save(model.state_dict(), f)
     members = model.client.status()[0].get("memberships", [])
     if rank == model.joined.leader:
         with open(f"{args.out}.membership.json", "w", encoding="utf-8") as f:
