@@ -119,7 +119,6 @@ def elastic_pending(
         global_batch=m.global_batch,
         weights=weights(len(members), h.num_micro, m.global_batch),
         membership_key=key,
-        positions={rank: i for i, rank in enumerate(members)},
     )
     return fresh, current is not None
 

@@ -31,6 +31,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
@@ -82,7 +83,6 @@ class PendingStep:
     generation: int = 0
     global_batch: int = 0
     membership_key: bytes = b""  # elastic jobs: the ``StepMembership`` as pushes encode it
-    positions: dict[int, int] | None = None  # elastic jobs: member -> its index in ``members``
     weights: list[float] | None = None
     """Elastic jobs: contribution k is multiplied by ``weights[k]`` as it is added (its share
     of the global batch); None: contributions are summed, then averaged over contributors."""
@@ -98,6 +98,11 @@ class PendingStep:
     opened: float = field(
         default_factory=time.monotonic
     )  # for Status (server/collectives/pending.py)
+
+    @cached_property
+    def positions(self) -> dict[int, int] | None:
+        """Elastic jobs: member -> its index in ``members`` (None without members)."""
+        return None if self.members is None else {r: i for i, r in enumerate(self.members)}
 
     @property
     def count(self) -> int:

@@ -96,18 +96,9 @@ class Round:
 
     def decided_reply(self, rank: int, job_epoch: int) -> pb.JoinReply:
         """What this decided step round tells ``rank`` (protocol step 3). A member's reply is
-        built once and copied for each: each of W members asks at least once, and building
-        the W members into each reply was most of what a step cost its coordinator."""
-        if rank not in self.member_set:
-            return pb.JoinReply(
-                decided=True,
-                step=self.key,
-                generation=self.generation,
-                members=self.members,
-                epoch=max(self.epoch, job_epoch),
-                next_step=self.key + 1,
-                leader=self.members[0],
-            )
+        built once and copied for each (a non-member's says so and where to go): each of W
+        members asks at least once, and building the W members into each reply was most of
+        what a step cost its coordinator."""
         if self.member_reply is None:
             self.member_reply = pb.JoinReply(
                 decided=True,
@@ -120,6 +111,9 @@ class Round:
             )
         reply = pb.JoinReply()
         reply.CopyFrom(self.member_reply)
+        if rank not in self.member_set:  # too late for this step: the next one
+            reply.member, reply.next_step = False, self.key + 1
+            reply.epoch = max(self.epoch, job_epoch)
         return reply
 
     def needs_help(self, alive: Callable[[int], bool]) -> bool:
