@@ -34,6 +34,15 @@ CHANNEL_OPTIONS = [
 _CHANNELS_LOCK = threading.Lock()
 
 
+class _Channels:
+    """A spec's channels, one per address, shared with its subsets, and how many clients
+    hold them (``ClusterSpec.hold``)."""
+
+    def __init__(self) -> None:
+        self.by_address: dict[str, grpc.Channel] = {}
+        self.holders = 0
+
+
 @dataclass
 class ClusterSpec:
     """Addresses of the N shard servers, index 0..N-1, and the credentials to reach them."""
@@ -51,7 +60,7 @@ class ClusterSpec:
     """PEM private key of ``tls_cert``."""
     tls_server_name: str | None = None
     """Override of the name checked against the server certificate."""
-    _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False, compare=False)
+    _channels: _Channels = field(default_factory=_Channels, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.addresses = [a.strip() for a in self.addresses if a and a.strip()]
@@ -135,9 +144,9 @@ class ClusterSpec:
         and of its subsets)."""
         address = self.addresses[index]
         with _CHANNELS_LOCK:
-            chan = self._channels.get(address)
+            chan = self._channels.by_address.get(address)
             if chan is None:
-                chan = self._channels[address] = self._open(address)
+                chan = self._channels.by_address[address] = self._open(address)
         return chan
 
     def _open(self, address: str) -> grpc.Channel:
@@ -149,10 +158,28 @@ class ClusterSpec:
             options.append(("grpc.ssl_target_name_override", self.tls_server_name))
         return grpc.secure_channel(address, creds, options=options)
 
-    def close(self) -> None:
+    def hold(self) -> None:
+        """A client uses this spec's channels until it calls ``release`` (``ShardClient`` does
+        both): several clients may share one spec, as the ranks of a test or a benchmark in one
+        process do."""
         with _CHANNELS_LOCK:
-            channels = list(self._channels.values())
-            self._channels.clear()
+            self._channels.holders += 1
+
+    def release(self) -> None:
+        """A client is done with the channels: they close once no client holds them, so one
+        rank closing its client does not close the channels under another's calls."""
+        with _CHANNELS_LOCK:
+            self._channels.holders = max(0, self._channels.holders - 1)
+            if self._channels.holders:
+                return
+        self.close()
+
+    def close(self) -> None:
+        """Closes the channels now, whoever holds them (a client calling later opens new
+        ones)."""
+        with _CHANNELS_LOCK:
+            channels = list(self._channels.by_address.values())
+            self._channels.by_address.clear()
         for chan in channels:
             _close_bounded(chan)
 

@@ -126,6 +126,8 @@ class RpcCore:
         if chunk_bytes is None:
             chunk_bytes = default_chunk_bytes(spec.servers_per_host)
         self.spec = spec
+        spec.hold()  # released by close(): other clients of the spec keep its channels
+        self._holds_spec = True
         self.timeout_s = timeout_s
         self.retries = retries
         self.max_in_flight = max_in_flight
@@ -370,14 +372,17 @@ class RpcCore:
 
     def close(self) -> None:
         """Releases the lease (the rank ends normally: nothing is aborted), cancels what is in
-        flight, ends the sessions and closes the channels; idempotent."""
+        flight, ends the sessions and lets the channels go (closed once no other client of the
+        spec holds them: ``ClusterSpec.release``); idempotent."""
         closing.forget(self)
         leases.release(self)
         self._closed = True
+        held, self._holds_spec = self._holds_spec, False
         with self._lock:
             pending = list(self._local_calls)
         for fut in pending:
             fut.cancel()
         self.sessions.close()
         self.shm.close()
-        self.spec.close()
+        if held:
+            self.spec.release()

@@ -131,6 +131,7 @@ class ShardClient(Collectives, FlatBuffers):
             }
         )
         view.spec = self.spec.subset(servers)
+        view._holds_spec = False  # the channels are this client's: its close() releases them
         view.servers = [self.servers[s] for s in servers]
         view.rank_servers = None
         return view

@@ -306,7 +306,7 @@ class SharedMemory:
             core.plain_call(
                 index, "ReleaseSegments", pb.ReleaseSegmentsRequest(segments=ids), timeout
             )
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the spec's channels were closed
             pass  # the server drops idle segments itself
 
 

@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -367,3 +368,30 @@ def test_a_released_segment_a_pull_waits_to_write_into_stays_paid_for(guarded) -
         time.sleep(0.05)
     assert budget.usage()["shm"] == 0, "still paid for after the pull ended"
     mapped.close()
+
+
+def test_clients_sharing_a_spec_close_one_by_one(server: ShardServer) -> None:
+    """Ranks of one process may share a ClusterSpec (tests and benchmarks do). One closing its
+    client must not close the channels under the other's calls; the last one closes them, and
+    each close releases its own segments without raising. Before ``ClusterSpec.hold``, the
+    first close closed the shared channels: the second rank's next call and its close (the
+    release of its segments) failed with "Cannot invoke RPC on closed channel"."""
+    spec = ClusterSpec([server.address])
+    clients = [
+        ShardClient(spec, rank=r, world_size=2, timeout_s=10, chunk_bytes=CHUNK_BYTES)
+        for r in range(2)
+    ]
+    x = np.arange(N, dtype=np.float32)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            sums = list(pool.map(lambda c: c.all_reduce(x), clients, timeout=60))
+        assert all(np.array_equal(s, 2 * x) for s in sums)
+        assert all(c.shm.opened for c in clients)  # the payloads went through segments
+        assert all(c.status()[0].get("error") is None for c in clients)  # stubs on the channel
+        clients[0].close()
+        assert clients[1].status()[0].get("error") is None  # its channel is still open
+        assert spec._channels.by_address  # noqa: SLF001 - held by the open client
+    finally:
+        for c in clients:
+            c.close()
+    assert not spec._channels.by_address  # noqa: SLF001 - the last close closed them
