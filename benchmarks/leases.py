@@ -2,7 +2,8 @@
 through torch's ``TCPStore``) and an elastic step's membership.
 
     python -m benchmarks.leases [--quick] [--worlds 1024,8192,32768] [--served 1024,8192]
-                                [--members 1024,4096] [--crowd 150,400] [--wait-quiet S]
+                                [--members 1024,4096] [--crowd 150,400] [--reads 150]
+                                [--wait-quiet S]
 
 Every rank of a run renews its lease on every server once a second (client/leases.py), so a
 server of a run of W ranks handles W renewals a second, at 1,024 hosts of 8 GPUs 8,192; and
@@ -39,6 +40,9 @@ in one run:
 - **crowd**: an elastic step's Joins through a real in-process server with the default bounds,
   more ranks than it has threads for waiting calls (benchmarks/_membership_crowd.py): the
   members of the step, and how long the last rank waited.
+- **reads**: all-reduces of more ranks than a server has threads for waiting calls, through a
+  real in-process server, with the default bounds, with a session for every rank (its reads
+  wait in the server's line) and with a thread for every read (benchmarks/_read_crowd.py).
 
 JSON to stdout, progress to stderr; every child is started here and stopped by PID.
 """
@@ -71,6 +75,7 @@ from benchmarks._processes import (
     stop_all,
     wait_parent_eof,
 )
+from benchmarks._read_crowd import reads_row
 from paramshard.client.leases import DEFAULT_TTL_S, RENEW_S, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
@@ -292,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--served", default="1024,8192", help="run sizes, through a real server")
     ap.add_argument("--members", default="1024,4096", help="run sizes, an elastic step's Joins")
     ap.add_argument("--crowd", default="150,400", help="run sizes, Joins through a server")
+    ap.add_argument("--reads", default="150", help="run sizes, all-reduces through a server")
     ap.add_argument("--wait-quiet", type=float, default=0.0, help="wait for other load (s)")
     a = ap.parse_args(argv)
     worlds = [256] if a.quick else [int(w) for w in a.worlds.split(",") if w]
@@ -313,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     for world in [64] if a.quick else [int(w) for w in a.crowd.split(",") if w]:
         crowd.append(crowd_row(world))
         say(json.dumps(crowd[-1]))
+    reads = []
+    for world in [72] if a.quick else [int(w) for w in a.reads.split(",") if w]:
+        reads.append(reads_row(world, rounds=3 if a.quick else 6))
+        say(json.dumps(reads[-1]))
     rows = []
     for world in served:
         row = {"world": world, "ours": ours_served(world), "tcpstore": store_served(world)}
@@ -332,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "table": table,
         "membership": membership,
         "crowd": crowd,
+        "reads": reads,
         "served": rows,
         "wall_s": round(time.time() - t0, 1),
         "foreign_cpu_frac": load.stop(),
@@ -339,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out, indent=1))
     failed = any(r["cut_off_aborted"] for r in table) or not all(r["decided"] for r in membership)
     failed |= any(r["members_of_step_0"] < r["world"] for r in crowd)
+    failed |= any(r[k]["errors"] for r in reads for k in ("default", "session_each", "thread_each"))
     return 1 if failed else 0
 
 

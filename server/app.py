@@ -200,6 +200,7 @@ class ShardServer:
             self.servicer.reply_bytes,
             scope_of=scope_of,
         )
+        self.sweeper.sweeps.append(self.sessions.line.expire)  # calls whose time ran out in line
         if self.limits.max_sessions:
             self._server.add_generic_rpc_handlers((self.sessions.generic_handler(),))
         self.health = health.HealthServicer()

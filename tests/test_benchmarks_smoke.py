@@ -73,8 +73,9 @@ def test_quick_p2p_benchmark_reports_every_side() -> None:
 def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
     """``benchmarks.leases --quick``: the lease table's costs at 256 ranks (a server cut off
     from every rank aborted nothing), a real server's and torch's TCPStore's CPU a call with
-    the share of a core the run's renewals take at each pace, and an elastic step's Joins
-    (its round decided with every rank), through a real server too."""
+    the share of a core the run's renewals take at each pace, an elastic step's Joins (its
+    round decided with every rank) and all-reduces of 72 ranks (every sum right), through a
+    real server too."""
     report = run_quick("benchmarks.leases")
     (table,) = report["table"]
     assert table["world"] == 256 and table["cut_off_aborted"] is False, table
@@ -91,3 +92,6 @@ def test_quick_leases_benchmark_reports_the_table_and_both_servers() -> None:
     assert membership["first_push_us"] > 0 and membership["push_us"] > 0, membership
     (crowd,) = report["crowd"]  # 64 ranks of one token: more than its 56 waiting calls
     assert crowd["members_of_step_0"] == crowd["world"] == 64 and not crowd["errors"], crowd
+    (reads,) = report["reads"]  # 72 ranks of one token: more than its 56 waiting calls
+    for bounds in ("default", "session_each", "thread_each"):
+        assert reads[bounds]["median_s"] > 0 and not reads[bounds]["errors"], reads

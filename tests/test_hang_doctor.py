@@ -6,8 +6,9 @@
   steps waiting for a rank and mailbox messages nobody took.
 - Status reports the server's memory account (used and limit), and ``paramshard status``
   shows it.
-- A call a busy server refused ("retry later", server/rpc/admission.py) is retried until a thread
-  frees or its deadline passes; a memory-limit refusal is final.
+- A unary call a busy server refused ("retry later", server/rpc/admission.py) is retried until a
+  thread frees or its deadline passes; a memory-limit refusal is final. (A session's call waits
+  in the server's line instead: test_sessions_bounds.py.)
 
 Every test runs over real gRPC (``local_calls=False``).
 """
@@ -246,7 +247,8 @@ def set_slot(key: str) -> tuple[pb.SlotHeader, np.ndarray]:
 def test_a_busy_server_is_asked_again_until_a_thread_frees(servers) -> None:
     # 2 workers, 1 kept for calls that do not wait: one waiting call at a time
     (server,) = servers(1, local_calls=False, max_workers=2, reserved_workers=1)
-    first, second = make_client([server.address]), make_client([server.address])
+    unary = {"sessions": False}  # only unary calls are refused busy
+    first, second = make_client([server.address], **unary), make_client([server.address], **unary)
     try:
         threads, outcomes = in_threads(lambda: first.call(0, "ReadSlot", read_request("k", 0)))
         settle(lambda: server.gate.busy == 1, "the first read to wait")
@@ -265,8 +267,8 @@ def test_a_busy_server_is_asked_again_until_a_thread_frees(servers) -> None:
 
 def test_busy_retries_end_at_the_deadline(servers) -> None:
     (server,) = servers(1, local_calls=False, max_workers=2, reserved_workers=1)
-    first = make_client([server.address], timeout_s=10.0)
-    second = make_client([server.address], timeout_s=1.0)
+    first = make_client([server.address], timeout_s=10.0, sessions=False)
+    second = make_client([server.address], timeout_s=1.0, sessions=False)  # unary: refused busy
     try:
         threads, _ = in_threads(lambda: first.call(0, "ReadSlot", read_request("k", 0)))
         settle(lambda: server.gate.busy == 1, "the first read to wait")

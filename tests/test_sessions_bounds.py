@@ -192,25 +192,94 @@ def test_calls_in_flight_are_bounded_per_session(server) -> None:
         s.close()
 
 
+def settle(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_waiting_calls_in_sessions_pass_the_admission_gate() -> None:
-    """Reads waiting in sessions take the gate's places: past them, a waiting call is refused
-    busy, and a call that works still runs."""
+    """Reads waiting in sessions take the gate's places (here 2: 4 workers, 2 reserved).
+    Past them a read waits in line, holding no thread and getting no reply; a call that works
+    still runs; once the slot is complete, the reads in threads answer and the one in line
+    takes a freed place and answers too. Before the line, the third read was refused "retry
+    later" and its client asked again after pauses of up to 1 s."""
     with ShardServer(local_calls=False, max_workers=4, reserved_workers=2) as server:
         s = RawSession(server.address)
         try:
             s.opened()
-            s.send(*[call(i, "ReadSlot", read("r:gate/0", reader=i), 5) for i in range(3)])
-            got = s.replies(1)
-            (refused,) = got.values()
-            assert code_of(refused) == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "worker" in refused.details and "retry later" in refused.details
+            s.send(*[call(i, "ReadSlot", read("r:gate/0", reader=i), 30) for i in range(3)])
+            settle(lambda: len(server.sessions.line) == 1, "the third read to wait in line")
+            assert server.gate.busy == 2  # the line holds no thread
             c = ShardClient(ClusterSpec([server.address]), timeout_s=5, sessions=False)
             try:
                 assert c.status()[0]["address"] == server.address  # Status still runs
             finally:
                 c.close()
+            s.send(call(9, "Contribute", contribution("r:gate/0", np.ones(4, np.float32), 1, 3)))
+            got = s.replies(4)
+            assert {i: code_of(r) for i, r in got.items()} == dict.fromkeys(
+                (0, 1, 2, 9), grpc.StatusCode.OK
+            )
+            for i in range(3):
+                _, data = codec.decode(got[i].body, pb.SlotHeader)
+                np.testing.assert_array_equal(np.frombuffer(data, np.float32), np.ones(4))
+            assert server.sessions.line.admitted_later == 1 and len(server.sessions.line) == 0
+            settle(lambda: server.gate.busy == 0, "every call to leave the gate")
         finally:
             s.close()
+
+
+def test_a_call_whose_deadline_passes_in_line_is_answered_and_forgotten() -> None:
+    """A read in line past its deadline gets DEADLINE_EXCEEDED from the server's sweep, and
+    leaves nothing counted: the session's waiting calls and held bytes go back to zero."""
+    limits = {"max_workers": 4, "reserved_workers": 2, "pending_ttl_s": 0.4}  # sweeps: 0.1 s
+    with ShardServer(local_calls=False, **limits) as server:
+        s = RawSession(server.address)
+        try:
+            s.opened()
+            s.send(*[call(i, "ReadSlot", read("r:late/0", reader=i), 30) for i in range(2)])
+            settle(lambda: server.gate.busy == 2, "two reads to wait in threads")
+            s.send(call(7, "ReadSlot", read("r:late/0", reader=2), 0.3))
+            reply = s.replies(1)[7]
+            assert code_of(reply) == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "waited for a thread" in reply.details and "--workers" in reply.details
+            assert len(server.sessions.line) == 0 and server.gate.busy == 2
+            s.send(call(9, "Contribute", contribution("r:late/0", np.ones(2, np.float32), 1, 2)))
+            assert {code_of(r) for r in s.replies(3).values()} == {grpc.StatusCode.OK}
+            settle(lambda: server.gate.busy == 0, "every call to leave the gate")
+            # replies count until gRPC takes their batch, a moment after the client has them
+            settle(lambda: server.sessions.held_bytes == 0, "the bytes counted to go back")
+        finally:
+            s.close()
+
+
+def test_one_tokens_line_does_not_hold_back_anothers() -> None:
+    """One token's reads past its bound (half of the waiting places) wait in line; another
+    token's reads still find the places the first may not take, and answer first."""
+    tokens = {"tok-a": "train", "tok-b": "train"}
+    with ShardServer(local_calls=False, tokens=tokens, max_workers=6, reserved_workers=2) as server:
+        greedy, other = RawSession(server.address, "tok-a"), None
+        try:
+            greedy.opened()
+            greedy.send(*[call(i, "ReadSlot", read("r:a/0", reader=i), 30) for i in range(4)])
+            settle(lambda: len(server.sessions.line) == 2, "two of its reads to wait in line")
+            assert server.gate.busy == 2  # its bound: half of the 4 waiting places
+            other = RawSession(server.address, "tok-b")
+            other.opened()
+            other.send(*[call(i, "ReadSlot", read("r:b/0", reader=i), 30) for i in range(2)])
+            settle(lambda: server.gate.busy == 4, "the other token's reads to take places")
+            other.send(call(9, "Contribute", contribution("r:b/0", np.ones(2, np.float32), 1, 2)))
+            assert {code_of(r) for r in other.replies(3).values()} == {grpc.StatusCode.OK}
+            assert len(server.sessions.line) == 2  # the greedy token's still wait for theirs
+            greedy.send(call(9, "Contribute", contribution("r:a/0", np.ones(2, np.float32), 1, 4)))
+            assert {code_of(r) for r in greedy.replies(5).values()} == {grpc.StatusCode.OK}
+            assert server.sessions.line.admitted_later == 2
+        finally:
+            greedy.close()
+            if other is not None:
+                other.close()
 
 
 def test_each_call_needs_its_methods_role() -> None:

@@ -2,10 +2,9 @@
 that works.
 
 The gRPC server runs every call on a thread of one pool, and a call that waits (a pull for a
-future version, a slot read, a gradient norm or a snapshot waiting for a step) holds its thread
-while it waits. Unbounded, eight ``read``-token pulls for a far version took every thread of an
-8-thread pool and a trainer's PushGrad timed out behind them; four open reflection streams did
-the same to an admin's Status. So (``CallLimits``):
+future version, a slot read, a step before every push) holds its thread while it waits:
+unbounded, eight ``read``-token pulls for a far version starved a trainer's PushGrad on an
+8-thread pool. So (``CallLimits``):
 
 - A call of a waiting method (``WAITING_METHODS``) that may have to wait (``may_wait``: a
   pull for a version the buffer has reached does not) is admitted only while at least
@@ -13,16 +12,17 @@ the same to an admin's Status. So (``CallLimits``):
   than ``max_waiting_read`` of them are in, and another token's (unary calls and sessions
   together) only while it holds fewer than ``caller_bound``, half the threads waiting calls
   may take: one caller's waiting calls never hold the threads another caller's
-  collective needs. Beyond any of them it fails at once with RESOURCE_EXHAUSTED "retry later",
-  a message saying which bound, and nothing changed; but a Join (``ANSWERS_AT_ONCE``) runs at
-  once with no time to wait, so every rank is heard. Every other call (pushes to initialised
-  buffers, steps whose pushes are in, SetParams, registration, Status, ...) is never refused
-  here, and finds one of the reserved threads however many callers wait.
+  collective needs. Beyond any of them a unary call fails at once with RESOURCE_EXHAUSTED
+  "retry later", a message saying which bound, and nothing changed; a session's call waits in
+  line for its turn, holding no thread (server/transport/waiting_line.py); a Join
+  (``ANSWERS_AT_ONCE``) runs at once with no time to wait, so every rank is heard. Every other
+  call (pushes to initialised buffers, steps whose pushes are in, SetParams, registration,
+  Status, ...) is never refused here, and finds a reserved thread however many callers wait.
 - Streams of the open services (reflection, health Watch) run on ``max_streams`` threads of
   their own, beside the workers; one stream more is refused with RESOURCE_EXHAUSTED. They stay
   open to callers without a token (``grpcurl`` and probes keep working), bounded instead.
-- Client sessions (server/transport/sessions.py) likewise run on ``max_sessions`` threads of
-  their own; each call a session carries passes ``admit``/``leave`` here like a unary call.
+- Client sessions (server/transport/sessions.py) run on ``max_sessions`` threads of their
+  own; their calls pass the same bounds (a call that leaves calls ``on_left``).
 - How long a call may wait is bounded by the servicer's ``max_wait_s``.
 - Bytes that do not parse get INVALID_ARGUMENT, not grpcio's INTERNAL "Exception deserializing
   request!": the Shard service's own parsers never raise (server/servicer.py), the health and
@@ -48,10 +48,9 @@ from paramshard.server.rpc.unsent_replies import UnsentReplies
 __all__ = ["ANSWERS_AT_ONCE", "CallGate", "CallLimits", "WAITING_METHODS", "default_reserved"]
 
 ANSWERS_AT_ONCE = frozenset({"Join"})
-"""Waiting methods whose call, past a bound of waiting calls, runs with no time to wait instead
-of being refused: a Join announces its rank and answers "ask again after a pause". Refused, the
-ranks of an elastic job larger than the waiting threads (112, or 56 for one token) could not all
-announce themselves within a round's window, and its step went on without them."""
+"""Waiting methods whose call, past a bound of waiting calls, runs with no time to wait (unary
+or in a session): a Join announces its rank and answers "ask again after a pause", so an
+elastic job of more ranks than waiting threads is heard whole within its round's window."""
 
 WAITING_METHODS = frozenset(
     {"PullParams", "ReadSlot", "GradNorm", "Snapshot", "PushGrad", "Step", "Join"}
@@ -134,6 +133,7 @@ class CallGate(grpc.ServerInterceptor):
         self.streams = 0
         self.sessions = 0
         self.read_sessions = 0  # of them, sessions of read tokens
+        self.on_left: Callable[[], None] | None = None  # a call left (the sessions' line)
 
     def intercept_service(
         self,
@@ -158,9 +158,8 @@ class CallGate(grpc.ServerInterceptor):
     # -- unary calls -------------------------------------------------------------------------
     @property
     def caller_bound(self) -> int:
-        """Waiting calls one caller (a token of role train or above) may have in at once:
-        half of what waiting calls may take, so another caller always finds threads for its
-        own (read tokens, all together, have ``max_waiting_read``)."""
+        """Waiting calls one token (train or above) may have in at once: half of what waiting
+        calls may take (read tokens, all together, have ``max_waiting_read``)."""
         return max(1, (self.limits.workers - self.limits.reserved) // 2)
 
     def waiting_of(self, caller: str) -> int:
@@ -169,8 +168,7 @@ class CallGate(grpc.ServerInterceptor):
             return self._callers[caller]
 
     def enter(self, role: str | None, caller: str | None = None) -> str | None:
-        """Counts a call in; for a waiting call (``role`` set; ``caller``: its token, None
-        without tokens), why it is refused, if it is."""
+        """Counts a call in; why a waiting one (``role`` set; ``caller``: its token) is refused."""
         lim = self.limits
         if role == "read":
             caller = None  # read tokens have a bound of their own, all together
@@ -220,6 +218,8 @@ class CallGate(grpc.ServerInterceptor):
                     self._callers[caller] -= 1
                     if not self._callers[caller]:
                         del self._callers[caller]
+        if self.on_left is not None:  # any call: ``busy`` counts the ones that do not wait too
+            self.on_left()
 
     def _unary(
         self, handler: grpc.RpcMethodHandler, method: str, role: str | None, caller: str | None

@@ -5,14 +5,33 @@ session's bounds count."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import grpc
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["CallAbort", "CallContext", "body_size", "payload_bytes", "status_reply"]
+__all__ = ["CallAbort", "CallContext", "SessionJob", "body_size", "payload_bytes", "status_reply"]
+
+
+class SessionJob(NamedTuple):
+    """A call a session has taken, as its pool thread runs it (``_Session.run``'s arguments)."""
+
+    call_id: int
+    method: str
+    fn: Callable[[Any, Any], Any]
+    serialize: Callable[[Any], bytes]
+    request: Any
+    deadline: float | None
+    """``time.monotonic`` when the call's time is up (None: no deadline)."""
+    waits: str | None
+    """The role the gate counts it as waiting for, None for a call that does not wait."""
+    received: int
+    """Its request bytes, held until it ends."""
+    promised: int
+    """The bytes its reply may carry, counted from the moment it was taken."""
 
 
 class CallAbort(Exception):

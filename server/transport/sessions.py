@@ -13,7 +13,9 @@ Each call of a session is what its unary twin is:
 - the stream's token is every call's token: each call needs its method's role (server/rpc/auth.py),
   a scoped token's call is checked against its scope before it is parsed, as a unary call is
   (server/rpc/scopes.py), and its segments are that token's (server/transport/shm.py);
-- a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls;
+- a call that may wait passes the admission gate (server/rpc/admission.py) with the unary calls,
+  but past its bounds waits in line for a thread instead of being refused
+  (server/transport/waiting_line.py);
 - a call's deadline is its ``timeout_s`` from its arrival.
 
 Its bounds, what each refuses and how they hold a greedy client back, and which calls run on
@@ -52,10 +54,12 @@ from paramshard.server.transport.session_bounds import (
 from paramshard.server.transport.session_calls import (
     CallAbort,
     CallContext,
+    SessionJob,
     body_size,
     payload_bytes,
     status_reply,
 )
+from paramshard.server.transport.waiting_line import InLine, WaitingLine
 
 __all__ = ["Sessions"]  # its bounds: server/transport/session_bounds.py
 
@@ -100,6 +104,8 @@ class Sessions:
         self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
         self.reply_bytes = reply_bytes
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
+        # calls that may wait, past the gate's bounds (server/transport/waiting_line.py)
+        self.line = WaitingLine(gate, lambda e: self.pool.submit(e.session.run, *e.job))
         self.calls = 0  # calls run through sessions (tests read it)
         self._count = threading.Lock()
         self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
@@ -111,6 +117,7 @@ class Sessions:
         return grpc.method_handlers_generic_handler(auth.SERVICE_NAME, {"Session": handler})
 
     def close(self) -> None:
+        self.line.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _serve(self, batches: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
@@ -289,24 +296,24 @@ class _Session:
             return self.refuse(
                 status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {crowded}")
             )
-        refusal, admitted = self.s.gate.admit(method, waits, self.caller)
-        if refusal is not None or admitted != waits:
-            self.call_ended(waits)
-        if refusal is not None:
-            return self.put(
-                1,
-                status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {refusal}"),
-                promised=promised,
-            )
-        if admitted != waits:  # past the gate's bounds: it answers at once (ANSWERS_AT_ONCE)
-            waits, deadline = None, time.monotonic()
-        job = (call.id, method, fn, serialize, request, deadline, waits, len(body), promised)
+        job = SessionJob(
+            call.id, method, fn, serialize, request, deadline, waits, len(body), promised
+        )
         with self.lock:
-            self._add(held=len(body))
+            self._add(held=job.received)
+        if waits is not None and method not in ANSWERS_AT_ONCE:
+            if self.s.line.enter(InLine(self, job)):  # else it waits in line for the gate
+                self.s.pool.submit(self.run, *job)
+            return None
+        _, admitted = self.s.gate.admit(method, waits, self.caller)  # never refused here
+        if admitted != waits:  # past the gate's bounds: it answers at once (ANSWERS_AT_ONCE)
+            self.call_ended(waits)
+            job = job._replace(waits=None, deadline=time.monotonic())
         if method == "Contribute" and payload_bytes(request) <= INLINE_BYTES:
             self.run(*job)
         else:
             self.s.pool.submit(self.run, *job)
+        return None
 
     def _full(self, waits: bool, promised: int) -> str | None:
         """Why a call that may wait (``waits``) and whose reply may carry ``promised`` bytes

@@ -1,0 +1,150 @@
+"""Session calls that may wait, past the admission gate's bounds: kept in line for a thread,
+not refused (server/rpc/admission.py, server/transport/sessions.py).
+
+A call that may wait (a slot read before every contribution, a Step before every push, a
+pull of a future version) holds a handler thread while it waits, so the gate lets in at
+most ``--workers`` less ``--reserved-workers`` of them (112 by default), and half of that
+for one token (56). Refused "retry later", the ranks past the bound asked again after
+jittered pauses of up to 1 s each: an all-reduce of 150 ranks of one job through one
+server took 0.42 s a round, against 0.21-0.29 s with threads for all of them (measured
+with ``python -m benchmarks.leases --reads``).
+
+A call of a session holds no thread until it runs, so past the gate it waits here instead,
+in line behind its caller's earlier calls (one line per token, all read tokens in one, as
+the gate counts them). Whenever a call leaves the gate (``CallGate.on_left``; any call, as
+the gate's bound on threads counts the calls that do not wait too), the line's heads that the
+gate now admits go to the pool, each caller's line in turn, so one token's calls never hold
+back another's. What a call in line holds is bounded where it was
+taken: its session counts it in flight and waiting (``MAX_WAITING`` a session) and its request
+bytes as held. A call whose deadline passes in line is answered DEADLINE_EXCEEDED by the
+server's sweep (``expire``); one admitted later runs with the time it has left. Unary calls
+hold their gRPC thread from their arrival, so they are still refused past the bounds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from paramshard.server.rpc.admission import CallGate
+from paramshard.server.transport.session_calls import SessionJob, status_reply
+
+__all__ = ["InLine", "WaitingLine"]
+
+
+@dataclass
+class InLine:
+    """One session call waiting for the gate: its session and the job the session runs once
+    the gate admits it (``job.waits``: the role the gate counts it as)."""
+
+    session: Any
+    job: SessionJob
+
+    @property
+    def role(self) -> str | None:
+        return self.job.waits
+
+
+class WaitingLine:
+    """The line of one server's session calls that wait for the gate; ``start(entry)`` hands
+    an admitted one to the pool."""
+
+    def __init__(self, gate: CallGate, start: Callable[[InLine], None]) -> None:
+        self.gate = gate
+        self.start = start
+        self._lock = threading.Lock()
+        self._lines: OrderedDict[str | None, deque[InLine]] = OrderedDict()
+        self.admitted_later = 0  # calls that waited here, then ran (tests and metrics)
+        self._closed = False
+        gate.on_left = self.admit
+
+    def close(self) -> None:
+        """The server stops: the calls in line are dropped (their streams end with it), and
+        calls that leave the gate afterwards start none."""
+        with self._lock:
+            self._closed = True
+            self._lines.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(line) for line in self._lines.values())
+
+    def enter(self, entry: InLine) -> bool:
+        """Admits ``entry`` through the gate now (True: the caller starts it) or puts it in
+        line (False). A caller with calls in line goes behind them."""
+        key = self._key(entry)
+        with self._lock:
+            line = self._lines.get(key)
+            if not line and self.gate.enter(entry.role, entry.session.caller) is None:
+                return True
+            if line is None:
+                line = self._lines[key] = deque()
+            line.append(entry)
+        return False
+
+    def admit(self) -> None:
+        """Starts the calls in line that the gate admits now: each caller's, in turn, from
+        its first; a caller the gate refuses keeps its place."""
+        started: list[InLine] = []
+        with self._lock:
+            if self._closed:
+                return
+            for key in list(self._lines):
+                line = self._lines[key]
+                while line:
+                    head = line[0]
+                    if head.session.stopped:  # nobody reads its reply any more
+                        line.popleft()
+                        head.session.call_ended(head.role, head.job.received)
+                        continue
+                    if self.gate.enter(head.role, head.session.caller) is not None:
+                        break
+                    started.append(line.popleft())
+                if line:
+                    self._lines.move_to_end(key)  # the next caller's line goes first next time
+                else:
+                    del self._lines[key]
+            self.admitted_later += len(started)
+        for entry in started:
+            self.start(entry)
+
+    def expire(self) -> None:
+        """Answers DEADLINE_EXCEEDED to the calls whose deadline passed in line, and drops
+        those whose session ended (the server's sweep)."""
+        now = time.monotonic()
+        gone: list[InLine] = []
+        with self._lock:
+            for key in list(self._lines):
+                kept: deque[InLine] = deque()
+                for entry in self._lines[key]:
+                    (gone if _over(entry, now) else kept).append(entry)
+                if kept:
+                    self._lines[key] = kept
+                else:
+                    del self._lines[key]
+        for entry in gone:
+            s, job = entry.session, entry.job
+            s.call_ended(job.waits, job.received)
+            if not s.stopped:
+                details = (
+                    f"{job.method}: its deadline passed while it waited for a thread: every"
+                    " thread waiting calls may take was busy (paramshard serve --workers)"
+                )
+                reply = status_reply(job.call_id, grpc.StatusCode.DEADLINE_EXCEEDED, details)
+                s.put(1, reply, promised=job.promised)
+
+    @staticmethod
+    def _key(entry: InLine) -> str | None:
+        """One line per token, as the gate bounds them; read tokens share one."""
+        return "\0read" if entry.role == "read" else entry.session.caller
+
+
+def _over(entry: InLine, now: float) -> bool:
+    deadline = entry.job.deadline
+    return entry.session.stopped or (deadline is not None and deadline <= now)
