@@ -62,3 +62,18 @@ def test_a_tokens_calls_run_in_order_and_others_go_by() -> None:
     assert started == [2, 3, 4] and len(line) == 0  # the ended one was dropped, not run
     assert a_ended.ended == [("train", 10)]
     assert gate.waiting_of("tok-a") == 2 and gate.waiting_of("tok-b") == 1
+
+
+def test_callers_lines_take_freed_places_in_turn() -> None:
+    """Two tokens under their own bounds wait only for places: each place that frees goes to
+    the next token's line in turn, not to the first line until its token's bound."""
+    gate, line, started = line_of(workers=10, reserved=2)  # 8 waiting places, 4 a token
+    a, b = Session("tok-a"), Session("tok-b")
+    assert line.enter(entry(a, 0)) is True and line.enter(entry(b, 10)) is True
+    for _ in range(6):
+        assert gate.enter(None) is None  # calls that do not wait fill the other places
+    for i in (1, 2, 3):
+        assert line.enter(entry(a, i)) is False and line.enter(entry(b, 10 + i)) is False
+    for _ in range(4):
+        gate.leave(None)
+    assert started == [1, 11, 2, 12]

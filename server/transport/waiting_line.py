@@ -5,20 +5,20 @@ A call that may wait (a slot read before every contribution, a Step before every
 pull of a future version) holds a handler thread while it waits, so the gate lets in at
 most ``--workers`` less ``--reserved-workers`` of them (112 by default), and half of that
 for one token (56). Refused "retry later", the ranks past the bound asked again after
-jittered pauses of up to 1 s each: an all-reduce of 150 ranks of one job through one
-server took 0.42 s a round, against 0.21-0.29 s with threads for all of them (measured
-with ``python -m benchmarks.leases --reads``).
+jittered pauses of up to 1 s each: an all-reduce of 150 ranks of one job, each with a
+session, through one server took 0.80-0.84 s a round, against 0.29-0.44 s with a thread for
+every read; in line, 0.27-0.40 s (``python -m benchmarks.leases --reads``).
 
 A call of a session holds no thread until it runs, so past the gate it waits here instead,
 in line behind its caller's earlier calls (one line per token, all read tokens in one, as
 the gate counts them). Whenever a call leaves the gate (``CallGate.on_left``; any call, as
 the gate's bound on threads counts the calls that do not wait too), the line's heads that the
 gate now admits go to the pool, each caller's line in turn, so one token's calls never hold
-back another's. What a call in line holds is bounded where it was
-taken: its session counts it in flight and waiting (``MAX_WAITING`` a session) and its request
-bytes as held. A call whose deadline passes in line is answered DEADLINE_EXCEEDED by the
-server's sweep (``expire``); one admitted later runs with the time it has left. Unary calls
-hold their gRPC thread from their arrival, so they are still refused past the bounds.
+back another's. What a call in line holds is bounded where it was taken: its session counts
+it in flight and waiting (``MAX_WAITING`` a session) and its request bytes as held. A call
+whose deadline passes in line is answered DEADLINE_EXCEEDED by the server's sweep
+(``expire``); one admitted later runs with the time it has left. Unary calls hold their gRPC
+thread from their arrival, so they are still refused past the bounds.
 """
 
 from __future__ import annotations
@@ -93,8 +93,9 @@ class WaitingLine:
         its first; a caller the gate refuses keeps its place."""
         started: list[InLine] = []
         with self._lock:
-            if self._closed:
+            if self._closed or not self._lines:
                 return
+            first = next(iter(self._lines))
             for key in list(self._lines):
                 line = self._lines[key]
                 while line:
@@ -106,10 +107,10 @@ class WaitingLine:
                     if self.gate.enter(head.role, head.session.caller) is not None:
                         break
                     started.append(line.popleft())
-                if line:
-                    self._lines.move_to_end(key)  # the next caller's line goes first next time
-                else:
+                if not line:
                     del self._lines[key]
+            if first in self._lines:
+                self._lines.move_to_end(first)  # the next caller's line goes first next time
             self.admitted_later += len(started)
         for entry in started:
             self.start(entry)
