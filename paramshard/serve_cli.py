@@ -101,8 +101,8 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         "--reserved-workers",
         type=positive_int,
         help="handler threads waiting calls never take: pushes, steps and Status always find"
-        " one; a waiting call beyond gets RESOURCE_EXHAUSTED (default: a quarter of --workers,"
-        " at most 16)",
+        " one; a waiting call beyond waits in line if it came in a session, else gets"
+        " RESOURCE_EXHAUSTED (default: a quarter of --workers, at most 16)",
     ),
     arg(
         "--max-waiting-read",
