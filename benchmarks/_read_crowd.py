@@ -4,7 +4,8 @@
 Every rank's read of an all-reduce's slot waits on the server until the last contribution is
 in, and a waiting call may hold a thread only within the admission gate's bounds: 112 by
 default, 56 for one token (server/rpc/admission.py). Here W ranks, each a thread of this
-process with its own client and the same token (as a job's ranks share one), all-reduce 16
+process with its own client and the same token (as a job's ranks share one) and one
+``ClusterSpec`` (one channel: ranks in processes of their own would have one each), all-reduce 16
 floats through one in-process server, round after round, a barrier between rounds. Three
 servers, one after another:
 
