@@ -31,7 +31,9 @@ def test_quick_benchmark_reports_every_strategy() -> None:
         row = found[0]
         assert row["error"] is None, row
         assert row["ours_ms"] > 0 and row["torch_ms"] > 0, row
-        assert row["ratio"] == pytest.approx(row["ours_ms"] / row["torch_ms"], rel=0.02)
+        # the ratio is rounded to 2 decimals: 0.23 stands for 0.2254 (it did, once, in CI)
+        ratio = row["ours_ms"] / row["torch_ms"]
+        assert row["ratio"] == pytest.approx(ratio, rel=0.02, abs=0.005), row
         # the benchmark trains correctly: its float32 losses are no further from single-process
         # torch than torch's own twin's in the same run (tests/numerics.py: the measured bound)
         assert_like_torch(row)

@@ -125,8 +125,11 @@ def is_running(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "\nState:\tZ" in status.read_text())  # a zombie is gone
+    try:  # reaped between the signal and the read (seen in CI): gone too
+        state = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return "\nState:\tZ" not in state  # a zombie is gone
 
 
 def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
