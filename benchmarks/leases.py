@@ -41,8 +41,9 @@ in one run:
   more ranks than it has threads for waiting calls (benchmarks/_membership_crowd.py): the
   members of the step, and how long the last rank waited.
 - **reads**: all-reduces of more ranks than a server has threads for waiting calls, through a
-  real in-process server, with the default bounds, with a session for every rank (its reads
-  wait in the server's line) and with a thread for every read (benchmarks/_read_crowd.py).
+  server in a process of its own, ranks in six more, with the default bounds, with a session
+  for every rank (its reads wait in the server's line) and with a thread for every read
+  (benchmarks/_read_crowd.py).
 
 JSON to stdout, progress to stderr; every child is started here and stopped by PID.
 """
@@ -75,7 +76,7 @@ from benchmarks._processes import (
     stop_all,
     wait_parent_eof,
 )
-from benchmarks._read_crowd import reads_row
+from benchmarks._read_crowd import ranks_child, reads_row, server_child
 from paramshard.client.leases import DEFAULT_TTL_S, RENEW_S, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
@@ -289,6 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_store"]:  # _store PORT --lifetime S
         run_child(lambda: _store_child(int(argv[1]), float(argv[3])))
+    if argv[:1] == ["_reads_server"]:  # _reads_server BOUNDS --lifetime S
+        run_child(lambda: server_child(argv[1], float(argv[3])))
+    if argv[:1] == ["_reads_ranks"]:  # _reads_ranks ADDRESS WORLD INDEX PROCS --lifetime S
+        w, i, n = (int(v) for v in argv[2:5])
+        run_child(lambda: ranks_child(argv[1], w, i, n, float(argv[6])))
     ap = argparse.ArgumentParser(
         prog="python -m benchmarks.leases", description=__doc__.split("\n\n")[0]
     )
