@@ -54,31 +54,51 @@ def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
 
 
 WEDGED_STEP_S = 0.1
-"""How long a step waits once one was left unfinished: a lock left taken in a channel holds
-every later step on it, and those add up (a session and a lease stream a server, their
-threads, the channel: 5 s a server at ``STEP_S``)."""
-_wedged = threading.Event()
+"""How long a step waits while one left past its bound still runs: a lock left taken in a
+channel holds every later step on it, and those add up (a session and a lease stream a server,
+their threads, the channel: 5 s a server at ``STEP_S``)."""
+_late = 0  # steps left past their bound whose threads still run
+_late_lock = threading.Lock()
 
 
 def step_s() -> float:
-    """How long the next step of a close may wait: ``STEP_S``, or ``WEDGED_STEP_S`` once a
-    step of this process was left unfinished."""
-    return WEDGED_STEP_S if _wedged.is_set() else STEP_S
+    """How long the next step of a close may wait: ``STEP_S``, or ``WEDGED_STEP_S`` while a
+    step of this process left past its bound has not ended. One that was only slow (a loaded
+    machine: a cancel waiting seconds for the interpreter's lock) ends later, and the steps
+    after it get ``STEP_S`` again; one that waits on a lock left taken never ends."""
+    return WEDGED_STEP_S if _late else STEP_S
 
 
 def bounded(step: Callable[[], Any], name: str) -> bool:
     """Runs one step of a close (a call's ``cancel``, a channel's ``close``) on a daemon thread
     and waits for it ``step_s()`` at most: whether it ended. Past the bound it is left to that
     thread, and the close goes on."""
-    thread = threading.Thread(target=step, name=name, daemon=True)
-    thread.start()
+    global _late
+    ended = threading.Event()
+    left = [False]  # under _late_lock: the close went on without it
+
+    def run() -> None:
+        global _late
+        try:
+            step()
+        finally:
+            with _late_lock:
+                ended.set()
+                if left[0]:
+                    _late -= 1
+                    log.info("%s ended after all", name)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
     wait = step_s()
-    thread.join(wait)
-    if thread.is_alive():
-        _wedged.set()
-        log.warning("%s took over %g s (a gRPC lock left taken?); left to the exit", name, wait)
-        return False
-    return True
+    if ended.wait(wait):
+        return True
+    with _late_lock:
+        if ended.is_set():
+            return True
+        left[0] = True
+        _late += 1
+    log.warning("%s took over %g s (a gRPC lock left taken?); left to the exit", name, wait)
+    return False
 
 
 def forget(obj: Any) -> None:
