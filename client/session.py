@@ -139,8 +139,12 @@ class _Session:
         self._receiver.start()
 
     def wait_open(self, timeout: float) -> bool:
+        """Whether the server opened it within ``timeout``; if not, it is closed, and never
+        used: its close waits for the receiver only ``closing.step_s()``, and on a loaded
+        machine the receiver may not have marked it broken by then."""
         if not self._opened.wait(timeout):
             self.close()
+            return False
         return self.broken is None
 
     def submit(
