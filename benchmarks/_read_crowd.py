@@ -17,10 +17,9 @@ starting each round once every rank ended the last. Three servers, one after ano
 
 The server runs in a process of its own, and the ranks in ``PROCESSES`` more, each rank a
 thread there with its own client and channel, as ranks of processes of their own have. All
-W ranks as threads of one process, beside the server, measured that process instead: its
-2,000-2,700 threads on two cores (three of gRPC's for every rank's session and lease stream,
-each waking ten times a second) made rounds of 300 ranks stand for 5-50 s, one in a few
-runs, with no message lost (docs/scaling.md "Reads past the waiting threads").
+W ranks as threads of one process, beside the server, measured that process instead: 2,000-
+2,700 threads on two cores, two of gRPC's a rank waking ten times a second, every call
+waiting for the shared channel's lock (docs/scaling.md "Reads past the waiting threads").
 
 Each reports the slowest rank's all-reduce, median and largest over the rounds after the
 first; ``ratio``: ``session_each`` over ``thread_each``, medians.
