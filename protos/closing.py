@@ -84,9 +84,10 @@ def bounded(step: Callable[[], Any], name: str) -> bool:
         finally:
             with _late_lock:
                 ended.set()
-                if left[0]:
-                    _late -= 1
-                    log.info("%s ended after all", name)
+                late = left[0]
+                _late -= late
+            if late:
+                log.info("%s ended after all", name)
 
     threading.Thread(target=run, name=name, daemon=True).start()
     wait = step_s()
