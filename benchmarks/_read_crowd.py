@@ -22,7 +22,8 @@ W ranks as threads of one process, beside the server, measured that process inst
 waiting for the shared channel's lock (docs/scaling.md "Reads past the waiting threads").
 
 Each reports the slowest rank's all-reduce, median and largest over the rounds after the
-first; ``ratio``: ``session_each`` over ``thread_each``, medians.
+first; ``ratio``: ``session_each`` over ``thread_each``, medians (None when the reference ran no
+round).
 """
 
 from __future__ import annotations
@@ -118,7 +119,8 @@ def reads_row(world: int, rounds: int = 6) -> dict[str, Any]:
         "session_each": _rounds(world, rounds, **sessions),
         "thread_each": _rounds(world, rounds, max_workers=8 * world, **sessions),
     }
-    row["ratio"] = round(row["session_each"]["median_s"] / row["thread_each"]["median_s"], 2)
+    reference = row["thread_each"]["median_s"]  # 0 when it ran no round (its errors say why)
+    row["ratio"] = round(row["session_each"]["median_s"] / reference, 2) if reference else None
     return row
 
 
