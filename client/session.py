@@ -129,6 +129,7 @@ class _Session:
         self._opened = threading.Event()
         self.broken: str | None = None  # why it ended
         self.unreachable = False  # it ended UNAVAILABLE: no server answered (yet)
+        self.full = False  # it ended RESOURCE_EXHAUSTED: the server's sessions are at a bound
         stub = channel.stream_stream(
             _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
@@ -187,6 +188,7 @@ class _Session:
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
             self.unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
+            self.full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over
             why = f"{type(exc).__name__}: {exc}"
         with self._lock:
@@ -204,6 +206,28 @@ class _Session:
         closing.bounded(self._call.cancel, "cancelling a session")
         if self._receiver is not threading.current_thread():
             self._receiver.join(closing.step_s())
+
+
+_full_said: set[str] = set()  # servers whose bound on sessions this process has reported
+_full_lock = threading.Lock()
+
+
+def _say_full(address: str, why: str | None) -> None:
+    """Warns, once a process for each server, that it refused a session at its bound: the
+    operator sizes ``--max-sessions`` (debug logs say nothing to a user whose ranks past the
+    bound quietly call one by one, their waiting calls refused and asked again)."""
+    with _full_lock:
+        if address in _full_said:
+            return
+        _full_said.add(address)
+    log.warning(
+        "server %s refused a session (%s); this process calls it one by one, asking again"
+        " every %.0f s. Its --max-sessions counts its ranks' sessions and lease streams:"
+        " size it at 2 per rank (docs/scaling.md)",
+        address,
+        why,
+        RETRY_OPEN_S,
+    )
 
 
 class Sessions:
@@ -233,6 +257,8 @@ class Sessions:
         session = _Session(core.spec.channel(index), core.spec.metadata(), address)
         if not session.wait_open(OPEN_TIMEOUT_S):
             log.debug("server %s: no session (%s); calls go one by one", address, session.broken)
+            if session.full:
+                _say_full(address, session.broken)
             wait = RETRY_UNREACHABLE_S if session.unreachable else RETRY_OPEN_S
             with self._lock:
                 self._refused[address] = time.monotonic() + wait

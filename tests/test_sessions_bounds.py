@@ -5,6 +5,7 @@ requests it holds, of open sessions, and each call's role. The helpers are test_
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from collections.abc import Iterator
@@ -234,7 +235,10 @@ def test_waiting_calls_in_sessions_pass_the_admission_gate() -> None:
 def test_a_call_whose_deadline_passes_in_line_is_answered_and_forgotten() -> None:
     """A read in line past its deadline gets DEADLINE_EXCEEDED from the server's sweep, and
     leaves nothing counted: the session's waiting calls and held bytes go back to zero."""
-    limits = {"max_workers": 4, "reserved_workers": 2, "pending_ttl_s": 0.4}  # sweeps: 0.1 s
+    # sweeps every 0.5 s: the read in line is answered 0.3-0.8 s after it came, long before
+    # the slot, untouched for 2 s, is dropped with the two reads on it (with a TTL of 0.4 s,
+    # its sweeps at 0.1 s, the two fell within one sweep of each other: 2 failures in 6 runs)
+    limits = {"max_workers": 4, "reserved_workers": 2, "pending_ttl_s": 2.0}
     with ShardServer(local_calls=False, **limits) as server:
         s = RawSession(server.address)
         try:
@@ -310,18 +314,25 @@ def test_each_call_needs_its_methods_role() -> None:
             trainer.close()
 
 
-def test_open_sessions_are_bounded_and_clients_past_it_call_one_by_one() -> None:
+def test_open_sessions_are_bounded_and_clients_past_it_call_one_by_one(caplog) -> None:
+    """A client past the bound calls one by one, and says so once a process: the operator
+    sizes --max-sessions."""
     with ShardServer(local_calls=False, max_sessions=1) as server:
         first = RawSession(server.address)
         first.opened()
         try:
-            c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
-            try:
-                out = c.all_reduce(np.full(3, 2.0, np.float32))
-                assert out.tolist() == [2.0, 2.0, 2.0]
-                assert server.sessions.calls == 0  # the client's calls went one by one
-            finally:
-                c.close()
+            with caplog.at_level(logging.WARNING, logger="paramshard.client.session"):
+                for run in ("a", "b"):  # a second client of the process: no second warning
+                    c = ShardClient(ClusterSpec([server.address]), run_id=run, timeout_s=10)
+                    try:
+                        out = c.all_reduce(np.full(3, 2.0, np.float32))
+                        assert out.tolist() == [2.0, 2.0, 2.0]
+                        assert server.sessions.calls == 0  # its calls went one by one
+                    finally:
+                        c.close()
+            said = [r.getMessage() for r in caplog.records if "refused a session" in r.getMessage()]
+            assert len(said) == 1, said
+            assert server.address in said[0] and "--max-sessions" in said[0], said
         finally:
             first.close()
 
