@@ -221,8 +221,8 @@ def _say_full(address: str, why: str | None) -> None:
             return
         _full_said.add(address)
     log.warning(
-        "server %s refused a session (%s); this process calls it one by one, asking again"
-        " every %.0f s. Its --max-sessions counts its ranks' sessions and lease streams:"
+        "server %s refused a session (%s); a client of this process calls it one by one, asking"
+        " again every %.0f s. Its --max-sessions counts its ranks' sessions and lease streams:"
         " size it at 2 per rank (docs/scaling.md)",
         address,
         why,
