@@ -128,8 +128,9 @@ class _Session:
         self._ids = itertools.count(1)
         self._opened = threading.Event()
         self.broken: str | None = None  # why it ended
-        self.unreachable = False  # it ended UNAVAILABLE: no server answered (yet)
-        self.full = False  # it ended RESOURCE_EXHAUSTED: the server's sessions are at a bound
+        # how it ended: UNAVAILABLE, no server answered (yet); RESOURCE_EXHAUSTED, the
+        # server's sessions are at a bound
+        self.code: grpc.StatusCode | None = None
         stub = channel.stream_stream(
             _SERVICE, request_serializer=encode_batch, response_deserializer=decode_batch
         )
@@ -187,8 +188,7 @@ class _Session:
                         fut.resolve(reply, body)
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
-            self.unreachable = exc.code() == grpc.StatusCode.UNAVAILABLE
-            self.full = exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            self.code = exc.code()
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over
             why = f"{type(exc).__name__}: {exc}"
         with self._lock:
@@ -257,9 +257,10 @@ class Sessions:
         session = _Session(core.spec.channel(index), core.spec.metadata(), address)
         if not session.wait_open(OPEN_TIMEOUT_S):
             log.debug("server %s: no session (%s); calls go one by one", address, session.broken)
-            if session.full:
+            if session.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 _say_full(address, session.broken)
-            wait = RETRY_UNREACHABLE_S if session.unreachable else RETRY_OPEN_S
+            unreachable = session.code == grpc.StatusCode.UNAVAILABLE
+            wait = RETRY_UNREACHABLE_S if unreachable else RETRY_OPEN_S
             with self._lock:
                 self._refused[address] = time.monotonic() + wait
             return None

@@ -57,7 +57,7 @@ WEDGED_STEP_S = 0.1
 """How long a step waits while one left past its bound still runs: a lock left taken in a
 channel holds every later step on it, and those add up (a session and a lease stream a server,
 their threads, the channel: 5 s a server at ``STEP_S``)."""
-_late = 0  # steps left past their bound whose threads still run
+_late: set[threading.Thread] = set()  # steps left past their bound (those still running count)
 _late_lock = threading.Lock()
 
 
@@ -66,40 +66,25 @@ def step_s() -> float:
     step of this process left past its bound has not ended. One that was only slow (a loaded
     machine: a cancel waiting seconds for the interpreter's lock) ends later, and the steps
     after it get ``STEP_S`` again; one that waits on a lock left taken never ends."""
-    return WEDGED_STEP_S if _late else STEP_S
+    with _late_lock:
+        _late.difference_update([t for t in _late if not t.is_alive()])
+        return WEDGED_STEP_S if _late else STEP_S
 
 
 def bounded(step: Callable[[], Any], name: str) -> bool:
     """Runs one step of a close (a call's ``cancel``, a channel's ``close``) on a daemon thread
     and waits for it ``step_s()`` at most: whether it ended. Past the bound it is left to that
     thread, and the close goes on."""
-    global _late
-    ended = threading.Event()
-    left = [False]  # under _late_lock: the close went on without it
-
-    def run() -> None:
-        global _late
-        try:
-            step()
-        finally:
-            with _late_lock:
-                ended.set()
-                late = left[0]
-                _late -= late
-            if late:
-                log.info("%s ended after all", name)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
+    thread = threading.Thread(target=step, name=name, daemon=True)
+    thread.start()
     wait = step_s()
-    if ended.wait(wait):
-        return True
-    with _late_lock:
-        if ended.is_set():
-            return True
-        left[0] = True
-        _late += 1
-    log.warning("%s took over %g s (a gRPC lock left taken?); left to the exit", name, wait)
-    return False
+    thread.join(wait)
+    if thread.is_alive():
+        with _late_lock:
+            _late.add(thread)
+        log.warning("%s took over %g s (a gRPC lock left taken?); left to the exit", name, wait)
+        return False
+    return True
 
 
 def forget(obj: Any) -> None:
