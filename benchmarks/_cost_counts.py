@@ -119,3 +119,25 @@ def step_traffic(
     if strategy == "tree":
         return _add([tree_all_reduce(grad / buckets, w)] * buckets)
     raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def op_counts(
+    side: str, op: str, nbytes: float, w: int, chunk: int | None = None
+) -> tuple[float, float, float]:
+    """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
+    one host's link each way) of one op with messages of at most ``chunk`` bytes (see the
+    module's docstring). A host of ours runs a rank and a server: both ends of every message
+    count (with W servers on one host, a rank and one server: its share). ``chunk``: None, a
+    client's default with one server a host."""
+    k = max(1, math.ceil(nbytes / w / chunk_for(1, chunk)))
+    frac = (w - 1) / w
+    if side == "gloo":
+        steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
+        handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
+        return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
+    if op == "all_reduce":
+        t = all_reduce(nbytes, w, chunk=chunk)
+        return 2 * t.messages, t.handled_bytes, t.wire_bytes
+    if op == "all_gather":
+        return 2 * w * k, 2 * nbytes, nbytes * frac
+    return 2 * (w + 1) * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac

@@ -1,6 +1,7 @@
 """The rank processes of ``benchmarks.scale``: ours (DDP, ZeRO-2, FSDP over separate ``paramshard
-serve`` processes) and torch's twins on gloo (DDP, DDP + ZeroRedundancyOptimizer, FSDP2), and
-the process that measures a bare trainer's memory.
+serve`` processes) and torch's twins on gloo (DDP, DDP + ZeroRedundancyOptimizer, FSDP2), the
+process that measures a bare trainer's memory, and the one that measures a rank's compute alone
+(``compute_main``: one process, no peers, no servers).
 
 Each rank trains the same model from the same seed on its rows of the same global batches with
 AdamW, one intra-op thread, and answers ``RESULT {json}``: per step the wall seconds, forward /
@@ -77,6 +78,19 @@ def overhead_main(a: argparse.Namespace) -> None:
 
     one_thread()
     emit("RESULT", {"rss_bytes": rss_bytes()[0]})
+
+
+def compute_main(a: argparse.Namespace) -> None:
+    """One rank's work with nobody to talk to: the model, plain AdamW over all of it, rank 0's
+    rows of a W = 1 batch (the per-rank batch of every cell). What a step costs before any
+    communication: benchmarks/_cost_steps.py predicts the cells' steps from it."""
+    child_guard(a.lifetime)
+    one_thread()
+    import torch
+
+    net = build(a.model)
+    result = _train(a, net, torch.optim.AdamW(net.parameters(), **ADAMW))
+    emit("RESULT", {"rank": 0, **result, "peak_rss_bytes": peak_rss_bytes()})
 
 
 def _server_step_seconds(client: Any, job: str) -> float:

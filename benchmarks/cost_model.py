@@ -38,6 +38,7 @@ import sys
 from typing import Any
 
 from benchmarks import _cost_counts as cc
+from benchmarks import _cost_steps
 
 MiB = 2**20
 HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -52,27 +53,6 @@ PARAMS = {  # parameters and FSDP units (blocks) of benchmarks/_scale_models.py'
 
 # ================================================================================ the fit
 LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
-
-
-def op_counts(
-    side: str, op: str, nbytes: float, w: int, chunk: int | None = None
-) -> tuple[float, float, float]:
-    """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
-    one host's link each way) of one op with messages of at most ``chunk`` bytes (see
-    benchmarks/_cost_counts.py). A host of ours runs a rank and a server: both ends of every
-    message count. ``chunk``: None, a client's default with one server a host."""
-    k = max(1, math.ceil(nbytes / w / cc.chunk_for(1, chunk)))
-    frac = (w - 1) / w
-    if side == "gloo":
-        steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
-        handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
-        return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
-    if op == "all_reduce":
-        t = cc.all_reduce(nbytes, w, chunk=chunk)
-        return 2 * t.messages, t.handled_bytes, t.wire_bytes
-    if op == "all_gather":
-        return 2 * w * k, 2 * nbytes, nbytes * frac
-    return 2 * (w + 1) * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac
 
 
 def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
@@ -115,26 +95,45 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
     processes copy`` (least squares of relative errors): of the median wall time (``s_per_*``,
     the lab's time, kernel networking included) and of the CPU seconds of a host's processes
     (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""
-    out = {}
     rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
     chunk = chunk_of(doc)
-    for side in ("ours", "gloo"):
-        wall, cpu = [], []
-        for r in rows:
-            msgs, handled, _ = op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk)
-            wall.append((msgs, handled, r[f"{side}_ns_ms"] / 1e3))
-            cpu.append((msgs, handled, r[f"{side}_ns_cpu_ms_per_rank"] / 1e3))
-        per_msg, per_byte = _lstsq(wall)
-        cpu_msg, cpu_byte = _lstsq(cpu)
-        out[side] = {
-            "s_per_message": per_msg,
-            "s_per_byte": per_byte,
-            "cpu_s_per_message": cpu_msg,
-            "cpu_s_per_byte": cpu_byte,
-            "cpu_gb_per_s_per_core": 1e-9 / cpu_byte if cpu_byte else math.inf,
-            "fitted_on": len(wall),
-        }
-    return out
+    return {side: _fit_side(rows, side, f"{side}_ns", chunk) for side in ("ours", "gloo")}
+
+
+def fit_host(doc: dict[str, Any]) -> dict[str, dict[str, float]] | None:
+    """The same two fits from the run's rows between processes of one host (``results``, W =
+    2: ours through 2 separate servers and shared memory, ``ours_sep``; gloo over loopback),
+    counted with the run's chunk or its clients' default for 2 servers on one host. What a
+    step of ``benchmarks.scale`` costs (benchmarks/_cost_steps.py); None without such rows
+    (a run with ``--no-separate``)."""
+    rows = [r for r in doc.get("results") or [] if r["world_size"] == 2 and "ours_sep_ms" in r]
+    if not rows or "gloo_ms" not in rows[0]:
+        return None
+    client = doc.get("client") or {}
+    mib = client.get("chunk_mib") or (client.get("chunk_mib_same_host") or {}).get("2")
+    chunk = int(mib * MiB) if mib else cc.chunk_for(2, None)
+    return {
+        "ours": _fit_side(rows, "ours", "ours_sep", chunk),
+        "gloo": _fit_side(rows, "gloo", "gloo", chunk),
+    }
+
+
+def _fit_side(rows: list[dict[str, Any]], side: str, key: str, chunk: int) -> dict[str, float]:
+    wall, cpu = [], []
+    for r in rows:
+        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk)
+        wall.append((msgs, handled, r[f"{key}_ms"] / 1e3))
+        cpu.append((msgs, handled, r[f"{key}_cpu_ms_per_rank"] / 1e3))
+    per_msg, per_byte = _lstsq(wall)
+    cpu_msg, cpu_byte = _lstsq(cpu)
+    return {
+        "s_per_message": per_msg,
+        "s_per_byte": per_byte,
+        "cpu_s_per_message": cpu_msg,
+        "cpu_s_per_byte": cpu_byte,
+        "cpu_gb_per_s_per_core": 1e-9 / cpu_byte if cpu_byte else math.inf,
+        "fitted_on": len(wall),
+    }
 
 
 # ================================================================================ the check
@@ -144,7 +143,7 @@ def lab_time(
 ) -> float:  # fmt: skip
     """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
     (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
-    msgs, handled, wire = op_counts(side, op, nbytes, w, chunk)
+    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk)
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
     link = wire * 8 / (rate * 1e9) if rate else 0.0
@@ -176,7 +175,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
                 continue
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
             pred = lab_time(side, c, r["op"], nbytes, w, link, chunk) * 1e3
-            msgs, handled, _ = op_counts(side, r["op"], nbytes, w, chunk)
+            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk)
             cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
             err = pred / r[key] - 1
             cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1
@@ -273,6 +272,8 @@ def markdown(result: dict[str, Any]) -> str:
     moved = [f"{k:g} Gbit/s moved {v:.2f}" for k, v in chk["link_gbit_measured"].items()]
     if moved:
         lines.append("\nOne raw TCP stream across links shaped to " + "; ".join(moved) + ".")
+    if "steps" in result:
+        lines += _cost_steps.markdown(result)
     for model in PARAMS:
         lines.append(f"\n**{model}** (compute {result['compute_s'][model]:.3g} s a step)\n")
         lines.append("| Gbit/s | hosts | DDP ours | ZeRO-2 ours | FSDP ours | ring | tree |")
@@ -290,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--collectives", required=True, help="benchmarks.collectives JSON (as root)")
-    p.add_argument("--scale", help="benchmarks.scale JSON: this machine's compute per step")
+    p.add_argument(
+        "--scale",
+        help="benchmarks.scale JSON: this machine's compute per step, and its cells, which the"
+        " steps check predicts (benchmarks/_cost_steps.py)",
+    )
     p.add_argument(
         "--host-cores",
         type=float,
@@ -330,6 +335,15 @@ def main(argv: list[str] | None = None) -> int:
         "compute_s": compute_times(a),
     }
     result["prediction"] = predict(costs, a, result["compute_s"])
+    if a.scale:
+        host = fit_host(doc)
+        result["costs_same_host"] = host
+        result["check_same_host"] = _cost_steps.check_host(doc, host) if host else None
+        result["steps"] = (
+            _cost_steps.check_steps(json.load(open(a.scale)), host)
+            if host
+            else "the collectives JSON has no rows through separate servers on one host"
+        )
     if a.markdown:
         print(markdown(result))
     else:

@@ -3,6 +3,7 @@
     python -m benchmarks.scale [--quick] [--models gpt2-124m,gpt2-355m,llama-1b]
                                [--world-sizes 2,4,8] [--strategies ddp,zero1,zero2,fsdp]
                                [--steps N] [--warmup K] [--wait-quiet S] [--margin-gib G]
+                               [--no-compute]
 
 For every model, W and strategy, in one run: ours with W rank processes against W separate
 ``paramshard serve`` processes on this host (the deployed shape: payloads through shared
@@ -29,7 +30,12 @@ Reported per cell:
   against torch's ranks' peak; each server's own memory (RssAnon) and the trainers' shared
   segments it maps (RssShmem) at their peaks, sampled every 0.1 s (``ServerSampler``: VmHWM
   counts a segment in both processes that map it);
-- **losses**: the largest relative difference between ours and torch's per-step mean loss.
+- **losses**: the largest relative difference between ours and torch's per-step mean loss;
+- **compute alone** (``compute_reference``, once a model; ``--no-compute`` skips it): one
+  process, no peers and no servers, the model and plain AdamW on one rank's batch: forward,
+  backward and optimizer step, and its CPU a step (medians after the warm-up).
+  ``benchmarks.cost_model --scale`` predicts every cell's step from it and the costs of a
+  message and a byte (benchmarks/_cost_steps.py).
 
 Before each cell the benchmark estimates its memory (formula + overhead + activations + a
 transient allowance, ``estimate``) and skips the cell with the reason when MemAvailable less
@@ -65,7 +71,7 @@ from benchmarks._scale_memory import (
     process_overhead,
 )
 from benchmarks._scale_models import MODELS
-from benchmarks._scale_ranks import ours_main, overhead_main, rss_kinds, torch_main
+from benchmarks._scale_ranks import compute_main, ours_main, overhead_main, rss_kinds, torch_main
 from benchmarks._training import launch_ranks
 from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.rpc import MAX_IN_FLIGHT
@@ -222,6 +228,35 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
     return row
 
 
+def compute_reference(model: str, a: argparse.Namespace, over: dict) -> dict[str, Any]:
+    """Median ms a step of one rank's compute alone (``_scale_ranks.compute_main``)."""
+    need = estimate(model, "ddp", "torch", param_count(model), 1, over)
+    avail = meminfo("MemAvailable") - int(a.margin_gib * GiB)
+    if need > avail:
+        return {"skipped": f"needs about {need / GiB:.1f} GiB, {avail / GiB:.1f} GiB free"}
+    out: dict[str, Any] = {}
+    if a.wait_quiet > 0:
+        out["busy_before"] = wait_quiet(a.wait_quiet)
+    log(f"{model}: compute alone")
+    argv = ["--model", model, "--world", "1", "--steps", str(a.steps_for[model])]
+    budget = 180.0 + a.steps_for[model] * a.step_budget
+    try:
+        with Load() as load:
+            (rank,) = launch_ranks(
+                "benchmarks.scale", "_compute", "compute", 1, argv, budget,
+                tuned=False, hosted_servers=False, log=log,
+            )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the cells still run
+        return {**out, "error": f"{type(exc).__name__}: {exc}"}
+    rows = rank["steps"][a.warmup_for[model] :]
+    for key, field in (("step", "s"), ("forward", "forward"), ("backward", "backward")):
+        out[f"{key}_ms"] = round(statistics.median(r[field] for r in rows) * 1e3, 1)
+    out["optimizer_ms"] = round(statistics.median(r["optimizer"] for r in rows) * 1e3, 1)
+    out["cpu_ms"] = round(statistics.median(r["cpu"] for r in rows) * 1e3, 1)
+    out["foreign_cpu_frac"] = load.foreign
+    return out
+
+
 # ================================================================================ main
 def parent_main(a: argparse.Namespace) -> int:
     install_cleanup()
@@ -268,6 +303,8 @@ def parent_main(a: argparse.Namespace) -> int:
     }  # fmt: skip
     out["results"] = rows = []
     t0 = time.monotonic()
+    if a.compute:
+        out["compute_reference"] = {m: compute_reference(m, a, over) for m in models}
     for m in models:
         for w in [w for w in worlds if w in MODELS[m].worlds]:
             for s in [s for s in strategies if s in MODELS[m].strategies]:
@@ -282,6 +319,7 @@ def parent_main(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ranks = {"_ours": ours_main, "_torch": torch_main, "_overhead": overhead_main}
+    ranks["_compute"] = compute_main
     if argv and argv[0] in ranks:
         p = argparse.ArgumentParser()
         for k in ("--model", "--strategy", "--servers", "--run", "--server-pids"):
@@ -320,6 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--sides", default="torch,ours", help="which sides run (default both: the ratio)"
+    )
+    p.add_argument(
+        "--no-compute",
+        dest="compute",
+        action="store_false",
+        help="skip each model's compute alone (one process, no peers: the cost model's input)",
     )
     p.add_argument(
         "--arrival-order",

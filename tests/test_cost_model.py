@@ -28,7 +28,7 @@ def row(op: str, w: int, mib: float, rate: float | None, link: float | None) -> 
     with links that move ``link`` Gbit/s."""
     out = {"op": op, "world_size": w, "mib": mib, "rate_gbit": rate}
     for side, c in COSTS.items():
-        msgs, handled, _ = cm.op_counts(side, op, mib * MiB, w)
+        msgs, handled, _ = cm.cc.op_counts(side, op, mib * MiB, w)
         cpu = c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled
         out[f"{side}_ns_ms"] = cm.lab_time(side, c, op, mib * MiB, w, link) * 1e3
         out[f"{side}_ns_cpu_ms_per_rank"] = cpu * 1e3
@@ -98,6 +98,6 @@ def test_the_fit_counts_messages_with_the_chunk_the_run_used() -> None:
     assert cm.chunk_of({"client": {"chunk_mib": 4.0}}) == 4 * MiB
     assert cm.chunk_of({"client": {"chunk_mib": None, "chunk_mib_netns": 8.0}}) == 8 * MiB
     assert cm.chunk_of({"machine": {}}) == 16 * MiB
-    msgs_4, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 4 * MiB)
-    msgs_16, *_ = cm.op_counts("ours", "all_gather", 64 * MiB, 2, 16 * MiB)
+    msgs_4, *_ = cm.cc.op_counts("ours", "all_gather", 64 * MiB, 2, 4 * MiB)
+    msgs_16, *_ = cm.cc.op_counts("ours", "all_gather", 64 * MiB, 2, 16 * MiB)
     assert msgs_4 == 4 * msgs_16

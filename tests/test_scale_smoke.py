@@ -1,7 +1,7 @@
 """Smoke test of ``python -m benchmarks.scale --quick``: every strategy runs against its torch
 twin, trains the same losses, and the JSON carries the step times, where ours spends them,
-the CPU a step of both sides, and every trainer's and server's peak memory against the
-formula.
+the CPU a step of both sides, every trainer's and server's peak memory against the
+formula, and a rank's compute alone.
 
 Runs the benchmark as a user would, in its own process group (stopped by its id on a
 timeout)."""
@@ -21,6 +21,10 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
     report = run_quick("benchmarks.scale")
     assert report["machine"]["cores"] >= 1 and "loadavg_at_start" in report["machine"]
     over = report["process_overhead"]
+    # a rank's compute alone, once a model: what the cost model predicts the cells from
+    ref = report["compute_reference"]["quick"]
+    assert min(ref[k] for k in ("forward_ms", "backward_ms", "optimizer_ms", "cpu_ms")) > 0, ref
+    assert ref["step_ms"] >= ref["forward_ms"] + ref["backward_ms"], ref
     assert over["trainer"] > 50 * 2**20 and over["server"] > 20 * 2**20, over
     rows = {r["strategy"]: r for r in report["results"]}
     assert set(rows) == set(STRATEGIES), rows.keys()

@@ -1,0 +1,260 @@
+"""The cost model's check against training steps: every cell of a ``benchmarks.scale`` run
+(W rank processes and, ours, W server processes on this host, payloads through shared memory)
+predicted from a rank's compute alone and what a message and a byte cost between processes of
+one host (``cost_model.fit_host``: a collectives run's W = 2 rows, ours through separate
+servers, gloo over loopback), and compared with the step and the CPU the cell measured.
+
+For a cell (model of Ψ parameters, strategy, W), with F the forward and backward of one rank
+and O the AdamW step over all Ψ, both CPU seconds of the scale run's ``compute_reference``
+(one process, no peers):
+
+- **CPU a step**, every process of the cell together: W F + O x (W for DDP, whose ranks each
+  step the whole model; 1 for the sharded strategies, whose servers, or torch's ranks, each
+  step 1/W) + W x a rank's communication. Ours: ``_cost_counts.step_traffic`` (ZeRO-1 pushes
+  the gradient that ZeRO-2 pushes and pulls the same parameters, at the step instead of during
+  backward: the same counts), each message counted at both ends (a rank and its share of the
+  servers, as the fit counted them). Torch's on gloo: DDP's ring all-reduce of the gradient
+  in 25 MiB buckets; ``ZeroRedundancyOptimizer`` adds the broadcast of the updated
+  parameters, counted as an all-gather of them; FSDP2 two all-gathers and a reduce-scatter of
+  each block.
+- **Step**: ``max(CPU / cores, F + O on one rank's path)`` (O on the path: DDP's whole, 1/W
+  else). With more processes than cores a step takes the CPU all of them spend
+  (docs/benchmarks.md, "W=8 on two cores"); with a core each, a rank's own work.
+
+What the model leaves out, and so what the check's errors show: the overlap of communication
+with compute on a rank with a core to itself, copies outside the counted collectives (torch's
+FSDP2 copies into and out of its gather buffers; our flattening of gradients), waits, and
+caches shared by more processes than the compute alone ran beside.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from benchmarks import _cost_counts as cc
+
+WITHIN = 0.2  # the issue's bound on the model's error
+SIDES = ("ours", "torch")
+
+
+def units_of(config: dict[str, Any]) -> int:
+    """FSDP's gathered blocks of a scale model (``_scale_models.MODELS[m].config``; GPT-2's
+    default 12 layers when the config leaves it to ``GPT2Config``)."""
+    return int(config.get("n_layer") or config.get("num_hidden_layers") or 12)
+
+
+def gloo_counts(strategy: str, psi: float, w: int, units: int) -> tuple[float, float]:
+    """(ring steps, bytes copied) of one rank of torch's twin on gloo for a step."""
+    grad = 4 * psi
+    buckets = max(1, math.ceil(grad / cc.BUCKET))
+    parts: list[tuple[str, float, int]] = []  # (op, bytes, times)
+    if strategy == "fsdp":
+        parts = [("all_gather", grad / units, 2 * units), ("reduce_scatter", grad / units, units)]
+    else:
+        parts = [("all_reduce", grad / buckets, buckets)]
+        if strategy in ("zero1", "zero2"):
+            parts.append(("all_gather", grad, 1))
+    steps = handled = 0.0
+    for op, nbytes, times in parts:
+        s, h, _ = cc.op_counts("gloo", op, nbytes, w)
+        steps, handled = steps + times * s, handled + times * h
+    return steps, handled
+
+
+def ours_counts(strategy: str, psi: float, w: int, units: int, chunk: int) -> tuple[float, float]:
+    """(messages a rank and its share of the servers handle, bytes they copy) of ours."""
+    kind = "zero2" if strategy == "zero1" else strategy
+    t = cc.step_traffic(kind, psi, w, units=units, s=1, chunk=chunk)
+    return t.messages + t.server_messages, t.handled_bytes
+
+
+def predict_cell(
+    row: dict[str, Any], ref: dict[str, Any], costs: dict[str, dict[str, float]],
+    psi: float, units: int, chunk: int, cores: int, extra: dict[str, float] | None = None,
+) -> dict[str, float]:  # fmt: skip
+    """Predicted step and CPU (seconds) of both sides of one scale cell; ``extra``: CPU seconds
+    a rank and step each side spends beyond its compute alone and its counted messages and
+    bytes (``check_steps`` fits it at the smallest W)."""
+    w, strategy = row["world_size"], row["strategy"]
+    f = (ref["forward_ms"] + ref["backward_ms"]) / 1e3  # one thread alone: its wall is its CPU
+    o = ref["optimizer_ms"] / 1e3
+    opt_total, opt_path = (w * o, o) if strategy == "ddp" else (o, o / w)
+    counts = {
+        "ours": ours_counts(strategy, psi, w, units, chunk),
+        "torch": gloo_counts(strategy, psi, w, units),
+    }
+    out = {}
+    for side, (msgs, handled) in counts.items():
+        c = costs["ours" if side == "ours" else "gloo"]
+        comm = c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled
+        more = (extra or {}).get(side, 0.0)
+        cpu = w * (f + comm + more) + opt_total
+        out[f"{side}_cpu_s"] = cpu
+        out[f"{side}_comm_cpu_s"] = w * comm
+        out[f"{side}_step_s"] = max(cpu / cores, f + opt_path + more)
+    return out
+
+
+def _chunk(doc: dict[str, Any], w: int) -> int:
+    client = doc.get("client") or {}
+    mib = client.get("chunk_mib") or (client.get("chunk_mib_by_world") or {}).get(str(w))
+    return int(mib * 2**20) if mib else cc.chunk_for(w, None)
+
+
+def _side(measured_ms: float, measured_cpu: float, p: dict[str, float], side: str) -> dict:
+    step, cpu = p[f"{side}_step_s"] * 1e3, p[f"{side}_cpu_s"]
+    return {
+        "predicted_ms": round(step, 1),
+        "error": round(step / measured_ms - 1, 3),
+        "predicted_cpu_s": round(cpu, 2),
+        "cpu_error": round(cpu / measured_cpu - 1, 3) if measured_cpu else None,
+    }
+
+
+def _within(rows: list[dict[str, Any]], side: str, kind: str, key: str) -> int:
+    return sum(
+        r[side][kind][key] is not None and abs(r[side][kind][key]) <= WITHIN
+        for r in rows
+        if kind == "alone" or not r[side]["fitted"]
+    )
+
+
+def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Every cell of a scale run with both sides measured and its model's compute alone,
+    predicted twice against its measured step (ms) and CPU a step (s):
+
+    - ``alone``: from the compute alone and the counted messages and bytes only;
+    - ``fitted``: plus a CPU overhead a rank and step (``overhead_s_per_rank``) fitted for each
+      model, strategy and side on its cell of the smallest W (the rest of that cell's CPU):
+      what the strategy spends beyond the counts (hooks, flattening, its client's threads; the
+      servers' staging). The cells of larger W are held out: the check of how the counts grow
+      with W.
+
+    Within 20% counted per side: ``alone`` over every cell, ``fitted`` over the held-out."""
+    refs = doc.get("compute_reference") or {}
+    cores = int((doc.get("machine") or {}).get("cores") or 1)
+    cells, why_not = [], []
+    for r in doc.get("results") or []:
+        ref = refs.get(r["model"]) or {}
+        if "optimizer_ms" not in ref or "ours_ms" not in r or "torch_ms" not in r:
+            why_not.append(f"{r['model']} W={r['world_size']} {r['strategy']}")
+            continue
+        model = doc["models"][r["model"]]
+        args = (ref, costs, model["n_params"], units_of(model.get("config") or {}),
+                _chunk(doc, r["world_size"]), cores)  # fmt: skip
+        measured = {s: sum((r.get(f"{s}_cpu_per_step_s") or {}).values()) for s in SIDES}
+        cells.append((r, args, measured, predict_cell(r, *args)))
+    extra: dict[tuple[str, str], tuple[int, dict[str, float]]] = {}
+    for r, _, measured, p in sorted(cells, key=lambda c: c[0]["world_size"], reverse=True):
+        w = r["world_size"]
+        extra[(r["model"], r["strategy"])] = (
+            w, {s: (measured[s] - p[f"{s}_cpu_s"]) / w if measured[s] else 0.0 for s in SIDES}
+        )  # fmt: skip
+    rows = []
+    for r, args, measured, alone in cells:
+        fit_w, more = extra[(r["model"], r["strategy"])]
+        fitted = predict_cell(r, *args, extra=more)
+        out: dict[str, Any] = {k: r[k] for k in ("model", "world_size", "strategy")}
+        for s in SIDES:
+            out[s] = {
+                "measured_ms": r[f"{s}_ms"],
+                "measured_cpu_s": round(measured[s], 2),
+                "comm_cpu_s": round(alone[f"{s}_comm_cpu_s"], 2),
+                "overhead_s_per_rank": round(more[s], 3),
+                "fitted": r["world_size"] == fit_w,
+                "alone": _side(r[f"{s}_ms"], measured[s], alone, s),
+                "fitted_overhead": _side(r[f"{s}_ms"], measured[s], fitted, s),
+            }
+        rows.append(out)
+    return {
+        "rows": rows,
+        "cells": len(rows),
+        "held_out": sum(not r["ours"]["fitted"] for r in rows),
+        "alone_within_20pct": {
+            s: {"step": _within(rows, s, "alone", "error"),
+                "cpu": _within(rows, s, "alone", "cpu_error")} for s in SIDES
+        },
+        "held_out_within_20pct": {
+            s: {"step": _within(rows, s, "fitted_overhead", "error"),
+                "cpu": _within(rows, s, "fitted_overhead", "cpu_error")} for s in SIDES
+        },
+        "cores": cores,
+        "not_checked": why_not,
+    }  # fmt: skip
+
+
+def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """The collectives run's rows on one host that the fit did not use (W > 2): each op's CPU
+    a rank (and its share of the servers) predicted from its counts, against the measured."""
+    client = coll.get("client") or {}
+    rows, within = [], {"ours": 0, "gloo": 0}
+    for r in coll.get("results") or []:
+        w = r["world_size"]
+        if w == 2 or "ours_sep_cpu_ms_per_rank" not in r:
+            continue
+        mib = client.get("chunk_mib") or (client.get("chunk_mib_same_host") or {}).get(str(w))
+        chunk = int(mib * 2**20) if mib else cc.chunk_for(w, None)
+        out: dict[str, Any] = {"op": r["op"], "world_size": w, "bytes": round(r["mib"] * 2**20)}
+        for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):
+            msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * 2**20, w, chunk)
+            c = costs[side]
+            pred = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
+            err = pred / max(r[f"{key}_cpu_ms_per_rank"], 1e-6) - 1
+            out[side] = {
+                "measured_cpu_ms": r[f"{key}_cpu_ms_per_rank"],
+                "predicted_cpu_ms": round(pred, 3),
+                "cpu_error": round(err, 3),
+            }
+            within[side] += abs(err) <= WITHIN
+        rows.append(out)
+    return {"rows": rows, "cells": len(rows), "cpu_within_20pct": within}
+
+
+def markdown(result: dict[str, Any]) -> list[str]:
+    """The same-host costs, the held-out same-host cells and ``check_steps``' table: each
+    cell's measured and predicted step and CPU, both sides."""
+    steps, host, held = result["steps"], result["costs_same_host"], result["check_same_host"]
+    if isinstance(steps, str):
+        return [f"\nSteps not checked: {steps}."]
+    lines = ["\nBetween processes of one host (fitted at W = 2): " + "; ".join(
+        f"{side} {c['cpu_s_per_message'] * 1e3:.3f} ms a message,"
+        f" {c['cpu_s_per_byte'] * 1e9:.3f} ns a byte" for side, c in host.items()
+    ) + f". Held-out cells (W > 2) within 20%, CPU: {held['cpu_within_20pct']} of"
+        f" {held['cells']}."]  # fmt: skip
+    lines += [
+        f"\nTraining steps on one host ({steps['cores']} cores), within 20% (step, CPU): from"
+        f" the compute alone {_pairs(steps['alone_within_20pct'])} of {steps['cells']}; with"
+        f" the overhead fitted at the smallest W {_pairs(steps['held_out_within_20pct'])} of"
+        f" {steps['held_out']} held out\n",
+        "| cell | side | step | from compute alone | with the overhead | CPU a step | from"
+        " compute alone | with the overhead | of it messages and bytes | overhead a rank |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in steps["rows"]:
+        for side in SIDES:
+            x = r[side]
+            a, f = x["alone"], x["fitted_overhead"]
+            fit = (
+                "fitted" if x["fitted"] else f"{f['predicted_ms'] / 1e3:.2f} s ({f['error']:+.0%})"
+            )
+            fit_cpu = "fitted" if x["fitted"] else f"{f['predicted_cpu_s']:.2f} s ({_pct(f)})"
+            lines.append(
+                f"| {r['model']} W={r['world_size']} {r['strategy']} | {side}"
+                f" | {x['measured_ms'] / 1e3:.2f} s | {a['predicted_ms'] / 1e3:.2f} s"
+                f" ({a['error']:+.0%}) | {fit} | {x['measured_cpu_s']:.2f} s"
+                f" | {a['predicted_cpu_s']:.2f} s ({_pct(a)}) | {fit_cpu}"
+                f" | {x['comm_cpu_s']:.2f} s | {x['overhead_s_per_rank']:.2f} s |"
+            )
+    if steps["not_checked"]:
+        lines.append("\nNot checked (a side or the compute alone missing): "
+                     + ", ".join(steps["not_checked"]))  # fmt: skip
+    return lines
+
+
+def _pct(pred: dict[str, Any]) -> str:
+    return "–" if pred["cpu_error"] is None else f"{pred['cpu_error']:+.0%}"
+
+
+def _pairs(counts: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{s} {c['step']} and {c['cpu']}" for s, c in counts.items())
