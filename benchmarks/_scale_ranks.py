@@ -10,6 +10,7 @@ servers and its background threads spent in calls, by kind (``model.comm_times``
 ours also the servers' optimizer-step seconds of each step (their Status); the CPU seconds
 the rank's process used in each step (all its threads), and rank 0 of ours the CPU seconds
 the server processes used in it (``--server-pids``: read from /proc, they run on this host);
+the seconds Python's garbage collector took in each step, by generation (``GcClock``);
 the losses; its peak resident memory.
 """
 
@@ -114,12 +115,37 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class GcClock:
+    """Seconds the process spent in Python's cyclic garbage collector, by generation, between
+    ``take()`` calls (``gc.callbacks``: a collection runs in the thread that triggered it,
+    holding the GIL, so on a rank it is time out of the step)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self._start = 0.0
+        self._spent = {0: 0.0, 1: 0.0, 2: 0.0}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self._spent[info["generation"]] += time.perf_counter() - self._start
+
+    def take(self) -> dict[str, float]:
+        out = {f"gen{g}": round(s, 4) for g, s in self._spent.items()}
+        self._spent = dict.fromkeys(self._spent, 0.0)
+        return out
+
+
 def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) -> dict[str, Any]:
     """The timed steps on this rank's rows; per-step figures (see the module docstring)."""
     per = MODELS[a.model].batch_per_rank
     rows = slice(a.rank * per, (a.rank + 1) * per)
     steps: list[dict[str, Any]] = []
     losses = []
+    gc_clock = GcClock()
     for x in batches(a.model, a.world, a.steps):
         xs = x[rows]
         c0 = time.process_time()
@@ -135,6 +161,7 @@ def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) 
         row: dict[str, Any] = {"s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1}
         row["optimizer"] = t3 - t2
         row["cpu"] = time.process_time() - c0
+        row["gc_s"] = gc_clock.take()
         row["peak_rss_mb"] = round(rss_bytes()[1] / 2**20)  # when the peak happens
         if after_step is not None:
             row.update(after_step())

@@ -20,7 +20,8 @@ Reported per cell:
 - **where ours spends it** (medians over the timed steps, rank 0): forward, backward,
   optimizer step; the training thread's waits on the servers by kind and the background
   threads' time in calls (``model.comm_times``: strategies/timing.py); the slowest server's
-  optimizer step (its Status); compute = step - waits;
+  optimizer step (its Status); compute = step - waits; Python's garbage collection (``gc``,
+  torch's ranks too);
 - **CPU a step**, both sides (medians over the timed steps): the CPU seconds of all the rank
   processes together, and ours' servers' (``cpu_per_step_s``): with more processes than
   cores, a step's time follows the CPU both sides spend;
@@ -139,6 +140,8 @@ def breakdown(rank0: dict, warmup: int) -> dict[str, float]:
         return round(statistics.median(values) * 1e3, 1)
 
     out = {k.removesuffix("_s"): med([r[k] for r in rows]) for k in sorted(keys)}
+    if "gc_s" in rows[0]:  # Python's garbage collector, every generation
+        out["gc"] = med([sum(r["gc_s"].values()) for r in rows])
     for k in comm_keys:
         out[k] = med([r.get("comm", {}).get(k, 0.0) for r in rows])
     waits = [sum(v for k, v in r.get("comm", {}).items() if k.startswith("blocked/")) for r in rows]
