@@ -24,6 +24,11 @@ all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
    --host-tflops`` (a GPU host; ``--tokens`` per rank) or, with ``--scale``, this machine's
    measured compute per step. Both sides' CPU costs include the lab's kernel path (veth and a
    software bridge, no NIC offloads), so both are pessimistic for a real NIC alike.
+4. **Check against training steps** (``--scale``, benchmarks/_cost_steps.py): the costs of a
+   message and a byte between processes of one host fitted the same way on the collectives
+   run's W = 2 rows through separate servers (``fit_host``), the W > 2 rows held out; then
+   every cell of the scale run predicted from a rank's compute alone (its
+   ``compute_reference``) and those costs, against its measured step and CPU.
 
 Prints JSON (``--markdown``: the tables of docs/scaling.md instead). Nothing here is measured:
 it reads the JSON of the benchmarks, whose commands and machine it repeats.
