@@ -21,10 +21,11 @@ and O the AdamW step over all Ψ, both CPU seconds of the scale run's ``compute_
   else). With more processes than cores a step takes the CPU all of them spend
   (docs/benchmarks.md, "W=8 on two cores"); with a core each, a rank's own work.
 
-What the model leaves out, and so what the check's errors show: the overlap of communication
-with compute on a rank with a core to itself, copies outside the counted collectives (torch's
-FSDP2 copies into and out of its gather buffers; our flattening of gradients), waits, and
-caches shared by more processes than the compute alone ran beside.
+What the counts leave out, and so what the check's errors from the compute alone show: the
+overlap of communication with compute on a rank with a core to itself, waits, copies outside
+the counted collectives (torch's FSDP2 copies into and out of its gather buffers; our
+flattening of gradients) and each strategy's own work on its ranks and servers. ``check_steps``
+measures that last part once a strategy, as an overhead a rank fitted at the smallest W.
 """
 
 from __future__ import annotations
@@ -125,11 +126,11 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     predicted twice against its measured step (ms) and CPU a step (s):
 
     - ``alone``: from the compute alone and the counted messages and bytes only;
-    - ``fitted``: plus a CPU overhead a rank and step (``overhead_s_per_rank``) fitted for each
-      model, strategy and side on its cell of the smallest W (the rest of that cell's CPU):
-      what the strategy spends beyond the counts (hooks, flattening, its client's threads; the
-      servers' staging). The cells of larger W are held out: the check of how the counts grow
-      with W.
+    - ``fitted_overhead``: plus a CPU overhead a rank and step (``overhead_s_per_rank``)
+      fitted for each model, strategy and side on its cell of the smallest W (the rest of that
+      cell's CPU): what the strategy spends beyond the counts (hooks, flattening, its client's
+      threads; the servers' staging). The cells of larger W are held out: the check of how
+      the counts grow with W.
 
     Within 20% counted per side: ``alone`` over every cell, ``fitted`` over the held-out."""
     refs = doc.get("compute_reference") or {}
@@ -145,15 +146,20 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
                 _chunk(doc, r["world_size"]), cores)  # fmt: skip
         measured = {s: sum((r.get(f"{s}_cpu_per_step_s") or {}).values()) for s in SIDES}
         cells.append((r, args, measured, predict_cell(r, *args)))
-    extra: dict[tuple[str, str], tuple[int, dict[str, float]]] = {}
-    for r, _, measured, p in sorted(cells, key=lambda c: c[0]["world_size"], reverse=True):
-        w = r["world_size"]
-        extra[(r["model"], r["strategy"])] = (
-            w, {s: (measured[s] - p[f"{s}_cpu_s"]) / w if measured[s] else 0.0 for s in SIDES}
-        )  # fmt: skip
+    smallest: dict[tuple[str, str], int] = {}  # (model, strategy): the W its overhead is fitted at
+    for r, *_ in cells:
+        key = (r["model"], r["strategy"])
+        smallest[key] = min(smallest.get(key, r["world_size"]), r["world_size"])
+    extra: dict[tuple[str, str], dict[str, float]] = {}
+    for r, _, measured, p in cells:
+        key, w = (r["model"], r["strategy"]), r["world_size"]
+        if w == smallest[key]:
+            extra[key] = {s: (measured[s] - p[f"{s}_cpu_s"]) / w if measured[s] else 0.0
+                          for s in SIDES}  # fmt: skip
     rows = []
     for r, args, measured, alone in cells:
-        fit_w, more = extra[(r["model"], r["strategy"])]
+        key = (r["model"], r["strategy"])
+        more = extra[key]
         fitted = predict_cell(r, *args, extra=more)
         out: dict[str, Any] = {k: r[k] for k in ("model", "world_size", "strategy")}
         for s in SIDES:
@@ -162,7 +168,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
                 "measured_cpu_s": round(measured[s], 2),
                 "comm_cpu_s": round(alone[f"{s}_comm_cpu_s"], 2),
                 "overhead_s_per_rank": round(more[s], 3),
-                "fitted": r["world_size"] == fit_w,
+                "fitted": r["world_size"] == smallest[key],
                 "alone": _side(r[f"{s}_ms"], measured[s], alone, s),
                 "fitted_overhead": _side(r[f"{s}_ms"], measured[s], fitted, s),
             }
