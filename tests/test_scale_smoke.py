@@ -37,6 +37,8 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
         assert row["loss_max_rel_diff"] < 1e-4, row["loss_max_rel_diff"]
         ours = row["ours_breakdown_ms"]
         assert ours["compute"] > 0 and ours["blocked_total"] >= 0, ours
+        # the garbage collector's seconds a step, both sides (0 when nothing was collected)
+        assert ours["gc"] >= 0 and row["torch_breakdown_ms"]["gc"] >= 0, row
         waits = {"ddp": "blocked/all_reduce", "zero1": "blocked/push"}
         waits |= {"zero2": "blocked/step", "fsdp": "blocked/gather"}
         assert waits[strategy] in ours, ours
