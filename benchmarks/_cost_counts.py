@@ -50,6 +50,15 @@ def chunk_for(servers_per_host: int, chunk: int | None) -> int:
     return chunk or default_chunk_bytes(servers_per_host)
 
 
+def run_chunk(client: dict, w: int, by_world: str) -> int:
+    """The chunk a benchmark run's clients sent with ``w`` servers on one host: the one its
+    JSON names (``client.chunk_mib``), or the default it recorded per W (``client[by_world]``:
+    ``chunk_mib_same_host`` of benchmarks.collectives, ``chunk_mib_by_world`` of
+    benchmarks.scale), or the clients' default today."""
+    mib = client.get("chunk_mib") or (client.get(by_world) or {}).get(str(w))
+    return int(mib * 2**20) if mib else chunk_for(w, None)
+
+
 def _pieces(nbytes: float, n: int, chunk: int) -> float:
     """Messages to move ``nbytes`` cut into ``n`` parts of at most ``chunk`` bytes each."""
     if nbytes <= 0:

@@ -3,6 +3,7 @@
 predicted from a rank's compute alone and what a message and a byte cost between processes of
 one host (``cost_model.fit_host``: a collectives run's W = 2 rows, ours through separate
 servers, gloo over loopback), and compared with the step and the CPU the cell measured.
+``check_host`` checks the same-host fit itself on the collectives rows it did not see (W > 2).
 
 For a cell (model of Ψ parameters, strategy, W), with F the forward and backward of one rank
 and O the AdamW step over all Ψ, both CPU seconds of the scale run's ``compute_reference``
@@ -49,7 +50,7 @@ def gloo_counts(strategy: str, psi: float, w: int, units: int) -> tuple[float, f
     """(ring steps, bytes copied) of one rank of torch's twin on gloo for a step."""
     grad = 4 * psi
     buckets = max(1, math.ceil(grad / cc.BUCKET))
-    parts: list[tuple[str, float, int]] = []  # (op, bytes, times)
+    parts: list[tuple[str, float, int]]  # (op, bytes, times)
     if strategy == "fsdp":
         parts = [("all_gather", grad / units, 2 * units), ("reduce_scatter", grad / units, units)]
     else:
@@ -97,12 +98,6 @@ def predict_cell(
     return out
 
 
-def _chunk(doc: dict[str, Any], w: int) -> int:
-    client = doc.get("client") or {}
-    mib = client.get("chunk_mib") or (client.get("chunk_mib_by_world") or {}).get(str(w))
-    return int(mib * 2**20) if mib else cc.chunk_for(w, None)
-
-
 def _side(measured_ms: float, measured_cpu: float, p: dict[str, float], side: str) -> dict:
     step, cpu = p[f"{side}_step_s"] * 1e3, p[f"{side}_cpu_s"]
     return {
@@ -142,8 +137,8 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
             why_not.append(f"{r['model']} W={r['world_size']} {r['strategy']}")
             continue
         model = doc["models"][r["model"]]
-        args = (ref, costs, model["n_params"], units_of(model.get("config") or {}),
-                _chunk(doc, r["world_size"]), cores)  # fmt: skip
+        chunk = cc.run_chunk(doc.get("client") or {}, r["world_size"], "chunk_mib_by_world")
+        args = (ref, costs, model["n_params"], units_of(model.get("config") or {}), chunk, cores)
         measured = {s: sum((r.get(f"{s}_cpu_per_step_s") or {}).values()) for s in SIDES}
         cells.append((r, args, measured, predict_cell(r, *args)))
     smallest: dict[tuple[str, str], int] = {}  # (model, strategy): the W its overhead is fitted at
@@ -199,8 +194,7 @@ def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         w = r["world_size"]
         if w == 2 or "ours_sep_cpu_ms_per_rank" not in r:
             continue
-        mib = client.get("chunk_mib") or (client.get("chunk_mib_same_host") or {}).get(str(w))
-        chunk = int(mib * 2**20) if mib else cc.chunk_for(w, None)
+        chunk = cc.run_chunk(client, w, "chunk_mib_same_host")
         out: dict[str, Any] = {"op": r["op"], "world_size": w, "bytes": round(r["mib"] * 2**20)}
         for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):
             msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * 2**20, w, chunk)

@@ -114,9 +114,7 @@ def fit_host(doc: dict[str, Any]) -> dict[str, dict[str, float]] | None:
     rows = [r for r in doc.get("results") or [] if r["world_size"] == 2 and "ours_sep_ms" in r]
     if not rows or "gloo_ms" not in rows[0]:
         return None
-    client = doc.get("client") or {}
-    mib = client.get("chunk_mib") or (client.get("chunk_mib_same_host") or {}).get("2")
-    chunk = int(mib * MiB) if mib else cc.chunk_for(2, None)
+    chunk = cc.run_chunk(doc.get("client") or {}, 2, "chunk_mib_same_host")
     return {
         "ours": _fit_side(rows, "ours", "ours_sep", chunk),
         "gloo": _fit_side(rows, "gloo", "gloo", chunk),

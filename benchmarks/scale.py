@@ -231,9 +231,10 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
     return row
 
 
-def compute_reference(model: str, a: argparse.Namespace, over: dict) -> dict[str, Any]:
-    """Median ms a step of one rank's compute alone (``_scale_ranks.compute_main``)."""
-    need = estimate(model, "ddp", "torch", param_count(model), 1, over)
+def compute_reference(model: str, psi: int, a: argparse.Namespace, over: dict) -> dict[str, Any]:
+    """Median ms a step of one rank's compute alone (``_scale_ranks.compute_main``), ``psi``
+    the model's parameters."""
+    need = estimate(model, "ddp", "torch", psi, 1, over)
     avail = meminfo("MemAvailable") - int(a.margin_gib * GiB)
     if need > avail:
         return {"skipped": f"needs about {need / GiB:.1f} GiB, {avail / GiB:.1f} GiB free"}
@@ -252,10 +253,9 @@ def compute_reference(model: str, a: argparse.Namespace, over: dict) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the cells still run
         return {**out, "error": f"{type(exc).__name__}: {exc}"}
     rows = rank["steps"][a.warmup_for[model] :]
-    for key, field in (("step", "s"), ("forward", "forward"), ("backward", "backward")):
-        out[f"{key}_ms"] = round(statistics.median(r[field] for r in rows) * 1e3, 1)
-    out["optimizer_ms"] = round(statistics.median(r["optimizer"] for r in rows) * 1e3, 1)
-    out["cpu_ms"] = round(statistics.median(r["cpu"] for r in rows) * 1e3, 1)
+    for key in ("s", "forward", "backward", "optimizer", "cpu"):  # a step row's keys
+        name = "step" if key == "s" else key
+        out[f"{name}_ms"] = round(statistics.median(r[key] for r in rows) * 1e3, 1)
     out["foreign_cpu_frac"] = load.foreign
     return out
 
@@ -307,7 +307,9 @@ def parent_main(a: argparse.Namespace) -> int:
     out["results"] = rows = []
     t0 = time.monotonic()
     if a.compute:
-        out["compute_reference"] = {m: compute_reference(m, a, over) for m in models}
+        out["compute_reference"] = {
+            m: compute_reference(m, out["models"][m]["n_params"], a, over) for m in models
+        }
     for m in models:
         for w in [w for w in worlds if w in MODELS[m].worlds]:
             for s in [s for s in strategies if s in MODELS[m].strategies]:
