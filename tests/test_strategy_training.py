@@ -261,3 +261,29 @@ def test_ddp_buckets_kept_across_steps_and_synchronizations(
         assert_equivalent(model.get_parameters(), want, "synchronized twice a step")
 
     world(run_ranks, addrs, "ddp", fn, init=init)
+
+
+@pytest.mark.equivalence
+def test_ddp_gradients_are_views_of_their_buckets(run_ranks: Any, addrs: list[str]) -> None:
+    """After the average the gradients are views of the buckets' flat buffers (as torch DDP's
+    ``gradient_as_bucket_view``): no copy back, no second copy of them held. Zeroed in place
+    (``set_to_none=False``) they stay views, the next backward accumulates into the buckets
+    (under no_sync too), and training still matches the whole batch's."""
+    init = init_state()
+    want = reference(init, 2)
+
+    def fn(client: Any, model: DDPModel, opt: Any, ref: GPT) -> None:
+        x, y = rank_data(client.rank)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for _ in range(2):
+            with model.no_sync():
+                (lm_loss(model(x[:1]), y[:1]) / 2).backward()
+            (lm_loss(model(x[1:]), y[1:]) / 2).backward()
+            storages = {p.grad.untyped_storage().data_ptr() for p in params}
+            assert len(storages) < len(params) / 4, (len(storages), len(params))
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            assert all(p.grad is not None and not p.grad.any() for p in params)
+        assert_equivalent(model.get_parameters(), want, "gradients as bucket views")
+
+    world(run_ranks, addrs, "ddp", fn, init=init)
