@@ -6,6 +6,7 @@ seconds and peak resident memory, and the share of the machine other processes u
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 
@@ -39,6 +40,32 @@ def proc_cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def threads_cpu_s() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, summed by kind: ``main`` (the
+    thread that called this), Python threads by name less their numbering (``allreduce_0``
+    and ``allreduce_1``: ``allreduce``; an unnamed one by its target), others (grpc's,
+    torch's, gloo's) by the kernel's name for them less digits. A thread that ended has left
+    its seconds to no kind."""
+    import threading
+
+    named = {t.native_id: t.name for t in threading.enumerate()}
+    named[threading.get_native_id()] = "main"
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:  # ended meanwhile
+            continue
+        kind = named.get(int(tid)) or head.split("(", 1)[1]
+        kind = re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", kind)  # unnamed: by its target
+        kind = re.sub(r"[-_ ]*\d+([-_]\d+)*$", "", kind) or "thread"
+        fields = rest.split()
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def peak_rss_bytes() -> int:

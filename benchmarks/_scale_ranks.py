@@ -4,24 +4,30 @@ process that measures a bare trainer's memory, and the one that measures a rank'
 (``compute_main``: one process, no peers, no servers).
 
 Each rank trains the same model from the same seed on its rows of the same global batches with
-AdamW, one intra-op thread, and answers ``RESULT {json}``: per step the wall seconds, forward /
-backward / optimizer-step seconds and (ours) the seconds its training thread waited on the
-servers and its background threads spent in calls, by kind (``model.comm_times``); rank 0 of
-ours also the servers' optimizer-step seconds of each step (their Status); the CPU seconds
-the rank's process used in each step (all its threads), and rank 0 of ours the CPU seconds
-the server processes used in it (``--server-pids``: read from /proc, they run on this host);
-the seconds Python's garbage collector took in each step, by generation (``GcClock``);
-the losses; its peak resident memory.
+AdamW, one intra-op thread, and answers ``RESULT {json}``, per step:
+
+- the wall seconds, and forward / backward / optimizer-step seconds;
+- (ours) the seconds its training thread waited on the servers and its background threads
+  spent in calls, by kind (``model.comm_times``); rank 0 also the servers' optimizer-step
+  seconds (their Status) and the CPU seconds the server processes used (``--server-pids``:
+  read from /proc, they run on this host);
+- the CPU seconds of the rank's process (all its threads), by kind of thread
+  (``threads_cpu``: the training thread's ``main``, the strategy's, grpc's and gloo's
+  threads), and the training thread's in forward, backward and optimizer step
+  (``main_cpu``);
+- the process's minor page faults (``minor_faults``);
+- the seconds Python's garbage collector took, by generation (``GcClock``);
+
+and the losses and its peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from typing import Any
 
-from benchmarks._cpu import peak_rss_bytes
+from benchmarks._cpu import peak_rss_bytes, proc_cpu_s, threads_cpu_s
 from benchmarks._processes import child_guard, emit, wait_parent_eof
 from benchmarks._scale_models import ADAMW, MODELS, batches, build, loss_of
 
@@ -105,16 +111,6 @@ def _server_step_seconds(client: Any, job: str) -> float:
     return worst
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) process ``pid`` has used, all its threads; 0 once gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class GcClock:
     """Seconds the process spent in Python's cyclic garbage collector, by generation, between
     ``take()`` calls (``gc.callbacks``: a collection runs in the thread that triggered it,
@@ -139,6 +135,14 @@ class GcClock:
         return out
 
 
+def minor_faults() -> int:
+    """Minor page faults of this process so far, all its threads (a fresh page of memory
+    touched for the first time: freed and allocated again, a large tensor faults again)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) -> dict[str, Any]:
     """The timed steps on this rank's rows; per-step figures (see the module docstring)."""
     per = MODELS[a.model].batch_per_rank
@@ -148,19 +152,26 @@ def _train(a: argparse.Namespace, model: Any, opt: Any, after_step: Any = None) 
     gc_clock = GcClock()
     for x in batches(a.model, a.world, a.steps):
         xs = x[rows]
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+        c0, threads0, faults0 = time.process_time(), threads_cpu_s(), minor_faults()
+        t0, m0 = time.perf_counter(), time.thread_time()
         opt.zero_grad(set_to_none=True)
         loss = loss_of(model, xs)
-        t1 = time.perf_counter()
+        t1, m1 = time.perf_counter(), time.thread_time()
         loss.backward()
-        t2 = time.perf_counter()
+        t2, m2 = time.perf_counter(), time.thread_time()
         opt.step()
-        t3 = time.perf_counter()
+        t3, m3 = time.perf_counter(), time.thread_time()
         losses.append(float(loss.detach()))
         row: dict[str, Any] = {"s": t3 - t0, "forward": t1 - t0, "backward": t2 - t1}
         row["optimizer"] = t3 - t2
+        row["main_cpu"] = {"forward": m1 - m0, "backward": m2 - m1, "optimizer": m3 - m2}
         row["cpu"] = time.process_time() - c0
+        row["minor_faults"] = minor_faults() - faults0
+        threads = threads_cpu_s()
+        # a kind whose thread ended within the step took its seconds along: none, not less
+        row["threads_cpu"] = {
+            k: round(max(0.0, v - threads0.get(k, 0.0)), 2) for k, v in threads.items()
+        }
         row["gc_s"] = gc_clock.take()
         row["peak_rss_mb"] = round(rss_bytes()[1] / 2**20)  # when the peak happens
         if after_step is not None:
@@ -206,14 +217,14 @@ def ours_main(a: argparse.Namespace) -> None:
         extra["gathered_units_bytes"] = gathered_units_bytes(net, psi)
 
     server_pids = [int(pid) for pid in a.server_pids.split(",") if pid]
-    servers_cpu = [sum(process_cpu_s(pid) for pid in server_pids)]  # at the last step's end
+    servers_cpu = [sum(proc_cpu_s(pid) for pid in server_pids)]  # at the last step's end
 
     def after_step() -> dict[str, Any]:
         out: dict[str, Any] = {"comm": model.comm_times.take()}
         if a.rank == 0 and a.strategy != "ddp":
             out["server_step_s"] = _server_step_seconds(client, job)
         if a.rank == 0 and server_pids:
-            now = sum(process_cpu_s(pid) for pid in server_pids)
+            now = sum(proc_cpu_s(pid) for pid in server_pids)
             out["servers_cpu"], servers_cpu[0] = now - servers_cpu[0], now
         return out
 

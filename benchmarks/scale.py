@@ -21,10 +21,17 @@ Reported per cell:
   optimizer step; the training thread's waits on the servers by kind and the background
   threads' time in calls (``model.comm_times``: strategies/timing.py); the slowest server's
   optimizer step (its Status); compute = step - waits; Python's garbage collection (``gc``,
-  torch's ranks too);
+  torch's ranks too); the training thread's CPU in forward, backward and optimizer step
+  (``main_cpu/...``, both sides: against the compute alone, what the training thread spends
+  beyond it, where wall times also hold the time other processes held the cores); the rank
+  process's minor page faults a step, in thousands (``minor_faults_k``: memory freed and
+  touched afresh each step, which the kernel zeroes);
 - **CPU a step**, both sides (medians over the timed steps): the CPU seconds of all the rank
   processes together, and ours' servers' (``cpu_per_step_s``): with more processes than
-  cores, a step's time follows the CPU both sides spend;
+  cores, a step's time follows the CPU both sides spend; and a rank's by kind of thread
+  (``rank_threads_cpu_s``, the mean over ranks: the training thread ``main``, the strategy's
+  background threads, grpc's and gloo's), which says whether CPU beyond the compute alone
+  is spent in the training thread or beside it;
 - **memory**: the peak resident memory (VmHWM) of every trainer and every server, against the
   formula (model state per process, as the strategy divides it, ``_scale_models.formula``)
   plus the measured resident memory of a bare process (``process_overhead``); trainers also
@@ -34,7 +41,8 @@ Reported per cell:
 - **losses**: the largest relative difference between ours and torch's per-step mean loss;
 - **compute alone** (``compute_reference``, once a model; ``--no-compute`` skips it): one
   process, no peers and no servers, the model and plain AdamW on one rank's batch: forward,
-  backward and optimizer step, and its CPU a step (medians after the warm-up).
+  backward and optimizer step, its CPU and minor page faults a step (medians after the
+  warm-up).
   ``benchmarks.cost_model --scale`` predicts every cell's step from it and the costs of a
   message and a byte (benchmarks/_cost_steps.py).
 
@@ -140,6 +148,10 @@ def breakdown(rank0: dict, warmup: int) -> dict[str, float]:
         return round(statistics.median(values) * 1e3, 1)
 
     out = {k.removesuffix("_s"): med([r[k] for r in rows]) for k in sorted(keys)}
+    for k in sorted(rows[0].get("main_cpu", {})):  # the training thread's CPU in each phase
+        out[f"main_cpu/{k}"] = med([r["main_cpu"][k] for r in rows])
+    if "minor_faults" in rows[0]:  # thousands a step (not ms)
+        out["minor_faults_k"] = round(statistics.median(r["minor_faults"] for r in rows) / 1e3)
     if "gc_s" in rows[0]:  # Python's garbage collector, every generation
         out["gc"] = med([sum(r["gc_s"].values()) for r in rows])
     for k in comm_keys:
@@ -159,6 +171,18 @@ def cpu_per_step(ranks: list[dict], warmup: int) -> dict[str, float]:
     if "servers_cpu" in ranks[0]["steps"][0]:
         out["servers"] = statistics.median(ranks[0]["steps"][i]["servers_cpu"] for i in steps)
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def rank_threads_cpu(ranks: list[dict], warmup: int) -> dict[str, float]:
+    """A rank's CPU seconds a step by kind of thread: the median over the timed steps of the
+    mean over ranks (``threads_cpu``: _scale_ranks)."""
+    rows = [[s["threads_cpu"] for s in r["steps"][warmup:]] for r in ranks]
+    kinds = sorted({k for steps in rows for s in steps for k in s})
+
+    def per_step(kind: str) -> list[float]:
+        return [sum(s.get(kind, 0.0) for s in at) / len(ranks) for at in zip(*rows, strict=True)]
+
+    return {k: round(statistics.median(per_step(k)), 3) for k in kinds}
 
 
 def mean_losses(ranks: list[dict]) -> list[float]:
@@ -211,6 +235,7 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
         row[f"{side}_ms"] = step_ms(got["ranks"], warm)
         row[f"{side}_breakdown_ms"] = breakdown(got["ranks"][0], warm)
         row[f"{side}_cpu_per_step_s"] = cpu_per_step(got["ranks"], warm)
+        row[f"{side}_rank_threads_cpu_s"] = rank_threads_cpu(got["ranks"], warm)
         row[f"{side}_memory"] = memory(got, strategy, side, psi, w, over, units)
     if len(sides) < 2:  # --sides: one side only (a knob's effect on ours, say)
         log("  " + ", ".join(f"{k} {row[k + '_ms']} ms" for k in sides))
@@ -256,6 +281,7 @@ def compute_reference(model: str, psi: int, a: argparse.Namespace, over: dict) -
     for key in ("s", "forward", "backward", "optimizer", "cpu"):  # a step row's keys
         name = "step" if key == "s" else key
         out[f"{name}_ms"] = round(statistics.median(r[key] for r in rows) * 1e3, 1)
+    out["minor_faults_k"] = round(statistics.median(r["minor_faults"] for r in rows) / 1e3)
     out["foreign_cpu_frac"] = load.foreign
     return out
 

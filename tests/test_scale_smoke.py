@@ -25,6 +25,7 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
     ref = report["compute_reference"]["quick"]
     assert min(ref[k] for k in ("forward_ms", "backward_ms", "optimizer_ms", "cpu_ms")) > 0, ref
     assert ref["step_ms"] >= ref["forward_ms"] + ref["backward_ms"], ref
+    assert ref["minor_faults_k"] >= 0, ref
     assert over["trainer"] > 50 * 2**20 and over["server"] > 20 * 2**20, over
     rows = {r["strategy"]: r for r in report["results"]}
     assert set(rows) == set(STRATEGIES), rows.keys()
@@ -55,6 +56,14 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
         assert len(row["torch_memory"]["trainer_peak_rss_mb"]) == 2
         # CPU a step: both sides' ranks, ours' servers (read from /proc by rank 0)
         assert row["torch_cpu_per_step_s"]["trainers"] > 0, row
+        # a rank's CPU by kind of thread, and its training thread's by phase, both sides
+        threads = {s: row[f"{s}_rank_threads_cpu_s"] for s in ("ours", "torch")}
+        assert all("main" in t and min(t.values()) >= 0 for t in threads.values()), threads
+        assert "gloo_tcp_loop" in threads["torch"] and "session-receiver" in threads["ours"]
+        for side in ("ours", "torch"):
+            got = row[f"{side}_breakdown_ms"]
+            assert got["main_cpu/backward"] > 0 and got["main_cpu/forward"] > 0, got
+            assert got["minor_faults_k"] >= 0, got
         cpu = row["ours_cpu_per_step_s"]
         assert (
             cpu["trainers"] > 0
