@@ -33,6 +33,12 @@ CHUNK_BEFORE = 16 * 2**20
 BUCKET = 25 * 2**20  # ShardingConfiguration.bucket_size_bytes
 
 
+def cpu_s(costs: dict[str, float], messages: float, nbytes: float) -> float:
+    """CPU seconds of ``messages`` messages moving ``nbytes`` bytes, at a fitted side's
+    ``cpu_s_per_message`` and ``cpu_s_per_byte`` (benchmarks/cost_model.py)."""
+    return costs["cpu_s_per_message"] * messages + costs["cpu_s_per_byte"] * nbytes
+
+
 @dataclass(frozen=True)
 class Traffic:
     """One operation's cost drivers for one rank (and its host's servers)."""

@@ -26,7 +26,9 @@ What the counts leave out, and so what the check's errors from the compute alone
 overlap of communication with compute on a rank with a core to itself, waits, copies outside
 the counted collectives (torch's FSDP2 copies into and out of its gather buffers; our
 flattening of gradients) and each strategy's own work on its ranks and servers. ``check_steps``
-measures that last part once a strategy, as an overhead a rank fitted at the smallest W.
+measures that last part once a strategy, as an overhead a rank fitted at the smallest W, and
+``overhead_where`` splits every cell's into the training thread's and the rest's (the threads'
+CPU the scale run read from /proc).
 """
 
 from __future__ import annotations
@@ -89,13 +91,40 @@ def predict_cell(
     out = {}
     for side, (msgs, handled) in counts.items():
         c = costs["ours" if side == "ours" else "gloo"]
-        comm = c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled
+        comm = cc.cpu_s(c, msgs, handled)
         more = (extra or {}).get(side, 0.0)
         cpu = w * (f + comm + more) + opt_total
         out[f"{side}_cpu_s"] = cpu
         out[f"{side}_comm_cpu_s"] = w * comm
         out[f"{side}_step_s"] = max(cpu / cores, f + opt_path + more)
     return out
+
+
+def overhead_where(row: dict[str, Any], ref: dict[str, Any], comm_s: float, side: str) -> dict:
+    """A rank's CPU a step beyond the compute alone and its counted messages and bytes, split
+    by where it was spent (a scale run with ``rank_threads_cpu_s``; else empty):
+
+    - ``training_thread_s``: the training thread's CPU less the compute it would do alone (F,
+      and the AdamW step over what the rank steps: all of it for DDP, 1/W for torch's ZeRO and
+      FSDP2, none for ours' sharded strategies, whose servers step);
+    - ``beside_s``: the rank's other threads and (ours) its share of the servers' CPU, less
+      its counted communication and (ours' sharded strategies) its share of the AdamW step.
+    """
+    threads = row.get(f"{side}_rank_threads_cpu_s")
+    if not threads or "main" not in threads:
+        return {}
+    w, strategy = row["world_size"], row["strategy"]
+    f = (ref["forward_ms"] + ref["backward_ms"]) / 1e3
+    o = ref["optimizer_ms"] / 1e3
+    sharded = strategy != "ddp"
+    on_rank = 0.0 if side == "ours" and sharded else o / w if sharded else o
+    servers = (row.get(f"{side}_cpu_per_step_s") or {}).get("servers", 0.0) / w
+    on_servers = o / w if side == "ours" and sharded else 0.0
+    beside = sum(threads.values()) - threads["main"] + servers
+    return {
+        "training_thread_s": round(threads["main"] - f - on_rank, 3),
+        "beside_s": round(beside - comm_s - on_servers, 3),
+    }
 
 
 def _side(measured_ms: float, measured_cpu: float, p: dict[str, float], side: str) -> dict:
@@ -166,6 +195,9 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
                 "fitted": r["world_size"] == smallest[key],
                 "alone": _side(r[f"{s}_ms"], measured[s], alone, s),
                 "fitted_overhead": _side(r[f"{s}_ms"], measured[s], fitted, s),
+                "overhead_where": overhead_where(
+                    r, args[0], alone[f"{s}_comm_cpu_s"] / r["world_size"], s
+                ),
             }
         rows.append(out)
     return {
@@ -199,7 +231,7 @@ def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):
             msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * 2**20, w, chunk)
             c = costs[side]
-            pred = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
+            pred = cc.cpu_s(c, msgs, handled) * 1e3
             err = pred / max(r[f"{key}_cpu_ms_per_rank"], 1e-6) - 1
             out[side] = {
                 "measured_cpu_ms": r[f"{key}_cpu_ms_per_rank"],
@@ -244,12 +276,19 @@ def markdown(result: dict[str, Any]) -> list[str]:
                 f" | {x['measured_ms'] / 1e3:.2f} s | {a['predicted_ms'] / 1e3:.2f} s"
                 f" ({a['error']:+.0%}) | {fit} | {x['measured_cpu_s']:.2f} s"
                 f" | {a['predicted_cpu_s']:.2f} s ({_pct(a)}) | {fit_cpu}"
-                f" | {x['comm_cpu_s']:.2f} s | {x['overhead_s_per_rank']:.2f} s |"
+                f" | {x['comm_cpu_s']:.2f} s | {x['overhead_s_per_rank']:.2f} s{_where(x)} |"
             )
     if steps["not_checked"]:
         lines.append("\nNot checked (a side or the compute alone missing): "
                      + ", ".join(steps["not_checked"]))  # fmt: skip
     return lines
+
+
+def _where(x: dict[str, Any]) -> str:
+    where = x.get("overhead_where")
+    if not where:
+        return ""
+    return f" ({where['training_thread_s']:+.2f} training thread, {where['beside_s']:+.2f} beside)"
 
 
 def _pct(pred: dict[str, Any]) -> str:

@@ -179,7 +179,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
             pred = lab_time(side, c, r["op"], nbytes, w, link, chunk) * 1e3
             msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk)
-            cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled) * 1e3
+            cpu = cc.cpu_s(c, msgs, handled) * 1e3
             err = pred / r[key] - 1
             cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1
             if not fitted:
@@ -223,7 +223,7 @@ def comm_seconds(
     t = cc.step_traffic(kind, psi, w, units=units, s=a.servers_per_host, bucket=a.bucket)
     # ours: a host handles its rank's messages and its servers' (each W x its parts)
     msgs = t.messages + t.server_messages * a.servers_per_host if side == "ours" else t.messages
-    cpu = (c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * t.handled_bytes) / a.host_cores
+    cpu = cc.cpu_s(c, msgs, t.handled_bytes) / a.host_cores
     hops = t.round_trips * 2 * HOP_S if side == "gloo" else 0.0  # ring / tree: in sequence
     link = t.wire_bytes * 8 / (gbit * 1e9)
     return max(cpu, link) + hops

@@ -93,6 +93,30 @@ def test_a_step_takes_the_cpu_over_the_cores_or_a_ranks_own_path() -> None:
     assert fsdp["ours_cpu_s"] == pytest.approx(4 * f + o + fsdp["ours_comm_cpu_s"])
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+def test_the_overhead_is_split_between_the_training_thread_and_the_rest(strategy: str) -> None:
+    """A rank whose training thread spends 0.3 s beyond its compute alone and whose other
+    threads (and its share of the servers) 0.5 s beyond its counted communication: the split
+    gives both back, for ours (the servers step the sharded strategies) and torch's (the rank
+    steps its 1/W)."""
+    w, f, o, comm = 4, 2.1, 0.3, 0.25
+    for side in ("ours", "torch"):
+        sharded = strategy != "ddp"
+        on_rank = 0.0 if side == "ours" and sharded else o / w if sharded else o
+        on_servers = o / w if side == "ours" and sharded else 0.0
+        servers = 0.4 * w if side == "ours" else 0.0  # all the servers' CPU a step
+        row = {"world_size": w, "strategy": strategy, f"{side}_cpu_per_step_s": {
+            "trainers": 9.9, **({"servers": servers} if servers else {})}}  # fmt: skip
+        beside = comm + on_servers + 0.5 - servers / w  # the rank's own threads but main
+        row[f"{side}_rank_threads_cpu_s"] = {
+            "main": f + on_rank + 0.3, "allreduce": beside / 2, "gloo": beside / 2
+        }
+        got = cs.overhead_where(row, REF, comm, side)
+        assert got == {"training_thread_s": pytest.approx(0.3, abs=1e-3),
+                       "beside_s": pytest.approx(0.5, abs=1e-3)}, (side, got)  # fmt: skip
+    assert cs.overhead_where({"world_size": 2, "strategy": "ddp"}, REF, comm, "ours") == {}
+
+
 def test_what_each_side_sends_a_step() -> None:
     """ZeRO-1 counts as ZeRO-2 for ours; torch's ZeRO adds the parameters' broadcast to DDP's
     all-reduce; FSDP moves more than DDP on both sides."""
