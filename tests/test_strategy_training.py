@@ -264,26 +264,39 @@ def test_ddp_buckets_kept_across_steps_and_synchronizations(
 
 
 @pytest.mark.equivalence
-def test_ddp_gradients_are_views_of_their_buckets(run_ranks: Any, addrs: list[str]) -> None:
-    """After the average the gradients are views of the buckets' flat buffers (as torch DDP's
-    ``gradient_as_bucket_view``): no copy back, no second copy of them held. Zeroed in place
-    (``set_to_none=False``) they stay views, the next backward accumulates into the buckets
-    (under no_sync too), and training still matches the whole batch's."""
+@pytest.mark.parametrize("views", [False, True])
+def test_ddp_gradients_as_bucket_views(views: bool, run_ranks: Any, addrs: list[str]) -> None:
+    """``gradient_as_bucket_view`` (torch DDP's option): the averaged gradients are views of
+    the buckets' flat buffers, no copy back, none held twice. Zeroed in place
+    (``set_to_none=False``) they stay views and the next backward accumulates into the
+    buckets (under no_sync too). Off (the default, as torch's), each gradient is its own
+    tensor and one the caller kept is not touched by the next step. Either way training
+    matches the whole batch's."""
     init = init_state()
     want = reference(init, 2)
 
     def fn(client: Any, model: DDPModel, opt: Any, ref: GPT) -> None:
         x, y = rank_data(client.rank)
         params = [p for p in model.parameters() if p.requires_grad]
+        kept: list[torch.Tensor] = []
         for _ in range(2):
             with model.no_sync():
                 (lm_loss(model(x[:1]), y[:1]) / 2).backward()
             (lm_loss(model(x[1:]), y[1:]) / 2).backward()
             storages = {p.grad.untyped_storage().data_ptr() for p in params}
-            assert len(storages) < len(params) / 4, (len(storages), len(params))
+            if views:
+                assert len(storages) < len(params) / 4, (len(storages), len(params))
+            else:
+                assert len(storages) == len(params)
+            if not kept:
+                kept = [p.grad for p in params]
+                first = [g.clone() for g in kept]
             opt.step()
-            opt.zero_grad(set_to_none=False)
-            assert all(p.grad is not None and not p.grad.any() for p in params)
+            opt.zero_grad(set_to_none=views is False)
+            if views:
+                assert all(p.grad is not None and not p.grad.any() for p in params)
+        unchanged = all(torch.equal(g, f) for g, f in zip(kept, first, strict=True))
+        assert unchanged is not views  # a view changes with the next step's gradients
         assert_equivalent(model.get_parameters(), want, "gradients as bucket views")
 
-    world(run_ranks, addrs, "ddp", fn, init=init)
+    world(run_ranks, addrs, "ddp", fn, init=init, gradient_as_bucket_view=views)

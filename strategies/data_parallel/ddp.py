@@ -6,13 +6,20 @@ Buckets are filled in reverse parameter order (gradients arrive roughly in that 
 float64: ``config.reduce_dtype_for``). When a bucket's last gradient is accumulated, its
 all-reduce starts on a single background thread (one thread, so every rank issues the
 collectives in the same order) while backward goes on; the end of backward waits for them.
-Each bucket's gradients are copied into a flat buffer of its own,
-made at its first use and kept (as torch DDP's reducer keeps its buckets): a new one each step
-cost GPT-2 124M's backward 0.3 s of page faults a step on one core. Once averaged in place,
-the gradients become views of their bucket (torch DDP's ``gradient_as_bucket_view``): no copy
-back (0.09 s of the training thread's CPU a step for GPT-2 124M here) and no second copy of
-the gradients held through the optimizer step; a gradient still a view at the next backward
-(``zero_grad(set_to_none=False)``, ``no_sync``) accumulates in place and is not copied again.
+
+Each bucket's gradients are copied into a flat buffer of its own, made at its first use and
+kept (as torch DDP's reducer keeps its buckets): a new one each step cost GPT-2 124M's
+backward 0.3 s of page faults a step on one core. The all-reduce averages it in place, and
+the end of backward copies the averages back into the gradients. With
+``gradient_as_bucket_view`` (torch DDP's option, off by default there and here) each gradient
+becomes a view of its bucket instead, from the moment it is copied in: no copy back (0.09 s of
+the training thread's CPU a step for GPT-2 124M here), and no gradient held twice. A gradient
+still a view at the next backward (``zero_grad(set_to_none=False)``, ``no_sync``) accumulates
+in place and is not copied again. While its bucket's all-reduce runs, a view holds part
+local, part averaged values, and a failed all-reduce leaves it so (recovery drops the step's
+gradients: strategies/recovery.py). A parameter computing in another dtype than its
+bucket's (``param_dtype``) takes its view at the end of backward.
+
 Collectives reduce in rank order (``config.deterministic``).
 With ``param_dtype`` each forward computes on a working copy of the parameters in that dtype
 and backward's gradients come back to the float32 parameters, which the torch optimizer steps
@@ -146,7 +153,7 @@ class DDPModel(ShardedModelBase):
         if flat is None or flat.dtype != dtype or flat.device != device:
             numel = sum(p.numel() for p in bucket.params)
             flat = bucket.flat = torch.empty(numel, dtype=dtype, device=device)
-        offset = 0
+        offset, views = 0, self.config.gradient_as_bucket_view
         for p in bucket.params:  # each gradient into its place, cast to dtype
             n, g = p.numel(), p.grad
             place = flat[offset : offset + n]
@@ -154,6 +161,8 @@ class DDPModel(ShardedModelBase):
                 place.zero_()
             elif g.dtype != dtype or g.data_ptr() != place.data_ptr():  # not already a view
                 place.copy_(g.detach().reshape(-1))
+                if views and p.dtype == dtype:  # its own tensor goes: the bucket holds it
+                    p.grad = place.view_as(p)
             offset += n
         bucket.future = self._pool.submit(self._all_reduce, flat)
 
@@ -171,17 +180,17 @@ class DDPModel(ShardedModelBase):
             return
         with self.comm_times.blocked("all_reduce"):
             averaged = fut.result()
-        flat = bucket.flat
-        if averaged.data_ptr() != flat.data_ptr():  # a device tensor's average: a copy
-            flat.copy_(averaged)
+        views = self.config.gradient_as_bucket_view
+        if views and averaged.data_ptr() != bucket.flat.data_ptr():  # a device tensor's: a copy
+            averaged = bucket.flat.copy_(averaged)
         offset = 0
         for p in bucket.params:
             n = p.numel()
-            value = flat[offset : offset + n].view_as(p)
-            if p.dtype == flat.dtype:  # the gradient becomes its view of the bucket
+            value = averaged[offset : offset + n].view_as(p)
+            if views and p.dtype == averaged.dtype:
                 p.grad = value
             elif p.grad is None:
-                p.grad = value.to(p.dtype)
+                p.grad = value.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(value)
             offset += n
