@@ -199,7 +199,11 @@ def ours_main(a: argparse.Namespace) -> None:
     )
     job = f"scale-{a.strategy}-{a.run}"
     config = ShardingConfiguration(
-        client, job=job, timeout_s=STEP_TIMEOUT_S, deterministic=not a.arrival_order
+        client,
+        job=job,
+        timeout_s=STEP_TIMEOUT_S,
+        deterministic=not a.arrival_order,
+        gradient_as_bucket_view=a.bucket_views,
     )
     net = build(a.model)
     built = rss_bytes()[1]
@@ -254,7 +258,7 @@ def _torch_wrap(a: argparse.Namespace, net: Any) -> tuple[Any, Any]:
     if a.strategy in ("ddp", "zero1", "zero2"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        model = DDP(net)
+        model = DDP(net, gradient_as_bucket_view=a.bucket_views)
         if a.strategy == "ddp":
             return model, torch.optim.AdamW(model.parameters(), **ADAMW)
         # ZeRO-1 and ZeRO-2 alike: torch's one optimizer-state sharding over DDP

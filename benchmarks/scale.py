@@ -81,7 +81,13 @@ from benchmarks._scale_memory import (
 )
 from benchmarks._scale_models import MODELS
 from benchmarks._scale_ranks import compute_main, ours_main, overhead_main, rss_kinds, torch_main
-from benchmarks._training import launch_ranks
+from benchmarks._scale_summary import (
+    breakdown,
+    cpu_per_step,
+    rank_threads_cpu,
+    step_ms,
+)
+from benchmarks._training import launch_ranks, mean_losses
 from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.rpc import MAX_IN_FLIGHT
 
@@ -101,6 +107,7 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
     budget = 180.0 + a.steps_for[model] * a.step_budget
     argv = ["--model", model, "--strategy", strategy, "--world", str(w)]
     argv += ["--steps", str(a.steps_for[model])]
+    argv += ["--bucket-views"] if a.bucket_views else []
     if side == "torch":
         argv += ["--port", str(free_port())]
         ranks = launch_ranks(
@@ -131,63 +138,6 @@ def run_side(side: str, model: str, strategy: str, w: int, a: argparse.Namespace
         }
     finally:
         stop_all(servers)
-
-
-def step_ms(ranks: list[dict], warmup: int) -> float:
-    per_step = [max(r["steps"][i]["s"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
-    return round(statistics.median(per_step[warmup:]) * 1e3, 1)
-
-
-def breakdown(rank0: dict, warmup: int) -> dict[str, float]:
-    """Rank 0's median ms per step of each phase and communication kind (see the docstring)."""
-    rows = rank0["steps"][warmup:]
-    keys = {"forward", "backward", "optimizer", "server_step_s"} & set(rows[0])
-    comm_keys = sorted({k for r in rows for k in r.get("comm", {})})
-
-    def med(values: list[float]) -> float:
-        return round(statistics.median(values) * 1e3, 1)
-
-    out = {k.removesuffix("_s"): med([r[k] for r in rows]) for k in sorted(keys)}
-    for k in sorted(rows[0].get("main_cpu", {})):  # the training thread's CPU in each phase
-        out[f"main_cpu/{k}"] = med([r["main_cpu"][k] for r in rows])
-    if "minor_faults" in rows[0]:  # thousands a step (not ms)
-        out["minor_faults_k"] = round(statistics.median(r["minor_faults"] for r in rows) / 1e3)
-    if "gc_s" in rows[0]:  # Python's garbage collector, every generation
-        out["gc"] = med([sum(r["gc_s"].values()) for r in rows])
-    for k in comm_keys:
-        out[k] = med([r.get("comm", {}).get(k, 0.0) for r in rows])
-    waits = [sum(v for k, v in r.get("comm", {}).items() if k.startswith("blocked/")) for r in rows]
-    if comm_keys:
-        out["blocked_total"] = med(waits)
-        out["compute"] = med([r["s"] - b for r, b in zip(rows, waits, strict=True)])
-    return out
-
-
-def cpu_per_step(ranks: list[dict], warmup: int) -> dict[str, float]:
-    """Median CPU seconds a step of all the ranks' processes together and (ours) of all the
-    servers': on a machine with fewer cores than processes, where the time goes."""
-    steps = range(warmup, len(ranks[0]["steps"]))
-    out = {"trainers": statistics.median(sum(r["steps"][i]["cpu"] for r in ranks) for i in steps)}
-    if "servers_cpu" in ranks[0]["steps"][0]:
-        out["servers"] = statistics.median(ranks[0]["steps"][i]["servers_cpu"] for i in steps)
-    return {k: round(v, 2) for k, v in out.items()}
-
-
-def rank_threads_cpu(ranks: list[dict], warmup: int) -> dict[str, float]:
-    """A rank's CPU seconds a step by kind of thread: the median over the timed steps of the
-    mean over ranks (``threads_cpu``: _scale_ranks)."""
-    rows = [[s["threads_cpu"] for s in r["steps"][warmup:]] for r in ranks]
-    kinds = sorted({k for steps in rows for s in steps for k in s})
-
-    def per_step(kind: str) -> list[float]:
-        return [sum(s.get(kind, 0.0) for s in at) / len(ranks) for at in zip(*rows, strict=True)]
-
-    return {k: round(statistics.median(per_step(k)), 3) for k in kinds}
-
-
-def mean_losses(ranks: list[dict]) -> list[float]:
-    n = len(ranks[0]["losses"])
-    return [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(n)]
 
 
 def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dict) -> dict:
@@ -323,6 +273,7 @@ def parent_main(a: argparse.Namespace) -> int:
         }
     out["trainer_env"] = a.trainer_env
     out["deterministic"] = not a.arrival_order
+    out["gradient_as_bucket_view"] = a.bucket_views
     out["process_overhead"] = over = process_overhead(600)
     out["models"] = {
         m: {"n_params": param_count(m), "config": MODELS[m].config, "seq_len": MODELS[m].seq_len,
@@ -359,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument(k, type=int, default=0)
         p.add_argument("--chunk-mib", type=float, default=0.0)
         p.add_argument("--arrival-order", action="store_true")
+        p.add_argument("--bucket-views", action="store_true")
         p.add_argument("--lifetime", type=float, default=3600.0)
         ranks[argv[0]](p.parse_args(argv[1:]))
         return 0
@@ -401,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ours: ShardingConfiguration(deterministic=False): gradients summed as they arrive,"
         " no staging on the servers (not bitwise reproducible)",
+    )
+    p.add_argument(
+        "--bucket-views",
+        action="store_true",
+        help="both sides' DDP keep gradients as views of their buckets (gradient_as_bucket_view:"
+        " ours' DDPModel, torch's DDP, under its ZeRO twin too)",
     )
     p.add_argument(
         "--trainer-env",
