@@ -109,7 +109,9 @@ def test_the_overhead_is_split_between_the_training_thread_and_the_rest(strategy
             "trainers": 9.9, **({"servers": servers} if servers else {})}}  # fmt: skip
         beside = comm + on_servers + 0.5 - servers / w  # the rank's own threads but main
         row[f"{side}_rank_threads_cpu_s"] = {
-            "main": f + on_rank + 0.3, "allreduce": beside / 2, "gloo": beside / 2
+            "main": f + on_rank + 0.3,
+            "allreduce": beside / 2,
+            "gloo": beside / 2,
         }
         got = cs.overhead_where(row, REF, comm, side)
         assert got == {"training_thread_s": pytest.approx(0.3, abs=1e-3),
