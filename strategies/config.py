@@ -75,9 +75,10 @@ class ShardingConfiguration(ClientRank):
     gradient_as_bucket_view: bool = False
     """DDP: each gradient becomes a view of its bucket's flat buffer, which the all-reduce
     averages in place (torch DDP's ``gradient_as_bucket_view``): no copy back, and no
-    gradient held twice (4 bytes a parameter less at the trainer's peak). A ``p.grad`` the
-    caller kept then changes with the next step's gradients. False (torch's default): the
-    averages are copied back into each parameter's own gradient."""
+    gradient held twice once copied in (GPT-2 124M: 100-150 MB lower trainer peak, which is
+    in backward; docs/benchmarks.md). A ``p.grad`` the caller kept then changes with the next
+    step's gradients. False (torch's default): the averages are copied back into each
+    parameter's own gradient."""
     param_dtype: DType | None = None
     """Dtype forward and backward compute in (FSDP2's ``MixedPrecisionPolicy.param_dtype``;
     the servers keep the float32 master; strategies/mixed_precision.py); None: the
