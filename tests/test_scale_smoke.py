@@ -89,3 +89,14 @@ def test_a_cell_that_cannot_fit_is_skipped_before_either_side_runs(monkeypatch) 
         row = scale.run_cell("quick", "fsdp", 2, a, {"trainer": 0, "server": 0})
         assert row["skipped"].startswith("ours: needs about 3.0 GiB"), row
         assert ran == [] and a.order_index == first
+
+
+@pytest.mark.slow
+def test_quick_scale_with_gradients_as_bucket_views() -> None:
+    """``--bucket-views``: both sides' DDP keep their gradients as views of their buckets
+    (``gradient_as_bucket_view``); the cell still trains torch's losses."""
+    report = run_quick("benchmarks.scale", "--strategies", "ddp", "--no-compute", "--bucket-views")
+    assert report["gradient_as_bucket_view"] is True
+    (row,) = report["results"]
+    assert not row.get("error") and not row.get("skipped"), row
+    assert row["loss_max_rel_diff"] < 1e-4 and row["ours_ms"] > 0 and row["torch_ms"] > 0, row
