@@ -32,12 +32,18 @@ def cpu_self_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _stat(path: str) -> tuple[str, float]:
+    """(the kernel's name, user + system CPU seconds) of a /proc ``stat`` file."""
+    with open(path) as f:
+        head, rest = f.read().rsplit(")", 1)
+    fields = rest.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_cpu_s(pid: int) -> float:
     """CPU seconds used so far by process ``pid`` (all threads), from /proc."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return _stat(f"/proc/{pid}/stat")[1]
     except (OSError, IndexError, ValueError):
         return 0.0
 
@@ -52,19 +58,16 @@ def threads_cpu_s() -> dict[str, float]:
 
     named = {t.native_id: t.name for t in threading.enumerate()}
     named[threading.get_native_id()] = "main"
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                head, rest = f.read().rsplit(")", 1)
+            comm, cpu = _stat(f"/proc/self/task/{tid}/stat")
         except OSError:  # ended meanwhile
             continue
-        kind = named.get(int(tid)) or head.split("(", 1)[1]
+        kind = named.get(int(tid)) or comm
         kind = re.sub(r"^Thread-\d+ \((.*)\)$", r"\1", kind)  # unnamed: by its target
         kind = re.sub(r"[-_ ]*\d+([-_]\d+)*$", "", kind) or "thread"
-        fields = rest.split()
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[kind] = out.get(kind, 0.0) + cpu
     return out
 
 
