@@ -6,8 +6,9 @@ servers, gloo over loopback), and compared with the step and the CPU the cell me
 ``check_host`` checks the same-host fit itself on the collectives rows it did not see (W > 2).
 
 For a cell (model of Ψ parameters, strategy, W), with F the forward and backward of one rank
-and O the AdamW step over all Ψ, both CPU seconds of the scale run's ``compute_reference``
-(one process, no peers):
+and O the AdamW step over all Ψ, both CPU seconds of a compute alone (one process, no peers):
+the cell's own (``compute_beside``, measured between its two sides) where the run has it,
+else the run's (``compute_reference``, once a model):
 
 - **CPU a step**, every process of the cell together: W F + O x (W for DDP, whose ranks each
   step the whole model; 1 for the sharded strategies, whose servers, or torch's ranks, each
@@ -161,7 +162,8 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     cores = int((doc.get("machine") or {}).get("cores") or 1)
     cells, why_not = [], []
     for r in doc.get("results") or []:
-        ref = refs.get(r["model"]) or {}
+        beside = r.get("compute_beside") or {}
+        ref = beside if "optimizer_ms" in beside else refs.get(r["model"]) or {}
         if "optimizer_ms" not in ref or "ours_ms" not in r or "torch_ms" not in r:
             why_not.append(f"{r['model']} W={r['world_size']} {r['strategy']}")
             continue
@@ -186,6 +188,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         more = extra[key]
         fitted = predict_cell(r, *args, extra=more)
         out: dict[str, Any] = {k: r[k] for k in ("model", "world_size", "strategy")}
+        out["compute"] = "beside" if args[0] is r.get("compute_beside") else "run"
         for s in SIDES:
             out[s] = {
                 "measured_ms": r[f"{s}_ms"],

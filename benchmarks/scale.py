@@ -3,7 +3,7 @@
     python -m benchmarks.scale [--quick] [--models gpt2-124m,gpt2-355m,llama-1b]
                                [--world-sizes 2,4,8] [--strategies ddp,zero1,zero2,fsdp]
                                [--steps N] [--warmup K] [--wait-quiet S] [--margin-gib G]
-                               [--no-compute]
+                               [--no-compute] [--compute-beside]
 
 For every model, W and strategy, in one run: ours with W rank processes against W separate
 ``paramshard serve`` processes on this host (the deployed shape: payloads through shared
@@ -44,7 +44,11 @@ Reported per cell:
   backward and optimizer step, its CPU and minor page faults a step (medians after the
   warm-up).
   ``benchmarks.cost_model --scale`` predicts every cell's step from it and the costs of a
-  message and a byte (benchmarks/_cost_steps.py).
+  message and a byte (benchmarks/_cost_steps.py);
+- **compute alone beside the cell** (``compute_beside``, with ``--compute-beside``): the same
+  measured again between the cell's two sides. A machine whose pace moves between runs, or
+  within one, moves the compute alone with it (this 2-core machine's took 2.8 to 6.2 s a step
+  in three runs of GPT-2 124M); measured beside each cell, it is the pace the cell ran at.
 
 Before each cell the benchmark estimates its memory (formula + overhead + activations + a
 transient allowance, ``estimate``) and skips the cell with the reason when MemAvailable less
@@ -179,6 +183,8 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
             log(f"  FAILED: {row['error']}")
             return row
         row[f"{side}_foreign_cpu_frac"] = load.foreign
+        if a.compute_beside and len(sides) == 1:  # between the two sides
+            row["compute_beside"] = compute_reference(model, psi, a, over)
     a.order_index += 1
     warm = a.warmup_for[model]
     for side, got in sides.items():
@@ -347,6 +353,12 @@ def main(argv: list[str] | None = None) -> int:
         dest="compute",
         action="store_false",
         help="skip each model's compute alone (one process, no peers: the cost model's input)",
+    )
+    p.add_argument(
+        "--compute-beside",
+        action="store_true",
+        help="also measure the compute alone in every cell, between its two sides (the pace"
+        " the cell ran at, for the cost model)",
     )
     p.add_argument(
         "--arrival-order",

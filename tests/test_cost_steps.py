@@ -22,17 +22,22 @@ REF = {"forward_ms": 700.0, "backward_ms": 1400.0, "optimizer_ms": 300.0, "cpu_m
 
 
 def scale_doc(
-    cores: int, cells: list[tuple[int, str]], slower: float = 1.0, extra: float = 0.0
-) -> dict:
+    cores: int, cells: list[tuple[int, str]], slower: float = 1.0, extra: float = 0.0,
+    beside: dict | None = None,
+) -> dict:  # fmt: skip
     """A scale run whose cells took what the model predicts, times ``slower``, with ``extra``
-    CPU seconds a rank and step on both sides beyond the counts."""
+    CPU seconds a rank and step on both sides beyond the counts; ``beside``: every cell ran at
+    this compute alone, measured beside it, where the run's own says ``REF``."""
     doc = {"machine": {"cores": cores}, "client": {"chunk_mib": None},
            "models": {"gpt2-124m": {"n_params": PSI, "config": {}}},
            "compute_reference": {"gpt2-124m": REF}, "results": []}  # fmt: skip
     for w, strategy in cells:
         row = {"model": "gpt2-124m", "world_size": w, "strategy": strategy}
         more = {"ours": extra, "torch": extra}
-        p = cs.predict_cell(row, REF, COSTS, PSI, 12, cc.chunk_for(w, None), cores, more)
+        if beside is not None:
+            row["compute_beside"] = beside
+        ref = beside or REF
+        p = cs.predict_cell(row, ref, COSTS, PSI, 12, cc.chunk_for(w, None), cores, more)
         for side in ("ours", "torch"):
             row[f"{side}_ms"] = p[f"{side}_step_s"] * 1e3 * slower
             cpu = p[f"{side}_cpu_s"] * slower
@@ -64,6 +69,23 @@ def test_cells_made_by_the_model_are_predicted_exactly() -> None:
     slow = cs.check_steps(scale_doc(2, CELLS, slower=1.3), COSTS)
     none = {"step": 0, "cpu": 0}
     assert slow["alone_within_20pct"] == {"ours": none, "torch": none}
+
+
+def test_a_cells_own_compute_alone_is_its_reference() -> None:
+    """Cells that ran at a pace 1.6x slower than the run's compute alone said: predicted from
+    the compute measured beside each, exactly; from the run's, none within 20%."""
+    slow = {k: v * 1.6 for k, v in REF.items()}
+    got = cs.check_steps(scale_doc(2, CELLS, beside=slow), COSTS)
+    every = {"step": len(CELLS), "cpu": len(CELLS)}
+    assert got["alone_within_20pct"] == {"ours": every, "torch": every}
+    assert {r["compute"] for r in got["rows"]} == {"beside"}
+    doc = scale_doc(2, CELLS, beside=slow)
+    for row in doc["results"]:
+        del row["compute_beside"]
+    run = cs.check_steps(doc, COSTS)
+    assert {r["compute"] for r in run["rows"]} == {"run"}
+    none = {"step": 0, "cpu": 0}
+    assert run["alone_within_20pct"] == {"ours": none, "torch": none}
 
 
 def test_an_overhead_a_rank_is_fitted_at_the_smallest_w_and_carries_to_the_others() -> None:

@@ -100,3 +100,22 @@ def test_quick_scale_with_gradients_as_bucket_views() -> None:
     (row,) = report["results"]
     assert not row.get("error") and not row.get("skipped"), row
     assert row["loss_max_rel_diff"] < 1e-4 and row["ours_ms"] > 0 and row["torch_ms"] > 0, row
+
+
+@pytest.mark.slow
+def test_quick_scale_measures_the_compute_alone_beside_each_cell() -> None:
+    """``--compute-beside``: a cell measures the compute alone between its two sides, and the
+    cost model's check predicts the cell from it rather than from the run's."""
+    from benchmarks import _cost_steps
+
+    report = run_quick(
+        "benchmarks.scale", "--strategies", "zero2", "--no-compute", "--compute-beside"
+    )
+    assert "compute_reference" not in report
+    (row,) = report["results"]
+    assert not row.get("error") and not row.get("skipped"), row
+    beside = row["compute_beside"]
+    assert min(beside[k] for k in ("forward_ms", "backward_ms", "optimizer_ms")) > 0, beside
+    costs = {side: {"cpu_s_per_message": 1e-4, "cpu_s_per_byte": 1e-9} for side in ("ours", "gloo")}
+    checked = _cost_steps.check_steps(report, costs)
+    assert checked["not_checked"] == [] and [r["compute"] for r in checked["rows"]] == ["beside"]
