@@ -19,8 +19,9 @@ torch path, and the largest difference between ours' parameters and the single-t
 path's after the steps (0.0: bitwise equal).
 
 Why it matters: ZeRO and FSDP step on the servers, so the servers' AdamW is part of those
-strategies' step. At GPT-2 124M, W = 4, the scale benchmark's servers stepped their 31M
-elements in 0.6-0.9 s of wall time (``server_step``, four servers on two cores).
+strategies' step. At GPT-2 124M, W = 4, the scale benchmark's slowest server stepped its 31M
+elements in 0.37-0.93 s of wall time over six runs (``server_step``, four servers on two
+cores; docs/benchmarks.md).
 
 JSON to stdout, progress to stderr. One process; ``--quick``: 1M elements, 3 steps.
 """
