@@ -257,8 +257,11 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f" {c['cpu_s_per_byte'] * 1e9:.3f} ns a byte" for side, c in host.items()
     ) + f". Held-out cells (W > 2) within 20%, CPU: {held['cpu_within_20pct']} of"
         f" {held['cells']}."]  # fmt: skip
+    beside = sum(r["compute"] == "beside" for r in steps["rows"])
     lines += [
-        f"\nTraining steps on one host ({steps['cores']} cores), within 20% (step, CPU): from"
+        f"\nTraining steps on one host ({steps['cores']} cores; the compute alone measured"
+        f" beside the cell in {beside} of {steps['cells']}, else once a run), within 20%"
+        f" (step, CPU): from"
         f" the compute alone {_pairs(steps['alone_within_20pct'])} of {steps['cells']}; with"
         f" the overhead fitted at the smallest W {_pairs(steps['held_out_within_20pct'])} of"
         f" {steps['held_out']} held out\n",

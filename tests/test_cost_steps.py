@@ -206,7 +206,10 @@ def test_the_cost_model_fits_one_hosts_costs_and_checks_the_steps(tmp_path, caps
     assert held["cells"] == 12 and held["cpu_within_20pct"] == {"ours": 12, "gloo": 12}
     assert cm.main([*argv, "--markdown"]) == 0
     text = capsys.readouterr().out
-    assert "Training steps on one host (2 cores), within 20%" in text
+    assert (
+        "Training steps on one host (2 cores; the compute alone measured beside the cell in"
+        " 0 of 8, else once a run), within 20%" in text
+    )
     assert "gpt2-124m W=4 fsdp" in text and "| fitted |" in text
     assert "Held-out cells (W > 2) within 20%, CPU: {'ours': 12, 'gloo': 12} of 12" in text
     # a collectives run without separate servers cannot fit them: said, not guessed
