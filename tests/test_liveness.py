@@ -160,16 +160,34 @@ def test_a_server_streams_the_notice_and_a_killed_client_is_lost(servers):
         [sys.executable, "-c", code], env=worker_env(), stdout=subprocess.PIPE, text=True
     )
     client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=run)
+    table = srv.servicer.leases
+
+    def leases() -> str:  # what the server knows of the run, for a failure's message
+        found = table._runs.get(run)
+        return "no lease of the run" if found is None else repr(found.leases)
+
+    def streams_of_rank_1() -> int:
+        found = table._runs.get(run)
+        lease = found.leases.get(1) if found is not None else None
+        return lease.holds if lease is not None else 0
+
     try:
         client.all_reduce(np.ones(3, dtype=np.float32))
         assert proc.stdout.readline().strip() == "holding"
+        # Its stream is opened at once but held by the server only when the server has run
+        # its handler (a loaded machine may take a while): the case under test needs it held
+        # (without a stream the lease lapses a TTL, 30 s, after the last renewal).
+        opened = time.monotonic()
+        while not streams_of_rank_1() and time.monotonic() - opened < 20:
+            time.sleep(0.05)
+        assert streams_of_rank_1() == 1, leases()
         killed = time.monotonic()
         os.kill(proc.pid, signal.SIGKILL)
         while client.run_state.current() is None and time.monotonic() - killed < 30:
             time.sleep(0.05)
         learned = time.monotonic() - killed
         notice = client.run_state.current()
-        assert notice is not None and notice.lost_rank == 1, notice
+        assert notice is not None and notice.lost_rank == 1, (notice, leases())
         assert "stream to this server closed" in notice.reason
         print(f"the peer learned in {learned:.2f} s")
         assert learned < KILL_NOTICE_S
