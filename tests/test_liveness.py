@@ -152,7 +152,7 @@ def test_a_server_streams_the_notice_and_a_killed_client_is_lost(servers):
         "import numpy as np\n"
         "from paramshard.client import ClusterSpec, ShardClient\n"
         f"c = ShardClient(ClusterSpec(['{srv.address}']), rank=1, world_size=2, run_id='{run}')\n"
-        "c.all_reduce(np.ones(3, dtype=np.float32))\n"  # its stream is up by then
+        "c.all_reduce(np.ones(3, dtype=np.float32))\n"  # both ranks met (its stream: below)
         "print('holding', flush=True)\n"
         "time.sleep(300)\n"
     )
