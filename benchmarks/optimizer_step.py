@@ -60,15 +60,14 @@ def measure(numel: int, steps: int) -> dict[str, Any]:
     import torch
 
     from paramshard.server.optimizers import adam
+    from paramshard.strategies.data_parallel.server_optim import server_hyper
 
     rng = np.random.default_rng(SEED)
     start = rng.standard_normal(numel, dtype=np.float32)
     grad = rng.standard_normal(numel, dtype=np.float32) * np.float32(1e-2)
-    hyper = {"lr": ADAMW["lr"], "beta1": ADAMW["betas"][0], "beta2": ADAMW["betas"][1]}
-    hyper |= {"eps": ADAMW["eps"], "weight_decay": ADAMW["weight_decay"]}
 
     ours_param = start.copy()
-    ours = adam.AdamW(numel, hyper)
+    ours = adam.AdamW(numel, server_hyper("adamw", ADAMW))  # as a strategy hands them over
     times = {"ours": _timed(lambda: ours.step(ours_param, grad), steps)}
     params = {}
     for name, kwargs in (("torch_single", {"foreach": False}), ("torch_fused", {"fused": True})):
