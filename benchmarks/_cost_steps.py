@@ -148,7 +148,7 @@ def _within(rows: list[dict[str, Any]], side: str, kind: str, key: str) -> int:
 
 def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
     """Every cell of a scale run with both sides measured and its model's compute alone,
-    predicted twice against its measured step (ms) and CPU a step (s):
+    predicted three ways against its measured step (ms) and CPU a step (s):
 
     - ``alone``: from the compute alone and the counted messages and bytes only;
     - ``fitted_overhead``: plus a CPU overhead a rank and step (``overhead_s_per_rank``)
@@ -156,8 +156,11 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
       cell's CPU): what the strategy spends beyond the counts (hooks, flattening, its client's
       threads; the servers' staging). The cells of larger W are held out: the check of how
       the counts grow with W.
+    - ``in_step``: the counts at a message's and a byte's cost inside a step, one factor a
+      model and side over the isolated costs, fitted on every strategy's cell of the smallest
+      W (``in_step_factors``; ``in_step_factor`` in the result); the same cells held out.
 
-    Within 20% counted per side: ``alone`` over every cell, ``fitted`` over the held-out."""
+    Within 20% counted per side: ``alone`` over every cell, the two fits over the held-out."""
     refs = doc.get("compute_reference") or {}
     cores = int((doc.get("machine") or {}).get("cores") or 1)
     cells, why_not = [], []
@@ -176,6 +179,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     for r, *_ in cells:
         key = (r["model"], r["strategy"])
         smallest[key] = min(smallest.get(key, r["world_size"]), r["world_size"])
+    factors = in_step_factors(cells, smallest)
     extra: dict[tuple[str, str], dict[str, float]] = {}
     for r, _, measured, p in cells:
         key, w = (r["model"], r["strategy"]), r["world_size"]
@@ -187,6 +191,8 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         key = (r["model"], r["strategy"])
         more = extra[key]
         fitted = predict_cell(r, *args, extra=more)
+        ref, _, *rest = args
+        in_step = predict_cell(r, ref, scaled(costs, factors[r["model"]]), *rest)
         out: dict[str, Any] = {k: r[k] for k in ("model", "world_size", "strategy")}
         out["compute"] = "beside" if args[0] is r.get("compute_beside") else "run"
         for s in SIDES:
@@ -198,6 +204,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
                 "fitted": r["world_size"] == smallest[key],
                 "alone": _side(r[f"{s}_ms"], measured[s], alone, s),
                 "fitted_overhead": _side(r[f"{s}_ms"], measured[s], fitted, s),
+                "in_step": _side(r[f"{s}_ms"], measured[s], in_step, s),
                 "overhead_where": overhead_where(
                     r, args[0], alone[f"{s}_comm_cpu_s"] / r["world_size"], s
                 ),
@@ -215,9 +222,45 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
             s: {"step": _within(rows, s, "fitted_overhead", "error"),
                 "cpu": _within(rows, s, "fitted_overhead", "cpu_error")} for s in SIDES
         },
+        "in_step_factor": {m: {s: round(k, 3) for s, k in f.items()} for m, f in factors.items()},
+        "in_step_held_out_within_20pct": {
+            s: {"step": _within(rows, s, "in_step", "error"),
+                "cpu": _within(rows, s, "in_step", "cpu_error")} for s in SIDES
+        },
         "cores": cores,
         "not_checked": why_not,
     }  # fmt: skip
+
+
+def in_step_factors(cells: list[tuple], smallest: dict[tuple[str, str], int]) -> dict:
+    """What a message and a byte cost inside a training step, as a multiple of what they cost
+    in an isolated collective (``fit_host``): for each model and side, one factor fitted by
+    least squares over the cells of every strategy at the smallest W, to the CPU each
+    measured beyond its compute alone (the residual's share of the counted communication).
+    A step's collectives run beside the compute, their chunks no longer in cache; one factor
+    a side, where the fitted overhead takes one a strategy."""
+    sums: dict[str, dict[str, list[float]]] = {}
+    for r, _, measured, p in cells:
+        if r["world_size"] != smallest[(r["model"], r["strategy"])]:
+            continue
+        for s in SIDES:
+            comm = p[f"{s}_comm_cpu_s"]
+            if measured[s] and comm > 0:
+                got = measured[s] - (p[f"{s}_cpu_s"] - comm)  # the CPU beyond the compute
+                acc = sums.setdefault(r["model"], {}).setdefault(s, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + comm * got, acc[1] + comm * comm
+    return {
+        m: {s: (acc[s][0] / acc[s][1] if s in acc else 1.0) for s in SIDES}
+        for m, acc in ((r["model"], sums.get(r["model"], {})) for r, *_ in cells)
+    }
+
+
+def scaled(costs: dict[str, dict[str, float]], factor: dict[str, float]) -> dict:
+    """``costs`` with each side's message and byte costs multiplied by its ``factor``."""
+    return {
+        key: {k: v * factor["ours" if key == "ours" else "torch"] for k, v in c.items()}
+        for key, c in costs.items()
+    }
 
 
 def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -264,7 +307,8 @@ def markdown(result: dict[str, Any]) -> list[str]:
         f" (step, CPU): from"
         f" the compute alone {_pairs(steps['alone_within_20pct'])} of {steps['cells']}; with"
         f" the overhead fitted at the smallest W {_pairs(steps['held_out_within_20pct'])} of"
-        f" {steps['held_out']} held out\n",
+        f" {steps['held_out']} held out; with in-step costs ({_factors(steps)}, fitted at the"
+        f" smallest W) {_pairs(steps['in_step_held_out_within_20pct'])} of the same\n",
         "| cell | side | step | from compute alone | with the overhead | CPU a step | from"
         " compute alone | with the overhead | of it messages and bytes | overhead a rank |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -288,6 +332,13 @@ def markdown(result: dict[str, Any]) -> list[str]:
         lines.append("\nNot checked (a side or the compute alone missing): "
                      + ", ".join(steps["not_checked"]))  # fmt: skip
     return lines
+
+
+def _factors(steps: dict[str, Any]) -> str:
+    """``ours 1.62x, torch 1.07x`` (each model's, where a run has several)."""
+    return "; ".join(
+        ", ".join(f"{s} {k:.2f}x" for s, k in f.items()) for f in steps["in_step_factor"].values()
+    )
 
 
 def _where(x: dict[str, Any]) -> str:

@@ -23,11 +23,13 @@ REF = {"forward_ms": 700.0, "backward_ms": 1400.0, "optimizer_ms": 300.0, "cpu_m
 
 def scale_doc(
     cores: int, cells: list[tuple[int, str]], slower: float = 1.0, extra: float = 0.0,
-    beside: dict | None = None,
+    beside: dict | None = None, in_step: dict[str, float] | None = None,
 ) -> dict:  # fmt: skip
     """A scale run whose cells took what the model predicts, times ``slower``, with ``extra``
     CPU seconds a rank and step on both sides beyond the counts; ``beside``: every cell ran at
-    this compute alone, measured beside it, where the run's own says ``REF``."""
+    this compute alone, measured beside it, where the run's own says ``REF``; ``in_step``:
+    its messages and bytes cost each side this multiple of ``COSTS``."""
+    costs = cs.scaled(COSTS, in_step or {"ours": 1.0, "torch": 1.0})
     doc = {"machine": {"cores": cores}, "client": {"chunk_mib": None},
            "models": {"gpt2-124m": {"n_params": PSI, "config": {}}},
            "compute_reference": {"gpt2-124m": REF}, "results": []}  # fmt: skip
@@ -37,7 +39,7 @@ def scale_doc(
         if beside is not None:
             row["compute_beside"] = beside
         ref = beside or REF
-        p = cs.predict_cell(row, ref, COSTS, PSI, 12, cc.chunk_for(w, None), cores, more)
+        p = cs.predict_cell(row, ref, costs, PSI, 12, cc.chunk_for(w, None), cores, more)
         for side in ("ours", "torch"):
             row[f"{side}_ms"] = p[f"{side}_step_s"] * 1e3 * slower
             cpu = p[f"{side}_cpu_s"] * slower
@@ -100,6 +102,26 @@ def test_an_overhead_a_rank_is_fitted_at_the_smallest_w_and_carries_to_the_other
             assert abs(x["fitted_overhead"]["cpu_error"]) < 2e-3
     held = {"step": 4, "cpu": 4}
     assert got["held_out_within_20pct"] == {"ours": held, "torch": held}
+
+
+def test_in_step_costs_are_one_factor_a_side_fitted_at_the_smallest_w() -> None:
+    """Cells whose messages and bytes cost ours 1.7x and torch's 1.1x the isolated costs, at
+    every W and strategy: the factors fitted on the W = 2 cells come back, and predict the
+    W = 4 cells exactly, where the isolated costs miss ours' CPU by more than 10%."""
+    got = cs.check_steps(scale_doc(2, CELLS, in_step={"ours": 1.7, "torch": 1.1}), COSTS)
+    factor = got["in_step_factor"]["gpt2-124m"]
+    assert factor == {"ours": pytest.approx(1.7, abs=2e-3), "torch": pytest.approx(1.1, abs=2e-3)}
+    for r in got["rows"]:
+        ours = r["ours"]
+        assert ours["alone"]["cpu_error"] < -0.1, r
+        for side in ("ours", "torch"):
+            assert abs(r[side]["in_step"]["error"]) < 2e-3, r
+            assert abs(r[side]["in_step"]["cpu_error"]) < 2e-3, r
+    held = {"step": 4, "cpu": 4}
+    assert got["in_step_held_out_within_20pct"] == {"ours": held, "torch": held}
+    # costs as isolated: the factors are 1
+    plain = cs.check_steps(scale_doc(2, CELLS), COSTS)["in_step_factor"]["gpt2-124m"]
+    assert plain == {"ours": pytest.approx(1.0, abs=2e-3), "torch": pytest.approx(1.0, abs=2e-3)}
 
 
 def test_a_step_takes_the_cpu_over_the_cores_or_a_ranks_own_path() -> None:
