@@ -58,10 +58,24 @@ def threads_cpu_s() -> dict[str, float]:
 
     named = {t.native_id: t.name for t in threading.enumerate()}
     named[threading.get_native_id()] = "main"
+    return _by_kind("self", named)
+
+
+def process_threads_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds used so far by process ``pid``'s threads, summed by the kernel's name for
+    them less digits (a server names its pools' and readers' threads there:
+    server/runtime/thread_names.py); empty once it has exited."""
+    try:
+        return _by_kind(str(pid), {})
+    except OSError:
+        return {}
+
+
+def _by_kind(pid: str, named: dict[int, str]) -> dict[str, float]:
     out: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            comm, cpu = _stat(f"/proc/self/task/{tid}/stat")
+            comm, cpu = _stat(f"/proc/{pid}/task/{tid}/stat")
         except OSError:  # ended meanwhile
             continue
         kind = named.get(int(tid)) or comm

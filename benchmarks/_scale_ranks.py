@@ -27,7 +27,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks._cpu import peak_rss_bytes, proc_cpu_s, threads_cpu_s
+from benchmarks._cpu import peak_rss_bytes, proc_cpu_s, process_threads_cpu_s, threads_cpu_s
 from benchmarks._processes import child_guard, emit, wait_parent_eof
 from benchmarks._scale_models import ADAMW, MODELS, batches, build, loss_of
 
@@ -222,6 +222,7 @@ def ours_main(a: argparse.Namespace) -> None:
 
     server_pids = [int(pid) for pid in a.server_pids.split(",") if pid]
     servers_cpu = [sum(proc_cpu_s(pid) for pid in server_pids)]  # at the last step's end
+    servers_threads = [_servers_threads(server_pids)]
 
     def after_step() -> dict[str, Any]:
         out: dict[str, Any] = {"comm": model.comm_times.take()}
@@ -230,6 +231,11 @@ def ours_main(a: argparse.Namespace) -> None:
         if a.rank == 0 and server_pids:
             now = sum(proc_cpu_s(pid) for pid in server_pids)
             out["servers_cpu"], servers_cpu[0] = now - servers_cpu[0], now
+            kinds, before = _servers_threads(server_pids), servers_threads[0]
+            out["servers_threads_cpu"] = {
+                k: round(max(0.0, v - before.get(k, 0.0)), 3) for k, v in kinds.items()
+            }
+            servers_threads[0] = kinds
         return out
 
     result = _train(a, model, opt, after_step)
@@ -250,6 +256,15 @@ def ours_main(a: argparse.Namespace) -> None:
     )
     wait_parent_eof()  # others may still pull from the servers: leave together
     client.close()
+
+
+def _servers_threads(pids: list[int]) -> dict[str, float]:
+    """The servers' CPU seconds so far by kind of thread, all servers together."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        for kind, cpu in process_threads_cpu_s(pid).items():
+            out[kind] = out.get(kind, 0.0) + cpu
+    return out
 
 
 def _torch_wrap(a: argparse.Namespace, net: Any) -> tuple[Any, Any]:

@@ -49,6 +49,19 @@ def cpu_per_step(ranks: list[dict], warmup: int) -> dict[str, float]:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def server_threads_cpu(ranks: list[dict], warmup: int) -> dict[str, float]:
+    """All the servers' CPU seconds a step by kind of thread (the kernel's names,
+    server/runtime/thread_names.py: ``session``, a session's calls; ``shard``, grpc's handlers
+    of unary calls and of the sessions' replies; ``session-reader``; ``python``, grpc's
+    poller and the main thread): medians over the timed steps, as rank 0 read them. Empty
+    without servers."""
+    rows = [s.get("servers_threads_cpu") for s in ranks[0]["steps"][warmup:]]
+    if not rows or any(r is None for r in rows):
+        return {}
+    kinds = sorted({k for r in rows for k in r})
+    return {k: round(statistics.median(r.get(k, 0.0) for r in rows), 3) for k in kinds}
+
+
 def rank_threads_cpu(ranks: list[dict], warmup: int) -> dict[str, float]:
     """A rank's CPU seconds a step by kind of thread: the median over the timed steps of the
     mean over ranks (``threads_cpu``: _scale_ranks)."""

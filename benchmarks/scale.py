@@ -31,7 +31,9 @@ Reported per cell:
   cores, a step's time follows the CPU both sides spend; and a rank's by kind of thread
   (``rank_threads_cpu_s``, the mean over ranks: the training thread ``main``, the strategy's
   background threads, grpc's and gloo's), which says whether CPU beyond the compute alone
-  is spent in the training thread or beside it;
+  is spent in the training thread or beside it; ours' servers' by kind of thread, all
+  servers together (``server_threads_cpu_s``: ``session``, the calls of sessions; ``shard``,
+  grpc's handlers; ``python``, grpc's poller);
 - **memory**: the peak resident memory (VmHWM) of every trainer and every server, against the
   formula (model state per process, as the strategy divides it, ``_scale_models.formula``)
   plus the measured resident memory of a bare process (``process_overhead``); trainers also
@@ -89,6 +91,7 @@ from benchmarks._scale_summary import (
     breakdown,
     cpu_per_step,
     rank_threads_cpu,
+    server_threads_cpu,
     step_ms,
 )
 from benchmarks._training import launch_ranks, mean_losses
@@ -192,6 +195,8 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
         row[f"{side}_breakdown_ms"] = breakdown(got["ranks"][0], warm)
         row[f"{side}_cpu_per_step_s"] = cpu_per_step(got["ranks"], warm)
         row[f"{side}_rank_threads_cpu_s"] = rank_threads_cpu(got["ranks"], warm)
+        if side == "ours" and (servers := server_threads_cpu(got["ranks"], warm)):
+            row["ours_server_threads_cpu_s"] = servers
         row[f"{side}_memory"] = memory(got, strategy, side, psi, w, over, units)
     if len(sides) < 2:  # --sides: one side only (a knob's effect on ours, say)
         log("  " + ", ".join(f"{k} {row[k + '_ms']} ms" for k in sides))

@@ -18,6 +18,7 @@ from paramshard.server.rpc.admission import CallGate
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.expiry import Sweeper, sweep_period
 from paramshard.server.runtime.limits import default_memory_limit, parse_bytes
+from paramshard.server.runtime.thread_names import name_this_thread
 from paramshard.server.servicer import SERVICE_NAME, ShardServicer
 from paramshard.server.transport.sessions import Sessions
 
@@ -182,7 +183,9 @@ class ShardServer:
         ]
         # Waiting handlers (pull at a version, read a slot) hold a thread each: the gate keeps
         # some free for the calls that work, and gives the open streams threads of their own.
-        self._pool = futures.ThreadPoolExecutor(self.limits.threads, thread_name_prefix="shard")
+        self._pool = futures.ThreadPoolExecutor(
+            self.limits.threads, thread_name_prefix="shard", initializer=name_this_thread
+        )
         self._server = grpc.server(
             self._pool,
             options=options,

@@ -64,6 +64,9 @@ def test_quick_scale_benchmark_reports_every_cell() -> None:
             got = row[f"{side}_breakdown_ms"]
             assert got["main_cpu/backward"] > 0 and got["main_cpu/forward"] > 0, got
             assert got["minor_faults_k"] >= 0, got
+        # the servers' by kind of thread (the kernel's names: server/runtime/thread_names.py)
+        servers = row["ours_server_threads_cpu_s"]
+        assert "session" in servers and min(servers.values()) >= 0, servers
         cpu = row["ours_cpu_per_step_s"]
         assert (
             cpu["trainers"] > 0

@@ -40,6 +40,7 @@ from paramshard.protos.batches import TooManyCalls, decode_batch, encode_batch, 
 from paramshard.server.rpc import auth, scopes
 from paramshard.server.rpc.admission import ANSWERS_AT_ONCE, WAITING_METHODS, CallGate
 from paramshard.server.rpc.parsers import Malformed
+from paramshard.server.runtime.thread_names import name_this_thread
 from paramshard.server.transport.session_bounds import (
     BATCH_BYTES,
     INLINE_BYTES,
@@ -103,7 +104,9 @@ class Sessions:
         self.scope_of = scope_of
         self.gate, self.role_of, self.may_wait, self.observe = gate, role_of, may_wait, observe
         self.reply_bytes = reply_bytes
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="session")
+        self.pool = ThreadPoolExecutor(
+            workers, thread_name_prefix="session", initializer=name_this_thread
+        )
         # calls that may wait, past the gate's bounds (server/transport/waiting_line.py)
         self.line = WaitingLine(gate, lambda e: self.pool.submit(e.session.run, *e.job))
         self.calls = 0  # calls run through sessions (tests read it)
@@ -163,6 +166,7 @@ class _Session:
 
     # -- the reader thread ---------------------------------------------------------------
     def read(self, batches: Iterator[Any]) -> None:
+        name_this_thread()
         try:
             for batch in batches:
                 if isinstance(batch, Malformed):
