@@ -3,12 +3,17 @@ our parameter-server layout and for ring and tree all-reduce (benchmarks/cost_mo
 
 Ours (client/collectives.py, client/buffers.py): W ranks, N = W x s servers (s per host).
 - all-reduce of S bytes: the tensor is cut into N parts (one server, if S <= 256 KiB); each
-  rank sends each part to its server and reads the part's sum back, in ``chunk``-byte messages:
-  2 x N x ceil(S / N / chunk) messages a rank; every server handles W contributions and W
-  reads of its part. On the wire, per host and direction: its rank's parts for other hosts'
-  servers and its servers' replies to other hosts' ranks, 2 S (W - 1) / W, as a ring's.
+  rank sends each part to its server and reads the part's sum back, in ``chunk``-byte
+  messages, one call a chunk (ContributeRead: the contribution, and the sum in its reply):
+  N x ceil(S / N / chunk) calls a rank; every server handles W of its part's. Runs before
+  ContributeRead made two calls a chunk, a contribution and a read (``fused_reads``). On the
+  wire, per host and direction: its rank's parts for other hosts' servers and its servers'
+  replies to other hosts' ranks, 2 S (W - 1) / W, as a ring's. Copied: S into the rank's
+  segments and S out, and on its server S of contributions (less the S / W that stays where
+  its call brought it, ContributeRead's) and S of replies.
 - reduce-scatter / push of S: the contributions only (S (W - 1) / W out of each host), and
-  each rank reads S / W; all-gather / pull of S: S (W - 1) / W into each host.
+  each rank reads S / W (a reduce-scatter in the calls of its own slice's contribution);
+  all-gather / pull of S: S (W - 1) / W into each host.
 - a training step: DDP all-reduces 4 Ψ bytes of gradient in buckets of ``bucket`` bytes;
   ZeRO-2 pushes them (buckets) and pulls 4 Ψ of parameters; FSDP pulls each unit twice
   (forward, backward) and pushes its gradient: 12 Ψ bytes a rank. ZeRO-2 and FSDP add two
@@ -65,6 +70,13 @@ def run_chunk(client: dict, w: int, by_world: str) -> int:
     return int(mib * 2**20) if mib else chunk_for(w, None)
 
 
+def fused_reads(client: dict) -> bool:
+    """Whether a benchmark run's clients read each chunk they contribute to in the same call
+    (ContributeRead; ``client.contribute_read`` in its JSON). Runs before it do not say: they
+    made two calls, a contribution and a read."""
+    return bool(client.get("contribute_read"))
+
+
 def _pieces(nbytes: float, n: int, chunk: int) -> float:
     """Messages to move ``nbytes`` cut into ``n`` parts of at most ``chunk`` bytes each."""
     if nbytes <= 0:
@@ -72,13 +84,17 @@ def _pieces(nbytes: float, n: int, chunk: int) -> float:
     return n * max(1, math.ceil(nbytes / n / chunk))
 
 
-def all_reduce(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic:
+def all_reduce(
+    nbytes: float, w: int, s: int = 1, chunk: int | None = None, fused: bool = True
+) -> Traffic:
     chunk = chunk_for(s, chunk)
     n = 1 if nbytes <= SMALL else w * s
     per = _pieces(nbytes, n, chunk)
     wire = 2 * nbytes * (w - 1) / w  # the parts on other hosts' servers, out and back
-    server = 2 * w * max(1, math.ceil(nbytes / n / chunk))
-    return Traffic(2 * per, server, wire, 4 * nbytes, 2)
+    calls = 1 if fused else 2  # a chunk's: ContributeRead, or Contribute and ReadSlot
+    server = calls * w * max(1, math.ceil(nbytes / n / chunk))
+    handled = 4 * nbytes - (nbytes / w if fused else 0.0)  # a chunk's first stays in place
+    return Traffic(calls * per, server, wire, handled, 2)
 
 
 def push(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic:
@@ -112,13 +128,14 @@ def _add(parts: list[Traffic]) -> Traffic:
 
 def step_traffic(
     strategy: str, psi: float, w: int, *, units: int = 12, s: int = 1, bucket: int = BUCKET,
-    chunk: int | None = None,
+    chunk: int | None = None, fused: bool = True,
 ) -> Traffic:  # fmt: skip
-    """A training step's traffic for ``psi`` float32 parameters (``units``: FSDP's blocks)."""
+    """A training step's traffic for ``psi`` float32 parameters (``units``: FSDP's blocks;
+    ``fused``: ``fused_reads``)."""
     grad = 4 * psi
     buckets = max(1, math.ceil(grad / bucket))
     if strategy == "ddp":
-        return _add([all_reduce(grad / buckets, w, s, chunk)] * buckets)
+        return _add([all_reduce(grad / buckets, w, s, chunk, fused)] * buckets)
     small = Traffic(2 * w * s, 2 * w, 0, 0, 2)  # GradNorm and Step to every server
     if strategy == "zero2":
         return _add(
@@ -137,13 +154,13 @@ def step_traffic(
 
 
 def op_counts(
-    side: str, op: str, nbytes: float, w: int, chunk: int | None = None
+    side: str, op: str, nbytes: float, w: int, chunk: int | None = None, fused: bool = True
 ) -> tuple[float, float, float]:
     """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
     one host's link each way) of one op with messages of at most ``chunk`` bytes (see the
     module's docstring). A host of ours runs a rank and a server: both ends of every message
     count (with W servers on one host, a rank and one server: its share). ``chunk``: None, a
-    client's default with one server a host."""
+    client's default with one server a host; ``fused``: ``fused_reads``."""
     k = max(1, math.ceil(nbytes / w / chunk_for(1, chunk)))
     frac = (w - 1) / w
     if side == "gloo":
@@ -151,8 +168,9 @@ def op_counts(
         handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
         return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
     if op == "all_reduce":
-        t = all_reduce(nbytes, w, chunk=chunk)
+        t = all_reduce(nbytes, w, chunk=chunk, fused=fused)
         return 2 * t.messages, t.handled_bytes, t.wire_bytes
     if op == "all_gather":
         return 2 * w * k, 2 * nbytes, nbytes * frac
-    return 2 * (w + 1) * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac
+    calls = w if fused else w + 1  # the own slice's read: in its contribution's call, or not
+    return 2 * calls * k, 2 * nbytes + 2 * nbytes / w, nbytes * frac

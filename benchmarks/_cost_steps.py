@@ -67,26 +67,31 @@ def gloo_counts(strategy: str, psi: float, w: int, units: int) -> tuple[float, f
     return steps, handled
 
 
-def ours_counts(strategy: str, psi: float, w: int, units: int, chunk: int) -> tuple[float, float]:
-    """(messages a rank and its share of the servers handle, bytes they copy) of ours."""
+def ours_counts(
+    strategy: str, psi: float, w: int, units: int, chunk: int, fused: bool = True
+) -> tuple[float, float]:
+    """(messages a rank and its share of the servers handle, bytes they copy) of ours
+    (``fused``: ``_cost_counts.fused_reads``)."""
     kind = "zero2" if strategy == "zero1" else strategy
-    t = cc.step_traffic(kind, psi, w, units=units, s=1, chunk=chunk)
+    t = cc.step_traffic(kind, psi, w, units=units, s=1, chunk=chunk, fused=fused)
     return t.messages + t.server_messages, t.handled_bytes
 
 
 def predict_cell(
     row: dict[str, Any], ref: dict[str, Any], costs: dict[str, dict[str, float]],
     psi: float, units: int, chunk: int, cores: int, extra: dict[str, float] | None = None,
+    fused: bool = True,
 ) -> dict[str, float]:  # fmt: skip
     """Predicted step and CPU (seconds) of both sides of one scale cell; ``extra``: CPU seconds
     a rank and step each side spends beyond its compute alone and its counted messages and
-    bytes (``check_steps`` fits it at the smallest W)."""
+    bytes (``check_steps`` fits it at the smallest W); ``fused``: the run's clients read what
+    they add to in one call (``_cost_counts.fused_reads``)."""
     w, strategy = row["world_size"], row["strategy"]
     f = (ref["forward_ms"] + ref["backward_ms"]) / 1e3  # one thread alone: its wall is its CPU
     o = ref["optimizer_ms"] / 1e3
     opt_total, opt_path = (w * o, o) if strategy == "ddp" else (o, o / w)
     counts = {
-        "ours": ours_counts(strategy, psi, w, units, chunk),
+        "ours": ours_counts(strategy, psi, w, units, chunk, fused),
         "torch": gloo_counts(strategy, psi, w, units),
     }
     out = {}
@@ -163,6 +168,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     Within 20% counted per side: ``alone`` over every cell, the two fits over the held-out."""
     refs = doc.get("compute_reference") or {}
     cores = int((doc.get("machine") or {}).get("cores") or 1)
+    fused = cc.fused_reads(doc.get("client") or {})
     cells, why_not = [], []
     for r in doc.get("results") or []:
         beside = r.get("compute_beside") or {}
@@ -174,7 +180,7 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         chunk = cc.run_chunk(doc.get("client") or {}, r["world_size"], "chunk_mib_by_world")
         args = (ref, costs, model["n_params"], units_of(model.get("config") or {}), chunk, cores)
         measured = {s: sum((r.get(f"{s}_cpu_per_step_s") or {}).values()) for s in SIDES}
-        cells.append((r, args, measured, predict_cell(r, *args)))
+        cells.append((r, args, measured, predict_cell(r, *args, fused=fused)))
     smallest: dict[tuple[str, str], int] = {}  # (model, strategy): the W its overhead is fitted at
     for r, *_ in cells:
         key = (r["model"], r["strategy"])
@@ -190,9 +196,9 @@ def check_steps(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     for r, args, measured, alone in cells:
         key = (r["model"], r["strategy"])
         more = extra[key]
-        fitted = predict_cell(r, *args, extra=more)
+        fitted = predict_cell(r, *args, extra=more, fused=fused)
         ref, _, *rest = args
-        in_step = predict_cell(r, ref, scaled(costs, factors[r["model"]]), *rest)
+        in_step = predict_cell(r, ref, scaled(costs, factors[r["model"]]), *rest, fused=fused)
         out: dict[str, Any] = {k: r[k] for k in ("model", "world_size", "strategy")}
         out["compute"] = "beside" if args[0] is r.get("compute_beside") else "run"
         for s in SIDES:
@@ -267,6 +273,7 @@ def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
     """The collectives run's rows on one host that the fit did not use (W > 2): each op's CPU
     a rank (and its share of the servers) predicted from its counts, against the measured."""
     client = coll.get("client") or {}
+    fused = cc.fused_reads(client)
     rows, within = [], {"ours": 0, "gloo": 0}
     for r in coll.get("results") or []:
         w = r["world_size"]
@@ -275,7 +282,7 @@ def check_host(coll: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict
         chunk = cc.run_chunk(client, w, "chunk_mib_same_host")
         out: dict[str, Any] = {"op": r["op"], "world_size": w, "bytes": round(r["mib"] * 2**20)}
         for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):
-            msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * 2**20, w, chunk)
+            msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * 2**20, w, chunk, fused)
             c = costs[side]
             pred = cc.cpu_s(c, msgs, handled) * 1e3
             err = pred / max(r[f"{key}_cpu_ms_per_rank"], 1e-6) - 1

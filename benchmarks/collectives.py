@@ -124,6 +124,7 @@ def bench_main(a: argparse.Namespace) -> int:
     t_start = time.monotonic()
     doc: dict[str, Any] = {"machine": machine()}
     doc["client"] = {"chunk_mib": a.chunk_mib or None, "max_in_flight": a.in_flight}
+    doc["client"]["contribute_read"] = True  # one call a chunk read back: _cost_counts
     if not a.chunk_mib:  # ShardClient's default: W servers on this host, one a namespace
         doc["client"]["chunk_mib_same_host"] = {
             str(w): default_chunk_bytes(w) / MiB for w in a.world_sizes

@@ -102,7 +102,8 @@ def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
     (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""
     rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
     chunk = chunk_of(doc)
-    return {side: _fit_side(rows, side, f"{side}_ns", chunk) for side in ("ours", "gloo")}
+    fused = cc.fused_reads(doc.get("client") or {})
+    return {side: _fit_side(rows, side, f"{side}_ns", chunk, fused) for side in ("ours", "gloo")}
 
 
 def fit_host(doc: dict[str, Any]) -> dict[str, dict[str, float]] | None:
@@ -115,16 +116,20 @@ def fit_host(doc: dict[str, Any]) -> dict[str, dict[str, float]] | None:
     if not rows or "gloo_ms" not in rows[0]:
         return None
     chunk = cc.run_chunk(doc.get("client") or {}, 2, "chunk_mib_same_host")
+    fused = cc.fused_reads(doc.get("client") or {})
     return {
-        "ours": _fit_side(rows, "ours", "ours_sep", chunk),
-        "gloo": _fit_side(rows, "gloo", "gloo", chunk),
+        "ours": _fit_side(rows, "ours", "ours_sep", chunk, fused),
+        "gloo": _fit_side(rows, "gloo", "gloo", chunk, fused),
     }
 
 
-def _fit_side(rows: list[dict[str, Any]], side: str, key: str, chunk: int) -> dict[str, float]:
+def _fit_side(
+    rows: list[dict[str, Any]], side: str, key: str, chunk: int, fused: bool
+) -> dict[str, float]:
     wall, cpu = [], []
     for r in rows:
-        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk)
+        w = r["world_size"]
+        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, w, chunk, fused)
         wall.append((msgs, handled, r[f"{key}_ms"] / 1e3))
         cpu.append((msgs, handled, r[f"{key}_cpu_ms_per_rank"] / 1e3))
     per_msg, per_byte = _lstsq(wall)
@@ -142,11 +147,11 @@ def _fit_side(rows: list[dict[str, Any]], side: str, key: str, chunk: int) -> di
 # ================================================================================ the check
 def lab_time(
     side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any,
-    chunk: int | None = None,
+    chunk: int | None = None, fused: bool = True,
 ) -> float:  # fmt: skip
     """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
     (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
-    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk)
+    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk, fused)
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
     link = wire * 8 / (rate * 1e9) if rate else 0.0
@@ -169,6 +174,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
     """Every held-out cell's time predicted with the link's measured rate (``link_rates``)."""
     rows, within, held = [], 0, 0
     measured, chunk = link_rates(doc), chunk_of(doc)
+    fused = cc.fused_reads(doc.get("client") or {})
     for r in _netns_rows(doc):
         fitted = r.get("rate_gbit") is None and r["world_size"] == 2
         link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
@@ -177,8 +183,8 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
             if key not in r:
                 continue
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
-            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk) * 1e3
-            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk)
+            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk, fused) * 1e3
+            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
             cpu = cc.cpu_s(c, msgs, handled) * 1e3
             err = pred / r[key] - 1
             cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1

@@ -277,6 +277,7 @@ def parent_main(a: argparse.Namespace) -> int:
     out["client"] = {
         "chunk_mib": a.chunk_mib or None,  # None: each W's default, chunk_mib_by_world
         "max_in_flight": a.in_flight or MAX_IN_FLIGHT,
+        "contribute_read": True,  # one call a chunk read back: benchmarks/_cost_counts.py
     }
     if not a.chunk_mib:
         out["client"]["chunk_mib_by_world"] = {

@@ -14,11 +14,12 @@ later calls of other servers meanwhile. Its first call to a server always goes: 
 waits only on its own calls, never on another batch's.
 
 Only the order between servers changes: each server's calls keep their order, and a run of
-calls of one method never mixes with the next one. An all-reduce queues all its
-contributions before any read, so a window full of waiting reads never holds back a
-contribution another rank waits for (client/collectives.py); a call held back for its
+calls of one method never mixes with the next one. A reduce-scatter queues its contributions
+before the ContributeRead of its own slice (client/collectives.py), so a window full of
+waiting calls never holds back a contribution another rank waits for; a call held back for its
 server's bound therefore lets later calls of its own run go ahead, never those of the next
-run. Replies still come back in the batch's order.
+run, unless its method is one of ``IN_ORDER`` (an all-reduce's ContributeRead calls). Replies
+still come back in the batch's order.
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["in_turn", "Batch"]
+__all__ = ["in_turn", "Batch", "IN_ORDER"]
+
+IN_ORDER = frozenset({"ContributeRead"})
+"""Methods whose calls go out strictly in the batch's order (after ``in_turn``): a call held
+back for its server's bound holds back the ones after it. Each of these calls waits for the
+other ranks' calls of its chunk, which they send in the same order: every rank's calls sent
+are then the first ones of one list, and the calls of the rank furthest behind wait only for
+calls every other rank sent. Taken out of order, a window full of calls that wait could hold
+back a call another rank's window waits for."""
 
 
 def in_turn(calls: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
@@ -85,6 +94,8 @@ class Batch:
                 continue
             busy = self._busy.get(call.server, 0)
             if busy and not self._room(call.server):
+                if head in IN_ORDER:
+                    return None
                 full.add(call.server)
                 continue
             del self._queue[k]

@@ -87,7 +87,10 @@ class Collectives(RpcCore):
         readers: int,
         shape: tuple[int, ...] = (),
         contributor: int | None = None,
+        into: np.ndarray | None = None,
     ) -> Iterator[Call]:
+        """Contribute calls of ``arr``'s chunks; with ``into``, ContributeRead calls, each
+        storing its chunk's result there (this rank reads what it adds to)."""
         chunk_numel = self._chunk_numel(dtype)
         wire = codec.wire_dtype(dtype)
         for offset, numel in slicing.chunk_ranges(arr.size, chunk_numel):
@@ -103,22 +106,21 @@ class Collectives(RpcCore):
                 chunk_numel=chunk_numel,
                 arrival_order=not self.deterministic and op in _SUMS,
             )
-            yield Call(
-                server, "Contribute", (header, arr[offset : offset + numel]), retry_ok=_freed_slot
-            )
+            payload = (header, arr[offset : offset + numel])
+            if into is None:
+                yield Call(server, "Contribute", payload, retry_ok=_freed_slot)
+            else:
+                store = _store_in(into, offset, numel)
+                nbytes = numel * into.itemsize
+                yield Call(server, "ContributeRead", payload, store, reply_bytes=nbytes)
 
     def _reads(self, server: int, key: str, out: np.ndarray, dtype: str) -> Iterator[Call]:
         for offset, numel in slicing.chunk_ranges(out.size, self._chunk_numel(dtype)):
-
-            def store(reply: Any, o: int = offset, n: int = numel) -> None:
-                _, data = reply
-                out[o : o + n] = np.frombuffer(data, dtype=out.dtype)
-
             yield Call(
                 server,
                 "ReadSlot",
                 pb.ReadSlotRequest(key=key, offset=offset, reader=self.rank),
-                store,
+                _store_in(out, offset, numel),
                 reply_bytes=numel * out.itemsize,
             )
 
@@ -156,53 +158,57 @@ class Collectives(RpcCore):
         ``in_place``: the result lands in ``x``'s own memory (a NumPy array or a CPU tensor;
         a device tensor's host copy), no second buffer of its size: a chunk of it is
         overwritten only by the read of that chunk's sum, which completes after the server
-        took this rank's contribution to it (a retry of that contribution is a duplicate)."""
+        took this rank's contribution to it (a retry of that contribution is a duplicate).
+
+        Each chunk is one ContributeRead call: this rank's contribution and the read of the
+        chunk's result (server/collectives/contribute_read.py)."""
         code = self._op(op)
         flat = as_flat(x)
         key = self._next_key("ar")
         out = flat.array if in_place else np.empty_like(flat.array)
-        n, sends, reads = flat.array.size, [], []
+        n, calls = flat.array.size, []
         for piece in self._parts(n, flat.array.nbytes):
             a, b = piece.global_offset, piece.global_offset + piece.numel
-            part_key = f"{key}/{piece.server}"
-            sends += self._contributions(
+            calls += self._contributions(
                 piece.server,
-                part_key,
+                f"{key}/{piece.server}",
                 flat.array[a:b],
                 flat.dtype,
                 code,
                 self.world_size,
                 self.world_size,
+                into=out[a:b],
             )
-            reads += self._reads(piece.server, part_key, out[a:b], flat.dtype)
-        # All contributions are queued before any read, so a window full of waiting reads can
-        # never hold back a contribution another rank waits for.
-        self.run(sends + reads)
+        self.run(calls)
         return flat.wrap(out)
 
     def reduce_scatter(self, x: Any, op: str = "sum") -> Any:
         """Reduces ``x`` over all ranks and returns this rank's slice of the result (1-D):
-        elements [start, stop) of ``slicing.slice_bounds(x.numel, world_size, rank)``."""
+        elements [start, stop) of ``slicing.slice_bounds(x.numel, world_size, rank)``. The
+        other ranks' slices are contributions; this rank's own, last, ContributeRead calls
+        (client/call_order.py: none waits before every contribution has gone)."""
         code = self._op(op)
         flat = as_flat(x)
         key = self._next_key("rs")
-        calls = []
-        for j in range(self.world_size):
-            a, b = slicing.slice_bounds(flat.array.size, self.world_size, j)
+        calls: list[Call] = []
+        w, me = self.world_size, self.rank
+        out = np.empty(0, dtype=flat.array.dtype)
+        for j in [*(j for j in range(w) if j != me), me]:
+            a, b = slicing.slice_bounds(flat.array.size, w, j)
+            if j == me:
+                out = np.empty(b - a, dtype=flat.array.dtype)
             calls += self._contributions(
                 self.server_of(j),
                 f"{key}/{j}",
                 flat.array[a:b],
                 flat.dtype,
                 code,
-                self.world_size,
+                w,
                 1,
+                into=out if j == me else None,
             )
-        a, b = slicing.slice_bounds(flat.array.size, self.world_size, self.rank)
-        out = np.empty(b - a, dtype=flat.array.dtype)
-        calls += self._reads(self.server_of(self.rank), f"{key}/{self.rank}", out, flat.dtype)
         self.run(calls)
-        return flat.wrap(out, (b - a,))
+        return flat.wrap(out, (out.size,))
 
     def all_gather(self, x: Any) -> list[Any]:
         """Every rank's ``x``, in rank order (shapes may differ between ranks)."""
@@ -338,6 +344,16 @@ class Collectives(RpcCore):
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(REDUCE_OPS)}, got {op!r}")
         return REDUCE_OPS[op]
+
+
+def _store_in(out: np.ndarray, offset: int, numel: int) -> Any:
+    """A slot read's ``on_result``: the chunk's elements into ``out[offset:offset+numel]``."""
+
+    def store(reply: Any) -> None:
+        _, data = reply
+        out[offset : offset + numel] = np.frombuffer(data, dtype=out.dtype)
+
+    return store
 
 
 def _wrap_received(arr: np.ndarray, shape: tuple, dtype: str, like: Any) -> Any:

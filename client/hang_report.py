@@ -32,6 +32,8 @@ def _has_account(details: str) -> bool:
 def _matches(method: str, request: Any, row: pb.PendingWork) -> bool:
     if method == "ReadSlot":
         return row.key == request.key
+    if method == "ContributeRead":  # (header, payload)
+        return row.key == request[0].key
     job = {
         "GradNorm": lambda: request.job,
         "Step": lambda: request.job,

@@ -67,6 +67,7 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "Step": pb.StepReply.FromString,
     "Contribute": pb.ContributeReply.FromString,
     "ReadSlot": codec.deserializer(pb.SlotHeader),
+    "ContributeRead": codec.deserializer(pb.SlotHeader),
     "DropJob": pb.DropJobReply.FromString,
     "Status": pb.StatusReply.FromString,
     "Lease": pb.LeaseReply.FromString,
@@ -86,8 +87,9 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 }
 
 
-_MAY_WAIT = frozenset({"PullParams", "ReadSlot", "GradNorm", "Step"})
+_MAY_WAIT = frozenset({"PullParams", "ReadSlot", "ContributeRead", "GradNorm", "Step"})
 """Calls that may wait for other ranks: sent as futures even alone, so a notice cancels them."""
+_READS = ("PullParams", "ReadSlot", "ContributeRead")  # calls whose replies carry a tensor
 
 
 @dataclass
@@ -213,7 +215,8 @@ class RpcCore:
             size = request[0].ByteSize() + codec.byte_view(request[1]).nbytes
         else:
             size = request.ByteSize()
-        if call.method in ("PullParams", "ReadSlot") and not request.HasField("reply_shm"):
+        asked = request[0] if call.method == "ContributeRead" else request
+        if call.method in _READS and not asked.HasField("reply_shm"):
             if call.method == "PullParams":
                 itemsize = codec.numpy_dtype(request.chunk.dtype).itemsize
                 size += request.chunk.numel * itemsize

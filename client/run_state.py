@@ -12,7 +12,9 @@ __all__ = ["Holding", "Notice", "RunState", "WAITS_ON_PEERS"]
 
 log = logging.getLogger("paramshard.leases")
 
-WAITS_ON_PEERS = frozenset({"PushGrad", "PullParams", "GradNorm", "Step", "Contribute", "ReadSlot"})
+WAITS_ON_PEERS = frozenset(
+    {"PushGrad", "PullParams", "GradNorm", "Step", "Contribute", "ReadSlot", "ContributeRead"}
+)
 """The calls whose outcome depends on other ranks: refused once the run's epoch is aborted."""
 
 

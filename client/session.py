@@ -3,8 +3,8 @@
 
 Unary calls cost grpcio a call's setup on both sides, and the first future after an idle spell
 makes grpcio start a polling thread for the channel; a session opens once and stays open, and
-each batch it sends holds every call that was ready (a small all-reduce's contribution and read
-travel together). A session opens on the first data-plane call to a server: the client waits
+each batch it sends holds every call that was ready (a reduce-scatter's contributions and the
+read of its own slice travel together). A session opens on the first data-plane call to a server: the client waits
 for the server's empty first batch, and a server that refuses (an older server, one with
 ``--max-sessions 0`` or at its bound, a token it does not take) gets that client's calls one by
 one, as before; it is asked again after ``RETRY_OPEN_S``, or after ``RETRY_UNREACHABLE_S`` when

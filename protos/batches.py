@@ -21,7 +21,9 @@ from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["SESSION_METHODS", "take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
 
-SESSION_METHODS = ("Contribute", "ReadSlot", "PushGrad", "PullParams", "SetParams")
+SESSION_METHODS = (
+    "Contribute", "ReadSlot", "ContributeRead", "PushGrad", "PullParams", "SetParams"
+)  # fmt: skip
 """The calls a session carries: the data plane. The client sends only these in its sessions
 (client/session.py) and the server takes only these from one (``ShardServicer``)."""
 

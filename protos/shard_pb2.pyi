@@ -418,7 +418,7 @@ class JoinReply(_message.Message):
     def __init__(self, decided: _Optional[bool] = ..., member: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., next_step: _Optional[int] = ..., announced: _Optional[_Iterable[int]] = ..., expected: _Optional[_Iterable[int]] = ..., leader: _Optional[int] = ..., done: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., below_min: _Optional[bool] = ..., send_known: _Optional[bool] = ..., announced_count: _Optional[int] = ..., expected_count: _Optional[int] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class SlotHeader(_message.Message):
-    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order", "shm")
+    __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order", "shm", "reply_shm")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_FIELD_NUMBER: _ClassVar[int]
@@ -430,6 +430,7 @@ class SlotHeader(_message.Message):
     CHUNK_NUMEL_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_ORDER_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SHM_FIELD_NUMBER: _ClassVar[int]
     key: str
     op: ReduceOp
     expected: int
@@ -441,7 +442,8 @@ class SlotHeader(_message.Message):
     chunk_numel: int
     arrival_order: bool
     shm: ShmRef
-    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ..., arrival_order: _Optional[bool] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    reply_shm: ShmRef
+    def __init__(self, key: _Optional[str] = ..., op: _Optional[_Union[ReduceOp, str]] = ..., expected: _Optional[int] = ..., readers: _Optional[int] = ..., total_numel: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., contributor: _Optional[int] = ..., chunk_numel: _Optional[int] = ..., arrival_order: _Optional[bool] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., reply_shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
 
 class ContributeRequest(_message.Message):
     __slots__ = ("header", "data")

@@ -74,6 +74,11 @@ class ShardStub:
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotRequest.SerializeToString,
                 response_deserializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.FromString,
                 _registered_method=True)
+        self.ContributeRead = channel.unary_unary(
+                '/paramshard.v1.Shard/ContributeRead',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.ContributeRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.FromString,
+                _registered_method=True)
         self.DropJob = channel.unary_unary(
                 '/paramshard.v1.Shard/DropJob',
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.DropJobRequest.SerializeToString,
@@ -236,6 +241,15 @@ class ShardServicer:
     def ReadSlot(self, request, context):
         """Reads a completed chunk of a reduction slot (waits until complete). A chunk is freed once
         every expected reader has read it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ContributeRead(self, request, context):
+        """Contribute and ReadSlot of the same chunk in one call, for a caller that reads what it
+        adds to (an all-reduce): the contribution, then a wait for its chunk's result, which the
+        reply carries (or `header.reply_shm` receives), read as reader `header.contributor`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -432,6 +446,11 @@ def add_ShardServicer_to_server(servicer, server):
             'ReadSlot': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadSlot,
                     request_deserializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.SerializeToString,
+            ),
+            'ContributeRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ContributeRead,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.ContributeRequest.FromString,
                     response_serializer=paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.SerializeToString,
             ),
             'DropJob': grpc.unary_unary_rpc_method_handler(
@@ -745,6 +764,33 @@ class Shard:
             target,
             '/paramshard.v1.Shard/ReadSlot',
             paramshard_dot_protos_dot_shard__pb2.ReadSlotRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ContributeRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/ContributeRead',
+            paramshard_dot_protos_dot_shard__pb2.ContributeRequest.SerializeToString,
             paramshard_dot_protos_dot_shard__pb2.ReadSlotReply.FromString,
             options,
             channel_credentials,

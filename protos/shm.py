@@ -63,8 +63,9 @@ while the server reads the other); a whole window of 8 to one server held 8 x 16
 trainer and server (docs/benchmarks.md)."""
 SHM_MIN_BYTES = 64 * 2**10
 """Smaller payloads stay in-band: their copy costs less than the bookkeeping."""
-_SEND = ("PushGrad", "SetParams", "Contribute")
+_SEND = ("PushGrad", "SetParams", "Contribute", "ContributeRead")
 _RECEIVE = ("PullParams", "ReadSlot")
+_BOTH = ("ContributeRead",)  # its reply comes back into the segment its payload went in
 _HANDSHAKE_TIMEOUT_S = 5.0
 PROOF_BYTES = 32
 """Random bytes a server writes at a new segment's start; the client proves its mapping with
@@ -150,6 +151,8 @@ class SharedMemory:
             moved = type(header)()
             moved.CopyFrom(header)
             moved.shm.CopyFrom(ref)
+            if method in _BOTH:  # the server reads the payload before it writes the reply
+                moved.reply_shm.CopyFrom(seg.ref(seg.nbytes))
             return (moved, b""), seg
         if method in _RECEIVE and not isinstance(request, tuple):
             if method == "PullParams":

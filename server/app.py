@@ -174,6 +174,7 @@ class ShardServer:
             self.limits, role_of, self.servicer.may_wait, self.servicer.reply_bytes
         )
         chain.append(self.gate)
+        self.servicer.wait_in = self.gate.wait_in
         self._max_receive_bytes = max_receive_bytes
         options = [
             ("grpc.max_send_message_length", -1),

@@ -9,6 +9,7 @@ generic INTERNAL "Exception deserializing request!".
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -20,8 +21,10 @@ import grpc
 
 from paramshard.protos import batches, codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server import call_peeks
 from paramshard.server.buffers.step_replies import grad_norm_reply, step_reply
 from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.contribute_read import contribute_read
 from paramshard.server.collectives.lease_holds import hold_lease
 from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.membership import MembershipTable
@@ -77,6 +80,8 @@ class ShardServicer:
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
         self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
+        # the admission gate's ``wait_in``, for a ContributeRead that waits (server/app.py)
+        self.wait_in: Callable[[Any], tuple[str | None, Callable[[], None]]] | None = None
         self.max_wait_s = max_wait_s
         self.started = time.time()
         self.server_index = 0
@@ -133,6 +138,11 @@ class ShardServicer:
             "ReadSlot": (
                 self.read_slot,
                 plain(pb.ReadSlotRequest),
+                tensor_reply(pb.ReadSlotReply, fast),
+            ),
+            "ContributeRead": (
+                self.contribute_read,
+                tensor(pb.SlotHeader, pb.ContributeRequest, fast),
                 tensor_reply(pb.ReadSlotReply, fast),
             ),
             "DropJob": (self.drop_job, plain(pb.DropJobRequest), plain_reply),
@@ -201,6 +211,8 @@ class ShardServicer:
         fn = getattr(self, self.LOCAL_METHODS[method])
         if device_reply and method == "PullParams":
             fn = self._pull_on_device
+        if method == "ContributeRead":  # the payload is the caller's own array: copied
+            fn = functools.partial(self.contribute_read, local=True)
         return self._guard(method, fn)(request, context)
 
     def _pull_on_device(self, req: pb.PullParamsRequest, context: Any) -> Any:
@@ -229,44 +241,12 @@ class ShardServicer:
         return handle
 
     def may_wait(self, method: str, request: Any) -> bool:
-        """Whether a call may wait for other callers (False: what it asks for is here now, or
-        it fails at once). A peek without locks, for the admission gate
-        (server/rpc/admission.py)."""
-        if isinstance(request, Malformed):
-            return False
-        try:
-            if method == "PullParams":
-                b = self.buffers.get(request.ref.job, request.ref.buffer)
-                return not (b.initialized and b.version >= request.min_version)
-            if method == "PushGrad":  # waits only for the initial values (SetParams)
-                header = request[0]
-                b = self.buffers.get(header.ref.job, header.ref.buffer)
-                return header.step == b.version and not b.initialized
-            if method == "Step":  # waits for the other ranks' pushes
-                slices = [self.buffers.get(request.job, s.buffer) for s in request.buffers]
-                return any(b.step_would_wait(request.step) for b in slices)
-            if method == "Join":  # waits for its step's membership; a leave does not
-                return not request.leave
-        except ShardError:
-            return False  # no such buffer: it fails at once
-        return True
+        """For the admission gate: server/call_peeks.py."""
+        return call_peeks.may_wait(self.buffers, method, request)
 
     def reply_bytes(self, method: str, request: Any) -> int:
-        """The payload bytes a call's reply may carry, known before it runs: sessions count
-        them when they take the call (server/transport/sessions.py). 0 for a reply that
-        goes into the caller's segment, and for methods whose replies carry no tensor."""
-        if isinstance(request, Malformed) or method not in ("PullParams", "ReadSlot"):
-            return 0
-        if method == "PullParams":
-            try:
-                size = request.chunk.numel * codec.numpy_dtype(request.chunk.dtype).itemsize
-            except ValueError:
-                return 0  # refused at once
-        else:  # a slot with no contribution yet: counted once the reply exists
-            size = self.slots.chunk_nbytes(request.key) or 0
-        if request.HasField("reply_shm") and size <= request.reply_shm.nbytes:
-            return 0
-        return size
+        """For sessions: server/call_peeks.py."""
+        return call_peeks.reply_bytes(self.slots, method, request)
 
     # -- buffers ---------------------------------------------------------------------------
     def register_buffer(self, req: pb.RegisterBufferRequest, context: Any) -> Any:
@@ -312,6 +292,25 @@ class ShardServicer:
     def read_slot(self, req: pb.ReadSlotRequest, context: Any) -> Any:
         view = self.segments.reply_view(req, context)  # refused before the read frees anything
         return self.segments.reply(req, view, *self.slots.read(req, self._timeout(context)))
+
+    def contribute_read(
+        self, msg: tuple[pb.SlotHeader, memoryview], context: Any, local: bool = False
+    ) -> Any:
+        """``local``: a call of this process, which passes no gate and whose payload is the
+        caller's own array (server/collectives/contribute_read.py)."""
+        header, data = self.segments.payload(msg, context)
+        view = self.segments.reply_view(header, context)  # refused before anything changes
+        gated = not local and self.wait_in is not None
+        wait_in = functools.partial(self._wait_in, context) if gated else None
+        timeout = self._timeout(context)
+        got = contribute_read(self.slots, header, data, timeout, not local, wait_in)
+        return self.segments.reply(header, view, *got)
+
+    def _wait_in(self, context: Any) -> Callable[[], None]:
+        refusal, leave = self.wait_in(context.invocation_metadata())
+        if refusal is not None:
+            raise ShardError.exhausted(f"its contribution is in; its wait: {refusal}")
+        return leave
 
     # -- administration ------------------------------------------------------------------
     def drop_job(self, req: pb.DropJobRequest, context: Any) -> Any:

@@ -85,6 +85,12 @@ def valid_request(rng: np.random.Generator, name: str, job: str, ctx: Context) -
             data=data,
         ),
         "ReadSlot": lambda: pb.ReadSlotRequest(key=key),
+        "ContributeRead": lambda: pb.ContributeRequest(
+            header=pb.SlotHeader(
+                key=key, expected=1, readers=1, total_numel=n, chunk=chunk, chunk_numel=n
+            ),
+            data=data,
+        ),
         "DropJob": lambda: pb.DropJobRequest(job=job),
         "Status": lambda: pb.StatusRequest(pending=bool(rng.integers(2))),
         "Snapshot": lambda: pb.SnapshotRequest(

@@ -29,6 +29,7 @@ METHODS = [
     "Step",
     "Contribute",
     "ReadSlot",
+    "ContributeRead",
     "DropJob",
     "Status",
 ]
@@ -125,6 +126,12 @@ def valid_request(method: str) -> bytes:
             payload,
         ),
         "ReadSlot": pb.ReadSlotRequest(key="k").SerializeToString(),
+        "ContributeRead": codec.encode(
+            pb.SlotHeader(
+                key="kr", expected=1, readers=1, total_numel=2, chunk_numel=2, chunk=chunk
+            ),
+            payload,
+        ),
         "DropJob": pb.DropJobRequest(job=JOB).SerializeToString(),
         "Status": b"",
     }[method]

@@ -78,6 +78,19 @@ def test_a_server_at_its_bound_lets_its_runs_other_servers_go_first() -> None:
     assert batch.take()[0] == 4 and not batch
 
 
+def test_calls_that_wait_for_each_other_go_strictly_in_order() -> None:
+    """An all-reduce's ContributeRead calls: a server at its bound holds back the calls after
+    it, so every rank's calls sent are the first ones of the same list."""
+    calls = [Rec(s, "ContributeRead") for s in (0, 0, 1, 1)]
+    batch = Batch(calls, room=lambda server: server != 0)
+    assert batch.take()[0] == 0  # server 0's first call (its first to a server always goes)
+    assert batch.take()[0] == 2  # in turn: server 1's first
+    assert batch.take() is None  # server 0's second waits for room, and server 1's behind it
+    batch.done(calls[0])
+    assert batch.take()[0] == 1
+    assert batch.take()[0] == 3 and not batch
+
+
 @pytest.fixture
 def four() -> list[ShardServer]:
     servers = [ShardServer(local_calls=False).start() for _ in range(4)]

@@ -46,6 +46,7 @@ def run(shaped_moved: float | None) -> dict:
         shaping[1]["raw_tcp_gbit"] = [shaped_moved - 0.5, shaped_moved + 0.5]
     # the chunk op_counts counted the rows with: a client's default, one server a host
     client = {"chunk_mib": None, "chunk_mib_netns": cm.cc.chunk_for(1, None) / MiB}
+    client["contribute_read"] = True  # counted as op_counts counts today's clients
     return {"netns": {"results": rows, "shaping": shaping}, "machine": {"cpu": "test"},
             "client": client}  # fmt: skip
 

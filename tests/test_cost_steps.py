@@ -30,7 +30,7 @@ def scale_doc(
     this compute alone, measured beside it, where the run's own says ``REF``; ``in_step``:
     its messages and bytes cost each side this multiple of ``COSTS``."""
     costs = cs.scaled(COSTS, in_step or {"ours": 1.0, "torch": 1.0})
-    doc = {"machine": {"cores": cores}, "client": {"chunk_mib": None},
+    doc = {"machine": {"cores": cores}, "client": {"chunk_mib": None, "contribute_read": True},
            "models": {"gpt2-124m": {"n_params": PSI, "config": {}}},
            "compute_reference": {"gpt2-124m": REF}, "results": []}  # fmt: skip
     for w, strategy in cells:
@@ -122,6 +122,26 @@ def test_in_step_costs_are_one_factor_a_side_fitted_at_the_smallest_w() -> None:
     # costs as isolated: the factors are 1
     plain = cs.check_steps(scale_doc(2, CELLS), COSTS)["in_step_factor"]["gpt2-124m"]
     assert plain == {"ours": pytest.approx(1.0, abs=2e-3), "torch": pytest.approx(1.0, abs=2e-3)}
+
+
+def test_runs_from_before_contribute_read_are_counted_with_two_calls_a_chunk() -> None:
+    """A run whose JSON does not say ``contribute_read`` made a contribution and a read a
+    chunk: its DDP cells are counted so, and those of a run that says it with half the
+    all-reduce's messages; the other strategies' counts are the same."""
+    assert cc.fused_reads({"contribute_read": True}) and not cc.fused_reads({"chunk_mib": 8})
+    w, chunk = 4, 4 * MiB
+    old = cs.ours_counts("ddp", PSI, w, 12, chunk, fused=False)
+    new = cs.ours_counts("ddp", PSI, w, 12, chunk, fused=True)
+    assert new[0] == pytest.approx(old[0] / 2) and new[1] < old[1]
+    assert cs.ours_counts("fsdp", PSI, w, 12, chunk, False) == cs.ours_counts(
+        "fsdp", PSI, w, 12, chunk, True
+    )
+    doc = scale_doc(2, CELLS)  # made with today's counts
+    doc["client"].pop("contribute_read")
+    got = {(r["world_size"], r["strategy"]): r for r in cs.check_steps(doc, COSTS)["rows"]}
+    for (w, strategy), r in got.items():
+        err = r["ours"]["alone"]["cpu_error"]
+        assert (err > 1e-3) if strategy == "ddp" else abs(err) < 2e-3, (w, strategy, err)
 
 
 def test_a_step_takes_the_cpu_over_the_cores_or_a_ranks_own_path() -> None:

@@ -292,7 +292,7 @@ def test_a_memory_limit_refusal_is_not_retried(servers) -> None:
     (server,) = servers(1, local_calls=False, max_memory="4KiB")
     c = make_client([server.address], timeout_s=10.0)
     try:
-        sent = counting_sends(c, "Contribute")
+        sent = counting_sends(c, "ContributeRead")
         with pytest.raises(ShardClientError) as err:
             c.all_reduce(np.ones(4096, np.float32))  # 16 KiB in a slot
     finally:

@@ -24,6 +24,7 @@ from test_shm import open_segment, push
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client import session as client_session
+from paramshard.client.rpc import Call
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import take_ready
@@ -245,7 +246,9 @@ def test_a_restarted_server_gets_a_new_session() -> None:
         second = ShardServer(port=port, local_calls=False).start()
         try:
             assert c.all_reduce(np.full(2, 3.0, np.float32)).tolist() == [3.0, 3.0]
-            assert second.sessions.calls >= 2  # a call sent into the broken one is sent again
+            # the all-reduce's one call (ContributeRead), failed in the broken session and
+            # sent again: in the new one
+            assert second.sessions.calls >= 1
         finally:
             second.stop(0)
     finally:
@@ -272,7 +275,7 @@ def test_a_server_that_starts_late_gets_a_session_soon_after() -> None:
         before = late[0].sessions.calls  # its retries may have come after the server was up
         time.sleep(client_session.RETRY_UNREACHABLE_S)
         assert c.all_reduce(np.full(2, 3.0, np.float32)).tolist() == [3.0, 3.0]
-        assert late[0].sessions.calls == before + 2  # its contribution and read, in a session
+        assert late[0].sessions.calls == before + 1  # its one call (ContributeRead), in a session
     finally:
         starter.join()
         c.close()
@@ -315,8 +318,9 @@ def test_a_batch_holds_what_is_ready_and_never_waits_for_more() -> None:
 
 
 def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatch) -> None:
-    """A small all-reduce's contribution and read, queued together, reach the server as one
-    batch (the client queues the second long before grpcio's sender thread gets the GIL)."""
+    """A contribution and a read queued together (as a reduce-scatter queues its contributions
+    and the read of its own slice) reach the server as one batch (the client queues the second
+    long before grpcio's sender thread gets the GIL)."""
     seen: list[int] = []
     real = sessions._Session.read
 
@@ -331,8 +335,15 @@ def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatc
     monkeypatch.setattr(sessions._Session, "read", counting)
     c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
     try:
-        for _ in range(20):
-            c.all_reduce(np.ones(2, np.float32))
+        for i in range(20):
+            key, chunk = f"batch:{i}", pb.Chunk(offset=0, numel=2, dtype=pb.FLOAT32)
+            h = pb.SlotHeader(key=key, op=pb.SUM, expected=1, readers=1, total_numel=2,
+                              chunk_numel=2, chunk=chunk)  # fmt: skip
+            read = pb.ReadSlotRequest(key=key, offset=0, reader=0)
+            _, (_, got) = c.run(
+                [Call(0, "Contribute", (h, np.ones(2, np.float32))), Call(0, "ReadSlot", read)]
+            )
+            assert np.frombuffer(got, np.float32).tolist() == [1.0, 1.0]
         assert sum(seen) == 40
         assert seen.count(2) >= 10, seen
     finally:

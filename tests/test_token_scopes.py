@@ -156,6 +156,7 @@ FOREIGN: dict[str, Any] = {
     "Step": pb.StepRequest(job=B_JOB, step=1, skip=True),
     "Contribute": contribution(B_SLOT, contributor=1),
     "ReadSlot": pb.ReadSlotRequest(key=B_SLOT),
+    "ContributeRead": contribution(B_SLOT, contributor=1),
     "DropJob": pb.DropJobRequest(job=B_JOB),
     "Lease": lease(1, 100),  # lapses in 100 ms: the run would be aborted, "rank 1 lost"
     "HoldLease": lease(1, 100),  # a stream, refused before it opens (its end would lose rank 1)

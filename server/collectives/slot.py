@@ -9,6 +9,8 @@ from collections import Counter
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime import backend
+from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["Chunk", "Slot"]
 
@@ -16,7 +18,7 @@ __all__ = ["Chunk", "Slot"]
 class Chunk:
     """One chunk of a slot: its running sum (or message), who contributed and who read it."""
 
-    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged")
+    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged", "held_by")
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -25,10 +27,30 @@ class Chunk:
         self.readers: set[int] = set()
         self.head = 0  # rank-order sums: the next contributor to add
         self.staged: dict[int, Any] = {}  # contributor -> its values, until ``head`` gets there
+        # the contributor whose own request ``acc`` still is (ContributeRead: no copy while its
+        # call waits for the result; SlotStore replaces it before anything writes there)
+        self.held_by: int | None = None
 
     def nbytes(self) -> int:
         held = 0 if self.acc is None else int(self.acc.nbytes)
         return held + sum(int(v.nbytes) for v in self.staged.values())
+
+    def add(self, values: Any, op: int) -> None:
+        """Reduces ``values`` into ``acc`` by ``op``: in place, or, while ``acc`` is still a
+        contributor's own request (``held_by``), into a new array that becomes ``acc`` (the
+        same values: one operation of the same two operands, either way)."""
+        xp = backend.xp
+        fn = xp.maximum if op == pb.MAX else xp.minimum if op == pb.MIN else xp.add
+        if self.held_by is None:
+            fn(self.acc, values, out=self.acc)
+        else:
+            self.acc, self.held_by = fn(self.acc, values), None
+
+    def own(self) -> None:
+        """``acc`` copied out of its contributor's request, if it is still that (the call
+        ends: its memory goes back to the caller)."""
+        if self.held_by is not None:
+            self.acc, self.held_by = self.acc.copy(), None
 
 
 class Slot:
@@ -47,6 +69,25 @@ class Slot:
         self.ended: str | None = None  # why it expired or was dropped
         self.conflict: str | None = None  # a refused contribution's why: reads do not wait
         self.turn_waiters = 0  # contributions waiting for their turn (server/runtime/turns.py)
+
+    def wait_turn(self, turns: TurnWaits, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
+        """Waits (``cond`` held) until contributor ``h.contributor`` is next on its chunk,
+        within the server's bounds (``turns``); True when it waited and the contribution
+        should look again (it is then added from its own request, never copied; a slot that
+        ended meanwhile fails it there), False when it is to be staged now: no wait was
+        allowed, or the ranks disagree about the slot (``conflict``: contributions still
+        count)."""
+        offset = h.chunk.offset
+
+        def done() -> bool:
+            if self.ended is not None or self.conflict is not None or offset in self.freed:
+                return True
+            chunk = self.chunks.get(offset)
+            return (chunk.head if chunk else 0) == h.contributor
+
+        if not turns.wait(self.cond, done, nbytes, until, of=self):
+            return False
+        return self.conflict is None or self.ended is not None
 
     def num_chunks(self) -> int:
         assert self.meta is not None

@@ -10,7 +10,32 @@ from paramshard.server.runtime.errors import ShardError
 if TYPE_CHECKING:
     from paramshard.server.collectives.slot import Slot
 
-__all__ = ["check_header", "check_same"]
+__all__ = ["check_header", "check_same", "ordered", "slot_meta"]
+
+
+def ordered(h: pb.SlotHeader) -> bool:
+    """Whether the contributions of this slot are added in contributor order. Two need no
+    order: a + b == b + a exactly in IEEE arithmetic; only the grouping of three or more can
+    change a sum."""
+    floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
+    return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
+
+
+def slot_meta(h: pb.SlotHeader) -> pb.SlotHeader:
+    """What every reader's reply header repeats of the first contribution: the slot's own
+    fields, listed, never a copy of the whole header. A copy would hand each reader the
+    writer's shared segments (``shm``, ``reply_shm``), its contributor number and any unknown
+    fields it sent."""
+    return pb.SlotHeader(
+        key=h.key,
+        op=h.op,
+        expected=h.expected,
+        readers=h.readers,
+        total_numel=h.total_numel,
+        shape=h.shape,
+        chunk_numel=h.chunk_numel,
+        arrival_order=h.arrival_order,
+    )
 
 
 def check_header(h: pb.SlotHeader) -> None:

@@ -36,7 +36,7 @@ from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot
-from paramshard.server.collectives.slot_checks import check_header, check_same
+from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
@@ -45,30 +45,6 @@ from paramshard.server.runtime.turns import TurnWaits
 __all__ = ["SlotStore"]
 
 _FORGET_AFTER = 65536  # freed keys remembered for late retries
-
-
-def _ordered(h: pb.SlotHeader) -> bool:
-    """Whether the contributions of this slot are added in contributor order. Two need no
-    order: a + b == b + a exactly in IEEE arithmetic; only the grouping of three or more can
-    change a sum."""
-    floats = h.chunk.dtype not in (pb.INT64, pb.INT32)
-    return h.op in (pb.SUM, pb.MEAN) and floats and not h.arrival_order and h.expected > 2
-
-
-def _meta(h: pb.SlotHeader) -> pb.SlotHeader:
-    """What every reader's reply header repeats of the first contribution: the slot's own
-    fields, listed, never a copy of the whole header. A copy would hand each reader the
-    writer's shared segment (``shm``), its contributor number and any unknown fields it sent."""
-    return pb.SlotHeader(
-        key=h.key,
-        op=h.op,
-        expected=h.expected,
-        readers=h.readers,
-        total_numel=h.total_numel,
-        shape=h.shape,
-        chunk_numel=h.chunk_numel,
-        arrival_order=h.arrival_order,
-    )
 
 
 class SlotStore:
@@ -109,6 +85,21 @@ class SlotStore:
         numel = meta.chunk_numel or meta.total_numel
         return numel * codec.numpy_dtype(slot.dtype).itemsize
 
+    def complete(self, key: str, offset: int) -> bool:
+        """Whether a read of the chunk at ``offset`` of slot ``key`` would not wait: it has
+        all its contributions, or it (or its slot) is gone."""
+        with self._lock:
+            slot = self._slots.get(key)
+        if slot is None:
+            return True
+        with slot.cond:
+            if slot.ended is not None or offset in slot.freed:
+                return True
+            chunk, meta = slot.chunks.get(offset), slot.meta
+            return (
+                chunk is not None and meta is not None and len(chunk.contributors) == meta.expected
+            )
+
     def open_slots(self) -> list[Slot]:
         """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
         with self._lock:
@@ -128,11 +119,18 @@ class SlotStore:
             return slot
 
     def contribute(
-        self, h: pb.SlotHeader, data: memoryview, timeout: float = 0.0, turn_until: float = 0.0
+        self,
+        h: pb.SlotHeader,
+        data: memoryview,
+        timeout: float = 0.0,
+        turn_until: float = 0.0,
+        hold: bool = False,
     ) -> bool:
         """Adds a contribution; returns True when it had been counted before. One that came
         before its turn waits for it first, within ``timeout`` and the server's bounds
-        (server/runtime/turns.py), then is staged as a copy."""
+        (server/runtime/turns.py), then is staged as a copy. ``hold``: the caller keeps
+        ``data`` alive until it calls ``release_hold``, so a chunk's first contribution may
+        stay where it is instead of being copied (server/collectives/contribute_read.py)."""
         deadline, turn_until = time.monotonic() + timeout, turn_until or TurnWaits.until(timeout)
         check_header(h)
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
@@ -158,17 +156,20 @@ class SlotStore:
             chunk = slot.chunks.get(h.chunk.offset)
             if chunk is not None and h.contributor in chunk.contributors:
                 return True
-            ordered = _ordered(h)
-            early = ordered and (chunk.head if chunk is not None else 0) != h.contributor
-            if early and self._wait_turn(slot, h, int(host.nbytes), turn_until):
-                return self.contribute(h, data, deadline - time.monotonic(), turn_until)
+            in_order = ordered(h)
+            early = in_order and (chunk.head if chunk is not None else 0) != h.contributor
+            if early and slot.wait_turn(self.turns, h, int(host.nbytes), turn_until):
+                return self.contribute(h, data, deadline - time.monotonic(), turn_until, hold)
             acc = None
             if early or chunk is None or chunk.acc is None:
                 # A chunk's first contribution becomes its accumulator, and in rank order an
                 # early one is kept aside. Its memory is reserved before anything changes, so
-                # a rejected contribution leaves no trace.
+                # a rejected contribution leaves no trace; a held one (the caller's own
+                # memory, nothing to convert) is paid for as the copy it may become.
                 if h.op == pb.SET:
                     acc = backend.to_device(host.copy())
+                elif hold and not early and h.expected > 1:
+                    acc = arrays.to_compute(host, h.chunk.dtype)
                 else:
                     acc = arrays.to_compute(host, h.chunk.dtype, own=True)
                 try:
@@ -179,7 +180,7 @@ class SlotStore:
             # -- all checks passed: mutate --
             slot.touched = time.monotonic()
             if slot.meta is None:
-                slot.meta = _meta(h)
+                slot.meta = slot_meta(h)
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
@@ -187,47 +188,37 @@ class SlotStore:
                 chunk.staged[h.contributor] = acc
             elif acc is not None:
                 chunk.acc = acc
+                chunk.held_by = h.contributor if acc is host else None
             else:
-                values = arrays.to_compute(host, h.chunk.dtype)
-                if h.op in (pb.SUM, pb.MEAN):
-                    chunk.acc += values
-                elif h.op == pb.MAX:
-                    backend.xp.maximum(chunk.acc, values, out=chunk.acc)
-                else:
-                    backend.xp.minimum(chunk.acc, values, out=chunk.acc)
-            if ordered and not early:
+                chunk.add(arrays.to_compute(host, h.chunk.dtype), h.op)
+            if in_order and not early:
                 chunk.head += 1
                 while chunk.head in chunk.staged:  # the ones that waited for this one
                     kept = chunk.staged.pop(chunk.head)
-                    chunk.acc += kept
+                    chunk.add(kept, h.op)
                     self._release(int(kept.nbytes))
                     chunk.head += 1
                 if slot.turn_waiters:
                     slot.cond.notify_all()  # a contribution waiting for its turn may have it
             chunk.contributors.add(h.contributor)
             if len(chunk.contributors) == h.expected:
+                chunk.own()  # (never held here: a second contribution replaced it)
                 if h.op == pb.MEAN and h.expected > 1:
                     chunk.acc /= chunk.acc.dtype.type(h.expected)
                 slot.cond.notify_all()
             return False
 
-    def _wait_turn(self, slot: Slot, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
-        """Waits (``slot.cond`` held) until contributor ``h.contributor`` is next on its chunk,
-        within the server's bounds; True when it waited and the contribution should look
-        again (it is then added from its own request, never copied; a slot that ended
-        meanwhile fails it there), False when it is to be staged now: no wait was allowed,
-        or the ranks disagree about the slot (``conflict``: contributions still count)."""
-        offset = h.chunk.offset
-
-        def done() -> bool:
-            if slot.ended is not None or slot.conflict is not None or offset in slot.freed:
-                return True
-            chunk = slot.chunks.get(offset)
-            return (chunk.head if chunk else 0) == h.contributor
-
-        if not self.turns.wait(slot.cond, done, nbytes, until, of=slot):
-            return False
-        return slot.conflict is None or slot.ended is not None
+    def release_hold(self, h: pb.SlotHeader) -> None:
+        """The chunk's accumulator copied out of ``h``'s request if it is still that: the call
+        that held it ends (server/collectives/contribute_read.py)."""
+        with self._lock:
+            slot = self._slots.get(h.key)
+        if slot is None:
+            return
+        with slot.cond:
+            chunk = slot.chunks.get(h.chunk.offset)
+            if chunk is not None and chunk.held_by == h.contributor:
+                chunk.own()
 
     def _reserve(self, nbytes: int, key: str) -> None:
         with self._lock:

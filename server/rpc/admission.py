@@ -37,12 +37,12 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_id
+from paramshard.server.rpc.call_limits import CallLimits, default_reserved
 from paramshard.server.rpc.unsent_replies import UnsentReplies
 
 __all__ = ["ANSWERS_AT_ONCE", "CallGate", "CallLimits", "WAITING_METHODS", "default_reserved"]
@@ -59,54 +59,9 @@ WAITING_METHODS = frozenset(
 push before the buffer's initial values, a step before every rank's push, a Join until its
 step's membership is decided. Whether a call of them may wait is the servicer's ``may_wait``
 (a push to an initialised buffer does not, nor a step whose pushes are all in: those are never
-refused)."""
-
-
-def default_reserved(workers: int) -> int:
-    """Threads kept for working calls unless told: a quarter of the workers, at most 16."""
-    return max(1, min(16, workers // 4))
-
-
-@dataclass(frozen=True)
-class CallLimits:
-    """Bounds on the calls a server runs at once (``paramshard serve`` flags in brackets)."""
-
-    workers: int = 128
-    """Threads for calls [--workers]; waiting calls take at most ``workers - reserved``."""
-    reserved: int = 16
-    """Threads a waiting call never takes: pushes, steps and Status always find one
-    [--reserved-workers]."""
-    max_waiting_read: int = 16
-    """Calls of waiting methods by ``read`` tokens at once (inspect, get, export)
-    [--max-waiting-read]."""
-    max_streams: int = 4
-    """Open reflection / health Watch streams at once, on threads of their own
-    [--max-streams]."""
-    max_sessions: int = 64
-    """Open client sessions (server/transport/sessions.py) at once, on threads of their own, of read
-    tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
-    [--max-sessions]."""
-
-    def __post_init__(self) -> None:
-        for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
-        for name in ("max_streams", "max_sessions"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"CallLimits.{name} must be an int >= 0, got {value!r}")
-        if self.reserved >= self.workers:
-            raise ValueError(
-                f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"
-                " waiting calls need threads too"
-            )
-
-    @property
-    def threads(self) -> int:
-        """The size of the server's thread pool: the workers, the streams' and the sessions'
-        own."""
-        return self.workers + self.max_streams + self.max_sessions
+refused). A ContributeRead is not one: its contribution goes in whatever the bounds, as a
+Contribute does (other ranks' calls wait for it), and only its wait for the result passes the
+bounds (``CallGate.wait_in``)."""
 
 
 class CallGate(grpc.ServerInterceptor):
@@ -167,16 +122,18 @@ class CallGate(grpc.ServerInterceptor):
         with self._lock:
             return self._callers[caller]
 
-    def enter(self, role: str | None, caller: str | None = None) -> str | None:
-        """Counts a call in; why a waiting one (``role`` set; ``caller``: its token) is refused."""
+    def enter(self, role: str | None, caller: str | None = None, busy: bool = True) -> str | None:
+        """Counts a call in; why a waiting one (``role`` set; ``caller``: its token) is refused.
+        ``busy=False``: a call counted in already, which starts to wait (``wait_in``)."""
         lim = self.limits
         if role == "read":
             caller = None  # read tokens have a bound of their own, all together
         with self._lock:
             if role is not None:
-                if self.busy >= lim.workers - lim.reserved:
+                others = self.busy - (not busy)  # a call counted in already: not itself
+                if others >= lim.workers - lim.reserved:
                     return (
-                        f"{self.busy} calls are running on this server's {lim.workers} worker"
+                        f"{others} calls are running on this server's {lim.workers} worker"
                         f" threads and {lim.reserved} are kept for calls that do not wait"
                         " (pushes, steps, Status); retry later (paramshard serve --workers)"
                     )
@@ -194,7 +151,7 @@ class CallGate(grpc.ServerInterceptor):
                 self.waiting[role] += 1
                 if caller is not None:
                     self._callers[caller] += 1
-            self.busy += 1
+            self.busy += busy
         return None
 
     def admit(
@@ -207,11 +164,23 @@ class CallGate(grpc.ServerInterceptor):
             return refusal, role
         return self.enter(None, caller), None
 
-    def leave(self, role: str | None, caller: str | None = None) -> None:
+    def wait_in(self, metadata: Any) -> tuple[str | None, Callable[[], None]]:
+        """A call counted in as one that works (a ContributeRead, its contribution added)
+        starts to wait for other callers: it counts as a waiting call of its caller's role and
+        token (``metadata``: its call's or its session's), within the bounds of the waiting
+        methods' calls. Returns (why it is refused, how its wait ends)."""
+        role = (self.role_of(metadata) if self.role_of else None) or "train"
+        caller = caller_id(metadata) if self.role_of else None
+        refusal = self.enter(role, caller, busy=False)
+        if refusal is not None:
+            return refusal, lambda: None
+        return None, lambda: self.leave(role, caller, busy=False)
+
+    def leave(self, role: str | None, caller: str | None = None, busy: bool = True) -> None:
         if role == "read":
             caller = None
         with self._lock:
-            self.busy -= 1
+            self.busy -= busy
             if role is not None:
                 self.waiting[role] -= 1
                 if caller is not None:

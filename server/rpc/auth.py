@@ -92,6 +92,7 @@ METHOD_ROLES: dict[str, str] = {
     "Step": "train",
     "Contribute": "train",
     "ReadSlot": "train",
+    "ContributeRead": "train",
     "Lease": "train",
     "HoldLease": "train",
     "Join": "train",

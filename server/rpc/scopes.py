@@ -199,6 +199,7 @@ ROUTES: dict[str, Route] = {
     "Step": _job("job"),
     "Contribute": Route("key", ("header", "key"), "the run of `header.key` in `runs=`"),
     "ReadSlot": Route("key", ("key",), "the run of `key` in `runs=`"),
+    "ContributeRead": Route("key", ("header", "key"), "the run of `header.key` in `runs=`"),
     "Lease": Route("run", ("run",), "`run` in `runs=` (renewals, releases and aborts alike)"),
     "HoldLease": Route("run", ("run",), "`run` in `runs=` (the stream holds the lease, as Lease)"),
     "DropJob": Route("job+run", ("job",), "`job` in `jobs=` and in `runs=`"),

@@ -1,0 +1,55 @@
+"""The bounds on the calls a server runs at once, which the admission gate keeps
+(server/rpc/admission.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CallLimits", "default_reserved"]
+
+
+def default_reserved(workers: int) -> int:
+    """Threads kept for working calls unless told: a quarter of the workers, at most 16."""
+    return max(1, min(16, workers // 4))
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """Bounds on the calls a server runs at once (``paramshard serve`` flags in brackets)."""
+
+    workers: int = 128
+    """Threads for calls [--workers]; waiting calls take at most ``workers - reserved``."""
+    reserved: int = 16
+    """Threads a waiting call never takes: pushes, steps and Status always find one
+    [--reserved-workers]."""
+    max_waiting_read: int = 16
+    """Calls of waiting methods by ``read`` tokens at once (inspect, get, export)
+    [--max-waiting-read]."""
+    max_streams: int = 4
+    """Open reflection / health Watch streams at once, on threads of their own
+    [--max-streams]."""
+    max_sessions: int = 64
+    """Open client sessions (server/transport/sessions.py) at once, on threads of their own, of read
+    tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
+    [--max-sessions]."""
+
+    def __post_init__(self) -> None:
+        for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
+        for name in ("max_streams", "max_sessions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"CallLimits.{name} must be an int >= 0, got {value!r}")
+        if self.reserved >= self.workers:
+            raise ValueError(
+                f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"
+                " waiting calls need threads too"
+            )
+
+    @property
+    def threads(self) -> int:
+        """The size of the server's thread pool: the workers, the streams' and the sessions'
+        own."""
+        return self.workers + self.max_streams + self.max_sessions
