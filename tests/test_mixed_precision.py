@@ -66,14 +66,14 @@ def world(
 
 def record_wire(client: Any) -> list[tuple[str, str, int]]:
     """(method, dtype, payload bytes) of every gradient the client sends (PushGrad for the
-    servers' buffers, Contribute for DDP's all-reduce), read off the built requests."""
+    servers' buffers, ContributeRead for DDP's all-reduce), read off the built requests."""
     seen: list[tuple[str, str, int]] = []
     run = client.run
 
     def recording(calls: Any, *args: Any, **kwargs: Any) -> Any:
         calls = list(calls)
         for call in calls:
-            if call.method in ("PushGrad", "Contribute"):
+            if call.method in ("PushGrad", "ContributeRead"):
                 request = call.request() if callable(call.request) else call.request
                 header, payload = request
                 dtype = codec.WIRE_DTYPES[header.chunk.dtype][0]

@@ -34,6 +34,7 @@ METHODS = {
     "Step",
     "Contribute",
     "ReadSlot",
+    "ContributeRead",
     "DropJob",
     "Status",
     "Lease",
