@@ -4,15 +4,15 @@
 Unary calls cost grpcio a call's setup on both sides, and the first future after an idle spell
 makes grpcio start a polling thread for the channel; a session opens once and stays open, and
 each batch it sends holds every call that was ready (a reduce-scatter's contributions and the
-read of its own slice travel together). A session opens on the first data-plane call to a server: the client waits
-for the server's empty first batch, and a server that refuses (an older server, one with
-``--max-sessions 0`` or at its bound, a token it does not take) gets that client's calls one by
-one, as before; it is asked again after ``RETRY_OPEN_S``, or after ``RETRY_UNREACHABLE_S`` when
-no server answered (UNAVAILABLE: one that is still starting, or restarting, is not a server that
-refused, and its calls should not go one by one for half a minute once it is up). A session
-that breaks fails its calls in flight with UNAVAILABLE (every call is idempotent:
-``RpcCore.run`` sends them again) and the next call opens a new one. ``PARAMSHARD_SESSIONS=0``
-turns sessions off.
+read of its own slice travel together). A session opens on the first data-plane call to a
+server: the client waits for the server's empty first batch, and a server that refuses (an older
+server, one with ``--max-sessions 0`` or at its bound, a token it does not take) gets that
+client's calls one by one, as before; it is asked again after ``RETRY_OPEN_S``, or after
+``RETRY_UNREACHABLE_S`` when no server answered (UNAVAILABLE: one that is still starting, or
+restarting, is not a server that refused, and its calls should not go one by one for half a
+minute once it is up). A session that breaks fails its calls in flight with UNAVAILABLE (every
+call is idempotent: ``RpcCore.run`` sends them again) and the next call opens a new one.
+``PARAMSHARD_SESSIONS=0`` turns sessions off.
 
 Only calls whose message is at most ``MAX_BODY`` bytes travel in sessions: a tensor whose
 payload is in a shared segment, or a small one. A large in-band payload goes as its own call,
