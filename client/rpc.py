@@ -34,7 +34,7 @@ from paramshard.client.run_state import WAITS_ON_PEERS, RunState
 from paramshard.client.session import MAX_BODY, Sessions
 from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.batches import SESSION_METHODS
+from paramshard.protos.batches import SESSION_METHODS, TENSOR_REPLIES
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
@@ -89,7 +89,6 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
 
 _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "ContributeRead", "GradNorm", "Step"})
 """Calls that may wait for other ranks: sent as futures even alone, so a notice cancels them."""
-_READS = ("PullParams", "ReadSlot", "ContributeRead")  # calls whose replies carry a tensor
 
 
 @dataclass
@@ -216,7 +215,7 @@ class RpcCore:
         else:
             size = request.ByteSize()
         asked = request[0] if call.method == "ContributeRead" else request
-        if call.method in _READS and not asked.HasField("reply_shm"):
+        if call.method in TENSOR_REPLIES and not asked.HasField("reply_shm"):
             if call.method == "PullParams":
                 itemsize = codec.numpy_dtype(request.chunk.dtype).itemsize
                 size += request.chunk.numel * itemsize

@@ -19,13 +19,20 @@ from typing import Any
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["SESSION_METHODS", "take_ready", "encode_batch", "decode_batch", "TooManyCalls"]
+__all__ = [
+    "SESSION_METHODS", "TENSOR_REPLIES", "take_ready", "encode_batch", "decode_batch",
+    "TooManyCalls",
+]  # fmt: skip
 
 SESSION_METHODS = (
     "Contribute", "ReadSlot", "ContributeRead", "PushGrad", "PullParams", "SetParams"
 )  # fmt: skip
 """The calls a session carries: the data plane. The client sends only these in its sessions
 (client/session.py) and the server takes only these from one (``ShardServicer``)."""
+TENSOR_REPLIES = ("PullParams", "ReadSlot", "ContributeRead")
+"""The data-plane calls whose replies carry a tensor: both sides count its bytes before the
+call runs (client/rpc.py, a session's message size; server/call_peeks.py, a session's and
+the gate's reply bytes)."""
 
 _CALL_TAG = bytes([1 << 3 | 2])  # SessionBatch.calls
 _BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body

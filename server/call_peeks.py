@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from paramshard.protos import codec
+from paramshard.protos.batches import TENSOR_REPLIES
 from paramshard.server.buffers.store import BufferStore
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.rpc.parsers import Malformed
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["may_wait", "reply_bytes"]
-
-_READS = ("PullParams", "ReadSlot", "ContributeRead")  # calls whose replies carry a tensor
 
 
 def may_wait(buffers: BufferStore, method: str, request: Any) -> bool:
@@ -45,7 +44,7 @@ def reply_bytes(slots: SlotStore, method: str, request: Any) -> int:
     """The payload bytes a call's reply may carry, known before it runs: sessions count
     them when they take the call (server/transport/sessions.py). 0 for a reply that
     goes into the caller's segment, and for methods whose replies carry no tensor."""
-    if isinstance(request, Malformed) or method not in _READS:
+    if isinstance(request, Malformed) or method not in TENSOR_REPLIES:
         return 0
     if method == "ContributeRead":  # its own chunk, in the dtype it adds
         request = request[0]
