@@ -8,6 +8,7 @@ requests it refuses. Real servers on 127.0.0.1 through gRPC, and the SlotStore i
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -58,11 +59,10 @@ def in_thread(fn: Any) -> tuple[threading.Thread, list[Any]]:
 
 
 def wait_for(cond: Any, timeout: float = 10.0) -> None:
-    done = threading.Event()
     for _ in range(int(timeout / 0.01)):
         if cond():
             return
-        done.wait(0.01)
+        time.sleep(0.01)
     raise AssertionError("condition not met in time")
 
 
