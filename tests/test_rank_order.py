@@ -246,3 +246,45 @@ def test_a_push_waiting_for_its_turn_when_its_job_is_dropped_fails_and_keeps_not
     (err,) = failed
     assert "was dropped while waiting" in err.message, err.message
     assert store.turns.waiting == 0 and store.budget.usage()["staging"] == 0
+
+
+@pytest.mark.parametrize(
+    ("contributors", "micro", "arrival_order"), [(2, 1, False), (4, 2, True), (3, 1, True)]
+)
+def test_arrival_order_sums_copy_the_first_and_average_as_the_last_is_added(
+    contributors: int, micro: int, arrival_order: bool
+) -> None:
+    """Without rank order (two contributions, or ``arrival_order``), each element takes its
+    contributions as they come: the first is copied (no zeros under it, so a -0.0 stays -0.0
+    as in gloo's sums), the last is divided by the contributors as it is added, and the
+    next step starts over from the copies, not from the last step's sums. The reference
+    replays the same arrivals over whole arrays."""
+    values = contributions(contributors, micro, np.float32)
+    for key in values:
+        values[key][:3] = -0.0  # the same sign of zero from every rank
+    rng = random.Random(contributors)
+    b = register(BufferStore(), contributors, master=pb.FLOAT32, arrival_order=arrival_order)
+    for trial in range(3):
+        chunks = [(c, m, o, n) for (c, m) in values for o, n in cuts(rng, NUMEL, rng.randint(1, 7))]
+        rng.shuffle(chunks)
+        want, taken = np.empty(NUMEL, np.float32), np.zeros(NUMEL, int)
+        for c, m, o, n in chunks:
+            header = pb.PushGradHeader(
+                ref=pb.BufferRef(job="j", buffer="b"),
+                chunk=pb.Chunk(offset=o, numel=n, dtype=pb.FLOAT32),
+                step=trial,
+                contributor=c,
+                micro=m,
+                num_micro=micro,
+                step_args=pb.StepArgs(),
+            )
+            b.push_grad(header, memoryview(values[c, m][o : o + n].tobytes()), timeout=1.0)
+            first = taken[o : o + n] == 0
+            part = want[o : o + n]
+            part[first] = values[c, m][o : o + n][first]
+            part[~first] += values[c, m][o : o + n][~first]
+            taken[o : o + n] += 1
+        want /= np.float32(contributors)
+        assert b.grad.tobytes() == want.tobytes(), f"trial {trial}"
+        assert np.signbit(b.grad[:3]).all()
+        assert b.version == trial + 1  # stepped: the next trial is a new step

@@ -141,19 +141,15 @@ class Contributions(SliceState):
             if replaces:  # a newer membership generation: the older one's sums are void
                 self.budget.release(self.pending.staged_bytes, "staging")
                 self.cond.notify_all()  # its GradNorms and Steps end (membership.py)
-            if self.grad is None:
+            if self.grad is None:  # (no zeros for a new step: its first additions copy)
                 self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
-            if not pending.chunks:
-                self.grad.fill(0)
             pending.chunks[k] = chunks
             chunks.add(o, n)
             self._accumulate(pending, k, o, arrays.to_compute(host, h.chunk.dtype))
             self.pending = pending
             if pending.head == self._last(pending):  # every one complete
                 assert not pending.staged, "every contribution is complete, none may wait"
-                if pending.weights is None and self.contributors > 1:
-                    self.grad /= self.dtype.type(self.contributors)
-                pending.reduced = True
+                pending.reduced = True  # (and averaged: ``_add``)
                 if h.HasField("step_args") and self._finite():  # else a Step decides
                     self._apply_step(h.step_args)
                 self.cond.notify_all()
@@ -191,7 +187,8 @@ class Contributions(SliceState):
         if pending.weights is not None:
             values = values * self.dtype.type(pending.weights[k])  # a new array: may be kept
         if not self._ordered(pending):
-            self.grad[o : o + values.size] += values
+            for a, b, taken in pending.order.runs(o, values.size):
+                self._add(pending, taken, a, values[a - o : b - o])
         elif not self._stages(pending, k, o, values.size):
             self._add_in_order(pending, k, o, values)
             if self.turn_waiters:
@@ -204,14 +201,30 @@ class Contributions(SliceState):
         while pending.head < last and pending.received(pending.head) >= self.slice_numel:
             pending.head += 1
 
+    def _add(self, pending: PendingStep, taken: int, o: int, values: Any) -> None:
+        """Adds ``values`` at ``o``, where every element has taken ``taken`` contributions,
+        and counts it (``pending.order``). The first contribution is copied (no zeros to
+        add it to), and the last is averaged over the contributors as it is added, in one
+        pass (``arrays.reduce_into``): the same bits as summing, then dividing the whole
+        slice, without a pass over the slice of its own."""
+        n, part = values.size, self.grad[o : o + values.size]
+        last = taken + 1 == self._last(pending)
+        mean = self.contributors if pending.weights is None and self.contributors > 1 else 0
+        if taken == 0:
+            part[...] = values
+            if last and mean:
+                part /= self.dtype.type(mean)
+        else:
+            arrays.reduce_into(backend.xp.add, part, values, part, mean if last else 0)
+        pending.order.advance(o, n)
+
     def _add_in_order(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
         """Adds a ready chunk, then every staged chunk it makes ready, and theirs."""
         ready = [(k, o, values)]
         while ready:
             k, o, values = ready.pop()
             n = values.size
-            self.grad[o : o + n] += values
-            pending.order.advance(o, n)
+            self._add(pending, k, o, values)
             waiting = pending.staged.get(k + 1, [])
             for entry in [e for e in waiting if e[0] < o + n and o < e[0] + e[1].size]:
                 lo, kept = entry

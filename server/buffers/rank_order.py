@@ -43,6 +43,15 @@ class RankOrder:
             return False
         return i + 1 == len(self.starts) or self.starts[i + 1] >= offset + numel
 
+    def runs(self, offset: int, numel: int) -> list[tuple[int, int, int]]:
+        """[offset, offset + numel) cut where its count changes: (start, stop, taken) each."""
+        out, i, end = [], self._run(offset), offset + numel
+        while offset < end:
+            stop = min(end, self.starts[i + 1]) if i + 1 < len(self.starts) else end
+            out.append((offset, stop, self.taken[i]))
+            offset, i = stop, i + 1
+        return out
+
     def advance(self, offset: int, numel: int) -> None:
         """[offset, offset + numel), ``ready`` for its contribution, took it."""
         if numel <= 0:
