@@ -251,14 +251,13 @@ def test_a_push_waiting_for_its_turn_when_its_job_is_dropped_fails_and_keeps_not
 @pytest.mark.parametrize(
     ("contributors", "micro", "arrival_order"), [(2, 1, False), (4, 2, True), (3, 1, True)]
 )
-def test_arrival_order_sums_copy_the_first_and_average_as_the_last_is_added(
+def test_arrival_order_sums_copy_the_first_contribution_of_every_element(
     contributors: int, micro: int, arrival_order: bool
 ) -> None:
     """Without rank order (two contributions, or ``arrival_order``), each element takes its
     contributions as they come: the first is copied (no zeros under it, so a -0.0 stays -0.0
-    as in gloo's sums), the last is divided by the contributors as it is added, and the
-    next step starts over from the copies, not from the last step's sums. The reference
-    replays the same arrivals over whole arrays."""
+    as in gloo's sums), and the next step starts over from the copies, not from the last
+    step's sums. The reference replays the same arrivals over whole arrays."""
     values = contributions(contributors, micro, np.float32)
     for key in values:
         values[key][:3] = -0.0  # the same sign of zero from every rank

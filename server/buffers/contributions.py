@@ -149,7 +149,9 @@ class Contributions(SliceState):
             self.pending = pending
             if pending.head == self._last(pending):  # every one complete
                 assert not pending.staged, "every contribution is complete, none may wait"
-                pending.reduced = True  # (and averaged: ``_add``)
+                if pending.weights is None and self.contributors > 1:
+                    self.grad /= self.dtype.type(self.contributors)
+                pending.reduced = True
                 if h.HasField("step_args") and self._finite():  # else a Step decides
                     self._apply_step(h.step_args)
                 self.cond.notify_all()
@@ -203,20 +205,15 @@ class Contributions(SliceState):
 
     def _add(self, pending: PendingStep, taken: int, o: int, values: Any) -> None:
         """Adds ``values`` at ``o``, where every element has taken ``taken`` contributions,
-        and counts it (``pending.order``). The first contribution is copied (no zeros to
-        add it to), and the last is averaged over the contributors as it is added, in one
-        pass (``arrays.reduce_into``): the same bits as summing, then dividing the whole
-        slice, without a pass over the slice of its own."""
-        n, part = values.size, self.grad[o : o + values.size]
-        last = taken + 1 == self._last(pending)
-        mean = self.contributors if pending.weights is None and self.contributors > 1 else 0
+        and counts it (``pending.order``). An element's first contribution is copied: the
+        slice is not zeroed before a step, so no pass over it is spent on zeros and no
+        addition reads them."""
+        part = self.grad[o : o + values.size]
         if taken == 0:
             part[...] = values
-            if last and mean:
-                part /= self.dtype.type(mean)
         else:
-            arrays.reduce_into(backend.xp.add, part, values, part, mean if last else 0)
-        pending.order.advance(o, n)
+            part += values
+        pending.order.advance(o, values.size)
 
     def _add_in_order(self, pending: PendingStep, k: int, o: int, values: Any) -> None:
         """Adds a ready chunk, then every staged chunk it makes ready, and theirs."""

@@ -9,7 +9,7 @@ from collections import Counter
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime import backend
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["Chunk", "Slot"]
@@ -18,7 +18,7 @@ __all__ = ["Chunk", "Slot"]
 class Chunk:
     """One chunk of a slot: its running sum (or message), who contributed and who read it."""
 
-    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged", "held_by", "divided")
+    __slots__ = ("numel", "acc", "contributors", "readers", "head", "staged", "held_by")
 
     def __init__(self, numel: int) -> None:
         self.numel = numel
@@ -30,31 +30,21 @@ class Chunk:
         # the contributor whose own request ``acc`` still is (ContributeRead: no copy while its
         # call waits for the result; SlotStore replaces it before anything writes there)
         self.held_by: int | None = None
-        self.divided = False  # MEAN: the last addition divided by the contributors already
 
     def nbytes(self) -> int:
         held = 0 if self.acc is None else int(self.acc.nbytes)
         return held + sum(int(v.nbytes) for v in self.staged.values())
 
-    def add(self, values: Any, op: int, mean_of: int = 0) -> None:
+    def add(self, values: Any, op: int) -> None:
         """Reduces ``values`` into ``acc`` by ``op``: in place, or, while ``acc`` is still a
         contributor's own request (``held_by``), into a new array that becomes ``acc`` (the
-        same values: one operation of the same two operands, either way). ``mean_of``: this
-        is a MEAN chunk's last addition, and the sum is divided by that many contributors in
-        the same pass (``arrays.reduce_into``)."""
+        same values: one operation of the same two operands, either way)."""
         xp = backend.xp
         fn = xp.maximum if op == pb.MAX else xp.minimum if op == pb.MIN else xp.add
-        out = self.acc if self.held_by is None else xp.empty_like(self.acc)
-        self.acc, self.held_by = arrays.reduce_into(fn, self.acc, values, out, mean_of), None
-        self.divided = bool(mean_of)
-
-    def finish(self, op: int, expected: int) -> None:
-        """The chunk is complete: ``acc`` is its own (a second contribution replaced a held
-        one), and a MEAN is divided, if its last addition did not (``add``)."""
-        self.own()
-        if op == pb.MEAN and expected > 1 and not self.divided:
-            self.acc /= self.acc.dtype.type(expected)
-            self.divided = True
+        if self.held_by is None:
+            fn(self.acc, values, out=self.acc)
+        else:
+            self.acc, self.held_by = fn(self.acc, values), None
 
     def own(self) -> None:
         """``acc`` copied out of its contributor's request, if it is still that (the call

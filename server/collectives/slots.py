@@ -184,29 +184,27 @@ class SlotStore:
                 slot.dtype = h.chunk.dtype
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
-            # a MEAN chunk's last addition (this one, or the last it lets in) divides as it adds
-            last = len(chunk.contributors) + 1 == h.expected > 1
-            mean_of = h.expected if h.op == pb.MEAN and last else 0
             if early:
                 chunk.staged[h.contributor] = acc
             elif acc is not None:
                 chunk.acc = acc
                 chunk.held_by = h.contributor if acc is host else None
             else:
-                values = arrays.to_compute(host, h.chunk.dtype)
-                chunk.add(values, h.op, 0 if chunk.staged else mean_of)
+                chunk.add(arrays.to_compute(host, h.chunk.dtype), h.op)
             if in_order and not early:
                 chunk.head += 1
                 while chunk.head in chunk.staged:  # the ones that waited for this one
                     kept = chunk.staged.pop(chunk.head)
-                    chunk.add(kept, h.op, 0 if chunk.staged else mean_of)
+                    chunk.add(kept, h.op)
                     self._release(int(kept.nbytes))
                     chunk.head += 1
                 if slot.turn_waiters:
                     slot.cond.notify_all()  # a contribution waiting for its turn may have it
             chunk.contributors.add(h.contributor)
             if len(chunk.contributors) == h.expected:
-                chunk.finish(h.op, h.expected)
+                chunk.own()  # (never held here: a second contribution replaced it)
+                if h.op == pb.MEAN and h.expected > 1:
+                    chunk.acc /= chunk.acc.dtype.type(h.expected)
                 slot.cond.notify_all()
             return False
 

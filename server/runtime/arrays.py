@@ -21,15 +21,10 @@ __all__ = [
     "wire_array",
     "device_wire",
     "accumulator_dtype",
-    "reduce_into",
     "FLOAT_WIRE",
 ]
 
 FLOAT_WIRE = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16, pb.FLOAT64)
-
-# Host arrays are reduced and divided this many elements at a time (256 KiB of float32): the
-# division then reads what the reduction just wrote from the core's cache, not from memory.
-_BLOCK = 1 << 16
 
 
 def payload_array(data: Any, dtype: int, numel: int, what: str) -> Any:
@@ -84,25 +79,6 @@ def accumulator_dtype(dtype: int) -> Any:
     if dtype in (pb.INT64, pb.INT32):
         return xp.int64
     return xp.float32
-
-
-def reduce_into(fn: Any, acc: Any, values: Any, out: Any, divisor: int = 0) -> Any:
-    """``out = fn(acc, values)``, then ``out /= divisor`` when one is given (a MEAN chunk's
-    last contribution), as one pass over memory on the host: block by block, each block
-    divided while it is still in cache. The same two operations of the same operands as two
-    whole passes, so the same bits."""
-    if not divisor:
-        return fn(acc, values, out=out)
-    d = out.dtype.type(divisor)
-    if backend.is_device_array(out):
-        fn(acc, values, out=out)
-        out /= d
-        return out
-    for i in range(0, out.size, _BLOCK):
-        block = out[i : i + _BLOCK]
-        fn(acc[i : i + _BLOCK], values[i : i + _BLOCK], out=block)
-        np.divide(block, d, out=block)
-    return out
 
 
 def to_compute(host: np.ndarray, dtype: int, into: Any = None, own: bool = False) -> Any:
