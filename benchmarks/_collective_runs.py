@@ -53,19 +53,29 @@ VARIANTS = {
     "ours_ns": "one network namespace per rank (a host on a veth bridge, benchmarks/_netns.py),"
     " each with its rank and a separate server process; PARAMSHARD_SHM=0, so every payload"
     " crosses TCP (the veths, or loopback to the rank's own server)",
+    "ours_ns_shm": "the same namespaces, ranks and servers, each rank reaching its own server"
+    " through shared memory, as a host is deployed (the other hosts' servers in-band: the"
+    " rank finds it shares no memory with them)",
     "gloo_ns": "gloo ranks in the same namespaces (GLOO_SOCKET_IFNAME=eth0)",
 }
-REFERENCE = {"ours": "gloo", "ours_sep": "gloo", "ours_sep_inband": "gloo", "ours_ns": "gloo_ns"}
+REFERENCE = {
+    "ours": "gloo",
+    "ours_sep": "gloo",
+    "ours_sep_inband": "gloo",
+    "ours_ns": "gloo_ns",
+    "ours_ns_shm": "gloo_ns",
+}
 RATIO_KEY = {  # the row's key of each variant's ratio to its gloo
     "ours": "ratio_vs_gloo",
     "ours_sep": "sep_ratio_vs_gloo",
     "ours_sep_inband": "sep_inband_ratio_vs_gloo",
     "ours_ns": "ns_ratio_vs_gloo",
+    "ours_ns_shm": "ns_shm_ratio_vs_gloo",
 }
 
 
 HOST_VARIANTS = ("ours", "ours_sep", "ours_sep_inband", "gloo")
-NS_VARIANTS = ("ours_ns", "gloo_ns")
+NS_VARIANTS = ("ours_ns", "ours_ns_shm", "gloo_ns")
 
 
 def variants(a: argparse.Namespace, lab: Any) -> list[str]:
@@ -75,7 +85,8 @@ def variants(a: argparse.Namespace, lab: Any) -> list[str]:
     if not a.no_gloo:
         out.append("gloo")
     if lab is not None:
-        out += ["ours_ns"] + ([] if a.no_gloo else ["gloo_ns"])
+        out += ["ours_ns"] + ([] if a.no_ns_shm else ["ours_ns_shm"])
+        out += [] if a.no_gloo else ["gloo_ns"]
     return out
 
 
@@ -83,11 +94,13 @@ def run_ours(w: int, a: argparse.Namespace, variant: str, lab: Any) -> list[dict
     """One run of ``variant`` (``VARIANTS``) at world size ``w``; ``lab``: the namespaces."""
     kids: list[Child] = []
 
+    across = variant in ("ours_ns", "ours_ns_shm")
+
     def where(r: int) -> list[str]:
-        return lab.exec_prefix(lab.hosts[r]) if variant == "ours_ns" else []
+        return lab.exec_prefix(lab.hosts[r]) if across else []
 
     try:
-        if variant == "ours_ns":
+        if across:
             servers = [
                 child(f"nsserver{i}", ["_server", "--bind", lab.ip[h]], child_env(True),
                       a.lifetime, where(i))

@@ -5,19 +5,20 @@
 Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts these compare to):
 
 - **collectives**: all_reduce, all_gather, reduce_scatter for each world size W and tensor size S,
-  through the variants of ``_collective_runs.VARIANTS``: ours with each rank process hosting its
-  own ShardServer (``ours``); ours with the W servers as separate processes, payloads through
-  shared segments (``ours_sep``) and in-band (``ours_sep_inband``, PARAMSHARD_SHM=0); torch
-  gloo (``gloo``); and, as root, the cross-host shape: one network namespace per rank on a veth
-  bridge, each with its rank and its server, payloads in-band (``ours_ns``), against gloo in
-  the same namespaces (``gloo_ns``). Every rank is its own process, started with subprocess
-  so that ``server.MALLOC_ENV`` is in its environment before the interpreter starts; gloo
-  ranks get the same settings (``--gloo-env default`` runs them in the plain environment, as
-  torch users usually do). The namespaces' links run at each rate of ``--rates`` (10, 25
-  Gbit/s and unlimited by default: ``Namespaces.shape``, a tc token bucket on both ends of each
-  host's cable); those rows are in ``netns.results`` with their ``rate_gbit``, and what one
-  raw TCP stream moved across the links before and after each rate's cells is in
-  ``netns.shaping[].raw_tcp_gbit`` (benchmarks/cost_model.py predicts with it).
+  through the variants of ``_collective_runs.VARIANTS``: ours with each rank process hosting its own
+  ShardServer (``ours``); ours with the W servers as separate processes, payloads through shared
+  segments (``ours_sep``) and in-band (``ours_sep_inband``, PARAMSHARD_SHM=0); torch gloo
+  (``gloo``); and, as root, the cross-host shape: one network namespace per rank on a veth bridge,
+  each with its rank and its server, payloads in-band (``ours_ns``), and each rank reaching its own
+  server through shared memory as a host is deployed (``ours_ns_shm``), against gloo in the same
+  namespaces (``gloo_ns``). Every rank is its own process, started with subprocess so that
+  ``server.MALLOC_ENV`` is in its environment before the interpreter starts; gloo ranks get the same
+  settings (``--gloo-env default`` runs them in the plain environment, as torch users usually do).
+  The namespaces' links run at each rate of ``--rates`` (10, 25 Gbit/s and unlimited by default:
+  ``Namespaces.shape``, a tc token bucket on both ends of each host's cable); those rows are in
+  ``netns.results`` with their ``rate_gbit``, and what one raw TCP stream moved across the links
+  before and after each rate's cells is in ``netns.shaping[].raw_tcp_gbit``
+  (benchmarks/cost_model.py predicts with it).
 - **training** (``--parts training``): a training step across the namespaces at each rate,
   ours (DDP, FSDP) against torch's (DDP, FSDP2) on gloo in the same namespaces
   (benchmarks/_ns_training.py), rows in ``netns.training``. Each repetition:
@@ -39,8 +40,8 @@ OUTPUT (each rank contributes S/W) and the reduce_scatter INPUT (each rank keeps
 GB/s = S bytes / median seconds / 1e9 (algorithm bandwidth, payload bytes only).
 
 Options: ``--parts transport,collectives``, ``--rounds N``, ``--reps N``, ``--no-separate``,
-``--no-inband``, ``--no-netns``, ``--no-gloo``, ``--wait-quiet SECONDS`` (wait for other load
-to stop before each phase).
+``--no-inband``, ``--no-netns``, ``--no-ns-shm``, ``--no-gloo``, ``--wait-quiet SECONDS``
+(wait for other load to stop before each phase).
 
 Prints one JSON document to stdout; progress goes to stderr. Every child process is started by
 this script, has a lifetime watchdog and exits when this process dies; all are stopped by PID.
@@ -220,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the cross-namespace variants (ours and gloo, one namespace per rank; they"
         " need root and iproute2, and are skipped with the reason otherwise)",
+    )
+    ap.add_argument(
+        "--no-ns-shm",
+        action="store_true",
+        help="skip the cross-namespace variant whose ranks reach their own servers through"
+        " shared memory (ours_ns_shm)",
     )
     ap.add_argument("--no-gloo", action="store_true")
     ap.add_argument(
