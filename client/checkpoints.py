@@ -12,6 +12,7 @@ part on every server before any server swaps any.
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -41,6 +42,22 @@ __all__ = [
 ]
 
 
+def _every_call(client: ShardClient, calls: list[Call]) -> list[Any]:
+    """Each call's reply, or its ShardClientError, every call run to its end. One ``run`` of
+    them all would cancel the rest at the first failure, but a server goes on with a
+    cancelled Snapshot, holding its shard until written: the next attempt would find it
+    taken ("being written by another Snapshot call")."""
+
+    def one(call: Call) -> Any:
+        try:
+            return client.run([call])[0]
+        except ShardClientError as exc:
+            return exc
+
+    with ThreadPoolExecutor(min(16, len(calls)), thread_name_prefix="snapshot") as pool:
+        return list(pool.map(one, calls))
+
+
 def _snapshot_jobs(
     held: ServerJobs, jobs: list[str], tag: str, hybrid: dict[str, Any] | None = None
 ) -> tuple[int, dict[str, dict[str, Any]]]:
@@ -58,8 +75,9 @@ def _snapshot_jobs(
     # others' steps let it move past the version.
     order = sorted(jobs, key=lambda job: -max(versions[job]))
     for attempt in range(5):
-        try:
-            flat = client.run(
+        flat = _every_call(
+            client,
+            [
                 Call(
                     server,
                     "Snapshot",
@@ -73,13 +91,15 @@ def _snapshot_jobs(
                 )
                 for job in order
                 for i, server in enumerate(servers[job])
-            )
+            ],
+        )
+        failed = [r for r in flat if isinstance(r, ShardClientError)]
+        if not failed:
             break
-        except ShardClientError as exc:
-            # training stepped past the version between Status and Snapshot: aim further
-            if "past the snapshot's" not in exc.details or attempt == 4:
-                raise
-            version += 1
+        # training stepped past the version between Status and Snapshot: aim further
+        if attempt == 4 or not all("past the snapshot's" in e.details for e in failed):
+            raise next((e for e in failed if "past the snapshot's" not in e.details), failed[0])
+        version += 1
     manifests, k = {}, 0
     for job in order:
         n = len(servers[job])
