@@ -77,6 +77,17 @@ def train_steps(model: Any, opt: Any, rank: int, world: int, data: torch.Tensor,
         opt.zero_grad()
 
 
+def one_rank(addresses: list[str], steps: int) -> tuple[str, ShardClient, Any, Any, torch.Tensor]:
+    """A new ZeRO-1 job on ``addresses`` trained ``steps`` steps by one rank: (job, its
+    client, model, optimizer, batches), to go on training it."""
+    job = new_job()
+    trainer = ShardClient(ClusterSpec(addresses), timeout_s=20.0)
+    model, opt = wrap("zero1", trainer, job, initial_weights())
+    data = batches()
+    train_steps(model, opt, 0, 1, data, range(steps))
+    return job, trainer, model, opt, data
+
+
 def client_for(addresses: list[str]) -> ShardClient:
     return ShardClient(ClusterSpec(list(addresses)), timeout_s=20.0, retries=1)
 

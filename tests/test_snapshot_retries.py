@@ -12,17 +12,9 @@ import hashlib
 import time
 from typing import Any
 
-from snapshot_job import (
-    batches,
-    client_for,
-    initial_weights,
-    new_job,
-    snapshot_servers,
-    train_steps,
-    wrap,
-)
+from snapshot_job import client_for, one_rank, snapshot_servers, train_steps
 
-from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.client import tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 
@@ -31,11 +23,7 @@ def test_the_next_attempt_comes_after_a_shard_still_being_written(servers, tmp_p
     root = tmp_path / "snaps"
     nodes = snapshot_servers(servers, 2, root)
     addresses = [s.address for s in nodes]
-    job = new_job()
-    trainer = ShardClient(ClusterSpec(addresses), timeout_s=20.0)
-    model, opt = wrap("zero1", trainer, job, initial_weights())
-    data = batches()
-    train_steps(model, opt, 0, 1, data, range(2))  # version 2
+    job, trainer, model, opt, data = one_rank(addresses, 2)  # version 2
 
     calls0 = nodes[0].servicer.snapshot_calls
     real_snapshot, refused = calls0.snapshot, []

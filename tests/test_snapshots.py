@@ -35,6 +35,7 @@ from snapshot_job import (
     continue_job,
     initial_weights,
     new_job,
+    one_rank,
     pull_all,
     single_process,
     snapshot_servers,
@@ -44,7 +45,7 @@ from snapshot_job import (
     wrap,
 )
 
-from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
+from paramshard.client import ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
 from paramshard.server.snapshots.files import SnapshotDir
@@ -362,11 +363,7 @@ def test_load_checkpoint_waits_for_every_rank(servers, tmp_path, monkeypatch):
 def test_snapshot_survives_a_step_between_status_and_capture(servers, tmp_path):
     root = tmp_path / "snaps"
     addresses = [s.address for s in snapshot_servers(servers, 2, root)]
-    job = new_job()
-    trainer = ShardClient(ClusterSpec(addresses), timeout_s=20.0)
-    model, opt = wrap("zero1", trainer, job, initial_weights())
-    data = batches()
-    train_steps(model, opt, 0, 1, data, range(2))
+    job, trainer, model, opt, data = one_rank(addresses, 2)
     snapper = client_for(addresses)
     real_run, stepped = snapper.run, []
 
@@ -435,11 +432,7 @@ def test_a_failed_snapshot_does_not_destroy_one_under_the_same_tag(servers, tmp_
     root = tmp_path / "snaps"
     nodes = snapshot_servers(servers, 2, root)
     addresses = [s.address for s in nodes]
-    job = new_job()
-    trainer = ShardClient(ClusterSpec(addresses), timeout_s=20.0)
-    model, opt = wrap("zero1", trainer, job, initial_weights())
-    data = batches()
-    train_steps(model, opt, 0, 1, data, range(1))
+    job, trainer, model, opt, data = one_rank(addresses, 1)
     c = client_for(addresses)
     try:
         tools.snapshot(c, job, "dup")
@@ -464,11 +457,7 @@ def test_a_restore_failing_on_one_server_loads_nothing(servers, tmp_path):
     empty.mkdir()
     nodes = snapshot_servers(servers, 2, root)
     addresses = [s.address for s in nodes]
-    job = new_job()
-    trainer = ShardClient(ClusterSpec(addresses), timeout_s=20.0)
-    model, opt = wrap("zero1", trainer, job, initial_weights())
-    data = batches()
-    train_steps(model, opt, 0, 1, data, range(1))
+    job, trainer, model, opt, data = one_rank(addresses, 1)
     c = client_for(addresses)
     try:
         tools.snapshot(c, job, "t")
