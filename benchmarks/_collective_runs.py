@@ -17,7 +17,7 @@ from benchmarks._collective_ranks import (
     reps_for,
 )
 from benchmarks._cpu import Load, wait_quiet
-from benchmarks._netns import Namespaces, unavailable
+from benchmarks._netns import Namespaces, counters_between, unavailable
 from benchmarks._ns_training import gradient_mib, section_training
 from benchmarks._processes import Child, child_env, expect_all, stop_all
 from benchmarks._transport import (
@@ -253,6 +253,7 @@ def _measure(
                 log(f"W={w}: {v} (round {rnd + 1}/{a.rounds}, links {rate or 'unlimited'})")
                 t0 = time.monotonic()
                 loadavg = [round(x, 2) for x in os.getloadavg()]
+                links = lab.counters() if lab is not None and v in NS_VARIANTS else None
                 with Load() as load:
                     if v.startswith("gloo"):
                         res = run_gloo(w, a, lab if v == "gloo_ns" else None)
@@ -271,6 +272,8 @@ def _measure(
                         "loadavg_at_start": loadavg,
                     }
                 )
+                if links is not None:  # drops and resends during every op and size of v
+                    doc["phases"][-1]["links"] = counters_between(links, lab.counters())
         if "gloo" in got:
             doc.setdefault("gloo_reduce_scatter_impl", got["gloo"][0][0]["reduce_scatter_impl"])
         for op in OPS:

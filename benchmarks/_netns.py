@@ -26,6 +26,7 @@ guest this was written on has neither netem nor fq) the links are shaped in rate
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -35,7 +36,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["DELAY_US", "Namespaces", "ip", "tc", "unavailable"]
+__all__ = ["DELAY_US", "Namespaces", "counters_between", "ip", "tc", "unavailable"]
 
 CMD_TIMEOUT_S = 15.0
 DELAY_US = 25.0
@@ -59,6 +60,13 @@ def tc(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and done.returncode != 0:
         raise RuntimeError(f"`tc {' '.join(args)}` failed: {done.stderr.strip()}")
     return done
+
+
+def counters_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """``Namespaces.counters`` taken after something, less those taken before it. A qdisc
+    replaced in between (``shape``) starts its counts again: a negative difference is not
+    a count, and says so as -1."""
+    return {k: after[k] - before[k] if after[k] >= before[k] else -1 for k in before}
 
 
 def unavailable() -> str | None:
@@ -153,6 +161,28 @@ class Namespaces:
             applied.setdefault("qdisc", "tbf")
             applied.setdefault("delay_us", 0.0)
         return applied
+
+    def counters(self) -> dict[str, int]:
+        """What the lab's links dropped and what its TCP sent again, so far: the queues'
+        drops on both ends of every cable (``tc -s``; a token bucket drops what would wait
+        past its latency) and, summed over the hosts, TCP's retransmitted segments and
+        retransmission timeouts (each stalls its connection for at least 200 ms). Take two
+        and subtract (``counters_between``)."""
+        got = {"qdisc_drops": 0, "tcp_retrans_segs": 0, "tcp_timeouts": 0}
+        for ns, dev in self._links():
+            done = tc("-s", "-j", "-n", ns, "qdisc", "show", "dev", dev, check=False)
+            for q in json.loads(done.stdout or "[]") if done.returncode == 0 else []:
+                got["qdisc_drops"] += int(q.get("drops", 0))
+        for h in self.hosts:
+            done = subprocess.run(
+                [*self.exec_prefix(h), "nstat", "-asz", "--json"],
+                check=False, capture_output=True, text=True, timeout=CMD_TIMEOUT_S,
+            )  # fmt: skip
+            if done.returncode == 0:
+                kernel = json.loads(done.stdout).get("kernel", {})
+                got["tcp_retrans_segs"] += int(kernel.get("TcpRetransSegs", 0))
+                got["tcp_timeouts"] += int(kernel.get("TcpExtTCPTimeouts", 0))
+        return got
 
     def teardown(self) -> None:
         """Kills what still runs in the namespaces (started for them) and deletes them."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks._netns import Namespaces, tc, unavailable
+from benchmarks._netns import Namespaces, counters_between, tc, unavailable
 
 PAYLOAD = 24 * 2**20
 RATE_GBIT = 0.5  # below what veths move on any machine, so the limit is what decides
@@ -75,3 +75,23 @@ def test_shaped_link_is_no_faster_than_its_rate() -> None:
         assert lab.shape(None)["qdisc"] == "none"
         assert applied["qdisc"] not in tc("-n", lab.ns["a"], "qdisc", "show", "dev", "eth0").stdout
         assert gbit_per_s(lab) > 1.5 * RATE_GBIT  # unlimited again
+
+
+def test_counters_see_a_queue_that_drops() -> None:
+    """``Namespaces.counters``: a queue too short for a stream drops packets and TCP sends them
+    again, and both show between two readings (what the collectives benchmark records for each
+    variant's run on shaped links)."""
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    with Namespaces(["a", "b"]) as lab:
+        before = lab.counters()
+        assert set(before) == {"qdisc_drops", "tcp_retrans_segs", "tcp_timeouts"}
+        # 1 ms of queue at 0.2 Gbit/s holds 25 KB: TCP's window outgrows it within the stream
+        tc("-n", lab.ns["a"], "qdisc", "replace", "dev", "eth0", "root", "tbf",
+           "rate", "0.2gbit", "burst", str(128 * 1024), "latency", "1ms")  # fmt: skip
+        gbit_per_s(lab)
+        got = counters_between(before, lab.counters())
+        assert got["qdisc_drops"] > 0, got
+        assert got["tcp_retrans_segs"] > 0, got
+        assert counters_between({"qdisc_drops": 5}, {"qdisc_drops": 2}) == {"qdisc_drops": -1}
