@@ -9,6 +9,7 @@ tests/test_strategy_surface.py.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -167,6 +168,22 @@ def test_unsupported_optimizer_does_not_stay_attached(run_ranks: Any, addrs: lis
         with pytest.raises(RuntimeError, match="optimizer wrapper"):
             model.train_on_batch(x, y)
         assert model.optimizer is None
+
+    world(run_ranks, addrs, "zero1", fn, with_opt=False)
+
+
+def test_kernel_options_warn_that_the_servers_ignore_them(run_ranks: Any, addrs: list[str]) -> None:
+    """``fused``/``foreach`` choose torch's kernels on the trainer; the servers run the update
+    with their own arrays, so asking for one warns, at the line that built the wrapper."""
+
+    def fn(client: Any, model: ShardedModelBase, opt: Any, ref: GPT) -> None:
+        params = list(model.module.parameters())
+        with pytest.warns(UserWarning, match=r"AdamW\(foreach=True\) is ignored") as got:
+            ZeRO1Optimizer(torch.optim.AdamW(params, lr=LR, foreach=True), model.config)
+        assert {w.filename for w in got} == {__file__}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's defaults (foreach=None) say nothing
+            ZeRO1Optimizer(torch.optim.AdamW(params, lr=LR), model.config)
 
     world(run_ranks, addrs, "zero1", fn, with_opt=False)
 

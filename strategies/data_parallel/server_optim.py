@@ -4,6 +4,7 @@ servers' slices."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -29,10 +30,17 @@ _HYPER = {
 }
 
 
+_KERNEL_OPTIONS = ("foreach", "fused", "capturable", "differentiable")
+"""How torch runs an update on the trainer (which kernels, graphs, autograd): the servers run
+it with their own arrays, so these change nothing there."""
+
+
 def server_optimizer(optimizer: torch.optim.Optimizer) -> str:
-    """The server-side name of a torch optimizer, or a clear error."""
+    """The server-side name of a torch optimizer, or a clear error. Warns when the optimizer
+    asks for one of torch's kernel options (``fused=True``...), which the servers do not use."""
     for cls, name in _SERVER_OPTIMIZERS.items():
         if type(optimizer) is cls:
+            _warn_kernel_options(optimizer)
             if name == "adam" and optimizer.defaults.get("decoupled_weight_decay"):
                 return "adamw"
             return name
@@ -40,6 +48,19 @@ def server_optimizer(optimizer: torch.optim.Optimizer) -> str:
     raise TypeError(
         f"{type(optimizer).__name__} does not run on the shard servers; supported: {supported}"
     )
+
+
+def _warn_kernel_options(optimizer: torch.optim.Optimizer) -> None:
+    asked = sorted({k for g in optimizer.param_groups for k in _KERNEL_OPTIONS if g.get(k)})
+    if asked:
+        options = ", ".join(f"{k}=True" for k in asked)
+        warnings.warn(
+            f"{type(optimizer).__name__}({options}) is ignored: the shard servers run this"
+            " optimizer's update by torch's single-tensor rules (foreach=False), on their own"
+            " arrays (docs/training.md)",
+            UserWarning,
+            stacklevel=5,  # ShardedOptimizer(...)'s caller
+        )
 
 
 def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
