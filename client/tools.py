@@ -1,8 +1,9 @@
 """Look into a running job and keep it: the functions behind the ``paramshard`` commands.
 
 - ``client.jobs``: ``job_params``, ``get_param``, ``inspect`` (what the live servers hold);
-- ``client.checkpoints``: ``snapshot``, ``restore``, ``list_snapshots`` and neighbour
-  replication;
+- ``client.checkpoints``: ``snapshot``, ``restore``, ``list_snapshots``;
+- ``client.replicas``: neighbour replication (``configure_replication``,
+  ``recover_from_replicas``);
 - ``client.export``: ``export`` and the streaming safetensors writer.
 
 None of them needs the model's code or torch: they work from the manifests the servers hold.
@@ -11,15 +12,10 @@ each function asks every server where a job is. A 3D job's base name (``<job>`` 
 ``<job>.pp<s>.tp<t>``) stands for the whole model.
 """
 
-from paramshard.client.checkpoints import (
-    configure_replication,
-    list_snapshots,
-    recover_from_replicas,
-    restore,
-    snapshot,
-)
+from paramshard.client.checkpoints import list_snapshots, restore, snapshot
 from paramshard.client.export import export, export_dtype, whole_items, write_safetensors
 from paramshard.client.jobs import ParamRef, get_param, inspect, job_params
+from paramshard.client.replicas import configure_replication, recover_from_replicas
 
 __all__ = [
     "ParamRef",

@@ -1,0 +1,85 @@
+"""Neighbour replication of a job: ``configure_replication`` (server i copies its slices to
+server i+1 every k versions) and ``recover_from_replicas`` (every server back to the newest
+version all of them can reach), docs/design.md §5.2."""
+
+from __future__ import annotations
+
+import grpc
+
+from paramshard.client.rpc import Call, ShardClientError
+from paramshard.client.shard_client import ShardClient
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.placement import replica_holder
+
+__all__ = ["configure_replication", "recover_from_replicas"]
+
+
+def configure_replication(client: ShardClient, job: str, every: int) -> None:
+    """Server i copies ``job`` to server (i+1) mod N every ``every`` versions (0 stops).
+    ``client``'s servers are the job's (a model's own client), slice i on server i. Servers
+    with tokens need an admin token here (the servers then send with their own peer token)."""
+    n = client.num_servers
+    try:
+        _configure(client, job, every, n)
+    except ShardClientError as exc:
+        if exc.code != grpc.StatusCode.PERMISSION_DENIED or "role" not in exc.details:
+            raise
+        raise PermissionError(
+            f"replicate_every for job '{job}' needs an admin token on rank 0 (replication sends"
+            f" the model to another server, so it is an admin's decision): {exc.details}"
+        ) from exc
+
+
+def _configure(client: ShardClient, job: str, every: int, n: int) -> None:
+    client.run(
+        Call(
+            i,
+            "ConfigureReplication",
+            pb.ReplicationConfig(
+                job=job,
+                every=every,
+                neighbour=client.spec.addresses[replica_holder(i, n)],
+                server_index=i,
+                num_servers=n,
+            ),
+        )
+        for i in range(n)
+    )
+
+
+def recover_from_replicas(client: ShardClient, job: str) -> int:
+    """Brings every server back to the newest version all of them can reach: a server with
+    its own copy rolls back to it, a restarted one gets its copy from its neighbour. Returns
+    that version; LookupError when there is none (fall back to a snapshot). ``client``'s
+    servers are the job's, as for ``configure_replication``."""
+    n = client.num_servers
+    lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
+    own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
+    held = [
+        {
+            r.version
+            for r in lists[replica_holder(i, n)].replicas
+            if not r.own and r.source_index == i
+        }
+        for i in range(n)
+    ]
+    reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
+    if not reachable:
+        raise LookupError(f"no version of job '{job}' is replicated for every server")
+    version = max(reachable)
+    for i in range(n):
+        if version in own[i]:
+            client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
+            continue
+        holder, offset, total = replica_holder(i, n), 0, None
+        while total is None or offset < total:
+            chunk = client.call(
+                holder,
+                "FetchReplica",
+                pb.FetchReplicaRequest(job=job, source_index=i, version=version, offset=offset),
+            )
+            client.call(i, "LoadReplica", chunk)
+            total, offset = chunk.total, offset + len(chunk.data)
+            if not chunk.data:
+                break
+    return version
