@@ -358,7 +358,8 @@ class ShardServicer:
 
     # -- snapshots (server/snapshot_calls.py) ---------------------------------------------
     def snapshot(self, req: pb.SnapshotRequest, context: Any) -> Any:
-        return self.snapshot_calls.snapshot(req, self._timeout(context))
+        alive = getattr(context, "is_active", None)  # grpc's: False once the caller went away
+        return self.snapshot_calls.snapshot(req, self._timeout(context), alive)
 
     def commit_snapshot(self, req: pb.CommitSnapshotRequest, context: Any) -> Any:
         return self.snapshot_calls.commit(req)

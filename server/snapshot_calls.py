@@ -5,6 +5,7 @@ for this server's index, list what is there (for a scoped caller, only its jobs)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paramshard.protos import codec, slicing
@@ -32,7 +33,12 @@ class SnapshotCalls:
             raise ShardError.not_found(f"job '{job}' is not on this server")
         return slices
 
-    def snapshot(self, req: pb.SnapshotRequest, timeout: float) -> Any:
+    def snapshot(
+        self, req: pb.SnapshotRequest, timeout: float, alive: Callable[[], bool] | None = None
+    ) -> Any:
+        """This server's shard of ``req.job`` at ``req.version``, written. The wait for that
+        version ends at ``timeout``, or once ``alive()`` is False (the caller went away): the
+        shard is then free for another call at once, not held until the deadline."""
         slices = self.job_slices(req.job)
         if req.num_servers == 0 or req.server_index >= req.num_servers:
             raise ShardError.invalid(
@@ -53,7 +59,7 @@ class SnapshotCalls:
             try:  # every buffer asks first, so none can step past the version while we wait
                 for b in slices:
                     b.request_capture(req.version)
-                captured = [b.capture(req.version, timeout) for b in slices]
+                captured = [b.capture(req.version, timeout, alive) for b in slices]
             except ShardError:
                 for b in slices:
                     b.cancel_capture(req.version)

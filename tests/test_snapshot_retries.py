@@ -3,8 +3,8 @@ because training stepped past its version. The client used to cancel the other s
 at that refusal, but a server goes on with a cancelled Snapshot and holds its shard until it
 has written it, so the next attempt found the shard taken ("being written by another
 Snapshot call", seen in CI under load). Now every call of an attempt runs to its end before
-the next. Real servers on 127.0.0.1, two of them; the faults (a refusal, a slow disk) are
-made inside them."""
+the next, and a call whose caller went away ends its wait at once. Real servers on 127.0.0.1;
+the faults (a refusal, a slow disk) are made inside them."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import hashlib
 import time
 from typing import Any
 
+import grpc
 from snapshot_job import client_for, one_rank, snapshot_servers, train_steps
 
 from paramshard.client import tools
@@ -28,13 +29,13 @@ def test_the_next_attempt_comes_after_a_shard_still_being_written(servers, tmp_p
     calls0 = nodes[0].servicer.snapshot_calls
     real_snapshot, refused = calls0.snapshot, []
 
-    def past_once(req: pb.SnapshotRequest, timeout: float) -> Any:
+    def past_once(req: pb.SnapshotRequest, timeout: float, alive: Any = None) -> Any:
         if not refused:  # training stepped past the version between Status and Snapshot
             refused.append(req.version)
             raise ShardError.precondition(
                 f"slice is at version 3, past the snapshot's {req.version}"
             )
-        return real_snapshot(req, timeout)
+        return real_snapshot(req, timeout, alive)
 
     calls0.snapshot = past_once
     dir1 = nodes[1].servicer.snapshots
@@ -74,3 +75,38 @@ def test_the_next_attempt_comes_after_a_shard_still_being_written(servers, tmp_p
     finally:
         snapper.close()
         trainer.close()
+
+
+def test_a_snapshot_whose_caller_went_away_frees_its_shard(servers, tmp_path):
+    """A Snapshot waiting for a version that does not come, whose caller then goes away (the
+    call cancelled, as by a trainer that dies): the server ends the wait within a poll
+    (``ALIVE_POLL_S``) instead of at the call's deadline, and the shard it had taken is free
+    for the next Snapshot of the same tag at once (it used to be refused ALREADY_EXISTS,
+    "being written by another Snapshot call", until that deadline)."""
+    nodes = snapshot_servers(servers, 1, tmp_path / "snaps")
+    job, trainer, *_ = one_rank([nodes[0].address], 2)  # version 2; nothing steps further
+    slot = nodes[0].servicer.buffers.jobs()[job][0]
+    req = pb.SnapshotRequest(job=job, tag="t", server_index=0, num_servers=1)
+    with grpc.insecure_channel(nodes[0].address) as chan:
+        stub = chan.unary_unary(
+            "/paramshard.v1.Shard/Snapshot",
+            request_serializer=pb.SnapshotRequest.SerializeToString,
+            response_deserializer=pb.SnapshotReply.FromString,
+        )
+        req.version = 5
+        waiting = stub.future(req, timeout=60)
+        deadline = time.monotonic() + 10
+        while 5 not in slot.capture_requests:  # the server waits for version 5
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.02)
+        assert waiting.cancel()
+        deadline = time.monotonic() + 10
+        while slot.capture_requests:  # its wait ends: the caller went away
+            assert time.monotonic() < deadline, "the cancelled Snapshot still waits"
+            time.sleep(0.02)
+        req.version = 2
+        began = time.monotonic()
+        reply = stub(req, timeout=20)
+        assert reply.version == 2 and reply.bytes > 0
+        assert time.monotonic() - began < 10
+    trainer.close()

@@ -3,6 +3,7 @@ the step that would leave it), and a slice rebuilt from a snapshot."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
@@ -32,9 +33,12 @@ class Captures(SliceState):
             self.capture_requests.discard(version)
             self.captures.pop(version, None)
 
-    def capture(self, version: int, timeout: float) -> Captured:
+    def capture(
+        self, version: int, timeout: float, alive: Callable[[], bool] | None = None
+    ) -> Captured:
         """Host copies of params and optimizer state at exactly ``version``: now if the slice
-        is there, else when it gets there (just before the next step), without stopping it."""
+        is there, else when it gets there (just before the next step), without stopping it.
+        ``alive()``: False once the caller went away, which ends the wait (``wait_for``)."""
         self.request_capture(version)
         with self.cond:
             try:
@@ -42,6 +46,7 @@ class Captures(SliceState):
                     lambda: version in self.captures or self.version >= version,
                     timeout,
                     f"version {version} to snapshot it",
+                    alive,
                 )
                 if version not in self.captures:
                     if self.version != version:  # SetParams/restore jumped past it

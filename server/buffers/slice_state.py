@@ -30,6 +30,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -55,6 +56,9 @@ __all__ = [
     "slice_bytes",
 ]
 
+ALIVE_POLL_S = 0.5
+"""How often a wait that can tell whether its caller is still there (``wait_for``'s ``alive``)
+asks."""
 MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
 
 
@@ -193,15 +197,32 @@ class SliceState:
                 f" got wire dtype {chunk.dtype}"
             )
 
-    def wait_for(self, ready: Any, timeout: float, waiting_for: str) -> None:
+    def wait_for(
+        self,
+        ready: Any,
+        timeout: float,
+        waiting_for: str,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
         """Wait on the slice's condition (caller holds it) until ``ready()``, or fail: at the
         deadline with DEADLINE_EXCEEDED naming the ranks it waited for (``waiting_on``), at
         once with FAILED_PRECONDITION when the run's ranks disagree about the buffer
-        (``conflict_with``)."""
-        done = self.cond.wait_for(
-            lambda: self.dropped or self.stopped or self.conflict is not None or ready(),
-            timeout=timeout,
-        )
+        (``conflict_with``). ``alive()``, asked every ``ALIVE_POLL_S`` while waiting: False once
+        the call's caller went away (cancelled, disconnected), which ends the wait (CANCELLED)."""
+
+        def settled() -> bool:
+            return self.dropped or self.stopped or self.conflict is not None or ready()
+
+        end = time.monotonic() + timeout
+        while True:
+            left = end - time.monotonic()
+            done = self.cond.wait_for(settled, timeout=min(left, ALIVE_POLL_S) if alive else left)
+            if done or alive is None or left <= ALIVE_POLL_S:
+                break
+            if not alive():
+                raise ShardError.cancelled(
+                    f"{self.label}: the caller went away while this call waited for {waiting_for}"
+                )
         if self.stopped:
             raise ShardError.aborted(
                 f"{self.label}: {self.stopped} while waiting for {waiting_for}"

@@ -43,3 +43,4 @@ class ShardError(Exception):
     exhausted = _status(grpc.StatusCode.RESOURCE_EXHAUSTED)
     deadline = _status(grpc.StatusCode.DEADLINE_EXCEEDED)
     aborted = _status(grpc.StatusCode.ABORTED)
+    cancelled = _status(grpc.StatusCode.CANCELLED)
