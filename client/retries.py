@@ -9,7 +9,9 @@ from typing import Any
 
 import grpc
 
-__all__ = ["BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "retry_pause"]
+__all__ = [
+    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "lost_reply", "retry_pause"
+]  # fmt: skip
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 BUSY_MARK = "retry later"
@@ -44,3 +46,19 @@ def busy_pause(refusals: int, deadline: float) -> float | None:
     if time.monotonic() + pause + 0.05 >= deadline:
         return None
     return pause
+
+
+def lost_reply(method: str, code: Any, details: str, attempts: int) -> str:
+    """What to add to a read's final error when a retry found its chunk freed: every retry is
+    safe for the servers' state, but a read's reply can be lost. The server served the first
+    attempt (and counted this reader) before the connection broke; once every reader had
+    read, it freed the chunk, so the result is nowhere left for this rank. "" otherwise."""
+    if attempts < 2 or code != grpc.StatusCode.NOT_FOUND or "freed" not in details:
+        return ""
+    if method not in ("ContributeRead", "ReadSlot"):
+        return ""
+    return (
+        "; an earlier attempt was answered, but the broken connection lost its reply, and the"
+        " chunk's other readers have read it since: this rank's copy of the result is gone and"
+        " the collective cannot finish here (recover the job: its replicas or latest snapshot)"
+    )

@@ -28,6 +28,7 @@ from paramshard.client.retries import (
     RETRYABLE,
     busy_pause,
     is_busy,
+    lost_reply,
     retry_pause,
 )
 from paramshard.client.run_state import WAITS_ON_PEERS, RunState
@@ -268,7 +269,7 @@ class RpcCore:
         other ranks that timed out without the server's account of it (grpc's bare "Deadline
         Exceeded": the server's reply came too late), that account from the server's Status
         (client/hang_report.py)."""
-        details = err.details
+        details = err.details + lost_reply(call.method, err.code, err.details, attempts)
         if attempts > 1:
             details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and call.method in WAITS_ON_PEERS:
@@ -283,7 +284,8 @@ class RpcCore:
         in the order of ``calls``.
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
-        ``retries`` times: every request is idempotent on the server, so this is always safe.
+        ``retries`` times: every request is idempotent on the server, so this is always safe
+        for its state (a read whose reply was lost may find its chunk freed: ``lost_reply``).
         A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
         docs/design.md §6.2) is re-sent with backoff until it is admitted; other
         RESOURCE_EXHAUSTED errors (memory, sizes) are final. Every attempt of a call shares one

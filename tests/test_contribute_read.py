@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
@@ -208,3 +208,51 @@ def test_an_all_reduce_makes_one_call_a_chunk() -> None:
     finally:
         for s in servers:
             s.stop(0)
+
+
+def test_a_reply_lost_after_the_read_counted_says_the_result_is_gone() -> None:
+    """The server answers rank 0's ContributeRead, but the reply does not arrive (here: the
+    handler fails UNAVAILABLE after the real call, as a connection that breaks then). Rank 1
+    reads too, so the chunk is freed, and rank 0's retry finds it gone: the error says why,
+    instead of only that the slot was freed."""
+    server = ShardServer("127.0.0.1", 0, local_calls=False).start()
+    segments = server.servicer.segments
+    real, lost = segments.reply, []
+
+    rank1_read = threading.Event()
+
+    def reply_lost(req: Any, *args: Any) -> Any:  # the read is counted by now
+        got = real(req, *args)
+        if isinstance(req, pb.SlotHeader) and req.contributor == 0 and not lost:
+            lost.append(req.key)
+            assert rank1_read.wait(30)  # so the retry finds the chunk freed, however slow
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, "the connection broke (made by the test)")
+        return got
+
+    segments.reply = reply_lost
+    clients = [
+        ShardClient(ClusterSpec([server.address]), rank=r, world_size=2, run_id="lost")
+        for r in range(2)
+    ]
+    try:
+        xs = [np.full(N, float(r + 1)) for r in range(2)]
+
+        def rank(r: int) -> np.ndarray:
+            try:
+                return clients[r].all_reduce(xs[r])
+            finally:
+                if r == 1:
+                    rank1_read.set()
+
+        done = [in_thread(lambda r=r: rank(r)) for r in range(2)]
+        for t, _ in done:
+            t.join(60)
+        np.testing.assert_array_equal(done[1][1][0], xs[0] + xs[1])  # rank 1 got its result
+        err = done[0][1][0]
+        assert lost and isinstance(err, ShardClientError), err
+        assert err.code == grpc.StatusCode.NOT_FOUND and "freed" in err.details
+        assert "lost its reply" in err.details and "(after 2 attempts" in err.details
+    finally:
+        for c in clients:
+            c.close()
+        server.stop(0)
