@@ -60,5 +60,5 @@ def lost_reply(method: str, code: Any, details: str, attempts: int) -> str:
     return (
         "; an earlier attempt was answered, but the broken connection lost its reply, and the"
         " chunk's other readers have read it since: this rank's copy of the result is gone and"
-        " the collective cannot finish here (recover the job: its replicas or latest snapshot)"
+        " the collective cannot finish here (restart the job from its last snapshot or checkpoint)"
     )
