@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from paramshard.client.retries import is_freed
 from paramshard.client.rpc import Call, RpcCore, ShardClientError
 from paramshard.client.tensors import as_flat, is_torch
 from paramshard.protos import codec, slicing
@@ -41,7 +42,7 @@ _SUMS = (pb.SUM, pb.MEAN)  # the reductions whose result depends on the order of
 
 def _freed_slot(err: ShardClientError) -> bool:
     """A retried contribution whose first attempt completed the slot (and everyone read it)."""
-    return err.method == "Contribute" and "freed" in err.details
+    return err.method == "Contribute" and is_freed(err.details)
 
 
 class Collectives(RpcCore):

@@ -10,7 +10,8 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "lost_reply", "retry_pause"
+    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "is_freed", "lost_reply",
+    "retry_pause",
 ]  # fmt: skip
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -48,12 +49,18 @@ def busy_pause(refusals: int, deadline: float) -> float | None:
     return pause
 
 
+def is_freed(details: str) -> bool:
+    """Whether a server's error says the slot or chunk a call named was read by all its
+    readers and freed (server/collectives/slots.py)."""
+    return "freed" in details
+
+
 def lost_reply(method: str, code: Any, details: str, attempts: int) -> str:
     """What to add to a read's final error when a retry found its chunk freed: every retry is
     safe for the servers' state, but a read's reply can be lost. The server served the first
     attempt (and counted this reader) before the connection broke; once every reader had
     read, it freed the chunk, so the result is nowhere left for this rank. "" otherwise."""
-    if attempts < 2 or code != grpc.StatusCode.NOT_FOUND or "freed" not in details:
+    if attempts < 2 or code != grpc.StatusCode.NOT_FOUND or not is_freed(details):
         return ""
     if method not in ("ContributeRead", "ReadSlot"):
         return ""

@@ -87,26 +87,28 @@ def test_a_snapshot_whose_caller_went_away_frees_its_shard(servers, tmp_path):
     job, trainer, *_ = one_rank([nodes[0].address], 2)  # version 2; nothing steps further
     slot = nodes[0].servicer.buffers.jobs()[job][0]
     req = pb.SnapshotRequest(job=job, tag="t", server_index=0, num_servers=1)
-    with grpc.insecure_channel(nodes[0].address) as chan:
-        stub = chan.unary_unary(
-            "/paramshard.v1.Shard/Snapshot",
-            request_serializer=pb.SnapshotRequest.SerializeToString,
-            response_deserializer=pb.SnapshotReply.FromString,
-        )
-        req.version = 5
-        waiting = stub.future(req, timeout=60)
-        deadline = time.monotonic() + 10
-        while 5 not in slot.capture_requests:  # the server waits for version 5
-            assert time.monotonic() < deadline and not waiting.done()
-            time.sleep(0.02)
-        assert waiting.cancel()
-        deadline = time.monotonic() + 10
-        while slot.capture_requests:  # its wait ends: the caller went away
-            assert time.monotonic() < deadline, "the cancelled Snapshot still waits"
-            time.sleep(0.02)
-        req.version = 2
-        began = time.monotonic()
-        reply = stub(req, timeout=20)
-        assert reply.version == 2 and reply.bytes > 0
-        assert time.monotonic() - began < 10
-    trainer.close()
+    try:
+        with grpc.insecure_channel(nodes[0].address) as chan:
+            stub = chan.unary_unary(
+                "/paramshard.v1.Shard/Snapshot",
+                request_serializer=pb.SnapshotRequest.SerializeToString,
+                response_deserializer=pb.SnapshotReply.FromString,
+            )
+            req.version = 5
+            waiting = stub.future(req, timeout=60)
+            deadline = time.monotonic() + 10
+            while 5 not in slot.capture_requests:  # the server waits for version 5
+                assert time.monotonic() < deadline and not waiting.done()
+                time.sleep(0.02)
+            assert waiting.cancel()
+            deadline = time.monotonic() + 10
+            while slot.capture_requests:  # its wait ends: the caller went away
+                assert time.monotonic() < deadline, "the cancelled Snapshot still waits"
+                time.sleep(0.02)
+            req.version = 2
+            began = time.monotonic()
+            reply = stub(req, timeout=20)
+            assert reply.version == 2 and reply.bytes > 0
+            assert time.monotonic() - began < 10
+    finally:
+        trainer.close()

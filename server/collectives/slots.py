@@ -256,6 +256,7 @@ class SlotStore:
             if req.offset in slot.freed:
                 raise ShardError.not_found(
                     f"slot '{req.key}': the chunk at {req.offset:,} was read by all its readers"
+                    " and freed"
                 )
             if slot.meta is not None and req.offset >= max(slot.meta.total_numel, 1):
                 raise ShardError.invalid(
