@@ -28,6 +28,7 @@ import numpy as np
 
 from paramshard.client.retries import is_freed
 from paramshard.client.rpc import Call, RpcCore, ShardClientError
+from paramshard.client.slot_reads import read_whole
 from paramshard.client.tensors import as_flat, is_torch
 from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
@@ -125,34 +126,6 @@ class Collectives(RpcCore):
                 reply_bytes=numel * out.itemsize,
             )
 
-    def _read_unknown(
-        self, parts: list[tuple[int, str]], before: list[Call] | None = None, guess: int = 0
-    ) -> list[tuple[np.ndarray, tuple, str]]:
-        """Reads whole SET slots whose size the reader does not know: chunk 0 tells the rest.
-        ``before``: calls sent ahead of the first reads, in the same batch (an all-gather's
-        own contribution: one round trip, not two). ``guess``: the likely size in bytes."""
-        ahead = before or []
-        hint = min(guess, self.chunk_bytes)
-        firsts = self.run(
-            ahead
-            + [
-                Call(s, "ReadSlot", pb.ReadSlotRequest(key=k, reader=self.rank), reply_bytes=hint)
-                for s, k in parts
-            ]
-        )[len(ahead) :]
-        outs, rest = [], []
-        for (server, key), (header, data) in zip(parts, firsts, strict=True):
-            dtype = codec.dtype_name(header.chunk.dtype)
-            out = np.empty(header.total_numel, dtype=codec.numpy_dtype(header.chunk.dtype))
-            head = np.frombuffer(data, dtype=out.dtype)
-            out[: head.size] = head
-            for call in self._reads(server, key, out, dtype):
-                if call.request.offset:
-                    rest.append(call)
-            outs.append((out, tuple(header.shape), dtype))
-        self.run(rest)
-        return outs
-
     # -- public collectives ----------------------------------------------------------------
     def all_reduce(self, x: Any, op: str = "sum", *, in_place: bool = False) -> Any:
         """Reduces ``x`` over all ranks; every rank gets the result (same type as ``x``).
@@ -233,7 +206,9 @@ class Collectives(RpcCore):
         others = [
             (self.server_of(j), f"{key}/{j}") for j in range(self.world_size) if j != self.rank
         ]
-        got = iter(self._read_unknown(others, before=sends, guess=flat.array.nbytes))
+        wire = codec.wire_dtype(flat.dtype)  # most likely: every rank's x is like this one
+        guess = (flat.array.size, wire, self._chunk_numel(flat.dtype))
+        got = iter(read_whole(self.run, self.rank, others, sends, guess))
         out = []
         for j in range(self.world_size):
             if j == self.rank:
@@ -325,7 +300,10 @@ class Collectives(RpcCore):
         self._check_rank(src, "src")
         key = key or self._p2p_key(src, self.rank, "recv", tag)
         guess = int(getattr(like, "nbytes", 0))  # a hint only: no copy of a device tensor
-        ((arr, shape, dtype),) = self._read_unknown([(self.server_of(self.rank), key)], guess=guess)
+        hint = min(guess, self.chunk_bytes)
+        ((arr, shape, dtype),) = read_whole(
+            self.run, self.rank, [(self.server_of(self.rank), key)], hint=hint
+        )
         return _wrap_received(arr, shape, dtype, like)
 
     # -- helpers -----------------------------------------------------------------------------

@@ -460,16 +460,18 @@ class ContributeReply(_message.Message):
     def __init__(self, duplicate: _Optional[bool] = ...) -> None: ...
 
 class ReadSlotRequest(_message.Message):
-    __slots__ = ("key", "offset", "reader", "reply_shm")
+    __slots__ = ("key", "offset", "reader", "reply_shm", "guess")
     KEY_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     READER_FIELD_NUMBER: _ClassVar[int]
     REPLY_SHM_FIELD_NUMBER: _ClassVar[int]
+    GUESS_FIELD_NUMBER: _ClassVar[int]
     key: str
     offset: int
     reader: int
     reply_shm: ShmRef
-    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., reader: _Optional[int] = ..., reply_shm: _Optional[_Union[ShmRef, _Mapping]] = ...) -> None: ...
+    guess: bool
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., reader: _Optional[int] = ..., reply_shm: _Optional[_Union[ShmRef, _Mapping]] = ..., guess: _Optional[bool] = ...) -> None: ...
 
 class ReadSlotReply(_message.Message):
     __slots__ = ("header", "data")

@@ -12,7 +12,17 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.turns import TurnWaits
 
-__all__ = ["Chunk", "Slot"]
+__all__ = ["Chunk", "Slot", "missed"]
+
+
+def missed(total_numel: int, chunk_numel: int, offset: int) -> str:
+    """Why a read at ``offset`` of a slot of ``total_numel`` elements cut every ``chunk_numel``
+    can never get a chunk (past the slot's end, or not where a chunk starts); "" if it may."""
+    if offset >= max(total_numel, 1):
+        return f"offset {offset:,} is past its {total_numel:,} elements"
+    if chunk_numel and offset % chunk_numel:
+        return f"offset {offset:,} does not start a chunk of {chunk_numel:,} elements"
+    return ""
 
 
 class Chunk:
@@ -69,6 +79,26 @@ class Slot:
         self.ended: str | None = None  # why it expired or was dropped
         self.conflict: str | None = None  # a refused contribution's why: reads do not wait
         self.turn_waiters = 0  # contributions waiting for their turn (server/runtime/turns.py)
+
+    def complete(self, offset: int) -> bool:
+        """Whether the chunk at ``offset`` has all its contributions (``cond`` held)."""
+        chunk, meta = self.chunks.get(offset), self.meta
+        return chunk is not None and meta is not None and len(chunk.contributors) == meta.expected
+
+    def missed(self, offset: int) -> str:
+        """Why a read at ``offset`` can never get a chunk; "" while it may (no contribution
+        yet: nobody knows)."""
+        m = self.meta
+        return "" if m is None else missed(m.total_numel, m.chunk_numel, offset)
+
+    def reply(self, offset: int, numel: int) -> pb.SlotHeader:
+        """A read's reply header: the slot's own fields and the chunk at ``offset``, of
+        ``numel`` elements (0: a guessed offset where the slot has none)."""
+        assert self.meta is not None
+        header = pb.SlotHeader()
+        header.CopyFrom(self.meta)
+        header.chunk.CopyFrom(pb.Chunk(offset=offset, numel=numel, dtype=self.dtype))
+        return header
 
     def wait_turn(self, turns: TurnWaits, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
         """Waits (``cond`` held) until contributor ``h.contributor`` is next on its chunk,

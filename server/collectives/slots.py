@@ -35,7 +35,7 @@ from collections import OrderedDict
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
-from paramshard.server.collectives.slot import Chunk, Slot
+from paramshard.server.collectives.slot import Chunk, Slot, missed
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -44,7 +44,7 @@ from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
 
-_FORGET_AFTER = 65536  # freed keys remembered for late retries
+_FORGET_AFTER = 65536  # freed keys (and their cut) remembered for late retries and guesses
 
 
 class SlotStore:
@@ -63,7 +63,7 @@ class SlotStore:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
-        self._freed: OrderedDict[str, None] = OrderedDict()
+        self._freed: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> its cut
         self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
         self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
         self._bytes = 0
@@ -93,12 +93,7 @@ class SlotStore:
         if slot is None:
             return True
         with slot.cond:
-            if slot.ended is not None or offset in slot.freed:
-                return True
-            chunk, meta = slot.chunks.get(offset), slot.meta
-            return (
-                chunk is not None and meta is not None and len(chunk.contributors) == meta.expected
-            )
+            return slot.ended is not None or offset in slot.freed or slot.complete(offset)
 
     def open_slots(self) -> list[Slot]:
         """Every open slot, for Status (server/collectives/pending.py reads each under its cond)."""
@@ -180,8 +175,9 @@ class SlotStore:
             # -- all checks passed: mutate --
             slot.touched = time.monotonic()
             if slot.meta is None:
-                slot.meta = slot_meta(h)
-                slot.dtype = h.chunk.dtype
+                slot.meta, slot.dtype = slot_meta(h), h.chunk.dtype
+                if slot.waiting:
+                    slot.cond.notify_all()  # a read at an offset it now shows is none ends
             if chunk is None:
                 chunk = slot.chunks[h.chunk.offset] = Chunk(h.chunk.numel)
             if early:
@@ -240,16 +236,22 @@ class SlotStore:
         self.budget.release(nbytes, "slots")
 
     def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
-        """Waits for the chunk at ``req.offset`` to complete and returns it."""
+        """Waits for the chunk at ``req.offset`` to complete and returns it. An offset that
+        cannot hold a chunk is refused once the slot's first contribution shows it, or with
+        ``req.guess`` answered with the slot's header and no elements."""
         if not req.key:
             raise ShardError.invalid("ReadSlot needs a slot key")
         slot = self._slot(req.key)
         if slot is None:
+            with self._lock:  # a guessed offset it never had, after its last read: none now
+                cut = self._freed.get(req.key)
+            if req.guess and cut is not None and missed(*cut, req.offset):
+                chunk = pb.Chunk(offset=req.offset)
+                return pb.SlotHeader(key=req.key, total_numel=cut[0], chunk=chunk), b""
             raise ShardError.not_found(f"slot '{req.key}' was read by all its readers and freed")
 
-        def complete() -> bool:
-            chunk = slot.chunks.get(req.offset)
-            return chunk is not None and len(chunk.contributors) == slot.meta.expected
+        def over() -> bool:
+            return slot.complete(req.offset) or bool(slot.missed(req.offset))
 
         with slot.cond:
             slot.touched = time.monotonic()
@@ -258,15 +260,10 @@ class SlotStore:
                     f"slot '{req.key}': the chunk at {req.offset:,} was read by all its readers"
                     " and freed"
                 )
-            if slot.meta is not None and req.offset >= max(slot.meta.total_numel, 1):
-                raise ShardError.invalid(
-                    f"slot '{req.key}': offset {req.offset:,} is past its"
-                    f" {slot.meta.total_numel:,} elements"
-                )
             slot.waiting[req.reader] += 1
             try:
                 done = slot.cond.wait_for(
-                    lambda: slot.ended is not None or slot.conflict is not None or complete(),
+                    lambda: slot.ended is not None or slot.conflict is not None or over(),
                     timeout,
                 )
             finally:
@@ -275,7 +272,7 @@ class SlotStore:
                     del slot.waiting[req.reader]
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
-            if slot.conflict is not None and not complete():
+            if slot.conflict is not None and not over():
                 raise ShardError.precondition(slot.conflict)
             if not done:
                 self._forget_if_unused(slot)
@@ -283,11 +280,13 @@ class SlotStore:
                     f"{parse_key(req.key).describe()}, chunk at {req.offset:,}: waited"
                     f" {timeout:.1f} s; {who(slot, req.offset)}"
                 )
-            meta = slot.meta
-            chunk = slot.chunks[req.offset]
-            header = pb.SlotHeader()
-            header.CopyFrom(meta)
-            header.chunk.CopyFrom(pb.Chunk(offset=req.offset, numel=chunk.numel, dtype=slot.dtype))
+            none = slot.missed(req.offset)
+            if none and not req.guess:
+                raise ShardError.invalid(f"slot '{req.key}': {none}")
+            if none:
+                return slot.reply(req.offset, 0), b""
+            meta, chunk = slot.meta, slot.chunks[req.offset]
+            header = slot.reply(req.offset, chunk.numel)
             # A complete chunk is never written again, so the reply may hold a view of it: the
             # serialiser copies it once, straight into the message.
             if meta.op == pb.SET:
@@ -307,7 +306,7 @@ class SlotStore:
             self._release_locked(chunk.nbytes())
             if len(slot.freed) == slot.num_chunks():
                 self._slots.pop(slot.key, None)
-                self._freed[slot.key] = None
+                self._freed[slot.key] = (slot.meta.total_numel, slot.meta.chunk_numel)
                 while len(self._freed) > _FORGET_AFTER:
                     self._freed.popitem(last=False)
 
