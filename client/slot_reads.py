@@ -40,7 +40,7 @@ class _Whole:
             numel, self.wire, _ = guess
             self.out = np.empty(numel, dtype=codec.numpy_dtype(self.wire))
         self.got: set[int] = set()  # offsets whose elements are in ``out``
-        self.odd: dict[int, tuple[pb.SlotHeader, bytes]] = {}  # replies that missed the guess
+        self.odd: dict[int, bytes] = {}  # offset -> elements of a reply that missed the guess
 
     def fits(self, header: pb.SlotHeader) -> bool:
         out = self.out
@@ -62,7 +62,7 @@ class _Whole:
             self.out[c.offset : c.offset + c.numel] = np.frombuffer(data, dtype=self.out.dtype)
             self.got.add(c.offset)
         else:
-            self.odd[c.offset] = (header, bytes(data))
+            self.odd[c.offset] = bytes(data)
 
     def rest(self, reader: int) -> list[Call]:
         """The reads of the chunks not read yet; ``out`` made to the slot's size first if the
@@ -72,7 +72,7 @@ class _Whole:
         if not self.fits(h):
             self.wire = h.chunk.dtype
             self.out = np.empty(h.total_numel, dtype=codec.numpy_dtype(self.wire))
-            for offset, (_, data) in self.odd.items():
+            for offset, data in self.odd.items():
                 got = np.frombuffer(data, dtype=self.out.dtype)
                 self.out[offset : offset + got.size] = got
                 self.got.add(offset)
@@ -109,11 +109,13 @@ def read_whole(
     wholes = [_Whole(server, key, guess) for server, key in parts]
     calls = list(before)
     for w in wholes:
-        if w.out is None:
+        if guess is None:
             calls.append(w.read(0, hint, reader))
             continue
-        for offset, n in slicing.chunk_ranges(w.out.size, guess[2] if guess else 1):
-            calls.append(w.read(offset, n * w.out.itemsize, reader, guess=offset > 0))
+        numel, wire, chunk_numel = guess
+        itemsize = codec.numpy_dtype(wire).itemsize
+        for offset, n in slicing.chunk_ranges(numel, chunk_numel):
+            calls.append(w.read(offset, n * itemsize, reader, guess=offset > 0))
     run(calls)
     run([call for w in wholes for call in w.rest(reader)])
     return [w.result() for w in wholes]
