@@ -55,20 +55,23 @@ class HoldStream:
         self._call = stub(request, metadata=metadata)  # no deadline: open while the rank lives
         self.ended: tuple[grpc.StatusCode, str] | None = None
         self.ended_at = 0.0
-        self._thread = threading.Thread(target=self._read, args=(on_reply,), name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._read, args=(self._call, on_reply), name=name, daemon=True
+        )
         self._thread.start()
 
     @property
     def open(self) -> bool:
         return self.ended is None
 
-    def _read(self, on_reply: Callable[[pb.LeaseReply], None]) -> None:
+    def _read(self, call: Any, on_reply: Callable[[pb.LeaseReply], None]) -> None:
         ended = (grpc.StatusCode.OK, "the server ended it")
         try:
-            for reply in self._call:
+            for reply in call:
                 on_reply(reply)
         except grpc.RpcError as exc:
             ended = (exc.code(), exc.details() or "")
+            closing.unlink(exc)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the stream is over
             ended = (grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
         self.ended_at = time.monotonic()
@@ -77,6 +80,7 @@ class HoldStream:
     def close(self) -> None:
         """Ends the stream (after the lease's release: a stream ended alone reads as a death
         on the server) and waits, bounded, for its thread."""
-        closing.bounded(self._call.cancel, "cancelling a lease stream")  # as a session's
+        # as a session's: bounded, and the call let go while the threads run
+        closing.bounded(closing.let_go(self, "_call"), "cancelling a lease stream")
         if self._thread is not threading.current_thread():
             self._thread.join(closing.step_s())

@@ -136,7 +136,7 @@ class _Session:
         )
         self._call = stub(self._batches(), metadata=metadata)
         self._receiver = threading.Thread(
-            target=self._receive, name="session-receiver", daemon=True
+            target=self._receive, args=(self._call,), name="session-receiver", daemon=True
         )
         self._receiver.start()
 
@@ -176,10 +176,10 @@ class _Session:
             if ended:
                 return
 
-    def _receive(self) -> None:
+    def _receive(self, call: Any) -> None:
         why = "the server ended it"
         try:
-            for batch in self._call:
+            for batch in call:
                 self._opened.set()
                 for reply, body in batch:
                     with self._lock:
@@ -189,6 +189,7 @@ class _Session:
         except grpc.RpcError as exc:
             why = f"{exc.code().name}: {exc.details()}"
             self.code = exc.code()
+            closing.unlink(exc)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over
             why = f"{type(exc).__name__}: {exc}"
         with self._lock:
@@ -203,7 +204,7 @@ class _Session:
         for (``closing.STEP_S`` at most)."""
         self._out.put(None)
         # bounded: an interrupt inside gRPC may have left the call's lock taken (protos/closing.py)
-        closing.bounded(self._call.cancel, "cancelling a session")
+        closing.bounded(closing.let_go(self, "_call"), "cancelling a session")
         if self._receiver is not threading.current_thread():
             self._receiver.join(closing.step_s())
 

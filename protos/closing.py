@@ -11,12 +11,22 @@ its completion queue for ever (the main thread in ``epoll_wait`` under ``gc_coll
 Python frames). So the hook closing what is open runs before that pool hook: ``threading``'s
 exit hooks run before the threads are joined and before ``atexit``'s, last registered first,
 and this module registers after ``concurrent.futures.thread`` (imported above it) did.
+
+A closed client could hang the exit too. A gRPC call object left for the interpreter's last
+garbage collection takes its lock there (grpc's ``_Rendezvous.__del__``); by then the daemon
+threads are gone, and one that died holding that lock (grpc's own, polling the call's
+events) leaves the main thread waiting for it for ever. Seen on a loaded machine: once in
+about 80 rank exits, each of which had closed its client. So a call's last reference must go
+while every thread runs: a stream's close drops it (``let_go``), its reader cuts the cycle a
+call that raised itself is in (``unlink``), and the exit hook collects whatever cycle is left
+before the interpreter tears down.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook must be registered before ours
+import gc
 import itertools
 import logging
 import threading
@@ -24,7 +34,16 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["bounded", "close_at_exit", "forget", "close_all", "step_s", "STEP_S"]
+__all__ = [
+    "bounded",
+    "close_at_exit",
+    "forget",
+    "close_all",
+    "let_go",
+    "step_s",
+    "unlink",
+    "STEP_S",
+]
 
 STEP_S = 1.0
 """How long one step of a close waits (the servers' replies to a release, a thread's end, a
@@ -41,13 +60,16 @@ _lock = threading.Lock()
 _open: dict[int, tuple[weakref.ref, Callable[[Any], None]]] = {}
 _order = itertools.count()
 _ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_used = False  # whether this process made a server or a client (its exit collects cycles)
 
 
 def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
     """``close(obj)`` runs at the interpreter's exit unless ``forget(obj)`` came first (its
     own close did). Holds ``obj`` weakly; the latest registered is closed first (clients,
     made after the servers they call, before those servers)."""
+    global _used
     with _lock:
+        _used = True
         key = next(_order)
         _ids[obj] = key
         _open[key] = (weakref.ref(obj), close)
@@ -87,6 +109,27 @@ def bounded(step: Callable[[], Any], name: str) -> bool:
     return True
 
 
+def let_go(holder: Any, name: str) -> Callable[[], None]:
+    """A step of a close (for ``bounded``): cancels the gRPC call ``holder.<name>`` and takes
+    it off ``holder``, so that its last reference goes on this step's thread or on the thread
+    that reads the call, both running, and never at the interpreter's exit (see above)."""
+
+    def step() -> None:
+        call = getattr(holder, name)
+        setattr(holder, name, None)
+        if call is not None:
+            call.cancel()
+
+    return step
+
+
+def unlink(error: BaseException) -> None:
+    """Cuts the cycle of a gRPC call that raised itself (a stream's ``RpcError`` is its call):
+    its traceback holds the frame that raised it, which holds the call. Call it in the
+    ``except`` that caught it; nothing after reads the traceback."""
+    error.__traceback__ = None
+
+
 def forget(obj: Any) -> None:
     """``obj`` was closed: nothing to do for it at exit."""
     with _lock:
@@ -108,6 +151,8 @@ def close_all() -> None:
             close(obj)
         except Exception:  # noqa: BLE001 - at exit: close the others whatever this one did
             log.exception("closing %r at exit failed", obj)
+    if _used:
+        gc.collect()  # gRPC calls in cycles go now, while the threads that lock them run
 
 
 # threading's exit hooks are internal to the standard library (concurrent.futures uses them);
