@@ -278,3 +278,21 @@ def test_sequential_model_over_pipeline_and_data():
     for r, (losses, state) in enumerate(results):
         assert_equivalent(losses, ref_losses, f"rank {r} losses")
         _same_state(state, ref.state_dict(), f"rank {r}")
+
+
+def test_kernel_options_warn_once_at_the_callers_line():
+    """``foreach=True`` changes nothing on the servers: building the hybrid optimizer says so
+    once, at the line that built it (its inner ZeRO-1 optimizer of the same torch optimizer
+    used to say it a second time, from inside paramshard)."""
+    server = ShardServer().start()
+    client = ShardClient(ClusterSpec([server.address]), rank=0, world_size=1)
+    try:
+        config = ShardingConfiguration(client, job=f"warn-{uuid.uuid4().hex[:6]}")
+        model = HybridShardedModel(GPT(CFG), config, 1, 1, 1)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        with pytest.warns(UserWarning, match=r"AdamW\(foreach=True\) is ignored") as got:
+            HybridShardedOptimizer(adamw, config)
+        assert [w.filename for w in got if "is ignored" in str(w.message)] == [__file__]
+    finally:
+        client.close()
+        server.stop(grace=None)

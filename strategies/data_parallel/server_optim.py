@@ -4,6 +4,7 @@ servers' slices."""
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -59,8 +60,17 @@ def _warn_kernel_options(optimizer: torch.optim.Optimizer) -> None:
             " optimizer's update by torch's single-tensor rules (foreach=False), on their own"
             " arrays (docs/training.md)",
             UserWarning,
-            stacklevel=5,  # ShardedOptimizer(...)'s caller
+            stacklevel=_callers_level(),
         )
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that names the first line outside paramshard on the way to here: the
+    user's that built the wrapper, however deep (a hybrid optimizer builds its ZeRO-1 one)."""
+    level, frame = 1, sys._getframe(1)  # level 1: the function that warns
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("paramshard."):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def server_hyper(name: str, group: dict[str, Any]) -> dict[str, float]:
