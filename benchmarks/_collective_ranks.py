@@ -73,6 +73,30 @@ def time_reps(
 
 
 # -------------------------------------------------------------------------- ours: rank process
+def status_rtt_ms(address: str, reps: int = 200) -> float:
+    """Median ms of one gRPC unary round trip from this process to the server at ``address``
+    (the next rank's: across the lab's link), a ``Status`` call on a channel of its own: the
+    floor under every call of ours, beside which the 4-byte ops are read."""
+    import grpc
+
+    from paramshard.protos import shard_pb2 as pb
+
+    with grpc.insecure_channel(address) as chan:
+        call = chan.unary_unary(
+            "/paramshard.v1.Shard/Status",
+            request_serializer=pb.StatusRequest.SerializeToString,
+            response_deserializer=pb.StatusReply.FromString,
+        )
+        times = []
+        for i in range(reps + 20):  # the first 20 warm the channel up
+            t0 = time.perf_counter()
+            call(pb.StatusRequest(), timeout=30)
+            if i >= 20:
+                times.append(time.perf_counter() - t0)
+    times.sort()
+    return round(times[len(times) // 2] * 1e3, 3)
+
+
 def expected_sum(world: int) -> float:
     return world * (world + 1) / 2.0  # rank r contributes r + 1
 
@@ -123,7 +147,9 @@ def rank_main(a: argparse.Namespace) -> None:
             "malloc_env": malloc_env_state(),
             "pid": os.getpid(),
             "barrier_cpu_ms": round(bcpu * 1e3, 3),
+            "status_rtt_ms": status_rtt_ms(addrs[(rank + 1) % len(addrs)]),
         }
+        c.barrier()
         for mib in a.sizes:
             n = numel(mib, world)
             full = np.full(n, rank + 1, np.float32)

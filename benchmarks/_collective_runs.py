@@ -274,6 +274,10 @@ def _measure(
                 )
                 if links is not None:  # drops and resends during every op and size of v
                     doc["phases"][-1]["links"] = counters_between(links, lab.counters())
+                if not v.startswith("gloo"):  # one unary call's round trip, each rank's
+                    rtt = [r["status_rtt_ms"] for r in res]
+                    doc["phases"][-1]["status_rtt_ms"] = rtt
+                    log(f"  one unary call (Status), ms a rank: {rtt}")
         if "gloo" in got:
             doc.setdefault("gloo_reduce_scatter_impl", got["gloo"][0][0]["reduce_scatter_impl"])
         for op in OPS:

@@ -19,7 +19,9 @@ Measured in one run, on 127.0.0.1 (docs/design.md §7.5 has the transport facts 
   ``netns.results`` with their ``rate_gbit``, and what one raw TCP stream moved across the links
   before and after each rate's cells is in ``netns.shaping[].raw_tcp_gbit``
   (benchmarks/cost_model.py predicts with it). What the lab's queues dropped and its hosts' TCP
-  sent again during each variant's run is in that run's ``phases[].links``.
+  sent again during each variant's run is in that run's ``phases[].links``. Each rank of ours
+  first times one gRPC unary call (``Status``) to the next rank's server: the median of 200 is
+  in ``phases[].status_rtt_ms``, the floor under any call of ours (a 4-byte op is one or two).
 - **training** (``--parts training``): a training step across the namespaces at each rate,
   ours (DDP, FSDP) against torch's (DDP, FSDP2) on gloo in the same namespaces
   (benchmarks/_ns_training.py), rows in ``netns.training``. Each repetition:

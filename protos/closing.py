@@ -14,9 +14,10 @@ and this module registers after ``concurrent.futures.thread`` (imported above it
 
 A closed client could hang the exit too. A gRPC call object left for the interpreter's last
 garbage collection takes its lock there (grpc's ``_Rendezvous.__del__``); by then the daemon
-threads are gone, and one that died holding that lock (grpc's own, polling the call's
-events) leaves the main thread waiting for it for ever. Seen on a loaded machine: once in
-about 80 rank exits, each of which had closed its client. So a call's last reference must go
+threads are gone, and if one died holding that lock (a thread that read or served the call),
+the main thread waits for it for ever (seen: the main thread in that ``__del__``, no other
+thread but OpenBLAS's, once in about 80 exits of ranks on a loaded machine, each of which
+had closed its client). So a call's last reference must go
 while every thread runs: a stream's close drops it (``let_go``), its reader cuts the cycle a
 call that raised itself is in (``unlink``), and the exit hook collects whatever cycle is left
 before the interpreter tears down.

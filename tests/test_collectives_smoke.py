@@ -27,3 +27,7 @@ def test_quick_collectives_benchmark_reports_every_cell_verified() -> None:
         assert low <= row["ours_ms"] <= high, (key, row)
     assert report["tcp_gbps"] > 0 and report["push_pull"]["push_pull_gbps"] > 0
     assert all(p["seconds"] > 0 for p in report["phases"]), report["phases"]
+    for p in report["phases"]:  # ours' phases: each rank's unary round trip; gloo's: none
+        rtt = p.get("status_rtt_ms")
+        assert (rtt is None) == p["variant"].startswith("gloo"), p
+        assert rtt is None or (len(rtt) == p["world_size"] and all(t > 0 for t in rtt)), p
