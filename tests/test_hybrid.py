@@ -282,8 +282,8 @@ def test_sequential_model_over_pipeline_and_data():
 
 def test_kernel_options_warn_once_at_the_callers_line():
     """``foreach=True`` changes nothing on the servers: building the hybrid optimizer says so
-    once, at the line that built it (its inner ZeRO-1 optimizer of the same torch optimizer
-    used to say it a second time, from inside paramshard)."""
+    once, at the line that built it (it used to name a line inside paramshard: its inner
+    ZeRO-1 optimizer's, which warns for the same torch optimizer)."""
     server = ShardServer().start()
     client = ShardClient(ClusterSpec([server.address]), rank=0, world_size=1)
     try:
