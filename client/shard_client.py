@@ -12,7 +12,7 @@ from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
 from paramshard.client.rpc import DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
-from paramshard.client.run_id import run_id_from_env
+from paramshard.client.run_id import UNNAMED, run_id_from_env, say_unnamed
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
@@ -24,7 +24,8 @@ class ShardClient(Collectives, FlatBuffers):
 
     ``run_id`` names this run's collective slots: all ranks of one run must agree on it, and two
     runs on the same servers must differ (default: ``PARAMSHARD_RUN``, which ``paramshard
-    launch`` sets, else torchrun's ``TORCHELASTIC_RUN_ID``; client/run_id.py).
+    launch`` sets, else torchrun's ``TORCHELASTIC_RUN_ID``, else ``"run"``, which warns with
+    peers: any other job without a run id shares it; client/run_id.py).
     ``chunk_bytes``: the most payload one message carries (default: ``default_chunk_bytes``
     of the servers on one host, 4 MiB for 4); every rank of a job must use the same.
     ``deterministic`` (default): sums and means of collectives are reduced in rank order,
@@ -72,7 +73,9 @@ class ShardClient(Collectives, FlatBuffers):
         a group's client has its members' servers only."""
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
-        self.run_id = run_id or run_id_from_env() or "run"
+        self.run_id = run_id or run_id_from_env() or UNNAMED
+        if self.run_id == UNNAMED and world_size > 1:
+            say_unnamed()
         self.deterministic = deterministic
         closing.close_at_exit(self, ShardClient.close)  # if the program forgets (or raises)
         if world_size > 1:

@@ -37,6 +37,7 @@ MasterDType = Literal["float32", "float64"]
 _DTYPES: tuple[str, ...] = get_args(DType)
 _HALF = ("bfloat16", "float16")
 _JOB_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_DEFAULT_JOB = "default"
 
 
 class ClientRank:
@@ -68,7 +69,7 @@ class ShardingConfiguration(ClientRank):
     enable_gradient_compression: bool = False
     """Send gradients as bfloat16, halving gradient traffic (see ``effective_reduce_dtype``)."""
     _: KW_ONLY
-    job: str = "default"
+    job: str = _DEFAULT_JOB
     """Name of the training job on the servers; letters, digits, '_', '.', '-'."""
     bucket_size_bytes: int = 25 * 2**20
     """Gradient bucket size for DDP / ZeRO-2, like torch DDP's bucket_cap_mb (25 MiB)."""
@@ -233,7 +234,7 @@ class ShardingConfiguration(ClientRank):
         path = os.environ.get(CONFIG_ENV, "").strip()
         if path:
             return cls.from_file(path, **overrides)
-        return cls(_client_from_env(), **overrides)
+        return cls(_client_from_env(overrides.get("job")), **overrides)
 
     @classmethod
     def from_file(
@@ -250,7 +251,7 @@ class ShardingConfiguration(ClientRank):
         values = read_config_file(path)
         check_keys(values, _FILE_FIELDS, f"config file {os.fspath(path)}")
         if client is None:
-            client = _client_from_env()
+            client = _client_from_env({**values, **overrides}.get("job"))
         try:
             return cls(client, **{**values, **overrides})
         except ValueError as exc:  # the constructor's message, plus where a bad value came from
@@ -350,12 +351,21 @@ def _elastic_from_env() -> dict[str, Any]:
     return out
 
 
-def _client_from_env() -> ShardClient:
-    """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env)."""
+def _client_from_env(job: Any) -> ShardClient:
+    """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env), in the
+    run the environment names, else in ``job``'s (client/run_id.py)."""
     from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.client.run_id import job_run_id, run_id_from_env
 
+    if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
+        job = _DEFAULT_JOB  # a bad one is refused by the configuration, with its reason
     spec = ClusterSpec.from_env()
-    return ShardClient(spec, rank=_env_int("RANK", 0), world_size=_env_int("WORLD_SIZE", 1))
+    return ShardClient(
+        spec,
+        rank=_env_int("RANK", 0),
+        world_size=_env_int("WORLD_SIZE", 1),
+        run_id=run_id_from_env() or job_run_id(job),
+    )
 
 
 def _env_int(name: str, default: int) -> int:
