@@ -205,17 +205,20 @@ def test_from_env_reads_rank_and_world_size(
             return cls()
 
     class RecordingClient(FakeClient):
-        def __init__(self, spec: Any, *, rank: int, world_size: int) -> None:
+        def __init__(self, spec: Any, *, rank: int, world_size: int, run_id: str) -> None:
             super().__init__(rank=rank, world_size=world_size)
-            made["spec"] = spec
+            made["spec"], made["run_id"] = spec, run_id
 
     monkeypatch.setattr(client_module, "ClusterSpec", FakeSpec)
     monkeypatch.setattr(client_module, "ShardClient", RecordingClient)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("PARAMSHARD_RUN", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     config = ShardingConfiguration.from_env(job="env-job")
     assert (config.rank, config.world_size, config.job) == (2, 3, "env-job")
     assert isinstance(made["spec"], FakeSpec)
+    assert made["run_id"] == "env-job"  # no run named: the job's (client/run_id.py)
 
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")

@@ -175,8 +175,9 @@ def env_client(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             return cls()
 
     class RecordingClient(FakeClient):
-        def __init__(self, spec: Any, *, rank: int, world_size: int) -> None:
+        def __init__(self, spec: Any, *, rank: int, world_size: int, run_id: str) -> None:
             super().__init__(rank=rank, world_size=world_size)
+            self.run_id = run_id
             made.append(self)
 
     monkeypatch.setattr(client_package, "ClusterSpec", FakeSpec)

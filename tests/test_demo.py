@@ -108,20 +108,27 @@ def test_demo_kills_a_server_and_loses_no_step(tmp_path: Path) -> None:
     assert inspected, out[-4000:]
     job = inspected.group(1)
     assert re.search(r"^wte\.weight\s+\d+x64\s+float32", out, re.M), out[-4000:]
-    # the kill, the recovery, no step lost
-    killed = re.search(r"killed server 1 \(pid (\d+)\) at step (\d+) with SIGKILL", out)
+    # the kill, the recovery: nothing lost that server 0's replica held at the kill
+    killed = re.search(
+        r"killed server 1 \(pid (\d+)\) at step (\d+) with SIGKILL"
+        r" \(server 0 held its replica of step (-?\d+)\)",
+        out,
+    )
     recovered = re.search(r"recovered in [\d.]+ s: step (\d+) continues, (\d+) steps lost", out)
     assert killed and recovered, out[-4000:]
-    kill_step, next_step = int(killed.group(2)), int(recovered.group(1))
-    # kill_step is the servers' version at the kill; the step it counts may have been in
-    # flight on the ranks (committed on the servers before their replicas, seen on a loaded
-    # machine): the ranks redo that one step, never one they had finished
-    assert kill_step >= 13 and next_step >= kill_step and recovered.group(2) == "0"
+    kill_step, held = int(killed.group(2)), int(killed.group(3))
+    next_step, lost = int(recovered.group(1)), int(recovered.group(2))
+    # kill_step is the servers' version at the kill. Replicas go after each step, in the
+    # background (docs/design.md §5.2): on a loaded machine a kill can land between a step
+    # and its replica's arrival (seen: killed at 13, server 0 holding 12), and that step is
+    # redone. Every step the replica held is kept, and no other is redone.
+    assert kill_step >= 13 and next_step >= held + 1, out[-4000:]
+    assert lost <= max(0, kill_step - held), out[-4000:]
     trained = re.search(r"steps 1\.\.(\d+) trained \((\w+)\), the servers at version (\d+)", out)
     assert trained, out[-4000:]
     assert trained.group(2) == "continuous" and trained.group(1) == trained.group(3)
     assert int(trained.group(1)) > kill_step
-    assert "0 steps replayed" in out
+    assert held < kill_step or "0 steps replayed" in out
     # the recovery reads as one (issue 26): who recovers from what, from where, one prefix
     assert re.search(r"run '\S+': rank \d recovers: server 1 \(\S+\) lost", out), out[-4000:]
     assert "restoring from its neighbour's replica" in out, out[-4000:]
