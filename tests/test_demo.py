@@ -120,7 +120,7 @@ def test_demo_kills_a_server_and_loses_no_step(tmp_path: Path) -> None:
     next_step, lost = int(recovered.group(1)), int(recovered.group(2))
     # kill_step is the servers' version at the kill. Replicas go after each step, in the
     # background (docs/design.md §5.2): on a loaded machine a kill can land between a step
-    # and its replica's arrival (seen: killed at 13, server 0 holding 12), and that step is
+    # and its replica's arrival (seen: killed at 13, resumed from 12), and that step is
     # redone. Every step the replica held is kept, and no other is redone.
     assert kill_step >= 13 and next_step >= held + 1, out[-4000:]
     assert lost <= max(0, kill_step - held), out[-4000:]
