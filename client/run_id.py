@@ -28,6 +28,7 @@ __all__ = [
     "TORCHRUN_RUN_ENV",
     "UNNAMED",
     "job_run_id",
+    "run_id_for",
     "run_id_from_env",
     "say_unnamed",
 ]
@@ -50,6 +51,12 @@ def run_id_from_env() -> str | None:
     if theirs and theirs != TORCHRUN_UNSET:
         return theirs
     return None
+
+
+def run_id_for(job: str | None = None) -> str:
+    """The run of a client given none: the environment's, else ``job``'s (a strategy's
+    configuration knows its job), else ``UNNAMED``."""
+    return run_id_from_env() or (job_run_id(job) if job else UNNAMED)
 
 
 def job_run_id(job: str) -> str:

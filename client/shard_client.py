@@ -12,7 +12,7 @@ from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
 from paramshard.client.rpc import DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
-from paramshard.client.run_id import UNNAMED, run_id_from_env, say_unnamed
+from paramshard.client.run_id import UNNAMED, run_id_for, say_unnamed
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
@@ -73,7 +73,7 @@ class ShardClient(Collectives, FlatBuffers):
         a group's client has its members' servers only."""
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
-        self.run_id = run_id or run_id_from_env() or UNNAMED
+        self.run_id = run_id or run_id_for()
         if self.run_id == UNNAMED and world_size > 1:
             say_unnamed()
         self.deterministic = deterministic

@@ -194,8 +194,8 @@ def train(args: argparse.Namespace, servers: list[Server], job: str, run: str) -
                     # what no recovery can bring back: the steps past the newest replica
                     # server 0 held at the kill (their replicas were still on the way)
                     unreplicated = max(0, killed_at - seen.get("replica_at", killed_at))
-                    seen.update(resumed=resumed, lost=lost, recovery_s=float(m.group(1)))
-                    seen.update(unreplicated=unreplicated)
+                    seen.update(resumed=resumed, lost=lost, unreplicated=unreplicated,
+                                recovery_s=float(m.group(1)))  # fmt: skip
                     say(f"recovered in {m.group(1)} s: step {resumed + 1} continues,"
                         f" {lost} steps lost"
                         + (f" (replica of step {killed_at} still on the way at the kill)"

@@ -17,10 +17,10 @@ garbage collection takes its lock there (grpc's ``_Rendezvous.__del__``); by the
 threads are gone, and if one died holding that lock (a thread that read or served the call),
 the main thread waits for it for ever (seen: the main thread in that ``__del__``, no other
 thread but OpenBLAS's, once in about 80 exits of ranks on a loaded machine, each of which
-had closed its client). So a call's last reference must go
-while every thread runs: a stream's close drops it (``let_go``), its reader cuts the cycle a
-call that raised itself is in (``unlink``), and the exit hook collects whatever cycle is left
-before the interpreter tears down.
+had closed its client). So a call's last reference must go while every thread runs: a
+stream's close drops it (``let_go``), its reader cuts the cycle a call that raised itself is
+in (``unlink``), and the exit hook collects whatever cycle is left before the interpreter
+tears down.
 """
 
 from __future__ import annotations

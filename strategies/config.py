@@ -355,7 +355,7 @@ def _client_from_env(job: Any) -> ShardClient:
     """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env), in the
     run the environment names, else in ``job``'s (client/run_id.py)."""
     from paramshard.client import ClusterSpec, ShardClient
-    from paramshard.client.run_id import job_run_id, run_id_from_env
+    from paramshard.client.run_id import run_id_for
 
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
         job = _DEFAULT_JOB  # a bad one is refused by the configuration, with its reason
@@ -364,7 +364,7 @@ def _client_from_env(job: Any) -> ShardClient:
         spec,
         rank=_env_int("RANK", 0),
         world_size=_env_int("WORLD_SIZE", 1),
-        run_id=run_id_from_env() or job_run_id(job),
+        run_id=run_id_for(job),
     )
 
 
