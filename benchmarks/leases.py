@@ -77,7 +77,8 @@ from benchmarks._processes import (
     wait_parent_eof,
 )
 from benchmarks._read_crowd import ranks_child, reads_row, server_child
-from paramshard.client.leases import DEFAULT_TTL_S, RENEW_S, renewal_pace
+from paramshard.client.lease_keeper import RENEW_S, renewal_pace
+from paramshard.client.leases import DEFAULT_TTL_S
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import shard_pb2_grpc
 from paramshard.server.buffers.membership import check_membership, elastic_pending
@@ -210,7 +211,7 @@ def _timed_calls(pid: int, world: int, send) -> tuple[float, float]:
 
 def renewals_a_second(world: int) -> dict[str, float]:
     """Renewals a second a server gets from a run of ``world`` ranks at their pace
-    (``client.leases.renewal_pace``, the default TTL): where they hold a stream there
+    (``client.lease_keeper.renewal_pace``, the default TTL): where they hold a stream there
     (``streamed``), and where their lease lives on renewals alone (``renewed``)."""
     return {
         how: round(world / max(RENEW_S, renewal_pace(world, DEFAULT_TTL_S, streamed)), 1)

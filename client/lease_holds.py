@@ -9,6 +9,9 @@ the server raises them, read here by a thread of its own that blocks in gRPC (wi
 
 from __future__ import annotations
 
+import os
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +22,7 @@ import grpc
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["HoldStream", "REFUSALS"]
+__all__ = ["CONFLICT", "HoldStream", "REFUSALS", "holder_id"]
 
 _METHOD = "/paramshard.v1.Shard/HoldLease"
 REFUSALS = frozenset(
@@ -34,6 +37,23 @@ REFUSALS = frozenset(
 )
 """How a server says no to a stream: asked again only after a while (the lease lives on
 renewals meanwhile), unlike a stream that broke, which is opened again at once."""
+CONFLICT = grpc.StatusCode.ALREADY_EXISTS
+"""How a server says that another process holds this rank through an open stream
+(server/collectives/lease_records.py, ``check_holder``): two jobs share the run id."""
+
+_holder_lock = threading.Lock()
+_holder: tuple[int, str] | None = None  # (pid, id)
+
+
+def holder_id() -> str:
+    """This process as the servers know it (``LeaseRequest.holder``): its host, its pid, and a
+    random part, since pids are reused; a forked child gets its own."""
+    global _holder
+    with _holder_lock:
+        pid = os.getpid()
+        if _holder is None or _holder[0] != pid:
+            _holder = (pid, f"{socket.gethostname()[:64]} pid {pid} {secrets.token_hex(4)}")
+        return _holder[1]
 
 
 class HoldStream:
@@ -55,6 +75,7 @@ class HoldStream:
         self._call = stub(request, metadata=metadata)  # no deadline: open while the rank lives
         self.ended: tuple[grpc.StatusCode, str] | None = None
         self.ended_at = 0.0
+        self.answered = threading.Event()  # its first reply came, or it ended
         self._thread = threading.Thread(
             target=self._read, args=(self._call, on_reply), name=name, daemon=True
         )
@@ -69,6 +90,7 @@ class HoldStream:
         try:
             for reply in call:
                 on_reply(reply)
+                self.answered.set()
         except grpc.RpcError as exc:
             ended = (exc.code(), exc.details() or "")
             closing.unlink(exc)
@@ -76,6 +98,7 @@ class HoldStream:
             ended = (grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")
         self.ended_at = time.monotonic()
         self.ended = ended
+        self.answered.set()
 
     def close(self) -> None:
         """Ends the stream (after the lease's release: a stream ended alone reads as a death

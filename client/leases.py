@@ -12,11 +12,12 @@ Every client of a multi-rank run holds a lease on each of its servers
   dies is taken for lost about ``STREAM_GRACE_S`` (1 s) after its kernel closed the connection;
   a host that vanishes, after the servers' TCP user timeout (30 s, server/app.py). The stream
   also brings the run's notices the moment a server raises them.
-- renewals (``Lease``) every ``RENEW_S`` by one thread per process (less often in runs of more
-  than ``RENEWALS_A_SECOND`` ranks), which carry the rank's epoch and bring notices back. Where
-  a server refuses the stream (an older server, one at its ``--max-sessions`` bound), the lease
-  lives on renewals alone and lapses ``PARAMSHARD_LEASE_TTL_S`` (30 s: why, in
-  docs/inspection-and-recovery.md) after the last one: the renewing thread needs the GIL then.
+- renewals (``Lease``) every ``RENEW_S`` by one thread per process (client/lease_keeper.py;
+  less often in runs of more than ``RENEWALS_A_SECOND`` ranks), which carry the rank's epoch
+  and bring notices back. Where a server refuses the stream (an older server, one at its
+  ``--max-sessions`` bound), the lease lives on renewals alone and lapses
+  ``PARAMSHARD_LEASE_TTL_S`` (30 s: why, in docs/inspection-and-recovery.md) after the last
+  one: the renewing thread needs the GIL then.
 
 When a server says the run's epoch was aborted (a rank was lost, or a rank gave up the epoch
 after losing a server: ``RunState.give_up``), the client *cancels its calls in flight* and
@@ -36,6 +37,13 @@ A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms
 that long for its restart instead of aborting. Models that keep their state in the trainer
 (DDP, 3D) cannot rejoin and set it to 0 when built.
 
+Every request names this process (``holder_id``). A server where another process holds the
+rank through an open stream refuses it (ALREADY_EXISTS): two jobs share the run id, or the
+rank was started twice, and their sums would mix. A new client waits for its streams' first
+answers, asks such a server again for ``TAKEOVER_S`` (a restarted rank's old process may have
+died a moment ago), then raises ``LeaseConflict``; a client refused later fails every call
+that waits for other ranks with the server's words (``RunState.refuse``).
+
 ``close()`` on the client (and, as a safety net, the interpreter's exit: protos/closing.py)
 releases its lease, then ends its streams and the threads that read them: a rank that ends
 normally aborts nothing. The renewing thread ends with the last lease of the process.
@@ -52,17 +60,17 @@ from typing import Any
 
 import grpc
 
-from paramshard.client.lease_holds import REFUSALS, HoldStream
+from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, holder_id
+from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
 from paramshard.client.restarts import max_restarts
 from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release", "renewal_pace"]
+__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "LeaseConflict", "hold", "release"]
 
 log = logging.getLogger("paramshard.leases")
 
-RENEW_S = 1.0
 LEASE_TTL_ENV = "PARAMSHARD_LEASE_TTL_S"
 REJOIN_ENV = "PARAMSHARD_REJOIN_TIMEOUT_S"
 DEFAULT_TTL_S = 30.0
@@ -71,25 +79,22 @@ STREAM_GRACE_S = 1.0
 """A server whose stream ended is taken for lost (under ``fail_fast``) once its renewals have
 failed this long: the servers give a rank the same (server/collectives/leases.py)."""
 HOLD_RETRY_S = 30.0  # a server that refused a stream is asked again after this long
-RENEWALS_A_SECOND = 64
-"""A rank of a run of more ranks renews a server every ``world_size / RENEWALS_A_SECOND`` s: a
-renewal costs a server 0.3-0.45 ms of CPU (``python -m benchmarks.leases``). The server still
-hears the run 64 times a second (witnesses of lapses), a stream holds the lease and brings
-notices at once, and a failed renewal, a new epoch or a broken stream is renewed at once."""
-PACED_MAX_S = 30.0  # the longest pace with a stream; without, a sixth of the TTL (5 may fail)
-
-
-def renewal_pace(world_size: int, ttl_s: float, streamed: bool) -> float:
-    """Seconds between a rank's renewals of a server where it holds a stream (or not)."""
-    pace = max(RENEW_S, min(PACED_MAX_S, world_size / RENEWALS_A_SECOND))
-    return pace if streamed else min(pace, ttl_s / 6)
-
+FIRST_ANSWER_S = 2.0  # how long a new client waits for its streams' first answers, at most
+TAKEOVER_S = 5.0
+"""For this long after a client is made, a server that says another process holds its rank
+(``CONFLICT``) is asked again: that process may have just died, its streams' end not yet seen
+there (a restart). After it, the rank is refused (``RunState.refuse``)."""
 
 _FAILING = (
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,  # a server that stops cancels the calls it runs
 )
+
+
+class LeaseConflict(RuntimeError):
+    """Another process holds this rank of this run on a server (two jobs share the run id, or
+    the rank was started twice): the client cannot be made; says which process, and where."""
 
 
 def _env_seconds(name: str, default: float, low: float, high: float) -> float:
@@ -123,6 +128,8 @@ class _Holding:
         self._sending: dict[int, tuple[float, int]] = {}  # the same, for renewals in flight
         self._lock = threading.Lock()
         self.released = False
+        self.conflict: str | None = None  # another process holds this rank: why, as told
+        self.takeover_until = time.monotonic() + TAKEOVER_S
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
         return pb.LeaseRequest(
@@ -132,6 +139,7 @@ class _Holding:
             epoch=self.state.epoch,
             ttl_ms=int(self.ttl_s * 1000),
             rejoin_ms=int(self.rejoin_s * 1000),
+            holder=holder_id(),
             **kw,
         )
 
@@ -143,6 +151,7 @@ class _Holding:
         if client is None or client._closed:
             return
         now = time.monotonic()
+        conflict = None
         with self._lock:
             if self.released:
                 return
@@ -153,7 +162,9 @@ class _Holding:
                     continue
                 if old is not None and old.ended is not None:
                     code, details = old.ended
-                    if code in REFUSALS:
+                    if code == CONFLICT and now >= self.takeover_until:
+                        conflict = (i, details)
+                    elif code in REFUSALS:
                         self.refused_until[i] = old.ended_at + HOLD_RETRY_S
                         log.debug("server %d: no lease stream (%s: %s)", i, code.name, details)
                     else:
@@ -161,6 +172,9 @@ class _Holding:
                     del self.holds[i]
                 if now >= self.refused_until.get(i, 0.0):
                     wanted.append(i)
+        if conflict is not None:
+            self.refuse(*conflict)
+            return
         # gRPC is called with no lock of ours held: a thread stuck in gRPC (see release)
         # must not hold up the thread that closes
         for i in wanted:
@@ -181,6 +195,36 @@ class _Holding:
                     stray, self.holds[i] = self.holds.get(i), hold
             if stray is not None:
                 stray.close()
+
+    def await_holds(self, bound_s: float) -> None:
+        """Waits, at most ``bound_s``, for every stream's first answer (asking again, until
+        ``takeover_until``, the servers that say another process holds this rank), so that
+        such a rank is refused before its first collective."""
+        end = time.monotonic() + bound_s
+        while self.conflict is None and (left := end - time.monotonic()) > 0:
+            with self._lock:
+                holds = list(self.holds.values())
+            waiting = [x for x in holds if not x.answered.is_set()]
+            if waiting:
+                waiting[0].answered.wait(min(left, 0.25))
+            elif any(x.ended is not None and x.ended[0] == CONFLICT for x in holds):
+                time.sleep(min(left, 0.25))
+                self.keep_holds()
+            else:
+                return
+
+    def refuse(self, server: int, details: str) -> None:
+        """Server ``server`` says another process holds this rank: the rank leaves (its lease
+        goes where it held one, which aborts nothing there; where the other process holds it,
+        the server refuses the release) and fails every call that waits for other ranks."""
+        client = self.client()
+        address = client.spec.addresses[server] if client is not None else "?"
+        with self._lock:
+            if self.conflict is not None:
+                return
+            self.conflict = f"server {server} ({address}): {details}"
+        self.state.refuse(self.conflict)
+        self.release()
 
     def _on_reply(self, server: int, reply: pb.LeaseReply) -> None:
         self.stream_lost.discard(server)  # the stream is (back) up
@@ -274,6 +318,10 @@ class _Holding:
 
     def _failed(self, server: int, exc: grpc.RpcError, now: float) -> None:
         code = exc.code()
+        if code == CONFLICT:
+            if now >= self.takeover_until:
+                self.refuse(server, exc.details() or "")
+            return
         if code not in _FAILING:
             # an older server, a token without the train role, a run id it refuses: no lease
             # there (the calls themselves will say what is wrong)
@@ -327,60 +375,7 @@ def _wait(sent: list[tuple[int, Any]], bound_s: float = closing.STEP_S) -> None:
             pass
 
 
-class _Keeper:
-    """The process's one renewing thread, running while any lease is held."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holdings: list[_Holding] = []
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
-
-    def add(self, holding: _Holding) -> None:
-        with self._lock:
-            self._holdings.append(holding)
-            if self._thread is None:
-                self._wake.clear()
-                self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
-                self._thread.start()
-
-    def discard(self, holding: _Holding) -> None:
-        """``holding`` was released: the thread ends (and is waited for) with the last one."""
-        with self._lock:
-            if holding in self._holdings:
-                self._holdings.remove(holding)
-            thread = self._thread if not self._holdings else None
-        if thread is not None and thread is not threading.current_thread():
-            self._wake.set()
-            thread.join(closing.STEP_S)  # it ends after its renewals in flight (1 s deadline)
-
-    def _run(self) -> None:
-        while True:
-            began = time.monotonic()
-            with self._lock:
-                self._wake.clear()
-                live = [h for h in self._holdings if not h.released and h.client() is not None]
-                # a client dropped without close(): its streams end here (a released one's
-                # end in its release, on the thread that closes)
-                dropped = [h for h in self._holdings if not h.released and h.client() is None]
-                self._holdings = live
-                if not live:
-                    self._thread = None
-            for holding in dropped:
-                holding.close_holds()
-            if not live:
-                return
-            try:  # every renewal in flight at once: a slow server delays no other lease
-                for holding in live:
-                    holding.keep_holds()
-                for holding, sent in [(h, h.start(paced=True)) for h in live]:
-                    holding.finish(sent)
-            except Exception:  # never let the thread die: the leases would lapse
-                log.exception("renewing leases failed")
-            self._wake.wait(max(0.0, RENEW_S - (time.monotonic() - began)))
-
-
-_keeper = _Keeper()
+keeper = Keeper()
 
 
 def hold(client: Any) -> None:
@@ -391,7 +386,12 @@ def hold(client: Any) -> None:
     holding = _Holding(client, ttl, rejoin)
     client.run_state.holding = holding
     holding.keep_holds()
-    _keeper.add(holding)
+    holding.await_holds(TAKEOVER_S + FIRST_ANSWER_S)
+    if holding.conflict is not None:
+        raise LeaseConflict(holding.conflict)
+    if any(x is None or not x.open for x in map(holding.holds.get, range(client.num_servers))):
+        holding.renew()  # a server without a stream knows the lease before the first collective
+    keeper.add(holding)
 
 
 def release(client: Any) -> None:
@@ -399,4 +399,4 @@ def release(client: Any) -> None:
     holding = client.run_state.holding
     if holding is not None and holding.client() is client:
         holding.release()
-        _keeper.discard(holding)
+        keeper.discard(holding)

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Holding", "Notice", "RunState", "WAITS_ON_PEERS"]
+__all__ = ["FINAL", "Holding", "Notice", "RunState", "WAITS_ON_PEERS"]
 
 log = logging.getLogger("paramshard.leases")
 
@@ -16,6 +16,8 @@ WAITS_ON_PEERS = frozenset(
     {"PushGrad", "PullParams", "GradNorm", "Step", "Contribute", "ReadSlot", "ContributeRead"}
 )
 """The calls whose outcome depends on other ranks: refused once the run's epoch is aborted."""
+FINAL = 1 << 32
+"""The epoch of a notice that ends every epoch (``RunState.refuse``): above any a rank has."""
 
 
 class Holding(Protocol):
@@ -30,17 +32,19 @@ class Holding(Protocol):
 
 @dataclass(frozen=True)
 class Notice:
-    """A run's epoch was aborted: why, which epoch, and the rank lost (-1: none)."""
+    """A run's epoch was aborted: why, which epoch, and the rank lost (-1: none); ``final``:
+    this rank may not take part at all (``RunState.refuse``)."""
 
     reason: str
     epoch: int
     lost_rank: int = -1
+    final: bool = False
 
     @property
     def recoverable(self) -> bool:
         """Whether the surviving ranks can go on (a lost server: restore and replay), as
         opposed to a lost trainer, whose process and state are gone."""
-        return self.lost_rank < 0
+        return self.lost_rank < 0 and not self.final
 
 
 class RunState:
@@ -96,6 +100,12 @@ class RunState:
         at once. ``cause`` says why; the servers' notice adds who ("run 'R': rank 1 ...")."""
         reason = self.holding.post_abort(cause) if self.holding is not None else None
         self.abort(Notice(reason or cause, self.epoch))
+
+    def refuse(self, reason: str) -> None:
+        """The servers refuse this rank for good (another process holds it: two jobs share the
+        run id): every call that waits for other ranks fails with ``reason`` from now on, at
+        every epoch, and nothing recovers from it."""
+        self.abort(Notice(reason, FINAL, final=True))
 
     def cannot_rejoin(self) -> None:
         """This rank keeps state in its process (DDP, 3D): were it lost, the others must not

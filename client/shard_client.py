@@ -79,7 +79,11 @@ class ShardClient(Collectives, FlatBuffers):
         self.deterministic = deterministic
         closing.close_at_exit(self, ShardClient.close)  # if the program forgets (or raises)
         if world_size > 1:
-            leases.hold(self)  # the other ranks learn within seconds if this one dies
+            try:
+                leases.hold(self)  # the other ranks learn within seconds if this one dies
+            except leases.LeaseConflict:
+                self.close()
+                raise
 
     @classmethod
     def from_env(cls, **kw: Any) -> ShardClient:

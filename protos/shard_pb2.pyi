@@ -318,7 +318,7 @@ class StepReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream")
+    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream", "holder")
     RUN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class LeaseRequest(_message.Message):
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
     run: str
     rank: int
     world_size: int
@@ -337,7 +338,8 @@ class LeaseRequest(_message.Message):
     release: bool
     abort: str
     stream: bool
-    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ...) -> None: ...
+    holder: str
+    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting")

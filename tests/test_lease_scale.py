@@ -6,7 +6,7 @@ Work is counted, not timed: how often the table asks a lease whether it is live
 (``LeaseRecord.live``) per renewal, at two run sizes, on a fake clock that moves at the
 renewals' pace (W renewals a second, as W ranks renewing once a second send them).
 ``python -m benchmarks.leases`` measures the time. The ranks' side: in a run of more than
-``RENEWALS_A_SECOND`` ranks each rank renews a server less often (client/leases.py).
+``RENEWALS_A_SECOND`` ranks each rank renews a server less often (client/lease_keeper.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import unique_id
 from lease_fakes import Stream, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.client.leases import RENEW_S, RENEWALS_A_SECOND, renewal_pace
+from paramshard.client.lease_keeper import RENEW_S, RENEWALS_A_SECOND, renewal_pace
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.lease_records import LeaseRecord, RunRecord, Witnesses
 from paramshard.server.collectives.leases import ISOLATED_GRACE_S, STREAM_GRACE_S

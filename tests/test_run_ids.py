@@ -3,18 +3,29 @@
 Two jobs on the same servers whose environment named no run (no PARAMSHARD_RUN, torchrun's
 static ``--rdzv-id`` default) both used to be in run "run": their all-reduces met in the same
 slots, and the ranks that came first went on with sums mixing both jobs' values while the
-others failed on slots already freed. A strategy's configuration now takes its job's run."""
+others failed on slots already freed. A strategy's configuration now takes its job's run.
+
+A job run again under a fixed run id (torchrun's ``--rdzv-id``, PARAMSHARD_RUN) on the same
+servers failed at its first broadcast: the servers remembered the first run's keys as freed.
+A run whose every rank released its lease is now forgotten with its keys
+(``SlotStore.forget_run``), and the next one starts clean."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
-from conftest import worker_env
+from conftest import unique_id, worker_env
 
+from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.run_id import job_run_id
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.slots import SlotStore
+from paramshard.server.runtime.errors import ShardError
 from paramshard.strategies import ShardingConfiguration
 
 _RANK = textwrap.dedent(
@@ -87,3 +98,83 @@ def test_two_jobs_without_a_run_id_keep_their_sums_apart(
         assert p.returncode == 0, err[-2000:]
     got = [out.split() for out, _ in outs]
     assert got == [["a", "3.0"]] * 2 + [["b", "300.0"]] * 2, got
+
+
+def _job(addresses: list[str], run: str, scale: float) -> list[list[float]]:
+    """A two-rank job on ``addresses`` under run ``run``: a broadcast from rank 0, then an
+    all-reduce; each rank's two results, and its client closed (its lease released)."""
+    spec = ClusterSpec(addresses)
+
+    def rank(r: int) -> list[float]:
+        c = ShardClient(spec, rank=r, world_size=2, run_id=run)
+        try:
+            first = c.broadcast(np.full(4, scale * 7.0), src=0)
+            total = c.all_reduce(np.full(4, scale * (r + 1)))
+            return [float(first[0]), float(total[0])]
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(rank, (0, 1)))
+
+
+def test_a_job_run_again_under_its_run_id_starts_clean(servers) -> None:
+    """Run the same job again on the same servers with a fixed run id (torchrun's --rdzv-id,
+    PARAMSHARD_RUN): its collectives count from 1 again. The servers used to remember the first
+    run's keys as freed, so the second run's first broadcast failed with NOT_FOUND; now the
+    servers forget a run whose every rank released its lease."""
+    addresses = [n.address for n in servers(2)]
+    run = unique_id("again")
+    assert _job(addresses, run, 1.0) == [[7.0, 3.0]] * 2
+    assert _job(addresses, run, 10.0) == [[70.0, 30.0]] * 2
+    assert _job(addresses, run, 100.0) == [[700.0, 300.0]] * 2
+
+
+def test_a_rank_that_comes_after_its_peer_left_is_in_the_same_run(servers) -> None:
+    """Rank 0 broadcasts and closes its client before rank 1 exists: only one rank of two
+    released, so the run goes on, and rank 1 reads what rank 0 sent."""
+    addresses = [n.address for n in servers(1)]
+    spec, run = ClusterSpec(addresses), unique_id("late")
+    first = ShardClient(spec, rank=0, world_size=2, run_id=run)
+    first.broadcast(np.full(3, 5.0), src=0)
+    first.close()
+    late = ShardClient(spec, rank=1, world_size=2, run_id=run)
+    try:
+        assert np.array_equal(late.broadcast(np.zeros(3), src=0), np.full(3, 5.0))
+    finally:
+        late.close()
+
+
+def test_a_forgotten_run_leaves_no_key_behind_and_touches_no_other_run() -> None:
+    store = SlotStore()
+
+    def add(key: str, contributor: int = 0, expected: int = 1, readers: int = 1) -> bool:
+        header = pb.SlotHeader(
+            key=key,
+            op=pb.SUM,
+            expected=expected,
+            readers=readers,
+            contributor=contributor,
+            total_numel=2,
+            chunk_numel=2,
+            chunk=pb.Chunk(offset=0, numel=2, dtype=pb.FLOAT32),
+        )
+        return store.contribute(header, memoryview(np.ones(2, np.float32)).cast("B"))
+
+    def read(key: str) -> None:
+        store.read(pb.ReadSlotRequest(key=key, offset=0, reader=0), timeout=1.0)
+
+    add("r:ar1/0")
+    read("r:ar1/0")  # freed: a contribution now reads as a late retry
+    assert add("r:ar1/0") is True
+    add("r:ar2/0", expected=2)  # ended by the abort below
+    store.abort_run("r", 0, "rank 1 lost")
+    with pytest.raises(ShardError):  # a key of the aborted epoch is refused
+        add("r:ar3/0", expected=2)
+    add("r.e1/tp:ar2/0", expected=2)  # left open by the run's next epoch, in a group
+    add("r2:ar1/0", expected=2)  # another run whose id starts with this one's
+    assert store.forget_run("r") == 1  # the open slot of r's group
+    for key in ("r:ar1/0", "r:ar2/0", "r:ar3/0", "r.e1/tp:ar2/0"):  # each a new slot now
+        assert add(key, expected=2) is False, key
+    assert add("r2:ar1/0", contributor=1, expected=2) is False  # r2's slot was kept, open
+    read("r2:ar1/0")

@@ -11,13 +11,14 @@ from typing import Protocol
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["LeaseRecord", "Listener", "RunRecord", "Witnesses", "check_request"]
+__all__ = ["LeaseRecord", "Listener", "RunRecord", "Witnesses", "check_holder", "check_request"]
 
 MAX_RUN_CHARS = 256
 MAX_WORLD = 1 << 20
 TTL_MS = (100, 600_000)
 MAX_REJOIN_MS = 3_600_000
 MAX_REASON_CHARS = 1024
+MAX_HOLDER_CHARS = 256
 
 
 class Listener(Protocol):
@@ -42,6 +43,7 @@ class LeaseRecord:
     holds: int = 0  # its open streams
     closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
     lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
+    holder: str = ""  # the process that renewed or held it last (empty: an older client)
 
     def live(self, now: float) -> bool:
         return self.holds > 0 or self.expires >= now
@@ -75,6 +77,7 @@ class RunRecord:
     lost: dict[int, float] = field(default_factory=dict)  # rank -> when its lapsed lease went
     streams: set[Listener] = field(default_factory=set)
     awaiting: set[int] = field(default_factory=set)  # ranks whose lease lapsed, still kept
+    released: set[int] = field(default_factory=set)  # ranks that released theirs: all = ended
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
     live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
     live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
@@ -192,3 +195,25 @@ def check_request(req: pb.LeaseRequest) -> None:
         raise ShardError.invalid(f"Lease: rejoin_ms must be at most {MAX_REJOIN_MS}")
     if len(req.abort) > MAX_REASON_CHARS:
         raise ShardError.invalid(f"Lease: an abort reason is at most {MAX_REASON_CHARS} chars")
+    if len(req.holder) > MAX_HOLDER_CHARS:
+        raise ShardError.invalid(f"Lease: a holder is at most {MAX_HOLDER_CHARS} characters")
+
+
+def check_holder(run: RunRecord | None, req: pb.LeaseRequest) -> None:
+    """Refuses ``req`` when another process holds its rank through an open stream: two jobs
+    share the run id, or the rank was started twice. Their collectives would meet in the same
+    slots, and a sum that mixes two jobs' gradients fails nowhere, so the second one is told
+    instead (ALREADY_EXISTS), before anything changes: the first one's lease, epoch and run go
+    on untouched. A holder whose streams all ended (its process died) is replaced: that is a
+    restart. Requests without a holder (older clients) are never refused nor refuse others."""
+    lease = run.leases.get(req.rank) if run is not None else None
+    if lease is None or not lease.holds or not lease.holder or not req.holder:
+        return
+    if lease.holder != req.holder:
+        raise ShardError.conflict(
+            f"Lease: rank {req.rank} of run '{req.run}' is held by another process"
+            f" ({lease.holder}) through an open lease stream; this one is {req.holder}. Two"
+            " jobs share the run id (give each its own PARAMSHARD_RUN), or the rank was"
+            " started twice. (A host that vanished holds its stream until this server's TCP"
+            " user timeout ends it.)"
+        )

@@ -40,10 +40,18 @@ A rank that may come back (``paramshard launch --max-restarts``; its lease carri
 ``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
 within that time after the lapse. A restarted trainer renews the same rank.
 
+One process a rank: each request names its process (``LeaseRequest.holder``), and while a
+rank's lease is held through an open stream, another process's requests for that rank are
+refused with ALREADY_EXISTS (``check_holder``): two jobs under one run id would otherwise sum
+into each other's slots. A restarted trainer takes the rank over once the old process's streams
+ended.
+
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
 abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
-``forget_s``; a renewal for a run that was aborted and has no live lease left starts it afresh
-(a new run under the same id). Memory is bounded: at most ``max_runs`` runs and
+``forget_s``; a renewal for a run that was aborted and has no live lease left, or whose every
+rank released its lease (a job run again under its run id), starts it afresh (a new run under
+the same id), and the slot store forgets what the old one left (``SlotStore.forget_run``): its
+collectives count from 1 again. Memory is bounded: at most ``max_runs`` runs and
 ``max_leases`` leases in all (RESOURCE_EXHAUSTED past them), and one caller's runs (where
 tokens are on: a token's) at most half of ``max_runs``, so the teams sharing a server cannot
 take each other's place.
@@ -65,6 +73,7 @@ from paramshard.server.collectives.lease_records import (
     Listener,
     RunRecord,
     Witnesses,
+    check_holder,
     check_request,
 )
 from paramshard.server.runtime.errors import ShardError
@@ -93,7 +102,7 @@ class _Aborts(Protocol):
 
     def abort_run(self, run: str, epoch: int, why: str) -> int: ...
 
-    def forget_abort(self, run: str) -> None: ...
+    def forget_run(self, run: str) -> int: ...
 
 
 class LeaseTable:
@@ -128,8 +137,11 @@ class LeaseTable:
             now = self.clock()
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
+            check_holder(self._runs.get(req.run), req)  # releases and aborts too
             run = self._run_for(req, now, owner)
             if req.release:
+                if req.rank in run.leases and len(run.released) < self.max_leases:
+                    run.released.add(req.rank)
                 self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
@@ -155,6 +167,7 @@ class LeaseTable:
         with self._lock:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
+            check_holder(self._runs.get(req.run), req)
             now = self.clock()
             run = self._run_for(req, now, owner)
             self._hold(run, req, now)
@@ -235,7 +248,12 @@ class LeaseTable:
         if run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
-            if run.world_size != req.world_size or (run.aborted_epoch >= 0 and not survivor):
+            ended = not run.leases and len(run.released) >= run.world_size and not req.release
+            if (
+                run.world_size != req.world_size
+                or (run.aborted_epoch >= 0 and not survivor)
+                or ended  # every rank released its lease: the run ended
+            ):
                 self._forget(req.run, run)  # a new run under the same id
                 run = None
         if run is None:
@@ -288,6 +306,7 @@ class LeaseTable:
             )
             lease.heard, lease.closed_at = now, None
             run.recent = req.rank
+        lease.holder = req.holder or lease.holder
         run.idle_since = None
 
     def _unseen_end(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
@@ -362,7 +381,7 @@ class LeaseTable:
     def _forget(self, name: str, run: RunRecord) -> None:
         self._count -= len(run.leases)
         del self._runs[name]
-        self.slots.forget_abort(name)
+        self.slots.forget_run(name)
 
 
 def _listed(ranks: list[int]) -> str:

@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.gone_keys import GoneKeys, of_run
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot, missed
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
@@ -43,8 +43,6 @@ from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
-
-_FORGET_AFTER = 65536  # freed keys (and their cut) remembered for late retries and guesses
 
 
 class SlotStore:
@@ -63,9 +61,7 @@ class SlotStore:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
-        self._freed: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> its cut
-        self._ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
-        self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
+        self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -103,13 +99,12 @@ class SlotStore:
     def _slot(self, key: str) -> Slot | None:
         """The slot for ``key``, created on first use; None when it was freed already."""
         with self._lock:
-            if key in self._ended:
-                raise ShardError.aborted(self._ended[key])
+            if key in self._gone.ended:
+                raise ShardError.aborted(self._gone.ended[key])
             slot = self._slots.get(key)
-            if slot is None and key not in self._freed:
-                for run, (epoch, why) in self._aborted.items():
-                    if (e := run_epoch(key, run)) is not None and e <= epoch:
-                        raise ShardError.aborted(f"slot '{key}': {why}")
+            if slot is None and key not in self._gone.freed:
+                if (why := self._gone.aborted(key)) is not None:
+                    raise ShardError.aborted(why)
                 slot = self._slots[key] = Slot(key)
             return slot
 
@@ -244,7 +239,7 @@ class SlotStore:
         slot = self._slot(req.key)
         if slot is None:
             with self._lock:  # a guessed offset it never had, after its last read: none now
-                cut = self._freed.get(req.key)
+                cut = self._gone.freed.get(req.key)
             if req.guess and cut is not None and missed(*cut, req.offset):
                 chunk = pb.Chunk(offset=req.offset)
                 return pb.SlotHeader(key=req.key, total_numel=cut[0], chunk=chunk), b""
@@ -306,9 +301,7 @@ class SlotStore:
             self._release_locked(chunk.nbytes())
             if len(slot.freed) == slot.num_chunks():
                 self._slots.pop(slot.key, None)
-                self._freed[slot.key] = (slot.meta.total_numel, slot.meta.chunk_numel)
-                while len(self._freed) > _FORGET_AFTER:
-                    self._freed.popitem(last=False)
+                self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
 
     def _forget_if_unused(self, slot: Slot) -> None:
         """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
@@ -340,7 +333,8 @@ class SlotStore:
     def drop_run(self, run: str) -> int:
         """Drops every slot and mailbox of run ``run`` (keys ``<run>:...``, and its groups'
         ``<run>/<group>:...`` and restarts' ``<run>.e<epoch>:...``); returns how many."""
-        self.forget_abort(run)
+        with self._lock:
+            self._gone.forget_abort(run)
         return self._end_run(run, None, f"was dropped with run '{run}' (DropJob)")
 
     def abort_run(self, run: str, epoch: int, why: str) -> int:
@@ -348,7 +342,7 @@ class SlotStore:
         server/collectives/leases.py): its open slots end, and a key of those epochs not open yet is
         refused, both with ABORTED and ``why``. Returns how many slots ended."""
         with self._lock:
-            self._aborted[run] = (epoch, why)
+            self._gone.abort(run, epoch, why)
         return self._end_run(run, epoch, f"ended: {why}")
 
     def interrupt(self, why: str) -> None:
@@ -360,10 +354,19 @@ class SlotStore:
                 if slot.ended is None:
                     self._end(slot, f"slot '{slot.key}': {why}")
 
-    def forget_abort(self, run: str) -> None:
-        """Run ``run`` starts afresh (a new run under the same id): its keys open again."""
+    def forget_run(self, run: str) -> int:
+        """Run ``run`` is over (the lease table forgot it), so a new run under its id, whose
+        collectives count from 1 again, starts clean: the run's freed and ended keys are
+        forgotten, and its open slots dropped (a new rank's contribution would read as a retry
+        of the old one's, mixing the two runs' sums). Returns how many were dropped."""
         with self._lock:
-            self._aborted.pop(run, None)
+            self._gone.forget_run(run)
+            left = [s for k, s in self._slots.items() if of_run(k, run)]
+        for slot in left:
+            with slot.cond:
+                if slot.ended is None:
+                    self._end(slot, f"slot '{slot.key}': run '{run}' ended", remember=False)
+        return len(left)
 
     def _end_run(self, run: str, epoch: int | None, why: str) -> int:
         """Ends the open slots of ``run`` (of epochs up to ``epoch``; None: all)."""
@@ -379,8 +382,9 @@ class SlotStore:
                     self._end(slot, f"slot '{slot.key}' {why}")
         return len(mine)
 
-    def _end(self, slot: Slot, why: str) -> None:
-        """Caller holds ``slot.cond``: frees it, wakes its readers, remembers why."""
+    def _end(self, slot: Slot, why: str, remember: bool = True) -> None:
+        """Caller holds ``slot.cond``: frees it, wakes its readers, remembers why (unless
+        not ``remember``: its key may open again)."""
         slot.ended = why
         slot.cond.notify_all()
         with self._lock:
@@ -388,9 +392,8 @@ class SlotStore:
             slot.chunks.clear()
             if self._slots.get(slot.key) is slot:
                 del self._slots[slot.key]
-            self._ended[slot.key] = why
-            while len(self._ended) > _FORGET_AFTER:
-                self._ended.popitem(last=False)
+            if remember:
+                self._gone.note_ended(slot.key, why)
 
 
 def _what(key: str) -> str:

@@ -44,3 +44,4 @@ class ShardError(Exception):
     deadline = _status(grpc.StatusCode.DEADLINE_EXCEEDED)
     aborted = _status(grpc.StatusCode.ABORTED)
     cancelled = _status(grpc.StatusCode.CANCELLED)
+    conflict = _status(grpc.StatusCode.ALREADY_EXISTS)

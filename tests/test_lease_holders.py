@@ -1,0 +1,200 @@
+"""One process a rank (server/collectives/lease_records.py, ``check_holder``; client/leases.py).
+
+Two jobs that set the same run id by mistake on shared servers used to meet in the same slots:
+a contribution from the second job's rank 0 reads to the server as the first job's rank 0
+(a retry), and sums that mixed both jobs failed nowhere. Every lease request now names its
+process; while a rank's lease is held through an open stream, the servers refuse it to any
+other process, and a new client raises ``LeaseConflict`` before its first collective. A
+restarted rank, whose old process died, takes its rank over.
+
+The table's rules are checked on a fake clock; then real servers and processes: a second job's
+rank is refused while the first job trains on untouched, and a restart whose old process dies
+while it asks is let in."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from conftest import unique_id, worker_env
+from lease_fakes import Stream, new_table
+
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client.run_state import Notice, RunState
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.errors import ShardError
+
+
+def lease(holder: str, rank: int = 0, **kw) -> pb.LeaseRequest:
+    return pb.LeaseRequest(run="r", rank=rank, world_size=2, ttl_ms=2000, holder=holder, **kw)
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        lease("job-b"),
+        lease("job-b", release=True),
+        lease("job-b", abort="job b lost a server"),
+        lease("job-b", epoch=3),
+    ],
+    ids=["renewal", "release", "abort", "later-epoch"],
+)
+def test_another_process_is_refused_while_the_holders_stream_is_open(second):
+    leases, clock = new_table()
+    mine = Stream(rank=0)
+    leases.open_hold(lease("job-a"), mine)
+    leases.renew(lease("job-a", rank=1))
+    before = vars(leases._runs["r"].leases[0]).copy()
+    clock.now += 0.5
+    calls = [lambda: leases.renew(second)]
+    if not second.release and not second.abort:  # HoldLease refuses those as malformed
+        calls.append(lambda: leases.open_hold(second, Stream(rank=0)))
+    for call in calls:
+        with pytest.raises(ShardError) as refused:
+            call()
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        words = refused.value.message
+        assert "rank 0 of run 'r' is held by another process (job-a)" in words, words
+        assert "this one is job-b" in words and "Two jobs share the run id" in words, words
+    run = leases._runs["r"]
+    assert vars(run.leases[0]) == before  # the holder's lease is untouched
+    assert run.aborted_epoch == -1 and not mine.pushed  # nothing was aborted
+    assert leases.renew(lease("job-a")).aborted == ""  # the holder goes on
+
+
+def test_a_restarted_process_takes_the_rank_over_once_the_old_streams_ended():
+    leases, clock = new_table()
+    old = Stream(rank=0)
+    leases.open_hold(lease("old"), old)
+    leases.renew(lease("peer", rank=1))
+    assert leases.end_hold(old)  # the old process died: its kernel closed the connection
+    clock.now += 0.5  # within the grace: the run waits for it
+    new = Stream(rank=0)
+    assert leases.open_hold(lease("new"), new).aborted == ""
+    assert leases._runs["r"].leases[0].holder == "new"
+    with pytest.raises(ShardError) as late:  # the old process's last renewal, handled late
+        leases.renew(lease("old", stream=True))
+    assert late.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert leases.renew(lease("peer", rank=1)).aborted == ""
+
+
+def test_requests_without_a_holder_neither_are_refused_nor_refuse():
+    """Older clients send no holder: they keep the behaviour they had."""
+    leases, _ = new_table()
+    leases.open_hold(lease(""), Stream(rank=0))
+    leases.renew(lease("new"))  # an older client's stream does not refuse a named process
+    leases.renew(lease(""))  # nor is an unnamed request refused by a named holder
+    leases.open_hold(lease("new", rank=1), Stream(rank=1))
+    leases.renew(lease("", rank=1))
+
+
+def test_a_holder_too_long_is_refused_as_malformed():
+    leases, _ = new_table()
+    with pytest.raises(ShardError) as refused:
+        leases.renew(lease("x" * 300))
+    assert (
+        refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "holder" in refused.value.message
+    )
+    assert not leases._runs
+
+
+def test_a_refused_rank_fails_every_wait_on_its_peers_at_every_epoch():
+    state = RunState()
+    state.refuse("server 0 (x): rank 0 of run 'r' is held by another process")
+    assert state.current() is not None and not state.current().recoverable
+    state.advance(7)  # restart_collectives moves on: the refusal stays
+    assert "held by another process" in state.current().reason
+    state.abort(Notice("run 'r' aborted: rank 1 lost", 9))  # a later notice does not replace it
+    assert "held by another process" in state.current().reason
+
+
+_CLAIM = textwrap.dedent(
+    """
+    import os, sys, time
+    from paramshard.client import ClusterSpec, LeaseConflict, ShardClient
+
+    spec = ClusterSpec(os.environ["ADDRESSES"].split(","))
+    print("asking", flush=True)
+    try:
+        c = ShardClient(spec, rank=int(os.environ["RANK"]), world_size=2, run_id=os.environ["RUN"])
+    except LeaseConflict as exc:
+        print("refused", exc, flush=True)
+        sys.exit(3)
+    print("held", time.time(), flush=True)
+    if os.environ.get("HOLD"):
+        time.sleep(120)
+    c.close()
+    """
+)
+
+
+def _claim(addresses: str, run: str, rank: int, hold: bool = False) -> subprocess.Popen:
+    env = {**worker_env(), "ADDRESSES": addresses, "RUN": run, "RANK": str(rank)}
+    env = {**env, "GRPC_VERBOSITY": "ERROR", **({"HOLD": "1"} if hold else {})}
+    return subprocess.Popen(
+        [sys.executable, "-c", _CLAIM],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 60.0) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_second_job_under_the_same_run_id_is_refused_and_the_first_trains_on(servers):
+    nodes = servers(2)
+    addresses = [n.address for n in nodes]
+    run = unique_id("shared")
+    spec = ClusterSpec(addresses)
+    first = [ShardClient(spec, rank=r, world_size=2, run_id=run) for r in (0, 1)]
+    try:
+        began = time.monotonic()
+        out, err = _finish(_claim(",".join(addresses), run, rank=1))
+        assert out.startswith("asking\nrefused"), (out, err[-2000:])
+        assert f"pid {os.getpid()}" in out and "Two jobs share the run id" in out, out
+        assert time.monotonic() - began < 60
+        with ThreadPoolExecutor(2) as pool:  # the first job's sums are its own, as before
+            sums = list(pool.map(lambda c: c.all_reduce(np.full(4, c.rank + 1.0)), first))
+        assert all(np.array_equal(s, np.full(4, 3.0)) for s in sums), sums
+        assert all(c.run_state.current() is None for c in first)
+    finally:
+        for c in first:
+            c.close()
+
+
+def test_a_restart_whose_old_process_dies_while_it_asks_takes_the_rank(servers):
+    addresses = ",".join(n.address for n in servers(1))
+    run = unique_id("restart")
+    old = _claim(addresses, run, rank=0, hold=True)
+    new = None
+    try:
+        assert old.stdout.readline() == "asking\n" and old.stdout.readline().startswith("held")
+        new = _claim(addresses, run, rank=0)
+        assert new.stdout.readline() == "asking\n"
+        time.sleep(1.0)  # the new process is refused meanwhile: the old one holds its stream
+        killed_at = time.time()
+        os.kill(old.pid, signal.SIGKILL)
+        out, err = _finish(new)
+        assert new.returncode == 0 and out.startswith("held"), (out, err[-2000:])
+        assert float(out.split()[1]) > killed_at  # it held the rank only after the kill
+    finally:
+        for proc in (old, new):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.communicate()
