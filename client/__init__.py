@@ -7,7 +7,7 @@ and returned when the caller has torch loaded).
 from paramshard.client.buffers import ParamInfo, StepArgs
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.grad_check import GradCheck, NonFiniteGradientError
-from paramshard.client.leases import LeaseConflict
+from paramshard.client.lease_holds import LeaseConflict
 from paramshard.client.rpc import ShardClientError
 from paramshard.client.shard_client import ShardClient
 

@@ -22,7 +22,7 @@ import grpc
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["CONFLICT", "HoldStream", "REFUSALS", "holder_id"]
+__all__ = ["CONFLICT", "HoldStream", "LeaseConflict", "REFUSALS", "holder_id"]
 
 _METHOD = "/paramshard.v1.Shard/HoldLease"
 REFUSALS = frozenset(
@@ -40,6 +40,12 @@ renewals meanwhile), unlike a stream that broke, which is opened again at once."
 CONFLICT = grpc.StatusCode.ALREADY_EXISTS
 """How a server says that another process holds this rank through an open stream
 (server/collectives/lease_records.py, ``check_holder``): two jobs share the run id."""
+
+
+class LeaseConflict(RuntimeError):
+    """Another process holds this rank of this run on a server (two jobs share the run id, or
+    the rank was started twice): the client cannot be made; says which process, and where."""
+
 
 _holder_lock = threading.Lock()
 _holder: tuple[int, str] | None = None  # (pid, id)

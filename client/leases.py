@@ -37,12 +37,11 @@ A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms
 that long for its restart instead of aborting. Models that keep their state in the trainer
 (DDP, 3D) cannot rejoin and set it to 0 when built.
 
-Every request names this process (``holder_id``). A server where another process holds the
-rank through an open stream refuses it (ALREADY_EXISTS): two jobs share the run id, or the
-rank was started twice, and their sums would mix. A new client waits for its streams' first
-answers, asks such a server again for ``TAKEOVER_S`` (a restarted rank's old process may have
-died a moment ago), then raises ``LeaseConflict``; a client refused later fails every call
-that waits for other ranks with the server's words (``RunState.refuse``).
+Every request names this process (``holder_id``); a server where another process holds the
+rank through an open stream refuses it (ALREADY_EXISTS: two jobs share the run id). A new
+client waits for its streams' first answers and asks again for ``TAKEOVER_S`` (a restart's
+old process may have just died), then raises ``LeaseConflict``; one refused later fails every
+call that waits for other ranks (``RunState.refuse``).
 
 ``close()`` on the client (and, as a safety net, the interpreter's exit: protos/closing.py)
 releases its lease, then ends its streams and the threads that read them: a rank that ends
@@ -60,14 +59,14 @@ from typing import Any
 
 import grpc
 
-from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, holder_id
+from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict, holder_id
 from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
 from paramshard.client.restarts import max_restarts
 from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "LeaseConflict", "hold", "release"]
+__all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
 
 log = logging.getLogger("paramshard.leases")
 
@@ -90,11 +89,6 @@ _FAILING = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED,  # a server that stops cancels the calls it runs
 )
-
-
-class LeaseConflict(RuntimeError):
-    """Another process holds this rank of this run on a server (two jobs share the run id, or
-    the rank was started twice): the client cannot be made; says which process, and where."""
 
 
 def _env_seconds(name: str, default: float, low: float, high: float) -> float:
@@ -196,27 +190,29 @@ class _Holding:
             if stray is not None:
                 stray.close()
 
-    def await_holds(self, bound_s: float) -> None:
-        """Waits, at most ``bound_s``, for every stream's first answer (asking again, until
-        ``takeover_until``, the servers that say another process holds this rank), so that
-        such a rank is refused before its first collective."""
-        end = time.monotonic() + bound_s
-        while self.conflict is None and (left := end - time.monotonic()) > 0:
+    def await_holds(self) -> None:
+        """Waits for every stream's first answer (a silent server ``FIRST_ANSWER_S`` at most),
+        asking a server that says another process holds this rank again until
+        ``takeover_until``: such a rank is refused before its first collective."""
+        first_by, last = time.monotonic() + FIRST_ANSWER_S, self.takeover_until + FIRST_ANSWER_S
+        conflicted = False  # a server said so: its stream, asked again, is waited for
+        while self.conflict is None and not self.released and time.monotonic() < last:
             with self._lock:
                 holds = list(self.holds.values())
+            now = time.monotonic()
             waiting = [x for x in holds if not x.answered.is_set()]
-            if waiting:
-                waiting[0].answered.wait(min(left, 0.25))
-            elif any(x.ended is not None and x.ended[0] == CONFLICT for x in holds):
-                time.sleep(min(left, 0.25))
-                self.keep_holds()
+            if any(x.ended is not None and x.ended[0] == CONFLICT for x in holds):
+                conflicted = True
+                time.sleep(0.25 if now < self.takeover_until else 0.0)
+                self.keep_holds()  # asks again; refuses the rank once takeover_until passed
+            elif waiting and (now < first_by or conflicted):
+                waiting[0].answered.wait(0.25)
             else:
                 return
 
     def refuse(self, server: int, details: str) -> None:
-        """Server ``server`` says another process holds this rank: the rank leaves (its lease
-        goes where it held one, which aborts nothing there; where the other process holds it,
-        the server refuses the release) and fails every call that waits for other ranks."""
+        """Server ``server`` says another process holds this rank: the rank releases its lease
+        (refused where the other holds it) and fails every call that waits for other ranks."""
         client = self.client()
         address = client.spec.addresses[server] if client is not None else "?"
         with self._lock:
@@ -386,7 +382,7 @@ def hold(client: Any) -> None:
     holding = _Holding(client, ttl, rejoin)
     client.run_state.holding = holding
     holding.keep_holds()
-    holding.await_holds(TAKEOVER_S + FIRST_ANSWER_S)
+    holding.await_holds()
     if holding.conflict is not None:
         raise LeaseConflict(holding.conflict)
     if any(x is None or not x.open for x in map(holding.holds.get, range(client.num_servers))):

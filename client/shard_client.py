@@ -11,6 +11,7 @@ from paramshard.client import leases
 from paramshard.client.buffers import FlatBuffers
 from paramshard.client.cluster import ClusterSpec
 from paramshard.client.collectives import Collectives
+from paramshard.client.lease_holds import LeaseConflict
 from paramshard.client.rpc import DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientError
 from paramshard.client.run_id import UNNAMED, run_id_for, say_unnamed
 from paramshard.protos import closing
@@ -81,7 +82,7 @@ class ShardClient(Collectives, FlatBuffers):
         if world_size > 1:
             try:
                 leases.hold(self)  # the other ranks learn within seconds if this one dies
-            except leases.LeaseConflict:
+            except LeaseConflict:
                 self.close()
                 raise
 

@@ -24,6 +24,7 @@ from conftest import unique_id, worker_env
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.run_id import job_run_id
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.gone_keys import FORGET_AFTER, GoneKeys
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime.errors import ShardError
 from paramshard.strategies import ShardingConfiguration
@@ -178,3 +179,16 @@ def test_a_forgotten_run_leaves_no_key_behind_and_touches_no_other_run() -> None
         assert add(key, expected=2) is False, key
     assert add("r2:ar1/0", contributor=1, expected=2) is False  # r2's slot was kept, open
     read("r2:ar1/0")
+
+
+def test_the_books_of_gone_keys_stay_bounded_and_find_a_run_by_its_keys() -> None:
+    gone = GoneKeys()
+    for i in range(FORGET_AFTER + 10):  # the oldest ten go, from the index too
+        gone.note_freed(f"r{i % 3}:ar{i}/0", (i, 0))
+    assert len(gone.freed) == FORGET_AFTER and "r0:ar0/0" not in gone.freed
+    gone.note_ended("r1.e2/tp:ar1/0", "expired")
+    gone.forget_run("r1")
+    assert not [k for k in (*gone.freed, *gone.ended) if k.startswith("r1")]
+    assert len(gone.freed) == sum(i % 3 != 1 for i in range(10, FORGET_AFTER + 10))
+    gone.forget_run("r")  # no run "r": the others stay
+    assert len(gone.freed) > FORGET_AFTER // 2

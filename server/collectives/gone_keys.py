@@ -1,17 +1,25 @@
 """What the slot store (server/collectives/slots.py) remembers of slot keys that are gone, so
 that a late call on one is answered rather than opening a ghost slot: keys read by all their
 readers and freed (with their cut, for guessed reads), keys ended (expired, dropped, aborted:
-why), and the runs whose epochs were aborted. The store's lock guards it."""
+why), and the runs whose epochs were aborted. The store's lock guards it.
+
+A run that starts again under its id forgets its keys (``forget_run``). Keys are found by their
+run through an index of their heads (the part before ``:``, e.g. ``r``, ``r.e1/tp``), sorted,
+so forgetting costs a bisection and the run's own keys, not a walk over the 65,536 a book
+keeps: a caller who starts runs one after another cannot hold the store's lock for long."""
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections import OrderedDict
+from typing import Generic, TypeVar
 
 from paramshard.server.collectives.pending import run_epoch
 
 __all__ = ["FORGET_AFTER", "GoneKeys", "of_run"]
 
 FORGET_AFTER = 65536  # freed and ended keys remembered each, the oldest forgotten first
+V = TypeVar("V")
 
 
 def of_run(key: str, run: str) -> bool:
@@ -19,23 +27,70 @@ def of_run(key: str, run: str) -> bool:
     return key.startswith(run) and run_epoch(key, run) is not None
 
 
+class _Book(Generic[V]):
+    """Keys remembered in the order they came, the oldest forgotten past ``FORGET_AFTER``;
+    found by their run too."""
+
+    def __init__(self) -> None:
+        self.items: OrderedDict[str, V] = OrderedDict()
+        self._heads: dict[str, set[str]] = {}  # head -> its keys here
+        self._sorted: list[str] = []  # the heads, sorted: a run's are side by side
+
+    def put(self, key: str, value: V) -> None:
+        self.items[key] = value
+        head = key.split(":", 1)[0]
+        if head not in self._heads:
+            self._heads[head] = set()
+            insort(self._sorted, head)
+        self._heads[head].add(key)
+        while len(self.items) > FORGET_AFTER:
+            self._unindex(self.items.popitem(last=False)[0])
+
+    def forget_run(self, run: str) -> None:
+        heads = []
+        for head in self._sorted[bisect_left(self._sorted, run) :]:
+            if not head.startswith(run):
+                break
+            if of_run(head + ":", run):
+                heads.append(head)
+        for head in heads:
+            for key in self._heads[head]:
+                del self.items[key]
+            self._drop_head(head)
+
+    def _unindex(self, key: str) -> None:
+        head = key.split(":", 1)[0]
+        keys = self._heads[head]
+        keys.discard(key)
+        if not keys:
+            self._drop_head(head)
+
+    def _drop_head(self, head: str) -> None:
+        del self._heads[head]
+        del self._sorted[bisect_left(self._sorted, head)]
+
+
 class GoneKeys:
     """The slot store's memory of keys that are gone (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.freed: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> its cut
-        self.ended: OrderedDict[str, str] = OrderedDict()  # expired or dropped: key -> why
+        self._freed: _Book[tuple[int, int]] = _Book()  # key -> its cut
+        self._ended: _Book[str] = _Book()  # expired or dropped: key -> why
         self._aborted: dict[str, tuple[int, str]] = {}  # run -> (last aborted epoch, why)
 
+    @property
+    def freed(self) -> OrderedDict[str, tuple[int, int]]:
+        return self._freed.items
+
+    @property
+    def ended(self) -> OrderedDict[str, str]:
+        return self._ended.items
+
     def note_freed(self, key: str, cut: tuple[int, int]) -> None:
-        self.freed[key] = cut
-        while len(self.freed) > FORGET_AFTER:
-            self.freed.popitem(last=False)
+        self._freed.put(key, cut)
 
     def note_ended(self, key: str, why: str) -> None:
-        self.ended[key] = why
-        while len(self.ended) > FORGET_AFTER:
-            self.ended.popitem(last=False)
+        self._ended.put(key, why)
 
     def aborted(self, key: str) -> str | None:
         """Why a new slot ``key`` is refused: its run's epoch was aborted (None: it is not)."""
@@ -53,6 +108,5 @@ class GoneKeys:
     def forget_run(self, run: str) -> None:
         """Run ``run`` starts again under its id: its keys may all open again."""
         self._aborted.pop(run, None)
-        for book in (self.freed, self.ended):
-            for key in [k for k in book if of_run(k, run)]:
-                del book[key]
+        self._freed.forget_run(run)
+        self._ended.forget_run(run)

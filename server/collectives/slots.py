@@ -7,7 +7,8 @@ reader can fetch chunk k while chunk k+1 is still being reduced: the reduce-scat
 all-gather halves of an all-reduce overlap.
 
 A contribution is identified by (key, chunk offset, contributor) and counted once; recently
-freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot.
+freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot
+(server/collectives/gone_keys.py), until their run starts again under its id (``forget_run``).
 
 Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
 arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
