@@ -7,8 +7,8 @@ reader can fetch chunk k while chunk k+1 is still being reduced: the reduce-scat
 all-gather halves of an all-reduce overlap.
 
 A contribution is identified by (key, chunk offset, contributor) and counted once; recently
-freed keys are remembered so a late retry is acknowledged instead of opening a ghost slot
-(server/collectives/gone_keys.py), until their run starts again under its id (``forget_run``).
+freed keys are remembered (server/collectives/gone_keys.py, until their run is forgotten) so a
+late retry is acknowledged instead of opening a ghost slot.
 
 Float SUM and MEAN add a chunk's contributions in contributor order, whatever order they
 arrive in (unless the header asks for ``arrival_order``): contributor c is added once 0..c-1
@@ -356,10 +356,9 @@ class SlotStore:
                     self._end(slot, f"slot '{slot.key}': {why}")
 
     def forget_run(self, run: str) -> int:
-        """Run ``run`` is over (the lease table forgot it), so a new run under its id, whose
-        collectives count from 1 again, starts clean: the run's freed and ended keys are
-        forgotten, and its open slots dropped (a new rank's contribution would read as a retry
-        of the old one's, mixing the two runs' sums). Returns how many were dropped."""
+        """Run ``run`` is over (the lease table forgot it): a new run under its id starts clean,
+        its freed and ended keys forgotten, its open slots dropped (a new rank's contribution
+        would read as a retry of the old one's). Returns how many were dropped."""
         with self._lock:
             self._gone.forget_run(run)
             left = [s for k, s in self._slots.items() if of_run(k, run)]
