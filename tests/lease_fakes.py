@@ -3,6 +3,8 @@ a clock the test moves, a stream that records what the table pushes, a rank's re
 
 from __future__ import annotations
 
+import numpy as np
+
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.slots import SlotStore
@@ -39,6 +41,24 @@ class Stream:
 
     def stop(self) -> None:
         self.stopped = True
+
+
+def contribute(
+    slots: SlotStore, key: str, contributor: int, expected: int = 2, readers: int = 0
+) -> bool:
+    """Adds ones to slot ``key`` as ``contributor`` of ``expected`` (read by ``readers``,
+    default ``expected``); whether the store took it for a retry."""
+    header = pb.SlotHeader(
+        key=key,
+        op=pb.SUM,
+        expected=expected,
+        readers=readers or expected,
+        contributor=contributor,
+        total_numel=4,
+        chunk_numel=4,
+        chunk=pb.Chunk(offset=0, numel=4, dtype=pb.FLOAT32),
+    )
+    return slots.contribute(header, memoryview(np.ones(4, dtype=np.float32)).cast("B"))
 
 
 def lease(rank: int = 0, **kw) -> pb.LeaseRequest:

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import unique_id, worker_env
-from lease_fakes import Clock
+from lease_fakes import Clock, contribute
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.leases import LEASE_TTL_ENV
@@ -34,21 +34,6 @@ from paramshard.server.runtime.errors import ShardError
 
 def lease(run="r", rank=0, world=2, epoch=0, ttl_ms=1000, **kw) -> pb.LeaseRequest:
     return pb.LeaseRequest(run=run, rank=rank, world_size=world, epoch=epoch, ttl_ms=ttl_ms, **kw)
-
-
-def contribute(slots: SlotStore, key: str, contributor: int, expected: int = 2) -> None:
-    values = np.ones(4, dtype=np.float32)
-    header = pb.SlotHeader(
-        key=key,
-        op=pb.SUM,
-        expected=expected,
-        readers=expected,
-        contributor=contributor,
-        total_numel=4,
-        chunk_numel=4,
-        chunk=pb.Chunk(offset=0, numel=4, dtype=pb.FLOAT32),
-    )
-    slots.contribute(header, memoryview(values).cast("B"))
 
 
 def keep(leases: LeaseTable, clock: Clock, seconds: float, *ranks: int) -> pb.LeaseReply:

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from conftest import unique_id, worker_env
+from lease_fakes import contribute
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.run_id import job_run_id
@@ -149,18 +150,8 @@ def test_a_rank_that_comes_after_its_peer_left_is_in_the_same_run(servers) -> No
 def test_a_forgotten_run_leaves_no_key_behind_and_touches_no_other_run() -> None:
     store = SlotStore()
 
-    def add(key: str, contributor: int = 0, expected: int = 1, readers: int = 1) -> bool:
-        header = pb.SlotHeader(
-            key=key,
-            op=pb.SUM,
-            expected=expected,
-            readers=readers,
-            contributor=contributor,
-            total_numel=2,
-            chunk_numel=2,
-            chunk=pb.Chunk(offset=0, numel=2, dtype=pb.FLOAT32),
-        )
-        return store.contribute(header, memoryview(np.ones(2, np.float32)).cast("B"))
+    def add(key: str, contributor: int = 0, expected: int = 1) -> bool:
+        return contribute(store, key, contributor, expected)
 
     def read(key: str) -> None:
         store.read(pb.ReadSlotRequest(key=key, offset=0, reader=0), timeout=1.0)
