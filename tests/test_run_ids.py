@@ -7,7 +7,7 @@ others failed on slots already freed. A strategy's configuration now takes its j
 
 A job run again under a fixed run id (torchrun's ``--rdzv-id``, PARAMSHARD_RUN) on the same
 servers failed at its first broadcast: the servers remembered the first run's keys as freed.
-A run whose every rank released its lease is now forgotten with its keys
+A run whose ranks all released their leases is now forgotten with its keys
 (``SlotStore.forget_run``), and the next one starts clean."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 from conftest import unique_id, worker_env
-from lease_fakes import contribute
+from lease_fakes import contribute, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.run_id import job_run_id
@@ -124,7 +124,7 @@ def test_a_job_run_again_under_its_run_id_starts_clean(servers) -> None:
     """Run the same job again on the same servers with a fixed run id (torchrun's --rdzv-id,
     PARAMSHARD_RUN): its collectives count from 1 again. The servers used to remember the first
     run's keys as freed, so the second run's first broadcast failed with NOT_FOUND; now the
-    servers forget a run whose every rank released its lease."""
+    servers forget a run whose ranks all released their leases."""
     addresses = [n.address for n in servers(2)]
     run = unique_id("again")
     assert _job(addresses, run, 1.0) == [[7.0, 3.0]] * 2
@@ -183,3 +183,27 @@ def test_the_books_of_gone_keys_stay_bounded_and_find_a_run_by_its_keys() -> Non
     assert len(gone.freed) == sum(i % 3 != 1 for i in range(10, FORGET_AFTER + 10))
     gone.forget_run("r")  # no run "r": the others stay
     assert len(gone.freed) > FORGET_AFTER // 2
+
+
+def test_a_run_whose_ranks_left_is_forgotten_once_nothing_of_it_waits() -> None:
+    """An elastic job of at most three ranks ran with two: its run is over when both released
+    and no slot of it is open, and runs again clean; a rank that comes after its peer left to
+    read what the peer sent still finds it."""
+    leases, _ = new_table()
+
+    def lease_(rank: int, **kw) -> pb.LeaseRequest:
+        return pb.LeaseRequest(run="e", rank=rank, world_size=3, ttl_ms=2000, holder="h", **kw)
+
+    def read(key: str, reader: int) -> None:
+        leases.slots.read(pb.ReadSlotRequest(key=key, offset=0, reader=reader), timeout=1.0)
+
+    leases.renew(lease_(0))
+    contribute(leases.slots, "e:bc1/0", 0, expected=1, readers=1)  # sent, not read yet
+    leases.renew(lease_(0, release=True))
+    leases.renew(lease_(1))  # late: the run is still there, and so is what rank 0 sent
+    assert [x.key for x in leases.slots.open_slots()] == ["e:bc1/0"]
+    read("e:bc1/0", 1)
+    leases.renew(lease_(1, release=True))
+    assert contribute(leases.slots, "e:bc1/0", 0, expected=1) is True  # a late retry now
+    leases.renew(lease_(0))  # the job again: two of three released, nothing open
+    assert contribute(leases.slots, "e:bc1/0", 0, expected=1) is False  # a new slot

@@ -48,13 +48,13 @@ ended.
 
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
 abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
-``forget_s``; a renewal for a run that was aborted and has no live lease left, or whose every
-rank released its lease (a job run again under its run id), starts it afresh (a new run under
-the same id), and the slot store forgets what the old one left (``SlotStore.forget_run``): its
-collectives count from 1 again. Memory is bounded: at most ``max_runs`` runs and
-``max_leases`` leases in all (RESOURCE_EXHAUSTED past them), and one caller's runs (where
-tokens are on: a token's) at most half of ``max_runs``, so the teams sharing a server cannot
-take each other's place.
+``forget_s``; a renewal for a run that was aborted and has no live lease left, or that ended
+(``_ended``: its ranks released their leases; a job run again under its run id), starts it
+afresh (a new run under the same id), and the slot store forgets what the old one left
+(``SlotStore.forget_run``): its collectives count from 1 again. Memory is bounded: at most
+``max_runs`` runs and ``max_leases`` leases in all (RESOURCE_EXHAUSTED past them), and one
+caller's runs (where tokens are on: a token's) at most half of ``max_runs``, so the teams
+sharing a server cannot take each other's place.
 
 Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
 run), when a stream's grace ends (its handler looks) and by the server's sweeper, so no thread
@@ -68,6 +68,7 @@ import time
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.collectives.lease_records import (
     LeaseRecord,
     Listener,
@@ -76,6 +77,7 @@ from paramshard.server.collectives.lease_records import (
     check_holder,
     check_request,
 )
+from paramshard.server.collectives.slot import Slot
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = ["LeaseTable"]
@@ -103,6 +105,8 @@ class _Aborts(Protocol):
     def abort_run(self, run: str, epoch: int, why: str) -> int: ...
 
     def forget_run(self, run: str) -> int: ...
+
+    def open_slots(self) -> list[Slot]: ...
 
 
 class LeaseTable:
@@ -248,11 +252,11 @@ class LeaseTable:
         if run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
-            ended = not run.leases and len(run.released) >= run.world_size and not req.release
+            ended = not run.leases and not req.release and self._ended(req.run, run)
             if (
                 run.world_size != req.world_size
                 or (run.aborted_epoch >= 0 and not survivor)
-                or ended  # every rank released its lease: the run ended
+                or ended  # its ranks released their leases: the run ended
             ):
                 self._forget(req.run, run)  # a new run under the same id
                 run = None
@@ -277,6 +281,15 @@ class LeaseTable:
                 f" size {req.world_size}: two runs share the id"
             )
         return run
+
+    def _ended(self, name: str, run: RunRecord) -> bool:
+        """Whether run ``name``, whose leases are all gone, ended: every rank released its
+        lease, or some did and nothing of the run waits in a slot (an elastic job whose ranks
+        never all ran). A rank that comes after its peers left, to read what they sent, finds
+        its run still there."""
+        if len(run.released) >= run.world_size:
+            return True
+        return bool(run.released) and not any(of_run(x.key, name) for x in self.slots.open_slots())
 
     def _hold(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
         lease = run.leases.get(req.rank)
