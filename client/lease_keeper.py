@@ -4,8 +4,10 @@ holds, keeps their streams open, and ends with the last one."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Protocol
 
 from paramshard.protos import closing
@@ -15,6 +17,10 @@ __all__ = ["RENEWALS_A_SECOND", "RENEW_S", "Keeper", "renewal_pace"]
 log = logging.getLogger("paramshard.leases")
 
 RENEW_S = 1.0
+STUCK_S = 30.0
+"""A renewing thread that has not come round for this long is taken for stuck (in a gRPC call
+that never returns): the next lease added starts another, and the stuck one leaves when it
+comes back. A rank whose renewals stop is taken for dead by the servers."""
 RENEWALS_A_SECOND = 64
 """A rank of a run of more ranks renews a server every ``world_size / RENEWALS_A_SECOND`` s: a
 renewal costs a server 0.3-0.45 ms of CPU (``python -m benchmarks.leases``). The server still
@@ -53,14 +59,34 @@ class Keeper:
         self._holdings: list[_Held] = []
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._round = 0.0  # when the thread last began a round
 
     def add(self, holding: _Held) -> None:
         with self._lock:
             self._holdings.append(holding)
+            if self._thread is not None and not self._came_round():
+                self._thread = None
             if self._thread is None:
                 self._wake.clear()
+                self._round = time.monotonic()
                 self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
                 self._thread.start()
+
+    def _came_round(self) -> bool:
+        """Whether the thread is alive and began a round within ``STUCK_S``; if not, says where
+        it is (caller holds ``_lock``)."""
+        thread, late = self._thread, time.monotonic() - self._round
+        if thread is not None and thread.is_alive() and late < STUCK_S:
+            return True
+        frame = sys._current_frames().get(thread.ident) if thread is not None else None
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(ended)\n"
+        log.warning(
+            "the lease renewing thread has not come round for %.0f s; another one"
+            " starts. It was at:\n%s",
+            late,
+            where,
+        )
+        return False
 
     def discard(self, holding: _Held) -> None:
         """``holding`` was released: the thread ends (and is waited for) with the last one."""
@@ -76,7 +102,10 @@ class Keeper:
         while True:
             began = time.monotonic()
             with self._lock:
+                if self._thread is not threading.current_thread():
+                    return  # taken for stuck meanwhile: another thread renews
                 self._wake.clear()
+                self._round = began
                 live = [h for h in self._holdings if not h.released and h.client() is not None]
                 # a client dropped without close(): its streams end here (a released one's
                 # end in its release, on the thread that closes)
