@@ -34,7 +34,7 @@ import time
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.gone_keys import GoneKeys, of_run
+from paramshard.server.collectives.gone_keys import GoneKeys
 from paramshard.server.collectives.pending import parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot, missed
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
@@ -361,14 +361,9 @@ class SlotStore:
         would read as a retry of the old one's). Returns how many were dropped."""
         with self._lock:
             self._gone.forget_run(run)
-            left = [s for k, s in self._slots.items() if of_run(k, run)]
-        for slot in left:
-            with slot.cond:
-                if slot.ended is None:
-                    self._end(slot, f"slot '{slot.key}': run '{run}' ended", remember=False)
-        return len(left)
+        return self._end_run(run, None, f"was dropped: run '{run}' ended", remember=False)
 
-    def _end_run(self, run: str, epoch: int | None, why: str) -> int:
+    def _end_run(self, run: str, epoch: int | None, why: str, remember: bool = True) -> int:
         """Ends the open slots of ``run`` (of epochs up to ``epoch``; None: all)."""
         with self._lock:
             mine = [
@@ -379,7 +374,7 @@ class SlotStore:
         for slot in mine:
             with slot.cond:
                 if slot.ended is None:
-                    self._end(slot, f"slot '{slot.key}' {why}")
+                    self._end(slot, f"slot '{slot.key}' {why}", remember)
         return len(mine)
 
     def _end(self, slot: Slot, why: str, remember: bool = True) -> None:
