@@ -9,6 +9,7 @@ the server raises them, read here by a thread of its own that blocks in gRPC (wi
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
@@ -22,7 +23,7 @@ import grpc
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["CONFLICT", "HoldStream", "LeaseConflict", "REFUSALS", "holder_id"]
+__all__ = ["CONFLICT", "HoldStream", "LeaseConflict", "REFUSALS", "holder_id", "next_client"]
 
 _METHOD = "/paramshard.v1.Shard/HoldLease"
 REFUSALS = frozenset(
@@ -60,6 +61,16 @@ def holder_id() -> str:
         if _holder is None or _holder[0] != pid:
             _holder = (pid, f"{socket.gethostname()[:64]} pid {pid} {secrets.token_hex(4)}")
         return _holder[1]
+
+
+_clients = itertools.count(1)
+
+
+def next_client() -> int:
+    """A number for one more client of this process (``LeaseRequest.client``): a closed
+    client's release, late on a loaded machine, then drops nothing of the lease that the
+    process's next client holds for the same rank."""
+    return next(_clients)
 
 
 class HoldStream:

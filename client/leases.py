@@ -37,7 +37,8 @@ A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms
 that long for its restart instead of aborting. Models that keep their state in the trainer
 (DDP, 3D) cannot rejoin and set it to 0 when built.
 
-Every request names this process (``holder_id``); a server where another process holds the
+Every request names this process and client (``holder_id``, ``next_client``: a closed client's
+late release drops nothing of the next one's lease); a server where another process holds the
 rank through an open stream refuses it (ALREADY_EXISTS: two jobs share the run id). A new
 client waits for its streams' first answers and asks again for ``TAKEOVER_S`` (a restart's
 old process may have just died), then raises ``LeaseConflict``; one refused later fails every
@@ -59,11 +60,11 @@ from typing import Any
 
 import grpc
 
-from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict, holder_id
+from paramshard.client import lease_holds, lease_releases
+from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict
 from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
 from paramshard.client.restarts import max_restarts
 from paramshard.client.run_state import Notice, RunState
-from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -124,6 +125,7 @@ class _Holding:
         self.released = False
         self.conflict: str | None = None  # another process holds this rank: why, as told
         self.takeover_until = time.monotonic() + TAKEOVER_S
+        self.number = lease_holds.next_client()  # LeaseRequest.client
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
         return pb.LeaseRequest(
@@ -133,7 +135,8 @@ class _Holding:
             epoch=self.state.epoch,
             ttl_ms=int(self.ttl_s * 1000),
             rejoin_ms=int(self.rejoin_s * 1000),
-            holder=holder_id(),
+            holder=lease_holds.holder_id(),
+            client=self.number,
             **kw,
         )
 
@@ -357,18 +360,9 @@ class _Holding:
         with self._lock:
             released, self.released = self.released, True
         if not released:
-            _wait(self.start(self._request(release=True)))
+            request = self._request(release=True)
+            lease_releases.await_release(self.client(), request, self.start(request))
         self.close_holds()
-
-
-def _wait(sent: list[tuple[int, Any]], bound_s: float = closing.STEP_S) -> None:
-    """Waits, at most ``bound_s`` in all, for calls whose replies do not matter."""
-    deadline = time.monotonic() + bound_s
-    for _, fut in sent:
-        try:
-            fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            pass
 
 
 keeper = Keeper()
@@ -380,6 +374,8 @@ def hold(client: Any) -> None:
     ttl = _env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
     rejoin = _env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
+    lease_releases.send_again(client, holding.run)  # earlier clients' releases, if late
+    holding.takeover_until = time.monotonic() + TAKEOVER_S
     client.run_state.holding = holding
     holding.keep_holds()
     holding.await_holds()

@@ -90,7 +90,8 @@ def random_run(rng: random.Random, now: float, world: int) -> RunRecord:
         closed = rng.choice([None, rng.uniform(since, now)])
         expires = rng.uniform(now - 10, now + 10) if closed is None else closed + 1.0
         record = LeaseRecord(expires, 0, 30.0, 0.0, since, heard, closed_at=closed)
-        record.holds = rng.choice([0, 0, 0, 1])
+        if rng.random() < 0.25:  # held by an open stream
+            record.held_by.add(Stream(rank=rank))
         run.leases[rank] = record
     return run
 

@@ -15,17 +15,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 from conftest import unique_id, worker_env
-from lease_fakes import contribute, new_table
+from lease_fakes import Stream, contribute, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.run_id import job_run_id
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.gone_keys import FORGET_AFTER, GoneKeys
+from paramshard.server.collectives.leases import LeaseTable
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime.errors import ShardError
 from paramshard.strategies import ShardingConfiguration
@@ -207,3 +211,114 @@ def test_a_run_whose_ranks_left_is_forgotten_once_nothing_of_it_waits() -> None:
     assert contribute(leases.slots, "e:bc1/0", 0, expected=1) is True  # a late retry now
     leases.renew(lease_(0))  # the job again: two of three released, nothing open
     assert contribute(leases.slots, "e:bc1/0", 0, expected=1) is False  # a new slot
+
+
+def test_a_closed_clients_late_release_drops_nothing_of_the_next_clients_lease() -> None:
+    """One process runs a two-rank job twice under one run id (a script's loop, a notebook).
+    On a loaded machine the first job's releases reached the server after the second job's
+    clients leased the same ranks: same process, so nothing refused them, and they dropped the
+    new leases and counted as the ranks' releases; the next renewal then found the run ended
+    and dropped the second job's open slots (its all-reduce waited for a part that was gone).
+    A release now drops only the lease of the client that sent it."""
+    leases, _ = new_table()
+
+    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
+        return pb.LeaseRequest(
+            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
+        )
+
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=1 + rank))  # the first job's clients
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=3 + rank))  # the second job's, before those released
+    assert contribute(leases.slots, "j:ar1/0", 0) is False  # rank 0's part of its all-reduce
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=1 + rank, release=True))  # the first job's, late
+    run = leases._runs["j"]
+    assert sorted(run.leases) == [0, 1] and not run.released
+    assert [run.leases[r].client for r in (0, 1)] == [3, 4]
+    leases.renew(lease_(1, client=4))
+    assert [x.key for x in leases.slots.open_slots()] == ["j:ar1/0"]
+    assert contribute(leases.slots, "j:ar1/0", 1) is False  # rank 1's part: the same sum
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=3 + rank, release=True))  # the second job's own
+    assert not leases._runs["j"].leases and leases._runs["j"].released == {0, 1}
+
+
+def test_a_released_leases_stream_that_ends_late_leaves_the_next_clients_lease_held() -> None:
+    """Rank 0's process closes its client and makes another for the same rank of the same run
+    while rank 1 trains on. The old client's stream ended on the server only after the new
+    one's opened: it used to count against the new lease, which then read as closed and
+    lapsed UNSEEN_END_S later under a live rank that held it by its stream (an abort). A
+    release now takes its streams' count with it."""
+    leases, clock = new_table()
+
+    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
+        return pb.LeaseRequest(
+            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
+        )
+
+    old, new = Stream(run="j", rank=0), Stream(run="j", rank=0)
+    leases.open_hold(lease_(0, client=1), old)
+    leases.renew(lease_(1, client=2))
+    leases.renew(lease_(0, client=1, release=True))  # in time; its stream ends later
+    leases.open_hold(lease_(0, client=3), new)
+    assert not leases.end_hold(old)  # nothing to decide: it held the released lease
+    assert leases._runs["j"].leases[0].holds == 1
+    for _ in range(10):  # rank 0 holds by its stream and renews; rank 1 renews
+        clock.now += 1.0
+        assert leases.renew(lease_(0, client=3, stream=True)).aborted == ""
+        assert leases.renew(lease_(1, client=2)).aborted == ""
+    assert not new.pushed and leases.live_ranks("j") == {0, 1}
+
+
+def test_releases_answered_late_are_sent_again_before_the_next_run_leases(
+    servers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The servers answer every client's first release only after its close gave up waiting
+    (a loaded machine): the job run again in the same process must still find the last run
+    ended. The next client sends the unanswered releases of the run again and waits for their
+    answers before it leases; the first copies, when they come, drop nothing."""
+    addresses = [n.address for n in servers(2)]
+    run = unique_id("slow-release")
+    real, seen, late = LeaseTable.renew, set(), []
+
+    def renew(self: LeaseTable, req: pb.LeaseRequest, owner: str | None = None):
+        if req.release and req.run == run and (id(self), req.client) not in seen:
+            seen.add((id(self), req.client))
+            time.sleep(2 * closing.STEP_S)  # past the client's wait and the call's deadline
+            late.append(req.client)
+        return real(self, req, owner)
+
+    monkeypatch.setattr(LeaseTable, "renew", renew)
+    assert _job(addresses, run, 1.0) == [[7.0, 3.0]] * 2
+    assert _job(addresses, run, 10.0) == [[70.0, 30.0]] * 2
+    assert _job(addresses, run, 100.0) == [[700.0, 300.0]] * 2
+    assert len(late) >= 8  # both servers held back the first two runs' four releases
+
+
+def test_a_released_clients_late_renewal_and_stream_hold_nothing() -> None:
+    """A renewal or stream that a client sent just before its release, and that reached the
+    server after it, used to lease the rank again for a whole TTL: the ended run then stayed
+    (the next run under its id met its keys), or the stream, closed a moment later, lapsed
+    under a run that went on. Now they hold nothing, and the next run starts clean."""
+    leases, _ = new_table()
+
+    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
+        return pb.LeaseRequest(
+            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
+        )
+
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=1 + rank))
+    contribute(leases.slots, "j:ar1/0", 0, expected=1, readers=1)
+    leases.slots.read(pb.ReadSlotRequest(key="j:ar1/0", offset=0, reader=0), timeout=1.0)
+    for rank in (0, 1):
+        leases.renew(lease_(rank, client=1 + rank, release=True))
+    leases.renew(lease_(1, client=2, stream=True))  # rank 1's last renewal, late
+    with pytest.raises(ShardError) as refused:
+        leases.open_hold(lease_(0, client=1), Stream(run="j", rank=0))  # rank 0's, late
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert not leases._runs["j"].leases
+    leases.renew(lease_(0, client=3))  # the job again: the last run ended, its keys went
+    assert contribute(leases.slots, "j:ar1/0", 0, expected=1) is False  # a new slot

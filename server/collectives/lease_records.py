@@ -1,5 +1,14 @@
 """What a server keeps of one run's leases, and the checks a lease request passes before
-anything changes (server/collectives/leases.py holds the rules that use them)."""
+anything changes (server/collectives/leases.py holds the rules that use them).
+
+One process a rank: each request names its process and its client in the process
+(``LeaseRequest.holder``, ``client``). While a rank's lease is held through an open stream,
+another process's requests for it are refused with ALREADY_EXISTS (``check_holder``): two jobs
+under one run id would otherwise sum into each other's slots. A restarted trainer takes the
+rank over once the old process's streams ended. A client's requests that come late change
+nothing: a release once the process's next client holds the rank (``superseded``), a renewal
+or stream once the client released (``released_before``).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +20,16 @@ from typing import Protocol
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["LeaseRecord", "Listener", "RunRecord", "Witnesses", "check_holder", "check_request"]
+__all__ = [
+    "LeaseRecord",
+    "Listener",
+    "RunRecord",
+    "Witnesses",
+    "check_holder",
+    "check_request",
+    "released_before",
+    "superseded",
+]
 
 MAX_RUN_CHARS = 256
 MAX_WORLD = 1 << 20
@@ -40,13 +58,20 @@ class LeaseRecord:
     rejoin_s: float
     since: float  # when its current unbroken run of liveness began
     heard: float  # its last renewal or stream opening
-    holds: int = 0  # its open streams
+    held_by: set[Listener] = field(default_factory=set)  # the open streams that hold it
     closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
     lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
     holder: str = ""  # the process that renewed or held it last (empty: an older client)
+    client: int = 0  # which client of that process (0: an older client)
+
+    @property
+    def holds(self) -> int:
+        """Its open streams: those opened for it, not those of a lease its rank released (a
+        closed client's stream that ends after the next client leased the rank)."""
+        return len(self.held_by)
 
     def live(self, now: float) -> bool:
-        return self.holds > 0 or self.expires >= now
+        return bool(self.held_by) or self.expires >= now
 
     @property
     def last_alive(self) -> float:
@@ -78,6 +103,7 @@ class RunRecord:
     streams: set[Listener] = field(default_factory=set)
     awaiting: set[int] = field(default_factory=set)  # ranks whose lease lapsed, still kept
     released: set[int] = field(default_factory=set)  # ranks that released theirs: all = ended
+    released_by: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> its client
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
     live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
     live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
@@ -217,3 +243,24 @@ def check_holder(run: RunRecord | None, req: pb.LeaseRequest) -> None:
             " started twice. (A host that vanished holds its stream until this server's TCP"
             " user timeout ends it.)"
         )
+
+
+def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:
+    """Whether renewal or stream ``req`` comes from a client that released its rank's lease
+    here already: sent before the release, it came after. It holds nothing: a lease made from
+    it would keep an ended run from being forgotten (the next run would meet its keys), or,
+    held by a stream its client is closing, lapse and abort a run that goes on."""
+    if run is None or not req.holder or not req.client:  # an older client: not told apart
+        return False
+    return run.released_by.get(req.rank) == (req.holder, req.client)
+
+
+def superseded(run: RunRecord, req: pb.LeaseRequest) -> bool:
+    """Whether release ``req`` comes from another client than the one that renewed or held
+    its rank's lease last: a closed client whose release, late on a loaded machine, reached
+    this server after the same process's next client leased the rank. It drops nothing: the
+    lease is the new client's, and counted as released it would end a run that goes on."""
+    lease = run.leases.get(req.rank)
+    if lease is None or not lease.holder or not req.holder:
+        return False
+    return (lease.holder, lease.client) != (req.holder, req.client)

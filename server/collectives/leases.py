@@ -16,15 +16,15 @@ A rank holds its lease on every server in two ways (client/leases.py):
   run's notice. A lease with no open stream (a server at its stream bound, an older client)
   lapses a TTL after its last renewal (``PARAMSHARD_LEASE_TTL_S``, 30 s by default).
 
-A lapse means the rank died or lost the network.
-Then the run's current epoch is aborted on this server: its open reduction slots and
-mailboxes end with ABORTED ("run 'R' aborted: rank 3 lost ..."; "run 'R': rank 1 recovers:
-server 2 (ADDRESS) lost ..." when a rank asked for it), a key of that epoch not open
-yet is refused the same way (``SlotStore.abort_run``), and every renewal by a rank at that
-epoch or an earlier one carries the notice back (``LeaseReply.aborted``), so the other ranks
-stop waiting at once: their client cancels its calls in flight (the open streams carry the
-notice too, at once). A rank that lost a server asks the others' servers to abort the epoch
-(``LeaseRequest.abort``), and 3D recovery starts at once.
+A lapse means the rank died or lost the network. Then the run's current epoch is aborted on
+this server: its open reduction slots and mailboxes end with ABORTED ("run 'R' aborted: rank 3
+lost ..."; "run 'R': rank 1 recovers: server 2 (ADDRESS) lost ..." when a rank asked for it), a
+key of that epoch not open yet is refused the same way (``SlotStore.abort_run``), and every
+renewal by a rank at that epoch or an earlier one carries the notice back
+(``LeaseReply.aborted``), so the other ranks stop waiting at once: their client cancels its
+calls in flight (the open streams carry the notice too, at once). A rank that lost a server
+asks the others' servers to abort the epoch (``LeaseRequest.abort``), and 3D recovery starts at
+once.
 
 A lapse counts only with a *witness*: another rank of the run whose renewal reached this server
 after the silence began (the stream's end, or the TTL's), and whose renewals reached it all
@@ -32,33 +32,26 @@ along (since before the silent rank was last known alive: its last renewal, or i
 end while a stream held its lease; or for ``ISOLATED_GRACE_S`` after they resumed). A server
 cut off from every trainer hears from nobody, so it cannot tell a dead rank from its own
 broken link and decides nothing; when the link comes back, the ranks' renewals resume and
-nothing was aborted. (A rank that a server alone cannot hear while the
-others can is taken for lost: to the run it is.) Leases that lapse with no witness are dropped
-silently after ``forget_s``.
+nothing was aborted. (A rank that a server alone cannot hear while the others can is taken for
+lost: to the run it is.) Leases that lapse with no witness are dropped silently after
+``forget_s``.
 
 A rank that may come back (``paramshard launch --max-restarts``; its lease carries
 ``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
 within that time after the lapse. A restarted trainer renews the same rank.
 
-One process a rank: each request names its process (``LeaseRequest.holder``), and while a
-rank's lease is held through an open stream, another process's requests for that rank are
-refused with ALREADY_EXISTS (``check_holder``): two jobs under one run id would otherwise sum
-into each other's slots. A restarted trainer takes the rank over once the old process's streams
-ended.
+One process a rank, and a closed client's late requests: server/collectives/lease_records.py.
 
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
-abort does not touch. A run whose leases are all gone (released, lapsed) is forgotten after
-``forget_s``; a renewal for a run that was aborted and has no live lease left, or that ended
-(``_ended``: its ranks released their leases; a job run again under its run id), starts it
-afresh (a new run under the same id), and the slot store forgets what the old one left
-(``SlotStore.forget_run``): its collectives count from 1 again. Memory is bounded: at most
-``max_runs`` runs and ``max_leases`` leases in all (RESOURCE_EXHAUSTED past them), and one
-caller's runs (where tokens are on: a token's) at most half of ``max_runs``, so the teams
-sharing a server cannot take each other's place.
+abort does not touch. A run whose leases are all gone is forgotten after ``forget_s``; a
+renewal for a run that was aborted with no live lease left, or that ended (``_ended``: a job
+run again under its run id), starts a new run under the id, and the slot store forgets what
+the old one left (``SlotStore.forget_run``): its collectives count from 1 again. Memory is
+bounded: at most ``max_runs`` runs and ``max_leases`` leases (RESOURCE_EXHAUSTED past them),
+and one caller's (where tokens are on: a token's) at most half of ``max_runs``.
 
-Lapses are found lazily, when any rank of the run renews (at most every ``CHECK_EVERY_S`` per
-run), when a stream's grace ends (its handler looks) and by the server's sweeper, so no thread
-waits per lease.
+Lapses are found lazily: when a rank of the run renews (at most every ``CHECK_EVERY_S``), when
+a stream's grace ends, and by the server's sweeper; no thread waits per lease.
 """
 
 from __future__ import annotations
@@ -76,6 +69,8 @@ from paramshard.server.collectives.lease_records import (
     Witnesses,
     check_holder,
     check_request,
+    released_before,
+    superseded,
 )
 from paramshard.server.collectives.slot import Slot
 from paramshard.server.runtime.errors import ShardError
@@ -141,12 +136,17 @@ class LeaseTable:
             now = self.clock()
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
-            check_holder(self._runs.get(req.run), req)  # releases and aborts too
+            found = self._runs.get(req.run)
+            check_holder(found, req)  # releases and aborts too
+            if found is not None and not req.abort and released_before(found, req):
+                return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
             if req.release:
-                if req.rank in run.leases and len(run.released) < self.max_leases:
-                    run.released.add(req.rank)
-                self._drop_lease(run, req.rank, now)
+                if not superseded(run, req):  # else a closed client's, late: it drops nothing
+                    if req.rank in run.leases and len(run.released) < self.max_leases:
+                        run.released.add(req.rank)
+                        run.released_by[req.rank] = (req.holder, req.client)
+                    self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
             if req.abort:
@@ -172,10 +172,12 @@ class LeaseTable:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
             check_holder(self._runs.get(req.run), req)
+            if released_before(self._runs.get(req.run), req):
+                raise ShardError.precondition("HoldLease: this client released the rank's lease")
             now = self.clock()
             run = self._run_for(req, now, owner)
             self._hold(run, req, now)
-            run.leases[req.rank].holds += 1
+            run.leases[req.rank].held_by.add(stream)
             run.streams.add(stream)
             return run.notice(req.epoch)
 
@@ -188,10 +190,10 @@ class LeaseTable:
                 return False
             run.streams.discard(stream)
             lease = run.leases.get(stream.rank)
-            if lease is None or self._closed.is_set():
+            if lease is None or stream not in lease.held_by or self._closed.is_set():
                 return False  # released (or the server stops): nothing to decide
-            lease.holds -= 1
-            if lease.holds:
+            lease.held_by.discard(stream)
+            if lease.held_by:
                 return False
             now = self.clock()
             lease.closed_at, lease.expires = now, now + STREAM_GRACE_S
@@ -302,8 +304,8 @@ class LeaseTable:
             self._count += 1
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
-            holds = lease.holds if lease is not None else 0
-            lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, holds=holds)
+            held = lease.held_by if lease is not None else set()
+            lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, held_by=held)
             run.put(req.rank, lease)
         else:
             back = not lease.live(now)
@@ -319,7 +321,8 @@ class LeaseTable:
             )
             lease.heard, lease.closed_at = now, None
             run.recent = req.rank
-        lease.holder = req.holder or lease.holder
+        if req.holder:
+            lease.holder, lease.client = req.holder, req.client
         run.idle_since = None
 
     def _unseen_end(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:

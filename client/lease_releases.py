@@ -1,0 +1,134 @@
+"""Releases that a closed client could not see answered, sent again before the same process's
+next client leases the same rank of the same run.
+
+A client's ``close()`` waits for its release at most ``closing.STEP_S``, and a call that timed
+out on the client may still run on its server later. So on a loaded machine, a script that runs
+one job twice under one run id (a loop, a notebook) could lease the rank again before the first
+run's release reached the server. The server then could not tell the runs apart: it forgets a
+run whose ranks released (server/collectives/leases.py, ``_ended``), and here they had not yet,
+so the second run met the first one's keys and failed at its first collective. Now the next
+client sends the unanswered release again and waits for its answer (``AGAIN_S`` at most)
+before it leases; the first copy, if it comes later still, drops nothing
+(server/collectives/lease_records.py, ``superseded``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import grpc
+
+from paramshard.client.lease_holds import CONFLICT
+from paramshard.protos import closing
+from paramshard.protos import shard_pb2 as pb
+
+__all__ = ["AGAIN_S", "FORGET_S", "KEPT", "await_release", "send_again"]
+
+log = logging.getLogger(__name__)
+
+AGAIN_S = 5.0
+"""How long the next client waits for the answers to the releases it sends again: a server
+that answers none in that time is down or stopped, and the next client goes on (its lease then
+takes the rank over, and the old release drops nothing when it comes)."""
+KEPT = 256
+"""Releases kept unanswered at most (the oldest go first): one per rank a process ran."""
+FORGET_S = 120.0
+"""A release older than this is not sent again: it reached its server long ago, or the server
+is gone."""
+
+_lock = threading.Lock()
+_unanswered: dict[tuple[str, int], tuple[float, pb.LeaseRequest, frozenset[str]]] = {}
+_sending: dict[str, threading.Event] = {}  # run -> set when its releases were sent again
+
+
+def _answered(fut: Any) -> bool:
+    """Whether a release call is known to have reached its server: answered, or refused
+    because another process holds the rank (nothing of this process's is there to release)."""
+    if not fut.done() or fut.cancelled():
+        return False
+    error = fut.exception()
+    return error is None or (isinstance(error, grpc.Call) and error.code() == CONFLICT)
+
+
+def await_release(client: Any, request: pb.LeaseRequest, sent: list[tuple[int, Any]]) -> None:
+    """Waits ``closing.STEP_S`` at most in all for release ``request``, sent to ``client``'s
+    servers as ``sent`` (server, future), and keeps it for the process's next client of the
+    rank if some server did not answer."""
+    deadline = time.monotonic() + closing.STEP_S
+    for _, fut in sent:
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            pass
+    if client is not None:
+        _note(request, [client.spec.addresses[i] for i, fut in sent if not _answered(fut)])
+
+
+def _note(request: pb.LeaseRequest, addresses: list[str]) -> None:
+    """Release ``request`` was not seen answered by the servers at ``addresses``."""
+    key = (request.run, request.rank)
+    with _lock:
+        _unanswered.pop(key, None)
+        if addresses:
+            _unanswered[key] = (time.monotonic(), request, frozenset(addresses))
+        while len(_unanswered) > KEPT:
+            del _unanswered[next(iter(_unanswered))]
+
+
+def send_again(client: Any, run: str) -> None:
+    """Before ``client`` leases a rank of run ``run``: sends the unanswered releases of the
+    run's earlier clients in this process again, to those of their servers that ``client`` has,
+    and waits for the answers (``AGAIN_S`` at most). Every rank's, not only its own: a run
+    whose ranks all released is forgotten when the next one leases, and a rank of the next run
+    that leased before an old rank's release came would keep the old run. A client that comes
+    while another sends waits for it."""
+    kept: list[tuple[pb.LeaseRequest, frozenset[str]]] = []
+    with _lock:
+        busy = _sending.get(run)
+        if busy is None:
+            now = time.monotonic()
+            for key in [k for k in _unanswered if k[0] == run]:
+                at, request, addresses = _unanswered.pop(key)
+                if now - at < FORGET_S:
+                    kept.append((request, addresses))
+            if not kept:
+                return
+            busy = _sending[run] = threading.Event()
+    if not kept:
+        busy.wait(AGAIN_S)
+        return
+    try:
+        _send(client, kept)
+    finally:
+        with _lock:
+            del _sending[run]
+        busy.set()
+
+
+def _send(client: Any, kept: list[tuple[pb.LeaseRequest, frozenset[str]]]) -> None:
+    metadata = client.spec.metadata()
+    sent = [
+        (i, request, client._stub(i, "Lease").future(request, timeout=AGAIN_S, metadata=metadata))
+        for request, addresses in kept
+        for i, address in enumerate(client.spec.addresses)
+        if address in addresses
+    ]
+    deadline = time.monotonic() + AGAIN_S
+    for i, request, fut in sent:
+        try:
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
+            pass
+        if not _answered(fut):
+            log.warning(
+                "run '%s': an earlier client of this process for rank %d released its lease,"
+                " and server %s answered neither that release nor, in %g s, the same again;"
+                " leasing anyway (if that run had ended, this one may meet its keys there)",
+                request.run,
+                request.rank,
+                client.spec.addresses[i],
+                AGAIN_S,
+            )
