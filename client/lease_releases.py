@@ -7,9 +7,10 @@ one job twice under one run id (a loop, a notebook) could lease the rank again b
 run's release reached the server. The server then could not tell the runs apart: it forgets a
 run whose ranks released (server/collectives/leases.py, ``_ended``), and here they had not yet,
 so the second run met the first one's keys and failed at its first collective. Now the next
-client sends the unanswered release again and waits for its answer (``AGAIN_S`` at most)
-before it leases; the first copy, if it comes later still, drops nothing
-(server/collectives/lease_records.py, ``superseded``).
+client of the run sends the run's unanswered releases again and waits for their answers
+(``AGAIN_S`` at most) before it leases; a first copy that comes later still drops nothing
+(server/collectives/lease_records.py, ``superseded``). Another process has no such list: see
+docs/inspection-and-recovery.md.
 """
 
 from __future__ import annotations
