@@ -1,5 +1,5 @@
 """Releases that a closed client could not see answered, sent again before the same process's
-next client leases the same rank of the same run.
+next client of the same run leases.
 
 A client's ``close()`` waits for its release at most ``closing.STEP_S``, and a call that timed
 out on the client may still run on its server later. So on a loaded machine, a script that runs
