@@ -124,6 +124,7 @@ class _Holding:
         self._lock = threading.Lock()
         self.released = False
         self.conflict: str | None = None  # another process holds this rank: why, as told
+        self.made = False  # the client's construction is over (hold returned)
         self.takeover_until = time.monotonic() + TAKEOVER_S
         self.number = lease_holds.next_client()  # LeaseRequest.client
 
@@ -222,7 +223,8 @@ class _Holding:
             if self.conflict is not None:
                 return
             self.conflict = f"server {server} ({address}): {details}"
-        self.state.refuse(self.conflict)
+            made = self.made  # else the client's construction raises it: said once
+        self.state.refuse(self.conflict, say=made)
         self.release()
 
     def _on_reply(self, server: int, reply: pb.LeaseReply) -> None:
@@ -379,7 +381,9 @@ def hold(client: Any) -> None:
     client.run_state.holding = holding
     holding.keep_holds()
     holding.await_holds()
-    if holding.conflict is not None:
+    with holding._lock:
+        holding.made = holding.conflict is None
+    if not holding.made:
         raise LeaseConflict(holding.conflict)
     if any(x is None or not x.open for x in map(holding.holds.get, range(client.num_servers))):
         holding.renew()  # a server without a stream knows the lease before the first collective

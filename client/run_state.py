@@ -82,8 +82,9 @@ class RunState:
         with self._lock:
             self._in_flight.discard(future)
 
-    def abort(self, notice: Notice) -> None:
-        """Takes ``notice`` and cancels the calls in flight, if it applies to this epoch."""
+    def abort(self, notice: Notice, say: bool = True) -> None:
+        """Takes ``notice`` and cancels the calls in flight, if it applies to this epoch; logs
+        it unless not ``say`` (the caller raises it)."""
         with self._lock:
             if notice.epoch < self.epoch or self.notice == notice:
                 return
@@ -91,7 +92,8 @@ class RunState:
                 return  # that epoch ended already
             self.notice = notice
             pending = list(self._in_flight)
-        log.warning("%s", notice.reason)
+        if say:
+            log.warning("%s", notice.reason)
         for future in pending:
             future.cancel()
 
@@ -101,11 +103,11 @@ class RunState:
         reason = self.holding.post_abort(cause) if self.holding is not None else None
         self.abort(Notice(reason or cause, self.epoch))
 
-    def refuse(self, reason: str) -> None:
+    def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the
         run id): every call that waits for other ranks fails with ``reason`` from now on, at
-        every epoch, and nothing recovers from it."""
-        self.abort(Notice(reason, FINAL, final=True))
+        every epoch, and nothing recovers from it. Logged unless not ``say``."""
+        self.abort(Notice(reason, FINAL, final=True), say)
 
     def cannot_rejoin(self) -> None:
         """This rank keeps state in its process (DDP, 3D): were it lost, the others must not

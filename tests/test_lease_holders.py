@@ -168,6 +168,7 @@ def test_a_second_job_under_the_same_run_id_is_refused_and_the_first_trains_on(s
         out, err = _finish(_claim(",".join(addresses), run, rank=1))
         assert out.startswith("asking\nrefused"), (out, err[-2000:])
         assert f"pid {os.getpid()}" in out and "Two jobs share the run id" in out, out
+        assert "Two jobs share the run id" not in err, err[-2000:]  # raised, not logged too
         assert time.monotonic() - began < 60
         with ThreadPoolExecutor(2) as pool:  # the first job's sums are its own, as before
             sums = list(pool.map(lambda c: c.all_reduce(np.full(4, c.rank + 1.0)), first))
