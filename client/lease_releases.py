@@ -9,8 +9,9 @@ run whose ranks released (server/collectives/leases.py, ``_ended``), and here th
 so the second run met the first one's keys and failed at its first collective. Now the next
 client of the run sends the run's unanswered releases again and waits for their answers
 (``AGAIN_S`` at most) before it leases; a first copy that comes later still drops nothing
-(server/collectives/lease_records.py, ``superseded``). Another process has no such list: see
-docs/inspection-and-recovery.md.
+(server/collectives/lease_records.py, ``superseded``). The next job in another process has
+no such list; there the old run ends when no live process is behind its leases
+(``abandoned``, same file).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ another process's requests for it are refused with ALREADY_EXISTS (``check_holde
 under one run id would otherwise sum into each other's slots. A restarted trainer takes the
 rank over once the old process's streams ended. A client's requests that come late change
 nothing: a release once the process's next client holds the rank (``superseded``), a renewal
-or stream once the client released (``released_before``).
+or stream once the client released (``released_before``). A process new to a run in which no
+live process is behind any lease starts a new run (``abandoned``: a killed job run again).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Protocol
+from typing import Any, Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
@@ -25,8 +27,10 @@ __all__ = [
     "Listener",
     "RunRecord",
     "Witnesses",
+    "abandoned",
     "check_holder",
     "check_request",
+    "ended_run",
     "released_before",
     "superseded",
 ]
@@ -253,6 +257,39 @@ def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:
     if run is None or not req.holder or not req.client:  # an older client: not told apart
         return False
     return run.released_by.get(req.rank) == (req.holder, req.client)
+
+
+def ended_run(name: str, run: RunRecord, slots: Any) -> bool:
+    """Whether run ``name``, whose leases are all gone, ended: every rank released its lease,
+    or some did and nothing of the run waits in a slot of ``slots`` (an elastic job whose
+    ranks never all ran). A rank that comes after its peers left, to read what they sent,
+    finds its run still there."""
+    if len(run.released) >= run.world_size:
+        return True
+    return bool(run.released) and not any(of_run(x.key, name) for x in slots.open_slots())
+
+
+def abandoned(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
+    """Whether ``req`` comes from a process new to run ``run`` (it holds none of its leases)
+    while no lease of the run has a live process behind it: none held by an open stream or
+    renewed since its last stream ended, and no rank awaited for a restart. That is a job whose
+    ranks were all killed (a launcher that saw one rank die stops the others: nothing was
+    released, and no rank lived on to witness a lapse), run again under its run id at once:
+    a new run, or it would meet the old one's keys and open slots. A run whose ranks released
+    theirs is left to ``ended_run``. Cheap for a rank's own renewals (its lease's
+    holder is asked first) and for a live run (its first live lease ends the walk)."""
+    if not req.holder or req.release or not run.leases:
+        return False
+    mine = run.leases.get(req.rank)
+    if mine is not None and mine.holder == req.holder:
+        return False
+    return not any(
+        lease.holds
+        or (lease.closed_at is None and lease.expires >= now)
+        or lease.holder == req.holder
+        or (lease.rejoin_s > 0 and now - lease.expires < lease.rejoin_s)
+        for lease in run.leases.values()
+    )
 
 
 def superseded(run: RunRecord, req: pb.LeaseRequest) -> bool:

@@ -44,9 +44,10 @@ One process a rank, and a closed client's late requests: server/collectives/leas
 
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
 abort does not touch. A run whose leases are all gone is forgotten after ``forget_s``; a
-renewal for a run that was aborted with no live lease left, or that ended (``_ended``: a job
-run again under its run id), starts a new run under the id, and the slot store forgets what
-the old one left (``SlotStore.forget_run``): its collectives count from 1 again. Memory is
+renewal for a run that was aborted with no live lease left, or that ended (``ended_run``: a job
+run again under its run id; ``abandoned``: all its ranks killed), starts a new run under the
+id, and the slot store forgets what the old one left (``SlotStore.forget_run``): its
+collectives count from 1 again. Memory is
 bounded: at most ``max_runs`` runs and ``max_leases`` leases (RESOURCE_EXHAUSTED past them),
 and one caller's (where tokens are on: a token's) at most half of ``max_runs``.
 
@@ -61,14 +62,15 @@ import time
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.collectives.lease_records import (
     LeaseRecord,
     Listener,
     RunRecord,
     Witnesses,
+    abandoned,
     check_holder,
     check_request,
+    ended_run,
     released_before,
     superseded,
 )
@@ -251,10 +253,13 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
-        if run is not None and not run.any_live(now, but=req.rank):
+        if run is not None and abandoned(run, req, now):  # its ranks were all killed
+            self._forget(req.run, run)  # a new job asks: a new run under the same id
+            run = None
+        elif run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
-            ended = not run.leases and not req.release and self._ended(req.run, run)
+            ended = not run.leases and not req.release and ended_run(req.run, run, self.slots)
             if (
                 run.world_size != req.world_size
                 or (run.aborted_epoch >= 0 and not survivor)
@@ -283,15 +288,6 @@ class LeaseTable:
                 f" size {req.world_size}: two runs share the id"
             )
         return run
-
-    def _ended(self, name: str, run: RunRecord) -> bool:
-        """Whether run ``name``, whose leases are all gone, ended: every rank released its
-        lease, or some did and nothing of the run waits in a slot (an elastic job whose ranks
-        never all ran). A rank that comes after its peers left, to read what they sent, finds
-        its run still there."""
-        if len(run.released) >= run.world_size:
-            return True
-        return bool(run.released) and not any(of_run(x.key, name) for x in self.slots.open_slots())
 
     def _hold(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
         lease = run.leases.get(req.rank)
