@@ -38,7 +38,7 @@ that long for its restart instead of aborting. Models that keep their state in t
 (DDP, 3D) cannot rejoin and set it to 0 when built.
 
 Every request names this process and client (``holder_id``, ``next_client``: a closed client's
-late release drops nothing of the next one's lease); a server where another process holds the
+late requests change nothing on the servers); a server where another process holds the
 rank through an open stream refuses it (ALREADY_EXISTS: two jobs share the run id). A new
 client waits for its streams' first answers and asks again for ``TAKEOVER_S`` (a restart's
 old process may have just died), then raises ``LeaseConflict``; one refused later fails every
