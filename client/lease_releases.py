@@ -55,16 +55,21 @@ def _answered(fut: Any) -> bool:
     return error is None or (isinstance(error, grpc.Call) and error.code() == CONFLICT)
 
 
-def await_release(client: Any, request: pb.LeaseRequest, sent: list[tuple[int, Any]]) -> None:
-    """Waits ``closing.STEP_S`` at most in all for release ``request``, sent to ``client``'s
-    servers as ``sent`` (server, future), and keeps it for the process's next client of the
-    rank if some server did not answer."""
-    deadline = time.monotonic() + closing.STEP_S
-    for _, fut in sent:
+def _wait(futures: list[Any], bound_s: float) -> None:
+    """Waits for ``futures`` (release calls), ``bound_s`` at most in all."""
+    deadline = time.monotonic() + bound_s
+    for fut in futures:
         try:
             fut.result(timeout=max(0.0, deadline - time.monotonic()))
         except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
             pass
+
+
+def await_release(client: Any, request: pb.LeaseRequest, sent: list[tuple[int, Any]]) -> None:
+    """Waits ``closing.STEP_S`` at most in all for release ``request``, sent to ``client``'s
+    servers as ``sent`` (server, future), and keeps it for the process's next client of the
+    rank if some server did not answer."""
+    _wait([fut for _, fut in sent], closing.STEP_S)
     if client is not None:
         _note(request, [client.spec.addresses[i] for i, fut in sent if not _answered(fut)])
 
@@ -118,12 +123,8 @@ def _send(client: Any, kept: list[tuple[pb.LeaseRequest, frozenset[str]]]) -> No
         for i, address in enumerate(client.spec.addresses)
         if address in addresses
     ]
-    deadline = time.monotonic() + AGAIN_S
+    _wait([fut for _, _, fut in sent], AGAIN_S)
     for i, request, fut in sent:
-        try:
-            fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except (grpc.RpcError, grpc.FutureTimeoutError, grpc.FutureCancelledError):
-            pass
         if not _answered(fut):
             log.warning(
                 "run '%s': an earlier client of this process for rank %d released its lease,"

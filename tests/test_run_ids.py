@@ -213,6 +213,13 @@ def test_a_run_whose_ranks_left_is_forgotten_once_nothing_of_it_waits() -> None:
     assert contribute(leases.slots, "e:bc1/0", 0, expected=1) is False  # a new slot
 
 
+def _client_lease(rank: int, client: int, **kw) -> pb.LeaseRequest:
+    """A request of client ``client`` of process "p" for rank ``rank`` of run "j"."""
+    return pb.LeaseRequest(
+        run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
+    )
+
+
 def test_a_closed_clients_late_release_drops_nothing_of_the_next_clients_lease() -> None:
     """One process runs a two-rank job twice under one run id (a script's loop, a notebook).
     On a loaded machine the first job's releases reached the server after the second job's
@@ -222,26 +229,21 @@ def test_a_closed_clients_late_release_drops_nothing_of_the_next_clients_lease()
     A release now drops only the lease of the client that sent it."""
     leases, _ = new_table()
 
-    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
-        return pb.LeaseRequest(
-            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
-        )
-
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=1 + rank))  # the first job's clients
+        leases.renew(_client_lease(rank, client=1 + rank))  # the first job's clients
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=3 + rank))  # the second job's, before those released
+        leases.renew(_client_lease(rank, client=3 + rank))  # the second job, not yet released
     assert contribute(leases.slots, "j:ar1/0", 0) is False  # rank 0's part of its all-reduce
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=1 + rank, release=True))  # the first job's, late
+        leases.renew(_client_lease(rank, client=1 + rank, release=True))  # the first job's, late
     run = leases._runs["j"]
     assert sorted(run.leases) == [0, 1] and not run.released
     assert [run.leases[r].client for r in (0, 1)] == [3, 4]
-    leases.renew(lease_(1, client=4))
+    leases.renew(_client_lease(1, client=4))
     assert [x.key for x in leases.slots.open_slots()] == ["j:ar1/0"]
     assert contribute(leases.slots, "j:ar1/0", 1) is False  # rank 1's part: the same sum
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=3 + rank, release=True))  # the second job's own
+        leases.renew(_client_lease(rank, client=3 + rank, release=True))  # the second job's own
     assert not leases._runs["j"].leases and leases._runs["j"].released == {0, 1}
 
 
@@ -253,22 +255,17 @@ def test_a_released_leases_stream_that_ends_late_leaves_the_next_clients_lease_h
     release now takes its streams' count with it."""
     leases, clock = new_table()
 
-    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
-        return pb.LeaseRequest(
-            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
-        )
-
     old, new = Stream(run="j", rank=0), Stream(run="j", rank=0)
-    leases.open_hold(lease_(0, client=1), old)
-    leases.renew(lease_(1, client=2))
-    leases.renew(lease_(0, client=1, release=True))  # in time; its stream ends later
-    leases.open_hold(lease_(0, client=3), new)
+    leases.open_hold(_client_lease(0, client=1), old)
+    leases.renew(_client_lease(1, client=2))
+    leases.renew(_client_lease(0, client=1, release=True))  # in time; its stream ends later
+    leases.open_hold(_client_lease(0, client=3), new)
     assert not leases.end_hold(old)  # nothing to decide: it held the released lease
     assert leases._runs["j"].leases[0].holds == 1
     for _ in range(10):  # rank 0 holds by its stream and renews; rank 1 renews
         clock.now += 1.0
-        assert leases.renew(lease_(0, client=3, stream=True)).aborted == ""
-        assert leases.renew(lease_(1, client=2)).aborted == ""
+        assert leases.renew(_client_lease(0, client=3, stream=True)).aborted == ""
+        assert leases.renew(_client_lease(1, client=2)).aborted == ""
     assert not new.pushed and leases.live_ranks("j") == {0, 1}
 
 
@@ -304,21 +301,16 @@ def test_a_released_clients_late_renewal_and_stream_hold_nothing() -> None:
     under a run that went on. Now they hold nothing, and the next run starts clean."""
     leases, _ = new_table()
 
-    def lease_(rank: int, client: int, **kw) -> pb.LeaseRequest:
-        return pb.LeaseRequest(
-            run="j", rank=rank, world_size=2, ttl_ms=2000, holder="p", client=client, **kw
-        )
-
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=1 + rank))
+        leases.renew(_client_lease(rank, client=1 + rank))
     contribute(leases.slots, "j:ar1/0", 0, expected=1, readers=1)
     leases.slots.read(pb.ReadSlotRequest(key="j:ar1/0", offset=0, reader=0), timeout=1.0)
     for rank in (0, 1):
-        leases.renew(lease_(rank, client=1 + rank, release=True))
-    leases.renew(lease_(1, client=2, stream=True))  # rank 1's last renewal, late
+        leases.renew(_client_lease(rank, client=1 + rank, release=True))
+    leases.renew(_client_lease(1, client=2, stream=True))  # rank 1's last renewal, late
     with pytest.raises(ShardError) as refused:
-        leases.open_hold(lease_(0, client=1), Stream(run="j", rank=0))  # rank 0's, late
+        leases.open_hold(_client_lease(0, client=1), Stream(run="j", rank=0))  # rank 0's, late
     assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert not leases._runs["j"].leases
-    leases.renew(lease_(0, client=3))  # the job again: the last run ended, its keys went
+    leases.renew(_client_lease(0, client=3))  # the job again: the last run ended, its keys went
     assert contribute(leases.slots, "j:ar1/0", 0, expected=1) is False  # a new slot

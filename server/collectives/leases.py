@@ -47,9 +47,9 @@ abort does not touch. A run whose leases are all gone is forgotten after ``forge
 renewal for a run that was aborted with no live lease left, or that ended (``ended_run``: a job
 run again under its run id; ``abandoned``: all its ranks killed), starts a new run under the
 id, and the slot store forgets what the old one left (``SlotStore.forget_run``): its
-collectives count from 1 again. Memory is
-bounded: at most ``max_runs`` runs and ``max_leases`` leases (RESOURCE_EXHAUSTED past them),
-and one caller's (where tokens are on: a token's) at most half of ``max_runs``.
+collectives count from 1 again. Memory is bounded: at most ``max_runs`` runs and
+``max_leases`` leases (RESOURCE_EXHAUSTED past them), and one caller's (where tokens are on: a
+token's) at most half of ``max_runs``.
 
 Lapses are found lazily: when a rank of the run renews (at most every ``CHECK_EVERY_S``), when
 a stream's grace ends, and by the server's sweeper; no thread waits per lease.
@@ -173,8 +173,9 @@ class LeaseTable:
         with self._lock:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
-            check_holder(self._runs.get(req.run), req)
-            if released_before(self._runs.get(req.run), req):
+            found = self._runs.get(req.run)
+            check_holder(found, req)
+            if released_before(found, req):
                 raise ShardError.precondition("HoldLease: this client released the rank's lease")
             now = self.clock()
             run = self._run_for(req, now, owner)
