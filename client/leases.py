@@ -27,10 +27,9 @@ aborted: rank 3 lost ..."), until it moves to a newer epoch (``restart_collectiv
 others (the rank's process is gone); one that names a lost server can.
 
 Under ``train_with_recovery`` (``RunState.fail_fast``), a server whose stream ended and whose
-renewals fail for ``STREAM_GRACE_S`` (a server process that died), or that fails every renewal
-for a TTL (one that vanished), is taken for lost: the client gives up its epoch on the other
-servers, and every rank starts recovering at once. Otherwise an unreachable server is waited
-for as the calls' retries allow: a link cut shorter than that ends nothing.
+renewals fail for ``STREAM_GRACE_S`` (its process died), or that fails every renewal for a TTL
+(it vanished), is taken for lost: the client gives up its epoch on the other servers, and every
+rank recovers at once. Otherwise the calls' retries decide how long a server is waited for.
 
 A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms``
 (``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the servers then wait
@@ -38,11 +37,10 @@ that long for its restart instead of aborting. Models that keep their state in t
 (DDP, 3D) cannot rejoin and set it to 0 when built.
 
 Every request names this process and client (``holder_id``, ``next_client``: a closed client's
-late requests change nothing on the servers); a server where another process holds the
-rank through an open stream refuses it (ALREADY_EXISTS: two jobs share the run id). A new
-client waits for its streams' first answers and asks again for ``TAKEOVER_S`` (a restart's
-old process may have just died), then raises ``LeaseConflict``; one refused later fails every
-call that waits for other ranks (``RunState.refuse``).
+late requests change nothing on the servers); a server where another process holds the rank
+through an open stream refuses it (ALREADY_EXISTS: two jobs share the run id). A new client
+waits for its streams' first answers and asks again for ``TAKEOVER_S``, then raises
+``LeaseConflict``; one refused later fails every call that waits for other ranks.
 
 ``close()`` on the client (and, as a safety net, the interpreter's exit: protos/closing.py)
 releases its lease, then ends its streams and the threads that read them: a rank that ends
@@ -80,10 +78,11 @@ STREAM_GRACE_S = 1.0
 failed this long: the servers give a rank the same (server/collectives/leases.py)."""
 HOLD_RETRY_S = 30.0  # a server that refused a stream is asked again after this long
 FIRST_ANSWER_S = 2.0  # how long a new client waits for its streams' first answers, at most
-TAKEOVER_S = 5.0
+TAKEOVER_S = 12.0
 """For this long after a client is made, a server that says another process holds its rank
 (``CONFLICT``) is asked again: that process may have just died, its streams' end not yet seen
-there (a restart). After it, the rank is refused (``RunState.refuse``)."""
+there (a restart), or its whole job did (a server waits ``SETTLE_S``, 8 s, for such a job's
+ranks: server/collectives/lease_records.py). Then the rank is refused (``RunState.refuse``)."""
 
 _FAILING = (
     grpc.StatusCode.UNAVAILABLE,
@@ -94,10 +93,8 @@ _FAILING = (
 
 def _env_seconds(name: str, default: float, low: float, high: float) -> float:
     raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
     try:
-        value = float(raw)
+        value = float(raw) if raw else default
     except ValueError:
         value = float("nan")
     if not low <= value <= high:
@@ -116,6 +113,7 @@ class _Holding:
         self.ttl_s, self.rejoin_s = ttl_s, rejoin_s
         self.failing_since: dict[int, tuple[float, int]] = {}  # server -> (since, epoch)
         self.silenced: set[int] = set()  # servers that refuse leases for good
+        self.full: set[int] = set()  # servers at their bound of leases: asked at each renewal
         self.holds: dict[int, HoldStream] = {}  # server -> its stream
         self.refused_until: dict[int, float] = {}  # server -> when to ask for a stream again
         self.stream_lost: set[int] = set()  # servers whose stream broke and is not back
@@ -311,6 +309,7 @@ class _Holding:
             if sending is not None:
                 self.answered[i] = sending
             self.failing_since.pop(i, None)
+            self.full.discard(i)
             if reply.aborted:
                 self.state.abort(Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank))
 
@@ -325,9 +324,14 @@ class _Holding:
             return
         if code not in _FAILING:
             # an older server, a token without the train role, a run id it refuses: no lease
-            # there (the calls themselves will say what is wrong)
-            log.warning("no lease on server %d: %s: %s", server, code.name, exc.details())
-            self.silenced.add(server)
+            # there (the calls themselves will say what is wrong); a full one: none for now
+            full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if server not in self.full:
+                later = " for now (asked again at each renewal)" if full else ""
+                log.warning(
+                    "no lease on server %d%s: %s: %s", server, later, code.name, exc.details()
+                )
+            (self.full if full else self.silenced).add(server)
             return
         since, epoch = self.failing_since.setdefault(server, (now, self.state.epoch))
         # a server whose process died broke its stream too: it is not coming back soon

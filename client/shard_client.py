@@ -16,6 +16,7 @@ from paramshard.client.rpc import DEFAULT_TIMEOUT_S, MAX_IN_FLIGHT, ShardClientE
 from paramshard.client.run_id import UNNAMED, run_id_for, say_unnamed
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.run_ids import run_id_problem
 
 __all__ = ["ShardClient"]
 
@@ -56,6 +57,10 @@ class ShardClient(Collectives, FlatBuffers):
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+        run_id = run_id or run_id_for()
+        problem = run_id_problem(run_id)
+        if problem is not None:  # the servers would refuse its leases
+            raise ValueError(f"run id: {problem}")
         super().__init__(
             spec,
             timeout_s=timeout_s,
@@ -74,7 +79,7 @@ class ShardClient(Collectives, FlatBuffers):
         a group's client has its members' servers only."""
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
-        self.run_id = run_id or run_id_for()
+        self.run_id = run_id
         if self.run_id == UNNAMED and world_size > 1:
             say_unnamed()
         self.deterministic = deterministic
