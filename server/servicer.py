@@ -34,7 +34,7 @@ from paramshard.server.rpc.auth import SERVICE_NAME, caller_of  # SERVICE_NAME: 
 from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime import backend
-from paramshard.server.runtime.errors import ShardError, clip
+from paramshard.server.runtime.errors import ShardError, clip, named
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshot_calls import SnapshotCalls
 from paramshard.server.snapshots.files import SnapshotDir
@@ -231,7 +231,7 @@ class ShardServicer:
                 with backend.nonfinite_quietly():
                     return fn(request, context)
             except ShardError as exc:
-                context.abort(exc.code, clip(f"{name}: {exc.message}"))
+                context.abort(exc.code, clip(named(name, exc.message)))
             except Exception as exc:  # a bug, not bad input: report it, keep serving
                 log.exception("%s failed", name)
                 context.abort(

@@ -7,7 +7,8 @@ kept the run, and the same job started again under the same run id met the old r
 its first all-reduce failed with "NOT_FOUND: slot 'fixedk:ar1/1' was read by all its readers
 and freed" (seen with two `paramshard serve` and `paramshard launch --run-id fixedk`), for as
 long as the servers kept the run (up to twice ``--pending-ttl``). A process new to the run that
-finds no live process behind any of its leases now starts a new run.
+finds no live process behind any of its leases now starts a new run, once the servers have
+heard from none of its ranks for ``SETTLE_S`` (the new job's clients ask again meanwhile).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import pytest
 from conftest import unique_id, worker_env
 from lease_fakes import Stream, contribute, new_table
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.lease_records import SETTLE_S
+from paramshard.server.runtime.errors import ShardError
 
 _RANK = textwrap.dedent(
     """
@@ -85,12 +89,14 @@ def _req(rank: int, holder: str, **kw) -> pb.LeaseRequest:
 
 
 @pytest.mark.parametrize(
-    "case", ["killed", "one-streams", "one-renews", "awaited", "same-process", "in-grace"]
+    "case", ["killed", "one-streams", "one-renews", "awaited", "same-process", "blip"]
 )
 def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(case) -> None:
     """Both ranks held their leases by streams, an all-reduce is half in and an earlier one
     freed. Then a process new to the run leases rank 0: a new run (the open slot dropped, the
-    freed key forgotten) only if no lease has a live process behind it."""
+    freed key forgotten) only if no lease has a live process behind it. Before the server has
+    heard from none of the ranks for ``SETTLE_S`` it is told to ask again, and nothing changes:
+    a blip that reset every stream at once looks the same until the ranks come back."""
     leases, clock = new_table()
     rejoin = {"rejoin_ms": 60_000} if case == "awaited" else {}
     streams = [Stream(run="k", rank=r) for r in (0, 1)]
@@ -100,15 +106,28 @@ def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(ca
     leases.slots.read(pb.ReadSlotRequest(key="k:ar1/0", offset=0, reader=0), timeout=1.0)
     contribute(leases.slots, "k:ar2/0", 0)  # rank 0's half of all-reduce #2
     ended = streams if case != "one-streams" else streams[:1]
-    for stream in ended:  # killed: their kernels closed the connections
+    for stream in ended:  # killed (their kernels closed the connections), or a blip
         leases.end_hold(stream)
-    clock.now += 0.5 if case == "in-grace" else 2.0
+    clock.now += 2.0
     if case == "one-renews":
         leases.renew(_req(1, "old1"))  # alive: its stream broke, it renews
     asker = "old0" if case == "same-process" else "new0"
-    leases.open_hold(_req(0, asker), Stream(run="k", rank=0))
+    if case in ("killed", "blip"):  # too soon: the ranks may be reconnecting
+        with pytest.raises(ShardError) as refused:
+            leases.open_hold(_req(0, asker), Stream(run="k", rank=0))
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "heard from one 2.0 s ago" in refused.value.message, refused.value.message
+        assert [x.key for x in leases.slots.open_slots()] == ["k:ar2/0"]
+    if case == "blip":  # the ranks' clients reconnect: new streams
+        for r in (0, 1):
+            leases.open_hold(_req(r, f"old{r}"), Stream(run="k", rank=r))
+    clock.now += SETTLE_S
+    try:
+        leases.open_hold(_req(0, asker), Stream(run="k", rank=0))
+    except ShardError as exc:  # the blip's rank 0 holds its stream again
+        assert case == "blip" and exc.code == grpc.StatusCode.ALREADY_EXISTS, exc
     open_keys = [x.key for x in leases.slots.open_slots()]
-    if case in ("killed", "in-grace"):
+    if case == "killed":
         assert open_keys == []
         assert contribute(leases.slots, "k:ar1/0", 0, expected=1) is False  # a new slot
     else:

@@ -86,14 +86,38 @@ def test_a_restarted_process_takes_the_rank_over_once_the_old_streams_ended():
     assert leases.renew(lease("peer", rank=1)).aborted == ""
 
 
-def test_requests_without_a_holder_neither_are_refused_nor_refuse():
-    """Older clients send no holder: they keep the behaviour they had."""
+def test_requests_without_a_holder_do_not_refuse_but_are_refused_by_a_named_stream():
+    """Older clients send no holder. Their streams refuse nobody; but a request without a
+    holder for a rank a named process holds through a stream is refused: it would release
+    the rank, or (another world size, a run of one rank) start a new run in its place."""
     leases, _ = new_table()
     leases.open_hold(lease(""), Stream(rank=0))
     leases.renew(lease("new"))  # an older client's stream does not refuse a named process
-    leases.renew(lease(""))  # nor is an unnamed request refused by a named holder
     leases.open_hold(lease("new", rank=1), Stream(rank=1))
-    leases.renew(lease("", rank=1))
+    before = vars(leases._runs["r"].leases[1]).copy()
+    for unnamed in (lease("", rank=1), lease("", rank=1, release=True)):
+        with pytest.raises(ShardError) as refused:
+            leases.renew(unnamed)
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "this one is unnamed (an older client)" in refused.value.message
+    assert vars(leases._runs["r"].leases[1]) == before
+    alone = pb.LeaseRequest(run="solo", rank=0, world_size=1, ttl_ms=2000, holder="h x1")
+    leases.open_hold(alone, Stream(run="solo", rank=0))
+    with pytest.raises(ShardError):  # a run of one rank, asked with another world size
+        leases.renew(pb.LeaseRequest(run="solo", rank=0, world_size=4, ttl_ms=2000))
+    assert leases._runs["solo"].world_size == 1
+
+
+def test_a_refusal_shows_the_holder_without_its_random_part():
+    """``holder_id`` ends in a random part, which another process would need to pass for the
+    holder (and release or abort its rank): a refusal names the host and pid only."""
+    leases, _ = new_table()
+    leases.open_hold(lease("hostA pid 7 1f2e3d4c"), Stream(rank=0))
+    with pytest.raises(ShardError) as refused:
+        leases.renew(lease("hostB pid 9 aabbccdd"))
+    words = refused.value.message
+    assert "held by another process (hostA pid 7)" in words and "this one is hostB pid 9." in words
+    assert "1f2e3d4c" not in words and "aabbccdd" not in words, words
 
 
 def test_a_holder_too_long_is_refused_as_malformed():

@@ -23,6 +23,7 @@ from conftest import unique_id, worker_env
 from lease_fakes import Clock, contribute
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client.lease_holds import holder_id
 from paramshard.client.leases import LEASE_TTL_ENV
 from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import shard_pb2 as pb
@@ -179,14 +180,16 @@ def test_a_run_that_went_quiet_everywhere_is_forgotten(table):
     assert not leases._runs["r"].leases
     clock.now += 61
     leases.sweep()
-    assert not leases._runs and leases._count == 0
+    assert not leases._runs and leases._books.leases.total == 0
 
 
 @pytest.mark.parametrize(
     ("request_", "words"),
     [
         (lease(run=""), "run id"),
-        (lease(run="a:b"), "without ':'"),
+        (lease(run="a:b"), "no ':' or '/'"),
+        (lease(run="a/b"), "no ':' or '/'"),  # would read as run a's group b
+        (lease(run="a.e1"), "'.e<digits>'"),  # as run a's epoch 1: its aborts reach a's slots
         (lease(run="x" * 300), "run id"),
         (lease(rank=2, world=2), "rank 2 of world size 2"),
         (lease(world=0), "world size 0"),
@@ -201,6 +204,29 @@ def test_bad_leases_are_refused_and_change_nothing(table, request_, words):
         leases.renew(request_)
     assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in refused.value.message
     assert not leases._runs
+
+
+def test_a_run_id_the_servers_would_misread_is_refused_by_client_and_server(servers):
+    """A run id ending in an epoch's suffix, or with a group's separator, names another run's
+    keys: the client refuses it when made, and a server its leases, saying so once."""
+    (srv,) = servers(1, local_calls=False)
+    with pytest.raises(ValueError, match=r"does not end in '\.e<digits>'"):
+        ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id="exp.e3")
+    channel = grpc.insecure_channel(srv.address)
+    try:
+        stub = channel.unary_unary(
+            "/paramshard.v1.Shard/Lease",
+            request_serializer=pb.LeaseRequest.SerializeToString,
+            response_deserializer=pb.LeaseReply.FromString,
+        )
+        with pytest.raises(grpc.RpcError) as refused:
+            stub(lease(run="exp/a"), timeout=10)
+    finally:
+        channel.close()
+    words = refused.value.details()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert words.startswith("Lease: a run id has no ':' or '/'"), words  # named once
+    assert not srv.servicer.leases._runs
 
 
 def test_two_live_runs_cannot_share_an_id(table):
@@ -350,7 +376,10 @@ def test_the_others_wait_for_a_rank_that_may_be_restarted(servers, monkeypatch):
     try:
         client.all_reduce(np.ones(3, dtype=np.float32))
         assert first.wait(timeout=60) == -signal.SIGKILL
-        ask = pb.LeaseRequest(run=run, rank=0, world_size=2, ttl_ms=500)
+        mine = client.run_state.holding  # asked as rank 0's own client: its stream holds it
+        ask = pb.LeaseRequest(
+            run=run, rank=0, world_size=2, ttl_ms=500, holder=holder_id(), client=mine.number
+        )
         for _ in range(300):  # bounded: until the server saw the lease lapse
             reply = client.call(0, "Lease", ask)
             if list(reply.awaiting) == [1]:

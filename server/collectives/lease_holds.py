@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.leases import STREAM_GRACE_S, LeaseTable
+from paramshard.server.collectives.leases import LeaseTable
 
 __all__ = ["HEARTBEAT_S", "MAX_WAITING", "Hold", "hold_lease"]
 
@@ -102,6 +102,8 @@ def _replies(table: LeaseTable, hold: Hold, first: pb.LeaseReply, context: Any) 
             if item is not _WAKE:
                 yield item if item is not None else pb.LeaseReply(lost_rank=-1)
     finally:
-        # A generator closed by gRPC (its call ended while it yielded) ends here too.
-        if table.end_hold(hold) and not table.wait_closed(STREAM_GRACE_S):
-            table.check(hold.run)  # the rank did not come back: lost, if witnessed
+        # A generator closed by gRPC (its call ended while it yielded) ends here too. The
+        # lapse check at the end of the rank's grace is not waited for here: handler threads
+        # are few (server/collectives/lease_checks.py).
+        if table.end_hold(hold):
+            table.check_later(hold.run)

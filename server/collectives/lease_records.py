@@ -8,7 +8,8 @@ under one run id would otherwise sum into each other's slots. A restarted traine
 rank over once the old process's streams ended. A client's requests that come late change
 nothing: a release once the process's next client holds the rank (``superseded``), a renewal
 or stream once the client released (``released_before``). A process new to a run in which no
-live process is behind any lease starts a new run (``abandoned``: a killed job run again).
+live process is behind any lease starts a new run (``abandoned``: a killed job run again), once
+the server has heard from none of its ranks for ``SETTLE_S`` (``check_settled``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.run_ids import run_id_problem
 from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
 
@@ -27,20 +29,29 @@ __all__ = [
     "Listener",
     "RunRecord",
     "Witnesses",
+    "SETTLE_S",
     "abandoned",
     "check_holder",
     "check_request",
+    "check_settled",
     "ended_run",
     "released_before",
     "superseded",
 ]
 
-MAX_RUN_CHARS = 256
 MAX_WORLD = 1 << 20
 TTL_MS = (100, 600_000)
 MAX_REJOIN_MS = 3_600_000
 MAX_REASON_CHARS = 1024
 MAX_HOLDER_CHARS = 256
+SETTLE_S = 8.0
+"""How long a server must have heard from none of a run's ranks before a process new to the
+run starts a new one in its place (``abandoned``). A blip that resets every stream to this
+server at once reads as every rank dead until their clients come back: the next renewal
+after a broken stream goes at once (client/leases.py, ``RENEW_S``: 1 s), over a channel that
+reconnects within its backoff (at most 5 s, client/cluster.py); the rest is room for a loaded
+machine. A killed job run again at once waits this long (its clients ask again for longer:
+client/leases.py, ``TAKEOVER_S``)."""
 
 
 class Listener(Protocol):
@@ -208,11 +219,9 @@ class Witnesses:
 
 def check_request(req: pb.LeaseRequest) -> None:
     """Refuses a malformed request before anything changes."""
-    if not req.run or len(req.run) > MAX_RUN_CHARS or ":" in req.run:
-        raise ShardError.invalid(
-            f"Lease needs a run id of 1..{MAX_RUN_CHARS} characters without ':',"
-            f" got {req.run[:64]!r}{'...' if len(req.run) > 64 else ''}"
-        )
+    problem = run_id_problem(req.run)
+    if problem is not None:
+        raise ShardError.invalid(f"Lease: {problem}")
     if not 1 <= req.world_size <= MAX_WORLD or req.rank >= req.world_size:
         raise ShardError.invalid(
             f"Lease: rank {req.rank} of world size {req.world_size} (1..{MAX_WORLD} ranks)"
@@ -235,18 +244,26 @@ def check_holder(run: RunRecord | None, req: pb.LeaseRequest) -> None:
     slots, and a sum that mixes two jobs' gradients fails nowhere, so the second one is told
     instead (ALREADY_EXISTS), before anything changes: the first one's lease, epoch and run go
     on untouched. A holder whose streams all ended (its process died) is replaced: that is a
-    restart. Requests without a holder (older clients) are never refused nor refuse others."""
+    restart. A request without a holder (an older client) is refused by a named holder's
+    stream too (it would release the rank or start a new run in its place), but it does not
+    refuse others. The message shows a holder without its random part (``holder_id`` in
+    client/lease_holds.py), which another process would need to pass for it."""
     lease = run.leases.get(req.rank) if run is not None else None
-    if lease is None or not lease.holds or not lease.holder or not req.holder:
+    if lease is None or not lease.holds or not lease.holder:
         return
     if lease.holder != req.holder:
         raise ShardError.conflict(
             f"Lease: rank {req.rank} of run '{req.run}' is held by another process"
-            f" ({lease.holder}) through an open lease stream; this one is {req.holder}. Two"
+            f" ({_shown(lease.holder)}) through an open lease stream; this one is"
+            f" {_shown(req.holder) or 'unnamed (an older client)'}. Two"
             " jobs share the run id (give each its own PARAMSHARD_RUN), or the rank was"
             " started twice. (A host that vanished holds its stream until this server's TCP"
             " user timeout ends it.)"
         )
+
+
+def _shown(holder: str) -> str:
+    return holder.rsplit(" ", 1)[0]
 
 
 def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:
@@ -292,12 +309,27 @@ def abandoned(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
     )
 
 
+def check_settled(run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
+    """Refuses ``req``, from a process new to abandoned run ``run``, while the server heard
+    from one of its ranks less than ``SETTLE_S`` ago (ALREADY_EXISTS, which a new client asks
+    again): they may be reconnecting, and a new run in its place would end their open slots.
+    Nothing changes."""
+    quiet = now - max(lease.last_alive for lease in run.leases.values())
+    if quiet < SETTLE_S:
+        raise ShardError.conflict(
+            f"Lease: run '{req.run}' has no live rank on this server, but it heard from one"
+            f" {quiet:.1f} s ago; a new job takes over the run id once it has heard from none"
+            f" for {SETTLE_S:.0f} s (its ranks may be reconnecting). Ask again."
+        )
+
+
 def superseded(run: RunRecord, req: pb.LeaseRequest) -> bool:
     """Whether release ``req`` comes from another client than the one that renewed or held
     its rank's lease last: a closed client whose release, late on a loaded machine, reached
     this server after the same process's next client leased the rank. It drops nothing: the
-    lease is the new client's, and counted as released it would end a run that goes on."""
+    lease is the new client's, and counted as released it would end a run that goes on. So
+    does a release without a holder (an older client) of a named process's lease."""
     lease = run.leases.get(req.rank)
-    if lease is None or not lease.holder or not req.holder:
+    if lease is None or not lease.holder:  # an older client's: not told apart
         return False
     return (lease.holder, lease.client) != (req.holder, req.client)

@@ -45,14 +45,15 @@ One process a rank, and a closed client's late requests: server/collectives/leas
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
 abort does not touch. A run whose leases are all gone is forgotten after ``forget_s``; a
 renewal for a run that was aborted with no live lease left, or that ended (``ended_run``: a job
-run again under its run id; ``abandoned``: all its ranks killed), starts a new run under the
-id, and the slot store forgets what the old one left (``SlotStore.forget_run``): its
-collectives count from 1 again. Memory is bounded: at most ``max_runs`` runs and
-``max_leases`` leases (RESOURCE_EXHAUSTED past them), and one caller's (where tokens are on: a
-token's) at most half of ``max_runs``.
+run again under its run id; ``abandoned``: all its ranks killed, none heard for ``SETTLE_S``),
+starts a new run under the id, and the slot store forgets what the old one left
+(``SlotStore.forget_run``): its collectives count from 1 again. Memory is bounded: at most
+``max_runs`` runs, ``max_leases`` leases (RESOURCE_EXHAUSTED past either) and as many marks of
+released ranks, one caller's (where tokens are on: a token's) at most half of each.
 
 Lapses are found lazily: when a rank of the run renews (at most every ``CHECK_EVERY_S``), when
-a stream's grace ends, and by the server's sweeper; no thread waits per lease.
+a stream's grace ends (server/collectives/lease_checks.py), and by the server's sweeper; no
+thread waits per lease.
 """
 
 from __future__ import annotations
@@ -62,18 +63,10 @@ import time
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.lease_records import (
-    LeaseRecord,
-    Listener,
-    RunRecord,
-    Witnesses,
-    abandoned,
-    check_holder,
-    check_request,
-    ended_run,
-    released_before,
-    superseded,
-)
+from paramshard.server.collectives import lease_records as records
+from paramshard.server.collectives.lease_books import Books
+from paramshard.server.collectives.lease_checks import DueChecks
+from paramshard.server.collectives.lease_records import LeaseRecord, Listener, RunRecord
 from paramshard.server.collectives.slot import Slot
 from paramshard.server.runtime.errors import ShardError
 
@@ -125,29 +118,30 @@ class LeaseTable:
         self.clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, RunRecord] = {}
-        self._count = 0  # leases held in all runs
+        self._books = Books()  # leases and marks of released ranks, counted
         self._closed = threading.Event()  # the server stops: streams end, nothing is decided
+        self._due = DueChecks(self.check)  # lapse checks at the end of a stream's grace
 
     # -- the RPC ---------------------------------------------------------------------------
     def renew(self, req: pb.LeaseRequest, owner: str | None = None) -> pb.LeaseReply:
         """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
         when asked; returns the run's notice for the rank's epoch, if any. ``owner``: the
         caller (its token), whose share a run it makes counts against."""
-        check_request(req)
+        records.check_request(req)
         with self._lock:
             now = self.clock()
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
             found = self._runs.get(req.run)
-            check_holder(found, req)  # releases and aborts too
-            if found is not None and not req.abort and released_before(found, req):
+            records.check_holder(found, req)  # releases and aborts too
+            if found is not None and not req.abort and records.released_before(found, req):
                 return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
             if req.release:
-                if not superseded(run, req):  # else a closed client's, late: it drops nothing
-                    if req.rank in run.leases and len(run.released) < self.max_leases:
-                        run.released.add(req.rank)
-                        run.released_by[req.rank] = (req.holder, req.client)
+                # superseded: a closed client's, late: it drops nothing
+                if not records.superseded(run, req):
+                    if req.rank in run.leases:
+                        self._books.mark_released(run, req, self.max_leases)
                     self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
@@ -167,15 +161,15 @@ class LeaseTable:
     ) -> pb.LeaseReply:
         """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
         too); its first reply: the run's notice for the rank's epoch, if any."""
-        check_request(req)
+        records.check_request(req)
         if req.release or req.abort:
             raise ShardError.invalid("HoldLease: release and abort go in a Lease call")
         with self._lock:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
             found = self._runs.get(req.run)
-            check_holder(found, req)
-            if released_before(found, req):
+            records.check_holder(found, req)
+            if records.released_before(found, req):
                 raise ShardError.precondition("HoldLease: this client released the rank's lease")
             now = self.clock()
             run = self._run_for(req, now, owner)
@@ -210,9 +204,10 @@ class LeaseTable:
             if found is not None and not self._closed.is_set():
                 self._check_lapses(run, found, self.clock(), force=True)
 
-    def wait_closed(self, seconds: float) -> bool:
-        """Waits up to ``seconds``; whether the table was closed meanwhile."""
-        return self._closed.wait(seconds)
+    def check_later(self, run: str) -> None:
+        """Looks for lapses in run ``run`` once ``STREAM_GRACE_S`` has passed (``end_hold``
+        said its rank has that long to come back), from one thread for every run."""
+        self._due.at(run, STREAM_GRACE_S)
 
     def close(self) -> None:
         """The server stops: every stream ends (its rank's client reconnects elsewhere or
@@ -222,6 +217,7 @@ class LeaseTable:
             streams = [x for run in self._runs.values() for x in run.streams]
         for stream in streams:
             stream.stop()
+        self._due.stop()
 
     def sweep(self) -> None:
         """Finds lapses of runs no live rank renews any more, and forgets idle runs (the
@@ -248,19 +244,22 @@ class LeaseTable:
         with self._lock:
             gone = self._runs.pop(run, None)
             if gone is not None:
-                self._count -= len(gone.leases)
+                self._books.forget(gone)
             return gone is not None
 
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
-        if run is not None and abandoned(run, req, now):  # its ranks were all killed
+        if run is not None and records.abandoned(run, req, now):  # its ranks were all killed
+            records.check_settled(run, req, now)
             self._forget(req.run, run)  # a new job asks: a new run under the same id
             run = None
         elif run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
-            ended = not run.leases and not req.release and ended_run(req.run, run, self.slots)
+            ended = (
+                not run.leases and not req.release and records.ended_run(req.run, run, self.slots)
+            )
             if (
                 run.world_size != req.world_size
                 or (run.aborted_epoch >= 0 and not survivor)
@@ -281,6 +280,8 @@ class LeaseTable:
                     f" its share (half of the server's {self.max_runs}); run '{req.run}' was"
                     " not added"
                 )
+            if not req.release:  # refused before the run is added: no empty run stays
+                self._books.room(owner, req, self.max_leases)
             run = self._runs[req.run] = RunRecord(req.world_size, owner)
         elif run.world_size != req.world_size:
             raise ShardError.precondition(
@@ -293,12 +294,8 @@ class LeaseTable:
     def _hold(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
         lease = run.leases.get(req.rank)
         if lease is None:
-            if self._count >= self.max_leases:
-                raise ShardError.exhausted(
-                    f"Lease: this server holds {self._count} leases, its limit; rank"
-                    f" {req.rank} of run '{req.run}' was not added"
-                )
-            self._count += 1
+            self._books.room(run.owner, req, self.max_leases)
+            self._books.leases.add(run.owner)
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
             held = lease.held_by if lease is not None else set()
@@ -342,7 +339,7 @@ class LeaseTable:
 
     def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:
         if run.pop(rank) is not None:
-            self._count -= 1
+            self._books.leases.remove(run.owner)
         if not run.leases:
             run.idle_since = now
 
@@ -360,7 +357,7 @@ class LeaseTable:
             if now - lease.lapsed_at < lease.rejoin_s:
                 continue  # the run waits for a restart of this rank
             if witnesses is None:
-                witnesses = Witnesses(run, now, ISOLATED_GRACE_S)
+                witnesses = records.Witnesses(run, now, ISOLATED_GRACE_S)
             if not witnesses.saw(lease):
                 if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
                     self._drop_lease(run, rank, now)
@@ -392,7 +389,7 @@ class LeaseTable:
             self._forget(name, run)
 
     def _forget(self, name: str, run: RunRecord) -> None:
-        self._count -= len(run.leases)
+        self._books.forget(run)
         del self._runs[name]
         self.slots.forget_run(name)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["MAX_DETAILS", "ShardError", "clip"]
+__all__ = ["MAX_DETAILS", "ShardError", "clip", "named"]
 
 MAX_DETAILS = 2048
 """Characters of an error's message a caller gets. A status's message travels as metadata,
@@ -20,6 +20,12 @@ def clip(message: str) -> str:
     keep = (MAX_DETAILS - 48) // 2
     cut = len(message) - 2 * keep
     return f"{message[:keep]} ...({cut:,} characters cut)... {message[-keep:]}"
+
+
+def named(call: str, message: str) -> str:
+    """``message`` as call ``call`` answers it: after the call's name, unless it starts with
+    it already ("Lease: ..." from the lease table, answered by ``Lease``)."""
+    return message if message.startswith(f"{call}:") else f"{call}: {message}"
 
 
 def _status(code: grpc.StatusCode) -> classmethod:
