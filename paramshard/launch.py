@@ -62,6 +62,7 @@ from paramshard.local_servers import (
     wait_serving,
 )
 from paramshard.processes import Child, relay, say, spawn, stop, watch
+from paramshard.protos.run_ids import run_id_problem
 from paramshard.restarts import RankRestarts, ServerRestarts, supervise
 from paramshard.run_files import announce_run, drop_unused_snapshot_dir, local_snapshot_dir
 
@@ -218,6 +219,8 @@ def launch(args: argparse.Namespace) -> int:
     if args.nnodes > 1 and not run_id:
         raise CommandError("--nnodes > 1 needs --run-id (the same on every host)", EXIT_USAGE)
     run_id = run_id or f"run-{secrets.token_hex(6)}"
+    if (problem := run_id_problem(run_id)) is not None:  # every rank's client would refuse it
+        raise CommandError(f"--run-id: {problem}", EXIT_USAGE)
     if not args.module and not os.path.isfile(args.script):
         raise CommandError(f"no such script: {args.script}", EXIT_USAGE)
     if args.servers and args.max_server_restarts:

@@ -317,6 +317,8 @@ def test_unreachable_servers_time_out(tiny: Path) -> None:
         (["--nproc", "1", "--nnodes", "2", "x.py"], "--nnodes > 1 needs --servers"),
         (["--nproc", "1", "--nnodes", "2", "--servers", "h:1", "x.py"], "needs --run-id"),
         (["--nproc", "1", "--node-rank", "1", "x.py"], "--node-rank 1 must be < --nnodes 1"),
+        (["--nproc", "1", "--run-id", "exp.e3", "x.py"], "does not end in '.e<digits>'"),
+        (["--nproc", "1", "--run-id", "team/exp", "x.py"], "a run id has no ':' or '/'"),
     ],
 )
 def test_usage_errors(argv: list[str], message: str, capsys, monkeypatch) -> None:  # noqa: ANN001
