@@ -86,6 +86,30 @@ def test_a_restarted_process_takes_the_rank_over_once_the_old_streams_ended():
     assert leases.renew(lease("peer", rank=1)).aborted == ""
 
 
+def test_a_holder_that_renews_after_its_stream_broke_is_not_taken_over():
+    """A blip reset rank 0's stream; its client renews at once, before its next stream opens.
+    Another process asking then is a second job, not a restart: refused. Once the holder's
+    next stream opened and ended (it died), a restart takes the rank over."""
+    leases, clock = new_table()
+    first = Stream(rank=0)
+    leases.open_hold(lease("job-a"), first)
+    leases.renew(lease("peer", rank=1))
+    assert leases.end_hold(first)
+    clock.now += 0.3
+    leases.renew(lease("job-a"))  # it knows its stream broke: a renewal without one
+    with pytest.raises(ShardError) as refused:
+        leases.open_hold(lease("job-b"), Stream(rank=0))
+    assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert "(job-a) renewing it (its stream broke)" in refused.value.message
+    assert leases._runs["r"].leases[0].holder == "job-a"
+    again = Stream(rank=0)
+    leases.open_hold(lease("job-a"), again)  # its next stream
+    assert leases.end_hold(again)  # and then its process died
+    clock.now += 0.5
+    leases.open_hold(lease("job-b"), Stream(rank=0))
+    assert leases._runs["r"].leases[0].holder == "job-b"
+
+
 def test_requests_without_a_holder_do_not_refuse_but_are_refused_by_a_named_stream():
     """Older clients send no holder. Their streams refuse nobody; but a request without a
     holder for a rank a named process holds through a stream is refused: it would release

@@ -77,6 +77,7 @@ class LeaseRecord:
     closed_at: float | None = None  # when its last stream ended (None: open, or renewed since)
     lapsed_at: float | None = None  # when it lapsed, while the run waits for its rank
     holder: str = ""  # the process that renewed or held it last (empty: an older client)
+    reheard: bool = False  # renewed since its last stream ended, no stream since (alive)
     client: int = 0  # which client of that process (0: an older client)
 
     @property
@@ -238,9 +239,10 @@ def check_request(req: pb.LeaseRequest) -> None:
         raise ShardError.invalid(f"Lease: a holder is at most {MAX_HOLDER_CHARS} characters")
 
 
-def check_holder(run: RunRecord | None, req: pb.LeaseRequest) -> None:
-    """Refuses ``req`` when another process holds its rank through an open stream: two jobs
-    share the run id, or the rank was started twice. Their collectives would meet in the same
+def check_holder(run: RunRecord | None, req: pb.LeaseRequest, now: float) -> None:
+    """Refuses ``req`` when another process holds its rank through an open stream, or renewed
+    it since its last stream ended (a blip reset the stream; it opens another at once): two
+    jobs share the run id, or the rank was started twice. Their collectives would meet in the same
     slots, and a sum that mixes two jobs' gradients fails nowhere, so the second one is told
     instead (ALREADY_EXISTS), before anything changes: the first one's lease, epoch and run go
     on untouched. A holder whose streams all ended (its process died) is replaced: that is a
@@ -249,12 +251,14 @@ def check_holder(run: RunRecord | None, req: pb.LeaseRequest) -> None:
     refuse others. The message shows a holder without its random part (``holder_id`` in
     client/lease_holds.py), which another process would need to pass for it."""
     lease = run.leases.get(req.rank) if run is not None else None
-    if lease is None or not lease.holds or not lease.holder:
+    if lease is None or not lease.holder:
         return
-    if lease.holder != req.holder:
+    renewed = lease.reheard and lease.closed_at is None and lease.expires >= now
+    if lease.holder != req.holder and (lease.holds or renewed):
+        how = "through an open lease stream" if lease.holds else "renewing it (its stream broke)"
         raise ShardError.conflict(
             f"Lease: rank {req.rank} of run '{req.run}' is held by another process"
-            f" ({_shown(lease.holder)}) through an open lease stream; this one is"
+            f" ({_shown(lease.holder)}) {how}; this one is"
             f" {_shown(req.holder) or 'unnamed (an older client)'}. Two"
             " jobs share the run id (give each its own PARAMSHARD_RUN), or the rank was"
             " started twice. (A host that vanished holds its stream until this server's TCP"

@@ -133,7 +133,7 @@ class LeaseTable:
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
             found = self._runs.get(req.run)
-            records.check_holder(found, req)  # releases and aborts too
+            records.check_holder(found, req, now)  # releases and aborts too
             if found is not None and not req.abort and records.released_before(found, req):
                 return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
@@ -167,14 +167,14 @@ class LeaseTable:
         with self._lock:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
-            found = self._runs.get(req.run)
-            records.check_holder(found, req)
+            found, now = self._runs.get(req.run), self.clock()
+            records.check_holder(found, req, now)
             if records.released_before(found, req):
                 raise ShardError.precondition("HoldLease: this client released the rank's lease")
-            now = self.clock()
             run = self._run_for(req, now, owner)
             self._hold(run, req, now)
             run.leases[req.rank].held_by.add(stream)
+            run.leases[req.rank].reheard = False
             run.streams.add(stream)
             return run.notice(req.epoch)
 
@@ -313,6 +313,7 @@ class LeaseTable:
                 ttl,
                 rejoin,
             )
+            lease.reheard = lease.closed_at is not None or lease.reheard  # alive, streamless
             lease.heard, lease.closed_at = now, None
             run.recent = req.rank
         if req.holder:
