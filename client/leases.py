@@ -136,6 +136,7 @@ class _Holding:
             rejoin_ms=int(self.rejoin_s * 1000),
             holder=lease_holds.holder_id(),
             client=self.number,
+            fresh=not self.made,
             **kw,
         )
 
@@ -302,6 +303,8 @@ class _Holding:
             except grpc.RpcError as exc:
                 self.answered.pop(i, None)
                 self._failed(i, exc, now)
+                if i in self.full and sending is not None:
+                    self.answered[i] = sending  # a full server is asked at the rank's pace
                 continue
             except grpc.FutureTimeoutError:  # a channel stuck in gRPC (protos/closing.py)
                 self.answered.pop(i, None)
@@ -323,8 +326,8 @@ class _Holding:
                 self.refuse(server, exc.details() or "")
             return
         if code not in _FAILING:
-            # an older server, a token without the train role, a run id it refuses: no lease
-            # there (the calls themselves will say what is wrong); a full one: none for now
+            # an older server, a token without the train role: no lease there (the calls will
+            # say what is wrong); a full one: none for now
             full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
             if server not in self.full:
                 later = " for now (asked again at each renewal)" if full else ""

@@ -23,6 +23,7 @@ from conftest import unique_id, worker_env
 from lease_fakes import Stream, contribute, new_table
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives import lease_records
 from paramshard.server.collectives.lease_records import SETTLE_S
 from paramshard.server.runtime.errors import ShardError
 
@@ -89,14 +90,17 @@ def _req(rank: int, holder: str, **kw) -> pb.LeaseRequest:
 
 
 @pytest.mark.parametrize(
-    "case", ["killed", "one-streams", "one-renews", "awaited", "same-process", "blip"]
+    "case",
+    ["killed", "one-streams", "one-renews", "awaited", "same-process", "blip", "running"],
 )
 def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(case) -> None:
     """Both ranks held their leases by streams, an all-reduce is half in and an earlier one
-    freed. Then a process new to the run leases rank 0: a new run (the open slot dropped, the
-    freed key forgotten) only if no lease has a live process behind it. Before the server has
-    heard from none of the ranks for ``SETTLE_S`` it is told to ask again, and nothing changes:
-    a blip that reset every stream at once looks the same until the ranks come back."""
+    freed. Then a client being made (``fresh``) in a process new to the run leases rank 0: a
+    new run (the open slot dropped, the freed key forgotten) only if no lease has a live
+    process behind it. Before the server has heard from none of the ranks for ``SETTLE_S`` it
+    is told to ask again, and nothing changes: a blip that reset every stream at once looks the
+    same until the ranks come back. A running client ("running": made long ago, leasing this
+    server for the first time, as one that found it full at first) never ends the run."""
     leases, clock = new_table()
     rejoin = {"rejoin_ms": 60_000} if case == "awaited" else {}
     streams = [Stream(run="k", rank=r) for r in (0, 1)]
@@ -112,9 +116,10 @@ def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(ca
     if case == "one-renews":
         leases.renew(_req(1, "old1"))  # alive: its stream broke, it renews
     asker = "old0" if case == "same-process" else "new0"
+    ask = _req(0, asker, fresh=case != "running")
     if case in ("killed", "blip"):  # too soon: the ranks may be reconnecting
         with pytest.raises(ShardError) as refused:
-            leases.open_hold(_req(0, asker), Stream(run="k", rank=0))
+            leases.open_hold(ask, Stream(run="k", rank=0))
         assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
         assert "heard from one 2.0 s ago" in refused.value.message, refused.value.message
         assert [x.key for x in leases.slots.open_slots()] == ["k:ar2/0"]
@@ -122,10 +127,13 @@ def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(ca
         for r in (0, 1):
             leases.open_hold(_req(r, f"old{r}"), Stream(run="k", rank=r))
     clock.now += SETTLE_S
-    try:
-        leases.open_hold(_req(0, asker), Stream(run="k", rank=0))
-    except ShardError as exc:  # the blip's rank 0 holds its stream again
-        assert case == "blip" and exc.code == grpc.StatusCode.ALREADY_EXISTS, exc
+    if case == "blip":  # rank 0 holds its stream again: another process is refused
+        with pytest.raises(ShardError) as refused:
+            leases.open_hold(ask, Stream(run="k", rank=0))
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+        assert "held by another process (old0)" in refused.value.message
+    else:
+        leases.open_hold(ask, Stream(run="k", rank=0))
     open_keys = [x.key for x in leases.slots.open_slots()]
     if case == "killed":
         assert open_keys == []
@@ -133,3 +141,26 @@ def test_a_new_process_starts_a_new_run_only_where_no_process_lives_behind_it(ca
     else:
         assert open_keys == ["k:ar2/0"]
         assert contribute(leases.slots, "k:ar1/0", 0, expected=1) is True  # a late retry
+
+
+def test_a_new_jobs_clients_asking_again_do_not_each_walk_the_run(monkeypatch) -> None:
+    """Every rank of the new job asks again about four times a second until the run settles:
+    the first refusal's verdict is kept, so a run of many ranks is walked once, not at each."""
+    leases, clock = new_table()
+    streams = [Stream(run="k", rank=r) for r in (0, 1)]
+    for r in (0, 1):
+        leases.open_hold(_req(r, f"old{r}"), streams[r])
+        leases.end_hold(streams[r])
+    walks: list[int] = []
+    walk = lease_records.abandoned
+    monkeypatch.setattr(lease_records, "abandoned", lambda *a: walks.append(1) or walk(*a))
+    for n in range(8):
+        clock.now += 0.5
+        with pytest.raises(ShardError) as refused:
+            leases.open_hold(_req(n % 2, f"new{n % 2}", fresh=True), Stream(run="k", rank=n % 2))
+        assert refused.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert f"heard from one {clock.now - 1000.0:.1f} s ago" in refused.value.message
+    assert len(walks) == 1
+    clock.now += SETTLE_S
+    leases.open_hold(_req(0, "new0", fresh=True), Stream(run="k", rank=0))  # settled: a new run
+    assert leases._runs["k"].leases[0].holder == "new0" and 1 not in leases._runs["k"].leases

@@ -137,7 +137,7 @@ def test_rank_logs_layout_and_append(tmp_path: Path) -> None:
         (["--config", "{tmp}/none.toml"], "--config: cannot read config file {tmp}/none.toml"),
         (["--config", "{tmp}/c.ini"], "--config: config file {tmp}/c.ini: cannot tell its format"),
         (["--config", "{tmp}/bad.json"], "--config: config file {tmp}/bad.json is not valid JSON"),
-        (["--log-dir", "{tmp}", "--run-id", "a/b"], "--log-dir: the run id 'a/b' cannot name"),
+        (["--log-dir", "{tmp}", "--run-id", ".."], "--log-dir: the run id '..' cannot name"),
         (["--log-dir", "{tmp}/file", "--run-id", "r"], "--log-dir: cannot create {tmp}/file/r"),
         (["--redirects"], "--redirects needs --log-dir"),
     ],

@@ -23,26 +23,28 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.lease_checks import DueChecks
 
 
-def test_due_checks_run_once_each_in_due_order_and_fold_a_runs_close_ones():
-    seen: list[str] = []
+def test_due_checks_run_in_due_order_never_early_and_fold_a_runs_close_ones():
+    seen: list[tuple[str, float]] = []
     done = threading.Event()
 
     def check(run: str) -> None:
-        seen.append(run)
-        if len(seen) == 2:
+        seen.append((run, time.monotonic()))
+        if len(seen) == 3:
             done.set()
 
     due = DueChecks(check)
+    start = time.monotonic()
     due.at("a", 0.3)
     due.at("b", 0.1)
     due.at("a", 0.32)  # within COALESCE_S of a's first: folded into it
     assert done.wait(10.0)
     time.sleep(0.3)  # nothing more comes
-    assert seen == ["b", "a"]
+    assert [run for run, _ in seen] == ["b", "a", "a"]  # a once at its time, once at 0.32
+    assert seen[2][1] - start >= 0.32  # the folded check does not run before it is due
     due.stop()
     due.at("c", 0.0)  # stopped: nothing more is checked
     time.sleep(0.2)
-    assert seen == ["b", "a"]
+    assert len(seen) == 3
 
 
 _CHURN = textwrap.dedent(

@@ -27,6 +27,7 @@ from paramshard.client.lease_holds import holder_id
 from paramshard.client.leases import LEASE_TTL_ENV
 from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.lease_records import SETTLE_S
 from paramshard.server.collectives.leases import ISOLATED_GRACE_S, LeaseTable
 from paramshard.server.collectives.pending import run_epoch
 from paramshard.server.collectives.slots import SlotStore
@@ -135,6 +136,26 @@ def test_a_run_id_reused_after_its_ranks_are_gone_starts_afresh(table):
     # a new run under the same id (another world size even): no notice, its slots open
     assert not leases.renew(lease(rank=0, world=3)).aborted
     contribute(slots, "r:all_reduce1", 0, expected=3)
+
+
+def test_a_blip_after_a_recovery_keeps_the_run_and_a_new_job_replaces_it(table):
+    """A run aborted once and recovered (epoch 1) loses every lease to a blip longer than the
+    grace. The first rank back, a running client, keeps the run and its open slot (it used to
+    start a new run and drop them: "aborted with no live lease left"); a client being made
+    (``fresh``) in another process starts a new run, once none was heard for ``SETTLE_S``."""
+    leases, slots, clock = table
+    leases.renew(lease(rank=0))
+    leases.renew(lease(rank=1))
+    assert keep(leases, clock, 2, 0).aborted  # rank 1 lost: epoch 0 aborted
+    for rank in (1, 0):  # rank 1 restarted, both at epoch 1
+        leases.renew(lease(rank=rank, epoch=1))
+    contribute(slots, "r.e1:ar1/0", 0)
+    clock.now += 5.0  # the blip: both leases lapse (TTL 1 s), no witness
+    assert not leases.renew(lease(rank=0, epoch=1)).aborted
+    assert [x.key for x in slots.open_slots()] == ["r.e1:ar1/0"]
+    clock.now += SETTLE_S + 30.0  # then the job died; another one is made under the id
+    assert not leases.renew(lease(rank=0, holder="new", fresh=True)).aborted
+    assert slots.open_slots() == []
 
 
 def test_a_server_that_hears_from_no_rank_decides_nothing(table):

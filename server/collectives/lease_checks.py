@@ -11,6 +11,7 @@ past the bound, until other callers' renewals waited behind them and missed thei
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import threading
 import time
@@ -21,29 +22,37 @@ __all__ = ["DueChecks"]
 log = logging.getLogger("paramshard.server")
 
 COALESCE_S = 0.05
-"""A run's check due within this long after one already waiting is folded into that one (it
-runs that much later): a run's checks waiting at once are bounded by the grace over this."""
+"""A run's check due within this long after one already waiting is folded into it: that one
+runs at its own time and, if a check folded into it is not due yet then, once more at the
+latest due time it took in. A run's checks run at most about twice every this long, whatever
+the rate its streams end at, and none runs before it is due."""
 
 
 class DueChecks:
-    """Calls ``check(run)`` once ``delay`` has passed for each ``at(run, delay)``, in order of
-    their due times, from one thread that lives while any check waits."""
+    """Calls ``check(run)`` once ``delay`` has passed for each ``at(run, delay)``, never
+    before, from one thread that lives while any check waits."""
 
     def __init__(self, check: Callable[[str], None]) -> None:
         self._check = check
         self._cond = threading.Condition()
-        self._due: list[tuple[float, str]] = []  # heap: (due, run)
-        self._latest: dict[str, float] = {}  # run -> its latest waiting check's due time
+        self._due: list[list] = []  # heap of [due, order, run, latest due folded in]
+        self._waiting: dict[str, list] = {}  # run -> its newest entry in the heap
+        self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopped = False
 
     def at(self, run: str, delay: float) -> None:
         due = time.monotonic() + delay
         with self._cond:
-            if self._stopped or self._latest.get(run, -1.0) >= due - COALESCE_S:
+            if self._stopped:
                 return
-            self._latest[run] = due
-            heapq.heappush(self._due, (due, run))
+            entry = self._waiting.get(run)
+            if entry is not None and due - entry[0] <= COALESCE_S:
+                entry[3] = max(entry[3], due)
+                return
+            entry = [due, next(self._order), run, due]
+            self._waiting[run] = entry
+            heapq.heappush(self._due, entry)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lease-checks", daemon=True)
                 self._thread.start()
@@ -52,7 +61,7 @@ class DueChecks:
     def stop(self) -> None:
         """Nothing more is checked; waits a moment for a check that runs now."""
         with self._cond:
-            self._stopped, self._due, self._latest = True, [], {}
+            self._stopped, self._due, self._waiting = True, [], {}
             thread = self._thread
             self._cond.notify()
         if thread is not None and thread is not threading.current_thread():
@@ -69,9 +78,16 @@ class DueChecks:
                 if not self._due or self._stopped:
                     self._thread = None  # the next ``at`` starts another
                     return
-                due, run = heapq.heappop(self._due)
-                if self._latest.get(run) == due:
-                    del self._latest[run]
+                entry = heapq.heappop(self._due)
+                run, latest = entry[2], entry[3]
+                newest = self._waiting.get(run) is entry
+                if newest:
+                    del self._waiting[run]
+                if latest > entry[0]:  # a check folded in is due later: once more then
+                    again = [latest, next(self._order), run, latest]
+                    heapq.heappush(self._due, again)
+                    if newest:
+                        self._waiting[run] = again
             try:
                 self._check(run)
             except Exception:  # a bug in one check must not stop the others

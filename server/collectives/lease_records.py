@@ -34,6 +34,7 @@ __all__ = [
     "check_holder",
     "check_request",
     "check_settled",
+    "settling",
     "ended_run",
     "released_before",
     "superseded",
@@ -48,9 +49,10 @@ SETTLE_S = 8.0
 """How long a server must have heard from none of a run's ranks before a process new to the
 run starts a new one in its place (``abandoned``). A blip that resets every stream to this
 server at once reads as every rank dead until their clients come back: the next renewal
-after a broken stream goes at once (client/leases.py, ``RENEW_S``: 1 s), over a channel that
-reconnects within its backoff (at most 5 s, client/cluster.py); the rest is room for a loaded
-machine. A killed job run again at once waits this long (its clients ask again for longer:
+after a broken stream goes within a second (client/leases.py, ``RENEW_S``), over a channel
+that tries again after its backoff (at most 5 s and some jitter, client/cluster.py). A rule of
+thumb, not a bound: an outage of several seconds can outlast it, and then reads as a killed
+job. A killed job run again at once waits this long (its clients ask again for longer:
 client/leases.py, ``TAKEOVER_S``)."""
 
 
@@ -123,6 +125,7 @@ class RunRecord:
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
     live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
     live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
+    settling: tuple[float, frozenset[str]] | None = None  # refused to new jobs until; holders
 
     def live(self, now: float, but: int = -1) -> list[int]:
         return [r for r, x in self.leases.items() if r != but and x.live(now)]
@@ -253,7 +256,8 @@ def check_holder(run: RunRecord | None, req: pb.LeaseRequest, now: float) -> Non
     lease = run.leases.get(req.rank) if run is not None else None
     if lease is None or not lease.holder:
         return
-    renewed = lease.reheard and lease.closed_at is None and lease.expires >= now
+    # renewed lately (a client whose stream broke renews every second until its next opens)
+    renewed = lease.reheard and lease.closed_at is None and now - lease.heard < SETTLE_S
     if lease.holder != req.holder and (lease.holds or renewed):
         how = "through an open lease stream" if lease.holds else "renewing it (its stream broke)"
         raise ShardError.conflict(
@@ -291,15 +295,16 @@ def ended_run(name: str, run: RunRecord, slots: Any) -> bool:
 
 
 def abandoned(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
-    """Whether ``req`` comes from a process new to run ``run`` (it holds none of its leases)
-    while no lease of the run has a live process behind it: none held by an open stream or
+    """Whether ``req`` comes from a client being made (``fresh``: a running rank never ends its
+    own run) in a process new to run ``run`` (it holds none of its leases) while no lease of
+    the run has a live process behind it: none held by an open stream or
     renewed since its last stream ended, and no rank awaited for a restart. That is a job whose
     ranks were all killed (a launcher that saw one rank die stops the others: nothing was
     released, and no rank lived on to witness a lapse), run again under its run id at once:
     a new run, or it would meet the old one's keys and open slots. A run whose ranks released
     theirs is left to ``ended_run``. Cheap for a rank's own renewals (its lease's
     holder is asked first) and for a live run (its first live lease ends the walk)."""
-    if not req.holder or req.release or not run.leases:
+    if not req.fresh or not req.holder or req.release or not run.leases:
         return False
     mine = run.leases.get(req.rank)
     if mine is not None and mine.holder == req.holder:
@@ -317,14 +322,33 @@ def check_settled(run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
     """Refuses ``req``, from a process new to abandoned run ``run``, while the server heard
     from one of its ranks less than ``SETTLE_S`` ago (ALREADY_EXISTS, which a new client asks
     again): they may be reconnecting, and a new run in its place would end their open slots.
-    Nothing changes."""
-    quiet = now - max(lease.last_alive for lease in run.leases.values())
-    if quiet < SETTLE_S:
-        raise ShardError.conflict(
-            f"Lease: run '{req.run}' has no live rank on this server, but it heard from one"
-            f" {quiet:.1f} s ago; a new job takes over the run id once it has heard from none"
-            f" for {SETTLE_S:.0f} s (its ranks may be reconnecting). Ask again."
-        )
+    Nothing changes. The verdict is kept until the settle time ends (``RunRecord.settling``),
+    so the new job's clients, asking again, do not each walk the run."""
+    if run.settling is None or run.settling[0] <= now:
+        quiet = now - max(lease.last_alive for lease in run.leases.values())
+        if quiet >= SETTLE_S:
+            return
+        run.settling = (now + SETTLE_S - quiet, frozenset(x.holder for x in run.leases.values()))
+    quiet = SETTLE_S - (run.settling[0] - now)
+    raise ShardError.conflict(
+        f"Lease: run '{req.run}' has no live rank on this server, but it heard from one"
+        f" {quiet:.1f} s ago; a new job takes over the run id once it has heard from none"
+        f" for {SETTLE_S:.0f} s (its ranks may be reconnecting). Ask again."
+    )
+
+
+def settling(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
+    """Whether ``req`` is another client being made in a process new to ``run`` while the
+    run is refused to such clients (``check_settled`` found it so lately)."""
+    found = run.settling
+    return (
+        found is not None
+        and now < found[0]
+        and req.fresh
+        and bool(req.holder)
+        and not req.release
+        and req.holder not in found[1]
+    )
 
 
 def superseded(run: RunRecord, req: pb.LeaseRequest) -> bool:

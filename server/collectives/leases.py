@@ -180,7 +180,7 @@ class LeaseTable:
 
     def end_hold(self, stream: Listener) -> bool:
         """``stream`` ended; whether its rank now has ``STREAM_GRACE_S`` to come back (its
-        last stream, not released), after which the caller calls ``check``."""
+        last stream, not released), after which the caller calls ``check_later``."""
         with self._lock:
             run = self._runs.get(stream.run)
             if run is None or stream not in run.streams:
@@ -250,9 +250,10 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
-        if run is not None and records.abandoned(run, req, now):  # its ranks were all killed
+        killed = run and (records.settling(run, req, now) or records.abandoned(run, req, now))
+        if killed:  # a new job asks: a new run under the id (refused while one was heard lately)
             records.check_settled(run, req, now)
-            self._forget(req.run, run)  # a new job asks: a new run under the same id
+            self._forget(req.run, run)
             run = None
         elif run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
@@ -262,7 +263,7 @@ class LeaseTable:
             )
             if (
                 run.world_size != req.world_size
-                or (run.aborted_epoch >= 0 and not survivor)
+                or (run.aborted_epoch >= 0 and not survivor and req.fresh)
                 or ended  # its ranks released their leases: the run ended
             ):
                 self._forget(req.run, run)  # a new run under the same id
@@ -299,7 +300,9 @@ class LeaseTable:
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
             held = lease.held_by if lease is not None else set()
+            back = lease is not None and (lease.closed_at is not None or lease.reheard)
             lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, held_by=held)
+            lease.reheard = back  # renewed after its stream ended: alive (``check_holder``)
             run.put(req.rank, lease)
         else:
             back = not lease.live(now)
@@ -324,8 +327,7 @@ class LeaseTable:
         """Whether renewal ``req`` claims a stream that this server saw end: then it holds the
         lease at most until ``UNSEEN_END_S`` after the end, and a lease that lapsed stays
         lapsed for that long (a new stream, or a renewal from a rank that knows its stream is
-        gone, brings it back). A renewal that beat its rank's first stream here holds the lease
-        as before."""
+        gone, brings it back). A renewal that beat its rank's first stream here holds it."""
         if not req.stream:
             return False
         lease = run.leases.get(req.rank)
