@@ -7,9 +7,10 @@ another process's requests for it are refused with ALREADY_EXISTS (``check_holde
 under one run id would otherwise sum into each other's slots. A restarted trainer takes the
 rank over once the old process's streams ended. A client's requests that come late change
 nothing: a release once the process's next client holds the rank (``superseded``), a renewal
-or stream once the client released (``released_before``). A process new to a run in which no
-live process is behind any lease starts a new run (``abandoned``: a killed job run again), once
-the server has heard from none of its ranks for ``SETTLE_S`` (``check_settled``).
+or stream once the client released (``released_before``). A client being made in a process new
+to a run in which no live process is behind any lease starts a new run (``abandoned``: a killed
+job run again), once the server has heard from none of its ranks for ``SETTLE_S``
+(``check_settled``).
 """
 
 from __future__ import annotations
@@ -297,13 +298,13 @@ def ended_run(name: str, run: RunRecord, slots: Any) -> bool:
 def abandoned(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
     """Whether ``req`` comes from a client being made (``fresh``: a running rank never ends its
     own run) in a process new to run ``run`` (it holds none of its leases) while no lease of
-    the run has a live process behind it: none held by an open stream or
-    renewed since its last stream ended, and no rank awaited for a restart. That is a job whose
-    ranks were all killed (a launcher that saw one rank die stops the others: nothing was
-    released, and no rank lived on to witness a lapse), run again under its run id at once:
-    a new run, or it would meet the old one's keys and open slots. A run whose ranks released
-    theirs is left to ``ended_run``. Cheap for a rank's own renewals (its lease's
-    holder is asked first) and for a live run (its first live lease ends the walk)."""
+    the run has a live process behind it: none held by an open stream or renewed since its
+    last stream ended, and no rank awaited for a restart. That is a job whose ranks were all
+    killed (a launcher that saw one rank die stops the others: nothing was released, and no
+    rank lived on to witness a lapse), run again under its run id at once: a new run, or it
+    would meet the old one's keys and open slots. A run whose ranks released theirs is left
+    to ``ended_run``. Cheap for a rank's own renewals (its lease's holder is asked first) and
+    for a live run (its first live lease ends the walk)."""
     if not req.fresh or not req.holder or req.release or not run.leases:
         return False
     mine = run.leases.get(req.rank)
