@@ -35,7 +35,6 @@ __all__ = [
     "check_holder",
     "check_request",
     "check_settled",
-    "settling",
     "ended_run",
     "released_before",
     "superseded",
@@ -303,10 +302,13 @@ def abandoned(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
     killed (a launcher that saw one rank die stops the others: nothing was released, and no
     rank lived on to witness a lapse), run again under its run id at once: a new run, or it
     would meet the old one's keys and open slots. A run whose ranks released theirs is left
-    to ``ended_run``. Cheap for a rank's own renewals (its lease's holder is asked first) and
-    for a live run (its first live lease ends the walk)."""
+    to ``ended_run``. Cheap for a rank's own renewals (its lease's holder is asked first), for
+    a live run (its first live lease ends the walk) and while the run settles (its verdict is
+    kept: the new job's clients ask again and again)."""
     if not req.fresh or not req.holder or req.release or not run.leases:
         return False
+    if run.settling is not None and now < run.settling[0]:  # so found lately (check_settled)
+        return req.holder not in run.settling[1]
     mine = run.leases.get(req.rank)
     if mine is not None and mine.holder == req.holder:
         return False
@@ -335,20 +337,6 @@ def check_settled(run: RunRecord, req: pb.LeaseRequest, now: float) -> None:
         f"Lease: run '{req.run}' has no live rank on this server, but it heard from one"
         f" {quiet:.1f} s ago; a new job takes over the run id once it has heard from none"
         f" for {SETTLE_S:.0f} s (its ranks may be reconnecting). Ask again."
-    )
-
-
-def settling(run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
-    """Whether ``req`` is another client being made in a process new to ``run`` while the
-    run is refused to such clients (``check_settled`` found it so lately)."""
-    found = run.settling
-    return (
-        found is not None
-        and now < found[0]
-        and req.fresh
-        and bool(req.holder)
-        and not req.release
-        and req.holder not in found[1]
     )
 
 

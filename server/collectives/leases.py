@@ -250,9 +250,8 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
-        killed = run and (records.settling(run, req, now) or records.abandoned(run, req, now))
-        if killed:  # a new job asks: a new run under the id (refused while one was heard lately)
-            records.check_settled(run, req, now)
+        if run is not None and records.abandoned(run, req, now):  # its ranks were all killed
+            records.check_settled(run, req, now)  # refused while one was heard lately
             self._forget(req.run, run)
             run = None
         elif run is not None and not run.any_live(now, but=req.rank):
@@ -298,11 +297,11 @@ class LeaseTable:
             self._books.room(run.owner, req, self.max_leases)
             self._books.leases.add(run.owner)
         ttl, rejoin = req.ttl_ms / 1000, req.rejoin_ms / 1000
+        # renewed after its stream ended: alive (``check_holder``; a new stream clears it)
+        reheard = lease is not None and (lease.closed_at is not None or lease.reheard)
         if lease is None or lease.lapsed_at is not None:  # new, or back from a lapse
             held = lease.held_by if lease is not None else set()
-            back = lease is not None and (lease.closed_at is not None or lease.reheard)
             lease = LeaseRecord(now + ttl, req.epoch, ttl, rejoin, now, now, held_by=held)
-            lease.reheard = back  # renewed after its stream ended: alive (``check_holder``)
             run.put(req.rank, lease)
         else:
             back = not lease.live(now)
@@ -316,9 +315,9 @@ class LeaseTable:
                 ttl,
                 rejoin,
             )
-            lease.reheard = lease.closed_at is not None or lease.reheard  # alive, streamless
             lease.heard, lease.closed_at = now, None
             run.recent = req.rank
+        lease.reheard = reheard
         if req.holder:
             lease.holder, lease.client = req.holder, req.client
         run.idle_since = None
