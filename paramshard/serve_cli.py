@@ -8,9 +8,7 @@ import faulthandler
 import logging
 import os
 import signal
-import threading
 from pathlib import Path
-from typing import Any
 
 from paramshard.commands import (
     EXIT_FAILURE,
@@ -32,6 +30,7 @@ from paramshard.serve_setup import (
     reexec_with_malloc_env,
     restore_at_start,
 )
+from paramshard.stop_signals import StopSignals
 
 EXIT_WATCHDOG_S = 10.0
 """Once stopped, the process must be gone within this long: every thread of the server has
@@ -304,15 +303,8 @@ def serve(args: argparse.Namespace) -> int:
     except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
         raise CommandError(f"cannot listen on {listen}: {exc}") from None
 
-    stop = threading.Event()
-    received: list[int] = []
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        received.append(signum)
-        stop.set()
-        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    stops = StopSignals()
+    stops.install()
     try:
         try:
             server.start()
@@ -340,9 +332,8 @@ def serve(args: argparse.Namespace) -> int:
             metrics_host = host if args.metrics_host is None else args.metrics_host.strip("[]")
             where = join_host_port(metrics_host or "0.0.0.0", server.metrics_port)
             print(f"paramshard serve: metrics at http://{where}/metrics", flush=True)
-        while not stop.wait(1.0):
-            pass
-        why = signal.Signals(received[0]).name
+        stops.wait()
+        why = signal.Signals(stops.received[0]).name
         print(f"paramshard serve: {why}: stopping (grace {args.grace:g} s)", flush=True)
         server.stop(args.grace)
         print("paramshard serve: stopped", flush=True)
@@ -351,8 +342,7 @@ def serve(args: argparse.Namespace) -> int:
         server.stop(0)
         raise
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        stops.restore()
     return 0
 
 
