@@ -118,29 +118,38 @@ def paramshard_argv(*args: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------ argument types
+def _parsed(kind: Any, text: str, what: str) -> Any:
+    """``kind(text)``, or the usage error argparse shows as it is (its own names the type
+    function: "invalid positive_int value")."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def port_number(text: str) -> int:
-    port = int(text)
+    port = _parsed(int, text, "a port number")
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"port {port} is outside 0..65535 (0 picks a free one)")
     return port
 
 
 def positive(text: str) -> float:
-    value = float(text)
+    value = _parsed(float, text, "a positive number")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
+    value = _parsed(float, text, "a number >= 0")
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
     return value
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _parsed(int, text, "an integer >= 1")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
     return value

@@ -203,7 +203,8 @@ def supervise(
                 f" {len(running)} rank(s) train on"
             )
             continue
-        others = f"; stopping {len(running)} other ranks" if running else ""
+        plural = "" if len(running) == 1 else "s"
+        others = f"; stopping {len(running)} other rank{plural}" if running else ""
         say(f"{child.name} failed with exit code {code}{why}{others}")
         stop(list(running), signal.SIGTERM, grace, received)
         return code

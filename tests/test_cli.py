@@ -196,6 +196,23 @@ def test_serve_rejects_bad_port() -> None:
     assert exc.value.code == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["serve", "--port", "abc"], "argument --port: 'abc' is not a port number"),
+        (["serve", "--grace", "soon"], "argument --grace: 'soon' is not a number >= 0"),
+        (["launch", "--nproc", "two", "x.py"], "argument --nproc: 'two' is not an integer >= 1"),
+    ],
+)
+def test_a_value_that_is_no_number_is_named_in_words(argv, said, capsys) -> None:
+    """argparse's own message names the type function ("invalid positive_int value")."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert said in err and "invalid" not in err, err
+
+
 # ------------------------------------------------------------------------------------ health
 def test_health_serving(served: tuple[str, int]) -> None:
     result = paramshard("health", served[0])

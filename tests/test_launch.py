@@ -235,7 +235,7 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tiny: Path, tmp_pa
     assert time.monotonic() - start < 60
     assert result.returncode == 3, result.stdout + result.stderr
     assert "[rank 1] failing now" in result.stderr
-    assert "paramshard launch: rank 1 failed with exit code 3; stopping 1 other ranks" in (
+    assert "paramshard launch: rank 1 failed with exit code 3; stopping 1 other rank" in (
         result.stderr
     )
     assert "rank 0 (pid" in result.stderr and "killing it" in result.stderr  # ignored SIGTERM

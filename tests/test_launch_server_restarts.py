@@ -215,7 +215,7 @@ def test_without_recovery_the_rank_fails_and_stops_the_job(script: Path, tmp_pat
         launcher.close()
     said = launcher.output
     assert code == 1, said
-    assert re.search(r"rank \d failed with exit code 1; stopping 1 other ranks", said), said
+    assert re.search(r"rank \d failed with exit code 1; stopping 1 other rank", said), said
     assert re.search(r"NOT_FOUND: PullParams: job 'relaunched' is not on this server", said)
     assert not out.exists()
 
