@@ -21,10 +21,10 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def __call__(self, signum: int, _frame: Any) -> None:
-        # Takes no lock: a signal can interrupt this handler itself (the kernel sends the
-        # parent-death signal again as each thread of a dying launcher exits), and a nested
-        # call waiting on a lock its interrupted caller held would wait for ever (a server
-        # left running after its launcher was SIGKILLed, stuck in threading.Event.set).
+        # Takes no lock: a signal can interrupt this handler itself (a SIGKILLed launcher's
+        # servers got their parent-death SIGTERM in a burst), and a nested call waiting on a
+        # lock its interrupted caller held would wait for ever (such a server lived on, with
+        # no parent, stuck in threading.Event.set).
         signal.signal(signum, signal.SIG_DFL)
         self.received.append(signum)
 

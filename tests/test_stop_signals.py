@@ -2,8 +2,8 @@
 comes while the handler of the first one runs ends the process or is taken as the same stop;
 it never leaves the process frozen.
 
-A server whose launcher was SIGKILLed got a burst of SIGTERMs (its parent-death signal, sent
-again as each of the launcher's threads exited). One came while the handler of an earlier one
+A server whose launcher was SIGKILLed got a burst of SIGTERMs (its parent-death signal, more
+than once; why the kernel sent it again was not found). One came while the handler of an earlier one
 held the lock of a ``threading.Event``; the nested handler waited for that lock, and the
 server lived on, frozen, with no parent (a field check: 1 of 11 killed launchers; 1 of 15
 servers given 300 SIGTERMs at once). Here a child process raises SIGTERM once and again at the
