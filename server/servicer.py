@@ -78,6 +78,7 @@ class ShardServicer:
             turns=self.buffers.turns,  # one bound on waits for a turn, server wide
         )  # fmt: skip
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
+        self.slots.whereabouts = self.buffers.whereabouts = self.leases.whereabouts
         self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)
         # the admission gate's ``wait_in``, for a ContributeRead that waits (server/app.py)

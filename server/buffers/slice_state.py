@@ -27,7 +27,6 @@ Every check happens before any state changes, so a rejected request leaves the s
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +42,7 @@ from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.rank_lists import absent, listed
+from paramshard.server.runtime.run_names import Whereabouts, nothing_known, run_root
 from paramshard.server.runtime.turns import TurnWaits
 from paramshard.server.snapshots.shards import Captured
 
@@ -52,7 +52,6 @@ __all__ = [
     "SliceState",
     "buffer_bytes",
     "master_dtype",
-    "run_root",
     "slice_bytes",
 ]
 
@@ -146,6 +145,7 @@ class SliceState:
         self.label = f"buffer '{self.job}/{self.name}'"
         self.spec = req
         self.run = run_root(req.run)  # the run that registered it last (RegisterBufferRequest.run)
+        self.run_name = req.run  # the same, as the client named it (a group's, an epoch's)
         self.conflict: str | None = None  # why its run's ranks disagree: their waits fail at once
         self.numel = req.numel
         self.start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
@@ -178,6 +178,7 @@ class SliceState:
         self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.turns = TurnWaits()  # the store's, once it holds the slice (runtime/turns.py)
+        self.whereabouts: Whereabouts = nothing_known  # the store's, once it holds the slice
         self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
@@ -242,7 +243,8 @@ class SliceState:
 
     def waiting_on(self) -> str:
         """Who the slice waits for to move on (caller holds the lock): its initial values, the
-        ranks whose gradients of the current step are missing, or a Step."""
+        ranks whose gradients of the current step are missing (and what the server's leases say
+        of them: ``whereabouts``), or a Step."""
         if not self.initialized:
             return (
                 f"its initial values are not all written (SetParams covered"
@@ -259,6 +261,7 @@ class SliceState:
         return (
             f"step {step}: {len(arrived)} of {self.contributors} rank(s) pushed their"
             f" gradient; missing rank(s) {listed(missing)} (arrived: {listed(arrived)})"
+            f"{self.whereabouts(self.run_name, missing)}"
         )
 
     def conflict_with(self, run: str, why: str) -> None:
@@ -278,6 +281,7 @@ class SliceState:
         """A registration that fits (a rank of ``run``, maybe a restarted one) came in."""
         with self.cond:
             self.run = run_root(run) or self.run
+            self.run_name = run or self.run_name
             self.conflict = None
 
     def interrupt(self, why: str) -> None:
@@ -301,12 +305,6 @@ class SliceState:
         grad = 0 if self.grad is None else int(self.grad.nbytes)
         grad += self.pending.staged_bytes if self.pending is not None else 0
         return int(self.master.nbytes), grad, int(self.optimizer.state_bytes())
-
-
-def run_root(run: str) -> str:
-    """The run id ``run`` stands for: without a group's ``/<group>`` or a restart's
-    ``.e<epoch>`` suffix (client/collectives.py makes both)."""
-    return re.sub(r"\.e\d+$", "", run.split("/", 1)[0])
 
 
 def buffer_bytes(slice_numel: int, itemsize: int, state_arrays: int) -> int:

@@ -67,7 +67,7 @@ class Books:
                 f"Lease: {why}; rank {req.rank} of run '{req.run}' was not added"
             )
 
-    def mark_released(self, run: RunRecord, req: pb.LeaseRequest, limit: int) -> None:
+    def mark_released(self, run: RunRecord, req: pb.LeaseRequest, limit: int, now: float) -> None:
         """Marks ``req.rank`` released (all marked: the run ended), while marks fit; past
         them the run is forgotten ``forget_s`` after its last lease went, as unmarked."""
         if req.rank not in run.released:
@@ -76,6 +76,7 @@ class Books:
             self.marks.add(run.owner)
             run.released.add(req.rank)
         run.released_by[req.rank] = (req.holder, req.client)
+        run.released_at[req.rank] = now
 
     def forget(self, run: RunRecord) -> None:
         self.leases.remove(run.owner, len(run.leases))

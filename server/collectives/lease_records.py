@@ -16,6 +16,7 @@ job run again), once the server has heard from none of its ranks for ``SETTLE_S`
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.run_ids import run_id_problem
 from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.run_names import grouped, run_root
 
 __all__ = [
     "LeaseRecord",
@@ -37,6 +39,7 @@ __all__ = [
     "check_settled",
     "ended_run",
     "released_before",
+    "whereabouts",
     "superseded",
 ]
 
@@ -122,6 +125,7 @@ class RunRecord:
     awaiting: set[int] = field(default_factory=set)  # ranks whose lease lapsed, still kept
     released: set[int] = field(default_factory=set)  # ranks that released theirs: all = ended
     released_by: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> its client
+    released_at: dict[int, float] = field(default_factory=dict)  # rank -> when it released
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
     live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
     live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
@@ -272,6 +276,32 @@ def check_holder(run: RunRecord | None, req: pb.LeaseRequest, now: float) -> Non
 
 def _shown(holder: str) -> str:
     return holder.rsplit(" ", 1)[0]
+
+
+def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float) -> str:
+    """What the leases in ``runs`` say of the first 4 of ``ranks`` of ``run``, for a wait that
+    waited for them (a group's ranks are not the run's: nothing): a rank that released its
+    lease and holds none (its process ended, or closed its client: it contributes no more
+    unless it leases again), a rank whose lease lapsed while the run waits for it to come back
+    (a restart). Single reads of dicts and fields, no walk, so the caller need not hold the
+    lease table's lock."""
+    found = None if grouped(run) else runs.get(run_root(run))
+    if found is None:
+        return ""
+    words = []
+    for rank in ranks[:4]:
+        lease = found.leases.get(rank)
+        if lease is None and (at := found.released_at.get(rank)) is not None:
+            words.append(
+                f"; rank {rank} released its lease here {now - at:.1f} s ago (its process ended"
+                " or closed its client)"
+            )
+        elif lease is not None and lease.lapsed_at is not None and not lease.live(now):
+            words.append(
+                f"; rank {rank}'s lease lapsed {now - lease.lapsed_at:.1f} s ago; the run waits"
+                f" {lease.rejoin_s:g} s from then for it to come back"
+            )
+    return "".join(words)
 
 
 def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
@@ -141,7 +142,7 @@ class LeaseTable:
                 # superseded: a closed client's, late: it drops nothing
                 if not records.superseded(run, req):
                     if req.rank in run.leases:
-                        self._books.mark_released(run, req, self.max_leases)
+                        self._books.mark_released(run, req, self.max_leases, now)
                     self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
@@ -238,6 +239,11 @@ class LeaseTable:
         with self._lock:
             held = self._runs.get(run)
             return None if held is None else held.live_set(self.clock())
+
+    def whereabouts(self, run: str, ranks: Sequence[int]) -> str:
+        """``Whereabouts`` (server/runtime/run_names.py), asked by waits that hold a slot's or
+        a slice's lock, which an abort takes under this table's lock: so not under it."""
+        return records.whereabouts(self._runs, run, ranks, self.clock())
 
     def drop(self, run: str) -> bool:
         """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""

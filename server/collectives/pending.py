@@ -42,6 +42,7 @@ __all__ = [
     "parse_key",
     "run_epoch",
     "who",
+    "missing",
     "slot_row",
     "step_row",
     "pending_rows",
@@ -159,11 +160,23 @@ def who(slot: Slot, offset: int) -> str:
     arrived = set() if chunk is None else chunk.contributors
     if chunk is not None and len(arrived) == meta.expected:
         return f"complete; read by {len(chunk.readers)} of {meta.readers} reader(s)"
-    missing = absent(range(meta.expected), arrived)
     return (
         f"{len(arrived)} of {meta.expected} contributions arrived; missing rank(s)"
-        f" {listed(_ranks(name, missing))} (arrived: {listed(_ranks(name, arrived))})"
+        f" {listed(missing(slot, offset))} (arrived: {listed(_ranks(name, arrived))})"
     )
+
+
+def missing(slot: Slot, offset: int) -> list[int]:
+    """The ranks whose contribution to the chunk at ``offset`` has not arrived, where the key
+    names them (caller holds its cond): before any contribution, an all-gather part's or a
+    message's sender only."""
+    name = parse_key(slot.key)
+    if slot.meta is None:
+        sender = name.rank_of(0) if name.kind in ("all_gather", "send") else None
+        return [] if sender is None else [sender]
+    chunk = slot.chunks.get(offset)
+    arrived = set() if chunk is None else chunk.contributors
+    return _ranks(name, absent(range(slot.meta.expected), arrived))
 
 
 def slot_row(slot: Slot, now: float) -> pb.PendingWork:

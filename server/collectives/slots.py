@@ -35,12 +35,13 @@ import time
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.gone_keys import GoneKeys
-from paramshard.server.collectives.pending import parse_key, run_epoch, who
+from paramshard.server.collectives.pending import missing, parse_key, run_epoch, who
 from paramshard.server.collectives.slot import Chunk, Slot, missed
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.run_names import Whereabouts, nothing_known
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
@@ -63,6 +64,7 @@ class SlotStore:
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
+        self.whereabouts: Whereabouts = nothing_known  # the server's leases (servicer.py)
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -272,9 +274,11 @@ class SlotStore:
                 raise ShardError.precondition(slot.conflict)
             if not done:
                 self._forget_if_unused(slot)
+                name = parse_key(req.key)
                 raise ShardError.deadline(
-                    f"{parse_key(req.key).describe()}, chunk at {req.offset:,}: waited"
-                    f" {timeout:.1f} s; {who(slot, req.offset)}"
+                    f"{name.describe()}, chunk at {req.offset:,}: waited {timeout:.1f} s;"
+                    f" {who(slot, req.offset)}"
+                    f"{self.whereabouts(name.run, missing(slot, req.offset))}"
                 )
             none = slot.missed(req.offset)
             if none and not req.guess:

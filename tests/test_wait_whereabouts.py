@@ -1,0 +1,128 @@
+"""A wait on other ranks that times out says what the server's leases know of the ranks it
+waited for: one that released its lease (its process ended, or closed its client) is named as
+such, not only as "missing". Seen in the field: a rank restarted by ``--max-restarts`` whose
+loop started again at step 0 outlived its peers and waited 120 s, then named the peer that had
+finished as missing.
+
+Real servers on 127.0.0.1 reached through gRPC (``local_calls=False``), real clients.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.server import ShardServer
+from paramshard.server.collectives import lease_records as records
+
+TIMEOUT_S = 3.0
+
+
+@pytest.fixture
+def address() -> Iterator[str]:
+    server = ShardServer("127.0.0.1", 0, local_calls=False).start()
+    try:
+        yield server.address
+    finally:
+        server.stop(0)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def client(address: str, rank: int, run: str, **kw: Any) -> ShardClient:
+    return ShardClient(
+        ClusterSpec([address]), rank=rank, world_size=2, run_id=run, timeout_s=TIMEOUT_S, **kw
+    )
+
+
+RELEASED = re.compile(
+    r"missing rank\(s\) 1 \(arrived: 0\); rank 1 released its lease here (\d+\.\d) s ago"
+    r" \(its process ended or closed its client\)"
+)
+
+
+def test_a_collective_names_the_rank_that_left(address: str) -> None:
+    """Both ranks meet at a barrier; rank 1 closes its client (what its process does at its
+    end); rank 0's next barrier names rank 1 as gone, with how long ago."""
+    run = unique("left")
+    first, second = client(address, 0, run), client(address, 1, run)
+    try:
+        done: list[None] = []
+        t = threading.Thread(target=lambda: done.append(second.barrier()))
+        t.start()
+        first.barrier()
+        t.join(TIMEOUT_S * 2)
+        assert done, "the barrier of both ranks did not complete"
+        second.close()
+        with pytest.raises(ShardClientError) as info:
+            first.barrier()
+    finally:
+        first.close()
+        second.close()
+    err = info.value
+    assert err.code.name == "DEADLINE_EXCEEDED", err
+    found = RELEASED.search(err.details)
+    assert found is not None, err.details
+    assert TIMEOUT_S * 0.5 < float(found[1]) < TIMEOUT_S * 4, err.details
+
+
+def test_a_step_names_the_rank_that_left(address: str) -> None:
+    """A pull of the next version waits for rank 1's gradient; rank 1 registered the buffer
+    with rank 0 and closed its client: the error says it released its lease."""
+    job, n, run = unique("pull"), 16, unique("run")
+    first, second = client(address, 0, run), client(address, 1, run)
+    try:
+        for c in (first, second):
+            c.register_buffer(job, "w", n, contributors=2)
+        first.set_params(job, "w", np.zeros(n, np.float32))
+        second.close()
+        first.push_grads(job, "w", np.ones(n, np.float32), 0)
+        with pytest.raises(ShardClientError) as info:
+            first.pull_params(job, "w", n, min_version=1)
+    finally:
+        first.close()
+        second.close()
+    assert f"buffer '{job}/w' (run '{run}') is at version 0" in info.value.details, info.value
+    assert RELEASED.search(info.value.details) is not None, info.value.details
+
+
+def test_a_rank_still_holding_its_lease_is_only_missing(address: str) -> None:
+    """A peer that holds its lease (alive, only late) is named missing and nothing more."""
+    run = unique("late")
+    first, second = client(address, 0, run), client(address, 1, run)
+    try:
+        with pytest.raises(ShardClientError) as info:
+            first.barrier()
+    finally:
+        first.close()
+        second.close()
+    assert "missing rank(s) 1 (arrived: 0)" in info.value.details, info.value
+    assert "lease" not in info.value.details, info.value.details
+
+
+def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
+    """A lapsed lease the run waits for (a restart) is said so, with the wait; a group's ranks
+    are its members' indices, not the run's ranks, so a group's run gets no words; an epoch's
+    run is its run's."""
+    run = records.RunRecord(world_size=3)
+    run.leases[2] = records.LeaseRecord(
+        expires=10.0, epoch=0, ttl_s=5.0, rejoin_s=60.0, since=0.0, heard=5.0, lapsed_at=10.0
+    )
+    run.released_at[1] = 4.0
+    runs = {"r": run}
+    words = records.whereabouts(runs, "r.e2", [0, 1, 2], now=12.5)
+    assert words == (
+        "; rank 1 released its lease here 8.5 s ago (its process ended or closed its client)"
+        "; rank 2's lease lapsed 2.5 s ago; the run waits 60 s from then for it to come back"
+    )
+    assert records.whereabouts(runs, "r/s1g0", [1, 2], now=12.5) == ""
+    assert records.whereabouts(runs, "other", [1], now=12.5) == ""
