@@ -29,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train PyTorch models over gRPC shard servers.",
     )
     parser.add_argument("--version", action="version", version=f"paramshard {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # not required here: main names an unknown option given without a command itself
+    # (argparse would say only that COMMAND is missing)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for cmd in COMMANDS.values():
         doc = cleandoc(cmd.run.__doc__ or "")
         p = sub.add_parser(
@@ -40,14 +42,24 @@ def build_parser() -> argparse.ArgumentParser:
         )
         for a in cmd.args:
             p.add_argument(*a.flags, **a.options)
-        p.set_defaults(run=cmd.run)
+        p.set_defaults(run=cmd.run, command_parser=p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``paramshard ARGS``: returns the exit code (argparse exits 2 itself on bad arguments)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:
+        names = ", ".join(COMMANDS)
+        if unknown:
+            parser.error(
+                f"unrecognized arguments: {' '.join(unknown)} (a COMMAND comes first: {names})"
+            )
+        parser.error(f"a COMMAND is required: one of {names}")
+    if unknown:  # with the command's usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.argv = argv  # serve re-executes itself with exactly these arguments
     try:
         return args.run(args)

@@ -46,6 +46,7 @@ from paramshard.commands import (
     EXIT_USAGE,
     CommandError,
     arg,
+    cluster_spec,
     command,
     positive,
     positive_int,
@@ -235,6 +236,8 @@ def launch(args: argparse.Namespace) -> int:
             " --snapshot-dir applies",
             EXIT_USAGE,
         )
+    if args.servers:  # a bad address or TLS file is said before anything is printed or run
+        cluster_spec(args.servers).close()
     token = read_token(args.token_file)
     start_timeout = args.start_timeout or START_TIMEOUT_S
     world_size = args.nnodes * args.nproc

@@ -24,6 +24,7 @@ from paramshard.commands import (
     warn,
 )
 from paramshard.serve_setup import (
+    check_port_free,
     is_loopback,
     join_host_port,
     raise_open_files_limit,
@@ -292,6 +293,7 @@ def serve(args: argparse.Namespace) -> int:
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     listen = join_host_port(host or "0.0.0.0", args.port)
+    check_port_free(host or "0.0.0.0", args.port)
     try:
         server = ShardServer(config=config)
     except backend.BackendError as exc:

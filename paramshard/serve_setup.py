@@ -1,11 +1,12 @@
 """What ``paramshard serve`` does around the server: the glibc malloc re-exec, the exposure
-check (a non-loopback address needs TLS, a token or --insecure), reading TLS files, and
-restoring this server's part of a snapshot at start."""
+check (a non-loopback address needs TLS, a token or --insecure), reading TLS files, the check
+that its port is free, and restoring this server's part of a snapshot at start."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -120,3 +121,25 @@ def raise_open_files_limit() -> None:
 
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Says in words that ``host``:``port`` is taken, before grpc tries it: grpc's C core
+    logs lines of its own first (``add_port.cc``), then raises. Port 0 picks a free one; a
+    name that does not resolve is left to grpc's words; a port taken after this check still
+    fails in grpc."""
+    if port == 0:
+        return
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError):
+        return
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise CommandError(
+                    f"cannot listen on {join_host_port(host, port)}: {exc.strerror or exc}"
+                ) from None

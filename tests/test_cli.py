@@ -190,6 +190,18 @@ def test_serve_cuda_without_cuda_is_a_clear_error() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_serve_on_a_taken_port_says_so_in_one_line() -> None:
+    """grpc's C core logged its own ``add_port.cc`` lines before our message."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = paramshard("serve", "--port", str(port))
+    assert result.returncode == 1, result.stderr
+    said = f"paramshard serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert result.stderr.strip() == said, result.stderr
+
+
 def test_serve_rejects_bad_port() -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "--port", "70000"])
@@ -211,6 +223,30 @@ def test_a_value_that_is_no_number_is_named_in_words(argv, said, capsys) -> None
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert said in err and "invalid" not in err, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage", "said"),
+    [
+        (
+            ["--nope"],
+            "usage: paramshard [",
+            "unrecognized arguments: --nope (a COMMAND comes first:",
+        ),
+        ([], "usage: paramshard [", "a COMMAND is required: one of serve, health, launch"),
+        (["health", "--server", "x:1"], "usage: paramshard health", "arguments: --server"),
+        (["status", "--bogus"], "usage: paramshard status", "unrecognized arguments: --bogus"),
+    ],
+)
+def test_an_unknown_option_is_named_with_its_commands_usage(argv, usage, said, capsys) -> None:
+    """argparse said only "the following arguments are required: COMMAND" for an unknown
+    option given without a command, and showed the top-level usage for one given to a
+    command."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and said in err, err
 
 
 # ------------------------------------------------------------------------------------ health
