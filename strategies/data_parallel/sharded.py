@@ -17,6 +17,7 @@ parameters come back in ``config.param_dtype_for`` of each buffer. One training 
 
 from __future__ import annotations
 
+import logging
 import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
@@ -50,6 +51,8 @@ from paramshard.strategies.mixed_precision import gather_dtype
 from paramshard.strategies.nonfinite import settle
 
 __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
+
+log = logging.getLogger(__name__)
 
 
 class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, ShardedModelBase):
@@ -156,6 +159,13 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             )
         self._buffers = buffers
         self._step = versions.pop() if initialized and versions else 0
+        if self._step and self.rank == 0 and not rejoining:  # said: a script run again
+            log.warning(
+                "job '%s' is on the servers at step %d: it resumes there (model.step_count);"
+                " a new job name starts afresh",
+                job,
+                self._step,
+            )
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 # set_params writes float64 as float64
