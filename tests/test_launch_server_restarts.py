@@ -160,12 +160,15 @@ def started(said: str) -> list[tuple[int, str, int]]:
     return [(int(i), address, int(pid)) for i, address, pid in found]
 
 
-def kill_server_1(launcher: Launcher, marker: Path) -> int:
-    """SIGKILLs server 1 once rank 0 asks for it; returns its pid."""
+def kill_server_1(launcher: Launcher, marker: Path, *, back_first: bool = False) -> int:
+    """SIGKILLs server 1 once rank 0 asks for it; returns its pid. ``back_first``: rank 0
+    goes on only once the launcher started the server again."""
     launcher.wait_for(r"^\[rank 0\] KILL ME")
     (pid,) = [pid for i, _, pid in started(launcher.output) if i == 1]
     os.kill(pid, signal.SIGKILL)
     assert wait_gone([pid]) == []
+    if back_first:
+        launcher.wait_for(r"started it again, empty")
     marker.write_text("killed")
     return pid
 
@@ -208,15 +211,23 @@ def test_without_recovery_the_rank_fails_and_stops_the_job(script: Path, tmp_pat
     args = [out, marker, "plain", STEPS, KILL_AT, SEED]
     launcher = Launcher("--nproc", "2", "--max-server-restarts", "1", script, *args)
     try:
-        kill_server_1(launcher, marker)
-        launcher.wait_for(r"started it again, empty")
+        kill_server_1(launcher, marker, back_first=True)
         code = launcher.finish()
     finally:
         launcher.close()
     said = launcher.output
     assert code == 1, said
     assert re.search(r"rank \d failed with exit code 1; stopping 1 other rank", said), said
-    assert re.search(r"NOT_FOUND: PullParams: job 'relaunched' is not on this server", said)
+    # Which rank fails first, and in which call, is timing: rank 0 waits for the server to be
+    # back before its forward (PullParams), while rank 1 may be in a call to server 1 of the
+    # step before (its GradNorm or Step: seen in 2 of 10 runs on a busy machine), which fails
+    # as the server is down or once it is back, and the launcher then stops rank 0.
+    failed = re.search(
+        r"server 1 \(([\d.:]+)\) (\w+): (NOT_FOUND: \2: job 'relaunched' is not on this"
+        r" server|UNAVAILABLE: cannot reach \1)",
+        said,
+    )
+    assert failed is not None, said
     assert not out.exists()
 
 
