@@ -9,15 +9,13 @@ One real in-process server, one rank (a client of world size 1), a real torch mo
 from __future__ import annotations
 
 import logging
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from conftest import unique_id
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.server import ShardServer
 from paramshard.strategies import (
     FSDPModel,
     FSDPOptimizer,
@@ -31,12 +29,8 @@ KINDS = {"fsdp": (FSDPModel, FSDPOptimizer), "zero1": (ZeRO1Model, ZeRO1Optimize
 
 
 @pytest.fixture
-def address() -> Iterator[str]:
-    server = ShardServer("127.0.0.1", 0).start()
-    try:
-        yield server.address
-    finally:
-        server.stop(0)
+def address(servers: Any) -> str:
+    return servers(1)[0].address
 
 
 def build(address: str, job: str, kind: str = "fsdp") -> tuple[ShardClient, Any, Any]:
@@ -51,7 +45,7 @@ def build(address: str, job: str, kind: str = "fsdp") -> tuple[ShardClient, Any,
 def test_a_job_on_the_servers_says_it_resumes(
     address: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    job = f"again-{uuid.uuid4().hex[:8]}"
+    job = unique_id("again")
     client, model, opt = build(address, job)
     try:
         for _ in range(2):
@@ -77,7 +71,7 @@ def test_a_job_on_the_servers_says_it_resumes(
 def test_a_restarted_rank_resumes_without_a_word(
     address: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    job = f"restarted-{uuid.uuid4().hex[:8]}"
+    job = unique_id("restarted")
     client, model, opt = build(address, job)
     try:
         model(torch.ones(3, 4)).sum().backward()

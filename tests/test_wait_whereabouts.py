@@ -11,31 +11,22 @@ from __future__ import annotations
 
 import re
 import threading
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import unique_id as unique
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
-from paramshard.server import ShardServer
 from paramshard.server.collectives import lease_records as records
 
 TIMEOUT_S = 3.0
 
 
 @pytest.fixture
-def address() -> Iterator[str]:
-    server = ShardServer("127.0.0.1", 0, local_calls=False).start()
-    try:
-        yield server.address
-    finally:
-        server.stop(0)
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+def address(servers: Any) -> str:
+    """One real server, reached through gRPC."""
+    return servers(1, local_calls=False)[0].address
 
 
 def client(address: str, rank: int, run: str, **kw: Any) -> ShardClient:
