@@ -249,6 +249,20 @@ def test_an_unknown_option_is_named_with_its_commands_usage(argv, usage, said, c
     assert err.startswith(usage) and said in err, err
 
 
+def test_launch_says_a_bad_servers_address_before_anything_else(tmp_path: Path, capsys) -> None:
+    """Its OMP_NUM_THREADS notice came first, then the usage error."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never run')\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "environ", env)
+        code = cli.main(["launch", "--nproc", "2", "--servers", "bad", str(script)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert captured.err == "paramshard launch: error: server address 'bad' is not host:port\n"
+    assert captured.out == ""
+
+
 # ------------------------------------------------------------------------------------ health
 def test_health_serving(served: tuple[str, int]) -> None:
     result = paramshard("health", served[0])
