@@ -34,6 +34,27 @@ def _client(args: argparse.Namespace) -> Any:
 TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s (default 120)")
 
 
+def _check_out(flag: str, path: str, folder: bool = False) -> None:
+    """Refuses an output path that cannot be written before anything is fetched: a file whose
+    folder is missing or not writable, or that is a folder; a folder (``folder``, made with
+    its missing parents) that is a file, or under a file or a folder not writable. A write
+    that fails later still ends in one line."""
+    target = Path(path)
+    if not folder and target.is_dir():
+        raise CommandError(f"{flag} {path}: is a folder; give a file name", EXIT_USAGE)
+    if folder and target.exists() and not target.is_dir():
+        raise CommandError(f"{flag} {path}: is a file; give a folder", EXIT_USAGE)
+    parent = target.absolute().parent
+    if folder:
+        parent = target.absolute()
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+    if not parent.is_dir():
+        raise CommandError(f"{flag} {path}: no such folder {str(parent)!r}", EXIT_USAGE)
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CommandError(f"{flag} {path}: cannot write into {str(parent)!r}", EXIT_USAGE)
+
+
 def _run(args: argparse.Namespace, fn: Any, *a: Any) -> Any:
     """Runs a tool function on a client of the servers (closed after it: no grpc object is
     left to the garbage collector at exit), turning its errors into one-line command errors."""
@@ -46,6 +67,8 @@ def _run(args: argparse.Namespace, fn: Any, *a: Any) -> Any:
         # a KeyError's str() is its message quoted: take the message itself
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
         raise CommandError(str(message)) from None
+    except OSError as exc:  # writing the output (checked before, changed since)
+        raise CommandError(f"{exc.filename}: {exc.strerror or exc}") from None
     finally:
         client.close()
 
@@ -98,15 +121,19 @@ def get(args: argparse.Namespace) -> int:
 
     from paramshard.client import tools
 
-    values = _run(args, tools.get_param, args.job, args.param)
-    if args.out.endswith(".safetensors"):
-        from safetensors.numpy import save_file
-
-        save_file({args.param: np.ascontiguousarray(values)}, args.out)
-    elif args.out.endswith(".npy"):
-        np.save(args.out, values)
-    else:
+    if not args.out.endswith((".npy", ".safetensors")):
         raise CommandError("--out must end in .npy or .safetensors", EXIT_USAGE)
+    _check_out("--out", args.out)
+    values = _run(args, tools.get_param, args.job, args.param)
+    try:
+        if args.out.endswith(".safetensors"):
+            from safetensors.numpy import save_file
+
+            save_file({args.param: np.ascontiguousarray(values)}, args.out)
+        else:
+            np.save(args.out, values)
+    except OSError as exc:  # checked before, changed since
+        raise CommandError(f"--out {args.out}: {exc.strerror or exc}") from None
     print(f"{args.param}: {list(values.shape)} -> {args.out}")
     return 0
 
@@ -213,6 +240,10 @@ def export(args: argparse.Namespace) -> int:
     --hf-dir DIR with from_pretrained(DIR). Streamed, one parameter at a time."""
     if (args.out is None) == (args.hf_dir is None):
         raise CommandError("give one of --out FILE or --hf-dir DIR", EXIT_USAGE)
+    if args.out is not None:
+        _check_out("--out", args.out)
+    else:
+        _check_out("--hf-dir", args.hf_dir, folder=True)
     if args.snapshot:
         count = export_snapshot(Path(args.snapshot), args.out, hf_dir=args.hf_dir)
     elif args.job:

@@ -169,3 +169,28 @@ def test_unknown_parameter_and_bad_snapshot_folder(cluster, tmp_path):
     proc = cli(cluster, "export", "--snapshot", str(missing), "--out", str(tmp_path / "m.st"))
     assert proc.returncode == 1 and str(missing / "manifest.json") in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["get", "JOB", "wte.weight", "--out", "missing/x.npy"], "no such folder"),
+        (["export", "JOB", "--out", "missing/m.safetensors"], "no such folder"),
+        (["export", "JOB", "--out", "."], "is a folder; give a file name"),
+        (["export", "JOB", "--hf-dir", "afile/hf"], "no such folder"),
+        (["export", "JOB", "--hf-dir", "afile"], "is a file; give a folder"),
+    ],
+    ids=["get-missing-folder", "export-missing-folder", "export-to-folder", "hf-under-file",
+         "hf-is-file"],
+)  # fmt: skip
+def test_an_output_that_cannot_be_written_is_one_line(cluster, tmp_path, args, said):
+    """A bad --out or --hf-dir printed a Python traceback (FileNotFoundError of a temporary
+    file's name, IsADirectoryError), after the whole state was fetched; it is refused first."""
+    (tmp_path / "afile").write_text("")
+    args = [cluster["job"] if a == "JOB" else a for a in args]
+    proc = cli(cluster, *args, cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], proc.stderr
+    assert lines[0].startswith(f"paramshard {args[0]}: error: --")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written
