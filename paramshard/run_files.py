@@ -116,12 +116,16 @@ class RunFile:
             fields["token_file"] = os.path.abspath(fields["token_file"])
         return cls(started_ticks=_start_ticks(os.getpid()), **tls, **fields)
 
-    def write(self) -> Path:
+    def write(self) -> Path | None:
         """Writes it as ``<run dir>/<run id>.json`` (0600, replacing the file whole); returns
-        its path. OSError (PermissionError) when the run directory cannot be made or is
-        another user's."""
+        its path, or None when that file is another live launcher's (a second launch under
+        the run id, or another node's launcher on this host): it stays. OSError
+        (PermissionError) when the run directory cannot be made or is another user's."""
         folder = _private_dir(run_dir())
         path = folder / f"{_file_name(self.run_id)}.json"
+        other = _read(path)
+        if other is not None and not self._is(other) and other.alive():
+            return None
         tmp = folder / f".{path.name}.{os.getpid()}.tmp"
         record = {k: v for k, v in asdict(self).items() if k != "path"}
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -136,8 +140,15 @@ class RunFile:
         and the default snapshot folder if no snapshot went into it."""
         if self.path is None:
             return
+        on_disk = _read(self.path)
+        if on_disk is not None and not self._is(on_disk):
+            return  # replaced since by a later launcher of the run id, once this one was dead
         self.path.unlink(missing_ok=True)
         drop_unused_snapshot_dir(self.run_id, self.path.parent)
+
+    def _is(self, other: RunFile) -> bool:
+        """Whether ``other`` (read from a file) is this launcher's run."""
+        return (other.pid, other.host, other.started) == (self.pid, self.host, self.started)
 
     def alive(self) -> bool:
         """Whether its launcher still runs. A run file of another host cannot be checked and
@@ -281,7 +292,12 @@ def announce_run(
         snapshot_dir=snapshot_dir,
     )
     try:
-        run.write()
+        if run.write() is None:
+            _warn(
+                f"run '{run_id}' has a run file of another live launcher: it stays, and the"
+                " job tools find that launcher's servers (two jobs under one run id are"
+                " refused by the servers; another node of the run is not)"
+            )
     except OSError as exc:  # the run goes on; only the tools will not find it by themselves
         _warn(f"no run file ({exc}): the job tools need --servers to find this run")
     return run

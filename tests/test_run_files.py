@@ -208,6 +208,32 @@ def test_a_dead_launchers_file_is_dropped(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert not run.path.exists() and live.path.exists()
 
 
+def test_a_second_launcher_of_a_run_id_leaves_the_first_ones_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second launch under a live run's id (refused by the servers, or another node of the
+    run on this host) replaced the first launcher's run file and removed it at its exit: the
+    tools lost the run that still trained."""
+    first = announce(monkeypatch, tmp_path, "run-twice", ["127.0.0.1:1"])
+    second = run_files.announce_run("run-twice", ["127.0.0.1:2"], None, None, None)
+    assert second.path is None
+    assert "has a run file of another live launcher: it stays" in capsys.readouterr().err
+    second.remove()
+    assert first.path is not None and first.path.exists()
+    assert [r.servers for r in run_files.live_runs()] == [["127.0.0.1:1"]]
+    first.remove()
+    assert not first.path.exists()
+    # a dead launcher's file is replaced by the next launcher of the id, as before
+    earlier = announce(monkeypatch, tmp_path, "run-again", ["127.0.0.1:3"])
+    record = json.loads(earlier.path.read_text())
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(30)
+    (tmp_path / "runs" / "run-again.json").write_text(json.dumps({**record, "pid": gone.pid}))
+    again = announce(monkeypatch, tmp_path, "run-again", ["127.0.0.1:4"])
+    assert again.path is not None
+    assert [r.servers for r in run_files.live_runs()] == [["127.0.0.1:4"]]
+
+
 def test_the_runs_token_file_gives_each_tool_its_role(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
