@@ -240,6 +240,7 @@ def restore(client: ShardClient, job: str, tag: str = "latest", contributors: in
                     num_servers=len(servers[j]),
                     contributors=contributors,
                     check_only=check_only,
+                    run=client.run_id,  # a rank recovering its own job (or a tool: no run)
                 ),
             )
             for j in jobs

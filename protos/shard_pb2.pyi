@@ -754,20 +754,22 @@ class CommitSnapshotReply(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "tag", "server_index", "num_servers", "contributors", "check_only")
+    __slots__ = ("job", "tag", "server_index", "num_servers", "contributors", "check_only", "run")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SERVERS_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
     server_index: int
     num_servers: int
     contributors: int
     check_only: bool
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., contributors: _Optional[int] = ..., check_only: _Optional[bool] = ...) -> None: ...
+    run: str
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., contributors: _Optional[int] = ..., check_only: _Optional[bool] = ..., run: _Optional[str] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("tag", "version", "buffers")

@@ -15,6 +15,7 @@ from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.store import BufferSlice, BufferStore
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.run_names import run_root
 from paramshard.server.snapshots.files import SnapshotDir
 
 __all__ = ["SnapshotCalls"]
@@ -26,6 +27,8 @@ class SnapshotCalls:
 
     def __init__(self, buffers: BufferStore, snapshots: SnapshotDir) -> None:
         self.buffers, self.snapshots = buffers, snapshots
+        self.live_ranks: Callable[[str], frozenset[int] | None] = lambda run: None
+        """The ranks of a run that hold leases here (the server's ``LeaseTable.live_ranks``)."""
 
     def job_slices(self, job: str) -> list[BufferSlice]:
         slices = self.buffers.jobs().get(job)
@@ -84,6 +87,7 @@ class SnapshotCalls:
             raise ShardError.invalid(
                 f"restore: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
             )
+        self._check_not_training(req)
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         manifest = self.snapshots.load_manifest(req.job, tag)
         layout = self.snapshots.layout(req.job, tag, manifest)
@@ -119,6 +123,19 @@ class SnapshotCalls:
             return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
         self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
+
+    def _check_not_training(self, req: pb.RestoreRequest) -> None:
+        """Refuses to restore a job whose run trains it (its ranks hold leases here) unless a
+        rank of that run asks (a recovery): the state would change under running ranks,
+        whose next call fails (seen: ``paramshard restore`` while a job trained)."""
+        for run in sorted({b.run for b in self.buffers.jobs().get(req.job, []) if b.run}):
+            live = self.live_ranks(run)
+            if live and run_root(req.run) != run:
+                raise ShardError.precondition(
+                    f"restore: job '{req.job}' is being trained: {len(live)} rank(s) of run"
+                    f" '{run}' hold leases on this server; restore it once they stopped (the"
+                    " run's own ranks restore it when they recover)"
+                )
 
     def _listed(self, job: str, scope: Scope | None) -> list[dict[str, Any]]:
         """``SnapshotDir.list(job)``; for a scoped caller naming no job, each job in scope
