@@ -44,7 +44,9 @@ waits for its streams' first answers and asks again for ``TAKEOVER_S``, then rai
 
 ``close()`` on the client (and, as a safety net, the interpreter's exit: protos/closing.py)
 releases its lease, then ends its streams and the threads that read them: a rank that ends
-normally aborts nothing. The renewing thread ends with the last lease of the process.
+normally aborts nothing. The exit's release says when the rank ends for good (``ends``), so
+a peer's wait for it fails at once. The renewing thread ends with the last lease of the
+process.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import grpc
 from paramshard.client import lease_holds, lease_releases
 from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict
 from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
-from paramshard.client.restarts import max_restarts
+from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import Notice, RunState
 from paramshard.protos import shard_pb2 as pb
 
@@ -369,7 +371,7 @@ class _Holding:
         with self._lock:
             released, self.released = self.released, True
         if not released:
-            request = self._request(release=True)
+            request = self._request(release=True, ends=ends_for_good())
             lease_releases.await_release(self.client(), request, self.start(request))
         self.close_holds()
 

@@ -31,6 +31,7 @@ __all__ = [
     "RESTART_FILE_ENV",
     "Declaration",
     "declare",
+    "ends_for_good",
     "max_restarts",
     "read_declaration",
     "restart_count",
@@ -54,6 +55,17 @@ def _env_count(name: str) -> int:
 def max_restarts() -> int:
     """K of ``paramshard launch --max-restarts K`` (0 when ranks are never restarted)."""
     return _env_count(MAX_RESTARTS_ENV)
+
+
+def ends_for_good() -> bool:
+    """Whether this process's rank ends for good when it releases its lease now: at the
+    process's exit with no uncaught exception (protos/closing.py), where nothing starts it
+    again (no ``--max-restarts``; an elastic rank may be replaced). A ``sys.exit(1)`` counts
+    as such an exit: no exit hook can read its code."""
+    from paramshard.client.membership import ELASTIC_ENV  # it imports the client's modules
+    from paramshard.protos import closing
+
+    return closing.ending_normally() and not max_restarts() and not os.environ.get(ELASTIC_ENV)
 
 
 def restart_count() -> int:

@@ -30,6 +30,7 @@ import concurrent.futures.thread  # noqa: F401 - its exit hook must be registere
 import gc
 import itertools
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ __all__ = [
     "close_at_exit",
     "forget",
     "close_all",
+    "ending_normally",
     "let_go",
     "step_s",
     "unlink",
@@ -62,6 +64,7 @@ _open: dict[int, tuple[weakref.ref, Callable[[Any], None]]] = {}
 _order = itertools.count()
 _ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _used = False  # whether this process made a server or a client (its exit collects cycles)
+_ending = False  # the exit hook runs, and no exception went uncaught (``ending_normally``)
 
 
 def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
@@ -139,6 +142,20 @@ def forget(obj: Any) -> None:
             _open.pop(key, None)
 
 
+def ending_normally() -> bool:
+    """Whether this process is at its exit (the exit hook runs) with no uncaught exception:
+    its script ran to its end, or called ``sys.exit`` (whose code no exit hook can read, so a
+    ``sys.exit(1)`` counts as normal here). A client's release then says the rank ends for
+    good (client/leases.py)."""
+    return _ending
+
+
+def _at_exit() -> None:
+    global _ending
+    _ending = getattr(sys, "last_value", None) is None  # set for an uncaught exception
+    close_all()
+
+
 def close_all() -> None:
     """Closes everything still registered, latest first (the exit hook)."""
     with _lock:
@@ -158,4 +175,4 @@ def close_all() -> None:
 
 # threading's exit hooks are internal to the standard library (concurrent.futures uses them);
 # atexit, should they ever go, runs too late to save a running server but still closes clients.
-getattr(threading, "_register_atexit", atexit.register)(close_all)
+getattr(threading, "_register_atexit", atexit.register)(_at_exit)

@@ -318,7 +318,7 @@ class StepReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream", "holder", "client", "fresh")
+    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream", "holder", "client", "fresh", "ends")
     RUN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +331,7 @@ class LeaseRequest(_message.Message):
     HOLDER_FIELD_NUMBER: _ClassVar[int]
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     FRESH_FIELD_NUMBER: _ClassVar[int]
+    ENDS_FIELD_NUMBER: _ClassVar[int]
     run: str
     rank: int
     world_size: int
@@ -343,7 +344,8 @@ class LeaseRequest(_message.Message):
     holder: str
     client: int
     fresh: bool
-    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ..., client: _Optional[int] = ..., fresh: _Optional[bool] = ...) -> None: ...
+    ends: bool
+    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ..., client: _Optional[int] = ..., fresh: _Optional[bool] = ..., ends: _Optional[bool] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting")

@@ -80,9 +80,10 @@ def test_the_next_attempt_comes_after_a_shard_still_being_written(servers, tmp_p
 def test_a_snapshot_whose_caller_went_away_frees_its_shard(servers, tmp_path):
     """A Snapshot waiting for a version that does not come, whose caller then goes away (the
     call cancelled, as by a trainer that dies): the server ends the wait within a poll
-    (``ALIVE_POLL_S``) instead of at the call's deadline, and the shard it had taken is free
-    for the next Snapshot of the same tag at once (it used to be refused ALREADY_EXISTS,
-    "being written by another Snapshot call", until that deadline)."""
+    (``ENDED_POLL_S``, server/runtime/run_names.py) instead of at the call's deadline, and
+    the shard it had taken is free for the next Snapshot of the same tag at once (it used to
+    be refused ALREADY_EXISTS, "being written by another Snapshot call", until that
+    deadline)."""
     nodes = snapshot_servers(servers, 1, tmp_path / "snaps")
     job, trainer, *_ = one_rank([nodes[0].address], 2)  # version 2; nothing steps further
     slot = nodes[0].servicer.buffers.jobs()[job][0]

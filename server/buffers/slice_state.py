@@ -42,7 +42,12 @@ from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.rank_lists import absent, listed
-from paramshard.server.runtime.run_names import Whereabouts, nothing_known, run_root
+from paramshard.server.runtime.run_names import (
+    Whereabouts,
+    nothing_known,
+    run_root,
+    wait_asking,
+)
 from paramshard.server.runtime.turns import TurnWaits
 from paramshard.server.snapshots.shards import Captured
 
@@ -55,9 +60,6 @@ __all__ = [
     "slice_bytes",
 ]
 
-ALIVE_POLL_S = 0.5
-"""How often a wait that can tell whether its caller is still there (``wait_for``'s ``alive``)
-asks."""
 MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
 
 
@@ -179,6 +181,7 @@ class SliceState:
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.turns = TurnWaits()  # the store's, once it holds the slice (runtime/turns.py)
         self.whereabouts: Whereabouts = nothing_known  # the store's, once it holds the slice
+        self.ended: Whereabouts = nothing_known  # the same
         self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
@@ -208,22 +211,26 @@ class SliceState:
         """Wait on the slice's condition (caller holds it) until ``ready()``, or fail: at the
         deadline with DEADLINE_EXCEEDED naming the ranks it waited for (``waiting_on``), at
         once with FAILED_PRECONDITION when the run's ranks disagree about the buffer
-        (``conflict_with``). ``alive()``, asked every ``ALIVE_POLL_S`` while waiting: False once
-        the call's caller went away (cancelled, disconnected), which ends the wait (CANCELLED)."""
+        (``conflict_with``) or once every rank whose gradient it misses ended for good (a
+        peer that ran out of batches: ``ended``). Every ``ENDED_POLL_S`` it asks that and
+        ``alive()``: False once the call's caller went away (cancelled, disconnected), which
+        ends the wait (CANCELLED)."""
 
         def settled() -> bool:
             return self.dropped or self.stopped or self.conflict is not None or ready()
 
-        end = time.monotonic() + timeout
-        while True:
-            left = end - time.monotonic()
-            done = self.cond.wait_for(settled, timeout=min(left, ALIVE_POLL_S) if alive else left)
-            if done or alive is None or left <= ALIVE_POLL_S:
-                break
-            if not alive():
+        def ask() -> str:
+            if alive is not None and not alive():
                 raise ShardError.cancelled(
                     f"{self.label}: the caller went away while this call waited for {waiting_for}"
                 )
+            return self.ended(self.run_name, self.missing_pushes())
+
+        done, gone = wait_asking(self.cond, settled, timeout, ask)
+        if gone:
+            raise ShardError.precondition(
+                f"{self.label} is at version {self.version}; waiting for {waiting_for}: {gone}"
+            )
         if self.stopped:
             raise ShardError.aborted(
                 f"{self.label}: {self.stopped} while waiting for {waiting_for}"
@@ -240,6 +247,19 @@ class SliceState:
                 f"{self.label}{run} is at version {self.version};"
                 f" waited {timeout:.1f} s for {waiting_for}; {self.waiting_on()}"
             )
+
+    def missing_pushes(self) -> list[int]:
+        """The ranks whose gradient of the current step has not arrived while the step waits
+        for pushes (caller holds the lock); none for an elastic step (its members change
+        instead) or before the initial values."""
+        p = self.pending
+        if not self.initialized or (p is not None and p.step == self.version and p.reduced):
+            return []
+        if p is not None and p.step == self.version:
+            if p.members is not None:
+                return []
+            return absent(range(self.contributors), set(p.arrived(self.slice_numel)))
+        return absent(range(self.contributors), set())
 
     def waiting_on(self) -> str:
         """Who the slice waits for to move on (caller holds the lock): its initial values, the

@@ -45,6 +45,7 @@ class BufferStore:
         self.budget = budget or MemoryBudget()  # the server's memory, shared with slots etc.
         self.turns = TurnWaits()  # none wait until the server sets the bound (app.py)
         self.whereabouts: Whereabouts = nothing_known  # the server's leases (servicer.py)
+        self.ended: Whereabouts = nothing_known  # the same: missing ranks that ended for good
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
 
@@ -124,6 +125,7 @@ class BufferStore:
                 if existing is None:
                     created.budget, created.reserved = self.budget, need
                     created.turns, created.whereabouts = self.turns, self.whereabouts
+                    created.ended = self.ended
                     self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
                     return created
         except BaseException:
@@ -199,7 +201,7 @@ class BufferStore:
         self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
         for b, n in zip(slices, need, strict=True):
             b.budget, b.reserved, b.turns = self.budget, n, self.turns
-            b.whereabouts = self.whereabouts
+            b.whereabouts, b.ended = self.whereabouts, self.ended
         with self._lock:
             old = self._jobs.pop(job, {})
             self._jobs[job] = {b.name: b for b in slices}

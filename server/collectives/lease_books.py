@@ -77,6 +77,10 @@ class Books:
             run.released.add(req.rank)
         run.released_by[req.rank] = (req.holder, req.client)
         run.released_at[req.rank] = now
+        if req.ends:
+            run.ended_at[req.rank] = now
+        else:
+            run.ended_at.pop(req.rank, None)
 
     def forget(self, run: RunRecord) -> None:
         self.leases.remove(run.owner, len(run.leases))

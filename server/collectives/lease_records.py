@@ -37,6 +37,7 @@ __all__ = [
     "check_holder",
     "check_request",
     "check_settled",
+    "ended",
     "ended_run",
     "released_before",
     "whereabouts",
@@ -126,6 +127,7 @@ class RunRecord:
     released: set[int] = field(default_factory=set)  # ranks that released theirs: all = ended
     released_by: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> its client
     released_at: dict[int, float] = field(default_factory=dict)  # rank -> when it released
+    ended_at: dict[int, float] = field(default_factory=dict)  # the same, for good (``ends``)
     recent: int = -1  # the rank last renewed or found live: asked first by ``any_live``
     live_cache: frozenset[int] | None = None  # ``live_set``'s answer, until ``moved``
     live_until: float = 0.0  # the earliest a lease of ``live_cache`` can lapse untouched
@@ -302,6 +304,27 @@ def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now:
                 f" {lease.rejoin_s:g} s from then for it to come back"
             )
     return "".join(words)
+
+
+def ended(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float) -> str:
+    """Words for a wait on ``ranks`` of ``run`` when every one of them (at least one) ended
+    for good: released its lease with ``LeaseRequest.ends`` (its process exited normally,
+    nothing starts it again) and holds none; "" otherwise, and for a group's ranks. Single
+    reads of dicts, as ``whereabouts``; ``ranks`` past the first 1,024 are not read."""
+    found = None if grouped(run) or not ranks else runs.get(run_root(run))
+    if found is None or not found.ended_at:
+        return ""
+    ranks = ranks[:1024]
+    when = [found.ended_at.get(r) if r not in found.leases else None for r in ranks]
+    if any(t is None for t in when):
+        return ""
+    ago = now - max(t for t in when if t is not None)
+    return (
+        f"missing rank(s) {', '.join(map(str, ranks[:8]))}{', ...' if len(ranks) > 8 else ''}"
+        f" ended: their process exited normally (the last {ago:.1f} s ago) and nothing starts"
+        " it again, so this wait cannot complete; every rank must make the same collectives"
+        " and steps (uneven inputs?)"
+    )
 
 
 def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:

@@ -245,6 +245,11 @@ class LeaseTable:
         a slice's lock, which an abort takes under this table's lock: so not under it."""
         return records.whereabouts(self._runs, run, ranks, self.clock())
 
+    def ended(self, run: str, ranks: Sequence[int]) -> str:
+        """``Whereabouts`` that is "" unless every rank of ``ranks`` ended for good
+        (``lease_records.ended``); not under the lock, as ``whereabouts``."""
+        return records.ended(self._runs, run, ranks, self.clock())
+
     def drop(self, run: str) -> bool:
         """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
         with self._lock:

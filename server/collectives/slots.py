@@ -41,7 +41,7 @@ from paramshard.server.collectives.slot_checks import check_header, check_same, 
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
-from paramshard.server.runtime.run_names import Whereabouts, nothing_known
+from paramshard.server.runtime.run_names import Whereabouts, nothing_known, wait_asking
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
@@ -65,6 +65,7 @@ class SlotStore:
         self._slots: dict[str, Slot] = {}
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
         self.whereabouts: Whereabouts = nothing_known  # the server's leases (servicer.py)
+        self.ended: Whereabouts = nothing_known  # the same: missing ranks that ended for good
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -259,10 +260,13 @@ class SlotStore:
                     " and freed"
                 )
             slot.waiting[req.reader] += 1
+            name = parse_key(req.key)
             try:
-                done = slot.cond.wait_for(
+                done, gone = wait_asking(
+                    slot.cond,
                     lambda: slot.ended is not None or slot.conflict is not None or over(),
                     timeout,
+                    lambda: self.ended(name.run, missing(slot, req.offset)),
                 )
             finally:
                 slot.waiting[req.reader] -= 1
@@ -272,9 +276,12 @@ class SlotStore:
                 raise ShardError.aborted(slot.ended)
             if slot.conflict is not None and not over():
                 raise ShardError.precondition(slot.conflict)
+            if gone:
+                raise ShardError.precondition(
+                    f"{name.describe()}, chunk at {req.offset:,}: {who(slot, req.offset)}; {gone}"
+                )
             if not done:
                 self._forget_if_unused(slot)
-                name = parse_key(req.key)
                 raise ShardError.deadline(
                     f"{name.describe()}, chunk at {req.offset:,}: waited {timeout:.1f} s;"
                     f" {who(slot, req.offset)}"

@@ -1,5 +1,7 @@
-"""Run names as clients make them, and the hook through which a wait on other ranks says what
-this server knows of the ranks it waited for.
+"""Run names as clients make them, and the hooks through which a wait on other ranks learns
+what this server's leases know of the ranks it waits for: words for its deadline's error
+(``whereabouts``), and whether they all ended for good, so it fails at once (``ended``,
+asked every ``ENDED_POLL_S``).
 
 A client's run id is ``<run>``; after ``restart_collectives`` its collectives run under
 ``<run>.e<epoch>``, and a group's under ``<run>/<group>`` (client/collectives.py,
@@ -9,14 +11,20 @@ client/shard_client.py). A group's ranks are its members' indices, not the run's
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["Whereabouts", "grouped", "nothing_known", "run_root"]
+__all__ = ["ENDED_POLL_S", "Whereabouts", "grouped", "nothing_known", "run_root", "wait_asking"]
+
+ENDED_POLL_S = 0.5
+"""How often a wait on other ranks asks whether they ended for good (a peer whose script ran
+out of batches first: its release said so, ``LeaseRequest.ends``)."""
 
 Whereabouts = Callable[[str, Sequence[int]], str]
-"""``(run, ranks) -> words``: what the server's leases say of ``ranks`` of ``run`` (a rank
-that released its lease, one whose lease lapsed), each as ``; ...``, or "" (LeaseTable.whereabouts,
-server/collectives/leases.py)."""
+"""``(run, ranks) -> words``: what the server's leases say of ``ranks`` of ``run``, or ""
+(``LeaseTable.whereabouts``: each rank that released its lease or whose lease lapsed, as
+``; ...``; ``LeaseTable.ended``: all of them ended for good; server/collectives/leases.py)."""
 
 
 def nothing_known(run: str, ranks: Sequence[int]) -> str:
@@ -33,3 +41,20 @@ def run_root(run: str) -> str:
 def grouped(run: str) -> bool:
     """Whether ``run`` is a group's: its ranks are the group's member indices."""
     return "/" in run
+
+
+def wait_asking(
+    cond: threading.Condition, ready: Callable[[], bool], timeout: float, ask: Callable[[], str]
+) -> tuple[bool, str]:
+    """``cond.wait_for(ready, timeout)`` (caller holds ``cond``) that calls ``ask()`` every
+    ``ENDED_POLL_S`` and ends early when it has words (the missing ranks ended for good);
+    ``ask`` may raise to end it otherwise. Returns (ready, words)."""
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        if cond.wait_for(ready, min(left, ENDED_POLL_S)):
+            return True, ""
+        if left <= ENDED_POLL_S:
+            return False, ""
+        if words := ask():
+            return False, words

@@ -1,0 +1,119 @@
+"""A wait for a rank that ended for good fails at once, not at its deadline. The common case:
+uneven inputs, a rank that ran out of batches first. Its process exits normally; its release
+at exit says so (``LeaseRequest.ends``, client/restarts.py ``ends_for_good``), and a server
+wait (a collective's read, a step waiting for gradients) whose missing ranks all ended this
+way fails with FAILED_PRECONDITION naming them. A rank that raised, or that ``paramshard
+launch --max-restarts`` could start again, did not end for good: its peers wait as before,
+and their deadline's error says it released its lease.
+
+Real servers, real processes: the rank that ends is a subprocess (its exit hook is the one
+under test); the last case is ``paramshard launch`` of an FSDP script with uneven batches.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import unique_id, worker_env
+from test_launch import launch, launch_env
+
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT_S = 8.0
+PEER = """
+import sys
+from paramshard.client import ClusterSpec, ShardClient
+address, run, how = sys.argv[1:4]
+client = ShardClient(ClusterSpec([address]), rank=0, world_size=2, run_id=run, timeout_s=30)
+client.barrier()  # with the test's rank 1
+print("met", flush=True)
+if how == "raise":
+    raise RuntimeError("rank 0 fails")
+"""  # it never closes its client: the exit hook releases its lease, as in most scripts
+
+
+@pytest.mark.parametrize(
+    ("how", "restarts", "ends"),
+    [("normal", "", True), ("raise", "", False), ("normal", "1", False)],
+    ids=["ran-out", "raised", "restartable"],
+)
+def test_a_wait_for_a_rank_that_ended_fails_at_once(
+    servers: Any, how: str, restarts: str, ends: bool
+) -> None:
+    address = servers(1, local_calls=False)[0].address
+    run = unique_id("ended")
+    env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, address, run, how],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    me = ShardClient(ClusterSpec([address]), rank=1, world_size=2, run_id=run, timeout_s=TIMEOUT_S)
+    try:
+        me.barrier()  # barrier #1, with the peer
+        out, err = peer.communicate(timeout=60)
+        assert "met" in out, err
+        began = time.monotonic()
+        with pytest.raises(ShardClientError) as info:
+            me.barrier()  # barrier #2: the peer has gone
+        took = time.monotonic() - began
+    finally:
+        me.close()
+        peer.kill()
+    details = info.value.details
+    if ends:
+        assert info.value.code.name == "FAILED_PRECONDITION", info.value
+        assert "missing rank(s) 0 ended: their process exited normally" in details, details
+        assert "all_reduce #2 of run" in details, details
+        assert took < TIMEOUT_S / 2, f"it waited {took:.1f} s"
+    else:
+        assert info.value.code.name == "DEADLINE_EXCEEDED", info.value
+        assert "rank 0 released its lease here" in details, details
+        assert took > TIMEOUT_S * 0.8, f"it gave up after {took:.1f} s"
+
+
+UNEVEN = """
+import os, sys, time
+import torch
+from paramshard import FSDPModel, FSDPOptimizer, ShardingConfiguration
+rank = int(os.environ["RANK"])
+config = ShardingConfiguration.from_env(job="uneven", timeout_s=60)
+torch.manual_seed(0)
+model = FSDPModel(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)), config)
+opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+batches = 2 if rank == 0 else 4  # rank 0 runs out of batches first
+began = time.monotonic()
+try:
+    for _ in range(batches):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+finally:
+    print(f"rank {rank} after {time.monotonic() - began:.1f} s", flush=True)
+"""
+
+
+def test_uneven_inputs_end_the_job_at_once(tmp_path: Path) -> None:
+    """Rank 1's third step waits for rank 0's gradient; rank 0 exited after two: rank 1 fails
+    within seconds (its deadline is 60 s), naming rank 0, and the launcher stops the job."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN)
+    env = {k: v for k, v in launch_env().items() if k != "PARAMSHARD_MAX_RESTARTS"}
+    began = time.monotonic()
+    result = launch("--nproc", "2", script, env=env, timeout=180)
+    took = time.monotonic() - began
+    said = result.stdout + result.stderr
+    assert result.returncode == 1, said
+    assert "missing rank(s) 0 ended: their process exited normally" in said, said
+    assert "FAILED_PRECONDITION" in said, said
+    assert took < 45, f"the job took {took:.0f} s to end (rank 1's deadline: 60 s)"
