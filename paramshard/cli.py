@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
-        names = ", ".join(COMMANDS)
+        names = ", ".join(sorted(COMMANDS))
         if unknown:
             parser.error(
                 f"unrecognized arguments: {' '.join(unknown)} (a COMMAND comes first: {names})"
