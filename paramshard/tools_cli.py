@@ -164,13 +164,22 @@ def snapshot(args: argparse.Namespace) -> int:
     return 0
 
 
-@command(arg("--job", default="", help="only this job"), SERVERS, RUN, JSON, TIMEOUT)
+@command(
+    arg("job", nargs="?", default="", help="only this job (as the other tools name it)"),
+    arg("--job", dest="job_option", default="", metavar="JOB", help="the same"),
+    SERVERS,
+    RUN,
+    JSON,
+    TIMEOUT,
+)
 def snapshots(args: argparse.Namespace) -> int:
     """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
     tag: one row, by the base name)."""
     from paramshard.client import tools
 
-    rows = _run(args, tools.list_snapshots, args.job, True)
+    if args.job and args.job_option and args.job != args.job_option:
+        raise CommandError(f"two jobs: {args.job!r} and --job {args.job_option!r}", EXIT_USAGE)
+    rows = _run(args, tools.list_snapshots, args.job or args.job_option, True)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

@@ -112,6 +112,7 @@ def test_snapshot_list_restore_export(cluster, tmp_path):
     mine = sorted((r["tag"], r["version"], r["num_servers"]) for r in rows if r["job"] == job)
     assert mine == [("t", STEPS, 2), ("t2", STEPS, 2)]
     assert "t2" in ok(cli(cluster, "snapshots", "--job", job))
+    assert "t2" in ok(cli(cluster, "snapshots", job))  # JOB as the other tools take it
 
     # move the servers on one step, then restore the snapshot: back to the trained values
     def one_more(client: ShardClient) -> None:
