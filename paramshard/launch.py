@@ -281,6 +281,9 @@ def launch(args: argparse.Namespace) -> int:
             patience = args.start_timeout or CONNECT_GRACE_S  # asked for: servers still starting
             wait_serving(addresses, token, start_timeout, unreachable_s=patience)
         else:
+            if os.environ.get("PARAMSHARD_SERVERS", "").strip():  # the job tools read it
+                say("PARAMSHARD_SERVERS is set, but without --servers launch starts servers"
+                    " of its own; the ranks use those")  # fmt: skip
             try:
                 snapshot_dir = local_snapshot_dir(args.snapshot_dir, run_id)
             except OSError as exc:

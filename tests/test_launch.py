@@ -192,6 +192,18 @@ def test_omp_num_threads_and_malloc_settings_of_the_user_are_kept(tiny: Path) ->
     result = launch("--nproc", "1", tiny, "ok")
     assert result.returncode == 0, result.stdout + result.stderr
     assert rank_envs(result.stdout)[0]["OMP_NUM_THREADS"] is None
+    assert "PARAMSHARD_SERVERS is set" not in result.stderr
+
+
+def test_a_shells_servers_are_not_the_launchers(tiny: Path) -> None:
+    """PARAMSHARD_SERVERS in the environment (the job tools read it) is not where launch's
+    ranks go without --servers: it says so, and the ranks get its own servers."""
+    result = launch("--nproc", "1", tiny, "ok", env=launch_env(PARAMSHARD_SERVERS="127.0.0.1:1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PARAMSHARD_SERVERS is set, but without --servers launch starts servers" in (
+        result.stderr
+    )
+    assert rank_envs(result.stdout)[0]["PARAMSHARD_SERVERS"] != "127.0.0.1:1"
 
 
 def test_given_servers_and_two_nodes(tiny: Path, servers, tmp_path: Path) -> None:  # noqa: ANN001
