@@ -117,3 +117,23 @@ def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
     )
     assert records.whereabouts(runs, "r/s1g0", [1, 2], now=12.5) == ""
     assert records.whereabouts(runs, "other", [1], now=12.5) == ""
+
+
+def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
+    """``ended`` (the fail-at-once check, tests/test_ended_ranks.py) speaks only when every
+    rank waited for released its lease with ``ends`` and holds none: not for a rank that only
+    released, one that leases again, a group's ranks, or a list cut at its bound."""
+    run = records.RunRecord(world_size=4)
+    run.ended_at.update({0: 2.0, 1: 3.0})
+    run.released_at.update({0: 2.0, 1: 3.0, 2: 3.0})
+    runs = {"r": run}
+    assert records.ended(runs, "r.e1", [0, 1], now=5.0).startswith(
+        "missing rank(s) 0, 1 ended: their process exited normally (the last 2.0 s ago)"
+    )
+    assert records.ended(runs, "r", [0, 2], now=5.0) == ""  # rank 2 released, may come back
+    assert records.ended(runs, "r/s1g0", [0, 1], now=5.0) == ""
+    assert records.ended(runs, "r", list(range(1024)), now=5.0) == ""
+    run.leases[1] = records.LeaseRecord(
+        expires=9.0, epoch=0, ttl_s=5.0, rejoin_s=0.0, since=4.0, heard=4.0
+    )
+    assert records.ended(runs, "r", [0, 1], now=5.0) == ""  # rank 1 leases again

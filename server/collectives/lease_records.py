@@ -25,6 +25,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.run_ids import run_id_problem
 from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.rank_lists import MAX_LISTED
 from paramshard.server.runtime.run_names import grouped, run_root
 
 __all__ = [
@@ -309,12 +310,11 @@ def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now:
 def ended(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float) -> str:
     """Words for a wait on ``ranks`` of ``run`` when every one of them (at least one) ended
     for good: released its lease with ``LeaseRequest.ends`` (its process exited normally,
-    nothing starts it again) and holds none; "" otherwise, and for a group's ranks. Single
-    reads of dicts, as ``whereabouts``; ``ranks`` past the first 1,024 are not read."""
-    found = None if grouped(run) or not ranks else runs.get(run_root(run))
+    nothing starts it again) and holds none; "" otherwise, for a group's ranks, and for a list
+    cut at ``MAX_LISTED`` (more may be missing). Single reads of dicts, as ``whereabouts``."""
+    found = None if grouped(run) or not 0 < len(ranks) < MAX_LISTED else runs.get(run_root(run))
     if found is None or not found.ended_at:
         return ""
-    ranks = ranks[:1024]
     when = [found.ended_at.get(r) if r not in found.leases else None for r in ranks]
     if any(t is None for t in when):
         return ""
