@@ -2,10 +2,11 @@
 
 ``--pending`` is the hang doctor (docs/design.md §3.7). A collective hangs when a rank never
 reaches it; every server it was due on lists it, per run, with its kind and sequence number,
-the ranks whose contribution is in (ARRIVED), those whose is not (MISSING), the ranks blocked
-reading it (WAITING) or that have yet to read it, and how long ago it was opened (AGE) and last
-touched (IDLE). Gradient steps waiting for contributions (``push_grad``, run = job, seq = step)
-are listed the same way, and mailbox messages sent but not taken yet in a table of their own.
+the ranks whose contribution is in (RANKS IN), those whose is not (RANKS MISSING), the ranks
+blocked reading it (RANKS WAITING) or that have yet to read it (NOT READ BY), and how long
+ago it was opened (AGE) and last touched (IDLE). Gradient steps waiting for contributions
+(``push_grad``, run = job, seq = step) are listed the same way, and mailbox messages sent but
+not taken yet in a table of their own.
 The rows come from the servers' Status replies (``StatusReply.pending``, role ``read``).
 """
 
@@ -47,8 +48,8 @@ STATUS_COLUMNS = (
 )
 _RIGHT_ALIGNED = frozenset(range(3, len(STATUS_COLUMNS)))
 PENDING_COLUMNS = (
-    "RUN", "KIND", "SEQ", "PART", "ARRIVED", "MISSING", "WAITING", "NOT READ BY", "AGE", "IDLE",
-    "KEY",
+    "RUN", "KIND", "SEQ", "PART", "RANKS IN", "RANKS MISSING", "RANKS WAITING", "NOT READ BY",
+    "AGE", "IDLE", "KEY",
 )  # fmt: skip
 MESSAGE_COLUMNS = ("RUN", "FROM", "TO", "TAG", "SEQ", "BYTES", "AGE", "KEY")
 
