@@ -23,14 +23,13 @@ from typing import Any
 
 import grpc
 
+from paramshard.client.restarts import ELASTIC_ENV
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 
 __all__ = ["ELASTIC_ENV", "MIN_NPROC_ENV", "Membership", "MembershipError", "StepMembers", "leave"]
 
-ELASTIC_ENV = "PARAMSHARD_ELASTIC"
-"""Set to 1 by ``paramshard launch --elastic``: ``ShardingConfiguration.from_env`` is elastic."""
 MIN_NPROC_ENV = "PARAMSHARD_MIN_NPROC"
 """``paramshard launch --min-nproc M``: the fewest members a step trains with."""
 LEAVE_TIMEOUT_S = 2.0

@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass
 
 __all__ = [
+    "ELASTIC_ENV",
     "MAX_RESTARTS_ENV",
     "RESTART_COUNT_ENV",
     "RESTART_FILE_ENV",
@@ -37,6 +38,9 @@ __all__ = [
     "restart_count",
 ]
 
+ELASTIC_ENV = "PARAMSHARD_ELASTIC"
+"""Set to 1 by ``paramshard launch --elastic``: ``ShardingConfiguration.from_env`` is elastic
+(client/membership.py), and a rank that ends may be replaced."""
 MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
 RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
@@ -62,7 +66,6 @@ def ends_for_good() -> bool:
     process's exit with no uncaught exception (protos/closing.py), where nothing starts it
     again (no ``--max-restarts``; an elastic rank may be replaced). A ``sys.exit(1)`` counts
     as such an exit: no exit hook can read its code."""
-    from paramshard.client.membership import ELASTIC_ENV  # it imports the client's modules
     from paramshard.protos import closing
 
     return closing.ending_normally() and not max_restarts() and not os.environ.get(ELASTIC_ENV)
