@@ -5,8 +5,9 @@ have a snapshot directory.
 
 The commands are read from the README itself (``JOB`` replaced by the job's name) and run as
 ``python -m paramshard ...`` while two FSDP ranks train. ``restore`` runs once the ranks stopped
-stepping (README says so: a restore puts the servers back at the snapshot's step, under
-ranks that would go on from theirs). The export that follows must equal the snapshot, which
+stepping and closed their clients (README says so: a restore puts the servers back at the
+snapshot's step, under ranks that would go on from theirs, and the servers refuse it while
+ranks of the job's run hold leases). The export that follows must equal the snapshot, which
 is also exported offline from its folder under the run directory.
 """
 
@@ -55,7 +56,9 @@ while time.monotonic() < deadline:
     step += 1
     time.sleep(0.01)
 print(f"stopped at step {step}", flush=True)
-(here / f"stopped-{config.client.rank}").touch()
+rank = config.client.rank
+config.client.close()  # its lease goes: a restore from outside is refused while ranks hold one
+(here / f"stopped-{rank}").touch()
 while not (here / "exit").exists() and time.monotonic() < deadline:
     time.sleep(0.05)
 """
