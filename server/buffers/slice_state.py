@@ -146,8 +146,7 @@ class SliceState:
         self.job, self.name = req.ref.job, req.ref.buffer
         self.label = f"buffer '{self.job}/{self.name}'"
         self.spec = req
-        self.run = run_root(req.run)  # the run that registered it last (RegisterBufferRequest.run)
-        self.run_name = req.run  # the same, as the client named it (a group's, an epoch's)
+        self.run_name = req.run  # the run that registered it last, as the client named it
         self.conflict: str | None = None  # why its run's ranks disagree: their waits fail at once
         self.numel = req.numel
         self.start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
@@ -187,6 +186,11 @@ class SliceState:
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
         self.captures: dict[int, Captured] = {}
         self.cond = threading.Condition()
+
+    @property
+    def run(self) -> str:
+        """The run id that registered it last (``run_name`` without a group or an epoch)."""
+        return run_root(self.run_name)
 
     # -- helpers ---------------------------------------------------------------------------
     def check_chunk(self, chunk: pb.Chunk, what: str) -> None:
@@ -300,7 +304,6 @@ class SliceState:
     def registered(self, run: str) -> None:
         """A registration that fits (a rank of ``run``, maybe a restarted one) came in."""
         with self.cond:
-            self.run = run_root(run) or self.run
             self.run_name = run or self.run_name
             self.conflict = None
 
