@@ -1,9 +1,10 @@
 """Why a call did not reach its server, in words: grpc says ``UNAVAILABLE: failed to connect to
 all addresses; last error: UNKNOWN: ipv4:...: Tls handshake failed (TSI_PROTOCOL_FAILURE):
 SSL_ERROR_SSL: ...`` for a dozen different mistakes. ``cause`` picks the one a user can act on
-(nothing listens there, the name does not resolve, TLS on one side only, the wrong CA, a
-certificate for another name, a refused token); ``RpcCore`` and ``paramshard launch --servers``
-put it into their errors, beside grpc's own words."""
+(nothing listens there, something that does not speak gRPC does, the name does not resolve, TLS
+on one side only, the wrong CA, a certificate for another name, a refused token); ``RpcCore``,
+``paramshard launch --servers`` and ``paramshard health`` put it into their errors, beside grpc's
+own words."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ _CAUSES = (
      " TLS (set PARAMSHARD_TLS_CA) or a client certificate (mutual TLS), or it stopped"),
     ("connection reset", "the connection was reset while it was being set up: the server"
      " requires TLS or a client certificate, or it stopped"),
+    ("failed parsing http/2", "the port answers, but not in gRPC: something other than a"
+     " shard server listens there (a web server, the metrics port?)"),
     ("failed to connect", "cannot connect"),
 )  # fmt: skip
 

@@ -368,6 +368,8 @@ def health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from paramshard.client import unreachable
+
     if "," in args.address:
         raise CommandError(f"one address, not a list: {args.address!r}")
     try:
@@ -382,7 +384,8 @@ def health(args: argparse.Namespace) -> int:
             metadata=spec.metadata(),
         )
     except grpc.RpcError as exc:
-        raise CommandError(f"{address}: {exc.code().name}: {exc.details()}") from None
+        words = unreachable.explain(address, exc.code(), exc.details() or "")
+        raise CommandError(f"{address}: {exc.code().name}: {words}") from None
     finally:
         spec.close()
     state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

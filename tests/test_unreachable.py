@@ -4,8 +4,9 @@ with its address and the cause, by a rank's first call and by ``paramshard launc
 
 Causes: nothing listens on the port (connection refused), a host name that does not resolve,
 a TLS handshake that fails (a plain server asked for TLS, the wrong CA, a certificate for
-another name, a TLS server asked without it) and a token the server does not know. TLS
-servers use the test PKI (tests/pki.py); every server is real, on 127.0.0.1.
+another name, a TLS server asked without it), a port where something else answers (a web
+server, not gRPC) and a token the server does not know. TLS servers use the test PKI
+(tests/pki.py); every server is real, on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -63,6 +64,33 @@ def token_server() -> Iterator[str]:
         yield s.address
 
 
+@pytest.fixture(scope="module")
+def http_port() -> Iterator[str]:
+    """A port where a web server answers: every connection gets an HTTP/1.1 reply and is closed
+    (what grpc reads as a first frame of the wrong type)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    done = threading.Event()
+
+    def answer() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        done.set()
+        thread.join(5)
+        listener.close()
+
+
 def closed_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -86,6 +114,7 @@ def cases(pki: dict[str, bytes], other: dict[str, bytes], addresses: dict[str, s
         ),
         "plain to a TLS server": (addresses["tls"], {}, "it requires TLS"),
         "bad token": (addresses["token"], {"token": "wrong"}, "refused the credentials"),
+        "not gRPC": (addresses["http"], {}, "the port answers, but not in gRPC"),
     }  # fmt: skip
 
 
@@ -96,8 +125,10 @@ def all_cases(
     tls_server: str,
     plain_server: str,
     token_server: str,
+    http_port: str,
 ) -> dict[str, Any]:
-    return cases(pki, other_pki, {"tls": tls_server, "plain": plain_server, "token": token_server})
+    addresses = {"tls": tls_server, "plain": plain_server, "token": token_server, "http": http_port}
+    return cases(pki, other_pki, addresses)
 
 
 CASES = [
@@ -108,6 +139,7 @@ CASES = [
     "another name",
     "plain to a TLS server",
     "bad token",
+    "not gRPC",
 ]
 
 
@@ -170,6 +202,17 @@ def test_launch_servers_end_to_end_refused(tmp_path: Path) -> None:
     assert f"server {address} is unreachable: connection refused" in out.stderr
     assert "a rank must not start" not in out.stderr
     assert took < 30.0, f"{took:.1f} s (the interpreter's start is most of it)"
+
+
+def test_health_names_a_port_that_is_not_grpc(http_port: str) -> None:
+    """``paramshard health`` (a container's HEALTHCHECK, a user's first try) says why too."""
+    out = subprocess.run(
+        [sys.executable, "-m", "paramshard", "health", http_port, "--timeout", "5"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"paramshard health: error: {http_port}: UNAVAILABLE: cannot reach" in out.stderr
+    assert "not in gRPC" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_a_reachable_server_passes(token_server: str) -> None:
