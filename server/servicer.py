@@ -78,8 +78,7 @@ class ShardServicer:
             turns=self.buffers.turns,  # one bound on waits for a turn, server wide
         )  # fmt: skip
         self.leases = LeaseTable(self.slots, forget_s=pending_ttl_s)
-        self.slots.whereabouts = self.buffers.whereabouts = self.leases.whereabouts
-        self.slots.ended = self.buffers.ended = self.leases.ended
+        self.slots.news = self.buffers.news = self.leases
         self.snapshot_calls.live_ranks = self.leases.live_ranks
         self.membership = MembershipTable(self.leases, self._job_version, forget_s=pending_ttl_s)
         self.segments = SegmentRegistry(self.budget, idle_s=pending_ttl_s)

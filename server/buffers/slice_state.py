@@ -42,12 +42,7 @@ from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.rank_lists import absent, listed
-from paramshard.server.runtime.run_names import (
-    Whereabouts,
-    nothing_known,
-    run_root,
-    wait_asking,
-)
+from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews, run_root, wait_asking
 from paramshard.server.runtime.turns import TurnWaits
 from paramshard.server.snapshots.shards import Captured
 
@@ -179,8 +174,7 @@ class SliceState:
         self.stopped: str | None = None  # why every wait ends: the server stops
         self.budget, self.reserved = MemoryBudget(), 0  # the store's, once it holds the slice
         self.turns = TurnWaits()  # the store's, once it holds the slice (runtime/turns.py)
-        self.whereabouts: Whereabouts = nothing_known  # the store's, once it holds the slice
-        self.ended: Whereabouts = nothing_known  # the same
+        self.news: RankNews = NOTHING_KNOWN  # the store's, once it holds the slice
         self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
         self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
@@ -228,7 +222,7 @@ class SliceState:
                 raise ShardError.cancelled(
                     f"{self.label}: the caller went away while this call waited for {waiting_for}"
                 )
-            return self.ended(self.run_name, self.missing_pushes())
+            return self.news.ended(self.run_name, self.missing_pushes())
 
         done, gone = wait_asking(self.cond, settled, timeout, ask)
         if gone:
@@ -252,40 +246,41 @@ class SliceState:
                 f" waited {timeout:.1f} s for {waiting_for}; {self.waiting_on()}"
             )
 
+    def _current(self) -> PendingStep | None:
+        """The pending step of this version, or None (caller holds the lock)."""
+        p = self.pending
+        return p if p is not None and p.step == self.version else None
+
     def missing_pushes(self) -> list[int]:
         """The ranks whose gradient of the current step has not arrived while the step waits
         for pushes (caller holds the lock); none for an elastic step (its members change
         instead) or before the initial values."""
-        p = self.pending
-        if not self.initialized or (p is not None and p.step == self.version and p.reduced):
+        p = self._current()
+        if not self.initialized or (p is not None and (p.reduced or p.members is not None)):
             return []
-        if p is not None and p.step == self.version:
-            if p.members is not None:
-                return []
-            return absent(range(self.contributors), set(p.arrived(self.slice_numel)))
-        return absent(range(self.contributors), set())
+        return absent(range(self.contributors), set(p.arrived(self.slice_numel) if p else []))
 
     def waiting_on(self) -> str:
         """Who the slice waits for to move on (caller holds the lock): its initial values, the
         ranks whose gradients of the current step are missing (and what the server's leases say
-        of them: ``whereabouts``), or a Step."""
+        of them: ``news``), or a Step."""
         if not self.initialized:
             return (
                 f"its initial values are not all written (SetParams covered"
                 f" {self.written.covered:,} of {self.slice_numel:,} elements)"
             )
-        step, p = self.version, self.pending
-        arrived = p.arrived(self.slice_numel) if p is not None and p.step == step else []
-        if p is not None and p.step == step and p.reduced:
+        step, p = self.version, self._current()
+        if p is not None and p.reduced:
             return (
                 f"the gradients of step {step} of all {self.contributors} rank(s) are in;"
                 " no Step has applied it yet"
             )
+        arrived = p.arrived(self.slice_numel) if p is not None else []
         missing = absent(range(self.contributors), set(arrived))
         return (
             f"step {step}: {len(arrived)} of {self.contributors} rank(s) pushed their"
             f" gradient; missing rank(s) {listed(missing)} (arrived: {listed(arrived)})"
-            f"{self.whereabouts(self.run_name, missing)}"
+            f"{self.news.whereabouts(self.run_name, missing)}"
         )
 
     def conflict_with(self, run: str, why: str) -> None:

@@ -27,7 +27,7 @@ from paramshard.server.buffers.steps import Steps
 from paramshard.server.optimizers import OptimizerError, make_optimizer
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
-from paramshard.server.runtime.run_names import Whereabouts, nothing_known
+from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
@@ -44,8 +44,7 @@ class BufferStore:
         self.max_job_bytes = max_job_bytes  # 0: unbounded
         self.budget = budget or MemoryBudget()  # the server's memory, shared with slots etc.
         self.turns = TurnWaits()  # none wait until the server sets the bound (app.py)
-        self.whereabouts: Whereabouts = nothing_known  # the server's leases (servicer.py)
-        self.ended: Whereabouts = nothing_known  # the same: missing ranks that ended for good
+        self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
 
@@ -124,8 +123,7 @@ class BufferStore:
                 existing = self._fitting(req, label)
                 if existing is None:
                     created.budget, created.reserved = self.budget, need
-                    created.turns, created.whereabouts = self.turns, self.whereabouts
-                    created.ended = self.ended
+                    created.turns, created.news = self.turns, self.news
                     self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
                     return created
         except BaseException:

@@ -241,12 +241,13 @@ class LeaseTable:
             return None if held is None else held.live_set(self.clock())
 
     def whereabouts(self, run: str, ranks: Sequence[int]) -> str:
-        """``Whereabouts`` (server/runtime/run_names.py), asked by waits that hold a slot's or
-        a slice's lock, which an abort takes under this table's lock: so not under it."""
+        """``RankNews.whereabouts`` (server/runtime/run_names.py), asked by waits that hold a
+        slot's or a slice's lock, which an abort takes under this table's lock: so not under
+        it."""
         return records.whereabouts(self._runs, run, ranks, self.clock())
 
     def ended(self, run: str, ranks: Sequence[int]) -> str:
-        """``Whereabouts`` that is "" unless every rank of ``ranks`` ended for good
+        """``RankNews.ended``: "" unless every rank of ``ranks`` ended for good
         (``lease_records.ended``); not under the lock, as ``whereabouts``."""
         return records.ended(self._runs, run, ranks, self.clock())
 

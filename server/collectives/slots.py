@@ -41,7 +41,7 @@ from paramshard.server.collectives.slot_checks import check_header, check_same, 
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
-from paramshard.server.runtime.run_names import Whereabouts, nothing_known, wait_asking
+from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews, wait_asking
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["SlotStore"]
@@ -64,8 +64,7 @@ class SlotStore:
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
-        self.whereabouts: Whereabouts = nothing_known  # the server's leases (servicer.py)
-        self.ended: Whereabouts = nothing_known  # the same: missing ranks that ended for good
+        self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._bytes = 0
 
     def usage(self) -> tuple[int, int]:
@@ -266,7 +265,7 @@ class SlotStore:
                     slot.cond,
                     lambda: slot.ended is not None or slot.conflict is not None or over(),
                     timeout,
-                    lambda: self.ended(name.run, missing(slot, req.offset)),
+                    lambda: self.news.ended(name.run, missing(slot, req.offset)),
                 )
             finally:
                 slot.waiting[req.reader] -= 1
@@ -285,7 +284,7 @@ class SlotStore:
                 raise ShardError.deadline(
                     f"{name.describe()}, chunk at {req.offset:,}: waited {timeout:.1f} s;"
                     f" {who(slot, req.offset)}"
-                    f"{self.whereabouts(name.run, missing(slot, req.offset))}"
+                    f"{self.news.whereabouts(name.run, missing(slot, req.offset))}"
                 )
             none = slot.missed(req.offset)
             if none and not req.guess:

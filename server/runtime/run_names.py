@@ -1,4 +1,4 @@
-"""Run names as clients make them, and the hooks through which a wait on other ranks learns
+"""Run names as clients make them, and ``RankNews``, through which a wait on other ranks learns
 what this server's leases know of the ranks it waits for: words for its deadline's error
 (``whereabouts``), and whether they all ended for good, so it fails at once (``ended``,
 asked every ``ENDED_POLL_S``).
@@ -14,22 +14,40 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-__all__ = ["ENDED_POLL_S", "Whereabouts", "grouped", "nothing_known", "run_root", "wait_asking"]
+__all__ = ["ENDED_POLL_S", "NOTHING_KNOWN", "RankNews", "grouped", "run_root", "wait_asking"]
 
 ENDED_POLL_S = 0.5
 """How often a wait on other ranks asks whether they ended for good (a peer whose script ran
 out of batches first: its release said so, ``LeaseRequest.ends``)."""
 
-Whereabouts = Callable[[str, Sequence[int]], str]
-"""``(run, ranks) -> words``: what the server's leases say of ``ranks`` of ``run``, or ""
-(``LeaseTable.whereabouts``: each rank that released its lease or whose lease lapsed, as
-``; ...``; ``LeaseTable.ended``: all of them ended for good; server/collectives/leases.py)."""
+
+class RankNews(Protocol):
+    """What the server's leases know of a run's ranks (``LeaseTable``,
+    server/collectives/leases.py); both answer "" when they know nothing to say."""
+
+    def whereabouts(self, run: str, ranks: Sequence[int]) -> str:
+        """Words on each of ``ranks`` that released its lease or whose lease lapsed, each as
+        ``; ...``."""
+        ...
+
+    def ended(self, run: str, ranks: Sequence[int]) -> str:
+        """Words when all of ``ranks`` ended for good (their process exited normally)."""
+        ...
 
 
-def nothing_known(run: str, ranks: Sequence[int]) -> str:
-    """The ``Whereabouts`` of a store not wired to the server's leases (tests, tools)."""
-    return ""
+class _NothingKnown:
+    """The ``RankNews`` of a store not wired to the server's leases (tests, tools)."""
+
+    def whereabouts(self, run: str, ranks: Sequence[int]) -> str:
+        return ""
+
+    def ended(self, run: str, ranks: Sequence[int]) -> str:
+        return ""
+
+
+NOTHING_KNOWN: RankNews = _NothingKnown()
 
 
 def run_root(run: str) -> str:
