@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO
 
 from paramshard.launch_files import append_line
 
@@ -50,29 +50,37 @@ class Child:
             relay.join(PIPE_DRAIN_S)
 
 
-def parent_death_signal() -> Any:
-    """Linux: a preexec_fn making the child get SIGTERM when the launcher dies, even by SIGKILL,
-    so no server or rank outlives it. libc is loaded before forking: the child makes one call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
+_ON_PARENT_DEATH = (
+    "import ctypes, os, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    try:\n"
+    "        ctypes.CDLL('libc.so.6').prctl(1, 15)\n"  # PR_SET_PDEATHSIG, SIGTERM
+    "    except OSError:\n"
+    "        pass\n"
+    "    if os.getppid() != int(sys.argv[1]):\n"  # the launcher died before the prctl
+    "        sys.exit(143)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (ImportError, OSError):  # best effort; stopping the children is the main mechanism
-        return None
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+def parent_death_signal(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` run so that it gets SIGTERM when the launcher dies, even by SIGKILL (Linux), and
+    no server or rank outlives it: a short interpreter sets the signal and execs ``cmd``, which
+    keeps it. Not a ``preexec_fn``: that makes ``subprocess`` fork this process, and the fork
+    runs gRPC's fork handlers in the child, which wait on locks the launcher's gRPC threads
+    may hold (a rank that never started, or died with grpc's ``epoll_wait`` error before its
+    exec); without one, ``subprocess`` uses vfork, which runs no handlers."""
+    return [sys.executable, "-I", "-S", "-c", _ON_PARENT_DEATH, str(os.getpid()), *cmd]
 
 
 def spawn(name: str, cmd: list[str], env: dict[str, str]) -> Child:
     proc = subprocess.Popen(
-        cmd,
+        parent_death_signal(cmd),
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,  # Ctrl-C reaches only the launcher, which forwards it
-        preexec_fn=parent_death_signal(),  # noqa: PLW1509 - one prctl call, nothing to lock
     )
     return Child(name, proc)
 
