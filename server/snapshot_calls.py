@@ -15,6 +15,7 @@ from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.store import BufferSlice, BufferStore
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.request_bounds import check_placement
 from paramshard.server.runtime.run_names import run_root
 from paramshard.server.snapshots.files import SnapshotDir
 
@@ -43,10 +44,7 @@ class SnapshotCalls:
         version ends at ``timeout``, or once ``alive()`` is False (the caller went away): the
         shard is then free for another call at once, not held until the deadline."""
         slices = self.job_slices(req.job)
-        if req.num_servers == 0 or req.server_index >= req.num_servers:
-            raise ShardError.invalid(
-                f"snapshot: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
-            )
+        check_placement(req.server_index, req.num_servers, "snapshot")
         held = (slices[0].spec.server_index, slices[0].spec.num_servers)
         if (req.server_index, req.num_servers) != held:
             raise ShardError.precondition(
@@ -72,7 +70,7 @@ class SnapshotCalls:
             )
         finally:
             reservation.release()
-        (rows,) = [j.buffers for j in self.buffers.status() if j.job == req.job] or [[]]
+        (rows,) = [j.buffers for j in self.buffers.status(req.job.__eq__)] or [[]]
         return pb.SnapshotReply(
             file=file, bytes=nbytes, sha256=sha, version=req.version, buffers=rows
         )
@@ -83,10 +81,7 @@ class SnapshotCalls:
         )
 
     def restore(self, req: pb.RestoreRequest) -> Any:
-        if req.num_servers == 0 or req.server_index >= req.num_servers:
-            raise ShardError.invalid(
-                f"restore: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
-            )
+        check_placement(req.server_index, req.num_servers, "restore")
         self._check_not_training(req)
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         manifest = self.snapshots.load_manifest(req.job, tag)

@@ -52,7 +52,7 @@ def status_reply(
         device_memory_used=memory["used"],
         device_memory_total=memory["total"],
         uptime_seconds=time.time() - servicer.started,
-        jobs=[j for j in servicer.buffers.status() if scope is None or scope.allows_job(j.job)],
+        jobs=servicer.buffers.status(None if scope is None else scope.allows_job),
         slot_bytes=slot_bytes,
         open_slots=open_slots,
         version=version,

@@ -14,6 +14,7 @@ from paramshard.server.buffers.slice_state import PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.request_bounds import check_version
 from paramshard.server.runtime.turns import TurnWaits
 
 __all__ = ["Contributions"]
@@ -23,6 +24,8 @@ class Contributions(SliceState):
     """SetParams, PushGrad and PullParams of one slice."""
 
     def set_params(self, header: pb.SetParamsHeader, data: memoryview) -> bool:
+        check_version(header.version, "version", f"{self.label}: SetParams")
+        check_version(header.optimizer_steps, "optimizer_steps", f"{self.label}: SetParams")
         self.check_chunk(header.chunk, "SetParams")
         host = arrays.payload_array(data, header.chunk.dtype, header.chunk.numel, self.label)
         if header.state:

@@ -333,10 +333,11 @@ def buffer_bytes(slice_numel: int, itemsize: int, state_arrays: int) -> int:
 
 def slice_bytes(req: pb.RegisterBufferRequest) -> int:
     """``buffer_bytes`` of the slice ``req`` registers here (its optimizer's state arrays, in
-    its master dtype: float64 for a float64 model, else float32), plus the model config the
-    request carries."""
+    its master dtype: float64 for a float64 model, else float32), plus what the slice keeps of
+    the request: the model config and the parameters' records (names, aliases, shapes)."""
     start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
     optimizer = OPTIMIZERS.get(req.optimizer.name)
     states = len(optimizer.state_names) if optimizer is not None else 0
     size = 8 if req.master_dtype == pb.FLOAT64 else 4
-    return buffer_bytes(stop - start, size, states) + len(req.model_config)
+    records = sum(p.ByteSize() for p in req.params)
+    return buffer_bytes(stop - start, size, states) + len(req.model_config) + records

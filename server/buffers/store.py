@@ -9,6 +9,7 @@ captures and restores (server/buffers/captures.py).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -27,6 +28,12 @@ from paramshard.server.buffers.steps import Steps
 from paramshard.server.optimizers import OptimizerError, make_optimizer
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.request_bounds import (
+    MAX_ALIASES,
+    MAX_PARAM_NAME,
+    check_name,
+    check_placement,
+)
 from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews
 from paramshard.server.runtime.turns import TurnWaits
 
@@ -66,13 +73,11 @@ class BufferStore:
             return {job: list(b.values()) for job, b in self._jobs.items()}
 
     def register(self, req: pb.RegisterBufferRequest) -> BufferSlice:
+        check_name(req.ref.job, "job", "RegisterBuffer")
+        check_name(req.ref.buffer, "buffer", "RegisterBuffer")
+        check_name(req.run, "run", "RegisterBuffer", empty=True)
         label = f"buffer '{req.ref.job}/{req.ref.buffer}'"
-        if not req.ref.job or not req.ref.buffer:
-            raise ShardError.invalid("RegisterBuffer needs a job name and a buffer name")
-        if req.num_servers == 0 or req.server_index >= req.num_servers:
-            raise ShardError.invalid(
-                f"{label}: server_index {req.server_index} is outside 0..{req.num_servers - 1}"
-            )
+        check_placement(req.server_index, req.num_servers, label)
         if req.contributors == 0:
             raise ShardError.invalid(f"{label}: contributors must be at least 1")
         if req.master_dtype not in MASTER_DTYPES:
@@ -86,6 +91,7 @@ class BufferStore:
             except ValueError as exc:
                 raise ShardError.invalid(f"{label}: {exc}") from None
         for p in req.params:
+            _check_param_names(p, label)
             if (
                 any(d < 0 for d in p.shape)
                 or p.offset + p.numel > req.numel
@@ -198,8 +204,7 @@ class BufferStore:
         need = [slice_bytes(b.spec) for b in slices]
         self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
         for b, n in zip(slices, need, strict=True):
-            b.budget, b.reserved, b.turns = self.budget, n, self.turns
-            b.whereabouts, b.ended = self.whereabouts, self.ended
+            b.budget, b.reserved, b.turns, b.news = self.budget, n, self.turns, self.news
         with self._lock:
             old = self._jobs.pop(job, {})
             self._jobs[job] = {b.name: b for b in slices}
@@ -221,10 +226,14 @@ class BufferStore:
             b.retire()
         return len(dropped)
 
-    def status(self) -> list[pb.JobStatus]:
-        """One row per job on this server, one per buffer slice in it (Status, snapshots)."""
+    def status(self, wanted: Callable[[str], bool] | None = None) -> list[pb.JobStatus]:
+        """One row per job on this server (those ``wanted`` says, every one without it), one
+        per buffer slice in it (Status, snapshots): a token's Status, or a snapshot of one job,
+        reads no other job."""
         out = []
         for job, buffers in sorted(self.jobs().items()):
+            if wanted is not None and not wanted(job):
+                continue
             rows = []
             for b in buffers:
                 with b.cond:
@@ -298,4 +307,15 @@ class _Refused(ShardError):
         self.conflict = (
             f"a rank registered it with another layout ({differs}): the ranks of this run"
             " disagree about the world size, the model or the configuration"
+        )
+
+
+def _check_param_names(p: pb.ParamEntry, label: str) -> None:
+    """A parameter's name and aliases, which every Status and export carries, within bounds."""
+    names = [p.name, *p.aliases]
+    if len(p.aliases) > MAX_ALIASES or any(len(n) > MAX_PARAM_NAME for n in names):
+        raise ShardError.invalid(
+            f"{label}: parameter {p.name[:128]!r} has {len(p.aliases):,} aliases and names of"
+            f" up to {max(map(len, names)):,} characters; at most {MAX_ALIASES} aliases of"
+            f" {MAX_PARAM_NAME:,} characters"
         )

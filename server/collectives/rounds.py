@@ -11,6 +11,7 @@ from itertools import islice
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.request_bounds import MAX_NAME
 
 __all__ = [
     "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round", "check_request",
@@ -27,7 +28,6 @@ JOB_SLOTS = MAX_SLOTS // 4
 last ``KEPT_ROUNDS``."""
 KEPT_EVENTS = 64
 MAX_WORLD = 65536
-MAX_NAME = 256
 MAX_WINDOW_MS = 3_600_000
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.request_bounds import check_key
 
 if TYPE_CHECKING:
     from paramshard.server.collectives.slot import Slot
@@ -39,9 +40,8 @@ def slot_meta(h: pb.SlotHeader) -> pb.SlotHeader:
 
 
 def check_header(h: pb.SlotHeader) -> None:
+    check_key(h.key, "Contribute")
     label = f"slot '{h.key}'"
-    if not h.key:
-        raise ShardError.invalid("Contribute needs a slot key")
     if h.expected == 0 or h.readers == 0:
         raise ShardError.invalid(f"{label}: expected contributors and readers must be >= 1")
     if h.op not in (pb.SUM, pb.MEAN, pb.MAX, pb.MIN, pb.SET):

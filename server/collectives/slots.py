@@ -41,6 +41,7 @@ from paramshard.server.collectives.slot_checks import check_header, check_same, 
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.runtime.request_bounds import check_key
 from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews, wait_asking
 from paramshard.server.runtime.turns import TurnWaits
 
@@ -237,8 +238,7 @@ class SlotStore:
         """Waits for the chunk at ``req.offset`` to complete and returns it. An offset that
         cannot hold a chunk is refused once the slot's first contribution shows it, or with
         ``req.guess`` answered with the slot's header and no elements."""
-        if not req.key:
-            raise ShardError.invalid("ReadSlot needs a slot key")
+        check_key(req.key, "ReadSlot")
         slot = self._slot(req.key)
         if slot is None:
             with self._lock:  # a guessed offset it never had, after its last read: none now

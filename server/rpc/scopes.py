@@ -177,8 +177,9 @@ class Route:
     rule: str = ""
     """One line for the docs' table."""
     run_path: tuple[str, ...] = ()
-    """Where the request also names a run that must be in ``runs=`` (Join: its job, and the
-    run whose leases decide the members)."""
+    """Where the request also names a run that must be in ``runs=`` when it names one (Join:
+    its job, and the run whose leases decide the members; RegisterBuffer: the run whose ranks
+    push to the buffer; Restore: the run of the rank that asks)."""
 
     @property
     def checked(self) -> bool:
@@ -191,7 +192,9 @@ def _job(path: str) -> Route:
 
 
 ROUTES: dict[str, Route] = {
-    "RegisterBuffer": _job("ref.job"),
+    "RegisterBuffer": Route(
+        "job", ("ref", "job"), "`ref.job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
+    ),
     "SetParams": _job("header.ref.job"),
     "PushGrad": _job("header.ref.job"),
     "PullParams": _job("ref.job"),
@@ -208,7 +211,9 @@ ROUTES: dict[str, Route] = {
     ),
     "Snapshot": _job("job"),
     "CommitSnapshot": _job("job"),
-    "Restore": _job("job"),
+    "Restore": Route(
+        "job", ("job",), "`job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
+    ),
     "ListSnapshots": Route("listing", ("job",), "`job` in `jobs=`; empty: only jobs in `jobs=`"),
     "ConfigureReplication": _job("job"),
     "StoreReplica": Route(
@@ -304,7 +309,7 @@ def _outside(scope: Scope, route: Route, name: str, also: str | None = None) -> 
         return f"job {name[:128]!r}"
     if route.kind == "job+run" and not scope.allows_run(name):
         return f"run {name[:128]!r}"
-    if also is not None and not scope.allows_run(also):
+    if also and not scope.allows_run(also):
         return f"run {also[:128]!r}"
     return None
 

@@ -1,0 +1,74 @@
+"""Bounds on what a request may ask a server to keep besides its arrays (whose bytes the memory
+account pays for: limits.py): the names it stores and reports in every Status and metrics
+scrape, the placements it slices by, and the versions it counts from. A request past one fails
+with INVALID_ARGUMENT before anything changes.
+
+A shared server's tenants must not reach each other through these: a 200 MB alias list grew a
+server by gigabytes its memory account never saw and made every team's Status time out, and a
+version set near uint64's end wrapped at the next step, after which Status failed with INTERNAL
+for every token (tests/test_request_bounds.py).
+"""
+
+from __future__ import annotations
+
+from paramshard.server.runtime.errors import ShardError
+
+__all__ = [
+    "MAX_ALIASES",
+    "MAX_KEY",
+    "MAX_NAME",
+    "MAX_PARAM_NAME",
+    "MAX_SERVERS",
+    "MAX_VERSION",
+    "check_key",
+    "check_name",
+    "check_placement",
+    "check_version",
+]
+
+MAX_NAME = 256
+"""Characters of a job, buffer or run name (ranks' run ids are 16-40)."""
+MAX_KEY = 1024
+"""Characters of a slot key: a run id (at most 256: protos/run_ids.py), a group, a collective's
+number or a pipeline message's tag."""
+MAX_PARAM_NAME = 1024
+"""Characters of a parameter's name or one of its aliases (Hugging Face models' are under 100)."""
+MAX_ALIASES = 64
+"""Other names of one parameter (tied weights: a language model's head ties one or two)."""
+MAX_SERVERS = 65_536
+"""Servers of one placement (RegisterBuffer, Snapshot, Restore)."""
+MAX_VERSION = 2**53
+"""The highest version or optimizer step count a client may set (SetParams): exact in a double,
+as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
+
+
+def check_name(value: str, what: str, method: str, *, empty: bool = False) -> None:
+    """``value`` is a name of 1..``MAX_NAME`` characters (0.. when ``empty``)."""
+    if len(value) > MAX_NAME or (not value and not empty):
+        low = 0 if empty else 1
+        raise ShardError.invalid(
+            f"{method}: a {what} name has {low}..{MAX_NAME} characters, got {len(value):,}"
+        )
+
+
+def check_key(key: str, method: str) -> None:
+    """``key`` is a slot key of 1..``MAX_KEY`` characters."""
+    if not key or len(key) > MAX_KEY:
+        raise ShardError.invalid(
+            f"{method}: a slot key has 1..{MAX_KEY:,} characters, got {len(key):,}"
+        )
+
+
+def check_placement(server_index: int, num_servers: int, method: str) -> None:
+    """Shard ``server_index`` of ``num_servers`` (1..``MAX_SERVERS``)."""
+    if not 1 <= num_servers <= MAX_SERVERS or server_index >= num_servers:
+        raise ShardError.invalid(
+            f"{method}: server_index {server_index} of {num_servers} servers is not a shard of"
+            f" a placement of 1..{MAX_SERVERS:,} servers"
+        )
+
+
+def check_version(value: int, what: str, method: str) -> None:
+    """``value`` is at most ``MAX_VERSION``."""
+    if value > MAX_VERSION:
+        raise ShardError.invalid(f"{method}: {what} {value:,} is over {MAX_VERSION:,} (2**53)")
