@@ -17,6 +17,7 @@ from chaos_values import N
 
 from paramshard.client import tools
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.request_bounds import MAX_SERVERS
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,10 @@ def test_manifest_numbers_beyond_the_wire_never_break_listing(
 
 def test_client_tools_never_count_to_what_a_server_claims(server: Any) -> None:
     """A job restored as slice 0 of 2**31 made ``ServerJobs.placement`` build
-    list(range(2**31)) in the client (the OOM killer took the fuzzer at 24 GB)."""
+    list(range(2**31)) in the client (the OOM killer took the fuzzer at 24 GB). Servers now
+    refuse placements of more than ``MAX_SERVERS`` (65,536; tests/test_request_bounds.py), so
+    the client is checked at the widest one a server can hold: a list of that many would
+    take about 2.6 MB, over the bound below."""
     import tracemalloc
 
     from paramshard.client.jobs import server_jobs
@@ -209,13 +213,13 @@ def test_client_tools_never_count_to_what_a_server_claims(server: Any) -> None:
         admin.register_buffer("k", "w", 8, optimizer="sgd", hyper={"lr": 0.1})
         admin.set_params("k", "w", np.zeros(8, np.float32))
         tools.snapshot(admin, "k", "wide")
-        wide = pb.RestoreRequest(job="k", tag="wide", num_servers=2**22)
+        wide = pb.RestoreRequest(job="k", tag="wide", num_servers=MAX_SERVERS)
         code, details, _ = call(server.address, SHARD + "Restore", wide.SerializeToString())
         assert code == grpc.StatusCode.OK, details
         held = server_jobs(admin)
         tracemalloc.start()
         try:
-            assert held.placement("k") is None  # slice 0 of 2**22: the others are nowhere
+            assert held.placement("k") is None  # slice 0 of 65,536: the others are nowhere
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()

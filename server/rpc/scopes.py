@@ -178,8 +178,8 @@ class Route:
     """One line for the docs' table."""
     run_path: tuple[str, ...] = ()
     """Where the request also names a run that must be in ``runs=`` when it names one (Join:
-    its job, and the run whose leases decide the members; RegisterBuffer: the run whose ranks
-    push to the buffer; Restore: the run of the rank that asks)."""
+    its job, and the run whose leases decide the members; Restore: the run of the rank that
+    asks)."""
 
     @property
     def checked(self) -> bool:
@@ -192,9 +192,8 @@ def _job(path: str) -> Route:
 
 
 ROUTES: dict[str, Route] = {
-    "RegisterBuffer": Route(
-        "job", ("ref", "job"), "`ref.job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
-    ),
+    # not its run: a scoped token's client with the default run id ("run") registers under it
+    "RegisterBuffer": _job("ref.job"),
     "SetParams": _job("header.ref.job"),
     "PushGrad": _job("header.ref.job"),
     "PullParams": _job("ref.job"),
