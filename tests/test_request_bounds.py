@@ -97,7 +97,7 @@ def test_a_version_near_uint64s_end_is_refused_and_status_stays(server: ShardSer
     [
         (register(job="team-a-" + "j" * MAX_NAME), "a job name has 1..256 characters"),
         (register(buffer="b" * (MAX_NAME + 1)), "a buffer name has 1..256 characters"),
-        (register(run="team-a-" + "r" * MAX_NAME), "a run name has 0..256 characters"),
+        (register(run="team-a-" + "r" * MAX_KEY), "a run name has 0..1,024 characters"),
         (register(num_servers=MAX_SERVERS + 1), "a placement of 1..65,536 servers"),
         (register(num_servers=2**32 - 1, server_index=1), "a placement of 1..65,536 servers"),
         (register(params=[entry("p" * (MAX_PARAM_NAME + 1))]), "at most 64 aliases of 1,024"),

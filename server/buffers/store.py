@@ -30,6 +30,7 @@ from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.request_bounds import (
     MAX_ALIASES,
+    MAX_KEY,
     MAX_PARAM_NAME,
     check_name,
     check_placement,
@@ -75,7 +76,7 @@ class BufferStore:
     def register(self, req: pb.RegisterBufferRequest) -> BufferSlice:
         check_name(req.ref.job, "job", "RegisterBuffer")
         check_name(req.ref.buffer, "buffer", "RegisterBuffer")
-        check_name(req.run, "run", "RegisterBuffer", empty=True)
+        check_name(req.run, "run", "RegisterBuffer", empty=True, most=MAX_KEY)
         label = f"buffer '{req.ref.job}/{req.ref.buffer}'"
         check_placement(req.server_index, req.num_servers, label)
         if req.contributors == 0:

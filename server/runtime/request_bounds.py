@@ -27,10 +27,11 @@ __all__ = [
 ]
 
 MAX_NAME = 256
-"""Characters of a job, buffer or run name (ranks' run ids are 16-40)."""
+"""Characters of a job or buffer name, or of a run a Join names."""
 MAX_KEY = 1024
-"""Characters of a slot key: a run id (at most 256: protos/run_ids.py), a group, a collective's
-number or a pipeline message's tag."""
+"""Characters of a slot key (a run id, at most 256: protos/run_ids.py, a group, a collective's
+number or a pipeline message's tag) or of the run a buffer is registered under (a run id with
+its group's and restart's suffixes)."""
 MAX_PARAM_NAME = 1024
 """Characters of a parameter's name or one of its aliases (Hugging Face models' are under 100)."""
 MAX_ALIASES = 64
@@ -42,12 +43,14 @@ MAX_VERSION = 2**53
 as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
 
 
-def check_name(value: str, what: str, method: str, *, empty: bool = False) -> None:
-    """``value`` is a name of 1..``MAX_NAME`` characters (0.. when ``empty``)."""
-    if len(value) > MAX_NAME or (not value and not empty):
+def check_name(
+    value: str, what: str, method: str, *, empty: bool = False, most: int = MAX_NAME
+) -> None:
+    """``value`` is a name of 1..``most`` characters (0.. when ``empty``)."""
+    if len(value) > most or (not value and not empty):
         low = 0 if empty else 1
         raise ShardError.invalid(
-            f"{method}: a {what} name has {low}..{MAX_NAME} characters, got {len(value):,}"
+            f"{method}: a {what} name has {low}..{most:,} characters, got {len(value):,}"
         )
 
 
