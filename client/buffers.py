@@ -108,7 +108,9 @@ class FlatBuffers(RpcCore):
                     master_dtype=codec.wire_dtype(master_dtype),
                     arrival_order=arrival_order,
                     model_config=model_config,
-                    run=self.run_id,  # a refusal ends this run's waits on it (ranks disagree)
+                    # a refusal ends this run's waits on it (ranks disagree); only peers lease,
+                    # so a client without any names no run (a scoped token checks it)
+                    run=self.run_id if self.world_size > 1 else "",
                 ),
             )
             for i in range(self.num_servers)

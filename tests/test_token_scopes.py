@@ -179,6 +179,17 @@ EXTRA = [  # more ways to touch team B's run and job
     ("Lease", lease(1, 600_000, run=f"{B_RUN}.e1")),
     ("ReadSlot", pb.ReadSlotRequest(key=f"{B_RUN}/grp:ar0/0")),
     ("DropJob", pb.DropJobRequest(job=B_RUN)),
+    # its own job, team B's run: a wait's words, a restore's refusal would tell of its ranks
+    (
+        "RegisterBuffer",
+        pb.RegisterBufferRequest(
+            ref=pb.BufferRef(job="team-a-spy", buffer="w"),
+            numel=N,
+            num_servers=1,
+            contributors=2,
+            run=B_RUN,
+        ),
+    ),  # fmt: skip
     # a restore naming team B's run as its own: the guard's refusal would tell of its ranks
     ("Restore", pb.RestoreRequest(job="team-a-job", tag="t1", num_servers=1, run=B_RUN)),
     # its own job, team B's run: the decision would tell whose leases in that run are alive

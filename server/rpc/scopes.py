@@ -178,8 +178,9 @@ class Route:
     """One line for the docs' table."""
     run_path: tuple[str, ...] = ()
     """Where the request also names a run that must be in ``runs=`` when it names one (Join:
-    its job, and the run whose leases decide the members; Restore: the run of the rank that
-    asks)."""
+    its job, and the run whose leases decide the members; RegisterBuffer: the run whose ranks
+    push to the buffer, which a client without peers leaves empty; Restore: the run of the rank
+    that asks)."""
 
     @property
     def checked(self) -> bool:
@@ -192,8 +193,9 @@ def _job(path: str) -> Route:
 
 
 ROUTES: dict[str, Route] = {
-    # not its run: a scoped token's client with the default run id ("run") registers under it
-    "RegisterBuffer": _job("ref.job"),
+    "RegisterBuffer": Route(
+        "job", ("ref", "job"), "`ref.job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
+    ),
     "SetParams": _job("header.ref.job"),
     "PushGrad": _job("header.ref.job"),
     "PullParams": _job("ref.job"),
