@@ -16,7 +16,6 @@ import mmap
 import os
 import queue
 import re
-import resource
 import socket
 import subprocess
 import sys
@@ -84,19 +83,17 @@ class ServeProcess:
     def __init__(self, *args: str) -> None:
         env = {k: v for k, v in os.environ.items() if k not in MALLOC_ENV}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-
-        def cap() -> None:
-            resource.setrlimit(resource.RLIMIT_DATA, (DATA_LIMIT, DATA_LIMIT))
-
+        # the shell caps the server's data segment (ulimit -d: KiB): a preexec_fn would fork
+        # this process, whose gRPC threads (its clients) may hang or abort the child
+        cap = f'ulimit -d {DATA_LIMIT // 1024} && exec "$0" -m paramshard serve "$@"'
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paramshard", "serve", *args],
+            ["sh", "-c", cap, sys.executable, *args],
             cwd=ROOT,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            preexec_fn=cap,  # noqa: PLW1509 - setrlimit only, before exec
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.stderr: list[str] = []
