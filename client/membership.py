@@ -28,7 +28,15 @@ from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 
-__all__ = ["ELASTIC_ENV", "MIN_NPROC_ENV", "Membership", "MembershipError", "StepMembers", "leave"]
+__all__ = [
+    "ELASTIC_ENV",
+    "MIN_NPROC_ENV",
+    "Finished",
+    "Membership",
+    "MembershipError",
+    "StepMembers",
+    "leave",
+]
 
 MIN_NPROC_ENV = "PARAMSHARD_MIN_NPROC"
 """``paramshard launch --min-nproc M``: the fewest members a step trains with."""
@@ -77,6 +85,15 @@ class StepMembers:
         )
 
 
+@dataclass(frozen=True)
+class Finished:
+    """What ``Membership.join(step, until)`` returns when the servers have applied ``until``
+    steps (``applied``, at least that) while this rank waited: the others trained the loop's
+    last step, nothing is left for this rank to join."""
+
+    applied: int
+
+
 class Membership:
     """Rank ``client.rank``'s membership in elastic job ``job``: ``join`` each step.
 
@@ -120,14 +137,17 @@ class Membership:
             reply = self.client.call(0, "Join", self._request(known=True, **kw))
         return reply
 
-    def _ask(self, label: str, **kw: Any) -> pb.JoinReply:
-        """Asks the coordinator until the round is decided (and, for ``final``, done);
-        raises ``MembershipError`` once it waited ``wait_s`` below the minimum."""
+    def _ask(self, label: str, until: int | None = None, **kw: Any) -> pb.JoinReply:
+        """Asks the coordinator until the round is decided (and, for ``final``, done) or, with
+        ``until``, the servers have applied that many steps; raises ``MembershipError`` once it
+        waited ``wait_s`` below the minimum."""
         below_since, began = None, time.monotonic()
         while True:
             reply = self._call(**kw)
             recovery = kw.get("recovery", False)
-            if reply.decided and (not recovery or reply.done or self._leads(reply)):
+            if _finished(reply, until) or (
+                reply.decided and (not recovery or reply.done or self._leads(reply))
+            ):
                 return reply
             now = time.monotonic()
             notice = self.client.run_state.current()
@@ -155,15 +175,21 @@ class Membership:
     def _leads(self, reply: pb.JoinReply) -> bool:
         return reply.decided and reply.leader == self.client.rank and reply.member
 
-    def join(self, step: int) -> StepMembers:
+    def join(self, step: int, until: int | None = None) -> StepMembers | Finished:
         """Waits until this rank is a member of step ``step`` or a later one (protocol steps
-        1-3); moves the client to the round's epoch. Returns the members."""
+        1-3); moves the client to the round's epoch. Returns the members, or ``Finished`` once
+        the servers have applied ``until`` steps (a training loop's end: a rank that comes as
+        the others train the last step, or after, would wait below the minimum for ranks that
+        are gone)."""
         while True:
-            reply = self._ask(f"step {step}", step=step)
+            reply = self._ask(f"step {step}", until=until, step=step)
             if reply.member:
                 self._adopt_epoch(reply.epoch)
                 self.known = tuple(reply.members)
                 return StepMembers(reply.step, reply.generation, tuple(reply.members), reply.epoch)
+            if _finished(reply, until):
+                self._adopt_epoch(reply.epoch)  # its pulls at the servers' step go there
+                return Finished(reply.applied)
             step = reply.next_step  # too late for this one: the next (a joining rank)
 
     def recovery(self, epoch: int) -> bool:
@@ -193,6 +219,15 @@ class Membership:
                 f"run '{self.run}': rank {self.client.rank} left job '{self.job}'{why}"
             )
         return reply.in_flight and self.training is not None
+
+    def catch_up(self) -> None:
+        """A rank new to the run moves past an epoch the run aborted before it came (the
+        notice its lease's first answer carried: a rank lost earlier): its first pulls, made
+        before it joins a step, would be refused in that epoch. Joining moves it on to the
+        members' epoch after."""
+        notice = self.client.run_state.current()
+        if notice is not None and not notice.final:
+            self._adopt_epoch(notice.epoch + 1)
 
     def _adopt_epoch(self, epoch: int) -> None:
         if epoch > self.client.run_state.epoch:
@@ -243,3 +278,9 @@ def _listed(ranks: Any, count: int) -> str:
     ranks = list(ranks)[:16]
     more = ", ..." if count > len(ranks) else ""
     return "ranks " + ", ".join(map(str, ranks)) + more if ranks else "none"
+
+
+def _finished(reply: pb.JoinReply, until: int | None) -> bool:
+    """Whether ``reply`` says the servers applied ``until`` steps (a coordinator older than
+    the ``applied`` field never says so: the rank waits as before)."""
+    return until is not None and reply.HasField("applied") and reply.applied >= until

@@ -388,7 +388,7 @@ class JoinRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., job: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., step: _Optional[int] = ..., epoch: _Optional[int] = ..., min_members: _Optional[int] = ..., window_ms: _Optional[int] = ..., known_members: _Optional[_Iterable[int]] = ..., leave: _Optional[bool] = ..., recovery: _Optional[bool] = ..., done: _Optional[bool] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("decided", "member", "step", "generation", "members", "epoch", "next_step", "announced", "expected", "leader", "done", "in_flight", "below_min", "send_known", "announced_count", "expected_count", "retry_after_ms")
+    __slots__ = ("decided", "member", "step", "generation", "members", "epoch", "next_step", "announced", "expected", "leader", "done", "in_flight", "below_min", "send_known", "announced_count", "expected_count", "retry_after_ms", "applied")
     DECIDED_FIELD_NUMBER: _ClassVar[int]
     MEMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +406,7 @@ class JoinReply(_message.Message):
     ANNOUNCED_COUNT_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
     decided: bool
     member: bool
     step: int
@@ -423,7 +424,8 @@ class JoinReply(_message.Message):
     announced_count: int
     expected_count: int
     retry_after_ms: int
-    def __init__(self, decided: _Optional[bool] = ..., member: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., next_step: _Optional[int] = ..., announced: _Optional[_Iterable[int]] = ..., expected: _Optional[_Iterable[int]] = ..., leader: _Optional[int] = ..., done: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., below_min: _Optional[bool] = ..., send_known: _Optional[bool] = ..., announced_count: _Optional[int] = ..., expected_count: _Optional[int] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
+    applied: int
+    def __init__(self, decided: _Optional[bool] = ..., member: _Optional[bool] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., next_step: _Optional[int] = ..., announced: _Optional[_Iterable[int]] = ..., expected: _Optional[_Iterable[int]] = ..., leader: _Optional[int] = ..., done: _Optional[bool] = ..., in_flight: _Optional[bool] = ..., below_min: _Optional[bool] = ..., send_known: _Optional[bool] = ..., announced_count: _Optional[int] = ..., expected_count: _Optional[int] = ..., retry_after_ms: _Optional[int] = ..., applied: _Optional[int] = ...) -> None: ...
 
 class SlotHeader(_message.Message):
     __slots__ = ("key", "op", "expected", "readers", "total_numel", "shape", "chunk", "contributor", "chunk_numel", "arrival_order", "shm", "reply_shm")

@@ -265,8 +265,9 @@ def test_below_the_minimum_a_rank_waits_then_names_who_is_there(servers) -> None
     model = FSDPModel(net(INIT), config)
     began = time.monotonic()
     try:
+        FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)  # joins no step
         with pytest.raises(MembershipError, match=r"1 rank\(s\) there \(ranks 1\), fewer than"):
-            FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+            model.batch_part(4)  # the first step's join waits for a second rank
     finally:
         client.close()
     assert time.monotonic() - began < 30

@@ -25,7 +25,11 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    collectives (``<run>.e<epoch>/s<step>g<generation>``) meet. A rank that is not a member (it
    came after the decision, or missed the window) gets ``next_step = s + 1`` and joins that
    round: a new or restarted rank adopts the servers' step, as a resumed job does. A Join for
-   a step this server has already applied gets ``next_step`` = its version.
+   a step this server has already applied gets ``next_step`` = its version. A reply not
+   decided yet, or sending a rank on to the version, says how many steps this server has
+   ``applied``: a rank waiting to join a step at or past its training loop's end (the
+   client's ``until``) stops once that many are applied, instead of waiting below the
+   minimum for ranks that finished.
 4. **Train.** Each member pushes its gradients of ``s`` with ``StepMembership(generation,
    members, global_batch)``; every server of the job takes contributions from those ranks only,
    weights member i's micro-batch j by ``n_ij / global_batch`` (its rows by the slice rule of
@@ -220,7 +224,9 @@ class MembershipTable:
         """Steps 1-3 and 5 for a step round: (the reply, whether it is final)."""
         s, version = req.step, self.version_of(req.job)
         if version is not None and s < version:
-            return pb.JoinReply(decided=True, step=s, next_step=version, epoch=job.epoch), True
+            reply = pb.JoinReply(decided=True, step=s, next_step=version, epoch=job.epoch)
+            reply.applied = version
+            return reply, True
         if version is not None and s > version + 1:
             raise ShardError.precondition(
                 f"Join: step {s} of job '{req.job}' is ahead of the servers (version {version})"
@@ -361,6 +367,9 @@ class MembershipTable:
             req.epoch if req.recovery else req.step
         )
         reply = pb.JoinReply(decided=False, step=req.step, epoch=job.epoch)
+        version = None if req.recovery else self.version_of(req.job)
+        if version is not None:  # a rank waiting past its loop's end stops at this (step 3)
+            reply.applied = version
         if waited < POLL_S / 2:
             crowd = len(rnd.announced) if rnd is not None else 1
             pause = min(POLL_S, max(MIN_PAUSE_S, crowd / ASKS_A_SECOND))

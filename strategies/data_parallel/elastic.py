@@ -18,7 +18,9 @@ side), and the result does not depend on who was there:
 
 A rank joins at a step boundary: ``join_step()`` (``batch_part`` and a forward with gradients
 call it) waits until the coordinator makes it a member of the step the servers train next, or
-of a later one, whose step it then adopts (``step_count``). Collectives of a step go over its
+of a later one, whose step it then adopts (``step_count``). Building the optimizer joins
+nothing: a rank restarted after the others finished finds the servers at the loop's end and
+trains no step. Collectives of a step go over its
 members only (``step_group()``; ``batch_mean`` is the weighted mean of a per-rank mean over
 them): the world's collectives would wait for ranks that are not there.
 """
@@ -29,7 +31,7 @@ from typing import Any
 
 import torch
 
-from paramshard.client.membership import Membership, StepMembers
+from paramshard.client.membership import Finished, Membership, StepMembers
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 
@@ -80,15 +82,21 @@ class ElasticSteps:
             return tuple(range(self.client.world_size))
         return self.join_step().members
 
-    def join_step(self) -> StepMembers | None:
+    def join_step(self, until: int | None = None) -> StepMembers | None:
         """Elastic: waits until this rank is a member of the step the servers train next or
         of a later one (a rank that joins, or that sat a step out, adopts that step's number:
-        ``step_count``); returns the members. None unless elastic."""
+        ``step_count``); returns the members. None unless elastic, or when ``until`` (a
+        training loop's end) is given and the servers have applied that many steps while this
+        rank waited: it adopts their step count, a member of no step."""
         if self.membership is None:
             return None
         if self._members is not None and self._members.step == self._step:
             return self._members
-        got = self.membership.join(self._step)
+        got = self.membership.join(self._step, until)
+        if isinstance(got, Finished):
+            if got.applied != self._step:
+                self._adopt_step(got.applied)
+            return None
         if got.step != self._step:
             self._adopt_step(got.step)
         self._members, self._global_batch = got, 0

@@ -175,9 +175,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             from paramshard.client import tools
 
             tools.configure_replication(self.client, job, self.config.replicate_every)
-        if self.membership is not None:  # a member of the servers' step, or of a later one
-            self._members = self.membership.join(self._step)
-            self._step = self._members.step
+        if self.membership is not None:  # it joins a step when it trains one (join_step)
+            self.membership.catch_up()  # but pulls now (ZeRO's replica): in the run's epoch
         self._after_register()
 
     def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
