@@ -20,8 +20,25 @@ Ours (client/collectives.py, client/buffers.py): W ranks, N = W x s servers (s p
   small calls per server and step (GradNorm, Step) and the servers' optimizer step over Ψ / N
   elements.
 
-Ring all-reduce (gloo, NCCL's ring): 2 (W - 1) steps, each of S / W bytes; tree (NCCL's double
-binary tree): 2 log2(W) hops, pipelined, about 2 S bytes per host and direction.
+torch on gloo, one dense CPU tensor a rank (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
+gloo/allreduce.cc and gloo/allgather.cc of pytorch/gloo; torch 2.3 and later):
+- all-reduce of S: gloo's ring, in place, in segments of at most 1 MiB (``GLOO_SEGMENT``):
+  n = ceil(S / 1 MiB) of them, at least 2 W, rounded up to a multiple of W; a rank sends
+  2 n (W - 1) / W segments (a reduce-scatter pass, then an all-gather pass) and receives as
+  many, 2 S (W - 1) / W bytes each way, and reduces S (W - 1) / W into its tensor. No copy
+  beside the sockets'.
+- all-gather (``all_gather_into_tensor`` of S in all): gloo's ring of 2 (W - 1) sends of half a
+  rank's part, into a flat temporary torch allocates: the part copied in (S / W) and the whole
+  copied out into the output (S).
+- reduce-scatter (``reduce_scatter_tensor``): torch clones the input (S), all-reduces the clone
+  as above and copies its rank's slice out (S / W): twice a reduce-scatter's bytes on the wire.
+Every byte a host's process moves counts once (a socket's send or receive, a memcpy, a pass of
+the reduction); every segment counts at both ends.
+
+The predictions' ring all-reduce: gloo's messages and bytes as above, and 2 (W - 1) steps in
+sequence (a ring's hops; its segments pipeline behind them). The tree (NCCL's double binary
+tree): 2 log2(W) hops, pipelined, about 2 S bytes per host and direction, in segments of
+gloo's size.
 """
 
 from __future__ import annotations
@@ -111,15 +128,40 @@ def pull(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic
     return push(nbytes, w, s, chunk)
 
 
+GLOO_SEGMENT = 2**20  # gloo/allreduce.h kMaxSegmentSize: a ring all-reduce's largest send
+
+
+def gloo_segments(nbytes: float, w: int) -> int:
+    """The segments gloo's ring all-reduce cuts ``nbytes`` into among ``w`` ranks."""
+    n = max(math.ceil(nbytes / GLOO_SEGMENT), 2 * w)
+    return math.ceil(n / w) * w
+
+
+def gloo_op(op: str, nbytes: float, w: int) -> Traffic:
+    """One rank's (and host's) traffic of torch's op on gloo (see the module's docstring)."""
+    frac = (w - 1) / w
+    if op == "all_gather":
+        sends = 2 * (w - 1)
+        moved = 2 * nbytes * frac + nbytes / w + nbytes  # the ring; the part in, all out
+        return Traffic(2 * sends, 0, nbytes * frac, moved, sends)
+    sends = 2 * gloo_segments(nbytes, w) * frac
+    moved = 5 * nbytes * frac  # sent and received (2 S frac each), reduced (S frac)
+    if op == "reduce_scatter":
+        moved += nbytes + nbytes / w  # the clone, the slice out
+    elif op != "all_reduce":
+        raise ValueError(f"unknown op {op!r}")
+    return Traffic(2 * sends, 0, 2 * nbytes * frac, moved, sends)
+
+
 def ring_all_reduce(nbytes: float, w: int) -> Traffic:
-    steps = 2 * (w - 1)
-    wire = 2 * nbytes * (w - 1) / w
-    return Traffic(steps, 0, wire, 3 * nbytes * (w - 1) / w, steps)
+    t = gloo_op("all_reduce", nbytes, w)
+    return Traffic(t.messages, 0, t.wire_bytes, t.handled_bytes, 2 * (w - 1))
 
 
 def tree_all_reduce(nbytes: float, w: int) -> Traffic:
     hops = 2 * math.ceil(math.log2(max(2, w)))
-    return Traffic(hops, 0, 2 * nbytes, 3 * nbytes, hops)
+    segments = 2 * max(1, math.ceil(2 * nbytes / GLOO_SEGMENT))  # sent and received, as gloo's
+    return Traffic(segments, 0, 2 * nbytes, 3 * nbytes, hops)
 
 
 def _add(parts: list[Traffic]) -> Traffic:
@@ -156,17 +198,16 @@ def step_traffic(
 def op_counts(
     side: str, op: str, nbytes: float, w: int, chunk: int | None = None, fused: bool = True
 ) -> tuple[float, float, float]:
-    """(messages one host handles, or ring steps; bytes one host's processes copy; bytes over
-    one host's link each way) of one op with messages of at most ``chunk`` bytes (see the
+    """(messages one host handles; bytes one host's processes copy; bytes over one host's
+    link each way) of one op with messages of at most ``chunk`` bytes (see the
     module's docstring). A host of ours runs a rank and a server: both ends of every message
     count (with W servers on one host, a rank and one server: its share). ``chunk``: None, a
     client's default with one server a host; ``fused``: ``fused_reads``."""
     k = max(1, math.ceil(nbytes / w / chunk_for(1, chunk)))
     frac = (w - 1) / w
     if side == "gloo":
-        steps = {"all_reduce": 2 * (w - 1), "all_gather": w - 1, "reduce_scatter": w - 1}[op]
-        handled = {"all_reduce": 3, "all_gather": 2, "reduce_scatter": 3}[op] * nbytes * frac
-        return steps, handled, (2 if op == "all_reduce" else 1) * nbytes * frac
+        t = gloo_op(op, nbytes, w)
+        return t.messages, t.handled_bytes, t.wire_bytes
     if op == "all_reduce":
         t = all_reduce(nbytes, w, chunk=chunk, fused=fused)
         return 2 * t.messages, t.handled_bytes, t.wire_bytes

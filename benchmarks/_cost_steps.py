@@ -50,7 +50,7 @@ def units_of(config: dict[str, Any]) -> int:
 
 
 def gloo_counts(strategy: str, psi: float, w: int, units: int) -> tuple[float, float]:
-    """(ring steps, bytes copied) of one rank of torch's twin on gloo for a step."""
+    """(messages, bytes copied) of one rank of torch's twin on gloo for a step."""
     grad = 4 * psi
     buckets = max(1, math.ceil(grad / cc.BUCKET))
     parts: list[tuple[str, float, int]]  # (op, bytes, times)

@@ -5,7 +5,7 @@ all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
 
 1. **Fit** (``fit``): from ``benchmarks.collectives`` run with its namespaces, the W = 2 cells
    with unlimited links (two "hosts" on the machine's two cores: one core each), ours and
-   gloo's median time of every op and size as ``a x messages a host handles (ring steps) + b x
+   gloo's median time of every op and size as ``a x messages a host handles + b x
    bytes its processes copy`` (least squares of relative errors; the counts are
    ``benchmarks/_cost_counts.py``'s).
    The CPU fit is the model's: a host's CPU per op does not depend on how the lab shares its
@@ -96,7 +96,7 @@ def _netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per side, from the W = 2 rows with unlimited links (two hosts, one core each: the
-    machine's two), two fits of ``a x messages a host handles (ring steps) + b x bytes its
+    machine's two), two fits of ``a x messages a host handles + b x bytes its
     processes copy`` (least squares of relative errors): of the median wall time (``s_per_*``,
     the lab's time, kernel networking included) and of the CPU seconds of a host's processes
     (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""

@@ -102,3 +102,24 @@ def test_the_fit_counts_messages_with_the_chunk_the_run_used() -> None:
     msgs_4, *_ = cm.cc.op_counts("ours", "all_gather", 64 * MiB, 2, 4 * MiB)
     msgs_16, *_ = cm.cc.op_counts("ours", "all_gather", 64 * MiB, 2, 16 * MiB)
     assert msgs_4 == 4 * msgs_16
+
+
+def test_gloo_is_counted_as_torch_runs_it() -> None:
+    """torch's ops on gloo (benchmarks/_cost_counts.py's docstring): the all-reduce's ring
+    sends 1 MiB segments, at least 2 W of them; the all-gather copies through a temporary;
+    the reduce-scatter all-reduces a clone of the whole input."""
+    count = cm.cc.op_counts
+    assert cm.cc.gloo_segments(64 * MiB, 2) == 64 and cm.cc.gloo_segments(4, 4) == 8
+    assert cm.cc.gloo_segments(9 * MiB, 4) == 12  # 9 rounded up to a multiple of 4
+    msgs, handled, wire = count("gloo", "all_reduce", 64 * MiB, 2)
+    assert (msgs, handled, wire) == (2 * 64, 5 * 32 * MiB, 64 * MiB)  # 64 sends, received
+    msgs, handled, wire = count("gloo", "all_reduce", 4, 4)
+    assert msgs == 2 * 12 and wire == 2 * 4 * 3 / 4
+    msgs, handled, wire = count("gloo", "all_gather", 64 * MiB, 4)
+    assert msgs == 2 * 6 and wire == 48 * MiB
+    assert handled == 2 * 48 * MiB + 16 * MiB + 64 * MiB
+    ar, rs = count("gloo", "all_reduce", 64 * MiB, 4), count("gloo", "reduce_scatter", 64 * MiB, 4)
+    assert rs[0] == ar[0] and rs[2] == ar[2]  # the same ring, the whole tensor's bytes
+    assert rs[1] == ar[1] + 64 * MiB + 16 * MiB  # and the clone and the slice
+    with pytest.raises(ValueError):
+        count("gloo", "broadcast", 4, 2)

@@ -74,9 +74,12 @@ def test_cells_made_by_the_model_are_predicted_exactly() -> None:
 
 
 def test_a_cells_own_compute_alone_is_its_reference() -> None:
-    """Cells that ran at a pace 1.6x slower than the run's compute alone said: predicted from
-    the compute measured beside each, exactly; from the run's, none within 20%."""
-    slow = {k: v * 1.6 for k, v in REF.items()}
+    """Cells that ran at a pace 2x slower than the run's compute alone said: predicted from
+    the compute measured beside each, exactly; from the run's, none within 20%. (At 1.6x,
+    torch's FSDP cells came within 20% once gloo's all-gather and reduce-scatter were
+    counted with torch's copies: the more a step communicates, the less a slower compute
+    shows in it.)"""
+    slow = {k: v * 2.0 for k, v in REF.items()}
     got = cs.check_steps(scale_doc(2, CELLS, beside=slow), COSTS)
     every = {"step": len(CELLS), "cpu": len(CELLS)}
     assert got["alone_within_20pct"] == {"ours": every, "torch": every}
@@ -190,9 +193,11 @@ def test_what_each_side_sends_a_step() -> None:
     assert cs.ours_counts("zero1", PSI, w, 12, chunk) == cs.ours_counts("zero2", PSI, w, 12, chunk)
     ddp_steps, ddp_bytes = cs.gloo_counts("ddp", PSI, w, 12)
     zero_steps, zero_bytes = cs.gloo_counts("zero2", PSI, w, 12)
-    assert zero_steps == ddp_steps + (w - 1)
-    assert zero_bytes == pytest.approx(ddp_bytes + 2 * 4 * PSI * (w - 1) / w)
-    assert ddp_bytes == pytest.approx(3 * 4 * PSI * (w - 1) / w)  # a ring's copies
+    grad, frac = 4 * PSI, (w - 1) / w
+    assert zero_steps == ddp_steps + 4 * (w - 1)  # gloo's all-gather: 2 (W - 1) sends
+    # its ring's bytes sent and received, the part copied in, the whole copied out
+    assert zero_bytes == pytest.approx(ddp_bytes + 2 * grad * frac + grad / w + grad)
+    assert ddp_bytes == pytest.approx(5 * grad * frac)  # sent, received and reduced
     assert cs.gloo_counts("fsdp", PSI, w, 12)[1] > ddp_bytes
     assert (
         cs.ours_counts("fsdp", PSI, w, 12, chunk)[1] > cs.ours_counts("ddp", PSI, w, 12, chunk)[1]
