@@ -116,7 +116,8 @@ def main(argv: list[str]) -> int:
     with atomic_write(f"{args.out}.rank{rank}.pt") as f:
         torch.save(model.state_dict(), f)
     members = model.client.status()[0].get("memberships", [])
-    if rank == model.joined.leader:
+    joined = model.joined  # None: it came as the job ended and trained no step
+    if joined is not None and rank == joined.leader:
         with open(f"{args.out}.membership.json", "w", encoding="utf-8") as f:
             json.dump(members, f)
     print(f"DONE recoveries {report.recoveries} steps {sorted(report.losses)}", flush=True)
