@@ -62,6 +62,7 @@ def _master_wire(values: np.ndarray, dtype: str | None) -> str:
 class FlatBuffers(RpcCore):
     rank: int
     world_size: int
+    has_peers: bool
     run_id: str
 
     def _ref(self, job: str, buffer: str) -> pb.BufferRef:
@@ -108,9 +109,9 @@ class FlatBuffers(RpcCore):
                     master_dtype=codec.wire_dtype(master_dtype),
                     arrival_order=arrival_order,
                     model_config=model_config,
-                    # a refusal ends this run's waits on it (ranks disagree); only peers lease,
-                    # so a client without any names no run (a scoped token checks it)
-                    run=self.run_id if self.world_size > 1 else "",
+                    # a refusal ends this run's waits on it (ranks disagree); a client without
+                    # peers holds no lease, so it names no run (a scoped token checks it)
+                    run=self.run_id if self.has_peers else "",
                 ),
             )
             for i in range(self.num_servers)

@@ -58,7 +58,7 @@ class ShardClient(Collectives, FlatBuffers):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a world of size {world_size}")
         run_id = run_id or run_id_for()
-        problem = run_id_problem(run_id) if world_size > 1 else None  # only peers lease
+        problem = run_id_problem(run_id) if world_size > 1 else None  # see has_peers
         if problem is not None:  # the servers would refuse its leases
             raise ValueError(f"run id: {problem}")
         super().__init__(
@@ -72,6 +72,10 @@ class ShardClient(Collectives, FlatBuffers):
         )
         self.rank = rank
         self.world_size = world_size
+        self.has_peers = world_size > 1
+        """Whether this rank's job has other ranks: only then it holds leases (they tell the
+        others when it dies), so only then its run id is checked and named to servers. Views
+        and groups keep their client's (a group of one in a larger job still has peers)."""
         self.cluster_size = len(spec)
         """How many servers the cluster this client was made for has."""
         self.servers = list(range(len(spec)))
@@ -80,11 +84,11 @@ class ShardClient(Collectives, FlatBuffers):
         self.rank_servers: list[int] | None = None
         """Group rank -> index of that member's own server here (None: rank r's is r mod N)."""
         self.run_id = run_id
-        if self.run_id == UNNAMED and world_size > 1:
+        if self.run_id == UNNAMED and self.has_peers:
             say_unnamed()
         self.deterministic = deterministic
         closing.close_at_exit(self, ShardClient.close)  # if the program forgets (or raises)
-        if world_size > 1:
+        if self.has_peers:
             try:
                 leases.hold(self)  # the other ranks learn within seconds if this one dies
             except LeaseConflict:

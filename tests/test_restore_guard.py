@@ -66,3 +66,34 @@ def test_a_job_in_training_is_restored_by_its_own_ranks_only(servers: Any, tmp_p
         assert tools.restore(tool, job, "t1") == 2
     finally:
         tool.close()
+
+
+def test_a_group_of_one_in_a_larger_run_names_its_run(servers: Any, tmp_path: Path) -> None:
+    """A rank of a 3D job may train through a data-parallel group of one (its own replica):
+    the group has no peers of its own, but the rank's run does and holds leases, so its
+    buffers name that run and the guard above holds for them too."""
+    addresses = [s.address for s in snapshot_servers(servers, 2, tmp_path)]
+    job, init, data = new_job("solo"), initial_weights(), batches()
+    refused: list[ShardClientError] = []
+    trained = threading.Barrier(2, timeout=60)
+
+    def rank(client: ShardClient) -> None:
+        if client.rank == 0:
+            group = client.subgroup([0], "dp0")
+            model, opt = wrap("zero1", group, job, init)
+            train_steps(model, opt, 0, 1, data, range(2))
+            tools.snapshot(group, job, "t1")
+        trained.wait()  # rank 1 holds its lease beside: the run has two live ranks
+        if client.rank == 0:
+            tool = client_for(addresses[:1])  # rank 0's group works on its own server
+            try:
+                with pytest.raises(ShardClientError) as info:
+                    tools.restore(tool, job, "t1")
+                refused.append(info.value)
+            finally:
+                tool.close()
+
+    run_ranks(rank, 2, addresses)
+    (err,) = refused
+    assert err.code == grpc.StatusCode.FAILED_PRECONDITION, err
+    assert f"restore: job '{job}' is being trained" in err.details, err
