@@ -31,6 +31,17 @@ from snapshot_job import (
 from paramshard.client import ShardClient, ShardClientError, tools
 
 
+def refused_restore(addresses: list[str], job: str) -> ShardClientError:
+    """A tool's restore of ``job`` from snapshot "t1", which must be refused."""
+    tool = client_for(addresses)
+    try:
+        with pytest.raises(ShardClientError) as info:
+            tools.restore(tool, job, "t1")
+        return info.value
+    finally:
+        tool.close()
+
+
 def test_a_job_in_training_is_restored_by_its_own_ranks_only(servers: Any, tmp_path: Path) -> None:
     addresses = [s.address for s in snapshot_servers(servers, 2, tmp_path)]
     job, init, data = new_job("guard"), initial_weights(), batches()
@@ -45,13 +56,7 @@ def test_a_job_in_training_is_restored_by_its_own_ranks_only(servers: Any, tmp_p
         train_steps(model, opt, client.rank, 2, data, range(2, 3))
         trained.wait()  # both ranks hold their leases, at step 3
         if client.rank == 0:
-            tool = client_for(addresses)
-            try:
-                with pytest.raises(ShardClientError) as info:
-                    tools.restore(tool, job, "t1")
-                refused.append(info.value)
-            finally:
-                tool.close()
+            refused.append(refused_restore(addresses, job))
             return tools.restore(client, job, "t1")  # the run's own rank: a recovery
         return 0
 
@@ -84,14 +89,8 @@ def test_a_group_of_one_in_a_larger_run_names_its_run(servers: Any, tmp_path: Pa
             train_steps(model, opt, 0, 1, data, range(2))
             tools.snapshot(group, job, "t1")
         trained.wait()  # rank 1 holds its lease beside: the run has two live ranks
-        if client.rank == 0:
-            tool = client_for(addresses[:1])  # rank 0's group works on its own server
-            try:
-                with pytest.raises(ShardClientError) as info:
-                    tools.restore(tool, job, "t1")
-                refused.append(info.value)
-            finally:
-                tool.close()
+        if client.rank == 0:  # rank 0's group works on its own server
+            refused.append(refused_restore(addresses[:1], job))
 
     run_ranks(rank, 2, addresses)
     (err,) = refused
