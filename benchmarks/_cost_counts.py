@@ -138,24 +138,23 @@ def gloo_segments(nbytes: float, w: int) -> int:
 
 
 def gloo_op(op: str, nbytes: float, w: int) -> Traffic:
-    """One rank's (and host's) traffic of torch's op on gloo (see the module's docstring)."""
-    frac = (w - 1) / w
+    """One rank's (and host's) traffic of torch's op on gloo (see the module's docstring);
+    its latency term is a ring's steps in sequence, 2 (W - 1)."""
+    frac, steps = (w - 1) / w, 2 * (w - 1)
     if op == "all_gather":
-        sends = 2 * (w - 1)
         moved = 2 * nbytes * frac + nbytes / w + nbytes  # the ring; the part in, all out
-        return Traffic(2 * sends, 0, nbytes * frac, moved, sends)
+        return Traffic(2 * steps, 0, nbytes * frac, moved, steps)  # a send a step
     sends = 2 * gloo_segments(nbytes, w) * frac
     moved = 5 * nbytes * frac  # sent and received (2 S frac each), reduced (S frac)
     if op == "reduce_scatter":
         moved += nbytes + nbytes / w  # the clone, the slice out
     elif op != "all_reduce":
         raise ValueError(f"unknown op {op!r}")
-    return Traffic(2 * sends, 0, 2 * nbytes * frac, moved, sends)
+    return Traffic(2 * sends, 0, 2 * nbytes * frac, moved, steps)
 
 
 def ring_all_reduce(nbytes: float, w: int) -> Traffic:
-    t = gloo_op("all_reduce", nbytes, w)
-    return Traffic(t.messages, 0, t.wire_bytes, t.handled_bytes, 2 * (w - 1))
+    return gloo_op("all_reduce", nbytes, w)
 
 
 def tree_all_reduce(nbytes: float, w: int) -> Traffic:
