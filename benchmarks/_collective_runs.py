@@ -268,6 +268,7 @@ def _measure(
                         "round": rnd,
                         "seconds": round(time.monotonic() - t0, 1),
                         "foreign_cpu_frac": load.foreign,
+                        "steal_frac": load.steal,
                         "busy_before": busy_before,
                         "loadavg_at_start": loadavg,
                     }

@@ -11,12 +11,13 @@ import resource
 import time
 
 
-def cpu_busy_s() -> float:
-    """System-wide busy CPU seconds (all cores, steal included) from /proc/stat."""
+def _proc_stat() -> tuple[float, float]:
+    """(busy CPU seconds, steal included; steal seconds) of all cores, from /proc/stat."""
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    steal = v[7] if len(v) > 7 else 0
+    return (sum(v[:8]) - idle) / os.sysconf("SC_CLK_TCK"), steal / os.sysconf("SC_CLK_TCK")
 
 
 def own_cpu_s() -> float:
@@ -92,18 +93,30 @@ def peak_rss_bytes() -> int:
 class Load:
     """``with Load() as load: ...`` (or ``load = Load().start(); ...; load.stop()``); then
     ``load.foreign`` is the share of the machine's CPU that processes other than ours (this
-    one and its reaped children) used meanwhile."""
+    one and its reaped children) used meanwhile, and ``load.steal`` the part of it that was
+    steal: time a virtual machine's CPUs had work but the hypervisor ran something else.
+
+    Steal is not always other tenants: on a virtual machine a CPU that sleeps and is woken
+    (a process handing work to one on the other core, as every message between ranks does)
+    costs the hypervisor time that the guest counts as steal. On the 2-core Firecracker VM
+    these benchmarks run on, two processes passing a byte back and forth through pipes on an
+    otherwise idle machine saw 29% of the CPUs stolen, two busy loops 5%: a benchmark of
+    messages raises its own ``foreign`` there, which ``steal`` tells apart."""
 
     foreign = 0.0
+    steal = 0.0
 
     def start(self) -> Load:
-        self.t, self.busy, self.own = time.monotonic(), cpu_busy_s(), own_cpu_s()
+        self.t, self.own = time.monotonic(), own_cpu_s()
+        self.busy, self.stolen = _proc_stat()
         return self
 
     def stop(self) -> float:
-        dt = max(1e-9, time.monotonic() - self.t)
-        foreign = (cpu_busy_s() - self.busy) - (own_cpu_s() - self.own)
-        self.foreign = round(max(0.0, foreign) / (dt * (os.cpu_count() or 1)), 3)
+        dt = max(1e-9, time.monotonic() - self.t) * (os.cpu_count() or 1)
+        busy, stolen = _proc_stat()
+        foreign = (busy - self.busy) - (own_cpu_s() - self.own)
+        self.foreign = round(max(0.0, foreign) / dt, 3)
+        self.steal = round(min(self.foreign, max(0.0, stolen - self.stolen) / dt), 3)
         return self.foreign
 
     def __enter__(self) -> Load:

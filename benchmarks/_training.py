@@ -269,7 +269,7 @@ def attempt_cell(label: str, log: Callable[[str], None], fn: Callable[[], Any]) 
 def measured(wait: float, log: Callable[[str], None], fn: Callable[[], Any]) -> Any:
     """``fn()`` (a list of per-rank result dicts) after waiting up to ``wait`` s for a
     quiet machine; each result gets ``foreign_cpu_frac``, the share of the CPUs that other
-    processes used meanwhile."""
+    processes used meanwhile, and ``steal_frac``, the steal within it (``Load``)."""
     if wait > 0:
         frac = wait_quiet(wait)
         if frac >= 0.15:
@@ -277,7 +277,7 @@ def measured(wait: float, log: Callable[[str], None], fn: Callable[[], Any]) -> 
     with Load() as load:
         results = fn()
     for r in results:
-        r["foreign_cpu_frac"] = load.foreign
+        r["foreign_cpu_frac"], r["steal_frac"] = load.foreign, load.steal
     return results
 
 

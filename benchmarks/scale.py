@@ -186,6 +186,7 @@ def run_cell(model: str, strategy: str, w: int, a: argparse.Namespace, over: dic
             log(f"  FAILED: {row['error']}")
             return row
         row[f"{side}_foreign_cpu_frac"] = load.foreign
+        row[f"{side}_steal_frac"] = load.steal
         if a.compute_beside and len(sides) == 1:  # between the two sides
             row["compute_beside"] = compute_reference(model, psi, a, over)
     a.order_index += 1
@@ -243,7 +244,7 @@ def compute_reference(model: str, psi: int, a: argparse.Namespace, over: dict) -
         name = "step" if key == "s" else key
         out[f"{name}_ms"] = round(statistics.median(r[key] for r in rows) * 1e3, 1)
     out["minor_faults_k"] = round(statistics.median(r["minor_faults"] for r in rows) / 1e3)
-    out["foreign_cpu_frac"] = load.foreign
+    out["foreign_cpu_frac"], out["steal_frac"] = load.foreign, load.steal
     return out
 
 
