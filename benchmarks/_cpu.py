@@ -96,12 +96,13 @@ class Load:
     one and its reaped children) used meanwhile, and ``load.steal`` the part of it that was
     steal: time a virtual machine's CPUs had work but the hypervisor ran something else.
 
-    Steal is not always other tenants: on a virtual machine a CPU that sleeps and is woken
-    (a process handing work to one on the other core, as every message between ranks does)
-    costs the hypervisor time that the guest counts as steal. On the 2-core Firecracker VM
-    these benchmarks run on, two processes passing a byte back and forth through pipes on an
-    otherwise idle machine saw 29% of the CPUs stolen, two busy loops 5%: a benchmark of
-    messages raises its own ``foreign`` there, which ``steal`` tells apart."""
+    Steal is the hypervisor's, and not only other guests' work: a virtual CPU that sleeps and
+    is woken (a process handing work to one on the other core, as every message between
+    ranks does) costs it time the guest counts as steal, the more so the busier the physical
+    host. On the 2-core Firecracker VM these benchmarks ran on, one day two processes passing
+    a byte back and forth through pipes, nothing else running, saw 29-32% of the CPUs stolen
+    and two busy loops 5-6%, where runs of the collectives on other days saw 0-10% foreign:
+    a benchmark of messages can raise its own ``foreign`` share, which ``steal`` tells apart."""
 
     foreign = 0.0
     steal = 0.0

@@ -123,3 +123,33 @@ def test_gloo_is_counted_as_torch_runs_it() -> None:
     assert rs[1] == ar[1] + 64 * MiB + 16 * MiB  # and the clone and the slice
     with pytest.raises(ValueError):
         count("gloo", "broadcast", 4, 2)
+
+
+def test_the_check_counts_cells_by_their_phase_steal() -> None:
+    """A run that recorded each phase's steal (benchmarks/_cpu.py ``Load``) has its held-out
+    cells counted apart by it: here the shaped phases lost 30% of the CPUs to the hypervisor
+    and their cells were timed 1.5x the model's, the unlimited W = 4 phases lost none."""
+    doc = run(1.0)
+    for r in doc["netns"]["results"]:
+        if r["rate_gbit"]:
+            r["ours_ns_ms"] *= 1.5
+            r["gloo_ns_ms"] *= 1.5
+    doc["phases"] = [
+        {"variant": f"{side}_ns", "world_size": w, "rate_gbit": rate, "steal_frac": steal}
+        for side in ("ours", "gloo")
+        for w in (2, 4)
+        for rate, steal in ((None, 0.0), (10.0, 0.3))
+    ]
+    chk = cm.check(doc, cm.fit(doc))
+    assert chk["fit_phase_steal"] == {"ours": 0.0, "gloo": 0.0}
+    shaped = [r for r in chk["rows"] if r["rate_gbit"]]
+    assert shaped and all(r["phase_steal"] == 0.3 for r in shaped)
+    cells = len(OPS) * len(SIZES_MIB)
+    for side in ("ours", "gloo"):
+        quiet = chk["by_steal"][f"{side}, steal under 10%"]
+        assert quiet == f"time {cells}, CPU {cells} of {cells}", quiet
+        slow = chk["by_steal"][f"{side}, steal at or over 10%"]
+        assert slow == f"time 0, CPU {2 * cells} of {2 * cells}", slow
+    # a run from before steal was recorded: no rows' steal, nothing counted by it
+    old = cm.check(run(1.0), cm.fit(run(1.0)))
+    assert old["by_steal"] == {} and all(r["phase_steal"] is None for r in old["rows"])
