@@ -231,7 +231,19 @@ class _Holding:
     def _on_reply(self, server: int, reply: pb.LeaseReply) -> None:
         self.stream_lost.discard(server)  # the stream is (back) up
         if reply.aborted:
-            self.state.abort(Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank))
+            self.take_notice(reply)
+
+    def take_notice(self, reply: pb.LeaseReply) -> None:
+        """The abort notice of a server's answer. One that names this rank lost, come before
+        this client was made, is about this rank's previous process, which this one replaces
+        (a restart): logged as that, at info, not as news of a loss."""
+        notice = Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank)
+        inherited = not self.made and reply.lost_rank == self.rank
+        if self.state.abort(notice, say=not inherited) and inherited:
+            log.info(
+                "%s: that was this rank's previous process; this one takes its place",
+                reply.aborted,
+            )
 
     def close_holds(self) -> None:
         with self._lock:
@@ -316,7 +328,7 @@ class _Holding:
             self.failing_since.pop(i, None)
             self.full.discard(i)
             if reply.aborted:
-                self.state.abort(Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank))
+                self.take_notice(reply)
 
     def renew(self) -> None:
         self.finish(self.start())

@@ -82,20 +82,22 @@ class RunState:
         with self._lock:
             self._in_flight.discard(future)
 
-    def abort(self, notice: Notice, say: bool = True) -> None:
+    def abort(self, notice: Notice, say: bool = True) -> bool:
         """Takes ``notice`` and cancels the calls in flight, if it applies to this epoch; logs
-        it unless not ``say`` (the caller raises it)."""
+        it unless not ``say`` (the caller raises it). Whether it took it (not an epoch
+        ended already, nor the notice it has)."""
         with self._lock:
             if notice.epoch < self.epoch or self.notice == notice:
-                return
+                return False
             if self.notice is not None and self.notice.epoch >= notice.epoch:
-                return  # that epoch ended already
+                return False  # that epoch ended already
             self.notice = notice
             pending = list(self._in_flight)
         if say:
             log.warning("%s", notice.reason)
         for future in pending:
             future.cancel()
+        return True
 
     def give_up(self, cause: str) -> None:
         """This rank abandons its epoch (it lost a server, it recovers): the others' waits end

@@ -13,6 +13,7 @@ while it asks is let in."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -247,3 +248,38 @@ def test_a_restart_whose_old_process_dies_while_it_asks_takes_the_rank(servers):
             if proc is not None and proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+
+
+def test_a_restarted_rank_hears_of_its_predecessors_loss_as_that_not_as_news(servers, caplog):
+    """The servers end the epoch when a rank's process dies (here without restarts, at once);
+    the process that takes its rank next finds that notice in its lease's first answers. It
+    names this very rank lost: logged as its previous process's, at info, not as a loss."""
+    addresses = [n.address for n in servers(1)]
+    run = unique_id("predecessor")
+    peer = ShardClient(ClusterSpec(addresses), rank=0, world_size=2, run_id=run)
+    old = _claim(",".join(addresses), run, rank=1, hold=True)
+    new = None
+    try:
+        assert old.stdout.readline() == "asking\n" and old.stdout.readline().startswith("held")
+        caplog.set_level(logging.INFO, logger="paramshard.leases")
+        os.kill(old.pid, signal.SIGKILL)
+        old.communicate()
+        deadline = time.monotonic() + 30
+        while peer.run_state.refresh() is None:  # the peer hears it: news to it, a warning
+            assert time.monotonic() < deadline, "the servers never ended the epoch"
+            time.sleep(0.1)
+        assert "rank 1 lost" in peer.run_state.current().reason
+        assert [r for r in caplog.records if r.levelno == logging.WARNING], caplog.text
+        caplog.clear()
+        new = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id=run)
+        assert new.run_state.current() is not None  # it did hear of the ended epoch
+        said = [r for r in caplog.records if "rank 1 lost" in r.getMessage()]
+        assert said and all(r.levelno == logging.INFO for r in said), caplog.text
+        assert "this rank's previous process" in said[0].getMessage()
+    finally:
+        for c in (peer, new):
+            if c is not None:
+                c.close()
+        if old.poll() is None:
+            old.kill()
+            old.communicate()
