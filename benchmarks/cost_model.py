@@ -210,7 +210,8 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
         fitted = r.get("rate_gbit") is None and r["world_size"] == 2
         link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
         for side in ("ours", "gloo"):
-            key = f"{side}_ns_ms"
+            variant = f"{side}_ns"  # its phase's name; its rows' keys start so
+            key = f"{variant}_ms"
             if key not in r:
                 continue
             c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
@@ -230,7 +231,7 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
                          "measured_cpu_ms": r[f"{side}_ns_cpu_ms_per_rank"],
                          "predicted_cpu_ms": round(cpu, 3),
                          "cpu_error": round(cpu_err, 3),
-                         "phase_steal": steal.get((key[:-3], w, r.get("rate_gbit")))})  # fmt: skip
+                         "phase_steal": steal.get((variant, w, r.get("rate_gbit")))})  # fmt: skip
     groups: dict[str, list[int]] = {}
     for r in rows:
         if not r["fitted"]:
