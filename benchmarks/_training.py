@@ -272,8 +272,8 @@ def measured(wait: float, log: Callable[[str], None], fn: Callable[[], Any]) -> 
     processes used meanwhile, and ``steal_frac``, the steal within it (``Load``)."""
     if wait > 0:
         frac = wait_quiet(wait)
-        if frac >= 0.15:
-            log(f"    machine still busy ({100 * frac:.0f}% of CPUs used by others)")
+        if frac >= 0.1:
+            log(f"    machine still busy ({100 * frac:.0f}% of CPUs used by others or stolen)")
     with Load() as load:
         results = fn()
     for r in results:
@@ -368,7 +368,7 @@ def run_main(
         type=float,
         default=0.0,
         help="before each run, wait up to this many seconds for other processes to"
-        " leave the CPUs idle (default: 0, don't wait)",
+        " leave the CPUs idle and the hypervisor to steal little (default: 0, don't wait)",
     )
     add_options(p)
     return parent(p.parse_args(argv))

@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="before each phase wait up to this many seconds for other processes to"
-        " use < 20%% of the CPUs (default: do not wait)",
+        " use < 20%% of the CPUs and the hypervisor to steal < 10%% from hand-offs between"
+        " processes (default: do not wait)",
     )
     ap.add_argument(
         "--max-seconds", type=float, default=0, help="global watchdog (default 2400, --quick 300)"

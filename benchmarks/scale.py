@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--steps", type=int, default=0, help="per run, warm-up included")
     p.add_argument("--warmup", type=int, default=None)
-    p.add_argument("--wait-quiet", type=float, default=0.0, help="seconds to wait for idle CPUs")
+    p.add_argument("--wait-quiet", type=float, default=0.0, help="seconds to wait for quiet CPUs")
     p.add_argument("--margin-gib", type=float, default=1.5, help="memory left free (GiB)")
     p.add_argument("--step-budget", type=float, default=300.0, help="seconds a step may take")
     p.add_argument(
