@@ -153,10 +153,6 @@ def gloo_op(op: str, nbytes: float, w: int) -> Traffic:
     return Traffic(2 * sends, 0, 2 * nbytes * frac, moved, steps)
 
 
-def ring_all_reduce(nbytes: float, w: int) -> Traffic:
-    return gloo_op("all_reduce", nbytes, w)
-
-
 def tree_all_reduce(nbytes: float, w: int) -> Traffic:
     hops = 2 * math.ceil(math.log2(max(2, w)))
     segments = 2 * max(1, math.ceil(2 * nbytes / GLOO_SEGMENT))  # sent and received, as gloo's
@@ -188,7 +184,7 @@ def step_traffic(
             [pull(unit, w, s, chunk)] * (2 * units) + [push(unit, w, s, chunk)] * units + [small]
         )
     if strategy == "ring":
-        return _add([ring_all_reduce(grad / buckets, w)] * buckets)
+        return _add([gloo_op("all_reduce", grad / buckets, w)] * buckets)  # gloo's ring
     if strategy == "tree":
         return _add([tree_all_reduce(grad / buckets, w)] * buckets)
     raise ValueError(f"unknown strategy {strategy!r}")

@@ -185,18 +185,27 @@ def phase_steal(doc: dict[str, Any]) -> dict[tuple[str, int, Any], float]:
     return out
 
 
-def _by_steal(rows: list[dict[str, Any]]) -> dict[str, str]:
-    """The held-out cells within 20% by side, in phases quiet and not (``QUIET_STEAL``)."""
+def _tally(rows: list[dict[str, Any]], group: Any) -> dict[str, str]:
+    """The held-out cells within 20% (time, CPU) by ``group(row)``, a name or None (left out),
+    in the order the groups first come."""
     groups: dict[str, list[int]] = {}
     for r in rows:
-        if r["fitted"] or r.get("phase_steal") is None:
+        key = None if r["fitted"] else group(r)
+        if key is None:
             continue
-        quiet = "under" if r["phase_steal"] < QUIET_STEAL else "at or over"
-        g = groups.setdefault(f"{r['side']}, steal {quiet} {QUIET_STEAL:.0%}", [0, 0, 0])
+        g = groups.setdefault(key, [0, 0, 0])
         g[0] += abs(r["error"]) <= 0.2
         g[1] += abs(r["cpu_error"]) <= 0.2
         g[2] += 1
-    return {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in sorted(groups.items())}
+    return {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()}
+
+
+def _steal_group(r: dict[str, Any]) -> str | None:
+    """A row's side and whether its phase was quiet (``QUIET_STEAL``); None unrecorded."""
+    if r.get("phase_steal") is None:
+        return None
+    quiet = "under" if r["phase_steal"] < QUIET_STEAL else "at or over"
+    return f"{r['side']}, steal {quiet} {QUIET_STEAL:.0%}"
 
 
 def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -232,21 +241,16 @@ def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, 
                          "predicted_cpu_ms": round(cpu, 3),
                          "cpu_error": round(cpu_err, 3),
                          "phase_steal": steal.get((variant, w, r.get("rate_gbit")))})  # fmt: skip
-    groups: dict[str, list[int]] = {}
-    for r in rows:
-        if not r["fitted"]:
-            key = f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
-            g = groups.setdefault(key, [0, 0, 0])
-            g[0] += abs(r["error"]) <= 0.2
-            g[1] += abs(r["cpu_error"]) <= 0.2
-            g[2] += 1
+    by_group = _tally(
+        rows, lambda r: f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
+    )
     return {
         "rows": rows,
         "held_out_within_20pct": within,
         "held_out_cells": held,
-        "by_group": {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()},
+        "by_group": by_group,
         "fit_phase_steal": {s: steal.get((f"{s}_ns", 2, None)) for s in ("ours", "gloo")},
-        "by_steal": _by_steal(rows),
+        "by_steal": dict(sorted(_tally(rows, _steal_group).items())),
         "link_gbit_measured": measured,
     }
 
