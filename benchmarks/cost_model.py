@@ -1,24 +1,20 @@
 """A cost model of our parameter-server collectives and training steps against ring and tree
 all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
 
-    python -m benchmarks.cost_model --collectives COLL.json [--scale SCALE.json] [--markdown]
+    python -m benchmarks.cost_model --collectives COLL.json [COLL2.json ...]
+        [--scale SCALE.json] [--markdown]
 
 1. **Fit** (``fit``): from ``benchmarks.collectives`` run with its namespaces, the W = 2 cells
    with unlimited links (two "hosts" on the machine's two cores: one core each), ours and
-   gloo's median time of every op and size as ``a x messages a host handles + b x
-   bytes its processes copy`` (least squares of relative errors; the counts are
-   ``benchmarks/_cost_counts.py``'s).
+   gloo's time of every op and size (each cell's median over the runs given) as ``a x
+   messages a host handles + b x bytes its processes copy`` (least squares of relative
+   errors; the counts are ``benchmarks/_cost_counts.py``'s).
    The CPU fit is the model's: a host's CPU per op does not depend on how the lab shares its
    cores, while the lab's times do.
-2. **Check** (``check``): every other cross-namespace cell of that run (W = 4, and every link
-   rate), its CPU per host predicted from the counts and its time as ``max(CPU, bytes over a
-   link / its rate + the per-message part)``, the rate being what one raw TCP stream moved
-   across the shaped link in the same run (W = 4: four hosts on two cores, so twice the time),
-   against what was measured; the held-out cells within 20% are counted, by side, W and rate,
-   and, where the run recorded it, by the steal of the cell's phase (``phases[].steal_frac``:
-   on a virtual machine the hypervisor's share, which rises with the host's load and with
-   a benchmark's own wake-ups, benchmarks/_cpu.py ``Load``): a phase that lost 10% or more of
-   the CPUs to it is not the machine the fit measured.
+2. **Check** (benchmarks/_cost_check.py): every other cross-namespace cell of those runs (W =
+   4, and every link rate) predicted from the fitted costs and the link's measured rate,
+   against what was measured; the held-out cells within 20% counted by side, W and rate, run,
+   and the steal of the cell's phase.
 3. **Predict** (``predict``): for 8 to 1,024 hosts at 10, 25 and 100 Gbit/s, one rank and one
    server per host with ``--host-cores`` cores for communication (default 1, as the W = 2 lab's
    hosts), each model's step: DDP, ZeRO-2 and FSDP through our servers (``max(CPU, link)`` +
@@ -30,7 +26,7 @@ all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
    software bridge, no NIC offloads), so both are pessimistic for a real NIC alike.
 4. **Check against training steps** (``--scale``, benchmarks/_cost_steps.py): the costs of a
    message and a byte between processes of one host fitted the same way on the collectives
-   run's W = 2 rows through separate servers (``fit_host``), the W > 2 rows held out; then
+   runs' W = 2 rows through separate servers (``fit_host``), the W > 2 rows held out; then
    every cell of the scale run predicted from a rank's compute alone (its
    ``compute_reference``) and those costs, against its measured step and CPU.
 
@@ -43,9 +39,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from typing import Any
 
+from benchmarks import _cost_check as ck
 from benchmarks import _cost_counts as cc
 from benchmarks import _cost_steps
 
@@ -61,10 +59,6 @@ PARAMS = {  # parameters and FSDP units (blocks) of benchmarks/_scale_models.py'
 
 
 # ================================================================================ the fit
-LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
-QUIET_STEAL = 0.1  # a phase that lost less of the CPUs to the hypervisor is counted as quiet
-
-
 def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     """Non-negative (a, b) minimising sum ((a x + b y - z) / z)^2 (relative errors)."""
     sxx = sxy = syy = sxz = syz = 0.0
@@ -83,60 +77,61 @@ def _lstsq(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
     return a, b
 
 
-def chunk_of(doc: dict[str, Any]) -> int:
-    """The chunk the run's clients sent across the namespaces: the one it names, or the
-    clients' default there (``client.chunk_mib_netns``), or ``cc.CHUNK_BEFORE`` for JSON that
-    says neither."""
-    client = doc.get("client") or {}
-    mib = client.get("chunk_mib") or client.get("chunk_mib_netns")
-    return int(mib * MiB) if mib else cc.CHUNK_BEFORE
+Cells = dict[tuple[str, float, float, float], list[tuple[float, float]]]
 
 
-def _netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    rows = doc.get("netns", {}).get("results") or []
-    if not rows:
-        raise SystemExit("the collectives JSON has no cross-namespace rows (run it as root)")
-    return rows
-
-
-def fit(doc: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per side, from the W = 2 rows with unlimited links (two hosts, one core each: the
-    machine's two), two fits of ``a x messages a host handles + b x bytes its
-    processes copy`` (least squares of relative errors): of the median wall time (``s_per_*``,
-    the lab's time, kernel networking included) and of the CPU seconds of a host's processes
-    (``cpu_s_per_*``: a rank and, ours, its share of the servers; user and system time)."""
-    rows = [r for r in _netns_rows(doc) if r.get("rate_gbit") is None and r["world_size"] == 2]
-    chunk = chunk_of(doc)
-    fused = cc.fused_reads(doc.get("client") or {})
-    return {side: _fit_side(rows, side, f"{side}_ns", chunk, fused) for side in ("ours", "gloo")}
-
-
-def fit_host(doc: dict[str, Any]) -> dict[str, dict[str, float]] | None:
-    """The same two fits from the run's rows between processes of one host (``results``, W =
-    2: ours through 2 separate servers and shared memory, ``ours_sep``; gloo over loopback),
-    counted with the run's chunk or its clients' default for 2 servers on one host. What a
-    step of ``benchmarks.scale`` costs (benchmarks/_cost_steps.py); None without such rows
-    (a run with ``--no-separate``)."""
-    rows = [r for r in doc.get("results") or [] if r["world_size"] == 2 and "ours_sep_ms" in r]
-    if not rows or "gloo_ms" not in rows[0]:
-        return None
-    chunk = cc.run_chunk(doc.get("client") or {}, 2, "chunk_mib_same_host")
-    fused = cc.fused_reads(doc.get("client") or {})
-    return {
-        "ours": _fit_side(rows, "ours", "ours_sep", chunk, fused),
-        "gloo": _fit_side(rows, "gloo", "gloo", chunk, fused),
-    }
-
-
-def _fit_side(
-    rows: list[dict[str, Any]], side: str, key: str, chunk: int, fused: bool
-) -> dict[str, float]:
-    wall, cpu = [], []
+def _add_cells(cells: Cells, rows: list, side: str, key: str, chunk: int, fused: bool) -> None:
+    """Each row's (wall s, CPU s) under its cell: its op, size and counts (runs counted with
+    another chunk are other cells)."""
     for r in rows:
-        w = r["world_size"]
-        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, w, chunk, fused)
-        wall.append((msgs, handled, r[f"{key}_ms"] / 1e3))
-        cpu.append((msgs, handled, r[f"{key}_cpu_ms_per_rank"] / 1e3))
+        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk,
+                                        fused)  # fmt: skip
+        got = (r[f"{key}_ms"] / 1e3, r[f"{key}_cpu_ms_per_rank"] / 1e3)
+        cells.setdefault((r["op"], r["mib"], msgs, handled), []).append(got)
+
+
+def fit(docs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per side, from the W = 2 rows with unlimited links of every run in ``docs`` (two hosts,
+    one core each: the machine's two), each cell's median over the runs, two fits of ``a x
+    messages a host handles + b x bytes its processes copy`` (least squares of relative
+    errors): of the wall time (``s_per_*``, the lab's time, kernel networking included) and of
+    the CPU seconds of a host's processes (``cpu_s_per_*``: a rank and, ours, its share of the
+    servers; user and system time). One run's fit carries whatever its fit phase met (a slow
+    phase, the hypervisor's steal); the median of three is steadier (docs/scaling.md)."""
+    out = {}
+    for side in ("ours", "gloo"):
+        cells: Cells = {}
+        for doc in docs:
+            rows = [r for r in ck.netns_rows(doc) if ck.is_fitted(r)]
+            fused = cc.fused_reads(doc.get("client") or {})
+            _add_cells(cells, rows, side, f"{side}_ns", ck.chunk_of(doc), fused)
+        out[side] = _fit_side(cells, len(docs))
+    return out
+
+
+def fit_host(docs: list[dict[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """The same two fits from the runs' rows between processes of one host (``results``, W =
+    2: ours through 2 separate servers and shared memory, ``ours_sep``; gloo over loopback),
+    counted with each run's chunk or its clients' default for 2 servers on one host. What a
+    step of ``benchmarks.scale`` costs (benchmarks/_cost_steps.py); None without such rows
+    (runs with ``--no-separate``)."""
+    cells: dict[str, Cells] = {"ours": {}, "gloo": {}}
+    runs = 0
+    for doc in docs:
+        rows = [r for r in doc.get("results") or [] if r["world_size"] == 2 and "ours_sep_ms" in r]
+        if not rows or "gloo_ms" not in rows[0]:
+            continue
+        runs += 1
+        client = doc.get("client") or {}
+        chunk, fused = cc.run_chunk(client, 2, "chunk_mib_same_host"), cc.fused_reads(client)
+        _add_cells(cells["ours"], rows, "ours", "ours_sep", chunk, fused)
+        _add_cells(cells["gloo"], rows, "gloo", "gloo", chunk, fused)
+    return {side: _fit_side(c, runs) for side, c in cells.items()} if runs else None
+
+
+def _fit_side(cells: Cells, runs: int) -> dict[str, float]:
+    wall = [(m, h, statistics.median(t for t, _ in got)) for (_, _, m, h), got in cells.items()]
+    cpu = [(m, h, statistics.median(c for _, c in got)) for (_, _, m, h), got in cells.items()]
     per_msg, per_byte = _lstsq(wall)
     cpu_msg, cpu_byte = _lstsq(cpu)
     return {
@@ -146,112 +141,7 @@ def _fit_side(
         "cpu_s_per_byte": cpu_byte,
         "cpu_gb_per_s_per_core": 1e-9 / cpu_byte if cpu_byte else math.inf,
         "fitted_on": len(wall),
-    }
-
-
-# ================================================================================ the check
-def lab_time(
-    side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any,
-    chunk: int | None = None, fused: bool = True,
-) -> float:  # fmt: skip
-    """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
-    (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
-    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk, fused)
-    slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
-    cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
-    link = wire * 8 / (rate * 1e9) if rate else 0.0
-    return max(cpu, link + c["s_per_message"] * msgs * slow)
-
-
-def link_rates(doc: dict[str, Any]) -> dict[float, float]:
-    """Nominal rate -> what a raw TCP stream moved across the shaped link in the same run
-    (``benchmarks.collectives`` measures it before and after each rate's cells; the mean).
-    A rate without that measurement (older JSON) stands for itself."""
-    out = {}
-    for s in doc.get("netns", {}).get("shaping") or []:
-        got = s.get("raw_tcp_gbit") or []
-        if s.get("rate_gbit") and got:
-            out[s["rate_gbit"]] = sum(got) / len(got)
-    return out
-
-
-def phase_steal(doc: dict[str, Any]) -> dict[tuple[str, int, Any], float]:
-    """(variant, W, nominal rate) -> the steal its phase saw (``phases[].steal_frac``; the
-    first round's where there were several); empty for a run from before it was recorded."""
-    out: dict[tuple[str, int, Any], float] = {}
-    for p in doc.get("phases") or []:
-        if p.get("steal_frac") is not None:
-            out.setdefault((p["variant"], p["world_size"], p.get("rate_gbit")), p["steal_frac"])
-    return out
-
-
-def _tally(rows: list[dict[str, Any]], group: Any) -> dict[str, str]:
-    """The held-out cells within 20% (time, CPU) by ``group(row)``, a name or None (left out),
-    in the order the groups first come."""
-    groups: dict[str, list[int]] = {}
-    for r in rows:
-        key = None if r["fitted"] else group(r)
-        if key is None:
-            continue
-        g = groups.setdefault(key, [0, 0, 0])
-        g[0] += abs(r["error"]) <= 0.2
-        g[1] += abs(r["cpu_error"]) <= 0.2
-        g[2] += 1
-    return {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()}
-
-
-def _steal_group(r: dict[str, Any]) -> str | None:
-    """A row's side and whether its phase was quiet (``QUIET_STEAL``); None unrecorded."""
-    if r.get("phase_steal") is None:
-        return None
-    quiet = "under" if r["phase_steal"] < QUIET_STEAL else "at or over"
-    return f"{r['side']}, steal {quiet} {QUIET_STEAL:.0%}"
-
-
-def check(doc: dict[str, Any], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Every held-out cell's time predicted with the link's measured rate (``link_rates``);
-    each row carries its phase's steal where the run recorded it (``phase_steal``)."""
-    rows, within, held = [], 0, 0
-    measured, chunk = link_rates(doc), chunk_of(doc)
-    steal = phase_steal(doc)
-    fused = cc.fused_reads(doc.get("client") or {})
-    for r in _netns_rows(doc):
-        fitted = r.get("rate_gbit") is None and r["world_size"] == 2
-        link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
-        for side in ("ours", "gloo"):
-            variant = f"{side}_ns"  # its phase's name; its rows' keys start so
-            key = f"{variant}_ms"
-            if key not in r:
-                continue
-            c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
-            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk, fused) * 1e3
-            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
-            cpu = cc.cpu_s(c, msgs, handled) * 1e3
-            err = pred / r[key] - 1
-            cpu_err = cpu / max(r[f"{side}_ns_cpu_ms_per_rank"], 1e-6) - 1
-            if not fitted:
-                held += 1
-                within += abs(err) <= 0.2
-            rows.append({"side": side, "op": r["op"], "world_size": w,
-                         "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
-                         "link_gbit": link,
-                         "measured_ms": r[key], "predicted_ms": round(pred, 3),
-                         "error": round(err, 3), "fitted": fitted,
-                         "measured_cpu_ms": r[f"{side}_ns_cpu_ms_per_rank"],
-                         "predicted_cpu_ms": round(cpu, 3),
-                         "cpu_error": round(cpu_err, 3),
-                         "phase_steal": steal.get((variant, w, r.get("rate_gbit")))})  # fmt: skip
-    by_group = _tally(
-        rows, lambda r: f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
-    )
-    return {
-        "rows": rows,
-        "held_out_within_20pct": within,
-        "held_out_cells": held,
-        "by_group": by_group,
-        "fit_phase_steal": {s: steal.get((f"{s}_ns", 2, None)) for s in ("ours", "gloo")},
-        "by_steal": dict(sorted(_tally(rows, _steal_group).items())),
-        "link_gbit_measured": measured,
+        "runs": runs,
     }
 
 
@@ -316,14 +206,20 @@ def markdown(result: dict[str, Any]) -> str:
         f"\nHeld-out cells within 20%: {chk['held_out_within_20pct']} of {chk['held_out_cells']}"
     )
     lines += ["", "| held-out cells | within 20% |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in chk["by_group"].items()]
+    lines += [f"| {k} | {v} |" for k, v in (chk["by_group"] | chk["by_run"]).items()]
     if chk["by_steal"]:
-        fit = ", ".join(f"{s} {v:.0%}" for s, v in chk["fit_phase_steal"].items() if v is not None)
+        fit = "; ".join(
+            f"{s} " + ", ".join("–" if v is None else f"{v:.0%}" for v in steals)
+            for s, steals in chk["fit_phase_steal"].items()
+        )
         lines += ["", f"| held-out cells by their phase's steal (fitted on: {fit}) | within 20% |"]
         lines += ["|---|---|", *(f"| {k} | {v} |" for k, v in chk["by_steal"].items())]
-    moved = [f"{k:g} Gbit/s moved {v:.2f}" for k, v in chk["link_gbit_measured"].items()]
-    if moved:
-        lines.append("\nOne raw TCP stream across links shaped to " + "; ".join(moved) + ".")
+    for i, rates in enumerate(chk["link_gbit_measured"], 1):
+        moved = [f"{k:g} Gbit/s moved {v:.2f}" for k, v in rates.items()]
+        if moved:
+            run = f" (run {i})" if len(chk["link_gbit_measured"]) > 1 else ""
+            moved_s = "; ".join(moved)
+            lines.append(f"\nOne raw TCP stream{run} across links shaped to {moved_s}.")
     if "steps" in result:
         lines += _cost_steps.markdown(result)
     for model in PARAMS:
@@ -342,7 +238,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--collectives", required=True, help="benchmarks.collectives JSON (as root)")
+    p.add_argument(
+        "--collectives",
+        required=True,
+        nargs="+",
+        help="benchmarks.collectives JSON (as root), one or more runs: the fit takes each cell's"
+        " median over them, the check counts every run's held-out cells",
+    )
     p.add_argument(
         "--scale",
         help="benchmarks.scale JSON: this machine's compute per step, and its cells, which the"
@@ -366,12 +268,16 @@ def main(argv: list[str] | None = None) -> int:
             "--bucket is in bytes (at least 65536; 100 MiB is 104857600) and"
             " --servers-per-host at least 1"
         )
-    doc = json.load(open(a.collectives))
-    costs = fit(doc)
+    docs = [json.load(open(path)) for path in a.collectives]
+    costs = fit(docs)
     result = {
-        "source": {"collectives": a.collectives, "machine": doc.get("machine"), "scale": a.scale},
+        "source": {
+            "collectives": a.collectives,
+            "machine": [doc.get("machine") for doc in docs],
+            "scale": a.scale,
+        },
         "costs": costs,
-        "check": check(doc, costs),
+        "check": ck.check(docs, costs),
         "assumptions": {
             k: getattr(a, k)
             for k in (
@@ -388,9 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     result["prediction"] = predict(costs, a, result["compute_s"])
     if a.scale:
-        host = fit_host(doc)
+        host = fit_host(docs)
         result["costs_same_host"] = host
-        result["check_same_host"] = _cost_steps.check_host(doc, host) if host else None
+        result["check_same_host"] = _cost_steps.check_host(docs, host) if host else None
         result["steps"] = (
             _cost_steps.check_steps(json.load(open(a.scale)), host)
             if host

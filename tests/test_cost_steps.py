@@ -235,7 +235,7 @@ def test_the_cost_model_fits_one_hosts_costs_and_checks_the_steps(tmp_path, caps
                        for op in ("all_reduce", "all_gather", "reduce_scatter")
                        for mib in (4 / MiB, 1.0, 16.0, 64.0)]  # fmt: skip
     coll["client"]["chunk_mib_same_host"] = {str(w): cc.chunk_for(w, None) / MiB for w in (2, 4)}
-    host = cm.fit_host(coll)
+    host = cm.fit_host([coll])
     for side, c in COSTS.items():
         for key, want in c.items():
             assert host[side][key] == pytest.approx(want, rel=1e-6), (side, key)

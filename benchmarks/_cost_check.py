@@ -1,0 +1,158 @@
+"""The cost model's check against the collectives lab (benchmarks/cost_model.py, step 2):
+every cross-namespace cell of one or more ``benchmarks.collectives`` runs that the fit did not
+see (W = 4, and every link rate), its CPU per host predicted from the counts
+(``benchmarks/_cost_counts.py``) and its time as ``max(CPU, bytes over a link / its rate +
+the per-message part)`` (``lab_time``), the rate being what one raw TCP stream moved across
+the shaped link in the same run (W = 4: four hosts on two cores, so twice the time), against
+what was measured. The held-out cells within 20% are counted by side, W and rate, by run, and,
+where a run recorded it, by the steal of the cell's phase (``phases[].steal_frac``: on a
+virtual machine the hypervisor's share, which rises with the host's load and with a
+benchmark's own wake-ups, benchmarks/_cpu.py ``Load``): a phase that lost 10% or more of the
+CPUs to it is not the machine the fit measured.
+
+Also here: what the check and the fit read from a run's JSON (``chunk_of``, ``netns_rows``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import _cost_counts as cc
+
+MiB = 2**20
+LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
+QUIET_STEAL = 0.1  # a phase that lost less of the CPUs to the hypervisor is counted as quiet
+WITHIN = 0.2  # the issue's bound on the model's error
+
+
+def chunk_of(doc: dict[str, Any]) -> int:
+    """The chunk the run's clients sent across the namespaces: the one it names, or the
+    clients' default there (``client.chunk_mib_netns``), or ``cc.CHUNK_BEFORE`` for JSON that
+    says neither."""
+    client = doc.get("client") or {}
+    mib = client.get("chunk_mib") or client.get("chunk_mib_netns")
+    return int(mib * MiB) if mib else cc.CHUNK_BEFORE
+
+
+def netns_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = doc.get("netns", {}).get("results") or []
+    if not rows:
+        raise SystemExit("the collectives JSON has no cross-namespace rows (run it as root)")
+    return rows
+
+
+def is_fitted(r: dict[str, Any]) -> bool:
+    """A cross-namespace row the fit uses: W = 2 with unlimited links (two hosts, one core
+    each: the machine's two)."""
+    return r.get("rate_gbit") is None and r["world_size"] == 2
+
+
+def lab_time(
+    side: str, c: dict[str, float], op: str, nbytes: float, w: int, rate: Any,
+    chunk: int | None = None, fused: bool = True,
+) -> float:  # fmt: skip
+    """Predicted wall seconds of one op in the lab: each of W hosts gets LAB_CORES / W cores
+    (at most one), links moving ``rate`` Gbit/s (None: unlimited, their cost is the CPU's)."""
+    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk, fused)
+    slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
+    cpu = (c["s_per_message"] * msgs + c["s_per_byte"] * handled) * slow
+    link = wire * 8 / (rate * 1e9) if rate else 0.0
+    return max(cpu, link + c["s_per_message"] * msgs * slow)
+
+
+def link_rates(doc: dict[str, Any]) -> dict[float, float]:
+    """Nominal rate -> what a raw TCP stream moved across the shaped link in the same run
+    (``benchmarks.collectives`` measures it before and after each rate's cells; the mean).
+    A rate without that measurement (older JSON) stands for itself."""
+    out = {}
+    for s in doc.get("netns", {}).get("shaping") or []:
+        got = s.get("raw_tcp_gbit") or []
+        if s.get("rate_gbit") and got:
+            out[s["rate_gbit"]] = sum(got) / len(got)
+    return out
+
+
+def phase_steal(doc: dict[str, Any]) -> dict[tuple[str, int, Any], float]:
+    """(variant, W, nominal rate) -> the steal its phase saw (``phases[].steal_frac``; the
+    first round's where there were several); empty for a run from before it was recorded."""
+    out: dict[tuple[str, int, Any], float] = {}
+    for p in doc.get("phases") or []:
+        if p.get("steal_frac") is not None:
+            out.setdefault((p["variant"], p["world_size"], p.get("rate_gbit")), p["steal_frac"])
+    return out
+
+
+def _tally(rows: list[dict[str, Any]], group: Any) -> dict[str, str]:
+    """The held-out cells within 20% (time, CPU) by ``group(row)``, a name or None (left out),
+    in the order the groups first come."""
+    groups: dict[str, list[int]] = {}
+    for r in rows:
+        key = None if r["fitted"] else group(r)
+        if key is None:
+            continue
+        g = groups.setdefault(key, [0, 0, 0])
+        g[0] += abs(r["error"]) <= WITHIN
+        g[1] += abs(r["cpu_error"]) <= WITHIN
+        g[2] += 1
+    return {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()}
+
+
+def _steal_group(r: dict[str, Any]) -> str | None:
+    """A row's side and whether its phase was quiet (``QUIET_STEAL``); None unrecorded."""
+    if r.get("phase_steal") is None:
+        return None
+    quiet = "under" if r["phase_steal"] < QUIET_STEAL else "at or over"
+    return f"{r['side']}, steal {quiet} {QUIET_STEAL:.0%}"
+
+
+def _run_rows(doc: dict[str, Any], run: int, costs: dict[str, dict[str, float]]) -> list:
+    """One run's rows, both sides, each cell's time predicted with the link's measured rate
+    (``link_rates``) and carrying its phase's steal where the run recorded it."""
+    rows = []
+    measured, chunk, steal = link_rates(doc), chunk_of(doc), phase_steal(doc)
+    fused = cc.fused_reads(doc.get("client") or {})
+    for r in netns_rows(doc):
+        link = measured.get(r.get("rate_gbit"), r.get("rate_gbit"))
+        for side in ("ours", "gloo"):
+            variant = f"{side}_ns"  # its phase's name; its rows' keys start so
+            key = f"{variant}_ms"
+            if key not in r:
+                continue
+            c, nbytes, w = costs[side], r["mib"] * MiB, r["world_size"]
+            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk, fused) * 1e3
+            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
+            cpu = cc.cpu_s(c, msgs, handled) * 1e3
+            rows.append({"run": run, "side": side, "op": r["op"], "world_size": w,
+                         "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
+                         "link_gbit": link,
+                         "measured_ms": r[key], "predicted_ms": round(pred, 3),
+                         "error": round(pred / r[key] - 1, 3), "fitted": is_fitted(r),
+                         "measured_cpu_ms": r[f"{variant}_cpu_ms_per_rank"],
+                         "predicted_cpu_ms": round(cpu, 3),
+                         "cpu_error": round(
+                             cpu / max(r[f"{variant}_cpu_ms_per_rank"], 1e-6) - 1, 3),
+                         "phase_steal": steal.get((variant, w, r.get("rate_gbit")))})  # fmt: skip
+    return rows
+
+
+def check(docs: list[dict[str, Any]], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
+    """Every cell of every run in ``docs`` against ``costs``; the held-out ones counted (runs
+    are numbered from 1 in the order given)."""
+    rows = [r for i, doc in enumerate(docs, 1) for r in _run_rows(doc, i, costs)]
+    held = [r for r in rows if not r["fitted"]]
+    by_group = _tally(
+        rows, lambda r: f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
+    )
+    steals = [phase_steal(doc) for doc in docs]
+    return {
+        "rows": rows,
+        "held_out_within_20pct": sum(abs(r["error"]) <= WITHIN for r in held),
+        "held_out_cells": len(held),
+        "by_group": by_group,
+        "by_run": _tally(rows, lambda r: f"{r['side']}, run {r['run']}") if len(docs) > 1 else {},
+        "fit_phase_steal": {
+            s: [st.get((f"{s}_ns", 2, None)) for st in steals] for s in ("ours", "gloo")
+        },  # fmt: skip
+        "by_steal": dict(sorted(_tally(rows, _steal_group).items())),
+        "link_gbit_measured": [link_rates(doc) for doc in docs],
+    }
