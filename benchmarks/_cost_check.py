@@ -105,9 +105,12 @@ def _steal_group(r: dict[str, Any]) -> str | None:
     return f"{r['side']}, steal {quiet} {QUIET_STEAL:.0%}"
 
 
-def _run_rows(doc: dict[str, Any], run: int, costs: dict[str, dict[str, float]]) -> list:
+def _run_rows(
+    doc: dict[str, Any], run: int, costs: dict[str, dict[str, float]], whole: bool
+) -> list:
     """One run's rows, both sides, each cell's time predicted with the link's measured rate
-    (``link_rates``) and carrying its phase's steal where the run recorded it."""
+    (``link_rates``) and carrying its phase's steal where the run recorded it; ``whole``: a
+    run the fit did not see, every cell held out."""
     rows = []
     measured, chunk, steal = link_rates(doc), chunk_of(doc), phase_steal(doc)
     fused = cc.fused_reads(doc.get("client") or {})
@@ -126,7 +129,7 @@ def _run_rows(doc: dict[str, Any], run: int, costs: dict[str, dict[str, float]])
                          "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
                          "link_gbit": link,
                          "measured_ms": r[key], "predicted_ms": round(pred, 3),
-                         "error": round(pred / r[key] - 1, 3), "fitted": is_fitted(r),
+                         "error": round(pred / r[key] - 1, 3), "fitted": not whole and is_fitted(r),
                          "measured_cpu_ms": r[f"{variant}_cpu_ms_per_rank"],
                          "predicted_cpu_ms": round(cpu, 3),
                          "cpu_error": round(
@@ -135,21 +138,30 @@ def _run_rows(doc: dict[str, Any], run: int, costs: dict[str, dict[str, float]])
     return rows
 
 
-def check(docs: list[dict[str, Any]], costs: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """Every cell of every run in ``docs`` against ``costs``; the held-out ones counted (runs
-    are numbered from 1 in the order given)."""
-    rows = [r for i, doc in enumerate(docs, 1) for r in _run_rows(doc, i, costs)]
+def check(
+    docs: list[dict[str, Any]], costs: dict[str, dict[str, float]], whole: int = 0
+) -> dict[str, Any]:
+    """Every cell of every run in ``docs`` against ``costs``, the held-out ones counted (runs
+    numbered from 1 in the order given); the last ``whole`` runs are ones the fit did not see,
+    whose every cell is held out, its W = 2 unlimited ones too."""
+    fitted_runs = len(docs) - whole
+    rows = [r for i, doc in enumerate(docs) for r in _run_rows(doc, i + 1, costs, i >= fitted_runs)]
     held = [r for r in rows if not r["fitted"]]
+
+    def run_group(r: dict[str, Any]) -> str:
+        unseen = " (not fitted: every cell)" if r["run"] > fitted_runs else ""
+        return f"{r['side']}, run {r['run']}{unseen}"
+
     by_group = _tally(
         rows, lambda r: f"{r['side']} W={r['world_size']} {r['rate_gbit'] or 'unlimited'}"
     )
-    steals = [phase_steal(doc) for doc in docs]
+    steals = [phase_steal(doc) for doc in docs[:fitted_runs]]
     return {
         "rows": rows,
         "held_out_within_20pct": sum(abs(r["error"]) <= WITHIN for r in held),
         "held_out_cells": len(held),
         "by_group": by_group,
-        "by_run": _tally(rows, lambda r: f"{r['side']}, run {r['run']}") if len(docs) > 1 else {},
+        "by_run": _tally(rows, run_group) if len(docs) > 1 else {},
         "fit_phase_steal": {
             s: [st.get((f"{s}_ns", 2, None)) for st in steals] for s in ("ours", "gloo")
         },  # fmt: skip

@@ -246,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
         " median over them, the check counts every run's held-out cells",
     )
     p.add_argument(
+        "--held-out",
+        nargs="*",
+        default=[],
+        help="more benchmarks.collectives JSON that the fit does not see: every cell of these"
+        " runs is checked against the costs fitted on --collectives",
+    )
+    p.add_argument(
         "--scale",
         help="benchmarks.scale JSON: this machine's compute per step, and its cells, which the"
         " steps check predicts (benchmarks/_cost_steps.py)",
@@ -269,15 +276,17 @@ def main(argv: list[str] | None = None) -> int:
             " --servers-per-host at least 1"
         )
     docs = [json.load(open(path)) for path in a.collectives]
+    held = [json.load(open(path)) for path in a.held_out]
     costs = fit(docs)
     result = {
         "source": {
             "collectives": a.collectives,
-            "machine": [doc.get("machine") for doc in docs],
+            "held_out": a.held_out,
+            "machine": [doc.get("machine") for doc in docs + held],
             "scale": a.scale,
         },
         "costs": costs,
-        "check": ck.check(docs, costs),
+        "check": ck.check(docs + held, costs, whole=len(held)),
         "assumptions": {
             k: getattr(a, k)
             for k in (

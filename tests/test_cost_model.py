@@ -190,3 +190,29 @@ def test_the_check_counts_cells_by_their_phase_steal() -> None:
     # a run from before steal was recorded: no rows' steal, nothing counted by it
     old = ck.check([run(1.0)], cm.fit([run(1.0)]))
     assert old["by_steal"] == {} and all(r["phase_steal"] is None for r in old["rows"])
+
+
+def test_a_run_the_fit_did_not_see_is_checked_whole(tmp_path, capsys) -> None:
+    """``--held-out``: a later run predicted from the costs of earlier ones, every cell of it,
+    its W = 2 unlimited ones too; here that run's fit-shaped cells ran 1.5x slow (time and
+    CPU), and they are the ones that miss."""
+    slow = run(1.0)
+    for r in slow["netns"]["results"]:
+        if ck.is_fitted(r):
+            for key in [k for k in r if k.endswith(("_ms", "_ms_per_rank"))]:
+                r[key] *= 1.5
+    paths = {name: tmp_path / f"{name}.json" for name in ("a", "b", "later")}
+    for name, doc in (("a", run(1.0)), ("b", run(1.0)), ("later", slow)):
+        paths[name].write_text(json.dumps(doc))
+    argv = ["--collectives", str(paths["a"]), str(paths["b"]), "--held-out", str(paths["later"])]
+    assert cm.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    cells = len(OPS) * len(SIZES_MIB)
+    chk = out["check"]
+    assert out["costs"]["ours"]["runs"] == 2  # the later run is not in the fit
+    assert chk["held_out_cells"] == 2 * (3 + 3 + 4) * cells  # its W = 2 unlimited too
+    assert chk["by_group"]["ours W=2 unlimited"] == f"time 0, CPU 0 of {cells}"
+    later = chk["by_run"]["gloo, run 3 (not fitted: every cell)"]
+    assert later == f"time {3 * cells}, CPU {3 * cells} of {4 * cells}"
+    assert chk["by_run"]["gloo, run 1"] == f"time {3 * cells}, CPU {3 * cells} of {3 * cells}"
+    assert len(chk["fit_phase_steal"]["ours"]) == 2
