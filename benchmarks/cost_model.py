@@ -2,7 +2,7 @@
 all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
 
     python -m benchmarks.cost_model --collectives COLL.json [COLL2.json ...]
-        [--scale SCALE.json] [--markdown]
+        [--held-out LATER.json ...] [--scale SCALE.json] [--markdown]
 
 1. **Fit** (``fit``): from ``benchmarks.collectives`` run with its namespaces, the W = 2 cells
    with unlimited links (two "hosts" on the machine's two cores: one core each), ours and
@@ -14,7 +14,8 @@ all-reduce, fitted to this machine's measurements and extended to 1,024 hosts.
 2. **Check** (benchmarks/_cost_check.py): every other cross-namespace cell of those runs (W =
    4, and every link rate) predicted from the fitted costs and the link's measured rate,
    against what was measured; the held-out cells within 20% counted by side, W and rate, run,
-   and the steal of the cell's phase.
+   and the steal of the cell's phase. ``--held-out`` runs are not fitted: every cell of them
+   is checked.
 3. **Predict** (``predict``): for 8 to 1,024 hosts at 10, 25 and 100 Gbit/s, one rank and one
    server per host with ``--host-cores`` cores for communication (default 1, as the W = 2 lab's
    hosts), each model's step: DDP, ZeRO-2 and FSDP through our servers (``max(CPU, link)`` +
