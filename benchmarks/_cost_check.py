@@ -164,7 +164,7 @@ def check(
         "by_run": _tally(rows, run_group) if len(docs) > 1 else {},
         "fit_phase_steal": {
             s: [st.get((f"{s}_ns", 2, None)) for st in steals] for s in ("ours", "gloo")
-        },  # fmt: skip
+        },
         "by_steal": dict(sorted(_tally(rows, _steal_group).items())),
         "link_gbit_measured": [link_rates(doc) for doc in docs],
     }

@@ -85,8 +85,8 @@ def _add_cells(cells: Cells, rows: list, side: str, key: str, chunk: int, fused:
     """Each row's (wall s, CPU s) under its cell: its op, size and counts (runs counted with
     another chunk are other cells)."""
     for r in rows:
-        msgs, handled, _ = cc.op_counts(side, r["op"], r["mib"] * MiB, r["world_size"], chunk,
-                                        fused)  # fmt: skip
+        nbytes = r["mib"] * MiB
+        msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, r["world_size"], chunk, fused)
         got = (r[f"{key}_ms"] / 1e3, r[f"{key}_cpu_ms_per_rank"] / 1e3)
         cells.setdefault((r["op"], r["mib"], msgs, handled), []).append(got)
 
