@@ -23,10 +23,13 @@ Ours (client/collectives.py, client/buffers.py): W ranks, N = W x s servers (s p
 torch on gloo, one dense CPU tensor a rank (torch/csrc/distributed/c10d/ProcessGroupGloo.cpp,
 gloo/allreduce.cc and gloo/allgather.cc of pytorch/gloo; torch 2.3 and later):
 - all-reduce of S: gloo's ring, in place, in segments of at most 1 MiB (``GLOO_SEGMENT``):
-  n = ceil(S / 1 MiB) of them, at least 2 W, rounded up to a multiple of W; a rank sends
-  2 n (W - 1) / W segments (a reduce-scatter pass, then an all-gather pass) and receives as
-  many, 2 S (W - 1) / W bytes each way, and reduces S (W - 1) / W into its tensor. No copy
-  beside the sockets'.
+  n = ceil(S / 1 MiB) of them, at least 2 W, rounded up to a multiple of W, each of
+  ceil(S / n) bytes rounded up to an element; the ring skips a segment that lies past the
+  tensor's end, so e = ceil(S / that) of them carry bytes (e = n but for tensors of a few
+  elements: 2 float32 at W = 2 are 4 segments, 2 of them empty). A rank sends 2 e (W - 1) / W
+  segments on average (a reduce-scatter pass, then an all-gather pass; each rank sends every
+  segment but one chunk's in each) and receives as many, 2 S (W - 1) / W bytes each way, and
+  reduces S (W - 1) / W into its tensor. No copy beside the sockets'.
 - all-gather (``all_gather_into_tensor`` of S in all): gloo's ring of 2 (W - 1) sends of half a
   rank's part, into a flat temporary torch allocates: the part copied in (S / W) and the whole
   copied out into the output (S).
@@ -131,10 +134,13 @@ def pull(nbytes: float, w: int, s: int = 1, chunk: int | None = None) -> Traffic
 GLOO_SEGMENT = 2**20  # gloo/allreduce.h kMaxSegmentSize: a ring all-reduce's largest send
 
 
-def gloo_segments(nbytes: float, w: int) -> int:
-    """The segments gloo's ring all-reduce cuts ``nbytes`` into among ``w`` ranks."""
+def gloo_segments(nbytes: float, w: int, elem: int = 4) -> tuple[int, int]:
+    """(segments gloo's ring all-reduce cuts ``nbytes`` of ``elem``-byte elements into among
+    ``w`` ranks, those of them that hold bytes: the ring sends no empty one)."""
     n = max(math.ceil(nbytes / GLOO_SEGMENT), 2 * w)
-    return math.ceil(n / w) * w
+    n = math.ceil(n / w) * w
+    seg = math.ceil(math.ceil(nbytes / n) / elem) * elem
+    return n, math.ceil(nbytes / seg) if seg else 0
 
 
 def gloo_op(op: str, nbytes: float, w: int) -> Traffic:
@@ -144,7 +150,7 @@ def gloo_op(op: str, nbytes: float, w: int) -> Traffic:
     if op == "all_gather":
         moved = 2 * nbytes * frac + nbytes / w + nbytes  # the ring; the part in, all out
         return Traffic(2 * steps, 0, nbytes * frac, moved, steps)  # a send a step
-    sends = 2 * gloo_segments(nbytes, w) * frac
+    sends = 2 * gloo_segments(nbytes, w)[1] * frac
     moved = 5 * nbytes * frac  # sent and received (2 S frac each), reduced (S frac)
     if op == "reduce_scatter":
         moved += nbytes + nbytes / w  # the clone, the slice out

@@ -38,7 +38,7 @@ import math
 from typing import Any
 
 from benchmarks import _cost_counts as cc
-from benchmarks._cost_check import WITHIN
+from benchmarks._cost_check import WITHIN, tensor_bytes
 
 SIDES = ("ours", "torch")
 
@@ -281,7 +281,7 @@ def check_host(colls: list[dict[str, Any]], costs: dict[str, dict[str, float]]) 
             if w == 2 or "ours_sep_cpu_ms_per_rank" not in r:
                 continue
             chunk = cc.run_chunk(client, w, "chunk_mib_same_host")
-            nbytes = r["mib"] * 2**20
+            nbytes = tensor_bytes(r)
             out: dict[str, Any] = {"run": run, "op": r["op"], "world_size": w}
             out["bytes"] = round(nbytes)
             for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):

@@ -85,8 +85,8 @@ def _add_cells(cells: Cells, rows: list, side: str, key: str, chunk: int, fused:
     """Each row's (wall s, CPU s) under its cell: its op, size and counts (runs counted with
     another chunk are other cells)."""
     for r in rows:
-        nbytes = r["mib"] * MiB
-        msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, r["world_size"], chunk, fused)
+        nbytes, w = ck.tensor_bytes(r), r["world_size"]
+        msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
         got = (r[f"{key}_ms"] / 1e3, r[f"{key}_cpu_ms_per_rank"] / 1e3)
         cells.setdefault((r["op"], r["mib"], msgs, handled), []).append(got)
 
@@ -208,6 +208,14 @@ def markdown(result: dict[str, Any]) -> str:
     )
     lines += ["", "| held-out cells | within 20% |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in (chk["by_group"] | chk["by_run"]).items()]
+    if chk["spread"]:
+        lines += [
+            "",
+            "| cells measured in 3 runs or more (fitted ones too) | within 20% of"
+            " their median over the runs |",
+            "|---|---|",
+        ]
+        lines += [f"| {k} | {v} |" for k, v in chk["spread"].items()]
     if chk["by_steal"]:
         fit = "; ".join(
             f"{s} " + ", ".join("–" if v is None else f"{v:.0%}" for v in steals)

@@ -28,10 +28,11 @@ def row(op: str, w: int, mib: float, rate: float | None, link: float | None) -> 
     """One cross-namespace row as benchmarks.collectives writes it, timed by the model itself
     with links that move ``link`` Gbit/s."""
     out = {"op": op, "world_size": w, "mib": mib, "rate_gbit": rate}
+    nbytes = ck.tensor_bytes(out)  # the tensor the benchmark ran ("4B": one float32 a rank)
     for side, c in COSTS.items():
-        msgs, handled, _ = cm.cc.op_counts(side, op, mib * MiB, w)
+        msgs, handled, _ = cm.cc.op_counts(side, op, nbytes, w)
         cpu = c["cpu_s_per_message"] * msgs + c["cpu_s_per_byte"] * handled
-        out[f"{side}_ns_ms"] = ck.lab_time(side, c, op, mib * MiB, w, link) * 1e3
+        out[f"{side}_ns_ms"] = ck.lab_time(side, c, op, nbytes, w, link) * 1e3
         out[f"{side}_ns_cpu_ms_per_rank"] = cpu * 1e3
     return out
 
@@ -111,6 +112,25 @@ def test_check_uses_the_rate_measured_across_the_shaped_link() -> None:
     assert nominal["held_out_within_20pct"] < chk["held_out_within_20pct"]
 
 
+def test_more_hosts_than_cores_take_their_cpu_over_the_cores() -> None:
+    """``lab_time``: with a core a host (W = 2) a cell takes the lab's time a message and a
+    byte, waits for the peer included; with four hosts on two cores, their CPU over the cores
+    (a host's waits are the others' turns), not twice the W = 2 time with its waits, unless
+    its messages one after another take longer (the lab's time a message, twice)."""
+    c = COSTS["gloo"]
+    for op, mib in ((op, mib) for op in OPS for mib in SIZES_MIB):
+        msgs, handled, _ = cm.cc.op_counts("gloo", op, mib * MiB, 2)
+        want = c["s_per_message"] * msgs + c["s_per_byte"] * handled
+        assert ck.lab_time("gloo", c, op, mib * MiB, 2, None) == pytest.approx(want)
+        msgs, handled, _ = cm.cc.op_counts("gloo", op, mib * MiB, 4)
+        work, waits = 2 * cm.cc.cpu_s(c, msgs, handled), 2 * c["s_per_message"] * msgs
+        assert ck.lab_time("gloo", c, op, mib * MiB, 4, None) == pytest.approx(max(work, waits))
+        wall = c["s_per_message"] * msgs + c["s_per_byte"] * handled
+        assert max(work, waits) < 2 * wall  # these costs: waits of a third or more a byte
+        if mib == 64:
+            assert work > waits  # the bytes' CPU, not the messages' waits, decides
+
+
 def test_prediction_reaches_a_thousand_hosts_for_every_model(tmp_path, capsys) -> None:
     path = tmp_path / "coll.json"
     path.write_text(json.dumps(run(1.0)))
@@ -143,15 +163,18 @@ def test_the_fit_counts_messages_with_the_chunk_the_run_used() -> None:
 
 def test_gloo_is_counted_as_torch_runs_it() -> None:
     """torch's ops on gloo (benchmarks/_cost_counts.py's docstring): the all-reduce's ring
-    sends 1 MiB segments, at least 2 W of them; the all-gather copies through a temporary;
-    the reduce-scatter all-reduces a clone of the whole input."""
+    sends 1 MiB segments, at least 2 W of them, none past the tensor's end; the all-gather
+    copies through a temporary; the reduce-scatter all-reduces a clone of the whole input."""
     count = cm.cc.op_counts
-    assert cm.cc.gloo_segments(64 * MiB, 2) == 64 and cm.cc.gloo_segments(4, 4) == 8
-    assert cm.cc.gloo_segments(9 * MiB, 4) == 12  # 9 rounded up to a multiple of 4
+    assert cm.cc.gloo_segments(64 * MiB, 2) == (64, 64)
+    assert cm.cc.gloo_segments(9 * MiB, 4) == (12, 12)  # 9 rounded up to a multiple of 4
+    # gloo/allreduce.cc: 4 segments of one float32 each for 2 of them; the last 2 lie past
+    # the end, and the ring sends neither (a length of 0 or less)
+    assert cm.cc.gloo_segments(8, 2) == (4, 2) and cm.cc.gloo_segments(16, 4) == (8, 4)
     msgs, handled, wire = count("gloo", "all_reduce", 64 * MiB, 2)
     assert (msgs, handled, wire) == (2 * 64, 5 * 32 * MiB, 64 * MiB)  # 64 sends, received
-    msgs, handled, wire = count("gloo", "all_reduce", 4, 4)
-    assert msgs == 2 * 12 and wire == 2 * 4 * 3 / 4
+    msgs, handled, wire = count("gloo", "all_reduce", 16, 4)  # 4 segments, each sent 2 x 3 / 4
+    assert msgs == 2 * 2 * 4 * 3 / 4 and wire == 2 * 16 * 3 / 4
     msgs, handled, wire = count("gloo", "all_gather", 64 * MiB, 4)
     assert msgs == 2 * 6 and wire == 48 * MiB
     assert handled == 2 * 48 * MiB + 16 * MiB + 64 * MiB
@@ -216,3 +239,21 @@ def test_a_run_the_fit_did_not_see_is_checked_whole(tmp_path, capsys) -> None:
     assert later == f"time {3 * cells}, CPU {3 * cells} of {4 * cells}"
     assert chk["by_run"]["gloo, run 1"] == f"time {3 * cells}, CPU {3 * cells} of {3 * cells}"
     assert len(chk["fit_phase_steal"]["ours"]) == 2
+
+
+def test_the_spread_of_each_sides_own_runs_is_counted() -> None:
+    """``spread``: each cell measured in three runs or more, each run's time and CPU against
+    the cell's own median over the runs, whatever the model says. Here gloo's cells ran 1.0x,
+    1.1x, 1.5x and 1.1x the model's time in four runs (median 1.1x: the 1.5x run is 36% off),
+    ours' 1.0x, 1.0x, 1.0x and 1.3x (median 1.0x: the last is 30% off); CPU the same in all."""
+    docs = [run(1.0) for _ in range(4)]
+    for doc, gloo, ours in zip(docs, (1.0, 1.1, 1.5, 1.1), (1.0, 1.0, 1.0, 1.3), strict=True):
+        for r in doc["netns"]["results"]:
+            for side, f in (("gloo", gloo), ("ours", ours)):
+                r[f"{side}_ns_ms"] *= f
+    cells = len(OPS) * len(SIZES_MIB) * 2  # a W's: every op and size, unlimited and shaped
+    got = ck.check(docs, cm.fit(docs))["spread"]
+    for group in ("gloo W=2", "gloo W=4", "ours W=2", "ours W=4"):
+        assert got[group] == f"time {3 * cells}, CPU {4 * cells} of {4 * cells}", got
+    # two runs are too few to say how a cell scatters
+    assert ck.check(docs[:2], cm.fit(docs[:2]))["spread"] == {}

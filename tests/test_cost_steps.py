@@ -11,6 +11,7 @@ import pytest
 from benchmarks import _cost_counts as cc
 from benchmarks import _cost_steps as cs
 from benchmarks import cost_model as cm
+from benchmarks._cost_check import tensor_bytes
 
 MiB = 2**20
 COSTS = {  # a host's CPU a message and a byte, between processes of one host
@@ -221,7 +222,7 @@ def host_row(op: str, mib: float, w: int) -> dict:
     chunk = cc.chunk_for(w, None)
     out = {"op": op, "world_size": w, "mib": mib}
     for side, key in (("ours", "ours_sep"), ("gloo", "gloo")):
-        msgs, handled, _ = cc.op_counts(side, op, mib * MiB, w, chunk)
+        msgs, handled, _ = cc.op_counts(side, op, tensor_bytes(out), w, chunk)
         cpu = COSTS[side]["cpu_s_per_message"] * msgs + COSTS[side]["cpu_s_per_byte"] * handled
         out[f"{key}_ms"] = out[f"{key}_cpu_ms_per_rank"] = cpu * 1e3
     return out
