@@ -67,8 +67,8 @@ def lab_time(
     waits included, and the link's). The work: with a core a host, the lab's time a message
     and a byte (the fit's host waits for its peer at times); with more hosts than cores, the
     hosts' CPU over the cores, as the machine is busy throughout (a host's waits are others'
-    turns: ours' W = 4 cells took 2.0-2.3x their CPU in every run, gloo's 1.8-2.4x in most,
-    against 1.0-1.1x and 1.3-1.7x at W = 2)."""
+    turns: in quiet runs ours' large W = 4 cells took a median 2.1x their CPU a rank and
+    gloo's 2.1-2.3x, against 1.1x and 1.3-1.4x at W = 2; docs/scaling.md)."""
     msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk, fused)
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     if slow > 1:
