@@ -48,7 +48,6 @@ from benchmarks import _cost_check as ck
 from benchmarks import _cost_counts as cc
 from benchmarks import _cost_steps
 
-MiB = 2**20
 HOSTS = (8, 16, 32, 64, 128, 256, 512, 1024)
 RATES = (10.0, 25.0, 100.0)
 HOP_S = 25e-6  # one way, a data-centre hop (benchmarks/_netns.py DELAY_US)

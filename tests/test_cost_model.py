@@ -126,7 +126,7 @@ def test_more_hosts_than_cores_take_their_cpu_over_the_cores() -> None:
         work, waits = 2 * cm.cc.cpu_s(c, msgs, handled), 2 * c["s_per_message"] * msgs
         assert ck.lab_time("gloo", c, op, mib * MiB, 4, None) == pytest.approx(max(work, waits))
         wall = c["s_per_message"] * msgs + c["s_per_byte"] * handled
-        assert max(work, waits) < 2 * wall  # these costs: waits of a third or more a byte
+        assert max(work, waits) < 2 * wall  # COSTS: a message and a byte outlast their CPU
         if mib == 64:
             assert work > waits  # the bytes' CPU, not the messages' waits, decides
 
@@ -168,8 +168,8 @@ def test_gloo_is_counted_as_torch_runs_it() -> None:
     count = cm.cc.op_counts
     assert cm.cc.gloo_segments(64 * MiB, 2) == (64, 64)
     assert cm.cc.gloo_segments(9 * MiB, 4) == (12, 12)  # 9 rounded up to a multiple of 4
-    # gloo/allreduce.cc: 4 segments of one float32 each for 2 of them; the last 2 lie past
-    # the end, and the ring sends neither (a length of 0 or less)
+    # gloo/allreduce.cc: 2 float32 at W = 2 are 4 segments of one float32, the last 2 past
+    # the tensor's end (a length of 0 or less), which the ring neither sends nor receives
     assert cm.cc.gloo_segments(8, 2) == (4, 2) and cm.cc.gloo_segments(16, 4) == (8, 4)
     msgs, handled, wire = count("gloo", "all_reduce", 64 * MiB, 2)
     assert (msgs, handled, wire) == (2 * 64, 5 * 32 * MiB, 64 * MiB)  # 64 sends, received
