@@ -28,6 +28,7 @@ MiB = 2**20
 LAB_CORES = 2  # the machine the lab runs on: every host's processes share its cores
 QUIET_STEAL = 0.1  # a phase that lost less of the CPUs to the hypervisor is counted as quiet
 WITHIN = 0.2  # the issue's bound on the model's error
+SPREAD_RUNS = 3  # a cell measured in fewer runs says nothing of how its runs scatter
 
 
 def chunk_of(doc: dict[str, Any]) -> int:
@@ -116,7 +117,7 @@ def _tally(rows: list[dict[str, Any]], group: Any) -> dict[str, str]:
     return {k: f"time {a}, CPU {b} of {n}" for k, (a, b, n) in groups.items()}
 
 
-def spread(rows: list[dict[str, Any]], least: int = 3) -> dict[str, str]:
+def spread(rows: list[dict[str, Any]], least: int = SPREAD_RUNS) -> dict[str, str]:
     """How far a side's own measurements scatter between runs: every cell measured in
     ``least`` runs or more, each run's time (and CPU) within 20% of the cell's median over the
     runs, counted by side and W. No model that predicts one number a cell can do better

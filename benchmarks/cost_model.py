@@ -210,8 +210,8 @@ def markdown(result: dict[str, Any]) -> str:
     if chk["spread"]:
         lines += [
             "",
-            "| cells measured in 3 runs or more (fitted ones too) | within 20% of"
-            " their median over the runs |",
+            f"| cells measured in {ck.SPREAD_RUNS} runs or more (fitted ones too) | within"
+            " 20% of their median over the runs |",
             "|---|---|",
         ]
         lines += [f"| {k} | {v} |" for k, v in chk["spread"].items()]
