@@ -282,7 +282,10 @@ class ShardServer:
         notify = threading.Thread(target=self.health.enter_graceful_shutdown, daemon=True)
         notify.start()
         notify.join(timeout=2.0)
-        self.servicer.leases.close()  # open streams would hold the grace to its end
+        # open streams would hold the grace to its end: lease streams end now, sessions once
+        # their calls in flight have replied
+        self.servicer.leases.close()
+        self.sessions.drain("this server is stopping")
         # gRPC cancels what still runs when the grace ends; a handler blocked in one of our
         # waits does not notice, and Python's exit joins the pool's threads: so the waits end
         # here (a `paramshard serve` that printed "stopped" and never exited was that).

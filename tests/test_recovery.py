@@ -220,12 +220,15 @@ def train(
             gathered.append(model.state_dict())
 
         every = 0 if replicate_every else EVERY  # replicas alone, or snapshots alone
-        report = train_with_recovery(
-            model, step, STEPS, checkpoint_every=every, wait_s=60,
-            finish=finish if at_end is not None else None,
-            should_stop=(lambda s, _loss: should_stop(s)) if should_stop is not None else None,
-        )  # fmt: skip
-        return (gathered[-1] if at_end is not None else model.state_dict()), report
+        try:
+            report = train_with_recovery(
+                model, step, STEPS, checkpoint_every=every, wait_s=60,
+                finish=finish if at_end is not None else None,
+                should_stop=(lambda s, _loss: should_stop(s)) if should_stop is not None else None,
+            )  # fmt: skip
+            return (gathered[-1] if at_end is not None else model.state_dict()), report
+        finally:
+            client.close()
 
     with ThreadPoolExecutor(W) as pool:
         return [f.result(timeout=600) for f in [pool.submit(rank, r) for r in range(W)]]

@@ -234,6 +234,43 @@ def test_closing_the_client_closes_its_sessions(server) -> None:
     assert server.gate.sessions == 0
 
 
+def test_a_stopping_server_ends_each_session_once_its_calls_have_replied(server) -> None:
+    """``ShardServer.stop`` drains the sessions: a client's idle session used to hold the stop
+    to its grace's end (5 s of every ``paramshard serve`` SIGTERM). A call in flight still
+    replies, a call sent after is refused UNAVAILABLE (clients send it again), then the
+    session ends UNAVAILABLE; a session opened after ends at once."""
+    s = RawSession(server.address)
+    try:
+        s.opened()
+        s.send(call(1, "ReadSlot", read("r:late/0"), timeout_s=30.0))  # waits for a sum
+        deadline = time.monotonic() + 10
+        while server.gate.waiting["train"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.gate.waiting["train"] == 1  # in flight, waiting
+        server.sessions.drain("this server is stopping")
+        s.send(call(2, "ReadSlot", read("r:other/0")))
+        refused = s.replies(1)[2]
+        assert code_of(refused) == grpc.StatusCode.UNAVAILABLE, refused
+        with grpc.insecure_channel(server.address) as channel:  # unary calls still come in
+            contribute = channel.unary_unary("/paramshard.v1.Shard/Contribute")
+            contribute(contribution("r:late/0", np.arange(3, dtype=np.float32)), timeout=10)
+        got = s.replies(1)[1]
+        assert code_of(got) == grpc.StatusCode.OK, got
+        with pytest.raises(grpc.RpcError) as ended:
+            s.replies(1)
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "this server is stopping" in ended.value.details()
+    finally:
+        s.close()
+    late = RawSession(server.address)
+    try:
+        with pytest.raises(grpc.RpcError) as refused_at_once:
+            late.opened()
+        assert refused_at_once.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        late.close()
+
+
 def test_a_restarted_server_gets_a_new_session() -> None:
     """The session to a stopped server breaks; the call in flight is sent again and the next
     session is opened with the server that took its place."""

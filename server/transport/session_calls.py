@@ -12,8 +12,17 @@ import grpc
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.rpc import auth, scopes
 
-__all__ = ["CallAbort", "CallContext", "SessionJob", "body_size", "payload_bytes", "status_reply"]
+__all__ = [
+    "CallAbort",
+    "CallContext",
+    "SessionJob",
+    "body_size",
+    "call_refusal",
+    "payload_bytes",
+    "status_reply",
+]
 
 
 class SessionJob(NamedTuple):
@@ -80,3 +89,24 @@ def payload_bytes(request: Any) -> int:
         return 0
     header, data = request
     return header.shm.nbytes if header.HasField("shm") else len(data)
+
+
+def call_refusal(
+    handlers: dict[str, Any], method: str, body: memoryview, role: str | None, scope: Any
+) -> tuple[grpc.StatusCode, str] | None:
+    """Why a session's call of ``method`` is refused before its body is parsed (a method
+    sessions do not carry, a role below the method's, a body outside the token's ``scope``),
+    or None; ``handlers``: the methods sessions carry."""
+    if method not in handlers:
+        shown = method[:64] + ("..." if len(method) > 64 else "")
+        return (
+            grpc.StatusCode.UNIMPLEMENTED,
+            f"{shown!r} is not a method sessions carry; they carry {', '.join(sorted(handlers))}",
+        )
+    need = auth.METHOD_ROLES[method]
+    if role is not None and not auth.role_allows(role, need, method):
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{method} needs role '{need}'; this session's token has role '{role}'",
+        )
+    return scopes.refusal(scope, method, body) if scope else None

@@ -57,6 +57,7 @@ from paramshard.server.transport.session_calls import (
     CallContext,
     SessionJob,
     body_size,
+    call_refusal,
     payload_bytes,
     status_reply,
 )
@@ -112,6 +113,19 @@ class Sessions:
         self.calls = 0  # calls run through sessions (tests read it)
         self._count = threading.Lock()
         self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
+        self._live: set[_Session] = set()  # under _count
+        self._stopping: str | None = None  # why, once ``drain`` ran
+
+    def drain(self, why: str) -> None:
+        """The server stops: every session takes no new call and ends (UNAVAILABLE: the
+        client sends its calls again, elsewhere or later) once its calls in flight have
+        replied, and a session opened now ends at once; so idle streams do not hold the
+        server's grace to its end."""
+        with self._count:
+            self._stopping = why
+            live = list(self._live)
+        for session in live:
+            session.drain(why)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         handler = grpc.stream_stream_rpc_method_handler(
@@ -131,6 +145,12 @@ class Sessions:
         if self.scope_of:
             scope = self.scope_of(context.invocation_metadata())
         session = _Session(self, context, role, caller, scope)
+        with self._count:
+            stopping = self._stopping
+            if stopping is None:
+                self._live.add(session)
+        if stopping is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"Session: {stopping}")
         reader = threading.Thread(
             target=session.read, args=(batches,), name="session-reader", daemon=True
         )
@@ -163,6 +183,7 @@ class _Session:
         self.drained = threading.Condition(self.lock)  # unsent or held went down, or we stopped
         self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
+        self.draining: str | None = None  # why, once the server began to stop (``drain``)
 
     # -- the reader thread ---------------------------------------------------------------
     def read(self, batches: Iterator[Any]) -> None:
@@ -246,6 +267,14 @@ class _Session:
         self.ended = (code, f"Session: {details}")
         self.out.put(_END)
 
+    def drain(self, why: str) -> None:
+        """No new call; the session ends once the calls in flight have replied."""
+        with self.lock:
+            self.draining = why
+            idle = self.in_flight == 0
+        if idle:
+            self.end(grpc.StatusCode.UNAVAILABLE, why)
+
     def refuse(self, reply: tuple[pb.SessionCall, bytes]) -> None:
         """A reply to a call refused before it counted as in flight."""
         self.put(0, reply)
@@ -253,32 +282,14 @@ class _Session:
     def start(self, call: pb.SessionCall, body: memoryview) -> None:
         """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
         method = call.method
-        handler = self.s.handlers.get(method)
-        if handler is None:
-            shown = method[:64] + ("..." if len(method) > 64 else "")
-            return self.refuse(
-                status_reply(
-                    call.id,
-                    grpc.StatusCode.UNIMPLEMENTED,
-                    f"{shown!r} is not a method sessions carry; they carry"
-                    f" {', '.join(sorted(self.s.handlers))}",
-                )
-            )
-        need = auth.METHOD_ROLES[method]
-        if self.role is not None and not auth.role_allows(self.role, need, method):
-            return self.refuse(
-                status_reply(
-                    call.id,
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{method} needs role '{need}'; this session's token has role '{self.role}'",
-                )
-            )
-        finite = math.isfinite(call.timeout_s) and call.timeout_s > 0
-        deadline = time.monotonic() + call.timeout_s if finite else None  # from its arrival
-        fn, parse, serialize = handler
-        refused = self.scope and scopes.refusal(self.scope, method, body)  # before the parse
+        if self.draining is not None:  # the server is stopping: the client sends it again
+            return self.refuse(status_reply(call.id, grpc.StatusCode.UNAVAILABLE, self.draining))
+        refused = call_refusal(self.s.handlers, method, body, self.role, self.scope)
         if refused:
             return self.refuse(status_reply(call.id, *refused))
+        finite = math.isfinite(call.timeout_s) and call.timeout_s > 0
+        deadline = time.monotonic() + call.timeout_s if finite else None  # from its arrival
+        fn, parse, serialize = self.s.handlers[method]
         request = parse(body)
         refused = self.scope and scopes.mismatch(self.scope, method, request)
         if refused:
@@ -392,6 +403,9 @@ class _Session:
                         sent = sum(size for _, size, _ in items)
                         self._add(replies=-len(items), reply_bytes=-sent)
                         self.drained.notify_all()
+                        drained = self.draining is not None and self.in_flight == 0
+                    if drained and not ended:
+                        self.end(grpc.StatusCode.UNAVAILABLE, self.draining)
                 if ended:
                     return
         finally:
@@ -400,3 +414,5 @@ class _Session:
                     self.s.held_bytes -= self.held + self.unsent_bytes
                 self.stopped = True
                 self.drained.notify_all()
+            with self.s._count:
+                self.s._live.discard(self)
