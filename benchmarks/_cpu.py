@@ -12,6 +12,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 
 def _proc_stat() -> tuple[float, float]:
@@ -163,15 +164,25 @@ def wake_steal(seconds: float = 1.0) -> float:
         child.stdout.close()
 
 
-def wait_quiet(max_wait: float, threshold: float = 0.15, steal: float = 0.1) -> float:
+def wait_quiet(
+    max_wait: float,
+    threshold: float = 0.15,
+    steal: float = 0.1,
+    busy: Callable[[float], None] | None = None,
+) -> float:
     """Waits (at most ``max_wait`` s) until other processes use < ``threshold`` of the CPUs
     and the hypervisor steals < ``steal`` of them from hand-offs between processes
-    (``wake_steal``); returns the larger of the two last measured shares."""
+    (``wake_steal``); returns the larger of the two last measured shares, which ``busy`` is
+    given too where the wait ran out before the machine was quiet."""
     end = time.monotonic() + max_wait
     while True:
         with Load() as load:
             time.sleep(2.0)
         stolen = wake_steal() if load.foreign < threshold else None
-        if (stolen is not None and stolen < steal) or time.monotonic() >= end:
-            return max(load.foreign, stolen or 0.0)
+        quiet = stolen is not None and stolen < steal
+        if quiet or time.monotonic() >= end:
+            share = max(load.foreign, stolen or 0.0)
+            if not quiet and busy is not None:
+                busy(share)
+            return share
         time.sleep(3.0)

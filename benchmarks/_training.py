@@ -271,9 +271,10 @@ def measured(wait: float, log: Callable[[str], None], fn: Callable[[], Any]) -> 
     quiet machine; each result gets ``foreign_cpu_frac``, the share of the CPUs that other
     processes used meanwhile, and ``steal_frac``, the steal within it (``Load``)."""
     if wait > 0:
-        frac = wait_quiet(wait)
-        if frac >= 0.1:
-            log(f"    machine still busy ({100 * frac:.0f}% of CPUs used by others or stolen)")
+        wait_quiet(
+            wait,
+            busy=lambda f: log(f"    machine still busy ({100 * f:.0f}% of CPUs used or stolen)"),
+        )
     with Load() as load:
         results = fn()
     for r in results:

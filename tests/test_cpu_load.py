@@ -47,6 +47,13 @@ def test_wake_steal_hands_bytes_for_its_time_and_ends_its_child() -> None:
 def test_wait_quiet_gives_up_at_its_deadline_with_a_share() -> None:
     began = time.monotonic()
     # nothing is that quiet: it measures once (2 s idle, 1 s of hand-offs) and gives up
-    share = _cpu.wait_quiet(0.0, threshold=1.1, steal=-1.0)
-    assert 0.0 <= share <= 1.0
+    said: list[float] = []
+    share = _cpu.wait_quiet(0.0, threshold=1.1, steal=-1.0, busy=said.append)
+    assert 0.0 <= share <= 1.0 and said == [share]  # told: the machine was not quiet
     assert 2.0 <= time.monotonic() - began < 30.0
+
+
+def test_wait_quiet_says_nothing_once_the_machine_is_quiet_enough() -> None:
+    said: list[float] = []
+    share = _cpu.wait_quiet(60.0, threshold=1.1, steal=1.1, busy=said.append)  # any machine
+    assert 0.0 <= share <= 1.0 and said == []
