@@ -243,11 +243,9 @@ def launch_ranks(
         for k in ranks:
             k.proc.wait(timeout=max(5.0, left()))
         if log is not None:
-            ph = results[0].get("phases_s", {})
-            log(
-                f"    rank 0: setup {ph.get('setup')} s, train {ph.get('train')} s;"
-                f" exit {time.monotonic() - t_done:.1f} s"
-            )
+            ph = results[0].get("phases_s", {})  # where the rank reports its phases
+            said = [f"{k} {ph[k]} s" for k in ("setup", "train") if k in ph]
+            log(f"    rank 0: {', '.join([*said, f'exit {time.monotonic() - t_done:.1f} s'])}")
         return results
     finally:
         stop_all(ranks)
