@@ -27,7 +27,7 @@ from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.shm import SEALS, is_sealed
 
-TOKENS = {"tok-read": "read", "tok-train": "train", "tok-other": "train"}
+TOKENS = {"tok-read": "read", "tok-read2": "read", "tok-train": "train", "tok-other": "train"}
 N = 2**16  # float32 elements of the job's buffer: 256 KiB
 REF = pb.BufferRef(job="g", buffer="w")
 
@@ -344,3 +344,47 @@ def test_read_tokens_segments_never_take_trainers_memory() -> None:
         code, details, reply = raw(address, "ReleaseSegments", release, "tok-read")
         assert pb.ReleaseSegmentsReply.FromString(reply).released == len(held)
         assert server.servicer.segments.usage() == (0, 0)
+
+
+def test_a_read_token_takes_half_of_the_read_pool_at_most() -> None:
+    """Before: one read token's four segments of 32 MiB took all of READ_POOL_BYTES, and
+    another team's reader got none (its replies in-band) until they were released or idled
+    out (10 minutes). A read token now holds READ_SHARE_BYTES at most, the other half is left
+    to another, and a token's release gives it its share back."""
+    from paramshard.server import ShardServer
+    from paramshard.server.transport import shm as server_shm
+
+    size = server_shm.READ_POOL_BYTES // 4
+    with ShardServer(local_calls=False, tokens=TOKENS) as server:
+        held: dict[str, list[Segment]] = {"tok-read": [], "tok-read2": []}
+
+        def take(token: str) -> str:
+            """Offers segments of ``size`` until refused; the refusal."""
+            for _ in range(server_shm.MAX_READ_SEGMENTS):
+                request = pb.OfferSegmentRequest(nbytes=size)
+                code, details, reply = raw(server.address, "OfferSegment", request, token)
+                if code != grpc.StatusCode.OK:
+                    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+                    return details
+                offered = pb.OfferSegmentReply.FromString(reply)
+                held[token].append(Segment(server.address, token, offered=offered))
+            return ""
+
+        try:
+            for token, segments in held.items():
+                refusal = take(token)
+                assert len(segments) == 2, (token, refusal)
+                assert f"{server_shm.READ_SHARE_BYTES:,} bytes per token" in refusal
+            first = held["tok-read"]
+            release = pb.ReleaseSegmentsRequest(segments=[seg.id for seg in first])
+            code, details, _ = raw(server.address, "ReleaseSegments", release, "tok-read")
+            assert code == grpc.StatusCode.OK, details
+            for seg in first:
+                seg.close()
+            first.clear()
+            take("tok-read")
+            assert len(first) == 2  # its share back
+        finally:
+            for segments in held.values():
+                for seg in segments:
+                    seg.close()

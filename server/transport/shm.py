@@ -20,10 +20,11 @@ reference to a segment that is unknown, unconfirmed, out of range, or offered to
 (segments belong to the caller's token: every container may run as the same uid, so file modes
 would isolate nothing). Bounds: ``MAX_SEGMENTS`` segments and ``MAX_OWNER_BYTES`` bytes per
 caller, each segment paid for from the server's memory budget, except a ``read`` token's: those
-come from a pool of their own (``READ_POOL_BYTES``, ``MAX_READ_SEGMENTS`` per token) and take
-replies only, so read tokens never hold memory a trainer needs; a segment not confirmed within
-``CONFIRM_S`` or idle for ``idle_s`` is dropped (the sweeper), as are the ones a client
-releases. ``PARAMSHARD_SHM=0`` on the client turns the path off.
+come from a pool of their own (``READ_POOL_BYTES``, at most ``MAX_READ_SEGMENTS`` and
+``READ_SHARE_BYTES`` per token) and take replies only, so read tokens never hold memory a
+trainer needs; a segment not confirmed within ``CONFIRM_S`` or idle for ``idle_s`` is dropped
+(the sweeper), as are the ones a client releases. ``PARAMSHARD_SHM=0`` on the client turns
+the path off.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ READ_POOL_BYTES = 128 * 2**20
 """Read tokens' segments, all together: a pool of their own beside the memory budget, so
 segments a read token holds (pages never touched cost it nothing) never refuse a trainer's
 buffer; past it, their replies go in-band."""
+READ_SHARE_BYTES = READ_POOL_BYTES // 2
+"""What one read token's segments may take of the pool: whatever one team's reader holds, a
+second team's finds the other half (a third reads in-band until segments are released)."""
 MAX_READ_SEGMENTS = 4  # per read token: a pull or two in flight through segments
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
 
@@ -79,6 +83,7 @@ class SegmentRegistry:
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
         self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
+        self._read_bytes_of: Counter[str] = Counter()  # and by token (READ_SHARE_BYTES)
         self._offering: Counter[str] = Counter()  # offers checked, not yet in _segments
         self._lingering: list[Segment] = []  # dropped while a call still holds a view of it
         self.max_total = segment_files.segment_bound()
@@ -122,7 +127,7 @@ class SegmentRegistry:
                     " meanwhile (raise the server's ulimit -n)"
                 )
             if reader:
-                self._pay_read(held, nbytes)
+                self._pay_read(owner, held, nbytes)
             else:
                 self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
             self._offering[owner] += 1
@@ -141,7 +146,7 @@ class SegmentRegistry:
         try:
             fd, mapped = segment_files.create(nbytes)
         except BaseException:
-            self._refund(nbytes, reader)
+            self._refund(owner, nbytes, reader)
             with self._lock:
                 self._offered(owner)
             raise
@@ -348,24 +353,33 @@ class SegmentRegistry:
             with self._lock:
                 self._lingering.append(seg)
             return
-        self._refund(seg.nbytes, seg.reader)
+        self._refund(seg.owner, seg.nbytes, seg.reader)
 
-    def _pay_read(self, held: int, nbytes: int) -> None:
-        """Takes ``nbytes`` from the read pool for a read token holding ``held`` segments
-        (caller holds ``_lock``)."""
-        if held >= MAX_READ_SEGMENTS or self._read_bytes + nbytes > READ_POOL_BYTES:
+    def _pay_read(self, owner: str, held: int, nbytes: int) -> None:
+        """Takes ``nbytes`` from the read pool for read token ``owner`` holding ``held``
+        segments (caller holds ``_lock``)."""
+        own = self._read_bytes_of[owner]
+        if (
+            held >= MAX_READ_SEGMENTS
+            or own + nbytes > READ_SHARE_BYTES
+            or self._read_bytes + nbytes > READ_POOL_BYTES
+        ):
             raise ShardError.exhausted(
                 f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
-                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} per token (this"
-                f" one holds {held}); a segment of {nbytes:,} bytes does not fit: replies go"
-                " in-band"
+                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} segments of"
+                f" {READ_SHARE_BYTES:,} bytes per token (this one holds {held} of {own:,});"
+                f" a segment of {nbytes:,} bytes does not fit: replies go in-band"
             )
         self._read_bytes += nbytes
+        self._read_bytes_of[owner] += nbytes
 
-    def _refund(self, nbytes: int, reader: bool) -> None:
+    def _refund(self, owner: str, nbytes: int, reader: bool) -> None:
         if reader:
             with self._lock:
                 self._read_bytes -= nbytes
+                self._read_bytes_of[owner] -= nbytes
+                if not self._read_bytes_of[owner]:
+                    del self._read_bytes_of[owner]
         else:
             self.budget.release(nbytes, "shm")
 
