@@ -366,8 +366,8 @@ class SegmentRegistry:
         ):
             raise ShardError.exhausted(
                 f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
-                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} segments of"
-                f" {READ_SHARE_BYTES:,} bytes per token (this one holds {held} of {own:,});"
+                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} segments and"
+                f" {READ_SHARE_BYTES:,} bytes per token (this one holds {held}, {own:,} bytes);"
                 f" a segment of {nbytes:,} bytes does not fit: replies go in-band"
             )
         self._read_bytes += nbytes
