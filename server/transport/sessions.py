@@ -282,8 +282,6 @@ class _Session:
     def start(self, call: pb.SessionCall, body: memoryview) -> None:
         """Checks ``call`` and runs it, here or on the pool; its reply goes to ``out``."""
         method = call.method
-        if self.draining is not None:  # the server is stopping: the client sends it again
-            return self.refuse(status_reply(call.id, grpc.StatusCode.UNAVAILABLE, self.draining))
         refused = call_refusal(self.s.handlers, method, body, self.role, self.scope)
         if refused:
             return self.refuse(status_reply(call.id, *refused))
@@ -299,14 +297,17 @@ class _Session:
             waits = self.role or "train"
         promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
         with self.lock:
+            stopping = self.draining  # under ``drain``'s lock: counted in flight, or refused
             crowded = self._full(waits is not None, promised)
             if crowded is not None and waits is not None and method in ANSWERS_AT_ONCE:
                 waits, deadline = None, time.monotonic()  # it answers at once, not waiting
                 crowded = self._full(False, promised)
-            if crowded is None:
+            if crowded is None and stopping is None:
                 self.in_flight += 1
                 self.waiting += waits is not None
                 self._add(promised=promised)
+        if stopping is not None:  # the server is stopping: the client sends it again
+            return self.refuse(status_reply(call.id, grpc.StatusCode.UNAVAILABLE, stopping))
         if crowded is not None:
             return self.refuse(
                 status_reply(call.id, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{method}: {crowded}")
