@@ -183,7 +183,6 @@ class _Session:
         self.drained = threading.Condition(self.lock)  # unsent or held went down, or we stopped
         self.stopped = False  # the stream's side is gone: nobody drains ``out`` any more
         self.ended: tuple[grpc.StatusCode, str] | None = None  # why the session was ended
-        self.draining: str | None = None  # why, once the server began to stop (``drain``)
 
     # -- the reader thread ---------------------------------------------------------------
     def read(self, batches: Iterator[Any]) -> None:
@@ -268,9 +267,9 @@ class _Session:
         self.out.put(_END)
 
     def drain(self, why: str) -> None:
-        """No new call; the session ends once the calls in flight have replied."""
+        """The server is stopping (``Sessions._stopping``, set before this runs): the
+        session ends now if no call is in flight, else once the last has replied."""
         with self.lock:
-            self.draining = why
             idle = self.in_flight == 0
         if idle:
             self.end(grpc.StatusCode.UNAVAILABLE, why)
@@ -297,7 +296,7 @@ class _Session:
             waits = self.role or "train"
         promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
         with self.lock:
-            stopping = self.draining  # under ``drain``'s lock: counted in flight, or refused
+            stopping = self.s._stopping  # under the lock ``drain`` takes: counted, or refused
             crowded = self._full(waits is not None, promised)
             if crowded is not None and waits is not None and method in ANSWERS_AT_ONCE:
                 waits, deadline = None, time.monotonic()  # it answers at once, not waiting
@@ -404,9 +403,9 @@ class _Session:
                         sent = sum(size for _, size, _ in items)
                         self._add(replies=-len(items), reply_bytes=-sent)
                         self.drained.notify_all()
-                        drained = self.draining is not None and self.in_flight == 0
-                    if drained and not ended:
-                        self.end(grpc.StatusCode.UNAVAILABLE, self.draining)
+                        stopping = self.s._stopping if self.in_flight == 0 else None
+                    if stopping is not None and not ended:
+                        self.end(grpc.StatusCode.UNAVAILABLE, stopping)
                 if ended:
                     return
         finally:

@@ -82,8 +82,7 @@ class SegmentRegistry:
         self._segments: dict[int, Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
-        self._read_bytes = 0  # of read tokens' segments (READ_POOL_BYTES)
-        self._read_bytes_of: Counter[str] = Counter()  # and by token (READ_SHARE_BYTES)
+        self._read_bytes_of: Counter[str] = Counter()  # read tokens' segments, by token
         self._offering: Counter[str] = Counter()  # offers checked, not yet in _segments
         self._lingering: list[Segment] = []  # dropped while a call still holds a view of it
         self.max_total = segment_files.segment_bound()
@@ -358,25 +357,23 @@ class SegmentRegistry:
     def _pay_read(self, owner: str, held: int, nbytes: int) -> None:
         """Takes ``nbytes`` from the read pool for read token ``owner`` holding ``held``
         segments (caller holds ``_lock``)."""
-        own = self._read_bytes_of[owner]
+        own, pool = self._read_bytes_of[owner], sum(self._read_bytes_of.values())
         if (
             held >= MAX_READ_SEGMENTS
             or own + nbytes > READ_SHARE_BYTES
-            or self._read_bytes + nbytes > READ_POOL_BYTES
+            or pool + nbytes > READ_POOL_BYTES
         ):
             raise ShardError.exhausted(
                 f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
-                f" ({self._read_bytes:,} in use), at most {MAX_READ_SEGMENTS} segments and"
+                f" ({pool:,} in use), at most {MAX_READ_SEGMENTS} segments and"
                 f" {READ_SHARE_BYTES:,} bytes per token (this one holds {held}, {own:,} bytes);"
                 f" a segment of {nbytes:,} bytes does not fit: replies go in-band"
             )
-        self._read_bytes += nbytes
         self._read_bytes_of[owner] += nbytes
 
     def _refund(self, owner: str, nbytes: int, reader: bool) -> None:
         if reader:
             with self._lock:
-                self._read_bytes -= nbytes
                 self._read_bytes_of[owner] -= nbytes
                 if not self._read_bytes_of[owner]:
                     del self._read_bytes_of[owner]
