@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from test_sessions import SESSION, RawSession, call, code_of
+from test_sessions import SESSION, RawSession, call, code_of, contribution, read
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.protos import codec
@@ -183,3 +183,34 @@ def test_pushes_waiting_for_initial_values_leave_others_collectives_alone() -> N
             for s in greedy:
                 s.close()
             c.close()
+
+
+# -- found in review: a session cancelled as it opens -----------------------------------------
+def test_a_session_cancelled_as_it_opens_is_forgotten_with_its_bytes() -> None:
+    """A session whose client cancels it before the server sent its opening batch: gRPC then
+    closes the server's side at that first reply, and the session's end ran only after it.
+    Before, such sessions stayed among the server's for good, with their calls' replies and
+    bytes (in review: 102 of 300 sessions of 16 reads each kept; a read token's pulls grew a
+    server by 2.8 GB in 30 s, and once their bytes passed the sessions' bound every session
+    was held to a share of it). Now every one ends, its bytes with it."""
+    values = np.ones(1024, np.float32)
+    with ShardServer(local_calls=False) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = channel.stream_stream(SESSION)
+            for i in range(60):  # cancelled at 0-3 ms: some before the opening batch
+                out: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                calls = []
+                for j in range(16):
+                    key = f"r:open{i}_{j}/0"
+                    calls.append(call(2 * j, "Contribute", contribution(key, values)))
+                    calls.append(call(2 * j + 1, "ReadSlot", read(key)))
+                out.put(pb.SessionBatch(calls=calls).SerializeToString())
+                stream = stub(iter(out.get, None), timeout=30)
+                time.sleep(0.001 * (i % 4))
+                stream.cancel()
+                out.put(None)
+        deadline = time.monotonic() + 30
+        while (server.sessions.open or server.sessions.held_bytes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.sessions.open == 0
+        assert server.sessions.held_bytes == 0

@@ -27,6 +27,7 @@ from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import new_manifest
 from paramshard.server import ShardServer, metrics_http
+from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime.errors import MAX_DETAILS, ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
@@ -157,6 +158,39 @@ def test_the_descriptor_limit_bounds_every_callers_segments() -> None:
     finally:
         registry.close()
     assert 16 <= segment_files.segment_bound()
+
+
+def test_an_offer_that_meets_the_servers_stop_keeps_no_segment(monkeypatch) -> None:
+    """Found in review: an offer past its checks when the server's stop closed the registry
+    listed its segment after the close, and nothing closed its descriptor or its mapping
+    again. Now the segment is dropped and its memory given back; the offer fails."""
+    budget = MemoryBudget()
+    registry = SegmentRegistry(budget)
+    made = segment_files.create
+
+    def create_as_the_server_stops(nbytes: int):
+        fd_and_map = made(nbytes)
+        registry.close()  # ``ShardServer.stop`` between the offer's checks and its listing
+        return fd_and_map
+
+    monkeypatch.setattr(segment_files, "create", create_as_the_server_stops)
+    with pytest.raises(ShardError, match="stopping") as err:
+        registry.offer("tok", pb.OfferSegmentRequest(nbytes=4096))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert registry.usage() == (0, 0) and budget.used == 0
+
+
+def test_a_slot_read_that_starts_after_the_servers_waits_ended_does_not_wait() -> None:
+    """Found in review: ``ShardServer.stop`` ends the open slots' waits (``interrupt``), but a
+    read that a thread took up only after that opened a new slot and waited its whole deadline
+    (up to 120 s), holding the process's exit. Now no slot opens after it."""
+    store = SlotStore()
+    store.interrupt("this server stopped")
+    began = time.monotonic()
+    with pytest.raises(ShardError, match="this server stopped") as err:
+        store.read(pb.ReadSlotRequest(key="r:late/0", reader=0), timeout=30.0)
+    assert err.value.code == grpc.StatusCode.ABORTED
+    assert time.monotonic() - began < 5.0
 
 
 def _offer(registry: SegmentRegistry, owner: str) -> bool:

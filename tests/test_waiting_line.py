@@ -3,20 +3,26 @@ admission gate: which call runs when a place frees, and what one that leaves fre
 
 from __future__ import annotations
 
+import grpc
+
 from paramshard.server.rpc.admission import CallGate, CallLimits
 from paramshard.server.transport.session_calls import SessionJob
 from paramshard.server.transport.waiting_line import InLine, WaitingLine
 
 
 class Session:
-    """What the line reads of a session: its token, whether its stream ended, and the calls
-    it was told ended."""
+    """What the line reads of a session: its token, whether its stream ended, the calls it
+    was told ended and the replies it was given."""
 
     def __init__(self, caller: str | None = None) -> None:
         self.caller, self.stopped, self.ended = caller, False, []
+        self.replies: list[tuple[int, int, str]] = []  # call id, status code, details
 
     def call_ended(self, waits: str | None, received: int = 0) -> None:
         self.ended.append((waits, received))
+
+    def put(self, counted: int, reply: tuple, size: int = 0, promised: int = 0) -> None:
+        self.replies.append((reply[0].id, reply[0].code, reply[0].details))
 
 
 def entry(session: Session, call_id: int) -> InLine:
@@ -77,3 +83,23 @@ def test_callers_lines_take_freed_places_in_turn() -> None:
     for _ in range(4):
         gate.leave(None)
     assert started == [1, 11, 2, 12]
+
+
+def test_a_stopping_server_answers_its_line_and_starts_none_of_it() -> None:
+    """``Sessions.drain`` stops the line: each call in it is answered UNAVAILABLE (it never
+    ran: its client sends it again) and its counts given back; a place that frees starts
+    none, and a call taken as the server began to stop is answered the same. Before, the
+    places freed when a stopping server ended its waits started calls from the line, each in
+    a new wait that held the process's exit up to its deadline (120 s at most)."""
+    gate, line, started = line_of(workers=3, reserved=2)  # one place for a waiting call
+    s = Session("tok-a")
+    assert line.enter(entry(s, 1)) is True  # runs
+    assert line.enter(entry(s, 2)) is False and line.enter(entry(s, 3)) is False
+    line.stop("this server is stopping")
+    unavailable = grpc.StatusCode.UNAVAILABLE.value[0]
+    assert len(line) == 0 and s.ended == [("train", 10), ("train", 10)]
+    assert s.replies == [(i, unavailable, "this server is stopping") for i in (2, 3)]
+    gate.leave("train", "tok-a")  # call 1 ends: its place starts nothing
+    assert started == [] and line.admitted_later == 0
+    assert line.enter(entry(s, 4)) is False
+    assert started == [] and [r[0] for r in s.replies] == [2, 3, 4] and len(line) == 0

@@ -67,6 +67,7 @@ class SlotStore:
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
         self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._bytes = 0
+        self._stopped: str | None = None  # why, once ``interrupt`` ran: no slot opens again
 
     def usage(self) -> tuple[int, int]:
         """(bytes held, open slots)."""
@@ -106,6 +107,8 @@ class SlotStore:
             if key in self._gone.ended:
                 raise ShardError.aborted(self._gone.ended[key])
             slot = self._slots.get(key)
+            if slot is None and self._stopped is not None:
+                raise ShardError.aborted(f"slot '{key}': {self._stopped}")
             if slot is None and key not in self._gone.freed:
                 if (why := self._gone.aborted(key)) is not None:
                     raise ShardError.aborted(why)
@@ -357,8 +360,10 @@ class SlotStore:
         return self._end_run(run, epoch, f"ended: {why}")
 
     def interrupt(self, why: str) -> None:
-        """The server stops: every open slot ends with ``why``, its readers' waits with it."""
+        """The server stops: every open slot ends with ``why``, its readers' waits with it,
+        and a call that comes later (one that waited for a thread) opens none."""
         with self._lock:
+            self._stopped = why
             slots = list(self._slots.values())
         for slot in slots:
             with slot.cond:

@@ -116,6 +116,12 @@ class Sessions:
         self._live: set[_Session] = set()  # under _count
         self._stopping: str | None = None  # why, once ``drain`` ran
 
+    @property
+    def open(self) -> int:
+        """The sessions being served now."""
+        with self._count:
+            return len(self._live)
+
     def drain(self, why: str) -> None:
         """The server stops: every session takes no new call and ends (UNAVAILABLE: the
         client sends its calls again, elsewhere or later) once its calls in flight have
@@ -124,6 +130,7 @@ class Sessions:
         with self._count:
             self._stopping = why
             live = list(self._live)
+        self.line.stop(why)  # calls waiting for a thread never start now
         for session in live:
             session.drain(why)
 
@@ -151,12 +158,15 @@ class Sessions:
                 self._live.add(session)
         if stopping is not None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"Session: {stopping}")
-        reader = threading.Thread(
-            target=session.read, args=(batches,), name="session-reader", daemon=True
-        )
-        reader.start()
-        yield []  # an empty batch: open
-        yield from session.replies()
+        try:  # gRPC closes this generator at any yield, the first too (a call cancelled at once)
+            reader = threading.Thread(
+                target=session.read, args=(batches,), name="session-reader", daemon=True
+            )
+            reader.start()
+            yield []  # an empty batch: open
+            yield from session.replies()
+        finally:
+            session.close()
         if session.ended is not None:
             context.abort(*session.ended)
 
@@ -393,26 +403,28 @@ class _Session:
     # -- the stream's thread ---------------------------------------------------------------
     def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:
         """Batches of the replies ready, until the client ends the session."""
-        try:
-            while True:
-                items, ended = take_ready(self.out, _END, BATCH_BYTES, lambda item: item[1])
-                if items:
-                    yield [reply for _, _, reply in items]
-                    with self.drained:  # handed to gRPC, which asks for the next batch
-                        self.in_flight -= sum(counted for counted, _, _ in items)
-                        sent = sum(size for _, size, _ in items)
-                        self._add(replies=-len(items), reply_bytes=-sent)
-                        self.drained.notify_all()
-                        stopping = self.s._stopping if self.in_flight == 0 else None
-                    if stopping is not None and not ended:
-                        self.end(grpc.StatusCode.UNAVAILABLE, stopping)
-                if ended:
-                    return
-        finally:
-            with self.drained:
-                with self.s._count:
-                    self.s.held_bytes -= self.held + self.unsent_bytes
-                self.stopped = True
-                self.drained.notify_all()
+        while True:
+            items, ended = take_ready(self.out, _END, BATCH_BYTES, lambda item: item[1])
+            if items:
+                yield [reply for _, _, reply in items]
+                with self.drained:  # handed to gRPC, which asks for the next batch
+                    self.in_flight -= sum(counted for counted, _, _ in items)
+                    sent = sum(size for _, size, _ in items)
+                    self._add(replies=-len(items), reply_bytes=-sent)
+                    self.drained.notify_all()
+                    stopping = self.s._stopping if self.in_flight == 0 else None
+                if stopping is not None and not ended:
+                    self.end(grpc.StatusCode.UNAVAILABLE, stopping)
+            if ended:
+                return
+
+    def close(self) -> None:
+        """The stream's side is gone: its bytes leave the server's total, its calls' replies
+        go nowhere, and the server forgets it."""
+        with self.drained:
             with self.s._count:
-                self.s._live.discard(self)
+                self.s.held_bytes -= self.held + self.unsent_bytes
+            self.stopped = True
+            self.drained.notify_all()
+        with self.s._count:
+            self.s._live.discard(self)

@@ -154,12 +154,18 @@ class SegmentRegistry:
         seg = Segment(owner, nbytes, fd, mapped, secrets.token_bytes(TICKET_BYTES), proof,
                        time.monotonic(), reader)  # fmt: skip
         with self._lock:
+            closed = self._closed  # ``close`` ran while this offer made it: never listed
             segment_id = secrets.randbits(63) or 1
             while segment_id in self._segments:
                 segment_id = secrets.randbits(63) or 1
-            self._segments[segment_id] = seg
-            self._by_ticket[seg.ticket] = segment_id
+            if not closed:
+                self._segments[segment_id] = seg
+                self._by_ticket[seg.ticket] = segment_id
             self._offered(owner)
+        if closed:
+            os.close(fd)
+            self._unmap(seg)
+            raise ShardError.precondition("the server is stopping")
         return pb.OfferSegmentReply(
             segment=segment_id, socket="@" + name, ticket=seg.ticket, nbytes=nbytes
         )

@@ -62,7 +62,20 @@ class WaitingLine:
         self._lines: OrderedDict[str | None, deque[InLine]] = OrderedDict()
         self.admitted_later = 0  # calls that waited here, then ran (tests and metrics)
         self._closed = False
+        self._stopping: str | None = None  # why, once ``stop`` ran
         gate.on_left = self.admit
+
+    def stop(self, why: str) -> None:
+        """The server is stopping (``Sessions.drain``): no call in line starts any more; each
+        is answered UNAVAILABLE with ``why`` (it never ran: its client sends it again), so
+        its session ends now instead of holding the server's stop, and its call cannot start
+        after the server's waits were ended (it would wait out its whole deadline)."""
+        with self._lock:
+            self._stopping = why
+            gone = [entry for line in self._lines.values() for entry in line]
+            self._lines.clear()
+        for entry in gone:
+            _answer(entry, grpc.StatusCode.UNAVAILABLE, why)
 
     def close(self) -> None:
         """The server stops: the calls in line are dropped (their streams end with it), and
@@ -77,15 +90,20 @@ class WaitingLine:
 
     def enter(self, entry: InLine) -> bool:
         """Admits ``entry`` through the gate now (True: the caller starts it) or puts it in
-        line (False). A caller with calls in line goes behind them."""
+        line (False). A caller with calls in line goes behind them. Once the server is
+        stopping, it is answered as those in line were (``stop``)."""
         key = self._key(entry)
         with self._lock:
-            line = self._lines.get(key)
-            if not line and self.gate.enter(entry.role, entry.session.caller) is None:
-                return True
-            if line is None:
-                line = self._lines[key] = deque()
-            line.append(entry)
+            stopping = self._stopping
+            if stopping is None:
+                if (
+                    not self._lines.get(key)
+                    and self.gate.enter(entry.role, entry.session.caller) is None
+                ):
+                    return True
+                self._lines.setdefault(key, deque()).append(entry)
+        if stopping is not None:  # taken just before the server began to stop
+            _answer(entry, grpc.StatusCode.UNAVAILABLE, stopping)
         return False
 
     def admit(self) -> None:
@@ -93,7 +111,7 @@ class WaitingLine:
         its first; a caller the gate refuses keeps its place."""
         started: list[InLine] = []
         with self._lock:
-            if self._closed or not self._lines:
+            if self._closed or self._stopping is not None or not self._lines:
                 return
             first = next(iter(self._lines))
             for key in list(self._lines):
@@ -130,20 +148,25 @@ class WaitingLine:
                 else:
                     del self._lines[key]
         for entry in gone:
-            s, job = entry.session, entry.job
-            s.call_ended(job.waits, job.received)
-            if not s.stopped:
-                details = (
-                    f"{job.method}: its deadline passed while it waited for a thread: every"
-                    " thread waiting calls may take was busy (paramshard serve --workers)"
-                )
-                reply = status_reply(job.call_id, grpc.StatusCode.DEADLINE_EXCEEDED, details)
-                s.put(1, reply, promised=job.promised)
+            details = (
+                f"{entry.job.method}: its deadline passed while it waited for a thread: every"
+                " thread waiting calls may take was busy (paramshard serve --workers)"
+            )
+            _answer(entry, grpc.StatusCode.DEADLINE_EXCEEDED, details)
 
     @staticmethod
     def _key(entry: InLine) -> str | None:
         """One line per token, as the gate bounds them; read tokens share one."""
         return "\0read" if entry.role == "read" else entry.session.caller
+
+
+def _answer(entry: InLine, code: grpc.StatusCode, details: str) -> None:
+    """Ends a call that left the line without running: answered ``code`` if its session is
+    still read."""
+    s, job = entry.session, entry.job
+    s.call_ended(job.waits, job.received)
+    if not s.stopped:
+        s.put(1, status_reply(job.call_id, code, details), promised=job.promised)
 
 
 def _over(entry: InLine, now: float) -> bool:
