@@ -4,6 +4,7 @@ session's bounds count."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -21,12 +22,15 @@ __all__ = [
     "body_size",
     "call_refusal",
     "payload_bytes",
+    "run_call",
     "status_reply",
 ]
 
+log = logging.getLogger(__name__)
+
 
 class SessionJob(NamedTuple):
-    """A call a session has taken, as its pool thread runs it (``_Session.run``'s arguments)."""
+    """A call a session has taken, as its pool thread runs it (``run_call``)."""
 
     call_id: int
     method: str
@@ -71,6 +75,25 @@ class CallContext:
 
     def auth_context(self) -> Any:
         return self._stream.auth_context()
+
+
+def run_call(
+    job: SessionJob, stream: grpc.ServicerContext
+) -> tuple[tuple[Any, Any], grpc.StatusCode]:
+    """Runs ``job``'s handler for the session ``stream``: its reply (the call's id and body)
+    and status. A handler's abort is the call's status; a bug in a handler is INTERNAL in the
+    reply, logged, and the session goes on."""
+    try:
+        body = job.serialize(job.fn(job.request, CallContext(stream, job.deadline)))
+        return (pb.SessionCall(id=job.call_id), body), grpc.StatusCode.OK
+    except CallAbort as exc:
+        return status_reply(job.call_id, exc.code, exc.details), exc.code
+    except Exception as exc:  # the guard reports handler bugs; this is one in the reply
+        log.exception("session call %s failed", job.method)
+        details = f"{job.method}: {type(exc).__name__}: {exc}"
+        return status_reply(
+            job.call_id, grpc.StatusCode.INTERNAL, details
+        ), grpc.StatusCode.INTERNAL
 
 
 def status_reply(call_id: int, code: grpc.StatusCode, details: str) -> tuple[pb.SessionCall, bytes]:

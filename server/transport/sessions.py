@@ -53,12 +53,11 @@ from paramshard.server.transport.session_bounds import (
     SESSIONS_BYTES,
 )
 from paramshard.server.transport.session_calls import (
-    CallAbort,
-    CallContext,
     SessionJob,
     body_size,
     call_refusal,
     payload_bytes,
+    run_call,
     status_reply,
 )
 from paramshard.server.transport.waiting_line import InLine, WaitingLine
@@ -109,7 +108,7 @@ class Sessions:
             workers, thread_name_prefix="session", initializer=name_this_thread
         )
         # calls that may wait, past the gate's bounds (server/transport/waiting_line.py)
-        self.line = WaitingLine(gate, lambda e: self.pool.submit(e.session.run, *e.job))
+        self.line = WaitingLine(gate, lambda e: self.pool.submit(e.session.run, e.job))
         self.calls = 0  # calls run through sessions (tests read it)
         self._count = threading.Lock()
         self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
@@ -328,16 +327,16 @@ class _Session:
             self._add(held=job.received)
         if waits is not None and method not in ANSWERS_AT_ONCE:
             if self.s.line.enter(InLine(self, job)):  # else it waits in line for the gate
-                self.s.pool.submit(self.run, *job)
+                self.s.pool.submit(self.run, job)
             return None
         _, admitted = self.s.gate.admit(method, waits, self.caller)  # never refused here
         if admitted != waits:  # past the gate's bounds: it answers at once (ANSWERS_AT_ONCE)
             self.call_ended(waits)
             job = job._replace(waits=None, deadline=time.monotonic())
         if method == "Contribute" and payload_bytes(request) <= INLINE_BYTES:
-            self.run(*job)
+            self.run(job)
         else:
-            self.s.pool.submit(self.run, *job)
+            self.s.pool.submit(self.run, job)
         return None
 
     def _full(self, waits: bool, promised: int) -> str | None:
@@ -364,41 +363,21 @@ class _Session:
                 self._add(held=-received)
                 self.drained.notify_all()
 
-    def run(
-        self,
-        call_id: int,
-        method: str,
-        fn: Callable[[Any, Any], Any],
-        serialize: Callable[[Any], bytes],
-        request: Any,
-        deadline: float | None,
-        waits: str | None,
-        received: int,
-        promised: int,
-    ) -> None:
+    def run(self, job: SessionJob) -> None:
+        """Runs a call taken (on the pool, or on the reader for a small contribution) and
+        queues its reply."""
         began = time.perf_counter()
-        code = grpc.StatusCode.OK
         try:
-            reply = (
-                pb.SessionCall(id=call_id),
-                serialize(fn(request, CallContext(self.context, deadline))),
-            )
-        except CallAbort as exc:
-            code = exc.code
-            reply = status_reply(call_id, exc.code, exc.details)
-        except Exception as exc:  # the guard reports handler bugs; this is one in the reply
-            log.exception("session call %s failed", method)
-            code = grpc.StatusCode.INTERNAL
-            reply = status_reply(call_id, code, f"{method}: {type(exc).__name__}: {exc}")
+            reply, code = run_call(job, self.context)
         finally:
-            self.s.gate.leave(waits, self.caller)
-            self.call_ended(waits, received)
+            self.s.gate.leave(job.waits, self.caller)
+            self.call_ended(job.waits, job.received)
         with self.s._count:
             self.s.calls += 1
         size = body_size(reply[1])
         if self.s.observe is not None:
-            self.s.observe(method, code, time.perf_counter() - began, received, size)
-        self.put(1, reply, size, promised)
+            self.s.observe(job.method, code, time.perf_counter() - began, job.received, size)
+        self.put(1, reply, size, job.promised)
 
     # -- the stream's thread ---------------------------------------------------------------
     def replies(self) -> Iterator[list[tuple[pb.SessionCall, Any]]]:
