@@ -302,7 +302,7 @@ def test_read_tokens_segments_never_take_trainers_memory() -> None:
     RESOURCE_EXHAUSTED. Read tokens' segments come from READ_POOL_BYTES now, never from the
     budget, and still take the read token's replies."""
     from paramshard.server import ShardServer
-    from paramshard.server.transport import shm as server_shm
+    from paramshard.server.transport import read_pool
 
     with ShardServer(local_calls=False, tokens=TOKENS, max_memory="512MiB") as server:
         address, held = server.address, []
@@ -325,7 +325,7 @@ def test_read_tokens_segments_never_take_trainers_memory() -> None:
             finally:
                 c.close()
             assert "read tokens' segments come from a pool" in refusal, refusal
-            assert 0 < len(held) * 64 * 2**20 <= server_shm.READ_POOL_BYTES
+            assert 0 < len(held) * 64 * 2**20 <= read_pool.READ_POOL_BYTES
             assert server.servicer.budget.usage()["shm"] == 0  # the budget is the trainers'
             pull = pb.PullParamsRequest(
                 ref=pb.BufferRef(job="big", buffer="w"),
@@ -352,15 +352,15 @@ def test_a_read_token_takes_half_of_the_read_pool_at_most() -> None:
     out (10 minutes). A read token now holds READ_SHARE_BYTES at most, the other half is left
     to another, and a token's release gives it its share back."""
     from paramshard.server import ShardServer
-    from paramshard.server.transport import shm as server_shm
+    from paramshard.server.transport import read_pool
 
-    size = server_shm.READ_POOL_BYTES // 4
+    size = read_pool.READ_POOL_BYTES // 4
     with ShardServer(local_calls=False, tokens=TOKENS) as server:
         held: dict[str, list[Segment]] = {"tok-read": [], "tok-read2": []}
 
         def take(token: str) -> str:
             """Offers segments of ``size`` until refused; the refusal."""
-            for _ in range(server_shm.MAX_READ_SEGMENTS):
+            for _ in range(read_pool.MAX_READ_SEGMENTS):
                 request = pb.OfferSegmentRequest(nbytes=size)
                 code, details, reply = raw(server.address, "OfferSegment", request, token)
                 if code != grpc.StatusCode.OK:
@@ -374,7 +374,7 @@ def test_a_read_token_takes_half_of_the_read_pool_at_most() -> None:
             for token, segments in held.items():
                 refusal = take(token)
                 assert len(segments) == 2, (token, refusal)
-                assert f"{server_shm.READ_SHARE_BYTES:,} bytes per token" in refusal
+                assert f"{read_pool.READ_SHARE_BYTES:,} bytes per token" in refusal
             first = held["tok-read"]
             release = pb.ReleaseSegmentsRequest(segments=[seg.id for seg in first])
             code, details, _ = raw(server.address, "ReleaseSegments", release, "tok-read")

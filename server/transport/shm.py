@@ -20,11 +20,10 @@ reference to a segment that is unknown, unconfirmed, out of range, or offered to
 (segments belong to the caller's token: every container may run as the same uid, so file modes
 would isolate nothing). Bounds: ``MAX_SEGMENTS`` segments and ``MAX_OWNER_BYTES`` bytes per
 caller, each segment paid for from the server's memory budget, except a ``read`` token's: those
-come from a pool of their own (``READ_POOL_BYTES``, at most ``MAX_READ_SEGMENTS`` and
-``READ_SHARE_BYTES`` per token) and take replies only, so read tokens never hold memory a
-trainer needs; a segment not confirmed within ``CONFIRM_S`` or idle for ``idle_s`` is dropped
-(the sweeper), as are the ones a client releases. ``PARAMSHARD_SHM=0`` on the client turns
-the path off.
+come from a pool of their own (server/transport/read_pool.py) and take replies only, so read
+tokens never hold memory a trainer needs; a segment not confirmed within ``CONFIRM_S`` or idle
+for ``idle_s`` is dropped (the sweeper), as are the ones a client releases.
+``PARAMSHARD_SHM=0`` on the client turns the path off.
 """
 
 from __future__ import annotations
@@ -51,6 +50,7 @@ from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.transport import segment_files
 from paramshard.server.transport.handover import TICKET_BYTES, Handover
+from paramshard.server.transport.read_pool import ReadPool
 from paramshard.server.transport.segment_files import Segment
 
 __all__ = ["SegmentRegistry", "PROOF_BYTES", "MAX_SEGMENTS", "MAX_OWNER_BYTES"]
@@ -60,14 +60,6 @@ log = logging.getLogger(__name__)
 MAX_SEGMENTS = 128  # per caller (token): 8 trainers sharing a token, 16 each
 MAX_OWNER_BYTES = 4 * 2**30  # per caller (token)
 MAX_SEGMENT_BYTES = 1 * 2**30
-READ_POOL_BYTES = 128 * 2**20
-"""Read tokens' segments, all together: a pool of their own beside the memory budget, so
-segments a read token holds (pages never touched cost it nothing) never refuse a trainer's
-buffer; past it, their replies go in-band."""
-READ_SHARE_BYTES = READ_POOL_BYTES // 2
-"""What one read token's segments may take of the pool: whatever one team's reader holds, a
-second team's finds the other half (a third reads in-band until segments are released)."""
-MAX_READ_SEGMENTS = 4  # per read token: a pull or two in flight through segments
 CONFIRM_S = 10.0  # an offered segment not confirmed by then is dropped
 
 
@@ -82,7 +74,7 @@ class SegmentRegistry:
         self._segments: dict[int, Segment] = {}
         self._by_ticket: dict[bytes, int] = {}
         self._handover: Handover | None = None
-        self._read_bytes_of: Counter[str] = Counter()  # read tokens' segments, by token
+        self._read_pool = ReadPool()  # read tokens' segments, under _lock
         self._offering: Counter[str] = Counter()  # offers checked, not yet in _segments
         self._lingering: list[Segment] = []  # dropped while a call still holds a view of it
         self.max_total = segment_files.segment_bound()
@@ -126,7 +118,7 @@ class SegmentRegistry:
                     " meanwhile (raise the server's ulimit -n)"
                 )
             if reader:
-                self._pay_read(owner, held, nbytes)
+                self._read_pool.pay(owner, held, nbytes)
             else:
                 self.budget.reserve(nbytes, "shm", f"a shared segment of {nbytes:,} bytes")
             self._offering[owner] += 1
@@ -360,29 +352,10 @@ class SegmentRegistry:
             return
         self._refund(seg.owner, seg.nbytes, seg.reader)
 
-    def _pay_read(self, owner: str, held: int, nbytes: int) -> None:
-        """Takes ``nbytes`` from the read pool for read token ``owner`` holding ``held``
-        segments (caller holds ``_lock``)."""
-        own, pool = self._read_bytes_of[owner], sum(self._read_bytes_of.values())
-        if (
-            held >= MAX_READ_SEGMENTS
-            or own + nbytes > READ_SHARE_BYTES
-            or pool + nbytes > READ_POOL_BYTES
-        ):
-            raise ShardError.exhausted(
-                f"read tokens' segments come from a pool of {READ_POOL_BYTES:,} bytes"
-                f" ({pool:,} in use), at most {MAX_READ_SEGMENTS} segments and"
-                f" {READ_SHARE_BYTES:,} bytes per token (this one holds {held}, {own:,} bytes);"
-                f" a segment of {nbytes:,} bytes does not fit: replies go in-band"
-            )
-        self._read_bytes_of[owner] += nbytes
-
     def _refund(self, owner: str, nbytes: int, reader: bool) -> None:
         if reader:
             with self._lock:
-                self._read_bytes_of[owner] -= nbytes
-                if not self._read_bytes_of[owner]:
-                    del self._read_bytes_of[owner]
+                self._read_pool.refund(owner, nbytes)
         else:
             self.budget.release(nbytes, "shm")
 
