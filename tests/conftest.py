@@ -40,6 +40,11 @@ from paramshard.local_cluster import RankFailed, run_in_threads
 from paramshard.protos import shm as client_shm
 from paramshard.server import ShardServer
 from paramshard.server.collectives import lease_records
+from paramshard.server.collectives.slot import (
+    ARRAY_RECORD_BYTES,
+    CHUNK_RECORD_BYTES,
+    slot_charge,
+)
 
 _runs = itertools.count()
 
@@ -180,6 +185,13 @@ def transport_servers(transport: str, shared_servers: list[str], request: Any) -
     before = _counts(started)
     yield [s.address for s in started]
     _check_path(transport, started, before)
+
+
+def slot_held(key: str, *array_bytes: int) -> int:
+    """What a server's slot ``key`` of one chunk, holding arrays of ``array_bytes``, is charged
+    (``slot_bytes`` in Status, "slots" in the memory budget): its records and its arrays."""
+    arrays = sum(n + ARRAY_RECORD_BYTES for n in array_bytes)
+    return slot_charge(key) + CHUNK_RECORD_BYTES + arrays
 
 
 def unique_id(prefix: str = "run") -> str:

@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 import test_bad_input
+from conftest import slot_held
 from test_bad_input import BUF, CRASHES, JOB, NUMEL, make_client, rpc_error
 
 from paramshard.client import ShardClient, ShardClientError, StepArgs
@@ -493,7 +494,9 @@ def test_slot_memory_limit_rejects_without_side_effects(servers) -> None:
 
 
 def test_slot_memory_limit(servers) -> None:
-    (s,) = servers(1, max_slot_bytes=1024)
+    """The limit counts a slot's records beside its values: 128 floats fit exactly, 512 do
+    not."""
+    (s,) = servers(1, max_slot_bytes=slot_held("fits", 512))
     c = make_client([s.address])
     try:
         big = slot("quota", total=512, chunk_numel=512)
@@ -502,7 +505,7 @@ def test_slot_memory_limit(servers) -> None:
         ok = slot("fits", expected=1, total=128, chunk_numel=128)
         c.call(0, "Contribute", (ok, payload_for(ok)))
         (row,) = c.status()
-        assert int(row["slot_bytes"]) == 512
+        assert int(row["slot_bytes"]) == slot_held("fits", 512)
     finally:
         c.close()
 

@@ -29,7 +29,7 @@ from paramshard import cli, commands
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.client.rpc import Call, RpcCore
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.buffers.slice_state import buffer_bytes
+from paramshard.server.buffers.slice_state import SLICE_RECORD_BYTES, buffer_bytes
 from paramshard.server.optimizers import OPTIMIZERS
 
 N = 64
@@ -204,7 +204,8 @@ def test_status_reports_the_memory_account(servers, capsys: pytest.CaptureFixtur
         c.close()
     assert int(before["memory_limit"]) == int(after["memory_limit"]) == 64 * 2**20
     assert int(before["memory_used"]) == 0
-    reserved = buffer_bytes(1000, 4, len(OPTIMIZERS["adam"].state_names))  # every state array
+    # every state array, and the slice's record
+    reserved = buffer_bytes(1000, 4, len(OPTIMIZERS["adam"].state_names)) + SLICE_RECORD_BYTES
     assert int(after["memory_used"]) == server.servicer.budget.used == reserved
     assert cli.main(["status", "--servers", server.address]) == 0
     header, line = capsys.readouterr().out.splitlines()

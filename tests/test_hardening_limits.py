@@ -18,11 +18,13 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from conftest import slot_held
 from test_cli import ServeProcess, paramshard
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
+from paramshard.server.buffers.slice_state import SLICE_RECORD_BYTES, STAGED_RECORD_BYTES
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.limits import default_memory_limit, host_memory, parse_bytes
 
@@ -75,7 +77,8 @@ def test_slots_and_mailboxes_expire_and_give_their_memory_back(servers) -> None:
     try:
         contribute(sender, "r:ar1")  # half a reduction: rank 1 never comes
         sender.send(np.arange(N, dtype=np.float32), dst=1)  # a mailbox nobody reads
-        assert slots_of(sender) == (2, 16 + N * 4) and budget.usage()["slots"] == 16 + N * 4
+        held = slot_held("r:ar1", 16) + slot_held("r:p2p0-1/1", N * 4)  # values and records
+        assert slots_of(sender) == (2, held) and budget.usage()["slots"] == held
         settle(lambda: slots_of(sender) == (0, 0), "the slots to expire")
         assert budget.used == 0
         err = fails(contribute, sender, "r:ar1", contributor=1)  # a late contribution
@@ -110,7 +113,7 @@ def test_drop_job_drops_its_pending_contributions_and_its_runs_slots(servers) ->
         ranks[0].register_buffer("j", "b", N, contributors=3)
         ranks[0].set_params("j", "b", np.zeros(N, np.float32))
         ranks[2].push_grads("j", "b", np.ones(N, np.float32), 0)  # waits for ranks 0 and 1
-        assert budget.usage()["staging"] == N * 4
+        assert budget.usage()["staging"] == N * 4 + STAGED_RECORD_BYTES  # values and record
         ranks[0].send(np.ones(N, np.float32), dst=1)  # a mailbox
         failed: list[ShardClientError] = []
 
@@ -154,27 +157,27 @@ def test_the_memory_limit_refuses_what_does_not_fit_and_changes_nothing(servers)
     budget = server.servicer.budget  # each would wait for its turn until the bound first
     c = make_client(server)
     try:
-        # Adam: params, grads and three state arrays of 4 KiB: 80 KiB
+        # Adam: params, grads and three state arrays of 4 KiB: 80 KiB, and the slice's record
         err = fails(c.register_buffer, "big", "b", 4 * N, optimizer="adam")
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (
-            "buffer 'big/b': 81,920 more bytes of buffers would exceed this server's memory"
-            " limit of 65,536 bytes (0 in use; --max-memory)" in err.details
+            f"buffer 'big/b': {81_920 + SLICE_RECORD_BYTES:,} more bytes of buffers would exceed"
+            " this server's memory limit of 65,536 bytes (0 in use; --max-memory)" in err.details
         )
         assert c.status()[0]["jobs"] == [] and budget.used == 0
 
         # SGD over 4 contributors: params, grads, momentum (12 KiB); early pushes are staged
         c.register_buffer("j", "b", N, contributors=4)
         c.set_params("j", "b", np.zeros(N, np.float32))
-        assert budget.usage()["buffers"] == 3 * 4 * N
-        micro = 1
-        while budget.used + 4 * N <= budget.limit:  # a train token's huge num_micro
+        assert budget.usage()["buffers"] == 3 * 4 * N + SLICE_RECORD_BYTES
+        micro, staged = 1, 4 * N + STAGED_RECORD_BYTES  # a staged push's values and record
+        while budget.used + staged <= budget.limit:  # a train token's huge num_micro
             c.push_grads("j", "b", np.ones(N, np.float32), 0, micro=micro, num_micro=1000)
             micro += 1
         in_use = budget.used
         err = fails(c.push_grads, "j", "b", np.ones(N, np.float32), 0, micro=micro, num_micro=1000)
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "4,096 more bytes of staging would exceed this server's memory limit" in err.details
+        assert f"{staged:,} more bytes of staging would exceed this server's memory" in err.details
         assert f"({in_use:,} in use; --max-memory)" in err.details
         assert budget.used == in_use  # the refused push kept nothing
 
@@ -193,7 +196,32 @@ def test_the_memory_limit_refuses_what_does_not_fit_and_changes_nothing(servers)
         c.drop_job("j")
         assert budget.used == 0
         contribute(c, "r:ar2", numel=N)
-        assert budget.usage()["slots"] == 4 * N
+        assert budget.usage()["slots"] == slot_held("r:ar2", 4 * N)
+    finally:
+        c.close()
+
+
+def test_slots_of_no_element_are_paid_for_and_bounded(servers) -> None:
+    """Found in review: the budget paid for a slot's arrays, not its records, so slots of no
+    element cost nothing: 150,000 of them took 849 MiB beside a --max-memory of 256 MiB. Now
+    a slot is charged its records (measured: server/collectives/slot.py), and the limit
+    refuses new ones once they fill it."""
+    (server,) = servers(1, max_memory="1MiB", local_calls=False)
+    c = make_client(server)
+    budget = server.servicer.budget
+    opened = 0
+    try:
+        for i in range(2000):
+            try:
+                contribute(c, f"r:none{i}", numel=0)
+            except ShardClientError as err:
+                assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "of slots would exceed this server's memory limit" in err.details
+                break
+            opened += 1
+        assert 0 < opened < 2000
+        assert budget.usage()["slots"] == sum(slot_held(f"r:none{i}", 0) for i in range(opened))
+        assert slots_of(c) == (opened, budget.usage()["slots"])
     finally:
         c.close()
 
@@ -206,7 +234,8 @@ def test_status_metrics_report_memory_in_use_and_the_limit(servers) -> None:
         c.register_buffer("j", "b", N)
         text = server.metrics.render().decode()
         assert "paramshard_memory_limit_bytes 1.048576e+06" in text
-        assert 'paramshard_memory_reserved_bytes{kind="buffers"} 12288.0' in text
+        buffers = float(12288 + SLICE_RECORD_BYTES)  # params, grads, momentum; the slice's record
+        assert f'paramshard_memory_reserved_bytes{{kind="buffers"}} {buffers}' in text
         assert 'paramshard_memory_reserved_bytes{kind="staging"} 0.0' in text
     finally:
         c.close()

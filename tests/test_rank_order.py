@@ -20,7 +20,9 @@ from test_server_float64 import NUMEL, contributions, register
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.rank_order import RankOrder
+from paramshard.server.buffers.slice_state import STAGED_RECORD_BYTES
 from paramshard.server.buffers.store import BufferStore
+from paramshard.server.collectives.slot import slot_charge
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.errors import ShardError
@@ -104,15 +106,17 @@ def test_a_chunk_waits_only_for_earlier_chunks_over_its_own_elements() -> None:
     store = BufferStore()
     b = register(store, 4, master=pb.FLOAT32)
     half, ones = NUMEL // 2, np.ones(NUMEL, np.float32)
+    # the values staged, and what the budget holds for them (their records too)
     staged = lambda: (b.pending.staged_bytes, store.budget.usage()["staging"])  # noqa: E731
+    each = (NUMEL - half) * 4
     for c in range(4):  # every rank's first half, in rank order: nothing waits
         push(b, c, 0, 1, 0, half, ones)
         assert staged() == (0, 0), c
     push(b, 3, 0, 1, half, NUMEL - half, ones)  # rank 3's second half: ranks 0-2 are missing
     push(b, 1, 0, 1, half, NUMEL - half, ones)  # rank 1's: rank 0 is missing
-    assert staged() == (2 * (NUMEL - half) * 4,) * 2
+    assert staged() == (2 * each, 2 * (each + STAGED_RECORD_BYTES))
     push(b, 0, 0, 1, half, NUMEL - half, ones)  # rank 0's: rank 1's is added, rank 3's waits
-    assert staged() == ((NUMEL - half) * 4,) * 2 and not b.pending.reduced
+    assert staged() == (each, each + STAGED_RECORD_BYTES) and not b.pending.reduced
     push(b, 2, 0, 1, half, NUMEL - half, ones)  # the last: rank 3's goes too
     assert staged() == (0, 0) and b.pending.reduced
     np.testing.assert_array_equal(b.grad, ones)  # 4 ones, averaged
@@ -164,7 +168,7 @@ def test_a_turn_that_does_not_come_is_waited_for_until_its_bound_then_staged() -
     b = register(store, 3, master=pb.FLOAT32)
     pushing(b, 2, np.ones(NUMEL, np.float32), timeout=0.4).join(10.0)  # waits 0.2 s at most
     assert store.turns.waiting == 0 and b.pending.staged_bytes == NUMEL * 4
-    assert store.budget.usage()["staging"] == NUMEL * 4
+    assert store.budget.usage()["staging"] == NUMEL * 4 + STAGED_RECORD_BYTES
 
 
 def test_pushes_past_the_bound_on_waits_are_staged_at_once() -> None:
@@ -211,7 +215,7 @@ def test_an_early_slot_contribution_waits_for_its_turn_without_a_copy() -> None:
     values = contributions(3, 1, np.float32)
     late = [contributing(slots, c, values[c, 0]) for c in (2, 1)]
     settle(lambda: turns.waiting == 2, "contributors 2 and 1 to wait")
-    assert slots.usage()[0] == 0  # nothing copied: no accumulator, nothing staged
+    assert slots.usage()[0] == slot_charge("r:ar1")  # its record: no accumulator, none staged
     contributing(slots, 0, values[0, 0]).join(10.0)
     for t in late:
         t.join(10.0)

@@ -10,7 +10,7 @@ from typing import Any
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.server.buffers.membership import check_membership, elastic_pending
-from paramshard.server.buffers.slice_state import PendingStep, SliceState
+from paramshard.server.buffers.slice_state import STAGED_RECORD_BYTES, PendingStep, SliceState
 from paramshard.server.optimizers import OptimizerError
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -36,7 +36,7 @@ class Contributions(SliceState):
                 self.written = slicing.Coverage()
                 self.initialized = self.slice_numel == 0
                 self.version = header.version
-                self.budget.release(self.pending.staged_bytes if self.pending else 0, "staging")
+                self.budget.release(self.pending.staged_charge if self.pending else 0, "staging")
                 self.pending = None
             o, n = header.chunk.offset, header.chunk.numel
             retry = self.written.numel_at(o) == n  # a chunk written before, written again
@@ -139,10 +139,11 @@ class Contributions(SliceState):
             if stages and self._wait_turn(pending, k, o, n, h.step, turn_until):
                 return self.push_grad(h, data, deadline - time.monotonic(), turn_until)
             if stages:  # its copy waits for its turn: paid for first
-                self.budget.reserve(n * self.dtype.itemsize, "staging", self.label)
+                need = n * self.dtype.itemsize + STAGED_RECORD_BYTES
+                self.budget.reserve(need, "staging", self.label)
             # -- all checks passed: mutate --
             if replaces:  # a newer membership generation: the older one's sums are void
-                self.budget.release(self.pending.staged_bytes, "staging")
+                self.budget.release(self.pending.staged_charge, "staging")
                 self.cond.notify_all()  # its GradNorms and Steps end (membership.py)
             if self.grad is None:  # (no zeros for a new step: its first additions copy)
                 self.grad = backend.xp.zeros(self.slice_numel, dtype=self.dtype)
@@ -231,7 +232,7 @@ class Contributions(SliceState):
                 if pending.order.ready(lo, kept.size, k + 1):
                     waiting.remove(entry)
                     pending.staged_bytes -= int(kept.nbytes)
-                    self.budget.release(kept.nbytes, "staging")
+                    self.budget.release(int(kept.nbytes) + STAGED_RECORD_BYTES, "staging")
                     ready.append((k + 1, lo, kept))
             if not waiting:
                 pending.staged.pop(k + 1, None)

@@ -10,9 +10,66 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime import backend
+from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.turns import TurnWaits
 
-__all__ = ["Chunk", "Slot", "missed"]
+__all__ = [
+    "Chunk",
+    "Slot",
+    "SlotMemory",
+    "missed",
+    "array_charge",
+    "slot_charge",
+    "CHUNK_RECORD_BYTES",
+]
+
+# What the slot store reserves for its records beside their arrays' bytes, so the memory
+# bound holds for slots of few elements too (in review, 150,000 slots of none took 849 MiB
+# and were charged nothing). Measured with CPython 3.11: a slot of no element with its chunk
+# 4,054 bytes (16-character key) and 5,917 (1,000 characters); a chunk of one element 725.
+SLOT_RECORD_BYTES = 4096
+"""A slot's record (its lock and condition, counters, its entry in the store), key aside."""
+CHUNK_RECORD_BYTES = 768
+"""A chunk's record, its arrays aside."""
+ARRAY_RECORD_BYTES = 128
+"""An array's header: a chunk's accumulator or a contribution kept aside."""
+
+
+class SlotMemory:
+    """What the slots hold (values and records), against ``max_bytes`` (0: no bound of its
+    own) and the server's memory budget, paid before anything is allocated."""
+
+    def __init__(self, max_bytes: int, budget: MemoryBudget) -> None:
+        self.max_bytes, self.budget = max_bytes, budget
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def reserve(self, nbytes: int, key: str) -> None:
+        """Takes ``nbytes`` for slot ``key`` or raises RESOURCE_EXHAUSTED (nothing taken)."""
+        with self._lock:
+            if self.max_bytes and self.held + nbytes > self.max_bytes:
+                raise ShardError.exhausted(
+                    f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
+                    f" limit of {self.max_bytes:,} bytes ({self.held:,} in use)"
+                )
+            self.budget.reserve(nbytes, "slots", f"slot '{key}'")
+            self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self.held -= nbytes
+            self.budget.release(nbytes, "slots")
+
+
+def slot_charge(key: str) -> int:
+    """What a slot's record is charged: two bytes a character of its key beside it."""
+    return SLOT_RECORD_BYTES + 2 * len(key)
+
+
+def array_charge(values: Any) -> int:
+    """What an array a chunk holds is charged: its bytes and its header."""
+    return int(values.nbytes) + ARRAY_RECORD_BYTES
 
 
 def missed(total_numel: int, chunk_numel: int, offset: int) -> str:
@@ -44,6 +101,11 @@ class Chunk:
     def nbytes(self) -> int:
         held = 0 if self.acc is None else int(self.acc.nbytes)
         return held + sum(int(v.nbytes) for v in self.staged.values())
+
+    def charged(self) -> int:
+        """What the store reserved for this chunk: its record and its arrays'."""
+        arrays = (self.acc is not None) + len(self.staged)
+        return CHUNK_RECORD_BYTES + self.nbytes() + arrays * ARRAY_RECORD_BYTES
 
     def add(self, values: Any, op: int) -> None:
         """Reduces ``values`` into ``acc`` by ``op``: in place, or, while ``acc`` is still a

@@ -36,7 +36,15 @@ from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.gone_keys import GoneKeys
 from paramshard.server.collectives.pending import missing, parse_key, run_epoch, who
-from paramshard.server.collectives.slot import Chunk, Slot, missed
+from paramshard.server.collectives.slot import (
+    CHUNK_RECORD_BYTES,
+    Chunk,
+    Slot,
+    SlotMemory,
+    array_charge,
+    missed,
+    slot_charge,
+)
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -58,21 +66,19 @@ class SlotStore:
         ttl_s: float = 600.0,
         turns: TurnWaits | None = None,
     ) -> None:
-        self.max_bytes = max_bytes  # 0: unbounded
-        self.budget = budget or MemoryBudget()
+        self.memory = SlotMemory(max_bytes, budget or MemoryBudget())  # 0: no bound of its own
         self.turns = turns or TurnWaits()  # the server's, shared with its buffers
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._slots: dict[str, Slot] = {}
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
         self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
-        self._bytes = 0
         self._stopped: str | None = None  # why, once ``interrupt`` ran: no slot opens again
 
     def usage(self) -> tuple[int, int]:
         """(bytes held, open slots)."""
         with self._lock:
-            return self._bytes, len(self._slots)
+            return self.memory.held, len(self._slots)
 
     def chunk_nbytes(self, key: str) -> int | None:
         """The bytes a read of slot ``key`` replies at most (one chunk in its wire dtype);
@@ -112,6 +118,7 @@ class SlotStore:
             if slot is None and key not in self._gone.freed:
                 if (why := self._gone.aborted(key)) is not None:
                     raise ShardError.aborted(why)
+                self.memory.reserve(slot_charge(key), key)
                 slot = self._slots[key] = Slot(key)
             return slot
 
@@ -170,7 +177,8 @@ class SlotStore:
                 else:
                     acc = arrays.to_compute(host, h.chunk.dtype, own=True)
                 try:
-                    self._reserve(int(acc.nbytes), h.key)
+                    record = CHUNK_RECORD_BYTES if chunk is None else 0
+                    self.memory.reserve(array_charge(acc) + record, h.key)
                 except ShardError:
                     self._forget_if_unused(slot)
                     raise
@@ -194,7 +202,7 @@ class SlotStore:
                 while chunk.head in chunk.staged:  # the ones that waited for this one
                     kept = chunk.staged.pop(chunk.head)
                     chunk.add(kept, h.op)
-                    self._release(int(kept.nbytes))
+                    self.memory.release(array_charge(kept))
                     chunk.head += 1
                 if slot.turn_waiters:
                     slot.cond.notify_all()  # a contribution waiting for its turn may have it
@@ -217,25 +225,6 @@ class SlotStore:
             chunk = slot.chunks.get(h.chunk.offset)
             if chunk is not None and chunk.held_by == h.contributor:
                 chunk.own()
-
-    def _reserve(self, nbytes: int, key: str) -> None:
-        with self._lock:
-            if self.max_bytes and self._bytes + nbytes > self.max_bytes:
-                raise ShardError.exhausted(
-                    f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
-                    f" limit of {self.max_bytes:,} bytes ({self._bytes:,} in use)"
-                )
-            self.budget.reserve(nbytes, "slots", f"slot '{key}'")
-            self._bytes += nbytes
-
-    def _release(self, nbytes: int) -> None:
-        with self._lock:
-            self._release_locked(nbytes)
-
-    def _release_locked(self, nbytes: int) -> None:
-        """Caller holds ``_lock``."""
-        self._bytes -= nbytes
-        self.budget.release(nbytes, "slots")
 
     def read(self, req: pb.ReadSlotRequest, timeout: float) -> tuple[pb.SlotHeader, bytes]:
         """Waits for the chunk at ``req.offset`` to complete and returns it. An offset that
@@ -312,9 +301,10 @@ class SlotStore:
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
         with self._lock:
-            self._release_locked(chunk.nbytes())
-            if len(slot.freed) == slot.num_chunks():
-                self._slots.pop(slot.key, None)
+            self.memory.release(chunk.charged())
+            if len(slot.freed) == slot.num_chunks() and self._slots.get(slot.key) is slot:
+                del self._slots[slot.key]
+                self.memory.release(slot_charge(slot.key))
                 self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
 
     def _forget_if_unused(self, slot: Slot) -> None:
@@ -323,6 +313,7 @@ class SlotStore:
             with self._lock:
                 if self._slots.get(slot.key) is slot:
                     del self._slots[slot.key]
+                    self.memory.release(slot_charge(slot.key))
 
     # -- the end of pending work -------------------------------------------------------------
     def expire(self) -> int:
@@ -398,10 +389,11 @@ class SlotStore:
         slot.ended = why
         slot.cond.notify_all()
         with self._lock:
-            self._release_locked(sum(c.nbytes() for c in slot.chunks.values()))
+            self.memory.release(sum(c.charged() for c in slot.chunks.values()))
             slot.chunks.clear()
             if self._slots.get(slot.key) is slot:
                 del self._slots[slot.key]
+                self.memory.release(slot_charge(slot.key))
             if remember:
                 self._gone.note_ended(slot.key, why)
 

@@ -4,12 +4,13 @@ Every array a server keeps on behalf of a caller is paid for from one ``MemoryBu
 it is allocated, and paid back when it is freed:
 
 - ``buffers``: a registered slice's params, gradient accumulator and every optimizer-state
-  array its optimizer may create (``buffers.slice_state.buffer_bytes``), reserved whole at
-  registration (or restore), so a later step never allocates past the limit;
+  array its optimizer may create (``buffers.slice_state.buffer_bytes``) and its record,
+  reserved whole at registration (or restore), so a later step never allocates past the limit;
 - ``staging``: gradient contributions kept aside until the rank-order sum reaches them
-  (``slice_state.PendingStep``), which a ``train`` token with a large ``num_micro`` could otherwise
-  grow without bound;
-- ``slots``: reduction slots and mailboxes, their accumulators and staged contributions;
+  (``slice_state.PendingStep``), values and records, which a ``train`` token with a large
+  ``num_micro`` could otherwise grow without bound;
+- ``slots``: reduction slots and mailboxes, their accumulators and staged contributions, and
+  their records (``collectives.slot``);
 - ``replicas``: replica chunks being received, and the replicas kept (received and own).
 - ``shm``: shared-memory segments offered to clients on this host (server/transport/shm.py).
 
