@@ -12,7 +12,9 @@ from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
+from paramshard.server.buffers.slice_state import slice_bytes
 from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.optimizers import OPTIMIZERS
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_placement
@@ -52,6 +54,22 @@ class SnapshotCalls:
                 f" the request names shard {req.server_index} of {req.num_servers}"
             )
         self.snapshots.path(req.job, req.tag)  # checks names and that a directory is set
+        # paid for first, snapshots at once could take the host's memory: the host copies, and
+        # the shard file encoded from them (as large)
+        copies = 2 * sum(b.capture_bytes() for b in slices)
+        self.buffers.budget.reserve(copies, "snapshots", f"snapshot of job '{req.job}'")
+        try:
+            return self._snapshot(req, slices, timeout, alive)
+        finally:
+            self.buffers.budget.release(copies, "snapshots")
+
+    def _snapshot(
+        self,
+        req: pb.SnapshotRequest,
+        slices: list[BufferSlice],
+        timeout: float,
+        alive: Callable[[], bool] | None,
+    ) -> Any:
         # (tag, shard) is this call's until it ends; the shard file then keeps it
         reservation = self.snapshots.reserve(
             req.job, req.tag, req.server_index, req.num_servers, req.version
@@ -86,38 +104,59 @@ class SnapshotCalls:
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         manifest = self.snapshots.load_manifest(req.job, tag)
         layout = self.snapshots.layout(req.job, tag, manifest)
-        model_config = recorded_model_config(manifest)
-        slices = []
-        for name, info in manifest["buffers"].items():
-            start, stop = slicing.slice_bounds(info["numel"], req.num_servers, req.server_index)
-
-            def read(kind: str, n: str = name, a: int = start, b: int = stop) -> Any:
-                return self.snapshots.read_range(req.job, tag, manifest, n, kind, a, b)
-
-            spec = pb.RegisterBufferRequest(
-                ref=pb.BufferRef(job=req.job, buffer=name),
-                numel=info["numel"],
-                num_servers=req.num_servers,
-                server_index=req.server_index,
-                contributors=req.contributors or info["contributors"],
-                params=[ParamEntry.from_manifest(p).to_pb() for p in info["params"]],
-                optimizer=pb.OptimizerSpec(
-                    name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
-                ),
-                master_dtype=codec.wire_dtype(codec.master_dtype(info.get("master_dtype"))),
-                model_config=model_config,
-            )
-            row = layout.get(name, {"state": set(), "step_count": 0})
-            state = {k: read(f"state.{k}") for k in sorted(row["state"])}
-            slices.append(
-                BufferSlice.restored(
-                    spec, manifest["version"], read("params"), state, row["step_count"]
-                )
-            )
+        specs = [self._spec(req, name, info, recorded_model_config(manifest))
+                 for name, info in manifest["buffers"].items()]  # fmt: skip
+        # paid for first: the slices built, and their params and state as read from the files
+        need = sum(slice_bytes(spec) + _read_bytes(spec) for spec in specs)
+        self.buffers.budget.reserve(need, "snapshots", f"restore of job '{req.job}'")
+        try:
+            slices = [self._restored(req, tag, manifest, layout, spec) for spec in specs]
+        finally:
+            self.buffers.budget.release(need, "snapshots")
         if req.check_only:
             return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
         self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
+
+    @staticmethod
+    def _spec(
+        req: pb.RestoreRequest, name: str, info: dict[str, Any], model_config: str
+    ) -> pb.RegisterBufferRequest:
+        """Buffer ``name`` of a snapshot's manifest, as this server registers its slice."""
+        return pb.RegisterBufferRequest(
+            ref=pb.BufferRef(job=req.job, buffer=name),
+            numel=info["numel"],
+            num_servers=req.num_servers,
+            server_index=req.server_index,
+            contributors=req.contributors or info["contributors"],
+            params=[ParamEntry.from_manifest(p).to_pb() for p in info["params"]],
+            optimizer=pb.OptimizerSpec(
+                name=info["optimizer"]["name"], hyper=info["optimizer"]["hyper"]
+            ),
+            master_dtype=codec.wire_dtype(codec.master_dtype(info.get("master_dtype"))),
+            model_config=model_config,
+        )
+
+    def _restored(
+        self,
+        req: pb.RestoreRequest,
+        tag: str,
+        manifest: dict[str, Any],
+        layout: dict[str, Any],
+        spec: pb.RegisterBufferRequest,
+    ) -> BufferSlice:
+        """The slice ``spec`` of snapshot ``tag``, read and built (not swapped in)."""
+        name = spec.ref.buffer
+        start, stop = slicing.slice_bounds(spec.numel, req.num_servers, req.server_index)
+
+        def read(kind: str) -> Any:
+            return self.snapshots.read_range(req.job, tag, manifest, name, kind, start, stop)
+
+        row = layout.get(name, {"state": set(), "step_count": 0})
+        state = {k: read(f"state.{k}") for k in sorted(row["state"])}
+        return BufferSlice.restored(
+            spec, manifest["version"], read("params"), state, row["step_count"]
+        )
 
     def _check_not_training(self, req: pb.RestoreRequest) -> None:
         """Refuses to restore a job whose run trains it (its ranks hold leases here) unless a
@@ -163,3 +202,12 @@ class SnapshotCalls:
                 )
             )
         return pb.ListSnapshotsReply(snapshots=infos)
+
+
+def _read_bytes(spec: pb.RegisterBufferRequest) -> int:
+    """The params and optimizer state of slice ``spec`` as read from a snapshot's files,
+    before the slice copies them in (every state array its optimizer may have)."""
+    start, stop = slicing.slice_bounds(spec.numel, spec.num_servers, spec.server_index)
+    optimizer = OPTIMIZERS.get(spec.optimizer.name)
+    arrays = 1 + (len(optimizer.state_names) if optimizer is not None else 0)
+    return (stop - start) * (8 if spec.master_dtype == pb.FLOAT64 else 4) * arrays

@@ -21,10 +21,15 @@ import pytest
 from conftest import slot_held
 from test_cli import ServeProcess, paramshard
 
-from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.buffers.slice_state import SLICE_RECORD_BYTES, STAGED_RECORD_BYTES
+from paramshard.server.buffers.slice_state import (
+    SLICE_RECORD_BYTES,
+    STAGED_RECORD_BYTES,
+    buffer_bytes,
+)
+from paramshard.server.optimizers import OPTIMIZERS
 from paramshard.server.runtime import backend
 from paramshard.server.runtime.limits import default_memory_limit, host_memory, parse_bytes
 
@@ -137,7 +142,7 @@ def test_drop_job_drops_its_pending_contributions_and_its_runs_slots(servers) ->
         shm_bytes = budget.usage().pop("shm")
         assert shm_bytes == server.servicer.segments.usage()[1]
         left = {k: v for k, v in budget.usage().items() if k != "shm"}
-        assert left == {"buffers": 0, "staging": 0, "slots": 0, "replicas": 0}
+        assert left == {"buffers": 0, "staging": 0, "slots": 0, "replicas": 0, "snapshots": 0}
         err = fails(ranks[1].recv, 0)
         assert err.code == grpc.StatusCode.ABORTED and "dropped with run 'j'" in err.details
         # a run's slots alone (no job of that name) are dropped too; neither: NOT_FOUND
@@ -222,6 +227,39 @@ def test_slots_of_no_element_are_paid_for_and_bounded(servers) -> None:
         assert 0 < opened < 2000
         assert budget.usage()["slots"] == sum(slot_held(f"r:none{i}", 0) for i in range(opened))
         assert slots_of(c) == (opened, budget.usage()["slots"])
+    finally:
+        c.close()
+
+
+def test_snapshot_copies_and_restored_slices_are_paid_for(servers, tmp_path) -> None:
+    """Found in review: a Snapshot's host copies and a Restore's slices were charged nothing
+    (six snapshots at once of a job of 16M elements grew a server by 1.34 GiB under a 1 GiB
+    limit, its account unmoved; six Restores with ``check_only`` 1.57 GiB). Now a call pays
+    for them while it holds them ("snapshots"): a snapshot that fits is taken, one and a
+    restore that do not are refused, and nothing stays charged."""
+    n, states = 64 * 1024, len(OPTIMIZERS["adam"].state_names)
+    snapshot = 2 * 4 * n * (1 + states)  # params and every moment copied, and their file
+    limit = buffer_bytes(n, 4, states) + SLICE_RECORD_BYTES + snapshot + 64 * 1024
+    (server,) = servers(1, max_memory=limit, snapshot_dir=str(tmp_path))
+    budget = server.servicer.budget
+    c = make_client(server)
+    try:
+        c.register_buffer("j", "b", n, optimizer="adam")
+        c.set_params("j", "b", np.ones(n, np.float32), version=1)
+        tools.snapshot(c, "j", "a")  # fits beside the job
+        assert budget.usage()["snapshots"] == 0
+        c.register_buffer("k", "b", n // 2, optimizer="adam")  # what is left: 22n + 56 KiB
+        before = budget.used
+        err = fails(tools.snapshot, c, "j", "b")  # 32n
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "snapshot of job 'j'" in err.details and "of snapshots would exceed" in err.details
+        check = pb.RestoreRequest(job="j", tag="a", num_servers=1, check_only=True)
+        err = fails(c.call, 0, "Restore", check)  # the job's slice and its params read: 24n
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "restore of job 'j'" in err.details and "of snapshots would exceed" in err.details
+        assert budget.used == before and budget.usage()["snapshots"] == 0
+        assert [s["tag"] for s in tools.list_snapshots(c, "j")] == ["a"]
+        np.testing.assert_array_equal(c.pull_params("j", "b", n), np.ones(n, np.float32))
     finally:
         c.close()
 

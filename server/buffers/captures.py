@@ -33,6 +33,10 @@ class Captures(SliceState):
             self.capture_requests.discard(version)
             self.captures.pop(version, None)
 
+    def capture_bytes(self) -> int:
+        """What a capture may copy: params and every state array its optimizer may create."""
+        return int(self.master.nbytes) * (1 + len(self.optimizer.state_names))
+
     def capture(
         self, version: int, timeout: float, alive: Callable[[], bool] | None = None
     ) -> Captured:

@@ -13,6 +13,8 @@ it is allocated, and paid back when it is freed:
   their records (``collectives.slot``);
 - ``replicas``: replica chunks being received, and the replicas kept (received and own).
 - ``shm``: shared-memory segments offered to clients on this host (server/transport/shm.py).
+- ``snapshots``: the host copies a Snapshot writes, and the slices a Restore reads before it
+  swaps them in (server/snapshot_calls.py), for as long as the call holds them.
 
 A reservation past the limit fails with RESOURCE_EXHAUSTED naming what was asked, what is in
 use and the limit, before anything changes. The check and the update happen under one lock, so
@@ -41,7 +43,7 @@ __all__ = [
     "DEFAULT_FRACTION",
 ]
 
-KINDS = ("buffers", "staging", "slots", "replicas", "shm")
+KINDS = ("buffers", "staging", "slots", "replicas", "shm", "snapshots")
 """What the budget pays for (see the module docstring)."""
 DEFAULT_FRACTION = 0.9
 """The default limit, as a fraction of the host's (or the device's) memory."""
