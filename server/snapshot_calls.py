@@ -14,7 +14,6 @@ from paramshard.protos.manifest import ParamEntry, recorded_model_config, record
 from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.slice_state import slice_bytes
 from paramshard.server.buffers.store import BufferSlice, BufferStore
-from paramshard.server.optimizers import OPTIMIZERS
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_placement
@@ -107,7 +106,7 @@ class SnapshotCalls:
         specs = [self._spec(req, name, info, recorded_model_config(manifest))
                  for name, info in manifest["buffers"].items()]  # fmt: skip
         # paid for first: the slices built, and their params and state as read from the files
-        need = sum(slice_bytes(spec) + _read_bytes(spec) for spec in specs)
+        need = sum(slice_bytes(spec) + _read_bytes(spec, layout) for spec in specs)
         self.buffers.budget.reserve(need, "snapshots", f"restore of job '{req.job}'")
         try:
             slices = [self._restored(req, tag, manifest, layout, spec) for spec in specs]
@@ -204,10 +203,9 @@ class SnapshotCalls:
         return pb.ListSnapshotsReply(snapshots=infos)
 
 
-def _read_bytes(spec: pb.RegisterBufferRequest) -> int:
-    """The params and optimizer state of slice ``spec`` as read from a snapshot's files,
-    before the slice copies them in (every state array its optimizer may have)."""
+def _read_bytes(spec: pb.RegisterBufferRequest, layout: dict[str, Any]) -> int:
+    """The params and optimizer state of slice ``spec`` as read from a snapshot's files (the
+    state arrays its ``layout`` lists), before the slice copies them in."""
     start, stop = slicing.slice_bounds(spec.numel, spec.num_servers, spec.server_index)
-    optimizer = OPTIMIZERS.get(spec.optimizer.name)
-    arrays = 1 + (len(optimizer.state_names) if optimizer is not None else 0)
+    arrays = 1 + len(layout.get(spec.ref.buffer, {}).get("state", ()))
     return (stop - start) * (8 if spec.master_dtype == pb.FLOAT64 else 4) * arrays

@@ -21,7 +21,7 @@ import pytest
 from conftest import slot_held
 from test_cli import ServeProcess, paramshard
 
-from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
 from paramshard.server.buffers.slice_state import (
@@ -238,7 +238,7 @@ def test_snapshot_copies_and_restored_slices_are_paid_for(servers, tmp_path) -> 
     for them while it holds them ("snapshots"): a snapshot that fits is taken, one and a
     restore that do not are refused, and nothing stays charged."""
     n, states = 64 * 1024, len(OPTIMIZERS["adam"].state_names)
-    snapshot = 2 * 4 * n * (1 + states)  # params and every moment copied, and their file
+    snapshot = 2 * 3 * 4 * n  # params and Adam's two moments copied, and their file
     limit = buffer_bytes(n, 4, states) + SLICE_RECORD_BYTES + snapshot + 64 * 1024
     (server,) = servers(1, max_memory=limit, snapshot_dir=str(tmp_path))
     budget = server.servicer.budget
@@ -246,15 +246,18 @@ def test_snapshot_copies_and_restored_slices_are_paid_for(servers, tmp_path) -> 
     try:
         c.register_buffer("j", "b", n, optimizer="adam")
         c.set_params("j", "b", np.ones(n, np.float32), version=1)
+        c.push_grads("j", "b", np.ones(n, np.float32), 1)
+        c.step("j", 1, {"b": StepArgs({"lr": 0.0})})  # the moments exist now; params stay
+        assert server.servicer.buffers.get("j", "b").capture_bytes() == 3 * 4 * n
         tools.snapshot(c, "j", "a")  # fits beside the job
         assert budget.usage()["snapshots"] == 0
-        c.register_buffer("k", "b", n // 2, optimizer="adam")  # what is left: 22n + 56 KiB
+        c.register_buffer("k", "b", n // 2, optimizer="adam")  # what is left: 14n + 56 KiB
         before = budget.used
-        err = fails(tools.snapshot, c, "j", "b")  # 32n
+        err = fails(tools.snapshot, c, "j", "b")  # 24n
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "snapshot of job 'j'" in err.details and "of snapshots would exceed" in err.details
         check = pb.RestoreRequest(job="j", tag="a", num_servers=1, check_only=True)
-        err = fails(c.call, 0, "Restore", check)  # the job's slice and its params read: 24n
+        err = fails(c.call, 0, "Restore", check)  # a slice (20n) and its arrays as read (12n)
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "restore of job 'j'" in err.details and "of snapshots would exceed" in err.details
         assert budget.used == before and budget.usage()["snapshots"] == 0

@@ -34,8 +34,9 @@ class Captures(SliceState):
             self.captures.pop(version, None)
 
     def capture_bytes(self) -> int:
-        """What a capture may copy: params and every state array its optimizer may create."""
-        return int(self.master.nbytes) * (1 + len(self.optimizer.state_names))
+        """What a capture copies: params and the optimizer's state arrays (those it has now;
+        a capture is taken before the next step makes any other)."""
+        return int(self.master.nbytes) + self.optimizer.state_bytes()
 
     def capture(
         self, version: int, timeout: float, alive: Callable[[], bool] | None = None
