@@ -22,6 +22,7 @@ import pytest
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
+from paramshard.server.buffers.slice_state import SLICE_RECORD_BYTES
 from paramshard.server.runtime.request_bounds import (
     MAX_ALIASES,
     MAX_KEY,
@@ -121,7 +122,8 @@ def test_registrations_past_a_bound_are_refused(
 
 def test_a_slices_parameter_records_are_paid_for(server: ShardServer) -> None:
     """Bytes the memory account pays at registration: the arrays plus what the slice keeps of
-    the request (its parameters' records), so many long names cannot grow a server unseen."""
+    the request (its parameters' records) and its own record, so many long names cannot grow a
+    server unseen."""
     a = client(server, "a-train")
     names = tuple(f"layer.{i}.tied." + "n" * 900 for i in range(MAX_ALIASES))
     try:
@@ -129,7 +131,7 @@ def test_a_slices_parameter_records_are_paid_for(server: ShardServer) -> None:
         a.call(0, "RegisterBuffer", register("team-a-records", params=[entry(aliases=names)]))
         paid = server.servicer.budget.used - before
         arrays = N * 4 * 3  # params, the gradient accumulator, SGD's momentum buffer
-        assert paid == arrays + entry(aliases=names).ByteSize()
+        assert paid == arrays + entry(aliases=names).ByteSize() + SLICE_RECORD_BYTES
     finally:
         a.close()
 

@@ -24,6 +24,7 @@ at most ``MAX_LISTED`` ranks (the chaos fuzzer's Status took 22 GB before).
 
 from __future__ import annotations
 
+import heapq
 import re
 import time
 from collections.abc import Iterable
@@ -245,21 +246,22 @@ def pending_rows(
     slots: list[Slot], buffers: list[BufferSlice], limit: int
 ) -> tuple[list[pb.PendingWork], int]:
     """Rows for ``slots`` and ``buffers``, the oldest first, at most ``limit`` (0: the
-    default, capped at ``MAX_PENDING``); and how many were left out."""
+    default, capped at ``MAX_PENDING``); and how many were left out. Rows are made for the
+    oldest only, picked by when each opened: a server may hold many slots (in review, a Status
+    made a row for each of 150,000 and took 4.7 s)."""
     limit = min(limit or DEFAULT_PENDING, MAX_PENDING)
     now = time.monotonic()
+    work: list[tuple[float, Any, bool]] = [(s.since, s, False) for s in slots if s.ended is None]
+    steps = [(b, p) for b in buffers if (p := b.pending) is not None]
+    work += [(p.opened, b, True) for b, p in steps if not p.reduced and p.chunks]
     rows = []
-    for slot in slots:
-        with slot.cond:
-            if slot.ended is None:
-                rows.append(slot_row(slot, now))
-    for b in buffers:
-        with b.cond:
-            row = step_row(b, now)
+    for _, item, step in heapq.nsmallest(limit, work, key=lambda w: w[0]):
+        with item.cond:  # looked at again under its lock: it may have ended since
+            row = step_row(item, now) if step else None if item.ended else slot_row(item, now)
         if row is not None:
             rows.append(row)
     rows.sort(key=lambda r: -r.age_seconds)
-    return rows[:limit], max(0, len(rows) - limit)
+    return rows, max(0, len(work) - limit)
 
 
 def run_epoch(key: str, run: str) -> int | None:
