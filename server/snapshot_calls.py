@@ -12,7 +12,7 @@ from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
-from paramshard.server.buffers.slice_state import slice_bytes
+from paramshard.server.buffers.slice_state import master_itemsize, slice_bytes
 from paramshard.server.buffers.store import BufferSlice, BufferStore
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
@@ -208,4 +208,4 @@ def _read_bytes(spec: pb.RegisterBufferRequest, layout: dict[str, Any]) -> int:
     state arrays its ``layout`` lists), before the slice copies them in."""
     start, stop = slicing.slice_bounds(spec.numel, spec.num_servers, spec.server_index)
     arrays = 1 + len(layout.get(spec.ref.buffer, {}).get("state", ()))
-    return (stop - start) * (8 if spec.master_dtype == pb.FLOAT64 else 4) * arrays
+    return (stop - start) * master_itemsize(spec) * arrays

@@ -54,6 +54,7 @@ __all__ = [
     "SliceState",
     "buffer_bytes",
     "master_dtype",
+    "master_itemsize",
     "slice_bytes",
 ]
 
@@ -63,6 +64,11 @@ MASTER_DTYPES = (pb.DTYPE_UNSPECIFIED, pb.FLOAT32, pb.FLOAT64)
 def master_dtype(req: pb.RegisterBufferRequest) -> str:
     """The master dtype a registration asks for: float64 for float64 models, else float32."""
     return "float64" if req.master_dtype == pb.FLOAT64 else "float32"
+
+
+def master_itemsize(req: pb.RegisterBufferRequest) -> int:
+    """Bytes an element of ``master_dtype(req)`` takes."""
+    return 8 if req.master_dtype == pb.FLOAT64 else 4
 
 
 STAGED_RECORD_BYTES = 1024
@@ -359,7 +365,7 @@ def slice_bytes(req: pb.RegisterBufferRequest) -> int:
     start, stop = slicing.slice_bounds(req.numel, req.num_servers, req.server_index)
     optimizer = OPTIMIZERS.get(req.optimizer.name)
     states = len(optimizer.state_names) if optimizer is not None else 0
-    size = 8 if req.master_dtype == pb.FLOAT64 else 4
+    size = master_itemsize(req)
     records = sum(p.ByteSize() for p in req.params)
     kept = len(req.model_config) + records + SLICE_RECORD_BYTES
     return buffer_bytes(stop - start, size, states) + kept

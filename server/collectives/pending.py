@@ -220,11 +220,16 @@ def slot_row(slot: Slot, now: float) -> pb.PendingWork:
     return row
 
 
+def _waits(p: Any) -> bool:
+    """Whether pending step ``p`` (or None) waits for contributions: some came, not all."""
+    return p is not None and not p.reduced and bool(p.chunks)
+
+
 def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     """The row of a gradient step of slice ``b`` that waits for contributions (caller holds
     ``b.cond``), or None when none does."""
     p = b.pending
-    if p is None or p.reduced or not p.chunks:
+    if not _waits(p):
         return None
     arrived = p.arrived(b.slice_numel)
     # an elastic step waits for its members only (server/buffers/membership.py)
@@ -252,8 +257,7 @@ def pending_rows(
     limit = min(limit or DEFAULT_PENDING, MAX_PENDING)
     now = time.monotonic()
     work: list[tuple[float, Any, bool]] = [(s.since, s, False) for s in slots if s.ended is None]
-    steps = [(b, p) for b in buffers if (p := b.pending) is not None]
-    work += [(p.opened, b, True) for b, p in steps if not p.reduced and p.chunks]
+    work += [(p.opened, b, True) for b in buffers if _waits(p := b.pending)]
     rows = []
     for _, item, step in heapq.nsmallest(limit, work, key=lambda w: w[0]):
         with item.cond:  # looked at again under its lock: it may have ended since

@@ -302,18 +302,22 @@ class SlotStore:
         slot.freed.add(offset)
         with self._lock:
             self.memory.release(chunk.charged())
-            if len(slot.freed) == slot.num_chunks() and self._slots.get(slot.key) is slot:
-                del self._slots[slot.key]
-                self.memory.release(slot_charge(slot.key))
+            if len(slot.freed) == slot.num_chunks():
+                self._forget_locked(slot)
                 self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
 
     def _forget_if_unused(self, slot: Slot) -> None:
         """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
         if slot.meta is None and not slot.chunks:
             with self._lock:
-                if self._slots.get(slot.key) is slot:
-                    del self._slots[slot.key]
-                    self.memory.release(slot_charge(slot.key))
+                self._forget_locked(slot)
+
+    def _forget_locked(self, slot: Slot) -> None:
+        """Drops ``slot``'s entry if it is still the store's, its record's charge with it
+        (caller holds ``_lock``)."""
+        if self._slots.get(slot.key) is slot:
+            del self._slots[slot.key]
+            self.memory.release(slot_charge(slot.key))
 
     # -- the end of pending work -------------------------------------------------------------
     def expire(self) -> int:
@@ -391,9 +395,7 @@ class SlotStore:
         with self._lock:
             self.memory.release(sum(c.charged() for c in slot.chunks.values()))
             slot.chunks.clear()
-            if self._slots.get(slot.key) is slot:
-                del self._slots[slot.key]
-                self.memory.release(slot_charge(slot.key))
+            self._forget_locked(slot)
             if remember:
                 self._gone.note_ended(slot.key, why)
 
