@@ -33,7 +33,7 @@ from paramshard.server.replication.replicator import Replicator
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_of  # SERVICE_NAME: the proto's
 from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
-from paramshard.server.runtime import backend
+from paramshard.server.runtime import backend, callers
 from paramshard.server.runtime.errors import ShardError, clip, named
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshot_calls import SnapshotCalls
@@ -230,7 +230,7 @@ class ShardServicer:
                     clip(f"{name}: request does not parse as a {name} message: {request.error}"),
                 )
             try:
-                with backend.nonfinite_quietly():
+                with backend.nonfinite_quietly(), callers.serving(context):
                     return fn(request, context)
             except ShardError as exc:
                 context.abort(exc.code, clip(named(name, exc.message)))
@@ -360,8 +360,7 @@ class ShardServicer:
 
     # -- snapshots (server/snapshot_calls.py) ---------------------------------------------
     def snapshot(self, req: pb.SnapshotRequest, context: Any) -> Any:
-        alive = getattr(context, "is_active", None)  # grpc's: False once the caller went away
-        return self.snapshot_calls.snapshot(req, self._timeout(context), alive)
+        return self.snapshot_calls.snapshot(req, self._timeout(context))
 
     def commit_snapshot(self, req: pb.CommitSnapshotRequest, context: Any) -> Any:
         return self.snapshot_calls.commit(req)

@@ -38,12 +38,10 @@ class SnapshotCalls:
             raise ShardError.not_found(f"job '{job}' is not on this server")
         return slices
 
-    def snapshot(
-        self, req: pb.SnapshotRequest, timeout: float, alive: Callable[[], bool] | None = None
-    ) -> Any:
+    def snapshot(self, req: pb.SnapshotRequest, timeout: float) -> Any:
         """This server's shard of ``req.job`` at ``req.version``, written. The wait for that
-        version ends at ``timeout``, or once ``alive()`` is False (the caller went away): the
-        shard is then free for another call at once, not held until the deadline."""
+        version ends at ``timeout``, or once the caller went away (server/runtime/callers.py):
+        the shard is then free for another call at once, not held until the deadline."""
         slices = self.job_slices(req.job)
         check_placement(req.server_index, req.num_servers, "snapshot")
         held = (slices[0].spec.server_index, slices[0].spec.num_servers)
@@ -58,7 +56,7 @@ class SnapshotCalls:
         copies = 2 * sum(b.capture_bytes() for b in slices)
         self.buffers.budget.reserve(copies, "snapshots", f"snapshot of job '{req.job}'")
         try:
-            return self._snapshot(req, slices, timeout, alive)
+            return self._snapshot(req, slices, timeout)
         finally:
             self.buffers.budget.release(copies, "snapshots")
 
@@ -67,7 +65,6 @@ class SnapshotCalls:
         req: pb.SnapshotRequest,
         slices: list[BufferSlice],
         timeout: float,
-        alive: Callable[[], bool] | None,
     ) -> Any:
         # (tag, shard) is this call's until it ends; the shard file then keeps it
         reservation = self.snapshots.reserve(
@@ -77,7 +74,7 @@ class SnapshotCalls:
             try:  # every buffer asks first, so none can step past the version while we wait
                 for b in slices:
                     b.request_capture(req.version)
-                captured = [b.capture(req.version, timeout, alive) for b in slices]
+                captured = [b.capture(req.version, timeout) for b in slices]
             except ShardError:
                 for b in slices:
                     b.cancel_capture(req.version)

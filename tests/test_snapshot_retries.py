@@ -29,13 +29,13 @@ def test_the_next_attempt_comes_after_a_shard_still_being_written(servers, tmp_p
     calls0 = nodes[0].servicer.snapshot_calls
     real_snapshot, refused = calls0.snapshot, []
 
-    def past_once(req: pb.SnapshotRequest, timeout: float, alive: Any = None) -> Any:
+    def past_once(req: pb.SnapshotRequest, timeout: float) -> Any:
         if not refused:  # training stepped past the version between Status and Snapshot
             refused.append(req.version)
             raise ShardError.precondition(
                 f"slice is at version 3, past the snapshot's {req.version}"
             )
-        return real_snapshot(req, timeout, alive)
+        return real_snapshot(req, timeout)
 
     calls0.snapshot = past_once
     dir1 = nodes[1].servicer.snapshots

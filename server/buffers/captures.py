@@ -3,7 +3,6 @@ the step that would leave it), and a slice rebuilt from a snapshot."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
@@ -38,12 +37,10 @@ class Captures(SliceState):
         a capture is taken before the next step makes any other)."""
         return int(self.master.nbytes) + self.optimizer.state_bytes()
 
-    def capture(
-        self, version: int, timeout: float, alive: Callable[[], bool] | None = None
-    ) -> Captured:
+    def capture(self, version: int, timeout: float) -> Captured:
         """Host copies of params and optimizer state at exactly ``version``: now if the slice
-        is there, else when it gets there (just before the next step), without stopping it.
-        ``alive()``: False once the caller went away, which ends the wait (``wait_for``)."""
+        is there, else when it gets there (just before the next step), without stopping it;
+        a caller that went away ends the wait (``wait_for``)."""
         self.request_capture(version)
         with self.cond:
             try:
@@ -51,7 +48,6 @@ class Captures(SliceState):
                     lambda: version in self.captures or self.version >= version,
                     timeout,
                     f"version {version} to snapshot it",
-                    alive,
                 )
                 if version not in self.captures:
                     if self.version != version:  # SetParams/restore jumped past it

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -224,27 +223,22 @@ class SliceState:
         ready: Any,
         timeout: float,
         waiting_for: str,
-        alive: Callable[[], bool] | None = None,
     ) -> None:
         """Wait on the slice's condition (caller holds it) until ``ready()``, or fail: at the
         deadline with DEADLINE_EXCEEDED naming the ranks it waited for (``waiting_on``), at
         once with FAILED_PRECONDITION when the run's ranks disagree about the buffer
         (``conflict_with``) or once every rank whose gradient it misses ended for good (a
-        peer that ran out of batches: ``ended``). Every ``ENDED_POLL_S`` it asks that and
-        ``alive()``: False once the call's caller went away (cancelled, disconnected), which
-        ends the wait (CANCELLED)."""
+        peer that ran out of batches: ``ended``), asked every ``ENDED_POLL_S``; with
+        CANCELLED once the call's caller went away (``wait_asking``)."""
 
         def settled() -> bool:
             return self.dropped or self.stopped or self.conflict is not None or ready()
 
         def ask() -> str:
-            if alive is not None and not alive():
-                raise ShardError.cancelled(
-                    f"{self.label}: the caller went away while this call waited for {waiting_for}"
-                )
             return self.news.ended(self.run_name, self.missing_pushes())
 
-        done, gone = wait_asking(self.cond, settled, timeout, ask)
+        what = f"{waiting_for} ({self.label})"
+        done, gone = wait_asking(self.cond, settled, timeout, ask, what)
         if gone:
             raise ShardError.precondition(
                 f"{self.label} is at version {self.version}; waiting for {waiting_for}: {gone}"

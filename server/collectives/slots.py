@@ -258,6 +258,7 @@ class SlotStore:
                     lambda: slot.ended is not None or slot.conflict is not None or over(),
                     timeout,
                     lambda: self.news.ended(name.run, missing(slot, req.offset)),
+                    f"slot '{req.key}' at {req.offset:,}",
                 )
             finally:
                 slot.waiting[req.reader] -= 1

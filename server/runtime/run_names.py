@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from paramshard.server.runtime import callers
+
 __all__ = ["ENDED_POLL_S", "NOTHING_KNOWN", "RankNews", "grouped", "run_root", "wait_asking"]
 
 ENDED_POLL_S = 0.5
@@ -62,11 +64,17 @@ def grouped(run: str) -> bool:
 
 
 def wait_asking(
-    cond: threading.Condition, ready: Callable[[], bool], timeout: float, ask: Callable[[], str]
+    cond: threading.Condition,
+    ready: Callable[[], bool],
+    timeout: float,
+    ask: Callable[[], str],
+    waiting_for: str,
 ) -> tuple[bool, str]:
     """``cond.wait_for(ready, timeout)`` (caller holds ``cond``) that calls ``ask()`` every
     ``ENDED_POLL_S`` and ends early when it has words (the missing ranks ended for good);
-    ``ask`` may raise to end it otherwise. Returns (ready, words)."""
+    ``ask`` may raise to end it otherwise. It ends CANCELLED once the call it serves lost its
+    caller (``callers.check``; ``waiting_for`` says what it waited for). Returns (ready,
+    words)."""
     end = time.monotonic() + timeout
     while True:
         left = end - time.monotonic()
@@ -74,5 +82,6 @@ def wait_asking(
             return True, ""
         if left <= ENDED_POLL_S:
             return False, ""
+        callers.check(waiting_for)
         if words := ask():
             return False, words

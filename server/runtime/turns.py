@@ -14,7 +14,8 @@ a contribution others wait for. The bounds make a wait harmless even where that 
 
 - each waiting call holds a handler thread, so at most ``TurnWaits.limit`` wait at once, server
   wide (the server sets it to a quarter of the threads waiting calls may take: server/app.py);
-- a wait lasts ``TURN_WAIT_S`` at most, and half its call's time at most;
+- a wait lasts ``TURN_WAIT_S`` at most, and half its call's time at most, and ends CANCELLED
+  once its caller went away (server/runtime/callers.py);
 - a contribution of ``WAITS_FROM_BYTES`` or less never waits (a session runs contributions of
   up to ``INLINE_BYTES``, 256 KiB, on its reader thread, which must never wait: its other calls
   would wait behind it; small copies cost less than the wait's bookkeeping anyway).
@@ -28,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from paramshard.server.runtime.run_names import wait_asking
 
 __all__ = ["TurnWaits", "TURN_WAIT_S", "WAITS_FROM_BYTES"]
 
@@ -59,7 +62,7 @@ class TurnWaits:
             self.waiting += 1
         of.turn_waiters += 1
         try:
-            cond.wait_for(done, timeout=max(0.0, until - time.monotonic()))
+            wait_asking(cond, done, max(0.0, until - time.monotonic()), str, "its turn")
         finally:
             of.turn_waiters -= 1
             with self._lock:

@@ -67,6 +67,11 @@ class CallContext:
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
 
+    def is_active(self) -> bool:
+        """False once the session's stream ended (its client cancelled it, or went away): the
+        call's waits end then (server/runtime/callers.py)."""
+        return self._stream.is_active()
+
     def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise CallAbort(code, details)
 
