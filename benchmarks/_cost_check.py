@@ -70,7 +70,15 @@ def lab_time(
     hosts' CPU over the cores, as the machine is busy throughout (a host's waits are others'
     turns: in quiet runs ours' large W = 4 cells took a median 2.1x their CPU a rank and
     gloo's 2.1-2.3x, against 1.1x and 1.3-1.4x at W = 2; docs/scaling.md)."""
-    msgs, handled, wire = cc.op_counts(side, op, nbytes, w, chunk, fused)
+    return counts_time(c, cc.op_counts(side, op, nbytes, w, chunk, fused), w, rate)
+
+
+def counts_time(
+    c: dict[str, float], counts: tuple[float, float, float], w: int, rate: Any
+) -> float:
+    """``lab_time`` of an op whose (messages, bytes handled, bytes on the wire) a host are
+    ``counts`` (``_cost_counts.op_counts``)."""
+    msgs, handled, wire = counts
     slow = max(1.0, w / LAB_CORES)  # hosts sharing the machine's cores
     if slow > 1:
         work = cc.cpu_s(c, msgs, handled) * slow
@@ -164,9 +172,9 @@ def _run_rows(
             if key not in r:
                 continue
             c, nbytes, w = costs[side], tensor_bytes(r), r["world_size"]
-            pred = lab_time(side, c, r["op"], nbytes, w, link, chunk, fused) * 1e3
-            msgs, handled, _ = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
-            cpu = cc.cpu_s(c, msgs, handled) * 1e3
+            counts = cc.op_counts(side, r["op"], nbytes, w, chunk, fused)
+            pred = counts_time(c, counts, w, link) * 1e3
+            cpu = cc.cpu_s(c, *counts[:2]) * 1e3
             rows.append({"run": run, "side": side, "op": r["op"], "world_size": w,
                          "bytes": round(nbytes), "rate_gbit": r.get("rate_gbit"),
                          "link_gbit": link,
