@@ -146,11 +146,15 @@ def watch(child: Child, events: queue.SimpleQueue) -> None:
 
 def stop(children: Sequence[Child], signum: int, grace: float, received: list[int]) -> None:
     """Sends ``signum``, waits up to ``grace`` seconds, then SIGKILLs whatever still runs.
+    ``signum`` is followed by SIGCONT (as systemd does): a child stopped by SIGSTOP or a
+    debugger takes a signal only once it runs, and would otherwise wait out the grace.
 
     A signal arriving meanwhile (``received`` grows: a second Ctrl-C) ends the wait at once."""
     already = len(received)
     for child in children:
         child.signal(signum)
+        if signum != signal.SIGKILL:
+            child.signal(signal.SIGCONT)
     deadline = time.monotonic() + grace
     while any(c.alive() for c in children) and time.monotonic() < deadline:
         if len(received) > already:

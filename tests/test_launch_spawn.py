@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from paramshard.processes import spawn
+from paramshard.processes import spawn, stop
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux prctl")
 
@@ -93,3 +93,20 @@ def test_a_spawned_command_keeps_its_arguments_and_environment(tmp_path: Path) -
     out, err = child.proc.communicate(timeout=30)
     assert child.proc.returncode == 0, err
     assert out.decode().strip() == "['a b', '--c'] yes"
+
+
+def test_a_stopped_child_ends_by_sigterm_without_waiting_out_the_grace() -> None:
+    """``stop``: a child stopped by SIGSTOP (a debugger, an operator's ``kill -STOP``) takes
+    the SIGTERM once it runs, so SIGCONT follows it; before, the launcher waited out its
+    ``--grace`` (10 s) and SIGKILLed the child (seen in a field check: exit 10 s late)."""
+    child = spawn("rank 0", ["sleep", "120"], {"PATH": os.environ["PATH"]})
+    try:
+        child.signal(signal.SIGSTOP)
+        began = time.monotonic()
+        stop([child], signal.SIGTERM, 30.0, [])
+        took = time.monotonic() - began
+        assert child.proc.returncode == -signal.SIGTERM
+        assert took < 15.0, f"stop took {took:.1f} s: the stopped child waited out the grace"
+    finally:
+        child.signal(signal.SIGKILL)
+        child.proc.wait(30)
