@@ -26,6 +26,7 @@ import grpc
 
 from paramshard.client import ShardClientError
 from paramshard.strategies.lr_schedule import sync_scheduler
+from paramshard.strategies.recovery_rounds import recover_until_done
 
 __all__ = ["recover_elastic", "train_elastic"]
 
@@ -98,8 +99,12 @@ def train_elastic(
                 report.stopped_early = True
                 break
         except ShardClientError as exc:
-            if not hooks.recoverable(model, exc) or report.recoveries >= max_recoveries:
-                raise
-            recover_elastic(model, exc, step, hooks, report)
+            recover_until_done(
+                exc,
+                lambda failure: hooks.recoverable(model, failure),
+                lambda failure, at=step: recover_elastic(model, failure, at, hooks, report),
+                report,
+                max_recoveries,
+            )
             taken = -1
             sync_scheduler(scheduler, model.step_count)

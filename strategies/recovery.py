@@ -61,6 +61,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
+from paramshard.strategies.recovery_rounds import recover_until_done
 
 if TYPE_CHECKING:
     from paramshard.strategies.hybrid import HybridShardedModel
@@ -307,10 +308,15 @@ def train_with_recovery(
                     model.config.client.barrier()  # every rank is through it, or all recover
                 break
             except ShardClientError as exc:
-                if not _recoverable(model, exc) or report.recoveries >= max_recoveries:
-                    raise
-                epoch += 1
-                _recover(model, exc, step, epoch, wait_s, report)
+
+                def recover(failure: ShardClientError, at: int = step) -> None:
+                    nonlocal epoch
+                    epoch += 1
+                    _recover(model, failure, at, epoch, wait_s, report)
+
+                recover_until_done(
+                    exc, lambda f: _recoverable(model, f), recover, report, max_recoveries
+                )
                 if model.step_count < end:  # a replayed stop step: should_stop decides again
                     report.stopped_early, end = False, steps
                 sync_scheduler(scheduler, model.step_count)
