@@ -27,6 +27,9 @@ them): the world's collectives would wait for ranks that are not there.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +38,12 @@ from paramshard.client.membership import Finished, Membership, StepMembers
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 
-__all__ = ["ElasticSteps"]
+__all__ = ["ElasticSteps", "REBUILD_POLL_S"]
+
+log = logging.getLogger(__name__)
+
+REBUILD_POLL_S = 0.5
+"""How often a rank that found a server restarted empty asks again whether it was rebuilt."""
 
 
 class ElasticSteps:
@@ -101,6 +109,27 @@ class ElasticSteps:
             self._adopt_step(got.step)
         self._members, self._global_batch = got, 0
         return got
+
+    def _await_rebuilt(
+        self, register: Callable[[], tuple[set[int], set[int]]], held: set[int], empty: set[int]
+    ) -> tuple[set[int], set[int]]:
+        """A rank that comes while a server restarted empty (a node lost its trainer and its
+        server at once): the running ranks rebuild it in their recovery (replicas, or the
+        newest snapshot: strategies/elastic_training.py), so this rank waits for them,
+        registering again every ``REBUILD_POLL_S``, up to the client's ``timeout_s``, instead
+        of failing and spending a restart. ``register()``: the versions of the slices that
+        hold values, and of those that hold none (``held``, ``empty``: its first answer);
+        returns its last."""
+        log.warning(
+            "rank %d: job '%s' is at step %d on some servers and holds no values on others (a"
+            " server restarted empty): waiting up to %.0f s for the running ranks to rebuild it",
+            self.client.rank, self.config.job, max(held), self.client.timeout_s,
+        )  # fmt: skip
+        deadline = time.monotonic() + self.client.timeout_s
+        while held and empty and time.monotonic() < deadline:
+            time.sleep(REBUILD_POLL_S)
+            held, empty = register()
+        return held, empty
 
     def _adopt_step(self, step: int) -> None:
         """Continues at the servers' ``step`` (the strategy refreshes what it keeps)."""

@@ -120,32 +120,12 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         self._opt_name = server_optimizer(inner)  # before attaching: a rejected one stays out
         super()._attach(optimizer)
         buffers = plan_buffers(self.module, self._units, inner.param_groups)
-        job, versions, initialized = self.config.job, set(), True
-        names: dict[int, list[str]] = {}  # tied weights: every name a parameter has
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), []).append(name)
-        for i, b in enumerate(buffers):
-            hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
-            replies = self.client.register_buffer(
-                job,
-                b.name,
-                b.numel,
-                optimizer=self._opt_name,
-                hyper=hyper,
-                params=[
-                    replace(
-                        e,
-                        aliases=tuple(n for n in names[id(p)] if n != e.name),
-                        split=ParamSplit.from_fields(self.param_splits.get(e.name, {})),
-                    )
-                    for e, p in zip(b.entries, b.params, strict=True)
-                ],
-                master_dtype=b.master_dtype,
-                arrival_order=not self.config.deterministic,
-                model_config=self.model_config if i == 0 else "",  # one copy per job
-            )
-            versions |= {r.version for r in replies}
-            initialized &= all(r.initialized for r in replies)
+        job = self.config.job
+        held, empty = self._register(buffers)
+        if self.elastic and held and empty and max(held) > max(empty):
+            # a server restarted empty after the job's first step: the others rebuild it
+            held, empty = self._await_rebuilt(lambda: self._register(buffers), held, empty)
+        versions, initialized = held | empty, not empty
         rejoining = restarts.restart_count() or self.config.elastic
         if len(versions) > 1 and rejoining and max(versions) - min(versions) == 1:
             # A restarted rank arrived while a step was being applied (or its sender died
@@ -156,6 +136,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             raise RuntimeError(
                 f"job '{job}' is on the servers at several versions {sorted(versions)}:"
                 " restore a snapshot or drop the job"
+                + (" (some hold no values: a server restarted empty)" if held and empty else "")
             )
         self._buffers = buffers
         self._step = versions.pop() if initialized and versions else 0
@@ -178,6 +159,39 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         if self.membership is not None:  # it joins a step when it trains one (join_step)
             self.membership.catch_up()  # but pulls now (ZeRO's replica): in the run's epoch
         self._after_register()
+
+    def _register(self, buffers: list[BufferSpec]) -> tuple[set[int], set[int]]:
+        """Registers every buffer on its servers (a buffer there already is left as it is):
+        the versions of the slices that hold values, and of those that hold none yet."""
+        inner = self.optimizer.inner
+        held: set[int] = set()
+        empty: set[int] = set()
+        names: dict[int, list[str]] = {}  # tied weights: every name a parameter has
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        for i, b in enumerate(buffers):
+            hyper = server_hyper(self._opt_name, inner.param_groups[b.group_index])
+            replies = self.client.register_buffer(
+                self.config.job,
+                b.name,
+                b.numel,
+                optimizer=self._opt_name,
+                hyper=hyper,
+                params=[
+                    replace(
+                        e,
+                        aliases=tuple(n for n in names[id(p)] if n != e.name),
+                        split=ParamSplit.from_fields(self.param_splits.get(e.name, {})),
+                    )
+                    for e, p in zip(b.entries, b.params, strict=True)
+                ],
+                master_dtype=b.master_dtype,
+                arrival_order=not self.config.deterministic,
+                model_config=self.model_config if i == 0 else "",  # one copy per job
+            )
+            for r in replies:
+                (held if r.initialized else empty).add(r.version)
+        return held, empty
 
     def _initial_flat(self, b: BufferSpec) -> torch.Tensor:
         """Buffer ``b``'s values as one flat tensor in its master dtype: what rank 0 sets on
