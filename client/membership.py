@@ -220,6 +220,17 @@ class Membership:
             )
         return reply.in_flight and self.training is not None
 
+    def sit_out(self) -> None:
+        """Best effort: the coordinator stops waiting for this rank in the rounds open now
+        (its next ``join`` takes it back). A rank that comes while a server is rebuilt
+        (strategies/data_parallel/elastic.py) says so, or the others' recovery round, which
+        expects it as it is alive again, would wait ``window_s`` for it; the job's history
+        records it leaving the step it does not train."""
+        try:
+            self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001, S110 - the round then waits its window, no more
+            pass
+
     def catch_up(self) -> None:
         """A rank new to the run moves past an epoch the run aborted before it came (the
         notice its lease's first answer carried: a rank lost earlier): its first pulls, made

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from test_elastic import BATCH, INIT, LR, data, net
+from test_elastic import BATCH, INIT, LR, data, net, vanish
 
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.protos import shard_pb2 as pb
@@ -24,14 +24,30 @@ pytestmark = pytest.mark.timeout(300)
 JOB, STEPS = "rebuilt", 2
 
 
-def rank(addresses: list[str], r: int) -> tuple[ShardClient, FSDPModel, FSDPOptimizer]:
+def rank(
+    addresses: list[str], r: int, window_s: float = 10.0
+) -> tuple[ShardClient, FSDPModel, FSDPOptimizer]:
     client = ShardClient(
         ClusterSpec(addresses), rank=r, world_size=2, run_id="rb", timeout_s=60, retries=2
     )
-    config = ShardingConfiguration(client, job=JOB, elastic=True, replicate_every=1)
+    config = ShardingConfiguration(
+        client, job=JOB, elastic=True, replicate_every=1, join_window_s=window_s
+    )
     model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
     opt = FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
     return client, model, opt
+
+
+def replicated(client: ShardClient) -> None:
+    """Until server 0 holds server 1's slices at version ``STEPS``: replicas travel after each
+    step, in the background, and a rebuild goes back to the newest one every server has."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = client.call(0, "ListReplicas", pb.ListReplicasRequest(job=JOB))
+        if any(r.source_index == 1 and r.version == STEPS for r in got.replicas):
+            return
+        assert time.monotonic() < deadline, f"server 1's step {STEPS} never reached server 0"
+        time.sleep(0.05)
 
 
 def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) -> None:
@@ -47,6 +63,7 @@ def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) ->
             opt0.step()
             opt0.zero_grad()
         assert model0.step_count == STEPS
+        replicated(client0)
         client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
 
         def comes() -> None:
@@ -70,3 +87,63 @@ def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) ->
         assert not newcomer.is_alive() and joined == [STEPS], joined
     finally:
         client0.close()
+
+
+def test_a_rank_restarted_with_its_server_sits_out_the_others_recovery_round(servers) -> None:
+    """Ranks 0 and 1 train two steps; rank 1's process and server 1 die together (server 1
+    comes back empty) and rank 1 comes back. Rank 0 recovers: its recovery round expects rank
+    1, a member of the last step and alive again. The new rank 1 waits for the rebuild outside
+    that round, so it says it sits the round out (``Membership.sit_out``): the round decides
+    without waiting its window (30 s here). Before, it waited the whole window."""
+    window = 30.0
+    nodes = servers(2)
+    addresses = [s.address for s in nodes]
+    x, y = data()
+    ranks = [rank(addresses, r, window) for r in range(2)]
+
+    def trains(r: int) -> None:
+        _, model, opt = ranks[r]
+        for s in range(STEPS):
+            part = model.batch_part(BATCH)
+            torch.nn.functional.mse_loss(model(x[s, part]), y[s, part]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    both = [threading.Thread(target=trains, args=(r,)) for r in range(2)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(120)
+    client0, model0, _ = ranks[0]
+    joined: list[object] = []
+    try:
+        assert model0.step_count == STEPS and ranks[1][1].step_count == STEPS
+        vanish(ranks[1][0])  # rank 1's process dies
+        replicated(client0)
+        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+
+        def comes_back() -> None:
+            try:
+                client1, model1, _ = rank(addresses, 1, window)
+                joined.append(model1.step_count)
+                client1.close()
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                joined.append(exc)
+
+        restarted = threading.Thread(target=comes_back, name="r1 again")
+        restarted.start()
+        deadline = time.monotonic() + 60
+        while JOB not in nodes[1].servicer.buffers.jobs():  # it waits for the rebuild
+            assert time.monotonic() < deadline and restarted.is_alive(), joined
+            time.sleep(0.05)
+        time.sleep(1.0)  # its word to the coordinator
+        began = time.monotonic()
+        model0.restart_collectives(1)  # what rank 0's recovery does (recover_elastic)
+        assert model0.resync(1, 1.0) == STEPS  # its round, its rebuild from the replicas
+        took = time.monotonic() - began
+        restarted.join(60)
+        assert not restarted.is_alive() and joined == [STEPS], joined
+        assert took < window / 2, f"the recovery round waited {took:.1f} s for the new rank"
+    finally:
+        client0.close()
+        ranks[1][0].close()

@@ -125,6 +125,8 @@ class ElasticSteps:
             " server restarted empty): waiting up to %.0f s for the running ranks to rebuild it",
             self.client.rank, self.config.job, max(held), self.client.timeout_s,
         )  # fmt: skip
+        if self.membership is not None:  # the others' recovery round need not wait for it
+            self.membership.sit_out()
         deadline = time.monotonic() + self.client.timeout_s
         while held and empty and time.monotonic() < deadline:
             time.sleep(REBUILD_POLL_S)
