@@ -26,7 +26,9 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import random
 import shutil
+import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Sequence
@@ -192,6 +194,27 @@ def slot_held(key: str, *array_bytes: int) -> int:
     (``slot_bytes`` in Status, "slots" in the memory budget): its records and its arrays."""
     arrays = sum(n + ARRAY_RECORD_BYTES for n in array_bytes)
     return slot_charge(key) + CHUNK_RECORD_BYTES + arrays
+
+
+def port_to_reuse() -> int:
+    """A free port on 127.0.0.1 for a test that stops a server and starts another at its port:
+    one below the kernel's ephemeral range, which no ``:0`` bind nor outgoing connection of a
+    parallel test takes in between (one of the range did: "Failed to bind", seen in CI)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port below the ephemeral range in 200 tries")
 
 
 def unique_id(prefix: str = "run") -> str:

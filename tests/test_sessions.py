@@ -9,7 +9,6 @@ caller can do with one. Real servers on 127.0.0.1, called through gRPC (``local_
 from __future__ import annotations
 
 import queue
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import run_ranks
+from conftest import port_to_reuse, run_ranks
 from test_shm import client as shm_client
 from test_shm import open_segment, push
 
@@ -274,8 +273,8 @@ def test_a_stopping_server_ends_each_session_once_its_calls_have_replied(server)
 def test_a_restarted_server_gets_a_new_session() -> None:
     """The session to a stopped server breaks; the call in flight is sent again and the next
     session is opened with the server that took its place."""
-    first = ShardServer(local_calls=False).start()
-    port = first.port
+    port = port_to_reuse()
+    first = ShardServer(port=port, local_calls=False).start()
     c = ShardClient(ClusterSpec([first.address]), timeout_s=20)
     try:
         assert c.all_reduce(np.ones(2, np.float32)).tolist() == [1.0, 1.0]
@@ -297,9 +296,7 @@ def test_a_server_that_starts_late_gets_a_session_soon_after() -> None:
     and is retried one by one until the server is up; that is not a refusal, so the session is
     asked for again after ``RETRY_UNREACHABLE_S``, not the half minute of a refusal (a rank
     whose peer's server started a moment later used to call it one by one for 30 s)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = port_to_reuse()
     c = ShardClient(ClusterSpec([f"127.0.0.1:{port}"]), timeout_s=20, retries=20)
     late: list[ShardServer] = []
     starter = threading.Timer(
