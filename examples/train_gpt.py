@@ -295,7 +295,11 @@ def run_rank(args: argparse.Namespace) -> int:
             )  # fmt: skip
     elapsed = time.perf_counter() - began
     end = start + len(report.losses) if args.strategy == "ddp" else model.step_count
-    reports = model.joined.leader == rank if elastic else rank == 0  # rank 0 may be gone
+    if elastic:  # the last step's leader (rank 0 may be gone); none for a rank that came
+        joined = model.joined  # once the job had ended (it resumed at the last step)
+        reports = joined is not None and joined.leader == rank
+    else:
+        reports = rank == 0
     if not reports:
         return 0
     trained = whole if whole is not None else model  # DDP's model is in the trainer already

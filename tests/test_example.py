@@ -3,10 +3,12 @@ shows rank 0's progress, and the loss goes down."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from subprocess import DEVNULL
 
 import pytest
 
@@ -46,6 +48,28 @@ def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
     if strategy != "hybrid":  # validation runs with the data-parallel strategies
         assert "[rank 0] step 20: validation loss " in proc.stdout
     assert "[rank 0] steps 1..20 trained (continuous), the servers at version 20;" in proc.stdout
+
+
+@pytest.mark.slow
+def test_an_elastic_rank_that_comes_once_the_job_ended_exits_cleanly(servers) -> None:
+    """A rank restarted (``--max-restarts``) as the others finish the last step resumes at
+    that step and trains nothing: it exits 0. It raised AttributeError at its end (the last
+    step's leader reports; it had joined no step), seen in a field run."""
+    addresses = ",".join(s.address for s in servers(2))
+    env = {**os.environ, "PARAMSHARD_RUN": f"ended-{os.getpid()}"}
+    env.pop("RANK", None)
+    argv = [sys.executable, str(SCRIPT), "--elastic", "--min-nproc", "1", "--steps", "10"]
+    run = dict(capture_output=True, text=True, timeout=TIMEOUT_S, stdin=DEVNULL)
+    job = subprocess.run([*argv, "--servers", addresses], check=False, env=env, **run)
+    assert job.returncode == 0, (job.stdout + job.stderr)[-3000:]
+    assert "steps 1..10 trained (continuous), the servers at version 10;" in job.stdout
+    late = {**env, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+            "PARAMSHARD_SERVERS": addresses, "PARAMSHARD_ELASTIC": "1",
+            "PARAMSHARD_MIN_NPROC": "1", "PARAMSHARD_RESTART_COUNT": "1"}  # fmt: skip
+    rank1 = subprocess.run(argv, check=False, env=late, **run)
+    output = rank1.stdout + rank1.stderr
+    assert rank1.returncode == 0, output[-3000:]
+    assert "rank 1: resumed at step 10, the servers' step (restart 1)" in rank1.stdout, output
 
 
 @pytest.mark.parametrize(
