@@ -69,6 +69,11 @@ class RunState:
         with self._lock:
             self.epoch = max(self.epoch, epoch)
 
+    def next_epoch(self, notice: Notice | None) -> int:
+        """The epoch a recovery moves to: past this client's and past ``notice``'s (the one
+        that ended the epoch; the same on every rank that saw it)."""
+        return max(self.epoch, notice.epoch if notice is not None else 0) + 1
+
     def track(self, future: Any) -> None:
         """Registers a call in flight, until it completes."""
         with self._lock:

@@ -52,7 +52,7 @@ def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, re
     if model.optimizer is not None:
         model.optimizer.zero_grad()
     hooks.wait_for_servers(model)
-    epoch = max(state.epoch, notice.epoch if notice is not None else 0) + 1
+    epoch = state.next_epoch(notice)
     model.restart_collectives(epoch)
     restored = model.resync(epoch, model.config.join_window_s)
     report.recovered(step, restored, began)

@@ -18,6 +18,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import grpc
+
+from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["ElasticCheckpoints", "job_versions"]
@@ -99,7 +102,7 @@ class ElasticCheckpoints:
         one version of the job and continues there; returns that step. ``settle_s``: how long
         to let another rank finish a step half applied before restoring instead."""
         job = self.config.job
-        waited = 0.0
+        waited, rebuilt = 0.0, False
         while True:
             versions = job_versions(self.client, job)
             known = [v for v in versions if v is not None]
@@ -116,8 +119,27 @@ class ElasticCheckpoints:
                     time.sleep(SETTLE_S)
                     waited += SETTLE_S
                     continue
+            if rebuilt and None in versions:  # restored in this epoch, and a server lost it
+                raise self._lost_again(epoch, versions)
             if self.membership.recovery(epoch):
                 self._recover_job()
                 self.membership.recovered()
+            rebuilt = True
         self._adopt_step(low)
         return low
+
+    def _lost_again(self, epoch: int, versions: list[int | None]) -> ShardClientError:
+        """A server holds no values after ``epoch``'s recovery round restored the job: it was
+        lost again (a restart, empty). That round is done and restores nothing more, so the
+        rank recovers again, in a new epoch (strategies/recovery_rounds.py): looking again in
+        this one would loop for good."""
+        bad = versions.index(None)
+        return ShardClientError(
+            bad,
+            self.client.spec.addresses[bad],
+            "Status",
+            grpc.StatusCode.ABORTED,
+            f"job '{self.config.job}' is at versions {versions} on the servers after the"
+            f" recovery of epoch {epoch} restored it (None: holds no values): a server was"
+            " lost again; recovering in a new epoch",
+        )
