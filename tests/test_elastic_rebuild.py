@@ -12,11 +12,12 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import pytest
 import torch
 from test_elastic import BATCH, INIT, LR, data, net, vanish
 
-from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
 
@@ -147,3 +148,90 @@ def test_a_rank_restarted_with_its_server_sits_out_the_others_recovery_round(ser
     finally:
         client0.close()
         ranks[1][0].close()
+
+
+def test_a_rank_that_finds_nobody_to_rebuild_rebuilds_itself(servers) -> None:
+    """Rank 0 trains two steps and dies, server 1 comes back empty, and rank 1 comes: nobody
+    is left to rebuild server 1 (a node went down, then the other rank died during its
+    recovery: field review, 1 run of 3). After ``join_window_s`` the new rank holds a
+    recovery round itself, restores server 1 from server 0's replica and joins at step 2 with
+    rank 0's parameters. Before, it waited ``timeout_s`` and raised "several versions"."""
+    window = 2.0
+    nodes = servers(2)
+    addresses = [s.address for s in nodes]
+    x, y = data()
+    client0, model0, opt0 = rank(addresses, 0, window)
+    try:
+        for s in range(STEPS):
+            part = model0.batch_part(BATCH)
+            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
+            opt0.step()
+            opt0.zero_grad()
+        trained = {k: v.clone() for k, v in model0.state_dict().items()}
+        replicated(client0)
+    finally:
+        vanish(client0)  # rank 0's process dies
+    admin = ShardClient(ClusterSpec(addresses), timeout_s=30)
+    try:
+        admin.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+    finally:
+        admin.close()
+    began = time.monotonic()
+    client1, model1, _ = rank(addresses, 1, window)
+    try:
+        took = time.monotonic() - began
+        assert model1.step_count == STEPS
+        assert took < 30, f"it waited {took:.1f} s"  # timeout_s is 60
+        got = model1.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in trained.items())
+    finally:
+        client1.close()
+
+
+def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) -> None:
+    """Server 1 comes back empty, rank 0's recovery round (epoch 1) restores it, and server 1
+    is lost again right after (field review: a node down, then server 1 killed again during
+    the recovery). The round of epoch 1 is done and restores nothing more: resync raises
+    ABORTED so that the rank recovers again in a new epoch, where the job is restored again.
+    Before, resync asked the done round again and again, for good (a rank stuck 190 s with
+    no word in the review's run)."""
+    nodes = servers(2)
+    addresses = [s.address for s in nodes]
+    x, y = data()
+    client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
+    try:
+        for s in range(STEPS):
+            part = model0.batch_part(BATCH)
+            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
+            opt0.step()
+            opt0.zero_grad()
+        replicated(client0)
+        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+        restore = model0._recover_job
+
+        def restore_then_lose() -> None:
+            restore()
+            client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # and lost again
+
+        model0._recover_job = restore_then_lose
+        model0.restart_collectives(1)
+        got: list[object] = []
+
+        def resyncs() -> None:
+            try:
+                got.append(model0.resync(1, 1.0))
+            except ShardClientError as exc:
+                got.append(exc)
+
+        first = threading.Thread(target=resyncs, name="resync epoch 1", daemon=True)
+        first.start()
+        first.join(30)
+        assert not first.is_alive(), "resync of epoch 1 still looks at the servers after 30 s"
+        (exc,) = got
+        assert isinstance(exc, ShardClientError), exc
+        assert exc.code == grpc.StatusCode.ABORTED and "lost again" in exc.details, exc
+        model0._recover_job = restore
+        model0.restart_collectives(2)
+        assert model0.resync(2, 1.0) == STEPS  # epoch 2's round restores it again
+    finally:
+        client0.close()

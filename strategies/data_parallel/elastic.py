@@ -117,7 +117,9 @@ class ElasticSteps:
         server at once): the running ranks rebuild it in their recovery (replicas, or the
         newest snapshot: strategies/elastic_training.py), so this rank waits for them,
         registering again every ``REBUILD_POLL_S``, up to the client's ``timeout_s``, instead
-        of failing and spending a restart. ``register()``: the versions of the slices that
+        of failing and spending a restart. Not rebuilt within ``join_window_s``: the ranks
+        that ran are gone too (lost during their recovery) or stuck, so it takes part in a
+        recovery round itself (``_rebuild``). ``register()``: the versions of the slices that
         hold values, and of those that hold none (``held``, ``empty``: its first answer);
         returns its last."""
         log.warning(
@@ -127,11 +129,32 @@ class ElasticSteps:
         )  # fmt: skip
         if self.membership is not None:  # the others' recovery round need not wait for it
             self.membership.sit_out()
-        deadline = time.monotonic() + self.client.timeout_s
+        now = time.monotonic()
+        deadline, alone_at = now + self.client.timeout_s, now + self.config.join_window_s
         while held and empty and time.monotonic() < deadline:
-            time.sleep(REBUILD_POLL_S)
+            if time.monotonic() < alone_at:
+                time.sleep(REBUILD_POLL_S)
+            else:
+                alone_at = float("inf")  # once
+                self._rebuild()
             held, empty = register()
         return held, empty
+
+    def _rebuild(self) -> None:
+        """A recovery round, as the running ranks hold one (strategies/elastic_training.py):
+        its lowest live member restores the job (replicas, else the newest snapshot); a rank
+        that still runs and recovers in the same epoch leads it or waits for it."""
+        state = self.client.run_state
+        epoch = state.next_epoch(state.current())
+        log.warning(
+            "rank %d: job '%s' not rebuilt within %.0f s (join_window_s): the ranks that ran"
+            " are gone or stuck; joining a recovery round (epoch %d) to rebuild it",
+            self.client.rank, self.config.job, self.config.join_window_s, epoch,
+        )  # fmt: skip
+        self.restart_collectives(epoch)
+        if self.membership.recovery(epoch):
+            self._recover_job()
+            self.membership.recovered()
 
     def _adopt_step(self, step: int) -> None:
         """Continues at the servers' ``step`` (the strategy refreshes what it keeps)."""
