@@ -58,9 +58,14 @@ def summarize(
         f" {100 * comm / elapsed:.0f}% of the time in communication",
         flush=True,
     )
+    if steps == list(range(start, end)):
+        kind = "continuous"
+    elif args.elastic and steps == list(range(steps[0], end)):  # it sat out steps as it came
+        kind = f"continuous from step {steps[0] + 1}, where this rank joined"
+    else:
+        kind = "NOT continuous"
     print(
-        f"steps {steps[0] + 1}..{steps[-1] + 1} trained"
-        f" ({'continuous' if steps == list(range(start, end)) else 'NOT continuous'}), the"
+        f"steps {steps[0] + 1}..{steps[-1] + 1} trained ({kind}), the"
         f" servers at version {end}; {report.recoveries} recoveries"
         + "".join(f", resumed at step {r + 1}" for r in report.resumed_at)
         + f"; {report.replayed_steps} steps replayed"
