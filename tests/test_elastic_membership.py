@@ -183,6 +183,23 @@ def test_recovery_round_has_one_leader_and_the_others_wait_for_it(table) -> None
     assert join(t, 2, recovery=True, epoch=1, known=known).done
 
 
+def test_a_recovery_round_whose_members_are_all_lost_is_led_by_a_late_rank(table) -> None:
+    """Rank 0 alone decides the round and leads it, rank 1 (restarted) comes after, and rank 0
+    dies before restoring: rank 1 leads. Before, the dead rank 0 stayed the leader and rank 1
+    waited for its ``done`` until its own bound (``elastic_wait_s``, 600 s; field review:
+    a node down, then the other server killed during the recovery)."""
+    t, leases, _, _ = table
+    leases.live = {0}
+    leader = join(t, 0, recovery=True, epoch=1, known=(0,))
+    assert leader.decided and leader.leader == 0 and not leader.done
+    leases.live = {0, 1}
+    late = join(t, 1, recovery=True, epoch=1, known=(0, 1))
+    assert late.decided and not late.member and late.leader == 0 and not late.done
+    leases.live = {1}  # rank 0 died before restoring
+    assert join(t, 1, recovery=True, epoch=1, known=(0, 1)).leader == 1
+    assert join(t, 1, recovery=True, epoch=1, known=(0, 1), done=True).done
+
+
 def test_bad_requests_are_refused_and_jobs_are_bounded(table) -> None:
     t, *_ = table
     cases = [

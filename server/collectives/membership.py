@@ -57,7 +57,8 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    inconsistent Join a *recovery round* named by their new epoch (``recovery=True``), decided as
    in step 2. Its lowest live member restores the job (neighbour replicas or the newest
    snapshot) and sends ``done``; the others, members or late, wait for ``done``. If the leader
-   is lost first, the next lowest live member leads.
+   is lost first, the next lowest live member leads; if every member is, the lowest live rank
+   that came late.
 
 Everything is bounded: at most ``max_jobs`` jobs (half of them made by one token: ``check_share``
 in rounds.py), ``KEPT_ROUNDS`` rounds (fewer for jobs of
@@ -281,10 +282,13 @@ class MembershipTable:
             self._cond.notify_all()
         if not rnd.decided:
             self._announce(rnd, req)
+        else:  # a late rank: it leads should every member be lost before restoring
+            rnd.announced.setdefault(req.rank, req.epoch)
         alive = self._alive(job)
         if not self._decide(job, rnd, alive, step=False):
             return None, False
-        live = [m for m in rnd.members if alive(m)] or list(rnd.members)
+        live = [m for m in rnd.members if alive(m)]  # else a late rank, else the members
+        live = live or sorted(r for r in rnd.announced if alive(r)) or list(rnd.members)
         reply = pb.JoinReply(
             decided=True,
             member=req.rank in rnd.member_set,
