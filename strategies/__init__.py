@@ -7,6 +7,7 @@ from paramshard.strategies.base import ShardedModelBase
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel import DATA_PARALLEL
 from paramshard.strategies.data_parallel.ddp import DDPModel
+from paramshard.strategies.data_parallel.elastic_checkpoints import JobLost
 from paramshard.strategies.data_parallel.fsdp import FSDPModel, ZeRO3Model
 from paramshard.strategies.data_parallel.optim import (
     DDPOptimizer,
@@ -60,6 +61,7 @@ __all__ = [
     "OptimizationResult",
     "train_with_recovery",
     "RecoveryReport",
+    "JobLost",
     "Topology",
     "PipelineParallelModel",
     "default_split_points",

@@ -1,11 +1,11 @@
-"""A rank that comes to an elastic job while one of its servers is being rebuilt (a node lost
-its trainer and its server at once: the launcher restarts both, the server empty) waits for
-the running ranks to rebuild that server, then joins at their step
-(``ElasticSteps._await_rebuilt``). Before, it found the job at step N on some servers and
-holding nothing on the restarted one, raised "on the servers at several versions [0, N]" and
-spent a restart: in a field check 18 runs of 18, and with ``--max-restarts 1`` the rank left
-the job for good. Real in-process servers on 127.0.0.1; the rebuild is the one the running
-ranks' recovery makes (``recover_from_replicas``)."""
+"""An elastic job whose server restarted empty while a trainer restarted too (a node lost its
+trainer and its server at once: the launcher restarts both). The restarted rank waits for the
+running ranks to rebuild that server, then joins at their step (``ElasticSteps._await_rebuilt``;
+before, it raised "on the servers at several versions [0, N]" and spent a restart: in a field
+check 18 runs of 18), sits their recovery round out, and rebuilds the server itself when
+nobody is left to. A server lost again after its restore starts a new recovery; a job nothing
+holds any more is lost, said at once. Real in-process servers on 127.0.0.1; the rebuild is the
+one the ranks' recovery makes (``recover_from_replicas``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from test_elastic import BATCH, INIT, LR, data, net, vanish
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.protos import shard_pb2 as pb
-from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+from paramshard.strategies import FSDPModel, FSDPOptimizer, JobLost, ShardingConfiguration
 
 pytestmark = pytest.mark.timeout(300)
 JOB, STEPS = "rebuilt", 2
@@ -233,5 +233,34 @@ def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) ->
         model0._recover_job = restore
         model0.restart_collectives(2)
         assert model0.resync(2, 1.0) == STEPS  # epoch 2's round restores it again
+    finally:
+        client0.close()
+
+
+@pytest.mark.parametrize("snapshots", [True, False], ids=["no-snapshot", "no-snapshot-dir"])
+def test_a_job_that_no_server_replica_or_snapshot_holds_is_lost_at_once(
+    servers, tmp_path, snapshots: bool
+) -> None:
+    """Both servers come back empty (a node down, then the other server killed during the
+    recovery: field review), with no snapshot taken: the recovery round's leader finds no
+    replica and no snapshot and raises ``JobLost``, which says so, instead of a NOT_FOUND
+    that ``train_with_recovery`` recovers from again and again (the review's run had not
+    ended after 300 s). Servers with a snapshot directory holding none, or with none."""
+    nodes = servers(2, **({"snapshot_dir": str(tmp_path)} if snapshots else {}))
+    addresses = [s.address for s in nodes]
+    x, y = data()
+    client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
+    try:
+        for s in range(STEPS):
+            part = model0.batch_part(BATCH)
+            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
+            opt0.step()
+            opt0.zero_grad()
+        for i in range(2):
+            client0.call(i, "DropJob", pb.DropJobRequest(job=JOB))  # both restarted empty
+        model0.restart_collectives(1)
+        why = "has no complete snapshot" if snapshots else "has no snapshot directory"
+        with pytest.raises(JobLost, match=rf"cannot be recovered: no version .* {why}"):
+            model0.resync(1, 1.0)
     finally:
         client0.close()

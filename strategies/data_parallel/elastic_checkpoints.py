@@ -23,9 +23,20 @@ import grpc
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["ElasticCheckpoints", "job_versions"]
+__all__ = ["ElasticCheckpoints", "JobLost", "job_versions"]
 
 SETTLE_S = 0.2  # between looks at the servers while another rank finishes a half-applied step
+NO_SNAPSHOT = {
+    grpc.StatusCode.NOT_FOUND: "has no complete snapshot",
+    grpc.StatusCode.FAILED_PRECONDITION: "has no snapshot directory",
+}
+"""What a server's refusal to restore the newest snapshot says when there is none to restore
+(server/snapshots/files.py): none of the job, or no snapshot directory at all."""
+
+
+class JobLost(RuntimeError):
+    """No server holds the job, no replica covers it and no snapshot of it exists: nothing
+    recovers it (not a ``ShardClientError``, so ``train_with_recovery`` stops at once)."""
 
 
 def job_versions(client: Any, job: str) -> list[int | None]:
@@ -92,8 +103,17 @@ class ElasticCheckpoints:
                 if not self.config.replicate_every:
                     raise LookupError("replication is off")
                 tools.recover_from_replicas(self.client, job)
-            except LookupError:
-                tools.restore(self.client, job, "latest", contributors=self.world_size)
+            except LookupError as no_replica:
+                try:
+                    tools.restore(self.client, job, "latest", contributors=self.world_size)
+                except ShardClientError as exc:
+                    if NO_SNAPSHOT.get(exc.code, "\0") not in exc.details:
+                        raise
+                    raise JobLost(
+                        f"job '{job}' cannot be recovered: {no_replica}, and {exc.details}:"
+                        " its state is lost with the servers that held it (replicate_every"
+                        " keeps a copy on a neighbour, checkpoint_every snapshots)"
+                    ) from exc
 
         self._restore(restore)
 
