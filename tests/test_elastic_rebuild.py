@@ -51,36 +51,49 @@ def replicated(client: ShardClient) -> None:
         time.sleep(0.05)
 
 
+def train(model: FSDPModel, opt: FSDPOptimizer) -> None:
+    """``STEPS`` steps, this rank's part of each global batch."""
+    x, y = data()
+    for s in range(STEPS):
+        part = model.batch_part(BATCH)
+        torch.nn.functional.mse_loss(model(x[s, part]), y[s, part]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def rank_1_comes(nodes: list, window_s: float, joined: list[object]) -> threading.Thread:
+    """Starts rank 1 (a thread; its step count, or what it raised, goes to ``joined``) and
+    returns once its registration reached server 1: it then waits for the rebuild."""
+    addresses = [s.address for s in nodes]
+
+    def comes() -> None:
+        try:
+            client1, model1, _ = rank(addresses, 1, window_s)
+            joined.append(model1.step_count)
+            client1.close()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            joined.append(exc)
+
+    newcomer = threading.Thread(target=comes, name="r1")
+    newcomer.start()
+    deadline = time.monotonic() + 60
+    while JOB not in nodes[1].servicer.buffers.jobs():
+        assert time.monotonic() < deadline and newcomer.is_alive(), joined
+        time.sleep(0.05)
+    return newcomer
+
+
 def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) -> None:
     nodes = servers(2)
     addresses = [s.address for s in nodes]
-    x, y = data()
     client0, model0, opt0 = rank(addresses, 0)
     joined: list[object] = []
     try:
-        for s in range(STEPS):  # rank 0 trains alone
-            part = model0.batch_part(BATCH)
-            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
-            opt0.step()
-            opt0.zero_grad()
+        train(model0, opt0)  # rank 0 trains alone
         assert model0.step_count == STEPS
         replicated(client0)
         client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
-
-        def comes() -> None:
-            try:
-                client1, model1, _ = rank(addresses, 1)
-                joined.append(model1.step_count)
-                client1.close()
-            except Exception as exc:  # noqa: BLE001 - the test reads it
-                joined.append(exc)
-
-        newcomer = threading.Thread(target=comes, name="r1")
-        newcomer.start()
-        deadline = time.monotonic() + 60
-        while JOB not in nodes[1].servicer.buffers.jobs():  # its registration reached server 1
-            assert time.monotonic() < deadline and newcomer.is_alive(), joined
-            time.sleep(0.05)
+        newcomer = rank_1_comes(nodes, 10.0, joined)
         time.sleep(1.5)  # several of its looks at the servers
         assert newcomer.is_alive(), f"the new rank did not wait for the rebuild: {joined}"
         assert tools.recover_from_replicas(client0, JOB) == STEPS  # the running rank rebuilds
@@ -99,16 +112,11 @@ def test_a_rank_restarted_with_its_server_sits_out_the_others_recovery_round(ser
     window = 30.0
     nodes = servers(2)
     addresses = [s.address for s in nodes]
-    x, y = data()
     ranks = [rank(addresses, r, window) for r in range(2)]
 
     def trains(r: int) -> None:
         _, model, opt = ranks[r]
-        for s in range(STEPS):
-            part = model.batch_part(BATCH)
-            torch.nn.functional.mse_loss(model(x[s, part]), y[s, part]).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt)
 
     both = [threading.Thread(target=trains, args=(r,)) for r in range(2)]
     for t in both:
@@ -122,21 +130,7 @@ def test_a_rank_restarted_with_its_server_sits_out_the_others_recovery_round(ser
         vanish(ranks[1][0])  # rank 1's process dies
         replicated(client0)
         client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
-
-        def comes_back() -> None:
-            try:
-                client1, model1, _ = rank(addresses, 1, window)
-                joined.append(model1.step_count)
-                client1.close()
-            except Exception as exc:  # noqa: BLE001 - the test reads it
-                joined.append(exc)
-
-        restarted = threading.Thread(target=comes_back, name="r1 again")
-        restarted.start()
-        deadline = time.monotonic() + 60
-        while JOB not in nodes[1].servicer.buffers.jobs():  # it waits for the rebuild
-            assert time.monotonic() < deadline and restarted.is_alive(), joined
-            time.sleep(0.05)
+        restarted = rank_1_comes(nodes, window, joined)
         time.sleep(1.0)  # its word to the coordinator
         began = time.monotonic()
         model0.restart_collectives(1)  # what rank 0's recovery does (recover_elastic)
@@ -159,14 +153,9 @@ def test_a_rank_that_finds_nobody_to_rebuild_rebuilds_itself(servers) -> None:
     window = 2.0
     nodes = servers(2)
     addresses = [s.address for s in nodes]
-    x, y = data()
     client0, model0, opt0 = rank(addresses, 0, window)
     try:
-        for s in range(STEPS):
-            part = model0.batch_part(BATCH)
-            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
-            opt0.step()
-            opt0.zero_grad()
+        train(model0, opt0)
         trained = {k: v.clone() for k, v in model0.state_dict().items()}
         replicated(client0)
     finally:
@@ -197,14 +186,9 @@ def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) ->
     no word in the review's run)."""
     nodes = servers(2)
     addresses = [s.address for s in nodes]
-    x, y = data()
     client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
     try:
-        for s in range(STEPS):
-            part = model0.batch_part(BATCH)
-            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
-            opt0.step()
-            opt0.zero_grad()
+        train(model0, opt0)
         replicated(client0)
         client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
         restore = model0._recover_job
@@ -248,14 +232,9 @@ def test_a_job_that_no_server_replica_or_snapshot_holds_is_lost_at_once(
     ended after 300 s). Servers with a snapshot directory holding none, or with none."""
     nodes = servers(2, **({"snapshot_dir": str(tmp_path)} if snapshots else {}))
     addresses = [s.address for s in nodes]
-    x, y = data()
     client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
     try:
-        for s in range(STEPS):
-            part = model0.batch_part(BATCH)
-            torch.nn.functional.mse_loss(model0(x[s, part]), y[s, part]).backward()
-            opt0.step()
-            opt0.zero_grad()
+        train(model0, opt0)
         for i in range(2):
             client0.call(i, "DropJob", pb.DropJobRequest(job=JOB))  # both restarted empty
         model0.restart_collectives(1)
