@@ -209,9 +209,8 @@ class Membership:
         if self.left:
             return False
         self.left = True
-        try:
-            reply = self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001 - the coordinator is gone: its leases will tell
+        reply = self._say_leave()
+        if reply is None:  # the coordinator is gone: its leases will tell
             return False
         if reply.in_flight and self.training is not None:
             why = f": {reason}" if reason else ""
@@ -226,10 +225,14 @@ class Membership:
         (strategies/data_parallel/elastic.py) says so, or the others' recovery round, which
         expects it as it is alive again, would wait ``window_s`` for it; the job's history
         records it leaving the step it does not train."""
+        self._say_leave()  # no answer: the round then waits its window, no more
+
+    def _say_leave(self) -> pb.JoinReply | None:
+        """``Join(leave=True)`` to the coordinator, once, briefly; None without an answer."""
         try:
-            self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
-        except Exception:  # noqa: BLE001, S110 - the round then waits its window, no more
-            pass
+            return self.client.plain_call(0, "Join", self._request(leave=True), LEAVE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - best effort: the callers say what follows
+            return None
 
     def catch_up(self) -> None:
         """A rank new to the run moves past an epoch the run aborted before it came (the

@@ -152,9 +152,7 @@ class ElasticSteps:
             self.client.rank, self.config.job, self.config.join_window_s, epoch,
         )  # fmt: skip
         self.restart_collectives(epoch)
-        if self.membership.recovery(epoch):
-            self._recover_job()
-            self.membership.recovered()
+        self._recovery_round(epoch)
 
     def _adopt_step(self, step: int) -> None:
         """Continues at the servers' ``step`` (the strategy refreshes what it keeps)."""

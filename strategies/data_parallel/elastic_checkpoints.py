@@ -107,7 +107,8 @@ class ElasticCheckpoints:
                 try:
                     tools.restore(self.client, job, "latest", contributors=self.world_size)
                 except ShardClientError as exc:
-                    if NO_SNAPSHOT.get(exc.code, "\0") not in exc.details:
+                    phrase = NO_SNAPSHOT.get(exc.code)
+                    if phrase is None or phrase not in exc.details:
                         raise
                     raise JobLost(
                         f"job '{job}' cannot be recovered: {no_replica}, and {exc.details}:"
@@ -116,6 +117,13 @@ class ElasticCheckpoints:
                     ) from exc
 
         self._restore(restore)
+
+    def _recovery_round(self, epoch: int) -> None:
+        """Takes part in ``epoch``'s recovery round: restores the job when this rank leads it,
+        else returns once its leader did."""
+        if self.membership.recovery(epoch):
+            self._recover_job()
+            self.membership.recovered()
 
     def resync(self, epoch: int, settle_s: float) -> int:
         """After a failure (every rank calls it, in its new ``epoch``): brings the servers to
@@ -141,9 +149,7 @@ class ElasticCheckpoints:
                     continue
             if rebuilt and None in versions:  # restored in this epoch, and a server lost it
                 raise self._lost_again(epoch, versions)
-            if self.membership.recovery(epoch):
-                self._recover_job()
-                self.membership.recovered()
+            self._recovery_round(epoch)
             rebuilt = True
         self._adopt_step(low)
         return low
