@@ -243,3 +243,62 @@ def test_a_job_that_no_server_replica_or_snapshot_holds_is_lost_at_once(
             model0.resync(1, 1.0)
     finally:
         client0.close()
+
+
+def test_looks_at_servers_that_disagree_after_the_round_are_paced_and_bounded(
+    servers, monkeypatch
+) -> None:
+    """After its epoch's recovery round restored the job, a rank that still finds the servers
+    at different versions looks again (the others train on and bring them to one step). Each
+    look is paced (``SETTLE_S``) and they end after the client's ``timeout_s`` with
+    DEADLINE_EXCEEDED, which starts a new recovery. Before, it looked without a pause and for
+    good. The servers are real; what this rank sees of them after the restore is shifted
+    (server 1 two steps ahead), as no real run keeps them apart on demand."""
+    from paramshard.strategies.data_parallel import elastic_checkpoints as ec
+
+    nodes = servers(2)
+    addresses = [s.address for s in nodes]
+    client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
+    try:
+        train(model0, opt0)
+        replicated(client0)
+        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+        restored: list[bool] = []
+        looks: list[list[int | None]] = []
+        restore, look = model0._recover_job, ec.job_versions
+
+        def restore_once() -> None:
+            restore()
+            restored.append(True)
+
+        def seen(client: ShardClient, job: str) -> list[int | None]:
+            versions = look(client, job)
+            looks.append(versions)
+            return [versions[0], versions[1] + 2] if restored else versions
+
+        model0._recover_job = restore_once
+        monkeypatch.setattr(ec, "job_versions", seen)
+        client0.timeout_s = 2.0
+        model0.restart_collectives(1)
+        got: list[object] = []
+
+        def resyncs() -> None:
+            try:
+                got.append(model0.resync(1, 0.0))
+            except ShardClientError as exc:
+                got.append(exc)
+
+        began = time.monotonic()
+        looking = threading.Thread(target=resyncs, name="resync epoch 1", daemon=True)
+        looking.start()
+        looking.join(30)
+        assert not looking.is_alive(), f"still looking after 30 s ({len(looks)} looks)"
+        (exc,) = got
+        assert isinstance(exc, ShardClientError), exc
+        assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc
+        assert "still at versions [2, 4]" in exc.details, exc
+        assert time.monotonic() - began >= 2.0
+        after = len(looks) - 2  # the look that found server 1 empty, the one after the round
+        assert restored == [True] and after <= 2.0 / ec.SETTLE_S + 2, len(looks)
+    finally:
+        client0.close()

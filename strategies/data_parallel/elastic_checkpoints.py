@@ -130,7 +130,7 @@ class ElasticCheckpoints:
         one version of the job and continues there; returns that step. ``settle_s``: how long
         to let another rank finish a step half applied before restoring instead."""
         job = self.config.job
-        waited, rebuilt = 0.0, False
+        waited, rebuilt, deadline = 0.0, False, None
         while True:
             versions = job_versions(self.client, job)
             known = [v for v in versions if v is not None]
@@ -149,10 +149,30 @@ class ElasticCheckpoints:
                     continue
             if rebuilt and None in versions:  # restored in this epoch, and a server lost it
                 raise self._lost_again(epoch, versions)
-            self._recovery_round(epoch)
+            if rebuilt:  # the round is done and the others train on: look again, paced
+                deadline = deadline or time.monotonic() + self.client.timeout_s
+                if time.monotonic() > deadline:
+                    raise self._never_agree(epoch, known)
+                time.sleep(SETTLE_S)
+            self._recovery_round(epoch)  # done: answers at once (or moves to a newer round)
             rebuilt = True
         self._adopt_step(low)
         return low
+
+    def _never_agree(self, epoch: int, versions: list[int]) -> ShardClientError:
+        """The servers still hold the job at different versions ``timeout_s`` after ``epoch``'s
+        recovery round restored it: the ranks that train on should have brought them to one
+        step within a step's time. A new recovery, in a new epoch, restores them again."""
+        bad = versions.index(max(versions))
+        return ShardClientError(
+            bad,
+            self.client.spec.addresses[bad],
+            "Status",
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"job '{self.config.job}' is still at versions {versions} on the servers"
+            f" {self.client.timeout_s:.0f} s after the recovery of epoch {epoch} restored it:"
+            " recovering in a new epoch",
+        )
 
     def _lost_again(self, epoch: int, versions: list[int | None]) -> ShardClientError:
         """A server holds no values after ``epoch``'s recovery round restored the job: it was
