@@ -21,6 +21,7 @@ Torch-free: the launcher reads the file, the strategies write it.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ __all__ = [
     "max_restarts",
     "read_declaration",
     "restart_count",
+    "starts_anew",
 ]
 
 ELASTIC_ENV = "PARAMSHARD_ELASTIC"
@@ -45,6 +47,8 @@ MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
 RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
+
+log = logging.getLogger(__name__)
 
 
 def _env_count(name: str) -> int:
@@ -74,6 +78,24 @@ def ends_for_good() -> bool:
 def restart_count() -> int:
     """How many times the launcher restarted this rank (0: this is its first process)."""
     return _env_count(RESTART_COUNT_ENV)
+
+
+def starts_anew(job: str, rank: int) -> None:
+    """Says that a restarted rank found ``job`` holding no values on any server, so the job
+    starts at step 0. A first process says nothing (a new job starts there); a restart
+    finding nothing means the servers came back empty since (or the job never trained a
+    step): the steps trained before are trained again, unless a snapshot is restored."""
+    if restart_count() > 0:
+        log.warning(
+            "rank %d was restarted (%s=%d) and finds job '%s' holding no values on any server"
+            " (they were restarted empty since it last ran, or the job never trained a step):"
+            " the job starts at step 0; model.load_checkpoint('latest') restores its newest"
+            " snapshot, if any",
+            rank,
+            RESTART_COUNT_ENV,
+            restart_count(),
+            job,
+        )
 
 
 def declare(strategy: str, state_on_servers: bool, rank: int) -> None:

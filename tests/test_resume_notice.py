@@ -84,3 +84,32 @@ def test_a_restarted_rank_resumes_without_a_word(
         client.close()
     assert model.step_count == 1
     assert NOTICE not in caplog.text, caplog.text
+
+
+ANEW = "holding no values on any server"
+
+
+def test_a_restarted_rank_that_finds_its_job_on_no_server_says_it_starts_anew(
+    address: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its servers were restarted empty since it last ran (a field review: both servers lost,
+    no snapshot, the ranks restarted): it starts the job at step 0 again, and says so. A first
+    process starting a new job says nothing. Before, the restarted rank started in silence."""
+    job = unique_id("anew")
+    with caplog.at_level(logging.WARNING):
+        client, model, _ = build(address, job)
+        client.close()
+    assert model.step_count == 0 and ANEW not in caplog.text, caplog.text
+    job = unique_id("anew")
+    monkeypatch.setenv("PARAMSHARD_RESTART_COUNT", "2")
+    with caplog.at_level(logging.WARNING):
+        client, model, _ = build(address, job)
+        client.close()
+    assert model.step_count == 0
+    said = [r.getMessage() for r in caplog.records if ANEW in r.getMessage()]
+    assert said == [
+        f"rank 0 was restarted (PARAMSHARD_RESTART_COUNT=2) and finds job '{job}' holding no"
+        " values on any server (they were restarted empty since it last ran, or the job never"
+        " trained a step): the job starts at step 0; model.load_checkpoint('latest') restores"
+        " its newest snapshot, if any"
+    ], caplog.text

@@ -147,6 +147,8 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
                 job,
                 self._step,
             )
+        if not held:
+            restarts.starts_anew(job, self.rank)
         if not initialized and self.rank == 0:
             for b in buffers:  # rank 0's values are the starting point, as DDP broadcasts them
                 # set_params writes float64 as float64
