@@ -217,6 +217,23 @@ def port_to_reuse() -> int:
     raise RuntimeError("no free port below the ephemeral range in 200 tries")
 
 
+@pytest.fixture(scope="session")
+def pki() -> Any:
+    """A CA, server and client certificates, and an impostor's CA (tests/pki.py); skips
+    without ``cryptography``."""
+    from pki import security_pki
+
+    return security_pki()
+
+
+@pytest.fixture
+def pki_files(pki: Any, tmp_path: Any) -> Any:
+    """``pki``'s CA, server certificate and key as files, for ``paramshard serve``."""
+    from pki import write_server_files
+
+    return write_server_files(pki, tmp_path)
+
+
 def unique_id(prefix: str = "run") -> str:
     return f"{prefix}{next(_runs)}-{uuid.uuid4().hex[:8]}"
 

@@ -130,7 +130,7 @@ def test_many_tiny_fields_cost_a_bounded_walk() -> None:
 
 
 def test_serve_reads_scopes_and_says_how(tmp_path: Path) -> None:
-    from test_security import run_cli
+    from test_security_serve import run_cli
 
     usage = run_cli("serve", "--help").stdout
     assert "jobs=" in usage and "runs=" in usage and "prefix ending in '*'" in usage

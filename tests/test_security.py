@@ -1,21 +1,13 @@
 """docs/design.md §6.1: TLS, mutual TLS, bearer tokens with roles, and the binding rule.
 
-Certificates are made per session with ``cryptography``: a CA, a server certificate for
-127.0.0.1 / localhost, a client certificate, and a second CA standing for an impostor.
+Certificates are made per session (tests/pki.py, the ``pki`` fixture). ``paramshard serve``'s
+security flags: tests/test_security_serve.py.
 """
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
-import queue
-import re
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -26,150 +18,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server import MALLOC_ENV, ShardServer
+from paramshard.server import ShardServer
 from paramshard.server.rpc import auth, tokens
 from paramshard.server.servicer import SERVICE_NAME
 
-x509 = pytest.importorskip("cryptography.x509")
-from cryptography.hazmat.primitives import hashes, serialization  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID  # noqa: E402
+pytest.importorskip("cryptography.x509")
+from pki import Pki  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(120)
 
 TOKENS = {"reader-secret": "read", "trainer-secret": "train", "admin-secret": "admin"}
-
-
-# ---------------------------------------------------------------------------------- certificates
-@dataclass
-class Pki:
-    ca: bytes
-    server_cert: bytes
-    server_key: bytes
-    client_cert: bytes
-    client_key: bytes
-    other_ca: bytes
-    other_client_cert: bytes
-    other_client_key: bytes
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-
-
-def _ca(cn: str) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(_name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    return cert, key
-
-
-def _leaf(
-    cn: str,
-    ca: tuple[x509.Certificate, ec.EllipticCurvePrivateKey],
-    *,
-    server: bool,
-) -> tuple[bytes, bytes]:
-    ca_cert, ca_key = ca
-    key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-    )
-    if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
-            ),
-            critical=False,
-        )
-    cert = builder.sign(ca_key, hashes.SHA256())
-    return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
-
-
-@pytest.fixture(scope="session")
-def pki() -> Pki:
-    ca = _ca("paramshard test CA")
-    other = _ca("impostor CA")
-    server_cert, server_key = _leaf("shard server", ca, server=True)
-    client_cert, client_key = _leaf("trainer", ca, server=False)
-    other_cert, other_key = _leaf("impostor", other, server=False)
-    pem = serialization.Encoding.PEM
-    return Pki(
-        ca=ca[0].public_bytes(pem),
-        server_cert=server_cert,
-        server_key=server_key,
-        client_cert=client_cert,
-        client_key=client_key,
-        other_ca=other[0].public_bytes(pem),
-        other_client_cert=other_cert,
-        other_client_key=other_key,
-    )
-
-
-@pytest.fixture
-def pki_files(pki: Pki, tmp_path: Path) -> dict[str, Path]:
-    files = {
-        "ca": pki.ca,
-        "cert": pki.server_cert,
-        "key": pki.server_key,
-    }
-    out = {}
-    for name, data in files.items():
-        path = tmp_path / f"{name}.pem"
-        path.write_bytes(data)
-        path.chmod(0o600)
-        out[name] = path
-    return out
 
 
 def client_for(address: str, **spec: object) -> ShardClient:
@@ -444,148 +302,3 @@ def test_server_refuses_public_host_without_protection(pki: Pki) -> None:
         assert s.exposed == ("insecure" in kw)
         s.stop(0)
     ShardServer("localhost").stop(0)
-
-
-# ------------------------------------------------------------------------------------------ CLI
-LISTENING = re.compile(r"^paramshard serve: listening on (\S+) \(device (\S+), pid (\d+)\)$")
-
-
-def cli_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in MALLOC_ENV and not k.startswith("PARAMSHARD_")
-    }
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "paramshard", *args],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-
-
-class Serve:
-    """``paramshard serve ARGS`` in the background; the first stdout line is awaited."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paramshard", "serve", *args],
-            cwd=ROOT,
-            env=cli_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.stderr: list[str] = []
-        self.readers = [
-            threading.Thread(target=self._read, args=(stream, sink), daemon=True)
-            for stream, sink in (
-                (self.proc.stdout, self.lines.put),
-                (self.proc.stderr, self.stderr.append),
-            )
-        ]
-        for reader in self.readers:
-            reader.start()
-
-    @staticmethod
-    def _read(stream, sink) -> None:  # noqa: ANN001
-        for line in stream:
-            sink(line.rstrip("\n"))
-
-    def port(self) -> int:
-        try:
-            line = self.lines.get(timeout=20)
-        except queue.Empty:
-            pytest.fail(f"serve printed nothing within 20 s; stderr: {self.stderr}")
-        match = LISTENING.match(line)
-        assert match, f"{line!r}; stderr: {self.stderr}"
-        return int(match.group(1).rsplit(":", 1)[1])
-
-    def __enter__(self) -> Serve:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=10)
-        for reader in self.readers:
-            reader.join(5)
-
-
-def test_serve_public_host_needs_tls_token_or_insecure() -> None:
-    result = run_cli("serve", "--host", "0.0.0.0", "--port", "0")
-    assert result.returncode == 2
-    assert "--insecure" in result.stderr and "--token-file" in result.stderr
-    assert "--tls-cert" in result.stderr
-    assert "Traceback" not in result.stderr and "listening" not in result.stdout
-
-
-def test_serve_with_token_file_on_public_host(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text("read r-secret\ntrain t-secret\n")
-    tokens.chmod(0o600)
-    with Serve("--host", "0.0.0.0", "--port", "0", "--token-file", str(tokens)) as serve:
-        address = f"127.0.0.1:{serve.port()}"
-        anonymous = client_for(address)
-        trainer = client_for(address, token="t-secret")
-        try:
-            err = rpc_error(anonymous.call, 0, "Status", pb.StatusRequest())
-            assert err.code == grpc.StatusCode.UNAUTHENTICATED
-            np.testing.assert_array_equal(train_one_step(trainer, "cli"), np.zeros(64))
-        finally:
-            anonymous.close()
-            trainer.close()
-        health = run_cli("health", address)  # health stays open
-        assert health.returncode == 0, health.stderr
-    assert any("tokens but no TLS" in line for line in serve.stderr), serve.stderr
-
-
-def test_serve_with_tls_files(pki: Pki, pki_files: dict[str, Path]) -> None:
-    args = ["--tls-cert", str(pki_files["cert"]), "--tls-key", str(pki_files["key"])]
-    args += ["--tls-ca", str(pki_files["ca"])]
-    with Serve("--host", "0.0.0.0", "--port", "0", *args) as serve:
-        address = f"127.0.0.1:{serve.port()}"
-        good = client_for(address, tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
-        plain = client_for(address)
-        try:
-            assert "error" not in good.status()[0]
-            assert rpc_error(plain.call, 0, "Status", pb.StatusRequest()).code == (
-                grpc.StatusCode.UNAVAILABLE
-            )
-        finally:
-            good.close()
-            plain.close()
-    assert not any("Traceback" in line for line in serve.stderr), serve.stderr
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
-        (["--token-file", "/nonexistent/tokens"], "--token-file"),
-    ],
-)
-def test_serve_bad_security_flags_exit_2(args: list[str], message: str) -> None:
-    result = run_cli("serve", "--port", "0", *args)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
-
-
-def test_serve_bad_token_file_exits_2(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text("superuser abc\n")
-    result = run_cli("serve", "--port", "0", "--token-file", str(tokens))
-    assert result.returncode == 2
-    assert "line 1: unknown role 'superuser'" in result.stderr
