@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import run_ranks
 from test_bad_input import make_client, rpc_error
-from test_bad_requests import payload_for, slot
+from test_bad_slots import payload_for, slot
 
 from paramshard.client import ShardClient
 from paramshard.protos import shard_pb2 as pb

@@ -177,7 +177,7 @@ def test_a_late_reply_is_completed_from_the_hang_doctor(address: str) -> None:
 def test_collective_world_size_mismatch_fails_both_ranks_fast(address: str) -> None:
     """Rank 0 thinks the world has 2 ranks, rank 1 thinks 3: the second contribution to the
     all-reduce is refused, and the first rank's wait ends at once with the same reason (the
-    slot itself is left as it is: tests/test_bad_requests.py)."""
+    slot itself is left as it is: tests/test_bad_slots.py)."""
     run, deadline = unique("ws"), 60.0
     first = client(address, 0, 2, run, timeout_s=deadline)
     second = client(address, 1, 3, run, timeout_s=deadline)
