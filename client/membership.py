@@ -173,7 +173,9 @@ class Membership:
                 )
 
     def _leads(self, reply: pb.JoinReply) -> bool:
-        return reply.decided and reply.leader == self.client.rank and reply.member
+        """This rank restores the job: the coordinator names it the recovery round's leader (a
+        member, or a rank that came late once every member was lost before restoring)."""
+        return reply.decided and reply.leader == self.client.rank
 
     def join(self, step: int, until: int | None = None) -> StepMembers | Finished:
         """Waits until this rank is a member of step ``step`` or a later one (protocol steps

@@ -13,8 +13,10 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
 - ``PARAMSHARD_MAX_RESTARTS``: K, the restarts the launcher may make in all;
 - ``PARAMSHARD_RESTART_COUNT``: how many times this rank was restarted (0: its first process);
 - ``PARAMSHARD_RESTART_FILE``: where this rank's models declare themselves, one line each,
-  ``<strategy> servers`` or ``<strategy> trainers``. The file outlives the process, so a
-  restart that fails again before building its model is judged by the first one's lines.
+  ``<strategy> servers`` or ``<strategy> trainers``, and where a rank that found its job lost
+  says so (``job-lost <job>``: nothing holds its state, so a restart would train it anew).
+  The file outlives the process, so a restart that fails again before building its model is
+  judged by the first one's lines.
 
 Torch-free: the launcher reads the file, the strategies write it.
 """
@@ -33,6 +35,7 @@ __all__ = [
     "RESTART_FILE_ENV",
     "Declaration",
     "declare",
+    "declare_lost",
     "ends_for_good",
     "max_restarts",
     "read_declaration",
@@ -47,6 +50,7 @@ MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
 RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
+LOST = "job-lost"
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +126,23 @@ def declare(strategy: str, state_on_servers: bool, rank: int) -> None:
         )
 
 
+def declare_lost(job: str) -> None:
+    """Records for the launcher that this rank found ``job`` lost (``JobLost``: no server,
+    replica or snapshot holds its state): a new process would start it anew at step 0 and
+    call that continuous, so the launcher does not restart the rank for it."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{LOST} {job}\n")
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What a rank's models said about themselves (``read_declaration``)."""
 
     strategies: tuple[str, ...]  # in the order the models were built
     on_trainers: tuple[str, ...]  # those keeping state in the trainer process
+    lost: tuple[str, ...] = ()  # jobs the rank found lost (``declare_lost``)
 
     @property
     def restartable(self) -> bool:
@@ -144,6 +159,8 @@ def read_declaration(path: str) -> Declaration:
             rows = [line.split() for line in f if line.strip()]
     except FileNotFoundError:
         rows = []
+    lost = tuple(" ".join(r[1:]) for r in rows if r[0] == LOST)
+    rows = [r for r in rows if r[0] != LOST]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers)
+    return Declaration(strategies, on_trainers, lost)

@@ -10,7 +10,8 @@ the servers' step (``model.step_count``), and the script resumes its data there.
 A rank is restarted only if its models declared that their state is on the servers: a DDP or
 3D rank keeps parameters and optimizer state in its own process, so its failure stops the job
 at once, as without ``--max-restarts``. So does a rank that failed before building a model,
-and any failure once the K restarts are used up.
+one that found its job lost (``JobLost``: a restart would train it anew from step 0), and any
+failure once the K restarts are used up.
 
 Every rank's other calls wait for the restarted one within their deadline (``timeout_s``,
 120 s by default, and the servers' ``--max-wait-s``): a restart must get back to the servers
@@ -78,9 +79,15 @@ class RankRestarts:
         """None if rank ``rank``, which just failed, may be restarted; else why not."""
         if not self.max_restarts:
             return ""
+        said = contract.read_declaration(os.path.join(self.directory, f"rank-{rank}"))
+        if said.lost:
+            return (
+                f"not restarted: it found job '{said.lost[-1]}' lost (JobLost: no server,"
+                " replica or snapshot holds its state); a new process would train it anew"
+                " from step 0"
+            )
         if self.used >= self.max_restarts:
             return f"not restarted: --max-restarts {self.max_restarts} used up"
-        said = contract.read_declaration(os.path.join(self.directory, f"rank-{rank}"))
         if not said.strategies:
             return (
                 "not restarted: it failed before building a sharded model, so nothing says"

@@ -13,7 +13,8 @@ rank that is recovering: ABORTED, client/leases.py), every rank:
 3. restarts collective numbering in a new epoch (ranks may have failed at different calls);
 4. brings every server back to one version (rank 0): from neighbour replicas when the job
    replicates (``replicate_every``; at most that many steps back), else from the newest
-   complete snapshot; every rank adopts that step;
+   complete snapshot (``JobLost`` when neither holds the job: not recovered from); every
+   rank adopts that step;
 5. replays from there.
 
 A 3D job (``HybridShardedModel``) recovers the same way, every group's collectives restarted,

@@ -4,13 +4,9 @@ snapshot, and dropping a step a failure cut short."""
 
 from __future__ import annotations
 
-import logging
-
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
 
 __all__ = ["ServerCheckpoints"]
-
-log = logging.getLogger("paramshard.recovery")
 
 
 class ServerCheckpoints(ElasticCheckpoints):
@@ -63,26 +59,12 @@ class ServerCheckpoints(ElasticCheckpoints):
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
         Every rank calls it at the same point; returns the step to continue from."""
-        from paramshard.client import tools
-
         if self.membership is not None:  # the facts decide, a recovery round if they must
             return self.resync(self.client.run_state.epoch, self.config.join_window_s)
         self._ensure_idle()
         self.client.barrier()  # every rank has dropped its half-done step
         if self.rank == 0:
-            job = self.config.job
-            try:
-                if not self.config.replicate_every:
-                    raise LookupError("replication is off")
-                tools.recover_from_replicas(self.client, job)
-            except LookupError as exc:
-                if self.config.replicate_every:
-                    log.warning(
-                        "job '%s': no usable replica (%s): restoring the newest snapshot", job, exc
-                    )
-                tools.restore(self.client, job, "latest", contributors=self.world_size)
-            if self.config.replicate_every:
-                tools.configure_replication(self.client, job, self.config.replicate_every)
+            self._recover_job()
         self.client.barrier()
         return self._adopt_server_version()
 

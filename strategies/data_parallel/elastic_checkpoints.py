@@ -15,6 +15,7 @@ Without elasticity every rank meets at barriers over the world and rank 0 acts
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -24,6 +25,8 @@ from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["ElasticCheckpoints", "JobLost", "job_versions"]
+
+log = logging.getLogger("paramshard.recovery")
 
 SETTLE_S = 0.2  # between looks at the servers while another rank finishes a half-applied step
 NO_SNAPSHOT = {
@@ -93,30 +96,44 @@ class ElasticCheckpoints:
             tools.configure_replication(self.client, self.config.job, self.config.replicate_every)
 
     def _recover_job(self) -> None:
-        """The leader's part of a recovery round: neighbour replicas, else the newest snapshot."""
-        from paramshard.client import tools
+        """The leader's part of a recovery round (and rank 0's in a fixed world): the job
+        back on every server from neighbour replicas, else the newest snapshot; replication
+        configured again."""
+        self._restore(self._restore_newest)
+
+    def _restore_newest(self) -> None:
+        """Neighbour replicas, else the newest snapshot; ``JobLost`` when neither holds the
+        job. This rank then tells the others (an abort notice: a rank waiting for this
+        restore stops waiting) and the launcher (not to restart it: a new process would
+        train the job anew from step 0)."""
+        from paramshard.client import restarts, tools
 
         job = self.config.job
-
-        def restore() -> None:
+        try:
+            if not self.config.replicate_every:
+                raise LookupError("replication is off")
+            tools.recover_from_replicas(self.client, job)
+        except LookupError as no_replica:
+            if self.config.replicate_every:
+                log.warning(
+                    "job '%s': no usable replica (%s): restoring the newest snapshot",
+                    job,
+                    no_replica,
+                )
             try:
-                if not self.config.replicate_every:
-                    raise LookupError("replication is off")
-                tools.recover_from_replicas(self.client, job)
-            except LookupError as no_replica:
-                try:
-                    tools.restore(self.client, job, "latest", contributors=self.world_size)
-                except ShardClientError as exc:
-                    phrase = NO_SNAPSHOT.get(exc.code)
-                    if phrase is None or phrase not in exc.details:
-                        raise
-                    raise JobLost(
-                        f"job '{job}' cannot be recovered: {no_replica}, and {exc.details}:"
-                        " its state is lost with the servers that held it (replicate_every"
-                        " keeps a copy on a neighbour, checkpoint_every snapshots)"
-                    ) from exc
-
-        self._restore(restore)
+                tools.restore(self.client, job, "latest", contributors=self.world_size)
+            except ShardClientError as exc:
+                phrase = NO_SNAPSHOT.get(exc.code)
+                if phrase is None or phrase not in exc.details:
+                    raise
+                lost = JobLost(
+                    f"job '{job}' cannot be recovered: {no_replica}, and {exc.details}:"
+                    " its state is lost with the servers that held it (replicate_every"
+                    " keeps a copy on a neighbour, checkpoint_every snapshots)"
+                )
+                restarts.declare_lost(job)
+                self.client.run_state.give_up(str(lost))
+                raise lost from exc
 
     def _recovery_round(self, epoch: int) -> None:
         """Takes part in ``epoch``'s recovery round: restores the job when this rank leads it,
