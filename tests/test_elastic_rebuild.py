@@ -83,6 +83,26 @@ def rank_1_comes(nodes: list, window_s: float, joined: list[object]) -> threadin
     return newcomer
 
 
+def resync_raises(model: FSDPModel, settle_s: float, more: str) -> ShardClientError:
+    """What ``model.resync(1, settle_s)`` raises, run in a thread given 30 s (it must end);
+    ``more`` is said should it not."""
+    got: list[object] = []
+
+    def resyncs() -> None:
+        try:
+            got.append(model.resync(1, settle_s))
+        except ShardClientError as exc:
+            got.append(exc)
+
+    looking = threading.Thread(target=resyncs, name="resync epoch 1", daemon=True)
+    looking.start()
+    looking.join(30)
+    assert not looking.is_alive(), f"resync of epoch 1 still looks after 30 s{more}"
+    (exc,) = got
+    assert isinstance(exc, ShardClientError), exc
+    return exc
+
+
 def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) -> None:
     nodes = servers(2)
     addresses = [s.address for s in nodes]
@@ -199,20 +219,7 @@ def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) ->
 
         model0._recover_job = restore_then_lose
         model0.restart_collectives(1)
-        got: list[object] = []
-
-        def resyncs() -> None:
-            try:
-                got.append(model0.resync(1, 1.0))
-            except ShardClientError as exc:
-                got.append(exc)
-
-        first = threading.Thread(target=resyncs, name="resync epoch 1", daemon=True)
-        first.start()
-        first.join(30)
-        assert not first.is_alive(), "resync of epoch 1 still looks at the servers after 30 s"
-        (exc,) = got
-        assert isinstance(exc, ShardClientError), exc
+        exc = resync_raises(model0, 1.0, "")
         assert exc.code == grpc.StatusCode.ABORTED and "lost again" in exc.details, exc
         model0._recover_job = restore
         model0.restart_collectives(2)
@@ -280,21 +287,8 @@ def test_looks_at_servers_that_disagree_after_the_round_are_paced_and_bounded(
         monkeypatch.setattr(ec, "job_versions", seen)
         client0.timeout_s = 2.0
         model0.restart_collectives(1)
-        got: list[object] = []
-
-        def resyncs() -> None:
-            try:
-                got.append(model0.resync(1, 0.0))
-            except ShardClientError as exc:
-                got.append(exc)
-
         began = time.monotonic()
-        looking = threading.Thread(target=resyncs, name="resync epoch 1", daemon=True)
-        looking.start()
-        looking.join(30)
-        assert not looking.is_alive(), f"still looking after 30 s ({len(looks)} looks)"
-        (exc,) = got
-        assert isinstance(exc, ShardClientError), exc
+        exc = resync_raises(model0, 0.0, f" ({len(looks)} looks)")
         assert exc.code == grpc.StatusCode.DEADLINE_EXCEEDED, exc
         assert "still at versions [2, 4]" in exc.details, exc
         assert time.monotonic() - began >= 2.0

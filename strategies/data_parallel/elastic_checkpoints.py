@@ -180,27 +180,25 @@ class ElasticCheckpoints:
         """The servers still hold the job at different versions ``timeout_s`` after ``epoch``'s
         recovery round restored it: the ranks that train on should have brought them to one
         step within a step's time. A new recovery, in a new epoch, restores them again."""
-        bad = versions.index(max(versions))
-        return ShardClientError(
-            bad,
-            self.client.spec.addresses[bad],
-            "Status",
+        return self._seen_at(
+            versions.index(max(versions)),
             grpc.StatusCode.DEADLINE_EXCEEDED,
             f"job '{self.config.job}' is still at versions {versions} on the servers"
             f" {self.client.timeout_s:.0f} s after the recovery of epoch {epoch} restored it:"
             " recovering in a new epoch",
         )
 
+    def _seen_at(self, server: int, code: grpc.StatusCode, details: str) -> ShardClientError:
+        """The failure a look at the servers (Status) found at ``server``."""
+        return ShardClientError(server, self.client.spec.addresses[server], "Status", code, details)
+
     def _lost_again(self, epoch: int, versions: list[int | None]) -> ShardClientError:
         """A server holds no values after ``epoch``'s recovery round restored the job: it was
         lost again (a restart, empty). That round is done and restores nothing more, so the
         rank recovers again, in a new epoch (strategies/recovery_rounds.py): looking again in
         this one would loop for good."""
-        bad = versions.index(None)
-        return ShardClientError(
-            bad,
-            self.client.spec.addresses[bad],
-            "Status",
+        return self._seen_at(
+            versions.index(None),
             grpc.StatusCode.ABORTED,
             f"job '{self.config.job}' is at versions {versions} on the servers after the"
             f" recovery of epoch {epoch} restored it (None: holds no values): a server was"
