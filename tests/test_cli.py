@@ -112,6 +112,19 @@ class ServeProcess:
             self.proc.kill()
         self.proc.wait(timeout=10)
 
+    def loopback(self) -> str:
+        """127.0.0.1 at the port of the listening line (a server on 0.0.0.0 listens there)."""
+        address, _ = self.wait_listening()
+        return f"127.0.0.1:{address.rsplit(':', 1)[1]}"
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Stopped, and its output read to the end (``stderr`` then holds every line)."""
+        self.stop()
+        self.output_after_exit()
+
 
 def environ_of(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes()

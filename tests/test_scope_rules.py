@@ -130,13 +130,13 @@ def test_many_tiny_fields_cost_a_bounded_walk() -> None:
 
 
 def test_serve_reads_scopes_and_says_how(tmp_path: Path) -> None:
-    from test_security_serve import run_cli
+    from test_cli import paramshard
 
-    usage = run_cli("serve", "--help").stdout
+    usage = paramshard("serve", "--help").stdout
     assert "jobs=" in usage and "runs=" in usage and "prefix ending in '*'" in usage
     tokens = tmp_path / "tokens"
     tokens.write_text("train t1 jobs=a-*\npeer p1 runs=x\n")
-    result = run_cli("serve", "--port", "0", "--token-file", str(tokens))
+    result = paramshard("serve", "--port", "0", "--token-file", str(tokens))
     assert result.returncode == 2
     assert "line 2: a peer token takes no jobs= or runs=" in result.stderr
 
