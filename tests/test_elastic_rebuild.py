@@ -9,8 +9,11 @@ one the ranks' recovery makes (``recover_from_replicas``)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -61,6 +64,23 @@ def train(model: FSDPModel, opt: FSDPOptimizer) -> None:
         opt.zero_grad()
 
 
+@contextlib.contextmanager
+def server_1_emptied(
+    servers: Any, window_s: float = 10.0
+) -> Iterator[tuple[list, ShardClient, FSDPModel]]:
+    """Rank 0 trains ``STEPS`` steps alone, its replica reaches server 0, then server 1 is
+    restarted empty: (the servers, rank 0's client, its model); the client closes after."""
+    nodes = servers(2)
+    client0, model0, opt0 = rank([s.address for s in nodes], 0, window_s)
+    try:
+        train(model0, opt0)
+        replicated(client0)
+        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+        yield nodes, client0, model0
+    finally:
+        client0.close()
+
+
 def rank_1_comes(nodes: list, window_s: float, joined: list[object]) -> threading.Thread:
     """Starts rank 1 (a thread; its step count, or what it raised, goes to ``joined``) and
     returns once its registration reached server 1: it then waits for the rebuild."""
@@ -104,23 +124,15 @@ def resync_raises(model: FSDPModel, settle_s: float, more: str) -> ShardClientEr
 
 
 def test_a_rank_that_comes_while_a_server_is_rebuilt_waits_and_joins(servers) -> None:
-    nodes = servers(2)
-    addresses = [s.address for s in nodes]
-    client0, model0, opt0 = rank(addresses, 0)
     joined: list[object] = []
-    try:
-        train(model0, opt0)  # rank 0 trains alone
-        assert model0.step_count == STEPS
-        replicated(client0)
-        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+    with server_1_emptied(servers) as (nodes, client0, model0):
+        assert model0.step_count == STEPS  # rank 0 trained alone
         newcomer = rank_1_comes(nodes, 10.0, joined)
         time.sleep(1.5)  # several of its looks at the servers
         assert newcomer.is_alive(), f"the new rank did not wait for the rebuild: {joined}"
         assert tools.recover_from_replicas(client0, JOB) == STEPS  # the running rank rebuilds
         newcomer.join(60)
         assert not newcomer.is_alive() and joined == [STEPS], joined
-    finally:
-        client0.close()
 
 
 def test_a_rank_restarted_with_its_server_sits_out_the_others_recovery_round(servers) -> None:
@@ -204,13 +216,7 @@ def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) ->
     ABORTED so that the rank recovers again in a new epoch, where the job is restored again.
     Before, resync asked the done round again and again, for good (a rank stuck 190 s with
     no word in the review's run)."""
-    nodes = servers(2)
-    addresses = [s.address for s in nodes]
-    client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
-    try:
-        train(model0, opt0)
-        replicated(client0)
-        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+    with server_1_emptied(servers, window_s=1.0) as (_, client0, model0):
         restore = model0._recover_job
 
         def restore_then_lose() -> None:
@@ -224,8 +230,6 @@ def test_a_server_lost_again_after_its_restore_starts_a_new_recovery(servers) ->
         model0._recover_job = restore
         model0.restart_collectives(2)
         assert model0.resync(2, 1.0) == STEPS  # epoch 2's round restores it again
-    finally:
-        client0.close()
 
 
 @pytest.mark.parametrize("snapshots", [True, False], ids=["no-snapshot", "no-snapshot-dir"])
@@ -263,13 +267,7 @@ def test_looks_at_servers_that_disagree_after_the_round_are_paced_and_bounded(
     (server 1 two steps ahead), as no real run keeps them apart on demand."""
     from paramshard.strategies.data_parallel import elastic_checkpoints as ec
 
-    nodes = servers(2)
-    addresses = [s.address for s in nodes]
-    client0, model0, opt0 = rank(addresses, 0, window_s=1.0)
-    try:
-        train(model0, opt0)
-        replicated(client0)
-        client0.call(1, "DropJob", pb.DropJobRequest(job=JOB))  # server 1 restarted empty
+    with server_1_emptied(servers, window_s=1.0) as (_, client0, model0):
         restored: list[bool] = []
         looks: list[list[int | None]] = []
         restore, look = model0._recover_job, ec.job_versions
@@ -294,5 +292,3 @@ def test_looks_at_servers_that_disagree_after_the_round_are_paced_and_bounded(
         assert time.monotonic() - began >= 2.0
         after = len(looks) - 2  # the look that found server 1 empty, the one after the round
         assert restored == [True] and after <= 2.0 / ec.SETTLE_S + 2, len(looks)
-    finally:
-        client0.close()
