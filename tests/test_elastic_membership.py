@@ -200,6 +200,47 @@ def test_a_recovery_round_whose_members_are_all_lost_is_led_by_a_late_rank(table
     assert join(t, 1, recovery=True, epoch=1, known=(0, 1), done=True).done
 
 
+def test_a_leader_that_never_held_a_lease_here_is_replaced_once_unheard(table) -> None:
+    """The coordinator restarted: rank 1 renewed its lease here, rank 0 only Joined, was named
+    the recovery round's leader and died before renewing. It counts as alive for
+    ``UNSEEN_S`` after its last Join, then rank 1 leads. Before, it counted as alive for good
+    (never seen), and rank 1 waited for its ``done`` until ``elastic_wait_s`` (600 s)."""
+    t, leases, clock, _ = table
+    leases.live = {1}
+    known = (0, 1)
+    assert not join(t, 1, recovery=True, epoch=1, known=known).decided
+    leader = join(t, 0, recovery=True, epoch=1, known=known)
+    assert leader.decided and leader.leader == 0 and list(leader.members) == [0, 1]
+    clock.now += rounds.UNSEEN_S - 1
+    assert join(t, 1, recovery=True, epoch=1, known=known).leader == 0
+    clock.now += 2  # rank 0 unheard for longer than UNSEEN_S, and rank 1 holds a lease here
+    assert join(t, 1, recovery=True, epoch=1, known=known).leader == 1
+    leases.live = {0, 1}  # a rank that renews after all is alive again
+    assert join(t, 1, recovery=True, epoch=1, known=known).leader == 0
+
+
+def test_a_rank_with_no_lease_here_counts_as_alive_while_it_joins_or_nobody_holds_one(
+    table,
+) -> None:
+    """Unheard is gone only with a witness: a server that hears no lease of the run (None: it
+    knows none; or every lease lapsed) may be cut off, and decides nothing on silence. A rank
+    that keeps Joining (its lease refused here: the table full) stays alive."""
+    t, leases, clock, _ = table
+    known = (0, 1)
+    join(t, 1, recovery=True, epoch=1, known=known)
+    join(t, 0, recovery=True, epoch=1, known=known)
+    clock.now += 10 * rounds.UNSEEN_S  # no lease of the run here at all
+    assert join(t, 1, recovery=True, epoch=1, known=known).leader == 0
+    leases.live = {1}
+    for _ in range(4):  # rank 0 Joins (as a waiting rank asks again) within UNSEEN_S each time
+        clock.now += rounds.UNSEEN_S / 2
+        join(t, 0, recovery=True, epoch=1, known=known)
+        assert join(t, 1, recovery=True, epoch=1, known=known).leader == 0
+    leases.live = set()  # every lease lapsed: rank 1 (seen) is gone, rank 0 (never seen) not
+    clock.now += 10 * rounds.UNSEEN_S
+    assert join(t, 1, recovery=True, epoch=1, known=known).leader == 0
+
+
 def test_bad_requests_are_refused_and_jobs_are_bounded(table) -> None:
     t, *_ = table
     cases = [

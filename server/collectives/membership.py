@@ -12,13 +12,15 @@ client calls index 0), in *rounds*. The protocol, in the order its calls happen:
    ``s-1`` (without that record, a new job or a coordinator that restarted: the ranks its
    opening request names in ``known_members``, which a client sends only when a reply asks,
    ``send_known``), less those found lost: a rank whose lease on this server lapsed or was
-   released after it had held one (``_Liveness``; server/collectives/leases.py), or that left
-   (step 6). The round is decided once every expected rank has announced, or ``window_ms``
-   after the first expected rank did, whichever comes first, and in either case only once at
-   least ``min_members`` ranks are there: below that it stays open and the ranks keep waiting
-   (the client bounds the wait and names the ranks there and the minimum in its error). Ranks
-   that only join (not expected) never open the window: they wait for the others to finish
-   ``s-1``. The members are the ranks there, ascending; generation 0.
+   released after it had held one (``_Liveness``; server/collectives/leases.py), one that
+   never held one here while others do, unheard for ``UNSEEN_S`` (``ElasticJob.alive``: a
+   coordinator that restarted), or one that left (step 6). The round is decided once every
+   expected rank has announced, or ``window_ms`` after the first expected rank did, whichever
+   comes first, and in either case only once at least ``min_members`` ranks are there: below
+   that it stays open and the ranks keep waiting (the client bounds the wait and names the
+   ranks there and the minimum in its error). Ranks that only join (not expected) never open
+   the window: they wait for the others to finish ``s-1``. The members are the ranks there,
+   ascending; generation 0.
 3. **Reply.** A member gets the members, the generation and the run's *epoch* (the highest any
    of its ranks has sent, so a rank that starts late, in an epoch the others left when it was
    aborted, moves on too): every member moves its collectives there, so the step's group
@@ -77,6 +79,7 @@ from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.rounds import (
+    JOB_RECORDS,
     MAX_SLOTS,
     ElasticJob,
     Round,
@@ -142,6 +145,7 @@ class MembershipTable:
             if req.leave:
                 return self._leave(job, req)
             job.left.discard(req.rank)  # a rank that left may come back (a restart)
+            job.joined_at[req.rank] = self.clock()  # heard: alive a while without a lease
             while True:
                 reply, final = self._recovery(job, req) if req.recovery else self._step(job, req)
                 if final or self.clock() >= deadline:
@@ -189,7 +193,7 @@ class MembershipTable:
                     f" job '{req.job}' was not added"
                 )
             check_share(self._jobs.values(), owner, self.max_jobs, req)
-            self._room_for(2 * req.world_size, req)
+            self._room_for(JOB_RECORDS * req.world_size, req)
             job = self._jobs[req.job] = ElasticJob(req.run, req.world_size, now, owner)
         job.touched = now
         return job
@@ -206,13 +210,8 @@ class MembershipTable:
             )
 
     def _alive(self, job: ElasticJob) -> Callable[[int], bool]:
-        """Whether a rank counts as alive: not left, and holding a live lease here unless it
-        never held one (a coordinator that restarted knows no leases yet)."""
-        live = self.liveness.live_ranks(job.run)
-        if live is not None and live is not job.seen_from:  # the same set: nothing new seen
-            job.seen_live |= live
-            job.seen_from = live
-        return lambda r: r not in job.left and (live is None or r in live or r not in job.seen_live)
+        """Whether a rank counts as alive (``ElasticJob.alive``)."""
+        return job.alive(self.liveness.live_ranks(job.run), self.clock())
 
     def _open(
         self, job: ElasticJob, key: int, req: pb.JoinRequest, previous: Round | None

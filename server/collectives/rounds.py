@@ -14,11 +14,21 @@ from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import MAX_NAME
 
 __all__ = [
-    "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round", "check_request",
-    "check_share", "kept_rounds", "slots", "status_row",
+    "JOB_RECORDS", "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round",
+    "UNSEEN_S", "check_request", "check_share", "kept_rounds", "slots", "status_row",
 ]  # fmt: skip
 
 KEPT_ROUNDS = 64
+UNSEEN_S = 30.0
+"""How long a rank that never held a lease on the coordinator counts as alive there, from its
+last Join, or from when the coordinator first found another rank of its run holding a lease
+(a witness), whichever is later. A coordinator that restarted knows no lease yet: a live rank
+renews it within a second or two of its stream breaking (client/leases.py), its channel
+reconnecting within 5 s (client/cluster.py), and 30 s is the clients' default lease TTL, the
+time a rank with no stream gets between renewals. A rank that died before renewing it (a
+recovery round's leader killed as it was told to lead) counts as gone from then on, so the
+next live member leads; before, such a rank counted as alive until the others' bound
+(``elastic_wait_s``, 600 s by default)."""
 MAX_SLOTS = 1 << 21
 """Rank slots every elastic job's records on one server may hold together (``slots``). A
 round holds sets of its job's ranks, up to the world size each, at about 56 bytes a rank, so
@@ -27,6 +37,8 @@ JOB_SLOTS = MAX_SLOTS // 4
 """One job's share: a job of 65,536 ranks keeps its last 8 rounds, one of 8,192 or fewer its
 last ``KEPT_ROUNDS``."""
 KEPT_EVENTS = 64
+JOB_RECORDS = 3
+"""A job's records of ranks besides its rounds: seen alive, left, last joined (``slots``)."""
 MAX_WORLD = 65536
 MAX_WINDOW_MS = 3_600_000
 
@@ -38,8 +50,9 @@ def kept_rounds(world_size: int) -> int:
 
 def slots(job: ElasticJob) -> int:
     """What ``job``'s records may hold at most, in ranks: every round it keeps, its last
-    decided round, and who was seen alive or left, each up to its world size."""
-    return job.world_size * (len(job.rounds) + len(job.recoveries) + 2)
+    decided round, who was seen alive or left and when each rank last joined, each up to its
+    world size."""
+    return job.world_size * (len(job.rounds) + len(job.recoveries) + JOB_RECORDS)
 
 
 @dataclass
@@ -147,6 +160,8 @@ class ElasticJob:
     last: Round | None = None  # the newest step round decided
     seen_live: set[int] = field(default_factory=set)
     seen_from: frozenset[int] | None = None  # the live set last added to ``seen_live``
+    watched_from: float | None = None  # when a rank of the run first held a lease here
+    joined_at: dict[int, float] = field(default_factory=dict)  # rank -> its last Join
     left: set[int] = field(default_factory=set)
     epoch: int = 0
     joins: int = 0
@@ -154,6 +169,31 @@ class ElasticJob:
     revisions: int = 0
     steps_by_size: Counter = field(default_factory=Counter)
     history: deque = field(default_factory=lambda: deque(maxlen=KEPT_EVENTS))
+
+    def alive(self, live: frozenset[int] | None, now: float) -> Callable[[int], bool]:
+        """Whether a rank counts as alive, given the ranks of the run holding a live lease on
+        this server (``live``; None: it knows no lease of the run): not left, and holding a
+        live lease here; or never seen holding one (a coordinator that restarted knows no
+        leases yet) and either nobody holds one here now (no witness: this server may be cut
+        off) or it was heard within ``UNSEEN_S``."""
+        if live is not None and live is not self.seen_from:  # the same set: nothing new seen
+            self.seen_live |= live
+            self.seen_from = live
+        if live and self.watched_from is None:
+            self.watched_from = now
+        since = self.watched_from if self.watched_from is not None else now
+        left, seen, joined = self.left, self.seen_live, self.joined_at
+
+        def alive(r: int) -> bool:
+            if r in left:
+                return False
+            if live is None or r in live:
+                return True
+            if r in seen:
+                return False
+            return not live or now - max(since, joined.get(r, since)) < UNSEEN_S
+
+        return alive
 
 
 def status_row(name: str, job: ElasticJob) -> pb.JobMembership:
