@@ -360,7 +360,8 @@ class _Holding:
         client = self.client()
         address = client.spec.addresses[server] if client is not None else "?"
         self.state.give_up(
-            f"server {server} ({address}) lost: unreachable for {now - since:.1f} s ({code.name})"
+            f"recovers: server {server} ({address}) lost: unreachable for {now - since:.1f} s"
+            f" ({code.name})"
         )
 
     def post_abort(self, cause: str) -> str | None:

@@ -216,9 +216,7 @@ class Membership:
             return False
         if reply.in_flight and self.training is not None:
             why = f": {reason}" if reason else ""
-            self.client.run_state.give_up(
-                f"run '{self.run}': rank {self.client.rank} left job '{self.job}'{why}"
-            )
+            self.client.run_state.give_up(f"left job '{self.job}'{why}")
         return reply.in_flight and self.training is not None
 
     def sit_out(self) -> None:

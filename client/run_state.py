@@ -106,9 +106,10 @@ class RunState:
 
     def give_up(self, cause: str) -> None:
         """This rank abandons its epoch (it lost a server, it recovers): the others' waits end
-        at once. ``cause`` says why; the servers' notice adds who ("run 'R': rank 1 ...")."""
+        at once. ``cause`` reads after the rank's name in the servers' notice ("run 'R': rank 1
+        " + "recovers: server 2 ... lost"; "gives up: job 'J' cannot be recovered: ...")."""
         reason = self.holding.post_abort(cause) if self.holding is not None else None
-        self.abort(Notice(reason or cause, self.epoch))
+        self.abort(Notice(reason or f"this rank {cause}", self.epoch))
 
     def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the

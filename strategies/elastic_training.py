@@ -44,7 +44,7 @@ def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, re
     log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
     stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and STALE_GENERATION in exc.details
     if exc.code != grpc.StatusCode.ABORTED and not stale:
-        state.give_up(f"rank {model.rank} recovers from step {step}: {exc.method} {exc.code.name}")
+        state.give_up(f"recovers from step {step}: {exc.method} {exc.code.name}")
     notice = state.current()
     report.recoveries += 1
     report.causes.append(exc.code.name)

@@ -184,7 +184,7 @@ def _recover(
     source = model.recovery_source
     if exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
         log.warning("rank %d: step %d: recovering with the others, %s", model.rank, step, source)
-        model.client.run_state.give_up(f"joined the recovery at step {step}")
+        model.client.run_state.give_up(f"recovers with the others from step {step}")
     else:
         lost = f"server {exc.server} ({exc.address}) lost at step {step}"
         log.warning(
@@ -197,7 +197,7 @@ def _recover(
             exc.details,
         )
         # the ranks waiting on this one learn now, through the servers, not at a deadline
-        model.client.run_state.give_up(f"{lost} ({exc.method}: {exc.code.name})")
+        model.client.run_state.give_up(f"recovers: {lost} ({exc.method}: {exc.code.name})")
     report.recoveries += 1
     report.causes.append(exc.code.name)
     model.abandon_step()

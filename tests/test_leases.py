@@ -119,7 +119,7 @@ def test_an_abort_request_ends_the_epoch_for_every_rank(table):
     leases, slots, _ = table
     leases.renew(lease(rank=0))
     leases.renew(lease(rank=1))
-    reply = leases.renew(lease(rank=1, abort="server 2 unreachable"))
+    reply = leases.renew(lease(rank=1, abort="recovers: server 2 unreachable"))
     assert reply.aborted == "run 'r': rank 1 recovers: server 2 unreachable"  # one prefix
     assert reply.lost_rank == -1  # a recovery, not a lost rank
     assert "rank 1 recovers" in leases.renew(lease(rank=0)).aborted

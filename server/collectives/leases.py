@@ -147,9 +147,9 @@ class LeaseTable:
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)
             if req.abort:
-                # a rank that lost a server and recovers (client/leases.py, give_up): the
-                # others recover with it, so it reads as a recovery, not as an abort
-                why = f"run '{req.run}': rank {req.rank} recovers: {req.abort}"
+                # a rank that lost a server and recovers, or gives up (client/run_state.py,
+                # give_up): its reason reads after its name ("recovers: server 2 ... lost")
+                why = f"run '{req.run}': rank {req.rank} {req.abort}"
                 self._abort(req.run, run, req.epoch, why, -1)
             self._check_lapses(req.run, run, now, force=bool(req.abort))
             reply = run.notice(req.epoch)
