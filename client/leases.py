@@ -29,7 +29,10 @@ others (the rank's process is gone); one that names a lost server can.
 Under ``train_with_recovery`` (``RunState.fail_fast``), a server whose stream ended and whose
 renewals fail for ``STREAM_GRACE_S`` (its process died), or that fails every renewal for a TTL
 (it vanished), is taken for lost: the client gives up its epoch on the other servers, and every
-rank recovers at once. Otherwise the calls' retries decide how long a server is waited for.
+rank recovers at once. So is a server that answers a renewal as another process than it did
+earlier in the epoch (``LeaseReply.incarnation``): it restarted, empty, within the grace, while
+this rank may be waiting on another server's call (a node down). Otherwise the calls' retries
+decide how long a server is waited for.
 
 A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms``
 (``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the servers then wait
@@ -65,6 +68,7 @@ from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseC
 from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
 from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import Notice, RunState
+from paramshard.client.server_loss import ServerLoss
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -75,9 +79,6 @@ LEASE_TTL_ENV = "PARAMSHARD_LEASE_TTL_S"
 REJOIN_ENV = "PARAMSHARD_REJOIN_TIMEOUT_S"
 DEFAULT_TTL_S = 30.0
 DEFAULT_REJOIN_S = 120.0
-STREAM_GRACE_S = 1.0
-"""A server whose stream ended is taken for lost (under ``fail_fast``) once its renewals have
-failed this long: the servers give a rank the same (server/collectives/leases.py)."""
 HOLD_RETRY_S = 30.0  # a server that refused a stream is asked again after this long
 FIRST_ANSWER_S = 2.0  # how long a new client waits for its streams' first answers, at most
 TAKEOVER_S = 12.0
@@ -85,12 +86,6 @@ TAKEOVER_S = 12.0
 (``CONFLICT``) is asked again: that process may have just died, its streams' end not yet seen
 there (a restart), or its whole job did (a server waits ``SETTLE_S``, 8 s, for such a job's
 ranks: server/collectives/lease_records.py). Then the rank is refused (``RunState.refuse``)."""
-
-_FAILING = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,  # a server that stops cancels the calls it runs
-)
 
 
 def _env_seconds(name: str, default: float, low: float, high: float) -> float:
@@ -104,7 +99,7 @@ def _env_seconds(name: str, default: float, low: float, high: float) -> float:
     return value
 
 
-class _Holding:
+class _Holding(ServerLoss):
     """One rank's lease on its client's servers: a stream and renewals per server."""
 
     def __init__(self, client: Any, ttl_s: float, rejoin_s: float) -> None:
@@ -120,6 +115,7 @@ class _Holding:
         self.refused_until: dict[int, float] = {}  # server -> when to ask for a stream again
         self.stream_lost: set[int] = set()  # servers whose stream broke and is not back
         self.answered: dict[int, tuple[float, int]] = {}  # server -> (sent at, epoch): answered
+        self.incarnations: dict[int, tuple[int, int]] = {}  # server -> (its process, epoch)
         self._sending: dict[int, tuple[float, int]] = {}  # the same, for renewals in flight
         self._lock = threading.Lock()
         self.released = False
@@ -329,40 +325,10 @@ class _Holding:
             self.full.discard(i)
             if reply.aborted:
                 self.take_notice(reply)
+            self._answered_as(i, reply.incarnation)
 
     def renew(self) -> None:
         self.finish(self.start())
-
-    def _failed(self, server: int, exc: grpc.RpcError, now: float) -> None:
-        code = exc.code()
-        if code == CONFLICT:
-            if now >= self.takeover_until:
-                self.refuse(server, exc.details() or "")
-            return
-        if code not in _FAILING:
-            # an older server, a token without the train role: no lease there (the calls will
-            # say what is wrong); a full one: none for now
-            full = code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            if server not in self.full:
-                later = " for now (asked again at each renewal)" if full else ""
-                log.warning(
-                    "no lease on server %d%s: %s: %s", server, later, code.name, exc.details()
-                )
-            (self.full if full else self.silenced).add(server)
-            return
-        since, epoch = self.failing_since.setdefault(server, (now, self.state.epoch))
-        # a server whose process died broke its stream too: it is not coming back soon
-        patience = STREAM_GRACE_S if server in self.stream_lost else self.ttl_s
-        if now - since < patience or epoch != self.state.epoch or self.state.current():
-            return
-        if not self.state.fail_fast:
-            return  # the calls' own retries decide how long this rank waits for the server
-        client = self.client()
-        address = client.spec.addresses[server] if client is not None else "?"
-        self.state.give_up(
-            f"recovers: server {server} ({address}) lost: unreachable for {now - since:.1f} s"
-            f" ({code.name})"
-        )
 
     def post_abort(self, cause: str) -> str | None:
         """Asks every server to abort this rank's epoch for ``cause``; the notice as the

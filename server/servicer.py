@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import secrets
 import time
 from collections.abc import Callable
 from importlib.metadata import version
@@ -86,6 +87,7 @@ class ShardServicer:
         self.wait_in: Callable[[Any], tuple[str | None, Callable[[], None]]] | None = None
         self.max_wait_s = max_wait_s
         self.started = time.time()
+        self.incarnation = secrets.randbits(64) or 1  # this process (LeaseReply.incarnation)
         self.server_index = 0
         self.num_servers = 0
         self.scope_of: Callable[[Any], Scope | None] = lambda context: None
@@ -336,7 +338,9 @@ class ShardServicer:
         return status_reply(self, req, VERSION, self.scope_of(context))
 
     def lease(self, req: pb.LeaseRequest, context: Any) -> Any:
-        return self.leases.renew(req, caller_of(context))
+        reply = self.leases.renew(req, caller_of(context))
+        reply.incarnation = self.incarnation
+        return reply
 
     def hold_lease(self, req: pb.LeaseRequest, context: Any) -> Any:
         return hold_lease(self.leases, req, context, caller_of(context))
