@@ -40,7 +40,10 @@ after each step (unless ``train_step`` stepped it), set back when a recovery goe
 A *trainer* that dies is another matter: ``paramshard launch --max-restarts`` restarts it and
 its model adopts the servers' step (paramshard/restarts.py). With a fixed world the two do not
 combine: the snapshots and recoveries here synchronise the ranks with barriers, and a
-restarted rank cannot replay a barrier the others already passed. An *elastic* job
+restarted rank cannot replay a barrier the others already passed. Except when its server was
+lost with it (a node down): the others are recovering that server, and the restarted rank
+joins their recovery in their epoch, whose collectives start afresh
+(strategies/data_parallel/checkpoints.py, ``_join_recovery``). An *elastic* job
 (``ShardingConfiguration(elastic=True)``) synchronises each step's members instead, so a rank
 may die, come back or join while this runs, and a server may be lost in the same run
 (strategies/elastic_training.py).
@@ -260,7 +263,8 @@ def train_with_recovery(
             " train_with_recovery returns"
         )
     report = RecoveryReport()
-    epoch = 0
+    # a restarted rank that joined the others' recovery as it attached starts in their epoch
+    epoch = model.client.run_state.epoch
 
     def after_step(step: int, loss: float) -> bool:
         if progress is not None:
@@ -290,8 +294,8 @@ def train_with_recovery(
             )  # fmt: skip
             return report
         sync_scheduler(scheduler, model.step_count)
-        if checkpoint_every and model.step_count % checkpoint_every == 0:
-            checkpoint()
+        if checkpoint_every and model.step_count % checkpoint_every == 0 and not epoch:
+            checkpoint()  # not after a recovery: the others go on from it without one
         end = steps  # the step count training ends at: ``steps``, or after should_stop said so
         while True:
             step = model.step_count

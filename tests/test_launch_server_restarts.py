@@ -44,9 +44,12 @@ from paramshard.strategies import (
 out, killed, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 STEPS, KILL_AT, SEED = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 rank = int(os.environ["RANK"])
+print(f"pid {os.getpid()}", flush=True)
 torch.manual_seed(SEED)
 net = GPT(GPTConfig.tiny(vocab_size=50, bias=False)).double()
-config = ShardingConfiguration.from_env(job="relaunched", replicate_every=1, timeout_s=15)
+snapshots = mode == "snapshots"  # recover from snapshots every 3 steps, not replicas
+config = ShardingConfiguration.from_env(
+    job="relaunched", replicate_every=0 if snapshots else 1, timeout_s=15)
 model = FSDPModel(net, config, wrap=(Block,))
 opt = FSDPOptimizer(torch.optim.AdamW(net.param_groups(0.1), lr=3e-3), config)
 data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(SEED + 1))
@@ -64,8 +67,9 @@ def step(s):
     opt.zero_grad()
     return loss.item()
 
-if mode == "recover":
-    report = train_with_recovery(model, step, STEPS, checkpoint_every=0, wait_s=60)
+if mode in ("recover", "snapshots"):
+    every = 3 if snapshots else 0
+    report = train_with_recovery(model, step, STEPS, checkpoint_every=every, wait_s=60)
     print(f"recoveries {report.recoveries} replayed {report.replayed_steps}", flush=True)
 else:  # a loop that does not recover
     for s in range(STEPS):

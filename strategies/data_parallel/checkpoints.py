@@ -4,9 +4,15 @@ snapshot, and dropping a step a failure cut short."""
 
 from __future__ import annotations
 
+import logging
+import time
+
+from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
 
 __all__ = ["ServerCheckpoints"]
+
+log = logging.getLogger("paramshard.recovery")
 
 
 class ServerCheckpoints(ElasticCheckpoints):
@@ -67,6 +73,33 @@ class ServerCheckpoints(ElasticCheckpoints):
             self._recover_job()
         self.client.barrier()
         return self._adopt_server_version()
+
+    def _join_recovery(self) -> int:
+        """A restarted rank of a fixed-world job that finds a server restarted empty (a node
+        lost its trainer and its server at once): the running ranks recover from losing that
+        server (``train_with_recovery``) behind barriers of the whole world, which this rank
+        must reach. It moves to their epoch, past the run's newest abort notice (a recovery
+        numbers its collectives afresh there, so its first barrier is this rank's first),
+        meets them while rank 0 restores the job (``recover``) and returns the step restored.
+        Waits for the notice up to the client's ``timeout_s`` (they notice within seconds)."""
+        state, timeout = self.client.run_state, self.client.timeout_s
+        deadline = time.monotonic() + timeout
+        while (notice := state.refresh()) is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"job '{self.config.job}' holds no values on a server restarted empty, and"
+                    f" no running rank said it recovers it within {timeout:.0f} s (timeout_s):"
+                    " restore a snapshot or drop the job"
+                )
+            time.sleep(REBUILD_POLL_S)
+        epoch = state.next_epoch(notice)
+        log.warning(
+            "rank %d: job '%s' holds no values on a server restarted empty: this rank joins"
+            " the running ranks' recovery (epoch %d)",
+            self.rank, self.config.job, epoch,
+        )  # fmt: skip
+        self.restart_collectives(epoch)
+        return self.recover()
 
     def _adopt_server_version(self) -> int:
         from paramshard.client import tools

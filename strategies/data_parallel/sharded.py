@@ -122,11 +122,15 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         buffers = plan_buffers(self.module, self._units, inner.param_groups)
         job = self.config.job
         held, empty = self._register(buffers)
-        if self.elastic and held and empty and max(held) > max(empty):
-            # a server restarted empty after the job's first step: the others rebuild it
-            held, empty = self._await_rebuilt(lambda: self._register(buffers), held, empty)
-        versions, initialized = held | empty, not empty
         rejoining = restarts.restart_count() or self.config.elastic
+        if held and empty and max(held) > max(empty) and rejoining:
+            # a server restarted empty after the job's first step: the others rebuild it
+            if self.elastic:
+                held, empty = self._await_rebuilt(lambda: self._register(buffers), held, empty)
+            else:  # or recover it, and wait for this rank at their barriers
+                self._buffers = buffers
+                held, empty = {self._join_recovery()}, set()
+        versions, initialized = held | empty, not empty
         if len(versions) > 1 and rejoining and max(versions) - min(versions) == 1:
             # A restarted rank arrived while a step was being applied (or its sender died
             # half-way): every server already holds that step's reduced gradient (see

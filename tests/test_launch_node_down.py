@@ -1,0 +1,135 @@
+"""A node down in a fixed-world job: a rank and its server SIGKILLed together, both started
+again by ``paramshard launch --max-restarts 1 --max-server-restarts 1``.
+
+The rank that runs on recovers from losing the server (``train_with_recovery``) behind
+barriers of the whole world. The restarted rank finds the job at step N on one server and
+holding no values on the other, restarted empty: it joins that recovery, in the running rank's
+epoch, while rank 0 restores the job (strategies/data_parallel/checkpoints.py,
+``_join_recovery``), and takes no snapshot as it starts, the others taking none there. Before,
+it raised "several versions [0, N]" and spent its restart, and the job stopped (a field run
+with ``--max-restarts 2``: both spent).
+
+Float64 FSDP as tests/test_launch_server_restarts.py: the final parameters must equal
+single-process training (1e-9). Node 1 with replicas every step (rank 0 runs on and restores
+from them) and node 0 with snapshots every 3 steps (the restarted rank 0 restores the one of
+step 6, where it joins). A restarted rank whose server is empty while no running rank
+recovers it (they do not run ``train_with_recovery``) says so after its client's
+``timeout_s``. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from numerics import assert_equivalent
+from test_elastic import INIT, LR, net
+from test_elastic_rebuild import train
+from test_job_lost import JOB, rank
+from test_launch import wait_gone
+from test_launch_server_restarts import (
+    KILL_AT,
+    SEED,
+    STEPS,
+    TRAIN,
+    Launcher,
+    single_process,
+    started,
+)
+
+from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client.restarts import RESTART_COUNT_ENV
+from paramshard.protos import shard_pb2 as pb
+from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+
+pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+
+def pids_of_ranks(said: str) -> dict[int, int]:
+    """Each rank's first process (the script prints its pid first)."""
+    found: dict[int, int] = {}
+    for r, pid in re.findall(r"^\[rank (\d)\] pid (\d+)$", said, re.M):
+        found.setdefault(int(r), int(pid))
+    return found
+
+
+@pytest.mark.equivalence
+@pytest.mark.slow
+@pytest.mark.parametrize(("node", "mode"), [(1, "recover"), (0, "snapshots")])
+def test_a_rank_and_its_server_lost_together_are_recovered(
+    node: int, mode: str, tmp_path: Path
+) -> None:
+    script, out, marker = tmp_path / "train.py", tmp_path / "final.pt", tmp_path / "killed"
+    script.write_text(TRAIN)
+    launcher = Launcher(
+        "--nproc", "2", "--max-restarts", "1", "--max-server-restarts", "1",
+        script, out, marker, mode, STEPS, KILL_AT, SEED,
+    )  # fmt: skip
+    try:
+        launcher.wait_for(r"^\[rank 0\] KILL ME")  # rank 0 waits there; rank 1 in its step
+        (server,) = [pid for i, _, pid in started(launcher.output) if i == node]
+        trainer = pids_of_ranks(launcher.output)[node]
+        for pid in (trainer, server):
+            os.kill(pid, signal.SIGKILL)
+        assert wait_gone([trainer, server]) == []
+        marker.write_text("killed")
+        code = launcher.finish()
+    finally:
+        launcher.close()
+    said = launcher.output
+    assert code == 0, said
+    assert f"server {node} exited (exit code -9); started it again, empty" in said, said
+    assert re.search(rf"rank {node} failed with exit code -?\d+; restarting it", said), said
+    assert re.search(
+        rf"^\[rank {node}\] .*rank {node}: job 'relaunched' holds no values on a server restarted"
+        r" empty: this rank joins the running ranks' recovery \(epoch 1\)$",
+        said,
+        re.M,
+    ), said
+    other = 1 - node
+    assert re.search(rf"^\[rank {other}\] recoveries 1 replayed [01]$", said, re.M), said
+    assert re.search(rf"^\[rank {node}\] recoveries 0 replayed 0$", said, re.M), said
+    data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(SEED + 1))
+    final = torch.load(out, weights_only=True)
+    assert_equivalent(final, single_process(data), f"node {node} lost and restarted")
+    assert wait_gone([pid for _, _, pid in started(said)]) == []
+
+
+def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypatch) -> None:
+    """Before, it raised "several versions [0, N]" at once; now it waits for the running
+    ranks' recovery, bounded by its client's ``timeout_s``, then names what is missing."""
+    addresses = [s.address for s in servers(2)]
+    ranks: list = [None, None]
+
+    def builds(r: int) -> None:
+        ranks[r] = rank(addresses, r, "nobody", elastic=False)
+        train(ranks[r][1], ranks[r][2])
+
+    threads = [threading.Thread(target=builds, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert all(ranks), "the ranks did not train"
+    try:
+        ranks[1][0].close()  # rank 1's process ended, and server 1 restarted empty
+        ranks[0][0].call(1, "DropJob", pb.DropJobRequest(job=JOB))
+        monkeypatch.setenv(RESTART_COUNT_ENV, "1")  # its new process
+        client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="nobody",
+                             timeout_s=2)  # fmt: skip
+        try:
+            config = ShardingConfiguration(client, job=JOB, replicate_every=1)
+            model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+            with pytest.raises(
+                RuntimeError, match="no running rank said it recovers it within 2 s"
+            ):
+                FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
+        finally:
+            client.close()
+    finally:
+        ranks[0][0].close()
