@@ -80,7 +80,7 @@ class ServerLoss:
         before, seen_in = self.incarnations.get(server, (incarnation, epoch))
         self.incarnations[server] = (incarnation, epoch)
         if before != incarnation and seen_in == epoch and not self.state.current():
-            self._lost(server, "restarted: what it held of this run is gone")
+            self._lost(server, "lost: it restarted, empty (another process answers)")
 
     def _lost(self, server: int, why: str) -> None:
         """Gives up this rank's epoch for ``server`` (a rank in ``train_with_recovery``: it

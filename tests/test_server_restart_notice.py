@@ -24,7 +24,7 @@ from paramshard.client.run_state import Notice
 from paramshard.server import ShardServer
 
 pytestmark = pytest.mark.timeout(120)
-RESTARTED = "restarted: what it held of this run is gone"
+RESTARTED = "lost: it restarted, empty (another process answers)"
 
 
 @pytest.fixture

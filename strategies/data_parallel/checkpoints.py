@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
@@ -73,6 +74,19 @@ class ServerCheckpoints(ElasticCheckpoints):
             self._recover_job()
         self.client.barrier()
         return self._adopt_server_version()
+
+    def _rebuilt(
+        self, buffers: list[Any], held: set[int], empty: set[int]
+    ) -> tuple[set[int], set[int]]:
+        """A server restarted empty after the job's first step, found by a rank that comes
+        to a running job (restarted, or elastic): the others rebuild it. Elastic, this rank
+        waits for them (``_await_rebuilt``); in a fixed world it joins their recovery
+        (``_join_recovery``). Returns the versions of the slices that hold values and of those
+        that hold none, as ``_register`` does."""
+        if self.elastic:
+            return self._await_rebuilt(lambda: self._register(buffers), held, empty)
+        self._buffers = buffers
+        return {self._join_recovery()}, set()
 
     def _join_recovery(self) -> int:
         """A restarted rank of a fixed-world job that finds a server restarted empty (a node

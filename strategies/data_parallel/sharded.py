@@ -124,12 +124,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
         held, empty = self._register(buffers)
         rejoining = restarts.restart_count() or self.config.elastic
         if held and empty and max(held) > max(empty) and rejoining:
-            # a server restarted empty after the job's first step: the others rebuild it
-            if self.elastic:
-                held, empty = self._await_rebuilt(lambda: self._register(buffers), held, empty)
-            else:  # or recover it, and wait for this rank at their barriers
-                self._buffers = buffers
-                held, empty = {self._join_recovery()}, set()
+            held, empty = self._rebuilt(buffers, held, empty)  # a server restarted empty
         versions, initialized = held | empty, not empty
         if len(versions) > 1 and rejoining and max(versions) - min(versions) == 1:
             # A restarted rank arrived while a step was being applied (or its sender died
