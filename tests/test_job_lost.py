@@ -52,7 +52,8 @@ def rank(addresses: list[str], r: int, run: str, elastic: bool = True) -> tuple:
     return client, model, opt
 
 
-def both_trained_then_lost(addresses: list[str], run: str, elastic: bool = True) -> list:
+def both_trained(addresses: list[str], run: str, elastic: bool = True) -> list:
+    """Ranks 0 and 1 (threads) built and trained: each rank's (client, model, optimizer)."""
     ranks = [None, None]
 
     def builds(r: int) -> None:
@@ -65,6 +66,11 @@ def both_trained_then_lost(addresses: list[str], run: str, elastic: bool = True)
     for t in threads:
         t.join(120)
     assert all(ranks), "the ranks did not train"
+    return ranks
+
+
+def both_trained_then_lost(addresses: list[str], run: str, elastic: bool = True) -> list:
+    ranks = both_trained(addresses, run, elastic)
     for i in range(2):  # both servers restarted empty
         ranks[0][0].call(i, "DropJob", pb.DropJobRequest(job=JOB))
     return ranks

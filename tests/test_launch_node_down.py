@@ -22,15 +22,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 from numerics import assert_equivalent
 from test_elastic import INIT, LR, net
-from test_elastic_rebuild import train
-from test_job_lost import JOB, rank
+from test_job_lost import JOB, both_trained
 from test_launch import wait_gone
 from test_launch_server_restarts import (
     KILL_AT,
@@ -104,18 +102,7 @@ def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypa
     """Before, it raised "several versions [0, N]" at once; now it waits for the running
     ranks' recovery, bounded by its client's ``timeout_s``, then names what is missing."""
     addresses = [s.address for s in servers(2)]
-    ranks: list = [None, None]
-
-    def builds(r: int) -> None:
-        ranks[r] = rank(addresses, r, "nobody", elastic=False)
-        train(ranks[r][1], ranks[r][2])
-
-    threads = [threading.Thread(target=builds, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert all(ranks), "the ranks did not train"
+    ranks = both_trained(addresses, "nobody", elastic=False)
     try:
         ranks[1][0].close()  # rank 1's process ended, and server 1 restarted empty
         ranks[0][0].call(1, "DropJob", pb.DropJobRequest(job=JOB))
