@@ -14,14 +14,18 @@ single-process training (1e-9). Node 1 with replicas every step (rank 0 runs on 
 from them) and node 0 with snapshots every 3 steps (the restarted rank 0 restores the one of
 step 6, where it joins). A restarted rank whose server is empty while no running rank
 recovers it (they do not run ``train_with_recovery``) says so after its client's
-``timeout_s``. Every wait is bounded.
+``timeout_s``; one that finds the notice of an earlier recovery, before the running rank
+noticed this loss, meets it past its next one (in-process ranks). Every wait is bounded.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -120,3 +124,61 @@ def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypa
             client.close()
     finally:
         ranks[0][0].close()
+
+
+def test_a_notice_older_than_the_others_epoch_is_passed_by_their_next(
+    servers, monkeypatch, caplog
+) -> None:
+    """The run recovered once before (a notice of epoch 0, the ranks then at epoch 1), and
+    rank 1's new process finds its server emptied before rank 0 noticed the loss: it meets in
+    epoch 1, where rank 0 is not recovering (that epoch's first barrier long freed), then, once
+    rank 0 recovers, in epoch 2 with it, and comes at the step rank 0 restored."""
+    addresses = [s.address for s in servers(2)]
+    ranks = both_trained(addresses, "stale", elastic=False)
+    (c0, m0, _), (c1, m1, _) = ranks
+    c0.run_state.give_up("recovers: an earlier failure")  # the notice of epoch 0
+
+    def earlier_recovery(model: FSDPModel) -> None:
+        model.restart_collectives(1)
+        model.client.barrier()
+
+    threads = [threading.Thread(target=earlier_recovery, args=(m,)) for m in (m0, m1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    c1.close()  # rank 1's process died with server 1
+    c0.call(1, "DropJob", pb.DropJobRequest(job=JOB))
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    came: list = []
+
+    def comes() -> None:
+        client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="stale",
+                             timeout_s=30)  # fmt: skip
+        came.append(client)
+        try:
+            config = ShardingConfiguration(client, job=JOB, replicate_every=1)
+            model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+            FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
+            came.append((model.step_count, client.run_state.epoch))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            came.append(exc)
+        finally:
+            client.close()
+
+    caplog.set_level(logging.WARNING, logger="paramshard.recovery")
+    newcomer = threading.Thread(target=comes)
+    newcomer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "not their recovery's epoch" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "not their recovery's epoch" in caplog.text, caplog.text
+        c0.run_state.give_up("recovers: server 1 lost")  # rank 0 notices, in epoch 1
+        m0.restart_collectives(2)
+        restored = m0.recover()
+        newcomer.join(60)
+        assert came[1:] == [(restored, 2)], came
+    finally:
+        newcomer.join(60)
+        c0.close()

@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+from paramshard.client import ShardClientError
+from paramshard.client.run_state import Notice
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
 
@@ -95,10 +97,34 @@ class ServerCheckpoints(ElasticCheckpoints):
         must reach. It moves to their epoch, past the run's newest abort notice (a recovery
         numbers its collectives afresh there, so its first barrier is this rank's first),
         meets them while rank 0 restores the job (``recover``) and returns the step restored.
-        Waits for the notice up to the client's ``timeout_s`` (they notice within seconds)."""
+        A notice older than the others' epoch (from a recovery they had made before, while
+        this loss has not reached them yet) fails that meeting (their next notice aborts it, or
+        its barrier was theirs, long freed): it waits for a newer one and meets them past it.
+        Each wait for a notice is bounded by the client's ``timeout_s`` (they notice within
+        seconds)."""
+        state = self.client.run_state
+        after = -1  # the epoch of the newest notice that was too old
+        while True:
+            notice = self._notice_after(after)
+            epoch = state.next_epoch(notice)
+            log.warning(
+                "rank %d: job '%s' holds no values on a server restarted empty: this rank"
+                " joins the running ranks' recovery (epoch %d)",
+                self.rank, self.config.job, epoch,
+            )  # fmt: skip
+            self.restart_collectives(epoch)
+            try:
+                return self.recover()
+            except ShardClientError as exc:
+                after = notice.epoch
+                log.warning("rank %d: not their recovery's epoch (%s)", self.rank, exc.details)
+
+    def _notice_after(self, epoch: int) -> Notice:
+        """The run's abort notice of an epoch past ``epoch``, once there is one (bounded by
+        the client's ``timeout_s``)."""
         state, timeout = self.client.run_state, self.client.timeout_s
         deadline = time.monotonic() + timeout
-        while (notice := state.refresh()) is None:
+        while (notice := state.refresh()) is None or notice.epoch <= epoch:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"job '{self.config.job}' holds no values on a server restarted empty, and"
@@ -106,14 +132,7 @@ class ServerCheckpoints(ElasticCheckpoints):
                     " restore a snapshot or drop the job"
                 )
             time.sleep(REBUILD_POLL_S)
-        epoch = state.next_epoch(notice)
-        log.warning(
-            "rank %d: job '%s' holds no values on a server restarted empty: this rank joins"
-            " the running ranks' recovery (epoch %d)",
-            self.rank, self.config.job, epoch,
-        )  # fmt: skip
-        self.restart_collectives(epoch)
-        return self.recover()
+        return notice
 
     def _adopt_server_version(self) -> int:
         from paramshard.client import tools
