@@ -15,7 +15,9 @@ from them) and node 0 with snapshots every 3 steps (the restarted rank 0 restore
 step 6, where it joins). A restarted rank whose server is empty while no running rank
 recovers it (they do not run ``train_with_recovery``) says so after its client's
 ``timeout_s``; one that finds the notice of an earlier recovery, before the running rank
-noticed this loss, meets it past its next one (in-process ranks). Every wait is bounded.
+noticed this loss, meets it past its next one (in-process ranks). And a rank restarted
+alone, its server fine, after a recovery the others made: it comes in their epoch, not in
+epoch 0 where that recovery's notice refuses its waits. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -181,4 +183,31 @@ def test_a_notice_older_than_the_others_epoch_is_passed_by_their_next(
         assert came[1:] == [(restored, 2)], came
     finally:
         newcomer.join(60)
+        c0.close()
+
+
+def test_a_rank_restarted_alone_after_a_recovery_comes_in_the_others_epoch(
+    servers, monkeypatch
+) -> None:
+    """Its server fine, rank 1's new process finds the notice of a recovery the others made
+    before (epoch 0; they are in epoch 1) and moves past it. Before, it stayed in epoch 0, where
+    that notice refused its first wait: every rank recovered once more, the notice blaming the
+    server it called (a field run under the launcher)."""
+    addresses = [s.address for s in servers(2)]
+    (c0, m0, _), (c1, m1, _) = both_trained(addresses, "alone", elastic=False)
+    c0.run_state.give_up("recovers: an earlier failure")  # the notice of epoch 0
+    for m in (m0, m1):
+        m.restart_collectives(1)
+    c1.close()  # rank 1's process died; its server did not
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="alone",
+                         timeout_s=10)  # fmt: skip
+    try:
+        config = ShardingConfiguration(client, job=JOB, replicate_every=1)
+        model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+        FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
+        assert model.step_count == m0.step_count
+        assert client.run_state.epoch == 1 and client.run_state.current() is None
+    finally:
+        client.close()
         c0.close()

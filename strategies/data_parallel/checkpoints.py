@@ -8,7 +8,7 @@ import logging
 import time
 from typing import Any
 
-from paramshard.client import ShardClientError
+from paramshard.client import ShardClientError, restarts
 from paramshard.client.run_state import Notice
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
@@ -89,6 +89,21 @@ class ServerCheckpoints(ElasticCheckpoints):
             return self._await_rebuilt(lambda: self._register(buffers), held, empty)
         self._buffers = buffers
         return {self._join_recovery()}, set()
+
+    def _catch_up(self) -> None:
+        """A rank that comes to a running job moves past the run's newest abort notice, one
+        the others recovered from before it came. Elastic: it joins a step when it trains one
+        (``join_step``) but pulls now (ZeRO's replica), in the run's epoch. Fixed world (a
+        restarted rank): the others' epoch, where their recovery numbered the collectives
+        afresh; in epoch 0 the notice refused its first wait, and every rank recovered once
+        more, blaming a server (a field run). A rank that joined a recovery is there already."""
+        if self.membership is not None:
+            self.membership.catch_up()
+            return
+        state = self.client.run_state
+        notice = state.current()
+        if restarts.restart_count() and notice is not None and not notice.final:
+            self.restart_collectives(state.next_epoch(notice))
 
     def _join_recovery(self) -> int:
         """A restarted rank of a fixed-world job that finds a server restarted empty (a node

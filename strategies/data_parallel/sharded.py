@@ -157,8 +157,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
             from paramshard.client import tools
 
             tools.configure_replication(self.client, job, self.config.replicate_every)
-        if self.membership is not None:  # it joins a step when it trains one (join_step)
-            self.membership.catch_up()  # but pulls now (ZeRO's replica): in the run's epoch
+        self._catch_up()  # a rank new to a running job: in the run's epoch
         self._after_register()
 
     def _register(self, buffers: list[BufferSpec]) -> tuple[set[int], set[int]]:
