@@ -44,9 +44,7 @@ class ServerLoss:
     incarnations: dict[int, tuple[int, int]]  # server -> (its process, epoch last seen in)
 
     client: Callable[[], Any]  # the rank's client (a weak reference)
-
-    def refuse(self, server: int, details: str) -> None:
-        raise NotImplementedError  # the lease's own: another process holds this rank
+    refuse: Callable[[int, str], None]  # the lease's own: another process holds this rank
 
     def _failed(self, server: int, exc: grpc.RpcError, now: float) -> None:
         code = exc.code()

@@ -22,12 +22,14 @@ epoch 0 where that recovery's notice refuses its waits. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,26 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
+
+
+@contextlib.contextmanager
+def rank_1_again(
+    addresses: list[str], run: str, timeout_s: float
+) -> Iterator[tuple[ShardClient, FSDPModel]]:
+    """Rank 1's new process (the caller sets ``RESTART_COUNT_ENV``): its client and model,
+    not attached yet (``attach``); the client closes after."""
+    client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id=run,
+                         timeout_s=timeout_s)  # fmt: skip
+    try:
+        config = ShardingConfiguration(client, job=JOB, replicate_every=1)
+        yield client, FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+    finally:
+        client.close()
+
+
+def attach(model: FSDPModel) -> FSDPOptimizer:
+    """The optimizer wrapper, where the model registers on the servers and meets the job."""
+    return FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), model.config)
 
 
 def pids_of_ranks(said: str) -> dict[int, int]:
@@ -113,17 +135,11 @@ def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypa
         ranks[1][0].close()  # rank 1's process ended, and server 1 restarted empty
         ranks[0][0].call(1, "DropJob", pb.DropJobRequest(job=JOB))
         monkeypatch.setenv(RESTART_COUNT_ENV, "1")  # its new process
-        client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="nobody",
-                             timeout_s=2)  # fmt: skip
-        try:
-            config = ShardingConfiguration(client, job=JOB, replicate_every=1)
-            model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
+        with rank_1_again(addresses, "nobody", timeout_s=2) as (_, model):
             with pytest.raises(
                 RuntimeError, match="no running rank said it recovers it within 2 s"
             ):
-                FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
-        finally:
-            client.close()
+                attach(model)
     finally:
         ranks[0][0].close()
 
@@ -155,18 +171,12 @@ def test_a_notice_older_than_the_others_epoch_is_passed_by_their_next(
     came: list = []
 
     def comes() -> None:
-        client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="stale",
-                             timeout_s=30)  # fmt: skip
-        came.append(client)
         try:
-            config = ShardingConfiguration(client, job=JOB, replicate_every=1)
-            model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
-            FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
-            came.append((model.step_count, client.run_state.epoch))
+            with rank_1_again(addresses, "stale", timeout_s=30) as (client, model):
+                attach(model)
+                came.append((model.step_count, client.run_state.epoch))
         except Exception as exc:  # noqa: BLE001 - the test reads it
             came.append(exc)
-        finally:
-            client.close()
 
     caplog.set_level(logging.WARNING, logger="paramshard.recovery")
     newcomer = threading.Thread(target=comes)
@@ -180,7 +190,7 @@ def test_a_notice_older_than_the_others_epoch_is_passed_by_their_next(
         m0.restart_collectives(2)
         restored = m0.recover()
         newcomer.join(60)
-        assert came[1:] == [(restored, 2)], came
+        assert came == [(restored, 2)], came
     finally:
         newcomer.join(60)
         c0.close()
@@ -200,14 +210,10 @@ def test_a_rank_restarted_alone_after_a_recovery_comes_in_the_others_epoch(
         m.restart_collectives(1)
     c1.close()  # rank 1's process died; its server did not
     monkeypatch.setenv(RESTART_COUNT_ENV, "1")
-    client = ShardClient(ClusterSpec(addresses), rank=1, world_size=2, run_id="alone",
-                         timeout_s=10)  # fmt: skip
     try:
-        config = ShardingConfiguration(client, job=JOB, replicate_every=1)
-        model = FSDPModel(net(INIT), config, wrap=(torch.nn.Linear,))
-        FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), config)
-        assert model.step_count == m0.step_count
-        assert client.run_state.epoch == 1 and client.run_state.current() is None
+        with rank_1_again(addresses, "alone", timeout_s=10) as (client, model):
+            attach(model)
+            assert model.step_count == m0.step_count
+            assert client.run_state.epoch == 1 and client.run_state.current() is None
     finally:
-        client.close()
         c0.close()
