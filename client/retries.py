@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "is_busy", "is_freed", "lost_reply",
-    "retry_pause",
+    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "behind", "busy_pause", "is_busy",
+    "is_freed", "lost_reply", "retry_pause",
 ]  # fmt: skip
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -53,6 +53,26 @@ def is_freed(details: str) -> bool:
     """Whether a server's error says the slot or chunk a call named was read by all its
     readers and freed (server/collectives/slots.py)."""
     return "freed" in details
+
+
+def behind(method: str, code: Any, details: str, attempts: int) -> str:
+    """What to add to a collective's error when its first attempt found its slot freed. A
+    slot is freed once every reader has read it, this rank among them, and a contribution
+    is awaited from every contributor: so this process did not make that collective before,
+    the other ranks did, without it. It came to a running job and numbers its collectives
+    afresh (a rank restarted alone: ``paramshard launch --max-restarts``), behind theirs.
+    "" otherwise (a retry's freed slot is ``lost_reply``'s)."""
+    if attempts != 1 or code != grpc.StatusCode.NOT_FOUND or not is_freed(details):
+        return ""
+    if method not in ("Contribute", "ContributeRead", "ReadSlot"):
+        return ""
+    return (
+        "; this process is behind the other ranks' collectives: they finished this one before"
+        " it came (a rank restarted alone numbers its collectives afresh). Every rank must go"
+        " on in a new epoch with it: train_with_recovery does as it starts; a loop of its own"
+        " makes no collectives (all_reduce, barrier, save_checkpoint) while a rank may be"
+        " restarted"
+    )
 
 
 def lost_reply(method: str, code: Any, details: str, attempts: int) -> str:

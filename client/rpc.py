@@ -26,6 +26,7 @@ from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcErro
 from paramshard.client.retries import (
     MIN_ATTEMPT_S,
     RETRYABLE,
+    behind,
     busy_pause,
     is_busy,
     lost_reply,
@@ -270,6 +271,7 @@ class RpcCore:
         Exceeded": the server's reply came too late), that account from the server's Status
         (client/hang_report.py)."""
         details = err.details + lost_reply(call.method, err.code, err.details, attempts)
+        details += behind(call.method, err.code, err.details, attempts)
         if attempts > 1:
             details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and call.method in WAITS_ON_PEERS:

@@ -192,11 +192,10 @@ def run_rank(args: argparse.Namespace) -> int:
     for group in opt.param_groups:
         group.setdefault("initial_lr", group["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.steps), last_epoch=start - 1)
-    # A restarted rank cannot replay a collective the others finished before it died, so with
-    # --max-restarts the loop makes none: rank 0 reports the loss of its own share. An elastic
-    # job's collectives go over each step's members (model.step_group), a restart included.
+    # A restarted rank meets the others in a new epoch as train_with_recovery starts, so the
+    # loss's all-reduce needs no care; an elastic job's collectives go over each step's
+    # members (model.step_group), a restart included.
     elastic = getattr(model, "elastic", False)
-    own_loss = restarts.max_restarts() > 0 and not elastic
     val_batches = validation_batches(val_data, local_batch, args.block_size, args.seed, replica)
     if elastic:  # one held-out global batch, cut among each step's members like the others
         val_batches = validation_batches(val_data, args.batch_size, args.block_size, args.seed, 0)
@@ -206,8 +205,7 @@ def run_rank(args: argparse.Namespace) -> int:
         print(
             f"{args.strategy}: GPT {args.model} ({n_params:,} parameters, vocab"
             f" {tok.vocab_size}), world size {world}{layout}, global batch {args.batch_size} x"
-            f" {args.block_size} tokens, {len(client.spec.addresses)} servers, job {config.job}"
-            + (", loss of rank 0's share" if own_loss else ""),
+            f" {args.block_size} tokens, {len(client.spec.addresses)} servers, job {config.job}",
             flush=True,
         )
     if start:
@@ -219,7 +217,7 @@ def run_rank(args: argparse.Namespace) -> int:
         weighted by their rows of the global batch (``rows``: another batch's size)."""
         if elastic:
             return model.batch_mean(value, rows)
-        return value if own_loss else float(client.all_reduce(torch.tensor([value]), "mean")[0])
+        return float(client.all_reduce(torch.tensor([value]), "mean")[0])
 
     comm = 0.0
 

@@ -38,12 +38,15 @@ the failure. At most ``checkpoint_every`` steps are recomputed.
 after each step (unless ``train_step`` stepped it), set back when a recovery goes back.
 
 A *trainer* that dies is another matter: ``paramshard launch --max-restarts`` restarts it and
-its model adopts the servers' step (paramshard/restarts.py). With a fixed world the two do not
-combine: the snapshots and recoveries here synchronise the ranks with barriers, and a
-restarted rank cannot replay a barrier the others already passed. Except when its server was
-lost with it (a node down): the others are recovering that server, and the restarted rank
-joins their recovery in their epoch, whose collectives start afresh
-(strategies/data_parallel/checkpoints.py, ``_join_recovery``). An *elastic* job
+its model adopts the servers' step (paramshard/restarts.py). The snapshots and recoveries here
+synchronise the ranks with collectives numbered in order, and the others made some the new
+process did not (a server forgets a collective once every rank has read it): so in a fixed
+world, the restarted rank (``model.restarted_alone``) starts with a recovery of every rank, in
+a new epoch whose collectives start afresh ("rank 1 recovers: it was restarted at step N"),
+in which nothing is restored when every server holds the job at one version. When its server
+was lost with it (a node down), the others are recovering that server, and the restarted rank
+joins that recovery as it attaches instead (strategies/data_parallel/checkpoints.py,
+``_join_recovery``). An *elastic* job
 (``ShardingConfiguration(elastic=True)``) synchronises each step's members instead, so a rank
 may die, come back or join while this runs, and a server may be lost in the same run
 (strategies/elastic_training.py).
@@ -81,6 +84,8 @@ RECOVERABLE = {
     grpc.StatusCode.FAILED_PRECONDITION,  # a push for a step the restarted server is not at
     grpc.StatusCode.CANCELLED,
 }
+RESTARTED = "RESTARTED"
+"""``RecoveryReport.causes``: a rank restarted alone met the others in a new epoch."""
 
 
 class ProgressBar(Protocol):
@@ -107,7 +112,8 @@ class RecoveryReport:
     causes: list[str] = field(default_factory=list)
     """The gRPC code that started each recovery: UNAVAILABLE or NOT_FOUND where this rank met
     the failed server itself, ABORTED where another rank's notice reached it first
-    (client/leases.py), DEADLINE_EXCEEDED where a wait ran out."""
+    (client/leases.py), DEADLINE_EXCEEDED where a wait ran out; ``RESTARTED`` where this
+    process came restarted alone and met the others in a new epoch."""
     committed_without_loss: list[int] = field(default_factory=list)
     """Steps whose update the servers had committed when this rank's ``train_step`` failed
     after it (say, in the loss's all-reduce): trained and not replayed, but with no loss in
@@ -174,18 +180,28 @@ def _wait_for_servers(model: ServerShardedModel | HybridShardedModel, wait_s: fl
 
 def _recover(
     model: ServerShardedModel | HybridShardedModel,
-    exc: ShardClientError,
+    exc: ShardClientError | None,
     step: int,
     epoch: int,
     wait_s: float,
     report: RecoveryReport,
 ) -> None:
-    """After ``step`` failed with ``exc``: tells the other ranks, drops the step, waits for
-    the servers, numbers the collectives afresh in ``epoch`` and brings the model back to
-    the servers' step (``model.recover()``); ``report`` records it."""
+    """After ``step`` failed with ``exc`` (None: this process comes restarted alone, before
+    its first step): tells the other ranks, drops the step, waits for the servers, numbers
+    the collectives afresh in ``epoch`` and brings the model back to the servers' step
+    (``model.recover()``); ``report`` records it."""
     began = time.monotonic()
     source = model.recovery_source
-    if exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
+    if exc is None:
+        log.warning(
+            "rank %d: restarted at step %d, behind the other ranks' collectives: every rank"
+            " meets it in a new epoch (a restore only if a step was half applied)",
+            model.rank, step,
+        )  # fmt: skip
+        model.client.run_state.give_up(
+            f"recovers: it was restarted at step {step}; every rank meets it in a new epoch"
+        )
+    elif exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
         log.warning("rank %d: step %d: recovering with the others, %s", model.rank, step, source)
         model.client.run_state.give_up(f"recovers with the others from step {step}")
     else:
@@ -202,7 +218,7 @@ def _recover(
         # the ranks waiting on this one learn now, through the servers, not at a deadline
         model.client.run_state.give_up(f"recovers: {lost} ({exc.method}: {exc.code.name})")
     report.recoveries += 1
-    report.causes.append(exc.code.name)
+    report.causes.append(RESTARTED if exc is None else exc.code.name)
     model.abandon_step()
     if model.optimizer is not None:
         model.optimizer.zero_grad()
@@ -214,7 +230,7 @@ def _recover(
     client = model.client
     deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
     try:
-        restored = model.recover()
+        restored = model.recover(restarted=True) if exc is None else model.recover()
     finally:
         client.timeout_s = deadline
     report.recovered(step, restored, began)
@@ -281,6 +297,12 @@ def train_with_recovery(
     # cheaper than waiting out retries (client/leases.py)
     state = model.client.run_state
     fail_fast, state.fail_fast = state.fail_fast, True
+
+    def recover(failure: ShardClientError | None, at: int) -> None:
+        nonlocal epoch
+        epoch += 1
+        _recover(model, failure, at, epoch, wait_s, report)
+
     try:
         if getattr(model, "elastic", False):
             hooks = SimpleNamespace(
@@ -294,12 +316,24 @@ def train_with_recovery(
             )  # fmt: skip
             return report
         sync_scheduler(scheduler, model.step_count)
-        if checkpoint_every and model.step_count % checkpoint_every == 0 and not epoch:
-            checkpoint()  # not after a recovery: the others go on from it without one
+        # a rank restarted alone meets the others first; a snapshot as training starts, not
+        # after a recovery (the others go on from it without one)
+        behind = getattr(model, "restarted_alone", False)
+        behind = behind and (model.step_count < steps or finish is not None)  # else: no step
+        starts = bool(checkpoint_every) and model.step_count % checkpoint_every == 0
+        snapshot = starts and not epoch and not behind
         end = steps  # the step count training ends at: ``steps``, or after should_stop said so
         while True:
             step = model.step_count
             try:
+                if behind:
+                    behind = False
+                    recover(None, step)
+                    sync_scheduler(scheduler, model.step_count)
+                    continue
+                if snapshot:
+                    snapshot = False
+                    checkpoint()
                 if step < end:
                     report.losses[step] = loss = train_step(step)
                     sync_scheduler(scheduler, model.step_count)
@@ -313,14 +347,13 @@ def train_with_recovery(
                     model.config.client.barrier()  # every rank is through it, or all recover
                 break
             except ShardClientError as exc:
-
-                def recover(failure: ShardClientError, at: int = step) -> None:
-                    nonlocal epoch
-                    epoch += 1
-                    _recover(model, failure, at, epoch, wait_s, report)
-
+                snapshot = False  # the others go on without it
                 recover_until_done(
-                    exc, lambda f: _recoverable(model, f), recover, report, max_recoveries
+                    exc,
+                    lambda f: _recoverable(model, f),
+                    lambda f, at=step: recover(f, at),
+                    report,
+                    max_recoveries,
                 )
                 if model.step_count < end:  # a replayed stop step: should_stop decides again
                     report.stopped_early, end = False, steps

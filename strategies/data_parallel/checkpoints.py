@@ -8,6 +8,8 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
+
 from paramshard.client import ShardClientError, restarts
 from paramshard.client.run_state import Notice
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
@@ -21,6 +23,14 @@ log = logging.getLogger("paramshard.recovery")
 class ServerCheckpoints(ElasticCheckpoints):
     """Mixed into ``ServerShardedModel``: every rank calls these at the same point (an
     elastic job: every member of the step, strategies/data_parallel/elastic_checkpoints.py)."""
+
+    restarted_alone = False
+    """This process is a rank of a fixed-world job restarted alone (``paramshard launch
+    --max-restarts``; its servers kept the job): the others numbered collectives it did not
+    make, so it meets them in a new epoch before its first one (``train_with_recovery`` does,
+    ``recover(restarted=True)``). False once it has, and for a rank that joined the others'
+    recovery of a server lost with it (``_join_recovery``)."""
+    _joined = False  # this rank joined the others' recovery as it attached
 
     def save_checkpoint(self, tag: str) -> int:
         """Snapshot of this job on the servers (params, optimizer state, step) under ``tag``,
@@ -64,18 +74,39 @@ class ServerCheckpoints(ElasticCheckpoints):
             return "restoring from its neighbour's replica"
         return "restoring from the newest snapshot"
 
-    def recover(self) -> int:
+    def recover(self, restarted: bool = False) -> int:
         """After a server died and came back: every server returns to the newest version they
         can all reach, from neighbour replicas when configured, else from the newest snapshot.
-        Every rank calls it at the same point; returns the step to continue from."""
+        Every rank calls it at the same point; returns the step to continue from.
+
+        ``restarted``: this rank comes restarted alone (``restarted_alone``), which every
+        rank learns at the recovery's first meeting. Its servers lost nothing: when every one
+        holds the job at one version, nothing is restored (a restore could only go back, or
+        find nothing to restore before the first snapshot), and the others' half-done step is
+        replayed; servers at several versions (a step half applied) are restored."""
         if self.membership is not None:  # the facts decide, a recovery round if they must
             return self.resync(self.client.run_state.epoch, self.config.join_window_s)
         self._ensure_idle()
-        self.client.barrier()  # every rank has dropped its half-done step
+        # every rank has dropped its half-done step; the max: whether one comes restarted
+        came = self.client.all_reduce(np.array([int(restarted)], dtype=np.int64), "max")
         if self.rank == 0:
-            self._recover_job()
+            if not came[0] or not self._kept_whole():
+                self._recover_job()
         self.client.barrier()
+        self.restarted_alone = False
         return self._adopt_server_version()
+
+    def _kept_whole(self) -> bool:
+        """Whether every server holds every slice of the job, all at one version (registering
+        again leaves a buffer there as it is)."""
+        held, empty = self._register(self._buffers)
+        if empty or len(held) != 1:
+            return False
+        log.warning(
+            "job '%s': every server holds it at step %d: nothing to restore",
+            self.config.job, next(iter(held)),
+        )  # fmt: skip
+        return True
 
     def _rebuilt(
         self, buffers: list[Any], held: set[int], empty: set[int]
@@ -96,14 +127,17 @@ class ServerCheckpoints(ElasticCheckpoints):
         (``join_step``) but pulls now (ZeRO's replica), in the run's epoch. Fixed world (a
         restarted rank): the others' epoch, where their recovery numbered the collectives
         afresh; in epoch 0 the notice refused its first wait, and every rank recovered once
-        more, blaming a server (a field run). A rank that joined a recovery is there already."""
+        more, blaming a server (a field run). A rank that joined a recovery is there already;
+        any other is ``restarted_alone``: behind the collectives they made in that epoch."""
         if self.membership is not None:
             self.membership.catch_up()
             return
         state = self.client.run_state
         notice = state.current()
-        if restarts.restart_count() and notice is not None and not notice.final:
+        restarted = bool(restarts.restart_count())
+        if restarted and notice is not None and not notice.final:
             self.restart_collectives(state.next_epoch(notice))
+        self.restarted_alone = restarted and not self._joined
 
     def _join_recovery(self) -> int:
         """A restarted rank of a fixed-world job that finds a server restarted empty (a node
@@ -129,7 +163,9 @@ class ServerCheckpoints(ElasticCheckpoints):
             )  # fmt: skip
             self.restart_collectives(epoch)
             try:
-                return self.recover()
+                step = self.recover()
+                self._joined = True
+                return step
             except ShardClientError as exc:
                 after = notice.epoch
                 log.warning("rank %d: not their recovery's epoch (%s)", self.rank, exc.details)
