@@ -75,9 +75,9 @@ $(STAMP): pyproject.toml
 # internals (test_optimizers, test_server_float64) are not among them. The 3D recovery test
 # (53 s) runs the servers' recovery code that the other recovery tests run: once is enough.
 STRICT_TESTS := $(addprefix tests/test_,$(addsuffix .py,server_services bad_input collectives \
-  bad_requests bad_slots buffers buffer_steps nonfinite snapshots hardening_snapshots \
-  hardening_replication hardening_store hardening_limits optimizer_state recovery recovery_finish \
-  determinism dlpack shm replica_shm))
+  collectives_behaviour bad_requests bad_slots buffers buffer_steps nonfinite snapshots \
+  snapshot_regressions hardening_snapshots hardening_replication hardening_store hardening_limits \
+  optimizer_state recovery recovery_finish determinism dlpack shm replica_shm))
 SERVER_TESTS = $(PYTEST) $(1) --deselect tests/test_recovery.py::test_3d_job_recovers_from_a_killed_server
 STRICT_RUN := PARAMSHARD_TEST_BACKEND=strict $(call SERVER_TESTS,$(STRICT_TESTS))
 
