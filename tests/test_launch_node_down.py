@@ -29,7 +29,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -84,31 +84,48 @@ def pids_of_ranks(said: str) -> dict[int, int]:
     return found
 
 
-@pytest.mark.equivalence
-@pytest.mark.slow
-@pytest.mark.parametrize(("node", "mode"), [(1, "recover"), (0, "snapshots")])
-def test_a_rank_and_its_server_lost_together_are_recovered(
-    node: int, mode: str, tmp_path: Path
-) -> None:
+def killed_at_step_6(
+    tmp_path: Path, mode: str, restarts: tuple[str, ...], victims: Callable[[str], list[int]]
+) -> str:
+    """TRAIN under ``paramshard launch --nproc 2`` with ``restarts`` (its --max-* options):
+    once rank 0 waits at step ``KILL_AT`` (rank 1 in its step), SIGKILLs the pids ``victims``
+    finds in the output so far, then lets rank 0 go on. The job must exit 0, ending at the
+    parameters of single-process training (1e-9); returns the output."""
     script, out, marker = tmp_path / "train.py", tmp_path / "final.pt", tmp_path / "killed"
     script.write_text(TRAIN)
-    launcher = Launcher(
-        "--nproc", "2", "--max-restarts", "1", "--max-server-restarts", "1",
-        script, out, marker, mode, STEPS, KILL_AT, SEED,
-    )  # fmt: skip
+    launcher = Launcher("--nproc", "2", *restarts, script, out, marker, mode, STEPS, KILL_AT, SEED)
     try:
-        launcher.wait_for(r"^\[rank 0\] KILL ME")  # rank 0 waits there; rank 1 in its step
-        (server,) = [pid for i, _, pid in started(launcher.output) if i == node]
-        trainer = pids_of_ranks(launcher.output)[node]
-        for pid in (trainer, server):
+        launcher.wait_for(r"^\[rank 0\] KILL ME")
+        pids = victims(launcher.output)
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        assert wait_gone([trainer, server]) == []
+        assert wait_gone(pids) == []
         marker.write_text("killed")
         code = launcher.finish()
     finally:
         launcher.close()
     said = launcher.output
     assert code == 0, said
+    data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(SEED + 1))
+    final = torch.load(out, weights_only=True)
+    assert_equivalent(final, single_process(data), f"{mode}: {pids} killed at step {KILL_AT}")
+    assert wait_gone([pid for _, _, pid in started(said)]) == []
+    return said
+
+
+@pytest.mark.equivalence
+@pytest.mark.slow
+@pytest.mark.parametrize(("node", "mode"), [(1, "recover"), (0, "snapshots")])
+def test_a_rank_and_its_server_lost_together_are_recovered(
+    node: int, mode: str, tmp_path: Path
+) -> None:
+    def node_down(said: str) -> list[int]:
+        (server,) = [pid for i, _, pid in started(said) if i == node]
+        return [pids_of_ranks(said)[node], server]
+
+    said = killed_at_step_6(
+        tmp_path, mode, ("--max-restarts", "1", "--max-server-restarts", "1"), node_down
+    )
     assert f"server {node} exited (exit code -9); started it again, empty" in said, said
     assert re.search(rf"rank {node} failed with exit code -?\d+; restarting it", said), said
     assert re.search(
@@ -120,10 +137,6 @@ def test_a_rank_and_its_server_lost_together_are_recovered(
     other = 1 - node
     assert re.search(rf"^\[rank {other}\] recoveries 1 replayed [01]$", said, re.M), said
     assert re.search(rf"^\[rank {node}\] recoveries 0 replayed 0$", said, re.M), said
-    data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(SEED + 1))
-    final = torch.load(out, weights_only=True)
-    assert_equivalent(final, single_process(data), f"node {node} lost and restarted")
-    assert wait_gone([pid for _, _, pid in started(said)]) == []
 
 
 def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypatch) -> None:

@@ -20,26 +20,12 @@ Every wait is bounded.
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 from pathlib import Path
 
 import pytest
-import torch
-from numerics import assert_equivalent
 from test_job_lost import both_trained, in_threads
-from test_launch import wait_gone
-from test_launch_node_down import attach, pids_of_ranks, rank_1_again
-from test_launch_server_restarts import (
-    KILL_AT,
-    SEED,
-    STEPS,
-    TRAIN,
-    Launcher,
-    single_process,
-    started,
-)
+from test_launch_node_down import attach, killed_at_step_6, pids_of_ranks, rank_1_again
 
 from paramshard.client import ShardClientError
 from paramshard.client.restarts import RESTART_COUNT_ENV
@@ -50,23 +36,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 @pytest.mark.equivalence
 @pytest.mark.slow
 def test_a_rank_restarted_alone_meets_the_others_in_a_new_epoch(tmp_path: Path) -> None:
-    script, out, marker = tmp_path / "train.py", tmp_path / "final.pt", tmp_path / "killed"
-    script.write_text(TRAIN)
-    launcher = Launcher(
-        "--nproc", "2", "--max-restarts", "1",
-        script, out, marker, "snapshots", STEPS, KILL_AT, SEED,
-    )  # fmt: skip
-    try:
-        launcher.wait_for(r"^\[rank 0\] KILL ME")  # rank 0 waits there; rank 1 in its step
-        trainer = pids_of_ranks(launcher.output)[1]
-        os.kill(trainer, signal.SIGKILL)
-        assert wait_gone([trainer]) == []
-        marker.write_text("killed")
-        code = launcher.finish()
-    finally:
-        launcher.close()
-    said = launcher.output
-    assert code == 0, said
+    said = killed_at_step_6(
+        tmp_path, "snapshots", ("--max-restarts", "1"), lambda out: [pids_of_ranks(out)[1]]
+    )
     assert re.search(r"rank 1 failed with exit code -?\d+; restarting it", said), said
     assert "exited (exit code" not in said, said  # no server died
     assert re.search(
@@ -78,10 +50,6 @@ def test_a_rank_restarted_alone_meets_the_others_in_a_new_epoch(tmp_path: Path) 
     assert re.search(r"every server holds it at step 6: nothing to restore", said), said
     assert not re.search(r"server \d \(\S+\) lost", said), said  # no server blamed
     assert re.search(r"^\[rank 1\] recoveries 1 replayed 0$", said, re.M), said
-    data = torch.randint(0, 50, (STEPS, 4, 17), generator=torch.Generator().manual_seed(SEED + 1))
-    final = torch.load(out, weights_only=True)
-    assert_equivalent(final, single_process(data), "rank 1 restarted alone at step 6")
-    assert wait_gone([pid for _, _, pid in started(said)]) == []
 
 
 def test_a_restarted_ranks_own_collective_says_it_is_behind(servers, monkeypatch) -> None:
