@@ -12,6 +12,8 @@ rank recovered once more, blaming a server (a field run).
 - Under ``paramshard launch --max-restarts 1``: rank 1's trainer SIGKILLed at step 6,
   snapshots every 3 steps (float64 FSDP as tests/test_launch_node_down.py): exit 0, the
   final parameters equal to single-process training (1e-9), no restore.
+- Servers at two versions (a step half applied as the rank died): the meeting restores them,
+  from the neighbour replicas (in-process ranks).
 - A loop of its own (no ``train_with_recovery``): the restarted rank's first barrier says it
   is behind the other ranks' collectives, not only that a slot was freed (in-process ranks).
 
@@ -20,15 +22,20 @@ Every wait is bounded.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import pytest
-from test_job_lost import both_trained, in_threads
+import torch
+from test_elastic import BATCH, data
+from test_job_lost import JOB, both_trained, in_threads
 from test_launch_node_down import attach, killed_at_step_6, pids_of_ranks, rank_1_again
 
 from paramshard.client import ShardClientError
 from paramshard.client.restarts import RESTART_COUNT_ENV
+from paramshard.protos import shard_pb2 as pb
+from paramshard.strategies import FSDPModel, FSDPOptimizer, train_with_recovery
 
 pytestmark = [pytest.mark.faults, pytest.mark.timeout(300)]
 
@@ -73,3 +80,50 @@ def test_a_restarted_ranks_own_collective_says_it_is_behind(servers, monkeypatch
             ), caught.value
     finally:
         c0.close()
+
+
+def steps_of(model: FSDPModel, opt: FSDPOptimizer):  # noqa: ANN201 - train_with_recovery's
+    """``train_step``: this rank's part of the step's global batch (a function of the step)."""
+    x, y = data(seed=2)
+
+    def train_step(step: int) -> float:
+        part = model.batch_part(BATCH)
+        loss = torch.nn.functional.mse_loss(model(x[step % len(x), part]), y[step % len(x), part])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    return train_step
+
+
+def test_servers_a_step_apart_are_restored_at_the_meeting(servers, monkeypatch, caplog) -> None:
+    """Server 1 one version behind server 0 (a step half applied as rank 1 died): rank 0
+    restores the job from the neighbour replicas, where "every server holds it" would have
+    trained on from two versions. Both ranks then train 2 more steps."""
+    addresses = [s.address for s in servers(2)]
+    (c0, m0, o0), (c1, _, _) = both_trained(addresses, "split", elastic=False)
+    at = m0.step_count
+    c1.close()  # rank 1's process died
+    c0.call(1, "RollbackToReplica", pb.RollbackRequest(job=JOB, version=at - 1))
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    caplog.set_level(logging.WARNING, logger="paramshard.recovery")
+    try:
+        with rank_1_again(addresses, "split", timeout_s=30) as (_, m1):
+            o1 = attach(m1)
+            assert m1.restarted_alone and m1.step_count == at - 1  # the older of the two
+            runs = {
+                r: (lambda m=m, o=o: train_with_recovery(m, steps_of(m, o), at + 2,
+                                                         checkpoint_every=0, wait_s=30))
+                for r, (m, o) in enumerate(((m0, o0), (m1, o1)))
+            }  # fmt: skip
+            got = in_threads(runs)
+            reports = [got[r][0] for r in (0, 1)]
+            assert all(not isinstance(r, Exception) for r in reports), got
+            assert [r.recoveries for r in reports] == [1, 1], got
+            assert reports[1].causes == ["RESTARTED"] and reports[0].causes == ["ABORTED"]
+            assert m0.step_count == m1.step_count == at + 2
+    finally:
+        c0.close()
+    assert "nothing to restore" not in caplog.text, caplog.text
+    assert "recovered in" in caplog.text, caplog.text
