@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_a_restarted_ranks_own_collective_says_it_is_behind(servers, monkeypatch
         c0.close()
 
 
-def steps_of(model: FSDPModel, opt: FSDPOptimizer):  # noqa: ANN201 - train_with_recovery's
+def steps_of(model: FSDPModel, opt: FSDPOptimizer) -> Callable[[int], float]:
     """``train_step``: this rank's part of the step's global batch (a function of the step)."""
     x, y = data(seed=2)
 
