@@ -86,6 +86,7 @@ RECOVERABLE = {
 }
 RESTARTED = "RESTARTED"
 """``RecoveryReport.causes``: a rank restarted alone met the others in a new epoch."""
+_MEETS = "every rank meets it in a new epoch"  # a restarted rank's notice ends with it
 
 
 class ProgressBar(Protocol):
@@ -194,14 +195,15 @@ def _recover(
     source = model.recovery_source
     if exc is None:
         log.warning(
-            "rank %d: restarted at step %d, behind the other ranks' collectives: every rank"
-            " meets it in a new epoch (a restore only if a step was half applied)",
-            model.rank, step,
+            "rank %d: restarted at step %d, behind the other ranks' collectives: %s (a restore"
+            " only if a step was half applied)",
+            model.rank, step, _MEETS,
         )  # fmt: skip
-        model.client.run_state.give_up(
-            f"recovers: it was restarted at step {step}; every rank meets it in a new epoch"
-        )
+        model.client.run_state.give_up(f"recovers: it was restarted at step {step}; {_MEETS}")
     elif exc.code == grpc.StatusCode.ABORTED:  # another rank's notice (logged as it came)
+        notice = model.client.run_state.notice
+        if notice is not None and notice.reason.endswith(_MEETS):  # no server was lost
+            source = "meeting a restarted rank (a restore only if a step was half applied)"
         log.warning("rank %d: step %d: recovering with the others, %s", model.rank, step, source)
         model.client.run_state.give_up(f"recovers with the others from step {step}")
     else:

@@ -55,6 +55,11 @@ def test_a_rank_restarted_alone_meets_the_others_in_a_new_epoch(tmp_path: Path) 
         said,
         re.M,
     ), said
+    assert re.search(
+        r"^\[rank 0\] rank 0: step 6: recovering with the others, meeting a restarted rank",
+        said,
+        re.M,
+    ), said
     assert re.search(r"every server holds it at step 6: nothing to restore", said), said
     assert not re.search(r"server \d \(\S+\) lost", said), said  # no server blamed
     assert re.search(r"^\[rank 1\] recoveries 1 replayed 0$", said, re.M), said
