@@ -10,8 +10,8 @@ from typing import Any
 import grpc
 
 __all__ = [
-    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "behind", "busy_pause", "is_busy",
-    "is_freed", "lost_reply", "retry_pause",
+    "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "freed_slot", "is_busy",
+    "is_freed", "retry_pause",
 ]  # fmt: skip
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -55,37 +55,33 @@ def is_freed(details: str) -> bool:
     return "freed" in details
 
 
-def behind(method: str, code: Any, details: str, attempts: int) -> str:
-    """What to add to a collective's error when its first attempt found its slot freed. A
-    slot is freed once every reader has read it, this rank among them, and a contribution
-    is awaited from every contributor: so this process did not make that collective before,
-    the other ranks did, without it. It came to a running job and numbers its collectives
-    afresh (a rank restarted alone: ``paramshard launch --max-restarts``), behind theirs.
-    "" otherwise (a retry's freed slot is ``lost_reply``'s)."""
-    if attempts != 1 or code != grpc.StatusCode.NOT_FOUND or not is_freed(details):
-        return ""
-    if method not in ("Contribute", "ContributeRead", "ReadSlot"):
-        return ""
-    return (
-        "; this process is behind the other ranks' collectives: they finished this one before"
-        " it came (a rank restarted alone numbers its collectives afresh). Every rank must go"
-        " on in a new epoch with it: train_with_recovery does as it starts; a loop of its own"
-        " makes no collectives (all_reduce, barrier, save_checkpoint) while a rank may be"
-        " restarted"
-    )
+def freed_slot(method: str, code: Any, details: str, attempts: int) -> str:
+    """What to add to a slot call's final error when its slot or chunk was found freed (read
+    by every reader, this rank among them; a contribution is awaited from every contributor).
 
+    - A retried read: the server served the first attempt (and counted this reader) before
+      the connection broke, and once every reader had read, it freed the chunk: the reply
+      was lost and the result is nowhere left for this rank.
+    - A first attempt: this process did not make that collective before, the other ranks did,
+      without it. It came to a running job and numbers its collectives afresh (a rank
+      restarted alone: ``paramshard launch --max-restarts``), behind theirs.
 
-def lost_reply(method: str, code: Any, details: str, attempts: int) -> str:
-    """What to add to a read's final error when a retry found its chunk freed: every retry is
-    safe for the servers' state, but a read's reply can be lost. The server served the first
-    attempt (and counted this reader) before the connection broke; once every reader had
-    read, it freed the chunk, so the result is nowhere left for this rank. "" otherwise."""
-    if attempts < 2 or code != grpc.StatusCode.NOT_FOUND or not is_freed(details):
+    "" otherwise."""
+    if code != grpc.StatusCode.NOT_FOUND or not is_freed(details):
         return ""
-    if method not in ("ContributeRead", "ReadSlot"):
-        return ""
-    return (
-        "; an earlier attempt was answered, but the broken connection lost its reply, and the"
-        " chunk's other readers have read it since: this rank's copy of the result is gone and"
-        " the collective cannot finish here (restart the job from its last snapshot or checkpoint)"
-    )
+    if attempts > 1 and method in ("ContributeRead", "ReadSlot"):
+        return (
+            "; an earlier attempt was answered, but the broken connection lost its reply, and"
+            " the chunk's other readers have read it since: this rank's copy of the result is"
+            " gone and the collective cannot finish here (restart the job from its last"
+            " snapshot or checkpoint)"
+        )
+    if attempts == 1 and method in ("Contribute", "ContributeRead", "ReadSlot"):
+        return (
+            "; this process is behind the other ranks' collectives: they finished this one"
+            " before it came (a rank restarted alone numbers its collectives afresh). Every"
+            " rank must go on in a new epoch with it: train_with_recovery does as it starts;"
+            " a loop of its own makes no collectives (all_reduce, barrier, save_checkpoint)"
+            " while a rank may be restarted"
+        )
+    return ""

@@ -26,10 +26,9 @@ from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcErro
 from paramshard.client.retries import (
     MIN_ATTEMPT_S,
     RETRYABLE,
-    behind,
     busy_pause,
+    freed_slot,
     is_busy,
-    lost_reply,
     retry_pause,
 )
 from paramshard.client.run_state import WAITS_ON_PEERS, RunState
@@ -270,8 +269,7 @@ class RpcCore:
         other ranks that timed out without the server's account of it (grpc's bare "Deadline
         Exceeded": the server's reply came too late), that account from the server's Status
         (client/hang_report.py)."""
-        details = err.details + lost_reply(call.method, err.code, err.details, attempts)
-        details += behind(call.method, err.code, err.details, attempts)
+        details = err.details + freed_slot(call.method, err.code, err.details, attempts)
         if attempts > 1:
             details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"
         if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and call.method in WAITS_ON_PEERS:
@@ -287,7 +285,7 @@ class RpcCore:
 
         A call failing with UNAVAILABLE is re-sent with jittered exponential backoff, up to
         ``retries`` times: every request is idempotent on the server, so this is always safe
-        for its state (a read whose reply was lost may find its chunk freed: ``lost_reply``).
+        for its state (a read whose reply was lost may find its chunk freed: ``freed_slot``).
         A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
         docs/design.md §6.2) is re-sent with backoff until it is admitted; other
         RESOURCE_EXHAUSTED errors (memory, sizes) are final. Every attempt of a call shares one

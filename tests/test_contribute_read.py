@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
-from paramshard.client.retries import lost_reply
+from paramshard.client.retries import freed_slot
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
@@ -262,7 +262,7 @@ def test_a_reply_lost_after_the_read_counted_says_the_result_is_gone() -> None:
 def test_a_chunk_freed_while_its_slot_is_open_is_named_freed_too() -> None:
     """A retried read of one chunk that every reader has read, while the slot's other chunks
     are still open: the server's NOT_FOUND says "freed" as for a whole slot, so the client's
-    ``lost_reply`` explains it the same way."""
+    ``freed_slot`` explains it the same way."""
     store = SlotStore()
     h = header("two", 0, expected=1)
     h.total_numel, h.chunk_numel = 2 * N, N
@@ -272,4 +272,4 @@ def test_a_chunk_freed_while_its_slot_is_open_is_named_freed_too() -> None:
     with pytest.raises(ShardError) as err:
         store.read(req, 1.0)
     assert err.value.code == grpc.StatusCode.NOT_FOUND and "chunk at 0" in err.value.message
-    assert lost_reply("ReadSlot", err.value.code, err.value.message, 2)
+    assert freed_slot("ReadSlot", err.value.code, err.value.message, 2)
