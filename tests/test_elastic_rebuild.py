@@ -54,14 +54,21 @@ def replicated(client: ShardClient) -> None:
         time.sleep(0.05)
 
 
+def one_step(model: FSDPModel, opt: FSDPOptimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One step on this rank's part of the global batch ``x``, ``y``; its loss."""
+    part = model.batch_part(BATCH)
+    loss = torch.nn.functional.mse_loss(model(x[part]), y[part])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def train(model: FSDPModel, opt: FSDPOptimizer) -> None:
     """``STEPS`` steps, this rank's part of each global batch."""
     x, y = data()
     for s in range(STEPS):
-        part = model.batch_part(BATCH)
-        torch.nn.functional.mse_loss(model(x[s, part]), y[s, part]).backward()
-        opt.step()
-        opt.zero_grad()
+        one_step(model, opt, x[s], y[s])
 
 
 @contextlib.contextmanager

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from test_elastic import BATCH, data
+from test_elastic import data
+from test_elastic_rebuild import one_step
 from test_job_lost import JOB, both_trained, in_threads
 from test_launch_node_down import attach, killed_at_step_6, pids_of_ranks, rank_1_again
 
@@ -91,16 +91,7 @@ def test_a_restarted_ranks_own_collective_says_it_is_behind(servers, monkeypatch
 def steps_of(model: FSDPModel, opt: FSDPOptimizer) -> Callable[[int], float]:
     """``train_step``: this rank's part of the step's global batch (a function of the step)."""
     x, y = data(seed=2)
-
-    def train_step(step: int) -> float:
-        part = model.batch_part(BATCH)
-        loss = torch.nn.functional.mse_loss(model(x[step % len(x), part]), y[step % len(x), part])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.item()
-
-    return train_step
+    return lambda step: one_step(model, opt, x[step % len(x)], y[step % len(x)])
 
 
 def test_servers_a_step_apart_are_restored_at_the_meeting(servers, monkeypatch, caplog) -> None:
