@@ -87,7 +87,9 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         default=120.0,
         metavar="SECONDS",
         help="longest any call waits (a pull for a future version, a slot read, a step"
-        " waiting for gradients) before DEADLINE_EXCEEDED (default: %(default)g)",
+        " waiting for gradients) before DEADLINE_EXCEEDED, and a call that came while this"
+        " server's Python threads stalled waits to be taken up (at least 30 s)"
+        " (default: %(default)g)",
     ),
     arg(
         "--workers",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from concurrent import futures
 from typing import Any
@@ -33,6 +34,14 @@ process is not affected: its kernel acknowledges. (Why 30 s, against torchelasti
 torchft's 5 s: docs/inspection-and-recovery.md.) gRPC's keepalive pings (every two hours while
 a call is open) share this timeout: a process stopped for longer than that when a ping comes
 is taken for dead."""
+GRPC_UNTAKEN_S = 30
+"""How long gRPC's core keeps a call that came while this server's Python loop could not take
+it up (``grpc.server_max_unrequested_time_in_server``) before it ends it CANCELLED, "CANCELLED",
+its handler never run. The loop takes one call at a time and needs the GIL: a process whose
+Python threads stall (a thread holding the GIL, a machine full of CPU hogs) for longer ended
+every call past the first that came meanwhile (a CI run: a rank's RegisterBuffer). The server
+keeps such calls as long as any call may wait (``max_wait_s``), never less than this, gRPC's
+own default; each call's deadline still ends it."""
 STOP_MARGIN_S = 5.0
 """Past its grace, how long ``stop`` waits for gRPC to wind down before it goes on anyway."""
 
@@ -181,6 +190,10 @@ class ShardServer:
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ("grpc.keepalive_timeout_ms", int(TCP_USER_TIMEOUT_S * 1000)),
+            (
+                "grpc.server_max_unrequested_time_in_server",
+                max(GRPC_UNTAKEN_S, math.ceil(bounds.max_wait_s)),
+            ),
         ]
         # Waiting handlers (pull at a version, read a slot) hold a thread each: the gate keeps
         # some free for the calls that work, and gives the open streams threads of their own.

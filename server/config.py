@@ -91,7 +91,9 @@ class BoundsConfig:
     max_receive_bytes: int = 256 * 2**20
     """The largest request accepted."""
     max_wait_s: float = 120.0
-    """The longest any call waits (a pull at a future version, a slot read, a step)."""
+    """The longest any call waits (a pull at a future version, a slot read, a step); also
+    how long a call that came while the server's Python threads stalled waits to be taken up
+    (at least 30 s: server/app.py ``GRPC_UNTAKEN_S``)."""
     pending_ttl_s: float = 600.0
     """Slots and mailboxes untouched this long expire; their readers get ABORTED."""
     replica_ttl_s: float = 300.0
