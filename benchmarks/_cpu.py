@@ -120,7 +120,9 @@ class Load:
         dt = max(1e-9, time.monotonic() - self.t) * (os.cpu_count() or 1)
         busy, stolen = _proc_stat()
         foreign = (busy - self.busy) - (own_cpu_s() - self.own)
-        self.foreign = round(max(0.0, foreign) / dt, 3)
+        # /proc/stat counts whole clock ticks: with every CPU busy the count may pass dt by
+        # a tick (1.001 with two CPUs full of CPU hogs), and a share of the machine is at most 1
+        self.foreign = round(min(1.0, max(0.0, foreign) / dt), 3)
         self.steal = round(min(self.foreign, max(0.0, stolen - self.stolen) / dt), 3)
         return self.foreign
 
@@ -153,7 +155,7 @@ def wake_steal(seconds: float = 1.0) -> float:
                 os.write(send, b"x")
                 os.read(recv, 1)
         dt = (time.monotonic() - t0) * (os.cpu_count() or 1)
-        return round(max(0.0, _proc_stat()[1] - stolen) / dt, 3)
+        return round(min(1.0, max(0.0, _proc_stat()[1] - stolen) / dt), 3)
     finally:
         child.stdin.close()  # its read ends: it exits
         try:
