@@ -37,11 +37,12 @@ is taken for dead."""
 GRPC_UNTAKEN_S = 30
 """How long gRPC's core keeps a call that came while this server's Python loop could not take
 it up (``grpc.server_max_unrequested_time_in_server``) before it ends it CANCELLED, "CANCELLED",
-its handler never run. The loop takes one call at a time and needs the GIL: a process whose
-Python threads stall (a thread holding the GIL, a machine full of CPU hogs) for longer ended
-every call past the first that came meanwhile (a CI run: a rank's RegisterBuffer). The server
-keeps such calls as long as any call may wait (``max_wait_s``), never less than this, gRPC's
-own default; each call's deadline still ends it."""
+its handler never run. The loop takes one call at a time and needs the GIL: with gRPC's
+default, a process whose Python threads stalled for longer (a thread holding the GIL:
+tests/test_server_stall.py) lost every call past the first that came meanwhile, and a CI run
+on a machine full of CPU hogs lost a rank's RegisterBuffer so. The server keeps such calls as
+long as any call may wait (``max_wait_s``), never less than this, gRPC's own default; each
+call's deadline still ends it."""
 STOP_MARGIN_S = 5.0
 """Past its grace, how long ``stop`` waits for gRPC to wind down before it goes on anyway."""
 
