@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 from conftest import worker_env
+from liveness_rank import hold_gil
 
 from paramshard.server.app import GRPC_UNTAKEN_S
 
@@ -46,19 +46,6 @@ for call in calls:
         print(f"failed {exc.code().name} {exc.details()!r}", flush=True)
 channel.close()
 """
-
-
-def hold_gil(seconds: float) -> None:
-    """Pure Python with a switch interval longer than ``seconds``: no other thread of this
-    process runs Python meanwhile (gRPC's core threads run on)."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(seconds + 30.0)
-    try:
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            pass
-    finally:
-        sys.setswitchinterval(before)
 
 
 @pytest.mark.slow
