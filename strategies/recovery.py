@@ -55,6 +55,7 @@ may die, come back or join while this runs, and a server may be lost in the same
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,7 +119,8 @@ class RecoveryReport:
     committed_without_loss: list[int] = field(default_factory=list)
     """Steps whose update the servers had committed when this rank's ``train_step`` failed
     after it (say, in the loss's all-reduce): trained and not replayed, but with no loss in
-    ``losses``. ``should_stop`` and ``progress`` were not called for them either."""
+    ``losses``. ``progress`` was not called for them; ``should_stop`` is asked about the last
+    step the servers hold after the recovery, with a NaN loss."""
     stopped_early: bool = False
 
     def recovered(self, failed: int, restored: int, began: float) -> None:
@@ -246,6 +248,26 @@ def _recover(
     )
 
 
+def _decide_again(
+    should_stop: Callable[[int, float], bool] | None,
+    held: int,
+    steps: int,
+    report: RecoveryReport,
+) -> int:
+    """The step count training ends at after a recovery that left the servers at step
+    ``held``: ``should_stop`` decides again on the last step they hold, whose call may have been
+    cut short by the failure (a validation's all-reduce) or never made (the rank failed after
+    the update, or is a restarted process: its loss is NaN then). Every rank recovers to the
+    same ``held``, so every rank asks alike; a step replayed later is asked as it is trained."""
+    report.stopped_early = False
+    if should_stop is None or not 0 < held <= steps:
+        return steps
+    if should_stop(held - 1, report.losses.get(held - 1, math.nan)):
+        report.stopped_early = True
+        return held
+    return steps
+
+
 def train_with_recovery(
     model: ServerShardedModel | HybridShardedModel,
     train_step: Callable[[int], float],
@@ -265,7 +287,9 @@ def train_with_recovery(
     optimizer step and returns the loss. Every rank calls this the same way.
 
     ``progress``: a tqdm bar or a ``progress(step, loss)`` function, told after each step;
-    ``should_stop(step, loss)``: True (on every rank) ends training after that step;
+    ``should_stop(step, loss)``: True (on every rank) ends training after that step; after a
+    recovery (fixed world) it is asked again for the last step the servers hold (a validation
+    the failure cut short is redone; the loss is NaN where this rank has none for that step);
     ``scheduler``: an LR scheduler kept at ``model.step_count``;
     ``finish()``: what every rank does with the servers once training has ended (a final
     evaluation, gathering the model, an export), followed by a barrier: a server dying before
@@ -321,18 +345,26 @@ def train_with_recovery(
         # a rank restarted alone meets the others first; a snapshot as training starts, not
         # after a recovery (the others go on from it without one)
         behind = getattr(model, "restarted_alone", False)
-        behind = behind and (model.step_count < steps or finish is not None)  # else: no step
+        # else no step, nothing at the end: the others, if any, are through with the servers
+        behind = behind and (
+            model.step_count < steps or finish is not None or should_stop is not None
+        )
         starts = bool(checkpoint_every) and model.step_count % checkpoint_every == 0
         snapshot = starts and not epoch and not behind
         end = steps  # the step count training ends at: ``steps``, or after should_stop said so
+        decide = False  # after a recovery: should_stop decides again on the step held
         while True:
             step = model.step_count
             try:
                 if behind:
                     behind = False
                     recover(None, step)
+                    decide = True
                     sync_scheduler(scheduler, model.step_count)
                     continue
+                if decide:
+                    decide = False
+                    end = _decide_again(should_stop, step, steps, report)
                 if snapshot:
                     snapshot = False
                     checkpoint()
@@ -357,8 +389,7 @@ def train_with_recovery(
                     report,
                     max_recoveries,
                 )
-                if model.step_count < end:  # a replayed stop step: should_stop decides again
-                    report.stopped_early, end = False, steps
+                decide = True
                 sync_scheduler(scheduler, model.step_count)
     finally:
         state.fail_fast = fail_fast

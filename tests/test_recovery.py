@@ -181,8 +181,8 @@ def train(
     ``on_committed(step, client, job)`` runs on rank 0 after the step's update, before the two
     all-reduces of the step's metrics (mean token accuracy, then the mean loss it returns).
     ``at_end(rank, client, job)``: each rank's ``finish`` runs it, then gathers the model
-    there; the state returned is the last one gathered. ``should_stop(step)`` ends training
-    early, as ``train_with_recovery``'s ``should_stop``."""
+    there; the state returned is the last one gathered. ``should_stop(step, loss, rank,
+    client, job)`` ends training early, as ``train_with_recovery``'s ``should_stop``."""
     job, run = f"recover-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:6]
 
     def rank(r: int):
@@ -219,12 +219,15 @@ def train(
             at_end(r, client, job)
             gathered.append(model.state_dict())
 
+        def stop(s: int, loss: float) -> bool:
+            return should_stop(s, loss, r, client, job)
+
         every = 0 if replicate_every else EVERY  # replicas alone, or snapshots alone
         try:
             report = train_with_recovery(
                 model, step, STEPS, checkpoint_every=every, wait_s=60,
                 finish=finish if at_end is not None else None,
-                should_stop=(lambda s, _loss: should_stop(s)) if should_stop is not None else None,
+                should_stop=stop if should_stop is not None else None,
             )  # fmt: skip
             return (gathered[-1] if at_end is not None else model.state_dict()), report
         finally:

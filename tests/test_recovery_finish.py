@@ -1,6 +1,7 @@
-"""The ranks' work at the end of training (``train_with_recovery(finish=)``) survives a shard
-server dying: SIGKILL one server process inside ``finish``, restart it at the same address, and
-every rank recovers, runs ``finish`` again and finds the model an uninterrupted run ends with.
+"""The ranks' work at the end of training (``train_with_recovery(finish=)``, and the validation
+``should_stop`` makes after a step) survives a shard server dying: SIGKILL one server process
+inside ``finish`` or ``should_stop``, restart it at the same address, and every rank recovers,
+runs the hook again and finds the model (and the validation) an uninterrupted run ends with.
 
 The servers, ranks and model are test_recovery.py's: real ``paramshard serve`` processes with a
 shared snapshot directory, two rank threads, a float64 GPT (within 1e-9, tests/numerics.py).
@@ -9,7 +10,7 @@ shared snapshot directory, two rank threads, a float64 GPT (within 1e-9, tests/n
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(
     step STEPS - 3, they come back at the last snapshot before it: the steps from there are
     replayed, ``should_stop`` ends training at the same step again, then ``finish`` runs."""
     stop_at = None if replicate_every else STEPS - 3  # not a multiple of EVERY: replayed
-    should_stop = None if stop_at is None else (lambda s: s == stop_at)
+    should_stop = None if stop_at is None else (lambda s, *_: s == stop_at)
     end = STEPS if stop_at is None else stop_at + 1
     init = initial_state()
     data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(5))
@@ -78,3 +79,58 @@ def test_a_server_killed_in_finish_is_recovered_and_finish_runs_again(
         assert report.trained_steps == list(range(end)), report
         assert report.stopped_early == (stop_at is not None), report
         assert_equivalent(state, ref_state, "gathered after a recovery in finish vs uninterrupted")
+
+
+@pytest.mark.equivalence
+def test_a_server_killed_in_should_stop_is_recovered_and_it_decides_again(
+    cluster_of,  # noqa: F811 - the fixture imported above
+):
+    """Server 1 dies while the ranks validate after the last step (``should_stop``'s two
+    all-reduces, one of which meets server 1): every rank recovers from the neighbour replicas
+    at the last step, nothing replayed, and ``should_stop`` is asked again for that step, so the
+    validation the failure cut short is made, with the values of an uninterrupted run. Before,
+    the recovery found every step trained and training ended unvalidated."""
+    last = STEPS - 1
+    init = initial_state()
+    data = torch.randint(0, 50, (STEPS, 2 * W, 17), generator=torch.Generator().manual_seed(6))
+    cluster = cluster_of(W)
+    addresses = [s.address for s in cluster]
+    kill_server_1, killed, restarted_after = killer(cluster[1], last)
+
+    def validation(asked: defaultdict[int, list], kill: bool):
+        """A ``should_stop`` that validates after the last step (the loss's mean and sum over
+        the ranks) into ``asked[rank]``: None for an ask cut short. Never stops."""
+        arrived, after_kill = threading.Barrier(W), threading.Barrier(W)
+
+        def should_stop(step, loss, rank, client, job) -> bool:
+            if step != last:
+                return False
+            asked[rank].append(None)
+            if kill and len(asked[rank]) == 1:
+                arrived.wait(timeout=60)  # every rank is through the step
+                if rank == 0:
+                    wait_for_replica(client, job, 1, STEPS)  # the recovery replays nothing
+                    kill_server_1(last)
+                after_kill.wait(timeout=60)
+            value = torch.tensor([loss], dtype=torch.float64)
+            mean = float(client.all_reduce(value, "mean")[0])
+            asked[rank][-1] = (mean, float(client.all_reduce(value, "sum")[0]))
+            return False
+
+        return should_stop
+
+    expected: defaultdict[int, list] = defaultdict(list)
+    reference = train(addresses, init, data, should_stop=validation(expected, kill=False))
+    asked: defaultdict[int, list] = defaultdict(list)
+    recovered = train(
+        addresses, init, data, replicate_every=1, should_stop=validation(asked, kill=True)
+    )
+    assert killed.is_set() and restarted_after, "the server was not killed and restarted"
+    pairs = zip(recovered, reference, strict=True)
+    for rank, ((state, report), (ref_state, _)) in enumerate(pairs):
+        assert report.recoveries == 1 and report.replayed_steps == 0, report
+        assert report.trained_steps == list(range(STEPS)) and not report.stopped_early, report
+        assert asked[rank][0] is None, asked  # cut short by the kill
+        assert len(asked[rank]) == 2 and asked[rank][1] is not None, asked  # asked again
+        assert asked[rank][1] == pytest.approx(expected[rank][0], rel=1e-9, abs=0), asked
+        assert_equivalent(state, ref_state, "validated after a recovery vs uninterrupted")

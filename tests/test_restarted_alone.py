@@ -23,18 +23,20 @@ Every wait is bounded.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from test_elastic import data
 from test_elastic_rebuild import one_step
 from test_job_lost import JOB, both_trained, in_threads
 from test_launch_node_down import attach, killed_at_step_6, pids_of_ranks, rank_1_again
 from test_launch_server_restarts import KILL_AT
 
-from paramshard.client import ShardClientError
+from paramshard.client import ShardClient, ShardClientError
 from paramshard.client.restarts import RESTART_COUNT_ENV
 from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies import FSDPModel, FSDPOptimizer, train_with_recovery
@@ -131,3 +133,43 @@ def test_servers_a_step_apart_are_restored_at_the_meeting(servers, monkeypatch, 
         c0.close()
     assert "nothing to restore" not in caplog.text, caplog.text
     assert "recovered in" in caplog.text, caplog.text
+
+
+def test_a_restarted_rank_is_asked_should_stop_with_the_others(servers, monkeypatch) -> None:
+    """After the meeting, ``should_stop`` (a validation: an all-reduce every rank must make) is
+    asked on both ranks about the step the servers hold, the restarted one with a NaN loss:
+    rank 1 may have died in that validation, which rank 0 was then waiting in. Before, neither
+    asked (the step was trained before the meeting), so a validation cut short was skipped."""
+    addresses = [s.address for s in servers(2)]
+    (c0, m0, o0), (c1, _, _) = both_trained(addresses, "asked", elastic=False)
+    at = m0.step_count
+    c1.close()  # rank 1's process died after step at - 1
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    asked: dict[int, list[tuple[int, bool, float]]] = {0: [], 1: []}
+
+    def validation(rank: int, client: ShardClient) -> Callable[[int, float], bool]:
+        def should_stop(step: int, loss: float) -> bool:
+            mean = float(client.all_reduce(torch.tensor([float(rank)]), "mean")[0])
+            asked[rank].append((step, math.isnan(loss), mean))
+            return False
+
+        return should_stop
+
+    try:
+        with rank_1_again(addresses, "asked", timeout_s=30) as (c1, m1):
+            o1 = attach(m1)
+            assert m1.restarted_alone and m1.step_count == at
+            runs = {
+                r: (lambda m=m, o=o, c=c, r=r: train_with_recovery(
+                    m, steps_of(m, o), at + 1, checkpoint_every=0, wait_s=30,
+                    should_stop=validation(r, c)))
+                for r, (m, o, c) in enumerate(((m0, o0, c0), (m1, o1, c1)))
+            }  # fmt: skip
+            got = in_threads(runs)
+            assert all(not isinstance(got[r][0], Exception) for r in (0, 1)), got
+            assert m0.step_count == m1.step_count == at + 1
+    finally:
+        c0.close()
+    # step at - 1: asked after the meeting, no loss on either rank (neither trained it in
+    # this call); step at: trained by both, with its loss; every validation on both ranks
+    assert asked == {r: [(at - 1, True, 0.5), (at, False, 0.5)] for r in (0, 1)}, asked
