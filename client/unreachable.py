@@ -2,9 +2,9 @@
 all addresses; last error: UNKNOWN: ipv4:...: Tls handshake failed (TSI_PROTOCOL_FAILURE):
 SSL_ERROR_SSL: ...`` for a dozen different mistakes. ``cause`` picks the one a user can act on
 (nothing listens there, something that does not speak gRPC does, the name does not resolve, TLS
-on one side only, the wrong CA, a certificate for another name, a refused token); ``RpcCore``,
-``paramshard launch --servers`` and ``paramshard health`` put it into their errors, beside grpc's
-own words."""
+on one side only, the wrong CA, a certificate for another name, a refused token, a call the
+server's gRPC dropped unrun); ``RpcCore``, ``paramshard launch --servers`` and ``paramshard
+health`` put it into their errors, beside grpc's own words."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def cause(code: grpc.StatusCode, details: str) -> str | None:
             "the server refused the credentials: check the token (PARAMSHARD_TOKEN,"
             " --token-file) against the server's --token-file"
         )
+    if code == grpc.StatusCode.CANCELLED and details == "CANCELLED":
+        # gRPC's core's own words: the call ended before the server's handler ran
+        return (
+            "the server dropped the call before any of its threads took it up: more calls"
+            " waited than its --max-pending-calls, or its threads stalled longer than its"
+            " --max-wait-s (a machine too busy for it), or it was stopping"
+        )
     if code != grpc.StatusCode.UNAVAILABLE:
         return None
     low = details.lower()
@@ -62,4 +69,6 @@ def explain(address: str, code: grpc.StatusCode, details: str) -> str:
         return details
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return f"{details} ({why})"
+    if code == grpc.StatusCode.CANCELLED:
+        return f"{address}: {why}; grpc: {details}"
     return f"cannot reach {address}: {why}; grpc: {details}"

@@ -130,6 +130,14 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         " on renewals alone; 0: none (default: %(default)s)",
     ),
     arg(
+        "--max-pending-calls",
+        type=positive_int,
+        default=16384,
+        help="calls gRPC keeps before a thread takes them up (a burst of many ranks' calls,"
+        " a stall of the server); one more ends CANCELLED unrun. Size it at 8 per rank using"
+        " the server, or more (default: %(default)s)",
+    ),
+    arg(
         "--grace",
         type=non_negative,
         default=5.0,
@@ -286,6 +294,7 @@ def serve(args: argparse.Namespace) -> int:
                 max_waiting_read=args.max_waiting_read,
                 max_streams=args.max_streams,
                 max_sessions=args.max_sessions,
+                max_pending_calls=args.max_pending_calls,
             ),
         )
     except ValueError as exc:

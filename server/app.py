@@ -190,6 +190,10 @@ class ShardServer:
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", max_receive_bytes),
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            # calls not taken up yet: past the first, gRPC cancels some at random, past the
+            # second all (CallLimits.max_pending_calls; one bound, so none at random)
+            ("grpc.server.max_pending_requests", self.limits.max_pending_calls),
+            ("grpc.server.max_pending_requests_hard_limit", self.limits.max_pending_calls),
             ("grpc.keepalive_timeout_ms", int(TCP_USER_TIMEOUT_S * 1000)),
             (
                 "grpc.server_max_unrequested_time_in_server",

@@ -180,7 +180,8 @@ _FIELD_OF = {"max_workers": "workers", "reserved_workers": "reserved"}
 _GROUP_OF = {
     **dict.fromkeys(_names(SecurityConfig), "security"),
     **dict.fromkeys(_names(BoundsConfig), "bounds"),
-    **{k: "threads" for k in [*_FIELD_OF, "max_waiting_read", "max_streams", "max_sessions"]},
+    **dict.fromkeys(_FIELD_OF, "threads"),
+    **{k: "threads" for k in _names(CallLimits) if k not in _FIELD_OF.values()},
     **{k: "" for k in _names(ServerConfig) if k not in ("security", "bounds", "threads")},
 }
 """ShardServer's keyword -> the group it belongs to ("" for ServerConfig's own fields)."""
@@ -203,6 +204,7 @@ FLAGS = {
     "max_waiting_read": "--max-waiting-read",
     "max_streams": "--max-streams",
     "max_sessions": "--max-sessions",
+    "max_pending_calls": "--max-pending-calls",
     "metrics_port": "--metrics-port",
     "port": "--port",
 }

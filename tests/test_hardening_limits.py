@@ -311,6 +311,7 @@ def test_serve_flags_set_the_bounds() -> None:
     served = ServeProcess(
         "--port", "0", "--max-memory", "64KiB", "--pending-ttl", "0.5", "--max-wait-s", "1",
         "--workers", "4", "--max-waiting-read", "2", "--max-streams", "1",
+        "--max-pending-calls", "64",
     )  # fmt: skip
     try:
         address, _ = served.wait_listening()
@@ -332,3 +333,5 @@ def test_serve_flags_set_the_bounds() -> None:
     result = paramshard("serve", "--port", "0", "--workers", "4", "--reserved-workers", "4")
     assert result.returncode == 2
     assert "--reserved-workers (4) must be below --workers (4)" in result.stderr
+    result = paramshard("serve", "--port", "0", "--max-pending-calls", "0")
+    assert result.returncode == 2 and "--max-pending-calls" in result.stderr

@@ -21,10 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from pki import make_pki
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client.unreachable import explain
 from paramshard.commands import CommandError
 from paramshard.local_servers import CONNECT_GRACE_S, wait_serving
 from paramshard.protos import shard_pb2 as pb
@@ -245,3 +247,14 @@ def test_servers_starting_beside_the_trainers_are_awaited_when_asked() -> None:
         late.join()
         for s in started:
             s.stop(0)
+
+
+def test_a_call_the_servers_grpc_dropped_unrun_says_what_to_size() -> None:
+    """gRPC's core ends a call no thread took up with a bare CANCELLED "CANCELLED"
+    (tests/test_server_stall.py makes it so); a rank's error names the bounds that decide it.
+    A CANCELLED with words of its own (the client's, a server's handler) keeps them."""
+    said = explain("10.0.0.7:50051", grpc.StatusCode.CANCELLED, "CANCELLED")
+    assert said.startswith("10.0.0.7:50051: the server dropped the call before any of its"), said
+    assert "--max-pending-calls" in said and "--max-wait-s" in said and said.endswith("CANCELLED")
+    own = "the client was closed"
+    assert explain("10.0.0.7:50051", grpc.StatusCode.CANCELLED, own) == own

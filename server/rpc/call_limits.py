@@ -32,9 +32,19 @@ class CallLimits:
     """Open client sessions (server/transport/sessions.py) at once, on threads of their own, of read
     tokens at most a quarter (``CallGate.read_bound``); 0 turns sessions off
     [--max-sessions]."""
+    max_pending_calls: int = 16384
+    """Calls gRPC's core keeps while no thread has taken them up yet (a burst of many ranks'
+    calls, a stall of the server's Python threads); one more ends CANCELLED unrun. gRPC's own
+    default, 1,000 and at most 3,000, cancelled calls of a few hundred ranks' windows
+    (client/rpc.py ``MAX_IN_FLIGHT`` calls each) [--max-pending-calls]."""
 
     def __post_init__(self) -> None:
-        for name, low in (("workers", 2), ("reserved", 1), ("max_waiting_read", 1)):
+        for name, low in (
+            ("workers", 2),
+            ("reserved", 1),
+            ("max_waiting_read", 1),
+            ("max_pending_calls", 1),
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
