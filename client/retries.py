@@ -9,6 +9,8 @@ from typing import Any
 
 import grpc
 
+from paramshard.client.unreachable import DROPPED
+
 __all__ = [
     "BUSY_MARK", "MIN_ATTEMPT_S", "RETRYABLE", "busy_pause", "freed_slot", "is_busy",
     "is_freed", "retry_pause",
@@ -21,8 +23,11 @@ many waiting calls at once), not out of memory or past a size limit, which is fi
 
 
 def is_busy(err: Any) -> bool:
-    """Whether ``err`` (a ``ShardClientError``) is a server's "busy, retry later" refusal
-    (nothing was done)."""
+    """Whether ``err`` (a ``ShardClientError``) is a server's "busy, retry later" refusal, or
+    a call its gRPC dropped before any thread took it up (``unreachable.DROPPED``: more calls
+    waited than ``--max-pending-calls``): nothing was done either way."""
+    if err.code == grpc.StatusCode.CANCELLED:
+        return DROPPED in err.details
     return err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and BUSY_MARK in err.details
 
 

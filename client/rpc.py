@@ -287,7 +287,8 @@ class RpcCore:
         ``retries`` times: every request is idempotent on the server, so this is always safe
         for its state (a read whose reply was lost may find its chunk freed: ``freed_slot``).
         A call a busy server refused (``is_busy``: RESOURCE_EXHAUSTED "retry later",
-        docs/design.md §6.2) is re-sent with backoff until it is admitted; other
+        docs/design.md §6.2), or its gRPC dropped unrun (more calls waited to be taken up than
+        its ``--max-pending-calls``), is re-sent with backoff until it is admitted; other
         RESOURCE_EXHAUSTED errors (memory, sizes) are final. Every attempt of a call shares one
         deadline, ``timeout_s`` from its first attempt: retries never stretch a wait past it.
         """

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["cause", "explain"]
+__all__ = ["DROPPED", "cause", "explain"]
+
+DROPPED = "the server dropped the call before any of its threads took it up"
+"""What a rank's error says of a call gRPC's core ended with a bare CANCELLED "CANCELLED": no
+handler ran it (client/retries.py asks again, as of a busy server's refusal)."""
 
 _DNS = ("dns resolution failed", "errors resolving", "domain name not found")
 # While connecting ("failed to connect to all addresses; last error: ..."): (words grpc uses,
@@ -47,9 +51,9 @@ def cause(code: grpc.StatusCode, details: str) -> str | None:
     if code == grpc.StatusCode.CANCELLED and details == "CANCELLED":
         # gRPC's core's own words: the call ended before the server's handler ran
         return (
-            "the server dropped the call before any of its threads took it up: more calls"
-            " waited than its --max-pending-calls, or its threads stalled longer than its"
-            " --max-wait-s (a machine too busy for it), or it was stopping"
+            f"{DROPPED}: more calls waited than its --max-pending-calls, or its threads"
+            " stalled longer than its --max-wait-s (a machine too busy for it), or it was"
+            " stopping"
         )
     if code != grpc.StatusCode.UNAVAILABLE:
         return None

@@ -31,8 +31,12 @@ from paramshard.server.app import GRPC_UNTAKEN_S
 STALL_S = GRPC_UNTAKEN_S + 5.0
 CLIENT = r"""
 import collections, json, sys, time, grpc
+from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import shard_pb2 as pb
 address, calls, channels = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+# and a rank's client, calling one by one (no session: past a server's --max-sessions)
+rank = ShardClient(ClusterSpec([address]), rank=0, world_size=1, sessions=False, timeout_s=60)
+assert "error" not in rank.status()[0]
 # one connection each (not the process's shared one): as many ranks' would be
 opened = [grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
           for _ in range(channels)]
@@ -50,6 +54,8 @@ print("ready", flush=True)
 time.sleep(1.0)  # the stall has begun
 sent = [stubs[i % channels].future(pb.StatusRequest(), timeout=120) for i in range(calls)]
 ends = collections.Counter()
+ends[rank.status()[0].get("error", "rank ok")] += 1  # sent after them all
+rank.close()
 for call in sent:
     try:
         call.result()
@@ -64,8 +70,8 @@ for channel in opened:
 
 def calls_in_a_stall(server, stall_s: float, calls: int, channels: int) -> dict[str, int]:
     """How the ``calls`` a client process sends over ``channels`` connections while this
-    process holds the GIL ``stall_s`` seconds (sent 1 s into it) end: {"ok" or "CODE details":
-    how many}."""
+    process holds the GIL ``stall_s`` seconds (sent 1 s into it), and then a rank's Status,
+    end: {"ok" or "CODE details": how many, and "rank ok" or the rank's error: 1}."""
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, server.address, str(calls), str(channels)],
         env=worker_env(),
@@ -91,7 +97,7 @@ def calls_in_a_stall(server, stall_s: float, calls: int, channels: int) -> dict[
 @pytest.mark.timeout(180)
 def test_calls_that_came_during_a_long_stall_are_served(servers) -> None:
     (server,) = servers(1)
-    assert calls_in_a_stall(server, STALL_S, 3, 1) == {"ok": 3}
+    assert calls_in_a_stall(server, STALL_S, 3, 1) == {"ok": 3, "rank ok": 1}
 
 
 BURST = 4000
@@ -105,7 +111,7 @@ them ended CANCELLED "CANCELLED" (and, outside this test, 211 of 2,000 in such a
 @pytest.mark.timeout(180)
 def test_a_burst_of_many_ranks_calls_waits_for_the_server(servers) -> None:
     (server,) = servers(1)
-    assert calls_in_a_stall(server, 8.0, BURST, 16) == {"ok": BURST}
+    assert calls_in_a_stall(server, 8.0, BURST, 16) == {"ok": BURST, "rank ok": 1}
 
 
 @pytest.mark.slow
@@ -113,8 +119,9 @@ def test_a_burst_of_many_ranks_calls_waits_for_the_server(servers) -> None:
 def test_calls_past_max_pending_calls_end_cancelled_and_the_server_goes_on(servers) -> None:
     (server,) = servers(1, max_pending_calls=100)
     ends = calls_in_a_stall(server, 8.0, 400, 4)
-    assert set(ends) == {"ok", "CANCELLED CANCELLED"}, ends
-    # the first 100 wait, the rest were cancelled as they came; a few may have been taken up
-    # in a moment the stall let the server run
+    # the first 100 wait, the rest were cancelled as they came (a few may have been taken up
+    # in a moment the stall let the server run); the rank's client, dropped too, asked again
+    # until the server took its call up (before: it failed CANCELLED)
+    assert set(ends) == {"ok", "CANCELLED CANCELLED", "rank ok"}, ends
     assert 100 <= ends["ok"] < 400 - 200, ends
-    assert calls_in_a_stall(server, 0.0, 50, 1) == {"ok": 50}  # it serves again
+    assert calls_in_a_stall(server, 0.0, 50, 1) == {"ok": 50, "rank ok": 1}  # it serves again
