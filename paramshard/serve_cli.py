@@ -31,7 +31,10 @@ from paramshard.serve_setup import (
     reexec_with_malloc_env,
     restore_at_start,
 )
+from paramshard.server.rpc.call_limits import CallLimits
 from paramshard.stop_signals import StopSignals
+
+_THREADS = CallLimits()  # the flags' defaults: CallLimits' own (a light import, no gRPC)
 
 EXIT_WATCHDOG_S = 10.0
 """Once stopped, the process must be gone within this long: every thread of the server has
@@ -94,7 +97,7 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
     arg(
         "--workers",
         type=positive_int,
-        default=128,
+        default=_THREADS.workers,
         help="handler threads; every waiting call holds one, and a quarter of those waiting"
         " calls may take can hold gradient pushes waiting for their turn in the rank order"
         " (default: %(default)s)",
@@ -109,21 +112,21 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
     arg(
         "--max-waiting-read",
         type=positive_int,
-        default=16,
+        default=_THREADS.max_waiting_read,
         help="waiting calls (pulls, slot reads) of read tokens at once; one more gets"
         " RESOURCE_EXHAUSTED (default: %(default)s)",
     ),
     arg(
         "--max-streams",
         type=int,
-        default=4,
+        default=_THREADS.max_streams,
         help="open reflection / health Watch streams at once, on threads of their own; one"
         " more gets RESOURCE_EXHAUSTED (default: %(default)s)",
     ),
     arg(
         "--max-sessions",
         type=int,
-        default=64,
+        default=_THREADS.max_sessions,
         help="open client streams at once, on threads of their own: sessions (one per client,"
         " carrying its data-plane calls; of read tokens at most a quarter) and trainers' lease"
         " streams (one per rank); a client past it calls one by one, a rank's lease then lives"
@@ -132,7 +135,7 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
     arg(
         "--max-pending-calls",
         type=positive_int,
-        default=16384,
+        default=_THREADS.max_pending_calls,
         help="calls gRPC keeps before a thread takes them up (a burst of many ranks' calls,"
         " a stall of the server); one more ends CANCELLED unrun. Size it at 8 per rank using"
         " the server, or more (default: %(default)s)",
@@ -240,7 +243,6 @@ def serve(args: argparse.Namespace) -> int:
     from paramshard.server import ShardServer
     from paramshard.server.config import (
         BoundsConfig,
-        CallLimits,
         SecurityConfig,
         ServerConfig,
         as_flags,
