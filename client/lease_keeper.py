@@ -46,9 +46,9 @@ class _Held(Protocol):
 
     def close_holds(self) -> None: ...
 
-    def start(self, request: Any = None, paced: bool = False) -> list[tuple[int, Any]]: ...
+    def send_due(self) -> None: ...
 
-    def finish(self, sent: list[tuple[int, Any]]) -> None: ...
+    def collect(self, until: float) -> None: ...
 
 
 class Keeper:
@@ -96,7 +96,7 @@ class Keeper:
             thread = self._thread if not self._holdings else None
         if thread is not None and thread is not threading.current_thread():
             self._wake.set()
-            thread.join(closing.STEP_S)  # it ends after its renewals in flight (1 s deadline)
+            thread.join(closing.STEP_S)  # it ends at the end of its round (RENEW_S)
 
     def _run(self) -> None:
         while True:
@@ -120,8 +120,10 @@ class Keeper:
             try:  # every renewal in flight at once: a slow server delays no other lease
                 for holding in live:
                     holding.keep_holds()
-                for holding, sent in [(h, h.start(paced=True)) for h in live]:
-                    holding.finish(sent)
+                for holding in live:
+                    holding.send_due()
+                for holding in live:  # answers that come within the round; the rest later
+                    holding.collect(began + RENEW_S)
             except Exception:  # never let the thread die: the leases would lapse
                 log.exception("renewing leases failed")
             self._wake.wait(max(0.0, RENEW_S - (time.monotonic() - began)))

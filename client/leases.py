@@ -14,10 +14,12 @@ Every client of a multi-rank run holds a lease on each of its servers
   also brings the run's notices the moment a server raises them.
 - renewals (``Lease``) every ``RENEW_S`` by one thread per process (client/lease_keeper.py;
   less often in runs of more than ``RENEWALS_A_SECOND`` ranks), which carry the rank's epoch
-  and bring notices back. Where a server refuses the stream (an older server, one at its
-  ``--max-sessions`` bound), the lease lives on renewals alone and lapses
-  ``PARAMSHARD_LEASE_TTL_S`` (30 s: why, in docs/inspection-and-recovery.md) after the last
-  one: the renewing thread needs the GIL then.
+  and bring notices back. One may wait in a busy server as long as the rank's pace there, and
+  no second one goes to that server meanwhile (client/lease_renewals.py). Where a server
+  refuses the stream (an older server, one at its ``--max-sessions`` bound), the lease lives
+  on renewals alone and lapses ``PARAMSHARD_LEASE_TTL_S`` (30 s: why, in
+  docs/inspection-and-recovery.md) after the last one: the renewing thread needs the GIL
+  then.
 
 When a server says the run's epoch was aborted (a rank was lost, or a rank gave up the epoch
 after losing a server: ``RunState.give_up``), the client *cancels its calls in flight* and
@@ -65,10 +67,10 @@ import grpc
 
 from paramshard.client import lease_holds, lease_releases
 from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict
-from paramshard.client.lease_keeper import RENEW_S, Keeper, renewal_pace
+from paramshard.client.lease_keeper import RENEW_S, Keeper
+from paramshard.client.lease_renewals import Renewals
 from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import Notice, RunState
-from paramshard.client.server_loss import ServerLoss
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -99,7 +101,7 @@ def _env_seconds(name: str, default: float, low: float, high: float) -> float:
     return value
 
 
-class _Holding(ServerLoss):
+class _Holding(Renewals):
     """One rank's lease on its client's servers: a stream and renewals per server."""
 
     def __init__(self, client: Any, ttl_s: float, rejoin_s: float) -> None:
@@ -116,7 +118,8 @@ class _Holding(ServerLoss):
         self.stream_lost: set[int] = set()  # servers whose stream broke and is not back
         self.answered: dict[int, tuple[float, int]] = {}  # server -> (sent at, epoch): answered
         self.incarnations: dict[int, tuple[int, int]] = {}  # server -> (its process, epoch)
-        self._sending: dict[int, tuple[float, int]] = {}  # the same, for renewals in flight
+        # server -> the renewal in flight there: (future, (sent at, epoch), when to drop it)
+        self._in_flight: dict[int, tuple[Any, tuple[float, int], float]] = {}
         self._lock = threading.Lock()
         self.released = False
         self.conflict: str | None = None  # another process holds this rank: why, as told
@@ -247,89 +250,7 @@ class _Holding(ServerLoss):
         for hold in holds:
             hold.close()
 
-    # -- renewals ------------------------------------------------------------------------
-    def renewals(self, paced: bool = False) -> dict[int, pb.LeaseRequest]:
-        """A renewal per server (``paced``: per server that is due, ``_due``), each saying
-        whether this rank holds a stream there (empty once released). Both are read at one
-        moment, so a renewal that goes out after the release (from the renewing thread, which
-        read this before) still claims the streams the release closed: the server then gives it
-        no TTL (server/collectives/leases.py, UNSEEN_END_S)."""
-        with self._lock:
-            if self.released:
-                return {}
-            streams = {i for i, hold in self.holds.items() if hold.open}
-        client = self.client()
-        servers = range(client.num_servers) if client is not None else ()
-        now, epoch = time.monotonic(), self.state.epoch
-        return {
-            i: self._request(stream=i in streams)
-            for i in servers
-            if not paced or self._due(i, i in streams, now, epoch)
-        }
-
-    def _due(self, server: int, streamed: bool, now: float, epoch: int) -> bool:
-        """Whether ``server`` gets a renewal now at this rank's pace (``RENEWALS_A_SECOND``):
-        at once if its last one failed, went at another epoch or its stream broke."""
-        last = self.answered.get(server)
-        if last is None or last[1] != epoch or server in self.stream_lost:
-            return True
-        pace = renewal_pace(self.world_size, self.ttl_s, streamed)
-        return now - last[0] >= pace - RENEW_S / 2  # the renewing thread wakes every RENEW_S
-
-    def start(
-        self, request: pb.LeaseRequest | None = None, paced: bool = False
-    ) -> list[tuple[int, Any]]:
-        """Sends ``request`` (default: a renewal; ``paced``: to the servers that are due) to
-        every server at once: (server, future)."""
-        client = self.client()
-        if client is None or client._closed:
-            return []
-        if request is None:
-            requests = self.renewals(paced)
-            now = time.monotonic()
-            self._sending = {i: (now, req.epoch) for i, req in requests.items()}
-        else:
-            requests = dict.fromkeys(range(client.num_servers), request)
-        timeout = max(0.2, min(1.0, self.ttl_s / 2))
-        sent = []
-        for i, req in requests.items():
-            if i in self.silenced:
-                continue
-            try:
-                stub = client._stub(i, "Lease")
-                fut = stub.future(req, timeout=timeout, metadata=client.spec.metadata())
-            except ValueError:  # the channel was closed under us
-                return sent
-            sent.append((i, fut))
-        return sent
-
-    def finish(self, sent: list[tuple[int, Any]]) -> None:
-        """Takes the replies of a renewal: notices, lost servers."""
-        now = time.monotonic()
-        for i, fut in sent:
-            sending = self._sending.pop(i, None)
-            try:
-                reply = fut.result(timeout=2 * RENEW_S)  # its deadline is at most RENEW_S
-            except grpc.RpcError as exc:
-                self.answered.pop(i, None)
-                self._failed(i, exc, now)
-                if i in self.full and sending is not None:
-                    self.answered[i] = sending  # a full server is asked at the rank's pace
-                continue
-            except grpc.FutureTimeoutError:  # a channel stuck in gRPC (protos/closing.py)
-                self.answered.pop(i, None)
-                continue
-            if sending is not None:
-                self.answered[i] = sending
-            self.failing_since.pop(i, None)
-            self.full.discard(i)
-            if reply.aborted:
-                self.take_notice(reply)
-            self._answered_as(i, reply.incarnation)
-
-    def renew(self) -> None:
-        self.finish(self.start())
-
+    # -- ends ----------------------------------------------------------------------------
     def post_abort(self, cause: str) -> str | None:
         """Asks every server to abort this rank's epoch for ``cause``; the notice as the
         servers word it (None: no server answered)."""
@@ -349,6 +270,9 @@ class _Holding(ServerLoss):
         then the streams and their threads."""
         with self._lock:
             released, self.released = self.released, True
+            flying, self._in_flight = self._in_flight, {}
+        for fut, _, _ in flying.values():  # a late one would change nothing there
+            fut.cancel()
         if not released:
             request = self._request(release=True, ends=ends_for_good())
             lease_releases.await_release(self.client(), request, self.start(request))

@@ -28,11 +28,10 @@ class _Holding:
     def close_holds(self) -> None:
         pass
 
-    def start(self, request=None, paced: bool = False) -> list:
+    def send_due(self) -> None:
         self.rounds += 1
-        return []
 
-    def finish(self, sent: list) -> None:
+    def collect(self, until: float) -> None:
         pass
 
 
