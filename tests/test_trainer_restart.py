@@ -208,6 +208,14 @@ def test_restart_budget_and_declarations(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------- the example
+def _ends(text: str, chars: int = 3000) -> str:
+    """The first and last ``chars`` of a launcher's output: where a failure began (the first
+    recovery's lines) as well as how it ended."""
+    if len(text) <= 2 * chars:
+        return text
+    return f"{text[:chars]}\n[...]\n{text[-chars:]}"
+
+
 def _pid_of(run_id: str, rank: int) -> int | None:
     """The trainer process of ``rank`` in launcher run ``run_id`` (from /proc)."""
     want = {f"PARAMSHARD_RUN={run_id}".encode(), f"RANK={rank}".encode()}
@@ -245,7 +253,7 @@ def test_train_gpt_resumes_a_killed_rank(tmp_path: Path) -> None:
             pid = _pid_of(run_id, 1)
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            assert proc.wait(timeout=RUN_S) == 0, out.read_text()[-3000:]
+            assert proc.wait(timeout=RUN_S) == 0, _ends(out.read_text())
         finally:
             if proc.poll() is None:
                 proc.kill()
