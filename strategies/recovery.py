@@ -188,11 +188,14 @@ def _recover(
     epoch: int,
     wait_s: float,
     report: RecoveryReport,
+    restarted: bool = False,
 ) -> None:
     """After ``step`` failed with ``exc`` (None: this process comes restarted alone, before
     its first step): tells the other ranks, drops the step, waits for the servers, numbers
     the collectives afresh in ``epoch`` and brings the model back to the servers' step
-    (``model.recover()``); ``report`` records it."""
+    (``model.recover()``); ``report`` records it. ``restarted``: a failure cut this restarted
+    process's first meeting short, and it says at this one that it came restarted (else rank 0
+    restores the job, as after a server's loss: back to a snapshot, or JobLost without one)."""
     began = time.monotonic()
     source = model.recovery_source
     if exc is None:
@@ -234,7 +237,7 @@ def _recover(
     client = model.client
     deadline, client.timeout_s = client.timeout_s, max(client.timeout_s, wait_s)
     try:
-        restored = model.recover(restarted=True) if exc is None else model.recover()
+        restored = model.recover(restarted=True) if exc is None or restarted else model.recover()
     finally:
         client.timeout_s = deadline
     report.recovered(step, restored, began)
@@ -324,10 +327,14 @@ def train_with_recovery(
     state = model.client.run_state
     fail_fast, state.fail_fast = state.fail_fast, True
 
+    meeting = False  # this process came restarted and has not met the others yet
+
     def recover(failure: ShardClientError | None, at: int) -> None:
-        nonlocal epoch
+        nonlocal epoch, meeting
         epoch += 1
-        _recover(model, failure, at, epoch, wait_s, report)
+        meeting = meeting or failure is None
+        _recover(model, failure, at, epoch, wait_s, report, restarted=meeting)
+        meeting = False
 
     try:
         if getattr(model, "elastic", False):

@@ -173,3 +173,45 @@ def test_a_restarted_rank_is_asked_should_stop_with_the_others(servers, monkeypa
     # step at - 1: asked after the meeting, no loss on either rank (neither trained it in
     # this call); step at: trained by both, with its loss; every validation on both ranks
     assert asked == {r: [(at - 1, True, 0.5), (at, False, 0.5)] for r in (0, 1)}, asked
+
+
+def test_a_restarted_rank_whose_meeting_fails_still_comes_restarted_to_the_next(
+    servers, monkeypatch, caplog
+) -> None:
+    """A failure cuts the restarted rank's first meeting short (here it gives up that epoch
+    itself, as it would on losing a server): it recovers again, and at that meeting it still
+    says it came restarted, so rank 0 finds every server at one step and restores nothing.
+    Before, the second meeting had no restarted rank: rank 0 restored the job, as after a
+    server's loss, from the replicas here, from a snapshot or not at all (JobLost) elsewhere."""
+    addresses = [s.address for s in servers(2)]
+    (c0, m0, o0), (c1, _, _) = both_trained(addresses, "again", elastic=False)
+    at = m0.step_count
+    c1.close()  # rank 1's process died after step at - 1
+    monkeypatch.setenv(RESTART_COUNT_ENV, "1")
+    caplog.set_level(logging.WARNING, logger="paramshard")
+    said: list[bool] = []  # what rank 1's meetings said: came restarted
+    try:
+        with rank_1_again(addresses, "again", timeout_s=30) as (c1, m1):
+            o1 = attach(m1)
+            meet = m1.recover
+
+            def cut_short_once(restarted: bool = False) -> int:
+                said.append(restarted)
+                if len(said) == 1:  # the meeting's epoch ends before it is met
+                    c1.run_state.give_up("recovers: a failure in the test")
+                return meet(restarted=restarted)
+
+            monkeypatch.setattr(m1, "recover", cut_short_once)
+            runs = {
+                r: (lambda m=m, o=o: train_with_recovery(m, steps_of(m, o), at + 1,
+                                                         checkpoint_every=0, wait_s=30))
+                for r, (m, o) in enumerate(((m0, o0), (m1, o1)))
+            }  # fmt: skip
+            got = in_threads(runs)
+            assert all(not isinstance(got[r][0], Exception) for r in (0, 1)), got
+            assert m0.step_count == m1.step_count == at + 1
+            assert got[1][0].causes == ["RESTARTED", "ABORTED"], got
+    finally:
+        c0.close()
+    assert said == [True, True], said
+    assert f"every server holds it at step {at}: nothing to restore" in caplog.text, caplog.text
