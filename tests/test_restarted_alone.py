@@ -103,6 +103,17 @@ def steps_of(model: FSDPModel, opt: FSDPOptimizer) -> Callable[[int], float]:
     return lambda step: one_step(model, opt, x[step % len(x)], y[step % len(x)])
 
 
+def both_recovering(ranks: tuple, steps: int) -> dict:
+    """``train_with_recovery`` to ``steps`` on both ranks ((model, optimizer) each) at once,
+    no snapshots: ``in_threads``' results."""
+    runs = {
+        r: (lambda m=m, o=o: train_with_recovery(m, steps_of(m, o), steps, checkpoint_every=0,
+                                                 wait_s=30))
+        for r, (m, o) in enumerate(ranks)
+    }  # fmt: skip
+    return in_threads(runs)
+
+
 def test_servers_a_step_apart_are_restored_at_the_meeting(servers, monkeypatch, caplog) -> None:
     """Server 1 one version behind server 0 (a step half applied as rank 1 died): rank 0
     restores the job from the neighbour replicas, where "every server holds it" would have
@@ -118,12 +129,7 @@ def test_servers_a_step_apart_are_restored_at_the_meeting(servers, monkeypatch, 
         with rank_1_again(addresses, "split", timeout_s=30) as (_, m1):
             o1 = attach(m1)
             assert m1.restarted_alone and m1.step_count == at - 1  # the older of the two
-            runs = {
-                r: (lambda m=m, o=o: train_with_recovery(m, steps_of(m, o), at + 2,
-                                                         checkpoint_every=0, wait_s=30))
-                for r, (m, o) in enumerate(((m0, o0), (m1, o1)))
-            }  # fmt: skip
-            got = in_threads(runs)
+            got = both_recovering(((m0, o0), (m1, o1)), at + 2)
             reports = [got[r][0] for r in (0, 1)]
             assert all(not isinstance(r, Exception) for r in reports), got
             assert [r.recoveries for r in reports] == [1, 1], got
@@ -202,12 +208,7 @@ def test_a_restarted_rank_whose_meeting_fails_still_comes_restarted_to_the_next(
                 return meet(restarted=restarted)
 
             monkeypatch.setattr(m1, "recover", cut_short_once)
-            runs = {
-                r: (lambda m=m, o=o: train_with_recovery(m, steps_of(m, o), at + 1,
-                                                         checkpoint_every=0, wait_s=30))
-                for r, (m, o) in enumerate(((m0, o0), (m1, o1)))
-            }  # fmt: skip
-            got = in_threads(runs)
+            got = both_recovering(((m0, o0), (m1, o1)), at + 1)
             assert all(not isinstance(got[r][0], Exception) for r in (0, 1)), got
             assert m0.step_count == m1.step_count == at + 1
             assert got[1][0].causes == ["RESTARTED", "ABORTED"], got
