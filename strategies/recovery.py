@@ -193,9 +193,10 @@ def _recover(
     """After ``step`` failed with ``exc`` (None: this process comes restarted alone, before
     its first step): tells the other ranks, drops the step, waits for the servers, numbers
     the collectives afresh in ``epoch`` and brings the model back to the servers' step
-    (``model.recover()``); ``report`` records it. ``restarted``: a failure cut this restarted
-    process's first meeting short, and it says at this one that it came restarted (else rank 0
-    restores the job, as after a server's loss: back to a snapshot, or JobLost without one)."""
+    (``model.recover()``); ``report`` records it. ``restarted``: this process came restarted
+    and has not met the others yet (a failure may cut its first meeting short): it says so at
+    this one, else rank 0 restores the job as after a server's loss (back to a snapshot, or
+    JobLost without one)."""
     began = time.monotonic()
     source = model.recovery_source
     if exc is None:
