@@ -16,6 +16,7 @@ import threading
 import time
 
 from conftest import unique_id
+from test_contribute_read import wait_for
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.lease_keeper import RENEWALS_A_SECOND, renewal_pace
@@ -41,13 +42,6 @@ def _counted(table, runs: dict[str, list[float]], slow: set[str], lock: threadin
     return renew
 
 
-def _wait_for(what, seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while not what():
-        assert time.monotonic() < end, f"not within {seconds} s"
-        time.sleep(0.05)
-
-
 def test_a_late_answer_lands_and_no_second_renewal_goes_while_it_waits(servers):
     slow_srv, fast_srv = servers(2, local_calls=False)
     slow_run, fast_run = unique_id(), unique_id()
@@ -59,8 +53,8 @@ def test_a_late_answer_lands_and_no_second_renewal_goes_while_it_waits(servers):
     try:
         holding = slow.run_state.holding
         assert renewal_pace(WORLD, holding.ttl_s, streamed=True) == 10.0
-        _wait_for(lambda: holding.holds.get(0) is not None and holding.holds[0].open, 10)
-        _wait_for(lambda: bool(came[slow_run]), 5)  # the first paced renewal came
+        wait_for(lambda: holding.holds.get(0) is not None and holding.holds[0].open, 10)
+        wait_for(lambda: bool(came[slow_run]), 5)  # the first paced renewal came
         first = came[slow_run][0]
         time.sleep(max(0.0, first + 6.0 - time.monotonic()))
         with lock:
