@@ -1,20 +1,23 @@
 """A renewal that a rank sent before its lease stream ended, handled after the end
 (server/collectives/leases.py, ``UNSEEN_END_S``): it keeps a dead rank's lease seconds, not a
 TTL, and a live rank that saw its stream end keeps its lease. The table's rules with a fake
-clock, then the race through gRPC, as tests/test_elastic.py met it on a busy machine."""
+clock, then the race through gRPC, as tests/test_elastic.py met it on a busy machine. Last, a
+renewal of an earlier epoch handled after the rank's renewal of the next one."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import grpc
 import pytest
 from conftest import unique_id
-from lease_fakes import KILL_NOTICE_S, Stream, keep, lease, new_table
+from lease_fakes import KILL_NOTICE_S, Stream, contribute, keep, lease, new_table
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.leases import STREAM_GRACE_S, UNSEEN_END_S
+from paramshard.server.runtime.errors import ShardError
 
 
 @pytest.fixture
@@ -141,3 +144,30 @@ def test_a_peer_that_came_after_the_lost_ranks_stream_opened_witnesses_its_end(t
     assert leases.end_hold(mine)
     reply = keep(leases, clock, STREAM_GRACE_S + 1.0, 0)
     assert reply.lost_rank == 1 and "rank 1 lost (its lease stream" in reply.aborted, reply
+
+
+def test_a_renewal_of_an_earlier_epoch_handled_late_does_not_set_the_lease_back(table):
+    """A busy server handles a rank's renewal of epoch 0 after its renewal of epoch 1 (the
+    renewing thread does not wait for an earlier epoch's: client/lease_renewals.py). The lease
+    keeps epoch 1, so rank 1's death that follows aborts epoch 1. Before, the late renewals
+    set both leases back to epoch 0, already aborted: the death aborted nothing, and rank 0
+    waited on its slot of epoch 1 for its client's timeout."""
+    leases, clock = table
+    mine, theirs = Stream(rank=0), Stream(rank=1)
+    leases.open_hold(lease(0), mine)
+    leases.open_hold(lease(1), theirs)
+    assert leases.renew(lease(1, abort="recovers: server 2 unreachable")).aborted_epoch == 0
+    for rank in (0, 1):  # both recover under epoch 1
+        leases.renew(lease(rank, epoch=1, stream=True))
+    leases.renew(lease(1, epoch=0, stream=True))  # rank 1's renewal of epoch 0, late
+    contribute(leases.slots, "r.e1:all_reduce1", 0)  # waits for rank 1, which dies
+    assert leases.end_hold(theirs)
+    clock.now += 0.5
+    leases.renew(lease(0, epoch=0, stream=True))  # rank 0's, later still: it saw the death
+    clock.now += STREAM_GRACE_S
+    leases.check("r")
+    notice = mine.pushed[-1]
+    assert notice.lost_rank == 1 and notice.aborted_epoch == 1, notice
+    with pytest.raises(ShardError) as ended:  # the slot of epoch 1 ended with the notice
+        contribute(leases.slots, "r.e1:all_reduce1", 1)
+    assert ended.value.code == grpc.StatusCode.ABORTED and "rank 1 lost" in ended.value.message

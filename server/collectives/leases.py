@@ -321,9 +321,10 @@ class LeaseTable:
                 lease.since = now
             if back or now + ttl < lease.expires:
                 run.moved()  # back, or shorter than it was: the live set may change
+            # a renewal of an earlier epoch handled late (a busy server) keeps the newer one
             lease.expires, lease.epoch, lease.ttl_s, lease.rejoin_s = (
                 now + ttl,
-                req.epoch,
+                max(lease.epoch, req.epoch),
                 ttl,
                 rejoin,
             )
