@@ -13,6 +13,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.slice_state import master_itemsize, slice_bytes
+from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.buffers.store import BufferSlice, BufferStore
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
@@ -102,6 +103,9 @@ class SnapshotCalls:
         layout = self.snapshots.layout(req.job, tag, manifest)
         specs = [self._spec(req, name, info, recorded_model_config(manifest))
                  for name, info in manifest["buffers"].items()]  # fmt: skip
+        for spec in specs:  # a manifest is a caller's file (CommitSnapshot): checked as sent
+            check_spec(spec, "Restore")
+        self.buffers.check_room(req.job, specs, f"restore of job '{req.job}'")
         # paid for first: the slices built, and their params and state as read from the files
         need = sum(slice_bytes(spec) + _read_bytes(spec, layout) for spec in specs)
         self.buffers.budget.reserve(need, "snapshots", f"restore of job '{req.job}'")

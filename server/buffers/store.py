@@ -15,26 +15,14 @@ import grpc
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.protos.manifest import check_model_config
 from paramshard.server.buffers.captures import Captures
 from paramshard.server.buffers.contributions import Contributions
-from paramshard.server.buffers.slice_state import (
-    MASTER_DTYPES,
-    PendingStep,
-    master_dtype,
-    slice_bytes,
-)
+from paramshard.server.buffers.slice_state import PendingStep, master_dtype, slice_bytes
+from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.buffers.steps import Steps
 from paramshard.server.optimizers import OptimizerError, make_optimizer
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
-from paramshard.server.runtime.request_bounds import (
-    MAX_ALIASES,
-    MAX_KEY,
-    MAX_PARAM_NAME,
-    check_name,
-    check_placement,
-)
 from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews
 from paramshard.server.runtime.turns import TurnWaits
 
@@ -74,42 +62,7 @@ class BufferStore:
             return {job: list(b.values()) for job, b in self._jobs.items()}
 
     def register(self, req: pb.RegisterBufferRequest) -> BufferSlice:
-        check_name(req.ref.job, "job", "RegisterBuffer")
-        check_name(req.ref.buffer, "buffer", "RegisterBuffer")
-        check_name(req.run, "run", "RegisterBuffer", empty=True, most=MAX_KEY)
-        label = f"buffer '{req.ref.job}/{req.ref.buffer}'"
-        check_placement(req.server_index, req.num_servers, label)
-        if req.contributors == 0:
-            raise ShardError.invalid(f"{label}: contributors must be at least 1")
-        if req.master_dtype not in MASTER_DTYPES:
-            raise ShardError.invalid(
-                f"{label}: master_dtype must be FLOAT32 or FLOAT64 (for float64 models),"
-                f" got DType value {req.master_dtype}"
-            )
-        if req.model_config:
-            try:
-                check_model_config(req.model_config)
-            except ValueError as exc:
-                raise ShardError.invalid(f"{label}: {exc}") from None
-        for p in req.params:
-            _check_param_names(p, label)
-            if (
-                any(d < 0 for d in p.shape)
-                or p.offset + p.numel > req.numel
-                or slicing.shape_elements(p.shape, req.numel) != p.numel
-            ):
-                raise ShardError.invalid(
-                    f"{label}: parameter '{p.name}' (shape {list(p.shape)}, offset {p.offset:,})"
-                    f" does not fit a buffer of {req.numel:,} elements"
-                )
-            if p.split_parts > 1 and (
-                p.split_index >= p.split_parts or p.split_dim >= len(p.shape)
-            ):
-                raise ShardError.invalid(
-                    f"{label}: parameter '{p.name}' is part {p.split_index} of {p.split_parts}"
-                    f" along dim {p.split_dim} in {p.split_packed} packed blocks, which does not"
-                    f" fit its shape {list(p.shape)}"
-                )
+        label = check_spec(req, "RegisterBuffer")
         try:
             return self._register(req, label)
         except _Refused as exc:  # its run's ranks disagree: theirs fail too (conflict_with)
@@ -199,6 +152,15 @@ class BufferStore:
         with self._lock:
             buffers = list(self._jobs.get(job, {}).values())
         return sum(sum(b.bytes_by_kind()) for b in buffers)
+
+    def check_room(self, job: str, specs: list[pb.RegisterBufferRequest], what: str) -> None:
+        """Job ``job`` restored as ``specs`` (its slices here now go) fits its quota."""
+        need = sum(map(slice_bytes, specs))
+        if self.max_job_bytes and need > self.max_job_bytes:
+            raise ShardError.exhausted(
+                f"{what}: job '{job}' would need {need:,} bytes on this server, over its quota"
+                f" of {self.max_job_bytes:,}"
+            )
 
     def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
         """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
@@ -308,15 +270,4 @@ class _Refused(ShardError):
         self.conflict = (
             f"a rank registered it with another layout ({differs}): the ranks of this run"
             " disagree about the world size, the model or the configuration"
-        )
-
-
-def _check_param_names(p: pb.ParamEntry, label: str) -> None:
-    """A parameter's name and aliases, which every Status and export carries, within bounds."""
-    names = [p.name, *p.aliases]
-    if len(p.aliases) > MAX_ALIASES or any(len(n) > MAX_PARAM_NAME for n in names):
-        raise ShardError.invalid(
-            f"{label}: parameter {p.name[:128]!r} has {len(p.aliases):,} aliases and names of"
-            f" up to {max(map(len, names)):,} characters; at most {MAX_ALIASES} aliases of"
-            f" {MAX_PARAM_NAME:,} characters"
         )

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.runtime.request_bounds import check_key
+from paramshard.server.runtime.request_bounds import check_key, check_shape
 
 if TYPE_CHECKING:
     from paramshard.server.collectives.slot import Slot
@@ -62,6 +62,8 @@ def check_header(h: pb.SlotHeader) -> None:
             f"{label}: offset {c.offset:,} does not start a chunk of {h.chunk_numel:,}"
             f" inside {h.total_numel:,} elements"
         )
+    if h.shape:  # a tensor's, for readers that do not know it; empty: not given
+        check_shape(h.shape, h.total_numel, label)
     want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
     if c.numel != want:
         raise ShardError.invalid(

@@ -64,7 +64,7 @@ def check_header(blob: bytes, chunk: pb.ReplicaChunk, what: str) -> None:
         header = json.loads(blob[8 : 8 + size])
         meta = json.loads(header["__metadata__"]["paramshard"])
         said = (meta["job"], meta["server_index"], meta["version"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:  # nested past the limit
         raise ShardError.invalid(f"{what}: not a paramshard replica ({exc!r})") from None
     if said != (chunk.job, chunk.source_index, chunk.version):
         raise ShardError.invalid(

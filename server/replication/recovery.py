@@ -13,9 +13,15 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from google.protobuf.message import DecodeError
+
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos import slicing
+from paramshard.server.buffers.slice_state import slice_bytes
+from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.request_bounds import check_version
 from paramshard.server.snapshots.shards import decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
@@ -76,7 +82,7 @@ class ReplicaRecovery:
             return False
         try:  # once loaded, the slices hold what they need: the blob goes
             check_header(blob, chunk, what)
-            self._restore(chunk.job, blob)
+            self._restore(chunk.job, blob, "LoadReplica")
         finally:
             self.budget.release(len(blob), "replicas")  # reserved by the inbox
         return True
@@ -86,9 +92,13 @@ class ReplicaRecovery:
             blob = self.own.get(job, {}).get(version)
         if blob is None:
             raise ShardError.not_found(f"this server has no copy of job '{job}' at v{version}")
-        return self._restore(job, blob)
+        return self._restore(job, blob, "RollbackToReplica")
 
-    def _restore(self, job: str, blob: bytes) -> int:
+    def _restore(self, job: str, blob: bytes, method: str) -> int:
+        """Swaps in job ``job`` as replica ``blob`` holds it. A replica that ``LoadReplica``
+        brings may be any caller's file: its version and each buffer's spec pass the checks a
+        registration does, its arrays must be the slice's size, and the slices are paid for
+        before any is built."""
         from paramshard.server.buffers.store import (
             BufferSlice,  # store imports snapshots; avoid a cycle
         )
@@ -96,17 +106,61 @@ class ReplicaRecovery:
         meta, tensors = decode_shard(blob)
         if meta.get("job") != job:
             raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
+        try:
+            version = meta["version"]
+            if not isinstance(version, int) or version < 0:
+                raise ValueError(f"version {version!r} is not a count")
+            check_version(version, "version", f"{method}: replica of job '{job}'")
+            rows = [
+                (_spec(job, name, info, method), tensors[f"{name}::params"], info)
+                for name, info in meta["buffers"].items()
+            ]
+            for spec, params, info in rows:
+                state = [tensors[f"{spec.ref.buffer}::state.{k}"] for k in info["state"]]
+                _check_sizes(spec, params, state)
+        except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as exc:
+            raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
+        specs = [spec for spec, _, _ in rows]
+        self.store.check_room(job, specs, f"{method}: replica of job '{job}'")
+        need = sum(map(slice_bytes, specs))
+        self.budget.reserve(need, "replicas", f"{method}: replica of job '{job}'")
         slices = []
         try:
-            for name, info in meta["buffers"].items():
-                spec = pb.RegisterBufferRequest.FromString(base64.b64decode(info["spec"]))
+            for spec, params, info in rows:
+                name = spec.ref.buffer
                 state = {k: tensors[f"{name}::state.{k}"] for k in info["state"]}
-                b = BufferSlice.restored(
-                    spec, meta["version"], tensors[f"{name}::params"], state, info["step_count"]
-                )
+                b = BufferSlice.restored(spec, version, params, state, info["step_count"])
                 b.replicator = self if job in self.configs else None
                 slices.append(b)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
+        except MemoryError as exc:  # paid for above: the host has less than the budget says
+            raise ShardError.exhausted(f"{method}: replica of job '{job}': {exc!r}") from None
+        finally:
+            self.budget.release(need, "replicas")
         self.store.replace_job(job, slices)
-        return int(meta["version"])
+        return int(version)
+
+
+def _spec(job: str, name: str, info: dict[str, Any], method: str) -> pb.RegisterBufferRequest:
+    """Buffer ``name``'s spec as the replica recorded it, checked as a registration is."""
+    spec = pb.RegisterBufferRequest.FromString(base64.b64decode(info["spec"]))
+    if (spec.ref.job, spec.ref.buffer) != (job, name):
+        raise ShardError.invalid(
+            f"replica of job '{job}': buffer {name[:128]!r} holds the spec of"
+            f" '{spec.ref.job[:128]}/{spec.ref.buffer[:128]}'"
+        )
+    check_spec(spec, method)
+    return spec
+
+
+def _check_sizes(spec: pb.RegisterBufferRequest, params: Any, state: list[Any]) -> None:
+    """The replica's arrays are the size of the slice its spec places on this server."""
+    start, stop = slicing.slice_bounds(spec.numel, spec.num_servers, spec.server_index)
+    sizes = {int(params.size), *(int(a.size) for a in state)}
+    if sizes != {stop - start}:
+        raise ShardError.invalid(
+            f"replica of job '{spec.ref.job}': buffer '{spec.ref.buffer}' holds arrays of"
+            f" {sorted(sizes)} elements where its slice {spec.server_index} of"
+            f" {spec.num_servers} has {stop - start:,}"
+        )

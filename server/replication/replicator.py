@@ -324,7 +324,7 @@ class Replicator(ReplicaRecovery):
             return False
         try:
             check_header(blob, chunk, what)
-        except ShardError:
+        except BaseException:  # whatever it raised, the bytes are not kept
             self.budget.release(len(blob), "replicas")  # reserved by the inbox
             raise
         with self._lock:

@@ -11,10 +11,14 @@ for every token (tests/test_request_bounds.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from paramshard.protos.slicing import shape_elements
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
     "MAX_ALIASES",
+    "MAX_DIMS",
     "MAX_KEY",
     "MAX_NAME",
     "MAX_PARAM_NAME",
@@ -23,6 +27,7 @@ __all__ = [
     "check_key",
     "check_name",
     "check_placement",
+    "check_shape",
     "check_version",
 ]
 
@@ -36,6 +41,9 @@ MAX_PARAM_NAME = 1024
 """Characters of a parameter's name or one of its aliases (Hugging Face models' are under 100)."""
 MAX_ALIASES = 64
 """Other names of one parameter (tied weights: a language model's head ties one or two)."""
+MAX_DIMS = 64
+"""Dimensions of a tensor's shape that a request records (a parameter's, a collective's): as
+many as NumPy's arrays take (NPY_MAXDIMS)."""
 MAX_SERVERS = 65_536
 """Servers of one placement (RegisterBuffer, Snapshot, Restore)."""
 MAX_VERSION = 2**53
@@ -75,3 +83,13 @@ def check_version(value: int, what: str, method: str) -> None:
     """``value`` is at most ``MAX_VERSION``."""
     if value > MAX_VERSION:
         raise ShardError.invalid(f"{method}: {what} {value:,} is over {MAX_VERSION:,} (2**53)")
+
+
+def check_shape(shape: Sequence[int], numel: int, what: str) -> None:
+    """``shape`` has at most ``MAX_DIMS`` dims, none negative, and ``numel`` elements; checked
+    in that order, so a request's long shape costs no loop over it."""
+    if len(shape) > MAX_DIMS or any(d < 0 for d in shape) or shape_elements(shape, numel) != numel:
+        raise ShardError.invalid(
+            f"{what}: shape {list(shape[:8])}{' ...' if len(shape) > 8 else ''} ({len(shape):,}"
+            f" dims) is not a shape of {numel:,} elements in at most {MAX_DIMS} dims"
+        )
