@@ -14,7 +14,7 @@ import pytest
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.buffers.membership import weights
+from paramshard.server.buffers.membership import Weights
 
 NUMEL, WORLD, LR = 101, 4, 1.0
 
@@ -58,15 +58,15 @@ def applied(c: ShardClient, step: int = 0, generation: int | None = None) -> np.
 
 
 def test_weights_are_each_micro_batchs_rows_over_the_global_batch() -> None:
-    assert weights(3, 1, 10) == [4 / 10, 3 / 10, 3 / 10]
-    assert weights(2, 2, 7) == [2 / 7, 2 / 7, 2 / 7, 1 / 7]  # parts of 4 and 3, cut in two
-    assert weights(3, 2, 0) == [1 / 3] * 6  # no global batch: plain average over members
-    assert sum(weights(5, 3, 97)) == pytest.approx(1.0, abs=1e-15)
+    assert list(Weights(3, 1, 10)) == [4 / 10, 3 / 10, 3 / 10]
+    assert list(Weights(2, 2, 7)) == [2 / 7, 2 / 7, 2 / 7, 1 / 7]  # parts of 4 and 3, cut in two
+    assert list(Weights(3, 2, 0)) == [1 / 3] * 6  # no global batch: plain average over members
+    assert sum(Weights(5, 3, 97)) == pytest.approx(1.0, abs=1e-15)
 
 
 def test_members_are_weighted_by_their_rows_in_rank_order_whatever_the_arrival(cluster) -> None:
     members, batch = [0, 2, 3], 10  # rank 1 is not a member of this step
-    w = weights(3, 1, batch)
+    w = Weights(3, 1, batch)
     want = sum(np.float64(w[i]) * grad(r) for i, r in enumerate(members))
     results = []
     for order in itertools.permutations(members):
@@ -87,7 +87,7 @@ def job_reset(c: ShardClient) -> None:
 
 def test_micro_batches_are_weighted_by_their_own_rows(cluster) -> None:
     members, batch = [1, 3], 7
-    w = weights(2, 2, batch)
+    w = Weights(2, 2, batch)
     for r in members:
         for m in range(2):
             push(cluster[r], members, batch=batch, micro=m, num_micro=2)
@@ -107,7 +107,7 @@ def test_a_newer_generation_replaces_the_older_and_the_older_is_refused(cluster)
     with pytest.raises(ShardClientError, match="generation 1, not 0") as e:
         cluster[1].grad_check("j", ["b"], 0, generation=0)  # refused, not waited for
     push(cluster[1], [0, 1], generation=1, batch=9)
-    w = weights(2, 1, 9)
+    w = Weights(2, 1, 9)
     want = np.float64(w[0]) * grad(0) + np.float64(w[1]) * grad(1)
     np.testing.assert_allclose(applied(cluster[0], generation=1), want, rtol=1e-14, atol=0)
 
@@ -131,7 +131,7 @@ def test_what_breaks_the_rules_is_refused_and_changes_nothing(cluster) -> None:
         cluster[1].push_grads("j", "b", grad(1), 0, dtype="float64")
     assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
     push(cluster[1], [0, 1], batch=8)  # the step goes on as if nothing had been tried
-    w = weights(2, 1, 8)
+    w = Weights(2, 1, 8)
     want = np.float64(w[0]) * grad(0) + np.float64(w[1]) * grad(1)
     np.testing.assert_allclose(applied(cluster[0]), want, rtol=1e-14, atol=0)
 
@@ -146,3 +146,20 @@ def test_the_hang_doctor_names_the_members_missing(cluster) -> None:
     ]
     assert rows and all(p["arrived"] == [3] and p["missing"] == [1] for p in rows), rows
     assert all(int(p["expected"]) == 2 for p in rows)
+
+
+@pytest.mark.parametrize("batch", [0, 2**33])
+def test_a_push_of_billions_of_micro_batches_builds_no_list_of_their_weights(
+    cluster, batch: int
+) -> None:
+    """``num_micro`` is the push's own. Before, the step's weights were a list of ``members *
+    num_micro``: 2**32 - 1 ended INTERNAL (MemoryError) with no global batch, and with one
+    the list was built in a Python loop (2**23 took 3.1 s and 320 MB)."""
+    push(cluster[0], [0, 2], batch=batch, num_micro=2**32 - 1)  # waits for the rest
+    w = Weights(2, 2**32 - 1, batch)
+    assert len(w) == 2 * (2**32 - 1) and w[len(w) - 1] == (0.5 if not batch else 1 / batch)
+    # the step is open, as that push said: a push of one micro-batch to it is refused
+    with pytest.raises(ShardClientError) as err:
+        push(cluster[2], [0, 2], batch=batch)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert "accumulates 4294967295 micro-batches per contributor" in str(err.value)

@@ -15,25 +15,36 @@ refused (FAILED_PRECONDITION), so its rank learns to redo the step instead of wa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.server.buffers.slice_state import PendingStep
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["check_generation", "check_membership", "elastic_pending", "weights"]
+__all__ = ["Weights", "check_generation", "check_membership", "elastic_pending"]
 
 
-def weights(members: int, num_micro: int, global_batch: int) -> list[float]:
-    """Contribution k's weight (k = member index * num_micro + micro-batch)."""
-    if global_batch == 0:
-        return [1.0 / members] * (members * num_micro)
-    out = []
-    for i in range(members):
-        lo, hi = slicing.slice_bounds(global_batch, members, i)
-        for j in range(num_micro):
-            a, b = slicing.slice_bounds(hi - lo, num_micro, j)
-            out.append((b - a) / global_batch)
-    return out
+class Weights(Sequence[float]):
+    """Contribution k's weight (k = member index * num_micro + micro-batch), computed when
+    asked: a list of them would be ``members * num_micro`` long, and ``num_micro`` is the
+    push's (a push of 2**26 micro-batches built one of 571 MB)."""
+
+    def __init__(self, members: int, num_micro: int, global_batch: int) -> None:
+        self.members, self.num_micro, self.global_batch = members, num_micro, global_batch
+
+    def __len__(self) -> int:
+        return self.members * self.num_micro
+
+    def __getitem__(self, k: int) -> float:  # type: ignore[override]  # no slices
+        if not 0 <= k < len(self):
+            raise IndexError(f"contribution {k} of {len(self)}")
+        if self.global_batch == 0:
+            return 1.0 / self.members
+        i, j = divmod(k, self.num_micro)
+        lo, hi = slicing.slice_bounds(self.global_batch, self.members, i)
+        a, b = slicing.slice_bounds(hi - lo, self.num_micro, j)
+        return (b - a) / self.global_batch
 
 
 def check_membership(
@@ -117,7 +128,7 @@ def elastic_pending(
         members=members,
         generation=m.generation,
         global_batch=m.global_batch,
-        weights=weights(len(members), h.num_micro, m.global_batch),
+        weights=Weights(len(members), h.num_micro, m.global_batch),
         membership_key=key,
     )
     return fresh, current is not None

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -97,7 +98,7 @@ class PendingStep:
     generation: int = 0
     global_batch: int = 0
     membership_key: bytes = b""  # elastic jobs: the ``StepMembership`` as pushes encode it
-    weights: list[float] | None = None
+    weights: Sequence[float] | None = None
     """Elastic jobs: contribution k is multiplied by ``weights[k]`` as it is added (its share
     of the global batch); None: contributions are summed, then averaged over contributors."""
     chunks: dict[int, slicing.Coverage] = field(default_factory=dict)  # per contribution k
