@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name
@@ -327,16 +327,30 @@ class SnapshotDir:
                     with folder.path_of(name) as path, safe_open(path, framework="numpy") as f:
                         key = tensor_key(buffer, kind)
                         if key not in f.keys():
+                            if kind == "params":  # a buffer the manifest made up
+                                raise ValueError("the shard holds no such tensor")
                             continue  # optimizer state not allocated yet at that version
+                        held = f.get_slice(key)
+                        _check_held(held.get_shape(), numel, old, piece.server)
                         lo = piece.local_offset
-                        part = f.get_slice(key)[lo : lo + piece.numel]
-                except (OSError, ValueError, RuntimeError) as exc:
+                        a = piece.global_offset - start
+                        out[a : a + piece.numel] = held[lo : lo + piece.numel]
+                except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
                     raise ShardError.precondition(
                         f"{folder.name(name)}: cannot read {buffer} {kind} ({exc})"
                     ) from None
-                a = piece.global_offset - start
-                out[a : a + piece.numel] = part
         return out
+
+
+def _check_held(shape: list[int], numel: int, num: int, index: int) -> None:
+    """A shard's tensor is slice ``index`` of ``num`` of a buffer of ``numel`` elements, as
+    the manifest (a caller's file: CommitSnapshot) says the buffer is."""
+    lo, hi = slicing.slice_bounds(numel, num, index)
+    if shape != [hi - lo]:
+        raise ValueError(
+            f"it holds a tensor of shape {shape[:4]}, the manifest's {numel:,} elements make"
+            f" slice {index} of {num} {hi - lo:,} long"
+        )
 
 
 def _shard_files(manifest: dict[str, Any]) -> list[str]:
