@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 __all__ = ["Endpoint", "InScope", "serve"]
 
 REQUEST_TIMEOUT_S = 10.0
-"""How long a connection may take to send its request (and to read the reply): one that stalls
-is closed instead of holding a thread for ever."""
+"""How long a connection may take to send its request, and then to read the reply, in all: one
+that takes longer is closed instead of holding a thread (``_Deadline``)."""
 MAX_CONNECTIONS = 32
 """Connections served at once; one more is closed at once (a Prometheus server scrapes with
 one, so these are for several scrapers, not for a client that opens many)."""
@@ -56,7 +56,24 @@ def serve(host: str, port: int, render: Render, authorize: Authorize) -> Endpoin
     scope)."""
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT_S  # socket timeout: a stalled request ends the connection
+        timeout = REQUEST_TIMEOUT_S  # each read and write; the whole request: ``_Deadline``
+
+        def setup(self) -> None:
+            super().setup()
+            self.deadline = _Deadline(self.connection)
+
+        def parse_request(self) -> bool:  # the request line and headers are read
+            parsed = super().parse_request()
+            if not self.deadline.restart():  # the reply has as long
+                self.close_connection = True  # headers cut short by the deadline: no reply
+                return False
+            return parsed
+
+        def finish(self) -> None:
+            try:
+                super().finish()
+            finally:
+                self.deadline.cancel()
 
         def do_GET(self) -> None:  # noqa: N802 - http.server's naming
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
@@ -108,6 +125,45 @@ def serve(host: str, port: int, render: Render, authorize: Authorize) -> Endpoin
                 self.slots.release()
 
     return Endpoint(Server((host, port), Handler))
+
+
+class _Deadline:
+    """Shuts a connection down ``REQUEST_TIMEOUT_S`` after it was (re)started. The socket's
+    timeout bounds each read only: 32 connections that sent a byte of their headers a second
+    held every slot (``MAX_CONNECTIONS``), and a scrape with a valid token was closed unserved,
+    for as long as they went on; the token is read only once the headers are in."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._expired = False
+        self.restart()
+
+    def restart(self) -> bool:
+        """Starts the time again; False (and nothing started) once it ran out."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            if self._expired:
+                return False
+            self._timer = threading.Timer(REQUEST_TIMEOUT_S, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+            return True
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _expire(self) -> None:
+        with self._lock:
+            self._expired = True
+        try:  # a read or write blocked on it returns at once
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
 
 
 class InScope:

@@ -106,6 +106,20 @@ def closed_within(s: socket.socket, seconds: float) -> bool:
         return False
 
 
+def scraped(address: tuple[str, int], within: float = 2.0) -> bool:
+    """Whether a scrape of ``address`` is answered 200 within ``within`` seconds: a closed
+    connection's slot comes back once its thread has ended, just after the close."""
+    end = time.monotonic() + within
+    while True:
+        with socket.create_connection(address, timeout=5) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            if s.recv(64).startswith(b"HTTP/1.0 200"):
+                return True
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.1)
+
+
 def test_the_metrics_endpoint_closes_silent_connections_and_bounds_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -127,9 +141,38 @@ def test_the_metrics_endpoint_closes_silent_connections_and_bounds_them(
         finally:
             for s in silent:
                 s.close()
-        with socket.create_connection(address, timeout=5) as s:  # their slots came back
-            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            assert s.recv(64).startswith(b"HTTP/1.0 200")
+        assert scraped(address)  # their slots came back
+
+
+def test_the_metrics_endpoint_closes_a_request_that_trickles_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection that sends a byte of its headers a second never waits a socket timeout
+    out; before, such connections held every slot for as long as they went on, and a scrape
+    with a valid token was closed unserved."""
+    monkeypatch.setattr(metrics_http, "REQUEST_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(metrics_http, "MAX_CONNECTIONS", 2)
+    with ShardServer(metrics_port=0) as server:
+        assert server.metrics_port is not None
+        address = ("127.0.0.1", server.metrics_port)
+        slow = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        try:
+            for s in slow:
+                s.sendall(b"GET /metrics HTTP/1.1\r\nX-A: ")
+            closed, began = set(), time.monotonic()
+            while len(closed) < len(slow) and time.monotonic() - began < 8.0:
+                for i, s in enumerate(slow):
+                    try:
+                        s.sendall(b"a")
+                    except OSError:  # the server shut it down: a reset, or a broken pipe
+                        closed.add(i)
+                time.sleep(0.25)
+            took = time.monotonic() - began
+            assert closed == {0, 1} and took < 6.0, (closed, took)  # the deadline: 2 s
+        finally:
+            for s in slow:
+                s.close()
+        assert scraped(address)  # their slots came back
 
 
 # -- the second review: segments and manifests ---------------------------------------------
