@@ -31,6 +31,7 @@ class Contributions(SliceState):
         if header.state:
             return self._set_state(header, host)
         with self.cond:
+            self._check_held("SetParams")
             if header.version != self.version:
                 # A new version of the values (restore): start counting coverage again.
                 self.written = slicing.Coverage()
@@ -58,6 +59,7 @@ class Contributions(SliceState):
     def _set_state(self, header: pb.SetParamsHeader, host: Any) -> bool:
         """SetParams into an optimizer state array (at the current version only)."""
         with self.cond:
+            self._check_held("SetParams")
             if header.version != self.version:
                 raise ShardError.precondition(
                     f"{self.label} is at version {self.version}; optimizer state for version"
@@ -71,6 +73,18 @@ class Contributions(SliceState):
             except OptimizerError as exc:
                 raise ShardError.invalid(f"{self.label}: {exc}") from None
             return self.initialized
+
+    def _check_held(self, method: str) -> None:
+        """The slice is still the store's (caller holds the lock). A call looks its slice up
+        before it takes the lock; one that a DropJob or a restore retired meanwhile changes
+        nothing (the calls that wait check in ``wait_for``). Before, a SetParams of a new
+        version there released the staging that ``retire`` had released already, and the
+        account went below zero, every later release failing."""
+        if self.dropped:
+            raise ShardError.not_found(
+                f"{method}: {self.label} was dropped or replaced (DropJob, or a restore) as the"
+                " call began"
+            )
 
     def push_grad(
         self, h: pb.PushGradHeader, data: memoryview, timeout: float, turn_until: float = 0.0
