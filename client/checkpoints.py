@@ -96,6 +96,13 @@ def _snapshot_jobs(
     for job in order:
         n = len(servers[job])
         replies, k = flat[k : k + n], k + n
+        listed = {tuple((b.buffer, b.numel) for b in r.buffers) for r in replies}
+        if len(listed) > 1:  # a buffer registered or dropped while the shards were written
+            raise RuntimeError(
+                f"snapshot '{tag}' of job '{job}': its servers' shards hold different buffers"
+                f" {sorted(sorted(name for name, _ in x) for x in listed)}; not committed,"
+                " snapshot again under another tag once the job's buffers are registered"
+            )
         buffers = {
             b.buffer: {
                 "numel": b.numel,

@@ -14,7 +14,7 @@ from paramshard.protos.manifest import ParamEntry, recorded_model_config, record
 from paramshard.protos.placement import recorded_placement
 from paramshard.server.buffers.slice_state import master_itemsize, slice_bytes
 from paramshard.server.buffers.spec_checks import check_spec
-from paramshard.server.buffers.store import BufferSlice, BufferStore
+from paramshard.server.buffers.store import BufferSlice, BufferStore, status_row
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_placement
@@ -85,7 +85,9 @@ class SnapshotCalls:
             )
         finally:
             reservation.release()
-        (rows,) = [j.buffers for j in self.buffers.status(req.job.__eq__)] or [[]]
+        # the slices the shard holds, as the manifest will list them: read afresh, a buffer
+        # registered while the capture waited was listed and the snapshot could not restore
+        rows = [status_row(b) for b in slices]
         return pb.SnapshotReply(
             file=file, bytes=nbytes, sha256=sha, version=req.version, buffers=rows
         )

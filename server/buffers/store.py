@@ -26,7 +26,7 @@ from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.run_names import NOTHING_KNOWN, RankNews
 from paramshard.server.runtime.turns import TurnWaits
 
-__all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype"]
+__all__ = ["BufferSlice", "BufferStore", "PendingStep", "master_dtype", "status_row"]
 
 
 class BufferSlice(Contributions, Steps, Captures):
@@ -197,33 +197,7 @@ class BufferStore:
         for job, buffers in sorted(self.jobs().items()):
             if wanted is not None and not wanted(job):
                 continue
-            rows = []
-            for b in buffers:
-                with b.cond:
-                    params, grads, opt = b.bytes_by_kind()
-                    rows.append(
-                        pb.BufferStatus(
-                            buffer=b.name,
-                            numel=b.numel,
-                            slice_start=b.start,
-                            slice_numel=b.slice_numel,
-                            dtype=str(b.dtype),
-                            version=b.version,
-                            initialized=b.initialized,
-                            optimizer=b.optimizer.name,
-                            param_bytes=params,
-                            grad_bytes=grads,
-                            optimizer_bytes=opt,
-                            params=b.spec.params,
-                            last_step_seconds=b.last_step_seconds,
-                            last_step_unix=b.last_step_unix,
-                            contributors=b.contributors,
-                            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
-                            state_keys=sorted(b.optimizer.state_arrays()),
-                            optimizer_steps=b.optimizer.step_count,
-                            skipped_steps=b.skipped_steps,
-                        )
-                    )
+            rows = [status_row(b) for b in buffers]
             first = buffers[0].spec if buffers else None
             out.append(
                 pb.JobStatus(
@@ -237,6 +211,33 @@ class BufferStore:
                 )
             )
         return out
+
+
+def status_row(b: BufferSlice) -> pb.BufferStatus:
+    """Slice ``b`` as Status and a snapshot's reply describe it."""
+    with b.cond:
+        params, grads, opt = b.bytes_by_kind()
+        return pb.BufferStatus(
+            buffer=b.name,
+            numel=b.numel,
+            slice_start=b.start,
+            slice_numel=b.slice_numel,
+            dtype=str(b.dtype),
+            version=b.version,
+            initialized=b.initialized,
+            optimizer=b.optimizer.name,
+            param_bytes=params,
+            grad_bytes=grads,
+            optimizer_bytes=opt,
+            params=b.spec.params,
+            last_step_seconds=b.last_step_seconds,
+            last_step_unix=b.last_step_unix,
+            contributors=b.contributors,
+            hyper={k: float(v) for k, v in b.optimizer.hyper.items()},
+            state_keys=sorted(b.optimizer.state_arrays()),
+            optimizer_steps=b.optimizer.step_count,
+            skipped_steps=b.skipped_steps,
+        )
 
 
 def _differences(old: pb.RegisterBufferRequest, new: pb.RegisterBufferRequest) -> str:
