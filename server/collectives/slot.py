@@ -141,6 +141,7 @@ class Slot:
         self.ended: str | None = None  # why it expired or was dropped
         self.conflict: str | None = None  # a refused contribution's why: reads do not wait
         self.turn_waiters = 0  # contributions waiting for their turn (server/runtime/turns.py)
+        self.forgotten = False  # its entry left the store: a call that found it looks again
 
     def complete(self, offset: int) -> bool:
         """Whether the chunk at ``offset`` has all its contributions (``cond`` held)."""

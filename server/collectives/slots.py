@@ -144,6 +144,8 @@ class SlotStore:
         with slot.cond:
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
+            if slot.forgotten:  # a reader gave up on it, unused, as this call found it
+                return self.contribute(h, data, deadline - time.monotonic(), turn_until, hold)
             if slot.meta is not None:
                 try:
                     check_same(slot, h)
@@ -244,6 +246,8 @@ class SlotStore:
             return slot.complete(req.offset) or bool(slot.missed(req.offset))
 
         with slot.cond:
+            if slot.forgotten and slot.ended is None and not slot.freed:
+                return self.read(req, timeout)  # another reader gave up on it, unused
             slot.touched = time.monotonic()
             if req.offset in slot.freed:
                 raise ShardError.not_found(
@@ -308,16 +312,20 @@ class SlotStore:
                 self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
 
     def _forget_if_unused(self, slot: Slot) -> None:
-        """A reader gave up on a slot nobody contributed to: do not keep the empty entry."""
-        if slot.meta is None and not slot.chunks:
+        """A reader gave up on a slot nobody contributed to and no one else reads: do not
+        keep the empty entry (caller holds ``slot.cond``)."""
+        if slot.meta is None and not slot.chunks and not slot.waiting:
             with self._lock:
                 self._forget_locked(slot)
 
     def _forget_locked(self, slot: Slot) -> None:
         """Drops ``slot``'s entry if it is still the store's, its record's charge with it
-        (caller holds ``_lock``)."""
+        (caller holds ``_lock``, and ``slot.cond``: a call that found the slot before and
+        takes it after sees ``forgotten``; before, a contribution added to a forgotten slot
+        was lost, its charge with it, out of reach of DropJob and the sweeper)."""
         if self._slots.get(slot.key) is slot:
             del self._slots[slot.key]
+            slot.forgotten = True
             self.memory.release(slot_charge(slot.key))
 
     # -- the end of pending work -------------------------------------------------------------
