@@ -251,10 +251,19 @@ def export(args: argparse.Namespace) -> int:
         raise CommandError("give one of --out FILE or --hf-dir DIR", EXIT_USAGE)
     if args.out is not None:
         _check_out("--out", args.out)
+        from paramshard.protos.atomic import replaced_file
+
+        try:  # a link is followed; a device, fifo or socket is refused before anything is read
+            replaced_file(args.out)
+        except OSError as exc:
+            raise CommandError(f"--out {args.out}: {exc.strerror or exc}", EXIT_USAGE) from None
     else:
         _check_out("--hf-dir", args.hf_dir, folder=True)
     if args.snapshot:
-        count = export_snapshot(Path(args.snapshot), args.out, hf_dir=args.hf_dir)
+        try:
+            count = export_snapshot(Path(args.snapshot), args.out, hf_dir=args.hf_dir)
+        except OSError as exc:  # writing the output (checked before, changed since), as _run
+            raise CommandError(f"{exc.filename}: {exc.strerror or exc}") from None
     elif args.job:
         from paramshard.client import tools
         from paramshard.client.export_hf import export_hf
