@@ -67,8 +67,7 @@ class ClusterSpec:
         if not self.addresses:
             raise ValueError("ClusterSpec needs at least one server address (host:port)")
         for a in self.addresses:
-            if ":" not in a:
-                raise ValueError(f"server address {a!r} is not host:port")
+            _check_address(a)
         if self.token is not None:
             self.token = self.token.strip() or None  # read from a file: no trailing newline
             if self.token is not None and (
@@ -196,3 +195,14 @@ def _host_of(address: str) -> str:
     for 0.0.0.0 (which a client reaches on its own host)."""
     host = address.rsplit(":", 1)[0].strip("[]").lower()
     return "loopback" if host == "0.0.0.0" or is_loopback(host) else host
+
+
+def _check_address(address: str) -> None:
+    """``address`` is ``host:port`` (``[v6]:port`` for an IPv6 host) with a port of 1..65535:
+    gRPC takes any number after the colon modulo 65536, so ``host:99999`` reached port 34463
+    and answered as if it were the server named, and ``host:`` went to port 443."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or host == "[]":
+        raise ValueError(f"server address {address!r} is not host:port")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"server address {address!r}: the port must be 1..65535, not {port!r}")

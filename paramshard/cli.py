@@ -1,8 +1,9 @@
 """The ``paramshard`` command: every subcommand registers itself with ``@command``
 (paramshard/commands.py); this module builds the parser from them and runs one.
 
-``serve``/``health``: paramshard/serve_cli.py; ``launch``: launch.py; ``status``: status_cli.py;
-``inspect``, ``get``, ``snapshot``, ``restore``, ``export``: tools_cli.py.
+``serve``: paramshard/serve_cli.py; ``health``: health_cli.py; ``launch``: launch.py;
+``status``: status_cli.py; ``inspect``, ``get``, ``snapshot``, ``restore``, ``export``:
+tools_cli.py.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from collections.abc import Sequence
 from inspect import cleandoc
 
 from paramshard import __version__
-from paramshard.commands import COMMANDS, CommandError, summary
+from paramshard.commands import COMMANDS, EXIT_USAGE, CommandError, summary
 
 __all__ = ["main", "build_parser", "CommandError"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import paramshard.serve_cli  # noqa: F401 - registers serve, health (listed first)
+    import paramshard.serve_cli  # noqa: F401 - registers serve (listed first)
+    import paramshard.health_cli  # noqa: F401 - registers health  # isort: skip
     import paramshard.launch  # noqa: F401 - registers launch  # isort: skip
     import paramshard.status_cli  # noqa: F401 - registers status
     import paramshard.tools_cli  # noqa: F401 - registers inspect, get, snapshot, restore, export
@@ -47,9 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``paramshard ARGS``: returns the exit code (argparse exits 2 itself on bad arguments)."""
+    """``paramshard ARGS``: returns the exit code (argparse exits 2 itself on bad arguments,
+    or the command's own ``usage_exit``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    try:
+        args = _parsed(build_parser(), argv)
+    except SystemExit as exc:
+        cmd = COMMANDS.get(argv[0]) if argv else None
+        if exc.code == EXIT_USAGE and cmd is not None:
+            raise SystemExit(cmd.usage_exit) from None  # health's 1: Docker reserves 2
+        raise
+    args.argv = argv  # serve re-executes itself with exactly these arguments
+    try:
+        return args.run(args)
+    except CommandError as exc:
+        print(f"paramshard {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         names = ", ".join(sorted(COMMANDS))
@@ -60,11 +80,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"a COMMAND is required: one of {names}")
     if unknown:  # with the command's usage, not the top level's
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    args.argv = argv  # serve re-executes itself with exactly these arguments
-    try:
-        return args.run(args)
-    except CommandError as exc:
-        print(f"paramshard {args.command}: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        return 130
+    return args

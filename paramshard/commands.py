@@ -73,18 +73,23 @@ class Command:
     name: str
     run: Callable[[argparse.Namespace], int]
     args: tuple[Arg, ...]
+    usage_exit: int = EXIT_USAGE
+    """The exit code of a command line its parser cannot read."""
 
 
 COMMANDS: dict[str, Command] = {}
 """Subcommands in registration order (the order ``paramshard --help`` lists them)."""
 
 
-def command(*args: Arg, name: str | None = None) -> Callable[[Callable], Callable]:
-    """Registers the decorated function as subcommand ``name`` (default: the function's name)."""
+def command(
+    *args: Arg, name: str | None = None, usage_exit: int = EXIT_USAGE
+) -> Callable[[Callable], Callable]:
+    """Registers the decorated function as subcommand ``name`` (default: the function's name),
+    whose unreadable command lines exit ``usage_exit`` (argparse's 2 unless told)."""
 
     def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
         cmd = name or fn.__name__.replace("_", "-")
-        COMMANDS[cmd] = Command(cmd, fn, args)
+        COMMANDS[cmd] = Command(cmd, fn, args, usage_exit)
         return fn
 
     return register
@@ -134,25 +139,43 @@ def port_number(text: str) -> int:
     return port
 
 
+MOST = 1e9
+"""The largest number a flag of seconds or sizes takes: a billion seconds is 31 years, and
+time arithmetic (a deadline, a wait) and gRPC's 32-bit settings overflow not far above it
+(``--grace inf`` or ``--max-wait-s 1e10`` ended in a traceback)."""
+MOST_INT = 2**31 - 1
+"""The largest count a flag takes: gRPC's and protobuf's 32-bit fields."""
+
+
 def positive(text: str) -> float:
     value = _parsed(float, text, "a positive number")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    if not 0 < value <= MOST:
+        raise argparse.ArgumentTypeError(f"{text} is not a number in (0, {MOST:g}]")
     return value
 
 
 def non_negative(text: str) -> float:
     value = _parsed(float, text, "a number >= 0")
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    if not 0 <= value <= MOST:
+        raise argparse.ArgumentTypeError(f"{text} is not a number in [0, {MOST:g}]")
     return value
 
 
-def positive_int(text: str) -> int:
-    value = _parsed(int, text, "an integer >= 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not an integer >= 1")
-    return value
+def int_in(low: int, high: int = MOST_INT) -> Callable[[str], int]:
+    """An argument type: an integer in ``low..high``."""
+
+    what = f"an integer >= {low}" if high == MOST_INT else f"an integer in {low}..{high:,}"
+
+    def parse(text: str) -> int:
+        value = _parsed(int, text, what)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text} is not an integer in {low}..{high:,}")
+        return value
+
+    return parse
+
+
+positive_int = int_in(1)
 
 
 def warn(message: str) -> None:
@@ -238,21 +261,28 @@ ROLES_DOWN = {"admin": ("train", "read"), "train": ("admin",), "read": ("train",
 
 def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> str | None:
     """The token in the file ``path`` (``--token-file``): either the bare token, or a server
-    token file (``ROLE TOKEN`` per line, as ``paramshard serve --token-file`` reads) whose
-    token of the first role of ``prefer`` it has is taken, so one secret file can serve all."""
+    token file (``ROLE TOKEN [SCOPE]`` per line, as ``paramshard serve --token-file`` reads)
+    whose first token of the first role of ``prefer`` it has is taken, so one secret file can
+    serve all."""
     if path is None:
         return None
+    from paramshard.server.rpc.tokens import read_token_file
+
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.split() for ln in f.read().splitlines()]
+        lines = [ln.split() for ln in read_token_file(path).splitlines()]
     except OSError as exc:
         raise CommandError(
             f"--token-file: cannot read {path}: {exc.strerror}", EXIT_USAGE
         ) from None
+    except ValueError as exc:  # too long, or not UTF-8
+        raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
     lines = [ln for ln in lines if ln and not ln[0].startswith("#")]
     if len(lines) == 1 and len(lines[0]) == 1:
         return lines[0][0]
-    by_role = {ln[0]: ln[1] for ln in lines if len(ln) == 2}
+    by_role: dict[str, str] = {}
+    for ln in lines:  # ROLE TOKEN, and the scope a server reads (jobs=..., runs=...)
+        if len(ln) >= 2:
+            by_role.setdefault(ln[0], ln[1])
     for role in prefer:
         if role in by_role:
             return by_role[role]

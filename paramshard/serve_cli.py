@@ -1,5 +1,5 @@
-"""``paramshard serve``: one shard server until SIGINT or SIGTERM; ``paramshard health``: is it
-serving (for Docker's HEALTHCHECK)."""
+"""``paramshard serve``: one shard server until SIGINT or SIGTERM (``paramshard health``, which
+asks whether one is serving: paramshard/health_cli.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import signal
 from pathlib import Path
 
 from paramshard.commands import (
-    EXIT_FAILURE,
     EXIT_USAGE,
     CommandError,
     arg,
-    cluster_spec,
     command,
+    int_in,
     non_negative,
     port_number,
     positive,
     positive_int,
     warn,
 )
+from paramshard.protos.placement import MAX_SERVERS
 from paramshard.serve_setup import (
     check_port_free,
     is_loopback,
@@ -118,14 +118,14 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
     ),
     arg(
         "--max-streams",
-        type=int,
+        type=int_in(0),
         default=_THREADS.max_streams,
         help="open reflection / health Watch streams at once, on threads of their own; one"
         " more gets RESOURCE_EXHAUSTED (default: %(default)s)",
     ),
     arg(
         "--max-sessions",
-        type=int,
+        type=int_in(0),
         default=_THREADS.max_sessions,
         help="open client streams at once, on threads of their own: sessions (one per client,"
         " carrying its data-plane calls; of read tokens at most a quarter) and trainers' lease"
@@ -199,10 +199,14 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         help="at start, load this server's part of snapshot TAG ('latest': the newest complete"
         " one) of every job in --snapshot-dir",
     ),
-    arg("--index", type=int, help="this server's index in the cluster (with --restore)"),
+    arg(
+        "--index",
+        type=int_in(0, MAX_SERVERS - 1),
+        help="this server's index in the cluster (with --restore)",
+    ),
     arg(
         "--num-servers",
-        type=int,
+        type=int_in(1, MAX_SERVERS),
         help="servers in the cluster (with --restore; default: as in the snapshot)",
     ),
     arg(
@@ -316,7 +320,13 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:  # PEM that is not PEM, and the like
         raise CommandError(as_flags(str(exc)), EXIT_USAGE) from None
     except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the port is taken
-        raise CommandError(f"cannot listen on {listen}: {exc}") from None
+        why = f"cannot listen on {listen}: {exc}"
+        if args.tls_cert:  # gRPC says only that it failed to bind; its log says why
+            why += (
+                " (the port was free a moment before: gRPC fails the same way when --tls-key"
+                " is not the key of --tls-cert, or either does not parse)"
+            )
+        raise CommandError(why) from None
 
     stops = StopSignals()
     stops.install()
@@ -359,48 +369,3 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         stops.restore()
     return 0
-
-
-# ------------------------------------------------------------------------------------ health
-@command(
-    arg("address", metavar="HOST:PORT", help="the server to check"),
-    arg(
-        "--timeout",
-        type=positive,
-        default=3.0,
-        help="seconds to wait for the answer (default: %(default)g)",
-    ),
-    arg("--service", default="", help="service to check (default: the whole server)"),
-)
-def health(args: argparse.Namespace) -> int:
-    """Exit 0 if the server's grpc.health.v1 check says SERVING, else 1.
-
-    Made for Docker HEALTHCHECK, which reserves exit code 2: every failure, including a
-    malformed address, exits 1.
-    """
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from paramshard.client import unreachable
-
-    if "," in args.address:
-        raise CommandError(f"one address, not a list: {args.address!r}")
-    try:
-        spec = cluster_spec(args.address)
-    except CommandError as exc:
-        raise CommandError(str(exc)) from None
-    address = spec.addresses[0]
-    try:
-        reply = health_pb2_grpc.HealthStub(spec.channel(0)).Check(
-            health_pb2.HealthCheckRequest(service=args.service),
-            timeout=args.timeout,
-            metadata=spec.metadata(),
-        )
-    except grpc.RpcError as exc:
-        words = unreachable.explain(address, exc.code(), exc.details() or "")
-        raise CommandError(f"{address}: {exc.code().name}: {words}") from None
-    finally:
-        spec.close()
-    state = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    print(f"{address}: {state}")
-    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else EXIT_FAILURE

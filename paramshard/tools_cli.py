@@ -14,7 +14,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from paramshard.commands import EXIT_USAGE, RUN, CommandError, arg, cluster_spec, command, table
+from paramshard.commands import (
+    EXIT_USAGE,
+    RUN,
+    CommandError,
+    arg,
+    cluster_spec,
+    command,
+    int_in,
+    positive,
+    table,
+)
 
 SERVERS = arg(
     "--servers",
@@ -31,7 +41,7 @@ def _client(args: argparse.Namespace) -> Any:
     return ShardClient(spec, timeout_s=args.timeout, retries=2)
 
 
-TIMEOUT = arg("--timeout", type=float, default=120.0, help="deadline per call, s (default 120)")
+TIMEOUT = arg("--timeout", type=positive, default=120.0, help="deadline per call, s (default 120)")
 
 
 def _check_out(flag: str, path: str, folder: bool = False) -> None:
@@ -207,7 +217,7 @@ def snapshots(args: argparse.Namespace) -> int:
     arg("--tag", default="latest", help="snapshot to load (default: latest)"),
     arg(
         "--contributors",
-        type=int,
+        type=int_in(0, 2**32 - 1),
         default=0,
         help="data-parallel ranks from now on (default: as in the snapshot)",
     ),

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
+    "MAX_SERVERS",
     "rank_server",
     "replica_holder",
     "part_job",
@@ -30,6 +31,10 @@ __all__ = [
     "restore_servers",
     "restore_slice",
 ]
+
+MAX_SERVERS = 65_536
+"""Servers of one placement (RegisterBuffer, Snapshot, Restore, ``paramshard serve
+--num-servers``)."""
 
 
 def rank_server(rank: int, num_servers: int, rank_servers: Sequence[int] | None = None) -> int:

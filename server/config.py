@@ -101,16 +101,21 @@ class BoundsConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_wait_s", "pending_ttl_s", "replica_ttl_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+            value = getattr(self, name)  # gRPC takes the wait as 32-bit seconds (server/app.py)
+            if not isinstance(value, (int, float)) or not 0 < value <= 2**31 - 1:
+                raise ValueError(
+                    f"{name} must be a number of seconds in (0, 2**31 - 1], got {value!r}"
+                )
         for name in ("max_job_bytes", "max_slot_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-        if not isinstance(self.max_receive_bytes, int) or self.max_receive_bytes < 1024:
+        if not isinstance(self.max_receive_bytes, int) or not (
+            1024 <= self.max_receive_bytes <= 2**31 - 1  # gRPC's message length is 32-bit
+        ):
             raise ValueError(
-                f"max_receive_bytes must be an int >= 1024, got {self.max_receive_bytes!r}"
+                "max_receive_bytes must be an int in 1024..2**31 - 1 (2 GiB less a byte), got"
+                f" {self.max_receive_bytes!r}"
             )
         if self.max_memory is not None:
             parse_bytes(self.max_memory)  # raises ValueError naming what it could not read

@@ -13,6 +13,10 @@ def default_reserved(workers: int) -> int:
     return max(1, min(16, workers // 4))
 
 
+_MOST = 2**31 - 1
+"""The largest count: gRPC's settings (pending requests, threads) are 32-bit."""
+
+
 @dataclass(frozen=True)
 class CallLimits:
     """Bounds on the calls a server runs at once (``paramshard serve`` flags in brackets)."""
@@ -46,12 +50,14 @@ class CallLimits:
             ("max_pending_calls", 1),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"CallLimits.{name} must be an int >= {low}, got {value!r}")
+            if not isinstance(value, int) or not low <= value <= _MOST:
+                raise ValueError(
+                    f"CallLimits.{name} must be an int in {low}..2**31 - 1, got {value!r}"
+                )
         for name in ("max_streams", "max_sessions"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"CallLimits.{name} must be an int >= 0, got {value!r}")
+            if not isinstance(value, int) or not 0 <= value <= _MOST:
+                raise ValueError(f"CallLimits.{name} must be an int in 0..2**31 - 1, got {value!r}")
         if self.reserved >= self.workers:
             raise ValueError(
                 f"CallLimits.reserved ({self.reserved}) must be below workers ({self.workers}):"

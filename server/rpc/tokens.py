@@ -19,6 +19,7 @@ __all__ = [
     "check_tokens",
     "grant_of",
     "load_token_file",
+    "read_token_file",
     "parse_token_file",
     "peer_token",
     "token_file_is_private",
@@ -108,9 +109,22 @@ def parse_token_file(text: str, source: str = "token file") -> dict[str, str | G
     return tokens
 
 
-def load_token_file(path: str) -> dict[str, str | Grant]:
+MAX_TOKEN_FILE_BYTES = 16 * 2**20
+"""The largest token file read (tens of thousands of tokens): ``--token-file /dev/zero`` read
+for ever."""
+
+
+def read_token_file(path: str) -> str:
+    """The text of token file ``path``; ValueError past ``MAX_TOKEN_FILE_BYTES``."""
     with open(path, encoding="utf-8") as f:
-        return parse_token_file(f.read(), path)
+        text = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    if len(text) > MAX_TOKEN_FILE_BYTES:
+        raise ValueError(f"{path} is longer than a token file ({MAX_TOKEN_FILE_BYTES:,} bytes)")
+    return text
+
+
+def load_token_file(path: str) -> dict[str, str | Grant]:
+    return parse_token_file(read_token_file(path), path)
 
 
 def token_file_is_private(path: str) -> bool:

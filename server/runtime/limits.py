@@ -26,6 +26,7 @@ container's, when a cgroup limit is lower), or of the device's memory on a GPU.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import threading
@@ -117,6 +118,8 @@ def parse_bytes(text: str | int, total: int | None = None) -> int:
             " 80%"
         )
     value = float(match.group(1))
+    if not math.isfinite(value):  # digits past a double's range read as inf
+        raise ValueError(f"memory size {text!r} is past any memory")
     if unit == "%":
         if value > 100:
             raise ValueError(f"memory size {text!r}: a percentage is at most 100%")

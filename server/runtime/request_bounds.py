@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from paramshard.protos.placement import MAX_SERVERS
 from paramshard.protos.slicing import shape_elements
 from paramshard.server.runtime.errors import ShardError
 
@@ -44,8 +45,6 @@ MAX_ALIASES = 64
 MAX_DIMS = 64
 """Dimensions of a tensor's shape that a request records (a parameter's, a collective's): as
 many as NumPy's arrays take (NPY_MAXDIMS)."""
-MAX_SERVERS = 65_536
-"""Servers of one placement (RegisterBuffer, Snapshot, Restore)."""
 MAX_VERSION = 2**53
 """The highest version or optimizer step count a client may set (SetParams): exact in a double,
 as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
