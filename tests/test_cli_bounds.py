@@ -92,3 +92,17 @@ def test_a_token_file_is_read_to_a_bound(tmp_path: Path) -> None:
         commands.read_token(str(path))
     with pytest.raises(ValueError, match="longer than a token file"):
         load_token_file(str(path))
+
+
+def test_a_key_that_is_not_the_certificates_is_named_as_a_cause(tmp_path: Path) -> None:
+    """gRPC fails to bind, and says only that; the port was free a moment before."""
+    from pki import make_pki
+
+    pki = make_pki({"one": ("one", ["localhost"]), "two": ("two", ["localhost"])})
+    (tmp_path / "cert.pem").write_bytes(pki["one"])
+    (tmp_path / "key.pem").write_bytes(pki["two_key"])
+    flags = ["--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")]
+    result = paramshard("serve", "--port", "0", *flags, timeout=60)
+    assert result.returncode != 0, result.stderr
+    assert "--tls-key is not the key of --tls-cert" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
