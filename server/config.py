@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramshard.server.rpc.admission import CallLimits, default_reserved
+from paramshard.server.rpc.call_limits import GRPC_INT_MAX
 from paramshard.server.rpc.scopes import Grant
 from paramshard.server.rpc.tokens import check_tokens
 from paramshard.server.runtime.limits import parse_bytes
@@ -102,7 +103,7 @@ class BoundsConfig:
     def __post_init__(self) -> None:
         for name in ("max_wait_s", "pending_ttl_s", "replica_ttl_s"):
             value = getattr(self, name)  # gRPC takes the wait as 32-bit seconds (server/app.py)
-            if not isinstance(value, (int, float)) or not 0 < value <= 2**31 - 1:
+            if not isinstance(value, (int, float)) or not 0 < value <= GRPC_INT_MAX:
                 raise ValueError(
                     f"{name} must be a number of seconds in (0, 2**31 - 1], got {value!r}"
                 )
@@ -111,7 +112,7 @@ class BoundsConfig:
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         if not isinstance(self.max_receive_bytes, int) or not (
-            1024 <= self.max_receive_bytes <= 2**31 - 1  # gRPC's message length is 32-bit
+            1024 <= self.max_receive_bytes <= GRPC_INT_MAX
         ):
             raise ValueError(
                 "max_receive_bytes must be an int in 1024..2**31 - 1 (2 GiB less a byte), got"

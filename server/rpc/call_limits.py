@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["CallLimits", "default_reserved"]
+__all__ = ["GRPC_INT_MAX", "CallLimits", "default_reserved"]
 
 
 def default_reserved(workers: int) -> int:
@@ -13,8 +13,9 @@ def default_reserved(workers: int) -> int:
     return max(1, min(16, workers // 4))
 
 
-_MOST = 2**31 - 1
-"""The largest count: gRPC's settings (pending requests, threads) are 32-bit."""
+GRPC_INT_MAX = 2**31 - 1
+"""The largest value of a gRPC setting (pending requests, threads, a message's length, a wait
+in seconds): they are 32-bit."""
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,13 @@ class CallLimits:
             ("max_pending_calls", 1),
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or not low <= value <= _MOST:
+            if not isinstance(value, int) or not low <= value <= GRPC_INT_MAX:
                 raise ValueError(
                     f"CallLimits.{name} must be an int in {low}..2**31 - 1, got {value!r}"
                 )
         for name in ("max_streams", "max_sessions"):
             value = getattr(self, name)
-            if not isinstance(value, int) or not 0 <= value <= _MOST:
+            if not isinstance(value, int) or not 0 <= value <= GRPC_INT_MAX:
                 raise ValueError(f"CallLimits.{name} must be an int in 0..2**31 - 1, got {value!r}")
         if self.reserved >= self.workers:
             raise ValueError(
