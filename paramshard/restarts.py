@@ -13,6 +13,11 @@ at once, as without ``--max-restarts``. So does a rank that failed before buildi
 one that found its job lost (``JobLost``: a restart would train it anew from step 0), and any
 failure once the K restarts are used up.
 
+Before a rank is started again (or, with ``--elastic``, once it left the job), what its
+failed process left in its process group (a data loader's workers, a shell's children) gets
+SIGTERM, ``--grace`` seconds, then SIGKILL, and the process is reaped, as when the job ends
+(paramshard/processes.py); so is a local server's before it is started again.
+
 Every rank's other calls wait for the restarted one within their deadline (``timeout_s``,
 120 s by default, and the servers' ``--max-wait-s``): a restart must get back to the servers
 within it.
@@ -168,6 +173,7 @@ def supervise(
             exited = f"{child.name} exited (exit code {child.proc.returncode})"
             why = server_restarts.refusal()
             if why is None:
+                stop([child], signal.SIGTERM, grace, received)  # what it left; reaps it
                 try:
                     new = server_restarts.start(servers, child)
                 except CommandError as exc:
@@ -192,6 +198,10 @@ def supervise(
             continue
         code = exit_code(value)
         why = restarts.refusal(child.rank)
+        if why is None or departures is not None:
+            # the job goes on without this process: stop what it left in its group (a data
+            # loader's workers) and reap it now, not when the job ends
+            stop([child], signal.SIGTERM, grace, received)
         if why is None:
             n = restarts.count(child.rank)
             say(
