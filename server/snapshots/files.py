@@ -159,7 +159,9 @@ class SnapshotDir:
     def commit(self, job: str, tag: str, manifest_json: str) -> str:
         """Writes the manifest of ``job/tag`` once. Every server of the job commits the same
         manifest (the folder may be shared): the same bytes again succeed, others get
-        ALREADY_EXISTS."""
+        ALREADY_EXISTS. Every shard the manifest names must be here first, at its size: a
+        server whose folder is not the others' commits nothing (the snapshot could not be
+        restored from it)."""
         where = f"snapshot '{job}/{tag}'"
         self.path(job, tag)  # the names, before the manifest
         try:
@@ -168,6 +170,7 @@ class SnapshotDir:
             raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         with self._folder(job, tag, missing="no shard files here") as folder:
+            _check_shards_here(folder, manifest, where)
             try:
                 folder.write_once("manifest.json", data)
             except FileExistsError:
@@ -356,3 +359,27 @@ def _check_held(shape: list[int], numel: int, num: int, index: int) -> None:
 def _shard_files(manifest: dict[str, Any]) -> list[str]:
     """The shard files a manifest names (their names in the snapshot's folder)."""
     return [Path(shard["file"]).name for shard in manifest["shards"]]
+
+
+def _check_shards_here(folder: Folder, manifest: dict[str, Any], where: str) -> None:
+    """FAILED_PRECONDITION unless every shard ``manifest`` names is a file of its size in
+    ``folder``. A restore reads every shard, so the servers of a job must share one snapshot
+    folder; where their ``--snapshot-dir``s are separate folders each holds its own shard
+    only, and a manifest committed there would name files no server can read whole."""
+    for shard in manifest["shards"]:
+        name = Path(shard["file"]).name
+        kind = folder.kind(name)
+        if kind == "file" and folder.size(name) == shard["bytes"]:
+            continue
+        if kind is None:
+            found = "is missing"
+        elif kind == "file":
+            found = f"is {folder.size(name):,} bytes"
+        else:
+            found = f"is a {kind}"
+        raise ShardError.precondition(
+            f"{where}: not committed: shard {name} of server {shard['server']}"
+            f" {found} in this server's snapshot folder {folder.shown!r}"
+            f" ({shard['bytes']:,} bytes written); the servers of a job must share one"
+            " --snapshot-dir (a restore reads every shard), see docs/deployment.md"
+        )

@@ -109,6 +109,9 @@ class Folder:
             return "link"
         return "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
+    def size(self, name: str) -> int:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_size
+
     def mtime_ns(self, name: str) -> int:
         return os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mtime_ns
 
