@@ -74,6 +74,7 @@ class ShardServicer:
         self.buffers = BufferStore(max_job_bytes=max_job_bytes, budget=self.budget)
         self.snapshot_calls = SnapshotCalls(self.buffers, SnapshotDir(snapshot_dir))
         self.replicator = Replicator(self.buffers)
+        self.buffers.added = self.replicator.adopt  # restored or late slices replicate too
         self.slots = SlotStore(
             max_bytes=max_slot_bytes, budget=self.budget, ttl_s=pending_ttl_s,
             turns=self.buffers.turns,  # one bound on waits for a turn, server wide
@@ -326,12 +327,14 @@ class ShardServicer:
         runs = self.slots.drop_run(req.job) + self.leases.drop(req.job)
         runs += self.membership.drop(req.job)
         try:
-            dropped = self.buffers.drop(req.job)
-        except ShardError:
-            if not runs:
-                raise
-            dropped = 0
-        self.replicator.drop(req.job)  # its replicas, its neighbour's channel
+            dropped, missing = self.buffers.drop(req.job), None
+        except ShardError as exc:
+            dropped, missing = 0, exc
+        # its replicas, its neighbour's channel: also what a call racing an earlier DropJob
+        # may have left of a job no longer here
+        replicas = self.replicator.drop(req.job)
+        if missing is not None and not runs and not replicas:
+            raise missing
         return pb.DropJobReply(buffers=dropped)
 
     def status(self, req: pb.StatusRequest, context: Any) -> Any:

@@ -137,13 +137,17 @@ def test_max_job_bytes_quota(servers) -> None:
     (s,) = servers(1, max_job_bytes=10_000)
     c = make_client([s.address])
     try:
-        err = rpc_error(c.register_buffer, "quota", "big", 1000)  # ~20 kB of fp32 arrays
+        # a slice counts what it reserves (slice_bytes): its arrays, 3 of fp32 with SGD, and
+        # its record, 8,192 bytes
+        err = rpc_error(c.register_buffer, "quota", "big", 1000)  # 20,192 bytes
         assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "quota" in err.details and "10,000" in err.details and "quota/big" in err.details
-        c.register_buffer("quota", "small", 100)  # ~2 kB fits
+        c.register_buffer("quota", "small", 100)  # 9,392 bytes fit
         (row,) = c.status()
         assert [b["buffer"] for j in row["jobs"] for b in j["buffers"]] == ["small"]
-        c.register_buffer("other", "small", 400)  # the quota is per job
+        err = rpc_error(c.register_buffer, "quota", "second", 100)  # not a second in one job
+        assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "18,784 bytes" in err.details
+        c.register_buffer("other", "small", 100)  # the quota is per job
     finally:
         c.close()
 

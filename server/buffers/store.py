@@ -43,6 +43,9 @@ class BufferStore:
         self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
+        self.added: Callable[[str, list[BufferSlice], bool], None] = lambda job, slices, r: None
+        """Told of slices that joined a job, once they are in (``restored``: a Restore's,
+        replacing all the job's): the servicer's replicator (``Replicator.adopt``)."""
 
     def get(self, job: str, buffer: str) -> BufferSlice:
         with self._lock:
@@ -70,25 +73,30 @@ class BufferStore:
             raise
 
     def _register(self, req: pb.RegisterBufferRequest, label: str) -> BufferSlice:
+        need = slice_bytes(req)
         with self._lock:
             existing = self._fitting(req, label)
+            if existing is None:  # before anything is allocated
+                self._check_quota(req.ref.job, need, label)
         if existing is not None:
             existing.registered(req.run)
             return existing
-        need = slice_bytes(req)
-        self.budget.reserve(need, "buffers", label)  # before anything is allocated
+        self.budget.reserve(need, "buffers", label)
         try:
             created = self._create(req, label)
             with self._lock:  # again: another call may have registered meanwhile
                 existing = self._fitting(req, label)
                 if existing is None:
+                    self._check_quota(req.ref.job, need, label)
                     created.budget, created.reserved = self.budget, need
                     created.turns, created.news = self.turns, self.news
                     self._jobs.setdefault(req.ref.job, {})[req.ref.buffer] = created
-                    return created
         except BaseException:
             self.budget.release(need, "buffers")
             raise
+        if existing is None:
+            self.added(req.ref.job, [created], False)
+            return created
         self.budget.release(need, "buffers")
         existing.registered(req.run)
         return existing
@@ -106,14 +114,6 @@ class BufferStore:
             raise ShardError.exhausted(
                 f"{label}: cannot allocate optimizer state for {slice_numel:,} elements ({exc})"
             ) from None
-        if self.max_job_bytes:
-            # params + grad accumulator + up to three optimizer-state arrays, master dtype
-            need = slice_numel * optimizer.dtype.itemsize * 5 + self._job_bytes(req.ref.job)
-            if need > self.max_job_bytes:
-                raise ShardError.exhausted(
-                    f"{label}: job '{req.ref.job}' would need about {need:,} bytes on this server,"
-                    f" over its quota of {self.max_job_bytes:,}"
-                )
         try:
             return BufferSlice(req, optimizer)
         except (MemoryError, ValueError) as exc:
@@ -148,19 +148,25 @@ class BufferStore:
             raise _Refused(existing, label, differs)
         return existing
 
-    def _job_bytes(self, job: str) -> int:
-        with self._lock:
-            buffers = list(self._jobs.get(job, {}).values())
-        return sum(sum(b.bytes_by_kind()) for b in buffers)
-
-    def check_room(self, job: str, specs: list[pb.RegisterBufferRequest], what: str) -> None:
-        """Job ``job`` restored as ``specs`` (its slices here now go) fits its quota."""
-        need = sum(map(slice_bytes, specs))
-        if self.max_job_bytes and need > self.max_job_bytes:
+    def _check_quota(self, job: str, need: int, what: str, replacing: bool = False) -> None:
+        """RESOURCE_EXHAUSTED unless ``need`` more bytes for ``job`` (``replacing``: instead of
+        its slices here) fit ``--max-job-gb``. A slice counts with what it reserved
+        (``slice_bytes``: every array it may allocate), so registrations at once cannot pass
+        the quota together; under the store's lock."""
+        if not self.max_job_bytes:
+            return
+        if not replacing:
+            need += sum(b.reserved for b in self._jobs.get(job, {}).values())
+        if need > self.max_job_bytes:
             raise ShardError.exhausted(
                 f"{what}: job '{job}' would need {need:,} bytes on this server, over its quota"
                 f" of {self.max_job_bytes:,}"
             )
+
+    def check_room(self, job: str, specs: list[pb.RegisterBufferRequest], what: str) -> None:
+        """Job ``job`` restored as ``specs`` (its slices here now go) fits its quota."""
+        with self._lock:
+            self._check_quota(job, sum(map(slice_bytes, specs)), what, replacing=True)
 
     def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
         """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
@@ -173,6 +179,7 @@ class BufferStore:
             self._jobs[job] = {b.name: b for b in slices}
         for b in old.values():
             b.retire()
+        self.added(job, slices, True)
 
     def interrupt(self, why: str) -> None:
         """The server stops: every wait on a slice ends (``SliceState.interrupt``)."""

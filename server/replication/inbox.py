@@ -165,10 +165,13 @@ class Inbox:
             for k in [k for k, e in self._incoming.items() if e.touched < limit]:
                 self._discard(k)
 
-    def drop(self, job: str) -> None:
+    def drop(self, job: str) -> bool:
+        """Discards ``job``'s incomplete replicas; whether there were any."""
         with self._lock:
-            for k in [k for k in self._incoming if k[1] == job]:
+            keys = [k for k in self._incoming if k[1] == job]
+            for k in keys:
                 self._discard(k)
+        return bool(keys)
 
     def pending(self) -> dict[tuple[str, str, int, int], tuple[int, int]]:
         """(bytes received, total) of every incomplete replica."""

@@ -117,16 +117,50 @@ class Replicator(ReplicaRecovery):
             )
         self._probe(cfg)
         with self._lock:
+            if any(b.dropped for b in slices):  # a DropJob or Restore while the probe ran:
+                self._close_unused(cfg.neighbour)  # its drop() came first, nothing to undo
+                raise ShardError.not_found(
+                    f"replication of '{cfg.job}': the job was dropped or restored while its"
+                    " neighbour was asked; configure it again if it is still here"
+                )
             old = self.configs.get(cfg.job)
             self.configs[cfg.job] = cfg
             if old is not None and old.neighbour != cfg.neighbour:
                 self._close_unused(old.neighbour)
+            slices = self.store.jobs().get(cfg.job, [])  # with any registered since: ``adopt``
+            for b in slices:
+                b.replicator = self
         for b in slices:  # a first copy now, so a failure before step `every` is covered too
-            b.replicator = self
             with b.cond:
                 self.on_version(b, force=True)
 
-    def _stop(self, job: str) -> None:
+    def adopt(self, job: str, slices: list[Any], restored: bool) -> None:
+        """``slices`` joined ``job`` here (a registration; all of them, ``restored``: a
+        snapshot's Restore, a rollback to a replica or a loaded one). If the job replicates,
+        they do too, as its others (before, a restored job or a buffer registered later made
+        no more replicas while its configuration still said it replicated). A restored job
+        keeps only its replicas of the restored version: the others are of the history it
+        left (before, a server lost after a Restore was recovered to a replica newer than
+        the snapshot, from before it); it is copied at once, so that version has a fresh
+        replica. Called by the store once the slices are in (``BufferStore.added``)."""
+        version = slices[0].version if slices else 0
+        gone: list[bytes] = []
+        with self._lock:
+            if restored:
+                for kept in [self.own.get(job)] + [v for k, v in self.held.items() if k[0] == job]:
+                    for other in [v for v in kept or () if v != version]:
+                        gone.append(kept.pop(other))
+            configured = job in self.configs
+            for b in slices if configured else ():
+                b.replicator = self
+        self.budget.release(sum(map(len, gone)), "replicas")
+        if configured and restored:
+            for b in slices:
+                with b.cond:
+                    self.on_version(b, force=True)
+
+    def _stop(self, job: str) -> bool:
+        """Stops replicating ``job``; whether it was replicated."""
         for b in self.store.jobs().get(job, ()):
             b.replicator = None
         with self._lock:
@@ -136,16 +170,19 @@ class Replicator(ReplicaRecovery):
             self._queue = deque(item for item in self._queue if item[0].job != job)
             if old is not None:
                 self._close_unused(old.neighbour)
+        return old is not None
 
-    def drop(self, job: str) -> None:
-        """The job left this server: stop replicating it, forget its replicas, close channels."""
-        self._stop(job)
+    def drop(self, job: str) -> bool:
+        """The job left this server: stop replicating it, forget its replicas, close channels.
+        Whether it held any of that. Called after the job's slices were retired, so a call that
+        checks them under the lock after this (``configure``, ``store_chunk``) sees them gone."""
+        had = self._stop(job)
         with self._lock:
             gone = list(self.own.pop(job, {}).values())
             for key in [k for k in self.held if k[0] == job]:
                 gone += self.held.pop(key).values()
         self.budget.release(sum(map(len, gone)), "replicas")
-        self.inbox.drop(job)
+        return self.inbox.drop(job) or had or bool(gone)
 
     def _close_unused(self, neighbour: str) -> None:
         """Under the lock: closes the channel to ``neighbour`` unless a job still sends there."""
@@ -165,6 +202,8 @@ class Replicator(ReplicaRecovery):
         key = (b.job, b.version)
         total = len(self.store.jobs().get(b.job, ()))
         with self._lock:
+            if self.configs.get(b.job) is not cfg:  # stopped or dropped meanwhile
+                return
             bucket = self._collecting.setdefault(key, {})
             bucket[b.name] = (captured, b.spec.SerializeToString())
             older = sorted(k for k in self._collecting if k[0] == b.job)
@@ -328,6 +367,11 @@ class Replicator(ReplicaRecovery):
             self.budget.release(len(blob), "replicas")  # reserved by the inbox
             raise
         with self._lock:
+            if any(b.dropped for b in slices):  # DropJob or Restore meanwhile: its drop()
+                self.budget.release(len(blob), "replicas")  # came first and freed the rest
+                raise ShardError.not_found(
+                    f"{what}: job '{chunk.job}' was dropped or restored while it arrived"
+                )
             self._keep(
                 self.held.setdefault((chunk.job, chunk.source_index), OrderedDict()),
                 chunk.version,

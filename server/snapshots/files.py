@@ -170,7 +170,8 @@ class SnapshotDir:
             raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         with self._folder(job, tag, missing="no shard files here") as folder:
-            _check_shards_here(folder, manifest, where)
+            if folder.kind("manifest.json") is None:  # committed already: answered below
+                _check_shards_here(folder, manifest, where)
             try:
                 folder.write_once("manifest.json", data)
             except FileExistsError:
@@ -362,15 +363,26 @@ def _shard_files(manifest: dict[str, Any]) -> list[str]:
 
 
 def _check_shards_here(folder: Folder, manifest: dict[str, Any], where: str) -> None:
-    """FAILED_PRECONDITION unless every shard ``manifest`` names is a file of its size in
-    ``folder``. A restore reads every shard, so the servers of a job must share one snapshot
-    folder; where their ``--snapshot-dir``s are separate folders each holds its own shard
-    only, and a manifest committed there would name files no server can read whole."""
+    """FAILED_PRECONDITION unless every shard ``manifest`` names is a file of its size and
+    version in ``folder``. A restore reads every shard, so the servers of a job must share
+    one snapshot folder; where their ``--snapshot-dir``s are separate folders each holds its
+    own shard only, and a manifest committed there would name files no server can read whole.
+    A shard of another version is one a second Snapshot under the same tag wrote over this
+    one's (``reserve`` replaces a shard it takes for an abandoned attempt). Left open: that
+    second Snapshot replacing the shard between this check and the manifest's write; the
+    Restore's checksums then refuse the snapshot."""
     for shard in manifest["shards"]:
         name = Path(shard["file"]).name
         kind = folder.kind(name)
         if kind == "file" and folder.size(name) == shard["bytes"]:
-            continue
+            held = shard_version(folder, name)
+            if held == manifest["version"]:
+                continue
+            raise ShardError.precondition(
+                f"{where}: not committed: shard {name} holds version {held}, the manifest's is"
+                f" {manifest['version']}: another Snapshot under this tag replaced it while"
+                " this one was being committed; snapshot again under another tag"
+            )
         if kind is None:
             found = "is missing"
         elif kind == "file":
