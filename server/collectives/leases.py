@@ -252,12 +252,19 @@ class LeaseTable:
         return records.ended(self._runs, run, ranks, self.clock())
 
     def drop(self, run: str) -> bool:
-        """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held."""
+        """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held.
+        Its open streams end: their ranks open them again, held by the run's new record
+        (before, a stream stayed with the forgotten record: its rank's death was found only
+        by a renewal's lapse, 30 s, and another process could take its rank meanwhile)."""
         with self._lock:
             gone = self._runs.pop(run, None)
-            if gone is not None:
-                self._books.forget(gone)
-            return gone is not None
+            if gone is None:
+                return False
+            self._books.forget(gone)
+            streams = list(gone.streams)
+        for stream in streams:
+            stream.stop()
+        return True
 
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:

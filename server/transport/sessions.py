@@ -195,6 +195,10 @@ class _Session:
 
     # -- the reader thread ---------------------------------------------------------------
     def read(self, batches: Iterator[Any]) -> None:
+        """Takes the calls of ``batches`` until the client ends them or goes away; the
+        replies' stream then ends (``_END``) whatever stopped the reading: before, a reader
+        held back by the bounds (``room``) whose client went away left the stream waiting
+        for replies, its calls and bytes held, until one of its calls ended."""
         name_this_thread()
         try:
             for batch in batches:
@@ -209,13 +213,21 @@ class _Session:
                     if not self.room():
                         return
                     self.start(call, body)
+            self._replied()  # the client sent its last call and reads on: answer them all
         except grpc.RpcError:
             pass  # the client went away (cancelled, connection lost)
         except Exception as exc:  # a bug, not bad input: say so, keep serving the others
             log.exception("session reader failed")
             self.end(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            return
-        self.out.put(_END)
+        finally:
+            self.out.put(_END)  # a second one after ``end``'s is never read
+
+    def _replied(self) -> None:
+        """Waits until every call taken has its reply handed to gRPC, while the stream lives
+        (a client that half-closes its side still reads the replies)."""
+        with self.drained:
+            while self.in_flight and not self.stopped and self.context.is_active():
+                self.drained.wait(1.0)  # ``replies`` notifies as it hands them over
 
     def room(self) -> bool:
         """Waits while the replies not yet sent, or the requests not yet run, are past their
@@ -252,14 +264,14 @@ class _Session:
     ) -> None:
         """Adds to the request bytes held, the replies unsent (and their bytes) and the reply
         bytes promised, under ``lock``; the bytes held and unsent go to the server's total
-        too, unless the session stopped (its bytes left the total then)."""
+        too. Once the session stopped, its unsent replies left the total (nobody sends
+        them), while its calls still running hold their requests until they end."""
         self.held += held
         self.unsent += replies
         self.unsent_bytes += reply_bytes
         self.promised += promised
-        if not self.stopped:
-            with self.s._count:
-                self.s.held_bytes += held + reply_bytes
+        with self.s._count:
+            self.s.held_bytes += held + (0 if self.stopped else reply_bytes)
 
     def put(
         self, counted: int, reply: tuple[pb.SessionCall, Any], size: int = 0, promised: int = 0
@@ -398,12 +410,15 @@ class _Session:
                 return
 
     def close(self) -> None:
-        """The stream's side is gone: its bytes leave the server's total, its calls' replies
-        go nowhere, and the server forgets it."""
+        """The stream's side is gone: its unsent replies leave the server's total, its calls
+        in line leave the line (before, they stayed until the sweep, their requests held
+        and no longer counted), its running calls' replies go nowhere, and the server
+        forgets it."""
         with self.drained:
             with self.s._count:
-                self.s.held_bytes -= self.held + self.unsent_bytes
+                self.s.held_bytes -= self.unsent_bytes
             self.stopped = True
             self.drained.notify_all()
+        self.s.line.drop(self)
         with self.s._count:
             self.s._live.discard(self)

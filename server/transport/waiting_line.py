@@ -84,6 +84,24 @@ class WaitingLine:
             self._closed = True
             self._lines.clear()
 
+    def drop(self, session: Any) -> None:
+        """``session`` ended (its stream is gone): its calls in line end now, unrun, and
+        their request bytes go with them."""
+        with self._lock:
+            gone = []
+            for key in list(self._lines):
+                line = self._lines[key]
+                mine = [entry for entry in line if entry.session is session]
+                if mine:
+                    gone += mine
+                    line = deque(entry for entry in line if entry.session is not session)
+                    if line:
+                        self._lines[key] = line
+                    else:
+                        del self._lines[key]
+        for entry in gone:
+            session.call_ended(entry.role, entry.job.received)
+
     def __len__(self) -> int:
         with self._lock:
             return sum(len(line) for line in self._lines.values())
