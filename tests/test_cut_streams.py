@@ -17,8 +17,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +24,9 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import unique_id, worker_env
+from conftest import unique_id
 from lease_fakes import KILL_NOTICE_S, Stream, lease, new_table
+from test_liveness import holding_rank
 from test_sessions import SESSION, RawSession, call, code_of, contribution, read
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
@@ -66,18 +65,7 @@ def test_after_a_drop_job_a_killed_rank_is_still_lost_within_seconds(servers) ->
     rank 1."""
     (srv,) = servers(1)
     run = unique_id()
-    code = (
-        "import time\n"
-        "import numpy as np\n"
-        "from paramshard.client import ClusterSpec, ShardClient\n"
-        f"c = ShardClient(ClusterSpec(['{srv.address}']), rank=1, world_size=2, run_id='{run}')\n"
-        "c.all_reduce(np.ones(3, dtype=np.float32))\n"
-        "print('holding', flush=True)\n"
-        "time.sleep(300)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=worker_env(), stdout=subprocess.PIPE, text=True
-    )
+    proc = holding_rank(srv.address, run)
     client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=run)
     table = srv.servicer.leases
     first = table._runs.get(run)

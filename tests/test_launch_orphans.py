@@ -56,17 +56,12 @@ sys.exit(4)
 """
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_a_failed_ranks_background_child_is_stopped_promptly(tmp_path: Path, nproc: int) -> None:
-    script = tmp_path / "leaves_a_child.py"
-    script.write_text(LEAVES_A_CHILD)
-    folder = tmp_path / "pids"
-    folder.mkdir()
+def run_launch(*args: str, **env: str) -> tuple[int, str, str, float]:
+    """``paramshard launch ARGS``: its exit code, stdout, stderr, and when it ended."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramshard", "launch", "--nproc", str(nproc), str(script)]
-        + [str(folder)],
+        [sys.executable, "-m", "paramshard", "launch", *args],
         cwd=ROOT,
-        env=launch_env(),
+        env=launch_env(**env),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -75,14 +70,23 @@ def test_a_failed_ranks_background_child_is_stopped_promptly(tmp_path: Path, npr
     )
     try:
         out, err = proc.communicate(timeout=RUN_S)
-        ended_at = time.time()
+        return proc.returncode, out, err, time.time()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
             proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_failed_ranks_background_child_is_stopped_promptly(tmp_path: Path, nproc: int) -> None:
+    script = tmp_path / "leaves_a_child.py"
+    script.write_text(LEAVES_A_CHILD)
+    folder = tmp_path / "pids"
+    folder.mkdir()
+    code, out, err, ended_at = run_launch("--nproc", str(nproc), str(script), str(folder))
     children = [int(p.read_text()) for p in sorted(folder.glob("child.*"))]
     try:
-        assert proc.returncode == 4, out + err
+        assert code == 4, out + err
         assert "[rank 0] failing now" in out
         assert "rank 0 failed with exit code 4" in err
         lag = ended_at - float((folder / "failed_at").read_text())
@@ -131,25 +135,10 @@ def test_a_restarted_ranks_leftovers_are_stopped_before_it_runs_again(tmp_path: 
     folder = tmp_path / "pids"
     folder.mkdir()
     args = ["--nproc", "1", "--max-restarts", "1", str(script), str(folder)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paramshard", "launch", *args],
-        cwd=ROOT,
-        env=launch_env(OMP_NUM_THREADS="1"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=RUN_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-            proc.wait(timeout=10)
+    code, out, err, _ = run_launch(*args, OMP_NUM_THREADS="1")
     child = int((folder / "child").read_text()) if (folder / "child").exists() else None
     try:
-        assert proc.returncode == 0, out + err
+        assert code == 0, out + err
         assert "restarting it (its restart 1" in err
         assert "[rank 0] left at restart: []" in out, out + err
     finally:

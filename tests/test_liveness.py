@@ -140,6 +140,23 @@ def test_bad_hold_requests_are_refused(table, extra):
     assert not leases._runs
 
 
+def holding_rank(address: str, run: str) -> subprocess.Popen:
+    """A process holding rank 1 of 2 of run ``run`` on the server at ``address``: it has
+    all-reduced with rank 0 (which the caller plays), printed "holding", and waits."""
+    code = (
+        "import time\n"
+        "import numpy as np\n"
+        "from paramshard.client import ClusterSpec, ShardClient\n"
+        f"c = ShardClient(ClusterSpec(['{address}']), rank=1, world_size=2, run_id='{run}')\n"
+        "c.all_reduce(np.ones(3, dtype=np.float32))\n"  # both ranks met (its stream: below)
+        "print('holding', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=worker_env(), stdout=subprocess.PIPE, text=True
+    )
+
+
 def test_a_server_streams_the_notice_and_a_killed_client_is_lost(servers):
     """Through gRPC: a client process holding a stream is SIGKILLed; the server takes it for
     lost (its stream closed) and the other client's stream brings the notice."""
@@ -147,18 +164,7 @@ def test_a_server_streams_the_notice_and_a_killed_client_is_lost(servers):
 
     (srv,) = servers(1)
     run = unique_id()
-    code = (
-        "import sys, time\n"
-        "import numpy as np\n"
-        "from paramshard.client import ClusterSpec, ShardClient\n"
-        f"c = ShardClient(ClusterSpec(['{srv.address}']), rank=1, world_size=2, run_id='{run}')\n"
-        "c.all_reduce(np.ones(3, dtype=np.float32))\n"  # both ranks met (its stream: below)
-        "print('holding', flush=True)\n"
-        "time.sleep(300)\n"
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code], env=worker_env(), stdout=subprocess.PIPE, text=True
-    )
+    proc = holding_rank(srv.address, run)
     client = ShardClient(ClusterSpec([srv.address]), rank=0, world_size=2, run_id=run)
     table = srv.servicer.leases
 
