@@ -70,6 +70,13 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         help="memory one job may hold on this server, GiB (default: 0 = unlimited)",
     ),
     arg(
+        "--max-slot-mb",
+        type=non_negative,
+        default=0.0,
+        help="memory all reduction slots and mailboxes may hold together, MiB: keeps room for"
+        " buffers when callers fill mailboxes nobody reads (default: 0 = only --max-memory)",
+    ),
+    arg(
         "--max-memory",
         metavar="SIZE",
         help="memory this server may hold for its callers: buffers, staged gradients, slots,"
@@ -290,6 +297,7 @@ def serve(args: argparse.Namespace) -> int:
             bounds=BoundsConfig(
                 max_memory=args.max_memory,
                 max_job_bytes=int(args.max_job_gb * 2**30),
+                max_slot_bytes=int(args.max_slot_mb * 2**20),
                 max_receive_bytes=int(args.max_receive_mb * 2**20),
                 max_wait_s=args.max_wait_s,
                 pending_ttl_s=args.pending_ttl,

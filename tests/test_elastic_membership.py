@@ -46,7 +46,7 @@ def table() -> tuple[MembershipTable, Leases, Clock, dict[str, int]]:
 
 def join(t: MembershipTable, rank: int, step: int = 0, **kw) -> pb.JoinReply:
     req = pb.JoinRequest(
-        run="r",
+        run=kw.pop("run", "r"),
         job=kw.pop("job", "j"),
         rank=rank,
         world_size=WORLD,
@@ -249,6 +249,10 @@ def test_bad_requests_are_refused_and_jobs_are_bounded(table) -> None:
         ({"window_ms": 4_000_000}, "window_ms must be at most"),
         ({"known": [0, 9]}, "known_members must be ranks below"),
         ({"done": True}, "done is for recovery rounds"),
+        # found in review: the reply names the step after it (INTERNAL past uint64), and a
+        # run's ranks take its epoch on and move on from it by one (past 32 bits)
+        ({"step": 2**64 - 1}, "step 18,446,744,073,709,551,615 is over"),
+        ({"epoch": 2**32 - 1}, "epoch 4,294,967,295 is over"),
     ]
     for kw, message in cases:
         rank = kw.pop("rank", 0)
@@ -377,3 +381,21 @@ def test_a_coordinator_with_no_record_of_the_members_asks_for_them(table) -> Non
     nxt = [join(t, r, step=1, known=()) for r in (0, 1)]  # step 1 expects step 0's members
     assert not any(r.send_known for r in nxt) and list(nxt[1].members) == [0, 1]
     assert join(t, 0, known=(), recovery=True, epoch=1).send_known  # a new recovery round
+
+
+def test_a_join_of_another_run_waits_while_the_jobs_run_holds_leases(table) -> None:
+    """Found in review: one Join of an earlier launch's run replaced the live run's record,
+    and the live ranks' pushes of the step they were told were then refused. Now it is told
+    to ask again later while the job's run holds leases here, and replaces the record once
+    they lapsed (a new launch after the old one died)."""
+    t, leases, _, _ = table
+    leases.live = set(range(WORLD))
+    for rank in range(WORLD):
+        join(t, rank)
+    stale = join(t, 0, run="old")
+    assert not stale.decided and stale.retry_after_ms > 0
+    ((row,),) = [t.status()]
+    assert row.run == "r"  # the live run's record, untouched
+    leases.live = set()  # its leases lapsed: a new launch takes the job over
+    join(t, 0, run="new")
+    assert [row.run for row in t.status()] == ["new"]

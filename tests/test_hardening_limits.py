@@ -311,7 +311,7 @@ def test_serve_flags_set_the_bounds() -> None:
     served = ServeProcess(
         "--port", "0", "--max-memory", "64KiB", "--pending-ttl", "0.5", "--max-wait-s", "1",
         "--workers", "4", "--max-waiting-read", "2", "--max-streams", "1",
-        "--max-pending-calls", "64",
+        "--max-pending-calls", "64", "--max-slot-mb", "0.015625",
     )  # fmt: skip
     try:
         address, _ = served.wait_listening()
@@ -320,6 +320,9 @@ def test_serve_flags_set_the_bounds() -> None:
             err = fails(c.register_buffer, "big", "b", 4 * N, optimizer="adam")
             assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "memory limit of 65,536 bytes" in err.details
+            err = fails(c.all_reduce, np.ones(8192, np.float32))  # 32 KiB in slots
+            assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "slot memory limit of 16,384 bytes" in err.details
             c.register_buffer("j", "b", N)
             c.set_params("j", "b", np.zeros(N, np.float32))
             err = fails(c.pull_params, "j", "b", N, 5)

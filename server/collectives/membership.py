@@ -86,6 +86,7 @@ from paramshard.server.collectives.rounds import (
     check_request,
     check_share,
     kept_rounds,
+    other_run,
     slots,
     status_row,
 )
@@ -140,6 +141,10 @@ class MembershipTable:
         began = self.clock()
         deadline = began + max(0.0, min(timeout, POLL_S))
         with self._cond:
+            job = self._jobs.get(req.job)
+            if job is not None and other_run(job, req, self.liveness.live_ranks(job.run)):
+                wait = round(1000 * POLL_S)  # until its leases lapse here
+                return pb.JoinReply(step=req.step, epoch=req.epoch, retry_after_ms=wait)
             job = self._job_for(req, owner)
             job.epoch = max(job.epoch, req.epoch)
             if req.leave:
@@ -183,7 +188,8 @@ class MembershipTable:
                 )
             if owner != job.owner:
                 check_share(self._jobs.values(), owner, self.max_jobs, req)
-            # a new run
+            self._room_for(JOB_RECORDS * req.world_size - slots(job), req)
+            # a new run, once the old one holds no lease here (``other_run``)
             fresh = ElasticJob(req.run, req.world_size, now, owner, history=job.history)
             job = self._jobs[req.job] = fresh
         if job is None:

@@ -11,11 +11,11 @@ from itertools import islice
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.runtime.request_bounds import MAX_NAME
+from paramshard.server.runtime.request_bounds import MAX_NAME, check_epoch, check_version
 
 __all__ = [
     "JOB_RECORDS", "ElasticJob", "KEPT_EVENTS", "KEPT_ROUNDS", "MAX_SLOTS", "Round",
-    "UNSEEN_S", "check_request", "check_share", "kept_rounds", "slots", "status_row",
+    "UNSEEN_S", "check_request", "check_share", "other_run", "kept_rounds", "slots", "status_row",
 ]  # fmt: skip
 
 KEPT_ROUNDS = 64
@@ -239,6 +239,17 @@ def check_request(req: pb.JoinRequest) -> None:
         )
     if req.done and not req.recovery:
         raise ShardError.invalid("Join: done is for recovery rounds")
+    check_version(req.step, "step", "Join")  # its reply names the step after it
+    check_epoch(req.epoch, "Join")
+
+
+def other_run(job: ElasticJob, req: pb.JoinRequest, live: frozenset[int] | None) -> bool:
+    """Whether ``req`` is a Join of another run (or world size) than ``job``'s while ranks of
+    ``job``'s run hold leases on this server (``live``): it then waits. A rank of an earlier
+    launch would otherwise replace the live run's record (its decided steps, generations),
+    and the live ranks' pushes were refused; a new launch's ranks wait until the old run's
+    leases lapse (its streams' end, a second after its processes die)."""
+    return (job.run, job.world_size) != (req.run, req.world_size) and not req.leave and bool(live)
 
 
 def check_share(

@@ -20,11 +20,13 @@ from paramshard.server.runtime.errors import ShardError
 __all__ = [
     "MAX_ALIASES",
     "MAX_DIMS",
+    "MAX_EPOCH",
     "MAX_KEY",
     "MAX_NAME",
     "MAX_PARAM_NAME",
     "MAX_SERVERS",
     "MAX_VERSION",
+    "check_epoch",
     "check_key",
     "check_name",
     "check_placement",
@@ -48,6 +50,9 @@ many as NumPy's arrays take (NPY_MAXDIMS)."""
 MAX_VERSION = 2**53
 """The highest version or optimizer step count a client may set (SetParams): exact in a double,
 as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
+MAX_EPOCH = 2**24
+"""The highest collective epoch a Lease or Join may name: a run moves on one a recovery, so
+this is millions of recoveries, far from the 32 bits a client's next epoch must fit."""
 
 
 def check_name(
@@ -82,6 +87,13 @@ def check_version(value: int, what: str, method: str) -> None:
     """``value`` is at most ``MAX_VERSION``."""
     if value > MAX_VERSION:
         raise ShardError.invalid(f"{method}: {what} {value:,} is over {MAX_VERSION:,} (2**53)")
+
+
+def check_epoch(value: int, method: str) -> None:
+    """``value``, a run's collective epoch (one more each recovery), is at most
+    ``MAX_EPOCH``: the clients move on from it by one, and the wire holds 32 bits."""
+    if value > MAX_EPOCH:
+        raise ShardError.invalid(f"{method}: epoch {value:,} is over {MAX_EPOCH:,} (2**24)")
 
 
 def check_shape(shape: Sequence[int], numel: int, what: str) -> None:
