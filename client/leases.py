@@ -70,7 +70,7 @@ from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseC
 from paramshard.client.lease_keeper import RENEW_S, Keeper
 from paramshard.client.lease_renewals import Renewals
 from paramshard.client.restarts import ends_for_good, max_restarts
-from paramshard.client.run_state import Notice, RunState
+from paramshard.client.run_state import FINAL, Notice, RunState
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -236,7 +236,10 @@ class _Holding(Renewals):
         """The abort notice of a server's answer. One that names this rank lost, come before
         this client was made, is about this rank's previous process, which this one replaces
         (a restart): logged as that, at info, not as news of a loss."""
-        notice = Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank)
+        if reply.final:  # the run cannot go on: at every epoch (LeaseRequest.final)
+            notice = Notice(reply.aborted, FINAL, reply.lost_rank, final=True)
+        else:
+            notice = Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank)
         inherited = not self.made and reply.lost_rank == self.rank
         if self.state.abort(notice, say=not inherited) and inherited:
             log.info(
@@ -251,12 +254,12 @@ class _Holding(Renewals):
             hold.close()
 
     # -- ends ----------------------------------------------------------------------------
-    def post_abort(self, cause: str) -> str | None:
-        """Asks every server to abort this rank's epoch for ``cause``; the notice as the
-        servers word it (None: no server answered)."""
+    def post_abort(self, cause: str, final: bool = False) -> str | None:
+        """Asks every server to abort this rank's epoch for ``cause`` (``final``: the run's,
+        at every epoch); the notice as the servers word it (None: no server answered)."""
         worded = None
         deadline = time.monotonic() + 2 * RENEW_S  # the calls' deadline is at most RENEW_S
-        for _, fut in self.start(self._request(abort=cause[:1024])):
+        for _, fut in self.start(self._request(abort=cause[:1024], final=final)):
             try:
                 reply = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except (grpc.RpcError, grpc.FutureTimeoutError):

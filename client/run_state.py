@@ -104,12 +104,17 @@ class RunState:
             future.cancel()
         return True
 
-    def give_up(self, cause: str) -> None:
+    def give_up(self, cause: str, final: bool = False) -> None:
         """This rank abandons its epoch (it lost a server, it recovers): the others' waits end
         at once. ``cause`` reads after the rank's name in the servers' notice ("run 'R': rank 1
-        " + "recovers: server 2 ... lost"; "gives up: job 'J' cannot be recovered: ...")."""
-        reason = self.holding.post_abort(cause) if self.holding is not None else None
-        self.abort(Notice(reason or f"this rank {cause}", self.epoch))
+        " + "recovers: server 2 ... lost"; "gives up: job 'J' cannot be recovered: ...").
+        ``final``: the run cannot go on (its job is lost): the others stop rather than recover
+        (before, they recovered again and again, each time waiting out their timeout for this
+        rank)."""
+        holding = self.holding
+        reason = holding.post_abort(cause, final) if holding is not None else None
+        epoch = FINAL if final else self.epoch
+        self.abort(Notice(reason or f"this rank {cause}", epoch, final=final))
 
     def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the

@@ -117,7 +117,7 @@ class SnapshotCalls:
             self.buffers.budget.release(need, "snapshots")
         if req.check_only:
             return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
-        self.buffers.replace_job(req.job, slices)  # all read and checked: swap in one go
+        self.buffers.replace_job(req.job, slices, "snapshot")  # all read and checked: in one go
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
 
     @staticmethod

@@ -158,8 +158,9 @@ def _recoverable(model: ServerShardedModel | HybridShardedModel, exc: ShardClien
     recovering from one; not a notice that a rank was lost (its process and state are gone)."""
     if exc.code != grpc.StatusCode.ABORTED:
         return exc.code in RECOVERABLE
-    if getattr(model, "elastic", False):
-        return True  # a member lost or gone: the others redo the step without it
+    if getattr(model, "elastic", False):  # a member lost or gone: the others redo the step
+        notice = model.client.run_state.current()  # without it, unless the job is lost
+        return notice is None or not notice.final
     notice = model.client.run_state.refresh()
     return notice is not None and notice.recoverable
 

@@ -203,3 +203,33 @@ def test_a_restored_job_and_a_late_buffer_go_on_replicating(pair) -> None:
     step(c, "late", 1, ("w", "x"))
     step(c, "late", 2, ("w", "x"))
     own("late", [2, 3])  # before: [0, 1], the late buffer never copied
+
+
+def test_a_snapshot_restore_keeps_no_replica_of_the_history_it_left(pair, monkeypatch) -> None:
+    """Found in review: history A reached version 2 (snapshot "a2"); the job went back to
+    version 1 and trained another version 2 (history B, replicated). Restoring "a2" kept B's
+    replicas of version 2, and a server lost before its fresh copy arrived was rebuilt from
+    B while the others held A: a silent mix. The fresh copies are held back here; before the
+    fix B's version 2 was listed on both servers."""
+    c, a, b = pair
+    job_on(c, "h")
+    configure_replication(c, "h", 1)
+    step(c, "h", 0)
+    tools.snapshot(c, "h", "s1")
+    step(c, "h", 1)
+    tools.snapshot(c, "h", "a2")  # history A at version 2
+    assert tools.restore(c, "h", "s1") == 1
+    c.push_grads("h", "w", np.full(N, 3.0, np.float32), step=1)
+    c.step("h", 1, {"w": StepArgs({"lr": 0.1})})  # history B at version 2, replicated
+    ask = pb.ListReplicasRequest(job="h")
+    until(
+        lambda: all(
+            2 in {r.version for r in c.call(i, "ListReplicas", ask).replicas} for i in (0, 1)
+        ),
+        "history B's version 2 replicated on both servers",
+    )
+    for server in (a, b):  # no fresh copy reaches anyone: only what was kept is listed
+        monkeypatch.setattr(server.servicer.replicator, "on_version", lambda b, force=False: None)
+    assert tools.restore(c, "h", "a2") == 2
+    for i in (0, 1):
+        assert list(c.call(i, "ListReplicas", ask).replicas) == [], f"server {i}"

@@ -169,6 +169,9 @@ def test_replica_complete_only_when_every_byte_is_covered_once(pair) -> None:
     # two 1-byte chunks do not complete it (the old count of offsets did)
     assert not store(second.address, chunk(0, 1)).complete
     assert not store(second.address, chunk(total - 1, 1)).complete
+    # the same chunk again (a retry, a recovery asked again) changes nothing: it was refused
+    # as an overlap, and a LoadReplica cut short could not be done again for 300 s
+    assert not store(second.address, chunk(0, 1)).complete
     # overlapping chunks and a changed total are refused, naming the ranges
     err = refused(second.address, chunk(0, 10))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "overlaps" in err.details()

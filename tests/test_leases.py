@@ -217,6 +217,7 @@ def test_a_run_that_went_quiet_everywhere_is_forgotten(table):
         (lease(ttl_ms=5), "ttl_ms"),
         (lease(rejoin_ms=10**9), "rejoin_ms"),
         (lease(abort="x" * 2000), "abort reason"),
+        (lease(epoch=2**32 - 1), "epoch 4,294,967,295 is over"),  # its next epoch: 2**32
     ],
 )
 def test_bad_leases_are_refused_and_change_nothing(table, request_, words):

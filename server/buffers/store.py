@@ -43,9 +43,11 @@ class BufferStore:
         self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, BufferSlice]] = {}
-        self.added: Callable[[str, list[BufferSlice], bool], None] = lambda job, slices, r: None
-        """Told of slices that joined a job, once they are in (``restored``: a Restore's,
-        replacing all the job's): the servicer's replicator (``Replicator.adopt``)."""
+        self.added: Callable[[str, list[BufferSlice], str], None] = lambda job, slices, how: None
+        """Told of slices that joined a job, once they are in, and how: "registered", or
+        replacing all the job's, "snapshot" (a Restore: another history) or "replica" (a
+        rollback or a loaded replica: the job's own history, at a version every server
+        reaches). The servicer's replicator (``Replicator.adopt``)."""
 
     def get(self, job: str, buffer: str) -> BufferSlice:
         with self._lock:
@@ -95,7 +97,7 @@ class BufferStore:
             self.budget.release(need, "buffers")
             raise
         if existing is None:
-            self.added(req.ref.job, [created], False)
+            self.added(req.ref.job, [created], "registered")
             return created
         self.budget.release(need, "buffers")
         existing.registered(req.run)
@@ -168,8 +170,9 @@ class BufferStore:
         with self._lock:
             self._check_quota(job, sum(map(slice_bytes, specs)), what, replacing=True)
 
-    def replace_job(self, job: str, slices: list[BufferSlice]) -> None:
-        """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake."""
+    def replace_job(self, job: str, slices: list[BufferSlice], how: str) -> None:
+        """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake.
+        ``how``: "snapshot" or "replica" (``added``)."""
         need = [slice_bytes(b.spec) for b in slices]
         self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
         for b, n in zip(slices, need, strict=True):
@@ -179,7 +182,7 @@ class BufferStore:
             self._jobs[job] = {b.name: b for b in slices}
         for b in old.values():
             b.retire()
-        self.added(job, slices, True)
+        self.added(job, slices, how)
 
     def interrupt(self, why: str) -> None:
         """The server stops: every wait on a slice ends (``SliceState.interrupt``)."""

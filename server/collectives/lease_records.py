@@ -26,6 +26,7 @@ from paramshard.protos.run_ids import run_id_problem
 from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.rank_lists import MAX_LISTED
+from paramshard.server.runtime.request_bounds import check_epoch
 from paramshard.server.runtime.run_names import grouped, run_root
 
 __all__ = [
@@ -120,6 +121,7 @@ class RunRecord:
     aborted_epoch: int = -1
     reason: str = ""
     lost_rank: int = -1
+    final: bool = False  # the abort applies at every epoch: the run cannot go on
     checked: float = 0.0
     idle_since: float | None = None  # when its last lease went
     lost: dict[int, float] = field(default_factory=dict)  # rank -> when its lapsed lease went
@@ -193,9 +195,9 @@ class RunRecord:
     def notice(self, epoch: int) -> pb.LeaseReply:
         """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""
         reply = pb.LeaseReply(lost_rank=-1)
-        if self.aborted_epoch >= epoch:
+        if self.aborted_epoch >= epoch or self.final:
             reply.aborted, reply.aborted_epoch = self.reason, self.aborted_epoch
-            reply.lost_rank = self.lost_rank
+            reply.lost_rank, reply.final = self.lost_rank, self.final
         reply.awaiting.extend(sorted(self.awaiting))
         return reply
 
@@ -247,6 +249,7 @@ def check_request(req: pb.LeaseRequest) -> None:
         raise ShardError.invalid(f"Lease: an abort reason is at most {MAX_REASON_CHARS} chars")
     if len(req.holder) > MAX_HOLDER_CHARS:
         raise ShardError.invalid(f"Lease: a holder is at most {MAX_HOLDER_CHARS} characters")
+    check_epoch(req.epoch, "Lease")
 
 
 def check_holder(run: RunRecord | None, req: pb.LeaseRequest, now: float) -> None:

@@ -150,7 +150,7 @@ class LeaseTable:
                 # a rank that lost a server and recovers, or gives up (client/run_state.py,
                 # give_up): its reason reads after its name ("recovers: server 2 ... lost")
                 why = f"run '{req.run}': rank {req.rank} {req.abort}"
-                self._abort(req.run, run, req.epoch, why, -1)
+                self._abort(req.run, run, req.epoch, why, -1, req.final)
             self._check_lapses(req.run, run, now, force=bool(req.abort))
             reply = run.notice(req.epoch)
             self._forget_if_idle(req.run, run, now)
@@ -397,12 +397,15 @@ class LeaseTable:
                 name, run, epoch, f"run '{name}' aborted: rank {rank} lost ({how}{waited})", rank
             )
 
-    def _abort(self, name: str, run: RunRecord, epoch: int, why: str, lost: int) -> None:
-        if epoch <= run.aborted_epoch:
-            return  # that epoch ended already: its first reason stands
-        run.aborted_epoch, run.reason, run.lost_rank = epoch, why, lost
-        self.slots.abort_run(name, epoch, why)
-        notice = run.notice(epoch)
+    def _abort(
+        self, name: str, run: RunRecord, epoch: int, why: str, lost: int, final: bool = False
+    ) -> None:
+        if run.final or (epoch <= run.aborted_epoch and not final):
+            return  # that epoch ended already (or the run did): its first reason stands
+        run.aborted_epoch, run.reason, run.lost_rank = max(epoch, run.aborted_epoch), why, lost
+        run.final = final
+        self.slots.abort_run(name, run.aborted_epoch, why)
+        notice = run.notice(run.aborted_epoch)
         for stream in run.streams:  # every rank learns now, not at its next renewal
             stream.push(notice)
 

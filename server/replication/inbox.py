@@ -111,8 +111,11 @@ class Inbox:
         self._incoming: dict[tuple[str, str, int, int], _Incoming] = {}
 
     def add(self, kind: str, chunk: pb.ReplicaChunk, bound: int, what: str) -> bytes | None:
-        """Keeps ``chunk``; the whole replica once every byte is in, else None. ``bound``: the
-        most bytes this replica may have; ``what`` names it in errors. The returned blob's
+        """Keeps ``chunk``; the whole replica once every byte is in, else None. A chunk that
+        is here already, the same bytes at the same offset, changes nothing (before, it was
+        refused as an overlap: a recovery whose rank died after its first LoadReplica could
+        not be done again until the partial replica expired). ``bound``: the most bytes this
+        replica may have; ``what`` names it in errors. The returned blob's
         bytes are still reserved in the budget: the caller keeps them or releases them."""
         total, offset, size = chunk.total, chunk.offset, len(chunk.data)
         if total > bound:
@@ -134,6 +137,9 @@ class Inbox:
                     f"{what}: this chunk says the replica has {total:,} bytes, its first chunk"
                     f" said {entry.total:,}"
                 )
+            if entry is not None and entry.data.get(offset) == chunk.data:
+                entry.touched = time.monotonic()  # sent again (a retry, a recovery asked
+                return None  # again after its caller died): already here
             if entry is not None:
                 entry.check(offset, size, what)
             self.budget.reserve(size, "replicas", what)

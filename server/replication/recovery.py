@@ -138,7 +138,7 @@ class ReplicaRecovery:
             raise ShardError.exhausted(f"{method}: replica of job '{job}': {exc!r}") from None
         finally:
             self.budget.release(need, "replicas")
-        self.store.replace_job(job, slices)
+        self.store.replace_job(job, slices, "replica")
         return int(version)
 
 

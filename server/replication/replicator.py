@@ -134,27 +134,36 @@ class Replicator(ReplicaRecovery):
             with b.cond:
                 self.on_version(b, force=True)
 
-    def adopt(self, job: str, slices: list[Any], restored: bool) -> None:
-        """``slices`` joined ``job`` here (a registration; all of them, ``restored``: a
-        snapshot's Restore, a rollback to a replica or a loaded one). If the job replicates,
-        they do too, as its others (before, a restored job or a buffer registered later made
-        no more replicas while its configuration still said it replicated). A restored job
-        keeps only its replicas of the restored version: the others are of the history it
-        left (before, a server lost after a Restore was recovered to a replica newer than
-        the snapshot, from before it); it is copied at once, so that version has a fresh
-        replica. Called by the store once the slices are in (``BufferStore.added``)."""
+    def adopt(self, job: str, slices: list[Any], how: str) -> None:
+        """``slices`` joined ``job`` here (``BufferStore.added``: "registered", or all of them
+        restored, from a "snapshot" or a "replica"). If the job replicates, they do too, as
+        its others (before, a restored job or a buffer registered later made no more replicas
+        while its configuration still said it replicated). A restored job is copied at once.
+        Its replicas of other versions are of the history it left and go; after a snapshot's
+        Restore, all of them do (its versions are another history's numbers: a server lost
+        then was rebuilt from a replica of the history before, at the same version), with
+        what is being sent. After a replica's, those of its version stay: the recovery that
+        chose it for every server may still load another server's from here."""
         version = slices[0].version if slices else 0
         gone: list[bytes] = []
         with self._lock:
-            if restored:
-                for kept in [self.own.get(job)] + [v for k, v in self.held.items() if k[0] == job]:
-                    for other in [v for v in kept or () if v != version]:
-                        gone.append(kept.pop(other))
-            configured = job in self.configs
-            for b in slices if configured else ():
+            if how != "registered":
+                kept = [self.own.get(job)] + [v for k, v in self.held.items() if k[0] == job]
+                for versions in kept:
+                    for other in [v for v in versions or () if how == "snapshot" or v != version]:
+                        gone.append(versions.pop(other))
+            cfg = self.configs.get(job)
+            if cfg is not None and how == "snapshot":  # what is encoded or sent of the history
+                for key in [k for k in self._collecting if k[0] == job]:  # before stops there
+                    del self._collecting[key]
+                self._queue = deque(item for item in self._queue if item[0].job != job)
+                self.configs[job] = cfg = pb.ReplicationConfig.FromString(cfg.SerializeToString())
+            for b in slices if cfg is not None else ():
                 b.replicator = self
         self.budget.release(sum(map(len, gone)), "replicas")
-        if configured and restored:
+        if how == "snapshot":
+            self.inbox.drop(job)
+        if cfg is not None and how != "registered":
             for b in slices:
                 with b.cond:
                     self.on_version(b, force=True)
@@ -331,6 +340,8 @@ class Replicator(ReplicaRecovery):
         store = _store_stub(channel)
         view = memoryview(blob)
         for offset in range(0, len(blob), CHUNK):
+            if self.configs.get(cfg.job) is not cfg:  # restored or stopped: not this replica
+                return
             chunk = pb.ReplicaChunk(
                 job=cfg.job,
                 source_index=cfg.server_index,

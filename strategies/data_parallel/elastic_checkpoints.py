@@ -132,7 +132,7 @@ class ElasticCheckpoints:
                     " keeps a copy on a neighbour, checkpoint_every snapshots)"
                 )
                 restarts.declare_lost(job)
-                self.client.run_state.give_up(f"gives up: {lost}")
+                self.client.run_state.give_up(f"gives up: {lost}", final=True)
                 raise lost from exc
 
     def _recovery_round(self, epoch: int) -> None:
