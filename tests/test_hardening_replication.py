@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import worker_env
+from conftest import port_to_reuse, worker_env
 from pki import make_pki
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
@@ -355,3 +355,30 @@ def test_serve_peer_ca_needs_tls() -> None:
     assert result.returncode == 2, result.stderr
     assert "--peer-ca" in result.stderr and "--tls-cert" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_neighbour_back_from_an_outage_is_probed_at_once(servers) -> None:
+    """Found in review: after a neighbour was down a while, its server's channel to it sat in
+    gRPC's reconnect backoff, and ConfigureReplication refused for seconds after the
+    neighbour was back (5.9 s after a 15 s outage), each refusal costing a recovery one of
+    its rounds. A probe refused at once is now asked again on a new channel."""
+    (first,) = servers(1)
+    port = port_to_reuse()
+    second = ShardServer("127.0.0.1", port).start()
+    addresses = [first.address, f"127.0.0.1:{port}"]
+    c = ShardClient(ClusterSpec(addresses), timeout_s=10, retries=0)
+    try:
+        c.register_buffer("j", "w", 64)
+        tools.configure_replication(c, "j", 1)
+        second.stop(0)
+        to_second = pb.ReplicationConfig(job="j", every=1, neighbour=addresses[1], num_servers=2)
+        for _ in range(8):  # probes while it is down: the channel backs off further each time
+            with pytest.raises(ShardClientError):
+                c.call(0, "ConfigureReplication", to_second)
+            time.sleep(0.5)
+        second = ShardServer("127.0.0.1", port).start()  # back, empty: the job again
+        c.register_buffer("j", "w", 64)
+        c.call(0, "ConfigureReplication", to_second)  # before: UNAVAILABLE for seconds
+    finally:
+        c.close()
+        second.stop(0)

@@ -10,6 +10,10 @@ as it is taken, with nothing committed (server/snapshots/files.py).
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,7 @@ import pytest
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.snapshots.reservations import STALE_S
 
 pytestmark = pytest.mark.timeout(120)
 N = 10
@@ -81,5 +86,47 @@ def test_a_shard_of_another_size_is_not_committed(servers, tmp_path: Path) -> No
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION, info.value
         assert f"is {shard.bytes:,} bytes in this server's snapshot folder" in info.value.details
         assert not (tmp_path / "j" / "t" / "manifest.json").exists()
+    finally:
+        c.close()
+
+
+def test_a_reservation_whose_server_died_is_taken_over(servers, tmp_path: Path) -> None:
+    """Found in review: a server killed while its Snapshot waited left its shard's marker, and
+    the tag could never be written again ("being written by another Snapshot call"), its
+    partial shard file beside it. A marker names its owner now; one whose process is gone (on
+    this host), or that is ``STALE_S`` old (another host's), is taken over."""
+    (server,) = servers(1, snapshot_dir=str(tmp_path))
+    c = ShardClient(ClusterSpec([server.address]), timeout_s=15, retries=0)
+    folder = tmp_path / "j" / "t"
+    marker = folder / ".shard-0-of-1.safetensors.reserved"
+    host = socket.gethostname()
+    try:
+        c.register_buffer("j", "w", N, optimizer="sgd", hyper={"lr": 0.1})
+        c.set_params("j", "w", np.arange(N, dtype=np.float32), version=1)
+        folder.mkdir(parents=True)
+        for owner, old in [
+            (f"host={host} pid={os.getpid()}", True),
+            ("host=elsewhere pid=1", False),
+        ]:
+            marker.write_text(f"paramshard reservation {owner}\n")  # a live call, or too young
+            if old:  # this server's own process: running, however old its marker
+                os.utime(marker, (time.time() - 2 * STALE_S,) * 2)
+            with pytest.raises(ShardClientError) as info:
+                tools.snapshot(c, "j", "t")
+            assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
+            assert "being written by another Snapshot call" in info.value.details
+        gone = subprocess.Popen(["true"])  # a process of this host that no longer runs
+        gone.wait()
+        marker.write_text(f"paramshard reservation host={host} pid={gone.pid}\n")
+        partial = folder / ".shard-0-of-1.safetensors.0123456789ab"
+        partial.write_bytes(b"half a shard")
+        assert tools.snapshot(c, "j", "t")["version"] == 1  # before: refused for good
+        assert not marker.exists() and not partial.exists()
+        elsewhere = tmp_path / "j" / "t2" / ".shard-0-of-1.safetensors.reserved"
+        elsewhere.parent.mkdir()
+        elsewhere.write_text("paramshard reservation host=elsewhere pid=1\n")
+        os.utime(elsewhere, (time.time() - 2 * STALE_S,) * 2)  # another host's, long gone
+        assert tools.snapshot(c, "j", "t2")["version"] == 1
+        assert not elsewhere.exists()
     finally:
         c.close()

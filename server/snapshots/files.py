@@ -31,6 +31,7 @@ from paramshard.protos.manifest import shard_name
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
+from paramshard.server.snapshots.reservations import Reservation, take
 from paramshard.server.snapshots.shards import (
     Captured,
     encode_shard,
@@ -39,7 +40,7 @@ from paramshard.server.snapshots.shards import (
     tensor_key,
 )
 
-__all__ = ["SnapshotDir", "Reservation"]
+__all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
 log = logging.getLogger("paramshard.snapshots")
@@ -52,22 +53,6 @@ def _checked(name: str, what: str) -> str:
             " digits, '_', '.' or '-'"
         )
     return name
-
-
-class Reservation:
-    """Shard ``index`` of snapshot ``job/tag``, taken by one Snapshot call until it ends (a
-    ``.shard-I-of-N.reserved`` file made with O_EXCL: servers sharing the folder see it)."""
-
-    def __init__(self, folder: Folder, marker: str) -> None:
-        self.folder, self.marker = folder, marker
-
-    def release(self) -> None:
-        try:
-            self.folder.unlink(self.marker)
-        except FileNotFoundError:
-            pass
-        finally:
-            self.folder.close()
 
 
 class SnapshotDir:
@@ -121,24 +106,17 @@ class SnapshotDir:
             if folder.kind("manifest.json") is not None:  # never add to a committed snapshot
                 raise self._exists(job, tag)
             name = shard_name(index, num)
-            marker = f".{name}.reserved"
-            try:
-                folder.create(marker)
-            except FileExistsError:
-                raise ShardError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"snapshot '{job}/{tag}': {name} is being written by another Snapshot call",
-                ) from None
+            reservation = take(folder, name, f"snapshot '{job}/{tag}'")
             held = folder.kind(name) == "file" and shard_version(folder, name)  # no link read
             if held not in (False, None, version):
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
-                folder.unlink(marker)
+                folder.unlink(reservation.marker)
                 raise self._exists(job, f"{tag}/{name}")
         except BaseException:
             folder.close()
             raise
-        return Reservation(folder, marker)
+        return reservation
 
     def write_shard(
         self, job: str, tag: str, index: int, num: int, version: int, captured: list[Captured]
