@@ -28,7 +28,7 @@ from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
 from paramshard.client.replicas import configure_replication
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.replication import replicator as replicator_module
+from paramshard.server.replication import held as held_module
 
 pytestmark = pytest.mark.timeout(120)
 N = 1000
@@ -93,14 +93,14 @@ def test_store_replica_racing_drop_job_keeps_nothing(pair, monkeypatch) -> None:
     c, a, b = pair
     job_on(c, "j")
     checked = threading.Event()
-    check_header = replicator_module.check_header
+    check_header = held_module.check_header
 
     def dropped_while_arriving(blob: bytes, chunk: pb.ReplicaChunk, what: str) -> None:
         b.servicer.drop_job(pb.DropJobRequest(job="j"), None)  # B's slices retire now
         check_header(blob, chunk, what)
         checked.set()
 
-    monkeypatch.setattr(replicator_module, "check_header", dropped_while_arriving)
+    monkeypatch.setattr(held_module, "check_header", dropped_while_arriving)
     to_b = pb.ReplicationConfig(job="j", every=1, neighbour=b.address, num_servers=2)
     c.call(0, "ConfigureReplication", to_b)  # A alone; it sends a first copy to B at once
     until(checked.is_set, "A's replica reached B")

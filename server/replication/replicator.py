@@ -33,9 +33,10 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.replication.inbox import Inbox, check_header, replica_bound
+from paramshard.server.replication.held import KEEP, HeldReplicas
+from paramshard.server.replication.inbox import Inbox
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
-from paramshard.server.replication.recovery import CHUNK, ReplicaRecovery
+from paramshard.server.replication.recovery import CHUNK
 from paramshard.server.rpc import peer_credentials
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.shards import Captured, encode_shard
@@ -43,7 +44,6 @@ from paramshard.server.snapshots.shards import Captured, encode_shard
 __all__ = ["Replicator"]
 
 log = logging.getLogger("paramshard.replication")
-KEEP = 2  # versions kept of each replica
 QUEUE = 4  # replicas waiting to be encoded and sent
 PROBE_TIMEOUT_S = 10.0
 _CHANNEL_OPTIONS = [
@@ -55,7 +55,7 @@ _CHANNEL_OPTIONS = [
 _STORE = "/paramshard.v1.Shard/StoreReplica"
 
 
-class Replicator(ReplicaRecovery):
+class Replicator(HeldReplicas):
     def __init__(self, store: Any, *, ttl_s: float = 300.0, queue_size: int = QUEUE) -> None:
         self.store = store  # BufferStore
         self._lock = threading.Lock()
@@ -380,68 +380,6 @@ class Replicator(ReplicaRecovery):
             data = view[offset : offset + CHUNK]
             metadata = self._metadata(cfg.job)
             self.segments.store(cfg.neighbour, channel, store, metadata, chunk, data, 60)
-
-    # -- the neighbour's side ---------------------------------------------------
-    def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
-        """A chunk of our predecessor's replica (an empty one, total 0: may it send?)."""
-        what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
-        slices = self.store.jobs().get(chunk.job)
-        if not slices:
-            raise ShardError.not_found(f"{what}: job '{chunk.job}' is not on this server")
-        index, num = slices[0].spec.server_index, slices[0].spec.num_servers
-        if chunk.source_index != (index - 1) % num:
-            raise ShardError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"{what}: this server holds slice {index} of {num} and takes replicas only from"
-                f" server {(index - 1) % num}, its predecessor",
-            )
-        if chunk.total == 0 and not chunk.data:
-            return False  # the sender's probe
-        blob = self.inbox.add("held", chunk, replica_bound(slices, chunk.source_index), what)
-        if blob is None:
-            return False
-        try:
-            check_header(blob, chunk, what)
-        except BaseException:  # whatever it raised, the bytes are not kept
-            self.budget.release(len(blob), "replicas")  # reserved by the inbox
-            raise
-        with self._lock:
-            if any(b.dropped for b in slices):  # DropJob or Restore meanwhile: its drop()
-                self.budget.release(len(blob), "replicas")  # came first and freed the rest
-                raise ShardError.not_found(
-                    f"{what}: job '{chunk.job}' was dropped or restored while it arrived"
-                )
-            self._keep(
-                self.held.setdefault((chunk.job, chunk.source_index), OrderedDict()),
-                chunk.version,
-                blob,
-            )
-        return True
-
-    def list(self, job: str) -> list[pb.ReplicaInfo]:
-        with self._lock:
-            cfg = self.configs.get(job)
-            rows = [
-                pb.ReplicaInfo(
-                    source_index=cfg.server_index if cfg else 0, version=v, bytes=len(b), own=True
-                )
-                for v, b in self.own.get(job, {}).items()
-            ]
-            rows += [
-                pb.ReplicaInfo(source_index=src, version=v, bytes=len(b), own=False)
-                for (j, src), kept in self.held.items()
-                if j == job
-                for v, b in kept.items()
-            ]
-        return rows
-
-    def _keep(self, kept: OrderedDict[int, bytes], version: int, blob: bytes) -> None:
-        """Under the lock: keeps ``blob`` (its bytes reserved) and the newest ``KEEP``."""
-        freed = len(kept.pop(version, b""))
-        kept[version] = blob
-        while len(kept) > KEEP:
-            freed += len(kept.popitem(last=False)[1])
-        self.budget.release(freed, "replicas")
 
 
 def _store_stub(channel: grpc.Channel) -> Any:

@@ -43,22 +43,28 @@ def take(folder: Folder, name: str, what: str) -> Reservation:
     holds it. ``what`` names the snapshot in the error."""
     marker = f".{name}.reserved"
     owner = f"paramshard reservation host={socket.gethostname()} pid={os.getpid()}\n"
-    for attempt in range(2):
-        try:
-            folder.write_once(marker, owner.encode())
-            return Reservation(folder, marker)
-        except FileExistsError:
-            if attempt or not _abandoned(folder, marker):
-                raise ShardError(
-                    grpc.StatusCode.ALREADY_EXISTS,
-                    f"{what}: {name} is being written by another Snapshot call",
-                ) from None
-        _remove(folder, marker)
-        partial = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}")  # ``write_once``'s
-        for entry, _ in folder.entries():
-            if partial.fullmatch(entry):
-                _remove(folder, entry)
-    raise AssertionError("unreachable")
+    try:
+        folder.write_once(marker, owner.encode())
+        return Reservation(folder, marker)
+    except FileExistsError:
+        if not _abandoned(folder, marker):
+            raise ShardError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"{what}: {name} is being written by another Snapshot call",
+            ) from None
+    _remove(folder, marker)  # taken over, with what its call left half written
+    partial = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}")  # ``write_once``'s
+    for entry, _ in folder.entries():
+        if partial.fullmatch(entry):
+            _remove(folder, entry)
+    try:
+        folder.write_once(marker, owner.encode())
+    except FileExistsError:  # another call took it over first
+        raise ShardError(
+            grpc.StatusCode.ALREADY_EXISTS,
+            f"{what}: {name} is being written by another Snapshot call",
+        ) from None
+    return Reservation(folder, marker)
 
 
 def _abandoned(folder: Folder, marker: str) -> bool:
@@ -80,7 +86,6 @@ def _abandoned(folder: Folder, marker: str) -> bool:
             return True
         except PermissionError:  # some other user's process runs under that pid
             pass
-        return age > STALE_S
     return age > STALE_S
 
 
