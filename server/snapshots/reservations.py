@@ -48,10 +48,7 @@ def take(folder: Folder, name: str, what: str) -> Reservation:
         return Reservation(folder, marker)
     except FileExistsError:
         if not _abandoned(folder, marker):
-            raise ShardError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"{what}: {name} is being written by another Snapshot call",
-            ) from None
+            raise _held(what, name) from None
     _remove(folder, marker)  # taken over, with what its call left half written
     partial = re.compile(rf"\.{re.escape(name)}\.[0-9a-f]{{12}}")  # ``write_once``'s
     for entry, _ in folder.entries():
@@ -60,11 +57,14 @@ def take(folder: Folder, name: str, what: str) -> Reservation:
     try:
         folder.write_once(marker, owner.encode())
     except FileExistsError:  # another call took it over first
-        raise ShardError(
-            grpc.StatusCode.ALREADY_EXISTS,
-            f"{what}: {name} is being written by another Snapshot call",
-        ) from None
+        raise _held(what, name) from None
     return Reservation(folder, marker)
+
+
+def _held(what: str, name: str) -> ShardError:
+    return ShardError(
+        grpc.StatusCode.ALREADY_EXISTS, f"{what}: {name} is being written by another Snapshot call"
+    )
 
 
 def _abandoned(folder: Folder, marker: str) -> bool:
