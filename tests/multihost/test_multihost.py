@@ -339,7 +339,22 @@ def test_pipeline_stages_on_two_hosts_equal_single_process(
     assert_same_model(load_file(str(out)), shared.reference, "pipeline vs single-process")
 
 
-LONG_CUT_S = 6.0  # past a lease's TTL and the clients' retries: the ranks recover
+def _timeline(events: list[tuple[float, str]], markers: Path, began: float) -> str:
+    """The test's actions and the ranks' step starts (markers' last writes: a replayed step
+    shows its replay), in seconds since ``began``, in order: what a failure is read with."""
+    since = time.time() - time.monotonic() + began  # ``began`` on the wall clock
+    steps = [(m.stat().st_mtime - since, m.name) for m in markers.glob("rank*-step*")]
+    return "timeline (s since start): " + ", ".join(
+        f"{t:.2f} {what}" for t, what in sorted(events + steps)
+    )
+
+
+LONG_CUT_S = 6.0  # twice the cut above; the ranks' calls (10 s timeout) wait it out in these runs
+# Rank 0 is held at the start of these steps while the test cuts s0's cable, kills s1's server
+# and flaps s1's cable, so each happens mid-training however fast the ranks run: acting on a
+# step's marker instead raced the ranks (a CI run found rank 0 with 0 recoveries, the run 10.6 s
+# from start to end where the three faults alone take 7 s and these runs 18-22 s).
+CHAOS_AT = (2, 6, 8)
 
 
 def test_flaps_and_kills_mid_training_recover(
@@ -364,27 +379,51 @@ def test_flaps_and_kills_mid_training_recover(
         "10",
         "--marker-dir",
         str(markers),
+        "--pause-at",
+        ",".join(str(k) for k in CHAOS_AT),
     )
     began = time.monotonic()
-    wait_marker(markers / "rank0-step2", procs)
+    events: list[tuple[float, str]] = []  # (seconds since began, what the test did)
+
+    def did(what: str) -> None:
+        events.append((time.monotonic() - began, what))
+
+    cut_at, kill_at, flap_at = CHAOS_AT
+    wait_marker(markers / f"reached-{cut_at}", procs)
     netlab.set_link("s0", up=False)
+    did("s0 cut")
+    touch(markers / f"go-{cut_at}")  # rank 0 goes on with its step into the cut
     try:
         time.sleep(LONG_CUT_S)
     finally:
         netlab.set_link("s0", up=True)
-    wait_marker(markers / "rank0-step6", procs)
+        did("s0 back")
+    wait_marker(markers / f"reached-{kill_at}", procs)
     servers.kill("s1")
+    did("s1 killed")
+    touch(markers / f"go-{kill_at}")  # the ranks run into the dead server
     servers.start("s1")
-    wait_marker(markers / "rank0-step8", procs)
+    did("s1 listening")
+    wait_marker(markers / f"reached-{flap_at}", procs)
     netlab.set_link("s1", up=False)
+    did("s1 cut")
+    touch(markers / f"go-{flap_at}")
     try:
         time.sleep(1.0)
     finally:
         netlab.set_link("s1", up=True)
+        did("s1 back")
     results = finish(procs)
     report("cut s0 6 s, kill s1, flap s1 1 s: start to end", time.monotonic() - began)
+    timeline = _timeline(events, markers, began)
+    print(f"[multihost] chaos: {timeline}", file=sys.stderr)
+    said = f"{timeline}\n" + "\n".join(p.output() for p in procs)
+    first = results[0]  # the cut is felt: rank 0's step into it waits it out, or fails
+    stall = first["first_try"][str(cut_at)]  # from rank 0's release to the step's end
+    felt = stall >= LONG_CUT_S - 0.5 or cut_at in first["failed_at"]
+    assert felt, f"step {cut_at} took {stall} s: the cut was not felt\n{said}"
     for r in results:
-        assert r["recoveries"] >= 1, r
+        assert r["recoveries"] >= 1, f"{r}\n{said}"
         print(
             f"[multihost] chaos: rank {r['rank']} recovered {r['recoveries']} times",
             file=sys.stderr,

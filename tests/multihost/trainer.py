@@ -8,9 +8,9 @@ on data that is a function of the step number only, so a replayed step sees the 
 Rank 0 writes ``model.state_dict()`` to ``--out`` (safetensors) and every rank prints one
 ``RESULT {json}`` line (timings, recoveries).
 
-``--marker-dir D --pause-at K``: every rank writes ``D/rank{R}-step{S}`` when it starts step S;
-rank 0, the first time it reaches step K, writes ``D/reached-K`` and waits (at most 120 s) for
-``D/go-K``, so the test can break a host exactly mid-training.
+``--marker-dir D --pause-at K[,K2...]``: every rank writes ``D/rank{R}-step{S}`` when it starts
+step S; rank 0, the first time it reaches step K, writes ``D/reached-K`` and waits (at most
+120 s) for ``D/go-K``, so the test can break a host exactly mid-training (at each K).
 
 The model, the data and the single-process reference live here too, so the test imports the
 very same definitions. The model is float64 (``.double()``), as in every equivalence test.
@@ -80,6 +80,10 @@ def _touch(path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _steps(value: str) -> frozenset[int]:
+    return frozenset(int(v) for v in value.split(","))
+
+
 def main(argv: list[str] | None = None) -> int:
     from safetensors.torch import load_file, save_file
 
@@ -104,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retries", type=int, default=5)
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--marker-dir", default=None)
-    p.add_argument("--pause-at", type=int, default=None)
+    p.add_argument("--pause-at", type=_steps, default=frozenset(), help="steps, comma-separated")
     args = p.parse_args(argv)
 
     began = time.monotonic()
@@ -123,37 +127,45 @@ def main(argv: list[str] | None = None) -> int:
         model = FSDPModel(net, config, wrap=(Block,))
         opt = FSDPOptimizer(make_optimizer(net.parameters()), config)
     markers = Path(args.marker_dir) if args.marker_dir else None
-    step_seconds: dict[int, float] = {}
-    paused = False
+    step_seconds: dict[int, float] = {}  # the step's last run (a replay overwrites)
+    first_try: dict[int, float] = {}  # the step's first run, to its end or its failure
+    paused: set[int] = set()
 
-    def step(s: int) -> float:
-        nonlocal paused
-        t0 = time.monotonic()
-        if markers is not None:
-            _touch(markers / f"rank{rank}-step{s}")
-            if rank == 0 and s == args.pause_at and not paused:
-                paused = True
-                _touch(markers / f"reached-{s}")
-                go = markers / f"go-{s}"
-                deadline = time.monotonic() + PAUSE_LIMIT_S
-                while not go.exists():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"no {go} within {PAUSE_LIMIT_S:.0f} s")
-                    time.sleep(0.02)
-                t0 = time.monotonic()  # the step's time counts from the release
+    def held(s: int) -> None:
+        """Rank 0, the first time at a ``--pause-at`` step: until the test says go."""
+        paused.add(s)
+        _touch(markers / f"reached-{s}")
+        go = markers / f"go-{s}"
+        deadline = time.monotonic() + PAUSE_LIMIT_S
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {go} within {PAUSE_LIMIT_S:.0f} s")
+            time.sleep(0.02)
+
+    def train(s: int) -> float:
         if args.pipeline:
             data = batch(s)
-            loss = model.train_on_batch(data[:, :-1], data[:, 1:], max_grad_norm=CLIP)
-            step_seconds[s] = round(time.monotonic() - t0, 4)
-            return loss
+            return model.train_on_batch(data[:, :-1], data[:, 1:], max_grad_norm=CLIP)
         part = batch(s)[rank * per : (rank + 1) * per]
         loss = lm_loss(model(part[:, :-1]), part[:, 1:])
         loss.backward()
         model.clip_grad_norm_(CLIP)
         opt.step()
         opt.zero_grad()
-        step_seconds[s] = round(time.monotonic() - t0, 4)
         return loss.item()
+
+    def step(s: int) -> float:
+        if markers is not None:
+            _touch(markers / f"rank{rank}-step{s}")
+            if rank == 0 and s in args.pause_at and s not in paused:
+                held(s)
+        t0 = time.monotonic()  # a held step's time counts from its release
+        try:
+            loss = train(s)
+        finally:
+            first_try.setdefault(s, round(time.monotonic() - t0, 4))
+        step_seconds[s] = round(time.monotonic() - t0, 4)
+        return loss
 
     result: dict = {"rank": rank}
     if args.recovery:
@@ -164,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             recoveries=report.recoveries,
             recovery_seconds=report.recovery_seconds,
             replayed_steps=report.replayed_steps,
+            failed_at=report.failed_at,
         )
     else:
         for s in range(args.steps):
@@ -175,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, args.out)
     client.barrier()  # rank 1 ends only after rank 0's state_dict gathered from the servers
     client.close()
-    result.update(elapsed=round(time.monotonic() - began, 3), step_seconds=step_seconds)
+    result.update(
+        elapsed=round(time.monotonic() - began, 3), step_seconds=step_seconds, first_try=first_try
+    )
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
