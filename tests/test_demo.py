@@ -89,7 +89,7 @@ def test_demo_kills_a_server_and_loses_no_step(tmp_path: Path) -> None:
     the files it leaves (snapshot, export)."""
     from safetensors.torch import load_file
 
-    from paramshard.tools_cli import export_snapshot
+    from paramshard.offline_export import export_snapshot
 
     cmd = [
         sys.executable, str(ROOT / "examples" / "demo.py"), "--workdir", str(tmp_path),

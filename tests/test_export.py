@@ -35,8 +35,8 @@ from snapshot_job import (
 
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.models.gpt import GPT
+from paramshard.offline_export import export_snapshot
 from paramshard.server import ShardServer
-from paramshard.tools_cli import export_snapshot
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,12 @@ from test_strategies import STRATEGIES
 from paramshard.cli import CommandError, main
 from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, tools
 from paramshard.client.export_hf import export_hf
+from paramshard.offline_export import export_snapshot, recorded_model
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import MODEL_CONFIG_MAX_BYTES, new_manifest
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 from paramshard.strategies import ShardingConfiguration
 from paramshard.strategies.base import hf_model_config
-from paramshard.tools_cli import _recorded_model, export_snapshot
 
 transformers = pytest.importorskip("transformers")
 
@@ -222,7 +222,7 @@ def test_offline_export_hf_needs_a_recorded_config(tmp_path) -> None:
     """A snapshot without a model config (not a PreTrainedModel's, or taken by an older
     client): --hf-dir says so (--out works as before)."""
     with pytest.raises(CommandError, match="no model config"):
-        _recorded_model([{"job": "j"}], tmp_path)
+        recorded_model([{"job": "j"}], tmp_path)
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama"])
