@@ -74,7 +74,8 @@ GIL, so an interpreter stuck in its own teardown ends too): a hang shows where i
         type=non_negative,
         default=0.0,
         help="memory all reduction slots and mailboxes may hold together, MiB: keeps room for"
-        " buffers when callers fill mailboxes nobody reads (default: 0 = only --max-memory)",
+        " buffers when callers fill mailboxes nobody reads; the slots one token opened hold at"
+        " most half of it (default: 0 = only --max-memory, and half of that a token)",
     ),
     arg(
         "--max-memory",

@@ -233,7 +233,7 @@ class ShardServicer:
                     clip(f"{name}: request does not parse as a {name} message: {request.error}"),
                 )
             try:
-                with backend.nonfinite_quietly(), callers.serving(context):
+                with backend.nonfinite_quietly(), callers.serving(context, caller_of(context)):
                     return fn(request, context)
             except ShardError as exc:
                 context.abort(exc.code, clip(named(name, exc.message)))

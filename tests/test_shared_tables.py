@@ -10,11 +10,14 @@ callers the servicer names by token.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 from lease_fakes import new_table
 
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
 from paramshard.server.collectives.membership import MembershipTable
@@ -126,3 +129,45 @@ def test_through_a_server_each_team_keeps_its_share_of_runs_and_elastic_jobs(ser
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "share" in details, details
     req = pb.JoinRequest(run="team-b-run0", job="team-b-job0", rank=0, world_size=2)
     assert call(server, "Join", req, "b")[0] == grpc.StatusCode.OK
+
+
+def test_unread_mailboxes_fill_only_their_tokens_share_of_slot_memory():
+    """Slot memory has a share per token too (docs/security.md, item 67): a team that fills
+    mailboxes nobody reads is refused at half of ``--max-slot-mb``, and another team's sends
+    and all-reduces still fit. Before, the first team took all of it (review round 10: 63
+    unread 4 MiB messages, then the other team's calls got RESOURCE_EXHAUSTED)."""
+    tokens = {"a": "train jobs=team-a-*", "b": "train jobs=team-b-*"}
+    s = ShardServer(tokens=tokens, local_calls=False, max_slot_bytes=4 * 2**20).start()
+    message = np.ones(2**16, np.float32)  # 256 KiB
+    clients: list[ShardClient] = []
+
+    def client(token: str, rank: int) -> ShardClient:
+        spec = ClusterSpec([s.address], token=token)
+        clients.append(ShardClient(spec, rank, 2, run_id=f"team-{token}-run", timeout_s=20))
+        return clients[-1]
+
+    try:
+        a = client("a", 0)
+        sent = 0
+        with pytest.raises(ShardClientError) as caught:
+            while sent < 64:  # 16 messages would fill the whole bound
+                a.send(message, 1, tag="unread")
+                sent += 1
+        assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, caught.value
+        assert "this caller's share of slot memory" in caught.value.details, caught.value
+        assert 4 <= sent < 8, sent  # half of 4 MiB, less the slots' records
+        b0, b1 = client("b", 0), client("b", 1)
+        with ThreadPoolExecutor(2) as pool:  # the other team's collectives still run
+            sums = list(pool.map(lambda c: c.all_reduce(message), (b0, b1)))
+        assert all(float(x[0]) == 2.0 for x in sums), sums
+        for _ in range(sent):  # and its unread messages fit as many as the first team's
+            b0.send(message, 1, tag="unread")
+        a1 = client("a", 1)
+        got = [a1.recv(0, like=message, tag="unread") for _ in range(sent)]
+        assert all(np.array_equal(x, message) for x in got)  # read: team A's share is free
+        a.send(message, 1, tag="again")
+        assert s.servicer.slots.memory.held > 0
+    finally:
+        for c in clients:
+            c.close()
+        s.stop(0)

@@ -38,28 +38,49 @@ ARRAY_RECORD_BYTES = 128
 
 class SlotMemory:
     """What the slots hold (values and records), against ``max_bytes`` (0: no bound of its
-    own) and the server's memory budget, paid before anything is allocated."""
+    own) and the server's memory budget, paid before anything is allocated.
+
+    A slot's charges count against the caller (its token) that opened it, and one caller may
+    hold at most half of the slots' bound (``max_bytes``, else the budget's limit), so the
+    teams sharing a server cannot fill each other's room with mailboxes nobody reads, as
+    runs and elastic jobs have a share per token. Calls without a token (None) have no share."""
 
     def __init__(self, max_bytes: int, budget: MemoryBudget) -> None:
         self.max_bytes, self.budget = max_bytes, budget
         self._lock = threading.Lock()
         self.held = 0
+        self._by_owner: Counter[str] = Counter()
 
-    def reserve(self, nbytes: int, key: str) -> None:
-        """Takes ``nbytes`` for slot ``key`` or raises RESOURCE_EXHAUSTED (nothing taken)."""
+    def reserve(self, nbytes: int, key: str, owner: str | None = None) -> None:
+        """Takes ``nbytes`` for slot ``key`` of ``owner`` or raises RESOURCE_EXHAUSTED
+        (nothing taken)."""
         with self._lock:
             if self.max_bytes and self.held + nbytes > self.max_bytes:
                 raise ShardError.exhausted(
                     f"slot '{key}': {nbytes:,} more bytes would exceed this server's slot memory"
                     f" limit of {self.max_bytes:,} bytes ({self.held:,} in use)"
                 )
+            share = (self.max_bytes or self.budget.limit) // 2
+            if owner is not None and share and self._by_owner[owner] + nbytes > share:
+                raise ShardError.exhausted(
+                    f"slot '{key}': {nbytes:,} more bytes would exceed this caller's share of"
+                    f" slot memory, {share:,} bytes (half of this server's"
+                    f" {'--max-slot-mb' if self.max_bytes else '--max-memory'};"
+                    f" {self._by_owner[owner]:,} held by the slots its token opened)"
+                )
             self.budget.reserve(nbytes, "slots", f"slot '{key}'")
             self.held += nbytes
+            if owner is not None:
+                self._by_owner[owner] += nbytes
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, owner: str | None = None) -> None:
         with self._lock:
             self.held -= nbytes
             self.budget.release(nbytes, "slots")
+            if owner is not None:
+                self._by_owner[owner] -= nbytes
+                if not self._by_owner[owner]:
+                    del self._by_owner[owner]
 
 
 def slot_charge(key: str) -> int:
@@ -128,8 +149,9 @@ class Chunk:
 class Slot:
     """A reduction slot or mailbox: its header, chunks, waiting readers and why it ended."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, owner: str | None = None) -> None:
         self.key = key
+        self.owner = owner  # the caller (token) that opened it: its charges count against it
         self.meta: pb.SlotHeader | None = None  # from the first contribution, without its chunk
         self.dtype = 0  # wire dtype of every contribution and read
         self.chunks: dict[int, Chunk] = {}

@@ -46,7 +46,7 @@ from paramshard.server.collectives.slot import (
     slot_charge,
 )
 from paramshard.server.collectives.slot_checks import check_header, check_same, ordered, slot_meta
-from paramshard.server.runtime import arrays, backend
+from paramshard.server.runtime import arrays, backend, callers
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.request_bounds import check_key
@@ -118,8 +118,9 @@ class SlotStore:
             if slot is None and key not in self._gone.freed:
                 if (why := self._gone.aborted(key)) is not None:
                     raise ShardError.aborted(why)
-                self.memory.reserve(slot_charge(key), key)
-                slot = self._slots[key] = Slot(key)
+                owner = callers.who()
+                self.memory.reserve(slot_charge(key), key, owner)
+                slot = self._slots[key] = Slot(key, owner)
             return slot
 
     def contribute(
@@ -180,7 +181,7 @@ class SlotStore:
                     acc = arrays.to_compute(host, h.chunk.dtype, own=True)
                 try:
                     record = CHUNK_RECORD_BYTES if chunk is None else 0
-                    self.memory.reserve(array_charge(acc) + record, h.key)
+                    self.memory.reserve(array_charge(acc) + record, h.key, slot.owner)
                 except ShardError:
                     self._forget_if_unused(slot)
                     raise
@@ -204,7 +205,7 @@ class SlotStore:
                 while chunk.head in chunk.staged:  # the ones that waited for this one
                     kept = chunk.staged.pop(chunk.head)
                     chunk.add(kept, h.op)
-                    self.memory.release(array_charge(kept))
+                    self.memory.release(array_charge(kept), slot.owner)
                     chunk.head += 1
                 if slot.turn_waiters:
                     slot.cond.notify_all()  # a contribution waiting for its turn may have it
@@ -306,7 +307,7 @@ class SlotStore:
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
         with self._lock:
-            self.memory.release(chunk.charged())
+            self.memory.release(chunk.charged(), slot.owner)
             if len(slot.freed) == slot.num_chunks():
                 self._forget_locked(slot)
                 self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
@@ -326,7 +327,7 @@ class SlotStore:
         if self._slots.get(slot.key) is slot:
             del self._slots[slot.key]
             slot.forgotten = True
-            self.memory.release(slot_charge(slot.key))
+            self.memory.release(slot_charge(slot.key), slot.owner)
 
     # -- the end of pending work -------------------------------------------------------------
     def expire(self) -> int:
@@ -402,7 +403,7 @@ class SlotStore:
         slot.ended = why
         slot.cond.notify_all()
         with self._lock:
-            self.memory.release(sum(c.charged() for c in slot.chunks.values()))
+            self.memory.release(sum(c.charged() for c in slot.chunks.values()), slot.owner)
             slot.chunks.clear()
             self._forget_locked(slot)
             if remember:

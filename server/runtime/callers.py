@@ -21,20 +21,28 @@ from typing import Any
 
 from paramshard.server.runtime.errors import ShardError
 
-__all__ = ["check", "serving"]
+__all__ = ["check", "serving", "who"]
 
 _ALIVE: ContextVar[Callable[[], bool] | None] = ContextVar("paramshard_caller", default=None)
+_WHO: ContextVar[str | None] = ContextVar("paramshard_caller_id", default=None)
 
 
 @contextmanager
-def serving(context: Any) -> Iterator[None]:
+def serving(context: Any, caller: str | None = None) -> Iterator[None]:
     """Runs the block as the handler of a call of ``context`` (grpc's, or a session call's):
-    ``check`` asks its ``is_active``."""
-    token = _ALIVE.set(getattr(context, "is_active", None))
+    ``check`` asks its ``is_active``; ``who`` says ``caller`` (server/rpc/auth.py
+    ``caller_of``: its token), for what its caller's share counts."""
+    alive, who_token = _ALIVE.set(getattr(context, "is_active", None)), _WHO.set(caller)
     try:
         yield
     finally:
-        _ALIVE.reset(token)
+        _WHO.reset(who_token)
+        _ALIVE.reset(alive)
+
+
+def who() -> str | None:
+    """The caller of the call this thread serves (None: no token, or not serving a call)."""
+    return _WHO.get()
 
 
 def check(waiting_for: str) -> None:
