@@ -14,7 +14,9 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
 - ``PARAMSHARD_RESTART_COUNT``: how many times this rank was restarted (0: its first process);
 - ``PARAMSHARD_RESTART_FILE``: where this rank's models declare themselves, one line each,
   ``<strategy> servers`` or ``<strategy> trainers``, and where a rank that found its job lost
-  says so (``job-lost <job>``: nothing holds its state, so a restart would train it anew).
+  says so (``job-lost <job>``: nothing holds its state, so a restart would train it anew), as
+  does a rank whose wait the servers refused because the ranks it waited for ended for good
+  (``peers-ended``: uneven inputs; a restart would wait for them too).
   The file outlives the process, so a restart that fails again before building its model is
   judged by the first one's lines.
 
@@ -36,6 +38,7 @@ __all__ = [
     "Declaration",
     "declare",
     "declare_lost",
+    "declare_peers_ended",
     "ends_for_good",
     "max_restarts",
     "read_declaration",
@@ -51,6 +54,7 @@ RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
 LOST = "job-lost"
+PEERS_ENDED = "peers-ended"
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +140,16 @@ def declare_lost(job: str) -> None:
             f.write(f"{LOST} {job}\n")
 
 
+def declare_peers_ended() -> None:
+    """Records for the launcher that a wait of this rank's failed because the ranks it waited
+    for ended for good (protos/ended_ranks.py): a new process would make the same collectives
+    and wait for them too, so the launcher does not restart the rank for it."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{PEERS_ENDED}\n")
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What a rank's models said about themselves (``read_declaration``)."""
@@ -143,6 +157,7 @@ class Declaration:
     strategies: tuple[str, ...]  # in the order the models were built
     on_trainers: tuple[str, ...]  # those keeping state in the trainer process
     lost: tuple[str, ...] = ()  # jobs the rank found lost (``declare_lost``)
+    peers_ended: bool = False  # it waited for ranks that ended (``declare_peers_ended``)
 
     @property
     def restartable(self) -> bool:
@@ -160,7 +175,8 @@ def read_declaration(path: str) -> Declaration:
     except FileNotFoundError:
         rows = []
     lost = tuple(" ".join(r[1:]) for r in rows if r[0] == LOST)
-    rows = [r for r in rows if r[0] != LOST]
+    peers_ended = any(r[0] == PEERS_ENDED for r in rows)
+    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED)]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers, lost)
+    return Declaration(strategies, on_trainers, lost, peers_ended)

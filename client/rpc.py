@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from paramshard.client import hang_report, leases, unreachable
+from paramshard.client import hang_report, leases, restarts, unreachable
 from paramshard.client.call_order import Batch
 from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.cluster import ClusterSpec
@@ -36,6 +36,7 @@ from paramshard.client.session import MAX_BODY, Sessions
 from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import SESSION_METHODS, TENSOR_REPLIES
+from paramshard.protos.ended_ranks import says_ended
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
@@ -269,6 +270,8 @@ class RpcCore:
         other ranks that timed out without the server's account of it (grpc's bare "Deadline
         Exceeded": the server's reply came too late), that account from the server's Status
         (client/hang_report.py)."""
+        if says_ended(err.code.name, err.details):  # a restart would wait for them too
+            restarts.declare_peers_ended()
         details = err.details + freed_slot(call.method, err.code, err.details, attempts)
         if attempts > 1:
             details += f" (after {attempts} attempts in {time.monotonic() - began:.1f} s)"

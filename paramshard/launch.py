@@ -52,6 +52,7 @@ from paramshard.commands import (
     positive_int,
     read_token,
 )
+from paramshard.finished_ranks import tell_ended
 from paramshard.launch_env import omp_threads, rank_env
 from paramshard.launch_files import RankLogs, config_env
 from paramshard.local_servers import (
@@ -340,6 +341,16 @@ def launch(args: argparse.Namespace) -> int:
         for server in servers:
             watch(server, events)
         departures = elastic.Departures() if args.elastic else None
+
+        def finished(rank: int) -> None:
+            """A rank exited 0: under --max-restarts only the launcher can say it ended."""
+            failed = tell_ended(addresses, token, run_id, rank, world_size)
+            if failed:
+                say(
+                    f"rank {rank} exited 0; telling the servers it ended failed"
+                    f" ({'; '.join(failed)}): a wait for it lasts until its deadline"
+                )
+
         return supervise(
             ranks,
             servers,
@@ -350,6 +361,7 @@ def launch(args: argparse.Namespace) -> int:
             start_rank,
             departures,
             server_restarts,
+            finished if restarts.max_restarts else None,
         )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")

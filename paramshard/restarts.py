@@ -10,8 +10,10 @@ the servers' step (``model.step_count``), and the script resumes its data there.
 A rank is restarted only if its models declared that their state is on the servers: a DDP or
 3D rank keeps parameters and optimizer state in its own process, so its failure stops the job
 at once, as without ``--max-restarts``. So does a rank that failed before building a model,
-one that found its job lost (``JobLost``: a restart would train it anew from step 0), and any
-failure once the K restarts are used up.
+one that found its job lost (``JobLost``: a restart would train it anew from step 0), one
+whose wait failed because the ranks it waited for exited 0 (uneven inputs: a restart would wait
+for them too; the launcher tells the servers that a rank exited 0, paramshard/finished_ranks.py),
+and any failure once the K restarts are used up.
 
 Before a rank is started again (or, with ``--elastic``, once it left the job), what its
 failed process left in its process group (a data loader's workers, a shell's children) gets
@@ -91,6 +93,11 @@ class RankRestarts:
                 " replica or snapshot holds its state); a new process would train it anew"
                 " from step 0"
             )
+        if said.peers_ended:
+            return (
+                "not restarted: it waited for ranks that ended for good (uneven inputs?); a"
+                " new process would make the same collectives and wait for them too"
+            )
         if self.used >= self.max_restarts:
             return f"not restarted: --max-restarts {self.max_restarts} used up"
         if not said.strategies:
@@ -153,13 +160,14 @@ def supervise(
     start_rank: Callable[[int], Child],
     departures: Departures | None = None,
     server_restarts: ServerRestarts | None = None,
+    finished: Callable[[int], None] | None = None,
 ) -> int:
     """Waits for the ranks; a failed rank is restarted when ``restarts`` allows it (the new
     process is appended to ``ranks``), a local server that exited when ``server_restarts``
     allows it (the new process takes its place in ``servers``), else the first failure (a
     rank, a local server, a signal) stops them all. ``start_rank(rank)`` starts rank
     ``rank``'s process. ``departures`` (``--elastic``): a rank that fails for good leaves, the
-    others go on."""
+    others go on. ``finished(rank)``: a rank exited 0 (nothing starts it again)."""
     server_restarts = server_restarts or ServerRestarts(0)
     running = set(ranks)
     while running:
@@ -195,6 +203,8 @@ def supervise(
         if value == 0:
             if departures is not None:
                 departures.finished += 1
+            elif finished is not None:
+                finished(child.rank)
             continue
         code = exit_code(value)
         why = restarts.refusal(child.rank)

@@ -65,6 +65,7 @@ import grpc
 
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.ended_ranks import says_ended
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
@@ -111,7 +112,10 @@ def _show(
 
 def _recoverable(model: ServerShardedModel | HybridShardedModel, exc: ShardClientError) -> bool:
     """A server failure (``RECOVERABLE``), or an abort notice saying another rank is
-    recovering from one; not a notice that a rank was lost (its process and state are gone)."""
+    recovering from one; not a notice that a rank was lost (its process and state are gone),
+    nor a wait for ranks that ended (uneven inputs: no server was lost, nothing would meet)."""
+    if says_ended(exc.code.name, exc.details):
+        return False
     if exc.code != grpc.StatusCode.ABORTED:
         return exc.code in RECOVERABLE
     if getattr(model, "elastic", False):  # a member lost or gone: the others redo the step
@@ -257,6 +261,13 @@ def train_with_recovery(
     every rank is through it is recovered like one dying in a step (steps the recovery went
     back are replayed), and ``finish`` runs again. Not for an elastic job, whose ranks need
     not end together."""
+    if not hasattr(model, "recover"):  # DDP: parameters and optimizer state in the trainer
+        raise TypeError(
+            f"train_with_recovery needs a model whose state the servers hold (ZeRO-1/2, FSDP or"
+            f" a 3D HybridShardedModel), not a {type(model).__name__}: a DDP model keeps its"
+            " parameters and optimizer state in each trainer, which a server's loss does not"
+            " touch and a recovery could not restore; train it in a loop of your own"
+        )
     if not model.registered:
         raise RuntimeError("train_with_recovery needs an optimizer wrapper attached first")
     if finish is not None and getattr(model, "elastic", False):

@@ -22,6 +22,7 @@ from itertools import accumulate
 from typing import Any, Protocol
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.ended_ranks import ENDED
 from paramshard.protos.run_ids import run_id_problem
 from paramshard.server.collectives.gone_keys import of_run
 from paramshard.server.runtime.errors import ShardError
@@ -324,9 +325,8 @@ def ended(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float
     ago = now - max(t for t in when if t is not None)
     return (
         f"missing rank(s) {', '.join(map(str, ranks[:8]))}{', ...' if len(ranks) > 8 else ''}"
-        f" ended: their process exited normally (the last {ago:.1f} s ago) and nothing starts"
-        " it again, so this wait cannot complete; every rank must make the same collectives"
-        " and steps (uneven inputs?)"
+        f" ended: their process exited normally (the last {ago:.1f} s ago) and {ENDED};"
+        " every rank must make the same collectives and steps (uneven inputs?)"
     )
 
 

@@ -143,6 +143,8 @@ class LeaseTable:
                 if not records.superseded(run, req):
                     if req.rank in run.leases:
                         self._books.mark_released(run, req, self.max_leases, now)
+                    elif req.ends and req.rank in run.released:  # said after its release: by
+                        run.ended_at[req.rank] = now  # its launcher, which saw it exit 0
                     self._drop_lease(run, req.rank, now)
             elif not self._unseen_end(run, req, now):
                 self._hold(run, req, now)

@@ -1,0 +1,65 @@
+"""The launcher tells the servers that a rank ended for good once it exited with code 0.
+
+A rank's own release at exit says whether it ends for good (``LeaseRequest.ends``,
+client/restarts.py ``ends_for_good``), and under ``--max-restarts`` it cannot say so: its exit
+hook cannot read the exit code, and a ``sys.exit(1)`` is restarted. Its peers then waited for a
+rank that had run out of batches until their deadline (120 s), and a launcher restarted the
+healthy rank that gave up waiting, to wait again (a field review: the job failed after 253 s
+where without ``--max-restarts`` it failed in 0.6 s naming the rank that ended). The launcher
+sees the exit code, and never restarts a rank that exits 0 (paramshard/restarts.py), so it
+says so: one ``Lease`` release with ``ends`` for the rank on every server, after the rank's own.
+A wait whose missing ranks all ended then fails at once, naming them (uneven inputs)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from paramshard.commands import cluster_spec
+
+__all__ = ["TELL_S", "tell_ended"]
+
+TELL_S = 5.0
+"""How long the launcher spends telling every server, at most (a server that does not answer
+leaves the rank's peers to their deadline, as before)."""
+
+
+def tell_ended(
+    addresses: Sequence[str], token: str | None, run_id: str, rank: int, world_size: int
+) -> list[str]:
+    """Tells each server that ``rank`` of ``run_id`` ended for good; returns what failed
+    ("ADDRESS: CODE: details"), empty when every server took it."""
+    import grpc
+
+    from paramshard.client.rpc import SERVICE
+    from paramshard.protos import shard_pb2 as pb
+
+    spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
+    if token:
+        spec.token = token
+    request = pb.LeaseRequest(
+        run=run_id,
+        rank=rank,
+        world_size=world_size,
+        release=True,
+        ends=True,
+        holder=f"paramshard-launch:{os.getpid()}",
+    )
+    deadline = time.monotonic() + TELL_S
+    failed = []
+    try:
+        for i, address in enumerate(spec.addresses):
+            call = spec.channel(i).unary_unary(
+                SERVICE + "Lease",
+                request_serializer=pb.LeaseRequest.SerializeToString,
+                response_deserializer=pb.LeaseReply.FromString,
+            )
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                call(request, timeout=left, metadata=spec.metadata())
+            except grpc.RpcError as exc:
+                failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+    finally:
+        spec.close()
+    return failed
