@@ -1,4 +1,4 @@
-"""Whether the caller of the call a handler thread runs is still there.
+"""Whether the caller of the call a handler thread runs is still there, and who it is.
 
 A call that waits (a slot's read, a pull of a version not reached yet, a step waiting for its
 gradients, a snapshot's version, a contribution's turn) holds a handler thread while it waits.
@@ -10,7 +10,10 @@ at once and not at the call's deadline (up to the server's bound, 120 s by defau
 gRPC's context says so itself (``is_active``: False once the call was cancelled or its
 connection lost); a session's call asks its stream's (server/transport/session_calls.py). A
 call made in the trainer's own process (client/local_calls.py) has no such context and is
-never taken for gone."""
+never taken for gone.
+
+``who()`` names the caller (its token: server/rpc/auth.py ``caller_of``) for what counts
+against its share (server/collectives/slot.py ``SlotMemory``); None without a token."""
 
 from __future__ import annotations
 
