@@ -1,14 +1,16 @@
 """The launcher tells the servers that a rank ended for good once it exited with code 0.
 
 A rank's own release at exit says whether it ends for good (``LeaseRequest.ends``,
-client/restarts.py ``ends_for_good``), and under ``--max-restarts`` it cannot say so: its exit
-hook cannot read the exit code, and a ``sys.exit(1)`` is restarted. Its peers then waited for a
-rank that had run out of batches until their deadline (120 s), and a launcher restarted the
-healthy rank that gave up waiting, to wait again (a field review: the job failed after 253 s
-where without ``--max-restarts`` it failed in 0.6 s naming the rank that ended). The launcher
-sees the exit code, and never restarts a rank that exits 0 (paramshard/restarts.py), so it
-says so: one ``Lease`` release with ``ends`` for the rank on every server, after the rank's own.
-A wait whose missing ranks all ended then fails at once, naming them (uneven inputs)."""
+client/restarts.py ``ends_for_good``), and it cannot always say so: under ``--max-restarts``
+its exit hook cannot read the exit code (a ``sys.exit(1)`` is restarted), and a script that
+closes its own client releases before its exit, not knowing how it will end. Its peers then
+waited for a rank that had run out of batches until their deadline (120 s), and under
+``--max-restarts`` a launcher restarted the healthy rank that gave up waiting, to wait again (a
+field review: the job failed after 253 s where it fails in 0.6 s when the rank's exit says
+so). The launcher sees the exit code, and never restarts a rank that exits 0
+(paramshard/restarts.py), so it says so for every such rank of a fixed-world job: one ``Lease``
+release with ``ends`` for the rank on every server, after the rank's own. A wait whose missing
+ranks all ended then fails at once, naming them (uneven inputs)."""
 
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ def launch(args: argparse.Namespace) -> int:
         departures = elastic.Departures() if args.elastic else None
 
         def finished(rank: int) -> None:
-            """A rank exited 0: under --max-restarts only the launcher can say it ended."""
+            """A rank exited 0: it ended for good, which its own release may not have said."""
             failed = tell_ended(addresses, token, run_id, rank, world_size)
             if failed:
                 say(
@@ -361,7 +361,7 @@ def launch(args: argparse.Namespace) -> int:
             start_rank,
             departures,
             server_restarts,
-            finished if restarts.max_restarts else None,
+            finished,
         )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")

@@ -107,19 +107,22 @@ try:
     else:
         for s in range(model.step_count, batches):
             step(s)
+        if sys.argv[1] == "closes":  # its release comes before its exit: it cannot say "ends"
+            config.client.close()
 finally:
     print(f"rank {rank} after {time.monotonic() - began:.1f} s", flush=True)
 """
 
 
 @pytest.mark.parametrize("restarts", ["0", "1"], ids=["no-restarts", "max-restarts-1"])
-@pytest.mark.parametrize("loop", ["plain", "recovery"])
+@pytest.mark.parametrize("loop", ["plain", "recovery", "closes"])
 def test_uneven_inputs_end_the_job_at_once(tmp_path: Path, restarts: str, loop: str) -> None:
     """Rank 1's third step waits for rank 0's gradient; rank 0 exited after two: rank 1 fails
     within seconds (its deadline is 60 s), naming rank 0, and the launcher stops the job.
 
     Under ``--max-restarts`` rank 0's own release cannot say it ended (its exit code is the
-    launcher's to see): the launcher says so once it exited 0 (paramshard/finished_ranks.py).
+    launcher's to see), nor where the script closes its own client (its release comes before
+    its exit): the launcher says so once it exited 0 (paramshard/finished_ranks.py).
     Before, rank 1 waited its 60 s, was restarted, and waited 60 s again (a field review: 253 s
     at the default 120). In ``train_with_recovery`` the refusal is not a lost server: before,
     rank 1 said "server 0 ... lost" and recovered five times, all its ``max_recoveries``."""
