@@ -12,6 +12,10 @@
 4. Two calls taking over one abandoned marker could both hold the shard (the second removed
    the first's fresh marker and its half-written file) once the window was widened; taking
    over runs under one lock now, and a call lets go of its own marker only.
+5. (Found rereading the change.) A Snapshot refused after it took its marker (its shard
+   written already) removed the marker by hand and left its entry among the process's live
+   holds: one entry more per refusal, for as long as the server ran. It lets go through
+   ``Reservation.release`` now.
 
 Real in-process servers writing into the test's folder; the race at the module's level.
 """
@@ -32,6 +36,7 @@ import pytest
 
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.client.rpc import ShardClientError
+from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots import reservations
 from paramshard.server.snapshots.folders import open_root
@@ -146,3 +151,18 @@ def test_two_calls_taking_over_one_marker_never_both_hold_it(tmp_path, monkeypat
     assert f"call={held[0].call}" in marker.read_text()
     held[0].release()
     assert not marker.exists()
+
+
+def test_a_refused_snapshot_lets_go_of_its_hold(job, tmp_path) -> None:
+    def snapshot() -> None:
+        request = pb.SnapshotRequest(job="j", tag="t", version=1, server_index=0, num_servers=1)
+        job.call(0, "Snapshot", request)  # the shard, no manifest: a client's first half
+
+    snapshot()
+    live = len(reservations._LIVE)
+    for _ in range(5):  # the shard is written at that version: each is refused
+        with pytest.raises(ShardClientError) as info:
+            snapshot()
+        assert info.value.code == grpc.StatusCode.ALREADY_EXISTS, info.value
+    assert len(reservations._LIVE) == live  # before: 5 more
+    assert not (tmp_path / "j" / "t" / f".{SHARD}.reserved").exists()

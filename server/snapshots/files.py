@@ -102,6 +102,7 @@ class SnapshotDir:
         earlier attempt left when another server had stepped past its version (the client then
         tries the next version: client/checkpoints.py): it is replaced."""
         folder = self._folder(job, tag, create=True)
+        reservation = None
         try:
             if folder.kind("manifest.json") is not None:  # never add to a committed snapshot
                 raise self._exists(job, tag)
@@ -111,9 +112,10 @@ class SnapshotDir:
             if held not in (False, None, version):
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
-                folder.unlink(reservation.marker)
                 raise self._exists(job, f"{tag}/{name}")
         except BaseException:
+            if reservation is not None:  # its marker and its place among the live holds
+                reservation.release()
             folder.close()
             raise
         return reservation
