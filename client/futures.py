@@ -3,6 +3,7 @@ segment, and a call that already ended."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -21,6 +22,9 @@ class ShmFuture:
 
     def cancel(self) -> bool:
         return self._fut.cancel()
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        self._fut.add_done_callback(lambda _: fn(self))
 
     def result(self, timeout: float | None = None) -> Any:
         try:

@@ -10,13 +10,16 @@ client asks the server's hang doctor (``Status`` with ``pending``, what ``params
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["complete", "STATUS_TIMEOUT_S"]
+__all__ = ["complete", "still_waiting", "STATUS_TIMEOUT_S"]
+
+log = logging.getLogger(__name__)
 
 STATUS_TIMEOUT_S = 2.0
 """How long the question may take: the wait is over already, the error should not linger."""
@@ -57,11 +60,8 @@ def _words(row: pb.PendingWork) -> str:
     )
 
 
-def complete(core: Any, server: int, method: str, request: Any, details: str) -> str:
-    """``details`` of a timed-out call, with the server's pending rows about it when the
-    details do not already say what the call waited for."""
-    if _has_account(details) or callable(request):
-        return details
+def _server_says(core: Any, server: int, method: str, request: Any) -> tuple[list[str], str]:
+    """The server's pending rows about this call, in words, or why it did not say."""
     try:
         reply = core.plain_call(
             server,
@@ -70,12 +70,44 @@ def complete(core: Any, server: int, method: str, request: Any, details: str) ->
             STATUS_TIMEOUT_S,
         )
     except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed
-        why = f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
+        return [], f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
+    return [_words(r) for r in reply.pending if _matches(method, request, r)], ""
+
+
+def complete(core: Any, server: int, method: str, request: Any, details: str) -> str:
+    """``details`` of a timed-out call, with the server's pending rows about it when the
+    details do not already say what the call waited for."""
+    if _has_account(details) or callable(request):
+        return details
+    rows, why = _server_says(core, server, method, request)
+    if why:
         return f"{details} (no reply within {core.timeout_s:g} s; the server's Status: {why})"
-    rows = [_words(r) for r in reply.pending if _matches(method, request, r)]
     if not rows:
         return (
             f"{details} (no reply within {core.timeout_s:g} s; the server lists nothing"
             " pending for this call now)"
         )
     return f"{details} (no reply within {core.timeout_s:g} s; the server: {'; '.join(rows)})"
+
+
+def still_waiting(core: Any, call: Any, waited: float) -> None:
+    """Logs that ``call`` (client/rpc.py's Call) has waited ``waited`` seconds so far, with
+    what its server says it waits for (client/slow_waits.py)."""
+    server, method, request = call.server, call.method, call.request
+    where = f"server {server} ({core.spec.addresses[server]})"
+    head = f"{method} to {where} has waited {waited:.0f} s of its {core.timeout_s:g} s deadline"
+    if callable(request):  # not built yet: its rows cannot be told from others'
+        log.warning("%s", head)
+        return
+    rows, why = _server_says(core, server, method, request)
+    if why:
+        log.warning(
+            "%s; %s did not answer a Status within %g s (%s): it may be stopped, overloaded or"
+            " cut off from this rank",
+            head, where, STATUS_TIMEOUT_S, why,
+        )  # fmt: skip
+    elif rows:
+        log.warning("%s; the server waits for: %s", head, "; ".join(rows))
+    else:
+        log.warning("%s; the server lists nothing pending for it (its reply may be on its way)",
+                    head)  # fmt: skip

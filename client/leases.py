@@ -57,7 +57,6 @@ process.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -66,6 +65,7 @@ from typing import Any
 import grpc
 
 from paramshard.client import lease_holds, lease_releases
+from paramshard.client.env import env_seconds
 from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict
 from paramshard.client.lease_keeper import RENEW_S, Keeper
 from paramshard.client.lease_renewals import Renewals
@@ -88,17 +88,6 @@ TAKEOVER_S = 12.0
 (``CONFLICT``) is asked again: that process may have just died, its streams' end not yet seen
 there (a restart), or its whole job did (a server waits ``SETTLE_S``, 8 s, for such a job's
 ranks: server/collectives/lease_records.py). Then the rank is refused (``RunState.refuse``)."""
-
-
-def _env_seconds(name: str, default: float, low: float, high: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        value = float("nan")
-    if not low <= value <= high:
-        raise ValueError(f"environment variable {name} must be seconds in {low:g}..{high:g}")
-    return value
 
 
 class _Holding(Renewals):
@@ -288,8 +277,8 @@ keeper = Keeper()
 def hold(client: Any) -> None:
     """Starts ``client``'s lease (a rank of a run of more than one rank): its streams now,
     its renewals on the process's renewing thread."""
-    ttl = _env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
-    rejoin = _env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
+    ttl = env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
+    rejoin = env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
     lease_releases.send_again(client, holding.run)  # earlier clients' releases, if late
     holding.takeover_until = time.monotonic() + TAKEOVER_S

@@ -52,21 +52,37 @@ class _LocalContext:
 
 
 class LocalFuture:
-    """What RpcCore.run needs of a grpc.Future: result() and a cancel() that wakes result()."""
+    """What RpcCore.run needs of a grpc.Future: result(), a cancel() that wakes result(), and
+    done callbacks, which run when the call ends or is cancelled (as grpc's do)."""
 
     def __init__(self, fut: Future) -> None:
         self._fut = fut
         self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[Any], None]] = []
         self._cancelled = False
-        fut.add_done_callback(lambda _: self._wake.set())
+        fut.add_done_callback(lambda _: self._settle())
+
+    def _settle(self) -> None:
+        with self._lock:
+            if self._wake.is_set():
+                return
+            self._wake.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def cancel(self) -> bool:
         self._cancelled = True
-        self._wake.set()
+        self._settle()
         return True
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        self._fut.add_done_callback(lambda _: fn(self))
+        with self._lock:
+            if not self._wake.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def result(self, timeout: float | None = None) -> Any:
         self._wake.wait(timeout)

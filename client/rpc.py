@@ -13,11 +13,12 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import grpc
 
-from paramshard.client import hang_report, leases, restarts, unreachable
+from paramshard.client import hang_report, leases, restarts, slow_waits, unreachable
 from paramshard.client.call_order import Batch
 from paramshard.client.chunk_size import default_chunk_bytes
 from paramshard.client.cluster import ClusterSpec
@@ -132,6 +133,7 @@ class RpcCore:
         spec.hold()  # released by close(): other clients of the spec keep its channels
         self._holds_spec = True
         self.timeout_s = timeout_s
+        self.wait_notice_s = slow_waits.notice_s()  # a long wait on peers says so meanwhile
         self.retries = retries
         self.max_in_flight = max_in_flight
         self.chunk_bytes = chunk_bytes
@@ -314,6 +316,9 @@ class RpcCore:
         submit()
         while in_flight:
             i, call, fut, attempt, busy, began = in_flight.popleft()
+            if call.method in WAITS_ON_PEERS:  # say who is missing while it waits
+                say = partial(hang_report.still_waiting, self, call)
+                slow_waits.wait(fut, began, began + self.timeout_s, self.wait_notice_s, say)
             try:
                 reply = fut.result()
             except grpc.FutureCancelledError:
