@@ -77,14 +77,21 @@ def train_elastic(
     scheduler: Any,
 ) -> None:
     """The elastic loop (module docstring); ``hooks``: ``recoverable(model, exc)``,
-    ``wait_for_servers(model)`` and ``after_step(step, loss) -> stop``."""
+    ``wait_for_servers(model)``, ``after_step(step, loss) -> stop``, after a recovery that
+    left the servers at step ``held`` ``decide_again(held) -> the step count training ends
+    at`` (``should_stop`` asked again about the last step they hold, as in the fixed world:
+    its call may have been cut short by the failure), and ``confirm_kept(model)``, which
+    raises a recoverable error where a server lost the job after its last update."""
     taken = -1  # the step a checkpoint was taken before, in this epoch
-    while model.step_count < steps:
+    end = steps  # the step count training ends at: ``steps``, or after should_stop said so
+    while True:
         step = model.step_count
         try:
-            model.join_step(until=steps)  # a rank that comes as the job ends joins nothing
-            step = model.step_count
-            if step >= steps:
+            if step < end:
+                model.join_step(until=end)  # a rank that comes as the job ends joins nothing
+                step = model.step_count
+            if step >= end:
+                hooks.confirm_kept(model)  # no server restarted empty since the last update
                 break
             sync_scheduler(scheduler, step)
             if checkpoint_every and step % checkpoint_every == 0 and step != taken:
@@ -96,8 +103,7 @@ def train_elastic(
             report.losses[step] = loss = train_step(step)
             sync_scheduler(scheduler, model.step_count)
             if hooks.after_step(step, loss):
-                report.stopped_early = True
-                break
+                report.stopped_early, end = True, model.step_count
         except ShardClientError as exc:
             recover_until_done(
                 exc,
@@ -108,3 +114,4 @@ def train_elastic(
             )
             taken = -1
             sync_scheduler(scheduler, model.step_count)
+            end = hooks.decide_again(model.step_count)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from paramshard.strategies.data_parallel.checkpoints import confirm_kept
+
 __all__ = ["HybridCheckpoints"]
 
 
@@ -91,6 +93,13 @@ class HybridCheckpoints:
     def recovery_source(self) -> str:
         """What ``recover`` restores from, in words (for the recovery's messages)."""
         return "restoring every part from their newest common snapshot"
+
+    def confirm_kept(self) -> None:
+        """Raises a recoverable NOT_FOUND, on every rank, when a server of any part lost its
+        part after the last update (strategies/data_parallel/checkpoints.py)."""
+        world = self.config.client
+        lost = self.replica.lost_servers()
+        confirm_kept(world, self.config.job, self.replica.step_count, lost, agree=True)
 
     def recover(self) -> int:
         """After a server died and came back: every part returns to the newest snapshot all

@@ -253,8 +253,9 @@ def train_with_recovery(
 
     ``progress``: a tqdm bar or a ``progress(step, loss)`` function, told after each step;
     ``should_stop(step, loss)``: True (on every rank) ends training after that step; after a
-    recovery (fixed world) it is asked again for the last step the servers hold (a validation
-    the failure cut short is redone; the loss is NaN where this rank has none for that step);
+    recovery (fixed world or elastic) it is asked again for the last step the servers hold (a
+    validation the failure cut short is redone; the loss is NaN where this rank has none for
+    that step);
     ``scheduler``: an LR scheduler kept at ``model.step_count``;
     ``finish()``: what every rank does with the servers once training has ended (a final
     evaluation, gathering the model, an export), followed by a barrier: a server dying before
@@ -311,6 +312,8 @@ def train_with_recovery(
                 recoverable=_recoverable,
                 wait_for_servers=lambda m: _wait_for_servers(m, wait_s),
                 after_step=after_step,
+                decide_again=lambda held: _decide_again(should_stop, held, steps, report),
+                confirm_kept=lambda m: m.confirm_kept(),
             )
             train_elastic(
                 model, train_step, steps, hooks, report, checkpoint_every=checkpoint_every,
@@ -355,6 +358,7 @@ def train_with_recovery(
                 if finish is not None:
                     finish()
                     model.config.client.barrier()  # every rank is through it, or all recover
+                model.confirm_kept()  # no server restarted empty since the last update
                 break
             except ShardClientError as exc:
                 snapshot = False  # the others go on without it

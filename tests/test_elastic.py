@@ -76,14 +76,15 @@ def schedule(step: int) -> float:
 
 
 def single_process(
-    x: torch.Tensor, y: torch.Tensor, skipped: tuple[int, ...] = ()
+    x: torch.Tensor, y: torch.Tensor, skipped: tuple[int, ...] = (), steps: int = STEPS
 ) -> dict[str, torch.Tensor]:
-    """AdamW with the LR schedule, clipping at 1.0, the whole global batch of every step;
-    the ``skipped`` steps update nothing (their schedule still moves on)."""
+    """AdamW with the LR schedule, clipping at 1.0, the whole global batch of each of the
+    first ``steps`` steps; the ``skipped`` steps update nothing (their schedule still moves
+    on)."""
     model = net(INIT)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    for s in range(STEPS):
+    for s in range(steps):
         torch.nn.functional.mse_loss(model(x[s]), y[s]).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if s not in skipped:

@@ -8,12 +8,13 @@ import logging
 import time
 from typing import Any
 
+import grpc
 import numpy as np
 
 from paramshard.client import ShardClientError, restarts
 from paramshard.client.run_state import Notice
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
-from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints
+from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints, job_versions
 
 __all__ = ["ServerCheckpoints"]
 
@@ -95,6 +96,19 @@ class ServerCheckpoints(ElasticCheckpoints):
         self.client.barrier()
         self.restarted_alone = False
         return self._adopt_server_version()
+
+    def lost_servers(self) -> list[str]:
+        """The addresses of the job's servers that hold none of its values, or hold them at
+        another step than this rank's: a server restarted empty after the last update
+        (``confirm_kept``)."""
+        versions = job_versions(self.client, self.config.job)
+        held = zip(self.client.spec.addresses, versions, strict=True)
+        return [address for address, v in held if v != self.step_count]
+
+    def confirm_kept(self) -> None:
+        """``confirm_kept`` (below) for this job, as ``train_with_recovery`` ends."""
+        confirm_kept(self.client, self.config.job, self.step_count, self.lost_servers(),
+                     agree=self.membership is None)  # fmt: skip
 
     def _kept_whole(self) -> bool:
         """Whether every server holds every slice of the job, all at one version (registering
@@ -230,3 +244,24 @@ class ServerCheckpoints(ElasticCheckpoints):
                 f"{type(self).__name__}: checkpoints are taken between steps; {self._micro}"
                 " backward passes are waiting for optimizer.step()"
             )
+
+
+def confirm_kept(world: Any, job: str, step: int, lost: list[str], agree: bool) -> None:
+    """Raises a recoverable NOT_FOUND naming the first server in ``lost`` (addresses; with
+    ``agree``, the ranks of ``world`` first agree on the list, so every rank recovers or none
+    does). A server restarted empty after the job's last update goes unseen by the calls
+    that follow it: a collective needs no job there, and a contribution retried after the
+    restart completes on the new process. So ``train_with_recovery`` asks before it returns,
+    and recovers that server rather than end with a part of the job gone."""
+    addresses = list(world.spec.addresses)
+    flags = np.array([int(a in lost) for a in addresses], dtype=np.int64)
+    if agree:  # an elastic job's members are not the world: each rank decides alone
+        flags = world.all_reduce(flags, "max")
+    if not flags.any():
+        return
+    i = int(np.flatnonzero(flags)[0])
+    raise ShardClientError(
+        i, addresses[i], "RegisterBuffer", grpc.StatusCode.NOT_FOUND,
+        f"job '{job}' is not whole on this server at step {step}: it holds none of the job's"
+        " values, or another step's (it restarted empty after the last update)",
+    )  # fmt: skip
