@@ -71,15 +71,16 @@ class SnapshotCalls:
         reservation = self.snapshots.reserve(
             req.job, req.tag, req.server_index, req.num_servers, req.version
         )
+        requested: list[BufferSlice] = []
         try:
             try:  # every buffer asks first, so none can step past the version while we wait
                 for b in slices:
                     b.request_capture(req.version)
+                    requested.append(b)
                 captured = [b.capture(req.version, timeout) for b in slices]
-            except ShardError:
-                for b in slices:
-                    b.cancel_capture(req.version)
-                raise
+            finally:  # this call's requests only: another call's for the version stay
+                for b in requested:
+                    b.release_capture(req.version)
             file, nbytes, sha = self.snapshots.write_shard(
                 req.job, req.tag, req.server_index, req.num_servers, req.version, captured
             )

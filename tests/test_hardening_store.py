@@ -117,7 +117,7 @@ def test_a_snapshot_whose_version_was_jumped_over_fails_cleanly(client: Any, tmp
     assert exc.code == grpc.StatusCode.FAILED_PRECONDITION, exc
     assert "without stepping through it" in str(exc)
     b = store.get("j", "b")
-    assert b.captures == {} and b.capture_requests == set()
+    assert b.captures == {} and not b.capture_requests
 
 
 def test_a_timed_out_collective_names_the_missing_ranks(servers: Any) -> None:

@@ -19,18 +19,24 @@ class Captures(SliceState):
     """Snapshot captures and restores of one slice."""
 
     def request_capture(self, version: int) -> None:
-        """Asks for a copy at ``version`` (taken just before the step that would leave it)."""
+        """Asks for a copy at ``version`` (taken just before the step that would leave it).
+        Requests are counted: each is ended by one ``release_capture``, and the copy stays
+        until every request for its version has ended (two snapshots may wait for one
+        version: the first to end used to take the other's request, and the other failed)."""
         with self.cond:
-            if self.version > version:
+            if self.version > version and version not in self.captures:
                 raise ShardError.precondition(
                     f"{self.label} is at version {self.version}, past the snapshot's {version}"
                 )
-            self.capture_requests.add(version)
+            self.capture_requests[version] += 1
 
-    def cancel_capture(self, version: int) -> None:
+    def release_capture(self, version: int) -> None:
+        """Ends one ``request_capture`` of ``version``; the copy goes with the last one."""
         with self.cond:
-            self.capture_requests.discard(version)
-            self.captures.pop(version, None)
+            self.capture_requests[version] -= 1
+            if self.capture_requests[version] <= 0:
+                del self.capture_requests[version]
+                self.captures.pop(version, None)
 
     def capture_bytes(self) -> int:
         """What a capture copies: params and the optimizer's state arrays (those it has now;
@@ -40,10 +46,11 @@ class Captures(SliceState):
     def capture(self, version: int, timeout: float) -> Captured:
         """Host copies of params and optimizer state at exactly ``version``: now if the slice
         is there, else when it gets there (just before the next step), without stopping it;
-        a caller that went away ends the wait (``wait_for``)."""
+        a caller that went away ends the wait (``wait_for``). The copy is shared with other
+        calls that capture the same version (it is never written)."""
         self.request_capture(version)
-        with self.cond:
-            try:
+        try:
+            with self.cond:
                 self.wait_for(
                     lambda: version in self.captures or self.version >= version,
                     timeout,
@@ -56,9 +63,9 @@ class Captures(SliceState):
                             f" {self.version} without stepping through it; snapshot again"
                         )
                     self._capture()
-                return self.captures.pop(version)
-            finally:
-                self.capture_requests.discard(version)
+                return self.captures[version]
+        finally:
+            self.release_capture(version)
 
     def _capture(self) -> None:
         """Caller holds the lock."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -197,7 +198,7 @@ class SliceState:
         self.news: RankNews = NOTHING_KNOWN  # the store's, once it holds the slice
         self.turn_waiters = 0  # pushes waiting for their turn on this slice
         self.replicator: Any = None  # server.replication.Replicator when the job replicates
-        self.capture_requests: set[int] = set()  # versions a snapshot waits to capture
+        self.capture_requests: Counter[int] = Counter()  # version -> snapshots waiting for it
         self.captures: dict[int, Captured] = {}
         self.cond = threading.Condition()
 

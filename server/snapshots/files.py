@@ -108,8 +108,9 @@ class SnapshotDir:
                 raise self._exists(job, tag)
             name = shard_name(index, num)
             reservation = take(folder, name, f"snapshot '{job}/{tag}'")
-            held = folder.kind(name) == "file" and shard_version(folder, name)  # no link read
-            if held not in (False, None, version):
+            # (no link is read; version 0 is a version: ``held`` is None only for no shard)
+            held = shard_version(folder, name) if folder.kind(name) == "file" else None
+            if held is not None and held != version:
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
                 raise self._exists(job, f"{tag}/{name}")
