@@ -28,7 +28,7 @@ from paramshard.client.tensor_parts import (
 )
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.manifest import ParamEntry, new_manifest
+from paramshard.protos.manifest import ParamEntry, new_manifest, taken_order
 from paramshard.protos.placement import parse_part_job, restore_placement
 
 __all__ = ["snapshot", "restore", "list_snapshots"]
@@ -275,6 +275,18 @@ def restore(client: ShardClient, job: str, tag: str = "latest", contributors: in
     return restored.pop()
 
 
+def recovery_tag(client: ShardClient, job: str, loaded: tuple[str, float] | None) -> str:
+    """The snapshot a recovery restores: "latest", unless ``loaded`` (a tag this process
+    restored, and its ``time.time()`` then) and no snapshot of ``job`` was taken since: then
+    that tag. Those taken before it belong to the history the load left (a rollback), and
+    the newest of them was "latest". (Times from two hosts' clocks are compared here.)"""
+    if loaded is None:
+        return "latest"
+    tag, at = loaded
+    rows = list_snapshots(client, job, combine_parts=True)
+    return "latest" if any(r["job"] == job and r["created_unix"] >= at for r in rows) else tag
+
+
 def list_snapshots(
     client: ShardClient, job: str = "", combine_parts: bool = False
 ) -> list[dict[str, Any]]:
@@ -329,4 +341,4 @@ def list_snapshots(
         )
         merged |= {id(r) for r in found.values()}
     out += [r for r in rows if id(r) not in merged]
-    return sorted(out, key=lambda r: (r["version"], r["created_unix"]))
+    return sorted(out, key=taken_order)

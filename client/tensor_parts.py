@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from paramshard.protos import manifest, slicing
-from paramshard.protos.manifest import ParamEntry
+from paramshard.protos.manifest import ParamEntry, taken_order
 from paramshard.protos.placement import parse_part_job, part_job
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ def recorded_parts(rows: Iterable[Mapping]) -> list[str]:
 def newest_complete_tag(
     base: str, by_tag: Mapping[str, Mapping[tuple[int, int], Mapping]], expected: Iterable[str] = ()
 ) -> str:
-    """The newest tag (by version, then time taken) of ``part_snapshots`` that has every part
+    """The newest tag (``taken_order``: the last taken) of ``part_snapshots`` that has every part
     (``check_complete``, with the parts its snapshots recorded and ``expected``): what "latest"
     means for a 3D job. PartsError when none has."""
     expected = list(expected)
@@ -118,7 +118,7 @@ def newest_complete_tag(
             check_complete(base, found, expected + recorded_parts(found.values()))
         except PartsError:
             continue
-        complete.append((max((r["version"], r["created_unix"]) for r in found.values()), tag))
+        complete.append((max(taken_order(r) for r in found.values()), tag))
     if not complete:
         raise PartsError(
             f"job '{base}' has snapshots of its parts ({', '.join(sorted(by_tag))}) but none"

@@ -12,7 +12,7 @@ each function asks every server where a job is. A 3D job's base name (``<job>`` 
 ``<job>.pp<s>.tp<t>``) stands for the whole model.
 """
 
-from paramshard.client.checkpoints import list_snapshots, restore, snapshot
+from paramshard.client.checkpoints import list_snapshots, recovery_tag, restore, snapshot
 from paramshard.client.export import export, export_dtype, whole_items, write_safetensors
 from paramshard.client.jobs import ParamRef, get_param, inspect, job_params
 from paramshard.client.replicas import configure_replication, recover_from_replicas
@@ -25,6 +25,7 @@ __all__ = [
     "snapshot",
     "restore",
     "list_snapshots",
+    "recovery_tag",
     "configure_replication",
     "recover_from_replicas",
     "export",

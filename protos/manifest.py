@@ -38,6 +38,7 @@ __all__ = [
     "recorded_parts",
     "restore_placement",
     "shard_name",
+    "taken_order",
 ]
 
 FORMAT = "paramshard-snapshot/1"
@@ -227,6 +228,16 @@ def new_manifest(
     if model_config:
         manifest["model_config"] = check_model_config(model_config)
     return manifest
+
+
+def taken_order(row: Mapping[str, Any]) -> tuple[float, int]:
+    """How snapshots are ordered, oldest first, and so what "latest" is, everywhere: by when
+    each was taken (its manifest's ``created_unix``), then by version. The snapshot taken last
+    is the newest of the job's history as it is now: after a rollback (a job restored to step
+    5 and trained on, snapshotted at 6 and 8) the tag taken at 10 before it belongs to the
+    history given up, and ordered by version it was "latest", restored by every recovery and
+    `--restore latest`, and the steps trained since were lost without a word."""
+    return (float(row["created_unix"]), int(row["version"]))
 
 
 def recorded_model_config(manifest: Mapping[str, Any]) -> str:

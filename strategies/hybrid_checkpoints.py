@@ -4,6 +4,7 @@ part, taken and restored together, and what ``train_with_recovery`` calls after 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from paramshard.strategies.data_parallel.checkpoints import confirm_kept
@@ -22,6 +23,7 @@ class HybridCheckpoints:
     data_parallel_size: int
     _verdict: Any
     _invalidate: Any
+    _loaded: tuple[str, float] | None = None  # as ``ElasticCheckpoints._loaded``
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, tag: str) -> int:
@@ -56,6 +58,7 @@ class HybridCheckpoints:
         if world.rank == 0:
             tools.restore(world, self.config.job, tag, contributors=self.data_parallel_size)
         world.barrier()
+        self._loaded = None if tag == "latest" else (tag, time.time())
         version = replica._adopt_server_version()
         self._invalidate()
         world.barrier()
@@ -104,5 +107,13 @@ class HybridCheckpoints:
     def recover(self) -> int:
         """After a server died and came back: every part returns to the newest snapshot all
         parts have (``load_checkpoint("latest")``; a restarted server gets its own slices
-        back); returns the step to continue from. Every rank calls it."""
-        return self.load_checkpoint("latest")
+        back); returns the step to continue from. Every rank calls it. After a rollback
+        (``load_checkpoint`` of an older tag) with no snapshot taken since, that tag
+        (``tools.recovery_tag``)."""
+        from paramshard.client import tools
+
+        loaded = self._loaded
+        tag = tools.recovery_tag(self.config.client, self.config.job, loaded)
+        version = self.load_checkpoint(tag)
+        self._loaded = loaded if tag != "latest" else None  # still the one to go back to
+        return version

@@ -27,7 +27,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from paramshard.protos import codec, slicing
-from paramshard.protos.manifest import shard_name
+from paramshard.protos.manifest import shard_name, taken_order
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
@@ -194,7 +194,7 @@ class SnapshotDir:
                         manifest = self._listed(jdir, j, tag, kind)
                         if manifest is not None:
                             found.append({**manifest, "tag": tag})  # restored by its folder
-        return sorted(found, key=lambda m: (m["version"], m["created_unix"]))
+        return sorted(found, key=taken_order)
 
     def _listed(self, jdir: Folder, job: str, tag: str, kind: str) -> dict[str, Any] | None:
         """The manifest of folder ``tag`` of ``jdir`` when it is a complete snapshot."""

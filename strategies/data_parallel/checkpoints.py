@@ -66,6 +66,7 @@ class ServerCheckpoints(ElasticCheckpoints):
                     self.client, self.config.job, self.config.replicate_every
                 )
         self.client.barrier()
+        self._loaded = None if tag == "latest" else (tag, time.time())
         return self._adopt_server_version()
 
     @property

@@ -63,6 +63,9 @@ class ElasticCheckpoints:
     membership: Any
     _step: int
     _last_step: Any
+    _loaded: tuple[str, float] | None = None
+    """The tag this process last restored (``load_checkpoint``; not "latest") and when: a
+    recovery restores it rather than a snapshot taken before it (``tools.recovery_tag``)."""
 
     def _elastic_save(self, tag: str) -> int:
         from paramshard.client import tools
@@ -86,6 +89,7 @@ class ElasticCheckpoints:
             job, world = self.config.job, self.world_size
             self._restore(lambda: tools.restore(self.client, job, tag, contributors=world))
         group.barrier()
+        self._loaded = None if tag == "latest" else (tag, time.time())
         return self.resync(self.client.run_state.epoch, 0.0)
 
     def _restore(self, restore: Any) -> None:
@@ -121,7 +125,8 @@ class ElasticCheckpoints:
                     no_replica,
                 )
             try:
-                tools.restore(self.client, job, "latest", contributors=self.world_size)
+                tag = tools.recovery_tag(self.client, job, self._loaded)
+                tools.restore(self.client, job, tag, contributors=self.world_size)
             except ShardClientError as exc:
                 phrase = NO_SNAPSHOT.get(exc.code)
                 if phrase is None or phrase not in exc.details:
