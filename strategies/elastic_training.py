@@ -72,7 +72,7 @@ def train_elastic(
     report: Any,
     *,
     checkpoint_every: int,
-    tag_prefix: str,
+    tags: Any,
     max_recoveries: int,
     scheduler: Any,
 ) -> None:
@@ -95,8 +95,7 @@ def train_elastic(
                 break
             sync_scheduler(scheduler, step)
             if checkpoint_every and step % checkpoint_every == 0 and step != taken:
-                epoch = model.client.run_state.epoch
-                model.save_checkpoint(f"{tag_prefix}-{step}" + (f"-e{epoch}" if epoch else ""))
+                model.save_checkpoint(tags.next(step, model.client.run_state.epoch))
                 taken = step
             if model.membership is not None:  # it trains the step now: should it leave (an
                 model.membership.training = step  # exception), the others redo the step without it

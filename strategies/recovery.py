@@ -66,6 +66,7 @@ import grpc
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.ended_ranks import says_ended
+from paramshard.strategies.checkpoint_tags import CheckpointTags
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
@@ -286,11 +287,10 @@ def train_with_recovery(
             _show(progress, step, loss, model.step_count)
         return should_stop is not None and should_stop(step, loss)
 
+    tags = CheckpointTags(model, tag_prefix, listed=bool(checkpoint_every))
+
     def checkpoint() -> None:
-        # A failure may leave a tag half-written (a 3D job's parts are committed one by
-        # one), so after a recovery the tags carry the epoch and are never reused.
-        suffix = f"-e{epoch}" if epoch else ""
-        model.save_checkpoint(f"{tag_prefix}-{model.step_count}{suffix}")
+        model.save_checkpoint(tags.next(model.step_count, epoch))
 
     # a server that stops answering lease renewals ends the epoch at once: recovery is
     # cheaper than waiting out retries (client/leases.py)
@@ -317,7 +317,7 @@ def train_with_recovery(
             )
             train_elastic(
                 model, train_step, steps, hooks, report, checkpoint_every=checkpoint_every,
-                tag_prefix=tag_prefix, max_recoveries=max_recoveries, scheduler=scheduler,
+                tags=tags, max_recoveries=max_recoveries, scheduler=scheduler,
             )  # fmt: skip
             return report
         sync_scheduler(scheduler, model.step_count)

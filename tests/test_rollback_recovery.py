@@ -148,3 +148,38 @@ def test_the_snapshot_taken_last_is_latest(cluster) -> None:  # noqa: F811 - imp
         client.close()
     assert listed == [("low", 2), ("high", 4), ("again", 2)], listed
     assert restored == 2
+
+
+def test_a_resumed_or_rolled_back_job_checkpoints_under_fresh_tags(cluster) -> None:  # noqa: F811
+    """A job trained again on its servers (resumed at step 10, where it took auto-10) and then
+    rolled back to auto-5: ``train_with_recovery``'s checkpoints at steps it took snapshots at
+    before go under ``.1``, ``.2``. Before, the first one failed with ALREADY_EXISTS on rank
+    0, and rank 1 spent its recoveries on a server it took for lost (review round 12)."""
+    addresses, job = [s.address for s in cluster], f"resume-{uuid.uuid4().hex[:6]}"
+    a = torch.randint(0, 50, (20, 2 * W, 17), generator=torch.Generator().manual_seed(4))
+
+    def first(r, model, opt):
+        return train(model, step_fn(model, opt, a, r), 10, checkpoint_every=5).recoveries
+
+    def resumed(r, model, opt):
+        report = train(model, step_fn(model, opt, a, r), 15, checkpoint_every=5)
+        return report.recoveries, sorted(report.losses)
+
+    def rolled_back(r, model, opt):
+        model.load_checkpoint("auto-5")
+        report = train(model, step_fn(model, opt, a, r), 10, checkpoint_every=5)
+        return report.recoveries, sorted(report.losses)
+
+    assert ranks(addresses, job, first) == [0] * W
+    assert ranks(addresses, job, resumed) == [(0, list(range(10, 15)))] * W
+    assert ranks(addresses, job, rolled_back) == [(0, list(range(5, 10)))] * W
+    client = ShardClient(ClusterSpec(addresses))
+    try:
+        taken = [(r["tag"], r["version"]) for r in tools.list_snapshots(client, job)]
+    finally:
+        client.close()
+    assert taken == [
+        ("auto-0", 0), ("auto-5", 5), ("auto-10", 10),  # the first run
+        ("auto-10.1", 10), ("auto-15", 15),  # resumed at 10
+        ("auto-5.1", 5), ("auto-10.2", 10),  # rolled back to 5
+    ], taken  # fmt: skip
