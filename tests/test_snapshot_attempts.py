@@ -8,6 +8,10 @@ case failing before its fix:
    took the other's with it, the step that left the version copied nothing for the other,
    and it failed with "moved from before version 1 to version 2 without stepping through it".
    Requests are counted now, and the copy is shared.
+3. A tag whose attempt was torn (a server killed while it was taken) refused the same version
+   again saying the snapshot "exists already", while no listing showed it and no restore found
+   it. It is still refused (another call of that snapshot may yet commit the shard), in words
+   that say what is there.
 
 Real in-process servers writing into the test's folder, and the server's own buffer slices.
 """
@@ -20,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from paramshard.client import ClusterSpec, ParamInfo, ShardClient, StepArgs
+from paramshard.client import ClusterSpec, ParamInfo, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.protos import shard_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,3 +81,14 @@ def test_two_snapshots_waiting_for_one_version_both_get_it(job) -> None:
     assert np.array_equal(second.params, first.params)
     assert np.array_equal(first.params, np.full(N, -0.1, np.float32))
     assert b.captures == {} and not b.capture_requests  # nothing kept after the last
+
+
+def test_an_uncommitted_shard_of_the_same_version_is_named_as_such(job) -> None:
+    c, _ = job
+    step(c, 0)
+    shard(c, "torn", 1)  # the other servers' shards never came: nothing committed
+    with pytest.raises(ShardClientError) as refused:
+        shard(c, "torn", 1)
+    assert refused.value.code.name == "ALREADY_EXISTS", refused.value
+    assert "written at version 1 by an earlier attempt that was not committed" in str(refused.value)
+    assert tools.list_snapshots(c, "j") == []

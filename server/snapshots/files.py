@@ -112,6 +112,14 @@ class SnapshotDir:
             held = shard_version(folder, name) if folder.kind(name) == "file" else None
             if held is not None and held != version:
                 folder.unlink(name)  # ours alone while the marker is: an abandoned attempt
+            if held == version and folder.kind("manifest.json") is None:
+                # kept: another call of this snapshot may commit it (its manifest names it)
+                raise ShardError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"snapshot '{job}/{tag}': shard {name} was written at version {version}"
+                    " by an earlier attempt that was not committed (a server failed during"
+                    " it?, or one is still under way); a tag is written once: pick another tag",
+                )
             if folder.kind(name) is not None or folder.kind("manifest.json") is not None:
                 raise self._exists(job, f"{tag}/{name}")
         except BaseException:
