@@ -98,11 +98,10 @@ class HybridCheckpoints:
         return "restoring every part from their newest common snapshot"
 
     def confirm_kept(self) -> None:
-        """Raises a recoverable NOT_FOUND, on every rank, when a server of any part lost its
-        part after the last update (strategies/data_parallel/checkpoints.py)."""
-        world = self.config.client
-        lost = self.replica.lost_servers()
-        confirm_kept(world, self.config.job, self.replica.step_count, lost, agree=True)
+        """Raises a recoverable NOT_FOUND when a server of this rank's part lost it after the
+        last update (strategies/data_parallel/checkpoints.py)."""
+        replica = self.replica
+        confirm_kept(replica.client, self.config.job, replica.step_count, replica.lost_servers())
 
     def recover(self) -> int:
         """After a server died and came back: every part returns to the newest snapshot all

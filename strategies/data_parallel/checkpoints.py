@@ -108,8 +108,7 @@ class ServerCheckpoints(ElasticCheckpoints):
 
     def confirm_kept(self) -> None:
         """``confirm_kept`` (below) for this job, as ``train_with_recovery`` ends."""
-        confirm_kept(self.client, self.config.job, self.step_count, self.lost_servers(),
-                     agree=self.membership is None)  # fmt: skip
+        confirm_kept(self.client, self.config.job, self.step_count, self.lost_servers())
 
     def _kept_whole(self) -> bool:
         """Whether every server holds every slice of the job, all at one version (registering
@@ -247,22 +246,21 @@ class ServerCheckpoints(ElasticCheckpoints):
             )
 
 
-def confirm_kept(world: Any, job: str, step: int, lost: list[str], agree: bool) -> None:
-    """Raises a recoverable NOT_FOUND naming the first server in ``lost`` (addresses; with
-    ``agree``, the ranks of ``world`` first agree on the list, so every rank recovers or none
-    does). A server restarted empty after the job's last update goes unseen by the calls
+def confirm_kept(client: Any, job: str, step: int, lost: list[str]) -> None:
+    """Raises a recoverable NOT_FOUND naming the first of ``lost`` (addresses of ``client``'s
+    servers). A server restarted empty after the job's last update goes unseen by the calls
     that follow it: a collective needs no job there, and a contribution retried after the
     restart completes on the new process. So ``train_with_recovery`` asks before it returns,
-    and recovers that server rather than end with a part of the job gone."""
-    addresses = list(world.spec.addresses)
-    flags = np.array([int(a in lost) for a in addresses], dtype=np.int64)
-    if agree:  # an elastic job's members are not the world: each rank decides alone
-        flags = world.all_reduce(flags, "max")
-    if not flags.any():
+    and recovers that server rather than end with a part of the job gone. Each rank asks
+    alone: a collective to agree would wait for a rank with more steps (uneven inputs), where
+    a rank that ends must end, so that the servers tell that rank at once. A FSDP or ZeRO
+    rank sees every server of its job; a 3D rank those of its part (the others recover it if
+    theirs is whole: the job then fails on this rank, naming the server)."""
+    if not lost:
         return
-    i = int(np.flatnonzero(flags)[0])
+    i = list(client.spec.addresses).index(lost[0])
     raise ShardClientError(
-        i, addresses[i], "RegisterBuffer", grpc.StatusCode.NOT_FOUND,
+        i, lost[0], "RegisterBuffer", grpc.StatusCode.NOT_FOUND,
         f"job '{job}' is not whole on this server at step {step}: it holds none of the job's"
         " values, or another step's (it restarted empty after the last update)",
     )  # fmt: skip
