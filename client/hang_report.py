@@ -56,7 +56,7 @@ def _words(row: pb.PendingWork) -> str:
     )
     return (
         f"{what}: missing rank(s) {ranks(row.missing)} (arrived: {ranks(row.arrived)}),"
-        f" open for {row.age_seconds:.1f} s"
+        f" open for {row.age_seconds:.1f} s{row.whereabouts}"
     )
 
 

@@ -540,7 +540,7 @@ class StatusRequest(_message.Message):
     def __init__(self, pending: _Optional[bool] = ..., max_pending: _Optional[int] = ...) -> None: ...
 
 class PendingWork(_message.Message):
-    __slots__ = ("run", "kind", "seq", "key", "part", "expected", "arrived", "missing", "waiting", "unread_by", "age_seconds", "idle_seconds", "bytes", "channel")
+    __slots__ = ("run", "kind", "seq", "key", "part", "expected", "arrived", "missing", "waiting", "unread_by", "age_seconds", "idle_seconds", "bytes", "channel", "whereabouts")
     RUN_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +555,7 @@ class PendingWork(_message.Message):
     IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    WHEREABOUTS_FIELD_NUMBER: _ClassVar[int]
     run: str
     kind: str
     seq: int
@@ -569,7 +570,8 @@ class PendingWork(_message.Message):
     idle_seconds: float
     bytes: int
     channel: str
-    def __init__(self, run: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., key: _Optional[str] = ..., part: _Optional[int] = ..., expected: _Optional[int] = ..., arrived: _Optional[_Iterable[int]] = ..., missing: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[int]] = ..., unread_by: _Optional[_Iterable[int]] = ..., age_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., channel: _Optional[str] = ...) -> None: ...
+    whereabouts: str
+    def __init__(self, run: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., key: _Optional[str] = ..., part: _Optional[int] = ..., expected: _Optional[int] = ..., arrived: _Optional[_Iterable[int]] = ..., missing: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[int]] = ..., unread_by: _Optional[_Iterable[int]] = ..., age_seconds: _Optional[float] = ..., idle_seconds: _Optional[float] = ..., bytes: _Optional[int] = ..., channel: _Optional[str] = ..., whereabouts: _Optional[str] = ...) -> None: ...
 
 class BufferStatus(_message.Message):
     __slots__ = ("buffer", "numel", "slice_start", "slice_numel", "dtype", "version", "initialized", "optimizer", "param_bytes", "grad_bytes", "optimizer_bytes", "params", "last_step_seconds", "last_step_unix", "contributors", "hyper", "state_keys", "optimizer_steps", "skipped_steps")

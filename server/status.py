@@ -76,6 +76,9 @@ def status_reply(
             if scope is None or scope.allows_run(run_of_key(s.key))
         ]
         rows, left_out = pending_rows(slots, slices, req.max_pending)
+        for row in rows:  # a collective's missing ranks, as the leases here know them
+            if row.missing and row.kind != "push_grad":
+                row.whereabouts = servicer.slots.news.whereabouts(row.run, list(row.missing))
         reply.pending.extend(rows)
         reply.pending_left_out = left_out
     return reply

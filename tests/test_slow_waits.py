@@ -78,6 +78,7 @@ def test_a_long_wait_names_the_missing_rank_while_it_waits(
         assert re.search(r"has waited \d+ s of its 4.5 s deadline", words), words
         assert f"all_reduce #1 of run '{run}'" in words, words
         assert "missing rank(s) 1 (arrived: 0)" in words, words
+        assert "rank 1 holds no lease here: not started, or cut off" in words, words
     waited = [int(re.search(r"waited (\d+) s", w).group(1)) for w in said]
     assert waited == sorted(waited) and len(set(waited)) == len(waited), said
 
@@ -108,6 +109,29 @@ def test_a_peer_that_comes_ends_the_notices(
     said = notices(caplog)
     assert 1 <= len(said) <= 3 and len(said) == ended, said
     assert all("missing rank(s) 1 (arrived: 0)" in w for w in said), said
+
+
+def test_a_live_rank_that_does_not_come_is_named_alive(
+    address: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 holds its lease (its client is open) but never reaches the all-reduce, as a
+    rank stopped in a debugger or stuck in its data loader: the notice says it is alive, so
+    the user looks at that rank rather than for a dead one; the deadline's error says so too."""
+    monkeypatch.setenv(slow_waits.NOTICE_ENV, str(NOTICE_S))
+    run = f"alive-{uuid.uuid4().hex[:8]}"
+    # rank 1's client leases its rank as it is made, and it never calls
+    first, second = client(address, 0, run), client(address, 1, run)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    try:
+        with pytest.raises(ShardClientError) as info:
+            first.all_reduce(np.ones(3, np.float32))
+    finally:
+        first.close()
+        second.close()
+    alive = "rank 1 is alive (its connection here is open) but has not come"
+    said = notices(caplog)
+    assert said and all(alive in w for w in said), said
+    assert alive in info.value.details, info.value
 
 
 def test_notices_can_be_turned_off(

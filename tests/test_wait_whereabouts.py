@@ -86,8 +86,9 @@ def test_a_step_names_the_rank_that_left(address: str) -> None:
     assert RELEASED.search(info.value.details) is not None, info.value.details
 
 
-def test_a_rank_still_holding_its_lease_is_only_missing(address: str) -> None:
-    """A peer that holds its lease (alive, only late) is named missing and nothing more."""
+def test_a_rank_still_holding_its_lease_is_named_alive(address: str) -> None:
+    """A peer that holds its lease (alive, only late) is named missing and alive: it did not
+    die, it has not come (stopped, slow, or at another collective)."""
     run = unique("late")
     first, second = client(address, 0, run), client(address, 1, run)
     try:
@@ -96,14 +97,16 @@ def test_a_rank_still_holding_its_lease_is_only_missing(address: str) -> None:
     finally:
         first.close()
         second.close()
-    assert "missing rank(s) 1 (arrived: 0)" in info.value.details, info.value
-    assert "lease" not in info.value.details, info.value.details
+    assert (
+        "missing rank(s) 1 (arrived: 0); rank 1 is alive (its connection here is open)"
+        " but has not come: stopped, slow, or at another collective" in info.value.details
+    )
 
 
 def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
-    """A lapsed lease the run waits for (a restart) is said so, with the wait; a group's ranks
-    are its members' indices, not the run's ranks, so a group's run gets no words; an epoch's
-    run is its run's."""
+    """A lapsed lease the run waits for (a restart) is said so, with the wait, and a rank of a
+    run others lease in that holds no lease here; a group's ranks are its members' indices,
+    not the run's ranks, so a group's run gets no words; an epoch's run is its run's."""
     run = records.RunRecord(world_size=3)
     run.leases[2] = records.LeaseRecord(
         expires=10.0, epoch=0, ttl_s=5.0, rejoin_s=60.0, since=0.0, heard=5.0, lapsed_at=10.0
@@ -112,6 +115,7 @@ def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
     runs = {"r": run}
     words = records.whereabouts(runs, "r.e2", [0, 1, 2], now=12.5)
     assert words == (
+        "; rank 0 holds no lease here: not started, or cut off"
         "; rank 1 released its lease here 8.5 s ago (its process ended or closed its client)"
         "; rank 2's lease lapsed 2.5 s ago; the run waits 60 s from then for it to come back"
     )

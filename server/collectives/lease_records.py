@@ -290,8 +290,9 @@ def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now:
     waited for them (a group's ranks are not the run's: nothing): a rank that released its
     lease and holds none (its process ended, or closed its client: it contributes no more
     unless it leases again), a rank whose lease lapsed while the run waits for it to come back
-    (a restart). Single reads of dicts and fields, no walk, so the caller need not hold the
-    lease table's lock."""
+    (a restart), a rank alive (its lease held) that has not come, and one that holds no lease
+    here while others of its run do. Single reads of dicts and fields, no walk, so the caller
+    need not hold the lease table's lock."""
     found = None if grouped(run) else runs.get(run_root(run))
     if found is None:
         return ""
@@ -308,6 +309,14 @@ def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now:
                 f"; rank {rank}'s lease lapsed {now - lease.lapsed_at:.1f} s ago; the run waits"
                 f" {lease.rejoin_s:g} s from then for it to come back"
             )
+        elif lease is not None and lease.live(now):
+            how = "its connection here is open" if lease.holds else "it renews its lease"
+            words.append(
+                f"; rank {rank} is alive ({how}) but has not come: stopped, slow, or at"
+                " another collective"
+            )
+        elif lease is None:
+            words.append(f"; rank {rank} holds no lease here: not started, or cut off")
     return "".join(words)
 
 
