@@ -19,6 +19,7 @@ from conftest import unique_id as unique
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.server.collectives import lease_records as records
+from paramshard.server.collectives import lease_words
 
 TIMEOUT_S = 3.0
 
@@ -113,14 +114,14 @@ def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
     )
     run.released_at[1] = 4.0
     runs = {"r": run}
-    words = records.whereabouts(runs, "r.e2", [0, 1, 2], now=12.5)
+    words = lease_words.whereabouts(runs, "r.e2", [0, 1, 2], now=12.5)
     assert words == (
         "; rank 0 holds no lease here: not started, or cut off"
         "; rank 1 released its lease here 8.5 s ago (its process ended or closed its client)"
         "; rank 2's lease lapsed 2.5 s ago; the run waits 60 s from then for it to come back"
     )
-    assert records.whereabouts(runs, "r/s1g0", [1, 2], now=12.5) == ""
-    assert records.whereabouts(runs, "other", [1], now=12.5) == ""
+    assert lease_words.whereabouts(runs, "r/s1g0", [1, 2], now=12.5) == ""
+    assert lease_words.whereabouts(runs, "other", [1], now=12.5) == ""
 
 
 def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
@@ -131,13 +132,13 @@ def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
     run.ended_at.update({0: 2.0, 1: 3.0})
     run.released_at.update({0: 2.0, 1: 3.0, 2: 3.0})
     runs = {"r": run}
-    assert records.ended(runs, "r.e1", [0, 1], now=5.0).startswith(
+    assert lease_words.ended(runs, "r.e1", [0, 1], now=5.0).startswith(
         "missing rank(s) 0, 1 ended: their process exited normally (the last 2.0 s ago)"
     )
-    assert records.ended(runs, "r", [0, 2], now=5.0) == ""  # rank 2 released, may come back
-    assert records.ended(runs, "r/s1g0", [0, 1], now=5.0) == ""
-    assert records.ended(runs, "r", list(range(1024)), now=5.0) == ""
+    assert lease_words.ended(runs, "r", [0, 2], now=5.0) == ""  # rank 2 released, may come back
+    assert lease_words.ended(runs, "r/s1g0", [0, 1], now=5.0) == ""
+    assert lease_words.ended(runs, "r", list(range(1024)), now=5.0) == ""
     run.leases[1] = records.LeaseRecord(
         expires=9.0, epoch=0, ttl_s=5.0, rejoin_s=0.0, since=4.0, heard=4.0
     )
-    assert records.ended(runs, "r", [0, 1], now=5.0) == ""  # rank 1 leases again
+    assert lease_words.ended(runs, "r", [0, 1], now=5.0) == ""  # rank 1 leases again

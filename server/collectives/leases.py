@@ -65,6 +65,7 @@ from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives import lease_records as records
+from paramshard.server.collectives import lease_words
 from paramshard.server.collectives.lease_books import Books
 from paramshard.server.collectives.lease_checks import DueChecks
 from paramshard.server.collectives.lease_records import LeaseRecord, Listener, RunRecord
@@ -246,12 +247,12 @@ class LeaseTable:
         """``RankNews.whereabouts`` (server/runtime/run_names.py), asked by waits that hold a
         slot's or a slice's lock, which an abort takes under this table's lock: so not under
         it."""
-        return records.whereabouts(self._runs, run, ranks, self.clock())
+        return lease_words.whereabouts(self._runs, run, ranks, self.clock())
 
     def ended(self, run: str, ranks: Sequence[int]) -> str:
         """``RankNews.ended``: "" unless every rank of ``ranks`` ended for good
-        (``lease_records.ended``); not under the lock, as ``whereabouts``."""
-        return records.ended(self._runs, run, ranks, self.clock())
+        (``lease_words.ended``); not under the lock, as ``whereabouts``."""
+        return lease_words.ended(self._runs, run, ranks, self.clock())
 
     def drop(self, run: str) -> bool:
         """Forgets run ``run`` and its leases (``DropJob`` of the run); whether it was held.
