@@ -47,6 +47,9 @@ class Done:
     def cancel(self) -> bool:
         return False
 
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)  # done already
+
     def result(self, timeout: float | None = None) -> Any:
         if self._error is not None:
             raise self._error

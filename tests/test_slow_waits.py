@@ -26,6 +26,7 @@ import pytest
 from conftest import worker_env
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, slow_waits
+from paramshard.client.futures import Done, ShmFuture
 from paramshard.client.local_calls import LocalFuture
 from paramshard.server import ShardServer
 
@@ -215,3 +216,14 @@ def test_a_cancelled_in_process_call_ends_its_wait() -> None:
     ran: list[object] = []
     fut.add_done_callback(ran.append)  # after the end: at once
     assert ran == [fut]
+
+
+def test_a_call_that_ended_already_returns_at_once() -> None:
+    """A call run to its end on grpcio's blocking path (``Done``), also inside a shared-memory
+    future: the wait returns at once. (The shared-memory future passed the registration on to
+    a ``Done`` that had none: an AttributeError for every such call of a same-host rank.)"""
+    said: list[float] = []
+    began = time.monotonic()
+    for fut in (Done(reply=1), ShmFuture(Done(reply=1), None, None)):  # type: ignore[arg-type]
+        slow_waits.wait(fut, began, began + 30.0, 10.0, said.append)
+    assert time.monotonic() - began < 5.0 and said == []
