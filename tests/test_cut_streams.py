@@ -33,7 +33,7 @@ from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.transport import sessions
+from paramshard.server.transport import session_stream
 
 pytestmark = pytest.mark.timeout(180)
 TOKENS = {"tok-a": "train", "tok-b": "train"}
@@ -125,7 +125,7 @@ def test_a_cancelled_sessions_calls_in_line_go_with_it(monkeypatch, held_back: b
     its reader too. The second session is then cancelled: it closes at once, its calls leave
     the line, and the bytes they held leave the count."""
     if held_back:
-        monkeypatch.setattr(sessions, "MAX_HELD_BYTES", 4 * NUMEL * 4)
+        monkeypatch.setattr(session_stream, "MAX_HELD_BYTES", 4 * NUMEL * 4)
     with ShardServer(local_calls=False, max_workers=8, reserved_workers=2, tokens=TOKENS) as srv:
         c = ShardClient(ClusterSpec([srv.address], token="tok-a"), timeout_s=15, sessions=False)
         first = RawSession(srv.address, "tok-a")

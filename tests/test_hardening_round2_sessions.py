@@ -21,7 +21,7 @@ from paramshard.client import ClusterSpec, ShardClient, StepArgs
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.transport import sessions
+from paramshard.server.transport import session_stream
 
 pytestmark = pytest.mark.timeout(180)
 TOKENS = {"tok-greedy": "train", "tok-other": "train"}
@@ -73,7 +73,7 @@ def test_a_batch_of_pulls_nobody_reads_is_bounded_before_it_runs(monkeypatch, fu
     bytes its reply may carry when it is taken, and past the bound it is refused "retry
     later" at once, with nothing held for it."""
     bound = 8 * 2**20
-    monkeypatch.setattr(sessions, "MAX_UNSENT_BYTES", bound)
+    monkeypatch.setattr(session_stream, "MAX_UNSENT_BYTES", bound)
     numel, pulls = 2**18, 256  # 1 MiB replies
     with ShardServer(local_calls=False) as server:
         c = ShardClient(ClusterSpec([server.address]), timeout_s=10, sessions=False)

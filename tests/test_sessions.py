@@ -28,7 +28,7 @@ from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import take_ready
 from paramshard.server import ShardServer
-from paramshard.server.transport import sessions
+from paramshard.server.transport import session_stream
 
 SESSION = "/paramshard.v1.Shard/Session"
 TOKENS = {"tok-train": "train", "tok-read": "read"}
@@ -356,7 +356,7 @@ def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatc
     and the read of its own slice) reach the server as one batch (the client queues the second
     long before grpcio's sender thread gets the GIL)."""
     seen: list[int] = []
-    real = sessions._Session.read
+    real = session_stream.SessionStream.read
 
     def counting(self: Any, batches: Any) -> None:
         def spy() -> Any:
@@ -366,7 +366,7 @@ def test_a_session_sends_the_calls_made_together_in_one_batch(server, monkeypatc
 
         real(self, spy())
 
-    monkeypatch.setattr(sessions._Session, "read", counting)
+    monkeypatch.setattr(session_stream.SessionStream, "read", counting)
     c = ShardClient(ClusterSpec([server.address]), timeout_s=10)
     try:
         for i in range(20):

@@ -27,7 +27,10 @@ from paramshard.client import ClusterSpec, ShardClient
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.transport import sessions  # its bounds are patched where they are read
+from paramshard.server.transport import (  # its bounds are patched where they are read
+    session_stream,
+    sessions,
+)
 
 
 @pytest.fixture
@@ -100,7 +103,7 @@ def test_a_session_holding_many_request_bytes_is_not_read_until_they_end(
     """Waiting reads padded with an unknown field hold their request bytes until they end;
     past MAX_HELD_BYTES the server takes no more calls of the session, so a contribution sent
     after them waits for them (instead of the server holding ever more bytes)."""
-    monkeypatch.setattr(sessions, "MAX_HELD_BYTES", 2**20)
+    monkeypatch.setattr(session_stream, "MAX_HELD_BYTES", 2**20)
     pad = codec.varint(1000 << 3 | 2) + codec.varint(300 * 2**10) + b"p" * (300 * 2**10)
     s = RawSession(server.address)
     try:
@@ -128,7 +131,7 @@ def test_the_bytes_all_sessions_hold_are_bounded_per_server(server, monkeypatch)
     contribution comes in its next batch. One holding more than its share gets its read taken,
     but the contribution after it waits until the greedy reads have ended. Nothing is counted
     once all have ended."""
-    monkeypatch.setattr(sessions, "SESSIONS_BYTES", 2**20)
+    monkeypatch.setattr(session_stream, "SESSIONS_BYTES", 2**20)
 
     def padded(key: str, kib: int, timeout: float, i: int = 1) -> pb.SessionCall:
         pad = codec.varint(1000 << 3 | 2) + codec.varint(kib * 2**10) + b"p" * (kib * 2**10)
@@ -141,11 +144,11 @@ def test_the_bytes_all_sessions_hold_are_bounded_per_server(server, monkeypatch)
     try:
         for s in (greedy, light, heavy):
             s.opened()
-        share = sessions.SESSIONS_BYTES // 3
+        share = session_stream.SESSIONS_BYTES // 3
         greedy.send(*[padded(f"r:g{i}/0", 300, 2.0, i) for i in range(5)])
         time.sleep(0.2)  # four are taken, past the bound and the share, the fifth waits
         held = server.sessions.held_bytes
-        assert held >= sessions.SESSIONS_BYTES
+        assert held >= session_stream.SESSIONS_BYTES
         took = {}
         for s, kib, key in ((light, 100, "r:light/0"), (heavy, 600, "r:heavy/0")):
             assert (kib * 2**10 < share) == (s is light)
@@ -176,7 +179,7 @@ def test_calls_in_flight_are_bounded_per_session(server) -> None:
     s = RawSession(server.address)
     try:
         s.opened()
-        n = sessions.MAX_WAITING
+        n = session_stream.MAX_WAITING
         s.send(*[call(i, "ReadSlot", read("r:wait/0", reader=i), 10) for i in range(n + 3)])
         early = s.replies(3)
         assert sorted(early) == [n, n + 1, n + 2]
