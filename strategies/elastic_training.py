@@ -34,6 +34,9 @@ log = logging.getLogger("paramshard.recovery")
 
 STALE_GENERATION = "membership generation"
 """What a server's refusal of an older generation's push says (server/buffers/membership.py)."""
+GONE_ON = "is already applied"
+"""What a server's refusal of a step's norm says once the step went on without this rank (it
+pushed its gradient, then was late past the join window: server/buffers/steps.py)."""
 
 
 def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, report: Any) -> None:
@@ -42,7 +45,11 @@ def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, re
     began = time.monotonic()
     state = model.client.run_state
     log.warning("rank %d: step %d failed (%s); recovering", model.rank, step, exc)
-    stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and STALE_GENERATION in exc.details
+    # the step's membership changed without this rank: nothing the others train is wrong, so
+    # it does not abort their epoch (it did: each member recovered, for every late wake-up)
+    stale = exc.code == grpc.StatusCode.FAILED_PRECONDITION and (
+        STALE_GENERATION in exc.details or GONE_ON in exc.details
+    )
     if exc.code != grpc.StatusCode.ABORTED and not stale:
         state.give_up(f"recovers from step {step}: {exc.method} {exc.code.name}")
     notice = state.current()
@@ -62,6 +69,24 @@ def recover_elastic(model: Any, exc: ShardClientError, step: int, hooks: Any, re
         report.recovery_seconds[-1],
         restored,
     )
+
+
+def _check_epoch(model: Any) -> None:
+    """Moves this rank past a notice that aborted its epoch as its training ended (one that
+    came during its last recovery, after the recovery had read the notices, left it in an
+    aborted epoch with its steps done: its next call, ``state_dict()``, failed with ABORTED).
+    Its servers hold the job whole at its last step (``confirm_kept`` said so before), so
+    nothing is left to recover: it numbers its collectives in the next epoch."""
+    state = model.client.run_state
+    notice = state.current()
+    if notice is not None:
+        log.warning(
+            "rank %d: training ended in an aborted epoch (%s); the servers hold every step:"
+            " moving on to the next epoch",
+            model.rank,
+            notice.reason,
+        )
+        model.restart_collectives(state.next_epoch(notice))
 
 
 def train_elastic(
@@ -92,6 +117,7 @@ def train_elastic(
                 step = model.step_count
             if step >= end:
                 hooks.confirm_kept(model)  # no server restarted empty since the last update
+                _check_epoch(model)
                 break
             sync_scheduler(scheduler, step)
             if checkpoint_every and step % checkpoint_every == 0 and step != taken:
