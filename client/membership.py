@@ -14,6 +14,7 @@ others redo that step without it at once instead of waiting for its gradient. Ev
 from __future__ import annotations
 
 import atexit
+import logging
 import random
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any
 
 import grpc
 
+from paramshard.client import slow_waits
 from paramshard.client.restarts import ELASTIC_ENV
 from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
@@ -37,6 +39,8 @@ __all__ = [
     "StepMembers",
     "leave",
 ]
+
+log = logging.getLogger(__name__)
 
 MIN_NPROC_ENV = "PARAMSHARD_MIN_NPROC"
 """``paramshard launch --min-nproc M``: the fewest members a step trains with."""
@@ -142,6 +146,7 @@ class Membership:
         ``until``, the servers have applied that many steps; raises ``MembershipError`` once it
         waited ``wait_s`` below the minimum."""
         below_since, began = None, time.monotonic()
+        said, every = 0.0, slow_waits.notice_s()
         while True:
             reply = self._call(**kw)
             recovery = kw.get("recovery", False)
@@ -160,11 +165,19 @@ class Membership:
                 pause = min(reply.retry_after_ms / 1000, MAX_PAUSE_S)
                 time.sleep(pause * random.uniform(0.5, 1.0))
             if not reply.below_min:
-                below_since = None
+                below_since, said = None, 0.0
                 continue
             below_since = below_since or now
+            there = _listed(reply.announced, reply.announced_count)
+            if now - below_since >= said + every > 0:  # says so while it waits (slow_waits)
+                said = now - below_since
+                log.warning(
+                    "job '%s' %s: %d rank(s) there (%s), fewer than the minimum of %d; waited"
+                    " %.0f s of %.0f s (elastic_wait_s) for more",
+                    self.job, label, reply.announced_count, there, self.min_members, said,
+                    self.wait_s,
+                )  # fmt: skip
             if now - below_since > self.wait_s:
-                there = _listed(reply.announced, reply.announced_count)
                 raise MembershipError(
                     f"job '{self.job}' {label}: {reply.announced_count} rank(s) there"
                     f" ({there}), fewer than the minimum of {self.min_members}"

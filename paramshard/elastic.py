@@ -40,14 +40,28 @@ def elastic_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 class Departures:
-    """The ranks of an elastic launch that failed for good, and the launcher's exit code."""
+    """The ranks of an elastic launch that failed for good, and the launcher's exit code.
+    ``min_nproc``: the job's minimum, where this launcher runs every rank of it (one host):
+    once fewer run and none has finished, nothing can bring the job back to it (a rank that
+    failed for good never comes back), so the launcher stops the job rather than let the
+    others wait ``elastic_wait_s`` (600 s) in silence below it."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_nproc: int = 0) -> None:
         self.codes: dict[int, int] = {}  # rank -> its exit code
         self.finished = 0  # ranks that ended with 0
+        self.min_nproc = min_nproc
 
     def leave(self, rank: int, code: int) -> None:
         self.codes[rank] = code
+
+    def too_few(self, running: int) -> str:
+        """Why the job cannot train with ``running`` ranks left, or ""."""
+        if self.finished or running >= self.min_nproc:
+            return ""
+        return (
+            f"{running} rank(s) left, fewer than --min-nproc {self.min_nproc}, and none can"
+            " come back (the others failed for good)"
+        )
 
     def exit_code(self) -> int:
         """0 when some rank finished the job; else the first failed rank's code."""

@@ -340,7 +340,9 @@ def launch(args: argparse.Namespace) -> int:
             ranks.append(start_rank(args.node_rank * args.nproc + local_rank))
         for server in servers:
             watch(server, events)
-        departures = elastic.Departures() if args.elastic else None
+        departures = None
+        if args.elastic:  # one host: this launcher runs every rank, and sees the job's size
+            departures = elastic.Departures((args.min_nproc or 1) if args.nnodes == 1 else 0)
 
         def finished(rank: int) -> None:
             """A rank exited 0: it ended for good, which its own release may not have said."""

@@ -225,11 +225,16 @@ def supervise(
         why = f" ({why})" if why else ""
         if departures is not None:
             departures.leave(child.rank, code)
-            say(
-                f"{child.name} failed with exit code {code}{why}; it left the elastic job,"
-                f" {len(running)} rank(s) train on"
-            )
-            continue
+            short = departures.too_few(len(running))
+            if not short:
+                say(
+                    f"{child.name} failed with exit code {code}{why}; it left the elastic job,"
+                    f" {len(running)} rank(s) train on"
+                )
+                continue
+            say(f"{child.name} failed with exit code {code}{why}; {short}: stopping the job")
+            stop(list(running), signal.SIGTERM, grace, received)
+            return code
         plural = "" if len(running) == 1 else "s"
         others = f"; stopping {len(running)} other rank{plural}" if running else ""
         say(f"{child.name} failed with exit code {code}{why}{others}")

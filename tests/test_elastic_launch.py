@@ -114,3 +114,24 @@ def test_torchrun_against_running_servers(servers, tmp_path: Path) -> None:  # n
     want = single_process(STEPS)
     for r in range(3):
         assert_equivalent(torch.load(f"{out}.rank{r}.pt"), want, f"torchrun rank {r}")
+
+
+def test_below_min_nproc_with_nobody_to_come_stops_the_job(tmp_path: Path) -> None:
+    """Ranks 1 and 2 of 3 die for good (no restarts) with ``--min-nproc 2``: one rank is left
+    and none can come back, so the launcher stops the job at once, saying why. Before, it
+    said "1 rank(s) train on" while rank 0 waited below the minimum, silently, for the 600 s
+    of ``elastic_wait_s`` (field review, round 12)."""
+    began = time.monotonic()
+    run = launch(
+        "--nproc", "3", "--elastic", "--min-nproc", "2",
+        JOB, STEPS, tmp_path / "job", "--die", "1:3", "--die", "2:3", timeout=180,
+    )  # fmt: skip
+    took = time.monotonic() - began
+    said = run.stdout[-4000:] + run.stderr[-4000:]
+    assert run.returncode == 137, said
+    assert (
+        "1 rank(s) left, fewer than --min-nproc 2, and none can come back (the others failed"
+        " for good): stopping the job" in run.stderr
+    ), said
+    assert "1 rank(s) train on" not in run.stderr, said
+    assert took < 120, f"{took:.0f} s"

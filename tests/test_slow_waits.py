@@ -28,6 +28,7 @@ from conftest import worker_env
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError, slow_waits
 from paramshard.client.futures import Done, ShmFuture
 from paramshard.client.local_calls import LocalFuture
+from paramshard.client.membership import Membership, MembershipError
 from paramshard.server import ShardServer
 
 NOTICE_S = 1.0
@@ -227,3 +228,25 @@ def test_a_call_that_ended_already_returns_at_once() -> None:
     for fut in (Done(reply=1), ShmFuture(Done(reply=1), None, None)):  # type: ignore[arg-type]
         slow_waits.wait(fut, began, began + 30.0, 10.0, said.append)
     assert time.monotonic() - began < 5.0 and said == []
+
+
+def test_a_rank_waiting_below_the_minimum_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An elastic rank alone where the job needs 2 waits ``elastic_wait_s`` for more, and
+    says so every notice meanwhile; it waited in silence before (field review, round 12)."""
+    monkeypatch.setenv(slow_waits.NOTICE_ENV, str(NOTICE_S))
+    server = ShardServer("127.0.0.1", 0).start()
+    c = client(server.address, 0, f"few-{uuid.uuid4().hex[:8]}", 10.0)
+    caplog.set_level(logging.WARNING, logger="paramshard.client.membership")
+    try:
+        waits = Membership(c, "few", min_members=2, window_s=0.5, wait_s=3.5)
+        with pytest.raises(MembershipError, match="fewer than the minimum of 2"):
+            waits.join(0)
+    finally:
+        c.close()
+        server.stop(0)
+    said = [r.getMessage() for r in caplog.records if r.name == "paramshard.client.membership"]
+    assert 2 <= len(said) <= 4, said
+    assert all("1 rank(s) there (ranks 0), fewer than the minimum of 2" in w for w in said), said
+    assert all(re.search(r"waited \d+ s of 4 s \(elastic_wait_s\)", w) for w in said), said
