@@ -8,6 +8,11 @@ numbers it took snapshots at before: its first checkpoint used to fail with ALRE
 (a snapshot is written once), ending the rank that took it, while the others spent their
 recoveries on a server they took for lost. The job's tags are listed once, as training starts,
 by every rank (only the rank that snapshots needs them: the others pass the tag on unused).
+
+A server started without ``--snapshot-dir`` refuses every snapshot. That is no lost server: the
+rank that snapshots (rank 0, an elastic step's leader) tells the others that the run cannot go
+on (a final notice) and raises a ``RuntimeError`` saying what to do. Before, it recovered as
+from a lost server, five times, and so did every rank its notices reached.
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from typing import Any
 
 from paramshard.client import ShardClientError
 
-__all__ = ["CheckpointTags"]
+__all__ = ["CheckpointTags", "save"]
+
+NO_FOLDER = "has no snapshot directory"
+"""What a server without ``--snapshot-dir`` says to a Snapshot (server/snapshots/files.py)."""
 
 
 class CheckpointTags:
@@ -45,3 +53,18 @@ class CheckpointTags:
             fresh, n = f"{tag}.{n}", n + 1
         self.taken.add(fresh)
         return fresh
+
+
+def save(model: Any, tag: str) -> None:
+    """``model.save_checkpoint(tag)``; a server with no snapshot folder ends the run (above)."""
+    try:
+        model.save_checkpoint(tag)
+    except ShardClientError as exc:
+        if exc.method != "Snapshot" or NO_FOLDER not in exc.details:
+            raise
+        why = (
+            f"cannot snapshot: server {exc.server} ({exc.address}) {NO_FOLDER}; start the"
+            " servers with --snapshot-dir (shared by them), or pass checkpoint_every=0"
+        )
+        model.client.run_state.give_up(f"gives up: {why}", final=True)
+        raise RuntimeError(f"train_with_recovery {why}") from exc

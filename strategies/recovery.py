@@ -66,7 +66,7 @@ import grpc
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.ended_ranks import says_ended
-from paramshard.strategies.checkpoint_tags import CheckpointTags
+from paramshard.strategies.checkpoint_tags import CheckpointTags, save
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
@@ -290,7 +290,7 @@ def train_with_recovery(
     tags = CheckpointTags(model, tag_prefix, listed=bool(checkpoint_every))
 
     def checkpoint() -> None:
-        model.save_checkpoint(tags.next(model.step_count, epoch))
+        save(model, tags.next(model.step_count, epoch))
 
     # a server that stops answering lease renewals ends the epoch at once: recovery is
     # cheaper than waiting out retries (client/leases.py)

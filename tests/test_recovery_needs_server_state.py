@@ -1,17 +1,30 @@
 """``train_with_recovery`` recovers a model whose state the servers hold (ZeRO-1/2, FSDP, 3D).
 A DDP model keeps its parameters and optimizer state in each trainer: given one, it says so
 by name before any step. Before, a field review's DDP script failed on both ranks with
-``AttributeError: 'DDPModel' object has no attribute 'registered'``."""
+``AttributeError: 'DDPModel' object has no attribute 'registered'``.
+
+Snapshots need servers with a snapshot folder: where they have none, the rank that snapshots
+says so and the run ends on every rank at once. Before, every rank recovered as from a lost
+server, five times (found writing tests/test_elastic_late_rank.py)."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.strategies import DDPModel, ShardingConfiguration, train_with_recovery
+from paramshard.strategies import (
+    DDPModel,
+    FSDPModel,
+    FSDPOptimizer,
+    ShardingConfiguration,
+    train_with_recovery,
+)
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 
 def test_a_ddp_model_is_refused_by_name_before_any_step(servers) -> None:
@@ -24,3 +37,46 @@ def test_a_ddp_model_is_refused_by_name_before_any_step(servers) -> None:
         assert steps == []
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed-world", "elastic"])
+def test_servers_without_a_snapshot_folder_end_the_run_at_once(servers, elastic) -> None:
+    addresses = [s.address for s in servers(2)]
+    raised: dict[int, BaseException] = {}
+    reports: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=2, run_id=f"nf{elastic}", timeout_s=20
+        )
+        try:
+            config = ShardingConfiguration(client, job="nofolder", elastic=elastic)
+            torch.manual_seed(0)
+            model = FSDPModel(torch.nn.Linear(4, 2), config)
+            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+            def step(s: int) -> float:
+                loss = model(torch.ones(2, 4)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.item()
+
+            reports[r] = train_with_recovery(model, step, 6, checkpoint_every=2)
+        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
+            raised[r] = exc
+        finally:
+            client.close()
+
+    began = time.monotonic()
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    took = time.monotonic() - began
+    assert not any(t.is_alive() for t in threads) and not reports, reports
+    words = "has no snapshot directory; start the servers with --snapshot-dir"
+    assert any(isinstance(e, RuntimeError) and words in str(e) for e in raised.values()), raised
+    assert all(words in str(e) for e in raised.values()), raised  # the other: the final notice
+    assert took < 20, f"{took:.1f} s"
