@@ -24,7 +24,7 @@ import pytest
 import torch
 from numerics import assert_equivalent
 from test_elastic import BATCH, INIT, LR, STEPS, data, net, schedule, single_process
-from test_recovery import ServerProcess, killer, wait_for_replica
+from test_recovery import cluster, cluster_of, killer, wait_for_replica  # noqa: F401
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.strategies import (
@@ -43,22 +43,15 @@ pytestmark = [
 STOP_AT, RANKS = 4, 2
 
 
-@pytest.fixture
-def server_processes(tmp_path):
-    started = [ServerProcess(tmp_path / "snapshots") for _ in range(2)]
-    for s in started:
-        s.start()
-    yield started
-    for s in started:
-        s.stop()
-
-
 @pytest.mark.equivalence
 @pytest.mark.parametrize("elastic", [True, False], ids=["elastic", "fixed-world"])
-def test_a_decision_cut_short_by_a_server_loss_is_asked_again(server_processes, elastic) -> None:
+def test_a_decision_cut_short_by_a_server_loss_is_asked_again(
+    cluster,  # noqa: F811 - the fixture imported above: 2 serve processes
+    elastic,
+) -> None:
     x, y = data(5)
-    addresses = [s.address for s in server_processes]
-    kill_server_1, killed, restarted = killer(server_processes[1], STOP_AT)
+    addresses = [s.address for s in cluster]
+    kill_server_1, killed, restarted = killer(cluster[1], STOP_AT)
     asked: defaultdict[int, list] = defaultdict(list)  # rank -> its answers about STOP_AT
     arrived, after_kill = threading.Barrier(RANKS), threading.Barrier(RANKS)
     results: dict[int, tuple] = {}
