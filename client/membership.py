@@ -168,16 +168,17 @@ class Membership:
                 below_since, said = None, 0.0
                 continue
             below_since = below_since or now
-            there = _listed(reply.announced, reply.announced_count)
             if now - below_since >= said + every > 0:  # says so while it waits (slow_waits)
                 said = now - below_since
                 log.warning(
                     "job '%s' %s: %d rank(s) there (%s), fewer than the minimum of %d; waited"
                     " %.0f s of %.0f s (elastic_wait_s) for more",
-                    self.job, label, reply.announced_count, there, self.min_members, said,
+                    self.job, label, reply.announced_count,
+                    _listed(reply.announced, reply.announced_count), self.min_members, said,
                     self.wait_s,
                 )  # fmt: skip
             if now - below_since > self.wait_s:
+                there = _listed(reply.announced, reply.announced_count)
                 raise MembershipError(
                     f"job '{self.job}' {label}: {reply.announced_count} rank(s) there"
                     f" ({there}), fewer than the minimum of {self.min_members}"

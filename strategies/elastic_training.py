@@ -103,11 +103,10 @@ def train_elastic(
     scheduler: Any,
 ) -> None:
     """The elastic loop (module docstring); ``hooks``: ``recoverable(model, exc)``,
-    ``wait_for_servers(model)``, ``after_step(step, loss) -> stop``, after a recovery that
-    left the servers at step ``held`` ``decide_again(held) -> the step count training ends
-    at`` (``should_stop`` asked again about the last step they hold, as in the fixed world:
-    its call may have been cut short by the failure), and ``confirm_kept(model)``, which
-    raises a recoverable error where a server lost the job after its last update."""
+    ``wait_for_servers(model)``, ``after_step(step, loss) -> stop`` and, after a recovery
+    that left the servers at step ``held``, ``decide_again(held) -> the step count training
+    ends at`` (``should_stop`` asked again about the last step they hold, as in the fixed world:
+    its call may have been cut short by the failure)."""
     taken = -1  # the step a checkpoint was taken before, in this epoch
     end = steps  # the step count training ends at: ``steps``, or after should_stop said so
     while True:
@@ -117,7 +116,7 @@ def train_elastic(
                 model.join_step(until=end)  # a rank that comes as the job ends joins nothing
                 step = model.step_count
             if step >= end:
-                hooks.confirm_kept(model)  # no server restarted empty since the last update
+                model.confirm_kept()  # no server restarted empty since the last update
                 _check_epoch(model)
                 break
             sync_scheduler(scheduler, step)

@@ -313,7 +313,6 @@ def train_with_recovery(
                 wait_for_servers=lambda m: _wait_for_servers(m, wait_s),
                 after_step=after_step,
                 decide_again=lambda held: _decide_again(should_stop, held, steps, report),
-                confirm_kept=lambda m: m.confirm_kept(),
             )
             train_elastic(
                 model, train_step, steps, hooks, report, checkpoint_every=checkpoint_every,

@@ -98,13 +98,12 @@ class ServerCheckpoints(ElasticCheckpoints):
         self.restarted_alone = False
         return self._adopt_server_version()
 
-    def lost_servers(self) -> list[str]:
-        """The addresses of the job's servers that hold none of its values, or hold them at
-        another step than this rank's: a server restarted empty after the last update
-        (``confirm_kept``)."""
+    def lost_servers(self) -> list[int]:
+        """The job's servers (indices of this rank's client) that hold none of its values, or
+        hold them at another step than this rank's: a server restarted empty after the last
+        update (``confirm_kept``)."""
         versions = job_versions(self.client, self.config.job)
-        held = zip(self.client.spec.addresses, versions, strict=True)
-        return [address for address, v in held if v != self.step_count]
+        return [i for i, v in enumerate(versions) if v != self.step_count]
 
     def confirm_kept(self) -> None:
         """``confirm_kept`` (below) for this job, as ``train_with_recovery`` ends."""
@@ -246,21 +245,21 @@ class ServerCheckpoints(ElasticCheckpoints):
             )
 
 
-def confirm_kept(client: Any, job: str, step: int, lost: list[str]) -> None:
-    """Raises a recoverable NOT_FOUND naming the first of ``lost`` (addresses of ``client``'s
-    servers). A server restarted empty after the job's last update goes unseen by the calls
-    that follow it: a collective needs no job there, and a contribution retried after the
-    restart completes on the new process. So ``train_with_recovery`` asks before it returns,
-    and recovers that server rather than end with a part of the job gone. Each rank asks
-    alone: a collective to agree would wait for a rank with more steps (uneven inputs), where
-    a rank that ends must end, so that the servers tell that rank at once. A FSDP or ZeRO
-    rank sees every server of its job; a 3D rank those of its part (the others recover it if
-    theirs is whole: the job then fails on this rank, naming the server)."""
+def confirm_kept(client: Any, job: str, step: int, lost: list[int]) -> None:
+    """Raises a recoverable NOT_FOUND naming the first of ``lost`` (``client``'s servers). A
+    server restarted empty after the job's last update goes unseen by the calls that follow
+    it: a collective needs no job there, and a contribution retried after the restart
+    completes on the new process. So ``train_with_recovery`` asks before it returns, and
+    recovers that server rather than end with a part of the job gone. Each rank asks alone: a
+    collective to agree would wait for a rank with more steps (uneven inputs), where a rank
+    that ends must end, so that the servers tell that rank at once. A FSDP or ZeRO rank sees
+    every server of its job; a 3D rank those of its part (the others recover it if theirs is
+    whole: the job then fails on this rank, naming the server)."""
     if not lost:
         return
-    i = list(client.spec.addresses).index(lost[0])
+    i = lost[0]
     raise ShardClientError(
-        i, lost[0], "RegisterBuffer", grpc.StatusCode.NOT_FOUND,
+        i, client.spec.addresses[i], "RegisterBuffer", grpc.StatusCode.NOT_FOUND,
         f"job '{job}' is not whole on this server at step {step}: it holds none of the job's"
         " values, or another step's (it restarted empty after the last update)",
     )  # fmt: skip
