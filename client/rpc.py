@@ -79,6 +79,7 @@ _METHODS: dict[str, Callable[[bytes], Any]] = {
     "CommitSnapshot": pb.CommitSnapshotReply.FromString,
     "Restore": pb.RestoreReply.FromString,
     "ListSnapshots": pb.ListSnapshotsReply.FromString,
+    "DeleteSnapshot": pb.DeleteSnapshotReply.FromString,
     "ConfigureReplication": pb.ReplicationConfigReply.FromString,
     "ListReplicas": pb.ListReplicasReply.FromString,
     "FetchReplica": pb.ReplicaChunk.FromString,

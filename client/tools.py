@@ -2,6 +2,7 @@
 
 - ``client.jobs``: ``job_params``, ``get_param``, ``inspect`` (what the live servers hold);
 - ``client.checkpoints``: ``snapshot``, ``restore``, ``list_snapshots``;
+- ``client.snapshot_deletion``: ``delete_snapshot``, ``prune_snapshots``;
 - ``client.replicas``: neighbour replication (``configure_replication``,
   ``recover_from_replicas``);
 - ``client.export``: ``export`` and the streaming safetensors writer.
@@ -16,6 +17,7 @@ from paramshard.client.checkpoints import list_snapshots, recovery_tag, restore,
 from paramshard.client.export import export, export_dtype, whole_items, write_safetensors
 from paramshard.client.jobs import ParamRef, get_param, inspect, job_params
 from paramshard.client.replicas import configure_replication, recover_from_replicas
+from paramshard.client.snapshot_deletion import delete_snapshot, prune_snapshots
 
 __all__ = [
     "ParamRef",
@@ -26,6 +28,8 @@ __all__ = [
     "restore",
     "list_snapshots",
     "recovery_tag",
+    "delete_snapshot",
+    "prune_snapshots",
     "configure_replication",
     "recover_from_replicas",
     "export",

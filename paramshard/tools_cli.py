@@ -1,4 +1,5 @@
-"""``paramshard inspect · get · snapshot · snapshots · restore · export``: the job tools.
+"""``paramshard inspect · get · snapshot · snapshots · restore · delete-snapshot · export``: the
+job tools.
 
 Each command is a thin shell over a function of ``client.tools`` (offline export reads the
 snapshot files directly, as a server restoring them does). Every command takes ``--servers``
@@ -232,6 +233,57 @@ def restore(args: argparse.Namespace) -> int:
 
     version = _run(args, tools.restore, args.job, args.tag, args.contributors)
     print(f"restored {args.job}/{args.tag} at version {version}")
+    return 0
+
+
+@command(
+    arg("job"),
+    arg("--tag", action="append", default=[], help="a snapshot to delete (repeatable)"),
+    arg(
+        "--keep-last",
+        type=int_in(1),
+        metavar="K",
+        help="instead: delete all but the K snapshots taken last",
+    ),
+    arg(
+        "--prefix",
+        default="",
+        help="with --keep-last: only tags PREFIX-<step>[-e<epoch>][.<n>], as train_with_recovery"
+        " names its checkpoints (tag_prefix, 'auto' by default)",
+    ),
+    SERVERS,
+    RUN,
+    JSON,
+    TIMEOUT,
+    name="delete-snapshot",
+)
+def delete_snapshot(args: argparse.Namespace) -> int:
+    """Delete snapshots from every server's --snapshot-dir: the manifest first (the tag stops
+    counting), then its shard files. Refused for a tag a server is writing or restoring."""
+    from paramshard.client import tools
+
+    if bool(args.tag) == (args.keep_last is not None):
+        raise CommandError("give --tag TAG (one or more) or --keep-last K", EXIT_USAGE)
+    if args.prefix and args.keep_last is None:
+        raise CommandError("--prefix goes with --keep-last", EXIT_USAGE)
+
+    def delete(client: Any) -> list[dict[str, Any]]:
+        if args.keep_last is not None:
+            return tools.prune_snapshots(client, args.job, args.keep_last, args.prefix)
+        return [tools.delete_snapshot(client, args.job, tag) for tag in args.tag]
+
+    gone = _run(args, delete)
+    if args.json:
+        print(json.dumps(gone, indent=1))
+        return 0
+    for g in gone:
+        torn = "" if g["complete"] else " (torn: no manifest)"
+        kept = f"; left what no snapshot writes: {', '.join(g['kept'])}" if "kept" in g else ""
+        print(
+            f"deleted {g['job']}/{g['tag']}{torn}: {g['files']} files, {g['bytes']:,} bytes{kept}"
+        )
+    if not gone:
+        print(f"nothing to delete: job {args.job} has at most {args.keep_last} such snapshots")
     return 0
 
 

@@ -825,6 +825,28 @@ class ListSnapshotsReply(_message.Message):
     snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
+class DeleteSnapshotRequest(_message.Message):
+    __slots__ = ("job", "tag")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    tag: str
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+
+class DeleteSnapshotReply(_message.Message):
+    __slots__ = ("found", "files", "bytes", "complete", "kept")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    files: int
+    bytes: int
+    complete: bool
+    kept: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: _Optional[bool] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., kept: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ReplicationConfig(_message.Message):
     __slots__ = ("job", "every", "neighbour", "server_index", "num_servers", "token")
     JOB_FIELD_NUMBER: _ClassVar[int]

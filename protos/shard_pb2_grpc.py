@@ -124,6 +124,11 @@ class ShardStub:
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
                 response_deserializer=paramshard_dot_protos_dot_shard__pb2.ListSnapshotsReply.FromString,
                 _registered_method=True)
+        self.DeleteSnapshot = channel.unary_unary(
+                '/paramshard.v1.Shard/DeleteSnapshot',
+                request_serializer=paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotRequest.SerializeToString,
+                response_deserializer=paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotReply.FromString,
+                _registered_method=True)
         self.ConfigureReplication = channel.unary_unary(
                 '/paramshard.v1.Shard/ConfigureReplication',
                 request_serializer=paramshard_dot_protos_dot_shard__pb2.ReplicationConfig.SerializeToString,
@@ -327,6 +332,16 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DeleteSnapshot(self, request, context):
+        """Removes snapshot `tag` of `job` from this server's snapshot directory: its manifest first
+        (the tag stops counting at once), then its shard files and what failed attempts left.
+        Refused while a Snapshot, CommitSnapshot or Restore of this server uses the tag, or a
+        Snapshot call still writes one of its shards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ConfigureReplication(self, request, context):
         """Neighbour replication (docs/design.md §5.2): every `every` steps this server copies a job's
         slices and optimizer state (one version, all buffers) to host memory and to its neighbour.
@@ -497,6 +512,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.ListSnapshots,
                     request_deserializer=paramshard_dot_protos_dot_shard__pb2.ListSnapshotsRequest.FromString,
                     response_serializer=paramshard_dot_protos_dot_shard__pb2.ListSnapshotsReply.SerializeToString,
+            ),
+            'DeleteSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSnapshot,
+                    request_deserializer=paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotRequest.FromString,
+                    response_serializer=paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotReply.SerializeToString,
             ),
             'ConfigureReplication': grpc.unary_unary_rpc_method_handler(
                     servicer.ConfigureReplication,
@@ -1035,6 +1055,33 @@ class Shard:
             '/paramshard.v1.Shard/ListSnapshots',
             paramshard_dot_protos_dot_shard__pb2.ListSnapshotsRequest.SerializeToString,
             paramshard_dot_protos_dot_shard__pb2.ListSnapshotsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/paramshard.v1.Shard/DeleteSnapshot',
+            paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotRequest.SerializeToString,
+            paramshard_dot_protos_dot_shard__pb2.DeleteSnapshotReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -166,6 +166,11 @@ class ShardServicer:
                 plain(pb.ListSnapshotsRequest),
                 plain_reply,
             ),
+            "DeleteSnapshot": (
+                self.delete_snapshot,
+                plain(pb.DeleteSnapshotRequest),
+                plain_reply,
+            ),
             "ConfigureReplication": (
                 self.configure_replication,
                 plain(pb.ReplicationConfig),
@@ -380,6 +385,9 @@ class ShardServicer:
 
     def list_snapshots(self, req: pb.ListSnapshotsRequest, context: Any) -> Any:
         return self.snapshot_calls.list(req, self.scope_of(context))
+
+    def delete_snapshot(self, req: pb.DeleteSnapshotRequest, context: Any) -> Any:
+        return self.snapshot_calls.delete(req)
 
     # -- neighbour replication ---------------------------------------------------------------
     def configure_replication(self, req: pb.ReplicationConfig, context: Any) -> Any:

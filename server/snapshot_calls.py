@@ -1,11 +1,15 @@
 """The snapshot calls of the Shard service (Snapshot, CommitSnapshot, Restore,
-ListSnapshots) over a server's buffers and its snapshot folder: capture a job at a version
-and write this server's shard file, commit the manifest, load a snapshot's part resharded
-for this server's index, list what is there (for a scoped caller, only its jobs)."""
+ListSnapshots, DeleteSnapshot) over a server's buffers and its snapshot folder: capture a job
+at a version and write this server's shard file, commit the manifest, load a snapshot's part
+resharded for this server's index, list what is there (for a scoped caller, only its jobs),
+remove a tag that none of the others is using here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from paramshard.protos import codec, slicing
@@ -32,6 +36,21 @@ class SnapshotCalls:
         self.buffers, self.snapshots = buffers, snapshots
         self.live_ranks: Callable[[str], frozenset[int] | None] = lambda run: None
         """The ranks of a run that hold leases here (the server's ``LeaseTable.live_ranks``)."""
+        self._using: Counter[tuple[str, str]] = Counter()  # (job, tag) -> calls using it
+        self._use_lock = threading.Lock()
+
+    @contextmanager
+    def _use(self, job: str, tag: str) -> Iterator[None]:
+        """Marks ``job/tag`` in use by this call (a DeleteSnapshot of it is refused)."""
+        with self._use_lock:
+            self._using[job, tag] += 1
+        try:
+            yield
+        finally:
+            with self._use_lock:
+                self._using[job, tag] -= 1
+                if not self._using[job, tag]:
+                    del self._using[job, tag]
 
     def job_slices(self, job: str) -> list[BufferSlice]:
         slices = self.buffers.jobs().get(job)
@@ -57,7 +76,8 @@ class SnapshotCalls:
         copies = 2 * sum(b.capture_bytes() for b in slices)
         self.buffers.budget.reserve(copies, "snapshots", f"snapshot of job '{req.job}'")
         try:
-            return self._snapshot(req, slices, timeout)
+            with self._use(req.job, req.tag):
+                return self._snapshot(req, slices, timeout)
         finally:
             self.buffers.budget.release(copies, "snapshots")
 
@@ -94,14 +114,35 @@ class SnapshotCalls:
         )
 
     def commit(self, req: pb.CommitSnapshotRequest) -> Any:
-        return pb.CommitSnapshotReply(
-            path=self.snapshots.commit(req.job, req.tag, req.manifest_json)
+        with self._use(req.job, req.tag):
+            path = self.snapshots.commit(req.job, req.tag, req.manifest_json)
+        return pb.CommitSnapshotReply(path=path)
+
+    def delete(self, req: pb.DeleteSnapshotRequest) -> Any:
+        """Removes ``req.job/req.tag`` here, unless a call of this server uses it."""
+        with self._use_lock:  # held while the files go: no call of the tag starts meanwhile
+            if self._using[req.job, req.tag]:
+                raise ShardError.precondition(
+                    f"delete: snapshot '{req.job}/{req.tag}' is in use on this server (a"
+                    " Snapshot, CommitSnapshot or Restore of it runs): try again once it ended"
+                )
+            done = self.snapshots.delete(req.job, req.tag)
+        return pb.DeleteSnapshotReply(
+            found=done.found,
+            files=done.files,
+            bytes=done.bytes,
+            complete=done.complete,
+            kept=done.kept,
         )
 
     def restore(self, req: pb.RestoreRequest) -> Any:
         check_placement(req.server_index, req.num_servers, "restore")
         self._check_not_training(req)
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
+        with self._use(req.job, tag):
+            return self._restore(req, tag)
+
+    def _restore(self, req: pb.RestoreRequest, tag: str) -> Any:
         manifest = self.snapshots.load_manifest(req.job, tag)
         layout = self.snapshots.layout(req.job, tag, manifest)
         specs = [self._spec(req, name, info, recorded_model_config(manifest))

@@ -9,6 +9,12 @@ numbers it took snapshots at before: its first checkpoint used to fail with ALRE
 recoveries on a server they took for lost. The job's tags are listed once, as training starts,
 by every rank (only the rank that snapshots needs them: the others pass the tag on unused).
 
+After each checkpoint the rank that took it deletes the job's older checkpoints of this prefix,
+all but the ``keep_last`` taken last (torchtitan's ``keep_latest_k``; client/snapshot_deletion.py):
+a job snapshotting every few hundred steps filled its disk before, nothing ever deleting a
+snapshot. Tags saved by hand (``save_checkpoint``, ``paramshard snapshot``) are never deleted,
+nor is a checkpoint of another prefix. A deletion that fails is logged, and training goes on.
+
 A server started without ``--snapshot-dir`` refuses every snapshot. That is no lost server: the
 rank that snapshots (rank 0, an elastic step's leader) tells the others that the run cannot go
 on (a final notice) and raises a ``RuntimeError`` saying what to do. Before, it recovered as
@@ -17,11 +23,14 @@ from a lost server, five times, and so did every rank its notices reached.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from paramshard.client import ShardClientError
 
 __all__ = ["CheckpointTags", "save"]
+
+log = logging.getLogger("paramshard.recovery")
 
 NO_FOLDER = "has no snapshot directory"
 """What a server without ``--snapshot-dir`` says to a Snapshot (server/snapshots/files.py)."""
@@ -30,11 +39,12 @@ NO_FOLDER = "has no snapshot directory"
 class CheckpointTags:
     """The next checkpoint's tag for one ``train_with_recovery`` call."""
 
-    def __init__(self, model: Any, prefix: str, listed: bool) -> None:
-        """``listed``: whether checkpoints are taken at all (else nothing is asked)."""
+    def __init__(self, model: Any, prefix: str, listed: bool, keep_last: int = 0) -> None:
+        """``listed``: whether checkpoints are taken at all (else nothing is asked);
+        ``keep_last``: how many of them to keep (0: all)."""
         from paramshard.client import tools
 
-        self.prefix = prefix
+        self.prefix, self.keep_last = prefix, keep_last
         self.taken: set[str] = set()
         if not listed:
             return
@@ -53,6 +63,34 @@ class CheckpointTags:
             fresh, n = f"{tag}.{n}", n + 1
         self.taken.add(fresh)
         return fresh
+
+    def take(self, model: Any, step: int, epoch: int) -> None:
+        """A checkpoint before ``step`` in ``epoch`` (every rank calls it), then the older
+        ones beyond ``keep_last`` deleted by the rank that took it."""
+        save(model, self.next(step, epoch))
+        if self.keep_last and _takes_snapshots(model):
+            self._prune(model)
+
+    def _prune(self, model: Any) -> None:
+        from paramshard.client.snapshot_deletion import prune_snapshots
+
+        job = model.config.job
+        try:
+            gone = prune_snapshots(model.config.client, job, self.keep_last, self.prefix)
+        except (ShardClientError, KeyError) as exc:  # refused, a server away: next time
+            log.warning("job '%s': older checkpoints were not deleted: %s", job, exc)
+            return
+        if gone:
+            mb = sum(g["bytes"] for g in gone) / 2**20
+            tags = ", ".join(g["tag"] for g in gone)
+            log.info("job '%s': deleted checkpoint(s) %s (%.1f MiB)", job, tags, mb)
+
+
+def _takes_snapshots(model: Any) -> bool:
+    """Whether this rank took the checkpoint just saved: rank 0, or an elastic step's leader
+    (``save_checkpoint``)."""
+    members = model.join_step() if getattr(model, "membership", None) is not None else None
+    return model.config.client.rank == (members.leader if members is not None else 0)
 
 
 def save(model: Any, tag: str) -> None:

@@ -25,7 +25,6 @@ from typing import Any
 import grpc
 
 from paramshard.client import ShardClientError
-from paramshard.strategies.checkpoint_tags import save
 from paramshard.strategies.lr_schedule import sync_scheduler
 from paramshard.strategies.recovery_rounds import recover_until_done
 
@@ -121,7 +120,7 @@ def train_elastic(
                 break
             sync_scheduler(scheduler, step)
             if checkpoint_every and step % checkpoint_every == 0 and step != taken:
-                save(model, tags.next(step, model.client.run_state.epoch))
+                tags.take(model, step, model.client.run_state.epoch)
                 taken = step
             if model.membership is not None:  # it trains the step now: should it leave (an
                 model.membership.training = step  # exception), the others redo the step without it

@@ -66,7 +66,7 @@ import grpc
 from paramshard.client import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.ended_ranks import says_ended
-from paramshard.strategies.checkpoint_tags import CheckpointTags, save
+from paramshard.strategies.checkpoint_tags import CheckpointTags
 from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
@@ -241,6 +241,7 @@ def train_with_recovery(
     *,
     checkpoint_every: int = 10,  # 0: no snapshots (neighbour replicas only)
     tag_prefix: str = "auto",
+    keep_last: int = 10,  # 0: keep every checkpoint
     wait_s: float = 120.0,
     max_recoveries: int = 5,
     progress: Callable[[int, float], Any] | ProgressBar | None = None,
@@ -258,11 +259,18 @@ def train_with_recovery(
     validation the failure cut short is redone; the loss is NaN where this rank has none for
     that step);
     ``scheduler``: an LR scheduler kept at ``model.step_count``;
+    ``keep_last``: after each checkpoint, the job's checkpoints of ``tag_prefix`` taken
+    before the last ``keep_last`` are deleted from the servers' snapshot folders (0 keeps them
+    all; tags saved by hand are never deleted: strategies/checkpoint_tags.py);
     ``finish()``: what every rank does with the servers once training has ended (a final
     evaluation, gathering the model, an export), followed by a barrier: a server dying before
     every rank is through it is recovered like one dying in a step (steps the recovery went
     back are replayed), and ``finish`` runs again. Not for an elastic job, whose ranks need
     not end together."""
+    if keep_last < 0:
+        raise ValueError(
+            f"train_with_recovery: keep_last must be 0 (keep all) or more, not {keep_last}"
+        )
     if not hasattr(model, "recover"):  # DDP: parameters and optimizer state in the trainer
         raise TypeError(
             f"train_with_recovery needs a model whose state the servers hold (ZeRO-1/2, FSDP or"
@@ -287,10 +295,10 @@ def train_with_recovery(
             _show(progress, step, loss, model.step_count)
         return should_stop is not None and should_stop(step, loss)
 
-    tags = CheckpointTags(model, tag_prefix, listed=bool(checkpoint_every))
+    tags = CheckpointTags(model, tag_prefix, bool(checkpoint_every), keep_last)
 
     def checkpoint() -> None:
-        save(model, tags.next(model.step_count, epoch))
+        tags.take(model, model.step_count, epoch)
 
     # a server that stops answering lease renewals ends the epoch at once: recovery is
     # cheaper than waiting out retries (client/leases.py)

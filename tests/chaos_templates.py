@@ -103,6 +103,7 @@ def valid_request(rng: np.random.Generator, name: str, job: str, ctx: Context) -
             job=job, tag=tag, server_index=0, num_servers=1, check_only=bool(rng.integers(2))
         ),
         "ListSnapshots": lambda: pb.ListSnapshotsRequest(job=job),
+        "DeleteSnapshot": lambda: pb.DeleteSnapshotRequest(job=job, tag=tag),
         "ConfigureReplication": lambda: pb.ReplicationConfig(
             job=job, every=1, neighbour=ctx.address, server_index=0, num_servers=1
         ),

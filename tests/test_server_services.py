@@ -44,6 +44,7 @@ METHODS = {
     "CommitSnapshot",
     "Restore",
     "ListSnapshots",
+    "DeleteSnapshot",
     "ConfigureReplication",
     "StoreReplica",
     "ListReplicas",

@@ -164,6 +164,7 @@ FOREIGN: dict[str, Any] = {
     "CommitSnapshot": pb.CommitSnapshotRequest(job=B_JOB, tag="evil", manifest_json="{}"),
     "Restore": pb.RestoreRequest(job=B_JOB, tag="base", num_servers=1),
     "ListSnapshots": pb.ListSnapshotsRequest(job=B_JOB),
+    "DeleteSnapshot": pb.DeleteSnapshotRequest(job=B_JOB, tag="base"),
     "ConfigureReplication": pb.ReplicationConfig(job=B_JOB, every=1, num_servers=1),
     "StoreReplica": _chunk(B_JOB),
     "ListReplicas": pb.ListReplicasRequest(job=B_JOB),

@@ -101,6 +101,7 @@ METHOD_ROLES: dict[str, str] = {
     "DropJob": "admin",
     "Snapshot": "admin",
     "CommitSnapshot": "admin",
+    "DeleteSnapshot": "admin",
     "Restore": "admin",
     "FetchReplica": "admin",
     "LoadReplica": "admin",

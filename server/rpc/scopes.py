@@ -212,6 +212,7 @@ ROUTES: dict[str, Route] = {
     ),
     "Snapshot": _job("job"),
     "CommitSnapshot": _job("job"),
+    "DeleteSnapshot": _job("job"),
     "Restore": Route(
         "job", ("job",), "`job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
     ),

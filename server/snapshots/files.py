@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name, taken_order
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.deletion import Removed, remove_tag
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 from paramshard.server.snapshots.reservations import Reservation, take
@@ -175,6 +176,15 @@ class SnapshotDir:
                         " snapshot never changes: pick another tag",
                     ) from None
             return folder.name("manifest.json")
+
+    def delete(self, job: str, tag: str) -> Removed:
+        """Removes snapshot ``job/tag`` from this folder (deletion.py)."""
+        if tag == "latest":  # no folder has that name (``_folder``): it would delete nothing
+            raise ShardError.invalid(
+                "delete: name the snapshot's tag; 'latest' is resolved only when restoring"
+            )
+        self.path(job, tag)  # the names, and that there is a directory
+        return remove_tag(self._require(), job, tag, f"snapshot '{job}/{tag}'")
 
     # -- reading ------------------------------------------------------------------------------
     def list(self, job: str = "") -> list[dict[str, Any]]:

@@ -150,6 +150,10 @@ class Folder:
     def unlink(self, name: str) -> None:
         os.unlink(name, dir_fd=self.fd)
 
+    def rmdir(self, name: str) -> None:
+        """Removes empty folder ``name`` (OSError when it is not empty or not a folder)."""
+        os.rmdir(name, dir_fd=self.fd)
+
     def write_once(self, name: str, data: bytes) -> None:
         """Creates ``name`` with ``data`` whole or not at all, never replacing anything there
         (FileExistsError): written to a temporary name, fsynced, then hard-linked to its name,

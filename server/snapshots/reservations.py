@@ -21,13 +21,15 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder
 
-__all__ = ["STALE_S", "Reservation", "take"]
+__all__ = ["STALE_S", "Reservation", "no_writers", "take"]
 
 STALE_S = 3600.0
 """A marker of another host (whose process this server cannot look up) is taken for abandoned
@@ -85,6 +87,30 @@ def take(folder: Folder, name: str, what: str) -> Reservation:
                 raise _held(what, name) from None
         _LIVE.add(_key(folder, marker, call))
     return Reservation(folder, marker, call)
+
+
+@contextmanager
+def no_writers(folder: Folder, what: str) -> Iterator[None]:
+    """Holds off every Snapshot call of this process from taking a shard of ``folder`` (a
+    tag's) for the block, which runs only when no live call holds one: FAILED_PRECONDITION
+    naming the shard otherwise. Markers of calls that are gone are removed first (a
+    deletion's: the tag's files go with them)."""
+    marker = re.compile(r"\.(.+)\.reserved")
+    with _LOCK:
+        for entry, kind in folder.entries():
+            found = marker.fullmatch(entry)
+            if found is None or kind != "file":
+                continue
+            if not _abandoned(folder, entry):
+                fields = _fields(folder, entry)
+                raise ShardError.precondition(
+                    f"{what}: shard {found.group(1)} is being written by a Snapshot call"
+                    f" (host {fields.get('host', '?')}, pid {fields.get('pid', '?')}; a"
+                    f" marker of another host counts for {STALE_S / 3600:g} h): try again"
+                    " once it has ended"
+                )
+            _remove(folder, entry)
+        yield
 
 
 def _key(folder: Folder, marker: str, call: str) -> tuple[int, int, str, str]:

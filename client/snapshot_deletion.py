@@ -1,0 +1,91 @@
+"""Deleting snapshots: one tag of a job (``delete_snapshot``), or all but the ones taken last
+(``prune_snapshots``, what ``train_with_recovery(keep_last=...)`` runs after each checkpoint,
+as torchtitan's ``keep_latest_k`` does).
+
+Every server of the cluster is asked (``DeleteSnapshot``): each removes the tag from its own
+snapshot folder, and where they share one folder the first removes it and the others find
+nothing. A 3D job's base name stands for every part's snapshot of the tag, torn parts included
+(a part written before a failure, never committed: no listing shows it). A tag that a server
+is writing, committing or restoring is refused there (FAILED_PRECONDITION), and the others
+remove theirs: the tag is then torn, as a failed snapshot is, and deleting it again finishes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from paramshard.client.checkpoints import list_snapshots
+from paramshard.client.jobs import server_jobs
+from paramshard.client.rpc import Call
+from paramshard.client.shard_client import ShardClient
+from paramshard.client.tensor_parts import find_parts
+from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.placement import parse_part_job
+
+__all__ = ["delete_snapshot", "prune_snapshots"]
+
+
+def delete_snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
+    """Removes snapshot ``tag`` of ``job`` (or of every part of 3D job ``job``) from every
+    server's folder; returns what was removed: job, tag, jobs, files, bytes, complete.
+    KeyError when no server had it."""
+    jobs = _jobs_of(client, job, tag)
+    replies = client.run(
+        Call(server, "DeleteSnapshot", pb.DeleteSnapshotRequest(job=j, tag=tag))
+        for j in jobs
+        for server in range(client.num_servers)
+    )
+    if not any(r.found for r in replies):
+        raise KeyError(f"job '{job}' has no snapshot '{tag}' on any server")
+    kept = sorted({name for r in replies for name in r.kept})
+    return {
+        "job": job,
+        "tag": tag,
+        "jobs": jobs,
+        "files": sum(r.files for r in replies),
+        "bytes": sum(r.bytes for r in replies),
+        "complete": any(r.complete for r in replies),
+        **({"kept": kept} if kept else {}),
+    }
+
+
+def _jobs_of(client: ShardClient, job: str, tag: str) -> list[str]:
+    """The jobs whose folder ``tag`` is deleted: ``job``'s own, or, for a 3D job's base name,
+    its parts' (those registered on the servers, and those its listed snapshots name)."""
+    rows = list_snapshots(client)
+    if any(r["job"] == job for r in rows):
+        return [job]
+    held = server_jobs(client)
+    if job in held.status:
+        return [job]
+    parts = set(find_parts(job, held.jobs).values())
+    for r in rows:
+        parsed = parse_part_job(r["job"])
+        if parsed is not None and parsed[0] == job and r["tag"] == tag:
+            parts.update(r.get("hybrid", {}).get("parts", [r["job"]]))
+    return sorted(parts) or [job]
+
+
+def prune_snapshots(
+    client: ShardClient,
+    job: str,
+    keep_last: int,
+    prefix: str = "",
+    keep: frozenset[str] = frozenset(),
+) -> list[dict[str, Any]]:
+    """Deletes the complete snapshots of ``job`` (a 3D job's: by base name) whose tag starts
+    with ``prefix``, all but the ``keep_last`` taken last and any tag in ``keep``; returns what
+    each deletion removed, oldest first. ``prefix`` of ``train_with_recovery``'s tags
+    (``auto``) matches ``auto-<step>`` and its ``-e<epoch>`` and ``.<n>`` forms only, never a
+    tag saved by hand."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be at least 1, not {keep_last}")
+    own = re.compile(rf"{re.escape(prefix)}-[0-9]+(-e[0-9]+)?(\.[0-9]+)?") if prefix else None
+    rows = [
+        r
+        for r in list_snapshots(client, job, combine_parts=True)
+        if r["job"] == job and (own is None or own.fullmatch(r["tag"]))
+    ]  # oldest first (taken order)
+    doomed = [r["tag"] for r in rows[: max(0, len(rows) - keep_last)] if r["tag"] not in keep]
+    return [delete_snapshot(client, job, tag) for tag in doomed]

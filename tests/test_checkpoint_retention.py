@@ -1,0 +1,109 @@
+"""``train_with_recovery(keep_last=K)`` keeps the K checkpoints taken last and deletes the
+older ones of its ``tag_prefix`` from the servers' folders, as torchtitan's ``keep_latest_k``
+does; tags saved by hand stay. Before, every checkpoint stayed, and a job snapshotting every
+few hundred steps filled its disk.
+
+Real in-process servers sharing the test's folder; ranks are threads, of an FSDP model (fixed
+world and elastic) and of a 3D model (every part's folder of a deleted tag goes).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from test_hybrid_export import run_hybrid
+
+from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.strategies import (
+    FSDPModel,
+    FSDPOptimizer,
+    ShardingConfiguration,
+    train_with_recovery,
+)
+
+pytestmark = pytest.mark.timeout(180)
+STEPS = 10
+
+
+def train_fsdp(addresses: list[str], job: str, elastic: bool, **kw) -> None:
+    """Two ranks train ``job`` for STEPS steps, checkpoints every 2; rank 0 saves "mine"
+    first."""
+    run, raised = uuid.uuid4().hex[:6], []
+
+    def rank(r: int) -> None:
+        client = ShardClient(ClusterSpec(addresses), rank=r, world_size=2, run_id=run, timeout_s=30)
+        try:
+            config = ShardingConfiguration(client, job=job, elastic=elastic)
+            torch.manual_seed(0)
+            model = FSDPModel(torch.nn.Linear(4, 2), config)
+            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+            model.save_checkpoint("mine")
+
+            def step(s: int) -> float:
+                loss = model(torch.full((2, 4), float(s + r))).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.item()
+
+            train_with_recovery(model, step, STEPS, checkpoint_every=2, **kw)
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            raised.append(exc)
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not raised and not any(t.is_alive() for t in threads), raised
+
+
+def listed(addresses: list[str], job: str) -> list[str]:
+    client = ShardClient(ClusterSpec(addresses), timeout_s=10)
+    try:
+        return [r["tag"] for r in tools.list_snapshots(client, job, combine_parts=True)]
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed-world", "elastic"])
+def test_the_last_checkpoints_are_kept_and_tags_saved_by_hand(servers, tmp_path, elastic) -> None:
+    addresses = [s.address for s in servers(2, snapshot_dir=str(tmp_path))]
+    train_fsdp(addresses, "kept", elastic, keep_last=2)
+    # an elastic job checkpoints before a step only: none at the end
+    last = ["auto-6", "auto-8"] if elastic else ["auto-8", "auto-10"]
+    assert listed(addresses, "kept") == ["mine", *last]
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == sorted(["mine", *last])
+
+
+def test_keep_last_0_keeps_every_checkpoint(servers, tmp_path) -> None:
+    addresses = [s.address for s in servers(2, snapshot_dir=str(tmp_path))]
+    train_fsdp(addresses, "all", False, keep_last=0)
+    assert listed(addresses, "all") == ["mine"] + [f"auto-{s}" for s in range(0, STEPS + 1, 2)]
+    with pytest.raises(ValueError, match="keep_last must be 0"):
+        train_with_recovery(object(), lambda s: 0.0, 1, keep_last=-1)  # type: ignore[arg-type]
+
+
+def test_a_3d_jobs_parts_are_deleted_with_their_tag(tmp_path: Path) -> None:
+    from paramshard.server import ShardServer
+
+    nodes = [ShardServer("127.0.0.1", 0, snapshot_dir=str(tmp_path)).start() for _ in range(2)]
+    addresses, job = [n.address for n in nodes], f"g3d-{uuid.uuid4().hex[:6]}"
+    try:
+
+        def body(model, opt, train):
+            train_with_recovery(model, train, 5, checkpoint_every=2, keep_last=1)
+
+        run_hybrid(2, 1, 1, addresses, job, body)
+        assert listed(addresses, job) == ["auto-4"]
+        for part in (f"{job}.pp0.tp0", f"{job}.pp1.tp0"):
+            assert [p.name for p in (tmp_path / part).iterdir()] == ["auto-4"], part
+    finally:
+        for n in nodes:
+            n.stop(0)
