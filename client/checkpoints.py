@@ -288,12 +288,14 @@ def recovery_tag(client: ShardClient, job: str, loaded: tuple[str, float] | None
 
 
 def list_snapshots(
-    client: ShardClient, job: str = "", combine_parts: bool = False
+    client: ShardClient, job: str = "", combine_parts: bool = False, torn: bool = False
 ) -> list[dict[str, Any]]:
     """The complete snapshots in server 0's snapshot directory, oldest first. With
     ``combine_parts``, the part snapshots of a 3D job under one tag (every part there, all at
-    one version) make one row under the base name, with "parts"; ``job`` may then be a base."""
-    reply = client.call(0, "ListSnapshots", pb.ListSnapshotsRequest(job=job))
+    one version) make one row under the base name, with "parts"; ``job`` may then be a base.
+    With ``torn``, then the torn tags (shards, no manifest: never committed), each with
+    "torn", one row per part of a 3D job."""
+    reply = client.call(0, "ListSnapshots", pb.ListSnapshotsRequest(job=job, torn=torn))
     rows = [
         {
             "job": s.job,
@@ -304,6 +306,7 @@ def list_snapshots(
             "servers": list(s.servers) or list(range(s.num_servers)),
             "cluster_servers": s.cluster_servers or s.num_servers,
             **({"hybrid": {"parts": list(s.parts)}} if s.parts else {}),
+            **({"torn": True} if s.torn else {}),
         }
         for s in reply.snapshots
     ]
@@ -312,9 +315,11 @@ def list_snapshots(
     if job and not rows:  # maybe a 3D job's base name
         rows = [
             r
-            for r in list_snapshots(client)
+            for r in list_snapshots(client, torn=torn)
             if (parsed := parse_part_job(r["job"])) is not None and parsed[0] == job
         ]
+    torn_rows = [r for r in rows if r.get("torn")]
+    rows = [r for r in rows if not r.get("torn")]
     groups: dict[tuple[str, str], dict[tuple[int, int], dict[str, Any]]] = {}
     for r in rows:
         parsed = parse_part_job(r["job"])
@@ -322,8 +327,8 @@ def list_snapshots(
             groups.setdefault((parsed[0], r["tag"]), {})[parsed[1], parsed[2]] = r
     out, merged = [], set()
     for (base, tag), found in groups.items():
-        try:
-            check_complete(base, found)
+        try:  # the parts each manifest recorded: a tag some part lacks is not complete
+            check_complete(base, found, recorded_parts(found.values()))
         except PartsError:
             continue
         if len({(r["version"], r["num_servers"]) for r in found.values()}) != 1:
@@ -341,4 +346,4 @@ def list_snapshots(
         )
         merged |= {id(r) for r in found.values()}
     out += [r for r in rows if id(r) not in merged]
-    return sorted(out, key=taken_order)
+    return sorted(out, key=taken_order) + torn_rows

@@ -28,17 +28,31 @@ __all__ = ["delete_snapshot", "prune_snapshots"]
 
 def delete_snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
     """Removes snapshot ``tag`` of ``job`` (or of every part of 3D job ``job``) from every
-    server's folder; returns what was removed: job, tag, jobs, files, bytes, complete.
-    KeyError when no server had it."""
+    server's folder; returns what was removed: job, tag, jobs, files, bytes, complete (and
+    kept: what no snapshot writes, left in place). KeyError when no server had it.
+
+    Every server is asked first whether it would (``check_only``): servers share one folder,
+    so one that is writing or restoring the tag must stop the deletion before another removes
+    the files. A server that begins to use the tag after its check may still find it gone
+    (its call then fails FAILED_PRECONDITION, saying so)."""
     jobs = _jobs_of(client, job, tag)
-    replies = client.run(
-        Call(server, "DeleteSnapshot", pb.DeleteSnapshotRequest(job=j, tag=tag))
-        for j in jobs
-        for server in range(client.num_servers)
-    )
-    if not any(r.found for r in replies):
+
+    def each(check_only: bool) -> list[Any]:
+        return client.run(
+            Call(
+                server,
+                "DeleteSnapshot",
+                pb.DeleteSnapshotRequest(job=j, tag=tag, check_only=check_only),
+            )
+            for j in jobs
+            for server in range(client.num_servers)
+        )
+
+    if not any(r.found for r in each(True)):
         raise KeyError(f"job '{job}' has no snapshot '{tag}' on any server")
+    replies = each(False)
     kept = sorted({name for r in replies for name in r.kept})
+    more = max((r.more_kept for r in replies), default=0)
     return {
         "job": job,
         "tag": tag,
@@ -46,14 +60,14 @@ def delete_snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
         "files": sum(r.files for r in replies),
         "bytes": sum(r.bytes for r in replies),
         "complete": any(r.complete for r in replies),
-        **({"kept": kept} if kept else {}),
+        **({"kept": kept + ([f"... and {more} more"] if more else [])} if kept else {}),
     }
 
 
 def _jobs_of(client: ShardClient, job: str, tag: str) -> list[str]:
     """The jobs whose folder ``tag`` is deleted: ``job``'s own, or, for a 3D job's base name,
     its parts' (those registered on the servers, and those its listed snapshots name)."""
-    rows = list_snapshots(client)
+    rows = list_snapshots(client, torn=True)
     if any(r["job"] == job for r in rows):
         return [job]
     held = server_jobs(client)
@@ -71,21 +85,37 @@ def prune_snapshots(
     client: ShardClient,
     job: str,
     keep_last: int,
-    prefix: str = "",
+    prefix: str | None = None,
     keep: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
-    """Deletes the complete snapshots of ``job`` (a 3D job's: by base name) whose tag starts
-    with ``prefix``, all but the ``keep_last`` taken last and any tag in ``keep``; returns what
-    each deletion removed, oldest first. ``prefix`` of ``train_with_recovery``'s tags
-    (``auto``) matches ``auto-<step>`` and its ``-e<epoch>`` and ``.<n>`` forms only, never a
-    tag saved by hand."""
+    """Deletes the complete snapshots of ``job`` (a 3D job's: by base name), all but the
+    ``keep_last`` taken last and any tag in ``keep``; returns what each deletion removed,
+    oldest first. With ``prefix`` (``train_with_recovery``'s ``tag_prefix``, "" included),
+    only the tags it names its checkpoints, ``<prefix>-<step>`` with its ``-e<epoch>`` and
+    ``.<n>`` forms (a tag saved by hand in that form is taken for one). Torn tags (of that
+    form) older than the newest snapshot kept are deleted too; a newer one may be under way."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
-    own = re.compile(rf"{re.escape(prefix)}-[0-9]+(-e[0-9]+)?(\.[0-9]+)?") if prefix else None
+    own = None
+    if prefix is not None:
+        own = re.compile(rf"{re.escape(prefix)}-[0-9]+(-e[0-9]+)?(\.[0-9]+)?")
     rows = [
         r
-        for r in list_snapshots(client, job, combine_parts=True)
-        if r["job"] == job and (own is None or own.fullmatch(r["tag"]))
-    ]  # oldest first (taken order)
-    doomed = [r["tag"] for r in rows[: max(0, len(rows) - keep_last)] if r["tag"] not in keep]
+        for r in list_snapshots(client, job, combine_parts=True, torn=True)
+        if job in (r["job"], _base(r["job"])) and (own is None or own.fullmatch(r["tag"]))
+    ]  # complete ones oldest first (taken order), then the torn ones
+    # of a 3D job, a part's row is a tag some other part lacks: torn for the job
+    done = [r for r in rows if r["job"] == job and not r.get("torn")]
+    torn = [r for r in rows if r["job"] != job or r.get("torn")]
+    doomed = [r["tag"] for r in done[: max(0, len(done) - keep_last)]]
+    if done:
+        newest = done[-1]["created_unix"]
+        doomed += [r["tag"] for r in torn if r["created_unix"] < newest]
+    doomed = [tag for tag in dict.fromkeys(doomed) if tag not in keep]  # a tag's parts: once
     return [delete_snapshot(client, job, tag) for tag in doomed]
+
+
+def _base(job: str) -> str:
+    """The job a listing's row belongs to: a 3D job's part's base name, else its own."""
+    parsed = parse_part_job(job)
+    return job if parsed is None else parsed[0]

@@ -179,6 +179,11 @@ def snapshot(args: argparse.Namespace) -> int:
 @command(
     arg("job", nargs="?", default="", help="only this job (as the other tools name it)"),
     arg("--job", dest="job_option", default="", metavar="JOB", help="the same"),
+    arg(
+        "--torn",
+        action="store_true",
+        help="also the torn tags (shards, no manifest: never committed), one row per part",
+    ),
     SERVERS,
     RUN,
     JSON,
@@ -186,18 +191,20 @@ def snapshot(args: argparse.Namespace) -> int:
 )
 def snapshots(args: argparse.Namespace) -> int:
     """The complete snapshots in server 0's snapshot directory (a 3D job's parts under one
-    tag: one row, by the base name)."""
+    tag: one row, by the base name); with --torn, the torn tags after them (delete them with
+    paramshard delete-snapshot)."""
     from paramshard.client import tools
 
     if args.job and args.job_option and args.job != args.job_option:
         raise CommandError(f"two jobs: {args.job!r} and --job {args.job_option!r}", EXIT_USAGE)
-    rows = _run(args, tools.list_snapshots, args.job or args.job_option, True)
+    rows = _run(args, tools.list_snapshots, args.job or args.job_option, True, args.torn)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
+    state = ["STATE"] if args.torn else []
     print(
         table(
-            ["JOB", "TAG", "VERSION", "SERVERS", "PARTS"],
+            ["JOB", "TAG", "VERSION", "SERVERS", "PARTS", *state],
             [
                 [
                     r["job"],
@@ -205,6 +212,7 @@ def snapshots(args: argparse.Namespace) -> int:
                     str(r["version"]),
                     str(r["num_servers"]),
                     str(len(r.get("parts", [r["job"]]))),
+                    *(["torn" if r.get("torn") else "complete"] if args.torn else []),
                 ]
                 for r in rows
             ],
@@ -247,7 +255,6 @@ def restore(args: argparse.Namespace) -> int:
     ),
     arg(
         "--prefix",
-        default="",
         help="with --keep-last: only tags PREFIX-<step>[-e<epoch>][.<n>], as train_with_recovery"
         " names its checkpoints (tag_prefix, 'auto' by default)",
     ),
@@ -264,16 +271,28 @@ def delete_snapshot(args: argparse.Namespace) -> int:
 
     if bool(args.tag) == (args.keep_last is not None):
         raise CommandError("give --tag TAG (one or more) or --keep-last K", EXIT_USAGE)
-    if args.prefix and args.keep_last is None:
+    if args.prefix is not None and args.keep_last is None:
         raise CommandError("--prefix goes with --keep-last", EXIT_USAGE)
+    if args.keep_last is not None:
+        gone = _run(args, tools.prune_snapshots, args.job, args.keep_last, args.prefix)
+        if not gone and not args.json:
+            print(f"nothing to delete: job {args.job} has at most {args.keep_last} such snapshots")
+        return _said(gone, args.json)
+    gone, failed = [], []
+    for tag in dict.fromkeys(args.tag):  # each tag on its own: one missing stops no other
+        try:
+            gone.append(_run(args, tools.delete_snapshot, args.job, tag))
+        except CommandError as exc:
+            failed.append(str(exc))
+    _said(gone, args.json)
+    if failed:
+        raise CommandError("; ".join(failed))
+    return 0
 
-    def delete(client: Any) -> list[dict[str, Any]]:
-        if args.keep_last is not None:
-            return tools.prune_snapshots(client, args.job, args.keep_last, args.prefix)
-        return [tools.delete_snapshot(client, args.job, tag) for tag in args.tag]
 
-    gone = _run(args, delete)
-    if args.json:
+def _said(gone: list[dict[str, Any]], as_json: bool) -> int:
+    """Prints what ``delete-snapshot`` removed; 0."""
+    if as_json:
         print(json.dumps(gone, indent=1))
         return 0
     for g in gone:
@@ -282,8 +301,6 @@ def delete_snapshot(args: argparse.Namespace) -> int:
         print(
             f"deleted {g['job']}/{g['tag']}{torn}: {g['files']} files, {g['bytes']:,} bytes{kept}"
         )
-    if not gone:
-        print(f"nothing to delete: job {args.job} has at most {args.keep_last} such snapshots")
     return 0
 
 

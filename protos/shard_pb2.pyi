@@ -794,13 +794,15 @@ class RestoreReply(_message.Message):
     def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ..., buffers: _Optional[int] = ...) -> None: ...
 
 class ListSnapshotsRequest(_message.Message):
-    __slots__ = ("job",)
+    __slots__ = ("job", "torn")
     JOB_FIELD_NUMBER: _ClassVar[int]
+    TORN_FIELD_NUMBER: _ClassVar[int]
     job: str
-    def __init__(self, job: _Optional[str] = ...) -> None: ...
+    torn: bool
+    def __init__(self, job: _Optional[str] = ..., torn: _Optional[bool] = ...) -> None: ...
 
 class SnapshotInfo(_message.Message):
-    __slots__ = ("job", "tag", "version", "num_servers", "created_unix", "servers", "cluster_servers", "parts")
+    __slots__ = ("job", "tag", "version", "num_servers", "created_unix", "servers", "cluster_servers", "parts", "torn")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -809,6 +811,7 @@ class SnapshotInfo(_message.Message):
     SERVERS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_SERVERS_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    TORN_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
     version: int
@@ -817,7 +820,8 @@ class SnapshotInfo(_message.Message):
     servers: _containers.RepeatedScalarFieldContainer[int]
     cluster_servers: int
     parts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ..., servers: _Optional[_Iterable[int]] = ..., cluster_servers: _Optional[int] = ..., parts: _Optional[_Iterable[str]] = ...) -> None: ...
+    torn: bool
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., num_servers: _Optional[int] = ..., created_unix: _Optional[float] = ..., servers: _Optional[_Iterable[int]] = ..., cluster_servers: _Optional[int] = ..., parts: _Optional[_Iterable[str]] = ..., torn: _Optional[bool] = ...) -> None: ...
 
 class ListSnapshotsReply(_message.Message):
     __slots__ = ("snapshots",)
@@ -826,26 +830,30 @@ class ListSnapshotsReply(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
 class DeleteSnapshotRequest(_message.Message):
-    __slots__ = ("job", "tag")
+    __slots__ = ("job", "tag", "check_only")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ...) -> None: ...
+    check_only: bool
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., check_only: _Optional[bool] = ...) -> None: ...
 
 class DeleteSnapshotReply(_message.Message):
-    __slots__ = ("found", "files", "bytes", "complete", "kept")
+    __slots__ = ("found", "files", "bytes", "complete", "kept", "more_kept")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    MORE_KEPT_FIELD_NUMBER: _ClassVar[int]
     found: bool
     files: int
     bytes: int
     complete: bool
     kept: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, found: _Optional[bool] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., kept: _Optional[_Iterable[str]] = ...) -> None: ...
+    more_kept: int
+    def __init__(self, found: _Optional[bool] = ..., files: _Optional[int] = ..., bytes: _Optional[int] = ..., complete: _Optional[bool] = ..., kept: _Optional[_Iterable[str]] = ..., more_kept: _Optional[int] = ...) -> None: ...
 
 class ReplicationConfig(_message.Message):
     __slots__ = ("job", "every", "neighbour", "server_index", "num_servers", "token")

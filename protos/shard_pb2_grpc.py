@@ -335,8 +335,8 @@ class ShardServicer:
     def DeleteSnapshot(self, request, context):
         """Removes snapshot `tag` of `job` from this server's snapshot directory: its manifest first
         (the tag stops counting at once), then its shard files and what failed attempts left.
-        Refused while a Snapshot, CommitSnapshot or Restore of this server uses the tag, or a
-        Snapshot call still writes one of its shards.
+        Refused while a Snapshot, CommitSnapshot or Restore of this server uses the tag (a
+        Restore from its check until it loads), or a Snapshot call still writes one of its shards.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

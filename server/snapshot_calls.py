@@ -6,10 +6,13 @@ remove a tag that none of the others is using here."""
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from paramshard.protos import codec, slicing
@@ -23,9 +26,15 @@ from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_placement
 from paramshard.server.runtime.run_names import run_root
+from paramshard.server.snapshots.deletion import KEPT_NAMED
 from paramshard.server.snapshots.files import SnapshotDir
 
-__all__ = ["SnapshotCalls"]
+__all__ = ["CHECKED_S", "SnapshotCalls"]
+
+CHECKED_S = 60.0
+"""How long a restore's check (phase one, ``check_only``) holds its tag against deletion here,
+until the restore loads it (phase two, on every server once all checked): a tag deleted
+between the phases would load on some servers and fail on others."""
 
 
 class SnapshotCalls:
@@ -37,15 +46,23 @@ class SnapshotCalls:
         self.live_ranks: Callable[[str], frozenset[int] | None] = lambda run: None
         """The ranks of a run that hold leases here (the server's ``LeaseTable.live_ranks``)."""
         self._using: Counter[tuple[str, str]] = Counter()  # (job, tag) -> calls using it
+        self._checked: dict[tuple[str, str], float] = {}  # (job, tag) -> a restore's check
         self._use_lock = threading.Lock()
 
     @contextmanager
     def _use(self, job: str, tag: str) -> Iterator[None]:
-        """Marks ``job/tag`` in use by this call (a DeleteSnapshot of it is refused)."""
+        """Marks ``job/tag`` in use by this call (a DeleteSnapshot of it is refused). A file
+        of it that vanishes meanwhile (deleted by another server of a shared folder) fails
+        the call with FAILED_PRECONDITION, not INTERNAL."""
         with self._use_lock:
             self._using[job, tag] += 1
         try:
             yield
+        except FileNotFoundError as exc:
+            raise ShardError.precondition(
+                f"snapshot '{job}/{tag}': {Path(exc.filename or '?').name} vanished during the"
+                " call (the tag deleted meanwhile?)"
+            ) from None
         finally:
             with self._use_lock:
                 self._using[job, tag] -= 1
@@ -119,20 +136,30 @@ class SnapshotCalls:
         return pb.CommitSnapshotReply(path=path)
 
     def delete(self, req: pb.DeleteSnapshotRequest) -> Any:
-        """Removes ``req.job/req.tag`` here, unless a call of this server uses it."""
+        """Removes ``req.job/req.tag`` here (or, ``check_only``, says whether it would),
+        unless a call of this server uses it or a restore checked it (``CHECKED_S``)."""
+        key, where = (req.job, req.tag), f"snapshot '{req.job}/{req.tag}'"
         with self._use_lock:  # held while the files go: no call of the tag starts meanwhile
-            if self._using[req.job, req.tag]:
+            if self._using[key]:
                 raise ShardError.precondition(
-                    f"delete: snapshot '{req.job}/{req.tag}' is in use on this server (a"
-                    " Snapshot, CommitSnapshot or Restore of it runs): try again once it ended"
+                    f"delete: {where} is in use on this server (a Snapshot, CommitSnapshot or"
+                    " Restore of it runs): try again once it has ended"
                 )
-            done = self.snapshots.delete(req.job, req.tag)
+            checked = time.monotonic() - self._checked.get(key, -math.inf)
+            if checked < CHECKED_S:
+                raise ShardError.precondition(
+                    f"delete: a restore of {where} was checked on this server {checked:.1f} s"
+                    f" ago and has not loaded it (held for {CHECKED_S:g} s): try again later"
+                )
+            self._checked.pop(key, None)
+            done = self.snapshots.delete(req.job, req.tag, req.check_only)
         return pb.DeleteSnapshotReply(
             found=done.found,
             files=done.files,
             bytes=done.bytes,
             complete=done.complete,
-            kept=done.kept,
+            kept=sorted(done.kept)[:KEPT_NAMED],
+            more_kept=max(0, len(done.kept) - KEPT_NAMED),
         )
 
     def restore(self, req: pb.RestoreRequest) -> Any:
@@ -140,7 +167,13 @@ class SnapshotCalls:
         self._check_not_training(req)
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         with self._use(req.job, tag):
-            return self._restore(req, tag)
+            reply = self._restore(req, tag)
+        with self._use_lock:  # checked: held until loaded (a restore checks all, then loads)
+            if req.check_only:
+                self._checked[req.job, tag] = time.monotonic()
+            else:
+                self._checked.pop((req.job, tag), None)
+        return reply
 
     def _restore(self, req: pb.RestoreRequest, tag: str) -> Any:
         manifest = self.snapshots.load_manifest(req.job, tag)
@@ -215,23 +248,28 @@ class SnapshotCalls:
                     " run's own ranks restore it when they recover)"
                 )
 
-    def _listed(self, job: str, scope: Scope | None) -> list[dict[str, Any]]:
-        """``SnapshotDir.list(job)``; for a scoped caller naming no job, each job in scope
-        listed on its own (another job's manifests are not even read)."""
-        if job or scope is None or self.snapshots.root is None:
-            return self.snapshots.list(job)
-        found = []
+    def _listed(self, req: pb.ListSnapshotsRequest, scope: Scope | None) -> list[dict[str, Any]]:
+        """``SnapshotDir.list``; for a scoped caller naming no job, each job in scope listed
+        on its own (another job's manifests are not even read)."""
+        if req.job or scope is None or self.snapshots.root is None:
+            return self.snapshots.list(req.job, req.torn)
+        found, torn = [], []
         for name in sorted(p.name for p in self.snapshots.root.iterdir() if p.is_dir()):
             if scope.allows_job(name):
                 try:
-                    found += self.snapshots.list(name)
+                    rows = self.snapshots.list(name, req.torn)
                 except ShardError:
                     continue  # not a job's folder (a name no job may have)
-        return found
+                found += [r for r in rows if not r.get("torn")]
+                torn += [r for r in rows if r.get("torn")]
+        return found + torn
 
     def list(self, req: pb.ListSnapshotsRequest, scope: Scope | None) -> Any:
         infos = []
-        for m in self._listed(req.job, scope):
+        for m in self._listed(req, scope):
+            if m.get("torn"):
+                infos.append(pb.SnapshotInfo(**m))
+                continue
             servers, cluster = recorded_placement(m)
             infos.append(
                 pb.SnapshotInfo(

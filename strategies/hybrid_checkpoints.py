@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from paramshard.client.tensor_parts import part_job
 from paramshard.strategies.data_parallel.checkpoints import confirm_kept
+from paramshard.strategies.data_parallel.elastic_checkpoints import server_versions
 
 __all__ = ["HybridCheckpoints"]
 
@@ -21,6 +23,7 @@ class HybridCheckpoints:
     pipeline: Any
     groups: Any
     data_parallel_size: int
+    topology: Any
     _verdict: Any
     _invalidate: Any
     _loaded: tuple[str, float] | None = None  # as ``ElasticCheckpoints._loaded``
@@ -98,10 +101,22 @@ class HybridCheckpoints:
         return "restoring every part from their newest common snapshot"
 
     def confirm_kept(self) -> None:
-        """Raises a recoverable NOT_FOUND when a server of this rank's part lost it after the
-        last update (strategies/data_parallel/checkpoints.py)."""
-        replica = self.replica
-        confirm_kept(replica.client, self.config.job, replica.step_count, replica.lost_servers())
+        """Raises a recoverable NOT_FOUND when a server of any part lost it after the last
+        update (strategies/data_parallel/checkpoints.py). Every rank asks about every part,
+        so all recover together: asking about its own part only, a rank whose part was whole
+        returned while the ranks of the part that was not recovered alone, and failed."""
+        world, topo, step = self.config.client, self.topology, self.replica.step_count
+        held: dict[int, dict[str, int | None]] = {}  # server -> part -> version, asked once
+        for pp in range(topo.pipeline_parallel_size):
+            for tp in range(topo.tensor_parallel_size):
+                job = part_job(self.config.job, pp, tp)
+                ranks = [topo.rank_of(pp, tp, dp) for dp in range(topo.data_parallel_size)]
+                servers = list(dict.fromkeys(world.server_of(r) for r in ranks))
+                for i in servers:
+                    if i not in held:
+                        held[i] = server_versions(world, i)
+                lost = [i for i in servers if held[i].get(job) != step]
+                confirm_kept(world, job, step, lost)
 
     def recover(self) -> int:
         """After a server died and came back: every part returns to the newest snapshot all

@@ -139,11 +139,23 @@ def test_what_no_snapshot_writes_is_left_in_place(two, tmp_path_factory) -> None
     (folder / "notes.txt").write_text("mine")
     (folder / "sub").mkdir()
     os.symlink(outside / "precious", folder / "shard-9-of-10.safetensors")  # our name, a link
+    (folder / ".my-lock.reserved").write_text("not a Snapshot's marker")
+    (folder / "..shard-0-of-2.safetensors.reserved.0123456789ab").write_text("a marker's write")
     done = tools.delete_snapshot(c, "j", "t")
-    assert done["complete"] and done["files"] == 3, done
-    kept = ["notes.txt", "shard-9-of-10.safetensors", "sub"]
+    assert done["complete"] and done["files"] == 4, done
+    kept = [".my-lock.reserved", "notes.txt", "shard-9-of-10.safetensors", "sub"]
     assert done["kept"] == kept and sorted(os.listdir(folder)) == kept
     assert (outside / "precious").read_text() == "keep" and tags(c) == []
+
+
+def test_a_reply_names_at_most_100_entries_kept(two) -> None:
+    c, _, root = two
+    tools.snapshot(c, "j", "t")
+    for i in range(150):
+        (root / "j" / "t" / f"{i:03d}-{'y' * 240}").write_text("")
+    done = tools.delete_snapshot(c, "j", "t")
+    assert len(done["kept"]) == 101 and done["kept"][-1] == "... and 50 more", done["kept"][-3:]
+    assert done["kept"][0].startswith("000-") and done["kept"][99].startswith("099-")
 
 
 def test_bad_requests_are_refused_and_change_nothing(two, servers, tmp_path_factory) -> None:
@@ -221,6 +233,24 @@ def test_the_command(two, capsys) -> None:
     assert main(args) == 0 and "nothing to delete" in capsys.readouterr().out
     assert main(["delete-snapshot", "j", "--tag", "gone", "--servers", servers]) == 1
     assert "no snapshot 'gone'" in capsys.readouterr().err
+    tools.snapshot(c, "j", "c")
+    tools.snapshot(c, "j", "d")
+    # each tag on its own: a missing one stops no other, and says which
+    assert (
+        main(
+            [
+                "delete-snapshot",
+                "j",
+                *"--tag c --tag gone --tag d --tag d".split(),
+                "--servers",
+                servers,
+            ]
+        )
+        == 1
+    )
+    said = capsys.readouterr()
+    assert "deleted j/c: 3 files" in said.out and "deleted j/d: 3 files" in said.out
+    assert "no snapshot 'gone'" in said.err and "'d'" not in said.err
     for bad in (
         ["j"],
         ["j", "--tag", "a-2", "--keep-last", "1"],
@@ -230,3 +260,88 @@ def test_the_command(two, capsys) -> None:
     with pytest.raises(SystemExit):  # argparse: K is at least 1
         main(["delete-snapshot", "j", "--keep-last", "0", "--servers", servers])
     assert tags(c) == ["a-2"]
+
+
+def torn(c: ShardClient, tag: str, version: int) -> None:
+    """Server 0's shard of ``tag`` written, nothing committed: a torn tag."""
+    c.call(0, "Snapshot", pb.SnapshotRequest(job="j", tag=tag, version=version, num_servers=2))
+
+
+def test_torn_tags_are_listed_when_asked_and_pruned_once_older(two, capsys) -> None:
+    c, nodes, _ = two
+    torn(c, "auto-0", 0)
+    assert tools.list_snapshots(c, "j") == []
+    (row,) = tools.list_snapshots(c, "j", torn=True)
+    assert (row["tag"], row["torn"], row["version"], row["num_servers"]) == ("auto-0", True, 0, 2)
+    step(c, 0)
+    tools.snapshot(c, "j", "auto-1")
+    step(c, 1)
+    torn(c, "auto-2", 2)  # newer than every complete one: may be under way, kept
+    listed = [(r["tag"], bool(r.get("torn"))) for r in tools.list_snapshots(c, "j", torn=True)]
+    assert listed == [("auto-1", False), ("auto-0", True), ("auto-2", True)]
+    servers = ",".join(s.address for s in nodes)
+    assert main(["snapshots", "j", "--torn", "--servers", servers]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "STATE" and lines[2].split() == [
+        "j",
+        "auto-0",
+        "0",
+        "2",
+        "1",
+        "torn",
+    ]
+    gone = tools.prune_snapshots(c, "j", keep_last=1, prefix="auto")
+    assert [(g["tag"], g["complete"]) for g in gone] == [("auto-0", False)]
+    listed = [(r["tag"], bool(r.get("torn"))) for r in tools.list_snapshots(c, "j", torn=True)]
+    assert listed == [("auto-1", False), ("auto-2", True)]
+
+
+def test_a_tag_a_restore_checked_on_another_server_is_kept_whole(two) -> None:
+    """The servers share one folder: server 0 would remove the files while server 1, which
+    checked a restore of the tag (phase one) and is about to load it, refused. Every server
+    is asked first now, and a restore's check holds its tag until it loads."""
+    c, _, root = two
+    tools.snapshot(c, "j", "t")
+    files = sorted(os.listdir(root / "j" / "t"))
+    check = pb.RestoreRequest(job="j", tag="t", server_index=1, num_servers=2, check_only=True)
+    c.call(1, "Restore", check)
+    with pytest.raises(ShardClientError, match="a restore of snapshot 'j/t' was checked") as err:
+        tools.delete_snapshot(c, "j", "t")
+    assert err.value.server == 1 and sorted(os.listdir(root / "j" / "t")) == files
+    load = pb.RestoreRequest(job="j", tag="t", server_index=1, num_servers=2)
+    c.call(1, "Restore", load)  # loaded: the hold ends
+    assert tools.delete_snapshot(c, "j", "t")["files"] == 3
+
+
+def test_a_3d_jobs_torn_tag_never_outlives_its_last_whole_one(servers, tmp_path) -> None:
+    """A tag that one part committed and another did not (a server lost during the commit)
+    was listed as a whole snapshot: pruning kept it, the newest, and deleted every snapshot
+    that would restore. Deleting a fully torn tag by the base name once the servers no
+    longer hold the job found nothing."""
+    nodes = servers(2, snapshot_dir=str(tmp_path))
+    c = ShardClient(ClusterSpec([s.address for s in nodes]), timeout_s=15, retries=0)
+    parts = ["m.pp0.tp0", "m.pp1.tp0"]
+    try:
+        for job in parts:
+            c.register_buffer(job, "w", N, params=[ParamInfo("w", (N,), 0)])
+            c.set_params(job, "w", np.zeros(N, np.float32))
+        for tag in ("a", "b", "half", "none"):
+            tools.snapshot(c, "m", tag)
+        os.unlink(tmp_path / parts[1] / "half" / "manifest.json")  # its commit never came
+        for part in parts:
+            os.unlink(tmp_path / part / "none" / "manifest.json")
+        assert [r["tag"] for r in tools.list_snapshots(c, "m", combine_parts=True)] == [
+            "a",
+            "b",
+            "half",  # pp0's alone, under the part's name
+        ]
+        assert [g["tag"] for g in tools.prune_snapshots(c, "m", keep_last=1)] == ["a"]
+        assert tools.restore(c, "m", "b") == 0
+        for job in parts:
+            c.call(0, "DropJob", pb.DropJobRequest(job=job))
+            c.call(1, "DropJob", pb.DropJobRequest(job=job))
+        done = tools.delete_snapshot(c, "m", "none")
+        assert (done["jobs"], done["files"], done["complete"]) == (parts, 4, False), done
+        assert sorted(os.listdir(tmp_path / parts[1])) == ["b", "half"]
+    finally:
+        c.close()

@@ -29,13 +29,16 @@ from safetensors import SafetensorError, safe_open
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name, taken_order
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.deletion import Removed, remove_tag
+from paramshard.server.snapshots.deletion import Removed, remove_tag, torn_tags
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 from paramshard.server.snapshots.reservations import Reservation, take
 from paramshard.server.snapshots.shards import (
     Captured,
+    check_held,
+    check_shards_here,
     encode_shard,
+    shard_files,
     shard_meta,
     shard_version,
     tensor_key,
@@ -161,12 +164,16 @@ class SnapshotDir:
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
         with self._folder(job, tag, missing="no shard files here") as folder:
             if folder.kind("manifest.json") is None:  # committed already: answered below
-                _check_shards_here(folder, manifest, where)
+                check_shards_here(folder, manifest, where)
             try:
                 folder.write_once("manifest.json", data)
             except FileExistsError:
                 try:
                     same = folder.read("manifest.json") == data
+                except FileNotFoundError:  # there a moment ago
+                    raise ShardError.precondition(
+                        f"{where} was deleted while it was committed (DeleteSnapshot)"
+                    ) from None
                 except (OSError, ShardError):
                     same = False
                 if not same:
@@ -177,22 +184,22 @@ class SnapshotDir:
                     ) from None
             return folder.name("manifest.json")
 
-    def delete(self, job: str, tag: str) -> Removed:
+    def delete(self, job: str, tag: str, check_only: bool = False) -> Removed:
         """Removes snapshot ``job/tag`` from this folder (deletion.py)."""
         if tag == "latest":  # no folder has that name (``_folder``): it would delete nothing
             raise ShardError.invalid(
                 "delete: name the snapshot's tag; 'latest' is resolved only when restoring"
             )
         self.path(job, tag)  # the names, and that there is a directory
-        return remove_tag(self._require(), job, tag, f"snapshot '{job}/{tag}'")
+        return remove_tag(self._require(), job, tag, f"snapshot '{job}/{tag}'", check_only)
 
     # -- reading ------------------------------------------------------------------------------
-    def list(self, job: str = "") -> list[dict[str, Any]]:
-        """Complete snapshots (a valid manifest and every shard named in it), oldest first. A
-        manifest that is not valid, or a folder or file that is a link, is skipped and logged,
-        never an error for the listing."""
+    def list(self, job: str = "", torn: bool = False) -> list[dict[str, Any]]:
+        """Complete snapshots (a valid manifest and every shard named in it), oldest first;
+        with ``torn``, then the torn tags (deletion.py). A manifest that is not valid, or a
+        folder or file that is a link, is skipped and logged, never an error for the listing."""
         root = self._require()
-        found = []
+        found, torn_rows = [], []
         try:
             top = open_root(root)
         except FileNotFoundError:
@@ -212,7 +219,8 @@ class SnapshotDir:
                         manifest = self._listed(jdir, j, tag, kind)
                         if manifest is not None:
                             found.append({**manifest, "tag": tag})  # restored by its folder
-        return sorted(found, key=taken_order)
+                    torn_rows += torn_tags(jdir, j) if torn else []
+        return sorted(found, key=taken_order) + torn_rows
 
     def _listed(self, jdir: Folder, job: str, tag: str, kind: str) -> dict[str, Any] | None:
         """The manifest of folder ``tag`` of ``jdir`` when it is a complete snapshot."""
@@ -221,7 +229,14 @@ class SnapshotDir:
         if kind != "folder":
             return None
         try:
-            with jdir.child(tag) as tdir:
+            tdir = jdir.child(tag)
+        except FileNotFoundError:  # deleted since the folder was listed (DeleteSnapshot)
+            return None
+        except ShardError as exc:  # a link planted in the folder (folders.py)
+            self._report(jdir.name(tag), 0, exc.message)
+            return None
+        try:
+            with tdir:
                 try:
                     manifest = check_manifest(json.loads(tdir.read("manifest.json")), job, tag)
                 except OSError:
@@ -233,6 +248,8 @@ class SnapshotDir:
                     return manifest
         except ShardError as exc:  # a link planted in the folder (folders.py)
             self._report(jdir.name(tag), 0, exc.message)
+        except OSError:  # its files deleted while it was read
+            pass
         return None
 
     def _report(self, shown: str, mtime_ns: int, why: object) -> None:
@@ -289,7 +306,7 @@ class SnapshotDir:
         """Per buffer: the optimizer-state arrays and step count the shards recorded."""
         out: dict[str, dict[str, Any]] = {}
         with self._folder(job, tag) as folder:
-            metas = [(folder.name(n), shard_meta(folder, n)) for n in _shard_files(manifest)]
+            metas = [(folder.name(n), shard_meta(folder, n)) for n in shard_files(manifest)]
         for file, meta in metas:
             if meta.get("version") != manifest["version"]:
                 raise ShardError.precondition(
@@ -334,7 +351,7 @@ class SnapshotDir:
                                 raise ValueError("the shard holds no such tensor")
                             continue  # optimizer state not allocated yet at that version
                         held = f.get_slice(key)
-                        _check_held(held.get_shape(), numel, old, piece.server)
+                        check_held(held.get_shape(), numel, old, piece.server)
                         lo = piece.local_offset
                         a = piece.global_offset - start
                         out[a : a + piece.numel] = held[lo : lo + piece.numel]
@@ -343,54 +360,3 @@ class SnapshotDir:
                         f"{folder.name(name)}: cannot read {buffer} {kind} ({exc})"
                     ) from None
         return out
-
-
-def _check_held(shape: list[int], numel: int, num: int, index: int) -> None:
-    """A shard's tensor is slice ``index`` of ``num`` of a buffer of ``numel`` elements, as
-    the manifest (a caller's file: CommitSnapshot) says the buffer is."""
-    lo, hi = slicing.slice_bounds(numel, num, index)
-    if shape != [hi - lo]:
-        raise ValueError(
-            f"it holds a tensor of shape {shape[:4]}, the manifest's {numel:,} elements make"
-            f" slice {index} of {num} {hi - lo:,} long"
-        )
-
-
-def _shard_files(manifest: dict[str, Any]) -> list[str]:
-    """The shard files a manifest names (their names in the snapshot's folder)."""
-    return [Path(shard["file"]).name for shard in manifest["shards"]]
-
-
-def _check_shards_here(folder: Folder, manifest: dict[str, Any], where: str) -> None:
-    """FAILED_PRECONDITION unless every shard ``manifest`` names is a file of its size and
-    version in ``folder``. A restore reads every shard, so the servers of a job must share
-    one snapshot folder; where their ``--snapshot-dir``s are separate folders each holds its
-    own shard only, and a manifest committed there would name files no server can read whole.
-    A shard of another version is one a second Snapshot under the same tag wrote over this
-    one's (``reserve`` replaces a shard it takes for an abandoned attempt). Left open: that
-    second Snapshot replacing the shard between this check and the manifest's write; the
-    Restore's checksums then refuse the snapshot."""
-    for shard in manifest["shards"]:
-        name = Path(shard["file"]).name
-        kind = folder.kind(name)
-        if kind == "file" and folder.size(name) == shard["bytes"]:
-            held = shard_version(folder, name)
-            if held == manifest["version"]:
-                continue
-            raise ShardError.precondition(
-                f"{where}: not committed: shard {name} holds version {held}, the manifest's is"
-                f" {manifest['version']}: another Snapshot under this tag replaced it while"
-                " this one was being committed; snapshot again under another tag"
-            )
-        if kind is None:
-            found = "is missing"
-        elif kind == "file":
-            found = f"is {folder.size(name):,} bytes"
-        else:
-            found = f"is a {kind}"
-        raise ShardError.precondition(
-            f"{where}: not committed: shard {name} of server {shard['server']}"
-            f" {found} in this server's snapshot folder {folder.shown!r}"
-            f" ({shard['bytes']:,} bytes written); the servers of a job must share one"
-            " --snapshot-dir (a restore reads every shard), see docs/deployment.md"
-        )

@@ -35,6 +35,7 @@ STALE_S = 3600.0
 """A marker of another host (whose process this server cannot look up) is taken for abandoned
 once it is this old: far past any Snapshot's wait (``--max-wait-s``) and shard write."""
 _MARKER_MAX = 512  # bytes of a marker read: ours take about 100
+_MARKER = re.compile(r"\.(shard-[0-9]+-of-[0-9]+\.safetensors)\.reserved")  # ``take``'s names
 _PROCESS = secrets.token_hex(8)  # this server process, beside its pid
 _LOCK = threading.Lock()
 _LIVE: set[tuple[int, int, str, str]] = set()  # (folder's device, inode, marker, call) held
@@ -90,15 +91,14 @@ def take(folder: Folder, name: str, what: str) -> Reservation:
 
 
 @contextmanager
-def no_writers(folder: Folder, what: str) -> Iterator[None]:
+def no_writers(folder: Folder, what: str, tidy: bool = True) -> Iterator[None]:
     """Holds off every Snapshot call of this process from taking a shard of ``folder`` (a
     tag's) for the block, which runs only when no live call holds one: FAILED_PRECONDITION
-    naming the shard otherwise. Markers of calls that are gone are removed first (a
-    deletion's: the tag's files go with them)."""
-    marker = re.compile(r"\.(.+)\.reserved")
+    naming the shard otherwise. With ``tidy``, markers of calls that are gone are removed
+    first (a deletion's: the tag's files go with them)."""
     with _LOCK:
         for entry, kind in folder.entries():
-            found = marker.fullmatch(entry)
+            found = _MARKER.fullmatch(entry)
             if found is None or kind != "file":
                 continue
             if not _abandoned(folder, entry):
@@ -109,7 +109,8 @@ def no_writers(folder: Folder, what: str) -> Iterator[None]:
                     f" marker of another host counts for {STALE_S / 3600:g} h): try again"
                     " once it has ended"
                 )
-            _remove(folder, entry)
+            if tidy:
+                _remove(folder, entry)
         yield
 
 

@@ -1,6 +1,7 @@
 """A shard file: one server's slices of a job at one version, as safetensors bytes
 (``<buffer>::params`` and ``<buffer>::state.<name>`` tensors, the layout in the ``paramshard``
-metadata). Snapshots (``files``) write and read them on disk; neighbour replicas
+metadata). Snapshots (``files``) write and read them on disk, checking first that a folder's
+shards are those a manifest names (``check_shards_here``, ``check_held``); neighbour replicas
 (server/replication/) send them over the wire."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import base64
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,13 +18,17 @@ from safetensors import safe_open
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from paramshard.protos import slicing
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder
 
 __all__ = [
     "Captured",
+    "check_held",
+    "check_shards_here",
     "decode_shard",
     "encode_shard",
+    "shard_files",
     "shard_meta",
     "shard_version",
     "tensor_key",
@@ -120,3 +126,54 @@ def decode_shard(data: bytes) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     except Exception as exc:  # safetensors raises its own error types
         raise ShardError.invalid(f"not a paramshard shard ({exc})") from None
     return meta, tensors
+
+
+def check_held(shape: list[int], numel: int, num: int, index: int) -> None:
+    """A shard's tensor is slice ``index`` of ``num`` of a buffer of ``numel`` elements, as
+    the manifest (a caller's file: CommitSnapshot) says the buffer is."""
+    lo, hi = slicing.slice_bounds(numel, num, index)
+    if shape != [hi - lo]:
+        raise ValueError(
+            f"it holds a tensor of shape {shape[:4]}, the manifest's {numel:,} elements make"
+            f" slice {index} of {num} {hi - lo:,} long"
+        )
+
+
+def shard_files(manifest: dict[str, Any]) -> list[str]:
+    """The shard files a manifest names (their names in the snapshot's folder)."""
+    return [Path(shard["file"]).name for shard in manifest["shards"]]
+
+
+def check_shards_here(folder: Folder, manifest: dict[str, Any], where: str) -> None:
+    """FAILED_PRECONDITION unless every shard ``manifest`` names is a file of its size and
+    version in ``folder``. A restore reads every shard, so the servers of a job must share
+    one snapshot folder; where their ``--snapshot-dir``s are separate folders each holds its
+    own shard only, and a manifest committed there would name files no server can read whole.
+    A shard of another version is one a second Snapshot under the same tag wrote over this
+    one's (``reserve`` replaces a shard it takes for an abandoned attempt). Left open: that
+    second Snapshot replacing the shard between this check and the manifest's write; the
+    Restore's checksums then refuse the snapshot."""
+    for shard in manifest["shards"]:
+        name = Path(shard["file"]).name
+        kind = folder.kind(name)
+        if kind == "file" and folder.size(name) == shard["bytes"]:
+            held = shard_version(folder, name)
+            if held == manifest["version"]:
+                continue
+            raise ShardError.precondition(
+                f"{where}: not committed: shard {name} holds version {held}, the manifest's is"
+                f" {manifest['version']}: another Snapshot under this tag replaced it while"
+                " this one was being committed; snapshot again under another tag"
+            )
+        if kind is None:
+            found = "is missing"
+        elif kind == "file":
+            found = f"is {folder.size(name):,} bytes"
+        else:
+            found = f"is a {kind}"
+        raise ShardError.precondition(
+            f"{where}: not committed: shard {name} of server {shard['server']}"
+            f" {found} in this server's snapshot folder {folder.shown!r}"
+            f" ({shard['bytes']:,} bytes written); the servers of a job must share one"
+            " --snapshot-dir (a restore reads every shard), see docs/deployment.md"
+        )

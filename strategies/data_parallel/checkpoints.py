@@ -253,8 +253,7 @@ def confirm_kept(client: Any, job: str, step: int, lost: list[int]) -> None:
     recovers that server rather than end with a part of the job gone. Each rank asks alone: a
     collective to agree would wait for a rank with more steps (uneven inputs), where a rank
     that ends must end, so that the servers tell that rank at once. A FSDP or ZeRO rank sees
-    every server of its job; a 3D rank those of its part (the others recover it if theirs is
-    whole: the job then fails on this rank, naming the server)."""
+    every server of its job, and a 3D rank every part's (strategies/hybrid_checkpoints.py)."""
     if not lost:
         return
     i = lost[0]

@@ -45,13 +45,15 @@ class JobLost(RuntimeError):
 def job_versions(client: Any, job: str) -> list[int | None]:
     """Each server's version of ``job`` (its slices' lowest), None where it does not hold the
     job whole and initialised (a server that came back empty)."""
-    out: list[int | None] = []
-    for i in range(client.num_servers):
-        reply = client.call(i, "Status", pb.StatusRequest())
-        rows = [j for j in reply.jobs if j.job == job]
-        buffers = rows[0].buffers if rows else []
-        ready = buffers and all(b.initialized for b in buffers)
-        out.append(min(b.version for b in buffers) if ready else None)
+    return [server_versions(client, i).get(job) for i in range(client.num_servers)]
+
+
+def server_versions(client: Any, server: int) -> dict[str, int | None]:
+    """Server ``server``'s version of each job it holds, as ``job_versions`` says it."""
+    out: dict[str, int | None] = {}
+    for row in client.call(server, "Status", pb.StatusRequest()).jobs:
+        ready = row.buffers and all(b.initialized for b in row.buffers)
+        out[row.job] = min(b.version for b in row.buffers) if ready else None
     return out
 
 
