@@ -10,7 +10,6 @@ generic INTERNAL "Exception deserializing request!".
 from __future__ import annotations
 
 import functools
-import logging
 import re
 import secrets
 import time
@@ -32,10 +31,10 @@ from paramshard.server.collectives.membership import MembershipTable
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.replication.replicator import Replicator
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_of  # SERVICE_NAME: the proto's
-from paramshard.server.rpc.parsers import Malformed, plain, tensor, tensor_reply
+from paramshard.server.rpc.guard import guard
+from paramshard.server.rpc.parsers import plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
-from paramshard.server.runtime import backend, callers
-from paramshard.server.runtime.errors import ShardError, clip, named
+from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshot_calls import SnapshotCalls
 from paramshard.server.snapshots.files import SnapshotDir
@@ -46,7 +45,6 @@ __all__ = ["SERVICE_NAME", "ShardServicer", "VERSION"]
 
 VERSION = version("paramshard")
 """The installed distribution's version (pyproject.toml holds the one there is)."""
-log = logging.getLogger("paramshard.server")
 
 
 def handler_name(method: str) -> str:
@@ -183,14 +181,14 @@ class ShardServicer:
             "RollbackToReplica": (self.rollback, plain(pb.RollbackRequest), plain_reply),
             **self.segments.handlers(),
         }
-        guarded = {name: (self._guard(name, fn), de, ser) for name, (fn, de, ser) in table.items()}
+        guarded = {name: (guard(name, fn), de, ser) for name, (fn, de, ser) in table.items()}
         self.session_handlers = {name: guarded[name] for name in self.SESSION_METHODS}
         handlers = {
             name: unary(fn, request_deserializer=de, response_serializer=ser)
             for name, (fn, de, ser) in guarded.items()
         }
         handlers["HoldLease"] = grpc.unary_stream_rpc_method_handler(
-            self._guard("HoldLease", self.hold_lease),  # a bad request fails before it streams
+            guard("HoldLease", self.hold_lease),  # a bad request fails before it streams
             request_deserializer=plain(pb.LeaseRequest),
             response_serializer=plain_reply,
         )
@@ -223,32 +221,11 @@ class ShardServicer:
             fn = self._pull_on_device
         if method == "ContributeRead":  # the payload is the caller's own array: copied
             fn = functools.partial(self.contribute_read, local=True)
-        return self._guard(method, fn)(request, context)
+        return guard(method, fn)(request, context)
 
     def _pull_on_device(self, req: pb.PullParamsRequest, context: Any) -> Any:
         b = self.buffers.get(req.ref.job, req.ref.buffer)
         return b.pull(req, self._timeout(context), on_device=True)
-
-    @staticmethod
-    def _guard(name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
-        def handle(request: Any, context: grpc.ServicerContext) -> Any:
-            if isinstance(request, Malformed):
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    clip(f"{name}: request does not parse as a {name} message: {request.error}"),
-                )
-            try:
-                with backend.nonfinite_quietly(), callers.serving(context, caller_of(context)):
-                    return fn(request, context)
-            except ShardError as exc:
-                context.abort(exc.code, clip(named(name, exc.message)))
-            except Exception as exc:  # a bug, not bad input: report it, keep serving
-                log.exception("%s failed", name)
-                context.abort(
-                    grpc.StatusCode.INTERNAL, clip(f"{name}: {type(exc).__name__}: {exc}")
-                )
-
-        return handle
 
     def may_wait(self, method: str, request: Any) -> bool:
         """For the admission gate: server/call_peeks.py."""

@@ -71,7 +71,7 @@ from paramshard.strategies.data_parallel.sharded import ServerShardedModel
 from paramshard.strategies.elastic_training import train_elastic
 from paramshard.strategies.lr_schedule import sync_scheduler
 from paramshard.strategies.recovery_report import RESTARTED, RecoveryReport
-from paramshard.strategies.recovery_rounds import recover_until_done
+from paramshard.strategies.recovery_rounds import recover_until_done, stop_the_others
 
 if TYPE_CHECKING:
     from paramshard.strategies.hybrid import HybridShardedModel
@@ -378,6 +378,9 @@ def train_with_recovery(
                 )
                 decide = True
                 sync_scheduler(scheduler, model.step_count)
+    except BaseException as exc:
+        stop_the_others(model, exc, model.step_count)
+        raise
     finally:
         state.fail_fast = fail_fast
     return report

@@ -5,16 +5,26 @@ A recovery is itself a run of calls to the servers and the other ranks, so the f
 recovers from can happen during it: a second server lost, a rank killed while the others wait
 for it in the recovery's round (the coordinator then aborts the round: "recover again, in a
 new epoch"). Each such failure starts another recovery from where the last one stopped, as
-the first one started from the step, within the same ``max_recoveries``."""
+the first one started from the step, within the same ``max_recoveries``.
+
+A rank that stops on what no recovery mends (its own code raised, it ran out of recoveries,
+Ctrl-C) tells the others through the servers (``stop_the_others``): a final notice, so they
+stop at once, naming it and why, unless a launcher may restart it (an elastic rank leaves,
+and the members go on without it). Before, they took its
+silence for a lost server and recovered, each recovery waiting out its deadline for the rank
+(120 s each by default: more than ten minutes with the default ``max_recoveries``)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from paramshard.client import ShardClientError
 
-__all__ = ["recover_until_done"]
+__all__ = ["recover_until_done", "stop_the_others"]
+
+log = logging.getLogger("paramshard.recovery")
 
 
 def recover_until_done(
@@ -36,3 +46,24 @@ def recover_until_done(
             return
         except ShardClientError as again:
             failure = again
+
+
+def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
+    """``exc`` ends ``train_with_recovery`` on this rank at ``step``: the others stop too
+    (above). Not when this rank stops on another's final notice, nor when ``paramshard launch
+    --max-restarts`` may restart it (the others wait for it: its lease's ``rejoin_ms``). An
+    elastic rank leaves the job instead, and the members redo the step without it (before, a
+    rank of a process that lived on, a thread, never left: the step waited its deadline).
+    Never raises: ``exc`` is what the caller sees."""
+    state = model.client.run_state
+    why = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    holding, notice = state.holding, state.current()
+    try:
+        if getattr(model, "elastic", False):
+            model.leave(why[:400])
+        elif (holding is None or not holding.rejoin_s) and not (notice and notice.final):
+            state.give_up(
+                f"stopped at step {step} on an error no recovery mends ({why[:400]})", True
+            )
+    except Exception as failed:  # noqa: BLE001 - the servers gone too: nobody to tell
+        log.warning("could not tell the other ranks that this one stops: %s", failed)

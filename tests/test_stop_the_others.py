@@ -1,0 +1,103 @@
+"""A rank whose own code raises inside ``train_with_recovery`` stops the others at once, naming
+it and the error (strategies/recovery_rounds.py ``stop_the_others``). Before, they took its
+silence for a lost server: each recovery waited out its deadline for the rank, more than ten
+minutes with the defaults, each saying "server 0 lost" (seen: 4 recoveries in 6 minutes with
+a 120 s deadline, against 1.1 s now). An elastic job's members train on without it.
+
+Real in-process servers; ranks are threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+import torch
+from test_hybrid_export import run_hybrid
+
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.strategies import (
+    FSDPModel,
+    FSDPOptimizer,
+    ShardingConfiguration,
+    train_with_recovery,
+)
+
+pytestmark = pytest.mark.timeout(120)
+STEPS, BAD = 8, 3
+WORDS = f"rank 1 stopped at step {BAD} on an error no recovery mends (ValueError: bad batch {BAD})"
+
+
+def fsdp_ranks(addresses: list[str], elastic: bool) -> dict[int, object]:
+    """Two ranks train STEPS steps; rank 1's step BAD raises. What each returned or raised."""
+    run, out = uuid.uuid4().hex[:6], {}
+
+    def rank(r: int) -> None:
+        # a deadline the test would not outlast: were the others to wait it out, the test fails
+        client = ShardClient(
+            ClusterSpec(addresses), rank=r, world_size=2, run_id=run, timeout_s=300
+        )
+        try:
+            config = ShardingConfiguration(client, job=f"stop-{run}", elastic=elastic)
+            torch.manual_seed(0)
+            model = FSDPModel(torch.nn.Linear(4, 2), config)
+            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+            def step(s: int) -> float:
+                if r == 1 and s == BAD:
+                    raise ValueError(f"bad batch {s}")
+                loss = model(torch.ones(2, 4)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.item()
+
+            out[r] = train_with_recovery(model, step, STEPS, checkpoint_every=0)
+        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
+            out[r] = exc
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert not any(t.is_alive() for t in threads), "a rank still waits"
+    return out
+
+
+def test_a_rank_that_raises_stops_the_others_naming_it(servers) -> None:
+    out = fsdp_ranks([s.address for s in servers(2)], elastic=False)
+    assert isinstance(out[1], ValueError), out  # its own error, as it was
+    assert isinstance(out[0], ShardClientError) and out[0].code.name == "ABORTED", out
+    assert WORDS in out[0].details, out[0]
+
+
+def test_an_elastic_job_trains_on_without_it(servers) -> None:
+    out = fsdp_ranks([s.address for s in servers(2)], elastic=True)
+    assert isinstance(out[1], ValueError), out
+    assert not isinstance(out[0], BaseException), out[0]
+    assert max(out[0].losses) == STEPS - 1, out[0].losses  # every step, alone from step BAD
+
+
+def test_a_3d_rank_that_raises_stops_the_others(servers) -> None:
+    addresses = [s.address for s in servers(2)]
+
+    def body(model, opt, train):
+        rank = model.config.client.rank
+
+        def step(s: int) -> float:
+            if rank == 1 and s == BAD:
+                raise ValueError(f"bad batch {s}")
+            return train(s)
+
+        try:
+            return train_with_recovery(model, step, STEPS, checkpoint_every=0)
+        except BaseException as exc:  # noqa: BLE001 - read below
+            return exc
+
+    out = run_hybrid(2, 1, 1, addresses, f"stop3d-{uuid.uuid4().hex[:6]}", body)
+    assert isinstance(out[1], ValueError), out
+    assert isinstance(out[0], ShardClientError) and WORDS in out[0].details, out
