@@ -2,12 +2,12 @@
 (``prune_snapshots``, what ``train_with_recovery(keep_last=...)`` runs after each checkpoint,
 as torchtitan's ``keep_latest_k`` does).
 
-Every server of the cluster is asked (``DeleteSnapshot``): each removes the tag from its own
-snapshot folder, and where they share one folder the first removes it and the others find
-nothing. A 3D job's base name stands for every part's snapshot of the tag, torn parts included
-(a part written before a failure, never committed: no listing shows it). A tag that a server
-is writing, committing or restoring is refused there (FAILED_PRECONDITION), and the others
-remove theirs: the tag is then torn, as a failed snapshot is, and deleting it again finishes.
+Every server of the cluster is asked (``DeleteSnapshot``), twice: first whether it would
+(``check_only``), then to do it. Servers share one folder, so a server that is writing,
+committing or restoring the tag must refuse (FAILED_PRECONDITION) before another removes the
+files; the first to delete removes them, and the others find nothing. A 3D job's base name
+stands for every part's snapshot of the tag, torn parts included (written before a failure,
+never committed: ``list_snapshots(..., torn=True)`` shows them).
 """
 
 from __future__ import annotations
@@ -86,10 +86,9 @@ def prune_snapshots(
     job: str,
     keep_last: int,
     prefix: str | None = None,
-    keep: frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Deletes the complete snapshots of ``job`` (a 3D job's: by base name), all but the
-    ``keep_last`` taken last and any tag in ``keep``; returns what each deletion removed,
+    ``keep_last`` taken last; returns what each deletion removed,
     oldest first. With ``prefix`` (``train_with_recovery``'s ``tag_prefix``, "" included),
     only the tags it names its checkpoints, ``<prefix>-<step>`` with its ``-e<epoch>`` and
     ``.<n>`` forms (a tag saved by hand in that form is taken for one). Torn tags (of that
@@ -111,8 +110,7 @@ def prune_snapshots(
     if done:
         newest = done[-1]["created_unix"]
         doomed += [r["tag"] for r in torn if r["created_unix"] < newest]
-    doomed = [tag for tag in dict.fromkeys(doomed) if tag not in keep]  # a tag's parts: once
-    return [delete_snapshot(client, job, tag) for tag in doomed]
+    return [delete_snapshot(client, job, tag) for tag in dict.fromkeys(doomed)]  # parts: once
 
 
 def _base(job: str) -> str:

@@ -11,11 +11,11 @@ by every rank (only the rank that snapshots needs them: the others pass the tag 
 
 After each checkpoint the rank that took it deletes the job's older checkpoints of this prefix,
 all but the ``keep_last`` taken last (torchtitan's ``keep_latest_k``), and the torn ones older
-than the newest (client/snapshot_deletion.py):
-a job snapshotting every few hundred steps filled its disk before, nothing ever deleting a
-snapshot. Only tags of this form are deleted (``<prefix>-<step>...``, "" a prefix too): not
-those saved by hand (``save_checkpoint``, ``paramshard snapshot``) under other names, nor a
-checkpoint of another prefix. A deletion that fails is logged, and training goes on.
+than the newest (client/snapshot_deletion.py): a job snapshotting every few hundred steps
+filled its disk before, nothing ever deleting a snapshot. Only tags of this form are deleted
+(``<prefix>-<step>...``, "" a prefix too): not those saved by hand (``save_checkpoint``,
+``paramshard snapshot``) under other names, nor a checkpoint of another prefix. A deletion
+that fails is logged, and training goes on.
 
 A server started without ``--snapshot-dir`` refuses every snapshot. That is no lost server: the
 rank that snapshots (rank 0, an elastic step's leader) tells the others that the run cannot go

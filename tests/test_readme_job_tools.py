@@ -8,7 +8,8 @@ The commands are read from the README itself (``JOB`` replaced by the job's name
 stepping and closed their clients (README says so: a restore puts the servers back at the
 snapshot's step, under ranks that would go on from theirs, and the servers refuse it while
 ranks of the job's run hold leases). The export that follows must equal the snapshot, which
-is also exported offline from its folder under the run directory.
+is also exported offline from its folder under the run directory (a copy taken before the
+last command, ``delete-snapshot``, removes it).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -91,7 +93,8 @@ def wait_stopped(here: Path, launch: subprocess.Popen) -> None:
 
 def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
     commands = readme_commands()
-    assert [c[0] for c in commands] == ["status", "inspect", "snapshot", "restore", "export"]
+    names = ["status", "inspect", "snapshot", "restore", "export", "delete-snapshot"]
+    assert [c[0] for c in commands] == names
     env = {
         k: v
         for k, v in os.environ.items()
@@ -140,6 +143,9 @@ def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
             if args[0] == "restore":
                 (tmp_path / "stop").touch()
                 wait_stopped(tmp_path, launch)  # the ranks' last step ended
+            if args[0] == "delete-snapshot":  # the snapshot, kept for the offline export
+                (taken,) = runs.glob(f"*/snapshots/{JOB}/{args[args.index('--tag') + 1]}")
+                shutil.copytree(taken, tmp_path / "kept" / JOB / taken.name)  # <dir>/<job>/<tag>
             outputs[args[0]] = paramshard(args)
         (tmp_path / "exit").touch()
         out, err = launch.communicate(timeout=120)
@@ -160,7 +166,9 @@ def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
     tag, version = snap.group(1), int(snap.group(2))
     assert f"restored {JOB}/{tag} at version {version}" in outputs["restore"]
     assert list(runs.glob("*.json")) == [], "launch removes its run file at exit"
-    (folder,) = runs.glob(f"*/snapshots/{JOB}/{tag}")  # kept after the run, for later
+    assert f"deleted {JOB}/{tag}: 3 files" in outputs["delete-snapshot"], outputs
+    assert list(runs.glob(f"*/snapshots/{JOB}/{tag}")) == [], "the tag's folder went with it"
+    folder = tmp_path / "kept" / JOB / tag
     exported = next(a[a.index("--out") + 1] for a in commands if a[0] == "export")
     offline = tmp_path / "offline.safetensors"
     subprocess.run(

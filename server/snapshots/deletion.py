@@ -13,13 +13,14 @@ folder, a file of another name) is left, and named in the reply, with the folder
 Everything is reached through descriptors without following a link (folders.py).
 
 The caller (server/snapshot_calls.py) refuses a tag that this server is writing, committing
-or restoring; a live Snapshot call of any process, seen by its marker, refuses it here.
-Servers sharing the folder may all be asked: the first removes the tag, the others find
+or restoring (a restore from its check until it loads); a live Snapshot call of any process,
+seen by its marker, refuses it here. Servers sharing the folder are all asked, first whether
+they would (``check_only``), then to do it: the first removes the tag, the others find
 nothing.
 
 A torn tag is a folder with shard files and no manifest: a Snapshot whose commit never came
-(a server failed during it, or it is under way). No listing showed one, and its name is refused
-at the version its shards hold; ``torn_tags`` lists them so they can be deleted.
+(a server failed during it, or it is under way). Listings leave it out unless asked, and its
+name is refused at the version its shards hold; ``torn_tags`` finds them, to be deleted.
 """
 
 from __future__ import annotations
