@@ -16,7 +16,10 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
   ``<strategy> servers`` or ``<strategy> trainers``, and where a rank that found its job lost
   says so (``job-lost <job>``: nothing holds its state, so a restart would train it anew), as
   does a rank whose wait the servers refused because the ranks it waited for ended for good
-  (``peers-ended``: uneven inputs; a restart would wait for them too).
+  (``peers-ended``: uneven inputs; a restart would wait for them too). A rank whose own code
+  raised in ``train_with_recovery`` says so before it stops the others (``failed <why>``), so
+  the launcher names it, not a rank that its notice stopped first. The launcher sets this
+  one without ``--max-restarts`` too.
   The file outlives the process, so a restart that fails again before building its model is
   judged by the first one's lines.
 
@@ -38,6 +41,7 @@ __all__ = [
     "Declaration",
     "declare",
     "declare_lost",
+    "declare_failed",
     "declare_peers_ended",
     "ends_for_good",
     "max_restarts",
@@ -55,6 +59,7 @@ RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
 LOST = "job-lost"
 PEERS_ENDED = "peers-ended"
+FAILED = "failed"
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +155,15 @@ def declare_peers_ended() -> None:
             f.write(f"{PEERS_ENDED}\n")
 
 
+def declare_failed(why: str) -> None:
+    """Records for the launcher that this rank's own code raised (``why``: one line) and that
+    it stops the others: their failures follow from it (strategies/recovery_rounds.py)."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{FAILED} {' '.join(why.split())}\n")
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What a rank's models said about themselves (``read_declaration``)."""
@@ -158,6 +172,7 @@ class Declaration:
     on_trainers: tuple[str, ...]  # those keeping state in the trainer process
     lost: tuple[str, ...] = ()  # jobs the rank found lost (``declare_lost``)
     peers_ended: bool = False  # it waited for ranks that ended (``declare_peers_ended``)
+    failed: str = ""  # why its own code raised, when it stopped the others (``declare_failed``)
 
     @property
     def restartable(self) -> bool:
@@ -176,7 +191,8 @@ def read_declaration(path: str) -> Declaration:
         rows = []
     lost = tuple(" ".join(r[1:]) for r in rows if r[0] == LOST)
     peers_ended = any(r[0] == PEERS_ENDED for r in rows)
-    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED)]
+    failed = next((" ".join(r[1:]) or "?" for r in rows if r[0] == FAILED), "")
+    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED)]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers, lost, peers_ended)
+    return Declaration(strategies, on_trainers, lost, peers_ended, failed)

@@ -39,6 +39,7 @@ import queue
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,27 +56,41 @@ class RankRestarts:
     """The restart budget of one launcher and what each of its ranks declared."""
 
     max_restarts: int  # --max-restarts: restarts allowed in all, over every rank
-    directory: str = ""  # holds rank-R files the ranks' models declare themselves in
+    directory: str = ""  # holds rank-R files the ranks declare themselves in ("": none)
     counts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
 
     @classmethod
     def create(cls, max_restarts: int) -> RankRestarts:
-        directory = tempfile.mkdtemp(prefix="paramshard-restarts-") if max_restarts else ""
-        return cls(max_restarts, directory)
+        return cls(max_restarts, tempfile.mkdtemp(prefix="paramshard-restarts-"))
 
     @property
     def used(self) -> int:
         return sum(self.counts.values())
 
     def env(self, rank: int) -> dict[str, str]:
-        """What rank ``rank``'s next process is told (nothing without --max-restarts)."""
-        if not self.max_restarts:
-            return {}
-        return {
-            contract.MAX_RESTARTS_ENV: str(self.max_restarts),
-            contract.RESTART_COUNT_ENV: str(self.attempt(rank)),
-            contract.RESTART_FILE_ENV: os.path.join(self.directory, f"rank-{rank}"),
-        }
+        """What rank ``rank``'s next process is told: where it declares itself, and, with
+        --max-restarts, the restarts."""
+        env = {contract.RESTART_FILE_ENV: self._file(rank)} if self.directory else {}
+        if self.max_restarts:
+            env[contract.MAX_RESTARTS_ENV] = str(self.max_restarts)
+            env[contract.RESTART_COUNT_ENV] = str(self.attempt(rank))
+        return env
+
+    def _file(self, rank: int) -> str:
+        return os.path.join(self.directory, f"rank-{rank}")
+
+    def declared_failure(self, rank: int) -> str:
+        """``: <why>`` when rank ``rank`` declared that its own code raised, else ""."""
+        said = contract.read_declaration(self._file(rank)).failed
+        return f": {said}" if said else ""
+
+    def failed_first(self, running: set[Child], but: int) -> Child | None:
+        """A running rank other than ``but`` whose own code raised and stopped the others
+        (client/restarts.py ``declare_failed``): ``but`` failed on its notice."""
+        for child in sorted(running, key=lambda c: c.rank):
+            if child.rank != but and contract.read_declaration(self._file(child.rank)).failed:
+                return child
+        return None
 
     def attempt(self, rank: int) -> int:
         """How many times ``rank`` was restarted: 0 for its first process (torchrun's attempt
@@ -86,7 +101,7 @@ class RankRestarts:
         """None if rank ``rank``, which just failed, may be restarted; else why not."""
         if not self.max_restarts:
             return ""
-        said = contract.read_declaration(os.path.join(self.directory, f"rank-{rank}"))
+        said = contract.read_declaration(self._file(rank))
         if said.lost:
             return (
                 f"not restarted: it found job '{said.lost[-1]}' lost (JobLost: no server,"
@@ -170,8 +185,12 @@ def supervise(
     others go on. ``finished(rank)``: a rank exited 0 (nothing starts it again)."""
     server_restarts = server_restarts or ServerRestarts(0)
     running = set(ranks)
+    waiting: _Stopped | None = None  # a rank that failed on another's notice
     while running:
-        kind, child, value = events.get()
+        try:
+            kind, child, value = events.get(timeout=waiting.left() if waiting else None)
+        except queue.Empty:  # the rank that raised did not exit in time: blame the first
+            return _stop_all(waiting.child, waiting.code, "", running, None, grace, received)
         if kind == "signal":
             name = signal.Signals(value).name
             say(f"{name}: stopping the ranks (--grace {grace:g} s; again to kill them now)")
@@ -235,9 +254,50 @@ def supervise(
             say(f"{child.name} failed with exit code {code}{why}; {short}: stopping the job")
             stop(list(running), signal.SIGTERM, grace, received)
             return code
-        plural = "" if len(running) == 1 else "s"
-        others = f"; stopping {len(running)} other rank{plural}" if running else ""
-        say(f"{child.name} failed with exit code {code}{why}{others}")
-        stop(list(running), signal.SIGTERM, grace, received)
-        return code
+        first = restarts.failed_first(running, child.rank) if waiting is None else None
+        if first is not None:  # it failed on that rank's notice: name that one as it exits
+            waiting = _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
+            continue
+        said = restarts.declared_failure(child.rank)
+        return _stop_all(child, code, f"{why}{said}", running, waiting, grace, received)
+    if waiting is not None:  # the rank that raised exited 0 all the same
+        return _stop_all(waiting.child, waiting.code, "", running, None, grace, received)
     return departures.exit_code() if departures is not None else 0
+
+
+NOTICE_GRACE_S = 10.0
+"""How long the launcher waits for a rank whose own code raised, once another rank failed on
+its notice (strategies/recovery_rounds.py): the one that raised is named, with its exit code.
+Its notice stops the others within a second, while it may still be exiting."""
+
+
+@dataclass
+class _Stopped:
+    """A rank that failed on another rank's notice, and until when to wait for that one."""
+
+    child: Child
+    code: int
+    until: float
+
+    def left(self) -> float:
+        return max(0.0, self.until - time.monotonic())
+
+
+def _stop_all(
+    child: Child,
+    code: int,
+    why: str,
+    running: set[Child],
+    stopped: _Stopped | None,
+    grace: float,
+    received: list[int],
+) -> int:
+    """``child``'s failure ends the job: said, the other ranks stopped; returns ``code``.
+    ``stopped``: a rank that had failed on its notice."""
+    plural = "" if len(running) == 1 else "s"
+    others = f"; stopping {len(running)} other rank{plural}" if running else ""
+    if stopped is not None:
+        why += f"; {stopped.child.name} stopped on its notice (exit code {stopped.code})"
+    say(f"{child.name} failed with exit code {code}{why}{others}")
+    stop(list(running), signal.SIGTERM, grace, received)
+    return code

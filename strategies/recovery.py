@@ -314,6 +314,7 @@ def train_with_recovery(
         _recover(model, failure, at, epoch, wait_s, report, restarted=meeting)
         meeting = False
 
+    step = model.step_count  # the step run last: a failure names it
     try:
         if getattr(model, "elastic", False):
             hooks = SimpleNamespace(
@@ -379,7 +380,7 @@ def train_with_recovery(
                 decide = True
                 sync_scheduler(scheduler, model.step_count)
     except BaseException as exc:
-        stop_the_others(model, exc, model.step_count)
+        stop_the_others(model, exc, step)
         raise
     finally:
         state.fail_fast = fail_fast

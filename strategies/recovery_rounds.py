@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from paramshard.client import ShardClientError
+from paramshard.client import ShardClientError, restarts
 
 __all__ = ["recover_until_done", "stop_the_others"]
 
@@ -54,7 +54,10 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     --max-restarts`` may restart it (the others wait for it: its lease's ``rejoin_ms``). An
     elastic rank leaves the job instead, and the members redo the step without it (before, a
     rank of a process that lived on, a thread, never left: the step waited its deadline).
-    Never raises: ``exc`` is what the caller sees."""
+    Never raises: ``exc`` is what the caller sees. A ``sys.exit(0)`` is no error: the rank
+    ends, as one out of batches does (the launcher tells the servers it ended)."""
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return
     state = model.client.run_state
     why = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
     holding, notice = state.holding, state.current()
@@ -62,6 +65,7 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
         if getattr(model, "elastic", False):
             model.leave(why[:400])
         elif (holding is None or not holding.rejoin_s) and not (notice and notice.final):
+            restarts.declare_failed(why[:400])  # for the launcher, before the others stop
             state.give_up(
                 f"stopped at step {step} on an error no recovery mends ({why[:400]})", True
             )

@@ -9,12 +9,15 @@ Real in-process servers; ranks are threads.
 
 from __future__ import annotations
 
+import re
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
 from test_hybrid_export import run_hybrid
+from test_launch import launch
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.strategies import (
@@ -101,3 +104,33 @@ def test_a_3d_rank_that_raises_stops_the_others(servers) -> None:
     out = run_hybrid(2, 1, 1, addresses, f"stop3d-{uuid.uuid4().hex[:6]}", body)
     assert isinstance(out[1], ValueError), out
     assert isinstance(out[0], ShardClientError) and WORDS in out[0].details, out
+
+
+RANK_SCRIPT = f"""
+import atexit, sys, time, torch
+from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+from paramshard.strategies import train_with_recovery
+config = ShardingConfiguration.from_env(job="blame")
+torch.manual_seed(0)
+model = FSDPModel(torch.nn.Linear(4, 2), config)
+opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+def step(s):
+    if config.rank == 1 and s == {BAD}:
+        atexit.register(time.sleep, 2)  # a slow teardown (a data loader's workers, say)
+        sys.exit(3)
+    loss = model(torch.ones(2, 4)).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+train_with_recovery(model, step, {STEPS}, checkpoint_every=0)
+"""
+
+
+def test_the_launcher_names_the_rank_that_raised(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    done = launch("--nproc", "2", script, timeout=100)
+    said = re.findall(r"paramshard launch: (rank \d failed .*)", done.stderr)
+    assert done.returncode == 3, (done.returncode, said, done.stderr[-3000:])
+    assert said and said[0].startswith("rank 1 failed with exit code 3: SystemExit: 3"), said

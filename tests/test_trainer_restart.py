@@ -205,6 +205,14 @@ def test_restart_budget_and_declarations(tmp_path: Path) -> None:
     assert policy.env(0)[restarts.RESTART_COUNT_ENV] == "2"
     assert "--max-restarts 2 used up" in policy.refusal(0)
     assert RankRestarts(0).env(0) == {} and RankRestarts(0).refusal(0) == ""
+    # without --max-restarts a rank still declares itself: a rank whose own code raised says
+    # so, and the launcher names it rather than a rank its notice stopped first
+    launched = RankRestarts.create(0)
+    try:
+        assert launched.env(3) == {restarts.RESTART_FILE_ENV: f"{launched.directory}/rank-3"}
+        assert launched.refusal(3) == ""
+    finally:
+        launched.close()
 
 
 # -------------------------------------------------------------------------------- the example
