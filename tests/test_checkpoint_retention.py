@@ -16,12 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 from test_hybrid_export import run_hybrid
+from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.strategies import (
-    FSDPModel,
-    FSDPOptimizer,
-    ShardingConfiguration,
     train_with_recovery,
 )
 
@@ -32,36 +30,14 @@ STEPS = 10
 def train_fsdp(addresses: list[str], job: str, elastic: bool, **kw) -> None:
     """Two ranks train ``job`` for STEPS steps, checkpoints every 2; rank 0 saves "mine"
     first."""
-    run, raised = uuid.uuid4().hex[:6], []
 
-    def rank(r: int) -> None:
-        client = ShardClient(ClusterSpec(addresses), rank=r, world_size=2, run_id=run, timeout_s=30)
-        try:
-            config = ShardingConfiguration(client, job=job, elastic=elastic)
-            torch.manual_seed(0)
-            model = FSDPModel(torch.nn.Linear(4, 2), config)
-            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
-            model.save_checkpoint("mine")
+    def body(r: int, model, opt) -> None:
+        model.save_checkpoint("mine")
+        step = lambda s: sgd_step(model, opt, torch.full((2, 4), float(s + r)))  # noqa: E731
+        train_with_recovery(model, step, STEPS, checkpoint_every=2, **kw)
 
-            def step(s: int) -> float:
-                loss = model(torch.full((2, 4), float(s + r))).sum()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss.item()
-
-            train_with_recovery(model, step, STEPS, checkpoint_every=2, **kw)
-        except BaseException as exc:  # noqa: BLE001 - raised again below
-            raised.append(exc)
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not raised and not any(t.is_alive() for t in threads), raised
+    out = two_fsdp_ranks(addresses, job, body, elastic)
+    assert not any(isinstance(v, BaseException) for v in out.values()), out
 
 
 def listed(addresses: list[str], job: str) -> list[str]:

@@ -10,7 +10,6 @@ Real in-process servers; ranks are threads.
 from __future__ import annotations
 
 import re
-import threading
 import uuid
 from pathlib import Path
 
@@ -18,12 +17,10 @@ import pytest
 import torch
 from test_hybrid_export import run_hybrid
 from test_launch import launch
+from two_ranks import sgd_step, two_fsdp_ranks
 
-from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.client import ShardClientError
 from paramshard.strategies import (
-    FSDPModel,
-    FSDPOptimizer,
-    ShardingConfiguration,
     train_with_recovery,
 )
 
@@ -33,42 +30,20 @@ WORDS = f"rank 1 stopped at step {BAD} on an error no recovery mends (ValueError
 
 
 def fsdp_ranks(addresses: list[str], elastic: bool) -> dict[int, object]:
-    """Two ranks train STEPS steps; rank 1's step BAD raises. What each returned or raised."""
-    run, out = uuid.uuid4().hex[:6], {}
+    """Two ranks train STEPS steps; rank 1's step BAD raises. What each returned or raised.
+    Their deadline is one the test would not outlast: were the others to wait it out, the
+    test fails."""
 
-    def rank(r: int) -> None:
-        # a deadline the test would not outlast: were the others to wait it out, the test fails
-        client = ShardClient(
-            ClusterSpec(addresses), rank=r, world_size=2, run_id=run, timeout_s=300
-        )
-        try:
-            config = ShardingConfiguration(client, job=f"stop-{run}", elastic=elastic)
-            torch.manual_seed(0)
-            model = FSDPModel(torch.nn.Linear(4, 2), config)
-            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+    def body(r: int, model, opt):
+        def step(s: int) -> float:
+            if r == 1 and s == BAD:
+                raise ValueError(f"bad batch {s}")
+            return sgd_step(model, opt, torch.ones(2, 4))
 
-            def step(s: int) -> float:
-                if r == 1 and s == BAD:
-                    raise ValueError(f"bad batch {s}")
-                loss = model(torch.ones(2, 4)).sum()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss.item()
+        return train_with_recovery(model, step, STEPS, checkpoint_every=0)
 
-            out[r] = train_with_recovery(model, step, STEPS, checkpoint_every=0)
-        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
-            out[r] = exc
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(100)
-    assert not any(t.is_alive() for t in threads), "a rank still waits"
-    return out
+    job = f"stop-{uuid.uuid4().hex[:6]}"
+    return two_fsdp_ranks(addresses, job, body, elastic, timeout_s=300)
 
 
 def test_a_rank_that_raises_stops_the_others_naming_it(servers) -> None:
