@@ -254,11 +254,11 @@ def supervise(
             say(f"{child.name} failed with exit code {code}{why}; {short}: stopping the job")
             stop(list(running), signal.SIGTERM, grace, received)
             return code
-        first = restarts.failed_first(running, child.rank) if waiting is None else None
-        if first is not None:  # it failed on that rank's notice: name that one as it exits
-            waiting = _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
-            continue
         said = restarts.declared_failure(child.rank)
+        if not said and restarts.failed_first(running, child.rank) is not None:
+            # it failed on that running rank's notice: name that one as it exits
+            waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
+            continue
         return _stop_all(child, code, f"{why}{said}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
         return _stop_all(waiting.child, waiting.code, "", running, None, grace, received)

@@ -10,9 +10,9 @@ the first one started from the step, within the same ``max_recoveries``.
 A rank that stops on what no recovery mends (its own code raised, it ran out of recoveries,
 Ctrl-C) tells the others through the servers (``stop_the_others``): a final notice, so they
 stop at once, naming it and why, unless a launcher may restart it (an elastic rank leaves,
-and the members go on without it). Before, they took its
-silence for a lost server and recovered, each recovery waiting out its deadline for the rank
-(120 s each by default: more than ten minutes with the default ``max_recoveries``)."""
+and the members go on without it). Before, they took its silence for a lost server and
+recovered, each recovery waiting out its deadline for the rank (120 s each by default: more
+than ten minutes with the default ``max_recoveries``)."""
 
 from __future__ import annotations
 
