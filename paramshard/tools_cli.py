@@ -251,7 +251,8 @@ def restore(args: argparse.Namespace) -> int:
         "--keep-last",
         type=int_in(1),
         metavar="K",
-        help="instead: delete all but the K snapshots taken last",
+        help="instead: delete all but the K snapshots taken last, and torn tags older than"
+        " the newest",
     ),
     arg(
         "--prefix",
