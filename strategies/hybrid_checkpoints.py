@@ -110,7 +110,7 @@ class HybridCheckpoints:
         for pp in range(topo.pipeline_parallel_size):
             for tp in range(topo.tensor_parallel_size):
                 job = part_job(self.config.job, pp, tp)
-                ranks = [topo.rank_of(pp, tp, dp) for dp in range(topo.data_parallel_size)]
+                ranks = topo.data_group(topo.rank_of(pp, tp, 0))  # the part's replicas
                 servers = list(dict.fromkeys(world.server_of(r) for r in ranks))
                 for i in servers:
                     if i not in held:
