@@ -1,10 +1,11 @@
-"""What a server's leases may take of its memory: the leases and the marks of released ranks
-of every run (``RunRecord.released``), counted against the server's bound and, where tokens
-are on, each caller's share of half of it, so that one team cannot take them all
-(server/collectives/leases.py)."""
+"""What a server's leases may take of its memory: its runs, and the leases and the marks of
+released ranks (``RunRecord.released``) of every run, counted against the server's bounds and,
+where tokens are on, each caller's share of half of them, so that one team cannot take them
+all (server/collectives/leases.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from paramshard.protos import shard_pb2 as pb
@@ -65,6 +66,23 @@ class Books:
         if why is not None:
             raise ShardError.exhausted(
                 f"Lease: {why}; rank {req.rank} of run '{req.run}' was not added"
+            )
+
+    def room_for_run(
+        self, runs: Collection[RunRecord], owner: str | None, req: pb.LeaseRequest, limit: int
+    ) -> None:
+        """Refuses run ``req.run``, new to a server holding ``runs``, past ``limit`` runs or,
+        for a token's ``owner``, half of it (counted when asked: new runs are rare)."""
+        if len(runs) >= limit:
+            raise ShardError.exhausted(
+                f"Lease: this server holds leases of {len(runs)} runs, its limit;"
+                f" run '{req.run}' was not added"
+            )
+        owned = 0 if owner is None else sum(r.owner == owner for r in runs)
+        if owner is not None and owned >= limit // 2:
+            raise ShardError.exhausted(
+                f"Lease: this caller's token holds leases of {owned} runs on this server,"
+                f" its share (half of the server's {limit}); run '{req.run}' was not added"
             )
 
     def mark_released(self, run: RunRecord, req: pb.LeaseRequest, limit: int, now: float) -> None:

@@ -103,6 +103,15 @@ class LeaseRecord:
         """When its silence began to count: its stream's end, else its TTL's."""
         return self.closed_at if self.closed_at is not None else self.expires
 
+    def lost_why(self) -> str:
+        """How its rank was lost, for the abort's reason: its stream closed or its renewals
+        stopped, and the wait for a restart when there was one."""
+        waited = f", then {self.rejoin_s:g} s for a restart" if self.rejoin_s else ""
+        if self.closed_at is not None:
+            how = "its lease stream to this server closed: its process ended or its host is"
+            return f"{how} unreachable{waited}"
+        return f"no lease renewal for {self.ttl_s:g} s{waited}"
+
 
 @dataclass
 class RunRecord:
@@ -186,6 +195,24 @@ class RunRecord:
         self.awaiting.discard(rank)
         self.moved()
         return self.leases.pop(rank, None)
+
+    def unseen_end(self, req: pb.LeaseRequest, now: float, grace_s: float) -> bool:
+        """Whether renewal ``req`` claims a stream that this server saw end: then it holds the
+        lease at most until ``grace_s`` after the end (``UNSEEN_END_S`` in
+        server/collectives/leases.py), and a lease that lapsed stays lapsed for that long (a
+        new stream, or a renewal from a rank that knows its stream is gone, brings it back). A
+        renewal that beat its rank's first stream here holds it."""
+        if not req.stream:
+            return False
+        lease = self.leases.get(req.rank)
+        if lease is None:  # went with its lapse just now, or never here
+            return now - self.lost.get(req.rank, -grace_s) < grace_s
+        if lease.holds or (lease.closed_at is None and lease.lapsed_at is None):
+            return False
+        if lease.lapsed_at is None:
+            lease.expires = max(lease.expires, lease.closed_at + grace_s)
+            self.moved()  # an expired lease not yet found lapsed may be live again
+        return True
 
     def notice(self, epoch: int) -> pb.LeaseReply:
         """The reply for a rank at ``epoch``: the notice if that epoch was aborted."""

@@ -147,7 +147,7 @@ class LeaseTable:
                     elif req.ends and req.rank in run.released:  # said after its release: by
                         run.ended_at[req.rank] = now  # its launcher, which saw it exit 0
                     self._drop_lease(run, req.rank, now)
-            elif not self._unseen_end(run, req, now):
+            elif not run.unseen_end(req, now, UNSEEN_END_S):
                 self._hold(run, req, now)
             if req.abort:
                 # a rank that lost a server and recovers, or gives up (client/run_state.py,
@@ -290,18 +290,7 @@ class LeaseTable:
                 self._forget(req.run, run)  # a new run under the same id
                 run = None
         if run is None:
-            if len(self._runs) >= self.max_runs:
-                raise ShardError.exhausted(
-                    f"Lease: this server holds leases of {len(self._runs)} runs, its limit;"
-                    f" run '{req.run}' was not added"
-                )
-            owned = 0 if owner is None else sum(r.owner == owner for r in self._runs.values())
-            if owner is not None and owned >= self.max_runs // 2:  # counted: new runs are rare
-                raise ShardError.exhausted(
-                    f"Lease: this caller's token holds leases of {owned} runs on this server,"
-                    f" its share (half of the server's {self.max_runs}); run '{req.run}' was"
-                    " not added"
-                )
+            self._books.room_for_run(self._runs.values(), owner, req, self.max_runs)
             if not req.release:  # refused before the run is added: no empty run stays
                 self._books.room(owner, req, self.max_leases)
             run = self._runs[req.run] = RunRecord(req.world_size, owner)
@@ -345,23 +334,6 @@ class LeaseTable:
             lease.holder, lease.client = req.holder, req.client
         run.idle_since = None
 
-    def _unseen_end(self, run: RunRecord, req: pb.LeaseRequest, now: float) -> bool:
-        """Whether renewal ``req`` claims a stream that this server saw end: then it holds the
-        lease at most until ``UNSEEN_END_S`` after the end, and a lease that lapsed stays
-        lapsed for that long (a new stream, or a renewal from a rank that knows its stream is
-        gone, brings it back). A renewal that beat its rank's first stream here holds it."""
-        if not req.stream:
-            return False
-        lease = run.leases.get(req.rank)
-        if lease is None:  # went with its lapse just now, or never here
-            return now - run.lost.get(req.rank, -UNSEEN_END_S) < UNSEEN_END_S
-        if lease.holds or (lease.closed_at is None and lease.lapsed_at is None):
-            return False
-        if lease.lapsed_at is None:
-            lease.expires = max(lease.expires, lease.closed_at + UNSEEN_END_S)
-            run.moved()  # an expired lease not yet found lapsed may be live again
-        return True
-
     def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:
         if run.pop(rank) is not None:
             self._books.leases.remove(run.owner)
@@ -387,18 +359,11 @@ class LeaseTable:
                 if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
                     self._drop_lease(run, rank, now)
                 continue  # this server may be the one cut off: it decides nothing
-            waited = f", then {lease.rejoin_s:g} s for a restart" if lease.rejoin_s else ""
-            if lease.closed_at is not None:
-                how = "its lease stream to this server closed: its process ended or its host is"
-                how += " unreachable"
-            else:
-                how = f"no lease renewal for {lease.ttl_s:g} s"
             self._drop_lease(run, rank, now)
             run.lost = {r: t for r, t in run.lost.items() if now - t < UNSEEN_END_S}
             run.lost[rank] = now
-            self._abort(
-                name, run, epoch, f"run '{name}' aborted: rank {rank} lost ({how}{waited})", rank
-            )
+            why = f"run '{name}' aborted: rank {rank} lost ({lease.lost_why()})"
+            self._abort(name, run, epoch, why, rank)
 
     def _abort(
         self, name: str, run: RunRecord, epoch: int, why: str, lost: int, final: bool = False

@@ -263,7 +263,7 @@ class MembershipTable:
                 return rnd.decided_reply(req.rank, job.epoch), True
             # a member back in a newer epoch (the round's epoch was aborted), or a step whose
             # members are all gone: its ranks start it again (step 5)
-            self._revise(job, rnd, [m for m in rnd.members if not alive(m)])
+            job.revise(rnd, [m for m in rnd.members if not alive(m)], self.wall())
         self._announce(rnd, req)
         if ahead or not self._decide(job, rnd, alive, step=True):
             return None, False  # a round is decided once the step before it was applied
@@ -335,40 +335,9 @@ class MembershipTable:
         # the run's newest epoch: a rank that comes late, still in an aborted one, moves on
         rnd.decide(tuple(sorted(present)), max(job.epoch, *(rnd.announced[r] for r in present)))
         if step:
-            self._record(job, rnd, alive)
+            job.record(rnd, alive, self.wall())
         self._cond.notify_all()
         return True
-
-    def _revise(self, job: ElasticJob, rnd: Round, gone: list[int]) -> None:
-        """Reopens decided round ``rnd`` as generation g + 1, expecting its members but the
-        ``gone`` ones (step 5)."""
-        job.revisions += 1
-        job.steps_by_size[len(rnd.members)] -= 1
-        for r in gone:
-            self._event(job, rnd.key, "leave" if r in job.left else "lost", r, rnd.generation + 1)
-        job.leaves += len(gone)
-        rnd.reopen(set(rnd.members) - set(gone))
-        rnd.generation += 1
-
-    def _record(self, job: ElasticJob, rnd: Round, alive: Callable[[int], bool]) -> None:
-        """History and counts of a step round just decided."""
-        for r in sorted(set(rnd.members) - rnd.before):
-            job.joins += 1
-            self._event(job, rnd.key, "join", r, rnd.generation)
-        for r in sorted(rnd.before - set(rnd.members)):
-            job.leaves += 1
-            kind = "leave" if r in job.left else "lost" if not alive(r) else "excluded"
-            self._event(job, rnd.key, kind, r, rnd.generation)
-        job.steps_by_size[len(rnd.members)] += 1
-        if job.last is None or rnd.key >= job.last.key:
-            job.last = rnd
-
-    def _event(self, job: ElasticJob, step: int, kind: str, rank: int, generation: int) -> None:
-        job.history.append(
-            pb.MembershipEvent(
-                step=step, kind=kind, rank=rank, unix=self.wall(), generation=generation
-            )
-        )
 
     def _undecided(self, job: ElasticJob, req: pb.JoinRequest, waited: float) -> pb.JoinReply:
         """The reply "not yet", after ``waited`` s; one that could not wait asks again later."""

@@ -32,11 +32,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.rank_lists import MAX_LISTED, absent, listed
 
 if TYPE_CHECKING:
     from paramshard.server.buffers.store import BufferSlice
     from paramshard.server.collectives.slot import Slot
+    from paramshard.server.runtime.run_names import RankNews
 
 __all__ = [
     "SlotName",
@@ -44,6 +46,8 @@ __all__ = [
     "run_epoch",
     "who",
     "missing",
+    "waited_out",
+    "expired",
     "slot_row",
     "step_row",
     "pending_rows",
@@ -178,6 +182,31 @@ def missing(slot: Slot, offset: int) -> list[int]:
     chunk = slot.chunks.get(offset)
     arrived = set() if chunk is None else chunk.contributors
     return _ranks(name, absent(range(slot.meta.expected), arrived))
+
+
+def waited_out(slot: Slot, offset: int, gone: str, timeout: float, news: RankNews) -> ShardError:
+    """The error of a read of the chunk at ``offset`` whose wait ended without it (caller
+    holds its cond): FAILED_PRECONDITION when the missing ranks ended for good (``gone`` says
+    how), else DEADLINE_EXCEEDED after ``timeout``, naming who is missing and where ``news``
+    (the server's leases) says they are."""
+    name = parse_key(slot.key)
+    head = f"{name.describe()}, chunk at {offset:,}"
+    if gone:
+        return ShardError.precondition(f"{head}: {who(slot, offset)}; {gone}")
+    where = news.whereabouts(name.run, missing(slot, offset))
+    return ShardError.deadline(f"{head}: waited {timeout:.1f} s; {who(slot, offset)}{where}")
+
+
+def expired(slot: Slot, ttl_s: float) -> str:
+    """Why a slot that got no contribution or read for ``ttl_s`` seconds ends (caller holds its
+    cond): ``slot 'r:ar3/0' expired: ... (all_reduce #3 of run 'r'; 1 of 2 ...)``."""
+    what = parse_key(slot.key).what()
+    what = f"{what}; " if what else ""
+    first = min(slot.chunks, default=0)
+    return (
+        f"slot '{slot.key}' expired: no contribution or read for {ttl_s:g} s"
+        f" ({what}{who(slot, first)})"
+    )
 
 
 def slot_row(slot: Slot, now: float) -> pb.PendingWork:

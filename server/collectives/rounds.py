@@ -195,6 +195,35 @@ class ElasticJob:
 
         return alive
 
+    def revise(self, rnd: Round, gone: list[int], unix: float) -> None:
+        """Reopens decided step round ``rnd`` as generation g + 1, expecting its members but
+        the ``gone`` ones (step 5 of server/collectives/membership.py)."""
+        self.revisions += 1
+        self.steps_by_size[len(rnd.members)] -= 1
+        for r in gone:
+            kind = "leave" if r in self.left else "lost"
+            self._event(rnd.key, kind, r, rnd.generation + 1, unix)
+        self.leaves += len(gone)
+        rnd.reopen(set(rnd.members) - set(gone))
+        rnd.generation += 1
+
+    def record(self, rnd: Round, alive: Callable[[int], bool], unix: float) -> None:
+        """History and counts of step round ``rnd``, just decided."""
+        for r in sorted(set(rnd.members) - rnd.before):
+            self.joins += 1
+            self._event(rnd.key, "join", r, rnd.generation, unix)
+        for r in sorted(rnd.before - set(rnd.members)):
+            self.leaves += 1
+            kind = "leave" if r in self.left else "lost" if not alive(r) else "excluded"
+            self._event(rnd.key, kind, r, rnd.generation, unix)
+        self.steps_by_size[len(rnd.members)] += 1
+        if self.last is None or rnd.key >= self.last.key:
+            self.last = rnd
+
+    def _event(self, step: int, kind: str, rank: int, generation: int, unix: float) -> None:
+        kw = dict(step=step, kind=kind, rank=rank, unix=unix, generation=generation)
+        self.history.append(pb.MembershipEvent(**kw))
+
 
 def status_row(name: str, job: ElasticJob) -> pb.JobMembership:
     """Job ``name``'s row of the Status reply (``StatusReply.memberships``)."""

@@ -35,7 +35,13 @@ import time
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives.gone_keys import GoneKeys
-from paramshard.server.collectives.pending import missing, parse_key, run_epoch, who
+from paramshard.server.collectives.pending import (
+    expired,
+    missing,
+    parse_key,
+    run_epoch,
+    waited_out,
+)
 from paramshard.server.collectives.slot import (
     CHUNK_RECORD_BYTES,
     Chunk,
@@ -273,17 +279,10 @@ class SlotStore:
                 raise ShardError.aborted(slot.ended)
             if slot.conflict is not None and not over():
                 raise ShardError.precondition(slot.conflict)
-            if gone:
-                raise ShardError.precondition(
-                    f"{name.describe()}, chunk at {req.offset:,}: {who(slot, req.offset)}; {gone}"
-                )
-            if not done:
+            if not done and not gone:
                 self._forget_if_unused(slot)
-                raise ShardError.deadline(
-                    f"{name.describe()}, chunk at {req.offset:,}: waited {timeout:.1f} s;"
-                    f" {who(slot, req.offset)}"
-                    f"{self.news.whereabouts(name.run, missing(slot, req.offset))}"
-                )
+            if gone or not done:
+                raise waited_out(slot, req.offset, gone, timeout, self.news)
             none = slot.missed(req.offset)
             if none and not req.guess:
                 raise ShardError.invalid(f"slot '{req.key}': {none}")
@@ -340,12 +339,7 @@ class SlotStore:
         for slot in stale:
             with slot.cond:
                 if slot.touched < limit and slot.ended is None:
-                    first = min(slot.chunks, default=0)
-                    self._end(
-                        slot,
-                        f"slot '{slot.key}' expired: no contribution or read for"
-                        f" {self.ttl_s:g} s ({_what(slot.key)}{who(slot, first)})",
-                    )
+                    self._end(slot, expired(slot, self.ttl_s))
                     ended += 1
         return ended
 
@@ -408,9 +402,3 @@ class SlotStore:
             self._forget_locked(slot)
             if remember:
                 self._gone.note_ended(slot.key, why)
-
-
-def _what(key: str) -> str:
-    """``all_reduce #3 of run 'r'; `` for a collective's key, else ""."""
-    what = parse_key(key).what()
-    return f"{what}; " if what else ""

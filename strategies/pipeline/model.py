@@ -39,6 +39,7 @@ from paramshard.strategies.pipeline.communications import (
     pack,
     unpack,
 )
+from paramshard.strategies.pipeline.layouts import gather, layout_of
 from paramshard.strategies.pipeline.materialize import InitWeights, WeightInit
 from paramshard.strategies.pipeline.partition import PartitionName, default_split_points
 from paramshard.strategies.pipeline.schedules import (
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
     from paramshard.client import ShardClient
 
 __all__ = ["PipelineParallelModel"]
-
-Layout = list[tuple[str, torch.Size, torch.dtype]]
 
 
 class PipelineParallelModel(nn.Module):
@@ -125,9 +124,9 @@ class PipelineParallelModel(nn.Module):
         state = model.state_dict()
         self._full_keys = list(state)
         self._full_param_names = [n for n, _ in model.named_parameters()]
-        self._state_layouts = [self._layout_of(list(state.items()), r) for r in range(p)]
+        self._state_layouts = [layout_of(state.items(), self.plan, p, r) for r in range(p)]
         named = list(model.named_parameters(remove_duplicate=False))
-        self._grad_layouts = [self._layout_of(named, r, dedupe=True) for r in range(p)]
+        self._grad_layouts = [layout_of(named, self.plan, p, r, dedupe=True) for r in range(p)]
         first_name = {id(q): n for n, q in model.named_parameters()}
         self._use_cache = getattr(getattr(model, "config", None), "use_cache", None) is not None
         rank = RankStages(model, self.plan, self.stage_index, p)
@@ -157,19 +156,6 @@ class PipelineParallelModel(nn.Module):
         the last schedule."""
         self.last_peak_activations = 0
         """Most micro-batches whose activations this stage held at once in the last step."""
-
-    def _layout_of(self, items: Any, rank: int, dedupe: bool = False) -> Layout:
-        """(name, shape, dtype) of what pipeline rank ``rank`` holds, in its order."""
-        out, seen = [], set()
-        for name, t in items:
-            stage = self.plan.stage_of(name)
-            if stage != -1 and stage % self.num_stages != rank:
-                continue
-            if dedupe and id(t) in seen:
-                continue
-            seen.add(id(t))
-            out.append((name, t.shape, t.dtype))
-        return out
 
     def _tied_groups(self, rank: RankStages, first_name: dict[int, str]) -> list[tuple[Any, list]]:
         original = {id(c): i for i, c in rank.clones.items()}
@@ -362,41 +348,21 @@ class PipelineParallelModel(nn.Module):
         """This rank's state dict under the whole model's names."""
         return self.stage.state_dict()
 
+    def _pp_group(self) -> Any:
+        return None if self.num_stages == 1 else self.pp
+
     def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank (collective over the pipeline group).
         A tied weight comes from its first holder."""
-        got = self._gather(self._state_layouts, self.stage.state_dict())
+        got = gather(self._pp_group(), self._state_layouts, self.stage.state_dict())
         return {k: got[k] for k in self._full_keys if k in got}
 
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient under ``model.named_parameters()`` names, on every rank
         (collective); a missing gradient counts as zeros."""
-        grads = {
-            n: (q.grad if q.grad is not None else torch.zeros_like(q))
-            for n, q in self.stage.named_parameters()
-        }
-        got = self._gather(self._grad_layouts, grads)
+        grads = {n: _grad_of(q) for n, q in self.stage.named_parameters()}
+        got = gather(self._pp_group(), self._grad_layouts, grads)
         return {n: got[n] for n in self._full_param_names}
-
-    def _gather(self, layouts: list[Layout], mine: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """One all-gather per dtype of every rank's tensors, flattened in layout order."""
-        out: dict[str, torch.Tensor] = {}
-        dtypes = sorted({dt for layout in layouts for _, _, dt in layout}, key=str)
-        for dt in dtypes:
-            # one spare element: a rank without tensors of this dtype still sends something
-            pieces = [t.detach().reshape(-1) for t in mine.values() if t.dtype == dt]
-            spare = torch.zeros(1, dtype=dt, device=pieces[0].device if pieces else None)
-            flat = torch.cat([*pieces, spare])
-            gathered = [flat] if self.num_stages == 1 else self.pp.all_gather(flat)
-            for layout, buf in zip(layouts, gathered, strict=True):
-                offset = 0
-                for name, shape, d in layout:
-                    if d != dt:
-                        continue
-                    n = shape.numel()
-                    out.setdefault(name, buf[offset : offset + n].reshape(shape).clone())
-                    offset += n
-        return out
 
 
 def _grad_of(t: torch.Tensor) -> torch.Tensor:
