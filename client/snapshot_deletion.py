@@ -35,7 +35,11 @@ def delete_snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
     so one that is writing or restoring the tag must stop the deletion before another removes
     the files. A server that begins to use the tag after its check may still find it gone
     (its call then fails FAILED_PRECONDITION, saying so)."""
-    jobs = _jobs_of(client, job, tag)
+    return _delete(client, job, tag, _Jobs(client).of(job, tag))
+
+
+def _delete(client: ShardClient, job: str, tag: str, jobs: list[str]) -> dict[str, Any]:
+    """``delete_snapshot`` of ``tag`` from the folders of ``jobs`` (``job``'s, or its parts')."""
 
     def each(check_only: bool) -> list[Any]:
         return client.run(
@@ -64,21 +68,33 @@ def delete_snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
     }
 
 
-def _jobs_of(client: ShardClient, job: str, tag: str) -> list[str]:
-    """The jobs whose folder ``tag`` is deleted: ``job``'s own, or, for a 3D job's base name,
-    its parts' (those registered on the servers, and those its listed snapshots name)."""
-    rows = list_snapshots(client, torn=True)
-    if any(r["job"] == job for r in rows):
-        return [job]
-    held = server_jobs(client)
-    if job in held.status:
-        return [job]
-    parts = set(find_parts(job, held.jobs).values())
-    for r in rows:
-        parsed = parse_part_job(r["job"])
-        if parsed is not None and parsed[0] == job and r["tag"] == tag:
-            parts.update(r.get("hybrid", {}).get("parts", [r["job"]]))
-    return sorted(parts) or [job]
+class _Jobs:
+    """The jobs whose folders a tag is deleted from, found from one listing of every job's
+    snapshots (torn ones too) and at most one Status of the servers, however many tags are
+    asked about (a prune's)."""
+
+    def __init__(self, client: ShardClient) -> None:
+        self.client = client
+        self._rows: list[dict[str, Any]] | None = None
+        self._held: Any = None
+
+    def of(self, job: str, tag: str) -> list[str]:
+        """``job``'s own, or, for a 3D job's base name, its parts' (those registered on the
+        servers, and those its listed snapshots of ``tag`` name)."""
+        if self._rows is None:
+            self._rows = list_snapshots(self.client, torn=True)
+        if any(r["job"] == job for r in self._rows):
+            return [job]
+        if self._held is None:
+            self._held = server_jobs(self.client)
+        if job in self._held.status:
+            return [job]
+        parts = set(find_parts(job, self._held.jobs).values())
+        for r in self._rows:
+            parsed = parse_part_job(r["job"])
+            if parsed is not None and parsed[0] == job and r["tag"] == tag:
+                parts.update(r.get("hybrid", {}).get("parts", [r["job"]]))
+        return sorted(parts) or [job]
 
 
 def prune_snapshots(
@@ -110,7 +126,9 @@ def prune_snapshots(
     if done:
         newest = done[-1]["created_unix"]
         doomed += [r["tag"] for r in torn if r["created_unix"] < newest]
-    return [delete_snapshot(client, job, tag) for tag in dict.fromkeys(doomed)]  # parts: once
+    jobs = _Jobs(client)  # each tag's folders, found before any deletion
+    found = [(tag, jobs.of(job, tag)) for tag in dict.fromkeys(doomed)]  # a 3D tag: once
+    return [_delete(client, job, tag, folders) for tag, folders in found]
 
 
 def _base(job: str) -> str:

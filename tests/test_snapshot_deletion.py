@@ -218,6 +218,22 @@ def test_prune_keeps_the_last_taken_and_tags_of_other_names(two) -> None:
         tools.prune_snapshots(c, "j", keep_last=0)
 
 
+def test_a_prune_lists_the_snapshots_twice_however_many_it_deletes(two, monkeypatch) -> None:
+    """A prune lists once to choose and once to find each tag's folders. Before, each deletion
+    listed again: 1 + n listings for n tags (after every checkpoint of a long run)."""
+    c, _, _ = two
+    for v in range(5):
+        tools.snapshot(c, "j", f"auto-{v}")
+        step(c, v)
+    asked: list[str] = []
+    call = c.call
+    monkeypatch.setattr(c, "call", lambda s, m, r: asked.append(m) or call(s, m, r))
+    gone = tools.prune_snapshots(c, "j", keep_last=1, prefix="auto")
+    assert [g["tag"] for g in gone] == ["auto-0", "auto-1", "auto-2", "auto-3"]
+    assert asked.count("ListSnapshots") == 2, asked
+    assert tags(c) == ["auto-4"]
+
+
 def test_the_command(two, capsys) -> None:
     c, nodes, _ = two
     servers = ",".join(s.address for s in nodes)
