@@ -272,8 +272,7 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
         # a param_dtype working copy is narrower than the servers' masters: read those
         state = self.replica.state_dict() if self._holds_working_copy() else None
         stage = gather_tensor_parallel_state(self.stage, self.groups.tp, state)
-        full = self.pipeline._gather(self.pipeline._state_layouts, stage)
-        return {k: full[k] for k in self.pipeline._full_keys if k in full}
+        return self.pipeline.gather_full_state_dict(stage)
 
     def _full_state(self) -> dict[str, torch.Tensor]:
         return {n: to_master(t) for n, t in self.state_dict().items()}
@@ -285,7 +284,7 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
         """Loads the whole model's state dict (as ``state_dict()`` returns it): each rank takes
         its stage's tensors, and of those its tensor-parallel parts, into its replica and its
         data group's servers. Every rank calls it with the same dict."""
-        keys = self.pipeline._full_keys
+        keys = self.pipeline.full_keys
         missing = [k for k in keys if k not in state_dict]
         unexpected = [k for k in state_dict if k not in keys]
         if strict and (missing or unexpected):

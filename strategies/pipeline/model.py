@@ -122,7 +122,8 @@ class PipelineParallelModel(nn.Module):
         # Every rank knows every rank's names and shapes: enough to unpack the all-gather of
         # ``gather_full_state_dict`` without sending any names.
         state = model.state_dict()
-        self._full_keys = list(state)
+        self.full_keys = list(state)
+        """The whole model's state dict keys, in its order."""
         self._full_param_names = [n for n, _ in model.named_parameters()]
         self._state_layouts = [layout_of(state.items(), self.plan, p, r) for r in range(p)]
         named = list(model.named_parameters(remove_duplicate=False))
@@ -351,11 +352,15 @@ class PipelineParallelModel(nn.Module):
     def _pp_group(self) -> Any:
         return None if self.num_stages == 1 else self.pp
 
-    def gather_full_state_dict(self) -> dict[str, torch.Tensor]:
+    def gather_full_state_dict(
+        self, stage_state: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The whole model's state dict on every rank (collective over the pipeline group).
-        A tied weight comes from its first holder."""
-        got = gather(self._pp_group(), self._state_layouts, self.stage.state_dict())
-        return {k: got[k] for k in self._full_keys if k in got}
+        A tied weight comes from its first holder. ``stage_state``: what this rank gives,
+        when not its stage's own state dict (a 3D rank's, gathered over its tensor group)."""
+        mine = self.stage.state_dict() if stage_state is None else stage_state
+        got = gather(self._pp_group(), self._state_layouts, mine)
+        return {k: got[k] for k in self.full_keys if k in got}
 
     def gather_full_grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's gradient under ``model.named_parameters()`` names, on every rank
