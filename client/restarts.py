@@ -18,8 +18,10 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
   does a rank whose wait the servers refused because the ranks it waited for ended for good
   (``peers-ended``: uneven inputs; a restart would wait for them too). A rank whose own code
   raised in ``train_with_recovery`` says so before it stops the others (``failed <why>``), so
-  the launcher names it, not a rank that its notice stopped first. The launcher sets this
-  one without ``--max-restarts`` too.
+  the launcher names it, not a rank that its notice stopped first; a rank that such a notice
+  stopped says what the notice said (``stopped <notice>``), so a launcher that does not run
+  the rank that raised (another host's) names it through that. The launcher sets this one
+  without ``--max-restarts`` too.
   The file outlives the process, so a restart that fails again before building its model is
   judged by the first one's lines.
 
@@ -60,6 +62,7 @@ ON_SERVERS, ON_TRAINERS = "servers", "trainers"
 LOST = "job-lost"
 PEERS_ENDED = "peers-ended"
 FAILED = "failed"
+STOPPED = "stopped"
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +167,15 @@ def declare_failed(why: str) -> None:
             f.write(f"{FAILED} {' '.join(why.split())}\n")
 
 
+def declare_stopped(notice: str) -> None:
+    """Records for the launcher that this rank stops on the run's final notice (``notice``:
+    what it said, naming the rank that posted it and why), not on its own error."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{STOPPED} {' '.join(notice.split())}\n")
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What a rank's models said about themselves (``read_declaration``)."""
@@ -173,6 +185,7 @@ class Declaration:
     lost: tuple[str, ...] = ()  # jobs the rank found lost (``declare_lost``)
     peers_ended: bool = False  # it waited for ranks that ended (``declare_peers_ended``)
     failed: str = ""  # why its own code raised, when it stopped the others (``declare_failed``)
+    stopped: str = ""  # the final notice it stopped on, the last one (``declare_stopped``)
 
     @property
     def restartable(self) -> bool:
@@ -192,7 +205,8 @@ def read_declaration(path: str) -> Declaration:
     lost = tuple(" ".join(r[1:]) for r in rows if r[0] == LOST)
     peers_ended = any(r[0] == PEERS_ENDED for r in rows)
     failed = next((" ".join(r[1:]) or "?" for r in rows if r[0] == FAILED), "")
-    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED)]
+    stopped = next((" ".join(r[1:]) or "?" for r in reversed(rows) if r[0] == STOPPED), "")
+    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED, STOPPED)]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers, lost, peers_ended, failed)
+    return Declaration(strategies, on_trainers, lost, peers_ended, failed, stopped)

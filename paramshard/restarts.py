@@ -80,17 +80,23 @@ class RankRestarts:
         return os.path.join(self.directory, f"rank-{rank}")
 
     def declared_failure(self, rank: int) -> str:
-        """``: <why>`` when rank ``rank`` declared that its own code raised, else ""."""
-        said = contract.read_declaration(self._file(rank)).failed
-        return f": {said}" if said else ""
+        """``: <why>`` when rank ``rank`` declared that its own code raised; ``: on the
+        run's notice: <notice>`` when it declared that it stopped on another's; else ""."""
+        said = contract.read_declaration(self._file(rank))
+        if said.failed:
+            return f": {said.failed}"
+        return f": on the run's notice: {said.stopped}" if said.stopped else ""
+
+    def raised(self, rank: int) -> bool:
+        """Whether rank ``rank`` declared that its own code raised and stopped the others
+        (client/restarts.py ``declare_failed``)."""
+        return bool(contract.read_declaration(self._file(rank)).failed)
 
     def failed_first(self, running: set[Child], but: int) -> Child | None:
-        """A running rank other than ``but`` whose own code raised and stopped the others
-        (client/restarts.py ``declare_failed``): ``but`` failed on its notice."""
-        for child in sorted(running, key=lambda c: c.rank):
-            if child.rank != but and contract.read_declaration(self._file(child.rank)).failed:
-                return child
-        return None
+        """A running rank other than ``but`` whose own code raised and stopped the others:
+        ``but`` failed on its notice."""
+        ranks = sorted(running, key=lambda c: c.rank)
+        return next((c for c in ranks if c.rank != but and self.raised(c.rank)), None)
 
     def attempt(self, rank: int) -> int:
         """How many times ``rank`` was restarted: 0 for its first process (torchrun's attempt
@@ -190,7 +196,8 @@ def supervise(
         try:
             kind, child, value = events.get(timeout=waiting.left() if waiting else None)
         except queue.Empty:  # the rank that raised did not exit in time: blame the first
-            return _stop_all(waiting.child, waiting.code, "", running, None, grace, received)
+            said = restarts.declared_failure(waiting.child.rank)
+            return _stop_all(waiting.child, waiting.code, said, running, None, grace, received)
         if kind == "signal":
             name = signal.Signals(value).name
             say(f"{name}: stopping the ranks (--grace {grace:g} s; again to kill them now)")
@@ -255,13 +262,15 @@ def supervise(
             stop(list(running), signal.SIGTERM, grace, received)
             return code
         said = restarts.declared_failure(child.rank)
-        if not said and restarts.failed_first(running, child.rank) is not None:
+        first = restarts.failed_first(running, child.rank)
+        if first is not None and not restarts.raised(child.rank):
             # it failed on that running rank's notice: name that one as it exits
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
         return _stop_all(child, code, f"{why}{said}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
-        return _stop_all(waiting.child, waiting.code, "", running, None, grace, received)
+        said = restarts.declared_failure(waiting.child.rank)
+        return _stop_all(waiting.child, waiting.code, said, running, None, grace, received)
     return departures.exit_code() if departures is not None else 0
 
 

@@ -50,7 +50,8 @@ def recover_until_done(
 
 def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     """``exc`` ends ``train_with_recovery`` on this rank at ``step``: the others stop too
-    (above). Not when this rank stops on another's final notice, nor when ``paramshard launch
+    (above). Not when this rank stops on a final notice (another's: it tells its launcher what
+    the notice said, client/restarts.py ``declare_stopped``), nor when ``paramshard launch
     --max-restarts`` may restart it (the others wait for it: its lease's ``rejoin_ms``). An
     elastic rank leaves the job instead, and the members redo the step without it (before, a
     rank of a process that lived on, a thread, never left: the step waited its deadline).
@@ -64,7 +65,9 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     try:
         if getattr(model, "elastic", False):
             model.leave(why[:400])
-        elif (holding is None or not holding.rejoin_s) and not (notice and notice.final):
+        elif notice is not None and notice.final:  # another's (or this rank gave up its job)
+            restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
+        elif holding is None or not holding.rejoin_s:
             restarts.declare_failed(why[:400])  # for the launcher, before the others stop
             state.give_up(
                 f"stopped at step {step} on an error no recovery mends ({why[:400]})", True

@@ -10,13 +10,15 @@ Real in-process servers; ranks are threads.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from test_hybrid_export import run_hybrid
-from test_launch import launch
+from test_launch import launch, launch_env
 from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ShardClientError
@@ -109,3 +111,41 @@ def test_the_launcher_names_the_rank_that_raised(tmp_path: Path) -> None:
     said = re.findall(r"paramshard launch: (rank \d failed .*)", done.stderr)
     assert done.returncode == 3, (done.returncode, said, done.stderr[-3000:])
     assert said and said[0].startswith("rank 1 failed with exit code 3: SystemExit: 3"), said
+
+
+def test_a_launcher_without_the_rank_that_raised_names_it_from_the_notice(
+    tmp_path: Path, servers
+) -> None:
+    """Two hosts' launchers, a rank each (``--nnodes 2``): rank 1's code raises. Its launcher
+    names it and the error; rank 0's launcher, which cannot read rank 1's declaration, names
+    it through the notice rank 0 stopped on. Before, it said only "rank 0 failed with exit
+    code 1"."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.replace("sys.exit(3)", f"raise ValueError('bad batch {BAD}')"))
+    addresses = ",".join(s.address for s in servers(2))
+    run = f"hosts-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "paramshard", "launch", "--nnodes", "2", "--nproc", "1"]
+    common = ["--servers", addresses, "--run-id", run, str(script)]
+    procs = [
+        subprocess.Popen(
+            [*cmd, "--node-rank", str(node), *common],
+            env=launch_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        errs = [p.communicate(timeout=100)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    said = [re.findall(r"paramshard launch: (rank \d failed .*)", err) for err in errs]
+    assert [p.returncode for p in procs] == [1, 1], (said, errs[0][-3000:])
+    raised = f"rank 1 failed with exit code 1: ValueError: bad batch {BAD}"
+    assert said[1] and said[1][0].startswith(raised), said
+    assert said[0] and said[0][0].startswith(
+        f"rank 0 failed with exit code 1: on the run's notice: run '{run}': {WORDS}"
+    ), said
