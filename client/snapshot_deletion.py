@@ -108,17 +108,22 @@ def prune_snapshots(
     oldest first. With ``prefix`` (``train_with_recovery``'s ``tag_prefix``, "" included),
     only the tags it names its checkpoints, ``<prefix>-<step>`` with its ``-e<epoch>`` and
     ``.<n>`` forms (a tag saved by hand in that form is taken for one). Torn tags (of that
-    form) older than the newest snapshot kept are deleted too; a newer one may be under way."""
+    form) older than the newest snapshot kept are deleted too; a newer one may be under way.
+    A tag deleted by another caller meanwhile is skipped. KeyError when ``job`` has no
+    snapshot at all (a name mistyped)."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be at least 1, not {keep_last}")
     own = None
     if prefix is not None:
         own = re.compile(rf"{re.escape(prefix)}-[0-9]+(-e[0-9]+)?(\.[0-9]+)?")
-    rows = [
+    listed = [
         r
         for r in list_snapshots(client, job, combine_parts=True, torn=True)
-        if job in (r["job"], _base(r["job"])) and (own is None or own.fullmatch(r["tag"]))
+        if job in (r["job"], _base(r["job"]))
     ]  # complete ones oldest first (taken order), then the torn ones
+    if not listed:  # a name mistyped: not "nothing to delete"
+        raise KeyError(f"job '{job}' has no snapshot on the servers")
+    rows = [r for r in listed if own is None or own.fullmatch(r["tag"])]
     # of a 3D job, a part's row is a tag some other part lacks: torn for the job
     done = [r for r in rows if r["job"] == job and not r.get("torn")]
     torn = [r for r in rows if r["job"] != job or r.get("torn")]
@@ -128,7 +133,13 @@ def prune_snapshots(
         doomed += [r["tag"] for r in torn if r["created_unix"] < newest]
     jobs = _Jobs(client)  # each tag's folders, found before any deletion
     found = [(tag, jobs.of(job, tag)) for tag in dict.fromkeys(doomed)]  # a 3D tag: once
-    return [_delete(client, job, tag, folders) for tag, folders in found]
+    gone = []
+    for tag, folders in found:
+        try:
+            gone.append(_delete(client, job, tag, folders))
+        except KeyError:  # deleted meanwhile (another prune: a job's own, a cron's)
+            continue
+    return gone
 
 
 def _base(job: str) -> str:
