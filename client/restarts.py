@@ -20,7 +20,9 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
   raised in ``train_with_recovery`` says so before it stops the others (``failed <why>``), so
   the launcher names it, not a rank that its notice stopped first; a rank that such a notice
   stopped says what the notice said (``stopped <notice>``), so a launcher that does not run
-  the rank that raised (another host's) names it through that. The launcher sets this one
+  the rank that raised (another host's) names it through that. A rank the launcher may
+  restart stops nobody; it says why it raised, with its restart count (``error <count>
+  <why>``), for the launcher's message should it not be restarted. The launcher sets this one
   without ``--max-restarts`` too.
   The file outlives the process, so a restart that fails again before building its model is
   judged by the first one's lines.
@@ -63,6 +65,7 @@ LOST = "job-lost"
 PEERS_ENDED = "peers-ended"
 FAILED = "failed"
 STOPPED = "stopped"
+ERROR = "error"
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +179,15 @@ def declare_stopped(notice: str) -> None:
             f.write(f"{STOPPED} {' '.join(notice.split())}\n")
 
 
+def declare_error(why: str) -> None:
+    """Records for the launcher why this rank's own code raised, when it stops nobody (the
+    launcher may restart it): the launcher names it, should it not restart the rank."""
+    path = os.environ.get(RESTART_FILE_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"{ERROR} {restart_count()} {' '.join(why.split())}\n")
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What a rank's models said about themselves (``read_declaration``)."""
@@ -186,6 +198,11 @@ class Declaration:
     peers_ended: bool = False  # it waited for ranks that ended (``declare_peers_ended``)
     failed: str = ""  # why its own code raised, when it stopped the others (``declare_failed``)
     stopped: str = ""  # the final notice it stopped on, the last one (``declare_stopped``)
+    errors: tuple[tuple[int, str], ...] = ()  # (restart count, why) (``declare_error``)
+
+    def error(self, attempt: int) -> str:
+        """Why the rank's process of restart count ``attempt`` raised, if it said."""
+        return next((why for n, why in reversed(self.errors) if n == attempt), "")
 
     @property
     def restartable(self) -> bool:
@@ -206,7 +223,12 @@ def read_declaration(path: str) -> Declaration:
     peers_ended = any(r[0] == PEERS_ENDED for r in rows)
     failed = next((" ".join(r[1:]) or "?" for r in rows if r[0] == FAILED), "")
     stopped = next((" ".join(r[1:]) or "?" for r in reversed(rows) if r[0] == STOPPED), "")
-    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED, STOPPED)]
+    errors = tuple(
+        (int(r[1]), " ".join(r[2:]) or "?")
+        for r in rows
+        if r[0] == ERROR and len(r) > 1 and r[1].isdigit()
+    )
+    rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED, STOPPED, ERROR)]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers, lost, peers_ended, failed, stopped)
+    return Declaration(strategies, on_trainers, lost, peers_ended, failed, stopped, errors)

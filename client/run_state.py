@@ -33,12 +33,14 @@ class Holding(Protocol):
 @dataclass(frozen=True)
 class Notice:
     """A run's epoch was aborted: why, which epoch, and the rank lost (-1: none); ``final``:
-    this rank may not take part at all (``RunState.refuse``)."""
+    this rank may not take part at all (``RunState.refuse``); ``mine``: this rank posted it
+    (``RunState.give_up``)."""
 
     reason: str
     epoch: int
     lost_rank: int = -1
     final: bool = False
+    mine: bool = False
 
     @property
     def recoverable(self) -> bool:
@@ -114,7 +116,7 @@ class RunState:
         holding = self.holding
         reason = holding.post_abort(cause, final) if holding is not None else None
         epoch = FINAL if final else self.epoch
-        self.abort(Notice(reason or f"this rank {cause}", epoch, final=final))
+        self.abort(Notice(reason or f"this rank {cause}", epoch, final=final, mine=True))
 
     def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the

@@ -80,11 +80,12 @@ class RankRestarts:
         return os.path.join(self.directory, f"rank-{rank}")
 
     def declared_failure(self, rank: int) -> str:
-        """``: <why>`` when rank ``rank`` declared that its own code raised; ``: on the
-        run's notice: <notice>`` when it declared that it stopped on another's; else ""."""
+        """``: <why>`` when rank ``rank`` (its process that just ended) declared that its own
+        code raised; ``: on the run's notice: <notice>`` when it declared that it stopped on
+        another's; else ""."""
         said = contract.read_declaration(self._file(rank))
-        if said.failed:
-            return f": {said.failed}"
+        if own := said.failed or said.error(self.attempt(rank)):
+            return f": {own}"
         return f": on the run's notice: {said.stopped}" if said.stopped else ""
 
     def raised(self, rank: int) -> bool:
@@ -239,9 +240,10 @@ def supervise(
             # loader's workers) and reap it now, not when the job ends
             stop([child], signal.SIGTERM, grace, received)
         if why is None:
+            said = restarts.declared_failure(child.rank)  # before the count moves on
             n = restarts.count(child.rank)
             say(
-                f"{child.name} failed with exit code {code}; restarting it (its restart {n};"
+                f"{child.name} failed with exit code {code}{said}; restarting it (its restart {n};"
                 f" {restarts.used} of --max-restarts {restarts.max_restarts} used)"
             )
             new = start_rank(child.rank)
@@ -267,7 +269,7 @@ def supervise(
             # it failed on that running rank's notice: name that one as it exits
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
-        return _stop_all(child, code, f"{why}{said}", running, waiting, grace, received)
+        return _stop_all(child, code, f"{said}{why}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
         said = restarts.declared_failure(waiting.child.rank)
         return _stop_all(waiting.child, waiting.code, said, running, None, grace, received)

@@ -51,8 +51,9 @@ def recover_until_done(
 def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     """``exc`` ends ``train_with_recovery`` on this rank at ``step``: the others stop too
     (above). Not when this rank stops on a final notice (another's: it tells its launcher what
-    the notice said, client/restarts.py ``declare_stopped``), nor when ``paramshard launch
-    --max-restarts`` may restart it (the others wait for it: its lease's ``rejoin_ms``). An
+    the notice said, client/restarts.py ``declare_stopped``; its own, posted already), nor
+    when ``paramshard launch --max-restarts`` may restart it (the others wait for it: its
+    lease's ``rejoin_ms``; it tells its launcher why it raised). An
     elastic rank leaves the job instead, and the members redo the step without it (before, a
     rank of a process that lived on, a thread, never left: the step waited its deadline).
     Never raises: ``exc`` is what the caller sees. A ``sys.exit(0)`` is no error: the rank
@@ -65,12 +66,16 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     try:
         if getattr(model, "elastic", False):
             model.leave(why[:400])
-        elif notice is not None and notice.final:  # another's (or this rank gave up its job)
+        elif notice is not None and notice.final and not notice.mine:  # another's
             restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
+        elif notice is not None and notice.final:  # this rank gave the run up: told already
+            restarts.declare_failed(why[:400])
         elif holding is None or not holding.rejoin_s:
             restarts.declare_failed(why[:400])  # for the launcher, before the others stop
             state.give_up(
                 f"stopped at step {step} on an error no recovery mends ({why[:400]})", True
             )
+        else:  # the launcher may restart it: the others wait for that
+            restarts.declare_error(why[:400])
     except Exception as failed:  # noqa: BLE001 - the servers gone too: nobody to tell
         log.warning("could not tell the other ranks that this one stops: %s", failed)

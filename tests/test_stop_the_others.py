@@ -149,3 +149,20 @@ def test_a_launcher_without_the_rank_that_raised_names_it_from_the_notice(
     assert said[0] and said[0][0].startswith(
         f"rank 0 failed with exit code 1: on the run's notice: run '{run}': {WORDS}"
     ), said
+
+
+def test_a_rank_out_of_restarts_is_named_with_its_error(tmp_path: Path) -> None:
+    """``--max-restarts 1``: rank 1 raises, is restarted, resumes at the same step and raises
+    again. The launcher names its error. Before, it said only "rank 1 failed with exit code 1
+    (not restarted: --max-restarts 1 used up)": a rank the launcher may restart stops nobody,
+    so it had declared nothing."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.replace("sys.exit(3)", f"raise ValueError('bad batch {BAD}')"))
+    done = launch("--nproc", "2", "--max-restarts", "1", script, timeout=100)
+    said = re.findall(r"paramshard launch: (rank \d failed .*)", done.stderr)
+    assert done.returncode == 1, (done.returncode, said, done.stderr[-3000:])
+    assert said[0].startswith(f"rank 1 failed with exit code 1: ValueError: bad batch {BAD};"), said
+    assert "restarting it" in said[0], said
+    assert said[-1].startswith(
+        f"rank 1 failed with exit code 1: ValueError: bad batch {BAD} (not restarted:"
+    ), said
