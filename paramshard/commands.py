@@ -259,13 +259,18 @@ ROLES_DOWN = {"admin": ("train", "read"), "train": ("admin",), "read": ("train",
 """Which token of a server token file a caller needing a role takes after that role's own."""
 
 
-def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> str | None:
-    """The token in the file ``path`` (``--token-file``): either the bare token, or a server
-    token file (``ROLE TOKEN [SCOPE]`` per line, as ``paramshard serve --token-file`` reads)
-    whose first token of the first role of ``prefer`` it has is taken, so one secret file can
-    serve all."""
+def has_roles(path: str | None) -> bool:
+    """Whether ``--token-file`` ``path`` is a server token file (``ROLE TOKEN`` lines), not
+    one bare token: launch's local servers then check its tokens."""
     if path is None:
-        return None
+        return False
+    lines = _token_lines(path)
+    return not (len(lines) == 1 and len(lines[0]) == 1)
+
+
+def _token_lines(path: str) -> list[list[str]]:
+    """The words of each line of token file ``path`` but comments; CommandError naming why
+    it cannot be read."""
     from paramshard.server.rpc.tokens import read_token_file
 
     try:
@@ -276,7 +281,17 @@ def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> 
         ) from None
     except ValueError as exc:  # too long, or not UTF-8
         raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
-    lines = [ln for ln in lines if ln and not ln[0].startswith("#")]
+    return [ln for ln in lines if ln and not ln[0].startswith("#")]
+
+
+def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> str | None:
+    """The token in the file ``path`` (``--token-file``): either the bare token, or a server
+    token file (``ROLE TOKEN [SCOPE]`` per line, as ``paramshard serve --token-file`` reads)
+    whose first token of the first role of ``prefer`` it has is taken, so one secret file can
+    serve all."""
+    if path is None:
+        return None
+    lines = _token_lines(path)
     if len(lines) == 1 and len(lines[0]) == 1:
         return lines[0][0]
     by_role: dict[str, str] = {}

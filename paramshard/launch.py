@@ -63,6 +63,7 @@ from paramshard.local_servers import (
     start_local_servers,
     wait_serving,
 )
+from paramshard.local_tokens import LocalTokens
 from paramshard.processes import Child, relay, say, spawn, stop, watch
 from paramshard.protos.run_ids import run_id_problem
 from paramshard.restarts import RankRestarts, ServerRestarts, supervise
@@ -135,7 +136,8 @@ def non_negative_int(text: str) -> int:
         "--token-file",
         default=None,
         help="the bearer token for the ranks (PARAMSHARD_TOKEN): a file holding the token, or"
-        " a server token file ('ROLE TOKEN' lines) whose train token is used",
+        " a server token file ('ROLE TOKEN' lines) whose train token is used; without"
+        " --servers, the local servers check that file's tokens (a bare token: as admin)",
     ),
     arg(
         "--start-timeout",
@@ -275,6 +277,7 @@ def launch(args: argparse.Namespace) -> int:
     servers: list[Child] = []
     ranks: list[Child] = []
     announced = None
+    local_tokens: LocalTokens | None = None
     try:
         snapshot_dir = None
         if args.servers:
@@ -292,6 +295,8 @@ def launch(args: argparse.Namespace) -> int:
                     f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
                 ) from None
             serve_args = ["--snapshot-dir", snapshot_dir] if snapshot_dir else []
+            local_tokens = LocalTokens(args.token_file)  # the local servers check the tokens
+            serve_args += local_tokens.serve_args
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
@@ -373,6 +378,8 @@ def launch(args: argparse.Namespace) -> int:
         stop(ranks, signal.SIGTERM, args.grace, received)
         stop(servers, signal.SIGTERM, SERVER_STOP_S, received)
         restarts.close()
+        if local_tokens is not None:
+            local_tokens.close()
         if announced is not None:
             announced.remove()  # the job tools no longer find this run
         drop_unused_snapshot_dir(run_id)  # also when it stopped before announcing the run

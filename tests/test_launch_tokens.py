@@ -1,0 +1,66 @@
+"""``paramshard launch --token-file`` without ``--servers``: the local servers check the tokens
+(paramshard/local_tokens.py). Before, they were started without tokens whatever the file
+said, and a mistyped token or a read token deleted snapshots (a field check)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_launch import launch, launch_env
+
+pytestmark = pytest.mark.timeout(150)
+
+RANK = """
+import os
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.protos import shard_pb2 as pb
+addresses = os.environ["PARAMSHARD_SERVERS"].split(",")
+for token in ["wrong", "r-token", os.environ["PARAMSHARD_TOKEN"]]:
+    client = ShardClient(ClusterSpec(addresses, token=token), timeout_s=10, retries=0)
+    try:
+        client.call(0, "Status", pb.StatusRequest())
+        client.call(0, "DropJob", pb.DropJobRequest(job="j"))
+        print("TOKEN", token == os.environ["PARAMSHARD_TOKEN"], "OK", flush=True)
+    except ShardClientError as exc:
+        print("TOKEN", token == os.environ["PARAMSHARD_TOKEN"], exc.code.name, flush=True)
+    finally:
+        client.close()
+"""
+
+
+def said(stdout: str) -> list[str]:
+    return re.findall(r"^\[rank 0\] TOKEN (.*)$", stdout, re.M)
+
+
+def test_a_server_token_file_is_checked_by_the_local_servers(tmp_path: Path) -> None:
+    """The ranks get the train token: a wrong token is refused, the read token may look but
+    not drop a job, nor may the ranks' train token."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("read r-token\ntrain t-token\nadmin a-token\n")
+    tokens.chmod(0o600)
+    done = launch("--nproc", "1", "--token-file", tokens, script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert said(done.stdout) == [
+        "False UNAUTHENTICATED",
+        "False PERMISSION_DENIED",
+        "True PERMISSION_DENIED",
+    ], done.stdout
+
+
+def test_one_bare_token_is_the_admin_token_of_the_local_servers(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    token = tmp_path / "token"
+    token.write_text("a-token\n")
+    token.chmod(0o600)
+    temp = tmp_path / "tmp"  # where the launcher makes the servers' file
+    temp.mkdir()
+    done = launch("--nproc", "1", "--token-file", token, script, env=launch_env(TMPDIR=str(temp)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the admin role passes: DropJob then finds no job 'j' (NOT_FOUND, after the role check)
+    assert said(done.stdout) == ["False UNAUTHENTICATED", "False UNAUTHENTICATED", "True NOT_FOUND"]
+    assert not list(temp.glob("paramshard-tokens-*"))  # removed as the launcher ends
