@@ -20,13 +20,17 @@ that fails is logged, and training goes on.
 A server started without ``--snapshot-dir`` refuses every snapshot. That is no lost server: the
 rank that snapshots (rank 0, an elastic step's leader) tells the others that the run cannot go
 on (a final notice) and raises a ``RuntimeError`` saying what to do. Before, it recovered as
-from a lost server, five times, and so did every rank its notices reached.
+from a lost server, five times, and so did every rank its notices reached. A token without the
+``admin`` role (a trainer's ``train`` token) ends the run the same way, with a
+``PermissionError`` saying which token it needs.
 """
 
 from __future__ import annotations
 
 import logging
 from typing import Any
+
+import grpc
 
 from paramshard.client import ShardClientError
 
@@ -96,15 +100,26 @@ def _takes_snapshots(model: Any) -> bool:
 
 
 def save(model: Any, tag: str) -> None:
-    """``model.save_checkpoint(tag)``; a server with no snapshot folder ends the run (above)."""
+    """``model.save_checkpoint(tag)``; a server with no snapshot folder, or a token that may
+    not snapshot, ends the run (above)."""
     try:
         model.save_checkpoint(tag)
     except ShardClientError as exc:
-        if exc.method != "Snapshot" or NO_FOLDER not in exc.details:
+        if exc.method == "Snapshot" and NO_FOLDER in exc.details:
+            why = (
+                f"cannot snapshot: server {exc.server} ({exc.address}) {NO_FOLDER}; start the"
+                " servers with --snapshot-dir (shared by them), or pass checkpoint_every=0"
+            )
+            error: Exception = RuntimeError(f"train_with_recovery {why}")
+        elif exc.code == grpc.StatusCode.PERMISSION_DENIED and "role" in exc.details:
+            why = (
+                f"cannot snapshot: {exc}. Checkpoints, and the restores that recover from them,"
+                " are admin calls: give the ranks the servers' admin token (PARAMSHARD_TOKEN;"
+                " paramshard launch --token-file: a file holding only it), or pass"
+                " checkpoint_every=0"
+            )
+            error = PermissionError(f"train_with_recovery {why}")
+        else:
             raise
-        why = (
-            f"cannot snapshot: server {exc.server} ({exc.address}) {NO_FOLDER}; start the"
-            " servers with --snapshot-dir (shared by them), or pass checkpoint_every=0"
-        )
         model.client.run_state.give_up(f"gives up: {why}", final=True)
-        raise RuntimeError(f"train_with_recovery {why}") from exc
+        raise error from exc

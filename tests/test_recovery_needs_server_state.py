@@ -80,3 +80,45 @@ def test_servers_without_a_snapshot_folder_end_the_run_at_once(servers, elastic)
     assert any(isinstance(e, RuntimeError) and words in str(e) for e in raised.values()), raised
     assert all(words in str(e) for e in raised.values()), raised  # the other: the final notice
     assert took < 20, f"{took:.1f} s"
+
+
+def test_a_train_token_ends_the_run_at_its_first_checkpoint_saying_which_it_needs(
+    servers, tmp_path
+) -> None:
+    """Checkpoints are admin calls: ranks with the train token of docs/deployment.md stopped
+    at step 0 on "Snapshot: PERMISSION_DENIED: Snapshot needs role 'admin'; this token has
+    role 'train'", saying nothing of what to do (a field check)."""
+    tokens = {"t-train": "train", "t-admin": "admin"}
+    addresses = [s.address for s in servers(2, tokens=tokens, snapshot_dir=str(tmp_path))]
+    raised: dict[int, BaseException] = {}
+
+    def rank(r: int) -> None:
+        spec = ClusterSpec(addresses, token="t-train")
+        client = ShardClient(spec, rank=r, world_size=2, run_id="tok", timeout_s=20)
+        try:
+            config = ShardingConfiguration(client, job="tok")
+            model = FSDPModel(torch.nn.Linear(4, 2), config)
+            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+
+            def step(s: int) -> float:
+                loss = model(torch.ones(2, 4)).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss.item()
+
+            train_with_recovery(model, step, 6, checkpoint_every=2)
+        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
+            raised[r] = exc
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads) and len(raised) == 2, raised
+    words = "are admin calls: give the ranks the servers' admin token"
+    assert isinstance(raised[0], PermissionError) and words in str(raised[0]), raised
+    assert words in str(raised[1]), raised  # the final notice names it too
