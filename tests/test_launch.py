@@ -206,15 +206,13 @@ def test_a_shells_servers_are_not_the_launchers(tiny: Path) -> None:
     assert rank_envs(result.stdout)[0]["PARAMSHARD_SERVERS"] != "127.0.0.1:1"
 
 
-def test_given_servers_and_two_nodes(tiny: Path, servers, tmp_path: Path) -> None:  # noqa: ANN001
-    addresses = ",".join(s.address for s in servers(2))
-    token = tmp_path / "tokens"
-    token.write_text("# roles\nread r-token\ntrain t-token\n")
+def launch_nodes(*args: str | Path, timeout: float = RUN_S) -> list[tuple[int, str, str]]:
+    """Two launchers at once, as two hosts' (``--nnodes 2 --nproc 1``, ``--node-rank`` 0 and
+    1), with ``args`` after those; each one's exit code, stdout and stderr."""
     cmd = [sys.executable, "-m", "paramshard", "launch", "--nnodes", "2", "--nproc", "1"]
-    common = ["--servers", addresses, "--run-id", "two-nodes", "--token-file", str(token)]
     procs = [
         subprocess.Popen(
-            [*cmd, "--node-rank", str(node), *common, str(tiny), "ok"],
+            [*cmd, "--node-rank", str(node), *map(str, args)],
             cwd=ROOT,
             env=launch_env(),
             stdin=subprocess.DEVNULL,
@@ -225,12 +223,20 @@ def test_given_servers_and_two_nodes(tiny: Path, servers, tmp_path: Path) -> Non
         for node in (0, 1)
     ]
     try:
-        outputs = [p.communicate(timeout=RUN_S) for p in procs]
+        outputs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for node, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, out + err
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+def test_given_servers_and_two_nodes(tiny: Path, servers, tmp_path: Path) -> None:  # noqa: ANN001
+    addresses = ",".join(s.address for s in servers(2))
+    token = tmp_path / "tokens"
+    token.write_text("# roles\nread r-token\ntrain t-token\n")
+    common = ["--servers", addresses, "--run-id", "two-nodes", "--token-file", str(token)]
+    for node, (code, out, err) in enumerate(launch_nodes(*common, tiny, "ok")):
+        assert code == 0, out + err
         assert f"[rank {node}] sum 3.0" in out.splitlines(), out + err
         assert "[server" not in err  # no local servers with --servers
         env = rank_envs(out)[node]

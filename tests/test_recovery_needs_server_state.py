@@ -9,20 +9,14 @@ server, five times (found writing tests/test_elastic_late_rank.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
+from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.strategies import (
-    DDPModel,
-    FSDPModel,
-    FSDPOptimizer,
-    ShardingConfiguration,
-    train_with_recovery,
-)
+from paramshard.strategies import DDPModel, ShardingConfiguration, train_with_recovery
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,43 +33,21 @@ def test_a_ddp_model_is_refused_by_name_before_any_step(servers) -> None:
         client.close()
 
 
+def checkpointing(r: int, model, opt) -> object:
+    """Six steps, a checkpoint every two."""
+
+    def step(s: int) -> float:
+        return sgd_step(model, opt, torch.ones(2, 4))
+
+    return train_with_recovery(model, step, 6, checkpoint_every=2)
+
+
 @pytest.mark.parametrize("elastic", [False, True], ids=["fixed-world", "elastic"])
 def test_servers_without_a_snapshot_folder_end_the_run_at_once(servers, elastic) -> None:
     addresses = [s.address for s in servers(2)]
-    raised: dict[int, BaseException] = {}
-    reports: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        client = ShardClient(
-            ClusterSpec(addresses), rank=r, world_size=2, run_id=f"nf{elastic}", timeout_s=20
-        )
-        try:
-            config = ShardingConfiguration(client, job="nofolder", elastic=elastic)
-            torch.manual_seed(0)
-            model = FSDPModel(torch.nn.Linear(4, 2), config)
-            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
-
-            def step(s: int) -> float:
-                loss = model(torch.ones(2, 4)).sum()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss.item()
-
-            reports[r] = train_with_recovery(model, step, 6, checkpoint_every=2)
-        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
-            raised[r] = exc
-        finally:
-            client.close()
-
     began = time.monotonic()
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
+    raised = two_fsdp_ranks(addresses, "nofolder", checkpointing, elastic, timeout_s=20)
     took = time.monotonic() - began
-    assert not any(t.is_alive() for t in threads) and not reports, reports
     words = "has no snapshot directory; start the servers with --snapshot-dir"
     assert any(isinstance(e, RuntimeError) and words in str(e) for e in raised.values()), raised
     assert all(words in str(e) for e in raised.values()), raised  # the other: the final notice
@@ -90,35 +62,7 @@ def test_a_train_token_ends_the_run_at_its_first_checkpoint_saying_which_it_need
     role 'train'", saying nothing of what to do (a field check)."""
     tokens = {"t-train": "train", "t-admin": "admin"}
     addresses = [s.address for s in servers(2, tokens=tokens, snapshot_dir=str(tmp_path))]
-    raised: dict[int, BaseException] = {}
-
-    def rank(r: int) -> None:
-        spec = ClusterSpec(addresses, token="t-train")
-        client = ShardClient(spec, rank=r, world_size=2, run_id="tok", timeout_s=20)
-        try:
-            config = ShardingConfiguration(client, job="tok")
-            model = FSDPModel(torch.nn.Linear(4, 2), config)
-            opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
-
-            def step(s: int) -> float:
-                loss = model(torch.ones(2, 4)).sum()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss.item()
-
-            train_with_recovery(model, step, 6, checkpoint_every=2)
-        except BaseException as exc:  # noqa: BLE001 - the test reads what each rank raised
-            raised[r] = exc
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads) and len(raised) == 2, raised
+    raised = two_fsdp_ranks(addresses, "tok", checkpointing, timeout_s=20, token="t-train")
     words = "are admin calls: give the ranks the servers' admin token"
     assert isinstance(raised[0], PermissionError) and words in str(raised[0]), raised
-    assert words in str(raised[1]), raised  # the final notice names it too
+    assert isinstance(raised[1], Exception) and words in str(raised[1]), raised  # the notice

@@ -10,15 +10,13 @@ Real in-process servers; ranks are threads.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from test_hybrid_export import run_hybrid
-from test_launch import launch, launch_env
+from test_launch import launch, launch_nodes
 from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ShardClientError
@@ -124,26 +122,10 @@ def test_a_launcher_without_the_rank_that_raised_names_it_from_the_notice(
     script.write_text(RANK_SCRIPT.replace("sys.exit(3)", f"raise ValueError('bad batch {BAD}')"))
     addresses = ",".join(s.address for s in servers(2))
     run = f"hosts-{uuid.uuid4().hex[:6]}"
-    cmd = [sys.executable, "-m", "paramshard", "launch", "--nnodes", "2", "--nproc", "1"]
-    common = ["--servers", addresses, "--run-id", run, str(script)]
-    procs = [
-        subprocess.Popen(
-            [*cmd, "--node-rank", str(node), *common],
-            env=launch_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        errs = [p.communicate(timeout=100)[1] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
+    ended = launch_nodes("--servers", addresses, "--run-id", run, script, timeout=100)
+    codes, errs = [code for code, _, _ in ended], [err for _, _, err in ended]
     said = [re.findall(r"paramshard launch: (rank \d failed .*)", err) for err in errs]
-    assert [p.returncode for p in procs] == [1, 1], (said, errs[0][-3000:])
+    assert codes == [1, 1], (said, errs[0][-3000:])
     raised = f"rank 1 failed with exit code 1: ValueError: bad batch {BAD}"
     assert said[1] and said[1][0].startswith(raised), said
     assert said[0] and said[0][0].startswith(

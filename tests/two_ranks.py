@@ -1,6 +1,7 @@
 """Two FSDP ranks of a ``Linear(4, 2)`` as threads of the test, over real servers: what
 ``train_with_recovery`` does beside one rank that raises, checkpoints or leaves
-(tests/test_checkpoint_retention.py, tests/test_stop_the_others.py)."""
+(tests/test_checkpoint_retention.py, tests/test_stop_the_others.py,
+tests/test_recovery_needs_server_state.py)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,19 @@ def two_fsdp_ranks(
     body: Callable[[int, Any, Any], Any],
     elastic: bool = False,
     timeout_s: float = 30.0,
+    token: str | None = None,
 ) -> dict[int, Any]:
-    """``body(rank, model, optimizer)`` on ranks 0 and 1 (SGD, lr 0.1); what each returned or
-    raised. Fails when a rank still runs after 100 s."""
+    """``body(rank, model, optimizer)`` on ranks 0 and 1 (SGD, lr 0.1), calling with bearer
+    ``token``; what each returned or raised. Fails when a rank still runs after 100 s."""
     run, out = uuid.uuid4().hex[:6], {}
 
     def rank(r: int) -> None:
         client = ShardClient(
-            ClusterSpec(addresses), rank=r, world_size=2, run_id=run, timeout_s=timeout_s
+            ClusterSpec(addresses, token=token),
+            rank=r,
+            world_size=2,
+            run_id=run,
+            timeout_s=timeout_s,
         )
         try:
             config = ShardingConfiguration(client, job=job, elastic=elastic)
