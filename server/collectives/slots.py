@@ -34,14 +34,8 @@ import time
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives import pending
 from paramshard.server.collectives.gone_keys import GoneKeys
-from paramshard.server.collectives.pending import (
-    expired,
-    missing,
-    parse_key,
-    run_epoch,
-    waited_out,
-)
 from paramshard.server.collectives.slot import (
     CHUNK_RECORD_BYTES,
     Chunk,
@@ -262,13 +256,13 @@ class SlotStore:
                     " and freed"
                 )
             slot.waiting[req.reader] += 1
-            name = parse_key(req.key)
+            name = pending.parse_key(req.key)
             try:
                 done, gone = wait_asking(
                     slot.cond,
                     lambda: slot.ended is not None or slot.conflict is not None or over(),
                     timeout,
-                    lambda: self.news.ended(name.run, missing(slot, req.offset)),
+                    lambda: self.news.ended(name.run, pending.missing(slot, req.offset)),
                     f"slot '{req.key}' at {req.offset:,}",
                 )
             finally:
@@ -282,7 +276,7 @@ class SlotStore:
             if not done and not gone:
                 self._forget_if_unused(slot)
             if gone or not done:
-                raise waited_out(slot, req.offset, gone, timeout, self.news)
+                raise pending.waited_out(slot, req.offset, gone, timeout, self.news)
             none = slot.missed(req.offset)
             if none and not req.guess:
                 raise ShardError.invalid(f"slot '{req.key}': {none}")
@@ -339,7 +333,7 @@ class SlotStore:
         for slot in stale:
             with slot.cond:
                 if slot.touched < limit and slot.ended is None:
-                    self._end(slot, expired(slot, self.ttl_s))
+                    self._end(slot, pending.expired(slot, self.ttl_s))
                     ended += 1
         return ended
 
@@ -383,7 +377,7 @@ class SlotStore:
             mine = [
                 slot
                 for key, slot in self._slots.items()
-                if (e := run_epoch(key, run)) is not None and (epoch is None or e <= epoch)
+                if (e := pending.run_epoch(key, run)) is not None and (epoch is None or e <= epoch)
             ]
         for slot in mine:
             with slot.cond:
