@@ -182,7 +182,8 @@ def snapshot(args: argparse.Namespace) -> int:
     arg(
         "--torn",
         action="store_true",
-        help="also the torn tags (shards, no manifest: never committed), one row per part",
+        help="also the torn tags (shards, no manifest: never committed, or a snapshot being"
+        " taken now), one row per part",
     ),
     SERVERS,
     RUN,
