@@ -259,16 +259,7 @@ ROLES_DOWN = {"admin": ("train", "read"), "train": ("admin",), "read": ("train",
 """Which token of a server token file a caller needing a role takes after that role's own."""
 
 
-def has_roles(path: str | None) -> bool:
-    """Whether ``--token-file`` ``path`` is a server token file (``ROLE TOKEN`` lines), not
-    one bare token: launch's local servers then check its tokens."""
-    if path is None:
-        return False
-    lines = _token_lines(path)
-    return not (len(lines) == 1 and len(lines[0]) == 1)
-
-
-def _token_lines(path: str) -> list[list[str]]:
+def token_lines(path: str) -> list[list[str]]:
     """The words of each line of token file ``path`` but comments; CommandError naming why
     it cannot be read."""
     from paramshard.server.rpc.tokens import read_token_file
@@ -291,7 +282,7 @@ def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> 
     serve all."""
     if path is None:
         return None
-    lines = _token_lines(path)
+    lines = token_lines(path)
     if len(lines) == 1 and len(lines[0]) == 1:
         return lines[0][0]
     by_role: dict[str, str] = {}

@@ -64,3 +64,38 @@ def test_one_bare_token_is_the_admin_token_of_the_local_servers(tmp_path: Path) 
     # the admin role passes: DropJob then finds no job 'j' (NOT_FOUND, after the role check)
     assert said(done.stdout) == ["False UNAUTHENTICATED", "False UNAUTHENTICATED", "True NOT_FOUND"]
     assert not list(temp.glob("paramshard-tokens-*"))  # removed as the launcher ends
+
+
+REPLICATING = """
+import time, torch
+from paramshard.protos import shard_pb2 as pb
+from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+config = ShardingConfiguration.from_env(job="rep", replicate_every=1)
+model = FSDPModel(torch.nn.Linear(4, 2), config)
+opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+for _ in range(3):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+for _ in range(100):  # replicas travel in the background
+    listed = config.client.call(1, "ListReplicas", pb.ListReplicasRequest(job="rep"))
+    held = [r for r in listed.replicas if not r.own]
+    if held:
+        break
+    time.sleep(0.1)
+print("HELD", sorted({r.source_index for r in held}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("tokens", ["a-token\n", "read r-token\nadmin a-token\n"])
+def test_the_local_servers_replicate_with_a_peer_token_of_their_own(tmp_path, tokens) -> None:
+    """A file without a peer line: the servers get one of their own, so that replicas travel
+    between them (with tokens and no peer token a server refuses to replicate)."""
+    script = tmp_path / "rank.py"
+    script.write_text(REPLICATING)
+    token = tmp_path / "token"
+    token.write_text(tokens)
+    token.chmod(0o600)
+    done = launch("--nproc", "2", "--token-file", token, script)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.findall(r"^\[rank \d\] HELD (.*)$", done.stdout, re.M) == ["[0]", "[0]"], done.stdout
