@@ -19,11 +19,11 @@ TORCHELASTIC_MAX_RESTARTS and TORCHELASTIC_RESTART_COUNT the same way):
   (``peers-ended``: uneven inputs; a restart would wait for them too). A rank whose own code
   raised in ``train_with_recovery`` says so before it stops the others (``failed <why>``), so
   the launcher names it, not a rank that its notice stopped first; a rank that such a notice
-  stopped says what the notice said (``stopped <notice>``), so a launcher that does not run
-  the rank that raised (another host's) names it through that. A rank the launcher may
-  restart stops nobody; it says why it raised, with its restart count (``error <count>
-  <why>``), for the launcher's message should it not be restarted. The launcher sets this one
-  without ``--max-restarts`` too.
+  stopped says what the notice said, with its restart count (``stopped <count> <notice>``), so
+  a launcher that does not run the rank that raised (another host's) names it through that,
+  and does not restart it (the run cannot go on). A rank the launcher may restart stops
+  nobody; it says why it raised (``error <count> <why>``), for the launcher's message should
+  it not be restarted. The launcher sets this one without ``--max-restarts`` too.
   The file outlives the process, so a restart that fails again before building its model is
   judged by the first one's lines.
 
@@ -176,7 +176,7 @@ def declare_stopped(notice: str) -> None:
     path = os.environ.get(RESTART_FILE_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{STOPPED} {' '.join(notice.split())}\n")
+            f.write(f"{STOPPED} {restart_count()} {' '.join(notice.split())}\n")
 
 
 def declare_error(why: str) -> None:
@@ -197,12 +197,16 @@ class Declaration:
     lost: tuple[str, ...] = ()  # jobs the rank found lost (``declare_lost``)
     peers_ended: bool = False  # it waited for ranks that ended (``declare_peers_ended``)
     failed: str = ""  # why its own code raised, when it stopped the others (``declare_failed``)
-    stopped: str = ""  # the final notice it stopped on, the last one (``declare_stopped``)
+    stops: tuple[tuple[int, str], ...] = ()  # (restart count, notice) (``declare_stopped``)
     errors: tuple[tuple[int, str], ...] = ()  # (restart count, why) (``declare_error``)
 
     def error(self, attempt: int) -> str:
         """Why the rank's process of restart count ``attempt`` raised, if it said."""
         return next((why for n, why in reversed(self.errors) if n == attempt), "")
+
+    def stopped(self, attempt: int) -> str:
+        """The final notice the rank's process of restart count ``attempt`` stopped on."""
+        return next((notice for n, notice in reversed(self.stops) if n == attempt), "")
 
     @property
     def restartable(self) -> bool:
@@ -222,13 +226,15 @@ def read_declaration(path: str) -> Declaration:
     lost = tuple(" ".join(r[1:]) for r in rows if r[0] == LOST)
     peers_ended = any(r[0] == PEERS_ENDED for r in rows)
     failed = next((" ".join(r[1:]) or "?" for r in rows if r[0] == FAILED), "")
-    stopped = next((" ".join(r[1:]) or "?" for r in reversed(rows) if r[0] == STOPPED), "")
-    errors = tuple(
-        (int(r[1]), " ".join(r[2:]) or "?")
-        for r in rows
-        if r[0] == ERROR and len(r) > 1 and r[1].isdigit()
+    stops, errors = (
+        tuple(
+            (int(r[1]), " ".join(r[2:]) or "?")
+            for r in rows
+            if r[0] == kind and len(r) > 1 and r[1].isdigit()
+        )
+        for kind in (STOPPED, ERROR)
     )
     rows = [r for r in rows if r[0] not in (LOST, PEERS_ENDED, FAILED, STOPPED, ERROR)]
     strategies = tuple(r[0] for r in rows)
     on_trainers = tuple(r[0] for r in rows if len(r) != 2 or r[1] != ON_SERVERS)
-    return Declaration(strategies, on_trainers, lost, peers_ended, failed, stopped, errors)
+    return Declaration(strategies, on_trainers, lost, peers_ended, failed, stops, errors)

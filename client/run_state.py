@@ -33,14 +33,12 @@ class Holding(Protocol):
 @dataclass(frozen=True)
 class Notice:
     """A run's epoch was aborted: why, which epoch, and the rank lost (-1: none); ``final``:
-    this rank may not take part at all (``RunState.refuse``); ``mine``: this rank posted it
-    (``RunState.give_up``)."""
+    this rank may not take part at all (``RunState.refuse``)."""
 
     reason: str
     epoch: int
     lost_rank: int = -1
     final: bool = False
-    mine: bool = False
 
     @property
     def recoverable(self) -> bool:
@@ -60,6 +58,7 @@ class RunState:
         self._in_flight: set[Any] = set()
         self.holding: Holding | None = None
         self.fail_fast = False  # give up the epoch when a server stops answering renewals
+        self.ended_run = False  # this rank posted a final notice (``give_up(..., final=True)``)
 
     def current(self) -> Notice | None:
         """The notice when it applies to this client's epoch, else None."""
@@ -114,9 +113,10 @@ class RunState:
         (before, they recovered again and again, each time waiting out their timeout for this
         rank)."""
         holding = self.holding
+        self.ended_run = self.ended_run or final  # before the servers echo it back
         reason = holding.post_abort(cause, final) if holding is not None else None
         epoch = FINAL if final else self.epoch
-        self.abort(Notice(reason or f"this rank {cause}", epoch, final=final, mine=True))
+        self.abort(Notice(reason or f"this rank {cause}", epoch, final=final))
 
     def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the

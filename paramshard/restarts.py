@@ -83,10 +83,11 @@ class RankRestarts:
         """``: <why>`` when rank ``rank`` (its process that just ended) declared that its own
         code raised; ``: on the run's notice: <notice>`` when it declared that it stopped on
         another's; else ""."""
-        said = contract.read_declaration(self._file(rank))
-        if own := said.failed or said.error(self.attempt(rank)):
+        said, attempt = contract.read_declaration(self._file(rank)), self.attempt(rank)
+        if own := said.failed or said.error(attempt):
             return f": {own}"
-        return f": on the run's notice: {said.stopped}" if said.stopped else ""
+        notice = said.stopped(attempt)
+        return f": on the run's notice: {notice}" if notice else ""
 
     def raised(self, rank: int) -> bool:
         """Whether rank ``rank`` declared that its own code raised and stopped the others
@@ -114,6 +115,16 @@ class RankRestarts:
                 f"not restarted: it found job '{said.lost[-1]}' lost (JobLost: no server,"
                 " replica or snapshot holds its state); a new process would train it anew"
                 " from step 0"
+            )
+        if said.failed:
+            return (
+                "not restarted: its own error ended the run on every rank (a final notice);"
+                " a new process would meet it too"
+            )
+        if said.stopped(self.attempt(rank)):
+            return (
+                "not restarted: it stopped on the run's final notice (the run cannot go on);"
+                " a new process would stop on it too"
             )
         if said.peers_ended:
             return (

@@ -66,10 +66,10 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     try:
         if getattr(model, "elastic", False):
             model.leave(why[:400])
-        elif notice is not None and notice.final and not notice.mine:  # another's
-            restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
-        elif notice is not None and notice.final:  # this rank gave the run up: told already
+        elif state.ended_run:  # this rank gave the run up itself: the others know
             restarts.declare_failed(why[:400])
+        elif notice is not None and notice.final:  # another's
+            restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
         elif holding is None or not holding.rejoin_s:
             restarts.declare_failed(why[:400])  # for the launcher, before the others stop
             state.give_up(

@@ -99,3 +99,37 @@ def test_the_local_servers_replicate_with_a_peer_token_of_their_own(tmp_path, to
     done = launch("--nproc", "2", "--token-file", token, script)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.findall(r"^\[rank \d\] HELD (.*)$", done.stdout, re.M) == ["[0]", "[0]"], done.stdout
+
+
+CHECKPOINTING = """
+import torch
+from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
+from paramshard.strategies import train_with_recovery
+config = ShardingConfiguration.from_env(job="ckpt")
+model = FSDPModel(torch.nn.Linear(4, 2), config)
+opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
+def step(s):
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return 0.0
+train_with_recovery(model, step, 4, checkpoint_every=2)
+"""
+
+
+def test_ranks_with_the_train_token_stop_at_the_first_checkpoint_unrestarted(tmp_path) -> None:
+    """Ranks given a server token file's train token may not checkpoint: the run ends on its
+    first checkpoint, the launcher naming rank 0's PermissionError, and neither rank is
+    restarted (a new process would meet the same refusal, or stop on the same notice)."""
+    script = tmp_path / "rank.py"
+    script.write_text(CHECKPOINTING)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("train t-token\nadmin a-token\n")
+    tokens.chmod(0o600)
+    done = launch("--nproc", "2", "--max-restarts", "2", "--token-file", tokens, script)
+    said = re.findall(r"paramshard launch: (rank \d failed .*)", done.stderr)
+    assert done.returncode == 1, (said, done.stderr[-3000:])
+    assert len(said) == 1 and said[0].startswith(
+        "rank 0 failed with exit code 1: PermissionError: train_with_recovery cannot snapshot"
+    ), said
+    assert "(not restarted: its own error ended the run on every rank" in said[0], said
