@@ -55,6 +55,8 @@ def _delete(client: ShardClient, job: str, tag: str, jobs: list[str]) -> dict[st
     if not any(r.found for r in each(True)):
         raise KeyError(f"job '{job}' has no snapshot '{tag}' on any server")
     replies = each(False)
+    if not any(r.found for r in replies):  # between the two asks
+        raise KeyError(f"job '{job}' snapshot '{tag}' was deleted meanwhile by another caller")
     kept = sorted({name for r in replies for name in r.kept})
     more = max((r.more_kept for r in replies), default=0)
     return {

@@ -265,6 +265,27 @@ def test_a_prune_skips_a_tag_another_caller_deleted(two, monkeypatch) -> None:
     assert tags(c) == ["auto-3"]
 
 
+def test_a_tag_gone_between_the_two_asks_is_not_reported_deleted(two, monkeypatch) -> None:
+    """Another caller deletes the tag after this deletion's check and before its own: this
+    one removed nothing. Before, it reported "deleted j/t (torn: no manifest): 0 files"."""
+    c, _, _ = two
+    tools.snapshot(c, "j", "t")
+    run, raced = c.run, []
+
+    def racing(calls):
+        calls = list(calls)
+        deleting = [x for x in calls if x.method == "DeleteSnapshot" and not x.request.check_only]
+        if deleting and not raced:
+            raced.append(True)
+            tools.delete_snapshot(c, "j", "t")  # the other caller, first
+        return run(calls)
+
+    monkeypatch.setattr(c, "run", racing)
+    with pytest.raises(KeyError, match="'t' was deleted meanwhile by another caller"):
+        tools.delete_snapshot(c, "j", "t")
+    assert raced and tags(c) == []
+
+
 def test_a_prune_of_a_job_with_no_snapshot_says_so(two, capsys) -> None:
     """A mistyped job name: the command failed to say so ("nothing to delete", exit 0)."""
     c, nodes, _ = two
