@@ -121,10 +121,7 @@ def declare(strategy: str, state_on_servers: bool, rank: int) -> None:
     """Called by every sharded model when it is built: records where its state lives for the
     launcher, and refuses to build a model that keeps state on the trainer in a restarted
     rank (its fresh parameters would differ from the others' trained ones)."""
-    path = os.environ.get(RESTART_FILE_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{strategy} {ON_SERVERS if state_on_servers else ON_TRAINERS}\n")
+    _say(f"{strategy} {ON_SERVERS if state_on_servers else ON_TRAINERS}")
     if not state_on_servers and restart_count() > 0:
         raise RuntimeError(
             f"rank {rank} was restarted ({RESTART_COUNT_ENV}={restart_count()}), but a"
@@ -145,47 +142,41 @@ def declare_lost(job: str) -> None:
     """Records for the launcher that this rank found ``job`` lost (``JobLost``: no server,
     replica or snapshot holds its state): a new process would start it anew at step 0 and
     call that continuous, so the launcher does not restart the rank for it."""
-    path = os.environ.get(RESTART_FILE_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{LOST} {job}\n")
+    _say(f"{LOST} {job}")
 
 
 def declare_peers_ended() -> None:
     """Records for the launcher that a wait of this rank's failed because the ranks it waited
     for ended for good (protos/ended_ranks.py): a new process would make the same collectives
     and wait for them too, so the launcher does not restart the rank for it."""
-    path = os.environ.get(RESTART_FILE_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{PEERS_ENDED}\n")
+    _say(PEERS_ENDED)
 
 
 def declare_failed(why: str) -> None:
     """Records for the launcher that this rank's own code raised (``why``: one line) and that
     it stops the others: their failures follow from it (strategies/recovery_rounds.py)."""
-    path = os.environ.get(RESTART_FILE_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{FAILED} {' '.join(why.split())}\n")
+    _say(f"{FAILED} {why}")
 
 
 def declare_stopped(notice: str) -> None:
     """Records for the launcher that this rank stops on the run's final notice (``notice``:
     what it said, naming the rank that posted it and why), not on its own error."""
-    path = os.environ.get(RESTART_FILE_ENV)
-    if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{STOPPED} {restart_count()} {' '.join(notice.split())}\n")
+    _say(f"{STOPPED} {restart_count()} {notice}")
 
 
 def declare_error(why: str) -> None:
     """Records for the launcher why this rank's own code raised, when it stops nobody (the
     launcher may restart it): the launcher names it, should it not restart the rank."""
+    _say(f"{ERROR} {restart_count()} {why}")
+
+
+def _say(line: str) -> None:
+    """Appends ``line`` to this rank's declaration file, if the launcher gave it one; what is
+    not UTF-8 (a file name in an error) is written escaped."""
     path = os.environ.get(RESTART_FILE_ENV)
     if path:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(f"{ERROR} {restart_count()} {' '.join(why.split())}\n")
+        with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(f"{' '.join(line.split())}\n")
 
 
 @dataclass(frozen=True)
@@ -219,7 +210,7 @@ class Declaration:
 def read_declaration(path: str) -> Declaration:
     """The lines ``declare`` wrote to ``path`` (none if the rank built no model yet)."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:  # written by the rank
             rows = [line.split() for line in f if line.strip()]
     except FileNotFoundError:
         rows = []
@@ -230,7 +221,7 @@ def read_declaration(path: str) -> Declaration:
         tuple(
             (int(r[1]), " ".join(r[2:]) or "?")
             for r in rows
-            if r[0] == kind and len(r) > 1 and r[1].isdigit()
+            if r[0] == kind and len(r) > 1 and r[1].isascii() and r[1].isdigit()
         )
         for kind in (STOPPED, ERROR)
     )

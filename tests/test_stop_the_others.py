@@ -9,6 +9,7 @@ Real in-process servers; ranks are threads.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from pathlib import Path
@@ -20,6 +21,7 @@ from test_launch import launch, launch_nodes
 from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ShardClientError
+from paramshard.client.restarts import read_declaration
 from paramshard.strategies import (
     train_with_recovery,
 )
@@ -29,15 +31,17 @@ STEPS, BAD = 8, 3
 WORDS = f"rank 1 stopped at step {BAD} on an error no recovery mends (ValueError: bad batch {BAD})"
 
 
-def fsdp_ranks(addresses: list[str], elastic: bool) -> dict[int, object]:
-    """Two ranks train STEPS steps; rank 1's step BAD raises. What each returned or raised.
-    Their deadline is one the test would not outlast: were the others to wait it out, the
-    test fails."""
+def fsdp_ranks(
+    addresses: list[str], elastic: bool, error: BaseException | None = None
+) -> dict[int, object]:
+    """Two ranks train STEPS steps; rank 1's step BAD raises ``error`` (a ValueError by
+    default). What each returned or raised. Their deadline is one the test would not
+    outlast: were the others to wait it out, the test fails."""
 
     def body(r: int, model, opt):
         def step(s: int) -> float:
             if r == 1 and s == BAD:
-                raise ValueError(f"bad batch {s}")
+                raise error or ValueError(f"bad batch {s}")
             return sgd_step(model, opt, torch.ones(2, 4))
 
         return train_with_recovery(model, step, STEPS, checkpoint_every=0)
@@ -51,6 +55,33 @@ def test_a_rank_that_raises_stops_the_others_naming_it(servers) -> None:
     assert isinstance(out[1], ValueError), out  # its own error, as it was
     assert isinstance(out[0], ShardClientError) and out[0].code.name == "ABORTED", out
     assert WORDS in out[0].details, out[0]
+
+
+class Unreadable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("str() of this exception raises")
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (ValueError("\nbad batch 3\nmore"), "ValueError: bad batch 3"),
+        (
+            ValueError("cannot open " + os.fsdecode(b"data-\xff.bin")),
+            r"ValueError: cannot open data-\udcff",
+        ),
+        (Unreadable(), "Unreadable: (its message could not be read)"),
+    ],
+    ids=["leading-newline", "not-utf8", "str-raises"],
+)
+def test_any_error_stops_the_others_in_words(servers, error, said) -> None:
+    """Before, a message that began with a newline read "ValueError: "; one holding a file name
+    that is not UTF-8 could not be written or sent, so nobody was told (the others waited out
+    their deadline); and one whose str() raised made the stop itself raise."""
+    out = fsdp_ranks([s.address for s in servers(2)], elastic=False, error=error)
+    assert out[1] is error, out
+    assert isinstance(out[0], ShardClientError) and out[0].code.name == "ABORTED", out
+    assert f"on an error no recovery mends ({said}" in out[0].details, out[0]
 
 
 def test_an_elastic_job_trains_on_without_it(servers) -> None:
@@ -148,3 +179,13 @@ def test_a_rank_out_of_restarts_is_named_with_its_error(tmp_path: Path) -> None:
     assert said[-1].startswith(
         f"rank 1 failed with exit code 1: ValueError: bad batch {BAD} (not restarted:"
     ), said
+
+
+def test_a_malformed_declaration_is_read_without_a_traceback(tmp_path: Path) -> None:
+    """The launcher reads what a rank wrote: a count that ``str.isdigit`` takes and ``int``
+    does not (``²``), and bytes that are not UTF-8, crashed it with a traceback."""
+    path = tmp_path / "rank-1"
+    path.write_bytes(b"fsdp servers\nerror \xc2\xb2 x\nerror 0 ValueError: bad \xff\nstopped\n")
+    said = read_declaration(str(path))
+    assert said.strategies == ("fsdp",) and said.stops == ()
+    assert said.error(0) == "ValueError: bad \ufffd"
