@@ -277,7 +277,7 @@ def launch(args: argparse.Namespace) -> int:
     servers: list[Child] = []
     ranks: list[Child] = []
     announced = None
-    local_tokens: LocalTokens | None = None
+    local_tokens = LocalTokens()
     try:
         snapshot_dir = None
         if args.servers:
@@ -295,8 +295,7 @@ def launch(args: argparse.Namespace) -> int:
                     f"--snapshot-dir {args.snapshot_dir}: {exc}", EXIT_USAGE
                 ) from None
             serve_args = ["--snapshot-dir", snapshot_dir] if snapshot_dir else []
-            local_tokens = LocalTokens(args.token_file)  # the local servers check the tokens
-            serve_args += local_tokens.serve_args
+            serve_args += local_tokens.serve_args(args.token_file)  # they check the tokens
             servers, addresses = start_local_servers(
                 args.nproc,
                 args.device,
@@ -378,8 +377,7 @@ def launch(args: argparse.Namespace) -> int:
         stop(ranks, signal.SIGTERM, args.grace, received)
         stop(servers, signal.SIGTERM, SERVER_STOP_S, received)
         restarts.close()
-        if local_tokens is not None:
-            local_tokens.close()
+        local_tokens.close()
         if announced is not None:
             announced.remove()  # the job tools no longer find this run
         drop_unused_snapshot_dir(run_id)  # also when it stopped before announcing the run

@@ -1,11 +1,13 @@
 """The tokens ``paramshard launch``'s local servers check (``--token-file`` without
 ``--servers``), from a private file of the launcher's, removed as it ends: a server token
-file's lines (``ROLE TOKEN``), or one bare token, the ranks', as the ``admin`` token (the
-launcher's own servers belong to whoever holds it, and ranks that take checkpoints need admin:
-snapshots and restores are admin calls); and a ``peer`` token of their own, where the file has
-none, so that they replicate to each other (``replicate_every``). Before, the local servers
-were started without tokens whatever the file said: any process of the host could call them,
-with a mistyped token or a read token."""
+file's lines (``ROLE TOKEN``) as the user wrote them, or one bare token, the ranks', as the
+``admin`` token (the launcher's own servers belong to whoever holds it, and ranks that take
+checkpoints need admin: snapshots and restores are admin calls); and a ``peer`` token of
+their own, where the file has none, so that they replicate to each other
+(``replicate_every``). The file is checked as the launcher starts, its errors naming the
+user's file and lines, and a file others may read is warned of, as ``paramshard serve``
+does. Before, the local servers were started without tokens whatever the file said: any
+process of the host could call them, with a mistyped token or a read token."""
 
 from __future__ import annotations
 
@@ -14,37 +16,56 @@ import secrets
 import shutil
 import tempfile
 
-from paramshard.commands import EXIT_USAGE, CommandError, token_lines
-from paramshard.server.rpc.tokens import parse_token_file
+from paramshard.commands import EXIT_USAGE, CommandError, token_lines, warn
+from paramshard.server.rpc.tokens import (
+    MAX_TOKEN_FILE_BYTES,
+    parse_token_file,
+    read_token_file,
+    token_file_is_private,
+)
 
 __all__ = ["LocalTokens"]
 
 
 class LocalTokens:
-    """``serve_args``: the ``--token-file`` of launch's local servers, if any; ``close``
-    removes the file made for them."""
+    """The token file of launch's local servers: ``serve_args`` makes it, ``close`` removes
+    it (made before anything can fail in between: a launcher stopped meanwhile leaves no
+    file behind)."""
 
-    def __init__(self, path: str | None) -> None:
-        self.serve_args: list[str] = []
+    def __init__(self) -> None:
         self._folder: str | None = None
+
+    def serve_args(self, path: str | None) -> list[str]:
+        """``--token-file COPY`` for the local servers of a launcher given ``--token-file
+        path`` (nothing without one); CommandError naming what is wrong with the file."""
         if path is None:
-            return
+            return []
         lines = token_lines(path)
-        if len(lines) == 1 and len(lines[0]) == 1:  # one bare token
-            lines = [["admin", lines[0][0]]]
-        if not any(words[0] == "peer" for words in lines):
-            lines.append(["peer", secrets.token_hex(32)])
-        text = "".join(" ".join(words) + "\n" for words in lines)
-        try:  # said here, naming the file: not by each server, naming the copy
+        if len(lines) == 1 and len(lines[0]) == 1:  # one bare token: the ranks'
+            text = f"admin {lines[0][0]}\n"
+        else:
+            text = read_token_file(path)  # as written: an error names the file's own line
+        try:
             parse_token_file(text, source=path)
         except ValueError as exc:
             raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
+        if not token_file_is_private(path):
+            warn(f"{path} is readable by group or others (chmod 600 it)")
+        if not any(words[0] == "peer" for words in lines):
+            text += ("\n" if text and not text.endswith("\n") else "") + "peer "
+            text += secrets.token_hex(32) + "\n"
+        if len(text) > MAX_TOKEN_FILE_BYTES:
+            raise CommandError(
+                f"--token-file {path}: no room for the local servers' own peer line (a token"
+                f" file holds {MAX_TOKEN_FILE_BYTES:,} characters): add a 'peer TOKEN' line",
+                EXIT_USAGE,
+            )
         self._folder = tempfile.mkdtemp(prefix="paramshard-tokens-")  # 0700
         made = os.path.join(self._folder, "tokens")
         fd = os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
-        self.serve_args = ["--token-file", made]
+        return ["--token-file", made]
 
     def close(self) -> None:
         if self._folder is not None:

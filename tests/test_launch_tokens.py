@@ -5,10 +5,14 @@ said, and a mistyped token or a read token deleted snapshots (a field check)."""
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 
 import pytest
 from test_launch import launch, launch_env
+
+from paramshard.commands import CommandError
+from paramshard.local_tokens import LocalTokens
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -133,3 +137,24 @@ def test_ranks_with_the_train_token_stop_at_the_first_checkpoint_unrestarted(tmp
         "rank 0 failed with exit code 1: PermissionError: train_with_recovery cannot snapshot"
     ), said
     assert "(not restarted: its own error ended the run on every rank" in said[0], said
+
+
+def test_the_servers_copy_is_private_and_the_file_is_checked_as_written(tmp_path, capsys) -> None:
+    """Errors name the user's file and its own line (comments counted), a file others may
+    read is warned of as ``paramshard serve`` warns, and the copy is 0600 in a 0700 folder."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# team\nread r\n\n# rotated\nadmin a\ntrain t jobs=\n")
+    tokens.chmod(0o600)
+    with pytest.raises(CommandError, match=f"{tokens} line 6: jobs= needs"):
+        LocalTokens().serve_args(str(tokens))
+    tokens.write_text("read r\nadmin a\n")
+    tokens.chmod(0o644)
+    made = LocalTokens()
+    args = made.serve_args(str(tokens))
+    assert f"{tokens} is readable by group or others" in capsys.readouterr().err
+    copy = Path(args[1])
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    assert stat.S_IMODE(copy.parent.stat().st_mode) == 0o700
+    assert copy.read_text().startswith("read r\nadmin a\npeer ")
+    made.close()
+    assert not copy.parent.exists()
