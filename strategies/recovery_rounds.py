@@ -72,9 +72,7 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
             restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
         elif holding is None or not holding.rejoin_s:
             restarts.declare_failed(why)  # for the launcher, before the others stop
-            state.give_up(
-                f"stopped at step {step} on an error no recovery mends ({why})", True
-            )
+            state.give_up(f"stopped at step {step} on an error no recovery mends ({why})", True)
         else:  # the launcher may restart it: the others wait for that
             restarts.declare_error(why)
     except Exception as failed:  # noqa: BLE001 - the servers gone too: nobody to tell
