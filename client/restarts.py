@@ -172,11 +172,16 @@ def declare_error(why: str) -> None:
 
 def _say(line: str) -> None:
     """Appends ``line`` to this rank's declaration file, if the launcher gave it one; what is
-    not UTF-8 (a file name in an error) is written escaped."""
+    not UTF-8 (a file name in an error) is written escaped. A file that cannot be written
+    (a full disk) is logged: the launcher then knows less, and the rank goes on."""
     path = os.environ.get(RESTART_FILE_ENV)
-    if path:
+    if not path:
+        return
+    try:
         with open(path, "a", encoding="utf-8", errors="backslashreplace") as f:
             f.write(f"{' '.join(line.split())}\n")
+    except OSError as exc:
+        log.warning("could not tell the launcher %r: %s", line.split(" ", 1)[0], exc)
 
 
 @dataclass(frozen=True)
