@@ -10,7 +10,9 @@ field review: the job failed after 253 s where it fails in 0.6 s when the rank's
 so). The launcher sees the exit code, and never restarts a rank that exits 0
 (paramshard/restarts.py), so it says so for every such rank of a fixed-world job: one ``Lease``
 release with ``ends`` for the rank on every server, after the rank's own. A wait whose missing
-ranks all ended then fails at once, naming them (uneven inputs)."""
+ranks all ended then fails at once, naming them (uneven inputs). Likewise a rank that
+``--max-restarts`` will not restart: the launcher posts the run's final notice for it
+(``tell_stopped``), or its peers on other hosts would wait for its restart."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections.abc import Sequence
 
 from paramshard.commands import cluster_spec
 
-__all__ = ["TELL_S", "tell_ended"]
+__all__ = ["TELL_S", "tell_ended", "tell_stopped"]
 
 TELL_S = 5.0
 """How long the launcher spends telling every server, at most (a server that does not answer
@@ -32,6 +34,24 @@ def tell_ended(
 ) -> list[str]:
     """Tells each server that ``rank`` of ``run_id`` ended for good; returns what failed
     ("ADDRESS: CODE: details"), empty when every server took it."""
+    return _tell(addresses, token, run=run_id, rank=rank, world_size=world_size, ends=True)
+
+
+def tell_stopped(
+    addresses: Sequence[str], token: str | None, run_id: str, rank: int, world_size: int, why: str
+) -> list[str]:
+    """Posts the run's final notice for ``rank``, which ``--max-restarts`` will not restart
+    (``why``: "failed with exit code 1: ..."), so that its peers on other hosts stop now
+    instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default);
+    returns what failed, as ``tell_ended``. A server that still holds the rank's stream (its
+    end not seen yet) refuses, and those peers wait as before."""
+    return _tell(
+        addresses, token, run=run_id, rank=rank, world_size=world_size, abort=why, final=True
+    )
+
+
+def _tell(addresses: Sequence[str], token: str | None, **fields: object) -> list[str]:
+    """One ``Lease`` release of the launcher's, with ``fields``, to every server."""
     import grpc
 
     from paramshard.client.rpc import SERVICE
@@ -40,14 +60,7 @@ def tell_ended(
     spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
     if token:
         spec.token = token
-    request = pb.LeaseRequest(
-        run=run_id,
-        rank=rank,
-        world_size=world_size,
-        release=True,
-        ends=True,
-        holder=f"paramshard-launch:{os.getpid()}",
-    )
+    request = pb.LeaseRequest(release=True, holder=f"paramshard-launch:{os.getpid()}", **fields)
     deadline = time.monotonic() + TELL_S
     failed = []
     try:

@@ -52,7 +52,7 @@ from paramshard.commands import (
     positive_int,
     read_token,
 )
-from paramshard.finished_ranks import tell_ended
+from paramshard.finished_ranks import tell_ended, tell_stopped
 from paramshard.launch_env import omp_threads, rank_env
 from paramshard.launch_files import RankLogs, config_env
 from paramshard.local_servers import (
@@ -357,6 +357,10 @@ def launch(args: argparse.Namespace) -> int:
                     f" ({'; '.join(failed)}): a wait for it lasts until its deadline"
                 )
 
+        def given_up(rank: int, why: str) -> None:
+            """A rank --max-restarts does not restart: its peers stop now, not at its wait."""
+            tell_stopped(addresses, token, run_id, rank, world_size, why)
+
         return supervise(
             ranks,
             servers,
@@ -368,6 +372,7 @@ def launch(args: argparse.Namespace) -> int:
             departures,
             server_restarts,
             finished,
+            given_up,
         )
     except _Interrupted as exc:
         say(f"{signal.Signals(exc.signum).name} while starting: stopping")

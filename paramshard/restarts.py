@@ -194,13 +194,15 @@ def supervise(
     departures: Departures | None = None,
     server_restarts: ServerRestarts | None = None,
     finished: Callable[[int], None] | None = None,
+    given_up: Callable[[int, str], None] | None = None,
 ) -> int:
     """Waits for the ranks; a failed rank is restarted when ``restarts`` allows it (the new
     process is appended to ``ranks``), a local server that exited when ``server_restarts``
     allows it (the new process takes its place in ``servers``), else the first failure (a
     rank, a local server, a signal) stops them all. ``start_rank(rank)`` starts rank
     ``rank``'s process. ``departures`` (``--elastic``): a rank that fails for good leaves, the
-    others go on. ``finished(rank)``: a rank exited 0 (nothing starts it again)."""
+    others go on. ``finished(rank)``: a rank exited 0 (nothing starts it again).
+    ``given_up(rank, why)``: a rank --max-restarts does not restart ends the run."""
     server_restarts = server_restarts or ServerRestarts(0)
     running = set(ranks)
     waiting: _Stopped | None = None  # a rank that failed on another's notice
@@ -280,6 +282,8 @@ def supervise(
             # it failed on that running rank's notice: name that one as it exits
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
+        if why and restarts.max_restarts and given_up is not None:  # its peers await it
+            given_up(child.rank, f"failed with exit code {code}{said}{why}")
         return _stop_all(child, code, f"{said}{why}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
         said = restarts.declared_failure(waiting.child.rank)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 import uuid
 from pathlib import Path
 
@@ -189,3 +190,29 @@ def test_a_malformed_declaration_is_read_without_a_traceback(tmp_path: Path) -> 
     said = read_declaration(str(path))
     assert said.strategies == ("fsdp",) and said.stops == ()
     assert said.error(0) == "ValueError: bad \ufffd"
+
+
+def test_another_hosts_rank_out_of_restarts_stops_this_hosts_ranks_at_once(
+    tmp_path: Path, servers
+) -> None:
+    """``--nnodes 2 --max-restarts 1``: rank 1 raises at step BAD in each of its processes.
+    Its launcher, out of restarts, posts the run's final notice for it, and rank 0 on the
+    other host stops at once, naming it. Before, rank 0 waited for a restart that would
+    never come (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s) and then its deadline."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.replace("sys.exit(3)", f"raise ValueError('bad batch {BAD}')"))
+    addresses = ",".join(s.address for s in servers(2))
+    run = f"hosts-{uuid.uuid4().hex[:6]}"
+    began = time.monotonic()
+    ended = launch_nodes(
+        "--servers", addresses, "--run-id", run, "--max-restarts", "1", script, timeout=100
+    )
+    took = time.monotonic() - began
+    said = [re.findall(r"paramshard launch: (rank \d failed .*)", err) for _, _, err in ended]
+    assert [code for code, _, _ in ended] == [1, 1], (said, ended[0][2][-3000:])
+    gave_up = f"rank 1 failed with exit code 1: ValueError: bad batch {BAD} (not restarted:"
+    assert said[1][-1].startswith(gave_up), said
+    assert said[0] and said[0][0].startswith(
+        f"rank 0 failed with exit code 1: on the run's notice: run '{run}': {gave_up[:-15]}"
+    ), said
+    assert took < 60, f"{took:.0f} s"  # the restart's wait is 120 s
