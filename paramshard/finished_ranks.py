@@ -45,6 +45,7 @@ def tell_stopped(
     instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default);
     returns what failed, as ``tell_ended``. A server that still holds the rank's stream (its
     end not seen yet) refuses, and those peers wait as before."""
+    why = why[:1000]  # a server takes reasons of 1,024 characters at most
     return _tell(
         addresses, token, run=run_id, rank=rank, world_size=world_size, abort=why, final=True
     )

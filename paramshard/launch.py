@@ -359,7 +359,8 @@ def launch(args: argparse.Namespace) -> int:
 
         def given_up(rank: int, why: str) -> None:
             """A rank --max-restarts does not restart: its peers stop now, not at its wait."""
-            tell_stopped(addresses, token, run_id, rank, world_size, why)
+            if failed := tell_stopped(addresses, token, run_id, rank, world_size, why):
+                say(f"telling the servers that rank {rank} stops failed ({'; '.join(failed)})")
 
         return supervise(
             ranks,
