@@ -248,7 +248,9 @@ def _launched(run: str | None, role: str) -> dict[str, str]:
     overlay = {
         k: v for k, v in found.env().items() if k == "PARAMSHARD_SERVERS" or k not in os.environ
     }
-    if found.token_file and "PARAMSHARD_TOKEN" not in os.environ:
+    if found.token_file and "PARAMSHARD_TOKEN" in os.environ:  # said: a stale one is refused
+        note(f"the token is PARAMSHARD_TOKEN's, not the run's token file {found.token_file}")
+    elif found.token_file:
         token = read_token(found.token_file, prefer=(role, *ROLES_DOWN[role]))
         if token:
             overlay["PARAMSHARD_TOKEN"] = token

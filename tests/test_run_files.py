@@ -235,10 +235,11 @@ def test_a_second_launcher_of_a_run_id_leaves_the_first_ones_file(
 
 
 def test_the_runs_token_file_gives_each_tool_its_role(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A server token file holds a token per role: the tools (snapshot, restore) take the
-    admin one, ``status`` the read one; PARAMSHARD_TOKEN still wins."""
+    admin one, ``status`` the read one; PARAMSHARD_TOKEN still wins, and says so (a stale
+    one in a shell was refused with no word of the run's file)."""
     tokens = {"r-token": "read", "t-token": "train", "a-token": "admin"}
     token_file = tmp_path / "tokens"
     token_file.write_text("".join(f"{role} {t}\n" for t, role in tokens.items()))
@@ -250,7 +251,11 @@ def test_the_runs_token_file_gives_each_tool_its_role(
         assert commands.cluster_spec(None, role="read").token == "r-token"
         assert cli.main(["status", "--json"]) == 0
         monkeypatch.setenv("PARAMSHARD_TOKEN", "t-token")
+        capsys.readouterr()
         assert commands.cluster_spec(None).token == "t-token"
+        assert f"PARAMSHARD_TOKEN's, not the run's token file {token_file}" in (
+            capsys.readouterr().err
+        )
 
 
 def test_snapshot_dir_is_for_local_servers(capsys: pytest.CaptureFixture[str]) -> None:
