@@ -261,6 +261,25 @@ ROLES_DOWN = {"admin": ("train", "read"), "train": ("admin",), "read": ("train",
 """Which token of a server token file a caller needing a role takes after that role's own."""
 
 
+def server_tokens(path: str, text: str | None = None) -> dict[str, Any]:
+    """The tokens of server token file ``path`` (``ROLE TOKEN`` lines), as ``paramshard serve
+    --token-file`` takes them; ``text``: what to read instead of the file (launch's copy of
+    it). CommandError naming what is wrong, and a warning when others may read the file."""
+    from paramshard.server.rpc.tokens import (
+        parse_token_file,
+        read_token_file,
+        token_file_is_private,
+    )
+
+    try:
+        tokens = parse_token_file(read_token_file(path) if text is None else text, path)
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
+    if not token_file_is_private(path):
+        warn(f"{path} is readable by group or others (chmod 600 it)")
+    return tokens
+
+
 def token_lines(path: str) -> list[list[str]]:
     """The words of each line of token file ``path`` but comments; CommandError naming why
     it cannot be read."""

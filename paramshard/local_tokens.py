@@ -16,13 +16,8 @@ import secrets
 import shutil
 import tempfile
 
-from paramshard.commands import EXIT_USAGE, CommandError, token_lines, warn
-from paramshard.server.rpc.tokens import (
-    MAX_TOKEN_FILE_BYTES,
-    parse_token_file,
-    read_token_file,
-    token_file_is_private,
-)
+from paramshard.commands import EXIT_USAGE, CommandError, server_tokens, token_lines
+from paramshard.server.rpc.tokens import MAX_TOKEN_FILE_BYTES, read_token_file
 
 __all__ = ["LocalTokens"]
 
@@ -45,12 +40,7 @@ class LocalTokens:
             text = f"admin {lines[0][0]}\n"
         else:
             text = read_token_file(path)  # as written: an error names the file's own line
-        try:
-            parse_token_file(text, source=path)
-        except ValueError as exc:
-            raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
-        if not token_file_is_private(path):
-            warn(f"{path} is readable by group or others (chmod 600 it)")
+        server_tokens(path, text)  # checked, and warned of, as the servers would
         if not any(words[0] == "peer" for words in lines):
             text += ("\n" if text and not text.endswith("\n") else "") + "peer "
             text += secrets.token_hex(32) + "\n"

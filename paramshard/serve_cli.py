@@ -20,6 +20,7 @@ from paramshard.commands import (
     port_number,
     positive,
     positive_int,
+    server_tokens,
     warn,
 )
 from paramshard.protos.placement import MAX_SERVERS
@@ -260,17 +261,9 @@ def serve(args: argparse.Namespace) -> int:
         as_flags,
     )
     from paramshard.server.rpc.admission import default_reserved
-    from paramshard.server.rpc.tokens import load_token_file, token_file_is_private
     from paramshard.server.runtime import backend
 
-    tokens = {}
-    if args.token_file is not None:
-        try:
-            tokens = load_token_file(args.token_file)
-        except (OSError, ValueError) as exc:
-            raise CommandError(f"--token-file: {exc}", EXIT_USAGE) from None
-        if not token_file_is_private(args.token_file):
-            warn(f"{args.token_file} is readable by group or others (chmod 600 it)")
+    tokens = server_tokens(args.token_file) if args.token_file is not None else {}
     pem = {  # read by SecurityConfig, after it checked which go together
         name: Path(path)
         for name, path in (
