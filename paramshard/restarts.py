@@ -94,11 +94,10 @@ class RankRestarts:
         (client/restarts.py ``declare_failed``)."""
         return bool(contract.read_declaration(self._file(rank)).failed)
 
-    def failed_first(self, running: set[Child], but: int) -> Child | None:
-        """A running rank other than ``but`` whose own code raised and stopped the others:
-        ``but`` failed on its notice."""
-        ranks = sorted(running, key=lambda c: c.rank)
-        return next((c for c in ranks if c.rank != but and self.raised(c.rank)), None)
+    def another_raised(self, running: set[Child], but: int) -> bool:
+        """Whether a running rank other than ``but`` declared that its own code raised and
+        stopped the others: ``but`` failed on its notice."""
+        return any(c.rank != but and self.raised(c.rank) for c in running)
 
     def attempt(self, rank: int) -> int:
         """How many times ``rank`` was restarted: 0 for its first process (torchrun's attempt
@@ -276,13 +275,12 @@ def supervise(
             say(f"{child.name} failed with exit code {code}{why}; {short}: stopping the job")
             stop(list(running), signal.SIGTERM, grace, received)
             return code
-        said = restarts.declared_failure(child.rank)
-        first = restarts.failed_first(running, child.rank)
-        if first is not None and not restarts.raised(child.rank):
+        if not restarts.raised(child.rank) and restarts.another_raised(running, child.rank):
             # it failed on that running rank's notice: name that one as it exits
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
-        if why and restarts.max_restarts and given_up is not None:  # its peers await it
+        said = restarts.declared_failure(child.rank)
+        if why and given_up is not None:  # not restarted (--max-restarts): its peers await it
             given_up(child.rank, f"failed with exit code {code}{said}{why}")
         return _stop_all(child, code, f"{said}{why}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
