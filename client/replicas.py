@@ -4,10 +4,9 @@ version all of them can reach), docs/design.md §5.2."""
 
 from __future__ import annotations
 
-import grpc
-
 from paramshard.client.rpc import Call, ShardClientError
 from paramshard.client.shard_client import ShardClient
+from paramshard.client.unreachable import lacks_role
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.placement import replica_holder
 
@@ -22,7 +21,7 @@ def configure_replication(client: ShardClient, job: str, every: int) -> None:
     try:
         _configure(client, job, every, n)
     except ShardClientError as exc:
-        if exc.code != grpc.StatusCode.PERMISSION_DENIED or "role" not in exc.details:
+        if not lacks_role(exc.code, exc.details):
             raise
         raise PermissionError(
             f"replicate_every for job '{job}' needs an admin token on rank 0 (replication sends"

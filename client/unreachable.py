@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["DROPPED", "cause", "explain"]
+__all__ = ["DROPPED", "cause", "explain", "lacks_role"]
 
 DROPPED = "the server dropped the call before any of its threads took it up"
 """What a rank's error says of a call gRPC's core ended with a bare CANCELLED "CANCELLED": no
@@ -76,3 +76,9 @@ def explain(address: str, code: grpc.StatusCode, details: str) -> str:
     if code == grpc.StatusCode.CANCELLED:
         return f"{address}: {why}; grpc: {details}"
     return f"cannot reach {address}: {why}; grpc: {details}"
+
+
+def lacks_role(code: grpc.StatusCode, details: str) -> bool:
+    """Whether a call was refused for its token's role (server/rpc/auth.py: "Snapshot needs
+    role 'admin'; this token has role 'train'"), not for its scope or its request."""
+    return code == grpc.StatusCode.PERMISSION_DENIED and "needs role" in details

@@ -30,9 +30,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import grpc
-
 from paramshard.client import ShardClientError
+from paramshard.client.unreachable import lacks_role
 
 __all__ = ["CheckpointTags", "save"]
 
@@ -111,7 +110,7 @@ def save(model: Any, tag: str) -> None:
                 " servers with --snapshot-dir (shared by them), or pass checkpoint_every=0"
             )
             error: Exception = RuntimeError(f"train_with_recovery {why}")
-        elif exc.code == grpc.StatusCode.PERMISSION_DENIED and "role" in exc.details:
+        elif lacks_role(exc.code, exc.details):
             why = (
                 f"cannot snapshot: {exc}. Checkpoints, and the restores that recover from them,"
                 " are admin calls: give the ranks the servers' admin token (PARAMSHARD_TOKEN;"
