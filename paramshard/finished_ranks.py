@@ -27,6 +27,12 @@ __all__ = ["TELL_S", "tell_ended", "tell_stopped"]
 TELL_S = 5.0
 """How long the launcher spends telling every server, at most (a server that does not answer
 leaves the rank's peers to their deadline, as before)."""
+HELD_PACE_S = 0.1
+"""How often a server that still holds the rank's lease stream is asked again. The rank's
+process has exited, so its connection is closed, but the server may not have handled the
+stream's end yet when the launcher's call comes: it then refuses the call as from another
+process (ALREADY_EXISTS, server/collectives/lease_records.py ``check_holder``). Taken once,
+that refusal left the rank's peers on other hosts to wait for a restart that never comes."""
 
 
 def tell_ended(
@@ -43,8 +49,7 @@ def tell_stopped(
     """Posts the run's final notice for ``rank``, which ``--max-restarts`` will not restart
     (``why``: "failed with exit code 1: ..."), so that its peers on other hosts stop now
     instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default);
-    returns what failed, as ``tell_ended``. A server that still holds the rank's stream (its
-    end not seen yet) refuses, and those peers wait as before."""
+    returns what failed, as ``tell_ended``."""
     why = why[:1000]  # a server takes reasons of 1,024 characters at most
     return _tell(
         addresses, token, run=run_id, rank=rank, world_size=world_size, abort=why, final=True
@@ -71,11 +76,18 @@ def _tell(addresses: Sequence[str], token: str | None, **fields: object) -> list
                 request_serializer=pb.LeaseRequest.SerializeToString,
                 response_deserializer=pb.LeaseReply.FromString,
             )
-            try:
-                left = max(0.1, deadline - time.monotonic())
-                call(request, timeout=left, metadata=spec.metadata())
-            except grpc.RpcError as exc:
-                failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+            while True:
+                try:
+                    left = max(0.1, deadline - time.monotonic())
+                    call(request, timeout=left, metadata=spec.metadata())
+                    break
+                except grpc.RpcError as exc:
+                    held = exc.code() == grpc.StatusCode.ALREADY_EXISTS
+                    if held and time.monotonic() + HELD_PACE_S < deadline:
+                        time.sleep(HELD_PACE_S)  # its stream's end is on its way
+                        continue
+                    failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+                    break
     finally:
         spec.close()
     return failed

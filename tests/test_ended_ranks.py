@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,13 @@ from conftest import unique_id, worker_env
 from test_launch import launch
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
+from paramshard.finished_ranks import tell_stopped
 
 pytestmark = pytest.mark.timeout(300)
 
 TIMEOUT_S = 8.0
 PEER = """
-import sys
+import sys, time
 from paramshard.client import ClusterSpec, ShardClient
 address, run, how = sys.argv[1:4]
 client = ShardClient(ClusterSpec([address]), rank=0, world_size=2, run_id=run, timeout_s=30)
@@ -36,6 +38,8 @@ client.barrier()  # with the test's rank 1
 print("met", flush=True)
 if how == "raise":
     raise RuntimeError("rank 0 fails")
+if how == "hold":  # holds its lease stream until the test kills it
+    time.sleep(60)
 """  # it never closes its client: the exit hook releases its lease, as in most scripts
 
 
@@ -80,6 +84,48 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
         assert info.value.code.name == "DEADLINE_EXCEEDED", info.value
         assert "rank 0 released its lease here" in details, details
         assert took > TIMEOUT_S * 0.8, f"it gave up after {took:.1f} s"
+
+
+def test_the_launchers_notice_waits_for_the_end_of_the_ranks_stream(servers: Any) -> None:
+    """``--max-restarts`` will not restart rank 0: the launcher posts the run's final notice for
+    it (``tell_stopped``) once its process exited. The server may not have handled the end of
+    the rank's lease stream yet, and then refuses the notice as a call from another process
+    (ALREADY_EXISTS). Here the launcher's call comes while rank 0 is still alive and the kill
+    follows; before, the refusal was taken at once and rank 1 waited out its deadline."""
+    address = servers(1, local_calls=False)[0].address
+    run = unique_id("held")
+    peer = subprocess.Popen(
+        [sys.executable, "-c", PEER, address, run, "hold"],
+        env=worker_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    me = ShardClient(ClusterSpec([address]), rank=1, world_size=2, run_id=run, timeout_s=30)
+    told: list[list[str]] = []
+    try:
+        me.barrier()  # with the peer, which holds its stream from here on
+        why = "failed with exit code 1: ValueError: bad batch 3"
+        teller = threading.Thread(
+            target=lambda: told.append(tell_stopped([address], None, run, 0, 2, why))
+        )
+        teller.start()
+        time.sleep(0.5)  # the launcher's first ask meets the open stream
+        peer.kill()
+        peer.communicate(timeout=30)
+        teller.join(timeout=30)
+        began = time.monotonic()
+        with pytest.raises(ShardClientError) as info:
+            me.barrier()
+        took = time.monotonic() - began
+    finally:
+        me.close()
+        peer.kill()
+    assert told == [[]], told
+    assert info.value.code.name == "ABORTED", info.value
+    assert "bad batch 3" in info.value.details, info.value.details
+    assert took < 5, f"rank 1 waited {took:.1f} s"
 
 
 UNEVEN = """
