@@ -118,7 +118,7 @@ def send_again(client: Any, run: str) -> None:
 def _send(client: Any, kept: list[tuple[pb.LeaseRequest, frozenset[str]]]) -> None:
     metadata = client.spec.metadata()
     sent = [
-        (i, request, client._stub(i, "Lease").future(request, timeout=AGAIN_S, metadata=metadata))
+        (i, request, client.stub(i, "Lease").future(request, timeout=AGAIN_S, metadata=metadata))
         for request, addresses in kept
         for i, address in enumerate(client.spec.addresses)
         if address in addresses

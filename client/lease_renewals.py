@@ -74,7 +74,7 @@ class Renewals(ServerLoss):
         """Sends each request of ``requests`` (server -> request) at once: (server, future).
         ``deadline_s(request)`` gives each call's deadline; default ``_call_s``."""
         client = self.client()
-        if client is None or client._closed:
+        if client is None or client.closed:
             return []
         sent = []
         for i, req in requests.items():
@@ -82,7 +82,7 @@ class Renewals(ServerLoss):
                 continue
             timeout = deadline_s(req) if deadline_s is not None else self._call_s()
             try:
-                stub = client._stub(i, "Lease")
+                stub = client.stub(i, "Lease")
                 fut = stub.future(req, timeout=timeout, metadata=client.spec.metadata())
             except ValueError:  # the channel was closed under us
                 return sent

@@ -135,7 +135,7 @@ class _Holding(Renewals):
         """Opens a stream to every server that has none (a broken one at once, a refused one
         after ``HOLD_RETRY_S``)."""
         client = self.client()
-        if client is None or client._closed:
+        if client is None or client.closed:
             return
         now = time.monotonic()
         conflict = None

@@ -60,35 +60,20 @@ class ShardClientError(RuntimeError):
         self.code, self.details = code, details
 
 
-# method -> (response deserializer): the request side always uses codec.serialize
-_METHODS: dict[str, Callable[[bytes], Any]] = {
-    "RegisterBuffer": pb.RegisterBufferReply.FromString,
-    "SetParams": pb.SetParamsReply.FromString,
-    "PushGrad": pb.PushGradReply.FromString,
-    "PullParams": codec.deserializer(pb.PullParamsHeader),
-    "GradNorm": pb.GradNormReply.FromString,
-    "Step": pb.StepReply.FromString,
-    "Contribute": pb.ContributeReply.FromString,
-    "ReadSlot": codec.deserializer(pb.SlotHeader),
-    "ContributeRead": codec.deserializer(pb.SlotHeader),
-    "DropJob": pb.DropJobReply.FromString,
-    "Status": pb.StatusReply.FromString,
-    "Lease": pb.LeaseReply.FromString,
-    "Join": pb.JoinReply.FromString,
-    "Snapshot": pb.SnapshotReply.FromString,
-    "CommitSnapshot": pb.CommitSnapshotReply.FromString,
-    "Restore": pb.RestoreReply.FromString,
-    "ListSnapshots": pb.ListSnapshotsReply.FromString,
-    "DeleteSnapshot": pb.DeleteSnapshotReply.FromString,
-    "ConfigureReplication": pb.ReplicationConfigReply.FromString,
-    "ListReplicas": pb.ListReplicasReply.FromString,
-    "FetchReplica": pb.ReplicaChunk.FromString,
-    "LoadReplica": pb.ReplicaAck.FromString,
-    "RollbackToReplica": pb.RestoreReply.FromString,
-    "OfferSegment": pb.OfferSegmentReply.FromString,
-    "ConfirmSegment": pb.ConfirmSegmentReply.FromString,
-    "ReleaseSegments": pb.ReleaseSegmentsReply.FromString,
+_TENSOR_HEADERS = {
+    "PullParams": pb.PullParamsHeader,
+    "ReadSlot": pb.SlotHeader,
+    "ContributeRead": pb.SlotHeader,
 }
+# method -> its reply's deserializer, from the service in the proto (the request side always
+# uses codec.serialize); a tensor reply is read as (header, payload view) by protos/codec.py
+_METHODS: dict[str, Callable[[bytes], Any]] = {
+    m.name: codec.deserializer(_TENSOR_HEADERS[m.name])
+    if m.name in _TENSOR_HEADERS
+    else getattr(pb, m.output_type.name).FromString
+    for m in pb.DESCRIPTOR.services_by_name["Shard"].methods
+}
+assert set(_TENSOR_HEADERS) == set(TENSOR_REPLIES), "a tensor reply without its header"
 
 
 _MAY_WAIT = frozenset({"PullParams", "ReadSlot", "ContributeRead", "GradNorm", "Step"})
@@ -143,7 +128,7 @@ class RpcCore:
         # in-process calls not finished yet: closing the client cancels them, as closing a
         # channel cancels its gRPC calls (a rank waiting on a dead peer's slot then ends)
         self._local_calls: weakref.WeakSet[LocalFuture] = weakref.WeakSet()
-        self._closed = False
+        self.closed = False  # once close() ran: the lease's streams and renewals stop
         self.run_state = RunState()  # epoch, abort notice, calls in flight (client/leases.py)
         # payloads to servers on this host (protos/shm.py)
         self.shm = SharedMemory(chunk_bytes, max_in_flight, shared_memory)
@@ -153,7 +138,8 @@ class RpcCore:
     def num_servers(self) -> int:
         return len(self.spec)
 
-    def _stub(self, server: int, method: str) -> Any:
+    def stub(self, server: int, method: str) -> Any:
+        """The unary stub of ``method`` on server ``server``, made once (views share it)."""
         key = (self.spec.addresses[server], method)
         with self._lock:
             if key not in self._stubs:
@@ -198,7 +184,7 @@ class RpcCore:
             if local is not None:
                 with self._lock:
                     self._local_calls.add(local)
-                if self._closed:
+                if self.closed:
                     local.cancel()
                 if peers:
                     self.run_state.track(local)
@@ -244,7 +230,7 @@ class RpcCore:
         return self.shm.has_room(address)
 
     def _unary(self, call: Call, request: Any, timeout: float, alone: bool) -> Any:
-        stub = self._stub(call.server, call.method)
+        stub = self.stub(call.server, call.method)
         if alone and call.method not in _MAY_WAIT:
             try:
                 future = Done(stub(request, timeout=timeout, metadata=self.spec.metadata()))
@@ -256,7 +242,7 @@ class RpcCore:
 
     def plain_call(self, server: int, method: str, request: Any, timeout: float) -> Any:
         """One call through gRPC, no retries (grpc.RpcError on failure)."""
-        stub = self._stub(server, method)
+        stub = self.stub(server, method)
         return stub(request, timeout=timeout, metadata=self.spec.metadata())
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
@@ -390,7 +376,7 @@ class RpcCore:
         spec holds them: ``ClusterSpec.release``); idempotent."""
         closing.forget(self)
         leases.release(self)
-        self._closed = True
+        self.closed = True
         held, self._holds_spec = self._holds_spec, False
         with self._lock:
             pending = list(self._local_calls)

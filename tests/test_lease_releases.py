@@ -40,7 +40,7 @@ class _Client:
     def metadata(self) -> list[tuple[str, str]]:
         return []
 
-    def _stub(self, server: int, method: str) -> Any:
+    def stub(self, server: int, method: str) -> Any:
         assert method == "Lease"
         client = self
 

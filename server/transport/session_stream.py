@@ -173,7 +173,7 @@ class SessionStream:
         self.out.put(END)
 
     def drain(self, why: str) -> None:
-        """The server is stopping (``Sessions._stopping``, set before this runs): the
+        """The server is stopping (``Sessions.stopping``, set before this runs): the
         session ends now if no call is in flight, else once the last has replied."""
         with self.lock:
             idle = self.in_flight == 0
@@ -202,7 +202,7 @@ class SessionStream:
             waits = self.role or "train"
         promised = self.s.reply_bytes(method, request) if self.s.reply_bytes else 0
         with self.lock:
-            stopping = self.s._stopping  # under the lock ``drain`` takes: counted, or refused
+            stopping = self.s.stopping  # under the lock ``drain`` takes: counted, or refused
             crowded = self._full(waits is not None, promised)
             if crowded is not None and waits is not None and method in ANSWERS_AT_ONCE:
                 waits, deadline = None, time.monotonic()  # it answers at once, not waiting
@@ -288,7 +288,7 @@ class SessionStream:
                     sent = sum(size for _, size, _ in items)
                     self._add(replies=-len(items), reply_bytes=-sent)
                     self.drained.notify_all()
-                    stopping = self.s._stopping if self.in_flight == 0 else None
+                    stopping = self.s.stopping if self.in_flight == 0 else None
                 if stopping is not None and not ended:
                     self.end(grpc.StatusCode.UNAVAILABLE, stopping)
             if ended:

@@ -91,7 +91,7 @@ class Sessions:
         self.count_lock = threading.Lock()
         self.held_bytes = 0  # request bytes held and reply bytes unsent, over all sessions
         self.live: set[SessionStream] = set()  # under _count
-        self._stopping: str | None = None  # why, once ``drain`` ran
+        self.stopping: str | None = None  # why, once ``drain`` ran (under count_lock)
 
     @property
     def open(self) -> int:
@@ -105,7 +105,7 @@ class Sessions:
         replied, and a session opened now ends at once; so idle streams do not hold the
         server's grace to its end."""
         with self.count_lock:
-            self._stopping = why
+            self.stopping = why
             live = list(self.live)
         self.line.stop(why)  # calls waiting for a thread never start now
         for session in live:
@@ -130,7 +130,7 @@ class Sessions:
             scope = self.scope_of(context.invocation_metadata())
         session = SessionStream(self, context, role, caller, scope)
         with self.count_lock:
-            stopping = self._stopping
+            stopping = self.stopping
             if stopping is None:
                 self.live.add(session)
         if stopping is not None:
