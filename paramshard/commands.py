@@ -39,6 +39,7 @@ __all__ = [
     "RUN",
     "cluster_spec",
     "paramshard_argv",
+    "bare_token",
     "read_token",
     "summary",
 ]
@@ -296,6 +297,23 @@ def token_lines(path: str) -> list[list[str]]:
     return [ln for ln in lines if ln and not ln[0].startswith("#")]
 
 
+def bare_token(path: str, lines: list[list[str]]) -> str | None:
+    """The token of a token file of one word (``lines``: ``token_lines(path)``), or None. A
+    role name alone is a ``ROLE TOKEN`` line that lost its token: taken as a token, it became
+    the ranks' secret and the admin token of launch's servers, a word anybody could guess."""
+    if len(lines) != 1 or len(lines[0]) != 1:
+        return None
+    from paramshard.server.rpc.tokens import ROLES
+
+    if lines[0][0] in ROLES:
+        raise CommandError(
+            f"--token-file {path}: its one line is the role name {lines[0][0]!r} with no token"
+            " after it (expected one token, or 'ROLE TOKEN' lines)",
+            EXIT_USAGE,
+        )
+    return lines[0][0]
+
+
 def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> str | None:
     """The token in the file ``path`` (``--token-file``): either the bare token, or a server
     token file (``ROLE TOKEN [SCOPE]`` per line, as ``paramshard serve --token-file`` reads)
@@ -304,8 +322,8 @@ def read_token(path: str | None, prefer: Sequence[str] = ("train", "admin")) -> 
     if path is None:
         return None
     lines = token_lines(path)
-    if len(lines) == 1 and len(lines[0]) == 1:
-        return lines[0][0]
+    if (bare := bare_token(path, lines)) is not None:
+        return bare
     by_role: dict[str, str] = {}
     for ln in lines:  # ROLE TOKEN, and the scope a server reads (jobs=..., runs=...)
         if len(ln) >= 2:

@@ -16,7 +16,13 @@ import secrets
 import shutil
 import tempfile
 
-from paramshard.commands import EXIT_USAGE, CommandError, server_tokens, token_lines
+from paramshard.commands import (
+    EXIT_USAGE,
+    CommandError,
+    bare_token,
+    server_tokens,
+    token_lines,
+)
 from paramshard.server.rpc.tokens import MAX_TOKEN_FILE_BYTES, read_token_file
 
 __all__ = ["LocalTokens"]
@@ -36,8 +42,8 @@ class LocalTokens:
         if path is None:
             return []
         lines = token_lines(path)
-        if len(lines) == 1 and len(lines[0]) == 1:  # one bare token: the ranks'
-            text = f"admin {lines[0][0]}\n"
+        if (bare := bare_token(path, lines)) is not None:  # one bare token: the ranks'
+            text = f"admin {bare}\n"
         else:
             text = read_token_file(path)  # as written: an error names the file's own line
         server_tokens(path, text)  # checked, and warned of, as the servers would

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_launch import launch, launch_env
 
-from paramshard.commands import CommandError
+from paramshard.commands import CommandError, read_token
 from paramshard.local_tokens import LocalTokens
 
 pytestmark = pytest.mark.timeout(150)
@@ -158,3 +158,20 @@ def test_the_servers_copy_is_private_and_the_file_is_checked_as_written(tmp_path
     assert copy.read_text().startswith("read r\nadmin a\npeer ")
     made.close()
     assert not copy.parent.exists()
+
+
+@pytest.mark.parametrize("word", ["train", "admin", "peer", "read"])
+def test_a_role_name_alone_is_no_token(tmp_path: Path, word: str) -> None:
+    """A one-word file is the ranks' token and the local servers' admin token; a role name
+    alone is a ``ROLE TOKEN`` line that lost its token. Before, ``train`` alone became the
+    admin token "train" of the local servers and the token of every rank."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"# ours\n{word}\n")
+    tokens.chmod(0o600)
+    error = f"its one line is the role name '{word}' with no token after it"
+    with pytest.raises(CommandError, match=error):
+        LocalTokens().serve_args(str(tokens))
+    with pytest.raises(CommandError, match=error):
+        read_token(str(tokens))
+    tokens.write_text(f"{word}x\n")  # a token that only begins like a role is a token
+    assert read_token(str(tokens)) == f"{word}x"
