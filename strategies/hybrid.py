@@ -18,7 +18,6 @@ is on the receiver's server and a part's slices are on its replicas' servers.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -232,18 +231,15 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
         replica = self.replica
         if not replica.registered:
             raise RuntimeError("clip_grad_norm_ needs a HybridShardedOptimizer attached first")
-        replica._ensure_reduced()
         mine = 0.0
         _, tp, dp = self.coords
-        check = replica._grad_check(per_param=dp == 0)  # the step's finiteness comes along
+        check = replica.reduced_grad_check(per_param=dp == 0)  # the step's finiteness comes along
         if dp == 0:
-            sums = check.param_sum_squares or {}
             copies = self.pipeline.copies
-            for b in replica._buffers:
-                for e, p, sq in zip(b.entries, b.params, sums[b.name], strict=True):
-                    if id(p) in copies or (tp != 0 and e.name not in replica.param_splits):
-                        continue
-                    mine += sq
+            for name, p, sq in replica.param_sums(check):
+                if id(p) in copies or (tp != 0 and name not in replica.param_splits):
+                    continue
+                mine += sq
         world = self.config.client
         where = list(check.nonfinite)  # which parts are not finite rides on the same all-reduce
         share = torch.cat([torch.tensor([mine], dtype=torch.float64), seen_by(world, where)])
@@ -252,8 +248,7 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
             replica.step_count,
             name_parts(summed[1:], world.rank, self.topology, self.config.job, where),
         )
-        total = math.sqrt(float(summed[0])) * replica._inv_scale  # a loss scaler's unscale_
-        replica._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
+        total = replica.clip_by(float(summed[0]), max_norm)  # a loss scaler's unscale_ too
         return norm_tensor(total, (p.dtype for _, p in self._named))
 
     def synchronize_gradients(self) -> None:

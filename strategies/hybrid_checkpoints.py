@@ -38,7 +38,7 @@ class HybridCheckpoints:
         from paramshard.client import tools
 
         world = self.config.client
-        self.replica._ensure_idle()
+        self.replica.ensure_idle()
         world.barrier()  # every part has stepped as far as it will before the capture
         version = self.replica.step_count
         if world.rank == 0:
@@ -56,13 +56,13 @@ class HybridCheckpoints:
         replica, world = self.replica, self.config.client
         if not replica.registered:
             raise RuntimeError("load_checkpoint needs a HybridShardedOptimizer attached first")
-        replica._ensure_idle()
+        replica.ensure_idle()
         world.barrier()  # nobody still reads the old state when rank 0 replaces it
         if world.rank == 0:
             tools.restore(world, self.config.job, tag, contributors=self.data_parallel_size)
         world.barrier()
         self._loaded = None if tag == "latest" else (tag, time.time())
-        version = replica._adopt_server_version()
+        version = replica.adopt_server_version()
         self._invalidate()
         world.barrier()
         return version

@@ -41,7 +41,7 @@ class ServerCheckpoints(ElasticCheckpoints):
 
         if self.membership is not None:
             return self._elastic_save(tag)
-        self._ensure_idle()
+        self.ensure_idle()
         version = self._step
         if self.rank == 0:
             version = tools.snapshot(self.client, self.config.job, tag)["version"]
@@ -57,7 +57,7 @@ class ServerCheckpoints(ElasticCheckpoints):
             raise RuntimeError("load_checkpoint needs an optimizer wrapper attached first")
         if self.membership is not None:
             return self._elastic_load(tag)
-        self._ensure_idle()
+        self.ensure_idle()
         self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
         if self.rank == 0:
             tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
@@ -67,7 +67,7 @@ class ServerCheckpoints(ElasticCheckpoints):
                 )
         self.client.barrier()
         self._loaded = None if tag == "latest" else (tag, time.time())
-        return self._adopt_server_version()
+        return self.adopt_server_version()
 
     @property
     def recovery_source(self) -> str:
@@ -88,7 +88,7 @@ class ServerCheckpoints(ElasticCheckpoints):
         replayed; servers at several versions (a step half applied) are restored."""
         if self.membership is not None:  # the facts decide, a recovery round if they must
             return self.resync(self.client.run_state.epoch, self.config.join_window_s)
-        self._ensure_idle()
+        self.ensure_idle()
         # every rank has dropped its half-done step; the max: whether one comes restarted
         came = self.client.all_reduce(np.array([int(restarted)], dtype=np.int64), "max")
         if self.rank == 0:
@@ -96,7 +96,7 @@ class ServerCheckpoints(ElasticCheckpoints):
                 self._recover_job()
         self.client.barrier()
         self.restarted_alone = False
-        return self._adopt_server_version()
+        return self.adopt_server_version()
 
     def lost_servers(self) -> list[int]:
         """The job's servers (indices of this rank's client) that hold none of its values, or
@@ -198,7 +198,10 @@ class ServerCheckpoints(ElasticCheckpoints):
             time.sleep(REBUILD_POLL_S)
         return notice
 
-    def _adopt_server_version(self) -> int:
+    def adopt_server_version(self) -> int:
+        """Continues at the version the servers hold of this job (after a restore someone
+        else made, as a 3D wrapper's rank 0 does for all parts); returns it. Every rank of the
+        job calls it."""
         from paramshard.client import tools
 
         versions = {b.version for b in tools.job_params(self.client, self.config.job)}
@@ -236,7 +239,9 @@ class ServerCheckpoints(ElasticCheckpoints):
     def _abandon_local(self) -> None:
         """Strategy-specific local state of a half-done step (pushed flags, gathered units)."""
 
-    def _ensure_idle(self) -> None:
+    def ensure_idle(self) -> None:
+        """Waits for this rank's gradient pushes in flight; raises between a backward pass
+        and its ``optimizer.step()`` (checkpoints and restores are taken between steps)."""
         self._wait_pushes()
         if self._micro:
             raise RuntimeError(

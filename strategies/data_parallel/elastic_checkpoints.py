@@ -72,7 +72,7 @@ class ElasticCheckpoints:
     def _elastic_save(self, tag: str) -> int:
         from paramshard.client import tools
 
-        self._ensure_idle()
+        self.ensure_idle()
         members = self.join_step()
         version = self._step
         if self.client.rank == members.leader:
@@ -83,7 +83,7 @@ class ElasticCheckpoints:
     def _elastic_load(self, tag: str) -> int:
         from paramshard.client import tools
 
-        self._ensure_idle()
+        self.ensure_idle()
         members = self.join_step()
         group = self.step_group()
         group.barrier()  # nobody still reads the old state when the leader replaces it

@@ -91,7 +91,7 @@ class TorchOptimizerState:
         step. What ``optimizer.state_dict()`` holds for a plain torch optimizer."""
         if not self.registered:
             return {}
-        self._ensure_idle()
+        self.ensure_idle()
         info = self.client.optimizer_state_info(self.config.job)
         landings: dict[tuple[str, str], Landing] = {}
         calls = []
@@ -131,7 +131,7 @@ class TorchOptimizerState:
         torch's first step. Every rank calls it with the same state (rank 0 writes)."""
         if not self.registered:
             raise RuntimeError("load_optimizer_state needs the optimizer wrapper attached first")
-        self._ensure_idle()
+        self.ensure_idle()
         writes = []  # every rank checks (and fails) alike; rank 0 writes
         for b in self._buffers:
             present = [states.get(id(p), {}) for p in b.params]

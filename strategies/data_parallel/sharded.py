@@ -18,7 +18,6 @@ parameters come back in ``config.param_dtype_for`` of each buffer. One training 
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -31,6 +30,7 @@ from paramshard.protos.manifest import ParamSplit
 from paramshard.strategies.base import ShardedModelBase, hf_model_config
 from paramshard.strategies.config import ShardingConfiguration
 from paramshard.strategies.data_parallel.checkpoints import ServerCheckpoints
+from paramshard.strategies.data_parallel.clipping import ServerClipping
 from paramshard.strategies.data_parallel.elastic import ElasticSteps
 from paramshard.strategies.data_parallel.flat_pool import FlatPool
 from paramshard.strategies.data_parallel.server_optim import (
@@ -42,7 +42,6 @@ from paramshard.strategies.device import Landing, Outgoing, device_of, to_host
 from paramshard.strategies.layout import (
     BufferSpec,
     flatten,
-    norm_tensor,
     plan_buffers,
     plan_units,
     torch_dtype,
@@ -55,7 +54,9 @@ __all__ = ["ServerShardedModel", "server_optimizer", "server_hyper"]
 log = logging.getLogger(__name__)
 
 
-class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, ShardedModelBase):
+class ServerShardedModel(
+    ServerCheckpoints, ServerClipping, TorchOptimizerState, ElasticSteps, ShardedModelBase
+):
     """Base of the strategies whose optimizer runs on the servers."""
 
     state_on_servers = True
@@ -298,37 +299,7 @@ class ServerShardedModel(ServerCheckpoints, TorchOptimizerState, ElasticSteps, S
     def synchronize_gradients(self) -> None:
         self._ensure_reduced()
 
-    # -- clipping and stepping ------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clips by the global 2-norm over all shards (as torch.nn.utils.clip_grad_norm_ on the
-        whole model) and returns that norm. The servers scale their slices at the step."""
-        if float(norm_type) != 2.0:
-            raise ValueError(f"clip_grad_norm_ supports the 2-norm only, got norm_type={norm_type}")
-        if not self.registered:
-            raise RuntimeError("clip_grad_norm_ needs an optimizer wrapper attached first")
-        self._ensure_reduced()
-        total = math.sqrt(sum(self._grad_check().sum_squares)) * self._inv_scale
-        self._clip_coef = min(1.0, float(max_norm) / (total + 1e-6))
-        return norm_tensor(total, (p.dtype for _, p in self._named))
-
-    def _unscale_grads(self, inv_scale: float) -> None:
-        """A loss scaler's ``unscale_``: the servers' reduced gradients are ``1 / inv_scale``
-        times the true ones, so clipping's norm is multiplied by ``inv_scale`` and the servers
-        multiply their slices by it at the step, folded into the clip coefficient."""
-        self._ensure_reduced()
-        self._inv_scale = float(inv_scale)
-
-    def _grad_check(self, per_param: bool = False) -> GradCheck:
-        """Every server's GradNorm of this step (waits for the reduced gradient), gathered once
-        for clipping and the step; ``per_param``: with each parameter's sum of squares."""
-        if self._check is None or (per_param and self._check.param_sum_squares is None):
-            names = {b.name: len(b.entries) for b in self._buffers}
-            params = names if per_param else None
-            self._check = self.client.grad_check(
-                self.config.job, list(names), self._step, params, generation=self._generation()
-            )
-        return self._check
-
+    # -- stepping ------------------------------------------------------------------------
     def _optimizer_step(self) -> None:
         self._ensure_reduced()
         # Both phases of a step (server/buffers/nonfinite.py): every server's finiteness first, then
