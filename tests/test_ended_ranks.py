@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import unique_id, worker_env
-from test_launch import launch
+from launching import launch
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.finished_ranks import tell_stopped

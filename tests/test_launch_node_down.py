@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import wait_gone
 from numerics import assert_equivalent
 from test_elastic import INIT, LR, net
 from test_job_lost import JOB, both_trained
-from test_launch import wait_gone
 from test_launch_server_restarts import (
     KILL_AT,
     SEED,

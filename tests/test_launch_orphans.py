@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_launch import launch_env, wait_gone  # noqa: E402
+from launching import launch_env, wait_gone  # noqa: E402
 
 from paramshard.processes import spawn, stop, watch  # noqa: E402
 from paramshard.restarts import RankRestarts, ServerRestarts, supervise  # noqa: E402

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from launching import ROOT, launch_env, wait_gone
 from numerics import assert_equivalent
-from test_launch import ROOT, launch_env, wait_gone
 
 from paramshard import cli
 from paramshard.models.gpt import GPT, GPTConfig, lm_loss

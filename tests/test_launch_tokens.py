@@ -9,7 +9,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from test_launch import launch, launch_env
+from launching import launch, launch_env
 
 from paramshard.commands import CommandError, read_token
 from paramshard.local_tokens import LocalTokens
