@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_hybrid_export import run_hybrid
+from hybrid_runs import run_hybrid
 from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ClusterSpec, ShardClient, tools

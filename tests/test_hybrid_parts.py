@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from numerics import assert_equivalent
-from test_hybrid_export import (
+from hybrid_runs import (
     AGAIN,
     FIRST,
     assert_equal_state,
@@ -26,6 +25,7 @@ from test_hybrid_export import (
     run_hybrid,
     sgd,
 )
+from numerics import assert_equivalent
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.models.gpt import GPT, GPTConfig, lm_loss

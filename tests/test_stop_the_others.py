@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hybrid_runs import run_hybrid
 from launching import launch, launch_nodes
-from test_hybrid_export import run_hybrid
 from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ShardClientError
