@@ -15,8 +15,8 @@ from pathlib import Path
 from paramshard.server import MALLOC_ENV
 
 __all__ = [
-    "ROOT", "RUN_S", "launch", "launch_env", "launch_nodes", "rank_envs", "server_pids",
-    "is_running", "wait_gone",
+    "ROOT", "RUN_S", "launch", "launch_env", "launch_nodes", "start_launch", "rank_envs",
+    "server_pids", "is_running", "wait_gone",
 ]  # fmt: skip
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,20 +83,25 @@ def wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     return [p for p in pids if is_running(p)]
 
 
+def start_launch(*args: str | Path, stderr: int = subprocess.PIPE) -> subprocess.Popen:
+    """``paramshard launch ARGS`` in the background, its output piped (``stderr``:
+    ``subprocess.STDOUT`` to have both in one stream)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "paramshard", "launch", *map(str, args)],
+        cwd=ROOT,
+        env=launch_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
 def launch_nodes(*args: str | Path, timeout: float = RUN_S) -> list[tuple[int, str, str]]:
     """Two launchers at once, as two hosts' (``--nnodes 2 --nproc 1``, ``--node-rank`` 0 and
     1), with ``args`` after those; each one's exit code, stdout and stderr."""
-    cmd = [sys.executable, "-m", "paramshard", "launch", "--nnodes", "2", "--nproc", "1"]
     procs = [
-        subprocess.Popen(
-            [*cmd, "--node-rank", str(node), *map(str, args)],
-            cwd=ROOT,
-            env=launch_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        start_launch("--nnodes", "2", "--nproc", "1", "--node-rank", str(node), *args)
         for node in (0, 1)
     ]
     try:

@@ -28,6 +28,7 @@ from launching import (
     launch_nodes,
     rank_envs,
     server_pids,
+    start_launch,
     wait_gone,
 )
 
@@ -186,15 +187,7 @@ def test_failing_rank_stops_the_others_and_sets_the_exit_code(tiny: Path, tmp_pa
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_signal_is_forwarded_to_the_ranks(tiny: Path, signum: int) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paramshard", "launch", "--nproc", "2", str(tiny), "wait"],
-        cwd=ROOT,
-        env=launch_env(),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_launch("--nproc", "2", tiny, "wait")
     lines: queue.Queue[str] = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True)
     reader.start()

@@ -14,14 +14,13 @@ import queue
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from launching import ROOT, launch_env, wait_gone
+from launching import start_launch, wait_gone
 from numerics import assert_equivalent
 
 from paramshard import cli
@@ -96,15 +95,7 @@ class Launcher:
     """``paramshard launch`` in the background, its output collected line by line."""
 
     def __init__(self, *args: str | Path) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "paramshard", "launch", *map(str, args)],
-            cwd=ROOT,
-            env=launch_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.proc = start_launch(*args, stderr=subprocess.STDOUT)
         self.lines: queue.SimpleQueue = queue.SimpleQueue()
         self.said: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
