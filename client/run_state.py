@@ -72,7 +72,10 @@ class RunState:
 
     def next_epoch(self, notice: Notice | None) -> int:
         """The epoch a recovery moves to: past this client's and past ``notice``'s (the one
-        that ended the epoch; the same on every rank that saw it)."""
+        that ended the epoch; the same on every rank that saw it). None follows the run's
+        final notice: ValueError, where its epoch (``FINAL``) + 1 would fail every lease."""
+        if notice is not None and notice.final:
+            raise ValueError(f"no recovery follows the run's final notice: {notice.reason}")
         return max(self.epoch, notice.epoch if notice is not None else 0) + 1
 
     def track(self, future: Any) -> None:

@@ -79,7 +79,7 @@ def _check_epoch(model: Any) -> None:
     nothing is left to recover: it numbers its collectives in the next epoch."""
     state = model.client.run_state
     notice = state.current()
-    if notice is not None:
+    if notice is not None and not notice.final:  # a final one fails the rank's next wait
         log.warning(
             "rank %d: training ended in an aborted epoch (%s); the servers hold every step:"
             " moving on to the next epoch",

@@ -49,7 +49,7 @@ from test_launch_server_restarts import (
 )
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.client.restarts import RESTART_COUNT_ENV
+from paramshard.client.restarts import RESTART_COUNT_ENV, RESTART_FILE_ENV
 from paramshard.protos import shard_pb2 as pb
 from paramshard.strategies import FSDPModel, FSDPOptimizer, ShardingConfiguration
 
@@ -155,6 +155,36 @@ def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypa
                 attach(model)
     finally:
         ranks[0][0].close()
+
+
+def test_a_restarted_rank_that_finds_the_run_ended_stops_at_once(
+    servers, monkeypatch, tmp_path
+) -> None:
+    """Rank 0 gave the run up for good (``--max-restarts`` used up: its launcher posted the
+    final notice) as node 1 went down; rank 1's new process finds its server empty and that
+    notice. It stops at once, telling its launcher the notice so as not to be restarted.
+    Before, it took the notice's epoch + 1, 2**32 + 1, which no lease can carry: its renewals
+    failed every second ("Value out of range") while it waited out its deadline (a field
+    check)."""
+    addresses = [s.address for s in servers(2)]
+    ranks = both_trained(addresses, "ended", elastic=False)
+    try:
+        ranks[1][0].close()  # rank 1's process ended, and server 1 restarted empty
+        ranks[0][0].call(1, "DropJob", pb.DropJobRequest(job=JOB))
+        ranks[0][0].run_state.give_up("failed with exit code 1: ValueError: bad batch", True)
+        declared = tmp_path / "declared"
+        monkeypatch.setenv(RESTART_COUNT_ENV, "1")  # its new process
+        monkeypatch.setenv(RESTART_FILE_ENV, str(declared))
+        began = time.monotonic()
+        with rank_1_again(addresses, "ended", timeout_s=30) as (_, model):
+            with pytest.raises(RuntimeError, match="the run ended: .*bad batch") as info:
+                attach(model)
+        took = time.monotonic() - began
+    finally:
+        ranks[0][0].close()
+    assert took < 10, f"it stopped after {took:.1f} s (its deadline: 30 s)"
+    assert "restarted empty" in str(info.value), info.value
+    assert re.search(r"^stopped 1 .*bad batch$", declared.read_text(), re.M), declared.read_text()
 
 
 def test_a_notice_older_than_the_others_epoch_is_passed_by_their_next(

@@ -163,11 +163,19 @@ class ServerCheckpoints(ElasticCheckpoints):
         this loss has not reached them yet) fails that meeting (their next notice aborts it, or
         its barrier was theirs, long freed): it waits for a newer one and meets them past it.
         Each wait for a notice is bounded by the client's ``timeout_s`` (they notice within
-        seconds)."""
+        seconds). The run's final notice (a rank given up for good) ends it: raises, as the
+        others stop. Before, it took that notice's epoch, past any a lease carries, and its
+        renewals failed every second while it waited out its deadline (a field check)."""
         state = self.client.run_state
         after = -1  # the epoch of the newest notice that was too old
         while True:
             notice = self._notice_after(after)
+            if notice.final:  # the run ended (another rank gave it up): nobody recovers
+                restarts.declare_stopped(notice.reason[:400])  # the launcher restarts it not
+                raise RuntimeError(
+                    f"job '{self.config.job}' holds no values on a server restarted empty, and"
+                    f" the run ended: {notice.reason}"
+                )
             epoch = state.next_epoch(notice)
             log.warning(
                 "rank %d: job '%s' holds no values on a server restarted empty: this rank"
