@@ -38,7 +38,7 @@ class Renewals(ServerLoss):
     released: bool
 
     _request: Callable[..., pb.LeaseRequest]  # the lease's own: a request of this rank
-    take_notice: Callable[[pb.LeaseReply], None]  # the lease's own: a server's abort notice
+    take_reply: Callable[[pb.LeaseReply], None]  # the lease's own: a server's answer
 
     def renewals(self, paced: bool = False) -> dict[int, pb.LeaseRequest]:
         """A renewal per server (``paced``: per server that is due, ``_due``), each saying
@@ -168,8 +168,7 @@ class Renewals(ServerLoss):
         self.answered[server] = sending
         self.failing_since.pop(server, None)
         self.full.discard(server)
-        if reply.aborted:
-            self.take_notice(reply)
+        self.take_reply(reply)
         self._answered_as(server, reply.incarnation)
 
     def renew(self) -> None:

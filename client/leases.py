@@ -218,6 +218,13 @@ class _Holding(Renewals):
 
     def _on_reply(self, server: int, reply: pb.LeaseReply) -> None:
         self.stream_lost.discard(server)  # the stream is (back) up
+        self.take_reply(reply)
+
+    def take_reply(self, reply: pb.LeaseReply) -> None:
+        """A server's answer: its abort notice, if any, and whether this process holds the
+        rank in place of an earlier one (``RunState.took_over``)."""
+        if reply.took_over:
+            self.state.took_over = True
         if reply.aborted:
             self.take_notice(reply)
 

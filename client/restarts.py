@@ -36,6 +36,10 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paramshard.client.run_state import RunState
 
 __all__ = [
     "ELASTIC_ENV",
@@ -51,6 +55,7 @@ __all__ = [
     "max_restarts",
     "read_declaration",
     "restart_count",
+    "restarted",
     "starts_anew",
 ]
 
@@ -97,6 +102,13 @@ def ends_for_good() -> bool:
 def restart_count() -> int:
     """How many times the launcher restarted this rank (0: this is its first process)."""
     return _env_count(RESTART_COUNT_ENV)
+
+
+def restarted(state: RunState) -> bool:
+    """Whether this process restarts its rank: its launcher says so (``restart_count``), or a
+    server saw an earlier process of the rank in this run (``RunState.took_over`` of
+    ``state``), as when a node's launch command is run again by hand."""
+    return restart_count() > 0 or state.took_over
 
 
 def starts_anew(job: str, rank: int) -> None:

@@ -350,20 +350,22 @@ class LeaseRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ..., client: _Optional[int] = ..., fresh: _Optional[bool] = ..., ends: _Optional[bool] = ..., final: _Optional[bool] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
-    __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting", "incarnation", "final")
+    __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting", "incarnation", "final", "took_over")
     ABORTED_FIELD_NUMBER: _ClassVar[int]
     ABORTED_EPOCH_FIELD_NUMBER: _ClassVar[int]
     LOST_RANK_FIELD_NUMBER: _ClassVar[int]
     AWAITING_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    TOOK_OVER_FIELD_NUMBER: _ClassVar[int]
     aborted: str
     aborted_epoch: int
     lost_rank: int
     awaiting: _containers.RepeatedScalarFieldContainer[int]
     incarnation: int
     final: bool
-    def __init__(self, aborted: _Optional[str] = ..., aborted_epoch: _Optional[int] = ..., lost_rank: _Optional[int] = ..., awaiting: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    took_over: bool
+    def __init__(self, aborted: _Optional[str] = ..., aborted_epoch: _Optional[int] = ..., lost_rank: _Optional[int] = ..., awaiting: _Optional[_Iterable[int]] = ..., incarnation: _Optional[int] = ..., final: _Optional[bool] = ..., took_over: _Optional[bool] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("run", "job", "rank", "world_size", "step", "epoch", "min_members", "window_ms", "known_members", "leave", "recovery", "done")

@@ -27,6 +27,8 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import worker_env
 from launching import wait_gone
 from numerics import assert_equivalent
 from test_elastic import INIT, LR, net
@@ -155,6 +158,48 @@ def test_a_restarted_rank_whose_server_nobody_recovers_says_so(servers, monkeypa
                 attach(model)
     finally:
         ranks[0][0].close()
+
+
+AGAIN = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from test_launch_node_down import attach, rank_1_again
+with rank_1_again(sys.argv[1].split(","), sys.argv[2], timeout_s=30) as (client, model):
+    attach(model)
+    state = client.run_state
+    print("CAME", model.step_count, state.epoch, state.took_over, flush=True)
+"""
+
+
+def test_a_node_whose_launch_is_run_again_joins_the_recovery(servers) -> None:
+    """Node 1 went down whole (its launcher too) and its operator ran its launch command
+    again: rank 1's new process is its launcher's first (no ``PARAMSHARD_RESTART_COUNT``), but
+    the servers saw an earlier process of rank 1 in this run (``LeaseReply.took_over``), so it
+    joins rank 0's recovery as a restarted rank does. Before, it raised "several versions
+    [0, N]" and rank 0 waited out its deadline (a field check)."""
+    addresses = [s.address for s in servers(2)]
+    (c0, m0, _), (c1, _, _) = both_trained(addresses, "again", elastic=False)
+    c1.close()  # rank 1's process ended, and server 1 restarted empty
+    c0.call(1, "DropJob", pb.DropJobRequest(job=JOB))
+    env = {k: v for k, v in worker_env().items() if k != RESTART_COUNT_ENV}
+    tests = str(Path(__file__).resolve().parent)
+    child = subprocess.Popen(
+        [sys.executable, "-c", AGAIN, ",".join(addresses), "again", tests],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        c0.run_state.give_up("recovers: server 1 lost")  # rank 0 notices, in epoch 0
+        m0.restart_collectives(1)
+        restored = m0.recover()
+        out, err = child.communicate(timeout=120)
+    finally:
+        child.kill()
+        c0.close()
+    assert f"CAME {restored} 1 True" in out, out + err
 
 
 def test_a_restarted_rank_that_finds_the_run_ended_stops_at_once(

@@ -72,19 +72,37 @@ def test_another_process_is_refused_while_the_holders_stream_is_open(second):
 
 
 def test_a_restarted_process_takes_the_rank_over_once_the_old_streams_ended():
+    """The server tells the new process that it took the rank over (``took_over``: a restart,
+    whoever started it), in its first answer only; never a rank's first process, nor the
+    holder's own renewals."""
     leases, clock = new_table()
     old = Stream(rank=0)
-    leases.open_hold(lease("old"), old)
-    leases.renew(lease("peer", rank=1))
+    assert not leases.open_hold(lease("old"), old).took_over  # the rank's first process
+    assert not leases.renew(lease("peer", rank=1)).took_over
+    assert not leases.renew(lease("old")).took_over
     assert leases.end_hold(old)  # the old process died: its kernel closed the connection
     clock.now += 0.5  # within the grace: the run waits for it
     new = Stream(rank=0)
-    assert leases.open_hold(lease("new"), new).aborted == ""
+    reply = leases.open_hold(lease("new"), new)
+    assert reply.aborted == "" and reply.took_over
     assert leases._runs["r"].leases[0].holder == "new"
+    assert not leases.renew(lease("new")).took_over  # said once
     with pytest.raises(ShardError) as late:  # the old process's last renewal, handled late
         leases.renew(lease("old", stream=True))
     assert late.value.code == grpc.StatusCode.ALREADY_EXISTS
     assert leases.renew(lease("peer", rank=1)).aborted == ""
+
+
+def test_a_rank_that_released_is_taken_over_by_another_process_not_by_its_own():
+    """A rank's process released its lease (it raised, or closed its client) and the run goes
+    on: a new process of the rank is a restart; a new client in the same process is not."""
+    leases, _ = new_table()
+    leases.renew(lease("peer", rank=1))
+    leases.renew(lease("first"))
+    leases.renew(lease("first", release=True))
+    assert not leases.renew(lease("first")).took_over  # the same process, a new client
+    leases.renew(lease("first", release=True))
+    assert leases.renew(lease("second")).took_over
 
 
 def test_a_holder_that_renews_after_its_stream_broke_is_not_taken_over():

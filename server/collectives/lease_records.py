@@ -184,6 +184,13 @@ class RunRecord:
             lease.lapsed_at = lease.expires
             self.awaiting.add(rank)
 
+    def taken_over(self, req: pb.LeaseRequest) -> bool:
+        """Whether ``req`` comes from another process than the one that last held its rank
+        (its lease, or its release): a restart of the rank in this run."""
+        lease = self.leases.get(req.rank)
+        earlier = lease.holder if lease is not None else self.released_by.get(req.rank, ("",))[0]
+        return bool(req.holder and earlier and earlier != req.holder)
+
     def put(self, rank: int, lease: LeaseRecord) -> None:
         """``lease`` is now ``rank``'s, live: a new one, or one back from a lapse."""
         self.leases[rank] = lease

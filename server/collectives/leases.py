@@ -139,6 +139,7 @@ class LeaseTable:
             if found is not None and not req.abort and records.released_before(found, req):
                 return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
+            took_over = not req.release and run.taken_over(req)
             if req.release:
                 # superseded: a closed client's, late: it drops nothing
                 if not records.superseded(run, req):
@@ -156,6 +157,7 @@ class LeaseTable:
                 self._abort(req.run, run, req.epoch, why, -1, req.final)
             self._check_lapses(req.run, run, now, force=bool(req.abort))
             reply = run.notice(req.epoch)
+            reply.took_over = took_over
             self._forget_if_idle(req.run, run, now)
             return reply
 
@@ -176,11 +178,14 @@ class LeaseTable:
             if records.released_before(found, req):
                 raise ShardError.precondition("HoldLease: this client released the rank's lease")
             run = self._run_for(req, now, owner)
+            took_over = run.taken_over(req)
             self._hold(run, req, now)
             run.leases[req.rank].held_by.add(stream)
             run.leases[req.rank].reheard = False
             run.streams.add(stream)
-            return run.notice(req.epoch)
+            reply = run.notice(req.epoch)
+            reply.took_over = took_over
+            return reply
 
     def end_hold(self, stream: Listener) -> bool:
         """``stream`` ended; whether its rank now has ``STREAM_GRACE_S`` to come back (its
