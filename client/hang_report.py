@@ -71,7 +71,14 @@ def _server_says(core: Any, server: int, method: str, request: Any) -> tuple[lis
         )
     except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed
         return [], f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
-    return [_words(r) for r in reply.pending if _matches(method, request, r)], ""
+    alike: dict[tuple, pb.PendingWork] = {}  # a step's buffers wait alike: said once
+    for row in reply.pending:
+        if _matches(method, request, row):
+            slot = "" if row.kind == "push_grad" else row.key  # a push's: its buffer
+            key = (row.kind, row.run, row.seq, slot, tuple(row.missing), tuple(row.arrived))
+            if key not in alike or row.age_seconds > alike[key].age_seconds:
+                alike[key] = row  # the oldest: the wait began there
+    return [_words(r) for r in alike.values()], ""
 
 
 def complete(core: Any, server: int, method: str, request: Any, details: str) -> str:

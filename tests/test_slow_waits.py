@@ -250,3 +250,30 @@ def test_a_rank_waiting_below_the_minimum_says_so(
     assert 2 <= len(said) <= 4, said
     assert all("1 rank(s) there (ranks 0), fewer than the minimum of 2" in w for w in said), said
     assert all(re.search(r"waited \d+ s of 4 s \(elastic_wait_s\)", w) for w in said), said
+
+
+def test_a_steps_buffers_waiting_alike_are_named_once(
+    address: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 pushed its gradient for a job's three buffers and waits for the step's check;
+    rank 1 never pushes. The server waits for it on each buffer alike, and the notice said the
+    same row three times ("step 0 of job 'j': missing rank(s) 1 ...; step 0 of job 'j': ...":
+    a field check); it says it once."""
+    monkeypatch.setenv(slow_waits.NOTICE_ENV, str(NOTICE_S))
+    run = f"slow-{uuid.uuid4().hex[:8]}"
+    c = client(address, 0, run)
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    names = ["b0", "b1", "b2"]
+    try:
+        for name in names:
+            c.register_buffer("j", name, 4, contributors=2)
+            c.set_params("j", name, np.zeros(4, np.float32))
+            c.push_grads("j", name, np.ones(4, np.float32), 0)
+        with pytest.raises(ShardClientError):
+            c.grad_check("j", names, 0)
+    finally:
+        c.close()
+    said = notices(caplog)
+    assert said, "no notice"
+    for words in said:
+        assert words.count("step 0 of job 'j': missing rank(s) 1 (arrived: 0)") == 1, words
