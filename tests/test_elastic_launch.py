@@ -60,16 +60,25 @@ def test_three_ranks_one_never_back_one_joining_equal_one_process(tmp_path: Path
     ), said
     lives = re.findall(r"^\[rank 1\] START (\d+) life (\d+)", run.stdout, re.M)
     assert [life for _, life in lives] == ["0", "1"], said
-    assert int(lives[1][0]) > 3, said  # it joined at a later step, the servers' step
+    (record,) = json.loads(Path(f"{out}.membership.json").read_text())
     finished = sorted(int(p.name.rsplit("rank", 1)[1][:-3]) for p in tmp_path.glob("job.rank*"))
     assert finished == [0, 1], said  # rank 2 never came back
     want = single_process(STEPS)
     for r in finished:
         got = torch.load(f"{out}.rank{r}.pt")
         assert_equivalent(got, want, f"elastic launch, rank {r} vs one process")
-    (record,) = json.loads(Path(f"{out}.membership.json").read_text())
     kinds = [(e["kind"], e["rank"]) for e in record["history"]]
-    assert ("lost", 2) in kinds and ("join", 1) in kinds[3:], kinds  # rank 1 back
+    assert ("lost", 2) in kinds, kinds
+    # Rank 1 comes back at the servers' step, by one of two ways, as its restart is fast or
+    # not against the others' steps: the others gave it up and went on, and it joined a later
+    # step, the one its membership round recorded; or it came back (its lease taken over)
+    # before they gave it up, and trained the step it died in. Asserting the first only
+    # failed on an idle machine, where the restart took under 2 s.
+    joined = [int(e["step"]) for e in record["history"] if e["kind"] == "join" and e["rank"] == 1]
+    if ("lost", 1) in kinds:
+        assert len(joined) >= 2 and int(lives[1][0]) == joined[1] > 3, (joined, said)
+    else:
+        assert int(lives[1][0]) == 3, said
     sizes = {int(k): int(v) for k, v in record["steps_by_world_size"].items()}
     assert sum(sizes.values()) >= STEPS and 2 in sizes and 3 in sizes, sizes
     print(
