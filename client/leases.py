@@ -64,13 +64,14 @@ from typing import Any
 
 import grpc
 
-from paramshard.client import lease_holds, lease_releases
+from paramshard.client import lease_holds, lease_releases, restarts
 from paramshard.client.env import env_seconds
 from paramshard.client.lease_holds import CONFLICT, REFUSALS, HoldStream, LeaseConflict
 from paramshard.client.lease_keeper import RENEW_S, Keeper
 from paramshard.client.lease_renewals import Renewals
 from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import FINAL, Notice, RunState
+from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -264,6 +265,27 @@ class _Holding(Renewals):
                 worded = reply.aborted
         return worded
 
+    def _stop_others_at_exit(self) -> None:
+        """At the exit of a process that raised, where no ``train_with_recovery`` caught it
+        (before training, or in a loop of the script's own), what that loop does for its own
+        errors (strategies/recovery_rounds.py ``stop_the_others``): a rank nothing restarts
+        posts the run's final notice, so the others stop now; before, they waited out their
+        deadline, took it for a lost server and recovered, again and again (a field check). A
+        rank its launcher may restart tells the launcher its error. Nothing when the rank said
+        why it stops already, when a notice ended its epoch (the others know, or it failed on
+        theirs), or for an elastic rank (it left the job)."""
+        error, state = closing.uncaught(), self.state
+        if error is None or restarts.declared_stop() or state.elastic:
+            return
+        if state.ended_run or state.current() is not None:
+            return
+        why = restarts.one_line(error)
+        if self.rejoin_s:
+            restarts.declare_error(why)
+            return
+        restarts.declare_failed(why)
+        state.give_up(f"stopped on an error no recovery mends ({why})", final=True)
+
     def release(self) -> None:
         """The rank ends normally: the lease goes first (so the streams' end aborts nothing),
         then the streams and their threads."""
@@ -273,6 +295,7 @@ class _Holding(Renewals):
         for fut, _, _ in flying.values():  # a late one would change nothing there
             fut.cancel()
         if not released:
+            self._stop_others_at_exit()
             request = self._request(release=True, ends=ends_for_good())
             lease_releases.await_release(self.client(), request, self.start(request))
         self.close_holds()

@@ -116,6 +116,7 @@ class Membership:
         self.training: int | None = None
         """The step this rank began training (its batch part taken, a forward or a push made),
         until it is applied: leaving then makes the others redo it (``leave``)."""
+        client.run_state.elastic = True
         _registry.add(self)
 
     def _request(self, known: bool = False, **kw: Any) -> pb.JoinRequest:

@@ -51,8 +51,10 @@ __all__ = [
     "declare_lost",
     "declare_failed",
     "declare_peers_ended",
+    "declared_stop",
     "ends_for_good",
     "max_restarts",
+    "one_line",
     "read_declaration",
     "restart_count",
     "restarted",
@@ -150,36 +152,63 @@ def declare(strategy: str, state_on_servers: bool, rank: int) -> None:
         )
 
 
+def one_line(exc: BaseException) -> str:
+    """``ValueError: bad batch 3``: the type and the first line of the message that has text,
+    at most 400 characters, whatever the exception holds (a message whose ``str()`` raises, a
+    file name that is not UTF-8): it travels in a notice and a file."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - an exception's own __str__ may fail
+        text = "(its message could not be read)"
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    why = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return why.encode("utf-8", "backslashreplace").decode("utf-8")[:400]
+
+
 def declare_lost(job: str) -> None:
     """Records for the launcher that this rank found ``job`` lost (``JobLost``: no server,
     replica or snapshot holds its state): a new process would start it anew at step 0 and
     call that continuous, so the launcher does not restart the rank for it."""
-    _say(f"{LOST} {job}")
+    _say_stop(f"{LOST} {job}")
 
 
 def declare_peers_ended() -> None:
     """Records for the launcher that a wait of this rank's failed because the ranks it waited
     for ended for good (protos/ended_ranks.py): a new process would make the same collectives
     and wait for them too, so the launcher does not restart the rank for it."""
-    _say(PEERS_ENDED)
+    _say_stop(PEERS_ENDED)
 
 
 def declare_failed(why: str) -> None:
     """Records for the launcher that this rank's own code raised (``why``: one line) and that
     it stops the others: their failures follow from it (strategies/recovery_rounds.py)."""
-    _say(f"{FAILED} {why}")
+    _say_stop(f"{FAILED} {why}")
 
 
 def declare_stopped(notice: str) -> None:
     """Records for the launcher that this rank stops on the run's final notice (``notice``:
     what it said, naming the rank that posted it and why), not on its own error."""
-    _say(f"{STOPPED} {restart_count()} {notice}")
+    _say_stop(f"{STOPPED} {restart_count()} {notice}")
 
 
 def declare_error(why: str) -> None:
     """Records for the launcher why this rank's own code raised, when it stops nobody (the
     launcher may restart it): the launcher names it, should it not restart the rank."""
-    _say(f"{ERROR} {restart_count()} {why}")
+    _say_stop(f"{ERROR} {restart_count()} {why}")
+
+
+_stop_said = False  # this process declared why it stops (``declared_stop``)
+
+
+def declared_stop() -> bool:
+    """Whether this process declared why it stops (its error, a notice, a lost job)."""
+    return _stop_said
+
+
+def _say_stop(line: str) -> None:
+    global _stop_said
+    _stop_said = True
+    _say(line)
 
 
 def _say(line: str) -> None:

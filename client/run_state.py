@@ -59,6 +59,7 @@ class RunState:
         self.holding: Holding | None = None
         self.fail_fast = False  # give up the epoch when a server stops answering renewals
         self.ended_run = False  # this rank posted a final notice (``give_up(..., final=True)``)
+        self.elastic = False  # an elastic membership's: a rank that raises leaves the job
         self.took_over = False
         """A server said this process holds the rank in place of an earlier process of the run
         (``LeaseReply.took_over``): a restart, even one its launcher does not count (a node's

@@ -10,9 +10,10 @@ field review: the job failed after 253 s where it fails in 0.6 s when the rank's
 so). The launcher sees the exit code, and never restarts a rank that exits 0
 (paramshard/restarts.py), so it says so for every such rank of a fixed-world job: one ``Lease``
 release with ``ends`` for the rank on every server, after the rank's own. A wait whose missing
-ranks all ended then fails at once, naming them (uneven inputs). Likewise a rank that
-``--max-restarts`` will not restart: the launcher posts the run's final notice for it
-(``tell_stopped``), or its peers on other hosts would wait for its restart."""
+ranks all ended then fails at once, naming them (uneven inputs). Likewise a rank that failed
+and will not be restarted: the launcher posts the run's final notice for it (``tell_stopped``),
+or its peers on other hosts would wait for its restart (``--max-restarts``) or, where its code
+raised outside ``train_with_recovery`` (which tells them itself), until their deadline."""
 
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ def tell_ended(
 def tell_stopped(
     addresses: Sequence[str], token: str | None, run_id: str, rank: int, world_size: int, why: str
 ) -> list[str]:
-    """Posts the run's final notice for ``rank``, which ``--max-restarts`` will not restart
+    """Posts the run's final notice for ``rank``, which failed and will not be restarted
     (``why``: "failed with exit code 1: ..."), so that its peers on other hosts stop now
-    instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default);
+    instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default)
+    or their deadline;
     returns what failed, as ``tell_ended``."""
     why = why[:1000]  # a server takes reasons of 1,024 characters at most
     return _tell(

@@ -358,7 +358,8 @@ def launch(args: argparse.Namespace) -> int:
                 )
 
         def given_up(rank: int, why: str) -> None:
-            """A rank --max-restarts does not restart: its peers stop now, not at its wait."""
+            """A rank that failed and is not restarted: its peers on other hosts stop now, not
+            at their deadline or at its restart's wait."""
             if failed := tell_stopped(addresses, token, run_id, rank, world_size, why):
                 say(f"telling the servers that rank {rank} stops failed ({'; '.join(failed)})")
 

@@ -201,7 +201,7 @@ def supervise(
     rank, a local server, a signal) stops them all. ``start_rank(rank)`` starts rank
     ``rank``'s process. ``departures`` (``--elastic``): a rank that fails for good leaves, the
     others go on. ``finished(rank)``: a rank exited 0 (nothing starts it again).
-    ``given_up(rank, why)``: a rank --max-restarts does not restart ends the run."""
+    ``given_up(rank, why)``: a rank that failed and is not restarted ends the run."""
     server_restarts = server_restarts or ServerRestarts(0)
     running = set(ranks)
     waiting: _Stopped | None = None  # a rank that failed on another's notice
@@ -280,7 +280,7 @@ def supervise(
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
         said = restarts.declared_failure(child.rank)
-        if why and given_up is not None:  # not restarted (--max-restarts): its peers await it
+        if given_up is not None:  # not restarted: other hosts' ranks must not wait for it
             given_up(child.rank, f"failed with exit code {code}{said}{why}")
         return _stop_all(child, code, f"{said}{why}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same

@@ -44,6 +44,7 @@ __all__ = [
     "ending_normally",
     "let_go",
     "step_s",
+    "uncaught",
     "unlink",
     "STEP_S",
 ]
@@ -65,6 +66,7 @@ _order = itertools.count()
 _ids: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _used = False  # whether this process made a server or a client (its exit collects cycles)
 _ending = False  # the exit hook runs, and no exception went uncaught (``ending_normally``)
+_uncaught: BaseException | None = None  # at the exit hook: the exception that went uncaught
 
 
 def close_at_exit(obj: Any, close: Callable[[Any], None]) -> None:
@@ -150,9 +152,16 @@ def ending_normally() -> bool:
     return _ending
 
 
+def uncaught() -> BaseException | None:
+    """At this process's exit (the exit hook runs): the exception that went uncaught and ends
+    it, if any; None before the exit."""
+    return _uncaught
+
+
 def _at_exit() -> None:
-    global _ending
-    _ending = getattr(sys, "last_value", None) is None  # set for an uncaught exception
+    global _ending, _uncaught
+    _uncaught = getattr(sys, "last_value", None)  # set for an uncaught exception
+    _ending = _uncaught is None
     close_all()
 
 

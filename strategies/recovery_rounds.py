@@ -61,7 +61,7 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
     state = model.client.run_state
-    why = _one_line(exc)
+    why = restarts.one_line(exc)
     holding, notice = state.holding, state.current()
     try:
         if getattr(model, "elastic", False):
@@ -77,16 +77,3 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
             restarts.declare_error(why)
     except Exception as failed:  # noqa: BLE001 - the servers gone too: nobody to tell
         log.warning("could not tell the other ranks that this one stops: %s", failed)
-
-
-def _one_line(exc: BaseException) -> str:
-    """``ValueError: bad batch 3``: the type and the first line of the message that has text,
-    at most 400 characters, whatever the exception holds (a message whose ``str()`` raises, a
-    file name that is not UTF-8): it travels in a notice and a file."""
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 - an exception's own __str__ may fail
-        text = "(its message could not be read)"
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    why = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return why.encode("utf-8", "backslashreplace").decode("utf-8")[:400]

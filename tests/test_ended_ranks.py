@@ -44,13 +44,21 @@ if how == "hold":  # holds its lease stream until the test kills it
 
 
 @pytest.mark.parametrize(
-    ("how", "restarts", "ends"),
-    [("normal", "", True), ("raise", "", False), ("normal", "1", False)],
-    ids=["ran-out", "raised", "restartable"],
+    ("how", "restarts", "then"),
+    [
+        ("normal", "", "ended"),
+        ("raise", "", "stopped"),
+        ("normal", "1", "waits"),
+        ("raise", "1", "waits"),
+    ],
+    ids=["ran-out", "raised", "restartable", "restartable-raised"],
 )
 def test_a_wait_for_a_rank_that_ended_fails_at_once(
-    servers: Any, how: str, restarts: str, ends: bool
+    servers: Any, how: str, restarts: str, then: str
 ) -> None:
+    """A rank whose code raised, and that nothing restarts, posts the run's final notice at its
+    exit (client/leases.py): its peers stop at once, naming its error. Before, they waited
+    out their deadline, as they still do for a rank its launcher may restart."""
     address = servers(1, local_calls=False)[0].address
     run = unique_id("ended")
     env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
@@ -75,10 +83,15 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
         me.close()
         peer.kill()
     details = info.value.details
-    if ends:
+    if then == "ended":
         assert info.value.code.name == "FAILED_PRECONDITION", info.value
         assert "missing rank(s) 0 ended: their process exited normally" in details, details
         assert "all_reduce #2 of run" in details, details
+        assert took < TIMEOUT_S / 2, f"it waited {took:.1f} s"
+    elif then == "stopped":
+        assert info.value.code.name == "ABORTED", info.value
+        words = "rank 0 stopped on an error no recovery mends (RuntimeError: rank 0 fails)"
+        assert words in details, details
         assert took < TIMEOUT_S / 2, f"it waited {took:.1f} s"
     else:
         assert info.value.code.name == "DEADLINE_EXCEEDED", info.value

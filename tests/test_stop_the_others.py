@@ -216,3 +216,43 @@ def test_another_hosts_rank_out_of_restarts_stops_this_hosts_ranks_at_once(
         f"rank 0 failed with exit code 1: on the run's notice: run '{run}': {gave_up[:-15]}"
     ), said
     assert took < 60, f"{took:.0f} s"  # the restart's wait is 120 s
+
+
+@pytest.mark.parametrize(
+    ("ends", "posted"),
+    [
+        ("raise ValueError('bad data file')", "rank 1 stopped on an error no recovery mends"),
+        ("config.client.close()\n    sys.exit(2)", "rank 1 failed with exit code 2"),
+    ],
+    ids=["raises", "closes-and-exits"],
+)
+def test_a_rank_that_ends_before_training_stops_the_other_hosts_ranks_at_once(
+    tmp_path: Path, servers, ends: str, posted: str
+) -> None:
+    """``--nnodes 2``, no restarts: rank 1 ends with an error after building its model, before
+    ``train_with_recovery`` (which would have told the others itself). Either its exit posts
+    the run's final notice (an exception nothing caught: client/leases.py), or, where nothing
+    went uncaught (it closed its client and exited 2), its launcher does, as for any rank it
+    does not restart. Rank 0 on the other host stops at once, naming it. Before, only a
+    launcher with ``--max-restarts`` posted one: rank 0 waited out its deadline (120 s), then
+    blamed server 1 and recovered, up to ``max_recoveries`` times (a field check)."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        RANK_SCRIPT.replace(
+            "train_with_recovery(model, step,",
+            f"if config.rank == 1:\n    {ends}\ntrain_with_recovery(model, step,",
+        )
+    )
+    addresses = ",".join(s.address for s in servers(2))
+    run = f"hosts-{uuid.uuid4().hex[:6]}"
+    began = time.monotonic()
+    ended = launch_nodes("--servers", addresses, "--run-id", run, script, timeout=100)
+    took = time.monotonic() - began
+    said = [re.findall(r"paramshard launch: (rank \d failed .*)", err) for _, _, err in ended]
+    codes = [code for code, _, _ in ended]
+    assert codes[0] == 1 and codes[1] in (1, 2), (said, ended[0][2][-3000:])
+    assert said[1] and said[1][0].startswith("rank 1 failed with exit code"), said
+    assert said[0] and said[0][0].startswith(
+        f"rank 0 failed with exit code 1: on the run's notice: run '{run}': {posted}"
+    ), said
+    assert took < 60, f"{took:.0f} s"  # rank 0's deadline is 120 s
