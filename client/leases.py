@@ -280,11 +280,7 @@ class _Holding(Renewals):
         if state.ended_run or state.current() is not None:
             return
         why = restarts.one_line(error)
-        if self.rejoin_s:
-            restarts.declare_error(why)
-            return
-        restarts.declare_failed(why)
-        state.give_up(f"stopped on an error no recovery mends ({why})", final=True)
+        state.stop_on_error(why, f"stopped on an error no recovery mends ({why})")
 
     def release(self) -> None:
         """The rank ends normally: the lease goes first (so the streams' end aborts nothing),

@@ -8,6 +8,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from paramshard.client import restarts
+
 __all__ = ["FINAL", "Holding", "Notice", "RunState", "WAITS_ON_PEERS"]
 
 log = logging.getLogger("paramshard.leases")
@@ -125,6 +127,17 @@ class RunState:
         reason = holding.post_abort(cause, final) if holding is not None else None
         epoch = FINAL if final else self.epoch
         self.abort(Notice(reason or f"this rank {cause}", epoch, final=final))
+
+    def stop_on_error(self, why: str, cause: str) -> None:
+        """This rank's own code raised (``why``: one line) and nothing here recovers it. A rank
+        its launcher may restart (its lease's ``rejoin_s``) tells the launcher why and stops
+        nobody: the others wait for its restart. Any other tells the launcher, then posts the
+        run's final notice (``cause``, as ``give_up`` words it), so the others stop now."""
+        if self.holding is not None and self.holding.rejoin_s:
+            restarts.declare_error(why)
+            return
+        restarts.declare_failed(why)  # for the launcher, before the others stop
+        self.give_up(cause, final=True)
 
     def refuse(self, reason: str, say: bool = True) -> None:
         """The servers refuse this rank for good (another process holds it: two jobs share the

@@ -50,8 +50,7 @@ def tell_stopped(
     """Posts the run's final notice for ``rank``, which failed and will not be restarted
     (``why``: "failed with exit code 1: ..."), so that its peers on other hosts stop now
     instead of waiting for its restart (``PARAMSHARD_REJOIN_TIMEOUT_S``, 120 s by default)
-    or their deadline;
-    returns what failed, as ``tell_ended``."""
+    or their deadline; returns what failed, as ``tell_ended``."""
     why = why[:1000]  # a server takes reasons of 1,024 characters at most
     return _tell(
         addresses, token, run=run_id, rank=rank, world_size=world_size, abort=why, final=True

@@ -62,7 +62,7 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
         return
     state = model.client.run_state
     why = restarts.one_line(exc)
-    holding, notice = state.holding, state.current()
+    notice = state.current()
     try:
         if getattr(model, "elastic", False):
             model.leave(why)
@@ -70,10 +70,9 @@ def stop_the_others(model: Any, exc: BaseException, step: int) -> None:
             restarts.declare_failed(why)
         elif notice is not None and notice.final:  # another's
             restarts.declare_stopped(notice.reason[:400])  # the launcher names who and why
-        elif holding is None or not holding.rejoin_s:
-            restarts.declare_failed(why)  # for the launcher, before the others stop
-            state.give_up(f"stopped at step {step} on an error no recovery mends ({why})", True)
-        else:  # the launcher may restart it: the others wait for that
-            restarts.declare_error(why)
+        else:  # its own error: the others stop, unless its launcher may restart it
+            state.stop_on_error(
+                why, f"stopped at step {step} on an error no recovery mends ({why})"
+            )
     except Exception as failed:  # noqa: BLE001 - the servers gone too: nobody to tell
         log.warning("could not tell the other ranks that this one stops: %s", failed)
