@@ -6,11 +6,10 @@ tensors under its own names), ``_load_full_state(...)``, ``clip_grad_norm_`` and
 without an update, (de)serialisation, save/load, metadata, ``train_on_batch``) is written here
 against those, so every strategy behaves the same way.
 
-Three protected methods are the model's side of a protocol with the classes that drive it, and
-are called from their modules on purpose: ``_attach`` and ``_optimizer_step`` by the optimizer
-wrappers (strategies/data_parallel/optim.py), ``_unscale_grads`` by the loss scaler
-(strategies/grad_scaler.py) and by a 3D model for its replica. They stay protected so that a
-user's model object does not offer them as its own API.
+Three protected methods are the model's side of its protocol with what drives it, called from
+other modules on purpose: ``_attach`` and ``_optimizer_step`` by the optimizer wrappers
+(data_parallel/optim.py), ``_unscale_grads`` by the loss scaler (grad_scaler.py) and a 3D
+model's replica. Protected, so that a user's model does not offer them as its own API.
 
 AiDotNet's "local shard" is this rank's slice of the flat vector of all parameters by the slice
 rule (protos/slicing.py); the servers' real shards are per buffer and shown by ``status``.
