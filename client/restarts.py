@@ -36,10 +36,6 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from paramshard.client.run_state import RunState
 
 __all__ = [
     "ELASTIC_ENV",
@@ -106,11 +102,11 @@ def restart_count() -> int:
     return _env_count(RESTART_COUNT_ENV)
 
 
-def restarted(state: RunState) -> bool:
+def restarted(took_over: bool) -> bool:
     """Whether this process restarts its rank: its launcher says so (``restart_count``), or a
-    server saw an earlier process of the rank in this run (``RunState.took_over`` of
-    ``state``), as when a node's launch command is run again by hand."""
-    return restart_count() > 0 or state.took_over
+    server saw an earlier process of the rank in this run (``took_over``: its client's
+    ``RunState.took_over``), as when a node's launch command is run again by hand."""
+    return restart_count() > 0 or took_over
 
 
 def starts_anew(job: str, rank: int) -> None:

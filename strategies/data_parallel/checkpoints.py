@@ -147,7 +147,7 @@ class ServerCheckpoints(ElasticCheckpoints):
             return
         state = self.client.run_state
         notice = state.current()
-        restarted = restarts.restarted(state)
+        restarted = restarts.restarted(state.took_over)
         if restarted and notice is not None and not notice.final:
             self.restart_collectives(state.next_epoch(notice))
         self.restarted_alone = restarted and not self._joined
