@@ -176,7 +176,7 @@ class RpcCore:
         timeout = self.timeout_s if timeout is None else timeout
         peers = call.method in WAITS_ON_PEERS
         if peers and (notice := self.run_state.current()) is not None:
-            return Done(error=LocalRpcError(grpc.StatusCode.ABORTED, notice.reason))
+            return Done(error=LocalRpcError(grpc.StatusCode.ABORTED, notice.ended_call(sent=False)))
         request = call.request() if callable(call.request) else call.request
         if self._may_call_locally():
             address = self.spec.addresses[call.server]
@@ -312,7 +312,7 @@ class RpcCore:
                 if first_error is None:  # not by another call's error: by a notice or close()
                     notice = self.run_state.current()
                     code = grpc.StatusCode.ABORTED if notice else grpc.StatusCode.CANCELLED
-                    why = notice.reason if notice else "the client was closed"
+                    why = notice.ended_call(sent=True) if notice else "the client was closed"
                     first_error = self._error(call, LocalRpcError(code, why))
                 continue  # cancelled after another call failed: that error is raised below
             except grpc.RpcError as exc:

@@ -48,6 +48,15 @@ class Notice:
         opposed to a lost trainer, whose process and state are gone."""
         return self.lost_rank < 0 and not self.final
 
+    def ended_call(self, sent: bool) -> str:
+        """The details of a call this notice ended here (``sent``: cancelled while it waited,
+        else never sent). They say where the notice came from: the error names the called
+        server, which had not answered (a field check: "server 1 ... PushGrad: ABORTED: ...
+        rank 1 lost" on the surviving host, server 1 being on the host that died)."""
+        how = "cancelled while it waited" if sent else "not sent"
+        came = "the run's notice, through this rank's lease (not this server's answer)"
+        return f"{how}: {came}: {self.reason}"
+
 
 class RunState:
     """What a client and its views (groups, ``on_servers``) share about their run: the epoch,

@@ -296,10 +296,13 @@ def test_a_notice_cancels_calls_in_flight_and_refuses_new_ones_until_the_next_ep
         client.run_state.abort(Notice("run aborted: rank 1 lost", 0, 1))
         t.join(30)
         assert not t.is_alive() and failures and failures[0].code == grpc.StatusCode.ABORTED
-        assert "rank 1 lost" in failures[0].details
+        # worded as the lease's news, not as the server's answer (it had not answered)
+        lease = "the run's notice, through this rank's lease (not this server's answer)"
+        assert f"{lease}: run aborted: rank 1 lost" in failures[0].details
         with pytest.raises(ShardClientError) as refused:  # refused before it is sent
             client.barrier()
         assert refused.value.code == grpc.StatusCode.ABORTED
+        assert refused.value.details.startswith(f"not sent: {lease}: run aborted")
         client.restart_collectives(1)
         assert client.run_state.current() is None
     finally:
