@@ -138,6 +138,13 @@ class ClusterSpec:
         view._channels = self._channels
         return view
 
+    def detached(self) -> ClusterSpec:
+        """The same servers and credentials with channels of its own, which its ``close``
+        closes: for calls after this spec's clients let theirs go (a rank's exit)."""
+        view = replace(self)
+        view._channels = _Channels()
+        return view
+
     def channel(self, index: int) -> grpc.Channel:
         """A channel to server ``index`` (one per address, shared by all calls of this spec
         and of its subsets)."""

@@ -27,7 +27,7 @@ from paramshard.client.lease_holds import CONFLICT
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 
-__all__ = ["AGAIN_S", "FORGET_S", "KEPT", "await_release", "send_again"]
+__all__ = ["AGAIN_S", "FORGET_S", "HELD_PACE_S", "KEPT", "await_release", "post", "send_again"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,14 @@ KEPT = 256
 FORGET_S = 120.0
 """A release older than this is not sent again: it reached its server long ago, or the server
 is gone."""
+
+HELD_PACE_S = 0.1
+"""How often ``post`` asks again a server that still holds the rank's lease stream. The rank's
+process has exited, so its connection is closed, but the server may not have handled the
+stream's end yet when the call comes: it then refuses the call as from another process
+(ALREADY_EXISTS, server/collectives/lease_records.py ``check_holder``). Taken once, that
+refusal left the rank's peers on other hosts to wait for a restart that never comes."""
+_LEASE = f"/{pb.DESCRIPTOR.services_by_name['Shard'].full_name}/Lease"
 
 _lock = threading.Lock()
 _unanswered: dict[tuple[str, int], tuple[float, pb.LeaseRequest, frozenset[str]]] = {}
@@ -135,3 +143,34 @@ def _send(client: Any, kept: list[tuple[pb.LeaseRequest, frozenset[str]]]) -> No
                 client.spec.addresses[i],
                 AGAIN_S,
             )
+
+
+def post(spec: Any, request: pb.LeaseRequest, bound_s: float) -> list[str]:
+    """Sends ``request``, a release that says what became of a rank whose process is gone or
+    going (it ended for good; it stopped on an error: the run's final notice), to every
+    server of ``spec`` in turn, ``bound_s`` at most in all; returns what failed ("ADDRESS:
+    CODE: details"), empty when every server took it. A server that still holds the rank's
+    stream is asked again (``HELD_PACE_S``). The launcher sends these for its ranks
+    (paramshard/finished_ranks.py), and so does a rank's exit after its script closed the
+    client (client/leases.py)."""
+    deadline = time.monotonic() + bound_s
+    failed = []
+    for i, address in enumerate(spec.addresses):
+        call = spec.channel(i).unary_unary(
+            _LEASE,
+            request_serializer=pb.LeaseRequest.SerializeToString,
+            response_deserializer=pb.LeaseReply.FromString,
+        )
+        while True:
+            try:
+                left = max(0.1, deadline - time.monotonic())
+                call(request, timeout=left, metadata=spec.metadata())
+                break
+            except grpc.RpcError as exc:
+                held = exc.code() == CONFLICT
+                if held and time.monotonic() + HELD_PACE_S < deadline:
+                    time.sleep(HELD_PACE_S)  # its stream's end is on its way
+                    continue
+                failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+                break
+    return failed

@@ -57,6 +57,7 @@ process.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -96,6 +97,7 @@ class _Holding(Renewals):
 
     def __init__(self, client: Any, ttl_s: float, rejoin_s: float) -> None:
         self.client = weakref.ref(client)
+        self.spec = client.spec  # for a notice after the client closed (``_stop_if_fatal``)
         self.state: RunState = client.run_state
         self.run = client.__dict__.get("_base_run_id", client.run_id)
         self.rank, self.world_size = client.rank, client.world_size
@@ -116,6 +118,7 @@ class _Holding(Renewals):
         self.made = False  # the client's construction is over (hold returned)
         self.takeover_until = time.monotonic() + TAKEOVER_S
         self.number = lease_holds.next_client()  # LeaseRequest.client
+        self.closed_on: tuple[int, type] | None = None  # the error its close was handling
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
         return pb.LeaseRequest(
@@ -253,7 +256,18 @@ class _Holding(Renewals):
     # -- ends ----------------------------------------------------------------------------
     def post_abort(self, cause: str, final: bool = False) -> str | None:
         """Asks every server to abort this rank's epoch for ``cause`` (``final``: the run's,
-        at every epoch); the notice as the servers word it (None: no server answered)."""
+        at every epoch); the notice as the servers word it (None: no server answered, or the
+        client closed: then the notice goes in a release, as a launcher sends it)."""
+        if self.released:
+            spec = self.spec.detached()  # the client's channels may be closed
+            request = self._request(release=True, abort=cause[:1024], final=final)
+            try:
+                failed = lease_releases.post(spec, request, 2 * RENEW_S)
+            finally:
+                spec.close()
+            if failed:
+                log.warning("rank %d: %s; not posted on %s", self.rank, cause, "; ".join(failed))
+            return None
         worded = None
         deadline = time.monotonic() + 2 * RENEW_S  # the calls' deadline is at most RENEW_S
         for _, fut in self.start(self._request(abort=cause[:1024], final=final)):
@@ -282,6 +296,40 @@ class _Holding(Renewals):
         why = restarts.one_line(error)
         state.stop_on_error(why, f"stopped on an error no recovery mends ({why})")
 
+    def _stop_later(self) -> None:
+        """A ``close()`` while an exception is handled (``try: ... finally: client.close()``,
+        the usual way to close) releases the lease before the exit that could tell whether
+        the exception ends the process: before, such a script posted no notice, and under
+        torchrun or by hand the others waited as for a rank that raised. So the exit does it
+        then (``_stop_if_fatal``), if that exception, or one raised from it, went uncaught; a
+        script that catches it and goes on posts nothing. The error is known by its identity
+        and type (kept, its traceback would hold the script's frames); a later client of the
+        rank in this process drops it (``hold``)."""
+        error = sys.exc_info()[1]
+        if error is None or not self.made or closing.exiting():
+            return
+        self.closed_on = (id(error), type(error))
+        with _lock:
+            earlier = _closed_on_error.pop((self.run, self.rank), None)
+            _closed_on_error[(self.run, self.rank)] = self  # closing holds it weakly
+            while len(_closed_on_error) > lease_releases.KEPT:
+                closing.forget(_closed_on_error.pop(next(iter(_closed_on_error))))
+        if earlier is not None:
+            closing.forget(earlier)
+        closing.close_at_exit(self, _Holding._stop_if_fatal)
+
+    def _stop_if_fatal(self) -> None:
+        """At the exit: ``_stop_others_at_exit`` if the error that ends the process is the one
+        its close was handling (``_stop_later``), or one raised from it."""
+        error = closing.uncaught()
+        for _ in range(64):  # a chain of causes and contexts, bounded (a cycle ends it too)
+            if error is None or self.closed_on is None:
+                return
+            if (id(error), type(error)) == self.closed_on:
+                self._stop_others_at_exit()
+                return
+            error = error.__cause__ or error.__context__
+
     def release(self) -> None:
         """The rank ends normally: the lease goes first (so the streams' end aborts nothing),
         then the streams and their threads."""
@@ -292,12 +340,15 @@ class _Holding(Renewals):
             fut.cancel()
         if not released:
             self._stop_others_at_exit()
+            self._stop_later()
             request = self._request(release=True, ends=ends_for_good())
             lease_releases.await_release(self.client(), request, self.start(request))
         self.close_holds()
 
 
 keeper = Keeper()
+_lock = threading.Lock()
+_closed_on_error: dict[tuple[str, int], _Holding] = {}  # (run, rank) -> ``_stop_later``'s
 
 
 def hold(client: Any) -> None:
@@ -306,6 +357,10 @@ def hold(client: Any) -> None:
     ttl = env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
     rejoin = env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
+    with _lock:  # this process goes on with the rank: an earlier close's error did not end it
+        earlier = _closed_on_error.pop((holding.run, holding.rank), None)
+    if earlier is not None:
+        closing.forget(earlier)
     lease_releases.send_again(client, holding.run)  # earlier clients' releases, if late
     holding.takeover_until = time.monotonic() + TAKEOVER_S
     client.run_state.holding = holding

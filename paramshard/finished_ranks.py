@@ -18,7 +18,6 @@ raised outside ``train_with_recovery`` (which tells them itself), until their de
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
 
 from paramshard.commands import cluster_spec
@@ -28,12 +27,6 @@ __all__ = ["TELL_S", "tell_ended", "tell_stopped"]
 TELL_S = 5.0
 """How long the launcher spends telling every server, at most (a server that does not answer
 leaves the rank's peers to their deadline, as before)."""
-HELD_PACE_S = 0.1
-"""How often a server that still holds the rank's lease stream is asked again. The rank's
-process has exited, so its connection is closed, but the server may not have handled the
-stream's end yet when the launcher's call comes: it then refuses the call as from another
-process (ALREADY_EXISTS, server/collectives/lease_records.py ``check_holder``). Taken once,
-that refusal left the rank's peers on other hosts to wait for a restart that never comes."""
 
 
 def tell_ended(
@@ -59,36 +52,14 @@ def tell_stopped(
 
 def _tell(addresses: Sequence[str], token: str | None, **fields: object) -> list[str]:
     """One ``Lease`` release of the launcher's, with ``fields``, to every server."""
-    import grpc
-
-    from paramshard.client.rpc import SERVICE
+    from paramshard.client import lease_releases
     from paramshard.protos import shard_pb2 as pb
 
     spec = cluster_spec(",".join(addresses))  # TLS files from PARAMSHARD_TLS_* like the ranks
     if token:
         spec.token = token
     request = pb.LeaseRequest(release=True, holder=f"paramshard-launch:{os.getpid()}", **fields)
-    deadline = time.monotonic() + TELL_S
-    failed = []
     try:
-        for i, address in enumerate(spec.addresses):
-            call = spec.channel(i).unary_unary(
-                SERVICE + "Lease",
-                request_serializer=pb.LeaseRequest.SerializeToString,
-                response_deserializer=pb.LeaseReply.FromString,
-            )
-            while True:
-                try:
-                    left = max(0.1, deadline - time.monotonic())
-                    call(request, timeout=left, metadata=spec.metadata())
-                    break
-                except grpc.RpcError as exc:
-                    held = exc.code() == grpc.StatusCode.ALREADY_EXISTS
-                    if held and time.monotonic() + HELD_PACE_S < deadline:
-                        time.sleep(HELD_PACE_S)  # its stream's end is on its way
-                        continue
-                    failed.append(f"{address}: {exc.code().name}: {exc.details()}")
-                    break
+        return lease_releases.post(spec, request, TELL_S)
     finally:
         spec.close()
-    return failed

@@ -42,6 +42,7 @@ __all__ = [
     "forget",
     "close_all",
     "ending_normally",
+    "exiting",
     "let_go",
     "step_s",
     "uncaught",
@@ -142,6 +143,11 @@ def forget(obj: Any) -> None:
         key = _ids.pop(obj, None)
         if key is not None:
             _open.pop(key, None)
+
+
+def exiting() -> bool:
+    """Whether this process is at its exit (the exit hook runs), however it ends."""
+    return _ending or _uncaught is not None
 
 
 def ending_normally() -> bool:

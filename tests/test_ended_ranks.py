@@ -40,7 +40,23 @@ if how == "raise":
     raise RuntimeError("rank 0 fails")
 if how == "hold":  # holds its lease stream until the test kills it
     time.sleep(60)
-"""  # it never closes its client: the exit hook releases its lease, as in most scripts
+if how == "close-raise":  # closes its client itself while the error propagates
+    try:
+        raise RuntimeError("rank 0 fails")
+    finally:
+        client.close()
+if how == "close-raise-from":
+    try:
+        raise KeyError("no batch")
+    except KeyError as exc:
+        client.close()
+        raise RuntimeError("rank 0 fails") from exc
+if how == "close-caught":  # the error is caught, and the script ends normally
+    try:
+        raise RuntimeError("rank 0 fails")
+    except RuntimeError:
+        client.close()
+"""  # else it never closes its client: the exit hook releases its lease, as in most scripts
 
 
 @pytest.mark.parametrize(
@@ -50,15 +66,29 @@ if how == "hold":  # holds its lease stream until the test kills it
         ("raise", "", "stopped"),
         ("normal", "1", "waits"),
         ("raise", "1", "waits"),
+        ("close-raise", "", "stopped"),
+        ("close-raise-from", "", "stopped"),
+        ("close-caught", "", "waits"),
     ],
-    ids=["ran-out", "raised", "restartable", "restartable-raised"],
+    ids=[
+        "ran-out",
+        "raised",
+        "restartable",
+        "restartable-raised",
+        "closed-raising",
+        "closed-raising-from",
+        "closed-on-a-caught-error",
+    ],
 )
 def test_a_wait_for_a_rank_that_ended_fails_at_once(
     servers: Any, how: str, restarts: str, then: str
 ) -> None:
     """A rank whose code raised, and that nothing restarts, posts the run's final notice at its
     exit (client/leases.py): its peers stop at once, naming its error. Before, they waited
-    out their deadline, as they still do for a rank its launcher may restart."""
+    out their deadline, as they still do for a rank its launcher may restart. So does one
+    that closed its client itself as the error went up (``finally``, or an ``except`` that
+    raises another from it): before, its close released the lease first, and nothing was
+    posted. One whose script caught the error ends without a notice (its peers wait)."""
     address = servers(1, local_calls=False)[0].address
     run = unique_id("ended")
     env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
