@@ -2,8 +2,7 @@
 
 A ``MembershipTable`` on a fake clock, fake leases and fake versions: every Join is answered at
 once (``timeout`` 0), so each test walks the protocol's numbered steps and checks the replies,
-the history and the counts the Status call shows. The RPC itself, through a real server, is
-exercised by tests/test_elastic.py.
+the history and the counts the Status call shows. Through a real server: tests/test_elastic.py.
 """
 
 from __future__ import annotations
