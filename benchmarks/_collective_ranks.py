@@ -80,10 +80,11 @@ def status_rtt_ms(address: str, reps: int = 200) -> float:
     import grpc
 
     from paramshard.protos import shard_pb2 as pb
+    from paramshard.protos.service import method_path
 
     with grpc.insecure_channel(address) as chan:
         call = chan.unary_unary(
-            "/paramshard.v1.Shard/Status",
+            method_path("Status"),
             request_serializer=pb.StatusRequest.SerializeToString,
             response_deserializer=pb.StatusReply.FromString,
         )

@@ -22,10 +22,11 @@ import grpc
 
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.service import method_path
 
 __all__ = ["CONFLICT", "HoldStream", "LeaseConflict", "REFUSALS", "holder_id", "next_client"]
 
-_METHOD = "/paramshard.v1.Shard/HoldLease"
+_METHOD = method_path("HoldLease")
 REFUSALS = frozenset(
     {
         grpc.StatusCode.UNIMPLEMENTED,  # an older server

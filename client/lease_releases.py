@@ -26,6 +26,7 @@ import grpc
 from paramshard.client.lease_holds import CONFLICT
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.service import method_path
 
 __all__ = ["AGAIN_S", "FORGET_S", "HELD_PACE_S", "KEPT", "await_release", "post", "send_again"]
 
@@ -47,7 +48,7 @@ process has exited, so its connection is closed, but the server may not have han
 stream's end yet when the call comes: it then refuses the call as from another process
 (ALREADY_EXISTS, server/collectives/lease_records.py ``check_holder``). Taken once, that
 refusal left the rank's peers on other hosts to wait for a restart that never comes."""
-_LEASE = f"/{pb.DESCRIPTOR.services_by_name['Shard'].full_name}/Lease"
+_LEASE = method_path("Lease")
 
 _lock = threading.Lock()
 _unanswered: dict[tuple[str, int], tuple[float, pb.LeaseRequest, frozenset[str]]] = {}

@@ -38,13 +38,13 @@ from paramshard.protos import closing, codec, local_servers
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import SESSION_METHODS, TENSOR_REPLIES
 from paramshard.protos.ended_ranks import says_ended
+from paramshard.protos.service import method_path
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
     "ShardClientError", "Call", "RpcCore", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
 ]  # fmt: skip
 
-SERVICE = "/paramshard.v1.Shard/"
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
 DEFAULT_TIMEOUT_S = 120.0
 """A client's deadline of every wait unless it is given one (``timeout_s``; a
@@ -144,7 +144,7 @@ class RpcCore:
         with self._lock:
             if key not in self._stubs:
                 self._stubs[key] = self.spec.channel(server).unary_unary(
-                    SERVICE + method,
+                    method_path(method),
                     request_serializer=codec.serialize,
                     response_deserializer=_METHODS[method],
                 )

@@ -36,6 +36,7 @@ from paramshard.client.local_calls import LocalRpcError
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import decode_batch, encode_batch, take_ready
+from paramshard.protos.service import method_path
 
 __all__ = ["Sessions", "MAX_BODY", "enabled"]
 
@@ -46,7 +47,7 @@ OPEN_TIMEOUT_S = 5.0
 RETRY_OPEN_S = 30.0
 RETRY_UNREACHABLE_S = 1.0
 _REPLY_GRACE_S = 2.0  # past its deadline, a call without a reply fails here
-_SERVICE = "/paramshard.v1.Shard/Session"
+_SERVICE = method_path("Session")
 
 
 def enabled() -> bool:

@@ -155,8 +155,8 @@ def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> No
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramshard.client import unreachable
-    from paramshard.client.rpc import SERVICE
     from paramshard.protos import shard_pb2 as pb
+    from paramshard.protos.service import method_path
 
     address = spec.addresses[index]
     began = time.monotonic()
@@ -195,7 +195,7 @@ def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> No
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     # the health service is open to everyone: a call of the Shard service checks the token
     status = spec.channel(index).unary_unary(
-        SERVICE + "Status",
+        method_path("Status"),
         request_serializer=pb.StatusRequest.SerializeToString,
         response_deserializer=pb.StatusReply.FromString,
     )

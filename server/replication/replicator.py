@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.service import method_path
 from paramshard.server.replication.held import KEEP, HeldReplicas
 from paramshard.server.replication.inbox import Inbox
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
@@ -52,7 +53,7 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),  # a neighbour back is reached within a second
     ("grpc.use_local_subchannel_pool", 1),  # a new channel connects anew (``_renew_channel``)
 ]
-_STORE = "/paramshard.v1.Shard/StoreReplica"
+_STORE = method_path("StoreReplica")
 
 
 class Replicator(HeldReplicas):

@@ -44,7 +44,7 @@ from typing import Any
 
 import grpc
 
-from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.service import SERVICE_NAME
 from paramshard.server.rpc import peer_credentials
 from paramshard.server.rpc.scopes import (
     ROUTES,
@@ -69,7 +69,6 @@ __all__ = [
     "certificate_names",
 ]
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Shard"].full_name  # "paramshard.v1.Shard"
 
 _RANK = {role: i for i, role in enumerate(LADDER)}
 
