@@ -303,8 +303,8 @@ class _Holding(Renewals):
         torchrun or by hand the others waited as for a rank that raised. So the exit does it
         then (``_stop_if_fatal``), if that exception, or one raised from it, went uncaught; a
         script that catches it and goes on posts nothing. The error is known by its identity
-        and type (kept, its traceback would hold the script's frames); a later client of the
-        rank in this process drops it (``hold``)."""
+        and type, not kept (its traceback would keep the script's frames alive); a later
+        client of the rank in this process drops it (``hold``)."""
         error = sys.exc_info()[1]
         if error is None or not self.made or closing.exiting():
             return
