@@ -119,6 +119,7 @@ class _Holding(Renewals):
         self.takeover_until = time.monotonic() + TAKEOVER_S
         self.number = lease_holds.next_client()  # LeaseRequest.client
         self.closed_on: tuple[int, type] | None = None  # the error its close was handling
+        self.restarted = restarts.restart_count() > 0  # LeaseRequest.restarted
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
         return pb.LeaseRequest(
@@ -131,6 +132,7 @@ class _Holding(Renewals):
             holder=lease_holds.holder_id(),
             client=self.number,
             fresh=not self.made,
+            restarted=self.restarted,
             **kw,
         )
 

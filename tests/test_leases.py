@@ -125,6 +125,35 @@ def test_a_run_id_reused_after_its_ranks_are_gone_starts_afresh(table):
     contribute(slots, "r:all_reduce1", 0, expected=3)
 
 
+@pytest.mark.parametrize(
+    ("restarted", "world", "told"),
+    [(True, 2, True), (False, 2, False), (True, 3, False)],
+    ids=["a-restart", "a-new-job", "a-restart-of-another-world"],
+)
+def test_a_restart_meets_the_final_notice_of_a_run_whose_ranks_all_died(
+    table, restarted, world, told
+):
+    """Every rank of a run died at once, and one's launcher, out of restarts, posted the run's
+    final notice for it. Another rank's restart (its launcher counts it: ``restarted``) gets
+    that notice, and stops; before, no rank being alive, it started a new run under the id and
+    waited for peers that never come (a field check: 120 s, its deadline). A new job under the
+    id (no restart count) starts afresh, as before, and so does a process of another world."""
+    leases, _, clock = table
+    for rank in (0, 1):
+        leases.renew(lease(rank=rank, holder=f"first-{rank}", client=1))
+    clock.now += 5.0  # both died, no witness: nothing decided
+    why = "failed with exit code 1: ValueError: bad batch"
+    leases.renew(lease(rank=0, holder="launcher", release=True, abort=why, final=True))
+    clock.now += SETTLE_S + 1.0
+    reply = leases.renew(
+        lease(rank=1, world=world, holder="next", client=1, fresh=True, restarted=restarted)
+    )
+    if told:
+        assert reply.final and reply.aborted == f"run 'r': rank 0 {why}", reply
+    else:
+        assert not reply.aborted, reply
+
+
 def test_a_blip_after_a_recovery_keeps_the_run_and_a_new_job_replaces_it(table):
     """A run aborted once and recovered (epoch 1) loses every lease to a blip longer than the
     grace. The first rank back, a running client, keeps the run and its open slot (it used to

@@ -277,6 +277,8 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
+        if run is not None and run.final and req.restarted and run.world_size == req.world_size:
+            return run  # its final notice answers the restart (LeaseRequest.restarted)
         if run is not None and records.abandoned(run, req, now):  # its ranks were all killed
             records.check_settled(run, req, now)  # refused while one was heard lately
             self._forget(req.run, run)
