@@ -164,9 +164,21 @@ def uncaught() -> BaseException | None:
     return _uncaught
 
 
+def _interactive() -> bool:
+    """Whether this process runs an interactive session (the REPL, ``python -i``, IPython, a
+    notebook's kernel). An error shown at its prompt sets ``sys.last_value`` and the session
+    goes on, so at its exit that names no error that ended it: before, a rank driven from one
+    posted the run's final notice as it exited (client/leases.py) for an error long past."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:
+        return True
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return get_ipython is not None and get_ipython() is not None
+
+
 def _at_exit() -> None:
     global _ending, _uncaught
-    _uncaught = getattr(sys, "last_value", None)  # set for an uncaught exception
+    # set for an uncaught exception, which ends a script but not an interactive session
+    _uncaught = None if _interactive() else getattr(sys, "last_value", None)
     _ending = _uncaught is None
     close_all()
 

@@ -69,6 +69,7 @@ if how == "close-caught":  # the error is caught, and the script ends normally
         ("close-raise", "", "stopped"),
         ("close-raise-from", "", "stopped"),
         ("close-caught", "", "waits"),
+        ("interactive", "", "ended"),
     ],
     ids=[
         "ran-out",
@@ -78,6 +79,7 @@ if how == "close-caught":  # the error is caught, and the script ends normally
         "closed-raising",
         "closed-raising-from",
         "closed-on-a-caught-error",
+        "an-error-shown-at-a-prompt",
     ],
 )
 def test_a_wait_for_a_rank_that_ended_fails_at_once(
@@ -88,14 +90,18 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
     out their deadline, as they still do for a rank its launcher may restart. So does one
     that closed its client itself as the error went up (``finally``, or an ``except`` that
     raises another from it): before, its close released the lease first, and nothing was
-    posted. One whose script caught the error ends without a notice (its peers wait)."""
+    posted. One whose script caught the error ends without a notice (its peers wait). An
+    error shown at an interactive prompt ends nothing: the session went on, and its end is a
+    normal one."""
     address = servers(1, local_calls=False)[0].address
     run = unique_id("ended")
     env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
+    # "interactive": the REPL after PEER shows an error, then ends normally (stdin's end)
+    prompt = ["-i"] if how == "interactive" else []
     peer = subprocess.Popen(
-        [sys.executable, "-c", PEER, address, run, how],
+        [sys.executable, *prompt, "-c", PEER, address, run, how],
         env=env,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -103,7 +109,7 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
     me = ShardClient(ClusterSpec([address]), rank=1, world_size=2, run_id=run, timeout_s=TIMEOUT_S)
     try:
         me.barrier()  # barrier #1, with the peer
-        out, err = peer.communicate(timeout=60)
+        out, err = peer.communicate("raise RuntimeError('shown')\n" if prompt else "", 60)
         assert "met" in out, err
         began = time.monotonic()
         with pytest.raises(ShardClientError) as info:
