@@ -97,7 +97,7 @@ class _Holding(Renewals):
 
     def __init__(self, client: Any, ttl_s: float, rejoin_s: float) -> None:
         self.client = weakref.ref(client)
-        self.spec = client.spec  # for a notice after the client closed (``_stop_if_fatal``)
+        self.spec = client.spec  # for a notice after the client closed (``_end_closed``)
         self.state: RunState = client.run_state
         self.run = client.__dict__.get("_base_run_id", client.run_id)
         self.rank, self.world_size = client.rank, client.world_size
@@ -118,7 +118,6 @@ class _Holding(Renewals):
         self.made = False  # the client's construction is over (hold returned)
         self.takeover_until = time.monotonic() + TAKEOVER_S
         self.number = lease_holds.next_client()  # LeaseRequest.client
-        self.closed_on: tuple[int, type] | None = None  # the error its close was handling
         self.restarted = restarts.restart_count() > 0  # LeaseRequest.restarted
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
@@ -261,12 +260,7 @@ class _Holding(Renewals):
         at every epoch); the notice as the servers word it (None: no server answered, or the
         client closed: then the notice goes in a release, as a launcher sends it)."""
         if self.released:
-            spec = self.spec.detached()  # the client's channels may be closed
-            request = self._request(release=True, abort=cause[:1024], final=final)
-            try:
-                failed = lease_releases.post(spec, request, 2 * RENEW_S)
-            finally:
-                spec.close()
+            failed = self._post_closed(self._request(release=True, abort=cause[:1024], final=final))
             if failed:
                 log.warning("rank %d: %s; not posted on %s", self.rank, cause, "; ".join(failed))
             return None
@@ -300,17 +294,15 @@ class _Holding(Renewals):
 
     def _stop_later(self) -> None:
         """A ``close()`` while an exception is handled (``try: ... finally: client.close()``,
-        the usual way to close) releases the lease before the exit that could tell whether
-        the exception ends the process: before, such a script posted no notice, and under
-        torchrun or by hand the others waited as for a rank that raised. So the exit does it
-        then (``_stop_if_fatal``), if that exception, or one raised from it, went uncaught; a
-        script that catches it and goes on posts nothing. The error is known by its identity
-        and type, not kept (its traceback would keep the script's frames alive); a later
-        client of the rank in this process drops it (``hold``)."""
-        error = sys.exc_info()[1]
-        if error is None or not self.made or closing.exiting():
+        or an ``except`` that cleans up) releases the lease before the exit that could tell
+        how the process ends: before, nothing more was said, and under torchrun or by hand the
+        others waited out their deadline for a rank that had given up. So the exit says it then
+        (``_end_closed``), as for a rank whose client it closes itself: the run's final notice
+        if an error went uncaught (the one handled, or another after it: the rank gave up its
+        run either way), else, where nothing starts the rank again, that it ended for good. A
+        later client of the rank in this process drops it (``hold``): the script went on."""
+        if sys.exc_info()[1] is None or not self.made or closing.exiting():
             return
-        self.closed_on = (id(error), type(error))
         with _lock:
             earlier = _closed_on_error.pop((self.run, self.rank), None)
             _closed_on_error[(self.run, self.rank)] = self  # closing holds it weakly
@@ -318,19 +310,26 @@ class _Holding(Renewals):
                 closing.forget(_closed_on_error.pop(next(iter(_closed_on_error))))
         if earlier is not None:
             closing.forget(earlier)
-        closing.close_at_exit(self, _Holding._stop_if_fatal)
+        closing.close_at_exit(self, _Holding._end_closed)
 
-    def _stop_if_fatal(self) -> None:
-        """At the exit: ``_stop_others_at_exit`` if the error that ends the process is the one
-        its close was handling (``_stop_later``), or one raised from it."""
-        error = closing.uncaught()
-        for _ in range(64):  # a chain of causes and contexts, bounded (a cycle ends it too)
-            if error is None or self.closed_on is None:
-                return
-            if (id(error), type(error)) == self.closed_on:
-                self._stop_others_at_exit()
-                return
-            error = error.__cause__ or error.__context__
+    def _end_closed(self) -> None:
+        """At the exit, for a lease its client released on an error (``_stop_later``): what the
+        exit's own release would have said."""
+        if closing.uncaught() is not None:
+            self._stop_others_at_exit()
+        elif ends_for_good():  # as a launcher says it for a rank that exited 0
+            request = self._request(release=True, ends=True)
+            request.client = 0  # not this client's release come late, which changes nothing
+            self._post_closed(request)  # (server/collectives/lease_records.py released_before)
+
+    def _post_closed(self, request: pb.LeaseRequest) -> list[str]:
+        """Sends release ``request`` after the client closed, on channels of its own (the
+        client's may be closed); what failed (``lease_releases.post``)."""
+        spec = self.spec.detached()
+        try:
+            return lease_releases.post(spec, request, 2 * RENEW_S)
+        finally:
+            spec.close()
 
     def release(self) -> None:
         """The rank ends normally: the lease goes first (so the streams' end aborts nothing),

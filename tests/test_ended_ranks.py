@@ -51,11 +51,15 @@ if how == "close-raise-from":
     except KeyError as exc:
         client.close()
         raise RuntimeError("rank 0 fails") from exc
-if how == "close-caught":  # the error is caught, and the script ends normally
-    try:
-        raise RuntimeError("rank 0 fails")
+if how.startswith("close-caught"):  # the error is caught, the client closed; then the script
+    try:  # ends normally, or with sys.exit(1), or of another error
+        raise RuntimeError("an error it gives up on")
     except RuntimeError:
         client.close()
+    if how == "close-caught-exit-1":
+        sys.exit(1)
+    if how == "close-caught-then-raise":
+        raise RuntimeError("rank 0 fails")
 """  # else it never closes its client: the exit hook releases its lease, as in most scripts
 
 
@@ -68,7 +72,9 @@ if how == "close-caught":  # the error is caught, and the script ends normally
         ("raise", "1", "waits"),
         ("close-raise", "", "stopped"),
         ("close-raise-from", "", "stopped"),
-        ("close-caught", "", "waits"),
+        ("close-caught", "", "ended"),
+        ("close-caught-exit-1", "", "ended"),
+        ("close-caught-then-raise", "", "stopped"),
         ("interactive", "", "ended"),
     ],
     ids=[
@@ -79,6 +85,8 @@ if how == "close-caught":  # the error is caught, and the script ends normally
         "closed-raising",
         "closed-raising-from",
         "closed-on-a-caught-error",
+        "closed-on-a-caught-error-exit-1",
+        "closed-on-a-caught-error-then-another",
         "an-error-shown-at-a-prompt",
     ],
 )
@@ -90,9 +98,11 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
     out their deadline, as they still do for a rank its launcher may restart. So does one
     that closed its client itself as the error went up (``finally``, or an ``except`` that
     raises another from it): before, its close released the lease first, and nothing was
-    posted. One whose script caught the error ends without a notice (its peers wait). An
-    error shown at an interactive prompt ends nothing: the session went on, and its end is a
-    normal one."""
+    posted; so does one that caught it, closed its client and then died of another error.
+    One that caught it, closed its client and exited normally (or with ``sys.exit(1)``, whose
+    code no exit hook reads) ended for good, as if its exit had closed the client; before,
+    its peers waited out their deadline. An error shown at an interactive prompt ends
+    nothing: the session went on, and its end is a normal one."""
     address = servers(1, local_calls=False)[0].address
     run = unique_id("ended")
     env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
