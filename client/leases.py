@@ -119,6 +119,7 @@ class _Holding(Renewals):
         self.takeover_until = time.monotonic() + TAKEOVER_S
         self.number = lease_holds.next_client()  # LeaseRequest.client
         self.restarted = restarts.restart_count() > 0  # LeaseRequest.restarted
+        self.closed_on_error = False  # its client closed while an exception was handled
 
     def _request(self, **kw: Any) -> pb.LeaseRequest:
         return pb.LeaseRequest(
@@ -292,42 +293,56 @@ class _Holding(Renewals):
         why = restarts.one_line(error)
         state.stop_on_error(why, f"stopped on an error no recovery mends ({why})")
 
-    def _stop_later(self) -> None:
-        """A ``close()`` while an exception is handled (``try: ... finally: client.close()``,
-        or an ``except`` that cleans up) releases the lease before the exit that could tell
-        how the process ends: before, nothing more was said, and under torchrun or by hand the
-        others waited out their deadline for a rank that had given up. So the exit says it then
-        (``_end_closed``), as for a rank whose client it closes itself: the run's final notice
-        if an error went uncaught (the one handled, or another after it: the rank gave up its
-        run either way), else, where nothing starts the rank again, that it ended for good. A
-        later client of the rank in this process drops it (``hold``): the script went on."""
-        if sys.exc_info()[1] is None or not self.made or closing.exiting():
+    def _say_at_exit(self) -> None:
+        """A ``close()`` before the exit (``try: ... finally: client.close()``, an ``except``
+        that cleans up) releases the lease before the exit could say how the rank ends:
+        before, nothing more was said, and under torchrun or by hand the others waited out
+        their deadline for a rank that had given up, or that ran out of batches (uneven
+        inputs). So the exit says it (``_end_closed``) as its own release would have: the
+        run's final notice if the close came on an error and an error then went uncaught (that
+        one or another: the rank gave up its run either way); else, with no uncaught error and
+        nothing to start the rank again, that it ended for good. A later client of the rank in
+        this process drops it (``hold``): the script went on with the rank."""
+        if not self.made or closing.exiting():
             return
+        self.closed_on_error = sys.exc_info()[1] is not None
         with _lock:
-            earlier = _closed_on_error.pop((self.run, self.rank), None)
-            _closed_on_error[(self.run, self.rank)] = self  # closing holds it weakly
-            while len(_closed_on_error) > lease_releases.KEPT:
-                closing.forget(_closed_on_error.pop(next(iter(_closed_on_error))))
+            earlier = _closed.pop((self.run, self.rank), None)
+            _closed[(self.run, self.rank)] = self  # closing holds it weakly
+            while len(_closed) > lease_releases.KEPT:
+                closing.forget(_closed.pop(next(iter(_closed))))
         if earlier is not None:
             closing.forget(earlier)
         closing.close_at_exit(self, _Holding._end_closed)
 
     def _end_closed(self) -> None:
-        """At the exit, for a lease its client released on an error (``_stop_later``): what the
+        """At the exit, for a lease its client released before (``_say_at_exit``): what the
         exit's own release would have said."""
         if closing.uncaught() is not None:
-            self._stop_others_at_exit()
-        elif ends_for_good():  # as a launcher says it for a rank that exited 0
+            if self.closed_on_error:
+                self._stop_others_at_exit()
+        elif ends_for_good() and not restarts.launched():  # a launcher says it, by exit code
             request = self._request(release=True, ends=True)
             request.client = 0  # not this client's release come late, which changes nothing
             self._post_closed(request)  # (server/collectives/lease_records.py released_before)
 
     def _post_closed(self, request: pb.LeaseRequest) -> list[str]:
         """Sends release ``request`` after the client closed, on channels of its own (the
-        client's may be closed); what failed (``lease_releases.post``)."""
+        client's may be closed); what failed (``lease_releases.post``). At the exit, every
+        lease closed before shares one bound, ``2 * RENEW_S``: a process that closed many
+        clients (a test harness, a loop of jobs) and whose servers are gone exits in time."""
+        global _exit_posts_until
+        now = time.monotonic()
+        if closing.exiting():
+            _exit_posts_until = _exit_posts_until or now + 2 * RENEW_S
+            bound = _exit_posts_until - now
+            if bound <= 0:
+                return ["no time left at the exit"]
+        else:
+            bound = 2 * RENEW_S
         spec = self.spec.detached()
         try:
-            return lease_releases.post(spec, request, 2 * RENEW_S)
+            return lease_releases.post(spec, request, bound)
         finally:
             spec.close()
 
@@ -341,7 +356,7 @@ class _Holding(Renewals):
             fut.cancel()
         if not released:
             self._stop_others_at_exit()
-            self._stop_later()
+            self._say_at_exit()
             request = self._request(release=True, ends=ends_for_good())
             lease_releases.await_release(self.client(), request, self.start(request))
         self.close_holds()
@@ -349,7 +364,8 @@ class _Holding(Renewals):
 
 keeper = Keeper()
 _lock = threading.Lock()
-_closed_on_error: dict[tuple[str, int], _Holding] = {}  # (run, rank) -> ``_stop_later``'s
+_closed: dict[tuple[str, int], _Holding] = {}  # (run, rank) -> ``_say_at_exit``'s
+_exit_posts_until: float | None = None  # ``_post_closed``'s bound at the exit
 
 
 def hold(client: Any) -> None:
@@ -359,7 +375,7 @@ def hold(client: Any) -> None:
     rejoin = env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
     with _lock:  # this process goes on with the rank: an earlier close's error did not end it
-        earlier = _closed_on_error.pop((holding.run, holding.rank), None)
+        earlier = _closed.pop((holding.run, holding.rank), None)
     if earlier is not None:
         closing.forget(earlier)
     lease_releases.send_again(client, holding.run)  # earlier clients' releases, if late

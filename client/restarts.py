@@ -52,6 +52,7 @@ __all__ = [
     "max_restarts",
     "one_line",
     "read_declaration",
+    "launched",
     "restart_count",
     "restarted",
     "starts_anew",
@@ -95,6 +96,12 @@ def ends_for_good() -> bool:
     from paramshard.protos import closing
 
     return closing.ending_normally() and not max_restarts() and not os.environ.get(ELASTIC_ENV)
+
+
+def launched() -> bool:
+    """Whether ``paramshard launch`` started this rank (it gave it a declaration file): the
+    launcher then sees its exit code, and tells the servers how the rank ended itself."""
+    return bool(os.environ.get(RESTART_FILE_ENV))
 
 
 def restart_count() -> int:

@@ -76,7 +76,8 @@ def status_reply(
             if scope is None or scope.allows_run(run_of_key(s.key))
         ]
         rows, left_out = pending_rows(slots, slices, req.max_pending)
-        for row in rows:  # a collective's missing ranks, as the leases here know them
+        for row in rows:  # a collective's missing ranks, as the leases here know them (a step's
+            # row says them itself: pending.step_row)
             if row.missing and row.kind != "push_grad":
                 row.whereabouts = servicer.slots.news.whereabouts(row.run, list(row.missing))
         reply.pending.extend(rows)

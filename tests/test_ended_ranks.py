@@ -40,6 +40,8 @@ if how == "raise":
     raise RuntimeError("rank 0 fails")
 if how == "hold":  # holds its lease stream until the test kills it
     time.sleep(60)
+if how == "close":  # closes its client itself (a finally, with no error), then ends normally
+    client.close()
 if how == "close-raise":  # closes its client itself while the error propagates
     try:
         raise RuntimeError("rank 0 fails")
@@ -67,6 +69,7 @@ if how.startswith("close-caught"):  # the error is caught, the client closed; th
     ("how", "restarts", "then"),
     [
         ("normal", "", "ended"),
+        ("close", "", "ended"),
         ("raise", "", "stopped"),
         ("normal", "1", "waits"),
         ("raise", "1", "waits"),
@@ -79,6 +82,7 @@ if how.startswith("close-caught"):  # the error is caught, the client closed; th
     ],
     ids=[
         "ran-out",
+        "ran-out-closed",
         "raised",
         "restartable",
         "restartable-raised",
@@ -99,10 +103,11 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
     that closed its client itself as the error went up (``finally``, or an ``except`` that
     raises another from it): before, its close released the lease first, and nothing was
     posted; so does one that caught it, closed its client and then died of another error.
-    One that caught it, closed its client and exited normally (or with ``sys.exit(1)``, whose
-    code no exit hook reads) ended for good, as if its exit had closed the client; before,
-    its peers waited out their deadline. An error shown at an interactive prompt ends
-    nothing: the session went on, and its end is a normal one."""
+    One that closed its client and exited with no uncaught exception, on an error it caught
+    or with none (or with ``sys.exit(1)``, whose code no exit hook reads), ended for good, as
+    if its exit had closed the client; before, its peers waited out their deadline. An error
+    shown at an interactive prompt ends nothing: the session went on, and its end is a
+    normal one."""
     address = servers(1, local_calls=False)[0].address
     run = unique_id("ended")
     env = {**worker_env(), "PARAMSHARD_MAX_RESTARTS": restarts}
@@ -131,7 +136,8 @@ def test_a_wait_for_a_rank_that_ended_fails_at_once(
     details = info.value.details
     if then == "ended":
         assert info.value.code.name == "FAILED_PRECONDITION", info.value
-        assert "missing rank(s) 0 ended: their process exited normally" in details, details
+        said = "missing rank(s) 0 ended: their process exited with no uncaught exception"
+        assert said in details, details
         assert "all_reduce #2 of run" in details, details
         assert took < TIMEOUT_S / 2, f"it waited {took:.1f} s"
     elif then == "stopped":
@@ -238,7 +244,7 @@ def test_uneven_inputs_end_the_job_at_once(tmp_path: Path, restarts: str, loop: 
     took = time.monotonic() - began
     said = result.stdout + result.stderr
     assert result.returncode == 1, said
-    assert "missing rank(s) 0 ended: their process exited normally" in said, said
+    assert "missing rank(s) 0 ended: their process exited with no uncaught exception" in said, said
     assert "FAILED_PRECONDITION" in said, said
     assert " lost at step" not in said, said  # no server was lost
     # a restart of rank 1 (its budget) meets the same refusal at once

@@ -133,7 +133,8 @@ def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
     run.released_at.update({0: 2.0, 1: 3.0, 2: 3.0})
     runs = {"r": run}
     assert lease_words.ended(runs, "r.e1", [0, 1], now=5.0).startswith(
-        "missing rank(s) 0, 1 ended: their process exited normally (the last 2.0 s ago)"
+        "missing rank(s) 0, 1 ended: their process exited with no uncaught exception (its"
+        " script's end, or sys.exit; the last 2.0 s ago)"
     )
     assert lease_words.ended(runs, "r", [0, 2], now=5.0) == ""  # rank 2 released, may come back
     assert lease_words.ended(runs, "r/s1g0", [0, 1], now=5.0) == ""
@@ -142,3 +143,24 @@ def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
         expires=9.0, epoch=0, ttl_s=5.0, rejoin_s=0.0, since=4.0, heard=4.0
     )
     assert lease_words.ended(runs, "r", [0, 1], now=5.0) == ""  # rank 1 leases again
+
+
+def test_a_steps_pending_row_names_a_rank_that_never_leased(address: str) -> None:
+    """Rank 1 failed before it made its client (a missing data file): it never leased. The
+    hang doctor's row of the step that waits for its gradient says so; before, a step's row
+    said nothing of its missing ranks (a field check: "missing rank(s) 1 (arrived: 0), open
+    for 120.0 s" and no more, where a collective's row names them)."""
+    from paramshard.protos import shard_pb2 as pb
+
+    job, n = unique("early"), 16
+    first = client(address, 0, unique("run"))
+    try:
+        first.register_buffer(job, "w", n, contributors=2)
+        first.set_params(job, "w", np.zeros(n, np.float32))
+        first.push_grads(job, "w", np.ones(n, np.float32), 0)
+        reply = first.call(0, "Status", pb.StatusRequest(pending=True))
+    finally:
+        first.close()
+    (row,) = [r for r in reply.pending if r.kind == "push_grad"]
+    assert list(row.missing) == [1], row
+    assert row.whereabouts == "; rank 1 holds no lease here: not started, or cut off", row

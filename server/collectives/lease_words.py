@@ -63,6 +63,7 @@ def ended(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float
     ago = now - max(t for t in when if t is not None)
     return (
         f"missing rank(s) {', '.join(map(str, ranks[:8]))}{', ...' if len(ranks) > 8 else ''}"
-        f" ended: their process exited normally (the last {ago:.1f} s ago) and {ENDED};"
+        f" ended: their process exited with no uncaught exception (its script's end, or"
+        f" sys.exit; the last {ago:.1f} s ago) and {ENDED};"
         " every rank must make the same collectives and steps (uneven inputs?)"
     )

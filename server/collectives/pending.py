@@ -263,6 +263,7 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
     arrived = p.arrived(b.slice_numel)
     # an elastic step waits for its members only (server/buffers/membership.py)
     expected = range(b.contributors) if p.members is None else p.members
+    missing = absent(expected, set(arrived))
     return pb.PendingWork(
         run=b.job,
         kind="push_grad",
@@ -270,9 +271,12 @@ def step_row(b: BufferSlice, now: float) -> pb.PendingWork | None:
         key=f"{b.job}/{b.name}",
         expected=len(expected),
         arrived=arrived[:MAX_LISTED],
-        missing=absent(expected, set(arrived)),
+        missing=missing,
         age_seconds=max(0.0, now - p.opened),
         bytes=p.staged_bytes,
+        # under the slice's run, which ``run`` (the job) does not name; a rank that failed
+        # before it leased is "holds no lease here" (a field check: a step's wait said nothing)
+        whereabouts=b.news.whereabouts(b.run_name, missing),
     )
 
 
