@@ -374,7 +374,7 @@ def hold(client: Any) -> None:
     ttl = env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
     rejoin = env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
-    with _lock:  # this process goes on with the rank: an earlier close's error did not end it
+    with _lock:  # this process goes on with the rank: what an earlier close kept is moot
         earlier = _closed.pop((holding.run, holding.rank), None)
     if earlier is not None:
         closing.forget(earlier)
