@@ -294,26 +294,15 @@ class _Holding(Renewals):
         state.stop_on_error(why, f"stopped on an error no recovery mends ({why})")
 
     def _say_at_exit(self) -> None:
-        """A ``close()`` before the exit (``try: ... finally: client.close()``, an ``except``
-        that cleans up) releases the lease before the exit could say how the rank ends:
-        before, nothing more was said, and under torchrun or by hand the others waited out
-        their deadline for a rank that had given up, or that ran out of batches (uneven
-        inputs). So the exit says it (``_end_closed``) as its own release would have: the
-        run's final notice if the close came on an error and an error then went uncaught (that
-        one or another: the rank gave up its run either way); else, with no uncaught error and
-        nothing to start the rank again, that it ended for good. A later client of the rank in
-        this process drops it (``hold``): the script went on with the rank."""
+        """A ``close()`` before the exit (a ``finally``, an ``except`` that cleans up) releases
+        the lease before the exit could say how the rank ends (the others then waited out their
+        deadline). So the exit says it (``_end_closed``) as its own release would have: the
+        final notice if the close came on an error and an error then went uncaught; else, with
+        nothing to start the rank again, that it ended. A later client of the rank drops it."""
         if not self.made or closing.exiting():
             return
         self.closed_on_error = sys.exc_info()[1] is not None
-        with _lock:
-            earlier = _closed.pop((self.run, self.rank), None)
-            _closed[(self.run, self.rank)] = self  # closing holds it weakly
-            while len(_closed) > lease_releases.KEPT:
-                closing.forget(_closed.pop(next(iter(_closed))))
-        if earlier is not None:
-            closing.forget(earlier)
-        closing.close_at_exit(self, _Holding._end_closed)
+        _keep_for_exit((self.run, self.rank), self)
 
     def _end_closed(self) -> None:
         """At the exit, for a lease its client released before (``_say_at_exit``): what the
@@ -327,10 +316,9 @@ class _Holding(Renewals):
             self._post_closed(request)  # (server/collectives/lease_records.py released_before)
 
     def _post_closed(self, request: pb.LeaseRequest) -> list[str]:
-        """Sends release ``request`` after the client closed, on channels of its own (the
-        client's may be closed); what failed (``lease_releases.post``). At the exit, every
-        lease closed before shares one bound, ``2 * RENEW_S``: a process that closed many
-        clients (a test harness, a loop of jobs) and whose servers are gone exits in time."""
+        """Sends release ``request`` after the client closed, on channels of its own; what
+        failed (``lease_releases.post``). At the exit, all such releases share one bound,
+        ``2 * RENEW_S``: a process that closed many clients whose servers are gone exits."""
         global _exit_posts_until
         now = time.monotonic()
         if closing.exiting():
@@ -364,8 +352,23 @@ class _Holding(Renewals):
 
 keeper = Keeper()
 _lock = threading.Lock()
-_closed: dict[tuple[str, int], _Holding] = {}  # (run, rank) -> ``_say_at_exit``'s
+_closed: dict[tuple[str, int], _Holding] = {}  # (run, rank) -> its ``_say_at_exit``
 _exit_posts_until: float | None = None  # ``_post_closed``'s bound at the exit
+
+
+def _keep_for_exit(key: tuple[str, int], holding: _Holding | None) -> None:
+    """What the exit says for rank ``key`` (run, rank): ``holding``'s (``_say_at_exit``), or
+    nothing (None: a new client of the rank says it); ``KEPT`` ranks at most, oldest out first."""
+    with _lock:
+        dropped = [_closed.pop(key, None)]
+        if holding is not None:
+            _closed[key] = holding  # closing holds it weakly
+        while len(_closed) > lease_releases.KEPT:
+            dropped.append(_closed.pop(next(iter(_closed))))
+    for earlier in filter(None, dropped):
+        closing.forget(earlier)
+    if holding is not None:
+        closing.close_at_exit(holding, _Holding._end_closed)
 
 
 def hold(client: Any) -> None:
@@ -374,10 +377,7 @@ def hold(client: Any) -> None:
     ttl = env_seconds(LEASE_TTL_ENV, DEFAULT_TTL_S, 0.5, 600.0)
     rejoin = env_seconds(REJOIN_ENV, DEFAULT_REJOIN_S, 0.0, 3600.0) if max_restarts() else 0.0
     holding = _Holding(client, ttl, rejoin)
-    with _lock:  # this process goes on with the rank: what an earlier close kept is moot
-        earlier = _closed.pop((holding.run, holding.rank), None)
-    if earlier is not None:
-        closing.forget(earlier)
+    _keep_for_exit((holding.run, holding.rank), None)  # this process goes on with the rank
     lease_releases.send_again(client, holding.run)  # earlier clients' releases, if late
     holding.takeover_until = time.monotonic() + TAKEOVER_S
     client.run_state.holding = holding
