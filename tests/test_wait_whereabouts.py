@@ -164,3 +164,23 @@ def test_a_steps_pending_row_names_a_rank_that_never_leased(address: str) -> Non
     (row,) = [r for r in reply.pending if r.kind == "push_grad"]
     assert list(row.missing) == [1], row
     assert row.whereabouts == "; rank 1 holds no lease here: not started, or cut off", row
+
+
+def test_a_pull_of_initial_values_names_rank_0(address: str) -> None:
+    """Rank 0 writes a job's initial values (the strategies' rule) and failed before it made
+    its client; rank 1's pull of them says who writes them and that rank 0 never leased.
+    Before, it said "its initial values are not all written (SetParams covered 0 of 16
+    elements)" and no more (a field check under torchrun)."""
+    job, n = unique("initial"), 16
+    second = client(address, 1, unique("run"))
+    try:
+        second.register_buffer(job, "w", n, contributors=2)
+        with pytest.raises(ShardClientError) as info:
+            second.pull_params(job, "w", n, min_version=0)
+    finally:
+        second.close()
+    assert (
+        "its initial values are not all written (SetParams covered 0 of 16 elements;"
+        " paramshard's strategies write them from rank 0; rank 0 holds no lease here: not"
+        " started, or cut off)" in info.value.details
+    ), info.value.details

@@ -280,10 +280,11 @@ class SliceState:
         """Who the slice waits for to move on (caller holds the lock): its initial values, the
         ranks whose gradients of the current step are missing (and what the server's leases say
         of them: ``news``), or a Step."""
-        if not self.initialized:
-            return (
+        if not self.initialized:  # who writes them: the strategies' rank 0 (a field check:
+            return (  # a pull of them named nobody while rank 0 had failed before it leased)
                 f"its initial values are not all written (SetParams covered"
-                f" {self.written.covered:,} of {self.slice_numel:,} elements)"
+                f" {self.written.covered:,} of {self.slice_numel:,} elements; paramshard's"
+                f" strategies write them from rank 0{self.news.whereabouts(self.run_name, [0])})"
             )
         step, p = self.version, self._current()
         if p is not None and p.reduced:
