@@ -311,9 +311,7 @@ class _Holding(Renewals):
             if self.closed_on_error:
                 self._stop_others_at_exit()
         elif ends_for_good() and not restarts.launched():  # a launcher says it, by exit code
-            request = self._request(release=True, ends=True)
-            request.client = 0  # not this client's release come late, which changes nothing
-            self._post_closed(request)  # (server/collectives/lease_records.py released_before)
+            self._post_closed(self._request(release=True, ends=True))
 
     def _post_closed(self, request: pb.LeaseRequest) -> list[str]:
         """Sends release ``request`` after the client closed, on channels of its own; what

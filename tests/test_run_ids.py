@@ -337,3 +337,21 @@ def test_a_released_clients_late_renewal_and_stream_hold_nothing() -> None:
     assert not leases._runs["j"].leases
     leases.renew(_client_lease(0, client=3))  # the job again: the last run ended, its keys went
     assert contribute(leases.slots, "j:ar1/0", 0, expected=1) is False  # a new slot
+
+
+def test_an_ends_release_after_the_clients_release_counts() -> None:
+    """A client that closed before its process's exit (a ``finally``) says at the exit that
+    its rank ended for good, in a second release from the same client (client/leases.py,
+    ``_end_closed``). Unlike a renewal come late, it counts: the server records the end, which
+    fails its peers' waits at once. Before, the client sent it as client 0 to pass the late
+    check; the server now exempts it by name, as it exempts an abort."""
+    leases, _ = new_table()
+    for rank in (0, 1):
+        leases.renew(_client_lease(rank, client=1 + rank))
+    leases.renew(_client_lease(1, client=2, release=True))
+    leases.renew(_client_lease(1, client=2))  # a renewal of the closed client, late
+    assert 1 not in leases._runs["j"].leases
+    assert leases.ended("j", [1]) == ""  # released, not ended: it may lease again
+    leases.renew(_client_lease(1, client=2, release=True, ends=True))  # at its exit
+    assert leases.ended("j", [1]).startswith("missing rank(s) 1 ended:"), leases.ended("j", [1])
+    assert 1 not in leases._runs["j"].leases

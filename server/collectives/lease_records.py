@@ -317,7 +317,12 @@ def released_before(run: RunRecord | None, req: pb.LeaseRequest) -> bool:
     """Whether renewal or stream ``req`` comes from a client that released its rank's lease
     here already: sent before the release, it came after. It holds nothing: a lease made from
     it would keep an ended run from being forgotten (the next run would meet its keys), or,
-    held by a stream its client is closing, lapse and abort a run that goes on."""
+    held by a stream its client is closing, lapse and abort a run that goes on. Not late: an
+    abort (the run's notice, a rank's to post whenever it can), and a release that says the
+    rank ended for good (``ends``), which a client that closed before its process's exit sends
+    at that exit (client/leases.py, ``_end_closed``): news its first release could not carry."""
+    if req.abort or (req.release and req.ends):
+        return False
     if run is None or not req.holder or not req.client:  # an older client: not told apart
         return False
     return run.released_by.get(req.rank) == (req.holder, req.client)

@@ -136,7 +136,7 @@ class LeaseTable:
                 return pb.LeaseReply(lost_rank=-1)
             found = self._runs.get(req.run)
             records.check_holder(found, req, now)  # releases and aborts too
-            if found is not None and not req.abort and records.released_before(found, req):
+            if found is not None and records.released_before(found, req):
                 return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
             took_over = not req.release and run.taken_over(req)
