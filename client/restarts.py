@@ -49,6 +49,7 @@ __all__ = [
     "declare_peers_ended",
     "declared_stop",
     "ends_for_good",
+    "group_restarts_left",
     "max_restarts",
     "one_line",
     "read_declaration",
@@ -64,6 +65,7 @@ ELASTIC_ENV = "PARAMSHARD_ELASTIC"
 MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
 RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
+_TORCHRUN_COUNTS = ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
 LOST = "job-lost"
 PEERS_ENDED = "peers-ended"
@@ -86,6 +88,19 @@ def _env_count(name: str) -> int:
 def max_restarts() -> int:
     """K of ``paramshard launch --max-restarts K`` (0 when ranks are never restarted)."""
     return _env_count(MAX_RESTARTS_ENV)
+
+
+def group_restarts_left() -> int:
+    """How many more times torchrun (``--max-restarts K``, from its ``TORCHELASTIC_MAX_RESTARTS``
+    and ``TORCHELASTIC_RESTART_COUNT``) restarts this process's worker group should a worker
+    fail. It restarts every worker it runs then, and the other nodes' agents restart theirs on
+    the new rendezvous: the job's ranks all start again, and a ZeRO-1/2 or FSDP job resumes at
+    the servers' step. 0 outside torchrun, and under ``paramshard launch``, which restarts a
+    failed rank alone (``max_restarts``); a value that is not a count reads as 0."""
+    if launched():
+        return 0
+    most, done = (os.environ.get(name, "").strip() for name in _TORCHRUN_COUNTS)
+    return max(0, int(most) - int(done)) if most.isdigit() and done.isdigit() else 0
 
 
 def ends_for_good() -> bool:

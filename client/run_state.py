@@ -140,10 +140,21 @@ class RunState:
     def stop_on_error(self, why: str, cause: str) -> None:
         """This rank's own code raised (``why``: one line) and nothing here recovers it. A rank
         its launcher may restart (its lease's ``rejoin_s``) tells the launcher why and stops
-        nobody: the others wait for its restart. Any other tells the launcher, then posts the
-        run's final notice (``cause``, as ``give_up`` words it), so the others stop now."""
+        nobody: the others wait for its restart. Nor does one whose torchrun restarts every
+        worker (``group_restarts_left``): a final notice would call an error that the restart
+        mends the run's end (a field check: the job resumed all the same). Any other tells the
+        launcher, then posts the run's final notice (``cause``, as ``give_up`` words it), so
+        the others stop now."""
         if self.holding is not None and self.holding.rejoin_s:
             restarts.declare_error(why)
+            return
+        if left := restarts.group_restarts_left():
+            log.warning(
+                "%s; torchrun restarts every worker of the job (%d of its --max-restarts left),"
+                " so this rank stops nobody",
+                why,
+                left,
+            )
             return
         restarts.declare_failed(why)  # for the launcher, before the others stop
         self.give_up(cause, final=True)

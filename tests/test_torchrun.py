@@ -4,8 +4,9 @@ torchrun sets RANK and WORLD_SIZE, the test sets PARAMSHARD_SERVERS, and the run
 torchrun's ``TORCHELASTIC_RUN_ID`` (a fresh uuid per ``--standalone`` job; client/run_id.py).
 Two torchrun jobs train at the same time on the same two in-process servers (the way users
 share servers): each must get the same losses and parameters as single-process float64 training
-(tests/numerics.py), on both of its ranks, and each job must have its own run id. Every wait is
-bounded.
+(tests/numerics.py), on both of its ranks, and each job must have its own run id. A job under
+``--max-restarts 1`` whose rank raises resumes after torchrun's restart, equal all the same.
+Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Lin
 model = FSDPModel(net.double(), config, wrap=(torch.nn.Linear,))
 opt = FSDPOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), config)
 losses = []
-for step in range(steps):
+fail_at = int(os.environ.get("FAIL_AT", "-1"))  # rank 1 raises there, in its first process
+for step in range(model.step_count, steps):  # a restart resumes at the servers' step
+    if step == fail_at and config.rank == 1 and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        raise ValueError(f"bad batch {step}")
     g = torch.Generator().manual_seed(1000 * step + config.rank)
     x = torch.randn(8, 16, generator=g, dtype=torch.float64)
     y = torch.randn(8, 4, generator=g, dtype=torch.float64)
@@ -76,41 +80,36 @@ def reference(world: int) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
     return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-def test_two_concurrent_torchrun_jobs_on_shared_servers(servers, tmp_path: Path) -> None:  # noqa: ANN001
+def torchrun(servers, tmp_path: Path, job: str, *args: str, **env: str) -> subprocess.Popen:  # noqa: ANN001
+    """A two-rank torchrun job of ``TRAIN`` against ``servers``, its output piped."""
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("PARAMSHARD_", "TORCHELASTIC_"))
-    }
+    } | env
     env.update(
-        PARAMSHARD_SERVERS=",".join(s.address for s in servers(2)),
+        PARAMSHARD_SERVERS=",".join(s.address for s in servers),
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
         OMP_NUM_THREADS="1",
     )
+    return subprocess.Popen(
+        [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--standalone", *args, str(script), job, str(STEPS), str(tmp_path / job),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+
+
+def test_two_concurrent_torchrun_jobs_on_shared_servers(servers, tmp_path: Path) -> None:  # noqa: ANN001
+    shared = servers(2)
     jobs = ("torchrun-a", "torchrun-b")
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--standalone",
-                str(script),
-                job,
-                str(STEPS),
-                str(tmp_path / job),
-            ],
-            cwd=tmp_path,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for job in jobs
-    ]
+    procs = [torchrun(shared, tmp_path, job) for job in jobs]
     try:
         outputs = [p.communicate(timeout=RUN_S)[0] for p in procs]
     finally:
@@ -132,3 +131,58 @@ def test_two_concurrent_torchrun_jobs_on_shared_servers(servers, tmp_path: Path)
             assert_equivalent(r["losses"], want_losses[rank], f"{job} rank {rank} losses")
             assert_equivalent(r["state"], want_state, f"{job} rank {rank} parameters")
     assert run_ids[0] != run_ids[1]  # each torchrun job its own TORCHELASTIC_RUN_ID
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_under_torchrun_restarts_stops_nobody(servers, tmp_path: Path) -> None:  # noqa: ANN001
+    """``torchrun --max-restarts 1``: rank 1 raises at step 3 in its first process; torchrun
+    restarts both workers, which resume at the servers' step and end equal to single-process
+    training. The rank that raised says torchrun restarts the job and posts no final notice:
+    before, it announced "stopped on an error no recovery mends" and posted the run's final
+    notice for an error the restart mended (a field check; the job resumed all the same)."""
+    proc = torchrun(servers(2), tmp_path, "restarted", "--max-restarts", "1", FAIL_AT="3")
+    try:
+        out = proc.communicate(timeout=RUN_S)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, out[-4000:]
+    assert "ValueError: bad batch 3; torchrun restarts every worker of the job (1 of" in out, out
+    assert "no recovery mends" not in out, out[-4000:]
+    want_losses, want_state = reference(2)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"restarted-{rank}.pt")
+        # Rank 1 resumes at step 3, which waits for its push. Rank 0's first process pushed
+        # step 3's gradient before it was stopped, and the servers add a push exactly once: its
+        # new process resumes at step 3 (its push a duplicate) or, built once step 3 was
+        # applied, at step 4. Either way the same sums, the same parameters.
+        resumed = STEPS - len(r["losses"])
+        assert resumed == 3 or (rank == 0 and resumed == 4), (rank, r["losses"])
+        assert_equivalent(r["losses"], want_losses[rank][resumed:], f"rank {rank}'s losses")
+        assert_equivalent(r["state"], want_state, f"rank {rank} parameters")
+
+
+def test_torchruns_restarts_left_read_from_its_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``group_restarts_left`` is torchrun's ``--max-restarts`` less its restarts so far; 0
+    outside torchrun, for counts that are not counts, and under ``paramshard launch``, whose
+    restarts are one rank's (its own variables)."""
+    from paramshard.client import restarts
+
+    for name in (
+        "TORCHELASTIC_MAX_RESTARTS",
+        "TORCHELASTIC_RESTART_COUNT",
+        "PARAMSHARD_RESTART_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    assert restarts.group_restarts_left() == 0
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restarts.group_restarts_left() == 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    assert restarts.group_restarts_left() == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "x")
+    assert restarts.group_restarts_left() == 0
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("PARAMSHARD_RESTART_FILE", "/nonexistent/rank-0")
+    assert restarts.group_restarts_left() == 0
