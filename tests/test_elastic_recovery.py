@@ -1,7 +1,7 @@
 """An elastic job loses a server and a trainer in the same run, takes a new trainer, and ends
 where single-process training on the same global batches ends (float64, 1e-9).
 
-Servers are real ``paramshard serve`` processes (tests/test_recovery.py's ``ServerProcess``);
+Servers are real ``paramshard serve`` processes (tests/server_processes.py);
 the ranks are threads running ``train_with_recovery`` on an elastic FSDP model with neighbour
 replicas every step (or snapshots every 4 steps). Rank 2 leaves at step 3 (it raises, as a
 ``LocalCluster`` rank would), server ``killed`` is SIGKILLed when step 6 begins and started
@@ -18,8 +18,8 @@ import time
 import pytest
 import torch
 from numerics import assert_equivalent
+from server_processes import ServerProcess, killer
 from test_elastic import BATCH, INIT, LR, STEPS, data, net, schedule, single_process, vanish
-from test_recovery import ServerProcess, killer
 
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.server.collectives.membership import POLL_S

@@ -11,7 +11,7 @@ asked about ``STOP_AT`` again, and stop there, equal to single-process training 
 on to ``STEPS``; and where the all-reduces completed on the new process, training ended at once
 with server 1 empty (the next ``state_dict()`` failed with NOT_FOUND; 2 of 4 runs here).
 
-Servers are real ``paramshard serve`` processes (tests/test_recovery.py's ``ServerProcess``);
+Servers are real ``paramshard serve`` processes (tests/server_processes.py);
 the ranks are threads running ``train_with_recovery`` on an FSDP model.
 """
 
@@ -23,8 +23,9 @@ from collections import defaultdict
 import pytest
 import torch
 from numerics import assert_equivalent
+from server_processes import killer
 from test_elastic import BATCH, INIT, LR, STEPS, data, net, schedule, single_process
-from test_recovery import cluster, cluster_of, killer, wait_for_replica  # noqa: F401
+from test_recovery import cluster, cluster_of, wait_for_replica  # noqa: F401
 
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.strategies import (

@@ -10,21 +10,17 @@ run equals the uninterrupted one and single-process training within 1e-9 (tests/
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
 from numerics import assert_equivalent
+from server_processes import ServerProcess, killer
 
 from paramshard.client import ClusterSpec, ShardClient
-from paramshard.local_servers import LISTENING
 from paramshard.models.gpt import GPT, Block, GPTConfig, lm_loss
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.placement import replica_holder
@@ -37,7 +33,6 @@ from paramshard.strategies import (
     train_with_recovery,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_AT, EVERY, W = 30, 12, 5, 2
 CFG = GPTConfig.tiny(vocab_size=50, bias=False)
 
@@ -69,63 +64,6 @@ def single_process(init, data, param_groups: bool) -> dict[str, torch.Tensor]:
 pytestmark = [pytest.mark.faults, pytest.mark.slow]
 
 
-class ServerProcess:
-    """``python -m paramshard serve`` on a fixed port (so a restart keeps the address)."""
-
-    def __init__(self, snapshot_dir: Path) -> None:
-        self.port, self.snapshot_dir = 0, snapshot_dir  # the first start picks the port
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self, *extra: str) -> list[str]:
-        """Starts it (with ``extra`` arguments); returns what it printed until it listened."""
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "paramshard",
-                "serve",
-                "--port",
-                str(self.port),
-                "--snapshot-dir",
-                str(self.snapshot_dir),
-                *extra,
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        said = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            said.append(line)
-            found = LISTENING.search(line.encode())
-            if found:  # the port the kernel gave it (a port picked beforehand may be taken)
-                self.port = int(found.group(1).rsplit(b":", 1)[1])
-                return said
-            if not line and self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"server on port {self.port} did not start: {''.join(said)[-2000:]}")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
 @pytest.fixture()
 def cluster_of(tmp_path):
     """``cluster_of(n)``: n server processes sharing one snapshot directory."""
@@ -146,25 +84,6 @@ def cluster_of(tmp_path):
 @pytest.fixture()
 def cluster(cluster_of):
     return cluster_of(W)
-
-
-def killer(server: ServerProcess, at: int):
-    """An ``on_step`` that SIGKILLs ``server`` when step ``at`` begins and restarts it at its
-    address on another thread; returns it, the event set at the kill and the restart times."""
-    killed = threading.Event()
-    restarted_after: list[float] = []
-
-    def on_step(step: int) -> None:
-        if step == at and not killed.is_set():
-            killed.set()
-            server.kill()
-            began = time.monotonic()
-            threading.Thread(
-                target=lambda: (server.start(), restarted_after.append(time.monotonic() - began)),
-                daemon=True,
-            ).start()
-
-    return on_step, killed, restarted_after
 
 
 def train(
@@ -381,8 +300,11 @@ def test_3d_job_recovers_from_a_killed_server(cluster_of):
 def test_3d_job_refuses_neighbour_replication():
     client = ShardClient(ClusterSpec(["127.0.0.1:1"]), rank=0, world_size=2)
     config = ShardingConfiguration(client, job="x", replicate_every=1)
-    with pytest.raises(ValueError, match="replicate_every=1.*checkpoint_every"):
-        HybridShardedModel(GPT(CFG), config, 2, 1, 1)
+    try:
+        with pytest.raises(ValueError, match="replicate_every=1.*checkpoint_every"):
+            HybridShardedModel(GPT(CFG), config, 2, 1, 1)
+    finally:
+        client.close()
 
 
 def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
@@ -399,6 +321,7 @@ def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
         tools.snapshot(c, "j", "old")
         c.set_params("j", "b", torch.full((11,), 7.0).numpy(), version=4)
         tools.snapshot(c, "j", "new")
+        c.close()
     finally:
         for s in first:
             s.stop()
@@ -406,7 +329,11 @@ def test_fresh_server_restores_latest_snapshot_at_start(tmp_path):
     try:
         lines = fresh.start("--restore", "latest", "--index", "1")
         assert any("restored j/new at version 4" in x for x in lines), lines
-        (row,) = ShardClient(ClusterSpec([fresh.address])).status()
+        c = ShardClient(ClusterSpec([fresh.address]))
+        try:
+            (row,) = c.status()
+        finally:
+            c.close()
         (buf,) = row["jobs"][0]["buffers"]
         assert int(buf["version"]) == 4 and int(buf["slice_start"]) == 6  # slice 1 of 11 over 2
     finally:

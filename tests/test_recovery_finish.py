@@ -15,13 +15,13 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 from numerics import assert_equivalent
+from server_processes import killer
 from test_recovery import (  # noqa: F401 - cluster_of is a fixture
     EVERY,
     STEPS,
     W,
     cluster_of,
     initial_state,
-    killer,
     train,
     wait_for_replica,
 )

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from numerics import assert_equivalent
-from test_recovery import W, cluster, cluster_of, initial_state, killer, new_gpt  # noqa: F401
+from server_processes import killer
+from test_recovery import W, cluster, cluster_of, initial_state, new_gpt  # noqa: F401
 
 from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.models.gpt import Block, lm_loss
