@@ -21,6 +21,15 @@ had closed its client). So a call's last reference must go while every thread ru
 stream's close drops it (``let_go``), its reader cuts the cycle a call that raised itself is
 in (``unlink``), and the exit hook collects whatever cycle is left before the interpreter
 tears down.
+
+A process forked from one that holds servers or clients (a DataLoader's workers, a
+``multiprocessing`` pool) inherits this registry but none of the threads behind those objects:
+a gRPC lock one of them held at the fork stays taken in the child for ever. The child's exit
+ran the hook all the same (multiprocessing's children run ``threading``'s exit hooks), and
+closing the parent's client there hung every such worker (a DataLoader waits 5 s for its
+workers, then kills them: 5 s an epoch) and could say, in the parent's name, that its rank had
+ended. So a forked child starts with an empty registry (``_forget_inherited``): what its
+parent made is the parent's to close; what the child makes, it closes itself.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import concurrent.futures.thread  # noqa: F401 - its exit hook must be registere
 import gc
 import itertools
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -199,6 +209,18 @@ def close_all() -> None:
     if _used:
         gc.collect()  # gRPC calls in cycles go now, while the threads that lock them run
 
+
+def _forget_inherited() -> None:
+    """In a forked child: nothing of the parent's is this process's to close at its exit, and
+    the locks may have been held by a parent thread at the fork (new ones, then)."""
+    global _lock, _late_lock, _used, _open, _ids
+    _lock, _late_lock = threading.Lock(), threading.Lock()
+    _open, _ids, _used = {}, weakref.WeakKeyDictionary(), False
+    _late.clear()
+
+
+if hasattr(os, "register_at_fork"):  # not on Windows, which has no fork
+    os.register_at_fork(after_in_child=_forget_inherited)
 
 # threading's exit hooks are internal to the standard library (concurrent.futures uses them);
 # atexit, should they ever go, runs too late to save a running server but still closes clients.

@@ -4,7 +4,9 @@ after it only while it still runs.
 A step that waits on a gRPC lock left taken never ends, and every later step would wait its
 full bound on the same lock. But on a loaded machine a cancel can also just be slow (a 300-rank
 process on two cores took over a second for one): once it ends, the closes after it must get
-their full bound again, not be cut short for the rest of the process.
+their full bound again, not be cut short for the rest of the process. And what the exit closes:
+no gRPC call is left to the interpreter's teardown, and a forked worker closes nothing of its
+parent's.
 """
 
 from __future__ import annotations
@@ -100,3 +102,63 @@ def test_no_grpc_call_is_left_to_the_interpreters_teardown() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["UNIMPLEMENTED"]
     assert "A GRPC CALL LEFT TO THE EXIT" not in proc.stderr, proc.stderr[-2000:]
+
+
+_FORKS = textwrap.dedent(
+    """
+    import multiprocessing as mp, sys, time
+    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.protos import closing
+    from paramshard.server import ShardServer
+
+    def worker():  # its exit code: what its exit would close of what the parent made
+        sys.exit(len(closing._open))
+
+    server = ShardServer(port=0).start()
+    spec = ClusterSpec([server.address])
+    live = [ShardClient(spec, rank=r, world_size=2, run_id="forks") for r in range(2)]
+    closed = ShardClient(spec, rank=1, world_size=2, run_id="forks-closed")
+    peer = ShardClient(spec, rank=0, world_size=2, run_id="forks-closed")
+    closed.close()  # as a script that closes its client and goes on, then forks
+    workers = [mp.get_context("fork").Process(target=worker) for _ in range(3)]
+    began = time.monotonic()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    print("workers", [w.exitcode for w in workers], f"{time.monotonic() - began:.1f}", flush=True)
+    for w in workers:
+        if w.is_alive():
+            w.kill()
+    run = server.servicer.leases._runs["forks-closed"]
+    print("ended", sorted(run.ended_at), flush=True)
+    for c in (*live, peer):
+        c.close()
+    server.stop(grace=None)
+    """
+)
+
+
+def test_a_forked_worker_leaves_its_parents_clients_alone() -> None:
+    """A rank with clients open forks workers (a DataLoader's, a ``multiprocessing`` pool) that
+    do nothing. Each exits at once, and none says the parent's closed rank ended. Before, a
+    worker's exit closed the clients it inherited: it hung on a gRPC lock that a parent thread
+    held at the fork (a DataLoader then waits 5 s for it and kills it: 5 s an epoch), and a
+    worker of a rank that had closed its client told the server, in the rank's name, that it
+    ended for good, which failed its peers' waits at once while it was still running."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FORKS],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    codes, took = lines["workers"].rsplit(" ", 1)
+    # before: 5 each (the clients and the closed one's exit release), and 9.2 s for the three,
+    # each close waiting out its bound on a lock left taken; None: hung for 30 s and killed
+    assert codes == "[0, 0, 0]", (lines, proc.stderr[-2000:])
+    assert float(took) < 30, lines
+    assert lines["ended"] == "[]", lines  # the closed rank's parent still runs
