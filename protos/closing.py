@@ -206,6 +206,10 @@ def close_all() -> None:
             close(obj)
         except Exception:  # noqa: BLE001 - at exit: close the others whatever this one did
             log.exception("closing %r at exit failed", obj)
+        except BaseException as exc:  # a Ctrl-C or a signal handler's sys.exit in a close:
+            # the rest still close (each step is bounded); before, a live client after it
+            # was left unreleased, and its peers took its rank for lost
+            log.warning("closing %r at exit: %s; the rest are closed", obj, type(exc).__name__)
     if _used:
         gc.collect()  # gRPC calls in cycles go now, while the threads that lock them run
 

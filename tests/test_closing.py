@@ -162,3 +162,40 @@ def test_a_forked_worker_leaves_its_parents_clients_alone() -> None:
     assert codes == "[0, 0, 0]", (lines, proc.stderr[-2000:])
     assert float(took) < 30, lines
     assert lines["ended"] == "[]", lines  # the closed rank's parent still runs
+
+
+_INTERRUPTED = textwrap.dedent(
+    """
+    from paramshard.protos import closing
+
+    class Closes:
+        def __init__(self, name, error=None):
+            self.name, self.error = name, error
+
+        def close(self):
+            print("closed", self.name, flush=True)
+            if self.error is not None:
+                raise self.error
+
+    objects = [Closes("first"), Closes("interrupted", KeyboardInterrupt()), Closes("last")]
+    for obj in objects:
+        closing.close_at_exit(obj, Closes.close)
+    """
+)
+
+
+def test_a_ctrl_c_in_one_close_at_exit_leaves_the_others_closed() -> None:
+    """A Ctrl-C (or a signal handler's ``sys.exit``) that lands in one close at the exit: the
+    others still close, latest first. Before, the KeyboardInterrupt left the exit hook and the
+    closes after it never ran (a review: a live client stayed unreleased, and its peers took
+    its rank for lost)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.stdout.split("\n")[:3] == ["closed last", "closed interrupted", "closed first"]
+    assert "KeyboardInterrupt; the rest are closed" in proc.stderr, proc.stderr
