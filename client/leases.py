@@ -305,13 +305,14 @@ class _Holding(Renewals):
         _keep_for_exit((self.run, self.rank), self)
 
     def _end_closed(self) -> None:
-        """At the exit, for a lease its client released before (``_say_at_exit``): what the
-        exit's own release would have said."""
+        """At the exit, for a lease its client released before: what its release would say."""
         if closing.uncaught() is not None:
             if self.closed_on_error:
                 self._stop_others_at_exit()
         elif ends_for_good() and not restarts.launched():  # a launcher says it, by exit code
-            self._post_closed(self._request(release=True, ends=True))
+            request = self._request(release=True, ends=True)
+            request.client = 0  # an older server drops a released client's own as late
+            self._post_closed(request)
 
     def _post_closed(self, request: pb.LeaseRequest) -> list[str]:
         """Sends release ``request`` after the client closed, on channels of its own; what
