@@ -41,7 +41,7 @@ REFUSALS = frozenset(
 renewals meanwhile), unlike a stream that broke, which is opened again at once."""
 CONFLICT = grpc.StatusCode.ALREADY_EXISTS
 """How a server says that another process holds this rank through an open stream
-(server/collectives/lease_records.py, ``check_holder``): two jobs share the run id."""
+(server/collectives/lease_requests.py, ``check_holder``): two jobs share the run id."""
 
 
 class LeaseConflict(RuntimeError):

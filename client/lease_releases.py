@@ -9,7 +9,7 @@ run whose ranks released (server/collectives/leases.py, ``_ended``), and here th
 so the second run met the first one's keys and failed at its first collective. Now the next
 client of the run sends the run's unanswered releases again and waits for their answers
 (``AGAIN_S`` at most) before it leases; a first copy that comes later still drops nothing
-(server/collectives/lease_records.py, ``superseded``). The next job in another process has
+(server/collectives/lease_requests.py, ``superseded``). The next job in another process has
 no such list; there the old run ends when no live process is behind its leases
 (``abandoned``, same file).
 """
@@ -46,7 +46,7 @@ HELD_PACE_S = 0.1
 """How often ``post`` asks again a server that still holds the rank's lease stream. The rank's
 process has exited, so its connection is closed, but the server may not have handled the
 stream's end yet when the call comes: it then refuses the call as from another process
-(ALREADY_EXISTS, server/collectives/lease_records.py ``check_holder``). Taken once, that
+(ALREADY_EXISTS, server/collectives/lease_requests.py ``check_holder``). Taken once, that
 refusal left the rank's peers on other hosts to wait for a restart that never comes."""
 _LEASE = method_path("Lease")
 

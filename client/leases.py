@@ -133,6 +133,7 @@ class _Holding(Renewals):
             client=self.number,
             fresh=not self.made,
             restarted=self.restarted,
+            launch=restarts.launch_id(),
             **kw,
         )
 

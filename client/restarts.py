@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ELASTIC_ENV",
+    "LAUNCH_ENV",
     "MAX_RESTARTS_ENV",
     "RESTART_COUNT_ENV",
     "RESTART_FILE_ENV",
@@ -53,6 +54,7 @@ __all__ = [
     "max_restarts",
     "one_line",
     "read_declaration",
+    "launch_id",
     "launched",
     "restart_count",
     "restarted",
@@ -65,6 +67,10 @@ ELASTIC_ENV = "PARAMSHARD_ELASTIC"
 MAX_RESTARTS_ENV = "PARAMSHARD_MAX_RESTARTS"
 RESTART_COUNT_ENV = "PARAMSHARD_RESTART_COUNT"
 RESTART_FILE_ENV = "PARAMSHARD_RESTART_FILE"
+LAUNCH_ENV = "PARAMSHARD_LAUNCH_ID"
+"""Set by ``paramshard launch --max-restarts``: a random id of the launcher, the same for a
+rank's restarts. Its leases carry it (``LeaseRequest.launch``), so that a restart meets the
+final notice of its own job's run only, not that of an earlier job under the run id."""
 _TORCHRUN_COUNTS = ("TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
 ON_SERVERS, ON_TRAINERS = "servers", "trainers"
 LOST = "job-lost"
@@ -117,6 +123,11 @@ def launched() -> bool:
     """Whether ``paramshard launch`` started this rank (it gave it a declaration file): the
     launcher then sees its exit code, and tells the servers how the rank ended itself."""
     return bool(os.environ.get(RESTART_FILE_ENV))
+
+
+def launch_id() -> str:
+    """The launcher's id (``LAUNCH_ENV``), at most 64 characters; "" when none gave one."""
+    return os.environ.get(LAUNCH_ENV, "")[:64]
 
 
 def restart_count() -> int:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import queue
+import secrets
 import shutil
 import signal
 import tempfile
@@ -58,6 +59,7 @@ class RankRestarts:
     max_restarts: int  # --max-restarts: restarts allowed in all, over every rank
     directory: str = ""  # holds rank-R files the ranks declare themselves in ("": none)
     counts: dict[int, int] = field(default_factory=dict)  # rank -> restarts so far
+    launch: str = field(default_factory=lambda: secrets.token_hex(8))  # its ranks' LAUNCH_ENV
 
     @classmethod
     def create(cls, max_restarts: int) -> RankRestarts:
@@ -69,11 +71,12 @@ class RankRestarts:
 
     def env(self, rank: int) -> dict[str, str]:
         """What rank ``rank``'s next process is told: where it declares itself, and, with
-        --max-restarts, the restarts."""
+        --max-restarts, the restarts and which launcher makes them."""
         env = {contract.RESTART_FILE_ENV: self._file(rank)} if self.directory else {}
         if self.max_restarts:
             env[contract.MAX_RESTARTS_ENV] = str(self.max_restarts)
             env[contract.RESTART_COUNT_ENV] = str(self.attempt(rank))
+            env[contract.LAUNCH_ENV] = self.launch
         return env
 
     def _file(self, rank: int) -> str:

@@ -318,7 +318,7 @@ class StepReply(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream", "holder", "client", "fresh", "ends", "final", "restarted")
+    __slots__ = ("run", "rank", "world_size", "epoch", "ttl_ms", "rejoin_ms", "release", "abort", "stream", "holder", "client", "fresh", "ends", "final", "restarted", "launch")
     RUN_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class LeaseRequest(_message.Message):
     ENDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
     RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
     run: str
     rank: int
     world_size: int
@@ -349,7 +350,8 @@ class LeaseRequest(_message.Message):
     ends: bool
     final: bool
     restarted: bool
-    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ..., client: _Optional[int] = ..., fresh: _Optional[bool] = ..., ends: _Optional[bool] = ..., final: _Optional[bool] = ..., restarted: _Optional[bool] = ...) -> None: ...
+    launch: str
+    def __init__(self, run: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., epoch: _Optional[int] = ..., ttl_ms: _Optional[int] = ..., rejoin_ms: _Optional[int] = ..., release: _Optional[bool] = ..., abort: _Optional[str] = ..., stream: _Optional[bool] = ..., holder: _Optional[str] = ..., client: _Optional[int] = ..., fresh: _Optional[bool] = ..., ends: _Optional[bool] = ..., final: _Optional[bool] = ..., restarted: _Optional[bool] = ..., launch: _Optional[str] = ...) -> None: ...
 
 class LeaseReply(_message.Message):
     __slots__ = ("aborted", "aborted_epoch", "lost_rank", "awaiting", "incarnation", "final", "took_over")

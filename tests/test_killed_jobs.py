@@ -1,5 +1,5 @@
 """A job whose ranks were all killed, run again at once under its run id on the same servers
-(server/collectives/lease_records.py, ``abandoned``).
+(server/collectives/lease_requests.py, ``abandoned``).
 
 ``paramshard launch`` (and torchrun) stop the other ranks when one dies: SIGTERM, then SIGKILL.
 Nothing is released, and no rank lives on to witness the first one's lapse, so the servers

@@ -1,4 +1,4 @@
-"""One process a rank (server/collectives/lease_records.py, ``check_holder``; client/leases.py).
+"""One process a rank (server/collectives/lease_requests.py, ``check_holder``; client/leases.py).
 
 Two jobs that set the same run id by mistake on shared servers used to meet in the same slots:
 a contribution from the second job's rank 0 reads to the server as the first job's rank 0

@@ -126,27 +126,49 @@ def test_a_run_id_reused_after_its_ranks_are_gone_starts_afresh(table):
 
 
 @pytest.mark.parametrize(
-    ("restarted", "world", "told"),
-    [(True, 2, True), (False, 2, False), (True, 3, False)],
-    ids=["a-restart", "a-new-job", "a-restart-of-another-world"],
+    ("restarted", "world", "launch", "told"),
+    [
+        (True, 2, "A", True),
+        (True, 2, "", True),
+        (False, 2, "A", False),
+        (True, 3, "A", False),
+        (True, 2, "B", False),
+    ],
+    ids=[
+        "a-restart",
+        "a-restart-of-an-older-client",
+        "a-new-job",
+        "a-restart-of-another-world",
+        "a-restart-of-another-launcher",
+    ],
 )
 def test_a_restart_meets_the_final_notice_of_a_run_whose_ranks_all_died(
-    table, restarted, world, told
+    table, restarted, world, launch, told
 ):
     """Every rank of a run died at once, and one's launcher, out of restarts, posted the run's
     final notice for it. Another rank's restart (its launcher counts it: ``restarted``) gets
     that notice, and stops; before, no rank being alive, it started a new run under the id and
     waited for peers that never come (a field check: 120 s, its deadline). A new job under the
-    id (no restart count) starts afresh, as before, and so does a process of another world."""
+    id (no restart count) starts afresh, as before, and so does a process of another world, and
+    a restart by another launcher (``launch``: a new job run again under the id, one of whose
+    ranks was restarted before any other leased, met the last job's notice; a review)."""
     leases, _, clock = table
     for rank in (0, 1):
-        leases.renew(lease(rank=rank, holder=f"first-{rank}", client=1))
+        leases.renew(lease(rank=rank, holder=f"first-{rank}", client=1, launch="A"))
     clock.now += 5.0  # both died, no witness: nothing decided
     why = "failed with exit code 1: ValueError: bad batch"
     leases.renew(lease(rank=0, holder="launcher", release=True, abort=why, final=True))
     clock.now += SETTLE_S + 1.0
     reply = leases.renew(
-        lease(rank=1, world=world, holder="next", client=1, fresh=True, restarted=restarted)
+        lease(
+            rank=1,
+            world=world,
+            holder="next",
+            client=1,
+            fresh=True,
+            restarted=restarted,
+            launch=launch,
+        )
     )
     if told:
         assert reply.final and reply.aborted == f"run 'r': rank 0 {why}", reply

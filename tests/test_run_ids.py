@@ -343,8 +343,8 @@ def test_an_ends_release_after_the_clients_release_counts() -> None:
     """A client that closed before its process's exit (a ``finally``) says at the exit that
     its rank ended for good, in a second release from the same client (client/leases.py,
     ``_end_closed``). Unlike a renewal come late, it counts: the server records the end, which
-    fails its peers' waits at once. Before, the client sent it as client 0 to pass the late
-    check; the server now exempts it by name, as it exempts an abort."""
+    fails its peers' waits at once. The server exempts it by name, as it exempts an abort;
+    before, only the client 0 it is sent as (for older servers) passed the late check."""
     leases, _ = new_table()
     for rank in (0, 1):
         leases.renew(_client_lease(rank, client=1 + rank))

@@ -195,7 +195,9 @@ def test_restart_budget_and_declarations(tmp_path: Path) -> None:
         restarts.MAX_RESTARTS_ENV: "2",
         restarts.RESTART_COUNT_ENV: "0",
         restarts.RESTART_FILE_ENV: str(tmp_path / "rank-1"),
+        restarts.LAUNCH_ENV: policy.launch,  # the same for every rank and restart
     }
+    assert len(policy.launch) == 16 and policy.launch != RankRestarts(2).launch
     assert "before building a sharded model" in policy.refusal(1)
     (tmp_path / "rank-1").write_text("hybrid trainers\nzero1 servers\n")  # a 3D rank
     assert "its hybrid model kept" in policy.refusal(1)

@@ -40,7 +40,7 @@ A rank that may come back (``paramshard launch --max-restarts``; its lease carri
 ``rejoin_ms``) is awaited instead: the run is aborted only if no renewal for that rank arrives
 within that time after the lapse. A restarted trainer renews the same rank.
 
-One process a rank, and a closed client's late requests: server/collectives/lease_records.py.
+One process a rank, and a closed client's late requests: server/collectives/lease_requests.py.
 
 Epochs: after an abort, ranks recover under the next epoch (``restart_collectives``), which the
 abort does not touch. A run whose leases are all gone is forgotten after ``forget_s``; a
@@ -64,11 +64,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives import lease_records as records
+from paramshard.server.collectives import lease_requests as checks
 from paramshard.server.collectives import lease_words
 from paramshard.server.collectives.lease_books import Books
 from paramshard.server.collectives.lease_checks import DueChecks
-from paramshard.server.collectives.lease_records import LeaseRecord, Listener, RunRecord
+from paramshard.server.collectives.lease_records import LeaseRecord, Listener, RunRecord, Witnesses
 from paramshard.server.collectives.slot import Slot
 from paramshard.server.runtime.errors import ShardError
 
@@ -129,20 +129,20 @@ class LeaseTable:
         """Renews (or releases) rank ``req.rank``'s lease on run ``req.run``; posts an abort
         when asked; returns the run's notice for the rank's epoch, if any. ``owner``: the
         caller (its token), whose share a run it makes counts against."""
-        records.check_request(req)
+        checks.check_request(req)
         with self._lock:
             now = self.clock()
             if req.release and req.run not in self._runs:
                 return pb.LeaseReply(lost_rank=-1)
             found = self._runs.get(req.run)
-            records.check_holder(found, req, now)  # releases and aborts too
-            if found is not None and records.released_before(found, req):
+            checks.check_holder(found, req, now)  # releases and aborts too
+            if found is not None and checks.released_before(found, req):
                 return found.notice(req.epoch)  # a renewal or release, late: it holds nothing
             run = self._run_for(req, now, owner)
             took_over = not req.release and run.taken_over(req)
             if req.release:
                 # superseded: a closed client's, late: it drops nothing
-                if not records.superseded(run, req):
+                if not checks.superseded(run, req):
                     if req.rank in run.leases:
                         self._books.mark_released(run, req, self.max_leases, now)
                     elif req.ends and req.rank in run.released:  # said after its release: by
@@ -167,15 +167,15 @@ class LeaseTable:
     ) -> pb.LeaseReply:
         """Holds rank ``req.rank``'s lease through ``stream`` while it is open (a renewal
         too); its first reply: the run's notice for the rank's epoch, if any."""
-        records.check_request(req)
+        checks.check_request(req)
         if req.release or req.abort:
             raise ShardError.invalid("HoldLease: release and abort go in a Lease call")
         with self._lock:
             if self._closed.is_set():
                 raise ShardError.precondition("HoldLease: this server is stopping")
             found, now = self._runs.get(req.run), self.clock()
-            records.check_holder(found, req, now)
-            if records.released_before(found, req):
+            checks.check_holder(found, req, now)
+            if checks.released_before(found, req):
                 raise ShardError.precondition("HoldLease: this client released the rank's lease")
             run = self._run_for(req, now, owner)
             took_over = run.taken_over(req)
@@ -277,17 +277,17 @@ class LeaseTable:
     # -- bookkeeping (caller holds the lock) ------------------------------------------------
     def _run_for(self, req: pb.LeaseRequest, now: float, owner: str | None) -> RunRecord:
         run = self._runs.get(req.run)
-        if run is not None and run.final and req.restarted and run.world_size == req.world_size:
+        if run is not None and run.final and checks.restart_of(run, req):
             return run  # its final notice answers the restart (LeaseRequest.restarted)
-        if run is not None and records.abandoned(run, req, now):  # its ranks were all killed
-            records.check_settled(run, req, now)  # refused while one was heard lately
+        if run is not None and checks.abandoned(run, req, now):  # its ranks were all killed
+            checks.check_settled(run, req, now)  # refused while one was heard lately
             self._forget(req.run, run)
             run = None
         elif run is not None and not run.any_live(now, but=req.rank):
             mine = run.leases.get(req.rank)
             survivor = mine is not None and mine.live(now)  # keeps renewing after an abort
             ended = (
-                not run.leases and not req.release and records.ended_run(req.run, run, self.slots)
+                not run.leases and not req.release and checks.ended_run(req.run, run, self.slots)
             )
             if (
                 run.world_size != req.world_size
@@ -339,6 +339,8 @@ class LeaseTable:
         lease.reheard = reheard
         if req.holder:
             lease.holder, lease.client = req.holder, req.client
+        if req.launch:  # one entry a rank: bounded as the run's ranks are
+            run.launches[req.rank] = req.launch
         run.idle_since = None
 
     def _drop_lease(self, run: RunRecord, rank: int, now: float) -> None:
@@ -361,7 +363,7 @@ class LeaseTable:
             if now - lease.lapsed_at < lease.rejoin_s:
                 continue  # the run waits for a restart of this rank
             if witnesses is None:
-                witnesses = records.Witnesses(run, now, ISOLATED_GRACE_S)
+                witnesses = Witnesses(run, now, ISOLATED_GRACE_S)
             if not witnesses.saw(lease):
                 if now - lease.expires > self.forget_s:  # the whole run went quiet long ago
                     self._drop_lease(run, rank, now)
