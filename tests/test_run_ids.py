@@ -194,6 +194,33 @@ def test_the_books_of_gone_keys_stay_bounded_and_find_a_run_by_its_keys() -> Non
     assert len(gone.freed) > FORGET_AFTER // 2
 
 
+def test_an_aborted_run_refuses_its_keys_and_no_other_runs() -> None:
+    """A new key is refused when its run's epoch was aborted. The runs it may belong to are
+    now looked up from its head, not walked (a review: every new key of every team tried each
+    aborted run under the store's lock); the answers are the walk's, for runs whose ids start
+    with each other's, groups, epochs, and a key longer than any run id."""
+    from paramshard.server.collectives.pending import run_epoch
+
+    aborted = {"r": (1, "r lost"), "r.eval": (0, "eval lost"), "t/x": (0, "t/x lost")}
+    gone = GoneKeys()
+    for run, (epoch, why) in aborted.items():
+        gone.abort(run, epoch, why)
+    keys = ["r:ar1/0", "r.e1:ar/0", "r.e2:ar/0", "r.e1/tp:ag/0", "r/g0.e2:x", "r2:ar/0",
+            "r.eval:ar/0", "r.eval.e1:ar/0", "t/x:ar/0", "t:ar/0", "q:" + "r" * 900,
+            "r." + "e" * 300 + ":x", "r/" + "a/" * 200 + ":x"]  # fmt: skip
+
+    def walked(key: str) -> str | None:
+        for run, (epoch, why) in aborted.items():
+            if (e := run_epoch(key, run)) is not None and e <= epoch:
+                return f"slot '{key}': {why}"
+        return None
+
+    answers = {key: gone.aborted(key) for key in keys}
+    assert answers == {key: walked(key) for key in keys}
+    assert answers["r.e1:ar/0"] == "slot 'r.e1:ar/0': r lost" and answers["r.e2:ar/0"] is None
+    assert answers["r2:ar/0"] is None and answers["r/" + "a/" * 200 + ":x"] is not None
+
+
 def test_the_books_of_gone_keys_are_bounded_in_bytes_too() -> None:
     """Found in review: 66,000 keys of 1,024 characters, freed, and 75,000 ended, grew a
     server by 507 MiB outside its account (the books counted entries). Each book now keeps

@@ -14,6 +14,7 @@ from bisect import bisect_left, insort
 from collections import OrderedDict
 from typing import Generic, TypeVar
 
+from paramshard.protos.run_ids import MAX_RUN_CHARS
 from paramshard.server.collectives.pending import run_epoch
 
 __all__ = ["ENTRY_BYTES", "FORGET_AFTER", "FORGET_BYTES", "GoneKeys", "of_run"]
@@ -112,10 +113,20 @@ class GoneKeys:
         self._ended.put(key, why)
 
     def aborted(self, key: str) -> str | None:
-        """Why a new slot ``key`` is refused: its run's epoch was aborted (None: it is not)."""
-        for run, (epoch, why) in self._aborted.items():
-            if (e := run_epoch(key, run)) is not None and e <= epoch:
-                return f"slot '{key}': {why}"
+        """Why a new slot ``key`` is refused: its run's epoch was aborted (None: it is not).
+        Only the runs ``key`` can belong to are looked up: its head up to each ``.`` or ``/``
+        and whole, as long as a run id can be. Before, every aborted run was tried, under the
+        store's lock, for every new key of every team (a review: a 2 ms all-reduce took
+        1.4-1.6x as long beside 4,048 runs another team had aborted)."""
+        head = key.split(":", 1)[0]
+        ends = [i for i, c in enumerate(head[: MAX_RUN_CHARS + 1]) if c in "./"]
+        if len(head) <= MAX_RUN_CHARS:
+            ends.append(len(head))
+        for end in ends:
+            run = head[:end]
+            found = self._aborted.get(run)
+            if found is not None and (e := run_epoch(key, run)) is not None and e <= found[0]:
+                return f"slot '{key}': {found[1]}"
         return None
 
     def abort(self, run: str, epoch: int, why: str) -> None:
