@@ -37,9 +37,8 @@ this rank may be waiting on another server's call (a node down). Otherwise the c
 decide how long a server is waited for.
 
 A rank that ``paramshard launch --max-restarts`` may restart carries ``rejoin_ms``
-(``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the servers then wait
-that long for its restart instead of aborting. Models that keep their state in the trainer
-(DDP, 3D) cannot rejoin and set it to 0 when built.
+(``PARAMSHARD_REJOIN_TIMEOUT_S``, default 120 s when restarts are on): the servers wait that
+long for its restart instead of aborting (DDP and 3D models, whose state is in the trainer: 0).
 
 Every request names this process and client (``holder_id``, ``next_client``: a closed client's
 late requests change nothing on the servers); a server where another process holds the rank
@@ -49,9 +48,8 @@ waits for its streams' first answers and asks again for ``TAKEOVER_S``, then rai
 
 ``close()`` on the client (and, as a safety net, the interpreter's exit: protos/closing.py)
 releases its lease, then ends its streams and the threads that read them: a rank that ends
-normally aborts nothing. The exit's release says when the rank ends for good (``ends``), so
-a peer's wait for it fails at once. The renewing thread ends with the last lease of the
-process.
+normally aborts nothing. The exit's release says when the rank ends for good (``ends``), so a
+peer's wait for it fails at once. The renewing thread ends with the process's last lease.
 """
 
 from __future__ import annotations
@@ -345,8 +343,10 @@ class _Holding(Renewals):
         if not released:
             self._stop_others_at_exit()
             self._say_at_exit()
-            request = self._request(release=True, ends=ends_for_good())
-            lease_releases.await_release(self.client(), request, self.start(request))
+            request, sent = self._request(release=True, ends=ends_for_good()), []
+            # bounded as a close's steps are: a lock left taken in a channel would hold it
+            closing.bounded(lambda: sent.extend(self.start(request)), "sending a lease release")
+            lease_releases.await_release(self.client(), request, list(sent))
         self.close_holds()
 
 
