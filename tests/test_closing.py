@@ -22,6 +22,18 @@ from conftest import worker_env
 from paramshard.protos import closing
 
 
+def run_child(code: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """``code`` in a Python process of its own (its exit is what is tested), output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
 def test_a_slow_step_shortens_later_steps_only_while_it_runs(monkeypatch) -> None:
     monkeypatch.setattr(closing, "STEP_S", 0.2)
     release = threading.Event()
@@ -91,14 +103,7 @@ def test_no_grpc_call_is_left_to_the_interpreters_teardown() -> None:
     thread, gone by then, may have held, and the process hung (once in about 80 rank exits
     on a loaded machine, each after its close). The child reports every call that reaches
     the teardown; before the fix its four lease streams did, every time."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = run_child(_CHILD, timeout_s=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["UNIMPLEMENTED"]
     assert "A GRPC CALL LEFT TO THE EXIT" not in proc.stderr, proc.stderr[-2000:]
@@ -146,14 +151,7 @@ def test_a_forked_worker_leaves_its_parents_clients_alone() -> None:
     held at the fork (a DataLoader then waits 5 s for it and kills it: 5 s an epoch), and a
     worker of a rank that had closed its client told the server, in the rank's name, that it
     ended for good, which failed its peers' waits at once while it was still running."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _FORKS],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    proc = run_child(_FORKS, timeout_s=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     codes, took = lines["workers"].rsplit(" ", 1)
@@ -189,13 +187,6 @@ def test_a_ctrl_c_in_one_close_at_exit_leaves_the_others_closed() -> None:
     others still close, latest first. Before, the KeyboardInterrupt left the exit hook and the
     closes after it never ran (a review: a live client stayed unreleased, and its peers took
     its rank for lost)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED],
-        env=worker_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_child(_INTERRUPTED, timeout_s=60)
     assert proc.stdout.split("\n")[:3] == ["closed last", "closed interrupted", "closed first"]
     assert "KeyboardInterrupt; the rest are closed" in proc.stderr, proc.stderr
