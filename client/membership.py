@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import random
 import threading
 import time
@@ -289,6 +290,11 @@ class _Registry:
         with self._lock:
             return [m for m in self._items if m.client is client]
 
+    def forget_inherited(self) -> None:
+        """In a forked child: the memberships are the parent's (a child's exit left them, over
+        the parent's channels, and its step went on without the rank: a review); new lock."""
+        self._lock, self._items = threading.Lock(), weakref.WeakSet()
+
     def _leave_all(self) -> None:
         with self._lock:
             items = list(self._items)
@@ -300,6 +306,8 @@ class _Registry:
 
 
 _registry = _Registry()
+if hasattr(os, "register_at_fork"):  # as protos/closing.py's registry
+    os.register_at_fork(after_in_child=_registry.forget_inherited)
 
 
 def _listed(ranks: Any, count: int) -> str:

@@ -112,18 +112,20 @@ def test_no_grpc_call_is_left_to_the_interpreters_teardown() -> None:
 _FORKS = textwrap.dedent(
     """
     import multiprocessing as mp, sys, time
-    from paramshard.client import ClusterSpec, ShardClient
+    from paramshard.client import ClusterSpec, ShardClient, membership
     from paramshard.protos import closing
     from paramshard.server import ShardServer
 
-    def worker():  # its exit code: what its exit would close of what the parent made
-        sys.exit(len(closing._open))
+    def worker():  # its exit code: what its exit would close or leave of the parent's
+        sys.exit(len(closing._open) + 10 * len(list(membership._registry._items)))
 
     server = ShardServer(port=0).start()
     spec = ClusterSpec([server.address])
     live = [ShardClient(spec, rank=r, world_size=2, run_id="forks") for r in range(2)]
     closed = ShardClient(spec, rank=1, world_size=2, run_id="forks-closed")
     peer = ShardClient(spec, rank=0, world_size=2, run_id="forks-closed")
+    elastic = ShardClient(spec, rank=0, world_size=2, run_id="forks-elastic")
+    member = membership.Membership(elastic, "e", min_members=1, window_s=1.0, wait_s=5.0)
     closed.close()  # as a script that closes its client and goes on, then forks
     workers = [mp.get_context("fork").Process(target=worker) for _ in range(3)]
     began = time.monotonic()
@@ -137,7 +139,7 @@ _FORKS = textwrap.dedent(
             w.kill()
     run = server.servicer.leases._runs["forks-closed"]
     print("ended", sorted(run.ended_at), flush=True)
-    for c in (*live, peer):
+    for c in (*live, peer, elastic):
         c.close()
     server.stop(grace=None)
     """
@@ -150,12 +152,14 @@ def test_a_forked_worker_leaves_its_parents_clients_alone() -> None:
     worker's exit closed the clients it inherited: it hung on a gRPC lock that a parent thread
     held at the fork (a DataLoader then waits 5 s for it and kills it: 5 s an epoch), and a
     worker of a rank that had closed its client told the server, in the rank's name, that it
-    ended for good, which failed its peers' waits at once while it was still running."""
+    ended for good, which failed its peers' waits at once while it was still running. An
+    elastic rank's membership is the parent's too: a child's exit left it, over the parent's
+    channels, and the parent's next step went on without the rank (a review)."""
     proc = run_child(_FORKS, timeout_s=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     codes, took = lines["workers"].rsplit(" ", 1)
-    # before: 5 each (the clients and the closed one's exit release), and 9.2 s for the three,
+    # before: 16 each (5 closes, 1 membership), and 9.2 s for the three,
     # each close waiting out its bound on a lock left taken; None: hung for 30 s and killed
     assert codes == "[0, 0, 0]", (lines, proc.stderr[-2000:])
     assert float(took) < 30, lines
