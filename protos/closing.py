@@ -29,7 +29,8 @@ ran the hook all the same (multiprocessing's children run ``threading``'s exit h
 closing the parent's client there hung every such worker (a DataLoader waits 5 s for its
 workers, then kills them: 5 s an epoch) and could say, in the parent's name, that its rank had
 ended. So a forked child starts with an empty registry (``_forget_inherited``): what its
-parent made is the parent's to close; what the child makes, it closes itself.
+parent made is the parent's to close; what the child makes, it closes itself (gRPC does not
+support a client made in a forked child, which may abort in gRPC's own code: docs/launch.md).
 """
 
 from __future__ import annotations
