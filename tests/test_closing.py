@@ -159,8 +159,9 @@ def test_a_forked_worker_leaves_its_parents_clients_alone() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
     codes, took = lines["workers"].rsplit(" ", 1)
-    # before: 16 each (5 closes, 1 membership), and 9.2 s for the three,
-    # each close waiting out its bound on a lock left taken; None: hung for 30 s and killed
+    # before: 16 each (6 closes: the server, 4 clients, the closed one's exit release; 1
+    # membership), and 9.2 s for the three, each close waiting out its bound on a lock left
+    # taken; None: hung for 30 s and killed
     assert codes == "[0, 0, 0]", (lines, proc.stderr[-2000:])
     assert float(took) < 30, lines
     assert lines["ended"] == "[]", lines  # the closed rank's parent still runs
