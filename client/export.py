@@ -3,6 +3,12 @@ from live servers, and the streaming writer offline export shares (``write_safet
 
 Export streams: the safetensors header is computed from the manifest first, then each
 parameter is pulled and written in turn, so memory stays about one parameter.
+
+A live export is of one version (docs/design.md §3.3) or not written at all
+(``one_version``): the header, written first, records the version Status reports, and every
+pull's reply says the version its values are of. A step that lands between two pulls (training
+runs) makes a tensor of another version: the attempt is dropped (``atomic_write``: no file)
+and made again, a few times, then refused with what to do instead.
 """
 
 from __future__ import annotations
@@ -12,17 +18,31 @@ import math
 import os
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 import numpy as np
 
-from paramshard.client.jobs import live_params
+from paramshard.client.jobs import LiveParam, live_params
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.tensor_parts import WholeParam
 from paramshard.protos import codec
 from paramshard.protos.atomic import atomic_write
 
-__all__ = ["export", "export_dtype", "whole_items", "write_safetensors"]
+__all__ = [
+    "ATTEMPTS",
+    "VersionChangedError",
+    "export",
+    "export_dtype",
+    "one_version",
+    "whole_items",
+    "write_safetensors",
+]
+
+ATTEMPTS = 3
+"""Live export attempts before a job whose version keeps moving is refused."""
+
+T = TypeVar("T")
 
 _ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 
@@ -84,17 +104,80 @@ def whole_items(
     ]
 
 
+class VersionChangedError(RuntimeError):
+    """A live export kept finding tensors of another version than the one it records:
+    training stepped while it ran."""
+
+
+class _Moved(Exception):
+    """One attempt's tensor is of another version (caught by ``one_version``)."""
+
+
+def _checked(p: LiveParam, seen: list[int], version: int) -> Callable[[], Any]:
+    """``p.produce``, refusing values whose pulls (``seen``) were not all of ``version``."""
+
+    def produce() -> Any:
+        seen.clear()
+        values = p.produce()
+        other = sorted(set(seen) - {version})
+        if other:
+            got = " and ".join(map(str, sorted(set(seen))))
+            raise _Moved(f"'{p.name}' came back at version {got}, the export's is {version}")
+        return values
+
+    return produce
+
+
+def one_version(
+    client: ShardClient,
+    job: str,
+    write: Callable[[list[LiveParam], list[str], dict[str, str]], T],
+    attempts: int = ATTEMPTS,
+) -> T:
+    """``write(params, jobs, metadata)`` of ``job``'s live parameters (``live_params``) with
+    metadata ``{"job", "version"[, "parts"]}``, where every tensor ``write`` produces is of
+    that version. ``write`` must leave nothing when a producer raises (``atomic_write``).
+
+    The version is the newest Status reports; a tensor whose pull came back at another one (a
+    step applied between two pulls, or a step half applied when Status answered) drops the
+    attempt and starts another, with a new Status. After ``attempts``, VersionChangedError:
+    a running job is exported from a snapshot (the servers capture every buffer at one
+    version without stopping training, docs/design.md §5.1)."""
+    why = ""
+    for _ in range(max(1, attempts)):
+        seen: list[int] = []
+        params, jobs = live_params(client, job, versions=seen)
+        version = max((p.version for p in params), default=0)
+        meta = {"job": job, "version": str(version)}
+        if jobs != [job]:
+            meta["parts"] = ",".join(jobs)
+        try:
+            return write(
+                [replace(p, produce=_checked(p, seen, version)) for p in params], jobs, meta
+            )
+        except _Moved as exc:
+            why = str(exc)
+    raise VersionChangedError(
+        f"job '{job}' changed version while it was exported, {attempts} times (last: {why}):"
+        " training is running, and a live export is of one version or nothing. Nothing was"
+        " written. Pause training and export again, or take a snapshot (paramshard snapshot"
+        f" {job} --tag TAG) and export that (paramshard export --snapshot"
+        f" <snapshot-dir>/{job}/TAG, with --out FILE or --hf-dir DIR)"
+    )
+
+
 def export(client: ShardClient, job: str, out: str | os.PathLike) -> int:
     """The job's full state dict from live servers into one safetensors file, under the
-    model's own names; returns the number of tensors. Consistent when training is paused;
-    while it runs, snapshot first and export the snapshot.
+    model's own names; returns the number of tensors. Every tensor is of the version the
+    metadata records (``one_version``): while training runs, VersionChangedError unless an
+    attempt fits between two steps; snapshot first and export the snapshot instead.
 
     Of a 3D job's base name: the whole model, each tensor joined from its parts (tensor
     rank 0's copy of a replicated one), every stage; one whole tensor in memory at a time."""
-    params, jobs = live_params(client, job)
-    items = whole_items(params)
-    meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
-    if jobs != [job]:
-        meta["parts"] = ",".join(jobs)
-    write_safetensors(out, items, meta)
-    return len(items)
+
+    def write(params: list[LiveParam], jobs: list[str], meta: dict[str, str]) -> int:
+        items = whole_items(params)
+        write_safetensors(out, items, meta)
+        return len(items)
+
+    return one_version(client, job, write)

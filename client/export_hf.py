@@ -29,8 +29,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from paramshard.client.export import whole_items, write_safetensors
-from paramshard.client.jobs import live_model_config, live_params
+from paramshard.client.export import one_version, whole_items, write_safetensors
+from paramshard.client.jobs import LiveParam, live_model_config
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.tensor_parts import WholeParam
 from paramshard.protos.atomic import atomic_write
@@ -81,16 +81,18 @@ def export_hf(client: ShardClient, job: str, out_dir: str | os.PathLike) -> int:
     """The job of a Hugging Face ``PreTrainedModel`` from live servers into ``out_dir`` as
     ``config.json`` + ``model.safetensors``, loadable with ``from_pretrained(out_dir)``;
     returns the number of tensors. A 3D job's base name exports the whole model (its
-    tensor-parallel parts joined). Consistent when training is paused; while it runs,
-    snapshot first and export the snapshot. RuntimeError for a job of another model."""
-    params, jobs = live_params(client, job)
-    described = live_model_config(client, jobs)
-    if described is None:
-        raise RuntimeError(
-            f"job '{job}' has no model config on the servers: only a Hugging Face"
-            " PreTrainedModel's job records one when it registers; export it with --out"
-        )
-    meta = {"job": job, "version": str(max((p.version for p in params), default=0))}
-    if jobs != [job]:
-        meta["parts"] = ",".join(jobs)
-    return write_hf(out_dir, described, params, meta)
+    tensor-parallel parts joined). Every tensor is of the version the metadata records
+    (``client.export.one_version``): while training runs, VersionChangedError unless an
+    attempt fits between two steps; snapshot first and export the snapshot instead.
+    RuntimeError for a job of another model."""
+
+    def write(params: list[LiveParam], jobs: list[str], meta: dict[str, str]) -> int:
+        described = live_model_config(client, jobs)
+        if described is None:
+            raise RuntimeError(
+                f"job '{job}' has no model config on the servers: only a Hugging Face"
+                " PreTrainedModel's job records one when it registers; export it with --out"
+            )
+        return write_hf(out_dir, described, params, meta)
+
+    return one_version(client, job, write)

@@ -192,7 +192,9 @@ def job_params(client: ShardClient, job: str) -> list[ParamRef]:
     return param_refs(held.status[job])
 
 
-def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
+def _part_param(
+    client: ShardClient, job: str, r: ParamRef, versions: list[int] | None
+) -> PartParam:
     return PartParam(
         r.name,
         r.shape,
@@ -200,7 +202,7 @@ def _part_param(client: ShardClient, job: str, r: ParamRef) -> PartParam:
         r.dtype,
         r.aliases,
         r.split,
-        read=lambda: pull_param(client, job, r),
+        read=lambda: pull_param(client, job, r, versions),
     )
 
 
@@ -223,17 +225,23 @@ class LiveParam(WholeParam):
     """The servers (indices in the tools' client) holding pieces of it."""
 
 
-def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[str]]:
+def live_params(
+    client: ShardClient, job: str, versions: list[int] | None = None
+) -> tuple[list[LiveParam], list[str]]:
     """Every whole parameter of ``job`` and the server jobs it is read from: the job itself,
     or, for a 3D job's base name, its parts (tensor-parallel slices joined). KeyError when the
-    servers hold neither, PartsError when a part is missing or they do not fit together."""
+    servers hold neither, PartsError when a part is missing or they do not fit together.
+
+    ``versions``: each ``produce`` appends to it the version every piece it pulled came from
+    (``pull_param``). A ``LiveParam.version`` is only what Status said before any pull: while
+    training runs, a step may land between two pulls, and only the replies tell."""
     held = server_jobs(client)
     if job in held.status:
         view = held.view(job)
         return [
             LiveParam.of(
                 r,
-                produce=lambda r=r: pull_param(view, job, r),
+                produce=lambda r=r: pull_param(view, job, r, versions),
                 source=(job,),
                 version=r.version,
                 buffer=r.buffer,
@@ -251,7 +259,7 @@ def live_params(client: ShardClient, job: str) -> tuple[list[LiveParam], list[st
     params = {}
     for k, rs in refs.items():
         view = held.view(parts[k])
-        params[k] = [_part_param(view, parts[k], r) for r in rs]
+        params[k] = [_part_param(view, parts[k], r, versions) for r in rs]
         where.update(((parts[k], r.name), _holders(held, parts[k], r)) for r in rs)
     whole = join_parts(job, params, parts)
     out = [
@@ -291,9 +299,15 @@ def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
     raise KeyError(f"job '{job}'{parts} has no parameter '{name}'")
 
 
-def pull_param(client: ShardClient, job: str, ref: ParamRef) -> np.ndarray:
-    """``ref``'s values, flat, in its buffer's master dtype."""
+def pull_param(
+    client: ShardClient, job: str, ref: ParamRef, versions: list[int] | None = None
+) -> np.ndarray:
+    """``ref``'s values, flat, in its buffer's master dtype. ``versions``: the version of each
+    piece (a server's chunk; PullParamsHeader.version, read with the values under the slice's
+    lock) is appended to it: pieces of one parameter on two servers may differ while a step
+    is being applied."""
     out = np.empty(ref.numel, dtype=np.dtype(ref.master_dtype))
+    headers: list[Any] | None = [] if versions is not None else None
     client.run(
         client.pull_calls(
             job,
@@ -303,8 +317,11 @@ def pull_param(client: ShardClient, job: str, ref: ParamRef) -> np.ndarray:
             dtype=ref.master_dtype,
             start=ref.offset,
             numel=ref.buffer_numel,
+            headers=headers,
         )
     )
+    if versions is not None:
+        versions.extend(h.version for h in headers or ())
     return out
 
 
