@@ -81,10 +81,13 @@ def write_safetensors(
                 raise RuntimeError(f"'{name}': got {values.size} values for shape {list(shape)}")
             if dtype == "bfloat16":
                 raw = codec.f32_to_bf16_bits(values)
-            else:
-                raw = values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)))
-            f.write(raw.tobytes())
-            del values, raw
+            else:  # no copy where the dtype is already the file's (float32, float64)
+                raw = values.astype(codec.numpy_dtype(codec.wire_dtype(dtype)), copy=False)
+            del values  # a converted copy is all that is left: one tensor, not two
+            # the array's own bytes, little-endian as safetensors stores them: no bytes copy
+            raw = np.ascontiguousarray(raw, raw.dtype.newbyteorder("<")).reshape(-1)
+            f.write(memoryview(raw).cast("B"))
+            del raw
 
 
 def export_dtype(dtype: str) -> str:

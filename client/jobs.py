@@ -305,21 +305,26 @@ def pull_param(
     """``ref``'s values, flat, in its buffer's master dtype. ``versions``: the version of each
     piece (a server's chunk; PullParamsHeader.version, read with the values under the slice's
     lock) is appended to it: pieces of one parameter on two servers may differ while a step
-    is being applied."""
+    is being applied.
+
+    The chunks are pulled ``max_in_flight`` at a time: ``run`` returns every reply it was
+    given, so one run of all of them would hold a second copy of the whole tensor in the
+    replies of servers that answer in-band (not through shared memory) until the last came."""
     out = np.empty(ref.numel, dtype=np.dtype(ref.master_dtype))
     headers: list[Any] | None = [] if versions is not None else None
-    client.run(
-        client.pull_calls(
-            job,
-            ref.buffer,
-            out,
-            0,
-            dtype=ref.master_dtype,
-            start=ref.offset,
-            numel=ref.buffer_numel,
-            headers=headers,
-        )
+    calls = client.pull_calls(
+        job,
+        ref.buffer,
+        out,
+        0,
+        dtype=ref.master_dtype,
+        start=ref.offset,
+        numel=ref.buffer_numel,
+        headers=headers,
     )
+    group = max(1, client.max_in_flight)
+    for i in range(0, len(calls), group):
+        client.run(calls[i : i + group])
     if versions is not None:
         versions.extend(h.version for h in headers or ())
     return out
