@@ -64,7 +64,12 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
     ]
     reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
     if not reachable:
-        raise LookupError(f"no version of job '{job}' is replicated for every server")
+        failed = "".join(
+            f"; server {i}'s last replica failed: {r.failure}"
+            for i, r in enumerate(lists)
+            if r.failure
+        )
+        raise LookupError(f"no version of job '{job}' is replicated for every server{failed}")
     version = max(reachable)
     for i in range(n):
         if version in own[i]:

@@ -924,12 +924,14 @@ class ReplicaInfo(_message.Message):
     def __init__(self, source_index: _Optional[int] = ..., version: _Optional[int] = ..., bytes: _Optional[int] = ..., own: _Optional[bool] = ...) -> None: ...
 
 class ListReplicasReply(_message.Message):
-    __slots__ = ("server_index", "replicas")
+    __slots__ = ("server_index", "replicas", "failure")
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
     server_index: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaInfo]
-    def __init__(self, server_index: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ...) -> None: ...
+    failure: str
+    def __init__(self, server_index: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaInfo, _Mapping]]] = ..., failure: _Optional[str] = ...) -> None: ...
 
 class FetchReplicaRequest(_message.Message):
     __slots__ = ("job", "source_index", "version", "offset", "max_bytes")

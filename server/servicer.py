@@ -378,7 +378,9 @@ class ShardServicer:
     def list_replicas(self, req: pb.ListReplicasRequest, context: Any) -> Any:
         cfg = self.replicator.configs.get(req.job)
         return pb.ListReplicasReply(
-            server_index=cfg.server_index if cfg else 0, replicas=self.replicator.list(req.job)
+            server_index=cfg.server_index if cfg else 0,
+            replicas=self.replicator.list(req.job),
+            failure=self.replicator.failures.get(req.job, ""),
         )
 
     def fetch_replica(self, req: pb.FetchReplicaRequest, context: Any) -> Any:

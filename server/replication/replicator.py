@@ -33,41 +33,38 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.service import method_path
+from paramshard.server.replication.channels import NeighbourChannels, store_stub
 from paramshard.server.replication.held import KEEP, HeldReplicas
 from paramshard.server.replication.inbox import Inbox
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
 from paramshard.server.replication.recovery import CHUNK
-from paramshard.server.rpc import peer_credentials
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.shards import Captured, encode_shard
+from paramshard.server.snapshots.shards import Captured, array_bytes, shard_parts
 
 __all__ = ["Replicator"]
 
 log = logging.getLogger("paramshard.replication")
-QUEUE = 4  # replicas waiting to be encoded and sent
-PROBE_TIMEOUT_S = 10.0
-_CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_reconnect_backoff_ms", 1000),  # a neighbour back is reached within a second
-    ("grpc.use_local_subchannel_pool", 1),  # a new channel connects anew (``_renew_channel``)
-]
-_STORE = method_path("StoreReplica")
+QUEUE = 2  # versions captured and waiting to be encoded and sent (each a copy of the job here)
+_Bucket = dict[str, tuple[Captured, bytes, int]]  # buffer -> (copy, its spec, bytes reserved)
 
 
-class Replicator(HeldReplicas):
+def _reserved(bucket: _Bucket) -> int:
+    return sum(n for _, _, n in bucket.values())
+
+
+class Replicator(NeighbourChannels, HeldReplicas):
     def __init__(self, store: Any, *, ttl_s: float = 300.0, queue_size: int = QUEUE) -> None:
         self.store = store  # BufferStore
         self._lock = threading.Lock()
         self.configs: dict[str, pb.ReplicationConfig] = {}
-        self._collecting: dict[tuple[str, int], dict[str, tuple[Captured, bytes]]] = {}
+        self._collecting: dict[tuple[str, int], _Bucket] = {}
         self.own: dict[str, OrderedDict[int, bytes]] = {}
         self.held: dict[tuple[str, int], OrderedDict[int, bytes]] = {}
         self.budget = store.budget  # replicas kept here are paid for from the server's memory
         self.inbox = Inbox(ttl_s, self.budget)
         self.queue_size = queue_size
-        self._queue: deque[tuple[pb.ReplicationConfig, int, dict]] = deque()
+        self._queue: deque[tuple[pb.ReplicationConfig, int, _Bucket]] = deque()
+        self.failures: dict[str, str] = {}  # job -> why its last replica was not made
         self._wake = threading.Condition(self._lock)
         self._channels: dict[str, grpc.Channel] = {}
         self.segments = NeighbourSegments(CHUNK)  # chunks to a neighbour on this host
@@ -159,14 +156,13 @@ class Replicator(HeldReplicas):
                     for other in [v for v in versions or () if how == "snapshot" or v != version]:
                         gone.append(versions.pop(other))
             cfg = self.configs.get(job)
+            copies = 0
             if cfg is not None and how == "snapshot":  # what is encoded or sent of the history
-                for key in [k for k in self._collecting if k[0] == job]:  # before stops there
-                    del self._collecting[key]
-                self._queue = deque(item for item in self._queue if item[0].job != job)
+                copies = self._forget_copies(job)  # before stops there
                 self.configs[job] = cfg = pb.ReplicationConfig.FromString(cfg.SerializeToString())
             for b in slices if cfg is not None else ():
                 b.replicator = self
-        self.budget.release(sum(map(len, gone)), "replicas")
+        self.budget.release(sum(map(len, gone)) + copies, "replicas")
         if how == "snapshot":
             self.inbox.drop(job)
         if cfg is not None and how != "registered":
@@ -180,12 +176,27 @@ class Replicator(HeldReplicas):
             b.replicator = None
         with self._lock:
             old = self.configs.pop(job, None)
-            for key in [k for k in self._collecting if k[0] == job]:
-                del self._collecting[key]
-            self._queue = deque(item for item in self._queue if item[0].job != job)
+            self.failures.pop(job, None)
+            copies = self._forget_copies(job)
             if old is not None:
                 self._close_unused(old.neighbour)
+        self.budget.release(copies, "replicas")
         return old is not None
+
+    def _forget_copies(self, job: str) -> int:
+        """Under the lock: drops ``job``'s copies not yet encoded; the bytes they reserved."""
+        buckets = [self._collecting.pop(k) for k in [k for k in self._collecting if k[0] == job]]
+        buckets += [bucket for cfg, _, bucket in self._queue if cfg.job == job]
+        self._queue = deque(item for item in self._queue if item[0].job != job)
+        return sum(map(_reserved, buckets))
+
+    def _failed(self, job: str, version: int, why: str) -> None:
+        """Replica ``version`` of ``job`` was not made or not sent: logged, and kept for
+        ListReplicas (its ``failure``), where recovery and ``paramshard status`` show it."""
+        with self._lock:
+            if job in self.configs:
+                self.failures[job] = f"v{version}: {why}"
+        log.warning("replica of %s v%d: %s", job, version, why)
 
     def drop(self, job: str) -> bool:
         """The job left this server: stop replicating it, forget its replicas, close channels.
@@ -199,44 +210,48 @@ class Replicator(HeldReplicas):
         self.budget.release(sum(map(len, gone)), "replicas")
         return self.inbox.drop(job) or had or bool(gone)
 
-    def _close_unused(self, neighbour: str) -> None:
-        """Under the lock: closes the channel to ``neighbour`` unless a job still sends there."""
-        if any(c.neighbour == neighbour for c in self.configs.values()):
-            return
-        chan = self._channels.pop(neighbour, None)
-        if chan is not None:
-            self.segments.forget(neighbour)
-            chan.close()
-
     def on_version(self, b: Any, force: bool = False) -> None:
         """Called with ``b.cond`` held after ``b`` reached a new version."""
         cfg = self.configs.get(b.job)
         if cfg is None or not cfg.every or (b.version % cfg.every and not force):
             return
+        # the copy is paid for before it is made: before, copies waiting to be sent took a
+        # GPT-2 124M server to 8.4 GB past any --max-memory (docs/security.md, sixteenth round)
+        nbytes = b.capture_bytes()
+        try:
+            self.budget.reserve(nbytes, "replicas", f"a copy of {b.label} for its replica")
+        except ShardError as exc:
+            self._failed(b.job, b.version, exc.message)
+            return
         captured = b.copy_state()
         key = (b.job, b.version)
         total = len(self.store.jobs().get(b.job, ()))
+        freed = nbytes
         with self._lock:
-            if self.configs.get(b.job) is not cfg:  # stopped or dropped meanwhile
-                return
-            bucket = self._collecting.setdefault(key, {})
-            bucket[b.name] = (captured, b.spec.SerializeToString())
-            older = sorted(k for k in self._collecting if k[0] == b.job)
-            for stale in older[: max(0, len(older) - KEEP)]:  # a buffer never got there
-                del self._collecting[stale]
-            if len(bucket) < total:
-                return
-            self._collecting.pop(key, None)
-            if len(self._queue) >= self.queue_size:
-                late, version, _ = self._queue.popleft()
-                log.warning(
-                    "replica of %s v%d dropped: %d replicas wait to be sent to slow neighbours",
-                    late.job,
-                    version,
-                    self.queue_size,
-                )
-            self._queue.append((cfg, b.version, bucket))
-            self._wake.notify()
+            if self.configs.get(b.job) is cfg:  # else stopped or dropped meanwhile
+                freed = 0
+                bucket = self._collecting.setdefault(key, {})
+                freed += _reserved({b.name: bucket.pop(b.name)}) if b.name in bucket else 0
+                bucket[b.name] = (captured, b.spec.SerializeToString(), nbytes)
+                older = sorted(k for k in self._collecting if k[0] == b.job)
+                for stale in older[: max(0, len(older) - KEEP)]:  # a buffer never got there
+                    freed += _reserved(self._collecting.pop(stale))
+                if len(bucket) == total:
+                    self._collecting.pop(key, None)
+                    if len(self._queue) >= self.queue_size:
+                        late, version, dropped = self._queue.popleft()
+                        freed += _reserved(dropped)
+                        self.failures[late.job] = f"v{version}: dropped, the neighbour is slow"
+                        log.warning(
+                            "replica of %s v%d dropped: %d replicas wait to be sent to slow"
+                            " neighbours",
+                            late.job,
+                            version,
+                            self.queue_size,
+                        )
+                    self._queue.append((cfg, b.version, bucket))
+                    self._wake.notify()
+        self.budget.release(freed, "replicas")
 
     # -- encoding and sending (background) ----------------------------------------------------
     def _send_loop(self) -> None:
@@ -249,124 +264,69 @@ class Replicator(HeldReplicas):
                     return
                 cfg, version, bucket = self._queue.popleft()
             try:
-                captured = [c for c, _ in bucket.values()]
-                specs = {name: spec for name, (_, spec) in bucket.items()}
-                blob = encode_shard(
-                    cfg.job, "replica", cfg.server_index, cfg.num_servers, version, captured, specs
-                )
-                with self._lock:
-                    if self.configs.get(cfg.job) is not cfg:
-                        continue  # reconfigured or stopped meanwhile
-                    self.budget.reserve(len(blob), "replicas", f"own replica of '{cfg.job}'")
-                    self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
+                blob = self._encode(cfg, version, bucket)
+                del bucket  # the copies go: the blob holds them now
+                if blob is None:
+                    continue
                 self._send(cfg, version, blob)
+                with self._lock:
+                    self.failures.pop(cfg.job, None)
             except grpc.RpcError as exc:  # the neighbour is down or restarting: an expected
                 # failure, said in one line; the next version tries again
-                log.warning(
-                    "replica of %s v%d to %s failed: %s: %s",
-                    cfg.job,
-                    version,
-                    cfg.neighbour,
-                    exc.code().name,
-                    exc.details(),
-                )
-            except Exception:  # anything else is a bug to see in full; the next version tries
-                log.warning(
-                    "replica of %s v%d to %s failed", cfg.job, version, cfg.neighbour, exc_info=True
-                )
+                why = f"sending it to {cfg.neighbour} failed: {exc.code().name}: {exc.details()}"
+                self._failed(cfg.job, version, why)
+            except Exception as exc:  # anything else is a bug to see in full; the next tries
+                self._failed(cfg.job, version, f"sending it to {cfg.neighbour} failed: {exc!r}")
+                log.warning("replica of %s v%d", cfg.job, version, exc_info=True)
+
+    def _encode(self, cfg: pb.ReplicationConfig, version: int, bucket: _Bucket) -> bytes | None:
+        """The replica of ``bucket``'s copies, kept as this server's own (its bytes paid for
+        before they are made, the copies' given back once it is); None if it cannot be."""
+        try:
+            captured = [c for c, _, _ in bucket.values()]
+            specs = {name: spec for name, (_, spec, _) in bucket.items()}
+            head, arrays = shard_parts(
+                cfg.job, "replica", cfg.server_index, cfg.num_servers, version, captured, specs
+            )
+            size = len(head) + sum(a.nbytes for a in arrays)
+            try:
+                self.budget.reserve(size, "replicas", f"own replica of '{cfg.job}'")
+            except ShardError as exc:
+                self._failed(cfg.job, version, exc.message)
+                return None
+            try:
+                blob = b"".join([head, *map(array_bytes, arrays)])
+            except BaseException:
+                self.budget.release(size, "replicas")
+                raise
+        finally:
+            self.budget.release(_reserved(bucket), "replicas")
+        with self._lock:
+            if self.configs.get(cfg.job) is not cfg:  # reconfigured or stopped meanwhile
+                self.budget.release(size, "replicas")
+                return None
+            self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
+        return blob
 
     def close(self) -> None:
         """Stops the sender and closes every channel (the server stops)."""
         with self._lock:
             self._closed = True
+            copies = sum(_reserved(bucket) for _, _, bucket in self._queue)
+            copies += sum(map(_reserved, self._collecting.values()))
             self._queue.clear()
+            self._collecting.clear()
             channels, self._channels = list(self._channels.values()), {}
             self._wake.notify_all()
+        self.budget.release(copies, "replicas")
         self.segments.close()
         for chan in channels:
             chan.close()
 
-    def _stub(self, neighbour: str) -> Any:
-        """A StoreReplica stub to ``neighbour``."""
-        return _store_stub(self._channel(neighbour))
-
-    def _channel(self, neighbour: str, cfg: pb.ReplicationConfig | None = None) -> grpc.Channel:
-        """The channel to ``neighbour``; with ``cfg``, only while it is the job's."""
-        with self._lock:
-            if self._closed:
-                raise ShardError.precondition("this server is stopping")
-            if cfg is not None and self.configs.get(cfg.job) is not cfg:
-                raise ShardError.precondition(f"replication of '{cfg.job}' was reconfigured")
-            chan = self._channels.get(neighbour)
-            if chan is None:
-                if self.credentials is not None:
-                    chan = grpc.secure_channel(neighbour, self.credentials, _CHANNEL_OPTIONS)
-                else:
-                    chan = grpc.insecure_channel(neighbour, options=_CHANNEL_OPTIONS)
-                self._channels[neighbour] = chan
-        return chan
-
-    def _renew_channel(self, neighbour: str) -> None:
-        """The next call to ``neighbour`` gets a new channel (the old one is closed: its calls
-        in flight fail, and the next version's replica goes on the new one)."""
-        with self._lock:
-            old = self._channels.pop(neighbour, None)
-            if old is not None:
-                self.segments.forget(neighbour)
-        if old is not None:
-            old.close()
-
-    def _metadata(self, job: str) -> tuple[tuple[str, str], ...]:
-        """The credential of a call about ``job``'s replicas: derived from the peer token for
-        that job (server/rpc/peer_credentials.py); the token itself never leaves this server,
-        since the neighbour is whatever address the caller of ConfigureReplication named."""
-        if not self.peer_token:
-            return ()
-        return (("authorization", f"Bearer {peer_credentials.derive(self.peer_token, job)}"),)
-
-    def _probe(self, cfg: pb.ReplicationConfig) -> None:
-        """Asks the neighbour whether it takes this job's replicas from our slice index. A
-        probe the cached channel refuses at once (UNAVAILABLE: it waits out gRPC's reconnect
-        backoff after the neighbour was down, up to seconds after it is back) is asked again
-        on a new channel: before, a recovery's ConfigureReplication failed for 5.9 s after a
-        neighbour's 15 s outage, and each failure cost the recovery one of its rounds."""
-        hello = pb.ReplicaChunk(job=cfg.job, source_index=cfg.server_index)
-        try:
-            try:
-                self._stub(cfg.neighbour)(
-                    hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata(cfg.job)
-                )
-            except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                self._renew_channel(cfg.neighbour)
-                self._stub(cfg.neighbour)(
-                    hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata(cfg.job)
-                )
-        except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
-            where = f"replication of '{cfg.job}' to {cfg.neighbour}"
-            with self._lock:
-                self._close_unused(cfg.neighbour)
-            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED):
-                raise ShardError(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{where} refused: the target is not slice {cfg.server_index + 1} of"
-                    f" {cfg.num_servers} of the job's placement ({details})",
-                ) from None
-            if code == grpc.StatusCode.UNAUTHENTICATED:
-                raise ShardError.precondition(
-                    f"{where}: the target refused this server's peer token (every server needs"
-                    f" the same 'peer TOKEN' line): {details}"
-                ) from None
-            raise ShardError.precondition(
-                f"{where}: the target did not answer ({code.name}: {details})"
-            ) from None
-
     def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
         """The replica in chunks, through shared memory when the neighbour is on this host."""
         channel = self._channel(cfg.neighbour, cfg)
-        store = _store_stub(channel)
+        store = store_stub(channel)
         view = memoryview(blob)
         for offset in range(0, len(blob), CHUNK):
             if self.configs.get(cfg.job) is not cfg:  # restored or stopped: not this replica
@@ -381,11 +341,3 @@ class Replicator(HeldReplicas):
             data = view[offset : offset + CHUNK]
             metadata = self._metadata(cfg.job)
             self.segments.store(cfg.neighbour, channel, store, metadata, chunk, data, 60)
-
-
-def _store_stub(channel: grpc.Channel) -> Any:
-    return channel.unary_unary(
-        _STORE,
-        request_serializer=pb.ReplicaChunk.SerializeToString,
-        response_deserializer=pb.ReplicaAck.FromString,
-    )

@@ -16,8 +16,9 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import BinaryIO
 
 from paramshard.server.runtime.errors import ShardError
 
@@ -154,8 +155,9 @@ class Folder:
         """Removes empty folder ``name`` (OSError when it is not empty or not a folder)."""
         os.rmdir(name, dir_fd=self.fd)
 
-    def write_once(self, name: str, data: bytes) -> None:
-        """Creates ``name`` with ``data`` whole or not at all, never replacing anything there
+    def write_once(self, name: str, data: bytes | Sequence[bytes | memoryview]) -> None:
+        """Creates ``name`` with ``data`` (bytes, or parts written one after the other: a
+        shard's arrays, not joined first) whole or not at all, never replacing anything there
         (FileExistsError): written to a temporary name, fsynced, then hard-linked to its name,
         which fails if the name exists (a link included), even when servers share the folder
         over NFS."""
@@ -163,18 +165,22 @@ class Folder:
         fd = os.open(tmp, _NEW, 0o600, dir_fd=self.fd)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                _write(f, data)
             try:
                 os.link(tmp, name, src_dir_fd=self.fd, dst_dir_fd=self.fd, follow_symlinks=False)
             except OSError as exc:  # a filesystem without hard links: exclusive create instead
                 if exc.errno not in _NO_LINKS:
                     raise  # FileExistsError (errno EEXIST) goes to the caller
                 with os.fdopen(os.open(name, _NEW, 0o600, dir_fd=self.fd), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                    _write(f, data)
         finally:
             os.unlink(tmp, dir_fd=self.fd)
         os.fsync(self.fd)  # the new name survives a crash
+
+
+def _write(f: BinaryIO, data: bytes | Sequence[bytes | memoryview]) -> None:
+    """``data`` (bytes or parts) into ``f``, on disk when this returns."""
+    for part in [data] if isinstance(data, bytes) else data:
+        f.write(part)
+    f.flush()
+    os.fsync(f.fileno())

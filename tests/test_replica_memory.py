@@ -1,0 +1,108 @@
+"""Neighbour replicas are paid for before they are made (docs/security.md, sixteenth round).
+
+A field check on GPT-2 124M took each server to 7.5-8.4 GB with ``replicate_every=1``, against
+1.07 GB without: the copies taken on the training path and waiting to be encoded were outside
+the memory account, and a server with ``--max-memory 2GiB`` reached 5.3 GB while it refused
+every replica. Real servers on 127.0.0.1:0; the budget is the server's own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.protos import shard_pb2 as pb
+from paramshard.server.buffers.store import BufferSlice
+
+pytestmark = pytest.mark.timeout(120)
+
+N = 400_000  # elements of the test buffer: 200,000 a server, 0.8 MB an array
+
+
+def step(c: ShardClient, s: int) -> None:
+    c.push_grads("j", "w", np.ones(N, np.float32), step=s)
+    c.step("j", s, {"w": StepArgs({"lr": 0.1})})
+
+
+def replicas(c: ShardClient, i: int) -> pb.ListReplicasReply:
+    return c.call(i, "ListReplicas", pb.ListReplicasRequest(job="j"))
+
+
+def settled(server, timeout: float = 20.0) -> None:
+    """Waits until the server's replicator has nothing captured or queued."""
+    rep = server.servicer.replicator
+    deadline = time.monotonic() + timeout
+    while rep._queue or rep._collecting:
+        assert time.monotonic() < deadline, "replicas still queued"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def job(servers):
+    nodes = servers(2)
+    c = ShardClient(ClusterSpec([s.address for s in nodes]), timeout_s=15.0, retries=0)
+    c.register_buffer("j", "w", N, optimizer="adam", hyper={"lr": 0.1})
+    c.set_params("j", "w", np.arange(N, dtype=np.float32))
+    step(c, 0)  # Adam's moments exist from here
+    yield nodes, c
+    c.close()
+
+
+def test_a_copy_past_the_memory_limit_is_not_made(job, monkeypatch) -> None:
+    nodes, c = job
+    copies = []
+    real = BufferSlice.copy_state
+    monkeypatch.setattr(BufferSlice, "copy_state", lambda b: copies.append(b) or real(b))
+    budgets = [s.servicer.replicator.budget for s in nodes]
+    for b in budgets:  # room for the job, not for a copy of its slice (2.4 MB)
+        b.limit = b.used + 1_000_000
+    tools.configure_replication(c, "j", 1)
+    for s in range(1, 4):
+        step(c, s)
+    for i, node in enumerate(nodes):
+        settled(node)
+        reply = replicas(c, i)
+        assert reply.replicas == [], reply
+        assert "memory limit" in reply.failure and "--max-memory" in reply.failure, reply
+        assert budgets[i].usage()["replicas"] == 0
+    # refused before it was made: nothing was copied for a replica that could not be kept
+    assert copies == []
+    # training went on, and a server given room replicates again, its failure forgotten
+    for b in budgets:
+        b.limit = 0
+    step(c, 4)
+    for i, node in enumerate(nodes):
+        settled(node)
+        deadline = time.monotonic() + 20
+        while not [r for r in replicas(c, i).replicas if r.own and r.version == 5]:
+            assert time.monotonic() < deadline, replicas(c, i)
+            time.sleep(0.05)
+    assert copies
+
+
+def test_the_account_holds_exactly_the_kept_replicas(job) -> None:
+    """Copies and joins are paid for while they live and given back after: once the queue
+    is empty, the servers' replica account is the bytes of the replicas they keep."""
+    nodes, c = job
+    tools.configure_replication(c, "j", 1)
+    for s in range(1, 6):
+        step(c, s)
+    deadline = time.monotonic() + 20
+    for i, node in enumerate(nodes):
+        settled(node)
+        rep = node.servicer.replicator
+        while True:  # the neighbour's newest replica arrived
+            held = {r.version for r in replicas(c, i).replicas if not r.own}
+            if 6 in held or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert held and 6 in held, replicas(c, i)
+        with rep._lock:
+            kept = sum(map(len, rep.own.get("j", {}).values()))
+            kept += sum(len(b) for k, v in rep.held.items() for b in v.values())
+        assert rep.inbox.pending() == {}
+        assert rep.budget.usage()["replicas"] == kept
+        assert replicas(c, i).failure == ""
