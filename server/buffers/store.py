@@ -271,11 +271,18 @@ class _Refused(ShardError):
     """A registration of ``existing`` with another layout (FAILED_PRECONDITION)."""
 
     def __init__(self, existing: BufferSlice, label: str, differs: str) -> None:
+        # a job restored from a snapshot keeps the snapshot's ranks unless the restore says
+        ranks = (
+            "; a snapshot restored for another number of ranks takes `paramshard restore JOB"
+            " --tag TAG --contributors N` (N: the data-parallel ranks that will train it)"
+            if differs.startswith("contributors") or "; contributors" in differs
+            else ""
+        )
         super().__init__(
             grpc.StatusCode.FAILED_PRECONDITION,
             f"{label} exists with another layout ({differs}): the ranks of one run disagree"
             " (world size, model or configuration), or another job used this name (drop the"
-            " job first)",
+            f" job first){ranks}",
         )
         self.existing = existing
         self.conflict = (
