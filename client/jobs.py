@@ -17,6 +17,7 @@ its parts on the servers), ``live_params`` joins the parts into the whole model
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,12 +331,22 @@ def pull_param(
     return out
 
 
+_STATS_BLOCK = 2**20  # elements
+
+
 def _stats(values: np.ndarray) -> dict[str, Any]:
+    """Norm (in float64), min, max and whether all are finite, a block at a time: a float64
+    copy of the whole tensor took inspect's peak to 3.4x GPT-2's 154 MB embedding."""
+    flat, squares, finite = values.reshape(-1), 0.0, True
+    for i in range(0, flat.size, _STATS_BLOCK):
+        block = flat[i : i + _STATS_BLOCK].astype(np.float64)
+        squares += float(np.dot(block, block))
+        finite = finite and bool(np.isfinite(block).all())
     return {
-        "norm": float(np.linalg.norm(values.astype(np.float64))),
+        "norm": math.sqrt(squares),
         "min": float(values.min()) if values.size else 0.0,
         "max": float(values.max()) if values.size else 0.0,
-        "finite": bool(np.isfinite(values).all()),
+        "finite": finite,
     }
 
 
