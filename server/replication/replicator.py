@@ -191,12 +191,15 @@ class Replicator(NeighbourChannels, HeldReplicas):
         return sum(map(_reserved, buckets))
 
     def _failed(self, job: str, version: int, why: str) -> None:
-        """Replica ``version`` of ``job`` was not made or not sent: logged, and kept for
-        ListReplicas (its ``failure``), where recovery and ``paramshard status`` show it."""
+        """Replica ``version`` of ``job`` was not made or not sent: kept for ListReplicas (its
+        ``failure``, which a recovery names), and logged: as a warning the first time after a
+        replica that was made (a limit too small refuses every step's copy: one line, not one
+        a step), then at debug level."""
         with self._lock:
+            first = job not in self.failures
             if job in self.configs:
                 self.failures[job] = f"v{version}: {why}"
-        log.warning("replica of %s v%d: %s", job, version, why)
+        (log.warning if first else log.debug)("replica of %s v%d: %s", job, version, why)
 
     def drop(self, job: str) -> bool:
         """The job left this server: stop replicating it, forget its replicas, close channels.
