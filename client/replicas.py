@@ -4,13 +4,20 @@ version all of them can reach), docs/design.md §5.2."""
 
 from __future__ import annotations
 
+import logging
+
 from paramshard.client.rpc import Call, ShardClientError
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.unreachable import lacks_role
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.placement import replica_holder
 
-__all__ = ["configure_replication", "recover_from_replicas"]
+__all__ = ["CHECK_STEPS", "configure_replication", "recover_from_replicas", "say_failures"]
+
+log = logging.getLogger("paramshard.replication")
+
+CHECK_STEPS = 20
+"""How often (in steps) ``train_with_recovery``'s rank 0 asks whether replicas fail."""
 
 
 def configure_replication(client: ShardClient, job: str, every: int) -> None:
@@ -87,3 +94,27 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
             if not chunk.data:
                 break
     return version
+
+
+def say_failures(client: ShardClient, job: str) -> list[str]:
+    """Logs a warning naming the servers whose newest replica of ``job`` was not made or
+    not sent (``ListReplicasReply.failure``: a copy past ``--max-memory``, a neighbour down);
+    returns those lines. Before, a rank trained on with no replica for every step it took,
+    and learnt it only when a server died. Says nothing when a server does not answer: a
+    lost server is the recovery's to find."""
+    try:
+        lists = client.run(
+            Call(i, "ListReplicas", pb.ListReplicasRequest(job=job))
+            for i in range(client.num_servers)
+        )
+    except ShardClientError:
+        return []
+    failed = [f"server {i}: {r.failure}" for i, r in enumerate(lists) if r.failure]
+    if failed:
+        log.warning(
+            "job '%s': replicas fail (%s); a server lost now comes back from an older replica"
+            " or the newest snapshot",
+            job,
+            "; ".join(failed),
+        )
+    return failed

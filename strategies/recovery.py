@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from paramshard.client import ShardClientError
+from paramshard.client import ShardClientError, replicas
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.ended_ranks import says_ended
 from paramshard.strategies.checkpoint_tags import CheckpointTags
@@ -289,10 +289,13 @@ def train_with_recovery(
     report = RecoveryReport()
     # a restarted rank that joined the others' recovery as it attached starts in their epoch
     epoch = model.client.run_state.epoch
+    replicated = model.rank == 0 and getattr(model.config, "replicate_every", 0)
 
     def after_step(step: int, loss: float) -> bool:
         if progress is not None:
             _show(progress, step, loss, model.step_count)
+        if replicated and (step + 1) % replicas.CHECK_STEPS == 0:
+            replicas.say_failures(model.client, model.config.job)
         return should_stop is not None and should_stop(step, loss)
 
     tags = CheckpointTags(model, tag_prefix, bool(checkpoint_every), keep_last)

@@ -8,14 +8,20 @@ every replica. Real servers on 127.0.0.1:0; the budget is the server's own.
 
 from __future__ import annotations
 
+import logging
 import time
+import uuid
 
 import numpy as np
 import pytest
+import torch
+from two_ranks import sgd_step, two_fsdp_ranks
 
 from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.client import replicas as client_replicas
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.buffers.store import BufferSlice
+from paramshard.strategies import train_with_recovery
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,3 +112,24 @@ def test_the_account_holds_exactly_the_kept_replicas(job) -> None:
         assert rep.inbox.pending() == {}
         assert rep.budget.usage()["replicas"] == kept
         assert replicas(c, i).failure == ""
+
+
+def test_train_with_recovery_says_when_replicas_fail(servers, monkeypatch, caplog) -> None:
+    """Rank 0 asks every ``CHECK_STEPS`` steps; before, a rank trained on with no replica and
+    learnt it only when a server died."""
+    addresses = [s.address for s in servers(2)]
+    monkeypatch.setattr(client_replicas, "CHECK_STEPS", 2)
+    monkeypatch.setattr(BufferSlice, "capture_bytes", lambda b: 2**50)  # past any limit
+
+    def body(r: int, model, opt) -> None:
+        step = lambda s: sgd_step(model, opt, torch.full((2, 4), float(s + r)))  # noqa: E731
+        train_with_recovery(model, step, 4, checkpoint_every=0)
+
+    job = f"warn-{uuid.uuid4().hex[:6]}"
+    with caplog.at_level(logging.WARNING, logger="paramshard.replication"):
+        out = two_fsdp_ranks(addresses, job, body, replicate_every=1)
+    assert not any(isinstance(v, BaseException) for v in out.values()), out
+    said = [r.getMessage() for r in caplog.records if "replicas fail" in r.getMessage()]
+    assert len(said) == 2, said  # after steps 2 and 4, from rank 0 only
+    assert all(f"job '{job}'" in m and "memory limit" in m for m in said), said
+    assert "server 0:" in said[0] and "server 1:" in said[0], said

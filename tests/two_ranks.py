@@ -23,9 +23,11 @@ def two_fsdp_ranks(
     elastic: bool = False,
     timeout_s: float = 30.0,
     token: str | None = None,
+    **settings: Any,
 ) -> dict[int, Any]:
     """``body(rank, model, optimizer)`` on ranks 0 and 1 (SGD, lr 0.1), calling with bearer
-    ``token``; what each returned or raised. Fails when a rank still runs after 100 s."""
+    ``token``, ``settings`` the ShardingConfiguration's other settings; what each returned or
+    raised. Fails when a rank still runs after 100 s."""
     run, out = uuid.uuid4().hex[:6], {}
 
     def rank(r: int) -> None:
@@ -37,7 +39,7 @@ def two_fsdp_ranks(
             timeout_s=timeout_s,
         )
         try:
-            config = ShardingConfiguration(client, job=job, elastic=elastic)
+            config = ShardingConfiguration(client, job=job, elastic=elastic, **settings)
             torch.manual_seed(0)
             model = FSDPModel(torch.nn.Linear(4, 2), config)
             opt = FSDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), config)
