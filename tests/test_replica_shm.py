@@ -42,8 +42,8 @@ def replicas_of_two_steps(servers) -> tuple[dict[int, bytes], dict[int, bytes], 
                 nodes[1].servicer.segments.expire()
                 nodes[1].servicer.segments.idle_s = 600.0
         wait_held(nodes[1], {1, 2})
-        own = dict(nodes[0].servicer.replicator.own["j"])
-        held = dict(nodes[1].servicer.replicator.held[("j", 0)])
+        own = {v: b.joined() for v, b in nodes[0].servicer.replicator.own["j"].items()}
+        held = {v: b.joined() for v, b in nodes[1].servicer.replicator.held[("j", 0)].items()}
         return own, held, nodes[1].servicer.segments.views
     finally:
         admin.close()

@@ -12,6 +12,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.server.replication.inbox import check_header, replica_bound
 from paramshard.server.replication.recovery import ReplicaRecovery
 from paramshard.server.runtime.errors import ShardError
+from paramshard.server.snapshots.shards import Parts
 
 __all__ = ["KEEP", "HeldReplicas"]
 
@@ -75,9 +76,10 @@ class HeldReplicas(ReplicaRecovery):
             ]
         return rows
 
-    def _keep(self, kept: OrderedDict[int, bytes], version: int, blob: bytes) -> None:
+    def _keep(self, kept: OrderedDict[int, Parts], version: int, blob: Parts) -> None:
         """Under the lock: keeps ``blob`` (its bytes reserved) and the newest ``KEEP``."""
-        freed = len(kept.pop(version, b""))
+        gone = kept.pop(version, None)
+        freed = 0 if gone is None else len(gone)
         kept[version] = blob
         while len(kept) > KEEP:
             freed += len(kept.popitem(last=False)[1])

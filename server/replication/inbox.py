@@ -25,6 +25,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
+from paramshard.server.snapshots.shards import Parts
 
 __all__ = ["Inbox", "replica_bound", "memory_bound", "check_header", "MAX_PENDING"]
 
@@ -57,7 +58,7 @@ def memory_bound() -> int:
         return 2**40
 
 
-def check_header(blob: bytes, chunk: pb.ReplicaChunk, what: str) -> None:
+def check_header(blob: bytes | Parts, chunk: pb.ReplicaChunk, what: str) -> None:
     """The replica's own metadata names the job, source and version its chunks claimed."""
     try:
         size = int.from_bytes(blob[:8], "little")
@@ -97,8 +98,8 @@ class _Incoming:
     def covered(self) -> int:
         return self.chunks.covered
 
-    def blob(self) -> bytes:
-        return b"".join(self.data[s] for s in self.chunks.starts)
+    def blob(self) -> Parts:
+        return Parts([self.data[s] for s in self.chunks.starts])
 
 
 class Inbox:
@@ -110,7 +111,7 @@ class Inbox:
         self._lock = threading.Lock()
         self._incoming: dict[tuple[str, str, int, int], _Incoming] = {}
 
-    def add(self, kind: str, chunk: pb.ReplicaChunk, bound: int, what: str) -> bytes | None:
+    def add(self, kind: str, chunk: pb.ReplicaChunk, bound: int, what: str) -> Parts | None:
         """Keeps ``chunk``; the whole replica once every byte is in, else None. A chunk that
         is here already, the same bytes at the same offset, changes nothing (before, it was
         refused as an overlap: a recovery whose rank died after its first LoadReplica could
@@ -151,18 +152,7 @@ class Inbox:
             if entry.covered < total:
                 return None
             del self._incoming[key]
-        # the whole is joined while its chunks are still held: both are paid for (a GPT-2
-        # 124M replica of 712 MB held 1.4 GB here for a moment, half of it outside the account)
-        try:
-            self.budget.reserve(total, "replicas", what)
-            try:
-                return entry.blob()
-            except BaseException:
-                self.budget.release(total, "replicas")
-                raise
-        finally:
-            entry.data.clear()
-            self.budget.release(entry.covered, "replicas")
+        return entry.blob()  # its chunks as they came, not joined (a copy of the whole)
 
     def _make_room(self, key: tuple[str, str, int, int]) -> None:
         """Under the lock: drops the oldest incomplete versions of ``key``'s source."""

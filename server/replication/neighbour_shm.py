@@ -61,7 +61,7 @@ class NeighbourSegments:
         store: Any,
         metadata: Any,
         chunk: pb.ReplicaChunk,
-        data: memoryview,
+        data: memoryview | bytes,
         timeout: float,
     ) -> None:
         """``store`` (the StoreReplica stub on ``channel``) of ``chunk`` with payload ``data``

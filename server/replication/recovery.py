@@ -22,7 +22,7 @@ from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_version
-from paramshard.server.snapshots.shards import decode_shard
+from paramshard.server.snapshots.shards import Parts, decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
 
@@ -35,8 +35,8 @@ class ReplicaRecovery:
     store: Any  # BufferStore
     _lock: threading.Lock
     configs: dict[str, pb.ReplicationConfig]
-    own: dict[str, OrderedDict[int, bytes]]
-    held: dict[tuple[str, int], OrderedDict[int, bytes]]
+    own: dict[str, OrderedDict[int, Parts]]
+    held: dict[tuple[str, int], OrderedDict[int, Parts]]
     inbox: Inbox
     budget: Any
 
@@ -94,7 +94,7 @@ class ReplicaRecovery:
             raise ShardError.not_found(f"this server has no copy of job '{job}' at v{version}")
         return self._restore(job, blob, "RollbackToReplica")
 
-    def _restore(self, job: str, blob: bytes, method: str) -> int:
+    def _restore(self, job: str, blob: Parts, method: str) -> int:
         """Swaps in job ``job`` as replica ``blob`` holds it. A replica that ``LoadReplica``
         brings may be any caller's file: its version and each buffer's spec pass the checks a
         registration does, its arrays must be the slice's size, and the slices are paid for
@@ -103,7 +103,7 @@ class ReplicaRecovery:
             BufferSlice,  # store imports snapshots; avoid a cycle
         )
 
-        meta, tensors = decode_shard(blob)
+        meta, tensors = decode_shard(blob)  # joined for a moment: safetensors checks it whole
         if meta.get("job") != job:
             raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
         try:

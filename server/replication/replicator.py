@@ -39,7 +39,7 @@ from paramshard.server.replication.inbox import Inbox
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
 from paramshard.server.replication.recovery import CHUNK
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.snapshots.shards import Captured, array_bytes, shard_parts
+from paramshard.server.snapshots.shards import Captured, Parts, array_bytes, shard_parts
 
 __all__ = ["Replicator"]
 
@@ -58,8 +58,8 @@ class Replicator(NeighbourChannels, HeldReplicas):
         self._lock = threading.Lock()
         self.configs: dict[str, pb.ReplicationConfig] = {}
         self._collecting: dict[tuple[str, int], _Bucket] = {}
-        self.own: dict[str, OrderedDict[int, bytes]] = {}
-        self.held: dict[tuple[str, int], OrderedDict[int, bytes]] = {}
+        self.own: dict[str, OrderedDict[int, Parts]] = {}
+        self.held: dict[tuple[str, int], OrderedDict[int, Parts]] = {}
         self.budget = store.budget  # replicas kept here are paid for from the server's memory
         self.inbox = Inbox(ttl_s, self.budget)
         self.queue_size = queue_size
@@ -282,31 +282,32 @@ class Replicator(NeighbourChannels, HeldReplicas):
                 self._failed(cfg.job, version, f"sending it to {cfg.neighbour} failed: {exc!r}")
                 log.warning("replica of %s v%d", cfg.job, version, exc_info=True)
 
-    def _encode(self, cfg: pb.ReplicationConfig, version: int, bucket: _Bucket) -> bytes | None:
-        """The replica of ``bucket``'s copies, kept as this server's own (its bytes paid for
-        before they are made, the copies' given back once it is); None if it cannot be."""
+    def _encode(self, cfg: pb.ReplicationConfig, version: int, bucket: _Bucket) -> Parts | None:
+        """The replica of ``bucket``'s copies, kept as this server's own: the copies' arrays
+        as they are (joining them took one more copy of the job here), their reservation
+        now the replica's, with its head; None if it cannot be."""
         try:
             captured = [c for c, _, _ in bucket.values()]
             specs = {name: spec for name, (_, spec, _) in bucket.items()}
             head, arrays = shard_parts(
                 cfg.job, "replica", cfg.server_index, cfg.num_servers, version, captured, specs
             )
-            size = len(head) + sum(a.nbytes for a in arrays)
-            try:
-                self.budget.reserve(size, "replicas", f"own replica of '{cfg.job}'")
-            except ShardError as exc:
-                self._failed(cfg.job, version, exc.message)
-                return None
-            try:
-                blob = b"".join([head, *map(array_bytes, arrays)])
-            except BaseException:
-                self.budget.release(size, "replicas")
-                raise
-        finally:
+            blob = Parts([head, *map(array_bytes, arrays)])
+            extra = len(blob) - _reserved(bucket)  # the head (and what the estimate missed)
+            if extra > 0:
+                self.budget.reserve(extra, "replicas", f"own replica of '{cfg.job}'")
+            else:
+                self.budget.release(-extra, "replicas")
+        except ShardError as exc:
             self.budget.release(_reserved(bucket), "replicas")
+            self._failed(cfg.job, version, exc.message)
+            return None
+        except BaseException:
+            self.budget.release(_reserved(bucket), "replicas")
+            raise
         with self._lock:
             if self.configs.get(cfg.job) is not cfg:  # reconfigured or stopped meanwhile
-                self.budget.release(size, "replicas")
+                self.budget.release(len(blob), "replicas")
                 return None
             self._keep(self.own.setdefault(cfg.job, OrderedDict()), version, blob)
         return blob
@@ -326,11 +327,11 @@ class Replicator(NeighbourChannels, HeldReplicas):
         for chan in channels:
             chan.close()
 
-    def _send(self, cfg: pb.ReplicationConfig, version: int, blob: bytes) -> None:
-        """The replica in chunks, through shared memory when the neighbour is on this host."""
+    def _send(self, cfg: pb.ReplicationConfig, version: int, blob: Parts) -> None:
+        """The replica in chunks, through shared memory when the neighbour is on this host;
+        a chunk inside one array is sent from the array."""
         channel = self._channel(cfg.neighbour, cfg)
         store = store_stub(channel)
-        view = memoryview(blob)
         for offset in range(0, len(blob), CHUNK):
             if self.configs.get(cfg.job) is not cfg:  # restored or stopped: not this replica
                 return
@@ -341,6 +342,6 @@ class Replicator(NeighbourChannels, HeldReplicas):
                 offset=offset,
                 total=len(blob),
             )
-            data = view[offset : offset + CHUNK]
+            data = blob.view(offset, offset + CHUNK)
             metadata = self._metadata(cfg.job)
             self.segments.store(cfg.neighbour, channel, store, metadata, chunk, data, 60)
