@@ -147,7 +147,7 @@ class BufferStore:
         old = existing.spec
         differs = _differences(old, req)
         if differs:
-            raise _Refused(existing, label, differs)
+            raise _Refused(existing, label, differs, old.contributors != req.contributors)
         return existing
 
     def _check_quota(self, job: str, need: int, what: str, replacing: bool = False) -> None:
@@ -270,12 +270,12 @@ def _differences(old: pb.RegisterBufferRequest, new: pb.RegisterBufferRequest) -
 class _Refused(ShardError):
     """A registration of ``existing`` with another layout (FAILED_PRECONDITION)."""
 
-    def __init__(self, existing: BufferSlice, label: str, differs: str) -> None:
+    def __init__(self, existing: BufferSlice, label: str, differs: str, other_ranks: bool) -> None:
         # a job restored from a snapshot keeps the snapshot's ranks unless the restore says
         ranks = (
             "; a snapshot restored for another number of ranks takes `paramshard restore JOB"
             " --tag TAG --contributors N` (N: the data-parallel ranks that will train it)"
-            if differs.startswith("contributors") or "; contributors" in differs
+            if other_ranks
             else ""
         )
         super().__init__(

@@ -234,7 +234,8 @@ class Replicator(NeighbourChannels, HeldReplicas):
             if self.configs.get(b.job) is cfg:  # else stopped or dropped meanwhile
                 freed = 0
                 bucket = self._collecting.setdefault(key, {})
-                freed += _reserved({b.name: bucket.pop(b.name)}) if b.name in bucket else 0
+                replaced = bucket.get(b.name)  # an earlier copy of this version (forced)
+                freed += 0 if replaced is None else replaced[2]
                 bucket[b.name] = (captured, b.spec.SerializeToString(), nbytes)
                 older = sorted(k for k in self._collecting if k[0] == b.job)
                 for stale in older[: max(0, len(older) - KEEP)]:  # a buffer never got there
