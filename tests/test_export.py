@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import run_ranks
+from file_writes import record_writes
 from numerics import assert_equivalent
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -185,28 +186,7 @@ def test_write_safetensors_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     written before the next is asked; arrays two items back are no longer referenced."""
     events: list[tuple] = []
     produced: list[weakref.ref] = []
-    real_open = open
-
-    class Recorder:
-        def __init__(self, f: Any) -> None:
-            self.f = f
-
-        def write(self, data: bytes) -> int:
-            events.append(("write", len(data)))
-            return self.f.write(data)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.f, name)
-
-        def __enter__(self) -> Recorder:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self.f.close()
-
-    from paramshard.protos import atomic  # where write_safetensors's file is opened (atomic_write)
-
-    monkeypatch.setattr(atomic, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False)
+    record_writes(monkeypatch, lambda data: events.append(("write", len(data))))
 
     def producer(i: int) -> Any:
         def produce() -> np.ndarray:

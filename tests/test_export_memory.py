@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from file_writes import record_writes
 from safetensors.torch import load_file
 from snapshot_job import one_rank
 
 from paramshard.client import ClusterSpec, ShardClient, jobs, tools
-from paramshard.protos import atomic
 from paramshard.server import ShardServer
 
 
@@ -28,26 +28,7 @@ def test_write_safetensors_writes_the_arrays_own_memory(tmp_path, monkeypatch, d
     not a converted copy nor a bytes copy of it."""
     arrays = [np.arange(1000, dtype=dtype) * 0.5, np.full(7, 3.0, dtype=dtype)]
     written: list[Any] = []
-    real_open = open
-
-    class Recorder:
-        def __init__(self, f: Any) -> None:
-            self.f = f
-
-        def write(self, data: Any) -> int:
-            written.append(data)
-            return self.f.write(data)
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(self.f, name)
-
-        def __enter__(self) -> Recorder:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            self.f.close()
-
-    monkeypatch.setattr(atomic, "open", lambda *a, **k: Recorder(real_open(*a, **k)), raising=False)
+    record_writes(monkeypatch, written.append)
     name = "float32" if dtype == np.float32 else "float64"
     path = tmp_path / "t.safetensors"
     items = [(f"t{i}", name, a.shape, lambda a=a: a) for i, a in enumerate(arrays)]
