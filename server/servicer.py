@@ -372,8 +372,8 @@ class ShardServicer:
         return pb.ReplicationConfigReply()
 
     def store_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
-        chunk = self.segments.chunk_in_band(req, context)
-        return pb.ReplicaAck(complete=self.replicator.store_chunk(chunk))
+        data = self.segments.chunk_bytes(req, context)
+        return pb.ReplicaAck(complete=self.replicator.store_chunk(req, data))
 
     def list_replicas(self, req: pb.ListReplicasRequest, context: Any) -> Any:
         cfg = self.replicator.configs.get(req.job)
@@ -387,8 +387,8 @@ class ShardServicer:
         return self.replicator.fetch(req)
 
     def load_replica(self, req: pb.ReplicaChunk, context: Any) -> Any:
-        chunk = self.segments.chunk_in_band(req, context)
-        return pb.ReplicaAck(complete=self.replicator.load_chunk(chunk))
+        data = self.segments.chunk_bytes(req, context)
+        return pb.ReplicaAck(complete=self.replicator.load_chunk(req, data))
 
     def rollback(self, req: pb.RollbackRequest, context: Any) -> Any:
         version = self.replicator.rollback(req.job, req.version)

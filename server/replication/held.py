@@ -23,8 +23,9 @@ class HeldReplicas(ReplicaRecovery):
     """Replicator's receiving side: what its predecessor sends, kept; what it holds, listed
     (its state: ``ReplicaRecovery``'s)."""
 
-    def store_chunk(self, chunk: pb.ReplicaChunk) -> bool:
-        """A chunk of our predecessor's replica (an empty one, total 0: may it send?)."""
+    def store_chunk(self, chunk: pb.ReplicaChunk, data: bytes) -> bool:
+        """A chunk of our predecessor's replica, its bytes ``data`` (an empty one, total 0:
+        may it send?)."""
         what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
         slices = self.store.jobs().get(chunk.job)
         if not slices:
@@ -36,9 +37,9 @@ class HeldReplicas(ReplicaRecovery):
                 f"{what}: this server holds slice {index} of {num} and takes replicas only from"
                 f" server {(index - 1) % num}, its predecessor",
             )
-        if chunk.total == 0 and not chunk.data:
+        if chunk.total == 0 and not data:
             return False  # the sender's probe
-        blob = self.inbox.add("held", chunk, replica_bound(slices, chunk.source_index), what)
+        blob = self.inbox.add("held", chunk, data, replica_bound(slices, chunk.source_index), what)
         if blob is None:
             return False
         try:

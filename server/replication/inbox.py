@@ -111,14 +111,18 @@ class Inbox:
         self._lock = threading.Lock()
         self._incoming: dict[tuple[str, str, int, int], _Incoming] = {}
 
-    def add(self, kind: str, chunk: pb.ReplicaChunk, bound: int, what: str) -> Parts | None:
-        """Keeps ``chunk``; the whole replica once every byte is in, else None. A chunk that
+    def add(
+        self, kind: str, chunk: pb.ReplicaChunk, data: bytes, bound: int, what: str
+    ) -> Parts | None:
+        """Keeps ``data``, the bytes of ``chunk`` (which carries their place: the server
+        takes them out of the message or the caller's segment once, and they are kept as
+        they are); the whole replica once every byte is in, else None. A chunk that
         is here already, the same bytes at the same offset, changes nothing (before, it was
         refused as an overlap: a recovery whose rank died after its first LoadReplica could
         not be done again until the partial replica expired). ``bound``: the most bytes this
         replica may have; ``what`` names it in errors. The returned blob's
         bytes are still reserved in the budget: the caller keeps them or releases them."""
-        total, offset, size = chunk.total, chunk.offset, len(chunk.data)
+        total, offset, size = chunk.total, chunk.offset, len(data)
         if total > bound:
             raise ShardError.exhausted(
                 f"{what} claims {total:,} bytes; at most {bound:,} are accepted for it here"
@@ -138,7 +142,7 @@ class Inbox:
                     f"{what}: this chunk says the replica has {total:,} bytes, its first chunk"
                     f" said {entry.total:,}"
                 )
-            if entry is not None and entry.data.get(offset) == chunk.data:
+            if entry is not None and entry.data.get(offset) == data:
                 entry.touched = time.monotonic()  # sent again (a retry, a recovery asked
                 return None  # again after its caller died): already here
             if entry is not None:
@@ -148,7 +152,7 @@ class Inbox:
                 entry = _Incoming(total)
                 self._make_room(key)
                 self._incoming[key] = entry
-            entry.add(offset, bytes(chunk.data), what)
+            entry.add(offset, data, what)
             if entry.covered < total:
                 return None
             del self._incoming[key]

@@ -62,8 +62,9 @@ class ReplicaRecovery:
             data=blob[req.offset : req.offset + size],
         )
 
-    def load_chunk(self, chunk: pb.ReplicaChunk) -> bool:
-        """A restarted server gets its own replica back; loaded once whole."""
+    def load_chunk(self, chunk: pb.ReplicaChunk, data: bytes) -> bool:
+        """A restarted server gets its own replica back, ``data`` the bytes of ``chunk``;
+        loaded once whole."""
         what = f"replica of job '{chunk.job}' from server {chunk.source_index} v{chunk.version}"
         if chunk.total == 0:
             raise ShardError.invalid(f"{what}: a replica is not empty (total is 0)")
@@ -77,7 +78,7 @@ class ReplicaRecovery:
             bound = replica_bound(slices, chunk.source_index)
         else:  # not here (the server restarted): this job's quota, else the host's memory
             bound = self.store.max_job_bytes or memory_bound()
-        blob = self.inbox.add("load", chunk, bound, what)
+        blob = self.inbox.add("load", chunk, data, bound, what)
         if blob is None:
             return False
         try:  # once loaded, the slices hold what they need: the blob goes
