@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from paramshard.client.rpc import Call, ShardClientError
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.unreachable import lacks_role
@@ -18,6 +20,9 @@ log = logging.getLogger("paramshard.replication")
 
 CHECK_STEPS = 20
 """How often (in steps) ``train_with_recovery``'s rank 0 asks whether replicas fail."""
+
+ASK_TIMEOUT_S = 5.0
+"""The longest ``say_failures`` waits on the servers' answers (asked at once)."""
 
 
 def configure_replication(client: ShardClient, job: str, every: int) -> None:
@@ -100,16 +105,28 @@ def say_failures(client: ShardClient, job: str) -> list[str]:
     """Logs a warning naming the servers whose newest replica of ``job`` was not made or
     not sent (``ListReplicasReply.failure``: a copy past ``--max-memory``, a neighbour down);
     returns those lines. Before, a rank trained on with no replica for every step it took,
-    and learnt it only when a server died. Says nothing when a server does not answer: a
-    lost server is the recovery's to find."""
+    and learnt it only when a server died. A server that does not answer within
+    ``ASK_TIMEOUT_S`` (all are asked at once) is left out, unretried: a lost server is the
+    recovery's to find, and the step waits on this (before, a stalled server held it for the
+    client's whole deadline and retries)."""
+    request = pb.ListReplicasRequest(job=job)
     try:
-        lists = client.run(
-            Call(i, "ListReplicas", pb.ListReplicasRequest(job=job))
+        asked = [
+            client.stub(i, "ListReplicas").future(
+                request, timeout=ASK_TIMEOUT_S, metadata=client.spec.metadata()
+            )
             for i in range(client.num_servers)
-        )
-    except ShardClientError:
+        ]
+    except ValueError:  # the client was closed
         return []
-    failed = [f"server {i}: {r.failure}" for i, r in enumerate(lists) if r.failure]
+    failed = []
+    for i, fut in enumerate(asked):
+        try:
+            reply = fut.result()
+        except grpc.RpcError:
+            continue
+        if reply.failure:
+            failed.append(f"server {i}: {reply.failure}")
     if failed:
         log.warning(
             "job '%s': replicas fail (%s); a server lost now comes back from an older replica"

@@ -9,6 +9,7 @@ every replica. Real servers on 127.0.0.1:0; the budget is the server's own.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 import uuid
 
@@ -133,3 +134,33 @@ def test_train_with_recovery_says_when_replicas_fail(servers, monkeypatch, caplo
     assert len(said) == 2, said  # after steps 2 and 4, from rank 0 only
     assert all(f"job '{job}'" in m and "memory limit" in m for m in said), said
     assert "server 0:" in said[0] and "server 1:" in said[0], said
+
+
+def test_asking_about_replicas_does_not_wait_on_a_stalled_server(job, monkeypatch) -> None:
+    """``say_failures`` runs inside a training step: a server that accepts connections but
+    never answers (a stalled host, here a socket nobody reads) is left out after
+    ``ASK_TIMEOUT_S``. Before, the question waited the client's whole deadline (15 s here,
+    120 s by default) with retries; the servers that answer are still reported."""
+    nodes, c = job
+    for b in (s.servicer.replicator.budget for s in nodes):
+        b.limit = b.used + 1_000_000  # no room for a copy: each server reports a failure
+    tools.configure_replication(c, "j", 1)
+    step(c, 1)
+    for node in nodes:
+        settled(node)
+    monkeypatch.setattr(client_replicas, "ASK_TIMEOUT_S", 1.0)
+    with socket.socket() as stalled:
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen()
+        port = stalled.getsockname()[1]
+        spec = ClusterSpec([nodes[0].address, f"127.0.0.1:{port}", nodes[1].address])
+        asker = ShardClient(spec, timeout_s=15.0)
+        try:
+            began = time.monotonic()
+            failed = client_replicas.say_failures(asker, "j")
+            took = time.monotonic() - began
+        finally:
+            asker.close()
+    assert took < 5.0, took  # the 1 s bound and a connection's setup, far from 15 s
+    assert failed and failed[0].startswith("server 0:") and "memory limit" in failed[0], failed
+    assert [f.split(":")[0] for f in failed] == ["server 0", "server 2"], failed
