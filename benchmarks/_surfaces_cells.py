@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from benchmarks._cpu import Load, proc_cpu_s
 from benchmarks._processes import Child, child_env, logger, stop_all
 from benchmarks._scale_memory import ServerSampler, loadavg
 from benchmarks._scale_ranks import rss_kinds
@@ -63,11 +64,14 @@ def train(
         argv += ["--replicate-every", str(replicate_every)]
         label = f"replicas-{replicate_every}"
         began, load = time.monotonic(), loadavg()
-        with ServerSampler(pids(servers)) as sampled:
+        servers_cpu = sum(proc_cpu_s(p) for p in pids(servers))
+        with ServerSampler(pids(servers)) as sampled, Load() as busy:
             ranks = launch_ranks(
                 "benchmarks.surfaces", "_rank", label, world, argv, 180.0 + steps * step_budget,
                 tuned=False, hosted_servers=False, send_exit=True, log=log, watch=servers,
             )  # fmt: skip
+            servers_cpu = sum(proc_cpu_s(p) for p in pids(servers)) - servers_cpu
+        wall = time.monotonic() - began
         hwm = [rss_kinds(p)["VmHWM"] for p in pids(servers)]
     except BaseException:
         stop_all(servers)
@@ -77,8 +81,12 @@ def train(
         "servers": servers,
         "addresses": addresses,
         "ranks": ranks,
-        "wall_s": round(time.monotonic() - began, 1),
+        "wall_s": round(wall, 1),
         "loadavg_at_start": load,
+        # Load counts the servers (running, not reaped) as others: their CPU is taken out
+        "foreign_cpu_frac": round(
+            max(0.0, busy.foreign - servers_cpu / (wall * (os.cpu_count() or 1))), 3
+        ),
         "server_idle_rss_bytes": idle,
         "server_peak_rss_bytes": hwm,
         "server_peak_anon_bytes": sampled.anon,
@@ -185,21 +193,24 @@ def restore(job: str, tag: str, n: int, contributors: int, folder: str) -> dict[
 
 
 def reference(model: str, out_dir: str) -> dict[str, Any]:
-    """torch.save, torch.load and save_file of the same state (``reference_main``)."""
-    kid = Child.module(
-        "reference",
-        "benchmarks.surfaces",
-        ["_reference", "--model", model, "--dir", out_dir],
-        child_env(tuned=False),
-        COMMAND_S + 60,
-    )
-    try:
-        got = json.loads(kid.expect("RESULT", COMMAND_S))
-    finally:
-        stop_all([kid])
-    out: dict[str, Any] = {"n_params": got["n_params"]}
-    for key in ("torch_save", "torch_load", "save_file"):
-        out[key] = _rise(got[key])
-        if "file_bytes" in got[key]:
-            out[key]["file_bytes"] = got[key]["file_bytes"]
+    """torch.save, then torch.load of its file, then save_file of the same state, each in a
+    process of its own (``reference_main``)."""
+    out: dict[str, Any] = {}
+    for op in ("torch_save", "torch_load", "save_file"):
+        kid = Child.module(
+            f"reference-{op}",
+            "benchmarks.surfaces",
+            ["_reference", "--op", op, "--model", model, "--dir", out_dir],
+            child_env(tuned=False),
+            COMMAND_S + 60,
+        )
+        try:
+            got = json.loads(kid.expect("RESULT", COMMAND_S))
+        finally:
+            stop_all([kid])
+        out[op] = _rise(got)
+        if "file_bytes" in got:
+            out[op]["file_bytes"] = got["file_bytes"]
+        if "n_params" in got:
+            out["n_params"] = got["n_params"]
     return out

@@ -11,11 +11,12 @@ run in a process of its own, and the torch reference.
   in this process, timed from the call to its return (no interpreter start), with the
   process's resident memory before and its peak during the command (the peak is reset first:
   ``/proc/self/clear_refs``).
-- ``reference_main``: what torch does with the same state from one process: ``torch.save`` of
-  the model's state dict and an AdamW state of the same shapes (after one step) to the
-  benchmark's folder, fsynced as a snapshot's shards are; ``torch.load`` of that file; and
-  ``safetensors.torch.save_file`` of the state dict (tied weights under both names, as the
-  export writes them), fsynced. Each one's seconds and its rise of peak resident memory.
+- ``reference_main``: what torch does with the same state from one process, each in a
+  process of its own: ``torch.save`` of the model's state dict and an AdamW state of the same
+  shapes (after one step) to the benchmark's folder, fsynced as a snapshot's shards are;
+  ``torch.load`` of that file; ``safetensors.torch.save_file`` of the state dict (tied
+  weights under both names, as the export writes them), fsynced. Each one's seconds and its
+  rise of peak resident memory.
 """
 
 from __future__ import annotations
@@ -146,37 +147,41 @@ def cli_main(a: argparse.Namespace) -> None:
 
 # ================================================================================ reference
 def reference_main(a: argparse.Namespace) -> None:
-    """torch.save, torch.load and safetensors' save_file of the same state (see above)."""
+    """One of torch.save, torch.load and safetensors' save_file of the same state (``a.op``),
+    in a process of its own: memory a process freed before (a gradient, a loaded checkpoint)
+    would serve the next operation's allocations, and hide its rise."""
     child_guard(a.lifetime)
     one_thread()
     import torch
-    from safetensors.torch import save_file
 
+    pt, st = os.path.join(a.dir, "reference.pt"), os.path.join(a.dir, "reference.safetensors")
+    if a.op == "torch_load":  # the file torch_save wrote: nothing else in this process
+        got = _timed(lambda: torch.load(pt, weights_only=True))
+        os.remove(pt)
+        emit("RESULT", got)
+        return
     net = build(a.model)
+    if a.op == "save_file":
+        from safetensors.torch import save_file
+
+        tensors, seen = {}, set()
+        for name, t in net.state_dict().items():  # a tied weight under each name: its own copy
+            tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
+            seen.add(t.data_ptr())
+        got = _timed(lambda: _save_synced(None, st, lambda: save_file(tensors, st)))
+        got["file_bytes"] = os.path.getsize(st)
+        os.remove(st)
+        emit("RESULT", got)
+        return
     opt = torch.optim.AdamW(net.parameters(), **ADAMW)
     for p in net.parameters():  # one step, so that AdamW holds both moments of every parameter
         p.grad = torch.randn_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    out: dict[str, Any] = {"n_params": sum(p.numel() for p in set(net.parameters()))}
-
-    path = os.path.join(a.dir, "reference.pt")
-    out["torch_save"] = _timed(
-        lambda: _save_synced(lambda f: torch.save(_state(net, opt), f), path)
-    )
-    out["torch_save"]["file_bytes"] = os.path.getsize(path)
-    out["torch_load"] = _timed(lambda: torch.load(path, weights_only=True))
-    os.remove(path)
-
-    path = os.path.join(a.dir, "reference.safetensors")
-    tensors, seen = {}, set()
-    for name, t in net.state_dict().items():  # a tied weight under each name: its own copy
-        tensors[name] = t.clone() if t.data_ptr() in seen else t.contiguous()
-        seen.add(t.data_ptr())
-    out["save_file"] = _timed(lambda: _save_synced(None, path, lambda: save_file(tensors, path)))
-    out["save_file"]["file_bytes"] = os.path.getsize(path)
-    os.remove(path)
-    emit("RESULT", out)
+    got = _timed(lambda: _save_synced(lambda f: torch.save(_state(net, opt), f), pt))
+    got["file_bytes"] = os.path.getsize(pt)
+    got["n_params"] = sum(p.numel() for p in set(net.parameters()))
+    emit("RESULT", got)  # the file stays for torch_load
 
 
 def _state(net: Any, opt: Any) -> dict[str, Any]:
@@ -218,7 +223,7 @@ def _save_synced(write: Any, path: str, save: Any = None) -> None:
 def child_parser() -> argparse.ArgumentParser:
     """The hidden modes' arguments (``python -m benchmarks.surfaces _rank|_cli|_reference``)."""
     p = argparse.ArgumentParser()
-    for k in ("--model", "--servers", "--run", "--job", "--dir"):
+    for k in ("--model", "--servers", "--run", "--job", "--dir", "--op"):
         p.add_argument(k, default="")
     for k in ("--world", "--rank", "--steps", "--replicate-every"):
         p.add_argument(k, type=int, default=0)

@@ -126,6 +126,7 @@ def _run_summary(run: dict[str, Any], a: argparse.Namespace, psi: int) -> dict[s
                     for i in range(len(r0["steps"]))],
         "wall_s": run["wall_s"],
         "loadavg_at_start": run["loadavg_at_start"],
+        "foreign_cpu_frac": run["foreign_cpu_frac"],
         "losses": r0["losses"],
         "recoveries": max(r["recoveries"] for r in run["ranks"]),
         "trainer_peak_rss_mb": [round(r["peak_rss_bytes"] / 2**20) for r in run["ranks"]],

@@ -35,6 +35,7 @@ def test_quick_surfaces_benchmark_reports_every_cell() -> None:
     # the same steps on the same batches: replicas change the time, never the losses
     assert with_["losses"] == without["losses"] and all(map(math.isfinite, with_["losses"]))
     assert with_["recoveries"] == without["recoveries"] == 0
+    assert all(0.0 <= run["foreign_cpu_frac"] <= 1.0 for run in (with_, without))
     # replicas were made every step (each server: its own copy and its neighbour's), and none
     # without them
     for server in with_["replicas"]:
