@@ -13,14 +13,16 @@ import socket
 import time
 import uuid
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from two_ranks import sgd_step, two_fsdp_ranks
 
-from paramshard.client import ClusterSpec, ShardClient, StepArgs, tools
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, StepArgs, tools
 from paramshard.client import replicas as client_replicas
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.buffers.slice_state import slice_bytes
 from paramshard.server.buffers.store import BufferSlice
 from paramshard.strategies import train_with_recovery
 
@@ -164,3 +166,35 @@ def test_asking_about_replicas_does_not_wait_on_a_stalled_server(job, monkeypatc
     assert took < 5.0, took  # the 1 s bound and a connection's setup, far from 15 s
     assert failed and failed[0].startswith("server 0:") and "memory limit" in failed[0], failed
     assert [f.split(":")[0] for f in failed] == ["server 0", "server 2"], failed
+
+
+def test_loading_a_replica_pays_for_decoding_it(job) -> None:
+    """A rollback (and a LoadReplica) joins the replica and lets safetensors copy its
+    tensors, two copies of its size while the slices are built: they are paid for first.
+    Before, a server with room for the slices alone took them past its limit; now it is
+    refused with nothing changed, and a server with room loads the replica."""
+    nodes, c = job
+    tools.configure_replication(c, "j", 1)
+    step(c, 1)
+    rep = nodes[0].servicer.replicator
+    deadline = time.monotonic() + 20
+    while 2 not in {r.version for r in replicas(c, 0).replicas if r.own}:
+        assert time.monotonic() < deadline, replicas(c, 0)
+        time.sleep(0.05)
+    settled(nodes[0])
+    blob = rep.own["j"][2]
+    step(c, 2)  # the job moves on: version 3, its replica kept as well
+    settled(nodes[0])
+    before = c.pull_params("j", "w", N, 3)
+    slices = nodes[0].servicer.buffers.jobs()["j"]
+    need = sum(slice_bytes(b.spec) for b in slices)
+    rep.budget.limit = rep.budget.used + need + len(blob)  # the slices and one copy, not two
+    with pytest.raises(ShardClientError) as err:
+        c.call(0, "RollbackToReplica", pb.RollbackRequest(job="j", version=2))
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+    assert "RollbackToReplica: replica of job 'j'" in err.value.details, err.value
+    assert "--max-memory" in err.value.details, err.value
+    np.testing.assert_array_equal(c.pull_params("j", "w", N, 3), before)  # nothing changed
+    rep.budget.limit = rep.budget.used + need + 2 * len(blob)
+    c.call(0, "RollbackToReplica", pb.RollbackRequest(job="j", version=2))
+    assert nodes[0].servicer.buffers.jobs()["j"][0].version == 2
