@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from paramshard.server.runtime import backend
+from paramshard.server.runtime.request_bounds import MAX_VERSION
 
 __all__ = ["BLOCK", "OptimizerError", "ServerOptimizer"]
 
@@ -17,6 +18,10 @@ temporaries stay this size and in cache; the Python loop over blocks costs about
 element."""
 DEVICE_BLOCK = 1 << 24
 """The same on a GPU, where each term is a kernel launch (~10 us): 64 MiB temporaries."""
+MAX_STEP_COUNT = MAX_VERSION
+"""A step count loaded or written (a snapshot's, a replica's, SetState's) is at most a
+version's bound, 2**53: past it, Status's int64 fields and the bias corrections' floats
+break (a replica with 2**64 made every later Status of the server end INTERNAL)."""
 
 
 class OptimizerError(ValueError):
@@ -47,11 +52,14 @@ class ServerOptimizer:
         self._state: dict[str, Any] = {}
         self._init_state()
 
-    def _count(self, what: str, value: Any) -> int:
-        """An int >= 0 (Python or NumPy integer, as protobuf or array code may pass)."""
+    def _count(self, what: str, value: Any, most: int | None = None) -> int:
+        """An int >= 0 (Python or NumPy integer, as protobuf or array code may pass), at most
+        ``most`` when given."""
         count = -1 if isinstance(value, bool) or not hasattr(value, "__index__") else int(value)
         if count < 0:
             raise OptimizerError(f"{self.name}: {what} must be an int >= 0, got {value!r}")
+        if most is not None and count > most:
+            raise OptimizerError(f"{self.name}: {what} {count:,} is over {most:,}")
         return count
 
     def _error(self, key: str, value: object, rule: str) -> OptimizerError:
@@ -133,7 +141,7 @@ class ServerOptimizer:
 
     def load_state(self, arrays: Mapping[str, Any], step_count: int) -> None:
         """Replace the state with copies of ``arrays`` (the inverse of ``state_arrays``)."""
-        step_count = self._count("step_count", step_count)
+        step_count = self._count("step_count", step_count, MAX_STEP_COUNT)
         loaded: dict[str, Any] = {}
         for key, arr in arrays.items():
             if key not in self.state_names:
@@ -173,7 +181,7 @@ class ServerOptimizer:
                 f"{self.name}: state {key!r} is not used with these hyper-parameters; used:"
                 f" {', '.join(self._usable_state(self.hyper)) or 'none'}"
             )
-        step_count = self._count("step_count", step_count)
+        step_count = self._count("step_count", step_count, MAX_STEP_COUNT)
         n = int(values.size)
         if offset < 0 or offset + n > self.numel:
             raise OptimizerError(

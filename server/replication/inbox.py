@@ -112,7 +112,13 @@ class Inbox:
         self._incoming: dict[tuple[str, str, int, int], _Incoming] = {}
 
     def add(
-        self, kind: str, chunk: pb.ReplicaChunk, data: bytes, bound: int, what: str
+        self,
+        kind: str,
+        chunk: pb.ReplicaChunk,
+        data: bytes,
+        bound: int,
+        what: str,
+        quota: int = 0,
     ) -> Parts | None:
         """Keeps ``data``, the bytes of ``chunk`` (which carries their place: the server
         takes them out of the message or the caller's segment once, and they are kept as
@@ -120,7 +126,8 @@ class Inbox:
         is here already, the same bytes at the same offset, changes nothing (before, it was
         refused as an overlap: a recovery whose rank died after its first LoadReplica could
         not be done again until the partial replica expired). ``bound``: the most bytes this
-        replica may have; ``what`` names it in errors. The returned blob's
+        replica may have; ``quota`` (0: none): the most bytes all incomplete replicas of its
+        kind and job may claim together; ``what`` names it in errors. The returned blob's
         bytes are still reserved in the budget: the caller keeps them or releases them."""
         total, offset, size = chunk.total, chunk.offset, len(data)
         if total > bound:
@@ -147,6 +154,8 @@ class Inbox:
                 return None  # again after its caller died): already here
             if entry is not None:
                 entry.check(offset, size, what)
+            elif quota:
+                self._check_quota(key, total, quota, what)
             self.budget.reserve(size, "replicas", what)
             if entry is None:
                 entry = _Incoming(total)
@@ -158,11 +167,36 @@ class Inbox:
             del self._incoming[key]
         return entry.blob()  # its chunks as they came, not joined (a copy of the whole)
 
+    def _check_quota(
+        self, key: tuple[str, str, int, int], total: int, quota: int, what: str
+    ) -> None:
+        """Under the lock: a new replica of ``total`` bytes fits ``quota`` beside the other
+        incomplete ones of its kind and job (those it would push out of its source's last
+        ``MAX_PENDING`` not counted). Before, a job not on this server took up to
+        ``MAX_PENDING`` incomplete loads from every source index, each up to its quota."""
+        gone = set(self._pushed_out(key))
+        claimed = sum(
+            e.total for k, e in self._incoming.items() if k[:2] == key[:2] and k not in gone
+        )
+        if claimed + total > quota:
+            raise ShardError.exhausted(
+                f"{what}: the incomplete replicas of job '{key[1]}' being loaded here claim"
+                f" {claimed:,} bytes; with this one's {total:,} they would pass the job's quota"
+                f" of {quota:,} (--max-job-gb)"
+            )
+
+    def _pushed_out(self, key: tuple[str, str, int, int]) -> list[tuple[str, str, int, int]]:
+        """Under the lock: the incomplete versions of ``key``'s source that a new one pushes
+        out, the oldest past its last ``MAX_PENDING``."""
+        same = sorted((k for k in self._incoming if k[:3] == key[:3]), key=self._touched)
+        return same[: max(0, len(same) - MAX_PENDING + 1)]
+
+    def _touched(self, key: tuple[str, str, int, int]) -> float:
+        return self._incoming[key].touched
+
     def _make_room(self, key: tuple[str, str, int, int]) -> None:
         """Under the lock: drops the oldest incomplete versions of ``key``'s source."""
-        same = [k for k in self._incoming if k[:3] == key[:3]]
-        same.sort(key=lambda k: self._incoming[k].touched)
-        for k in same[: max(0, len(same) - MAX_PENDING + 1)]:
+        for k in self._pushed_out(key):
             self._discard(k)
 
     def _discard(self, key: tuple[str, str, int, int]) -> None:

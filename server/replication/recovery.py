@@ -52,7 +52,8 @@ class ReplicaRecovery:
                 f"no replica of job '{req.job}' from server {req.source_index} at version"
                 f" {req.version} here"
             )
-        size = req.max_bytes or CHUNK
+        size = min(req.max_bytes or CHUNK, CHUNK)  # before: any size, the whole replica in
+        # one reply, copied three times outside the account (docs/security.md 133)
         return pb.ReplicaChunk(
             job=req.job,
             source_index=req.source_index,
@@ -78,7 +79,8 @@ class ReplicaRecovery:
             bound = replica_bound(slices, chunk.source_index)
         else:  # not here (the server restarted): this job's quota, else the host's memory
             bound = self.store.max_job_bytes or memory_bound()
-        blob = self.inbox.add("load", chunk, data, bound, what)
+        quota = self.store.max_job_bytes
+        blob = self.inbox.add("load", chunk, data, bound, what, quota)
         if blob is None:
             return False
         try:  # once loaded, the slices hold what they need: the blob goes
@@ -121,10 +123,8 @@ class ReplicaRecovery:
         if meta.get("job") != job:
             raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
         try:
-            version = meta["version"]
-            if not isinstance(version, int) or version < 0:
-                raise ValueError(f"version {version!r} is not a count")
-            check_version(version, "version", f"{method}: replica of job '{job}'")
+            where = f"{method}: replica of job '{job}'"
+            version = _count(meta["version"], "version", where)
             rows = [
                 (_spec(job, name, info, method), tensors[f"{name}::params"], info)
                 for name, info in meta["buffers"].items()
@@ -132,9 +132,11 @@ class ReplicaRecovery:
             for spec, params, info in rows:
                 state = [tensors[f"{spec.ref.buffer}::state.{k}"] for k in info["state"]]
                 _check_sizes(spec, params, state)
+                _count(info["step_count"], f"buffer '{spec.ref.buffer}': step_count", where)
         except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as exc:
             raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
         specs = [spec for spec, _, _ in rows]
+        _check_placement(job, meta, specs, method)
         self.store.check_room(job, specs, f"{method}: replica of job '{job}'")
         need = sum(map(slice_bytes, specs))
         self.budget.reserve(need, "replicas", f"{method}: replica of job '{job}'")
@@ -166,6 +168,34 @@ def _spec(job: str, name: str, info: dict[str, Any], method: str) -> pb.Register
         )
     check_spec(spec, method)
     return spec
+
+
+def _count(value: Any, what: str, where: str) -> int:
+    """``value``, a version or a step count of a replica: an int (not a bool: JSON's ``true``
+    passed as 1, and Status then ended INTERNAL) in 0..2**53."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} {value!r:.40} is not a count")
+    check_version(value, what, where)
+    return value
+
+
+def _check_placement(
+    job: str, meta: dict[str, Any], specs: list[pb.RegisterBufferRequest], method: str
+) -> None:
+    """The replica holds buffers, each placed where its own metadata says it is (slice
+    ``server_index`` of ``num_servers``). Before, a replica with none emptied the job, and
+    its specs could move the server to another slice or mix placements in one job."""
+    what = f"{method}: replica of job '{job}'"
+    if not specs:
+        raise ShardError.invalid(f"{what} holds no buffers")
+    said = (meta.get("server_index"), meta.get("num_servers"))
+    placed = sorted({(s.server_index, s.num_servers) for s in specs})
+    if placed != [said]:
+        where = ", ".join(f"slice {i} of {n}" for i, n in placed[:4])
+        raise ShardError.invalid(
+            f"{what} says it is slice {said[0]!r:.24} of {said[1]!r:.24}; its buffers' specs"
+            f" place them at {where}"
+        )
 
 
 def _check_sizes(spec: pb.RegisterBufferRequest, params: Any, state: list[Any]) -> None:
