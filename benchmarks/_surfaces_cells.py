@@ -152,10 +152,23 @@ def exports(job: str, tag: str, addresses: list[str], folder: str, out_dir: str)
     servers = ["--servers", ",".join(addresses)]
     res["live"] = _rise(command("export-live", ["export", job, "--out", live, *servers]))
     res["file_bytes"] = os.path.getsize(live)
+    res["largest_tensor_mb"] = round(largest_tensor_bytes(live) / 2**20, 1)
     res["same_tensors"] = same_tensors(offline, live)
     for f in (offline, live):
         os.remove(f)
     return res
+
+
+def largest_tensor_bytes(path: str) -> int:
+    """The largest tensor's bytes in a safetensors file, from its header: what an export that
+    streams one tensor at a time holds at least."""
+    import struct
+
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return max(end - begin for k, v in header.items() if k != "__metadata__"
+               for begin, end in [v["data_offsets"]])  # fmt: skip
 
 
 def same_tensors(a: str, b: str) -> bool:

@@ -72,6 +72,8 @@ def test_quick_surfaces_benchmark_reports_every_cell() -> None:
         got = export[kind]
         assert _cell(got["wall_s"], reps) > 0 and _cell(got["ratio_to_save_file_s"], reps) > 0
         assert _cell(got["peak_rss_mb"], reps) > _cell(got["rss_rise_mb"], reps) >= 0
+        assert _cell(got["rss_rise_to_largest_tensor"], reps) >= 0
+    assert 0 < rep["export"]["largest_tensor_mb"] < rep["export"]["file_bytes"] / 2**20
 
     restore = cells["restore"]
     assert _cell(restore["wall_s"], reps) > 0 and _cell(restore["ratio_to_torch_load"], reps) > 0
