@@ -191,3 +191,13 @@ def test_load_replica_racing_drop_job_keeps_the_account(server) -> None:
     call(server.address, "DropJob", pb.DropJobRequest(job="race"))
     assert server.servicer.replicator.inbox.pending() == {}
     assert server.servicer.budget.usage() == base
+
+
+def test_a_replica_header_of_bytes_not_text_is_named_in_a_line(server) -> None:
+    """A header of 51 kB that is not UTF-8: the refusal says why in a line. Before, it quoted
+    the exception's repr, every byte of the header (200 kB, clipped to 2 KB of escapes)."""
+    head = bytes(range(128, 256)) * 400  # 51 kB: within what a replica of job j may claim
+    blob = len(head).to_bytes(8, "little") + head
+    details = refused(server.address, "LoadReplica", chunk("j", blob), Code.INVALID_ARGUMENT)
+    assert "not a paramshard replica (UnicodeDecodeError: 'utf-8' codec" in details, details
+    assert len(details) < 400, details

@@ -23,7 +23,7 @@ from typing import Any
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
-from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.errors import ShardError, reason
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshots.shards import Parts
 
@@ -66,7 +66,7 @@ def check_header(blob: bytes | Parts, chunk: pb.ReplicaChunk, what: str) -> None
         meta = json.loads(header["__metadata__"]["paramshard"])
         said = (meta["job"], meta["server_index"], meta["version"])
     except (ValueError, KeyError, TypeError, RecursionError) as exc:  # nested past the limit
-        raise ShardError.invalid(f"{what}: not a paramshard replica ({exc!r})") from None
+        raise ShardError.invalid(f"{what}: not a paramshard replica ({reason(exc)})") from None
     if said != (chunk.job, chunk.source_index, chunk.version):
         raise ShardError.invalid(
             f"{what}: the replica itself holds job '{said[0]}' from server {said[1]} at v{said[2]}"

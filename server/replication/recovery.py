@@ -20,7 +20,7 @@ from paramshard.protos import slicing
 from paramshard.server.buffers.slice_state import slice_bytes
 from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
-from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.errors import ShardError, reason
 from paramshard.server.runtime.request_bounds import check_version
 from paramshard.server.snapshots.shards import Parts, decode_shard
 
@@ -134,7 +134,8 @@ class ReplicaRecovery:
                 _check_sizes(spec, params, state)
                 _count(info["step_count"], f"buffer '{spec.ref.buffer}': step_count", where)
         except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as exc:
-            raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
+            why = reason(exc)
+            raise ShardError.invalid(f"replica of job '{job}' is malformed ({why})") from None
         specs = [spec for spec, _, _ in rows]
         _check_placement(job, meta, specs, method)
         self.store.check_room(job, specs, f"{method}: replica of job '{job}'")
@@ -149,7 +150,8 @@ class ReplicaRecovery:
                 b.replicator = self if job in self.configs else None
                 slices.append(b)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ShardError.invalid(f"replica of job '{job}' is malformed ({exc!r})") from None
+            why = reason(exc)
+            raise ShardError.invalid(f"replica of job '{job}' is malformed ({why})") from None
         except MemoryError as exc:  # paid for above: the host has less than the budget says
             raise ShardError.exhausted(f"{method}: replica of job '{job}': {exc!r}") from None
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["MAX_DETAILS", "ShardError", "clip", "named"]
+__all__ = ["MAX_DETAILS", "ShardError", "clip", "named", "reason"]
 
 MAX_DETAILS = 2048
 """Characters of an error's message a caller gets. A status's message travels as metadata,
@@ -20,6 +20,13 @@ def clip(message: str) -> str:
     keep = (MAX_DETAILS - 48) // 2
     cut = len(message) - 2 * keep
     return f"{message[:keep]} ...({cut:,} characters cut)... {message[-keep:]}"
+
+
+def reason(exc: BaseException) -> str:
+    """Why a parser refused a caller's bytes, in a line: its type and the first 200
+    characters of its words. Not its ``repr``: a UnicodeDecodeError's quotes every byte it
+    was given (4 MB for a replica header of 1 MB of non-UTF-8), which said nothing."""
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def named(call: str, message: str) -> str:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name, taken_order
-from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.errors import ShardError, reason
 from paramshard.server.snapshots.deletion import Removed, remove_tag, torn_tags
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
@@ -321,7 +321,8 @@ class SnapshotDir:
                     row["state"] |= {str(k) for k in info["state"]}
                     row["step_count"] = max(row["step_count"], int(info["step_count"]))
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise ShardError.precondition(f"{file}: malformed shard layout ({exc!r})") from None
+                why = reason(exc)
+                raise ShardError.precondition(f"{file}: malformed shard layout ({why})") from None
         return out
 
     def read_range(
