@@ -62,6 +62,12 @@ def recorded_model(manifests: list[dict[str, Any]], folder: Path) -> dict[str, A
     )
 
 
+def _numel(entry: dict[str, Any]) -> int:
+    """A manifest's parameter entry's elements: its ``numel``, absent for one of none (a
+    missing ``offset`` or ``numel`` gave a traceback, where a Restore takes them as 0)."""
+    return entry.get("numel", 0)
+
+
 def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
     from paramshard.client.tensor_parts import WholeParam
     from paramshard.protos.manifest import ParamEntry
@@ -72,9 +78,8 @@ def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
         for p in info["params"]:
 
             def produce(b: str = buffer, p: dict = p) -> Any:
-                return snaps.read_range(
-                    job, tag, manifest, b, "params", p["offset"], p["offset"] + p["numel"]
-                )
+                start = p.get("offset", 0)  # the manifest's defaults, as a Restore takes them
+                return snaps.read_range(job, tag, manifest, b, "params", start, start + _numel(p))
 
             entry = ParamEntry.from_manifest(p)
             params.append(WholeParam.of(entry, produce=produce, source=(job,)))
@@ -118,7 +123,7 @@ def _export_parts(
                 PartParam.from_manifest(
                     p,
                     read=lambda job=job, m=m, b=buffer, p=p: snaps.read_range(
-                        job, tag, m, b, "params", p["offset"], p["offset"] + p["numel"]
+                        job, tag, m, b, "params", p.get("offset", 0), p.get("offset", 0) + _numel(p)
                     ),
                 )
                 for buffer, info in m["buffers"].items()

@@ -48,7 +48,9 @@ def test_restore_reads_shards_a_block_at_a_time(servers, tmp_path, monkeypatch) 
     # no shard is read whole on the way back in: only the manifest is
     read = folders.Folder.read
     whole = []
-    monkeypatch.setattr(folders.Folder, "read", lambda f, name: whole.append(name) or read(f, name))
+    monkeypatch.setattr(
+        folders.Folder, "read", lambda f, name, most: whole.append(name) or read(f, name, most)
+    )
     monkeypatch.setattr(files, "_READ_BLOCK", 4096, raising=False)  # many blocks a shard
     c = client(new)
     try:
@@ -85,6 +87,9 @@ class _SliceSpy:
 
     def get_shape(self):
         return self._held.get_shape()
+
+    def get_dtype(self):
+        return self._held.get_dtype()
 
     def __getitem__(self, key):
         values = self._held[key]

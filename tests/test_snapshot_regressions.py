@@ -8,6 +8,7 @@ Real in-process servers and a real tiny GPT (tests/snapshot_job.py), float64.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -99,6 +100,9 @@ def test_snapshot_survives_a_step_between_status_and_capture(servers, tmp_path):
         trainer.close()
 
 
+SHARD = "shard-0-of-1.safetensors"
+
+
 def _manifest(job: str, tag: str) -> dict:
     return {
         "format": "paramshard-snapshot/1",
@@ -108,7 +112,8 @@ def _manifest(job: str, tag: str) -> dict:
         "num_servers": 1,
         "created_unix": 0.0,
         "buffers": {},
-        "shards": [],
+        # a manifest lists its slices' shards, each once (docs/security.md 144)
+        "shards": [{"file": SHARD, "bytes": 0, "sha256": hashlib.sha256(b"").hexdigest()}],
     }
 
 
@@ -131,6 +136,7 @@ def test_a_foreign_manifest_does_not_break_listing(servers, tmp_path):
     good = root / "j" / "good"
     good.mkdir(parents=True)
     (good / "manifest.json").write_text(json.dumps(_manifest("j", "good")))
+    (good / SHARD).write_bytes(b"")
     (root / "j" / "stray").mkdir()
     (root / "j" / "stray" / "manifest.json").write_text("{}")
     c = client_for([s.address for s in snapshot_servers(servers, 1, root)])

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from paramshard.protos.placement import MAX_SERVERS
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.reservations import no_writers
@@ -127,6 +128,8 @@ def torn_tags(jdir: Folder, job: str) -> list[dict[str, Any]]:
                 if not shards:
                     continue
                 newest, named = max(shards, key=lambda s: tdir.mtime_ns(s[0]))
+                if not 1 <= int(named.group(1)) <= MAX_SERVERS:  # its reply failed: not ours
+                    continue
                 row = {
                     "job": job,
                     "tag": tag,

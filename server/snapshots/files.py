@@ -42,12 +42,16 @@ from paramshard.server.snapshots.shards import (
     shard_meta,
     shard_parts,
     shard_version,
+    st_dtype,
     tensor_key,
 )
 
 __all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
+MAX_MANIFEST_BYTES = 64 * 2**20
+"""The largest manifest committed or read (it lists every parameter: a 53M-parameter GPT's of
+two layers took 5.9 kB)."""
 log = logging.getLogger("paramshard.snapshots")
 
 
@@ -167,6 +171,10 @@ class SnapshotDir:
         except (ValueError, RecursionError) as exc:  # not JSON, too deep, or ManifestError
             raise ShardError.invalid(f"{where}: invalid manifest: {exc}") from None
         data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        if len(data) > MAX_MANIFEST_BYTES:  # it could not be read back
+            raise ShardError.invalid(
+                f"{where}: the manifest takes {len(data):,} bytes, more than {MAX_MANIFEST_BYTES:,}"
+            )
         with self._folder(job, tag, missing="no shard files here") as folder:
             if folder.kind("manifest.json") is None:  # committed already: answered below
                 check_shards_here(folder, manifest, where)
@@ -174,12 +182,12 @@ class SnapshotDir:
                 folder.write_once("manifest.json", data)
             except FileExistsError:
                 try:
-                    same = folder.read("manifest.json") == data
+                    same = folder.read("manifest.json", MAX_MANIFEST_BYTES) == data
                 except FileNotFoundError:  # there a moment ago
                     raise ShardError.precondition(
                         f"{where} was deleted while it was committed (DeleteSnapshot)"
                     ) from None
-                except (OSError, ShardError):
+                except (OSError, ShardError, ValueError):  # ValueError: past the bound
                     same = False
                 if not same:
                     raise ShardError(
@@ -243,7 +251,9 @@ class SnapshotDir:
         try:
             with tdir:
                 try:
-                    manifest = check_manifest(json.loads(tdir.read("manifest.json")), job, tag)
+                    manifest = check_manifest(
+                        json.loads(tdir.read("manifest.json", MAX_MANIFEST_BYTES)), job, tag
+                    )
                 except OSError:
                     return None  # no manifest: not (yet) a snapshot
                 except (ValueError, RecursionError) as exc:  # not JSON, or ManifestError
@@ -275,7 +285,7 @@ class SnapshotDir:
         with self._folder(job, tag) as folder:
             path = folder.name("manifest.json")
             try:
-                manifest = json.loads(folder.read("manifest.json"))
+                manifest = json.loads(folder.read("manifest.json", MAX_MANIFEST_BYTES))
             except FileNotFoundError:
                 raise ShardError.not_found(f"snapshot '{job}/{tag}': {path} is missing") from None
             except (OSError, ValueError, RecursionError) as exc:
@@ -291,7 +301,7 @@ class SnapshotDir:
             for shard in manifest["shards"]:
                 name = Path(shard["file"]).name
                 try:
-                    size, sha256 = _digest(folder, name)
+                    size, sha256 = _digest(folder, name, shard["bytes"])
                 except OSError:
                     raise ShardError.not_found(
                         f"snapshot '{job}/{tag}': {folder.name(name)} is missing"
@@ -320,8 +330,8 @@ class SnapshotDir:
                     row = out.setdefault(name, {"state": set(), "step_count": 0})
                     row["state"] |= {str(k) for k in info["state"]}
                     row["step_count"] = max(row["step_count"], int(info["step_count"]))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                why = reason(exc)
+            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+                why = reason(exc)  # OverflowError: a step count of Infinity ended INTERNAL
                 raise ShardError.precondition(f"{file}: malformed shard layout ({why})") from None
         return out
 
@@ -355,6 +365,11 @@ class SnapshotDir:
                             continue  # optimizer state not allocated yet at that version
                         held = f.get_slice(key)
                         check_held(held.get_shape(), numel, old, piece.server)
+                        if held.get_dtype() != st_dtype(dtype):  # before: cast, 1e300 to inf
+                            raise ValueError(
+                                f"it holds {held.get_dtype()}, the buffer's master dtype is"
+                                f" {st_dtype(dtype)}"
+                            )
                         lo = piece.local_offset
                         a = piece.global_offset - start
                         for b in range(0, piece.numel, _READ_ELEMENTS):  # a piece whole took
@@ -374,13 +389,17 @@ back as a new array, so a piece read whole was one more copy of it (GPT-2's embe
 exported offline from two shards: 2.06x the tensor held, measured)."""
 
 
-def _digest(folder: Folder, name: str) -> tuple[int, str]:
-    """(size, sha256) of file ``name``, read a block at a time. Read whole, a restore held
-    every shard of the job in turn (a 746 MB shard of GPT-2 124M: 1.6 GB resident on a server
-    restoring a 356 MB slice, kept by the server's allocator settings) and an offline export
-    both, outside the memory account (docs/security.md's sixteenth round)."""
+def _digest(folder: Folder, name: str, expected: int) -> tuple[int, str]:
+    """(size, sha256) of file ``name``, read a block at a time; ("", its size) unread when
+    that is not the ``expected`` size (before, a sparse shard of 1 TiB planted under a
+    manifest's 312 bytes was hashed for half an hour). Read whole, a restore held every shard
+    of the job in turn (a 746 MB shard of GPT-2 124M: 1.6 GB resident on a server restoring a
+    356 MB slice, kept by the server's allocator settings) and an offline export both,
+    outside the memory account (docs/security.md's sixteenth round)."""
     digest, size, block = hashlib.sha256(), 0, bytearray(_READ_BLOCK)
     with os.fdopen(folder.open(name), "rb", buffering=0) as f:
+        if (found := os.fstat(f.fileno()).st_size) != expected:
+            return found, ""
         while n := f.readinto(block):
             digest.update(memoryview(block)[:n])
             size += n

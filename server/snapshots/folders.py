@@ -130,9 +130,14 @@ class Folder:
         os.set_blocking(fd, True)
         return fd
 
-    def read(self, name: str) -> bytes:
+    def read(self, name: str, most: int) -> bytes:
+        """File ``name`` whole; ValueError (nothing read) past ``most`` bytes: a manifest is
+        anyone's who can write in the folder, and one of 1 TiB (sparse) was read whole."""
         with os.fdopen(self.open(name), "rb") as f:
-            return f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > most:
+                raise ValueError(f"{size:,} bytes, more than the {most:,} a manifest may have")
+            return f.read(most + 1)
 
     @contextmanager
     def path_of(self, name: str) -> Iterator[str]:

@@ -25,7 +25,9 @@ from paramshard.protos.manifest import (
     recorded_model_config,
     shard_name,
 )
+from paramshard.protos.placement import MAX_SERVERS
 from paramshard.protos.slicing import shape_elements
+from paramshard.server.runtime.request_bounds import MAX_VERSION
 
 __all__ = ["ManifestError", "check_manifest"]
 
@@ -45,7 +47,7 @@ class ManifestError(ValueError):
     """A manifest field is missing or wrong; the message names it."""
 
 
-U64, U32 = 2**64 - 1, 2**32 - 1  # the wire's uint64 and uint32 (SnapshotInfo, registrations)
+U64 = 2**64 - 1  # the wire's uint64 (SnapshotInfo, registrations)
 
 
 def _is_int(value: Any, minimum: int = 0, maximum: int = U64) -> bool:
@@ -143,8 +145,10 @@ def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -
             raise ManifestError(
                 f"{key} is {manifest.get(key)!r}, but the snapshot folder is '{job}/{tag}'"
             )
-    _int(manifest, "version", "")
-    num = _int(manifest, "num_servers", "", minimum=1, maximum=U32)
+    _int(manifest, "version", "", maximum=MAX_VERSION)  # a client's bound (2**64 restored,
+    num = _int(manifest, "num_servers", "", minimum=1, maximum=MAX_SERVERS)  # then every
+    # Status ended INTERNAL); a placement's (2**32 - 1 made a listing of every job fail, and a
+    # Restore loop over 4 billion slices)
     if not _finite(_field(manifest, "created_unix", (int, float), "")):
         raise ManifestError(f"created_unix must be finite, got {manifest['created_unix']!r}")
     for name, info in _field(manifest, "buffers", dict, "").items():
@@ -175,4 +179,12 @@ def check_manifest(manifest: Any, job: str, tag: str, *, strict: bool = False) -
                 raise ManifestError(
                     f"{at}file must name {shard_name(i, num)}, got {shard['file']!r}"
                 )
+    names = sorted(Path(s["file"]).name for s in shards)
+    if names != sorted(shard_name(i, num) for i in range(num)):
+        # a Restore reads a slice's shard by its name and checks only the listed ones: one
+        # left out was restored unchecked, and one listed 1,000 times was hashed 1,000 times
+        raise ManifestError(
+            f"shards must list each of the num_servers = {num} shards once"
+            f" ({shard_name(0, num)}, ...), got {len(shards)} entries"
+        )
     return manifest

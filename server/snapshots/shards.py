@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load as st_load
 
 from paramshard.protos import slicing
-from paramshard.server.runtime.errors import ShardError
+from paramshard.server.runtime.errors import ShardError, reason
+from paramshard.server.runtime.request_bounds import MAX_VERSION
 from paramshard.server.snapshots.folders import Folder
 
 __all__ = [
@@ -34,6 +35,7 @@ __all__ = [
     "shard_meta",
     "shard_parts",
     "shard_version",
+    "st_dtype",
     "tensor_key",
 ]
 
@@ -60,14 +62,19 @@ def shard_meta(folder: Folder, name: str) -> dict[str, Any]:
             meta = json.loads(f.metadata()["paramshard"])
         if not isinstance(meta, dict):
             raise ValueError("its metadata is not an object")
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError) as exc:
-        raise ShardError.precondition(
-            f"{folder.name(name)}: not a paramshard shard ({exc})"
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as exc:
+        raise ShardError.precondition(  # SafetensorError is no ValueError: a lying header
+            f"{folder.name(name)}: not a paramshard shard ({reason(exc)})"  # ended INTERNAL
         ) from None
     return meta
 
 
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "int64": "I64", "int32": "I32"}
+
+
+def st_dtype(dtype: np.dtype) -> str:
+    """How safetensors names ``dtype`` in a shard's header."""
+    return _ST_DTYPES[np.dtype(dtype).name]
 
 
 def shard_parts(
@@ -159,7 +166,9 @@ def shard_version(folder: Folder, name: str) -> int | None:
         version = json.loads(header["__metadata__"]["paramshard"])["version"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return version if isinstance(version, int) else None
+    if isinstance(version, bool) or not isinstance(version, int):
+        return None  # JSON's true was taken for 1, and a listing's reply then failed
+    return version if 0 <= version <= MAX_VERSION else None
 
 
 class Parts:
