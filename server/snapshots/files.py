@@ -49,9 +49,7 @@ from paramshard.server.snapshots.shards import (
 __all__ = ["SnapshotDir"]
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,255}")  # a folder name: at most NAME_MAX (255) bytes
-MAX_MANIFEST_BYTES = 64 * 2**20
-"""The largest manifest committed or read (it lists every parameter: a 53M-parameter GPT's of
-two layers took 5.9 kB)."""
+MAX_MANIFEST_BYTES = 64 * 2**20  # committed or read (a 53M-parameter GPT's took 5.9 kB)
 log = logging.getLogger("paramshard.snapshots")
 
 
@@ -383,19 +381,14 @@ class SnapshotDir:
 
 
 _READ_BLOCK = 8 * 2**20
-_READ_ELEMENTS = 2**21
-"""Elements of a shard's tensor read at a time (``read_range``): safetensors hands each read
-back as a new array, so a piece read whole was one more copy of it (GPT-2's embedding
-exported offline from two shards: 2.06x the tensor held, measured)."""
+_READ_ELEMENTS = 2**21  # of a shard's tensor at a time (``read_range``): each read is a new
+# array, and a piece read whole one more copy (an offline export held 2.06x its largest tensor)
 
 
 def _digest(folder: Folder, name: str, expected: int) -> tuple[int, str]:
-    """(size, sha256) of file ``name``, read a block at a time; ("", its size) unread when
-    that is not the ``expected`` size (before, a sparse shard of 1 TiB planted under a
-    manifest's 312 bytes was hashed for half an hour). Read whole, a restore held every shard
-    of the job in turn (a 746 MB shard of GPT-2 124M: 1.6 GB resident on a server restoring a
-    356 MB slice, kept by the server's allocator settings) and an offline export both,
-    outside the memory account (docs/security.md's sixteenth round)."""
+    """(size, sha256) of file ``name``, read a block at a time (read whole: 1.6 GB resident
+    restoring GPT-2 124M, security.md 121); (its size, "") unread when not ``expected`` (a
+    planted sparse shard of 1 TiB was hashed for half an hour, 143)."""
     digest, size, block = hashlib.sha256(), 0, bytearray(_READ_BLOCK)
     with os.fdopen(folder.open(name), "rb", buffering=0) as f:
         if (found := os.fstat(f.fileno()).st_size) != expected:
