@@ -118,13 +118,18 @@ def state(server: ShardServer) -> tuple[Any, ...]:
     return jobs, pulled, list(listed.replicas), server.servicer.budget.usage()
 
 
-def hostile_server(servers: Any) -> ShardServer:
-    """A server with tokens holding job 'j': one buffer 'w' of 4 elements, slice 0 of 1."""
-    (node,) = servers(1, tokens=HOSTILE_TOKENS, local_calls=False)
-    c = client_for([node.address])
+def hold_job(address: str) -> None:
+    """Job 'j' on the server at ``address``: one buffer 'w' of 4 elements, slice 0 of 1."""
+    c = client_for([address])
     try:
         c.register_buffer("j", "w", NUMEL, optimizer="sgd", hyper={"lr": 0.1})
         c.set_params("j", "w", PARAMS)
     finally:
         c.close()
+
+
+def hostile_server(servers: Any) -> ShardServer:
+    """A server with tokens holding job 'j' (``hold_job``)."""
+    (node,) = servers(1, tokens=HOSTILE_TOKENS, local_calls=False)
+    hold_job(node.address)
     return node

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from replica_probes import HOSTILE_TOKENS, NUMEL, PARAMS, call, code_of, crafted
+from replica_probes import HOSTILE_TOKENS, NUMEL, PARAMS, call, code_of, crafted, hold_job
 from server_processes import ROOT, ServerProcess
 from test_hardening_replication import TOKENS, client_for
 
@@ -45,12 +45,7 @@ def take_snapshot(address: str) -> None:
 def snapshot_server(servers: Any, root: Path) -> ShardServer:
     """An in-process server with tokens, snapshot folder ``root``, job 'j' and snapshot 't1'."""
     (node,) = servers(1, tokens=HOSTILE_TOKENS, snapshot_dir=str(root), local_calls=False)
-    client = client_for([node.address])
-    try:
-        client.register_buffer("j", "w", NUMEL, optimizer="sgd", hyper={"lr": 0.1})
-        client.set_params("j", "w", PARAMS)
-    finally:
-        client.close()
+    hold_job(node.address)
     take_snapshot(node.address)
     return node
 
@@ -132,12 +127,7 @@ def bounded_server(root: Path, monkeypatch: Any) -> Iterator[ServerProcess]:
         mapped = int(next(x for x in status.splitlines() if x.startswith("VmSize")).split()[1])
         limit = mapped * 1024 + ADDRESS_SPACE_MARGIN
         resource.prlimit(server.proc.pid, resource.RLIMIT_AS, (limit, limit))
-        client = client_for([server.address])
-        try:
-            client.register_buffer("j", "w", NUMEL, optimizer="sgd", hyper={"lr": 0.1})
-            client.set_params("j", "w", PARAMS)
-        finally:
-            client.close()
+        hold_job(server.address)
         take_snapshot(server.address)
         yield server
     finally:

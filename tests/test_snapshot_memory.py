@@ -26,17 +26,24 @@ def client(nodes) -> ShardClient:
     return ShardClient(ClusterSpec([s.address for s in nodes]), timeout_s=15.0, retries=0)
 
 
-def test_restore_reads_shards_a_block_at_a_time(servers, tmp_path, monkeypatch) -> None:
-    root = tmp_path / "snaps"
+def snapshotted(servers, root) -> tuple[list, np.ndarray, dict]:
+    """Job 'j' trained a step on 2 servers and snapshot 's1' of it in ``root``: (3 fresh
+    servers sharing ``root``, the trained params, the manifest)."""
     old, new = servers(2, snapshot_dir=str(root)), servers(3, snapshot_dir=str(root))
     c = client(old)
-    c.register_buffer("j", "w", N, optimizer="adam", hyper={"lr": 0.1})
-    c.set_params("j", "w", np.linspace(-1, 1, N, dtype=np.float32))
-    c.push_grads("j", "w", np.ones(N, np.float32), step=0)
-    c.step("j", 0, {"w": StepArgs({"lr": 0.1})})
-    trained = c.pull_params("j", "w", N)
-    manifest = tools.snapshot(c, "j", "s1")
-    c.close()
+    try:
+        c.register_buffer("j", "w", N, optimizer="adam", hyper={"lr": 0.1})
+        c.set_params("j", "w", np.linspace(-1, 1, N, dtype=np.float32))
+        c.push_grads("j", "w", np.ones(N, np.float32), step=0)
+        c.step("j", 0, {"w": StepArgs({"lr": 0.1})})
+        return new, c.pull_params("j", "w", N), tools.snapshot(c, "j", "s1")
+    finally:
+        c.close()
+
+
+def test_restore_reads_shards_a_block_at_a_time(servers, tmp_path, monkeypatch) -> None:
+    root = tmp_path / "snaps"
+    new, trained, manifest = snapshotted(servers, root)
     # the shards as written: safetensors reads them, their checksums are the manifest's
     for shard in manifest["shards"]:
         path = root / shard["file"]
@@ -102,16 +109,7 @@ def test_a_range_is_read_from_a_shard_a_block_at_a_time(servers, tmp_path, monke
     shard's piece into its result a block at a time: safetensors returns each read as a new
     array, and a piece read whole was one more copy of it (GPT-2's embedding exported offline
     from two shards held 2.06x the tensor; 363 MB peak, now 263)."""
-    root = tmp_path / "snaps"
-    old, new = servers(2, snapshot_dir=str(root)), servers(3, snapshot_dir=str(root))
-    c = client(old)
-    c.register_buffer("j", "w", N, optimizer="adam", hyper={"lr": 0.1})
-    c.set_params("j", "w", np.linspace(-1, 1, N, dtype=np.float32))
-    c.push_grads("j", "w", np.ones(N, np.float32), step=0)
-    c.step("j", 0, {"w": StepArgs({"lr": 0.1})})
-    trained = c.pull_params("j", "w", N)
-    tools.snapshot(c, "j", "s1")
-    c.close()
+    new, trained, _ = snapshotted(servers, tmp_path / "snaps")
     reads: list[int] = []
     real_open = files.safe_open
 
