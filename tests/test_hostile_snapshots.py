@@ -74,14 +74,15 @@ def test_a_shard_whose_safetensors_header_lies_is_refused(planted, lie: str) -> 
 
 
 @pytest.mark.timeout(60)
-def test_a_shard_step_count_of_infinity_is_refused(planted) -> None:
+@pytest.mark.parametrize("count", [float("inf"), -1, 2.5, "12", True])
+def test_a_shard_step_count_that_is_not_a_count_is_refused(planted, count) -> None:
     """A planted shard whose layout says ``"step_count": Infinity`` (JSON as Python writes it):
-    files.py ``layout`` does ``int(info["step_count"])``, OverflowError, which it does not
-    catch (it catches KeyError, TypeError, ValueError, AttributeError): Restore ends INTERNAL
-    ("OverflowError: cannot convert float infinity to integer"). NaN and 1e300 are refused
-    (FAILED_PRECONDITION). Expected: the same for Infinity."""
+    files.py ``layout`` did ``int(info["step_count"])``, OverflowError, which it did not
+    catch: Restore ended INTERNAL ("OverflowError: cannot convert float infinity to
+    integer"). -1, 2.5, "12" and true were taken as 0, 2, 12 and 1. Now each is refused
+    (FAILED_PRECONDITION), as NaN and 1e300 were."""
     node, root = planted
-    plant(root, "inf", shard=shard_of(step_count=float("inf")))
+    plant(root, "inf", shard=shard_of(step_count=count))
     before = state(node)
     details = refused(node.address, "Restore", restore("inf"), Code.FAILED_PRECONDITION)
     assert "step" in details

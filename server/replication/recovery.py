@@ -21,7 +21,7 @@ from paramshard.server.buffers.slice_state import slice_bytes
 from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.replication.inbox import Inbox, check_header, memory_bound, replica_bound
 from paramshard.server.runtime.errors import ShardError, reason
-from paramshard.server.runtime.request_bounds import check_version
+from paramshard.server.runtime.request_bounds import count_of
 from paramshard.server.snapshots.shards import Parts, decode_shard
 
 __all__ = ["CHUNK", "ReplicaRecovery"]
@@ -123,8 +123,7 @@ class ReplicaRecovery:
         if meta.get("job") != job:
             raise ShardError.invalid(f"replica holds job '{meta.get('job')}', not '{job}'")
         try:
-            where = f"{method}: replica of job '{job}'"
-            version = _count(meta["version"], "version", where)
+            version = count_of(meta["version"], "version")
             rows = [
                 (_spec(job, name, info, method), tensors[f"{name}::params"], info)
                 for name, info in meta["buffers"].items()
@@ -132,7 +131,7 @@ class ReplicaRecovery:
             for spec, params, info in rows:
                 state = [tensors[f"{spec.ref.buffer}::state.{k}"] for k in info["state"]]
                 _check_sizes(spec, params, state)
-                _count(info["step_count"], f"buffer '{spec.ref.buffer}': step_count", where)
+                count_of(info["step_count"], f"buffer '{spec.ref.buffer}': step_count")
         except (KeyError, TypeError, ValueError, AttributeError, DecodeError) as exc:
             why = reason(exc)
             raise ShardError.invalid(f"replica of job '{job}' is malformed ({why})") from None
@@ -170,15 +169,6 @@ def _spec(job: str, name: str, info: dict[str, Any], method: str) -> pb.Register
         )
     check_spec(spec, method)
     return spec
-
-
-def _count(value: Any, what: str, where: str) -> int:
-    """``value``, a version or a step count of a replica: an int (not a bool: JSON's ``true``
-    passed as 1, and Status then ended INTERNAL) in 0..2**53."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} {value!r:.40} is not a count")
-    check_version(value, what, where)
-    return value
 
 
 def _check_placement(

@@ -12,6 +12,7 @@ for every token (tests/test_request_bounds.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from paramshard.protos.placement import MAX_SERVERS
 from paramshard.protos.slicing import shape_elements
@@ -32,6 +33,7 @@ __all__ = [
     "check_placement",
     "check_shape",
     "check_version",
+    "count_of",
 ]
 
 MAX_NAME = 256
@@ -87,6 +89,18 @@ def check_version(value: int, what: str, method: str) -> None:
     """``value`` is at most ``MAX_VERSION``."""
     if value > MAX_VERSION:
         raise ShardError.invalid(f"{method}: {what} {value:,} is over {MAX_VERSION:,} (2**53)")
+
+
+def count_of(value: Any, what: str) -> int:
+    """``value``, a version or a step count read from a file or a caller's bytes (a replica,
+    a snapshot's shard): an int, not a bool (JSON's ``true`` passed as 1, and Status then
+    ended INTERNAL), in 0..``MAX_VERSION``; ValueError naming ``what`` otherwise (the caller
+    says whose bytes they were). Before, a shard's -1, 2.5 or "12" was taken as 0, 2, 12."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} {value!r:.40} is not an int >= 0")
+    if value > MAX_VERSION:
+        raise ValueError(f"{what} {value:,} is over {MAX_VERSION:,} (2**53)")
+    return value
 
 
 def check_epoch(value: int, method: str) -> None:

@@ -29,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from paramshard.protos import codec, slicing
 from paramshard.protos.manifest import shard_name, taken_order
 from paramshard.server.runtime.errors import ShardError, reason
+from paramshard.server.runtime.request_bounds import count_of
 from paramshard.server.snapshots.deletion import Removed, remove_tag, torn_tags
 from paramshard.server.snapshots.folders import Folder, open_root
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
@@ -327,9 +328,10 @@ class SnapshotDir:
                 for name, info in meta["buffers"].items():
                     row = out.setdefault(name, {"state": set(), "step_count": 0})
                     row["state"] |= {str(k) for k in info["state"]}
-                    row["step_count"] = max(row["step_count"], int(info["step_count"]))
-            except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-                why = reason(exc)  # OverflowError: a step count of Infinity ended INTERNAL
+                    count = count_of(info["step_count"], f"buffer '{name}': step_count")
+                    row["step_count"] = max(row["step_count"], count)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                why = reason(exc)
                 raise ShardError.precondition(f"{file}: malformed shard layout ({why})") from None
         return out
 
@@ -363,11 +365,8 @@ class SnapshotDir:
                             continue  # optimizer state not allocated yet at that version
                         held = f.get_slice(key)
                         check_held(held.get_shape(), numel, old, piece.server)
-                        if held.get_dtype() != st_dtype(dtype):  # before: cast, 1e300 to inf
-                            raise ValueError(
-                                f"it holds {held.get_dtype()}, the buffer's master dtype is"
-                                f" {st_dtype(dtype)}"
-                            )
+                        if (kept := held.get_dtype()) != st_dtype(dtype):  # was cast: 1e300
+                            raise ValueError(f"it holds {kept}, the buffer's is {st_dtype(dtype)}")
                         lo = piece.local_offset
                         a = piece.global_offset - start
                         for b in range(0, piece.numel, _READ_ELEMENTS):  # a piece whole took
