@@ -62,10 +62,12 @@ def recorded_model(manifests: list[dict[str, Any]], folder: Path) -> dict[str, A
     )
 
 
-def _numel(entry: dict[str, Any]) -> int:
-    """A manifest's parameter entry's elements: its ``numel``, absent for one of none (a
-    missing ``offset`` or ``numel`` gave a traceback, where a Restore takes them as 0)."""
-    return entry.get("numel", 0)
+def _span(entry: dict[str, Any]) -> tuple[int, int]:
+    """A manifest's parameter entry's elements in its buffer, [start, stop), with the
+    manifest's defaults as a Restore takes them: no ``offset`` is 0, no ``numel`` none (they
+    gave a traceback)."""
+    start = entry.get("offset", 0)
+    return start, start + entry.get("numel", 0)
 
 
 def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
@@ -78,8 +80,7 @@ def _export_plain(snaps: Any, job: str, tag: str, write: Any) -> int:
         for p in info["params"]:
 
             def produce(b: str = buffer, p: dict = p) -> Any:
-                start = p.get("offset", 0)  # the manifest's defaults, as a Restore takes them
-                return snaps.read_range(job, tag, manifest, b, "params", start, start + _numel(p))
+                return snaps.read_range(job, tag, manifest, b, "params", *_span(p))
 
             entry = ParamEntry.from_manifest(p)
             params.append(WholeParam.of(entry, produce=produce, source=(job,)))
@@ -123,7 +124,7 @@ def _export_parts(
                 PartParam.from_manifest(
                     p,
                     read=lambda job=job, m=m, b=buffer, p=p: snaps.read_range(
-                        job, tag, m, b, "params", p.get("offset", 0), p.get("offset", 0) + _numel(p)
+                        job, tag, m, b, "params", *_span(p)
                     ),
                 )
                 for buffer, info in m["buffers"].items()

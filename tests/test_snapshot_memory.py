@@ -41,6 +41,16 @@ def snapshotted(servers, root) -> tuple[list, np.ndarray, dict]:
         c.close()
 
 
+def restores(new, trained: np.ndarray) -> None:
+    """Snapshot 's1' restores onto ``new``, its params ``trained``."""
+    c = client(new)
+    try:
+        assert tools.restore(c, "j", "s1") == 1
+        np.testing.assert_array_equal(c.pull_params("j", "w", N), trained)
+    finally:
+        c.close()
+
+
 def test_restore_reads_shards_a_block_at_a_time(servers, tmp_path, monkeypatch) -> None:
     root = tmp_path / "snaps"
     new, trained, manifest = snapshotted(servers, root)
@@ -59,12 +69,7 @@ def test_restore_reads_shards_a_block_at_a_time(servers, tmp_path, monkeypatch) 
         folders.Folder, "read", lambda f, name, most: whole.append(name) or read(f, name, most)
     )
     monkeypatch.setattr(files, "_READ_BLOCK", 4096, raising=False)  # many blocks a shard
-    c = client(new)
-    try:
-        assert tools.restore(c, "j", "s1") == 1
-        np.testing.assert_array_equal(c.pull_params("j", "w", N), trained)
-    finally:
-        c.close()
+    restores(new, trained)
     assert whole and set(whole) == {"manifest.json"}, whole
 
 
@@ -129,10 +134,5 @@ def test_a_range_is_read_from_a_shard_a_block_at_a_time(servers, tmp_path, monke
 
     monkeypatch.setattr(files, "safe_open", Opened)
     monkeypatch.setattr(files, "_READ_ELEMENTS", 1000, raising=False)
-    c = client(new)
-    try:
-        assert tools.restore(c, "j", "s1") == 1
-        np.testing.assert_array_equal(c.pull_params("j", "w", N), trained)
-    finally:
-        c.close()
+    restores(new, trained)
     assert reads and max(reads) <= 1000, max(reads)  # before: a piece whole, 33,335 elements

@@ -128,13 +128,14 @@ def torn_tags(jdir: Folder, job: str) -> list[dict[str, Any]]:
                 if not shards:
                     continue
                 newest, named = max(shards, key=lambda s: tdir.mtime_ns(s[0]))
-                if not 1 <= int(named.group(1)) <= MAX_SERVERS:  # its reply failed: not ours
+                num = int(named.group(1))
+                if not 1 <= num <= MAX_SERVERS:  # its reply failed: not ours
                     continue
                 row = {
                     "job": job,
                     "tag": tag,
                     "version": shard_version(tdir, newest) or 0,
-                    "num_servers": int(named.group(1)),
+                    "num_servers": num,
                     "created_unix": tdir.mtime_ns(newest) / 1e9,
                     "torn": True,
                 }

@@ -352,6 +352,7 @@ class SnapshotDir:
         numel = info["numel"]
         old = manifest["num_servers"]
         dtype = np.dtype(codec.master_dtype(info.get("master_dtype")))
+        want = st_dtype(dtype)
         out = np.zeros(stop - start, dtype=dtype)
         with self._folder(job, tag) as folder:
             for piece in slicing.pieces(numel, old, start, stop):
@@ -365,8 +366,8 @@ class SnapshotDir:
                             continue  # optimizer state not allocated yet at that version
                         held = f.get_slice(key)
                         check_held(held.get_shape(), numel, old, piece.server)
-                        if (kept := held.get_dtype()) != st_dtype(dtype):  # was cast: 1e300
-                            raise ValueError(f"it holds {kept}, the buffer's is {st_dtype(dtype)}")
+                        if (kept := held.get_dtype()) != want:  # was cast: 1e300 to inf
+                            raise ValueError(f"it holds {kept}, the buffer's is {want}")
                         lo = piece.local_offset
                         a = piece.global_offset - start
                         for b in range(0, piece.numel, _READ_ELEMENTS):  # a piece whole took

@@ -20,7 +20,7 @@ from safetensors.numpy import load as st_load
 
 from paramshard.protos import slicing
 from paramshard.server.runtime.errors import ShardError, reason
-from paramshard.server.runtime.request_bounds import MAX_VERSION
+from paramshard.server.runtime.request_bounds import count_of
 from paramshard.server.snapshots.folders import Folder
 
 __all__ = [
@@ -166,9 +166,10 @@ def shard_version(folder: Folder, name: str) -> int | None:
         version = json.loads(header["__metadata__"]["paramshard"])["version"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if isinstance(version, bool) or not isinstance(version, int):
-        return None  # JSON's true was taken for 1, and a listing's reply then failed
-    return version if 0 <= version <= MAX_VERSION else None
+    try:  # JSON's true was taken for 1, and -1 or 2**64 made a listing's reply fail
+        return count_of(version, "version")
+    except ValueError:
+        return None
 
 
 class Parts:
