@@ -238,13 +238,15 @@ def child_env(tuned: bool) -> dict[str, str]:
     return env
 
 
-def serve_processes(n: int, timeout: float) -> tuple[list[Any], list[str]]:
-    """n ``paramshard serve --port 0`` started the way ``paramshard launch`` starts local
-    servers (paramshard/local_servers.py: they die with us), with ``server.MALLOC_ENV``;
+def serve_processes(
+    n: int, timeout: float, serve_args: Sequence[str] = ()
+) -> tuple[list[Any], list[str]]:
+    """n ``paramshard serve --port 0 *serve_args`` started the way ``paramshard launch`` starts
+    local servers (paramshard/local_servers.py: they die with us), with ``server.MALLOC_ENV``;
     returns them and their addresses. ``stop_all`` stops them (SIGTERM at once)."""
     from paramshard.local_servers import start_local_servers
 
-    return start_local_servers(n, "cpu", child_env(tuned=True), timeout)
+    return start_local_servers(n, "cpu", child_env(tuned=True), timeout, serve_args)
 
 
 def malloc_env_state() -> dict[str, str]:
