@@ -195,10 +195,11 @@ def fields(buf: memoryview) -> Iterator[tuple[int, int, int, memoryview | None]]
         yield field, start, pos, buf[pos - length : pos]
 
 
-def decode(raw: bytes, header_cls: type[H]) -> tuple[H, memoryview]:
+def decode(raw: bytes, header_cls: type[H], max_header: int | None = None) -> tuple[H, memoryview]:
     """Parse a tensor message into (header message, payload memoryview). Zero-copy payload.
 
-    Unknown fields are skipped as protobuf would; anything malformed raises ``DecodeError``.
+    Unknown fields are skipped as protobuf would; anything malformed, or a header over
+    ``max_header`` bytes (left unparsed), raises ``DecodeError``.
     """
     buf = memoryview(raw)
     header = header_cls()
@@ -207,6 +208,8 @@ def decode(raw: bytes, header_cls: type[H]) -> tuple[H, memoryview]:
         if value is None:
             continue
         if field == 1:
+            if max_header is not None and len(value) > max_header:
+                raise DecodeError(f"a header of {len(value):,} bytes; at most {max_header:,}")
             try:
                 header.MergeFromString(value)  # type: ignore[attr-defined]
             except Exception as exc:  # protobuf's DecodeError

@@ -174,10 +174,10 @@ class ShardServicer:
                 plain(pb.ReplicationConfig),
                 plain_reply,
             ),
-            "StoreReplica": (self.store_replica, plain(pb.ReplicaChunk), plain_reply),
+            "StoreReplica": (self.store_replica, plain(pb.ReplicaChunk, None), plain_reply),
             "ListReplicas": (self.list_replicas, plain(pb.ListReplicasRequest), plain_reply),
             "FetchReplica": (self.fetch_replica, plain(pb.FetchReplicaRequest), plain_reply),
-            "LoadReplica": (self.load_replica, plain(pb.ReplicaChunk), plain_reply),
+            "LoadReplica": (self.load_replica, plain(pb.ReplicaChunk, None), plain_reply),
             "RollbackToReplica": (self.rollback, plain(pb.RollbackRequest), plain_reply),
             **self.segments.handlers(),
         }

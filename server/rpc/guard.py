@@ -28,10 +28,8 @@ def guard(name: str, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable
 
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, Malformed):
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                clip(f"{name}: request does not parse as a {name} message: {request.error}"),
-            )
+            words = "" if request.oversize else f"request does not parse as a {name} message: "
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(f"{name}: {words}{request.error}"))
         try:
             with backend.nonfinite_quietly(), callers.serving(context, caller_of(context)):
                 return fn(request, context)

@@ -10,18 +10,40 @@ from typing import Any
 
 from paramshard.protos import codec
 
-__all__ = ["Malformed", "plain", "tensor", "tensor_reply"]
+__all__ = ["CONTROL_BYTES", "HEADER_BYTES", "Malformed", "plain", "tensor", "tensor_reply"]
+
+CONTROL_BYTES = 4 * 2**20
+"""The largest request of a method that carries no tensor, unparsed. The largest a client
+sends is RegisterBuffer's: its model configuration (at most 1 MiB) and a record of each
+parameter of the buffer (about 100 bytes; a model of thousands of tensors takes a few hundred
+kB). Parsing a request allocates several times its size, and a repeated field of one-byte
+numbers turned into Python objects tens of times: a read token's 255 MiB ReleaseSegments list
+held the interpreter for 19 s and took the server from 64 MB to 5.2 GB before this bound."""
+HEADER_BYTES = 4 * 2**20
+"""The largest header of a tensor message (an elastic step's member list is under 1 MiB at
+65,536 members); its payload may be as large as a message."""
 
 
 class Malformed:
-    """Stands in for a request whose bytes did not parse."""
+    """Stands in for a request whose bytes did not parse, or that was too large to parse
+    (``oversize``: ``error`` says how large it was and what the bound is)."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, oversize: bool = False) -> None:
         self.error = error
+        self.oversize = oversize
 
 
-def plain(cls: Any) -> Callable[[bytes], Any]:
+def _oversize(got: int, most: int, what: str) -> Malformed:
+    return Malformed(ValueError(f"{what} of {got:,} bytes; at most {most:,}"), oversize=True)
+
+
+def plain(cls: Any, most: int | None = CONTROL_BYTES) -> Callable[[bytes], Any]:
+    """Parser of ``cls``, refusing a request over ``most`` bytes unparsed (None: as large as a
+    message may be, for the replica chunks that carry state)."""
+
     def parse(raw: bytes) -> Any:
+        if most is not None and len(raw) > most:
+            return _oversize(len(raw), most, "a request")
         try:
             return cls.FromString(raw)
         except Exception as exc:
@@ -31,13 +53,17 @@ def plain(cls: Any) -> Callable[[bytes], Any]:
 
 
 def tensor(header_cls: Any, request_cls: Any, fast: bool) -> Callable[[bytes], Any]:
-    """Deserialiser of a tensor message into (header, payload memoryview)."""
+    """Deserialiser of a tensor message into (header, payload memoryview); a header over
+    ``HEADER_BYTES`` is refused (the fast codec before it is parsed, the generated classes'
+    after)."""
 
     def parse(raw: bytes) -> Any:
         try:
             if fast:
-                return codec.decode(raw, header_cls)
+                return codec.decode(raw, header_cls, HEADER_BYTES)
             msg = request_cls.FromString(raw)
+            if msg.header.ByteSize() > HEADER_BYTES:
+                return _oversize(msg.header.ByteSize(), HEADER_BYTES, "a header")
             return msg.header, memoryview(msg.data)
         except Exception as exc:
             return Malformed(exc)

@@ -182,6 +182,10 @@ class SegmentRegistry:
         return pb.ConfirmSegmentReply()
 
     def release(self, owner: str, req: pb.ReleaseSegmentsRequest) -> pb.ReleaseSegmentsReply:
+        if len(req.segments) > MAX_SEGMENTS:  # refused before a set of them is built
+            raise ShardError.invalid(
+                f"{len(req.segments):,} segments named; a caller holds at most {MAX_SEGMENTS}"
+            )
         with self._lock:
             gone = [
                 self._segments.pop(i)
