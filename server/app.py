@@ -135,6 +135,7 @@ class ShardServer:
         max_receive_bytes = bounds.max_receive_bytes
         segments = self.servicer.segments  # a payload in shared memory is no larger than a message
         segments.max_segment_bytes = min(segments.max_segment_bytes, max_receive_bytes)
+        self.servicer.slots.max_chunk_bytes = max_receive_bytes  # no larger chunk can arrive
         self.sweeper = Sweeper(
             [
                 self.servicer.slots.expire,

@@ -54,7 +54,7 @@ def reply_bytes(slots: SlotStore, method: str, request: Any) -> int:
         except ValueError:
             return 0  # refused at once
     else:  # a slot with no contribution yet: counted once the reply exists
-        size = slots.chunk_nbytes(request.key) or 0
+        size = slots.chunk_nbytes(request.key, request.offset) or 0
     if request.HasField("reply_shm") and size <= request.reply_shm.nbytes:
         return 0
     return size

@@ -11,7 +11,7 @@ keeps: a caller who starts runs one after another cannot hold the store's lock f
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Generic, TypeVar
 
 from paramshard.protos.run_ids import MAX_RUN_CHARS
@@ -42,29 +42,38 @@ def of_run(key: str, run: str) -> bool:
 
 
 class _Book(Generic[V]):
-    """Keys remembered in the order they came, the oldest forgotten past ``FORGET_AFTER``;
-    found by their run too."""
+    """Keys remembered with the caller (token) whose slot they were; past ``FORGET_AFTER``
+    keys or ``FORGET_BYTES``, the oldest key of the caller holding the most bytes is
+    forgotten first, so one team's many keys push out its own, never another's while that
+    one holds less (a review: 20,400 of team A's keys pushed team B's freed message out, and
+    B's retry of it opened a ghost slot). Found by their run too."""
 
     def __init__(self) -> None:
         self.items: OrderedDict[str, V] = OrderedDict()
         self.bytes = 0  # ``_cost`` of the items
+        self._owner: dict[str, str | None] = {}  # key -> the caller whose slot it was
+        self._by_owner: dict[str | None, OrderedDict[str, None]] = {}  # oldest first
+        self._owner_bytes: Counter[str | None] = Counter()
         self._heads: dict[str, set[str]] = {}  # head -> its keys here
         self._sorted: list[str] = []  # the heads, sorted: a run's are side by side
 
-    def put(self, key: str, value: V) -> None:
+    def put(self, key: str, value: V, owner: str | None = None) -> None:
         if key in self.items:
-            self.bytes -= _cost(key, self.items[key])
+            self._remove(key)
         self.items[key] = value
-        self.bytes += _cost(key, value)
+        cost = _cost(key, value)
+        self.bytes += cost
+        self._owner[key] = owner
+        self._by_owner.setdefault(owner, OrderedDict())[key] = None
+        self._owner_bytes[owner] += cost
         head = key.split(":", 1)[0]
         if head not in self._heads:
             self._heads[head] = set()
             insort(self._sorted, head)
         self._heads[head].add(key)
         while len(self.items) > FORGET_AFTER or self.bytes > FORGET_BYTES:
-            old, value = self.items.popitem(last=False)
-            self.bytes -= _cost(old, value)
-            self._unindex(old)
+            most = max(self._owner_bytes, key=self._owner_bytes.__getitem__)
+            self._remove(next(iter(self._by_owner[most])))
 
     def forget_run(self, run: str) -> None:
         heads = []
@@ -74,20 +83,24 @@ class _Book(Generic[V]):
             if of_run(head + ":", run):
                 heads.append(head)
         for head in heads:
-            for key in self._heads[head]:
-                self.bytes -= _cost(key, self.items.pop(key))
-            self._drop_head(head)
+            for key in list(self._heads[head]):
+                self._remove(key)
 
-    def _unindex(self, key: str) -> None:
-        head = key.split(":", 1)[0]
-        keys = self._heads[head]
-        keys.discard(key)
+    def _remove(self, key: str) -> None:
+        cost = _cost(key, self.items.pop(key))
+        self.bytes -= cost
+        owner = self._owner.pop(key)
+        keys = self._by_owner[owner]
+        del keys[key]
+        self._owner_bytes[owner] -= cost
         if not keys:
-            self._drop_head(head)
-
-    def _drop_head(self, head: str) -> None:
-        del self._heads[head]
-        del self._sorted[bisect_left(self._sorted, head)]
+            del self._by_owner[owner], self._owner_bytes[owner]
+        head = key.split(":", 1)[0]
+        keys_of_head = self._heads[head]
+        keys_of_head.discard(key)
+        if not keys_of_head:
+            del self._heads[head]
+            del self._sorted[bisect_left(self._sorted, head)]
 
 
 class GoneKeys:
@@ -106,11 +119,11 @@ class GoneKeys:
     def ended(self) -> OrderedDict[str, str]:
         return self._ended.items
 
-    def note_freed(self, key: str, cut: tuple[int, int]) -> None:
-        self._freed.put(key, cut)
+    def note_freed(self, key: str, cut: tuple[int, int], owner: str | None = None) -> None:
+        self._freed.put(key, cut, owner)
 
-    def note_ended(self, key: str, why: str) -> None:
-        self._ended.put(key, why)
+    def note_ended(self, key: str, why: str, owner: str | None = None) -> None:
+        self._ended.put(key, why, owner)
 
     def aborted(self, key: str) -> str | None:
         """Why a new slot ``key`` is refused: its run's epoch was aborted (None: it is not).

@@ -60,6 +60,7 @@ DEFAULT_PENDING = 100
 MAX_PENDING = 1000
 """Rows a Status reply lists at most, whatever the request asks: the reply stays small."""
 
+_MAX_SEQ, _MAX_RANK = 2**64 - 1, 2**32 - 1  # PendingWork's seq; its part and rank lists
 _KINDS = {"ar": "all_reduce", "rs": "reduce_scatter", "ag": "all_gather", "bc": "broadcast"}
 _COLLECTIVE = re.compile(r"(?P<run>.*):(?P<kind>ar|rs|ag|bc)(?P<seq>\d+)/(?P<part>\d+)")
 _MESSAGE = re.compile(
@@ -134,15 +135,18 @@ class SlotName:
 
 
 def parse_key(key: str) -> SlotName:
-    """The ``SlotName`` of ``key`` (kind ``slot`` when it has none of the collectives' forms)."""
+    """The ``SlotName`` of ``key`` (kind ``slot`` when it has none of the collectives' forms,
+    or numbers past what ``PendingWork`` holds: a sequence of 64 bits, a part or rank of 32)."""
     m = _COLLECTIVE.fullmatch(key)
     if m is not None:
-        kind = _KINDS[m["kind"]]
-        return SlotName(key, m["run"], kind, int(m["seq"]), int(m["part"]))
+        seq, part = int(m["seq"]), int(m["part"])
+        if seq <= _MAX_SEQ and part <= _MAX_RANK:
+            return SlotName(key, m["run"], _KINDS[m["kind"]], seq, part)
     m = _MESSAGE.fullmatch(key)
     if m is not None:
-        src, dst = int(m["src"]), int(m["dst"])
-        return SlotName(key, m["run"], "send", int(m["seq"]), dst, src, dst, m["tag"] or "")
+        seq, src, dst = int(m["seq"]), int(m["src"]), int(m["dst"])
+        if seq <= _MAX_SEQ and max(src, dst) <= _MAX_RANK:
+            return SlotName(key, m["run"], "send", seq, dst, src, dst, m["tag"] or "")
     return SlotName(key)
 
 

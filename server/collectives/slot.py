@@ -22,6 +22,7 @@ __all__ = [
     "array_charge",
     "slot_charge",
     "CHUNK_RECORD_BYTES",
+    "ENTRY_RECORD_BYTES",
 ]
 
 # What the slot store reserves for its records beside their arrays' bytes, so the memory
@@ -34,6 +35,9 @@ CHUNK_RECORD_BYTES = 768
 """A chunk's record, its arrays aside."""
 ARRAY_RECORD_BYTES = 128
 """An array's header: a chunk's accumulator or a contribution kept aside."""
+ENTRY_RECORD_BYTES = 96
+"""A number a slot keeps in a set: a chunk's reader, a freed chunk's offset (an int and its
+set entry; 70-80 bytes each measured in review, with the set's growth)."""
 
 
 class SlotMemory:
@@ -124,9 +128,10 @@ class Chunk:
         return held + sum(int(v.nbytes) for v in self.staged.values())
 
     def charged(self) -> int:
-        """What the store reserved for this chunk: its record and its arrays'."""
+        """What the store reserved for this chunk: its record, its arrays' and its readers'."""
         arrays = (self.acc is not None) + len(self.staged)
-        return CHUNK_RECORD_BYTES + self.nbytes() + arrays * ARRAY_RECORD_BYTES
+        records = arrays * ARRAY_RECORD_BYTES + len(self.readers) * ENTRY_RECORD_BYTES
+        return CHUNK_RECORD_BYTES + self.nbytes() + records
 
     def add(self, values: Any, op: int) -> None:
         """Reduces ``values`` into ``acc`` by ``op``: in place, or, while ``acc`` is still a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_key, check_shape
@@ -39,7 +40,10 @@ def slot_meta(h: pb.SlotHeader) -> pb.SlotHeader:
     )
 
 
-def check_header(h: pb.SlotHeader) -> None:
+def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
+    """``max_chunk_bytes``: the largest chunk a contribution may carry (the server's message
+    bound: a larger one could never arrive whole, and its readers would count its bytes
+    while they wait)."""
     check_key(h.key, "Contribute")
     label = f"slot '{h.key}'"
     if h.expected == 0 or h.readers == 0:
@@ -64,6 +68,15 @@ def check_header(h: pb.SlotHeader) -> None:
         )
     if h.shape:  # a tensor's, for readers that do not know it; empty: not given
         check_shape(h.shape, h.total_numel, label)
+    try:
+        chunk_bytes = (h.chunk_numel or h.total_numel) * codec.numpy_dtype(c.dtype).itemsize
+    except ValueError:
+        chunk_bytes = 0  # an unknown dtype: refused with the payload
+    if chunk_bytes > max_chunk_bytes:
+        raise ShardError.invalid(
+            f"{label}: chunks of {chunk_bytes:,} bytes; this server takes at most"
+            f" {max_chunk_bytes:,} in a message (--max-receive-mb)"
+        )
     want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
     if c.numel != want:
         raise ShardError.invalid(
@@ -74,11 +87,10 @@ def check_header(h: pb.SlotHeader) -> None:
 def check_same(slot: Slot, h: pb.SlotHeader) -> None:
     meta = slot.meta
     assert meta is not None
-    mine = [
-        (n, getattr(meta, n)) for n in ("op", "expected", "readers", "total_numel", "chunk_numel")
-    ]
+    fields = ("op", "expected", "readers", "total_numel", "chunk_numel", "arrival_order")
+    mine = [(n, getattr(meta, n)) for n in fields]
     mine += [("shape", list(meta.shape)), ("dtype", slot.dtype)]
-    theirs = [getattr(h, n) for n, _ in mine[:5]] + [list(h.shape), h.chunk.dtype]
+    theirs = [getattr(h, n) for n in fields] + [list(h.shape), h.chunk.dtype]
     for (name, old), new in zip(mine, theirs, strict=True):
         if old != new:
             raise ShardError.precondition(

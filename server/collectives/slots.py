@@ -38,6 +38,7 @@ from paramshard.server.collectives import pending
 from paramshard.server.collectives.gone_keys import GoneKeys
 from paramshard.server.collectives.slot import (
     CHUNK_RECORD_BYTES,
+    ENTRY_RECORD_BYTES,
     Chunk,
     Slot,
     SlotMemory,
@@ -74,22 +75,23 @@ class SlotStore:
         self._gone = GoneKeys()  # freed and ended keys, aborted runs: a late call is answered
         self.news: RankNews = NOTHING_KNOWN  # the server's leases (servicer.py)
         self._stopped: str | None = None  # why, once ``interrupt`` ran: no slot opens again
+        self.max_chunk_bytes = 2**31 - 1  # the server lowers it to its message bound (app.py)
 
     def usage(self) -> tuple[int, int]:
         """(bytes held, open slots)."""
         with self._lock:
             return self.memory.held, len(self._slots)
 
-    def chunk_nbytes(self, key: str) -> int | None:
-        """The bytes a read of slot ``key`` replies at most (one chunk in its wire dtype);
-        None while it has no contribution. A peek without the slot's lock, for sessions'
-        admission (server/transport/sessions.py)."""
+    def chunk_nbytes(self, key: str, offset: int) -> int | None:
+        """The bytes a read of slot ``key``'s chunk at ``offset`` replies at most (in its wire
+        dtype); None while it has no contribution. A peek without the slot's lock, for the
+        count of unsent replies (server/call_peeks.py)."""
         with self._lock:
             slot = self._slots.get(key)
         meta = slot.meta if slot is not None else None
         if meta is None:
             return None
-        numel = meta.chunk_numel or meta.total_numel
+        numel = min(meta.chunk_numel or meta.total_numel, max(0, meta.total_numel - offset))
         return numel * codec.numpy_dtype(slot.dtype).itemsize
 
     def complete(self, key: str, offset: int) -> bool:
@@ -137,7 +139,7 @@ class SlotStore:
         ``data`` alive until it calls ``release_hold``, so a chunk's first contribution may
         stay where it is instead of being copied (server/collectives/contribute_read.py)."""
         deadline, turn_until = time.monotonic() + timeout, turn_until or TurnWaits.until(timeout)
-        check_header(h)
+        check_header(h, self.max_chunk_bytes)
         host = arrays.payload_array(data, h.chunk.dtype, h.chunk.numel, f"slot '{h.key}'")
         slot = self._slot(h.key)
         if slot is None:
@@ -257,6 +259,7 @@ class SlotStore:
                 )
             slot.waiting[req.reader] += 1
             name = pending.parse_key(req.key)
+            raised = True
             try:
                 done, gone = wait_asking(
                     slot.cond,
@@ -265,10 +268,13 @@ class SlotStore:
                     lambda: self.news.ended(name.run, pending.missing(slot, req.offset)),
                     f"slot '{req.key}' at {req.offset:,}",
                 )
+                raised = False
             finally:
                 slot.waiting[req.reader] -= 1
                 if not slot.waiting[req.reader]:
                     del slot.waiting[req.reader]
+                if raised:  # cancelled (its caller left): as a wait that ran out
+                    self._forget_if_unused(slot)
             if slot.ended is not None:
                 raise ShardError.aborted(slot.ended)
             if slot.conflict is not None and not over():
@@ -290,7 +296,9 @@ class SlotStore:
                 payload = backend.to_host(chunk.acc)
             else:
                 payload = arrays.wire_array(chunk.acc, slot.dtype)
-            chunk.readers.add(req.reader)
+            if req.reader not in chunk.readers:  # paid for: a chunk may expect 2**32 - 1
+                self.memory.reserve(ENTRY_RECORD_BYTES, req.key, slot.owner)
+                chunk.readers.add(req.reader)
             if len(chunk.readers) >= meta.readers:
                 self._free_chunk(slot, req.offset)
         return header, payload
@@ -299,11 +307,12 @@ class SlotStore:
         """Caller holds slot.cond."""
         chunk = slot.chunks.pop(offset)
         slot.freed.add(offset)
-        with self._lock:
-            self.memory.release(chunk.charged(), slot.owner)
+        with self._lock:  # the freed offset's entry stays paid for until the slot goes
+            self.memory.release(chunk.charged() - ENTRY_RECORD_BYTES, slot.owner)
             if len(slot.freed) == slot.num_chunks():
                 self._forget_locked(slot)
-                self._gone.note_freed(slot.key, (slot.meta.total_numel, slot.meta.chunk_numel))
+                cut = (slot.meta.total_numel, slot.meta.chunk_numel)
+                self._gone.note_freed(slot.key, cut, slot.owner)
 
     def _forget_if_unused(self, slot: Slot) -> None:
         """A reader gave up on a slot nobody contributed to and no one else reads: do not
@@ -320,7 +329,8 @@ class SlotStore:
         if self._slots.get(slot.key) is slot:
             del self._slots[slot.key]
             slot.forgotten = True
-            self.memory.release(slot_charge(slot.key), slot.owner)
+            freed = len(slot.freed) * ENTRY_RECORD_BYTES
+            self.memory.release(slot_charge(slot.key) + freed, slot.owner)
 
     # -- the end of pending work -------------------------------------------------------------
     def expire(self) -> int:
@@ -395,4 +405,4 @@ class SlotStore:
             slot.chunks.clear()
             self._forget_locked(slot)
             if remember:
-                self._gone.note_ended(slot.key, why)
+                self._gone.note_ended(slot.key, why, slot.owner)

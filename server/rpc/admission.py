@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from paramshard.protos.batches import TENSOR_REPLIES
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_id
 from paramshard.server.rpc.call_limits import CallLimits, default_reserved
 from paramshard.server.rpc.unsent_replies import UnsentReplies
@@ -104,10 +105,13 @@ class CallGate(grpc.ServerInterceptor):
             role = self.role_of(details.invocation_metadata) if session and self.role_of else None
             return self._stream(handler, method, session=session, reader=role == "read")
         role = caller = None
-        if service == SERVICE_NAME and method in WAITING_METHODS:
+        ours = service == SERVICE_NAME
+        if ours and (method in WAITING_METHODS or method in TENSOR_REPLIES):
+            # the caller is named for a reply it may leave unread too (a ContributeRead)
+            caller = caller_id(details.invocation_metadata) if self.role_of else None
+        if ours and method in WAITING_METHODS:
             found = self.role_of(details.invocation_metadata) if self.role_of else None
             role = found or "train"
-            caller = caller_id(details.invocation_metadata) if self.role_of else None
         return self._unary(handler, method, role, caller)
 
     # -- unary calls -------------------------------------------------------------------------
