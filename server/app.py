@@ -23,7 +23,7 @@ from paramshard.server.runtime.thread_names import name_this_thread
 from paramshard.server.servicer import SERVICE_NAME, ShardServicer
 from paramshard.server.transport.sessions import Sessions
 
-__all__ = ["ShardServer", "MALLOC_ENV", "TCP_USER_TIMEOUT_S"]
+__all__ = ["ShardServer", "MALLOC_ENV", "PING_TIMEOUT_MS", "TCP_USER_TIMEOUT_S"]
 
 TCP_USER_TIMEOUT_S = 30.0
 """How long data this server sent may stay unacknowledged before the kernel closes the
@@ -34,6 +34,14 @@ process is not affected: its kernel acknowledges. (Why 30 s, against torchelasti
 torchft's 5 s: docs/inspection-and-recovery.md.) gRPC's keepalive pings (every two hours while
 a call is open) share this timeout: a process stopped for longer than that when a ping comes
 is taken for dead."""
+PING_TIMEOUT_MS = 2**31 - 1
+"""How long an HTTP/2 ping this server sent may go unanswered before gRPC closes the connection
+(``grpc.http2.ping_timeout_ms``; the keepalive probe's own timeout is the one above). gRPC's
+default is a minute, and its core pings a connection that carries data to size its flow-control
+window: a rank stopped (SIGSTOP, a debugger, swapped out) in the middle of a call answers none,
+so a field test's rank stopped 150 s mid-step was taken for lost 61 s into the stop, its lease
+stream closed with the connection (tests/test_field_faults.py). A silent host is found by
+TCP_USER_TIMEOUT_S; a stopped process must not be, so the bound is gRPC's largest (24.8 days)."""
 GRPC_UNTAKEN_S = 30
 """How long gRPC's core keeps a call that came while this server's Python loop could not take
 it up (``grpc.server_max_unrequested_time_in_server``) before it ends it CANCELLED, "CANCELLED",
@@ -196,6 +204,10 @@ class ShardServer:
             ("grpc.server.max_pending_requests", self.limits.max_pending_calls),
             ("grpc.server.max_pending_requests_hard_limit", self.limits.max_pending_calls),
             ("grpc.keepalive_timeout_ms", int(TCP_USER_TIMEOUT_S * 1000)),
+            # A ping of any kind (gRPC's flow-control probes too) unanswered this long
+            # closes the connection: gRPC's default, a minute, took a rank stopped mid-call
+            # for dead (PING_TIMEOUT_MS)
+            ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
             (
                 "grpc.server_max_unrequested_time_in_server",
                 max(GRPC_UNTAKEN_S, math.ceil(bounds.max_wait_s)),
