@@ -124,6 +124,26 @@ def test_words_for_a_lapsed_lease_awaited_and_for_groups() -> None:
     assert lease_words.whereabouts(runs, "other", [1], now=12.5) == ""
 
 
+def test_words_name_the_process_that_held_the_missing_ranks_lease() -> None:
+    """A field test's wait named the missing rank only, where its lease's holder says which
+    process it is (client/lease_holds.py: host, pid and a random part, which is left out)."""
+    run = records.RunRecord(world_size=3)
+    alive = dict(expires=20.0, epoch=0, ttl_s=5.0, rejoin_s=60.0, since=0.0, heard=5.0)
+    run.leases[0] = records.LeaseRecord(**alive, holder="node-7 pid 4242 0a1b2c3d")
+    run.leases[2] = records.LeaseRecord(**{**alive, "expires": 10.0}, lapsed_at=10.0,
+                                        holder="node-9 pid 77 feedbeef")  # fmt: skip
+    run.released_at[1], run.released_by[1] = 4.0, ("node-8 pid 5 00ff00ff", 1)
+    words = lease_words.whereabouts({"r": run}, "r", [0, 1, 2], now=12.5)
+    assert words == (
+        "; rank 0 is alive (it renews its lease) but has not come: stopped, slow, or at another"
+        " collective (host node-7 pid 4242)"
+        "; rank 1 released its lease here 8.5 s ago (its process ended or closed its client)"
+        " (host node-8 pid 5)"
+        "; rank 2's lease lapsed 2.5 s ago; the run waits 60 s from then for it to come back"
+        " (host node-9 pid 77)"
+    )
+
+
 def test_ended_words_only_when_every_missing_rank_ended_for_good() -> None:
     """``ended`` (the fail-at-once check, tests/test_ended_ranks.py) speaks only when every
     rank waited for released its lease with ``ends`` and holds none: not for a rank that only

@@ -29,24 +29,32 @@ def whereabouts(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now:
     for rank in ranks[:4]:
         lease = found.leases.get(rank)
         if lease is None and (at := found.released_at.get(rank)) is not None:
+            where = _process(found.released_by.get(rank, ("",))[0])
             words.append(
                 f"; rank {rank} released its lease here {now - at:.1f} s ago (its process ended"
-                " or closed its client)"
+                f" or closed its client){where}"
             )
         elif lease is not None and lease.lapsed_at is not None and not lease.live(now):
             words.append(
                 f"; rank {rank}'s lease lapsed {now - lease.lapsed_at:.1f} s ago; the run waits"
-                f" {lease.rejoin_s:g} s from then for it to come back"
+                f" {lease.rejoin_s:g} s from then for it to come back{_process(lease.holder)}"
             )
         elif lease is not None and lease.live(now):
             how = "its connection here is open" if lease.holds else "it renews its lease"
             words.append(
                 f"; rank {rank} is alive ({how}) but has not come: stopped, slow, or at"
-                " another collective"
+                f" another collective{_process(lease.holder)}"
             )
         elif lease is None:
             words.append(f"; rank {rank} holds no lease here: not started, or cut off")
     return "".join(words)
+
+
+def _process(holder: str) -> str:
+    """`` (host NAME pid N)``: the process that held a rank's lease, as its client names
+    itself (client/lease_holds.py ``holder_id``, its random part left out); "" for none."""
+    name, _, _ = holder.rpartition(" ")
+    return f" (host {name[:80]})" if name else ""
 
 
 def ended(runs: dict[str, RunRecord], run: str, ranks: Sequence[int], now: float) -> str:
