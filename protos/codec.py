@@ -23,6 +23,7 @@ from paramshard.protos import shard_pb2 as pb
 __all__ = [
     "DecodeError",
     "byte_view",
+    "copy_into",
     "WIRE_DTYPES",
     "dtype_name",
     "numpy_dtype",
@@ -124,6 +125,15 @@ def byte_view(payload: Any) -> memoryview:
     if isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload)
     return memoryview(payload).cast("B")
+
+
+def copy_into(dest: Any, data: memoryview) -> None:
+    """``dest[: data.nbytes] = data`` (``dest``: a writable buffer, a shared segment's map)
+    through NumPy, which copies without holding the GIL: a memoryview's slice assignment holds
+    it for the whole copy, so a server writing pulls of 24 MB into readers' segments held up
+    its other threads, the optimizer step's included, a copy at a time."""
+    n = data.nbytes
+    np.copyto(np.frombuffer(dest, np.uint8, n), np.frombuffer(data, np.uint8, n))
 
 
 def encode(header: Any, payload: Any = b"") -> bytes:

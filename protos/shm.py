@@ -177,7 +177,7 @@ class SharedMemory:
         seg = self._take(core, server, data.nbytes) if data.nbytes >= SHM_MIN_BYTES else None
         if seg is None:
             return None
-        seg.map[: data.nbytes] = data
+        codec.copy_into(seg.map, data)
         return seg.ref(data.nbytes), seg
 
     def settle(self, seg: Segment, reply: Any, consumed: bool) -> Any:

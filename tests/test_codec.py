@@ -358,3 +358,22 @@ def test_session_batches_read_and_write_as_the_generated_classes_do() -> None:
 def test_malformed_session_batches_raise_decode_errors(raw: bytes) -> None:
     with pytest.raises(codec.DecodeError):
         decode_batch(raw)
+
+
+def test_copy_into_writes_the_bytes_at_the_start_of_a_writable_buffer() -> None:
+    """``copy_into`` (the copy into a shared segment, through NumPy so the GIL is free) writes
+    exactly ``data``'s bytes at the start of ``dest`` and nothing after them."""
+    import mmap
+
+    seg = mmap.mmap(-1, 64)
+    view = memoryview(seg)
+    try:
+        values = np.arange(6, dtype=np.float32)
+        codec.copy_into(view[8:], codec.byte_view(values))
+        assert bytes(view[8:32]) == values.tobytes()
+        assert bytes(view[:8]) == bytes(8) and bytes(view[32:]) == bytes(32)
+        codec.copy_into(view, memoryview(b""))  # nothing to copy: nothing changes
+        assert bytes(view[8:32]) == values.tobytes()
+    finally:
+        view.release()
+        seg.close()

@@ -1,7 +1,7 @@
-"""Smoke test of ``python -m benchmarks.readers --quick``: a trainer alone and beside readers
+"""Smoke tests of ``python -m benchmarks.readers --quick`` (a trainer alone and beside readers
 through shared memory and in-band, on fresh servers, and a JSON that holds each condition's
-step with its ratio to the trainer alone. Checks that the numbers are there and consistent,
-not how fast anything was."""
+step with its ratio to the trainer alone) and of ``benchmarks.segment_copies --quick``.
+They check that the numbers are there and consistent, not how fast anything was."""
 
 from __future__ import annotations
 
@@ -30,3 +30,14 @@ def test_quick_readers_benchmark_reports_every_condition() -> None:
     for name in ("shm", "inband"):
         want = rep["trials"][name]["s_median"] / rep["trials"]["none"]["s_median"]
         assert cells[name]["ratio_to_none"]["median"] == pytest.approx(want, abs=0.01)
+
+
+def test_quick_segment_copies_benchmark_reports_both_ways() -> None:
+    report = run_quick("benchmarks.segment_copies")
+    (rep,) = report["reps"]
+    assert rep["alone"]["other_ops_per_s"] > 0 and rep["alone"]["copy_s"] == 0
+    for way in ("memoryview", "copy_into"):
+        assert rep[way]["copy_s"] > 0, rep
+        want = rep[way]["other_ops_per_s"] / rep["alone"]["other_ops_per_s"]
+        assert rep[way]["other_ratio_to_alone"] == pytest.approx(want, abs=1e-3)
+        assert report["cells"][way]["copy_s"] == rep[way]["copy_s"]

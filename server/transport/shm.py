@@ -287,7 +287,7 @@ class SegmentRegistry:
         data = codec.byte_view(payload)
         if data.nbytes > view.nbytes:
             return header, payload
-        view[: data.nbytes] = data
+        codec.copy_into(view, data)
         ref = req.reply_shm
         header.shm.CopyFrom(pb.ShmRef(segment=ref.segment, offset=ref.offset, nbytes=data.nbytes))
         return header, b""
