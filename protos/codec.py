@@ -209,17 +209,19 @@ def decode(raw: bytes, header_cls: type[H], max_header: int | None = None) -> tu
     """Parse a tensor message into (header message, payload memoryview). Zero-copy payload.
 
     Unknown fields are skipped as protobuf would; anything malformed, or a header over
-    ``max_header`` bytes (left unparsed), raises ``DecodeError``.
+    ``max_header`` bytes in all its parts (the rest left unparsed), raises ``DecodeError``.
     """
     buf = memoryview(raw)
     header = header_cls()
     data = buf[0:0]
+    header_bytes = 0  # protobuf merges a field that comes again: all its parts count
     for field, _, _, value in fields(buf):
         if value is None:
             continue
         if field == 1:
-            if max_header is not None and len(value) > max_header:
-                raise DecodeError(f"a header of {len(value):,} bytes; at most {max_header:,}")
+            header_bytes += len(value)
+            if max_header is not None and header_bytes > max_header:
+                raise DecodeError(f"a header of {header_bytes:,} bytes; at most {max_header:,}")
             try:
                 header.MergeFromString(value)  # type: ignore[attr-defined]
             except Exception as exc:  # protobuf's DecodeError

@@ -32,7 +32,7 @@ from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.replication.replicator import Replicator
 from paramshard.server.rpc.auth import SERVICE_NAME, caller_of  # SERVICE_NAME: the proto's
 from paramshard.server.rpc.guard import guard
-from paramshard.server.rpc.parsers import plain, tensor, tensor_reply
+from paramshard.server.rpc.parsers import MODEL_BYTES, plain, tensor, tensor_reply
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
@@ -113,7 +113,7 @@ class ShardServicer:
         table = {
             "RegisterBuffer": (
                 self.register_buffer,
-                plain(pb.RegisterBufferRequest),
+                plain(pb.RegisterBufferRequest, MODEL_BYTES),
                 plain_reply,
             ),
             "SetParams": (
@@ -155,7 +155,7 @@ class ShardServicer:
             "Snapshot": (self.snapshot, plain(pb.SnapshotRequest), plain_reply),
             "CommitSnapshot": (
                 self.commit_snapshot,
-                plain(pb.CommitSnapshotRequest),
+                plain(pb.CommitSnapshotRequest, MODEL_BYTES),
                 plain_reply,
             ),
             "Restore": (self.restore, plain(pb.RestoreRequest), plain_reply),

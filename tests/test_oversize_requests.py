@@ -1,9 +1,10 @@
 """Requests larger than their method ever needs are refused before they are parsed
-(server/rpc/parsers.py: CONTROL_BYTES for a method that carries no tensor, HEADER_BYTES for a
-tensor message's header). Parsing allocates several times a request's bytes, and a repeated
-field of one-byte numbers much more: a read token's ReleaseSegments of 255 MiB took a server
-from 64 MB to 5.2 GB and held it 19 s (tests/test_hostile_slots.py), a train token's
-Contribute header with a 64 MiB shape list 1.2 GB and 0.8 s before it was refused."""
+(server/rpc/parsers.py: CONTROL_BYTES for a method that carries no tensor, MODEL_BYTES for the
+two that list a model's parameters, HEADER_BYTES for a tensor message's header). Parsing
+allocates several times a request's bytes, and a repeated field of one-byte numbers much more:
+a read token's ReleaseSegments of 255 MiB took a server from 64 MB to 5.2 GB and held it 19 s
+(tests/test_hostile_slots.py), a train token's Contribute header with a 64 MiB shape list
+1.2 GB and 0.8 s before it was refused."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from slot_probes import Background, Code, team_server, timed_call, varint, worst
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server import ShardServer
-from paramshard.server.rpc.parsers import CONTROL_BYTES, HEADER_BYTES
+from paramshard.server.rpc.parsers import CONTROL_BYTES, HEADER_BYTES, MODEL_BYTES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,23 +59,25 @@ def test_a_tensor_header_past_the_bound_is_refused_before_it_is_parsed(server) -
 
 
 @pytest.mark.parametrize(
-    "method, token, prefix",
+    "method, token, prefix, most",
     [
-        ("ReleaseSegments", "a-read", b""),
-        ("Status", "reader-secret", b""),
-        ("RegisterBuffer", "a", _field(1, _field(1, b"team-a-j") + _field(2, b"w"))),
+        ("ReleaseSegments", "a-read", b"", CONTROL_BYTES),
+        ("Status", "reader-secret", b"", CONTROL_BYTES),
+        # a buffer's parameter list, a snapshot's manifest: MODEL_BYTES
+        ("RegisterBuffer", "a", _field(1, _field(1, b"team-a-j") + _field(2, b"w")), MODEL_BYTES),
     ],
 )
 def test_a_control_request_past_the_bound_is_refused_before_it_is_parsed(
-    server, method: str, token: str, prefix: bytes
+    server, method: str, token: str, prefix: bytes, most: int
 ) -> None:
-    """A request of CONTROL_BYTES + 1 bytes of a method that carries no tensor, from a role
-    allowed to call it; a byte less is parsed, and fails or succeeds on its merits."""
-    raw = _sized(CONTROL_BYTES + 1, prefix)
-    assert len(raw) == CONTROL_BYTES + 1
+    """A request of one byte more than its method's bound, of a method that carries no
+    tensor, from a role allowed to call it; a byte less is parsed, and fails or succeeds on
+    its merits."""
+    raw = _sized(most + 1, prefix)
+    assert len(raw) == most + 1
     words = _refused_unparsed(server, method, raw, token)
-    assert words == f"{method}: a request of {len(raw):,} bytes; at most {CONTROL_BYTES:,}"
-    out, _ = timed_call(server.address, method, _sized(CONTROL_BYTES, prefix), token)
+    assert words == f"{method}: a request of {len(raw):,} bytes; at most {most:,}"
+    out, _ = timed_call(server.address, method, _sized(most, prefix), token)
     assert not isinstance(out, grpc.RpcError) or "bytes; at most" not in out.details(), out
 
 

@@ -59,7 +59,8 @@ def _counting(make: Any) -> Any:
 
     def made(cls: Any, *rest: Any) -> Any:
         parse = make(cls, *rest)
-        name = (rest[0] if rest else cls).DESCRIPTOR.name  # tensor(header, request, fast)
+        # tensor(header, request, fast) names its request; plain(cls, most) its class
+        name = (rest[0] if rest and hasattr(rest[0], "DESCRIPTOR") else cls).DESCRIPTOR.name
 
         def counted(raw: Any) -> Any:
             PARSED[name] += 1

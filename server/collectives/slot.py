@@ -8,8 +8,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.runtime import backend
+from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.runtime.turns import TurnWaits
@@ -189,6 +190,23 @@ class Slot:
         header.CopyFrom(self.meta)
         header.chunk.CopyFrom(pb.Chunk(offset=offset, numel=numel, dtype=self.dtype))
         return header
+
+    def chunk_nbytes(self, offset: int) -> int | None:
+        """The bytes of the chunk at ``offset`` in its wire dtype (the last chunk's are fewer);
+        None before the first contribution. A peek, ``cond`` not held."""
+        m = self.meta
+        if m is None:
+            return None
+        numel = min(m.chunk_numel or m.total_numel, max(0, m.total_numel - offset))
+        return numel * codec.numpy_dtype(self.dtype).itemsize
+
+    def payload(self, chunk: Chunk) -> Any:
+        """A complete chunk's values for a reply, in its wire dtype. It is never written
+        again, so the reply may hold a view of it: the serialiser copies it once, straight
+        into the message."""
+        if self.meta is not None and self.meta.op == pb.SET:
+            return backend.to_host(chunk.acc)
+        return arrays.wire_array(chunk.acc, self.dtype)
 
     def wait_turn(self, turns: TurnWaits, h: pb.SlotHeader, nbytes: int, until: float) -> bool:
         """Waits (``cond`` held) until contributor ``h.contributor`` is next on its chunk,

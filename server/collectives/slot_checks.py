@@ -68,8 +68,9 @@ def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
         )
     if h.shape:  # a tensor's, for readers that do not know it; empty: not given
         check_shape(h.shape, h.total_numel, label)
+    largest = min(h.chunk_numel or h.total_numel, h.total_numel)  # a slot's largest chunk
     try:
-        chunk_bytes = (h.chunk_numel or h.total_numel) * codec.numpy_dtype(c.dtype).itemsize
+        chunk_bytes = largest * codec.numpy_dtype(c.dtype).itemsize
     except ValueError:
         chunk_bytes = 0  # an unknown dtype: refused with the payload
     if chunk_bytes > max_chunk_bytes:

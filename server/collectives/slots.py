@@ -18,13 +18,11 @@ addition is not associative, so this is what makes two runs of the same training
 identical, as gloo's fixed reduction order does. MAX, MIN, integers and SET do not depend on
 the order.
 
-Pending work ends (docs/design.md §3.7): a slot or mailbox that gets no contribution and no read
-for ``ttl_s`` seconds is dropped by ``expire`` (run by the server's sweeper), and ``drop_run``
-drops every slot of a run (``DropJob`` with the run's name). Their memory is given back, their
-waiting readers fail with ABORTED naming the slot and why, and so does any later call on the
-key. Their memory, like every slot's, is paid for from the server's ``MemoryBudget`` first.
-Each slot also knows since when it is open and which readers wait on it: a timed-out read and
-Status name who arrived and who is missing (the hang doctor, server/collectives/pending.py).
+Pending work ends (docs/design.md §3.7): ``expire`` (the server's sweeper) drops a slot idle
+for ``ttl_s`` seconds, ``drop_run`` every slot of a run (``DropJob``); their memory (paid for
+from the server's ``MemoryBudget`` first) is given back, and their readers and any later call
+on the key fail ABORTED saying why. A timed-out read and Status name who arrived and who is
+missing (the hang doctor, server/collectives/pending.py).
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 
-from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.collectives import pending
 from paramshard.server.collectives.gone_keys import GoneKeys
@@ -88,11 +85,7 @@ class SlotStore:
         count of unsent replies (server/call_peeks.py)."""
         with self._lock:
             slot = self._slots.get(key)
-        meta = slot.meta if slot is not None else None
-        if meta is None:
-            return None
-        numel = min(meta.chunk_numel or meta.total_numel, max(0, meta.total_numel - offset))
-        return numel * codec.numpy_dtype(slot.dtype).itemsize
+        return None if slot is None else slot.chunk_nbytes(offset)
 
     def complete(self, key: str, offset: int) -> bool:
         """Whether a read of the chunk at ``offset`` of slot ``key`` would not wait: it has
@@ -289,18 +282,15 @@ class SlotStore:
             if none:
                 return slot.reply(req.offset, 0), b""
             meta, chunk = slot.meta, slot.chunks[req.offset]
-            header = slot.reply(req.offset, chunk.numel)
-            # A complete chunk is never written again, so the reply may hold a view of it: the
-            # serialiser copies it once, straight into the message.
-            if meta.op == pb.SET:
-                payload = backend.to_host(chunk.acc)
-            else:
-                payload = arrays.wire_array(chunk.acc, slot.dtype)
-            if req.reader not in chunk.readers:  # paid for: a chunk may expect 2**32 - 1
+            header, payload = slot.reply(req.offset, chunk.numel), slot.payload(chunk)
+            if req.reader not in chunk.readers:
+                if len(chunk.readers) + 1 >= meta.readers:  # its last reader: it goes now
+                    self._free_chunk(slot, req.offset)
+                    return header, payload
+                # paid for (a chunk may expect 2**32 - 1 readers), but for the last, whose
+                # read gives the chunk back: a caller at its share can drain its slots
                 self.memory.reserve(ENTRY_RECORD_BYTES, req.key, slot.owner)
                 chunk.readers.add(req.reader)
-            if len(chunk.readers) >= meta.readers:
-                self._free_chunk(slot, req.offset)
         return header, payload
 
     def _free_chunk(self, slot: Slot, offset: int) -> None:

@@ -10,15 +10,27 @@ from typing import Any
 
 from paramshard.protos import codec
 
-__all__ = ["CONTROL_BYTES", "HEADER_BYTES", "Malformed", "plain", "tensor", "tensor_reply"]
+__all__ = [
+    "CONTROL_BYTES",
+    "HEADER_BYTES",
+    "MODEL_BYTES",
+    "Malformed",
+    "plain",
+    "tensor",
+    "tensor_reply",
+]
 
 CONTROL_BYTES = 4 * 2**20
-"""The largest request of a method that carries no tensor, unparsed. The largest a client
-sends is RegisterBuffer's: its model configuration (at most 1 MiB) and a record of each
-parameter of the buffer (about 100 bytes; a model of thousands of tensors takes a few hundred
-kB). Parsing a request allocates several times its size, and a repeated field of one-byte
-numbers turned into Python objects tens of times: a read token's 255 MiB ReleaseSegments list
-held the interpreter for 19 s and took the server from 64 MB to 5.2 GB before this bound."""
+"""The largest request of a method that carries no tensor, unparsed, but for the two that list
+a model's parameters (``MODEL_BYTES``). Parsing a request allocates several times its size,
+and a repeated field of one-byte numbers turned into Python objects tens of times: a read
+token's 255 MiB ReleaseSegments list held the interpreter for 19 s and took the server from
+64 MB to 5.2 GB before this bound."""
+MODEL_BYTES = 68 * 2**20
+"""RegisterBuffer's and CommitSnapshot's bound: a record of each parameter of a buffer (about
+70-100 bytes; 40,000 took 2.8 MB) and the model's configuration (at most 1 MiB), or a
+snapshot's manifest listing every parameter of the job (at most 64 MiB,
+server/snapshots/files.py), with room for the request's other fields."""
 HEADER_BYTES = 4 * 2**20
 """The largest header of a tensor message (an elastic step's member list is under 1 MiB at
 65,536 members); its payload may be as large as a message."""
