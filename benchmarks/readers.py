@@ -57,22 +57,13 @@ from benchmarks._processes import (
     wait_parent_eof,
 )
 from benchmarks._scale_memory import loadavg, machine
+from benchmarks._spread import spread
 
 CONDITIONS = ("none", "shm", "inband")
 TRAIN_TOKEN, READ_TOKEN = "bench-readers-train", "bench-readers-read"
 JOB = "readers"
 CALL_TIMEOUT_S = 300.0
 log = logger("readers")
-
-
-def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
-    """Each trial's value, their median and their range."""
-    return {
-        "values": [round(v, digits) for v in values],
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
 
 
 # ================================================================================ children

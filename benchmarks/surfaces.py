@@ -55,6 +55,7 @@ from benchmarks._cpu import wait_quiet
 from benchmarks._processes import install_cleanup, logger, run_child, stop_all
 from benchmarks._scale_memory import GiB, loadavg, machine, meminfo, param_count
 from benchmarks._scale_models import MODELS
+from benchmarks._spread import spread
 from benchmarks._surfaces_children import CHILDREN, child_parser
 
 WORLD = 2
@@ -62,16 +63,6 @@ log = logger("surfaces")
 
 
 # ================================================================================ summaries
-def spread(values: list[float], digits: int = 3) -> dict[str, Any]:
-    """Each repetition's value, their median and their range."""
-    return {
-        "values": [round(v, digits) for v in values],
-        "median": round(statistics.median(values), digits),
-        "min": round(min(values), digits),
-        "max": round(max(values), digits),
-    }
-
-
 def step_s(ranks: list[dict[str, Any]], warmup: int) -> float:
     """The median, after ``warmup`` steps, of each step's slowest rank."""
     per_step = [max(r["steps"][i]["s"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
