@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.server.collectives.slot import chunk_numel_at
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_key, check_shape
 
@@ -68,7 +69,7 @@ def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
         )
     if h.shape:  # a tensor's, for readers that do not know it; empty: not given
         check_shape(h.shape, h.total_numel, label)
-    largest = min(h.chunk_numel or h.total_numel, h.total_numel)  # a slot's largest chunk
+    largest = chunk_numel_at(h.total_numel, h.chunk_numel, 0)  # a slot's first, its largest
     try:
         chunk_bytes = largest * codec.numpy_dtype(c.dtype).itemsize
     except ValueError:
@@ -78,7 +79,7 @@ def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
             f"{label}: chunks of {chunk_bytes:,} bytes; this server takes at most"
             f" {max_chunk_bytes:,} in a message (--max-receive-mb)"
         )
-    want = min(h.chunk_numel, h.total_numel - c.offset) if h.total_numel else 0
+    want = chunk_numel_at(h.total_numel, h.chunk_numel, c.offset)
     if c.numel != want:
         raise ShardError.invalid(
             f"{label}: the chunk at offset {c.offset:,} has {want:,} elements, not {c.numel:,}"

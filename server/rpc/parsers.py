@@ -74,8 +74,8 @@ def tensor(header_cls: Any, request_cls: Any, fast: bool) -> Callable[[bytes], A
             if fast:
                 return codec.decode(raw, header_cls, HEADER_BYTES)
             msg = request_cls.FromString(raw)
-            if msg.header.ByteSize() > HEADER_BYTES:
-                return _oversize(msg.header.ByteSize(), HEADER_BYTES, "a header")
+            if (size := msg.header.ByteSize()) > HEADER_BYTES:
+                return _oversize(size, HEADER_BYTES, "a header")
             return msg.header, memoryview(msg.data)
         except Exception as exc:
             return Malformed(exc)
