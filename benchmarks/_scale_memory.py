@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import threading
 import time
 from typing import Any
@@ -66,6 +67,13 @@ def meminfo(key: str) -> int:
 
 def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def write_report(out: dict[str, Any]) -> None:
+    """A benchmark's JSON to stdout, with the load average at its end beside ``machine()``'s."""
+    out["machine"]["loadavg_at_end"] = loadavg()
+    json.dump(out, sys.stdout, indent=1)
+    sys.stdout.write("\n")
 
 
 # ================================================================================ memory

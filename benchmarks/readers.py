@@ -56,7 +56,7 @@ from benchmarks._processes import (
     stop_all,
     wait_parent_eof,
 )
-from benchmarks._scale_memory import loadavg, machine
+from benchmarks._scale_memory import loadavg, machine, write_report
 from benchmarks._spread import spread
 
 CONDITIONS = ("none", "shm", "inband")
@@ -246,9 +246,7 @@ def parent_main(a: argparse.Namespace) -> int:
         out["reps"] = reps = [repetition(rep, a, token_file) for rep in range(a.reps)]
     out["cells"] = summary(reps)
     out["wall_s"] = round(time.monotonic() - t0, 1)
-    out["machine"]["loadavg_at_end"] = loadavg()
-    json.dump(out, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+    write_report(out)
     return 0
 
 

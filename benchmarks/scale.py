@@ -64,7 +64,6 @@ JSON to stdout, progress to stderr; every child is started here and stopped by P
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -84,6 +83,7 @@ from benchmarks._scale_memory import (
     memory,
     param_count,
     process_overhead,
+    write_report,
 )
 from benchmarks._scale_models import MODELS
 from benchmarks._scale_ranks import compute_main, ours_main, overhead_main, rss_kinds, torch_main
@@ -305,9 +305,7 @@ def parent_main(a: argparse.Namespace) -> int:
             for s in [s for s in strategies if s in MODELS[m].strategies]:
                 rows.append(run_cell(m, s, w, a, over))
     out["wall_s"] = round(time.monotonic() - t0, 1)
-    out["machine"]["loadavg_at_end"] = loadavg()
-    json.dump(out, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+    write_report(out)
     return 1 if any(r.get("error") for r in rows) else 0
 
 

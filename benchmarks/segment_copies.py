@@ -20,7 +20,6 @@ one repetition. JSON to stdout.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import sys
@@ -31,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._scale_memory import loadavg, machine
+from benchmarks._scale_memory import loadavg, machine, write_report
 from paramshard.protos import codec
 
 
@@ -115,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name in ("memoryview", "copy_into")
     }
-    out["machine"]["loadavg_at_end"] = loadavg()
-    json.dump(out, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+    write_report(out)
     return 0
 
 

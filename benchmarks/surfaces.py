@@ -41,7 +41,6 @@ JSON to stdout, progress to stderr; every child is started here and stopped by P
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
@@ -53,7 +52,7 @@ from typing import Any
 from benchmarks import _surfaces_cells as cells
 from benchmarks._cpu import wait_quiet
 from benchmarks._processes import install_cleanup, logger, run_child, stop_all
-from benchmarks._scale_memory import GiB, loadavg, machine, meminfo, param_count
+from benchmarks._scale_memory import GiB, loadavg, machine, meminfo, param_count, write_report
 from benchmarks._scale_models import MODELS
 from benchmarks._spread import spread
 from benchmarks._surfaces_children import CHILDREN, child_parser
@@ -260,9 +259,7 @@ def parent_main(a: argparse.Namespace) -> int:
         shutil.rmtree(a.work, ignore_errors=True)
     out["cells"] = cells_summary(reps)
     out["wall_s"] = round(time.monotonic() - t0, 1)
-    out["machine"]["loadavg_at_end"] = loadavg()
-    json.dump(out, sys.stdout, indent=1)
-    sys.stdout.write("\n")
+    write_report(out)
     return 0
 
 

@@ -19,7 +19,18 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from replica_probes import HOSTILE_TOKENS, NUMEL, PARAMS, call, code_of, crafted, hold_job
+from replica_probes import (
+    HOSTILE_TOKENS,
+    NUMEL,
+    PARAMS,
+    Code,
+    call,
+    code_of,
+    crafted,
+    hold_job,
+    refused,
+    state,
+)
 from server_processes import ROOT, ServerProcess
 from test_hardening_replication import TOKENS, client_for
 
@@ -84,6 +95,18 @@ def shard_of(version: Any = 0, step_count: Any = 0, tensors: dict[str, Any] | No
 
 def restore(tag: str) -> pb.RestoreRequest:
     return pb.RestoreRequest(job="j", tag=tag, server_index=0, num_servers=1)
+
+
+def refused_then_put_back(node: ShardServer, tag: str) -> tuple[Any, Any]:
+    """A Restore of planted ``tag`` refused FAILED_PRECONDITION, then job 'j' restored from
+    't1' whatever happened: (the server's ``state`` before, and right after the refusal)."""
+    before = state(node)
+    try:
+        refused(node.address, "Restore", restore(tag), Code.FAILED_PRECONDITION)
+    finally:
+        after = state(node)
+        call(node.address, "Restore", restore("t1"))
+    return before, after
 
 
 def listed(address: str, **kw: object) -> list[str]:

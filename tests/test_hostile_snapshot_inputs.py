@@ -27,8 +27,6 @@ from paramshard.client.rpc import ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.snapshots import files
 
-TiB = 2**40
-
 
 @pytest.fixture
 def planted(servers, tmp_path):

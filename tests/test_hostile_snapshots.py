@@ -25,6 +25,7 @@ from snapshot_probes import (
     listed,
     one_line_error,
     plant,
+    refused_then_put_back,
     restore,
     restore_within,
     shard_of,
@@ -235,12 +236,7 @@ def test_a_manifest_must_list_every_shard_it_restores(planted) -> None:
     changed = real[: -4 * NUMEL] + (PARAMS + 100).tobytes()  # the values, at the file's end
     folder = plant(root, "unlisted", change=lambda m: m.update(shards=[]))
     (folder / SHARD).write_bytes(changed)
-    before = state(node)
-    try:
-        refused(node.address, "Restore", restore("unlisted"), Code.FAILED_PRECONDITION)
-    finally:
-        after = state(node)
-        call(node.address, "Restore", restore("t1"))
+    before, after = refused_then_put_back(node, "unlisted")
     assert after == before
 
 
@@ -255,12 +251,7 @@ def test_a_shard_tensor_of_another_dtype_is_refused(planted, dtype: str, data) -
     node, root = planted
     tensors = {"w::params": (dtype, [NUMEL], data.tobytes(), None)}
     plant(root, "cast", shard=shard_of(tensors=tensors))
-    before = state(node)
-    try:
-        refused(node.address, "Restore", restore("cast"), Code.FAILED_PRECONDITION)
-    finally:
-        after = state(node)
-        call(node.address, "Restore", restore("t1"))
+    before, after = refused_then_put_back(node, "cast")
     assert after == before
 
 
