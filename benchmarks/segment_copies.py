@@ -1,4 +1,5 @@
-"""What a copy into a shared segment leaves to the process's other threads.
+"""What a copy of a payload into a shared segment or an in-band message leaves to the process's
+other threads.
 
     python -m benchmarks.segment_copies [--quick] [--mb 24] [--copies 100] [--reps 3]
 
@@ -10,7 +11,10 @@ to start), three ways:
 
 - ``alone``: the other thread only (the reference);
 - ``memoryview``: the copy by a memoryview's slice assignment, which holds the GIL throughout;
-- ``copy_into``: the copy through NumPy, which releases it.
+- ``copy_into``: the copy through NumPy, which releases it;
+- ``encode``: no segment: the payload joined with its header into the ``bytes`` a gRPC
+  message needs (``protos.codec.encode``, an in-band reply's or push's one copy), which holds
+  the GIL too; the map is not written.
 
 Per repetition: each copy's median seconds, and the other thread's operations a second during
 the copies, with its ratio to ``alone`` in the same repetition. ``--quick``: 4 MB, 5 copies,
@@ -32,6 +36,7 @@ import numpy as np
 
 from benchmarks._scale_memory import loadavg, machine, write_report
 from paramshard.protos import codec
+from paramshard.protos import shard_pb2 as pb
 
 
 def _other_thread_rate(copy: Callable[[], None] | None, copies: int) -> tuple[float, float]:
@@ -66,6 +71,14 @@ def _other_thread_rate(copy: Callable[[], None] | None, copies: int) -> tuple[fl
     return rate, statistics.median(times) if times else 0.0
 
 
+COPIES = ("memoryview", "copy_into", "encode")
+
+
+def _encoded(data: memoryview) -> None:
+    """An in-band message of ``data``, made and dropped (its memory freed, as a sent one's)."""
+    codec.encode(pb.PullParamsHeader(), data)
+
+
 def repetition(nbytes: int, copies: int) -> dict[str, Any]:
     segment = mmap.mmap(-1, nbytes)
     view = memoryview(segment)
@@ -74,13 +87,14 @@ def repetition(nbytes: int, copies: int) -> dict[str, Any]:
         "alone": None,
         "memoryview": lambda: view.__setitem__(slice(0, data.nbytes), data),
         "copy_into": lambda: codec.copy_into(view, data),
+        "encode": lambda: _encoded(data),
     }
     out: dict[str, Any] = {}
     try:
         for name, copy in ways.items():
             rate, copy_s = _other_thread_rate(copy, copies)
             out[name] = {"other_ops_per_s": round(rate), "copy_s": round(copy_s, 5)}
-        for name in ("memoryview", "copy_into"):
+        for name in COPIES:
             out[name]["other_ratio_to_alone"] = round(
                 out[name]["other_ops_per_s"] / out["alone"]["other_ops_per_s"], 4
             )
@@ -112,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             key: statistics.median(r[name][key] for r in reps)
             for key in ("copy_s", "other_ops_per_s", "other_ratio_to_alone")
         }
-        for name in ("memoryview", "copy_into")
+        for name in COPIES
     }
     write_report(out)
     return 0

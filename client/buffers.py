@@ -250,7 +250,7 @@ class FlatBuffers(RpcCore):
 
             def store(reply: Any, a: int = glob - start, n: int = n) -> None:
                 if isinstance(reply[1], (bytes, memoryview)):
-                    out[a : a + n] = np.frombuffer(reply[1], dtype=out.dtype)
+                    out[a : a + n] = codec.values_of(reply[1], out.dtype, n)
                 else:  # a device array from a server of this process (device_reply)
                     landing.put(a, reply[1])
                 if headers is not None:

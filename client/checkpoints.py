@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from paramshard.client.jobs import ServerJobs, server_jobs
-from paramshard.client.rpc import Call, ShardClientError
+from paramshard.client.rpc import Call, ShardClientError, unusable_reply
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.tensor_parts import (
     PartsError,
@@ -29,7 +29,7 @@ from paramshard.client.tensor_parts import (
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, new_manifest, taken_order
-from paramshard.protos.placement import parse_part_job, restore_placement
+from paramshard.protos.placement import MAX_SERVERS, parse_part_job, restore_placement
 
 __all__ = ["snapshot", "restore", "list_snapshots"]
 
@@ -296,6 +296,11 @@ def list_snapshots(
     With ``torn``, then the torn tags (shards, no manifest: never committed), each with
     "torn", one row per part of a 3D job."""
     reply = client.call(0, "ListSnapshots", pb.ListSnapshotsRequest(job=job, torn=torn))
+    for s in reply.snapshots:  # a count is expanded into a list below
+        if max(s.num_servers, len(s.servers), s.cluster_servers) > MAX_SERVERS:
+            why = f"snapshot {s.job[:256]!r} {s.tag[:256]!r} of {s.num_servers:,} servers"
+            why += f" ({len(s.servers):,} listed of {s.cluster_servers:,}; at most {MAX_SERVERS:,})"
+            raise unusable_reply(client, 0, "ListSnapshots", why)
     rows = [
         {
             "job": s.job,

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-__all__ = ["default_chunk_bytes", "CHUNK_BUDGET_BYTES", "MIN_CHUNK_BYTES"]
+__all__ = [
+    "chunk_bytes_for", "default_chunk_bytes", "CHUNK_BUDGET_BYTES", "MAX_CHUNK_BYTES",
+    "MAX_REPLY_BYTES", "MIN_CHUNK_BYTES",
+]  # fmt: skip
 
 CHUNK_BUDGET_BYTES = 16 * 2**20
 """What a client's default chunks to all its servers add up to (``default_chunk_bytes``)."""
 MIN_CHUNK_BYTES = 2**20
 """The smallest default chunk (from 16 servers on a host): below it each call's CPU (0.3-0.6 ms
 end to end) outweighs its bytes."""
+MAX_CHUNK_BYTES = 64 * 2**20
+"""The largest ``chunk_bytes`` a client takes: a chunk's reply must fit ``MAX_REPLY_BYTES``."""
+MAX_REPLY_BYTES = 2 * MAX_CHUNK_BYTES
+"""The largest reply a client receives (its channels' bound, client/cluster.py): a chunk, or a
+Status or snapshot listing, with room. Unbounded, a lying server's one reply could take 2 GiB
+of a client (protobuf's own bound), and a tool keeps 8 calls in flight."""
+
+
+def chunk_bytes_for(given: int | None, servers_per_host: int) -> int:
+    """A client's ``chunk_bytes``: ``given``, checked, or the default for its host."""
+    if given is None:
+        return default_chunk_bytes(servers_per_host)
+    if not 1 <= given <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be 1..{MAX_CHUNK_BYTES:,} (64 MiB), got {given:,}")
+    return given
 
 
 def default_chunk_bytes(servers_per_host: int) -> int:

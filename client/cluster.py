@@ -10,12 +10,14 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from paramshard.client.chunk_size import MAX_REPLY_BYTES
 from paramshard.protos import closing
 from paramshard.protos.hosts import is_loopback
 
 __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 
 # docs/design.md §7.5: the 4 MiB default rejects pulls and pushes; nothing else made a difference.
+# Replies are bounded all the same (MAX_REPLY_BYTES): a chunk's, with room, or a large Status.
 # Reconnection backs off at most 5 s (grpc's default grows to 120 s): after a link cut every
 # rank is back within about 6 s, before a server takes a late one for lost
 # (server/collectives/leases.py). The first wait stays grpc's 1 s: a dead server then fails every
@@ -25,7 +27,7 @@ __all__ = ["ClusterSpec", "CHANNEL_OPTIONS"]
 # new client whose server got the same port (seen in CI as "Connection refused" from a live server).
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_receive_message_length", MAX_REPLY_BYTES),
     ("grpc.max_reconnect_backoff_ms", 5000),
     ("grpc.use_local_subchannel_pool", 1),
 ]

@@ -330,7 +330,7 @@ def _store_in(out: np.ndarray, offset: int, numel: int) -> Any:
 
     def store(reply: Any) -> None:
         _, data = reply
-        out[offset : offset + numel] = np.frombuffer(data, dtype=out.dtype)
+        out[offset : offset + numel] = codec.values_of(data, out.dtype, numel)
 
     return store
 

@@ -55,9 +55,17 @@ def write_safetensors(
     """Streams tensors into a safetensors file: (name, dtype, shape, produce float values).
 
     The header (names, dtypes, shapes, offsets) is written first from the shapes alone, then
-    each tensor's bytes as it is produced: memory stays about one tensor.
+    each tensor's bytes as it is produced: memory stays about one tensor. A name given twice,
+    or ``__metadata__``, would make a file safetensors cannot load: RuntimeError, nothing
+    written.
     """
     items = list(items)
+    seen: set[str] = set()
+    for name, *_ in items:  # the names are a Status's or a manifest's: one entry each
+        if name == "__metadata__" or name in seen:
+            why = "the file's own key" if name == "__metadata__" else "named twice"
+            raise RuntimeError(f"parameter {name[:256]!r} cannot be exported: {why}")
+        seen.add(name)
     header: dict[str, Any] = {"__metadata__": metadata or {}}
     offset = 0
     for name, dtype, shape, _ in items:

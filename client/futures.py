@@ -1,5 +1,5 @@
 """Futures of ``RpcCore.run`` beside grpc's: a call whose payload or reply is in a shared
-segment, and a call that already ended."""
+segment, and a call that already ended; and how ``run`` takes a future's reply (``used_reply``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,39 @@ from typing import Any
 
 import grpc
 
+from paramshard.client.local_calls import LocalRpcError
 from paramshard.client.retries import BUSY_MARK
+from paramshard.protos import codec
 from paramshard.protos.shm import Segment, SharedMemory
 
-__all__ = ["ShmFuture", "Done", "refused_busy"]
+__all__ = ["ShmFuture", "Done", "refused_busy", "used_reply", "UNUSABLE"]
+
+UNUSABLE = "a reply this client cannot use"
+"""What a DATA_LOSS error of the client's own says: the server's reply does not hold what the
+call asked for (a lying or broken server); its values were not used."""
+
+
+def used_reply(fut: Any, on_result: Callable[[Any], None] | None) -> Any:
+    """``fut``'s reply, handed to ``on_result`` (where the call has one). A reply that does
+    not hold what the call asked for (``codec.BadReply``: a lying or broken server) fails the
+    call as DATA_LOSS, a final error that names the server like any other (``RpcCore.run``),
+    and its values are never used."""
+    try:
+        reply = fut.result()  # a ShmFuture retires its segment itself
+    except codec.BadReply as exc:
+        raise _unusable(exc) from None
+    if on_result is not None and reply is not None:
+        try:
+            on_result(reply)
+        except codec.BadReply as exc:
+            if isinstance(fut, ShmFuture):
+                fut.retire()
+            raise _unusable(exc) from None
+    return reply
+
+
+def _unusable(exc: codec.BadReply) -> LocalRpcError:
+    return LocalRpcError(grpc.StatusCode.DATA_LOSS, f"{UNUSABLE}: {exc}")
 
 
 class ShmFuture:
@@ -45,6 +74,9 @@ class ShmFuture:
 
     def settle(self, reply: Any, consumed: bool) -> Any:
         return self._shm.settle(self.seg, reply, consumed)
+
+    def retire(self) -> None:
+        self._shm.retire(self.seg)
 
 
 def refused_busy(exc: grpc.RpcError) -> bool:

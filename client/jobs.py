@@ -18,12 +18,13 @@ its parts on the servers), ``live_params`` joins the parts into the whole model
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from paramshard.client.rpc import ShardClientError
+from paramshard.client.rpc import ShardClientError, unusable_reply
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.tensor_parts import (
     PartParam,
@@ -79,6 +80,8 @@ class ServerJobs:
     def __post_init__(self) -> None:
         n = self.client.num_servers
         for i, reply in enumerate(self.replies):
+            if reply is not None:
+                _check_params(self.client, i, reply)
             for j in reply.jobs if reply is not None else ():
                 # a server that does not report its slice holds slice i of all n (older servers)
                 index, count = (j.server_index, j.num_servers) if j.num_servers else (i, n)
@@ -168,6 +171,28 @@ def server_jobs(client: ShardClient) -> ServerJobs:
     if error is not None and len(down) == client.num_servers:
         raise error
     return ServerJobs(client, replies, down)
+
+
+def _check_params(client: ShardClient, server: int, reply: Any) -> None:
+    """Every parameter server ``server``'s Status describes can be: a shape of at most
+    ``MAX_DIMS`` dims none negative, within its buffer and this host's memory. A tool allocates
+    a parameter's elements before it pulls them, so a lying server's shape of 2**40 elements
+    was a MemoryError (or, on a host that overcommits, memory taken as values came)."""
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for j in reply.jobs:
+        for b in j.buffers:
+            for p in b.params:
+                fine = len(p.shape) <= slicing.MAX_DIMS and all(d >= 0 for d in p.shape)
+                n = slicing.shape_elements(p.shape, b.numel) if fine else -1
+                if 0 <= n and p.offset + n <= b.numel and n * 8 <= host:  # float64 at most
+                    continue
+                shape = list(p.shape[:8]) + (["..."] if len(p.shape) > 8 else [])
+                why = (
+                    f"job {j.job[:256]!r} buffer {b.buffer[:256]!r}: parameter {p.name[:256]!r}"
+                    f" of shape {shape} at offset {p.offset:,} does not fit a buffer of"
+                    f" {b.numel:,} elements, nor a host of {host:,} bytes"
+                )
+                raise unusable_reply(client, server, "Status", why)
 
 
 def param_refs(status: Any) -> list[ParamRef]:

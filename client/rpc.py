@@ -20,9 +20,9 @@ import grpc
 
 from paramshard.client import hang_report, leases, restarts, slow_waits, unreachable
 from paramshard.client.call_order import Batch
-from paramshard.client.chunk_size import default_chunk_bytes
+from paramshard.client.chunk_size import chunk_bytes_for
 from paramshard.client.cluster import ClusterSpec
-from paramshard.client.futures import Done, ShmFuture
+from paramshard.client.futures import UNUSABLE, Done, ShmFuture, used_reply
 from paramshard.client.local_calls import HEADER_ROOM, LocalFuture, LocalRpcError, local_call
 from paramshard.client.retries import (
     MIN_ATTEMPT_S,
@@ -42,7 +42,7 @@ from paramshard.protos.service import method_path
 from paramshard.protos.shm import SharedMemory, is_stale
 
 __all__ = [
-    "ShardClientError", "Call", "RpcCore", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S"
+    "ShardClientError", "Call", "RpcCore", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "unusable_reply"
 ]  # fmt: skip
 
 MAX_IN_FLIGHT = 8  # the default number of calls a client keeps in flight
@@ -58,6 +58,14 @@ class ShardClientError(RuntimeError):
         super().__init__(f"server {server} ({address}) {method}: {code.name}: {details}")
         self.server, self.address, self.method = server, address, method
         self.code, self.details = code, details
+
+
+def unusable_reply(core: Any, server: int, method: str, why: str) -> ShardClientError:
+    """The error of a call whose reply says what cannot be (a lying or broken server)."""
+    address = core.spec.addresses[server]
+    return ShardClientError(
+        server, address, method, grpc.StatusCode.DATA_LOSS, f"{UNUSABLE}: {why}"
+    )
 
 
 _TENSOR_HEADERS = {
@@ -113,8 +121,7 @@ class RpcCore:
         shared_memory: bool | None = None,
         sessions: bool | None = None,
     ) -> None:
-        if chunk_bytes is None:
-            chunk_bytes = default_chunk_bytes(spec.servers_per_host)
+        chunk_bytes = chunk_bytes_for(chunk_bytes, spec.servers_per_host)
         self.spec = spec
         spec.hold()  # released by close(): other clients of the spec keep its channels
         self._holds_spec = True
@@ -307,7 +314,7 @@ class RpcCore:
                 say = partial(hang_report.still_waiting, self, call)
                 slow_waits.wait(fut, began, began + self.timeout_s, self.wait_notice_s, say)
             try:
-                reply = fut.result()
+                reply = used_reply(fut, call.on_result)
             except grpc.FutureCancelledError:
                 if first_error is None:  # not by another call's error: by a notice or close()
                     notice = self.run_state.current()
@@ -353,8 +360,6 @@ class RpcCore:
                     for _, _, other, *_ in in_flight:  # e.g. reads that would wait for ever
                         other.cancel()
                     continue
-            if call.on_result is not None and reply is not None:
-                call.on_result(reply)
             if isinstance(fut, ShmFuture):  # the reply was read: the segment is free again
                 reply = fut.settle(reply, consumed=call.on_result is not None)
             while len(results) <= i:

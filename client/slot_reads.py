@@ -59,9 +59,12 @@ class _Whole:
             return  # a guessed offset where the slot has none
         if self.fits(header):
             assert self.out is not None
-            self.out[c.offset : c.offset + c.numel] = np.frombuffer(data, dtype=self.out.dtype)
+            if c.offset + c.numel > self.out.size:
+                raise codec.BadReply(f"a chunk at {c.offset:,} past the slot's {self.out.size:,}")
+            self.out[c.offset : c.offset + c.numel] = codec.values_of(data, self.out.dtype, c.numel)
             self.got.add(c.offset)
         else:
+            codec.values_of(data, codec.numpy_dtype(c.dtype), c.numel)  # whole, or BadReply
             self.odd[c.offset] = bytes(data)
 
     def rest(self, reader: int) -> list[Call]:

@@ -16,6 +16,7 @@ export (``client.tools``) and offline export of snapshot folders (``paramshard e
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,14 +79,22 @@ def check_complete(
             want.add((parsed[1], parsed[2]))
     stages = max(s for s, _ in want) + 1
     ranks = max(t for _, t in want) + 1
-    missing = [(s, t) for s in range(stages) for t in range(ranks) if (s, t) not in have]
-    if missing:
+    if len(have) < stages * ranks:  # the numbers are names' (a server's word): none listed
+        grid = ((s, t) for s in range(stages) for t in range(ranks))
+        missing = list(itertools.islice((p for p in grid if p not in have), _NAMED))
+        more = stages * ranks - len(have) - len(missing)
         raise PartsError(
-            f"{what} is incomplete: {len(have)} of {stages * ranks} parts"
-            f" ({stages} stage(s) x {ranks} tensor rank(s)); missing "
+            f"{what} is incomplete: {len(have)} of {stages * ranks:,} parts"
+            f" ({stages:,} stage(s) x {ranks:,} tensor rank(s)); missing "
             + ", ".join(part_job(base, s, t) for s, t in missing)
+            + (f" and {more:,} more" if more else "")
         )
     return stages, ranks
+
+
+_NAMED = 16
+"""Missing parts an error names (it counts the rest): a grid's size comes from the highest
+numbers in the parts' names, so a name such as ``m.pp0.tp400000000`` makes one of 400 million."""
 
 
 def part_snapshots(base: str, rows: Iterable[Mapping]) -> dict[str, dict[tuple[int, int], Mapping]]:

@@ -16,6 +16,7 @@ from inspect import cleandoc
 
 from paramshard import __version__
 from paramshard.commands import COMMANDS, EXIT_USAGE, CommandError, summary
+from paramshard.terminal import Printable
 
 __all__ = ["main", "build_parser", "CommandError"]
 
@@ -61,6 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(cmd.usage_exit) from None  # health's 1: Docker reserves 2
         raise
     args.argv = argv  # serve re-executes itself with exactly these arguments
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (
+        Printable(out),
+        Printable(err),
+    )  # a server's text: paramshard/terminal.py
     try:
         return args.run(args)
     except CommandError as exc:
@@ -68,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    finally:
+        sys.stdout, sys.stderr = out, err
 
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -359,6 +359,10 @@ def human_bytes(n: float) -> str:
 
 
 def human_duration(seconds: float) -> str:
+    """``seconds`` as 42s, 3m07s, 5h02m or 2d03h; "?" for a time that cannot be (a server's
+    NaN, infinite or negative uptime or age)."""
+    if not 0 <= seconds < 2**53:
+        return "?"
     s = int(seconds)
     if s < 60:
         return f"{s}s"

@@ -21,7 +21,9 @@ import numpy as np
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
+    "BadReply",
     "DecodeError",
+    "values_of",
     "byte_view",
     "copy_into",
     "WIRE_DTYPES",
@@ -48,6 +50,11 @@ _DATA_TAG = b"\x7a"  # field 15, wire type 2
 
 class DecodeError(ValueError):
     """The bytes are not a well-formed tensor message."""
+
+
+class BadReply(ValueError):
+    """A server's reply does not hold what its call asked for (a pull's values of another
+    size, a reply placed outside the caller's segment): its values are not used."""
 
 
 # wire dtype -> (name, numpy dtype of the raw payload). bfloat16 travels as its uint16 bits.
@@ -125,6 +132,17 @@ def byte_view(payload: Any) -> memoryview:
     if isinstance(payload, np.ndarray):
         payload = np.ascontiguousarray(payload)
     return memoryview(payload).cast("B")
+
+
+def values_of(data: Any, dtype: Any, numel: int) -> np.ndarray:
+    """The ``numel`` elements of ``dtype`` a reply's payload ``data`` holds, read in place;
+    ``BadReply`` when it holds another number of bytes: NumPy would spread a reply of one
+    value over the whole range it is stored in, silently."""
+    values = np.frombuffer(data, dtype=np.uint8)
+    want = numel * np.dtype(dtype).itemsize
+    if values.nbytes != want:
+        raise BadReply(f"{values.nbytes:,} bytes of values where {numel:,} x {dtype} were asked")
+    return values.view(dtype)
 
 
 def copy_into(dest: Any, data: memoryview) -> None:

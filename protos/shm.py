@@ -31,6 +31,8 @@ import fcntl
 import logging
 import mmap
 import os
+import re
+import secrets
 import socket
 import threading
 from typing import Any
@@ -51,6 +53,8 @@ __all__ = [
     "PROOF_BYTES",
     "SEALS",
     "MFD_ALLOW_SEALING",
+    "TICKET_BYTES",
+    "handover_name",
 ]
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,13 @@ _SEND = ("PushGrad", "SetParams", "Contribute", "ContributeRead")
 _RECEIVE = ("PullParams", "ReadSlot")
 _BOTH = ("ContributeRead",)  # its reply comes back into the segment its payload went in
 _HANDSHAKE_TIMEOUT_S = 5.0
+TICKET_BYTES = 32
+"""A segment's one-time ticket, sent on the server's handover socket to claim its memfd."""
+_HANDOVER = re.compile(r"@paramshard-shm-[0-9]{1,10}-[0-9a-f]{16}")
+"""The only sockets a client connects to for a memfd: a server's (``handover_name``). The name
+and the ticket come from the server, so a server on another host could otherwise make its
+clients write bytes of its choosing to any abstract socket of theirs (a local bus, a container
+runtime's shim)."""
 PROOF_BYTES = 32
 """Random bytes a server writes at a new segment's start; the client proves its mapping with
 them."""
@@ -194,7 +205,11 @@ class SharedMemory:
         if isinstance(reply, tuple) and reply[0].HasField("shm"):
             ref = reply[0].shm
             if ref.segment != seg.id or ref.offset + ref.nbytes > seg.nbytes:
-                raise ValueError(f"the server put the reply outside segment {seg.id}")
+                raise codec.BadReply(
+                    f"the reply was put outside the caller's segment {seg.id} of"
+                    f" {seg.nbytes:,} bytes (segment {ref.segment}, bytes {ref.offset:,}"
+                    f" to {ref.offset + ref.nbytes:,})"
+                )
             return reply[0], memoryview(seg.map)[ref.offset : ref.offset + ref.nbytes]
         return reply
 
@@ -275,6 +290,8 @@ class SharedMemory:
             self._turn_off(server, f"its socket {offer.socket}: {exc}")
             return None
         try:
+            if offer.nbytes != self.segment_bytes:  # our payloads and replies fill what we asked
+                raise OSError(f"a segment of {offer.nbytes:,} bytes, not {self.segment_bytes:,}")
             if not is_sealed(fd, offer.nbytes):  # its size could change under our mapping
                 raise OSError(f"the segment is not sealed at {offer.nbytes:,} bytes")
             mapped = mmap.mmap(fd, offer.nbytes)
@@ -313,10 +330,19 @@ class SharedMemory:
             pass  # the server drops idle segments itself
 
 
+def handover_name() -> str:
+    """A new name for a server's handover socket, unique on its host: without the ``@`` that
+    marks it abstract in an offer."""
+    return f"paramshard-shm-{os.getpid()}-{secrets.token_hex(8)}"
+
+
 def _receive_fd(name: str, ticket: bytes) -> int:
-    """The memfd the server hands over on its abstract socket ``@name`` for ``ticket``."""
-    if not name.startswith("@") or not hasattr(socket, "recv_fds"):
-        raise OSError(f"not an abstract socket: {name!r}")
+    """The memfd the server hands over on its abstract socket ``@name`` for ``ticket``; nothing
+    is sent to a socket that is not a server's handover socket, nor a ticket of another size."""
+    if not _HANDOVER.fullmatch(name) or not hasattr(socket, "recv_fds"):
+        raise OSError(f"not a paramshard server's handover socket: {name[:80]!r}")
+    if len(ticket) != TICKET_BYTES:
+        raise OSError(f"a ticket of {len(ticket):,} bytes, not {TICKET_BYTES}")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(_HANDSHAKE_TIMEOUT_S)
         sock.connect("\0" + name[1:])

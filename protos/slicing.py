@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 __all__ = [
+    "MAX_DIMS",
     "shape_elements",
+    "is_shape_of",
     "SlicePiece",
     "slice_bounds",
     "slice_sizes",
@@ -149,6 +151,21 @@ def tensor_parallel_ranges(
     block = size // packed
     lo, hi = slice_bounds(block // unit, parts, index)
     return [range(b * block + lo * unit, b * block + hi * unit) for b in range(packed)]
+
+
+MAX_DIMS = 64
+"""Dimensions of a tensor's shape that a request records (a parameter's, a collective's), or a
+client takes from a server's word: as many as NumPy's arrays take (NPY_MAXDIMS)."""
+
+
+def is_shape_of(shape: Sequence[int], numel: int) -> bool:
+    """Whether ``shape`` has at most ``MAX_DIMS`` dims, none negative, and ``numel`` elements;
+    checked in that order, so a long shape costs no loop over it."""
+    return (
+        len(shape) <= MAX_DIMS
+        and all(d >= 0 for d in shape)
+        and (shape_elements(shape, numel) == numel)
+    )
 
 
 def shape_elements(shape: Sequence[int], limit: int) -> int:

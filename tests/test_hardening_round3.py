@@ -26,13 +26,14 @@ from h2_unread import Unread
 from paramshard.client import ClusterSpec, ShardClient, ShardClientError
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import new_manifest
+from paramshard.protos.shm import TICKET_BYTES
 from paramshard.server import ShardServer, metrics_http
 from paramshard.server.collectives.slots import SlotStore
 from paramshard.server.runtime.errors import MAX_DETAILS, ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.snapshots.manifest_schema import ManifestError, check_manifest
 from paramshard.server.transport import segment_files
-from paramshard.server.transport.handover import TICKET_BYTES, Handover
+from paramshard.server.transport.handover import Handover
 from paramshard.server.transport.shm import MAX_SEGMENTS, SegmentRegistry
 
 pytestmark = pytest.mark.timeout(120)

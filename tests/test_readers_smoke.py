@@ -32,11 +32,11 @@ def test_quick_readers_benchmark_reports_every_condition() -> None:
         assert cells[name]["ratio_to_none"]["median"] == pytest.approx(want, abs=0.01)
 
 
-def test_quick_segment_copies_benchmark_reports_both_ways() -> None:
+def test_quick_segment_copies_benchmark_reports_every_way() -> None:
     report = run_quick("benchmarks.segment_copies")
     (rep,) = report["reps"]
     assert rep["alone"]["other_ops_per_s"] > 0 and rep["alone"]["copy_s"] == 0
-    for way in ("memoryview", "copy_into"):
+    for way in ("memoryview", "copy_into", "encode"):
         assert rep[way]["copy_s"] > 0, rep
         want = rep[way]["other_ops_per_s"] / rep["alone"]["other_ops_per_s"]
         assert rep[way]["other_ratio_to_alone"] == pytest.approx(want, abs=1e-3)

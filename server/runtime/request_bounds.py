@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paramshard.protos.placement import MAX_SERVERS
-from paramshard.protos.slicing import shape_elements
+from paramshard.protos.slicing import MAX_DIMS, is_shape_of
 from paramshard.server.runtime.errors import ShardError
 
 __all__ = [
@@ -46,9 +46,6 @@ MAX_PARAM_NAME = 1024
 """Characters of a parameter's name or one of its aliases (Hugging Face models' are under 100)."""
 MAX_ALIASES = 64
 """Other names of one parameter (tied weights: a language model's head ties one or two)."""
-MAX_DIMS = 64
-"""Dimensions of a tensor's shape that a request records (a parameter's, a collective's): as
-many as NumPy's arrays take (NPY_MAXDIMS)."""
 MAX_VERSION = 2**53
 """The highest version or optimizer step count a client may set (SetParams): exact in a double,
 as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
@@ -111,9 +108,8 @@ def check_epoch(value: int, method: str) -> None:
 
 
 def check_shape(shape: Sequence[int], numel: int, what: str) -> None:
-    """``shape`` has at most ``MAX_DIMS`` dims, none negative, and ``numel`` elements; checked
-    in that order, so a request's long shape costs no loop over it."""
-    if len(shape) > MAX_DIMS or any(d < 0 for d in shape) or shape_elements(shape, numel) != numel:
+    """``shape`` is one of ``numel`` elements (``slicing.is_shape_of``), or INVALID_ARGUMENT."""
+    if not is_shape_of(shape, numel):
         raise ShardError.invalid(
             f"{what}: shape {list(shape[:8])}{' ...' if len(shape) > 8 else ''} ({len(shape):,}"
             f" dims) is not a shape of {numel:,} elements in at most {MAX_DIMS} dims"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import selectors
 import socket
 import struct
@@ -23,11 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Handover", "HANDOVER_S", "PER_PEER", "MAX_CONNECTIONS", "TICKET_BYTES"]
+from paramshard.protos.shm import TICKET_BYTES, handover_name
+
+__all__ = ["Handover", "HANDOVER_S", "PER_PEER", "MAX_CONNECTIONS"]
 
 log = logging.getLogger(__name__)
 
-TICKET_BYTES = 32
 HANDOVER_S = 2.0
 """A connection that has not sent its whole ticket by then is closed (a client sends it at once)."""
 PER_PEER = 4
@@ -51,7 +51,7 @@ class Handover:
 
     def __init__(self, claim: Callable[[bytes], int | None]) -> None:
         self._claim = claim
-        self.name = f"paramshard-shm-{os.getpid()}-{secrets.token_hex(8)}"
+        self.name = handover_name()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._listener.bind("\0" + self.name)  # abstract: gone with the process, no file

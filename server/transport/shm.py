@@ -43,13 +43,13 @@ import grpc
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.shm import PROOF_BYTES, is_sealed
+from paramshard.protos.shm import PROOF_BYTES, TICKET_BYTES, is_sealed
 from paramshard.server.rpc.auth import caller_of
 from paramshard.server.rpc.parsers import plain
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.limits import MemoryBudget
 from paramshard.server.transport import segment_files
-from paramshard.server.transport.handover import TICKET_BYTES, Handover
+from paramshard.server.transport.handover import Handover
 from paramshard.server.transport.read_pool import ReadPool
 from paramshard.server.transport.segment_files import Segment
 
