@@ -206,7 +206,7 @@ def test_fsdp_memory_bound_and_freeing(run_ranks: Any, addrs: list[str]) -> None
 
     def fn(client: Any, model: FSDPModel, opt: Any, ref: GPT) -> None:
         sizes: dict[str, int] = {}
-        for b in model._buffers:
+        for b in model._flat_buffers:
             sizes[b.unit] = sizes.get(b.unit, 0) + b.numel * 4
         blocks = {u: s for u, s in sizes.items() if u != "root"}
         assert len(blocks) == 4

@@ -112,7 +112,7 @@ class ServerCheckpoints(ElasticCheckpoints):
     def _kept_whole(self) -> bool:
         """Whether every server holds every slice of the job, all at one version (registering
         again leaves a buffer there as it is)."""
-        held, empty = self._register(self._buffers)
+        held, empty = self._register(self._flat_buffers)
         if empty or len(held) != 1:
             return False
         log.warning(
@@ -131,7 +131,7 @@ class ServerCheckpoints(ElasticCheckpoints):
         that hold none, as ``_register`` does."""
         if self.elastic:
             return self._await_rebuilt(lambda: self._register(buffers), held, empty)
-        self._buffers = buffers
+        self._flat_buffers = buffers
         return {self._join_recovery()}, set()
 
     def _catch_up(self) -> None:

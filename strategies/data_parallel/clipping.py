@@ -46,7 +46,7 @@ class ServerClipping:
         """(name, parameter, sum of squares) of each parameter of this job, from ``check``
         (``reduced_grad_check(per_param=True)``)."""
         sums = check.param_sum_squares or {}
-        for b in self._buffers:
+        for b in self._flat_buffers:
             for e, p, sq in zip(b.entries, b.params, sums[b.name], strict=True):
                 yield e.name, p, sq
 
@@ -68,7 +68,7 @@ class ServerClipping:
         """Every server's GradNorm of this step (waits for the reduced gradient), gathered once
         for clipping and the step; ``per_param``: with each parameter's sum of squares."""
         if self._check is None or (per_param and self._check.param_sum_squares is None):
-            names = {b.name: len(b.entries) for b in self._buffers}
+            names = {b.name: len(b.entries) for b in self._flat_buffers}
             params = names if per_param else None
             self._check = self.client.grad_check(
                 self.config.job, list(names), self._step, params, generation=self._generation()

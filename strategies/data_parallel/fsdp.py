@@ -112,7 +112,7 @@ class FSDPModel(ServerShardedModel):
     # -- registration: after it, the trainer keeps no parameters -------------------------------
     def _after_register(self) -> None:
         by_unit = {u.name: u for u in self._unit_list}
-        for b in self._buffers:
+        for b in self._flat_buffers:
             unit = by_unit[b.unit]
             unit.buffers.append(b)
             unit.params += b.params

@@ -95,7 +95,7 @@ class TorchOptimizerState:
         info = self.client.optimizer_state_info(self.config.job)
         landings: dict[tuple[str, str], Landing] = {}
         calls = []
-        for b in self._buffers:
+        for b in self._flat_buffers:
             for key in info[b.name][0]:  # on the parameters' device, as torch keeps it
                 landing = landings[b.name, key] = Landing(
                     b.numel, b.master_dtype, device_of(b.params)
@@ -111,7 +111,7 @@ class TorchOptimizerState:
         self.client.run(calls)
         flats = {k: landing.result(landing.tensor.dtype) for k, landing in landings.items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
-        for b in self._buffers:
+        for b in self._flat_buffers:
             keys, steps = info[b.name]
             if not keys:
                 continue
@@ -133,7 +133,7 @@ class TorchOptimizerState:
             raise RuntimeError("load_optimizer_state needs the optimizer wrapper attached first")
         self.ensure_idle()
         writes = []  # every rank checks (and fails) alike; rank 0 writes
-        for b in self._buffers:
+        for b in self._flat_buffers:
             present = [states.get(id(p), {}) for p in b.params]
             keys = sorted({k for st in present for k in st if k != "step"})
             steps = {int(float(st["step"])) for st in present if "step" in st}

@@ -77,7 +77,7 @@ class ServerShardedModel(
             if wrap or config.wrap_min_params
             else 0,
         )
-        self._buffers: list[BufferSpec] = []
+        self._flat_buffers: list[BufferSpec] = []
         self._opt_name = ""
         self._step = 0  # optimizer steps applied: the servers' version
         self._micro = 0  # backward passes since the last step
@@ -107,7 +107,7 @@ class ServerShardedModel(
 
     @property
     def registered(self) -> bool:
-        return bool(self._buffers)
+        return bool(self._flat_buffers)
 
     @property
     def step_count(self) -> int:
@@ -138,7 +138,7 @@ class ServerShardedModel(
                 " restore a snapshot or drop the job"
                 + (" (some hold no values: a server restarted empty)" if held and empty else "")
             )
-        self._buffers = buffers
+        self._flat_buffers = buffers
         self._step = versions.pop() if initialized and versions else 0
         if self._step and self.rank == 0 and not rejoining:  # said: a script run again
             log.warning(
@@ -227,9 +227,9 @@ class ServerShardedModel(
     def _full_state(self) -> dict[str, torch.Tensor]:
         if not self.registered:
             return {n: p.detach().to(self._masters[n]).clone() for n, p in self._named}
-        flats = self._pull(self._buffers, self._step)
+        flats = self._pull(self._flat_buffers, self._step)
         out = {}
-        for b in self._buffers:
+        for b in self._flat_buffers:
             for e in b.entries:
                 out[e.name] = flats[b.name][e.offset : e.offset + e.numel].view(e.shape)
         return out
@@ -240,7 +240,7 @@ class ServerShardedModel(
                 for n, p in self._named:
                     p.copy_(tensors[n])
             return
-        for b in self._buffers:
+        for b in self._flat_buffers:
             values = [tensors[e.name] for e in b.entries]
             flat = flatten(values, b.numel, torch_dtype(b.master_dtype))
             self.client.set_params(
@@ -317,7 +317,7 @@ class ServerShardedModel(
                 server_hyper(self._opt_name, groups[b.group_index]),
                 self._clip_coef * self._inv_scale,  # the servers unscale as they clip
             )
-            for b in self._buffers
+            for b in self._flat_buffers
         }
         step = self._step
         self._last_step = (step, args, bool(where))
@@ -364,6 +364,6 @@ class ServerShardedModel(
             step=self._step,
             optimizer=self._opt_name,
             units=[name for name, _ in self._units],
-            buffers={b.name: b.numel for b in self._buffers},
+            buffers={b.name: b.numel for b in self._flat_buffers},
         )
         return meta

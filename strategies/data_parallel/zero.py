@@ -55,14 +55,14 @@ class _ReplicatedParams(ServerShardedModel):
 
     def _refresh_replica(self) -> None:
         replica: dict[str, torch.Tensor] = self.__dict__.setdefault("_replica", {})
-        for b in self._buffers:
+        for b in self._flat_buffers:
             if b.name not in replica and self._in_place(b):
                 for p in b.params:  # their values come from the servers: free them first
                     p.data = torch.empty(0, dtype=p.dtype)
         with self.comm_times.blocked("pull"):
-            flats = self._pull(self._buffers, self._step, compute=True, into=replica)
+            flats = self._pull(self._flat_buffers, self._step, compute=True, into=replica)
         with torch.no_grad():
-            for b in self._buffers:
+            for b in self._flat_buffers:
                 flat = flats[b.name]
                 if replica.get(b.name) is flat:
                     continue  # pulled in place: the parameters are views of it
@@ -101,7 +101,7 @@ class ZeRO1Model(_ReplicatedParams):
         if self._pushed:
             return
         calls = []
-        for b in self._buffers:
+        for b in self._flat_buffers:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
             flat = flatten(grads, b.numel, torch_dtype(b.master_dtype))
             calls += self.client.push_calls(
@@ -153,7 +153,7 @@ class ZeRO2Model(_ReplicatedParams):
     def _after_register(self) -> None:
         self._refresh_replica()
         self._flats.max_idle_bytes = 2 * self.config.bucket_size_bytes  # two buckets
-        for b in self._buffers:
+        for b in self._flat_buffers:
             limit = max(1, self.config.bucket_size_bytes // torch_dtype(b.master_dtype).itemsize)
             bucket: _Bucket | None = None
             for e, p in zip(b.entries, b.params, strict=True):
