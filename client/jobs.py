@@ -17,6 +17,7 @@ its parts on the servers), ``live_params`` joins the parts into the whole model
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -322,7 +323,10 @@ def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
         if name == p.name or name in p.aliases:
             return p.produce().reshape(p.shape)
     parts = f" (parts {', '.join(jobs)})" if jobs != [job] else ""
-    raise KeyError(f"job '{job}'{parts} has no parameter '{name}'")
+    names = [n for p in params for n in (p.name, *p.aliases)]
+    close = difflib.get_close_matches(name, names, n=1) or [n for n in names if n.endswith(name)]
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    raise KeyError(f"job '{job}'{parts} has no parameter '{name}'{hint}")
 
 
 def pull_param(

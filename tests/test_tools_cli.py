@@ -166,6 +166,9 @@ def test_unknown_parameter_and_bad_snapshot_folder(cluster, tmp_path):
     proc = cli(cluster, "get", cluster["job"], "nosuch.weight", "--out", str(tmp_path / "x.npy"))
     assert proc.returncode == 1 and "nosuch.weight" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    # a name as another model's code spells it: the error suggests the job's own
+    proc = cli(cluster, "get", cluster["job"], "wte.weightt", "--out", str(tmp_path / "x.npy"))
+    assert proc.returncode == 1 and "did you mean 'wte.weight'?" in proc.stderr, proc.stderr
     missing = cluster["root"] / cluster["job"] / "nosuchtag"
     proc = cli(cluster, "export", "--snapshot", str(missing), "--out", str(tmp_path / "m.st"))
     assert proc.returncode == 1 and str(missing / "manifest.json") in proc.stderr

@@ -255,6 +255,14 @@ class ServerShardedModel(
     def _push_async(self, b: BufferSpec, grads: torch.Tensor, start: int = 0) -> None:
         """Sends this micro-batch's gradient for [start, start + len) of buffer ``b``: a flat
         from ``self._flats``, which it goes back to once pushed."""
+        if self._micro >= self._num_micro():  # the servers would refuse it, less clearly
+            raise RuntimeError(
+                f"{type(self).__name__}: backward pass {self._micro + 1} since the last step,"
+                f" but gradient_accumulation_steps={self._num_micro()}: each backward's"
+                " gradients go to the servers as one of that many micro-batches; to"
+                " accumulate k backward passes a step, set"
+                " ShardingConfiguration(gradient_accumulation_steps=k)"
+            )
         calls = self.client.push_calls(
             self.config.job,
             b.name,

@@ -1,10 +1,17 @@
-"""A wrapped model is still an ``nn.Module`` to torch: its buffers, ``.to()`` and
+"""What a torch user does with a wrapped model by habit (a newcomer's walkthrough tried them).
+
+A wrapped model is still an ``nn.Module`` to torch: its buffers, ``.to()`` and
 ``torch.compile`` work on every strategy, as on torch's own DDP and FSDP.
 
 The sharded wrappers (ZeRO-1, ZeRO-2, FSDP) kept their list of flat buffers in ``_buffers``,
 the attribute where ``nn.Module`` keeps a module's registered buffers: ``model.buffers()``,
 ``named_buffers()``, ``.to()``, ``.float()`` and ``torch.compile(model)`` all ended in
-"AttributeError: 'list' object has no attribute 'items'" (a newcomer's walkthrough found it).
+"AttributeError: 'list' object has no attribute 'items'".
+
+Two backward passes before a step, torch's way of accumulating, need
+``gradient_accumulation_steps`` on ZeRO-2 and FSDP (each backward's gradients go to the servers
+as one micro-batch): the second backward says so. It failed in the servers' words before,
+"micro-batch 1 of num_micro=1 is out of range", which did not name the setting.
 """
 
 from __future__ import annotations
@@ -44,3 +51,19 @@ def test_module_methods_and_compile_after_a_step(
 
     for out in world(run_ranks, addrs, kind, fn):
         assert out["compiled"] == out["eager"], out
+
+
+@pytest.mark.parametrize("kind", ["zero2", "fsdp"])
+def test_a_second_backward_without_accumulation_steps_names_the_setting(
+    kind: str, run_ranks: Any, addrs: list[str]
+) -> None:
+    def fn(client: Any, model: ShardedModelBase, opt: Any, ref: GPT) -> str:
+        x, y = rank_data(client.rank)
+        lm_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError) as err:
+            lm_loss(model(x), y).backward()
+        return str(err.value)
+
+    for said in world(run_ranks, addrs, kind, fn):
+        assert "backward pass 2 since the last step" in said, said
+        assert "gradient_accumulation_steps=k" in said, said
