@@ -67,3 +67,28 @@ def test_a_second_backward_without_accumulation_steps_names_the_setting(
     for said in world(run_ranks, addrs, kind, fn):
         assert "backward pass 2 since the last step" in said, said
         assert "gradient_accumulation_steps=k" in said, said
+
+
+def test_summon_full_params_runs_the_whole_model_outside_a_step(
+    run_ranks: Any, addrs: list[str]
+) -> None:
+    """FSDP holds no parameters between steps: ``model.module(x)`` (a Hugging Face model's
+    ``generate``) met empty placeholders ("'weight' must be 2-D"). Inside
+    ``summon_full_params``, as in torch's FSDP, it runs on the whole model, and gives what the
+    wrapper's own forward gives; the parameters are freed after it."""
+
+    def fn(client: Any, model: ShardedModelBase, opt: Any, ref: GPT) -> dict[str, Any]:
+        x, y = rank_data(client.rank)
+        model.train_on_batch(x, y)
+        with torch.no_grad():
+            want = lm_loss(model(x), y).item()
+        with model.summon_full_params():
+            held = sum(p.numel() for p in model.parameters())
+            got = lm_loss(model.module(x), y).item()
+            again = lm_loss(model.module(x), y).item()  # still gathered after a forward
+        after = sum(p.numel() for p in model.parameters())
+        return {"want": want, "got": got, "again": again, "held": held, "after": after}
+
+    for out in world(run_ranks, addrs, "fsdp", fn):
+        assert out["got"] == out["want"] == out["again"], out
+        assert out["held"] > 0 and out["after"] == 0, out

@@ -23,7 +23,8 @@ decoder blocks: ``GPT2Block``, ``LlamaDecoderLayer``), transformers' own unit of
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,7 @@ class FSDPModel(ServerShardedModel):
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="gather")
         self.live_bytes = 0  # gathered parameter bytes held right now
         self.peak_live_bytes = 0
+        self._summoned = False  # inside summon_full_params: every unit stays gathered
         for unit in self._unit_list[1:]:
             unit.module.register_forward_pre_hook(eager_hook(self._make_pre_forward(unit)))
             unit.module.register_forward_hook(eager_hook(self._make_post_forward(unit)))
@@ -169,6 +171,30 @@ class FSDPModel(ServerShardedModel):
             self.live_bytes -= unit.nbytes
         unit.materialized = False
 
+    @contextlib.contextmanager
+    def summon_full_params(self) -> Iterator[None]:
+        """Every parameter gathered for the block, as torch FSDP's ``summon_full_params``: the
+        whole model runs outside the wrapper's forward (``model.module.generate(...)``), and
+        its parameters can be read in place. Values at the servers' step, in the compute dtype
+        (``param_dtype``); the block runs without grad, and what it changes in them is not
+        written back (``load_state_dict`` writes). It holds the whole model's parameters at
+        once. Not inside a step's backward; any rank may call it alone."""
+        if not self.registered or self._summoned:
+            yield
+            return
+        if self._in_backward:
+            raise RuntimeError("summon_full_params: not inside a backward pass")
+        self._summoned = True
+        try:
+            for unit in self._unit_list:
+                self._gather(unit)
+            with torch.no_grad():
+                yield
+        finally:
+            self._summoned = False
+            for unit in self._unit_list:
+                self._free(unit)
+
     # -- forward -------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if not self.registered:  # no optimizer yet: still the plain local model
@@ -182,7 +208,7 @@ class FSDPModel(ServerShardedModel):
         if len(self._unit_list) > 1:
             self._prefetch(self._unit_list[1])
         out = self.module(*args, **kwargs)
-        if not torch.is_grad_enabled():  # no backward will come to free anything
+        if not torch.is_grad_enabled() and not self._summoned:  # no backward will free them
             for unit in self._unit_list:
                 self._free(unit)
         return out
@@ -209,6 +235,8 @@ class FSDPModel(ServerShardedModel):
                 for t in _tensors(output):
                     if t.requires_grad:
                         t.register_hook(eager_hook(self._make_pre_backward(unit)))
+            if self._summoned:
+                return
             if self.config.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(unit)
 
