@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -53,6 +54,7 @@ class Child:
     relays: list[threading.Thread] = field(default_factory=list)
     rank: int = -1  # a rank's global rank; -1 for a server
     last_output: float = 0.0  # time.monotonic() of the last line a relay handled
+    last_error: str = ""  # the last line of its output that ended a traceback (``raised``)
     reaped: bool = False  # its pid may belong to another process now: never signal the group
 
     def alive(self) -> bool:
@@ -225,6 +227,11 @@ def say(message: str) -> None:
     emit(sys.stderr, f"paramshard launch: {message}\n".encode())
 
 
+_RAISED = re.compile(rb"[A-Za-z_][\w.]*(Error|Exception): ")
+"""A traceback's last line (``ValueError: ...``): what a rank that failed before it could
+declare why (a bad config file, an import) said of it, for the launcher's summary."""
+
+
 def relay(
     child: Child,
     pipe: IO[bytes],
@@ -244,6 +251,8 @@ def relay(
                 lines.put((child, line))
             if log is not None:
                 append_line(log, line)
+            if _RAISED.match(line):
+                child.last_error = line.decode("utf-8", "replace").strip()[:500]
             if dest is not None:
                 emit(dest, prefix + line.rstrip(b"\r\n") + b"\n")
             child.last_output = time.monotonic()

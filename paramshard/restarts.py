@@ -82,15 +82,19 @@ class RankRestarts:
     def _file(self, rank: int) -> str:
         return os.path.join(self.directory, f"rank-{rank}")
 
-    def declared_failure(self, rank: int) -> str:
-        """``: <why>`` when rank ``rank`` (its process that just ended) declared that its own
+    def declared_failure(self, child: Child) -> str:
+        """``: <why>`` when rank ``child`` (its process that just ended) declared that its own
         code raised; ``: on the run's notice: <notice>`` when it declared that it stopped on
-        another's; else ""."""
+        another's; else the last error its output showed (``Child.last_error``: it failed
+        before it could declare, a config file's error say), or ""."""
+        rank = child.rank
         said, attempt = contract.read_declaration(self._file(rank)), self.attempt(rank)
         if own := said.failed or said.error(attempt):
             return f": {own}"
         notice = said.stopped(attempt)
-        return f": on the run's notice: {notice}" if notice else ""
+        if notice:
+            return f": on the run's notice: {notice}"
+        return f": {child.last_error}" if child.last_error else ""
 
     def raised(self, rank: int) -> bool:
         """Whether rank ``rank`` declared that its own code raised and stopped the others
@@ -212,7 +216,7 @@ def supervise(
         try:
             kind, child, value = events.get(timeout=waiting.left() if waiting else None)
         except queue.Empty:  # the rank that raised did not exit in time: blame the first
-            said = restarts.declared_failure(waiting.child.rank)
+            said = restarts.declared_failure(waiting.child)
             return _stop_all(waiting.child, waiting.code, said, running, None, grace, received)
         if kind == "signal":
             name = signal.Signals(value).name
@@ -255,7 +259,7 @@ def supervise(
             # loader's workers) and reap it now, not when the job ends
             stop([child], signal.SIGTERM, grace, received)
         if why is None:
-            said = restarts.declared_failure(child.rank)  # before the count moves on
+            said = restarts.declared_failure(child)  # before the count moves on
             n = restarts.count(child.rank)
             say(
                 f"{child.name} failed with exit code {code}{said}; restarting it (its restart {n};"
@@ -282,12 +286,12 @@ def supervise(
             # it failed on that running rank's notice: name that one as it exits
             waiting = waiting or _Stopped(child, code, time.monotonic() + NOTICE_GRACE_S)
             continue
-        said = restarts.declared_failure(child.rank)
+        said = restarts.declared_failure(child)
         if given_up is not None:  # not restarted: other hosts' ranks must not wait for it
             given_up(child.rank, f"failed with exit code {code}{said}{why}")
         return _stop_all(child, code, f"{said}{why}", running, waiting, grace, received)
     if waiting is not None:  # the rank that raised exited 0 all the same
-        said = restarts.declared_failure(waiting.child.rank)
+        said = restarts.declared_failure(waiting.child)
         return _stop_all(waiting.child, waiting.code, said, running, None, grace, received)
     return departures.exit_code() if departures is not None else 0
 
