@@ -329,7 +329,10 @@ def _store_in(out: np.ndarray, offset: int, numel: int) -> Any:
     """A slot read's ``on_result``: the chunk's elements into ``out[offset:offset+numel]``."""
 
     def store(reply: Any) -> None:
-        _, data = reply
+        header, data = reply
+        if header.chunk.offset != offset:  # another chunk's values, or another slot's
+            got = header.chunk.offset
+            raise codec.BadReply(f"the read of offset {offset:,} got offset {got:,}")
         out[offset : offset + numel] = codec.values_of(data, out.dtype, numel)
 
     return store

@@ -176,24 +176,25 @@ def server_jobs(client: ShardClient) -> ServerJobs:
 
 def _check_params(client: ShardClient, server: int, reply: Any) -> None:
     """Every parameter server ``server``'s Status describes can be: a shape of at most
-    ``MAX_DIMS`` dims none negative, within its buffer and this host's memory. A tool allocates
-    a parameter's elements before it pulls them, so a lying server's shape of 2**40 elements
-    was a MemoryError (or, on a host that overcommits, memory taken as values came)."""
+    ``MAX_DIMS`` dims none negative, within its buffer, and its values in the buffer's master
+    dtype within this host's memory. A tool allocates a parameter's elements before it pulls
+    them, so a lying server's shape of 2**40 elements was a MemoryError (or, on a host that
+    overcommits, memory taken as values came)."""
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     for j in reply.jobs:
         for b in j.buffers:
             for p in b.params:
                 fine = len(p.shape) <= slicing.MAX_DIMS and all(d >= 0 for d in p.shape)
                 n = slicing.shape_elements(p.shape, b.numel) if fine else -1
-                if 0 <= n and p.offset + n <= b.numel and n * 8 <= host:  # float64 at most
+                itemsize = np.dtype(codec.master_dtype(b.dtype)).itemsize  # what a tool holds
+                if 0 <= n and p.offset + n <= b.numel and n * itemsize <= host:
                     continue
-                shape = list(p.shape[:8]) + (["..."] if len(p.shape) > 8 else [])
-                why = (
+                raise unusable_reply(client, server, "Status", (
                     f"job {j.job[:256]!r} buffer {b.buffer[:256]!r}: parameter {p.name[:256]!r}"
-                    f" of shape {shape} at offset {p.offset:,} does not fit a buffer of"
-                    f" {b.numel:,} elements, nor a host of {host:,} bytes"
-                )
-                raise unusable_reply(client, server, "Status", why)
+                    f" of shape {list(p.shape[:8])}{' ...' if len(p.shape) > 8 else ''} at"
+                    f" offset {p.offset:,} does not fit a buffer of {b.numel:,} elements, nor a"
+                    f" host of {host:,} bytes"
+                ))  # fmt: skip
 
 
 def param_refs(status: Any) -> list[ParamRef]:

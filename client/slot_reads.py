@@ -14,6 +14,7 @@ guess missed are read in a second round, as without a guess.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -48,23 +49,35 @@ class _Whole:
             out is not None and header.total_numel == out.size and header.chunk.dtype == self.wire
         )
 
-    def take(self, reply: Any) -> None:
-        """A read's ``on_result``: its elements into ``out`` when the slot is as guessed, else
-        kept (a copy: a reply in a shared segment is only lent) until its size is known."""
+    def take(self, asked: int, guess: bool, reply: Any) -> None:
+        """A read's ``on_result`` (the read of the chunk at ``asked``; ``guess``: a guessed
+        one): its elements into ``out`` when the slot is as guessed, else kept (a copy: a
+        reply in a shared segment is only lent) until its size is known. A reply must be the
+        chunk asked for, of the slot chunk 0 described, whole (``codec.BadReply``): one of
+        another offset or size left elements of ``out`` unwritten, ``np.empty``'s old bytes."""
         header, data = reply
         c = header.chunk
-        if c.offset == 0:
+        if c.numel == 0 and guess:
+            return  # a guessed offset where the slot has none (read again in ``rest`` if it has)
+        first = self.header or header
+        want = slicing.chunk_numel_at(first.total_numel, first.chunk_numel, asked)
+        same = (header.total_numel, header.chunk_numel, c.dtype) == (
+            first.total_numel, first.chunk_numel, first.chunk.dtype
+        )  # fmt: skip
+        if c.offset != asked or c.numel != want or not same:
+            raise codec.BadReply(
+                f"the read of offset {asked:,} got {c.numel:,} elements at offset {c.offset:,}"
+                f" of a slot of {header.total_numel:,} (chunk 0: {first.total_numel:,} elements,"
+                f" chunks of {first.chunk_numel:,}, dtype {first.chunk.dtype})"
+            )
+        if asked == 0:
             self.header = header
-        if c.numel == 0 and c.offset > 0:
-            return  # a guessed offset where the slot has none
+        values = codec.values_of(data, codec.numpy_dtype(c.dtype), c.numel)  # whole
         if self.fits(header):
             assert self.out is not None
-            if c.offset + c.numel > self.out.size:
-                raise codec.BadReply(f"a chunk at {c.offset:,} past the slot's {self.out.size:,}")
-            self.out[c.offset : c.offset + c.numel] = codec.values_of(data, self.out.dtype, c.numel)
+            self.out[c.offset : c.offset + c.numel] = values
             self.got.add(c.offset)
         else:
-            codec.values_of(data, codec.numpy_dtype(c.dtype), c.numel)  # whole, or BadReply
             self.odd[c.offset] = bytes(data)
 
     def rest(self, reader: int) -> list[Call]:
@@ -90,7 +103,8 @@ class _Whole:
         """The read of the chunk at ``offset``, of ``nbytes`` (a guess, for the reply's
         buffer)."""
         request = pb.ReadSlotRequest(key=self.key, offset=offset, reader=reader, guess=guess)
-        return Call(self.server, "ReadSlot", request, self.take, reply_bytes=nbytes)
+        take = partial(self.take, offset, guess)
+        return Call(self.server, "ReadSlot", request, take, reply_bytes=nbytes)
 
     def result(self) -> tuple[np.ndarray, tuple[int, ...], str]:
         assert self.out is not None and self.header is not None

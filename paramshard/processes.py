@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from paramshard.launch_files import append_line
+from paramshard.terminal import printable
 
 __all__ = ["Child", "exit_code", "parent_death_signal", "relay", "say", "spawn", "stop", "watch"]
 
@@ -224,7 +225,10 @@ def emit(stream: IO[str], data: bytes) -> None:
 
 
 def say(message: str) -> None:
-    emit(sys.stderr, f"paramshard launch: {message}\n".encode())
+    """The launcher's own line, which may quote a server's or a rank's words: its control
+    characters shown as escapes (paramshard/terminal.py); ranks' and servers' lines, relayed
+    as they came, are theirs."""
+    emit(sys.stderr, f"paramshard launch: {printable(message)}\n".encode())
 
 
 _RAISED = re.compile(rb"[A-Za-z_][\w.]*(Error|Exception): ")

@@ -26,6 +26,7 @@ __all__ = [
     "slice_sizes",
     "pieces",
     "chunk_ranges",
+    "chunk_numel_at",
     "Coverage",
     "tensor_parallel_ranges",
 ]
@@ -70,6 +71,13 @@ def pieces(n: int, num_slices: int, start: int, stop: int) -> list[SlicePiece]:
         if a < b:
             out.append(SlicePiece(i, a - lo, a, b - a))
     return out
+
+
+def chunk_numel_at(total_numel: int, chunk_numel: int, offset: int) -> int:
+    """Elements of the chunk at ``offset`` of a slot of ``total_numel`` cut every
+    ``chunk_numel`` (0: one chunk): the last one's are fewer, none past the end. The server
+    checks a contribution's chunk by it and sizes a read's reply; a reader checks the reply."""
+    return min(chunk_numel or total_numel, max(0, total_numel - offset))
 
 
 def chunk_ranges(numel: int, chunk_numel: int) -> list[tuple[int, int]]:

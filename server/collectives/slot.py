@@ -8,7 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from paramshard.protos import codec
+from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.server.runtime import arrays, backend
 from paramshard.server.runtime.errors import ShardError
@@ -20,7 +20,6 @@ __all__ = [
     "Slot",
     "SlotMemory",
     "missed",
-    "chunk_numel_at",
     "array_charge",
     "slot_charge",
     "CHUNK_RECORD_BYTES",
@@ -97,12 +96,6 @@ def slot_charge(key: str) -> int:
 def array_charge(values: Any) -> int:
     """What an array a chunk holds is charged: its bytes and its header."""
     return int(values.nbytes) + ARRAY_RECORD_BYTES
-
-
-def chunk_numel_at(total_numel: int, chunk_numel: int, offset: int) -> int:
-    """Elements of the chunk at ``offset`` of a slot of ``total_numel`` cut every
-    ``chunk_numel`` (0: one chunk): the last one's are fewer, none past the end."""
-    return min(chunk_numel or total_numel, max(0, total_numel - offset))
 
 
 def missed(total_numel: int, chunk_numel: int, offset: int) -> str:
@@ -204,7 +197,7 @@ class Slot:
         m = self.meta
         if m is None:
             return None
-        numel = chunk_numel_at(m.total_numel, m.chunk_numel, offset)
+        numel = slicing.chunk_numel_at(m.total_numel, m.chunk_numel, offset)
         return numel * codec.numpy_dtype(self.dtype).itemsize
 
     def payload(self, chunk: Chunk) -> Any:

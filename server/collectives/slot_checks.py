@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paramshard.protos import codec
+from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
-from paramshard.server.collectives.slot import chunk_numel_at
 from paramshard.server.runtime.errors import ShardError
 from paramshard.server.runtime.request_bounds import check_key, check_shape
 
@@ -69,7 +68,7 @@ def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
         )
     if h.shape:  # a tensor's, for readers that do not know it; empty: not given
         check_shape(h.shape, h.total_numel, label)
-    largest = chunk_numel_at(h.total_numel, h.chunk_numel, 0)  # a slot's first, its largest
+    largest = slicing.chunk_numel_at(h.total_numel, h.chunk_numel, 0)  # a slot's first, its largest
     try:
         chunk_bytes = largest * codec.numpy_dtype(c.dtype).itemsize
     except ValueError:
@@ -79,7 +78,7 @@ def check_header(h: pb.SlotHeader, max_chunk_bytes: int) -> None:
             f"{label}: chunks of {chunk_bytes:,} bytes; this server takes at most"
             f" {max_chunk_bytes:,} in a message (--max-receive-mb)"
         )
-    want = chunk_numel_at(h.total_numel, h.chunk_numel, c.offset)
+    want = slicing.chunk_numel_at(h.total_numel, h.chunk_numel, c.offset)
     if c.numel != want:
         raise ShardError.invalid(
             f"{label}: the chunk at offset {c.offset:,} has {want:,} elements, not {c.numel:,}"
