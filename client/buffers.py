@@ -249,6 +249,11 @@ class FlatBuffers(RpcCore):
         for server, local, glob, n in self._chunked(total, start, start + out.size, out.itemsize):
 
             def store(reply: Any, a: int = glob - start, n: int = n) -> None:
+                if reply[0].version < min_version:  # the server waits until it is there
+                    raise codec.BadReply(
+                        f"values of version {reply[0].version} for a pull of version"
+                        f" {min_version} or later"
+                    )
                 if isinstance(reply[1], (bytes, memoryview)):
                     out[a : a + n] = codec.values_of(reply[1], out.dtype, n)
                 else:  # a device array from a server of this process (device_reply)

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.words import said
 
 __all__ = ["complete", "still_waiting", "STATUS_TIMEOUT_S"]
 
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 2.0
 """How long the question may take: the wait is over already, the error should not linger."""
 _MAX_ROWS = 200
+_NAMED = 16  # ranks a row's lists name (the rest counted)
 
 
 def _has_account(details: str) -> bool:
@@ -46,17 +48,22 @@ def _matches(method: str, request: Any, row: pb.PendingWork) -> bool:
 
 
 def _words(row: pb.PendingWork) -> str:
+    """A pending row in words; the server's, so bounded (``_NAMED`` ranks a list, names and
+    whereabouts cut: ``words.said``)."""
+
     def ranks(values: Any) -> str:
-        return ", ".join(map(str, values)) or "none"
+        more = f" and {len(values) - _NAMED:,} more" if len(values) > _NAMED else ""
+        return (", ".join(map(str, values[:_NAMED])) or "none") + more
 
     what = (
-        f"step {row.seq} of job '{row.run}'"
+        f"step {row.seq} of job '{said(row.run, 256)}'"
         if row.kind == "push_grad"
-        else (f"{row.kind} #{row.seq} of run '{row.run}' (slot '{row.key}')")
-    )
+        else (f"{said(row.kind, 64)} #{row.seq} of run '{said(row.run, 256)}'"
+              f" (slot '{said(row.key, 256)}')")
+    )  # fmt: skip
     return (
         f"{what}: missing rank(s) {ranks(row.missing)} (arrived: {ranks(row.arrived)}),"
-        f" open for {row.age_seconds:.1f} s{row.whereabouts}"
+        f" open for {row.age_seconds:.1f} s{said(row.whereabouts, 1024)}"
     )
 
 
@@ -72,7 +79,7 @@ def _server_says(core: Any, server: int, method: str, request: Any) -> tuple[lis
     except (grpc.RpcError, ValueError) as exc:  # ValueError: the channel was closed
         return [], f"{exc.code().name}" if isinstance(exc, grpc.RpcError) else str(exc)
     alike: dict[tuple, pb.PendingWork] = {}  # a step's buffers wait alike: said once
-    for row in reply.pending:
+    for row in reply.pending[:_MAX_ROWS]:  # the rows asked for, whatever came
         if _matches(method, request, row):
             slot = "" if row.kind == "push_grad" else row.key  # a push's: its buffer
             key = (row.kind, row.run, row.seq, slot, tuple(row.missing), tuple(row.arrived))

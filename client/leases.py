@@ -72,6 +72,7 @@ from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import FINAL, Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.words import said
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
 
@@ -237,16 +238,12 @@ class _Holding(Renewals):
         """The abort notice of a server's answer. One that names this rank lost, come before
         this client was made, is about this rank's previous process, which this one replaces
         (a restart): logged as that, at info, not as news of a loss."""
-        if reply.final:  # the run cannot go on: at every epoch (LeaseRequest.final)
-            notice = Notice(reply.aborted, FINAL, reply.lost_rank, final=True)
-        else:
-            notice = Notice(reply.aborted, reply.aborted_epoch, reply.lost_rank)
+        words = said(reply.aborted)  # the server's: printable and bounded (protos/words.py)
+        epoch = FINAL if reply.final else reply.aborted_epoch  # final: at every epoch
+        notice = Notice(words, epoch, reply.lost_rank, final=reply.final)
         inherited = not self.made and reply.lost_rank == self.rank
         if self.state.abort(notice, say=not inherited) and inherited:
-            log.info(
-                "%s: that was this rank's previous process; this one takes its place",
-                reply.aborted,
-            )
+            log.info("%s: that was this rank's previous process; this one takes its place", words)
 
     def close_holds(self) -> None:
         with self._lock:

@@ -27,7 +27,7 @@ import grpc
 
 from paramshard.client import slow_waits
 from paramshard.client.restarts import ELASTIC_ENV
-from paramshard.client.rpc import ShardClientError
+from paramshard.client.rpc import ShardClientError, unusable_reply
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 
@@ -202,6 +202,7 @@ class Membership:
         while True:
             reply = self._ask(f"step {step}", until=until, step=step)
             if reply.member:
+                self._check_members(reply, step)
                 self._adopt_epoch(reply.epoch)
                 self.known = tuple(reply.members)
                 return StepMembers(reply.step, reply.generation, tuple(reply.members), reply.epoch)
@@ -209,6 +210,25 @@ class Membership:
                 self._adopt_epoch(reply.epoch)  # its pulls at the servers' step go there
                 return Finished(reply.applied)
             step = reply.next_step  # too late for this one: the next (a joining rank)
+
+    def _check_members(self, reply: pb.JoinReply, step: int) -> None:
+        """A decided step's members can be: this rank among them, each rank of the world
+        once, in order, and the step the one asked or later. The coordinator's word decides
+        who trains on which rows and how many members every server waits for: a list of
+        [0, 0, 0] had rank 0 train 3 of 8 rows, one without this rank failed in ``part``."""
+        members, world = list(reply.members), self.client.world_size
+        if (
+            reply.step >= step
+            and members == sorted(set(members))
+            and members[-1:] < [world]
+            and self.client.rank in members
+        ):
+            return
+        raise unusable_reply(self.client, 0, "Join", (
+            f"step {reply.step} (this rank asked for {step} or later) with members"
+            f" {members[:16]}{' ...' if len(members) > 16 else ''} ({len(members):,}), in a"
+            f" world of {world} where this rank is {self.client.rank}"
+        ))  # fmt: skip
 
     def recovery(self, epoch: int) -> bool:
         """Takes part in the recovery round of ``epoch`` (protocol step 7): True when this

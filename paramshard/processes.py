@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from paramshard.launch_files import append_line
-from paramshard.terminal import printable
+from paramshard.protos.words import printable
 
 __all__ = ["Child", "exit_code", "parent_death_signal", "relay", "say", "spawn", "stop", "watch"]
 

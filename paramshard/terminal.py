@@ -11,18 +11,11 @@ output, relayed as it came) pass unchanged.
 
 from __future__ import annotations
 
-import re
 from typing import Any, TextIO
 
+from paramshard.protos.words import printable
+
 __all__ = ["Printable", "printable"]
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-"""C0 controls but tab and newline, DEL and C1 controls (ESC, BEL, CSI, OSC among them)."""
-
-
-def printable(text: str) -> str:
-    """``text`` with each control character written as its escape (``\\x1b``)."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 class Printable:

@@ -20,8 +20,8 @@ from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 
 __all__ = [
-    "SESSION_METHODS", "TENSOR_REPLIES", "take_ready", "encode_batch", "decode_batch",
-    "TooManyCalls",
+    "SESSION_METHODS", "TENSOR_REPLIES", "MAX_BATCH", "take_ready", "encode_batch",
+    "decode_batch", "TooManyCalls",
 ]  # fmt: skip
 
 SESSION_METHODS = (
@@ -33,6 +33,10 @@ TENSOR_REPLIES = ("PullParams", "ReadSlot", "ContributeRead")
 """The data-plane calls whose replies carry a tensor: both sides count its bytes before the
 call runs (client/rpc.py, a session's message size; server/call_peeks.py, a session's and
 the gate's reply bytes)."""
+
+MAX_BATCH = 1024
+"""Calls in one batch, either way: a client sends at most what it has in flight, and a server
+replies to no more than a session's calls in flight (server/transport/session_bounds.py)."""
 
 _CALL_TAG = bytes([1 << 3 | 2])  # SessionBatch.calls
 _BODY_TAG = bytes([3 << 3 | 2])  # SessionCall.body

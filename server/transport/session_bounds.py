@@ -27,6 +27,8 @@ thread, as it never waits; any other call runs on a pool of the server's.
 
 from __future__ import annotations
 
+from paramshard.protos.batches import MAX_BATCH
+
 __all__ = [
     "MAX_CALLS",
     "MAX_WAITING",
@@ -45,8 +47,6 @@ does not read its replies reaches it (one keeps ``max_in_flight`` calls per batc
 MAX_WAITING = 64
 """Of them, calls that may wait for other callers (slot reads, pulls of a future version): a
 contribution that would end their wait is never refused for them."""
-MAX_BATCH = 1024
-"""Calls in one batch: a client sends at most what it has in flight."""
 MAX_UNSENT = 2 * MAX_CALLS
 """Replies waiting to be sent (refusals included) past which the reader stops taking calls."""
 MAX_UNSENT_BYTES = 256 * 2**20

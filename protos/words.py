@@ -1,0 +1,34 @@
+"""Text another process sent (a server's error details, a lease notice, a pending row, a
+parameter's name): bounded and with its control characters shown as escapes before this
+process logs, raises or prints it.
+
+A server that lies, or a team that named its job so, could otherwise make a trainer's error 20
+MB long (gRPC bounds a unary call's status details, but not what a session's reply or a notice
+carries) or retitle, clear and recolour the terminal its words reach (OSC 52 writes a
+terminal's clipboard). The command line writes all its output through ``printable``
+(paramshard/terminal.py); the client library through ``said``.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["MAX_WORDS", "printable", "said"]
+
+MAX_WORDS = 16 * 2**10
+"""Characters of another's words kept (gRPC's own bound on a status's details is 16 KiB)."""
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+"""C0 controls but tab and newline, DEL and C1 controls (ESC, BEL, CSI, OSC among them)."""
+
+
+def printable(text: str) -> str:
+    """``text`` with each control character written as its escape (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def said(text: str, most: int = MAX_WORDS) -> str:
+    """Another's words as this process repeats them: at most ``most`` characters (the rest
+    counted), printable."""
+    if len(text) > most:
+        text = f"{text[:most]}... ({len(text) - most:,} more characters)"
+    return printable(text)
