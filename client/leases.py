@@ -72,6 +72,7 @@ from paramshard.client.restarts import ends_for_good, max_restarts
 from paramshard.client.run_state import FINAL, Notice, RunState
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.run_ids import MAX_EPOCH
 from paramshard.protos.words import said
 
 __all__ = ["LEASE_TTL_ENV", "REJOIN_ENV", "hold", "release"]
@@ -231,7 +232,7 @@ class _Holding(Renewals):
         rank in place of an earlier one (``RunState.took_over``)."""
         if reply.took_over:
             self.state.took_over = True
-        if reply.aborted:
+        if reply.aborted and (reply.final or reply.aborted_epoch <= MAX_EPOCH):  # else a lie
             self.take_notice(reply)
 
     def take_notice(self, reply: pb.LeaseReply) -> None:

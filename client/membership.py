@@ -30,6 +30,7 @@ from paramshard.client.restarts import ELASTIC_ENV
 from paramshard.client.rpc import ShardClientError, unusable_reply
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
+from paramshard.protos.run_ids import MAX_EPOCH
 
 __all__ = [
     "ELASTIC_ENV",
@@ -280,6 +281,8 @@ class Membership:
             self._adopt_epoch(notice.epoch + 1)
 
     def _adopt_epoch(self, epoch: int) -> None:
+        if epoch > MAX_EPOCH:  # no run reaches it; its next would not fit a lease request
+            raise unusable_reply(self.client, 0, "Join", f"epoch {epoch:,} (at most {MAX_EPOCH:,})")
         if epoch > self.client.run_state.epoch:
             self.client.restart_collectives(epoch)
 

@@ -8,7 +8,7 @@ import logging
 
 import grpc
 
-from paramshard.client.rpc import Call, ShardClientError
+from paramshard.client.rpc import Call, ShardClientError, unusable_reply
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.unreachable import lacks_role
 from paramshard.protos import shard_pb2 as pb
@@ -87,17 +87,27 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
         if version in own[i]:
             client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
             continue
-        holder, offset, total = replica_holder(i, n), 0, None
-        while total is None or offset < total:
+        holder, offset = replica_holder(i, n), 0
+        size = max(
+            r.bytes for r in lists[holder].replicas
+            if not r.own and r.source_index == i and r.version == version
+        )  # fmt: skip
+        if not size:  # a replica is never empty: nothing would be loaded
+            raise unusable_reply(client, holder, "ListReplicas", f"server {i}'s replica of 0 bytes")
+        while offset < size:
             chunk = client.call(
                 holder,
                 "FetchReplica",
                 pb.FetchReplicaRequest(job=job, source_index=i, version=version, offset=offset),
             )
+            got = len(chunk.data)
+            if chunk.offset != offset or chunk.total != size or not 0 < got <= size - offset:
+                raise unusable_reply(client, holder, "FetchReplica", (
+                    f"{got:,} bytes at offset {chunk.offset:,} of {chunk.total:,} for a fetch at"
+                    f" {offset:,} of server {i}'s replica, listed at {size:,} bytes"
+                ))  # fmt: skip
             client.call(i, "LoadReplica", chunk)
-            total, offset = chunk.total, offset + len(chunk.data)
-            if not chunk.data:
-                break
+            offset += got
     return version
 
 

@@ -63,10 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
     args.argv = argv  # serve re-executes itself with exactly these arguments
     out, err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = (
-        Printable(out),
-        Printable(err),
-    )  # a server's text: paramshard/terminal.py
+    wrap = not isinstance(out, Printable)  # a main running in another thread wrapped them
+    if wrap:  # a server's text: paramshard/terminal.py
+        sys.stdout, sys.stderr = Printable(out), Printable(err)
     try:
         return args.run(args)
     except CommandError as exc:
@@ -75,7 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        sys.stdout, sys.stderr = out, err
+        if wrap:
+            sys.stdout, sys.stderr = out, err
 
 
 def _parsed(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_RUN_CHARS", "run_id_problem"]
+__all__ = ["MAX_EPOCH", "MAX_RUN_CHARS", "run_id_problem"]
 
 MAX_RUN_CHARS = 256
+MAX_EPOCH = 2**24
+"""The highest collective epoch a Lease or Join may name, or a server's notice or Join reply
+carry: a run moves on one a recovery, so this is millions of recoveries, far from the 32 bits
+a client's next epoch must fit (one past 2**32 - 1 failed every lease request after it)."""
 _EPOCH_TAIL = re.compile(r"\.e\d+$")
 
 

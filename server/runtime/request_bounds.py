@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from paramshard.protos.placement import MAX_SERVERS
+from paramshard.protos.run_ids import MAX_EPOCH
 from paramshard.protos.slicing import MAX_DIMS, is_shape_of
 from paramshard.server.runtime.errors import ShardError
 
@@ -49,9 +50,6 @@ MAX_ALIASES = 64
 MAX_VERSION = 2**53
 """The highest version or optimizer step count a client may set (SetParams): exact in a double,
 as metrics and JSON carry it, and steps of one apart from it never reach uint64's end."""
-MAX_EPOCH = 2**24
-"""The highest collective epoch a Lease or Join may name: a run moves on one a recovery, so
-this is millions of recoveries, far from the 32 bits a client's next epoch must fit."""
 
 
 def check_name(
