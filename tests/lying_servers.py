@@ -116,7 +116,8 @@ def pull_reply(request: pb.PullParamsRequest, data: bytes, version: int = 1) -> 
 
 class AbstractListener:
     """An abstract Unix socket ``@name`` of this process that records what connects to it and
-    what it is sent (a local service a lying server might point a client at)."""
+    what it is sent (a local service a lying server might point a client at); ``answer(conn)``
+    answers a connection (default: records its bytes and says no)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -129,6 +130,10 @@ class AbstractListener:
         self._thread = threading.Thread(target=self._serve, name="abstract-listener", daemon=True)
         self._thread.start()
 
+    def answer(self, conn: socket.socket) -> None:
+        self.received.append(conn.recv(4096))
+        conn.sendall(b"no")
+
     def _serve(self) -> None:
         while not self._stop.is_set():
             try:
@@ -138,8 +143,7 @@ class AbstractListener:
             with conn:
                 conn.settimeout(1.0)
                 try:
-                    self.received.append(conn.recv(4096))
-                    conn.sendall(b"no")
+                    self.answer(conn)
                 except OSError:
                     self.received.append(b"")
 
@@ -149,51 +153,39 @@ class AbstractListener:
         self._sock.close()
 
 
-class MemfdHandover:
+class MemfdHandover(AbstractListener):
     """A lying server's own segment handover: an abstract socket named as the servers name
-    theirs, handing every ticket one memfd of ``nbytes`` bytes, sealed at that size, with
-    ``PROOF_BYTES`` zero bytes at its start (what ``offer`` claims, ``ConfirmSegment`` takes)."""
+    theirs, handing every ticket (of the servers' size) one memfd, sealed at its size, with
+    ``PROOF_BYTES`` zero bytes at its start (what ``offer`` claims, ``ConfirmSegment`` takes):
+    of ``nbytes``, or of the size the first offer was asked for."""
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int | None = None) -> None:
         from paramshard.protos import shm
 
-        self.nbytes = nbytes
-        self.fd = os.memfd_create("lying-segment", shm.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, nbytes)
-        shm.seal(self.fd)
-        self.name = f"paramshard-shm-{os.getpid()}-{os.urandom(8).hex()}"
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind("\0" + self.name)
-        self._sock.listen(4)
-        self._sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="lying-handover", daemon=True)
-        self._thread.start()
+        self.nbytes, self.fd = nbytes, -1
+        self.ticket = b"t" * shm.TICKET_BYTES
+        super().__init__(shm.handover_name())
 
     def offer(self, request: Any, context: grpc.ServicerContext) -> pb.OfferSegmentReply:
+        from paramshard.protos import shm
+
+        if self.fd < 0:
+            self.nbytes = self.nbytes or request.nbytes
+            self.fd = os.memfd_create("lying-segment", shm.MFD_ALLOW_SEALING)
+            os.ftruncate(self.fd, self.nbytes)
+            shm.seal(self.fd)
         return pb.OfferSegmentReply(
-            segment=1, socket="@" + self.name, ticket=b"t" * 16, nbytes=self.nbytes
+            segment=1, socket="@" + self.name, ticket=self.ticket, nbytes=self.nbytes
         )
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.settimeout(1.0)
-                try:
-                    conn.recv(64)
-                    socket.send_fds(conn, [b"ok"], [self.fd])
-                except OSError:
-                    pass
+    def answer(self, conn: socket.socket) -> None:
+        self.received.append(conn.recv(64))
+        socket.send_fds(conn, [b"ok"], [self.fd])
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self._sock.close()
-        os.close(self.fd)
+        super().close()
+        if self.fd >= 0:
+            os.close(self.fd)
 
 
 _LIMITED = (

@@ -96,7 +96,7 @@ def test_reply_outside_its_segment_is_an_error_naming_the_server(monkeypatch) ->
     DATA_LOSS error naming the server now."""
     monkeypatch.delenv("PARAMSHARD_SHM", raising=False)
     n = 32768
-    handover = MemfdHandover(1 << 20)
+    handover = MemfdHandover()  # of the size the client asks: its segment is used
 
     def pull(request: Any, context: grpc.ServicerContext) -> pb.PullParamsReply:
         far = pb.ShmRef(segment=1, offset=2**40, nbytes=4 * n)
@@ -113,12 +113,13 @@ def test_reply_outside_its_segment_is_an_error_naming_the_server(monkeypatch) ->
         ) as server:
             client = _client(server.address)
             try:
-                with pytest.raises(RuntimeError, match=server.address):
+                with pytest.raises(RuntimeError, match=server.address) as caught:
                     tools.get_param(client, "j", "w")
             finally:
                 client.close()
     finally:
         handover.close()
+    assert "outside the caller's segment" in str(caught.value), caught.value
 
 
 def test_segment_of_another_size_than_asked_is_not_used(monkeypatch) -> None:
@@ -144,6 +145,7 @@ def test_segment_of_another_size_than_asked_is_not_used(monkeypatch) -> None:
                 client.close()
     finally:
         handover.close()
+    assert handover.received, "the client never took the segment: the size went unchecked"
 
 
 # -- values: a reply must hold what was asked ------------------------------------------------
