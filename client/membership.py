@@ -227,7 +227,7 @@ class Membership:
             return
         raise unusable_reply(self.client, 0, "Join", (
             f"step {reply.step} (this rank asked for {step} or later) with members"
-            f" {members[:16]}{' ...' if len(members) > 16 else ''} ({len(members):,}), in a"
+            f" {_listed(members, len(members))} ({len(members):,}), in a"
             f" world of {world} where this rank is {self.client.rank}"
         ))  # fmt: skip
 

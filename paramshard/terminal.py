@@ -15,7 +15,7 @@ from typing import Any, TextIO
 
 from paramshard.protos.words import printable
 
-__all__ = ["Printable", "printable"]
+__all__ = ["Printable"]
 
 
 class Printable:

@@ -68,10 +68,17 @@ def lying_server(**handlers: Handler) -> Iterator[LyingServer]:
     )
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     shard_pb2_grpc.add_ShardServicer_to_server(servicer_cls(), server)
+    with serving(server) as address:
+        yield LyingServer(address, seen)
+
+
+@contextmanager
+def serving(server: grpc.Server) -> Iterator[str]:
+    """``server`` started on a free port of 127.0.0.1: its address; stopped after."""
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        yield LyingServer(f"127.0.0.1:{port}", seen)
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(grace=None).wait(5)
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from lying_servers import serving
 
 __all__ = ["Proxy", "lying_proxy", "SERVICE"]
 
@@ -82,10 +83,8 @@ def lying_proxy(target: str, **overrides: Callable) -> Iterator[Proxy]:
         handlers=[_Handler(channel, overrides, seen)],
         options=[("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)],
     )
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
     try:
-        yield Proxy(f"127.0.0.1:{port}", seen)
+        with serving(server) as address:
+            yield Proxy(address, seen)
     finally:
-        server.stop(grace=None).wait(5)
         channel.close()
