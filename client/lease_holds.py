@@ -23,6 +23,7 @@ import grpc
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.service import method_path
+from paramshard.protos.words import details_of
 
 __all__ = ["CONFLICT", "HoldStream", "LeaseConflict", "REFUSALS", "holder_id", "next_client"]
 
@@ -110,7 +111,7 @@ class HoldStream:
                 on_reply(reply)
                 self.answered.set()
         except grpc.RpcError as exc:
-            ended = (exc.code(), exc.details() or "")
+            ended = (exc.code(), details_of(exc))
             closing.unlink(exc)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the stream is over
             ended = (grpc.StatusCode.UNKNOWN, f"{type(exc).__name__}: {exc}")

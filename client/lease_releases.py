@@ -27,6 +27,7 @@ from paramshard.client.lease_holds import CONFLICT
 from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.service import method_path
+from paramshard.protos.words import details_of
 
 __all__ = ["AGAIN_S", "FORGET_S", "HELD_PACE_S", "KEPT", "await_release", "post", "send_again"]
 
@@ -172,6 +173,6 @@ def post(spec: Any, request: pb.LeaseRequest, bound_s: float) -> list[str]:
                 if held and time.monotonic() + HELD_PACE_S < deadline:
                     time.sleep(HELD_PACE_S)  # its stream's end is on its way
                     continue
-                failed.append(f"{address}: {exc.code().name}: {exc.details()}")
+                failed.append(f"{address}: {exc.code().name}: {details_of(exc)}")
                 break
     return failed

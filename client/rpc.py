@@ -40,6 +40,7 @@ from paramshard.protos.batches import SESSION_METHODS, TENSOR_REPLIES
 from paramshard.protos.ended_ranks import says_ended
 from paramshard.protos.service import method_path
 from paramshard.protos.shm import SharedMemory, is_stale
+from paramshard.protos.words import details_of
 
 __all__ = [
     "ShardClientError", "Call", "RpcCore", "MAX_IN_FLIGHT", "DEFAULT_TIMEOUT_S", "unusable_reply"
@@ -254,7 +255,7 @@ class RpcCore:
 
     def _error(self, call: Call, exc: grpc.RpcError) -> ShardClientError:
         address = self.spec.addresses[call.server]
-        code, details = exc.code(), exc.details() or ""
+        code, details = exc.code(), details_of(exc)
         return ShardClientError(
             call.server, address, call.method, code, unreachable.explain(address, code, details)
         )

@@ -14,6 +14,7 @@ import grpc
 
 from paramshard.client.lease_holds import CONFLICT
 from paramshard.client.run_state import RunState
+from paramshard.protos.words import details_of
 
 __all__ = ["STREAM_GRACE_S", "ServerLoss"]
 
@@ -50,7 +51,7 @@ class ServerLoss:
         code = exc.code()
         if code == CONFLICT:
             if now >= self.takeover_until:
-                self.refuse(server, exc.details() or "")
+                self.refuse(server, details_of(exc))
             return
         if code not in _FAILING:
             # an older server, a token without the train role: no lease there (the calls will
@@ -59,7 +60,7 @@ class ServerLoss:
             if server not in self.full:
                 later = " for now (asked again at each renewal)" if full else ""
                 log.warning(
-                    "no lease on server %d%s: %s: %s", server, later, code.name, exc.details()
+                    "no lease on server %d%s: %s: %s", server, later, code.name, details_of(exc)
                 )
             (self.full if full else self.silenced).add(server)
             return

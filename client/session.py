@@ -37,7 +37,7 @@ from paramshard.protos import closing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.batches import MAX_BATCH, decode_batch, encode_batch, take_ready
 from paramshard.protos.service import method_path
-from paramshard.protos.words import said
+from paramshard.protos.words import details_of, said
 
 __all__ = ["Sessions", "MAX_BODY", "enabled"]
 
@@ -196,7 +196,7 @@ class _Session:
                     if fut is not None:
                         fut.resolve(reply, body)
         except grpc.RpcError as exc:
-            why = f"{exc.code().name}: {exc.details()}"
+            why = f"{exc.code().name}: {details_of(exc)}"
             self.code = exc.code()
             closing.unlink(exc)
         except Exception as exc:  # noqa: BLE001 - whatever it was, the session is over

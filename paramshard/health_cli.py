@@ -30,6 +30,7 @@ def health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from paramshard.client import unreachable
+    from paramshard.protos.words import details_of
 
     if "," in args.address:
         raise CommandError(f"one address, not a list: {args.address!r}")
@@ -45,7 +46,7 @@ def health(args: argparse.Namespace) -> int:
             metadata=spec.metadata(),
         )
     except grpc.RpcError as exc:
-        words = unreachable.explain(address, exc.code(), exc.details() or "")
+        words = unreachable.explain(address, exc.code(), details_of(exc))
         raise CommandError(f"{address}: {exc.code().name}: {words}") from None
     finally:
         spec.close()

@@ -157,6 +157,7 @@ def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> No
     from paramshard.client import unreachable
     from paramshard.protos import shard_pb2 as pb
     from paramshard.protos.service import method_path
+    from paramshard.protos.words import details_of
 
     address = spec.addresses[index]
     began = time.monotonic()
@@ -175,7 +176,7 @@ def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> No
                 health_pb2.HealthCheckRequest(), timeout=min(left, 5.0), metadata=spec.metadata()
             )
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
+            code, details = exc.code(), details_of(exc)
             last = f"{code.name}: {details}"
             why = unreachable.cause(code, details)
             now = time.monotonic()
@@ -202,7 +203,7 @@ def _wait_one(spec: Any, index: int, timeout: float, unreachable_s: float) -> No
     try:
         status(pb.StatusRequest(), timeout=5.0, metadata=spec.metadata())
     except grpc.RpcError as exc:
-        code, details = exc.code(), exc.details() or ""
+        code, details = exc.code(), details_of(exc)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             raise CommandError(
                 f"server {address} refuses the ranks' token: {code.name}:"

@@ -41,6 +41,7 @@ import grpc
 
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.words import details_of
 
 __all__ = [
     "SharedMemory",
@@ -282,7 +283,7 @@ class SharedMemory:
                 with self._lock:
                     self._cap[server] = self._count.get(server, 1) - 1
             elif exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._turn_off(server, f"{exc.code().name}: {exc.details()}")
+                self._turn_off(server, f"{exc.code().name}: {details_of(exc)}")
             return None  # a server down now may share memory once it is back
         try:
             fd = _receive_fd(offer.socket, offer.ticket)
@@ -310,7 +311,7 @@ class SharedMemory:
         except grpc.RpcError as exc:
             _unmap(seg)
             if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._turn_off(server, f"{exc.code().name}: {exc.details()}")
+                self._turn_off(server, f"{exc.code().name}: {details_of(exc)}")
             return None
         self.opened += 1
         return seg

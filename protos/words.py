@@ -6,14 +6,17 @@ A server that lies, or a team that named its job so, could otherwise make a trai
 MB long (gRPC bounds a unary call's status details, but not what a session's reply or a notice
 carries) or retitle, clear and recolour the terminal its words reach (OSC 52 writes a
 terminal's clipboard). The command line writes all its output through ``printable``
-(paramshard/terminal.py); the client library through ``said``.
+(paramshard/terminal.py); the client library through ``said``, and a failed call's status
+details through ``details_of``.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["MAX_WORDS", "printable", "said"]
+import grpc
+
+__all__ = ["MAX_WORDS", "details_of", "printable", "said"]
 
 MAX_WORDS = 16 * 2**10
 """Characters of another's words kept (gRPC's own bound on a status's details is 16 KiB)."""
@@ -32,3 +35,10 @@ def said(text: str, most: int = MAX_WORDS) -> str:
     if len(text) > most:
         text = f"{text[:most]}... ({len(text) - most:,} more characters)"
     return printable(text)
+
+
+def details_of(exc: grpc.RpcError) -> str:
+    """A failed call's status details, printable. gRPC bounds their length itself: details
+    past its metadata limit (8 KiB by default) reach the caller as RESOURCE_EXHAUSTED "Stream
+    removed" instead."""
+    return printable(exc.details() or "")

@@ -28,7 +28,7 @@ from lying_servers import (
     run_cli,
 )
 
-from paramshard.client import ClusterSpec, ShardClient, tools
+from paramshard.client import ClusterSpec, ShardClient, ShardClientError, tools
 from paramshard.client.chunk_size import MAX_REPLY_BYTES
 from paramshard.client.export import VersionChangedError
 from paramshard.protos import shard_pb2 as pb
@@ -343,6 +343,29 @@ def test_server_strings_reach_the_terminal_without_control_characters(kind: str)
     printed = result.stdout + result.stderr
     assert "Traceback" not in printed, printed[-2000:]
     assert "\x1b" not in printed and "\x07" not in printed, repr(printed[-500:])
+
+
+def test_a_calls_error_details_reach_the_caller_without_control_characters() -> None:
+    """The command line escaped a server's error details, the library did not: a refusal
+    carrying ESC and BEL sequences reached a trainer's traceback, its log and
+    ``client.status()``'s rows as it came (gRPC bounds the details' length, not their
+    characters). Every failed call's details pass through ``protos.words.details_of`` now."""
+
+    def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused" + ESCAPES)
+
+    with lying_server(Status=refuse, ListSnapshots=refuse) as server:
+        client = _client(server.address)
+        try:
+            (row,) = client.status()
+            with pytest.raises(ShardClientError) as raised:
+                tools.list_snapshots(client)
+        finally:
+            client.close()
+    for words in (row["error"], str(raised.value), raised.value.details):
+        assert "refused" in words, words
+        assert "\x1b" not in words and "\x07" not in words, repr(words)
+    assert "\\x1b]0;owned\\x07" in raised.value.details, raised.value.details
 
 
 # -- waits ------------------------------------------------------------------------------------
