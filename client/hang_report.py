@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
-from paramshard.protos.words import said
+from paramshard.protos.words import listed, said
 
 __all__ = ["complete", "still_waiting", "STATUS_TIMEOUT_S"]
 
@@ -25,7 +25,6 @@ log = logging.getLogger(__name__)
 STATUS_TIMEOUT_S = 2.0
 """How long the question may take: the wait is over already, the error should not linger."""
 _MAX_ROWS = 200
-_NAMED = 16  # ranks a row's lists name (the rest counted)
 
 
 def _has_account(details: str) -> bool:
@@ -48,12 +47,8 @@ def _matches(method: str, request: Any, row: pb.PendingWork) -> bool:
 
 
 def _words(row: pb.PendingWork) -> str:
-    """A pending row in words; the server's, so bounded (``_NAMED`` ranks a list, names and
-    whereabouts cut: ``words.said``)."""
-
-    def ranks(values: Any) -> str:
-        more = f" and {len(values) - _NAMED:,} more" if len(values) > _NAMED else ""
-        return (", ".join(map(str, values[:_NAMED])) or "none") + more
+    """A pending row in words; the server's, so bounded (``words.MAX_LISTED`` ranks a list,
+    names and whereabouts cut: ``words.said``)."""
 
     what = (
         f"step {row.seq} of job '{said(row.run, 256)}'"
@@ -62,7 +57,7 @@ def _words(row: pb.PendingWork) -> str:
               f" (slot '{said(row.key, 256)}')")
     )  # fmt: skip
     return (
-        f"{what}: missing rank(s) {ranks(row.missing)} (arrived: {ranks(row.arrived)}),"
+        f"{what}: missing rank(s) {listed(row.missing)} (arrived: {listed(row.arrived)}),"
         f" open for {row.age_seconds:.1f} s{said(row.whereabouts, 1024)}"
     )
 

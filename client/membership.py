@@ -31,6 +31,7 @@ from paramshard.client.rpc import ShardClientError, unusable_reply
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos import slicing
 from paramshard.protos.run_ids import MAX_EPOCH
+from paramshard.protos.words import listed
 
 __all__ = [
     "ELASTIC_ENV",
@@ -335,9 +336,7 @@ if hasattr(os, "register_at_fork"):  # as protos/closing.py's registry
 
 def _listed(ranks: Any, count: int) -> str:
     """The lowest ranks a reply lists, of ``count``."""
-    ranks = list(ranks)[:16]
-    more = ", ..." if count > len(ranks) else ""
-    return "ranks " + ", ".join(map(str, ranks)) + more if ranks else "none"
+    return f"ranks {listed(ranks, count)}" if count else "none"
 
 
 def _finished(reply: pb.JoinReply, until: int | None) -> bool:

@@ -16,7 +16,6 @@ export (``client.tools``) and offline export of snapshot folders (``paramshard e
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 from paramshard.protos import manifest, slicing
 from paramshard.protos.manifest import ParamEntry, taken_order
 from paramshard.protos.placement import parse_part_job, part_job
+from paramshard.protos.words import listed
 
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11; annotations only (3.10 is supported)
@@ -81,20 +81,14 @@ def check_complete(
     ranks = max(t for _, t in want) + 1
     if len(have) < stages * ranks:  # the numbers are names' (a server's word): none listed
         grid = ((s, t) for s in range(stages) for t in range(ranks))
-        missing = list(itertools.islice((p for p in grid if p not in have), _NAMED))
-        more = stages * ranks - len(have) - len(missing)
+        # lazily: a name such as ``m.pp0.tp400000000`` makes a grid of 400 million
+        missing = (part_job(base, s, t) for s, t in grid if (s, t) not in have)
         raise PartsError(
             f"{what} is incomplete: {len(have)} of {stages * ranks:,} parts"
             f" ({stages:,} stage(s) x {ranks:,} tensor rank(s)); missing "
-            + ", ".join(part_job(base, s, t) for s, t in missing)
-            + (f" and {more:,} more" if more else "")
+            + listed(missing, stages * ranks - len(have))
         )
     return stages, ranks
-
-
-_NAMED = 16
-"""Missing parts an error names (it counts the rest): a grid's size comes from the highest
-numbers in the parts' names, so a name such as ``m.pp0.tp400000000`` makes one of 400 million."""
 
 
 def part_snapshots(base: str, rows: Iterable[Mapping]) -> dict[str, dict[tuple[int, int], Mapping]]:

@@ -12,14 +12,19 @@ details through ``details_of``.
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
-__all__ = ["MAX_WORDS", "details_of", "printable", "said"]
+__all__ = ["MAX_LISTED", "MAX_WORDS", "details_of", "listed", "printable", "said"]
 
 MAX_WORDS = 16 * 2**10
 """Characters of another's words kept (gRPC's own bound on a status's details is 16 KiB)."""
+MAX_LISTED = 16
+"""Items of a list another sent (ranks, parts) that are named; the rest are counted."""
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 """C0 controls but tab and newline, DEL and C1 controls (ESC, BEL, CSI, OSC among them)."""
 
@@ -42,3 +47,12 @@ def details_of(exc: grpc.RpcError) -> str:
     past its metadata limit (8 KiB by default) reach the caller as RESOURCE_EXHAUSTED "Stream
     removed" instead."""
     return printable(exc.details() or "")
+
+
+def listed(items: Iterable[Any], count: int | None = None, most: int = MAX_LISTED) -> str:
+    """The first ``most`` of ``items`` ("1, 2, 3"), the rest of ``count`` counted ("1, 2, 3
+    and 5 more"), or "none". Without ``count``, ``items`` is a sized collection; with it, any
+    iterable, of which no more than ``most`` are taken."""
+    named = list(itertools.islice(items, most))
+    more = (len(items) if count is None else count) - len(named)
+    return (", ".join(map(str, named)) or "none") + (f" and {more:,} more" if more > 0 else "")
