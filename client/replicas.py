@@ -66,14 +66,7 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
     n = client.num_servers
     lists = client.run(Call(i, "ListReplicas", pb.ListReplicasRequest(job=job)) for i in range(n))
     own = [{r.version for r in lists[i].replicas if r.own} for i in range(n)]
-    held = [
-        {
-            r.version
-            for r in lists[replica_holder(i, n)].replicas
-            if not r.own and r.source_index == i
-        }
-        for i in range(n)
-    ]
+    held = [{r.version for r in _held_for(lists, i)} for i in range(n)]
     reachable = set.intersection(*(own[i] | held[i] for i in range(n)))
     if not reachable:
         failed = "".join(
@@ -88,10 +81,7 @@ def recover_from_replicas(client: ShardClient, job: str) -> int:
             client.call(i, "RollbackToReplica", pb.RollbackRequest(job=job, version=version))
             continue
         holder, offset = replica_holder(i, n), 0
-        size = max(
-            r.bytes for r in lists[holder].replicas
-            if not r.own and r.source_index == i and r.version == version
-        )  # fmt: skip
+        size = max(r.bytes for r in _held_for(lists, i) if r.version == version)
         if not size:  # a replica is never empty: nothing would be loaded
             raise unusable_reply(client, holder, "ListReplicas", f"server {i}'s replica of 0 bytes")
         while offset < size:
@@ -145,3 +135,13 @@ def say_failures(client: ShardClient, job: str) -> list[str]:
             "; ".join(failed),
         )
     return failed
+
+
+def _held_for(lists: list[pb.ListReplicasReply], i: int) -> list[pb.ReplicaInfo]:
+    """The replicas of server ``i``'s slice its holder lists (``lists``: every server's
+    ListReplicas reply)."""
+    return [
+        r
+        for r in lists[replica_holder(i, len(lists))].replicas
+        if not r.own and r.source_index == i
+    ]
