@@ -189,6 +189,48 @@ def test_a_forward_out_of_registration_order_is_named(servers, run_ranks, one_to
         run_ranks(rank, 2, addresses, wait_s=20)
 
 
+class LongSkip(nn.Module):
+    """Adds its embedding back at the end: a value that skips over the second stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = h = self.inp(x)
+        for b in self.blocks:
+            h = torch.relu(b(h))
+        return self.out(h + e)
+
+
+@pytest.mark.parametrize(
+    ("make", "split", "source"),
+    [(LongSkip, "blocks.2", "inp"), (MyTransformer, "layers.1.fc", "layers.1.proj")],
+    ids=["skip-over-a-stage", "split-inside-a-block"],
+)
+def test_a_value_that_crosses_a_split_point_outside_its_arguments_is_named(
+    servers, run_ranks, one_torch_thread, make, split, source
+):
+    """A stage receives the arguments of its first module only. A value made before it and
+    used after it (the embedding a skip adds back at the end; the residual around a split
+    point inside a block) was the stand-in's zeros on the later stage, silently: the loss was
+    4.29 where the model's is 4.37. It is an error naming the module that made it now."""
+    addresses = [s.address for s in servers(1)]
+    x = torch.randint(0, VOCAB, (2, 6)) if make is MyTransformer else torch.randn(2, 8)
+
+    def rank(client):
+        model = PipelineParallelModel(
+            make(), ShardingConfiguration(client), 1, split_points=[split]
+        )
+        out = model(x)
+        return None if out is None else out.shape
+
+    with pytest.raises(RuntimeError, match=f"the output of '{source}', a module of an earlier"):
+        run_ranks(rank, 2, addresses, wait_s=20)
+
+
 def test_several_tensors_travel_as_one_message():
     ts = [torch.randn(2, 3, dtype=torch.float64), torch.randn(4).bfloat16(), torch.randn(())]
     got = unpack(pack(ts))

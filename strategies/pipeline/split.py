@@ -222,7 +222,8 @@ class Stub(nn.Module):
             )
             self._templates[key] = template
         return pytree.tree_map(
-            lambda x: x.zeros(r.device) if isinstance(x, _Template) else x, template
+            lambda x: r.stand_in(x.zeros(r.device), self.unit) if isinstance(x, _Template) else x,
+            template,
         )
 
     def extra_repr(self) -> str:
@@ -244,6 +245,14 @@ class StageRunner:
         self.module: nn.Module | None = None
         self.active = self.entered = False
         self._received: list[torch.Tensor] = []
+        self._stand_ins: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (zeros, its unit)
+
+    def stand_in(self, zeros: torch.Tensor, unit: str) -> torch.Tensor:
+        """``zeros`` a stand-in of earlier stage's ``unit`` returns in this run: a value this
+        stage must not compute with past its first module (``_check_reach``)."""
+        if zeros.requires_grad:
+            self._stand_ins[id(zeros)] = (zeros, unit)
+        return zeros
 
     def attach(self, skeleton: nn.Module, entry_module: nn.Module | None) -> None:
         self.module = skeleton
@@ -294,9 +303,11 @@ class StageRunner:
                     f"pipeline stage {self.index}: no tensor that needs a gradient reaches"
                     f" '{cut.unit}' (where stage {self.index + 1} begins)"
                 ) from None
+            self._check_reach([leaves[i] for i in slots])
             return [leaves[i] for i in slots], None
         finally:
             self.active, self._received = False, []
+            stand_ins, self._stand_ins = self._stand_ins, {}
         if not self.entered:
             raise RuntimeError(
                 f"pipeline stage {self.index}: the forward never called '{self.entry}'"
@@ -306,4 +317,39 @@ class StageRunner:
                 f"pipeline stage {self.index}: the forward returned before reaching the next"
                 " stage's first module"
             )
+        self._check_reach(pytree.tree_leaves(out), stand_ins)
         return None, out
+
+    def _check_reach(
+        self, results: list[Any], stand_ins: dict[int, tuple[torch.Tensor, str]] | None = None
+    ) -> None:
+        """Raises when ``results`` (what this stage sends on, or the model's output) were
+        computed from a stand-in's zeros: a value an earlier stage makes (a residual around the
+        split point, a skip over whole stages) that reaches past this stage's first module
+        other than as its argument, which is all a stage receives. Found through the autograd
+        graph, so only for values that need a gradient."""
+        stand_ins = self._stand_ins if stand_ins is None else stand_ins
+        if not stand_ins:
+            return
+        seen: set[Any] = set()
+        todo = [t.grad_fn for t in results if isinstance(t, torch.Tensor) and t.grad_fn]
+        found = [stand_ins[id(t)][1] for t in results if id(t) in stand_ins]
+        while todo and not found:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
+            if leaf is not None and id(leaf) in stand_ins:
+                found.append(stand_ins[id(leaf)][1])
+            todo.extend(n for n, _ in node.next_functions)
+        if found:
+            raise RuntimeError(
+                f"pipeline stage {self.index} computes with the output of '{found[0]}', a"
+                f" module of an earlier stage, past its own first module '{self.entry}': a"
+                " stage receives only the arguments of its first module, so that value (a"
+                " residual around the split point, a skip over whole stages) would be zeros"
+                " here. Choose split points where every value that crosses them is an"
+                " argument of the next stage's first module (a whole block, e.g. 'blocks.2',"
+                " not a module inside one)"
+            )
