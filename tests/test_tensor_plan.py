@@ -255,7 +255,23 @@ def test_only_leaves_the_other_modules_alone():
     assert isinstance(model.blocks[1].fc, ColumnParallelLinear)
     assert isinstance(model.blocks[0].fc, nn.Linear)
     parallelize_module(model, group, {"nothing.*.here": "colwise", "blocks.0.q": "replicate"})
-    assert isinstance(model.blocks[0].q, nn.Linear)  # a pattern matching nothing is fine
+    assert isinstance(model.blocks[0].q, nn.Linear)  # a pattern matching nothing is no error
+
+
+def test_plan_entries_that_name_no_module_are_said(caplog):
+    """A plan with a typo ("block.*.q" for "blocks.*.q") trained at tp = 2 splitting nothing
+    (a walkthrough's model: 19,648 parameters a rank where the plan meant 11,296), silently;
+    torch's parallelize_module warns. Entries naming no module are warned about now, with the name
+    they may have meant; a plan of which no entry names one is an error."""
+    group = SimpleNamespace(rank=0, world_size=2)
+    typo = {k.replace("blocks", "block"): v for k, v in my_plan("ours").items()}
+    with pytest.raises(ValueError, match=r"'block\.\*\.q' \(did you mean 'blocks\.\*\.q'\?\)"):
+        parallelize_module(MyTransformer(), group, typo)
+    model = MyTransformer()
+    with caplog.at_level("WARNING", logger="paramshard.strategies.tensor.plans"):
+        parallelize_module(model, group, {**my_plan("ours"), "blocks.*.gate": "colwise"})
+    assert "'blocks.*.gate'" in caplog.text and "split nothing" in caplog.text, caplog.text
+    assert isinstance(model.blocks[0].fc, ColumnParallelLinear)  # the other entries apply
 
 
 # -- errors --------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ Default plans leave such modules out; an explicit plan naming one is an error.
 
 from __future__ import annotations
 
+import difflib
+import logging
 from collections.abc import Callable
 from fnmatch import fnmatchcase
 from typing import Any
@@ -36,6 +38,8 @@ from paramshard.strategies.tensor.styles import (
 )
 
 __all__ = ["SHIPPED_PLANS", "default_plan", "parallelize_module", "matches"]
+
+log = logging.getLogger(__name__)
 
 _GPT2_PLAN = {  # relative to GPT2Model; c_attn is a Conv1D holding q|k|v
     "h.*.attn.c_attn": ColwiseParallel(packed=3),
@@ -187,7 +191,8 @@ def parallelize_module(
     ``plan``: {module-name pattern: style}, the style ``ColwiseParallel()`` /
     ``RowwiseParallel()``, torch's instances of them, or a Hugging Face string (``"colwise"``,
     ``"rowwise"``, ``"colwise_gather_output"``, ``"replicate"``, ...); a module takes the first
-    entry that matches it, and entries that match nothing are fine. ``None``: the model's own
+    entry that matches it; an entry that matches no module is warned about (as torch's), a plan
+    none of whose entries match one is an error. ``None``: the model's own
     (``default_plan``). ``only(name)``: False leaves that module alone (a pipeline stage splits
     the modules it owns only).
 
@@ -199,6 +204,8 @@ def parallelize_module(
     """
     if plan is None:
         plan = default_plan(module)
+    else:
+        _check_keys(module, plan)
     entries = [(key, resolve_style(style, key)) for key, style in plan.items()]
     owners = _owners(module)
     planned: list[tuple[PlannedSplit, Any]] = []
@@ -221,3 +228,22 @@ def parallelize_module(
     for parent_name, splits in by_parent.items():
         adjust_counts(parent_name, module.get_submodule(parent_name), splits, parts, index)
     return module
+
+
+def _check_keys(module: nn.Module, plan: dict[str, Any]) -> None:
+    """Warns of each key of a user's ``plan`` that names no module of ``module`` (a typo
+    leaves those modules whole, every rank holding all of their weights, silently otherwise);
+    ValueError when no key names one."""
+    names = [n for n, _ in module.named_modules() if n]
+    missed = [k for k in plan if not any(matches(k, n) for n in names)]
+    if not missed:
+        return
+    like = sorted({".".join("*" if a.isdigit() else a for a in n.split(".")) for n in names})
+    said = []
+    for key in missed:
+        close = difflib.get_close_matches(key, like, n=1)
+        said.append(f"'{key}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    words = f"of {type(module).__name__}: " + ", ".join(said)
+    if len(missed) == len(plan):
+        raise ValueError(f"no entry of parallelize_plan names a module {words}")
+    log.warning("parallelize_plan entries name no module %s; they split nothing", words)
