@@ -40,6 +40,7 @@ from paramshard.strategies.tensor import (
     tensor_parallel_part,
     tensor_parallel_splits,
 )
+from paramshard.strategies.tensor.random_state import same_draws
 from paramshard.strategies.topology import Topology
 
 __all__ = ["HybridShardedModel", "HybridShardedOptimizer"]
@@ -173,7 +174,8 @@ class HybridShardedModel(HybridCheckpoints, ShardedModelBase):
         def loss_fn(out: Any, target: Any) -> torch.Tensor:  # in float32 under bf16/fp16
             return self.default_loss_function(outputs_for_loss(self.config, out), target)
 
-        loss = self.pipeline.train_step(x, y, loss_fn, **inputs)
+        with same_draws(self.groups.tp, "HybridShardedModel"):  # dropout: one draw a group
+            loss = self.pipeline.train_step(x, y, loss_fn, **inputs)
         if self.data_parallel_size > 1:  # the global batch's loss: mean over the replicas
             loss = self.groups.dp.all_reduce(torch.tensor([loss], dtype=torch.float64), "mean")[0]
         return float(loss)

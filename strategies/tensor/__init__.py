@@ -8,7 +8,8 @@
 - ``plans``: plan matching (``*`` wildcards), default plans, ``parallelize_module``;
 - ``heads``: splitting attention by whole heads, and the head counts modules keep;
 - ``gather``: the whole tensors from the parts, and a part from a whole tensor;
-- ``model``: ``TensorParallelModel``.
+- ``model``: ``TensorParallelModel``;
+- ``random_state``: that a group's ranks draw the same random numbers (dropout).
 """
 
 from paramshard.strategies.tensor.communications import (

@@ -30,6 +30,7 @@ from paramshard.strategies.tensor.gather import (
     tensor_splits,
 )
 from paramshard.strategies.tensor.plans import parallelize_module
+from paramshard.strategies.tensor.random_state import same_draws
 
 __all__ = ["TensorParallelModel"]
 
@@ -68,7 +69,10 @@ class TensorParallelModel(nn.Module):
         return self.tp.world_size
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        if not (self.training and torch.is_grad_enabled()):
+            return self.module(*args, **kwargs)
+        with same_draws(self.tp, "TensorParallelModel"):  # dropout: one draw for the group
+            return self.module(*args, **kwargs)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clips every gradient by the whole model's 2-norm, as
