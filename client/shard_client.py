@@ -115,7 +115,17 @@ class ShardClient(Collectives, FlatBuffers):
         flat buffer registered through the group is sharded over the group's servers only (a
         3D job's data-parallel replicas shard their part over their own servers, as ZeRO
         shards within its data-parallel group). Shares this client's channels; makes no RPC.
-        Every member calls it with the same ranks and name."""
+        Every member calls it with the same ranks and name.
+
+        The same ranks and name give the same group while the run id stands (a second model of
+        the script's, an evaluation model beside the trained one): its collectives go on
+        numbering where the first model's left off, on every member alike, as torch's process
+        groups are shared by the models built on them. A fresh group counting from 1 again
+        would meet the first's freed slots ("behind the other ranks' collectives")."""
+        known = self.__dict__.setdefault("_subgroups", {})
+        cached = known.get((self.run_id, name, tuple(ranks)))
+        if cached is not None:
+            return cached
         if self.rank not in ranks:
             raise ValueError(f"rank {self.rank} is not in group {name!r} {list(ranks)}")
         if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
@@ -132,6 +142,7 @@ class ShardClient(Collectives, FlatBuffers):
         group.run_id = f"{self.run_id}/{name}"
         parent = getattr(self, "global_ranks", None)
         group.global_ranks = [parent[r] for r in ranks] if parent else list(ranks)
+        known[(self.run_id, name, tuple(ranks))] = group
         return group
 
     def on_servers(self, servers: list[int]) -> ShardClient:
@@ -144,7 +155,7 @@ class ShardClient(Collectives, FlatBuffers):
             {
                 k: v
                 for k, v in self.__dict__.items()
-                if k not in ("_seq", "_p2p_seq", "_base_run_id")
+                if k not in ("_seq", "_p2p_seq", "_base_run_id", "_subgroups")
             }
         )
         view.spec = self.spec.subset(servers)

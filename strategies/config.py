@@ -353,19 +353,14 @@ def _elastic_from_env() -> dict[str, Any]:
 
 def _client_from_env(job: Any) -> ShardClient:
     """Rank RANK of WORLD_SIZE on the servers of PARAMSHARD_SERVERS (torchrun's env), in the
-    run the environment names, else in ``job``'s (client/run_id.py)."""
-    from paramshard.client import ClusterSpec, ShardClient
+    run the environment names, else in ``job``'s (client/run_id.py); the process's client for
+    them where it has one open (client/from_env.py)."""
+    from paramshard.client.from_env import client_from_env
     from paramshard.client.run_id import run_id_for
 
     if not isinstance(job, str) or not _JOB_NAME.fullmatch(job):
         job = _DEFAULT_JOB  # a bad one is refused by the configuration, with its reason
-    spec = ClusterSpec.from_env()
-    return ShardClient(
-        spec,
-        rank=_env_int("RANK", 0),
-        world_size=_env_int("WORLD_SIZE", 1),
-        run_id=run_id_for(job),
-    )
+    return client_from_env(_env_int("RANK", 0), _env_int("WORLD_SIZE", 1), run_id_for(job))
 
 
 def _env_int(name: str, default: int) -> int:
