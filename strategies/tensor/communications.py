@@ -29,6 +29,9 @@ __all__ = [
 ]
 
 Ranges = Sequence[Sequence[range]]  # rank -> the ranges of the whole dim it holds
+_eager = torch.compiler.disable(recursive=True, reason="tensor parallelism's RPCs run eagerly")
+"""Each collective below is where a compiled region breaks (``torch.compile`` of a block
+holding parallel layers): dynamo traced into the client and failed on its buffers."""
 # group client -> (input, its version, output) of its last ``f`` (see copy_to_tensor_parallel)
 _LAST_F: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -122,6 +125,7 @@ def _claim(x: torch.Tensor, tp_client: Any, what: str) -> None:
         claim_backward_device(x.device, tp_client, what)
 
 
+@_eager
 def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """Megatron's ``f``; a no-op on a group of one.
 
@@ -145,11 +149,13 @@ def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     return out
 
 
+@_eager
 def reduce_from_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """Megatron's ``g``; a no-op on a group of one."""
     return x if tp_client.world_size == 1 else _ReduceFromTensorParallel.apply(x, tp_client)
 
 
+@_eager
 def gather_from_tensor_parallel(
     x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
 ) -> torch.Tensor:
@@ -160,6 +166,7 @@ def gather_from_tensor_parallel(
     return _GatherFromTensorParallel.apply(x, tp_client, ranges)
 
 
+@_eager
 def scatter_to_tensor_parallel(
     x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
 ) -> torch.Tensor:
