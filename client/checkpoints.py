@@ -12,6 +12,7 @@ part on every server before any server swaps any.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -189,7 +190,8 @@ def _snapshot_parts(
     by_tag = part_snapshots(job, rows)
     if not by_tag:
         return {}, tag
-    expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
+    registered = find_parts(job, held.jobs)  # a registered job has all its parts
+    expected = list(registered.values())
     if tag == "latest":
         tag = newest_complete_tag(job, by_tag, expected)
     if tag not in by_tag:
@@ -199,7 +201,22 @@ def _snapshot_parts(
     found = by_tag[tag]
     expected += recorded_parts(found.values())
     check_complete(job, found, expected, f"snapshot '{tag}' of job '{job}'")
+    if registered and set(found) != set(registered):
+        raise PartsError(
+            f"snapshot '{tag}' of job '{job}' holds {_grid(found)} parts, and the job"
+            f" registered on these servers {_grid(registered)}: a snapshot loads into the"
+            " pipeline and tensor layout it was taken in (the data-parallel size may change)."
+            " To carry the weights to another layout, export the snapshot (paramshard export"
+            " --snapshot DIR --out FILE) and load_state_dict it; the optimizer's state does not"
+            " carry"
+        )
     return {k: r["job"] for k, r in sorted(found.items())}, tag
+
+
+def _grid(parts: Iterable[tuple[int, int]]) -> str:
+    """A 3D job's parts as "2 stage(s) x 2 tensor rank(s)"."""
+    keys = list(parts)
+    return f"{max(s for s, _ in keys) + 1} stage(s) x {max(t for _, t in keys) + 1} tensor rank(s)"
 
 
 def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> list[int]:

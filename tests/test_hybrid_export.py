@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 from paramshard.cli import main
 from paramshard.client import ShardClientError, tools
+from paramshard.client.jobs import server_jobs
 from paramshard.client.tensor_parts import parse_part_job
 from paramshard.models.gpt import GPT
 from paramshard.protos import shard_pb2 as pb
@@ -344,3 +345,34 @@ def test_missing_parts_are_named(trained, tmp_path, capsys):
         assert all(f"{job}.pp{pp - 1}.tp{t}" in err for t in range(tp)), err
     assert cli("export", "--snapshot", copy / job / "nosuchtag", "--out", out) == 1
     assert "nosuchtag" in capsys.readouterr().err and not out.exists()
+
+
+def test_load_checkpoint_into_another_layout_is_refused_before_any_restore(trained):
+    """A pp2 x tp2 snapshot loaded by a pp2 x tp1 job restored every part (the tp1 parts
+    the job never registered among them) and then failed at the first pull: "PullParams chunk
+    [0, 9,824) is outside this server's slice of 5,648 elements". The layouts are compared
+    before anything is restored now, and the error says how weights move to another one."""
+    nodes = [
+        ShardServer("127.0.0.1", 0, snapshot_dir=str(trained["root"])).start() for _ in range(2)
+    ]
+    addresses = [n.address for n in nodes]
+
+    def load(model: Any, opt: Any, train: Any) -> str:
+        try:
+            model.load_checkpoint("t1")
+        except Exception as exc:  # noqa: BLE001 - each rank's error is what is checked
+            return f"{type(exc).__name__}: {exc}"
+        return "loaded"
+
+    try:
+        said = run_hybrid(1, 1, 2, addresses, trained["job"], load)  # one part: no layout took
+        assert "PartsError" in said[0] and "pipeline and tensor layout" in said[0], said
+        c = client_for(addresses)
+        try:
+            held = server_jobs(c).jobs
+        finally:
+            c.close()
+        assert not [j for j in held if j.endswith((".tp1", ".pp1.tp0"))], held  # none restored
+    finally:
+        for n in nodes:
+            n.stop(0)
