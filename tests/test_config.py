@@ -188,7 +188,7 @@ def test_presets() -> None:
 def client_module() -> Any:
     try:
         from paramshard import client
-        from paramshard.client import ClusterSpec, ShardClient  # noqa: F401
+        from paramshard.client import ClusterSpec, ShardClient, from_env  # noqa: F401
     except ImportError as err:
         pytest.skip(f"client package not available yet ({err}); from_env cannot be tested")
     return client
@@ -205,12 +205,14 @@ def test_from_env_reads_rank_and_world_size(
             return cls()
 
     class RecordingClient(FakeClient):
+        closed = False
+
         def __init__(self, spec: Any, *, rank: int, world_size: int, run_id: str) -> None:
             super().__init__(rank=rank, world_size=world_size)
             made["spec"], made["run_id"] = spec, run_id
 
-    monkeypatch.setattr(client_module, "ClusterSpec", FakeSpec)
-    monkeypatch.setattr(client_module, "ShardClient", RecordingClient)
+    monkeypatch.setattr(client_module.from_env, "ClusterSpec", FakeSpec)
+    monkeypatch.setattr(client_module.from_env, "ShardClient", RecordingClient)
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.delenv("PARAMSHARD_RUN", raising=False)

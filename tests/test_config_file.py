@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import paramshard.client as client_package
+import paramshard.client.from_env as client_package
 from paramshard.protos.config_file import CONFIG_ENV, read_config_file
 from paramshard.strategies.config import ShardingConfiguration
 
@@ -175,6 +175,8 @@ def env_client(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
             return cls()
 
     class RecordingClient(FakeClient):
+        closed = False
+
         def __init__(self, spec: Any, *, rank: int, world_size: int, run_id: str) -> None:
             super().__init__(rank=rank, world_size=world_size)
             self.run_id = run_id
@@ -194,6 +196,19 @@ def test_from_file_without_a_client_reads_the_environment(
     config = ShardingConfiguration.from_file(write(tmp_path, "c.toml", TOML))
     assert config.client is env_client[0]
     assert (config.rank, config.world_size, config.job) == (1, 3, "from-file")
+
+
+def test_configurations_from_the_environment_share_its_client_until_it_is_closed(
+    env_client: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two models' configurations in one script number their collectives on one client
+    (client/from_env.py); a closed client is not handed out again."""
+    monkeypatch.setenv("PARAMSHARD_RUN", "one-run")  # as the launcher sets it
+    first = ShardingConfiguration.from_env(job="generator")
+    second = ShardingConfiguration.from_env(job="discriminator")
+    assert second.client is first.client and len(env_client) == 1
+    first.client.closed = True
+    assert ShardingConfiguration.from_env(job="again").client is not first.client
 
 
 def test_from_env_reads_paramshard_config_as_its_base(
