@@ -50,6 +50,7 @@ __all__ = [
     "declare_peers_ended",
     "declared_stop",
     "ends_for_good",
+    "group_restarted",
     "group_restarts_left",
     "max_restarts",
     "one_line",
@@ -107,6 +108,14 @@ def group_restarts_left() -> int:
         return 0
     most, done = (os.environ.get(name, "").strip() for name in _TORCHRUN_COUNTS)
     return max(0, int(most) - int(done)) if most.isdigit() and done.isdigit() else 0
+
+
+def group_restarted() -> bool:
+    """Whether torchrun restarted this process's worker group (its ``TORCHELASTIC_RESTART_COUNT``
+    above 0): every rank of the job is a new process of its rank, resuming at the servers'
+    step, and may find them applying a step their first processes pushed."""
+    done = os.environ.get(_TORCHRUN_COUNTS[1], "").strip()
+    return not launched() and done.isdigit() and int(done) > 0
 
 
 def ends_for_good() -> bool:

@@ -123,7 +123,11 @@ class ServerShardedModel(
         buffers = plan_buffers(self.module, self._units, inner.param_groups)
         job = self.config.job
         held, empty = self._register(buffers)
-        rejoining = restarts.restarted(self.client.run_state.took_over) or self.config.elastic
+        rejoining = (
+            restarts.restarted(self.client.run_state.took_over)
+            or restarts.group_restarted()  # torchrun's: the first process may have left cleanly
+            or self.config.elastic
+        )
         if held and empty and max(held) > max(empty) and rejoining:
             held, empty = self._rebuilt(buffers, held, empty)  # a server restarted empty
         versions, initialized = held | empty, not empty
