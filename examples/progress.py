@@ -85,8 +85,9 @@ def summarize(
             print(f"FAILED: validation loss {val:.4f} not below {args.target_loss}", flush=True)
             return 1
         print(f"OK: validation loss {val:.4f} < {args.target_loss} at step {end}", flush=True)
-    if start and len(losses) < 2 * k:
-        print(f"OK: resumed at step {start}; too few steps left to judge the loss", flush=True)
+    if len(losses) < 2 * k:  # a short run (--steps 5), or resumed near its end
+        at = f"resumed at step {start}; " if start else ""
+        print(f"OK: {at}{len(losses)} steps are too few to judge the loss", flush=True)
         return 0
     if not last < first:
         print("FAILED: the loss did not go down", flush=True)

@@ -51,6 +51,19 @@ def test_train_gpt_loss_goes_down(strategy: str, extra: list[str]) -> None:
 
 
 @pytest.mark.slow
+def test_a_run_too_short_to_judge_its_loss_succeeds() -> None:
+    """``--steps 5``: the first and the last five losses were the same five, so "the loss did
+    not go down" and the script exited 1 (a walkthrough's: it would fail a Kubernetes Job)."""
+    cmd = [sys.executable, str(SCRIPT), "--strategy", "fsdp", "--world-size", "2", "--steps", "5"]
+    proc = subprocess.run(
+        cmd, check=False, capture_output=True, text=True, timeout=TIMEOUT_S, stdin=DEVNULL
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert "[rank 0] OK: 5 steps are too few to judge the loss" in proc.stdout, output[-3000:]
+
+
+@pytest.mark.slow
 def test_an_elastic_rank_that_comes_once_the_job_ended_exits_cleanly(servers) -> None:
     """A rank restarted (``--max-restarts``) as the others finish the last step resumes at
     that step and trains nothing: it exits 0. It raised AttributeError at its end (the last
