@@ -271,6 +271,7 @@ def supervise(
             continue
         why = f" ({why})" if why else ""
         if departures is not None:
+            why = restarts.declared_failure(child) + why  # what it raised, as for a restart
             departures.leave(child.rank, code)
             short = departures.too_few(len(running))
             if not short:
