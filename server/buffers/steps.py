@@ -94,7 +94,7 @@ class Steps(SliceState):
         assert pending is not None and pending.reduced
         if pending.sum_squares is None:
             g = self.grad
-            pending.sum_squares = float(backend.xp.dot(g, g)) if self.slice_numel else 0.0
+            pending.sum_squares = backend.sum_squares(g)
         return pending.sum_squares
 
     def _param_sum_squares(self) -> list[float]:
@@ -106,8 +106,7 @@ class Steps(SliceState):
         if pending.param_sum_squares is None:
             g = self.grad
             pending.param_sum_squares = [
-                float(backend.xp.dot(g[lo:hi], g[lo:hi])) if hi > lo else 0.0
-                for lo, hi in self.param_ranges
+                backend.sum_squares(g[lo:hi]) if hi > lo else 0.0 for lo, hi in self.param_ranges
             ]
         return pending.param_sum_squares
 
