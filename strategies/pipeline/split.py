@@ -351,5 +351,6 @@ class StageRunner:
                 " residual around the split point, a skip over whole stages) would be zeros"
                 " here. Choose split points where every value that crosses them is an"
                 " argument of the next stage's first module (a whole block, e.g. 'blocks.2',"
-                " not a module inside one)"
+                " not a module inside one), and keep a block's residual inside the block"
+                " (x = block(x), not x = x + block(x) in its parent)"
             )
