@@ -42,6 +42,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from paramshard.strategies.pipeline.stand_ins import Replacements, reached
+
 __all__ = ["StagePlan", "plan_stages", "StageRunner", "Stub", "meta_copy", "units_of", "OWN_STATE"]
 
 # Per-instance containers nn.Module.__init__ creates: a skeleton gets its own.
@@ -191,6 +193,19 @@ class Stub(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r = self._runner
+        template = self._templates.get(_key(args, kwargs))
+        if not r.active and template is not None and torch._C._current_graph_task_id() >= 0:
+            # a reentrant checkpoint recomputing this stand-in in backward: its zeros again,
+            # needing a gradient as the real module's output would (what they feed is
+            # replaced at the first module, in the recompute too)
+            return pytree.tree_map(
+                lambda x: (
+                    x.zeros(r.device).requires_grad_(x.dtype.is_floating_point)
+                    if isinstance(x, _Template)
+                    else x
+                ),
+                template,
+            )
         if not r.active:
             raise RuntimeError(
                 f"'{self.unit}' belongs to pipeline stage {self.stage}, not to this rank's:"
@@ -246,6 +261,7 @@ class StageRunner:
         self.active = self.entered = False
         self._received: list[torch.Tensor] = []
         self._stand_ins: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (zeros, its unit)
+        self._replaced = Replacements()  # for activation checkpointing's recompute
 
     def stand_in(self, zeros: torch.Tensor, unit: str) -> torch.Tensor:
         """``zeros`` a stand-in of earlier stage's ``unit`` returns in this run: a value this
@@ -268,7 +284,7 @@ class StageRunner:
 
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         if not self.active:
-            return None
+            return self._replaced.recompute(args, kwargs)
         if self.entered:
             raise RuntimeError(f"pipeline stage {self.index}: '{self.entry}' ran twice")
         self.entered = True
@@ -286,6 +302,7 @@ class StageRunner:
                     f"pipeline stage {self.index}: '{self.entry}' expects an activation of"
                     f" shape {list(leaves[i].shape)}, received {list(t.shape)}"
                 )
+            self._replaced.add(leaves[i], t)
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
@@ -293,6 +310,7 @@ class StageRunner:
         self, args: tuple, kwargs: dict, received: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor] | None, Any]:
         assert self.module is not None
+        self._replaced.prune()
         self._received, self.entered, self.active = received, self.index == 0, True
         try:
             out = self.module(*args, **kwargs)
@@ -324,28 +342,13 @@ class StageRunner:
         self, results: list[Any], stand_ins: dict[int, tuple[torch.Tensor, str]] | None = None
     ) -> None:
         """Raises when ``results`` (what this stage sends on, or the model's output) were
-        computed from a stand-in's zeros: a value an earlier stage makes (a residual around the
-        split point, a skip over whole stages) that reaches past this stage's first module
-        other than as its argument, which is all a stage receives. Found through the autograd
-        graph, so only for values that need a gradient."""
-        stand_ins = self._stand_ins if stand_ins is None else stand_ins
-        if not stand_ins:
-            return
-        seen: set[Any] = set()
-        todo = [t.grad_fn for t in results if isinstance(t, torch.Tensor) and t.grad_fn]
-        found = [stand_ins[id(t)][1] for t in results if id(t) in stand_ins]
-        while todo and not found:
-            node = todo.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
-            if leaf is not None and id(leaf) in stand_ins:
-                found.append(stand_ins[id(leaf)][1])
-            todo.extend(n for n, _ in node.next_functions)
-        if found:
+        computed from a stand-in's zeros: a value an earlier stage makes that reaches past
+        this stage's first module other than as its argument, which is all a stage receives.
+        Found through the autograd graph, so only for values that need a gradient."""
+        unit = reached(results, self._stand_ins if stand_ins is None else stand_ins, self._replaced)
+        if unit is not None:
             raise RuntimeError(
-                f"pipeline stage {self.index} computes with the output of '{found[0]}', a"
+                f"pipeline stage {self.index} computes with the output of '{unit}', a"
                 f" module of an earlier stage, past its own first module '{self.entry}': a"
                 " stage receives only the arguments of its first module, so that value (a"
                 " residual around the split point, a skip over whole stages) would be zeros"
