@@ -10,13 +10,14 @@ exports tensor rank 0's copy. torch's DTensor and Megatron-LM keep one generator
 group's replicated parts; here the script seeds every rank of a group alike, and
 ``same_draws`` checks it.
 
-``same_draws(tp, what)`` wraps a training forward: where this rank's generators moved during
-it (the forward drew random numbers), the group compares the states they started from, in one
-all-gather over the group made on every rank of it (so none waits alone). A forward that draws
-nothing, with ranks seeded apart, is fine and costs that one all-gather. Ranks that are threads
-of one process (``LocalCluster``) share torch's generators, so one rank's draws move the
-others' and nothing can be compared: the all-gather tells them apart (each process's own
-random number), and such a group is not checked.
+``same_draws(tp, what)`` wraps a training forward: for each generator (the CPU's, the CUDA
+device's) that moved during it (the forward drew random numbers), the group compares the
+states it started from on the ranks where it moved, in one all-gather over the group made on
+every rank of it (so none waits alone); a generator that drew nothing is not compared, so a
+forward that draws nothing, with ranks seeded apart, is fine and costs that one all-gather.
+Ranks that are threads of one process (``LocalCluster``) share torch's generators, so one
+rank's draws move the others' and nothing can be compared: the all-gather tells them apart
+(each process's own random number), and such a group is not checked.
 """
 
 from __future__ import annotations
@@ -34,16 +35,14 @@ __all__ = ["same_draws"]
 _PROCESS = float(secrets.randbits(52))  # this process among the group's, exact in a float64
 
 
-def _fingerprint() -> int:
-    """A 31-bit checksum of this process's generator states: the CPU's and, once CUDA is in
-    use, the current device's."""
-    states = [torch.random.get_rng_state()]
+def _fingerprints() -> tuple[int, int]:
+    """31-bit checksums of this process's generator states: the CPU's, and the current CUDA
+    device's once CUDA is in use (0 before: a rank that never used CUDA draws nothing there)."""
+    cpu = zlib.crc32(torch.random.get_rng_state().numpy().tobytes())
+    cuda = 0
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states.append(torch.cuda.get_rng_state())
-    crc = 0
-    for s in states:
-        crc = zlib.crc32(s.numpy().tobytes(), crc)
-    return crc & 0x7FFFFFFF
+        cuda = zlib.crc32(torch.cuda.get_rng_state().numpy().tobytes())
+    return cpu & 0x7FFFFFFF, cuda & 0x7FFFFFFF
 
 
 @contextmanager
@@ -53,13 +52,18 @@ def same_draws(tp: Any, what: str) -> Iterator[None]:
     if tp.world_size <= 1:
         yield
         return
-    before = _fingerprint()
+    before = _fingerprints()
     yield
-    drew = _fingerprint() != before
-    rows = tp.all_gather(torch.tensor([float(drew), float(before), _PROCESS], dtype=torch.float64))
-    threads = len({float(r[2]) for r in rows}) < len(rows)  # their generators are one
-    starts = {int(r[1]) for r in rows if r[0]}
-    if len(starts) > 1 and not threads:
+    after = _fingerprints()
+    row = [_PROCESS]
+    for b, a in zip(before, after, strict=True):  # each generator: did it move, from where
+        row += [float(b not in (a, 0)), float(b)]  # CUDA's first use: nothing to compare
+    rows = tp.all_gather(torch.tensor(row, dtype=torch.float64))
+    threads = len({float(r[0]) for r in rows}) < len(rows)  # their generators are one
+    apart = any(
+        len({int(r[i + 1]) for r in rows if r[i]}) > 1 for i in (1, 3)
+    )  # a generator that drew on several ranks, from different states
+    if apart and not threads:
         raise RuntimeError(
             f"{what}: the ranks of a tensor-parallel group drew random numbers (dropout) from"
             " different generator states, so their replicated weights would drift apart and"
