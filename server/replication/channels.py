@@ -11,6 +11,7 @@ import grpc
 
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.service import method_path
+from paramshard.protos.words import details_of
 from paramshard.server.replication.neighbour_shm import NeighbourSegments
 from paramshard.server.rpc import peer_credentials
 from paramshard.server.runtime.errors import ShardError
@@ -105,7 +106,7 @@ class NeighbourChannels:
                     hello, timeout=PROBE_TIMEOUT_S, metadata=self._metadata(cfg.job)
                 )
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details()
+            code, details = exc.code(), details_of(exc)
             where = f"replication of '{cfg.job}' to {cfg.neighbour}"
             with self._lock:
                 self._close_unused(cfg.neighbour)

@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from paramshard.protos import shard_pb2 as pb
+from paramshard.protos.words import details_of
 from paramshard.server.replication.channels import NeighbourChannels, store_stub
 from paramshard.server.replication.held import KEEP, HeldReplicas
 from paramshard.server.replication.inbox import Inbox
@@ -277,7 +278,7 @@ class Replicator(NeighbourChannels, HeldReplicas):
                     self.failures.pop(cfg.job, None)
             except grpc.RpcError as exc:  # the neighbour is down or restarting: an expected
                 # failure, said in one line; the next version tries again
-                why = f"sending it to {cfg.neighbour} failed: {exc.code().name}: {exc.details()}"
+                why = f"sending it to {cfg.neighbour} failed: {exc.code().name}: {details_of(exc)}"
                 self._failed(cfg.job, version, why)
             except Exception as exc:  # anything else is a bug to see in full; the next tries
                 self._failed(cfg.job, version, f"sending it to {cfg.neighbour} failed: {exc!r}")
