@@ -199,22 +199,24 @@ def _snapshot_parts(
             f"job '{job}' has no snapshot '{tag}' of its parts; tags: {', '.join(sorted(by_tag))}"
         )
     found = by_tag[tag]
-    expected += recorded_parts(found.values())
-    check_complete(job, found, expected, f"snapshot '{tag}' of job '{job}'")
-    if registered and set(found) != set(registered):
+    recorded = recorded_parts(found.values())
+    taken = set(found) | set(find_parts(job, recorded))  # the layout the snapshot was taken in
+    if registered and _grid(taken) != _grid(registered):
         raise PartsError(
-            f"snapshot '{tag}' of job '{job}' holds {_grid(found)} parts, and the job"
+            f"snapshot '{tag}' of job '{job}' holds {_grid(taken)} parts, and the job"
             f" registered on these servers {_grid(registered)}: a snapshot loads into the"
             " pipeline and tensor layout it was taken in (the data-parallel size may change)."
             " To carry the weights to another layout, export the snapshot (paramshard export"
             " --snapshot DIR --out FILE) and load_state_dict it; the optimizer's state does not"
             " carry"
         )
+    check_complete(job, found, expected + recorded, f"snapshot '{tag}' of job '{job}'")
     return {k: r["job"] for k, r in sorted(found.items())}, tag
 
 
 def _grid(parts: Iterable[tuple[int, int]]) -> str:
-    """A 3D job's parts as "2 stage(s) x 2 tensor rank(s)"."""
+    """A 3D job's layout from its parts: "2 stage(s) x 2 tensor rank(s)" (a part missing
+    inside it is check_complete's to name)."""
     keys = list(parts)
     return f"{max(s for s, _ in keys) + 1} stage(s) x {max(t for _, t in keys) + 1} tensor rank(s)"
 
