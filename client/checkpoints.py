@@ -181,7 +181,7 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
 
 
 def _snapshot_parts(
-    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str
+    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str, layout: Any = None
 ) -> tuple[dict[tuple[int, int], str], str]:
     """For restoring ``job``: its parts with snapshot ``tag`` and that tag resolved, when
     ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job."""
@@ -190,8 +190,7 @@ def _snapshot_parts(
     by_tag = part_snapshots(job, rows)
     if not by_tag:
         return {}, tag
-    registered = find_parts(job, held.jobs)  # a registered job has all its parts
-    expected = list(registered.values())
+    expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
     if tag == "latest":
         tag = newest_complete_tag(job, by_tag, expected)
     if tag not in by_tag:
@@ -201,10 +200,11 @@ def _snapshot_parts(
     found = by_tag[tag]
     recorded = recorded_parts(found.values())
     taken = set(found) | set(find_parts(job, recorded))  # the layout the snapshot was taken in
-    if registered and _grid(taken) != _grid(registered):
+    want = None if layout is None else _grid([(layout[0] - 1, layout[1] - 1)])
+    if want is not None and _grid(taken) != want:
         raise PartsError(
-            f"snapshot '{tag}' of job '{job}' holds {_grid(taken)} parts, and the job"
-            f" registered on these servers {_grid(registered)}: a snapshot loads into the"
+            f"snapshot '{tag}' of job '{job}' holds {_grid(taken)} parts, and the job that"
+            f" loads it {want}: a snapshot loads into the"
             " pipeline and tensor layout it was taken in (the data-parallel size may change)."
             " To carry the weights to another layout, export the snapshot (paramshard export"
             " --snapshot DIR --out FILE) and load_state_dict it; the optimizer's state does not"
@@ -235,19 +235,28 @@ def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> 
     return list(range(client.num_servers))
 
 
-def restore(client: ShardClient, job: str, tag: str = "latest", contributors: int = 0) -> int:
+def restore(
+    client: ShardClient,
+    job: str,
+    tag: str = "latest",
+    contributors: int = 0,
+    layout: tuple[int, int] | None = None,
+) -> int:
     """Loads snapshot ``tag`` into the servers (any number: resharded); returns its version.
 
     A job registered on the servers is restored into its own servers; one that is not, into
     the servers it was snapshotted from when the cluster is the same, else into every server.
     Of a 3D job's base name: every part's snapshot ``tag`` ("latest": the newest tag every
-    part has). Every job is read and checked on every server before any server swaps any."""
+    part has). Every job is read and checked on every server before any server swaps any.
+    ``layout``: (stages, tensor ranks) of the 3D model that loads it; a snapshot of another
+    is refused before anything is restored (the live parts cannot say: a recovery finds some
+    of them lost)."""
     held = server_jobs(client)
     try:
         rows = list_snapshots(client)
     except ShardClientError:
         rows = []  # no snapshot directory and the like: the servers' Restore says so
-    parts, tag = _snapshot_parts(held, rows, job, tag)
+    parts, tag = _snapshot_parts(held, rows, job, tag, layout)
     jobs = list(parts.values()) or [job]
     if tag == "latest" and not parts:  # the newest, as the servers would resolve it
         tag = next((r["tag"] for r in reversed(rows) if r["job"] == job), tag)

@@ -59,7 +59,8 @@ class HybridCheckpoints:
         replica.ensure_idle()
         world.barrier()  # nobody still reads the old state when rank 0 replaces it
         if world.rank == 0:
-            tools.restore(world, self.config.job, tag, contributors=self.data_parallel_size)
+            layout = (self.topology.pipeline_parallel_size, self.topology.tensor_parallel_size)
+            tools.restore(world, self.config.job, tag, self.data_parallel_size, layout)
         world.barrier()
         self._loaded = None if tag == "latest" else (tag, time.time())
         version = replica.adopt_server_version()
