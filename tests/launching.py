@@ -53,6 +53,16 @@ def launch(
     )
 
 
+def launch_script(
+    folder: Path, text: str, *args: str, nproc: int = 2, timeout: float = RUN_S
+) -> subprocess.CompletedProcess:
+    """``text`` written to ``folder``/script.py and run by ``launch --nproc nproc`` with
+    ``args`` after it."""
+    script = folder / "script.py"
+    script.write_text(text)
+    return launch("--nproc", str(nproc), "--grace", "1", script, *args, timeout=timeout)
+
+
 def rank_envs(stdout: str) -> dict[int, dict]:
     envs = [json.loads(m) for m in re.findall(r"^\[rank \d+\] ENV (.*)$", stdout, re.M)]
     return {int(e["RANK"]): e for e in envs}

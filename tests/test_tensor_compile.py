@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from launching import launch
+from launching import launch_script
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,9 +58,7 @@ for mode in ("eager", "compiled"):
 
 
 def test_compiled_blocks_with_parallel_layers_train_as_eager_ones(tmp_path) -> None:
-    script = tmp_path / "compiled.py"
-    script.write_text(SCRIPT)
-    result = launch("--nproc", "2", "--grace", "1", script, timeout=240)
+    result = launch_script(tmp_path, SCRIPT, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     losses: dict[str, list[float]] = {"eager": [], "compiled": []}

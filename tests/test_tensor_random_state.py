@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
-from launching import launch
+from launching import launch_script
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -39,9 +39,7 @@ for step in range(2):
 
 
 def _run(tmp_path: Path, seeds: str, dropout: float) -> tuple[int, str, dict[int, set[str]]]:
-    script = tmp_path / "dropout.py"
-    script.write_text(SCRIPT)
-    result = launch("--nproc", "2", "--grace", "1", script, seeds, str(dropout))
+    result = launch_script(tmp_path, SCRIPT, seeds, str(dropout))
     losses: dict[int, set[str]] = {}
     for step, loss in re.findall(r"^\[rank \d+\] LOSS (\d+) (\S+)$", result.stdout, re.M):
         losses.setdefault(int(step), set()).add(loss)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from launching import launch
+from launching import launch_script
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -44,9 +44,7 @@ print("DISC", " ".join(repr(v) for v in w), flush=True)
 
 
 def test_two_models_of_one_script_train_on_their_own_configurations(tmp_path) -> None:
-    script = tmp_path / "gan.py"
-    script.write_text(SCRIPT)
-    result = launch("--nproc", "2", "--grace", "1", script, timeout=200)
+    result = launch_script(tmp_path, SCRIPT, timeout=200)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert re.findall(r"^\[rank \d\] SHARED (\w+)$", result.stdout, re.M) == ["True"] * 2, output
