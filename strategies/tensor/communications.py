@@ -14,7 +14,7 @@ them the dim is cut into equal parts in rank order.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,9 +29,6 @@ __all__ = [
 ]
 
 Ranges = Sequence[Sequence[range]]  # rank -> the ranges of the whole dim it holds
-_eager = torch.compiler.disable(recursive=True, reason="tensor parallelism's RPCs run eagerly")
-"""Each collective below is where a compiled region breaks (``torch.compile`` of a block
-holding parallel layers): dynamo traced into the client and failed on its buffers."""
 # group client -> (input, its version, output) of its last ``f`` (see copy_to_tensor_parallel)
 _LAST_F: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -125,7 +122,6 @@ def _claim(x: torch.Tensor, tp_client: Any, what: str) -> None:
         claim_backward_device(x.device, tp_client, what)
 
 
-@_eager
 def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """Megatron's ``f``; a no-op on a group of one.
 
@@ -149,13 +145,11 @@ def copy_to_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     return out
 
 
-@_eager
 def reduce_from_tensor_parallel(x: torch.Tensor, tp_client: Any) -> torch.Tensor:
     """Megatron's ``g``; a no-op on a group of one."""
     return x if tp_client.world_size == 1 else _ReduceFromTensorParallel.apply(x, tp_client)
 
 
-@_eager
 def gather_from_tensor_parallel(
     x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
 ) -> torch.Tensor:
@@ -166,7 +160,6 @@ def gather_from_tensor_parallel(
     return _GatherFromTensorParallel.apply(x, tp_client, ranges)
 
 
-@_eager
 def scatter_to_tensor_parallel(
     x: torch.Tensor, tp_client: Any, ranges: Ranges | None = None
 ) -> torch.Tensor:
@@ -175,3 +168,30 @@ def scatter_to_tensor_parallel(
         return x
     _claim(x, tp_client, "tensor parallelism's all-gather of input gradients")
     return _ScatterToTensorParallel.apply(x, tp_client, ranges)
+
+
+_EAGER: dict[Callable, Callable] = {}
+
+
+def eagerly(fn: Callable) -> Callable:
+    """``fn``, one of the collectives above, as ``torch.compile`` never traces it: a compiled
+    region (a block holding parallel layers) breaks there, where dynamo traced into the client
+    and failed on its buffers. Made when a parallel layer is built (``warm``), not at import:
+    torch's compiler takes about 2 s to import, and a rank that never compiles should not
+    pay for it."""
+    made = _EAGER.get(fn)
+    if made is None:
+        reason = "tensor parallelism's RPCs run eagerly"
+        made = _EAGER[fn] = torch.compiler.disable(fn, recursive=True, reason=reason)
+    return made
+
+
+def warm() -> None:
+    """Makes the collectives' eager forms, outside any compiled region."""
+    for fn in (
+        copy_to_tensor_parallel,
+        reduce_from_tensor_parallel,
+        gather_from_tensor_parallel,
+        scatter_to_tensor_parallel,
+    ):
+        eagerly(fn)

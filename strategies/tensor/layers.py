@@ -30,9 +30,11 @@ from paramshard.protos import slicing
 from paramshard.protos.manifest import ParamSplit
 from paramshard.strategies.tensor.communications import (
     copy_to_tensor_parallel,
+    eagerly,
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
+    warm,
 )
 
 __all__ = [
@@ -172,6 +174,7 @@ class ColumnParallelLinear(_ParallelLinear):
         device: Any = None,
     ) -> None:
         super().__init__()
+        warm()  # the collectives' eager forms, before any compiled forward
         self.in_features, self.out_features, self.layout = in_features, out_features, layout
         self.gather_output = gather_output
         local = self._set_split(out_features, packed, unit, tp_client, "ColumnParallelLinear")
@@ -215,9 +218,10 @@ class ColumnParallelLinear(_ParallelLinear):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _matmul(copy_to_tensor_parallel(x, self.tp_client), self.weight, self.bias, self.layout)
+        x = eagerly(copy_to_tensor_parallel)(x, self.tp_client)
+        y = _matmul(x, self.weight, self.bias, self.layout)
         if self.gather_output:
-            return gather_from_tensor_parallel(y, self.tp_client, self.all_ranges())
+            return eagerly(gather_from_tensor_parallel)(y, self.tp_client, self.all_ranges())
         return y
 
     def extra_repr(self) -> str:
@@ -252,6 +256,7 @@ class RowParallelLinear(_ParallelLinear):
         device: Any = None,
     ) -> None:
         super().__init__()
+        warm()  # the collectives' eager forms, before any compiled forward
         self.in_features, self.out_features, self.layout = in_features, out_features, layout
         self.input_is_parallel = input_is_parallel
         local = self._set_split(in_features, 1, unit, tp_client, "RowParallelLinear")
@@ -288,8 +293,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.tp_client.world_size == 1:  # the plain layer's own arithmetic
             return _matmul(x, self.weight, self.bias, self.layout)
         if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel(x, self.tp_client, self.all_ranges())
-        y = reduce_from_tensor_parallel(_matmul(x, self.weight, None, self.layout), self.tp_client)
+            x = eagerly(scatter_to_tensor_parallel)(x, self.tp_client, self.all_ranges())
+        y = _matmul(x, self.weight, None, self.layout)
+        y = eagerly(reduce_from_tensor_parallel)(y, self.tp_client)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
