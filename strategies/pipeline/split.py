@@ -145,10 +145,16 @@ class _Template:
     def __init__(self, t: torch.Tensor) -> None:
         self.shape, self.dtype, self.requires_grad = t.shape, t.dtype, t.requires_grad
 
-    def zeros(self, device: torch.device) -> torch.Tensor:
-        return torch.zeros(self.shape, dtype=self.dtype, device=device).requires_grad_(
-            self.requires_grad
-        )
+    def zeros(self, device: torch.device, requires_grad: bool | None = None) -> torch.Tensor:
+        """Zeros of this shape and dtype, needing a gradient as recorded (or as told)."""
+        grad = self.requires_grad if requires_grad is None else requires_grad
+        return torch.zeros(self.shape, dtype=self.dtype, device=device).requires_grad_(grad)
+
+
+def _filled(template: Any, make: Any) -> Any:
+    """A stand-in's output: ``template`` with each ``_Template`` made into a tensor by
+    ``make``."""
+    return pytree.tree_map(lambda x: make(x) if isinstance(x, _Template) else x, template)
 
 
 def _key(args: tuple, kwargs: dict) -> Any:
@@ -193,19 +199,13 @@ class Stub(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         r = self._runner
-        template = self._templates.get(_key(args, kwargs))
+        key = _key(args, kwargs)
+        template = self._templates.get(key)
         if not r.active and template is not None and torch._C._current_graph_task_id() >= 0:
             # a reentrant checkpoint recomputing this stand-in in backward: its zeros again,
             # needing a gradient as the real module's output would (what they feed is
             # replaced at the first module, in the recompute too)
-            return pytree.tree_map(
-                lambda x: (
-                    x.zeros(r.device).requires_grad_(x.dtype.is_floating_point)
-                    if isinstance(x, _Template)
-                    else x
-                ),
-                template,
-            )
+            return _filled(template, lambda t: t.zeros(r.device, t.dtype.is_floating_point))
         if not r.active:
             raise RuntimeError(
                 f"'{self.unit}' belongs to pipeline stage {self.stage}, not to this rank's:"
@@ -226,8 +226,6 @@ class Stub(nn.Module):
                 " order than they are registered; choose split_points so that each stage's"
                 " modules run in one stretch"
             )
-        key = _key(args, kwargs)
-        template = self._templates.get(key)
         if template is None:
             margs, mkwargs = pytree.tree_map(_to_meta, (args, kwargs))
             with torch.device("meta"):  # tensors the forward makes itself, too
@@ -236,10 +234,7 @@ class Stub(nn.Module):
                 lambda x: _Template(x) if isinstance(x, torch.Tensor) else x, out
             )
             self._templates[key] = template
-        return pytree.tree_map(
-            lambda x: r.stand_in(x.zeros(r.device), self.unit) if isinstance(x, _Template) else x,
-            template,
-        )
+        return _filled(template, lambda t: r.stand_in(t.zeros(r.device), self.unit))
 
     def extra_repr(self) -> str:
         return f"'{self.unit}' of pipeline stage {self.stage}"
