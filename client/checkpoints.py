@@ -200,11 +200,10 @@ def _snapshot_parts(
     found = by_tag[tag]
     recorded = recorded_parts(found.values())
     taken = set(found) | set(find_parts(job, recorded))  # the layout the snapshot was taken in
-    want = None if layout is None else _grid([(layout[0] - 1, layout[1] - 1)])
-    if want is not None and _grid(taken) != want:
+    if layout is not None and _dims(taken) != tuple(layout):
         raise PartsError(
-            f"snapshot '{tag}' of job '{job}' holds {_grid(taken)} parts, and the job that"
-            f" loads it {want}: a snapshot loads into the"
+            f"snapshot '{tag}' of job '{job}' holds {_said(_dims(taken))} parts, and the job"
+            f" that loads it {_said(layout)}: a snapshot loads into the"
             " pipeline and tensor layout it was taken in (the data-parallel size may change)."
             " To carry the weights to another layout, export the snapshot (paramshard export"
             " --snapshot DIR --out FILE) and load_state_dict it; the optimizer's state does not"
@@ -214,11 +213,15 @@ def _snapshot_parts(
     return {k: r["job"] for k, r in sorted(found.items())}, tag
 
 
-def _grid(parts: Iterable[tuple[int, int]]) -> str:
-    """A 3D job's layout from its parts: "2 stage(s) x 2 tensor rank(s)" (a part missing
-    inside it is check_complete's to name)."""
+def _dims(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """A 3D job's (stages, tensor ranks) from its parts (a part missing inside the grid is
+    check_complete's to name)."""
     keys = list(parts)
-    return f"{max(s for s, _ in keys) + 1} stage(s) x {max(t for _, t in keys) + 1} tensor rank(s)"
+    return max(s for s, _ in keys) + 1, max(t for _, t in keys) + 1
+
+
+def _said(dims: tuple[int, int]) -> str:
+    return f"{dims[0]} stage(s) x {dims[1]} tensor rank(s)"
 
 
 def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> list[int]:

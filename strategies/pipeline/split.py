@@ -316,7 +316,7 @@ class StageRunner:
                     f"pipeline stage {self.index}: no tensor that needs a gradient reaches"
                     f" '{cut.unit}' (where stage {self.index + 1} begins)"
                 ) from None
-            self._check_reach([leaves[i] for i in slots])
+            self._check_reach([leaves[i] for i in slots], self._stand_ins)
             return [leaves[i] for i in slots], None
         finally:
             self.active, self._received = False, []
@@ -334,13 +334,13 @@ class StageRunner:
         return None, out
 
     def _check_reach(
-        self, results: list[Any], stand_ins: dict[int, tuple[torch.Tensor, str]] | None = None
+        self, results: list[Any], stand_ins: dict[int, tuple[torch.Tensor, str]]
     ) -> None:
         """Raises when ``results`` (what this stage sends on, or the model's output) were
         computed from a stand-in's zeros: a value an earlier stage makes that reaches past
         this stage's first module other than as its argument, which is all a stage receives.
         Found through the autograd graph, so only for values that need a gradient."""
-        unit = reached(results, self._stand_ins if stand_ins is None else stand_ins, self._replaced)
+        unit = reached(results, stand_ins, self._replaced)
         if unit is not None:
             raise RuntimeError(
                 f"pipeline stage {self.index} computes with the output of '{unit}', a"
