@@ -30,9 +30,9 @@ from paramshard.client.tensor_parts import (
 from paramshard.protos import codec
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, new_manifest, taken_order
-from paramshard.protos.placement import MAX_SERVERS, parse_part_job, restore_placement
+from paramshard.protos.placement import MAX_SERVERS, parse_part_job, part_job, restore_placement
 
-__all__ = ["snapshot", "restore", "list_snapshots"]
+__all__ = ["OtherLayout", "snapshot", "restore", "list_snapshots"]
 
 
 def _every_call(client: ShardClient, calls: list[Call]) -> list[Any]:
@@ -181,16 +181,20 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
 
 
 def _snapshot_parts(
-    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str, layout: Any = None
+    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str, layout: Any, into: str
 ) -> tuple[dict[tuple[int, int], str], str]:
     """For restoring ``job``: its parts with snapshot ``tag`` and that tag resolved, when
-    ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job."""
+    ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job.
+    The parts registered live must all be in the snapshot, unless ``layout`` says what the
+    live job's is (a snapshot of another is refused: OtherLayout) or it is loaded ``into``
+    another name."""
     if job in held.status or any(r["job"] == job for r in rows):
         return {}, tag
     by_tag = part_snapshots(job, rows)
     if not by_tag:
         return {}, tag
-    expected = list(find_parts(job, held.jobs).values())  # a registered job has all its parts
+    live = layout is None and not into  # a registered job has all its parts
+    expected = list(find_parts(job, held.jobs).values()) if live else []
     if tag == "latest":
         tag = newest_complete_tag(job, by_tag, expected)
     if tag not in by_tag:
@@ -201,16 +205,24 @@ def _snapshot_parts(
     recorded = recorded_parts(found.values())
     taken = set(found) | set(find_parts(job, recorded))  # the layout the snapshot was taken in
     if layout is not None and _dims(taken) != tuple(layout):
-        raise PartsError(
+        raise OtherLayout(
+            tag,
             f"snapshot '{tag}' of job '{job}' holds {_said(_dims(taken))} parts, and the job"
-            f" that loads it {_said(layout)}: a snapshot loads into the"
-            " pipeline and tensor layout it was taken in (the data-parallel size may change)."
-            " To carry the weights to another layout, export the snapshot (paramshard export"
-            " --snapshot DIR --out FILE) and load_state_dict it; the optimizer's state does not"
-            " carry"
+            f" that loads it {_said(layout)}: a restore loads a snapshot into the pipeline and"
+            " tensor layout it was taken in (the data-parallel size may change); the model's"
+            " load_checkpoint carries it to another layout",
         )
     check_complete(job, found, expected + recorded, f"snapshot '{tag}' of job '{job}'")
     return {k: r["job"] for k, r in sorted(found.items())}, tag
+
+
+class OtherLayout(PartsError):
+    """A 3D snapshot taken in another pipeline x tensor layout than the restore's; ``tag``:
+    the snapshot's (resolved, where "latest" was asked)."""
+
+    def __init__(self, tag: str, message: str) -> None:
+        super().__init__(message)
+        self.tag = tag
 
 
 def _dims(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
@@ -244,6 +256,7 @@ def restore(
     tag: str = "latest",
     contributors: int = 0,
     layout: tuple[int, int] | None = None,
+    into: str = "",
 ) -> int:
     """Loads snapshot ``tag`` into the servers (any number: resharded); returns its version.
 
@@ -253,18 +266,22 @@ def restore(
     part has). Every job is read and checked on every server before any server swaps any.
     ``layout``: (stages, tensor ranks) of the 3D model that loads it; a snapshot of another
     is refused before anything is restored (the live parts cannot say: a recovery finds some
-    of them lost)."""
+    of them lost). ``into``: loads it as that job (a 3D job's parts as ``into``'s parts)
+    beside the live ones, which stay as they are; the servers refuse a name they hold."""
     held = server_jobs(client)
     try:
         rows = list_snapshots(client)
     except ShardClientError:
         rows = []  # no snapshot directory and the like: the servers' Restore says so
-    parts, tag = _snapshot_parts(held, rows, job, tag, layout)
+    parts, tag = _snapshot_parts(held, rows, job, tag, layout, into)
     jobs = list(parts.values()) or [job]
     if tag == "latest" and not parts:  # the newest, as the servers would resolve it
         tag = next((r["tag"] for r in reversed(rows) if r["job"] == job), tag)
     recorded = {r["job"]: r for r in rows if r["tag"] == tag}
-    servers = {j: _restore_servers(held, recorded.get(j), j) for j in jobs}
+    named = {j: into for j in jobs}  # the names loaded as ("": their own)
+    if into and parts:
+        named = {j: part_job(into, s, t) for (s, t), j in parts.items()}
+    servers = {j: _restore_servers(held, recorded.get(j), named[j] or j) for j in jobs}
 
     def calls(tag: str, check_only: bool) -> list[Call]:
         return [
@@ -279,6 +296,7 @@ def restore(
                     contributors=contributors,
                     check_only=check_only,
                     run=client.run_id,  # a rank recovering its own job (or a tool: no run)
+                    into=named[j],
                 ),
             )
             for j in jobs

@@ -47,6 +47,7 @@ __all__ = [
     "job_params",
     "live_params",
     "live_model_config",
+    "part_param",
     "pull_param",
     "get_param",
     "inspect",
@@ -220,9 +221,10 @@ def job_params(client: ShardClient, job: str) -> list[ParamRef]:
     return param_refs(held.status[job])
 
 
-def _part_param(
-    client: ShardClient, job: str, r: ParamRef, versions: list[int] | None
+def part_param(
+    client: ShardClient, job: str, r: ParamRef, versions: list[int] | None = None, state: str = ""
 ) -> PartParam:
+    """``r`` of part job ``job``, read through ``pull_param`` (``state``: that state array)."""
     return PartParam(
         r.name,
         r.shape,
@@ -230,7 +232,7 @@ def _part_param(
         r.dtype,
         r.aliases,
         r.split,
-        read=lambda: pull_param(client, job, r, versions),
+        read=lambda: pull_param(client, job, r, versions, state),
     )
 
 
@@ -287,7 +289,7 @@ def live_params(
     params = {}
     for k, rs in refs.items():
         view = held.view(parts[k])
-        params[k] = [_part_param(view, parts[k], r, versions) for r in rs]
+        params[k] = [part_param(view, parts[k], r, versions) for r in rs]
         where.update(((parts[k], r.name), _holders(held, parts[k], r)) for r in rs)
     whole = join_parts(job, params, parts)
     out = [
@@ -331,12 +333,12 @@ def get_param(client: ShardClient, job: str, name: str) -> np.ndarray:
 
 
 def pull_param(
-    client: ShardClient, job: str, ref: ParamRef, versions: list[int] | None = None
+    client: ShardClient, job: str, ref: ParamRef, versions: list[int] | None = None, state: str = ""
 ) -> np.ndarray:
-    """``ref``'s values, flat, in its buffer's master dtype. ``versions``: the version of each
-    piece (a server's chunk; PullParamsHeader.version, read with the values under the slice's
-    lock) is appended to it: pieces of one parameter on two servers may differ while a step
-    is being applied.
+    """``ref``'s values (``state``: that optimizer state array's), flat, in its buffer's master
+    dtype. ``versions``: the version of each piece (a server's chunk; PullParamsHeader.version,
+    read with the values under the slice's lock) is appended to it: pieces of one parameter
+    on two servers may differ while a step is being applied.
 
     The chunks are pulled ``max_in_flight`` at a time: ``run`` returns every reply it was
     given, so one run of all of them would hold a second copy of the whole tensor in the
@@ -351,6 +353,7 @@ def pull_param(
         dtype=ref.master_dtype,
         start=ref.offset,
         numel=ref.buffer_numel,
+        state=state,
         headers=headers,
     )
     group = max(1, client.max_in_flight)

@@ -772,7 +772,7 @@ class CommitSnapshotReply(_message.Message):
     def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("job", "tag", "server_index", "num_servers", "contributors", "check_only", "run")
+    __slots__ = ("job", "tag", "server_index", "num_servers", "contributors", "check_only", "run", "into")
     JOB_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SERVER_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -780,6 +780,7 @@ class RestoreRequest(_message.Message):
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
     CHECK_ONLY_FIELD_NUMBER: _ClassVar[int]
     RUN_FIELD_NUMBER: _ClassVar[int]
+    INTO_FIELD_NUMBER: _ClassVar[int]
     job: str
     tag: str
     server_index: int
@@ -787,7 +788,8 @@ class RestoreRequest(_message.Message):
     contributors: int
     check_only: bool
     run: str
-    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., contributors: _Optional[int] = ..., check_only: _Optional[bool] = ..., run: _Optional[str] = ...) -> None: ...
+    into: str
+    def __init__(self, job: _Optional[str] = ..., tag: _Optional[str] = ..., server_index: _Optional[int] = ..., num_servers: _Optional[int] = ..., contributors: _Optional[int] = ..., check_only: _Optional[bool] = ..., run: _Optional[str] = ..., into: _Optional[str] = ...) -> None: ...
 
 class RestoreReply(_message.Message):
     __slots__ = ("tag", "version", "buffers")

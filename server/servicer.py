@@ -356,7 +356,7 @@ class ShardServicer:
 
     def restore(self, req: pb.RestoreRequest, context: Any) -> Any:
         reply = self.snapshot_calls.restore(req)
-        if not req.check_only:
+        if not req.check_only and not req.into:  # a job read out beside the others: no placement
             self.server_index, self.num_servers = req.server_index, req.num_servers
         return reply
 

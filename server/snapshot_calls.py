@@ -164,7 +164,10 @@ class SnapshotCalls:
 
     def restore(self, req: pb.RestoreRequest) -> Any:
         check_placement(req.server_index, req.num_servers, "restore")
-        self._check_not_training(req)
+        if req.into:
+            self._check_new(req)
+        else:
+            self._check_not_training(req)
         tag = self.snapshots.latest(req.job) if req.tag == "latest" else req.tag
         with self._use(req.job, tag):
             reply = self._restore(req, tag)
@@ -182,17 +185,20 @@ class SnapshotCalls:
                  for name, info in manifest["buffers"].items()]  # fmt: skip
         for spec in specs:  # a manifest is a caller's file (CommitSnapshot): checked as sent
             check_spec(spec, "Restore")
-        self.buffers.check_room(req.job, specs, f"restore of job '{req.job}'")
+        target = req.into or req.job
+        what = f"restore of job '{req.job}'" + (f" as '{req.into}'" if req.into else "")
+        self.buffers.check_room(target, specs, what)
         # paid for first: the slices built, and their params and state as read from the files
         need = sum(slice_bytes(spec) + _read_bytes(spec, layout) for spec in specs)
-        self.buffers.budget.reserve(need, "snapshots", f"restore of job '{req.job}'")
+        self.buffers.budget.reserve(need, "snapshots", what)
         try:
             slices = [self._restored(req, tag, manifest, layout, spec) for spec in specs]
         finally:
             self.buffers.budget.release(need, "snapshots")
         if req.check_only:
             return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
-        self.buffers.replace_job(req.job, slices, "snapshot")  # all read and checked: in one go
+        # all read and checked: in one go (as a new job only, under another name)
+        self.buffers.replace_job(target, slices, "snapshot", new=bool(req.into))
         return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
 
     @staticmethod
@@ -201,7 +207,7 @@ class SnapshotCalls:
     ) -> pb.RegisterBufferRequest:
         """Buffer ``name`` of a snapshot's manifest, as this server registers its slice."""
         return pb.RegisterBufferRequest(
-            ref=pb.BufferRef(job=req.job, buffer=name),
+            ref=pb.BufferRef(job=req.into or req.job, buffer=name),
             numel=info["numel"],
             num_servers=req.num_servers,
             server_index=req.server_index,
@@ -234,6 +240,15 @@ class SnapshotCalls:
         return BufferSlice.restored(
             spec, manifest["version"], read("params"), state, row["step_count"]
         )
+
+    def _check_new(self, req: pb.RestoreRequest) -> None:
+        """A restore ``into`` another name makes a new job: it never replaces one (a job of
+        its own run's, or anyone's, would be swapped under its ranks)."""
+        if req.into in self.buffers.jobs():
+            raise ShardError.precondition(
+                f"restore of job '{req.job}' as '{req.into}': a job '{req.into}' is on this"
+                " server already; restore as a new name, or drop that job first"
+            )
 
     def _check_not_training(self, req: pb.RestoreRequest) -> None:
         """Refuses to restore a job whose run trains it (its ranks hold leases here) unless a

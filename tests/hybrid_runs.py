@@ -22,14 +22,14 @@ FIRST, AGAIN = 3, 2  # steps before the checkpoint, steps after it (done twice)
 CFG = GPTConfig.tiny(vocab_size=50, bias=False, n_layer=4)  # tied embeddings (the default)
 
 
-def initial_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+def initial_weights(seed: int = 0, cfg: GPTConfig = CFG) -> dict[str, torch.Tensor]:
     """Float64 initial weights."""
     torch.manual_seed(seed)
-    return {k: v.clone() for k, v in GPT(CFG).double().state_dict().items()}
+    return {k: v.clone() for k, v in GPT(cfg).double().state_dict().items()}
 
 
-def new_gpt() -> GPT:
-    return GPT(CFG).double()
+def new_gpt(cfg: GPTConfig = CFG) -> GPT:
+    return GPT(cfg).double()
 
 
 def batches(steps: int) -> torch.Tensor:
@@ -45,14 +45,21 @@ def sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def run_hybrid(
-    pp: int, tp: int, dp: int, addresses: list[str], job: str, body: Any, make_opt: Any = adamw
+    pp: int,
+    tp: int,
+    dp: int,
+    addresses: list[str],
+    job: str,
+    body: Any,
+    make_opt: Any = adamw,
+    cfg: GPTConfig = CFG,
 ) -> list:
     """``body(model, opt, train)`` on every rank of a (pp, tp, dp) world, as threads; ``train(s)``
     runs step ``s`` of ``batches`` on this rank's share and returns the loss."""
     world = pp * tp * dp
     run = uuid.uuid4().hex[:6]
     data = batches(FIRST + AGAIN)
-    init = initial_weights()  # once: the threads share torch's global generator
+    init = initial_weights(cfg=cfg)  # once: the threads share torch's global generator
 
     def rank(r: int) -> Any:
         client = ShardClient(
@@ -60,7 +67,7 @@ def run_hybrid(
         )
         try:
             config = ShardingConfiguration(client, job=job)
-            net = new_gpt()
+            net = new_gpt(cfg)
             net.load_state_dict(init)
             model = HybridShardedModel(
                 net,

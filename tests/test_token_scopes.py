@@ -194,6 +194,9 @@ EXTRA = [  # more ways to touch team B's run and job
     ),  # fmt: skip
     # a restore naming team B's run as its own: the guard's refusal would tell of its ranks
     ("Restore", pb.RestoreRequest(job="team-a-job", tag="t1", num_servers=1, run=B_RUN)),
+    # its own snapshot loaded as a job of team B's: B's name, or a new one in B's names
+    ("Restore", pb.RestoreRequest(job="team-a-job", tag="t1", num_servers=1, into=B_JOB)),
+    ("Restore", pb.RestoreRequest(job="team-a-job", tag="t1", num_servers=1, into="team-b-x")),
     # its own job, team B's run: the decision would tell whose leases in that run are alive
     (
         "Join",

@@ -170,16 +170,25 @@ class BufferStore:
         with self._lock:
             self._check_quota(job, sum(map(slice_bytes, specs)), what, replacing=True)
 
-    def replace_job(self, job: str, slices: list[BufferSlice], how: str) -> None:
+    def replace_job(self, job: str, slices: list[BufferSlice], how: str, new: bool = False) -> None:
         """Swaps a job's buffers for restored ones in one go; waiters on the old ones wake.
-        ``how``: "snapshot" or "replica" (``added``)."""
+        ``how``: "snapshot" or "replica" (``added``). ``new``: the job must not exist (a
+        restore under another name): FAILED_PRECONDITION, nothing changed, when it does."""
         need = [slice_bytes(b.spec) for b in slices]
         self.budget.reserve(sum(need), "buffers", f"restore of job '{job}'")
         for b, n in zip(slices, need, strict=True):
             b.budget, b.reserved, b.turns, b.news = self.budget, n, self.turns, self.news
         with self._lock:
-            old = self._jobs.pop(job, {})
-            self._jobs[job] = {b.name: b for b in slices}
+            taken = new and job in self._jobs
+            if not taken:
+                old = self._jobs.pop(job, {})
+                self._jobs[job] = {b.name: b for b in slices}
+        if taken:
+            self.budget.release(sum(need), "buffers")
+            raise ShardError.precondition(
+                f"restore as '{job}': a job of that name is on this server already (made"
+                " meanwhile); restore as a new name, or drop that job first"
+            )
         for b in old.values():
             b.retire()
         self.added(job, slices, how)

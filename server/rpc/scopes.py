@@ -181,6 +181,9 @@ class Route:
     its job, and the run whose leases decide the members; RegisterBuffer: the run whose ranks
     push to the buffer, which a client without peers leaves empty; Restore: the run of the rank
     that asks)."""
+    into_path: tuple[str, ...] = ()
+    """Where the request also names a job it makes, which must be in ``jobs=`` when it names
+    one (Restore: ``into``, the name a snapshot is loaded as)."""
 
     @property
     def checked(self) -> bool:
@@ -214,7 +217,11 @@ ROUTES: dict[str, Route] = {
     "CommitSnapshot": _job("job"),
     "DeleteSnapshot": _job("job"),
     "Restore": Route(
-        "job", ("job",), "`job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
+        "job",
+        ("job",),
+        "`job` in `jobs=`, `into`, when given, in `jobs=`, and `run`, when given, in `runs=`",
+        ("run",),
+        ("into",),
     ),
     "ListSnapshots": Route("listing", ("job",), "`job` in `jobs=`; empty: only jobs in `jobs=`"),
     "ConfigureReplication": _job("job"),
@@ -248,6 +255,7 @@ def _numbers(method: str, path: tuple[str, ...]) -> tuple[int, ...]:
 
 _NUMBERS = {m: _numbers(m, r.path) for m, r in ROUTES.items() if r.path}
 _RUN_NUMBERS = {m: _numbers(m, r.run_path) for m, r in ROUTES.items() if r.run_path}
+_INTO_NUMBERS = {m: _numbers(m, r.into_path) for m, r in ROUTES.items() if r.into_path}
 
 
 def _last(buf: Any, numbers: tuple[int, ...], budget: list[int]) -> Any:
@@ -297,9 +305,12 @@ def named(method: str, raw: Any, numbers: tuple[int, ...] | None = None) -> str:
         raise codec.DecodeError(f"a name is not UTF-8: {exc.reason}") from None
 
 
-def _outside(scope: Scope, route: Route, name: str, also: str | None = None) -> str | None:
+def _outside(
+    scope: Scope, route: Route, name: str, also: str | None = None, into: str | None = None
+) -> str | None:
     """Why ``name`` is outside ``scope`` for ``route``, or ``also``, the run a job's route
-    names at its ``run_path`` (None: inside)."""
+    names at its ``run_path``, or ``into``, the job it names at its ``into_path`` (None:
+    inside)."""
     if route.kind == "key":
         run = run_of_key(name)
         return None if scope.allows_run(run) else f"run '{run}' (of slot key {name[:128]!r})"
@@ -313,6 +324,8 @@ def _outside(scope: Scope, route: Route, name: str, also: str | None = None) -> 
         return f"run {name[:128]!r}"
     if also and not scope.allows_run(also):
         return f"run {also[:128]!r}"
+    if into and not scope.allows_job(into):
+        return f"job {into[:128]!r}"
     return None
 
 
@@ -331,12 +344,13 @@ def refusal(scope: Scope, method: str, raw: Any) -> tuple[grpc.StatusCode, str] 
     try:
         name = named(method, raw)
         run = named(method, raw, _RUN_NUMBERS[method]) if route.run_path else None
+        into = named(method, raw, _INTO_NUMBERS[method]) if route.into_path else None
     except codec.DecodeError as exc:
         return (
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: request does not parse as a {method} message: {exc}",
         )
-    what = _outside(scope, route, name, run)
+    what = _outside(scope, route, name, run, into)
     if what is None:
         return None
     return (
@@ -357,7 +371,8 @@ def mismatch(scope: Scope, method: str, request: Any) -> tuple[grpc.StatusCode, 
     if not hasattr(request, "DESCRIPTOR"):
         return None  # Malformed: INVALID_ARGUMENT follows
     run = _field_at(request, route.run_path) if route.run_path else None
-    what = _outside(scope, route, _field_at(request, path), run)
+    into = _field_at(request, route.into_path) if route.into_path else None
+    what = _outside(scope, route, _field_at(request, path), run, into)
     if what is None:
         return None
     return (

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -168,3 +169,22 @@ class TorchOptimizerState:
                     optimizer_steps=count,
                 )
         self.step_group().barrier()
+
+    def load_carried(
+        self, value: Callable[[str, str], torch.Tensor], keys: list[str], steps: int, version: int
+    ) -> None:
+        """Another layout's parameters and optimizer state: ``value(name, "")`` this rank's
+        part of parameter ``name``, ``value(name, key)`` of its state array ``key``, written
+        as version ``version`` with the optimizer at step ``steps`` (client/carry.py). Every
+        rank of the job calls it, then ``adopt_server_version``."""
+        entries = [
+            (e, p) for b in self._flat_buffers for e, p in zip(b.entries, b.params, strict=True)
+        ]
+        self._step = version  # the values are written as the snapshot's version
+        self._load_full_state({e.name: value(e.name, "") for e, _ in entries})
+        if keys:
+            step = torch.tensor(float(steps))
+            states = {
+                id(p): {"step": step, **{k: value(e.name, k) for k in keys}} for e, p in entries
+            }
+            self.load_optimizer_state(states)
