@@ -12,19 +12,17 @@ part on every server before any server swaps any.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from paramshard.client.jobs import ServerJobs, server_jobs
 from paramshard.client.rpc import Call, ShardClientError, unusable_reply
 from paramshard.client.shard_client import ShardClient
+from paramshard.client.snapshot_layouts import snapshot_parts
 from paramshard.client.tensor_parts import (
     PartsError,
     check_complete,
     find_parts,
-    newest_complete_tag,
-    part_snapshots,
     recorded_parts,
 )
 from paramshard.protos import codec
@@ -32,7 +30,7 @@ from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, new_manifest, taken_order
 from paramshard.protos.placement import MAX_SERVERS, parse_part_job, part_job, restore_placement
 
-__all__ = ["OtherLayout", "snapshot", "restore", "list_snapshots"]
+__all__ = ["snapshot", "restore", "list_snapshots"]
 
 
 def _every_call(client: ShardClient, calls: list[Call]) -> list[Any]:
@@ -180,62 +178,6 @@ def snapshot(client: ShardClient, job: str, tag: str) -> dict[str, Any]:
     return manifests[job]
 
 
-def _snapshot_parts(
-    held: ServerJobs, rows: list[dict[str, Any]], job: str, tag: str, layout: Any, into: str
-) -> tuple[dict[tuple[int, int], str], str]:
-    """For restoring ``job``: its parts with snapshot ``tag`` and that tag resolved, when
-    ``job`` is a 3D job's base name with snapshots of its parts; ({}, tag) for a plain job.
-    The parts registered live must all be in the snapshot, unless ``layout`` says what the
-    live job's is (a snapshot of another is refused: OtherLayout) or it is loaded ``into``
-    another name."""
-    if job in held.status or any(r["job"] == job for r in rows):
-        return {}, tag
-    by_tag = part_snapshots(job, rows)
-    if not by_tag:
-        return {}, tag
-    live = layout is None and not into  # a registered job has all its parts
-    expected = list(find_parts(job, held.jobs).values()) if live else []
-    if tag == "latest":
-        tag = newest_complete_tag(job, by_tag, expected)
-    if tag not in by_tag:
-        raise KeyError(
-            f"job '{job}' has no snapshot '{tag}' of its parts; tags: {', '.join(sorted(by_tag))}"
-        )
-    found = by_tag[tag]
-    recorded = recorded_parts(found.values())
-    taken = set(found) | set(find_parts(job, recorded))  # the layout the snapshot was taken in
-    if layout is not None and _dims(taken) != tuple(layout):
-        raise OtherLayout(
-            tag,
-            f"snapshot '{tag}' of job '{job}' holds {_said(_dims(taken))} parts, and the job"
-            f" that loads it {_said(layout)}: a restore loads a snapshot into the pipeline and"
-            " tensor layout it was taken in (the data-parallel size may change); the model's"
-            " load_checkpoint carries it to another layout",
-        )
-    check_complete(job, found, expected + recorded, f"snapshot '{tag}' of job '{job}'")
-    return {k: r["job"] for k, r in sorted(found.items())}, tag
-
-
-class OtherLayout(PartsError):
-    """A 3D snapshot taken in another pipeline x tensor layout than the restore's; ``tag``:
-    the snapshot's (resolved, where "latest" was asked)."""
-
-    def __init__(self, tag: str, message: str) -> None:
-        super().__init__(message)
-        self.tag = tag
-
-
-def _dims(parts: Iterable[tuple[int, int]]) -> tuple[int, int]:
-    """A 3D job's (stages, tensor ranks) from its parts (a part missing inside the grid is
-    check_complete's to name)."""
-    keys = list(parts)
-    return max(s for s, _ in keys) + 1, max(t for _, t in keys) + 1
-
-
-def _said(dims: tuple[int, int]) -> str:
-    return f"{dims[0]} stage(s) x {dims[1]} tensor rank(s)"
-
-
 def _restore_servers(held: ServerJobs, row: dict[str, Any] | None, job: str) -> list[int]:
     """Where to restore ``job``: the servers it is registered on (a trainer registered it
     before restoring); else, in the cluster the snapshot was taken in, the servers it was on
@@ -273,7 +215,7 @@ def restore(
         rows = list_snapshots(client)
     except ShardClientError:
         rows = []  # no snapshot directory and the like: the servers' Restore says so
-    parts, tag = _snapshot_parts(held, rows, job, tag, layout, into)
+    parts, tag = snapshot_parts(held, rows, job, tag, layout, into)
     jobs = list(parts.values()) or [job]
     if tag == "latest" and not parts:  # the newest, as the servers would resolve it
         tag = next((r["tag"] for r in reversed(rows) if r["job"] == job), tag)

@@ -7,16 +7,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-import torch
-
-from paramshard.client.carry import carry_name, drop_carried, read_carried
-from paramshard.client.checkpoints import OtherLayout
+from paramshard.client.carry import restore_or_carry
 from paramshard.client.tensor_parts import part_job
-from paramshard.protos.slicing import tensor_parallel_ranges
 from paramshard.strategies.data_parallel.checkpoints import confirm_kept
 from paramshard.strategies.data_parallel.elastic_checkpoints import server_versions
-from paramshard.strategies.tensor.gather import tensor_parallel_part
 
 __all__ = ["HybridCheckpoints"]
 
@@ -57,76 +51,28 @@ class HybridCheckpoints:
         """Restores snapshot ``tag`` of the whole model (resharded over these servers if their
         number changed) and continues from its step. All parts are checked on every server
         before any is swapped in, and "latest" is the newest tag every part has. A snapshot
-        taken in another pipeline x tensor layout is carried to this one, parameters and
-        optimizer state (``_load_carried``). Every rank calls it."""
-        from paramshard.client import tools
-
-        replica, world, job = self.replica, self.config.client, self.config.job
+        taken in another pipeline x tensor layout, or of a data-parallel job, is carried to
+        this one, parameters and optimizer state (client/carry.py). Every rank calls it."""
+        replica, world = self.replica, self.config.client
         if not replica.registered:
             raise RuntimeError("load_checkpoint needs a HybridShardedOptimizer attached first")
         replica.ensure_idle()
         world.barrier()  # nobody still reads the old state when rank 0 replaces it
-        carried = np.zeros(1, dtype=np.int64)
-        if world.rank == 0:
-            layout = (self.topology.pipeline_parallel_size, self.topology.tensor_parallel_size)
-            try:
-                tools.restore(world, job, tag, self.data_parallel_size, layout)
-            except OtherLayout as other:  # loaded beside the live parts, to be carried
-                drop_carried(world, job)  # what a carry that failed may have left
-                tools.restore(world, job, other.tag, into=carry_name(job))
-                carried[0] = 1
-        if world.broadcast(carried)[0]:
-            try:
-                self._load_carried()
-            finally:
-                world.barrier()  # every rank has read what it needs
-                if world.rank == 0:
-                    drop_carried(world, job)
+        layout = (self.topology.pipeline_parallel_size, self.topology.tensor_parallel_size)
+        restore_or_carry(
+            world,
+            self.config.job,
+            tag,
+            self.data_parallel_size,
+            layout,
+            lambda carried: replica.load_carried(carried, world),
+        )
         world.barrier()
         self._loaded = None if tag == "latest" else (tag, time.time())
         version = replica.adopt_server_version()
         self._invalidate()
         world.barrier()
         return version
-
-    def _load_carried(self) -> None:
-        """This rank's parameters and optimizer state from the snapshot loaded as
-        ``carry_name(job)``: each whole tensor its stage holds, cut to its tensor part. Every
-        rank checks its names and shapes before any rank writes."""
-
-        world, splits = self.config.client, self.replica.param_splits
-        carried = read_carried(world, self.config.job)
-        wrong = []
-        for name, shape in self._shapes.items():
-            if name not in carried.params:
-                wrong.append(f"'{name}' is not in the snapshot")
-                continue
-            whole = list(carried.params[name].shape)
-            want = list(whole)
-            if name in splits:
-                s, dim = splits[name], splits[name]["split_dim"]
-                try:
-                    ranges = tensor_parallel_ranges(
-                        whole[dim], *(s[k] for k in ("split_parts", "split_index")),
-                        s["split_packed"], s["split_unit"],
-                    )  # fmt: skip
-                except ValueError as exc:  # a size this split cannot cut
-                    wrong.append(f"'{name}' is {whole} in the snapshot: {exc}")
-                    continue
-                want[dim] = sum(map(len, ranges))
-            if want != list(shape):
-                wrong.append(f"'{name}' is {whole} in the snapshot, {list(shape)} here")
-        if world.all_reduce(np.array([len(wrong)], dtype=np.int64))[0]:
-            raise RuntimeError(
-                f"load_checkpoint: the snapshot of job '{self.config.job}' does not fit this"
-                f" model: {'; '.join(wrong) or 'on another rank (see its error)'}"
-            )
-
-        def value(name: str, key: str) -> torch.Tensor:
-            whole = torch.from_numpy(carried.whole(name, key))
-            return tensor_parallel_part(whole, **splits[name]) if name in splits else whole
-
-        self.replica.load_carried(value, list(carried.states), carried.steps, carried.version)
 
     # -- recovery (strategies.train_with_recovery) -----------------------------------------------
     @property

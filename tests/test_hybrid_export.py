@@ -352,6 +352,7 @@ CARRY_TO = {(2, 2, 2): (1, 2, 2), (1, 2, 1): (2, 1, 1), (2, 1, 1): (1, 2, 1)}
 """The layout each trained one's snapshot is loaded into: stages and tensor ranks both change."""
 
 
+@pytest.mark.equivalence
 def test_load_checkpoint_carries_a_snapshot_to_another_layout(trained):
     """A snapshot taken in one pipeline x tensor layout loads into another, as torchtitan's
     and Megatron's checkpoints reshard on load: the same parameters, bitwise, and AGAIN steps

@@ -12,7 +12,9 @@ import grpc
 import numpy as np
 
 from paramshard.client import ShardClientError, restarts
+from paramshard.client.carry import restore_or_carry
 from paramshard.client.run_state import Notice
+from paramshard.client.snapshot_layouts import PLAIN
 from paramshard.strategies.data_parallel.elastic import REBUILD_POLL_S
 from paramshard.strategies.data_parallel.elastic_checkpoints import ElasticCheckpoints, job_versions
 
@@ -24,6 +26,8 @@ log = logging.getLogger("paramshard.recovery")
 class ServerCheckpoints(ElasticCheckpoints):
     """Mixed into ``ServerShardedModel``: every rank calls these at the same point (an
     elastic job: every member of the step, strategies/data_parallel/elastic_checkpoints.py)."""
+
+    load_carried: Any  # strategies/data_parallel/server_optim.py
 
     restarted_alone = False
     """This process is a rank of a fixed-world job restarted alone (``paramshard launch
@@ -50,7 +54,9 @@ class ServerCheckpoints(ElasticCheckpoints):
 
     def load_checkpoint(self, tag: str = "latest") -> int:
         """Restores snapshot ``tag`` into the servers (resharded if their number changed) and
-        continues from its step. Every rank calls it at the same point; returns that step."""
+        continues from its step. A snapshot of a 3D job (``HybridShardedModel``) under this
+        job's name is carried to this model, parameters and optimizer state
+        (client/carry.py). Every rank calls it at the same point; returns that step."""
         from paramshard.client import tools
 
         if not self.registered:
@@ -59,8 +65,15 @@ class ServerCheckpoints(ElasticCheckpoints):
             return self._elastic_load(tag)
         self.ensure_idle()
         self.client.barrier()  # nobody still reads the old state when rank 0 replaces it
+        restore_or_carry(
+            self.client,
+            self.config.job,
+            tag,
+            self.world_size,
+            PLAIN,
+            lambda carried: self.load_carried(carried, self.client),
+        )
         if self.rank == 0:
-            tools.restore(self.client, self.config.job, tag, contributors=self.world_size)
             if self.config.replicate_every:
                 tools.configure_replication(
                     self.client, self.config.job, self.config.replicate_every

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from paramshard.strategies.device import Landing, device_of, to_host
-from paramshard.strategies.layout import torch_dtype
+from paramshard.strategies.layout import flatten, torch_dtype
+
+if TYPE_CHECKING:
+    from paramshard.client.carry import Carried
+    from paramshard.client.shard_client import ShardClient
 
 __all__ = ["TorchOptimizerState", "server_hyper", "server_optimizer"]
 
@@ -170,21 +174,48 @@ class TorchOptimizerState:
                 )
         self.step_group().barrier()
 
-    def load_carried(
-        self, value: Callable[[str, str], torch.Tensor], keys: list[str], steps: int, version: int
-    ) -> None:
-        """Another layout's parameters and optimizer state: ``value(name, "")`` this rank's
-        part of parameter ``name``, ``value(name, key)`` of its state array ``key``, written
-        as version ``version`` with the optimizer at step ``steps`` (client/carry.py). Every
-        rank of the job calls it, then ``adopt_server_version``."""
-        entries = [
-            (e, p) for b in self._flat_buffers for e, p in zip(b.entries, b.params, strict=True)
-        ]
-        self._step = version  # the values are written as the snapshot's version
-        self._load_full_state({e.name: value(e.name, "") for e, _ in entries})
-        if keys:
-            step = torch.tensor(float(steps))
-            states = {
-                id(p): {"step": step, **{k: value(e.name, k) for k in keys}} for e, p in entries
-            }
-            self.load_optimizer_state(states)
+    def load_carried(self, carried: Carried, everyone: ShardClient) -> None:
+        """Another layout's parameters and optimizer state (client/carry.py): this job's part
+        of each (``param_splits``), written as the snapshot's version with the optimizer at
+        its step, by the first rank of the job's step, a buffer at a time (the others read
+        nothing). Every rank of the model calls it (``everyone``: their client), and all
+        refuse alike, before any writes, a snapshot whose names or shapes do not fit."""
+        splits = self.param_splits
+        shapes = {e.name: e.shape for b in self._flat_buffers for e in b.entries}
+        wrong = carried.misfits(shapes, splits)
+        same = {carried.optimizer, self._opt_name} <= {"adam", "adamw"}  # torch's alike too
+        if carried.states and carried.optimizer != self._opt_name and not same:
+            wrong.append(
+                f"its optimizer state is {carried.optimizer}'s, this model's optimizer is"
+                f" {self._opt_name}"
+            )
+        if everyone.all_reduce(np.array([len(wrong)], dtype=np.int64))[0]:
+            raise RuntimeError(
+                "load_checkpoint: the snapshot does not fit this model: "
+                + ("; ".join(wrong) or "on another rank (see its error)")
+            )
+        self._step = carried.version  # the values are written as the snapshot's version
+        if self.rank == self.step_members[0]:
+            held = self.client.optimizer_state_info(self.config.job)
+            for b in self._flat_buffers:
+                dtype = torch_dtype(b.master_dtype)
+                # the parameters first (a new version), then every state array: the
+                # snapshot's, and zeros for one this job made that the snapshot has not
+                for key in ("", *sorted(set(carried.states) | set(held[b.name][0]))):
+                    if key and key not in carried.states:
+                        flat = torch.zeros(b.numel, dtype=dtype)
+                    else:
+                        parts = [
+                            torch.from_numpy(carried.part(e.name, key, splits.get(e.name)))
+                            for e in b.entries
+                        ]
+                        flat = flatten(parts, b.numel, dtype)
+                    self.client.set_params(
+                        self.config.job,
+                        b.name,
+                        to_host(flat, flat.dtype),
+                        version=self._step,
+                        state=key,
+                        optimizer_steps=carried.steps if key else 0,
+                    )
+        self.step_group().barrier()
