@@ -4,10 +4,11 @@ data-parallel model (``load_checkpoint`` of each; torchtitan's and Megatron's ch
 reshard on load alike).
 
 The servers alone read snapshots, so the snapshot is loaded beside the live job under another
-name (``carry_name``: ``Restore`` with ``into``; a 3D job's parts as ``<job>.carry.pp<s>.tp<t>``).
-From there each rank reads, whole (tensor-parallel parts joined through client/tensor_parts.py),
-the parameters and optimizer state arrays it holds, cuts its own parts and writes them at the
-snapshot's version; then the loaded copy is dropped (``restore_or_carry``).
+name (``carry_name``: ``Restore`` with ``into``; a 3D job's parts as ``part_job`` of it). From
+there each rank checks that it fits and reads, whole (tensor-parallel parts joined through
+client/tensor_parts.py), the parameters and optimizer state arrays it writes, cut to its own
+parts; once every rank has, they write at the snapshot's version, and the loaded copy is
+dropped (``restore_or_carry``).
 
 Every optimizer state array the servers keep is one value per parameter element (Adam's
 moments, SGD's momentum, Adagrad's and RMSprop's sums), so it is joined and cut as the
@@ -16,13 +17,16 @@ parameter is.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from paramshard.client.checkpoints import restore
+from paramshard.client.drop import drop
 from paramshard.client.jobs import param_refs, part_param, server_jobs
+from paramshard.client.rpc import ShardClientError
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.snapshot_layouts import OtherLayout
 from paramshard.client.tensor_parts import WholeParam, find_parts, join_parts
@@ -30,11 +34,14 @@ from paramshard.protos.slicing import tensor_parallel_ranges
 
 __all__ = ["Carried", "carry_name", "read_carried", "restore_or_carry"]
 
+log = logging.getLogger("paramshard.carry")
 
-def carry_name(job: str) -> str:
-    """The name a snapshot of ``job`` is loaded as while it is carried (a 3D one's parts:
-    ``part_job`` of it)."""
-    return f"{job}.carry"
+
+def carry_name(job: str, run: str) -> str:
+    """The name a snapshot of ``job`` is loaded as while run ``run`` carries it (a 3D one's
+    parts: ``part_job`` of it). The run's own: a retry drops what its failed attempt left,
+    and nothing of another run or job."""
+    return f"{job}.carry-{run}"
 
 
 @dataclass
@@ -98,11 +105,10 @@ class Carried:
         return wrong
 
 
-def read_carried(client: ShardClient, job: str) -> Carried:
-    """What the servers hold of the snapshot loaded as ``carry_name(job)``: nothing is read
-    until a tensor is asked for (``Carried.whole``). A 3D job's parts are checked to fit
+def read_carried(client: ShardClient, base: str) -> Carried:
+    """What the servers hold of the snapshot loaded as ``base`` (``carry_name``): nothing is
+    read until a tensor is asked for (``Carried.whole``). A 3D job's parts are checked to fit
     together."""
-    base = carry_name(job)
     held = server_jobs(client)
     parts = {(0, 0): base} if base in held.status else find_parts(base, held.jobs)
     if not parts:
@@ -136,14 +142,15 @@ def read_carried(client: ShardClient, job: str) -> Carried:
     )
 
 
-def _drop_carried(client: ShardClient, job: str) -> None:
-    """Drops what is loaded as ``carry_name(job)`` from every server (also what a carry that
-    failed left)."""
-    base = carry_name(job)
-    held = server_jobs(client)
-    names = [base] if base in held.status else []
-    for name in names + list(find_parts(base, held.jobs).values()):
-        client.drop_job(name)
+def _drop_copy(client: ShardClient, base: str) -> None:
+    """Drops the copy loaded as ``base``, if any. A server that cannot drop it is logged, not
+    raised: it is this run's name, and its next carry drops it first."""
+    try:
+        drop(client, base)
+    except KeyError:
+        pass  # nothing loaded
+    except (ShardClientError, RuntimeError) as exc:
+        log.warning("the copy '%s' a carry loaded stays on the servers: %s", base, exc)
 
 
 def restore_or_carry(
@@ -152,25 +159,62 @@ def restore_or_carry(
     tag: str,
     contributors: int,
     layout: tuple[int, int],
-    take: Callable[[Carried], None],
+    prepare: Callable[[Carried], Callable[[], None]],
 ) -> None:
     """Every rank of ``client`` calls it: rank 0 restores snapshot ``tag`` of ``job`` for a
-    model of ``layout`` (``snapshot_layouts.PLAIN``, or its (stages, tensor ranks)). A snapshot of
-    another layout is loaded as ``carry_name(job)`` instead, and every rank's ``take`` writes
-    its part of it; then the loaded copy is dropped."""
-    carried = np.zeros(1, dtype=np.int64)
+    model of ``layout`` (``snapshot_layouts.PLAIN``, or its (stages, tensor ranks)). A
+    snapshot of another layout is loaded as ``carry_name`` instead, and each rank's
+    ``prepare`` checks that it fits and reads what the rank writes, returning the writing.
+    Every rank prepares before any writes: a rank that cannot (the snapshot does not fit, a
+    read failed) stops them all, the live job untouched. Then the copy is dropped."""
+    base = carry_name(job, client.run_id)
+    loaded, error = np.zeros(1, dtype=np.int64), None  # 1: loaded to carry; -1: rank 0 failed
     if client.rank == 0:
         try:
-            restore(client, job, tag, contributors, layout)
-        except OtherLayout as other:  # loaded beside the live job, to be carried
-            _drop_carried(client, job)
-            restore(client, job, other.tag, into=carry_name(job))
-            carried[0] = 1
-    if not client.broadcast(carried)[0]:
+            try:
+                restore(client, job, tag, contributors, layout)
+            except OtherLayout as other:  # loaded beside the live job, to be carried
+                _drop_copy(client, base)  # what this run's failed attempt may have left
+                restore(client, job, other.tag, into=base)
+                loaded[0] = 1
+        except Exception as exc:  # noqa: BLE001 - said to every rank, raised below
+            loaded[0], error = -1, exc
+    status = int(client.broadcast(loaded)[0])
+    if error is not None:
+        raise error
+    if status < 0:
+        raise RuntimeError(
+            f"load_checkpoint: rank 0 could not restore snapshot '{tag}' of job '{job}' (its"
+            " error says why); nothing changed"
+        )
+    if status == 0:
         return
+    write, error = None, None
     try:
-        take(read_carried(client, job))
-    finally:
-        client.barrier()  # every rank has read what it needs
-        if client.rank == 0:
-            _drop_carried(client, job)
+        write = prepare(read_carried(client, base))
+    except Exception as exc:  # noqa: BLE001 - every rank learns of it before any writes
+        error = exc
+    failed = _vote(client, error is None)
+    if not failed and write is not None:
+        try:
+            write()
+        except Exception as exc:  # noqa: BLE001 - every rank learns of it
+            error = exc
+        failed = _vote(client, error is None)
+        what = "and the job may be half written: load again"
+    else:
+        what = "before any rank wrote"
+    if client.rank == 0:
+        _drop_copy(client, base)  # every rank is past its reads
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(
+            f"load_checkpoint: another rank could not carry snapshot '{tag}' of job '{job}'"
+            f" to this model (its error says why), {what}"
+        )
+
+
+def _vote(client: ShardClient, ok: bool) -> int:
+    """How many ranks were not ``ok``: every rank reaches it, ok or not."""
+    return int(client.all_reduce(np.array([0 if ok else 1], dtype=np.int64))[0])

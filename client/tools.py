@@ -3,6 +3,7 @@
 - ``client.jobs``: ``job_params``, ``get_param``, ``inspect`` (what the live servers hold);
 - ``client.checkpoints``: ``snapshot``, ``restore``, ``list_snapshots``;
 - ``client.snapshot_deletion``: ``delete_snapshot``, ``prune_snapshots``;
+- ``client.drop``: ``drop`` (a job off every server);
 - ``client.replicas``: neighbour replication (``configure_replication``,
   ``recover_from_replicas``);
 - ``client.export``: ``export`` and the streaming safetensors writer.
@@ -14,6 +15,7 @@ each function asks every server where a job is. A 3D job's base name (``<job>`` 
 """
 
 from paramshard.client.checkpoints import list_snapshots, recovery_tag, restore, snapshot
+from paramshard.client.drop import drop
 from paramshard.client.export import export, export_dtype, whole_items, write_safetensors
 from paramshard.client.jobs import ParamRef, get_param, inspect, job_params
 from paramshard.client.replicas import configure_replication, recover_from_replicas
@@ -30,6 +32,7 @@ __all__ = [
     "recovery_tag",
     "delete_snapshot",
     "prune_snapshots",
+    "drop",
     "configure_replication",
     "recover_from_replicas",
     "export",

@@ -2,7 +2,7 @@
 (paramshard/commands.py); this module builds the parser from them and runs one.
 
 ``serve``: paramshard/serve_cli.py; ``health``: health_cli.py; ``launch``: launch.py;
-``status``: status_cli.py; ``inspect``, ``get``, ``snapshot``, ``snapshots``, ``restore``,
+``status``: status_cli.py; ``inspect``, ``get``, ``snapshot``, ``snapshots``, ``restore``, ``drop``,
 ``delete-snapshot``, ``export``:
 tools_cli.py.
 """

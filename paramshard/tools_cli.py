@@ -1,5 +1,5 @@
-"""``paramshard inspect · get · snapshot · snapshots · restore · delete-snapshot · export``: the
-job tools.
+"""``paramshard inspect · get · snapshot · snapshots · restore · drop · delete-snapshot ·
+export``: the job tools.
 
 Each command is a thin shell over a function of ``client.tools`` (offline export reads the
 snapshot files directly, as a server restoring them does). Every command takes ``--servers``
@@ -242,6 +242,21 @@ def restore(args: argparse.Namespace) -> int:
 
     version = _run(args, tools.restore, args.job, args.tag, args.contributors)
     print(f"restored {args.job}/{args.tag} at version {version}")
+    return 0
+
+
+@command(
+    arg("job", help="the job name (a 3D job's base name: every part)"), SERVERS, RUN, JSON, TIMEOUT
+)
+def drop(args: argparse.Namespace) -> int:
+    """Drop a job from every server that holds it (a 3D job: every part): its parameters,
+    optimizer state, pending steps and replicas. Its snapshots stay. Ranks that still train
+    it fail at their next call; a job the servers keep after its run ended must be dropped
+    before a run of another layout registers the name."""
+    from paramshard.client import tools
+
+    names = _run(args, tools.drop, args.job)
+    print(json.dumps(names) if args.json else "dropped " + ", ".join(names))
     return 0
 
 

@@ -24,7 +24,7 @@ from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.buffers.store import BufferSlice, BufferStore, status_row
 from paramshard.server.rpc.scopes import Scope
 from paramshard.server.runtime.errors import ShardError
-from paramshard.server.runtime.request_bounds import check_placement
+from paramshard.server.runtime.request_bounds import check_name, check_placement
 from paramshard.server.runtime.run_names import run_root
 from paramshard.server.snapshots.deletion import KEPT_NAMED
 from paramshard.server.snapshots.files import SnapshotDir
@@ -164,7 +164,8 @@ class SnapshotCalls:
 
     def restore(self, req: pb.RestoreRequest) -> Any:
         check_placement(req.server_index, req.num_servers, "restore")
-        if req.into:
+        if req.into:  # a job name whatever the snapshot lists (a manifest may list no buffer)
+            check_name(req.into, "job", "Restore")
             self._check_new(req)
         else:
             self._check_not_training(req)

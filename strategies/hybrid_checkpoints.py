@@ -65,7 +65,7 @@ class HybridCheckpoints:
             tag,
             self.data_parallel_size,
             layout,
-            lambda carried: replica.load_carried(carried, world),
+            replica.prepare_carried,
         )
         world.barrier()
         self._loaded = None if tag == "latest" else (tag, time.time())

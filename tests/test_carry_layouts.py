@@ -25,6 +25,7 @@ from hybrid_runs import (
     sgd,
 )
 
+from paramshard.cli import main
 from paramshard.client import ClusterSpec, ShardClient
 from paramshard.client.jobs import server_jobs
 from paramshard.models.gpt import Block
@@ -153,7 +154,7 @@ def test_a_snapshot_before_the_first_step_resets_the_moments(servers):
             assert off <= 1e-9, f"rank {r}: '{name}' is {off:.3g} off"
 
 
-def test_another_optimizers_state_is_refused_before_any_write(servers):
+def test_another_optimizers_state_is_refused_before_any_write(servers, capsys):
     """SGD's momentum loaded by an AdamW model: refused on every rank, parameters kept."""
     job = f"carry-{uuid.uuid4().hex[:6]}"
 
@@ -171,12 +172,13 @@ def test_another_optimizers_state_is_refused_before_any_write(servers):
         return "loaded", False
 
     run_hybrid(1, 2, 1, servers, job, save, make_opt=sgd)
-    c = ShardClient(ClusterSpec(servers))
-    try:  # the servers still hold the job in its old layout: a new one cannot register
-        for t in range(2):
-            c.drop_job(f"{job}.pp0.tp{t}")
-    finally:
-        c.close()
+    # the servers still hold the job in its old layout, which a new layout cannot register
+    # over: `paramshard drop` takes every part off (a name they do not hold is one line)
+    where = ["--servers", ",".join(servers)]
+    assert main(["drop", job, *where]) == 0
+    assert f"dropped {job}.pp0.tp0, {job}.pp0.tp1" in capsys.readouterr().out
+    assert main(["drop", job, *where]) == 1
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
     for said, kept in run_hybrid(2, 1, 1, servers, job, load):
         assert "its optimizer state is sgd's, this model's optimizer is adamw" in said, said
         assert kept

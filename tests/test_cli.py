@@ -249,7 +249,7 @@ def test_a_value_that_is_no_number_is_named_in_words(argv, said, capsys) -> None
         (
             [],
             "usage: paramshard [",
-            "a COMMAND is required: one of delete-snapshot, export, get, health",
+            "a COMMAND is required: one of delete-snapshot, drop, export, get, health",
         ),
         (["health", "--server", "x:1"], "usage: paramshard health", "arguments: --server"),
         (["status", "--bogus"], "usage: paramshard status", "unrecognized arguments: --bogus"),

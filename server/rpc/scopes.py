@@ -182,8 +182,7 @@ class Route:
     push to the buffer, which a client without peers leaves empty; Restore: the run of the rank
     that asks)."""
     into_path: tuple[str, ...] = ()
-    """Where the request also names a job it makes, which must be in ``jobs=`` when it names
-    one (Restore: ``into``, the name a snapshot is loaded as)."""
+    """Where it also names a job it makes, in ``jobs=`` when named (Restore: ``into``)."""
 
     @property
     def checked(self) -> bool:
@@ -195,6 +194,7 @@ def _job(path: str) -> Route:
     return Route("job", tuple(path.split(".")), f"`{path}` in `jobs=`")
 
 
+_RESTORE = "`job` in `jobs=`, `into`, when given, in `jobs=`, and `run`, when given, in `runs=`"
 ROUTES: dict[str, Route] = {
     "RegisterBuffer": Route(
         "job", ("ref", "job"), "`ref.job` in `jobs=` and `run`, when given, in `runs=`", ("run",)
@@ -216,13 +216,7 @@ ROUTES: dict[str, Route] = {
     "Snapshot": _job("job"),
     "CommitSnapshot": _job("job"),
     "DeleteSnapshot": _job("job"),
-    "Restore": Route(
-        "job",
-        ("job",),
-        "`job` in `jobs=`, `into`, when given, in `jobs=`, and `run`, when given, in `runs=`",
-        ("run",),
-        ("into",),
-    ),
+    "Restore": Route("job", ("job",), _RESTORE, ("run",), ("into",)),
     "ListSnapshots": Route("listing", ("job",), "`job` in `jobs=`; empty: only jobs in `jobs=`"),
     "ConfigureReplication": _job("job"),
     "StoreReplica": Route(

@@ -27,7 +27,7 @@ class ServerCheckpoints(ElasticCheckpoints):
     """Mixed into ``ServerShardedModel``: every rank calls these at the same point (an
     elastic job: every member of the step, strategies/data_parallel/elastic_checkpoints.py)."""
 
-    load_carried: Any  # strategies/data_parallel/server_optim.py
+    prepare_carried: Any  # strategies/data_parallel/server_optim.py
 
     restarted_alone = False
     """This process is a rank of a fixed-world job restarted alone (``paramshard launch
@@ -71,7 +71,7 @@ class ServerCheckpoints(ElasticCheckpoints):
             tag,
             self.world_size,
             PLAIN,
-            lambda carried: self.load_carried(carried, self.client),
+            self.prepare_carried,
         )
         if self.rank == 0:
             if self.config.replicate_every:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from paramshard.strategies.device import Landing, device_of, to_host
@@ -16,7 +16,6 @@ from paramshard.strategies.layout import flatten, torch_dtype
 
 if TYPE_CHECKING:
     from paramshard.client.carry import Carried
-    from paramshard.client.shard_client import ShardClient
 
 __all__ = ["TorchOptimizerState", "server_hyper", "server_optimizer"]
 
@@ -174,12 +173,12 @@ class TorchOptimizerState:
                 )
         self.step_group().barrier()
 
-    def load_carried(self, carried: Carried, everyone: ShardClient) -> None:
+    def prepare_carried(self, carried: Carried) -> Callable[[], None]:
         """Another layout's parameters and optimizer state (client/carry.py): this job's part
-        of each (``param_splits``), written as the snapshot's version with the optimizer at
-        its step, by the first rank of the job's step, a buffer at a time (the others read
-        nothing). Every rank of the model calls it (``everyone``: their client), and all
-        refuse alike, before any writes, a snapshot whose names or shapes do not fit."""
+        of each (``param_splits``) as the snapshot's version with the optimizer at its step.
+        Checks that the snapshot fits (RuntimeError naming what does not) and reads, on the
+        first rank of the job's step, every buffer's values; returns their writing (the
+        other ranks write nothing). ``restore_or_carry`` runs it once every rank prepared."""
         splits = self.param_splits
         shapes = {e.name: e.shape for b in self._flat_buffers for e in b.entries}
         wrong = carried.misfits(shapes, splits)
@@ -189,12 +188,11 @@ class TorchOptimizerState:
                 f"its optimizer state is {carried.optimizer}'s, this model's optimizer is"
                 f" {self._opt_name}"
             )
-        if everyone.all_reduce(np.array([len(wrong)], dtype=np.int64))[0]:
+        if wrong:
             raise RuntimeError(
-                "load_checkpoint: the snapshot does not fit this model: "
-                + ("; ".join(wrong) or "on another rank (see its error)")
+                "load_checkpoint: the snapshot does not fit this model: " + "; ".join(wrong)
             )
-        self._step = carried.version  # the values are written as the snapshot's version
+        writes = []  # (buffer, state key or "" for the parameters, values)
         if self.rank == self.step_members[0]:
             held = self.client.optimizer_state_info(self.config.job)
             for b in self._flat_buffers:
@@ -210,12 +208,18 @@ class TorchOptimizerState:
                             for e in b.entries
                         ]
                         flat = flatten(parts, b.numel, dtype)
-                    self.client.set_params(
-                        self.config.job,
-                        b.name,
-                        to_host(flat, flat.dtype),
-                        version=self._step,
-                        state=key,
-                        optimizer_steps=carried.steps if key else 0,
-                    )
-        self.step_group().barrier()
+                    writes.append((b.name, key, to_host(flat, flat.dtype)))
+
+        def write() -> None:
+            self._step = carried.version  # the values are written as the snapshot's version
+            for name, key, values in writes:
+                self.client.set_params(
+                    self.config.job,
+                    name,
+                    values,
+                    version=self._step,
+                    state=key,
+                    optimizer_steps=carried.steps if key else 0,
+                )
+
+        return write
