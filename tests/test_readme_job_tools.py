@@ -9,7 +9,7 @@ stepping and closed their clients (README says so: a restore puts the servers ba
 snapshot's step, under ranks that would go on from theirs, and the servers refuse it while
 ranks of the job's run hold leases). The export that follows must equal the snapshot, which
 is also exported offline from its folder under the run directory (a copy taken before the
-last command, ``delete-snapshot``, removes it).
+``delete-snapshot`` removes it); ``drop``, the last, takes the job off the servers.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def wait_stopped(here: Path, launch: subprocess.Popen) -> None:
 
 def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
     commands = readme_commands()
-    names = ["status", "inspect", "snapshot", "restore", "export", "delete-snapshot"]
+    names = ["status", "inspect", "snapshot", "restore", "export", "delete-snapshot", "drop"]
     assert [c[0] for c in commands] == names
     env = {
         k: v
@@ -168,6 +168,7 @@ def test_readme_commands_against_a_launched_job(tmp_path: Path) -> None:
     assert list(runs.glob("*.json")) == [], "launch removes its run file at exit"
     assert f"deleted {JOB}/{tag}: 3 files" in outputs["delete-snapshot"], outputs
     assert list(runs.glob(f"*/snapshots/{JOB}/{tag}")) == [], "the tag's folder went with it"
+    assert outputs["drop"].strip() == f"dropped {JOB}", outputs
     folder = tmp_path / "kept" / JOB / tag
     exported = next(a[a.index("--out") + 1] for a in commands if a[0] == "export")
     offline = tmp_path / "offline.safetensors"
