@@ -30,7 +30,9 @@ from paramshard.client.rpc import ShardClientError
 from paramshard.client.shard_client import ShardClient
 from paramshard.client.snapshot_layouts import OtherLayout
 from paramshard.client.tensor_parts import WholeParam, find_parts, join_parts
+from paramshard.protos.placement import parse_part_job
 from paramshard.protos.slicing import tensor_parallel_ranges
+from paramshard.protos.words import listed
 
 __all__ = ["Carried", "carry_name", "read_carried", "restore_or_carry"]
 
@@ -81,10 +83,16 @@ class Carried:
         """What keeps parameters ``shapes`` (name -> the shape a rank holds; ``splits``: the
         ``split_*`` fields of its tensor-parallel ones) from being cut out of these: a name
         the snapshot lacks, a whole shape whose part is not the rank's."""
-        wrong = []
+        wrong, absent = [], [name for name in shapes if name not in self.params]
+        if absent:  # a count and a few of each side: a model of other names lists dozens
+            others = [repr(n) for n in sorted(set(self.params) - set(shapes))]
+            verb = "is" if len(absent) == 1 else "are"
+            wrong.append(
+                f"{listed([repr(n) for n in absent], most=3)} {verb} not in the snapshot (its"
+                f" other names: {listed(others, most=3)})"
+            )
         for name, shape in shapes.items():
             if name not in self.params:
-                wrong.append(f"'{name}' is not in the snapshot")
                 continue
             whole = list(self.params[name].shape)
             want = list(whole)
@@ -168,24 +176,29 @@ def restore_or_carry(
     Every rank prepares before any writes: a rank that cannot (the snapshot does not fit, a
     read failed) stops them all, the live job untouched. Then the copy is dropped."""
     base = carry_name(job, client.run_id)
-    loaded, error = np.zeros(1, dtype=np.int64), None  # 1: loaded to carry; -1: rank 0 failed
+    # element 0: 1 loaded to carry, -1 rank 0 failed; then rank 0's error's words, a byte each
+    said, error = np.zeros(1 + _WORDS, dtype=np.int64), None
     if client.rank == 0:
         try:
             try:
                 restore(client, job, tag, contributors, layout)
             except OtherLayout as other:  # loaded beside the live job, to be carried
                 _drop_copy(client, base)  # what this run's failed attempt may have left
+                _name_strays(client, job, base)
                 restore(client, job, other.tag, into=base)
-                loaded[0] = 1
+                said[0] = 1
         except Exception as exc:  # noqa: BLE001 - said to every rank, raised below
-            loaded[0], error = -1, exc
-    status = int(client.broadcast(loaded)[0])
+            error, words = exc, _words(exc).encode()[:_WORDS]
+            said[0], said[1 : 1 + len(words)] = -1, np.frombuffer(words, dtype=np.uint8)
+    said = client.broadcast(said)
     if error is not None:
         raise error
+    status = int(said[0])
     if status < 0:
+        words = bytes(said[1:].astype(np.uint8)).rstrip(b"\0").decode(errors="replace")
         raise RuntimeError(
-            f"load_checkpoint: rank 0 could not restore snapshot '{tag}' of job '{job}' (its"
-            " error says why); nothing changed"
+            f"load_checkpoint: rank 0 could not restore snapshot '{tag}' of job '{job}':"
+            f" {words}; nothing changed"
         )
     if status == 0:
         return
@@ -212,6 +225,31 @@ def restore_or_carry(
         raise RuntimeError(
             f"load_checkpoint: another rank could not carry snapshot '{tag}' of job '{job}'"
             f" to this model (its error says why), {what}"
+        )
+
+
+_WORDS = 1024
+"""How much of rank 0's error the other ranks are told (bytes of its UTF-8)."""
+
+
+def _words(exc: BaseException) -> str:
+    """``exc`` in one line: its type and message (a KeyError's message, not its quoting)."""
+    text = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    return f"{type(exc).__name__}: {text}"
+
+
+def _name_strays(client: ShardClient, job: str, base: str) -> None:
+    """Logs the copies other runs' carries of ``job`` left (a process killed meanwhile): the
+    servers hold them until someone drops them."""
+    copies = [j for j in server_jobs(client).jobs if j.startswith(f"{job}.carry-")]
+    strays = sorted({(parse_part_job(j) or (j,))[0] for j in copies} - {base})
+    for stray in strays:
+        log.warning(
+            "the servers hold '%s', a copy another run's carry of job '%s' left; it takes"
+            " their memory until dropped: paramshard drop %s",
+            stray,
+            job,
+            stray,
         )
 
 

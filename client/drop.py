@@ -11,11 +11,13 @@ __all__ = ["drop"]
 
 
 def drop(client: ShardClient, job: str) -> list[str]:
-    """Drops ``job`` (a 3D job's base name: every part ``<job>.pp<s>.tp<t>``) from every server
-    that holds it: its parameters, optimizer state, pending contributions and replicas. Its
-    snapshots stay. Returns the server jobs dropped; KeyError when no server holds any."""
+    """Drops ``job`` and a 3D job's every part ``<job>.pp<s>.tp<t>`` (a name may have both:
+    a data-parallel model that loaded a 3D snapshot beside its parts) from every server that
+    holds them: parameters, optimizer state, pending contributions and replicas. Snapshots
+    stay. Returns the server jobs dropped; KeyError when no server holds any."""
     held = server_jobs(client)
-    names = [job] if job in held.status else list(find_parts(job, held.jobs).values())
+    names = [job] if job in held.status else []
+    names += list(find_parts(job, held.jobs).values())
     if not names:
         raise held.not_found(job)
     for name in names:

@@ -76,6 +76,9 @@ def _plain(job: str, plain: list[dict[str, Any]], tag: str, layout: Any) -> tupl
         if not plain:
             return {}, tag  # nothing to carry: the servers' refusal names the job
         tag = max(plain, key=taken_order)["tag"]
+    if not any(r["tag"] == tag for r in plain):
+        tags = ", ".join(sorted({r["tag"] for r in plain})) or "none"
+        raise KeyError(f"job '{job}' has no snapshot '{tag}'; tags: {tags}")
     raise OtherLayout(tag, _other(job, tag, "a data-parallel job's parameters", layout))
 
 

@@ -26,7 +26,7 @@ from hybrid_runs import (
 )
 
 from paramshard.cli import main
-from paramshard.client import ClusterSpec, ShardClient
+from paramshard.client import ClusterSpec, ShardClient, tools
 from paramshard.client.jobs import server_jobs
 from paramshard.models.gpt import Block
 from paramshard.server import ShardServer
@@ -121,6 +121,32 @@ def test_a_3d_snapshot_loads_into_a_data_parallel_model(servers):
     want = run_hybrid(2, 2, 1, servers, job, lambda model, opt, train: save_and_go_on(model, train))
     got = run_fsdp(servers, job, load_and_go_on)
     check(got, want[0], servers)
+    c = ShardClient(ClusterSpec(servers))
+    try:  # the name holds both kinds now: a drop takes both
+        assert tools.drop(c, job) == [job, f"{job}.pp0.tp0", f"{job}.pp0.tp1", f"{job}.pp1.tp0",
+                                      f"{job}.pp1.tp1"]  # fmt: skip
+        assert server_jobs(c).jobs == []
+    finally:
+        c.close()
+
+
+def test_rank_0s_reason_reaches_every_rank(servers):
+    """A tag that does not exist: rank 0's restore fails, and every rank says why (before,
+    the others said only that rank 0 failed, and the launcher showed whichever line came
+    first)."""
+    job = f"carry-{uuid.uuid4().hex[:6]}"
+    run_fsdp(servers, job, save_and_go_on)
+
+    def load(model: Any, opt: Any, train: Any) -> str:
+        try:
+            model.load_checkpoint("nope")
+        except Exception as exc:  # noqa: BLE001 - each rank's words are what is checked
+            return str(exc)
+        return "loaded"
+
+    said = run_hybrid(2, 1, 1, servers, job, load)
+    assert all("'nope'" in each for each in said), said
+    assert "rank 0 could not restore snapshot 'nope'" in said[1] and "tags: taken" in said[1]
 
 
 def test_a_snapshot_before_the_first_step_resets_the_moments(servers):

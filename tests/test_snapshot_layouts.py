@@ -65,6 +65,9 @@ def test_a_named_tag_and_the_copy_a_carry_loads():
     assert snapshot_parts(held(JOB), rows, JOB, "b", None, "") == ({}, "b")
     with pytest.raises(KeyError, match="no snapshot 'z' of its parts"):
         snapshot_parts(held(*PARTS), rows, JOB, "z", (2, 1), "")
+    # a tag neither kind has, where only plain ones exist: not taken for one to carry
+    with pytest.raises(KeyError, match="no snapshot 'z'; tags: a"):
+        snapshot_parts(held(*PARTS), [plain("a", 1)], JOB, "z", (2, 1), "")
 
 
 def test_latest_skips_an_incomplete_3d_tag():
