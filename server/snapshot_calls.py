@@ -19,6 +19,7 @@ from paramshard.protos import codec, slicing
 from paramshard.protos import shard_pb2 as pb
 from paramshard.protos.manifest import ParamEntry, recorded_model_config, recorded_parts
 from paramshard.protos.placement import recorded_placement
+from paramshard.protos.words import listed
 from paramshard.server.buffers.slice_state import master_itemsize, slice_bytes
 from paramshard.server.buffers.spec_checks import check_spec
 from paramshard.server.buffers.store import BufferSlice, BufferStore, status_row
@@ -186,6 +187,8 @@ class SnapshotCalls:
                  for name, info in manifest["buffers"].items()]  # fmt: skip
         for spec in specs:  # a manifest is a caller's file (CommitSnapshot): checked as sent
             check_spec(spec, "Restore")
+        if not req.into:
+            self._check_fits(req, tag, specs)
         target = req.into or req.job
         what = f"restore of job '{req.job}'" + (f" as '{req.into}'" if req.into else "")
         self.buffers.check_room(target, specs, what)
@@ -241,6 +244,42 @@ class SnapshotCalls:
         return BufferSlice.restored(
             spec, manifest["version"], read("params"), state, row["step_count"]
         )
+
+    def _check_fits(self, req: pb.RestoreRequest, tag: str, specs: list[Any]) -> None:
+        """A snapshot restored over a job this server holds is of that job's model: the same
+        buffers, each of the same size, parameters (names, shapes, places) and optimizer.
+        Before, another model's snapshot was swapped in, and its ranks failed later and less
+        clearly (a pull outside the slice; an optimizer's unknown hyper-parameter at the
+        first step; a collective waiting out its deadline). The placement, the data-parallel
+        ranks and the hyper-parameters may differ: a restore reshards, and schedules move."""
+        held = {b.name: b.spec for b in self.buffers.jobs().get(req.job, [])}
+        if not held:
+            return
+
+        def params(spec: Any) -> list[tuple[str, tuple[int, ...], int]]:
+            return [(p.name, tuple(p.shape), p.offset) for p in spec.params]
+
+        got = {spec.ref.buffer: spec for spec in specs}
+        why = []
+        if set(got) != set(held):
+            why.append(
+                f"buffers {listed(sorted(got))} in the snapshot, {listed(sorted(held))} here"
+            )
+        for name in sorted(set(got) & set(held)):
+            new, old = got[name], held[name]
+            if new.numel != old.numel or params(new) != params(old):
+                why.append(f"buffer '{name}' holds other parameters (names, shapes or places)")
+            elif new.optimizer.name != old.optimizer.name:
+                why.append(
+                    f"buffer '{name}': optimizer {new.optimizer.name} in the snapshot,"
+                    f" {old.optimizer.name} here"
+                )
+        if why:
+            raise ShardError.precondition(
+                f"restore: snapshot '{req.job}/{tag}' is not of the model that registered job"
+                f" '{req.job}' here ({listed(why, most=3)}); drop the job first (paramshard"
+                " drop) to restore the snapshot as it was taken"
+            )
 
     def _check_new(self, req: pb.RestoreRequest) -> None:
         """A restore ``into`` another name makes a new job: it never replaces one (a job of

@@ -421,3 +421,35 @@ def test_a_snapshot_that_does_not_fit_is_refused_on_every_rank_before_any_write(
         assert "before any rank wrote" in said or "does not fit this model" in said, said
         assert_equal_state(after, before, "after the refusal")
     assert any("'wte.weight' is [50, " in said for said, _, _ in got)
+
+
+def test_a_snapshot_of_another_model_in_the_same_layout_is_refused_before_the_swap(trained):
+    """The same layout, another model (a vocabulary of 60): the servers compare the snapshot
+    with the job they hold before any swap. Before, they swapped it in and the ranks failed
+    at their first pull ("outside this server's slice"), the servers holding the snapshot;
+    a model with fewer layers hung in a collective for its deadline."""
+    pp, tp, dp = trained["topology"]
+    wider = dataclasses.replace(CFG, vocab_size=60)
+    nodes = [
+        ShardServer("127.0.0.1", 0, snapshot_dir=str(trained["root"])).start() for _ in range(2)
+    ]
+    addresses = [n.address for n in nodes]
+
+    def load(model: Any, opt: Any, train: Any) -> tuple[str, bool]:
+        before = model.state_dict()
+        try:
+            model.load_checkpoint("t1")
+        except Exception as exc:  # noqa: BLE001 - each rank's words are what is checked
+            after = model.state_dict()
+            return str(exc), all(after[k].equal(v) for k, v in before.items())
+        return "loaded", False
+
+    try:
+        got = run_hybrid(pp, tp, dp, addresses, trained["job"], load, cfg=wider)
+    finally:
+        for n in nodes:
+            n.stop(0)
+    for said, kept in got:
+        assert "is not of the model that registered job" in said, said
+        assert "holds other parameters" in said and "paramshard drop" in said, said
+        assert kept
