@@ -187,8 +187,6 @@ class SnapshotCalls:
                  for name, info in manifest["buffers"].items()]  # fmt: skip
         for spec in specs:  # a manifest is a caller's file (CommitSnapshot): checked as sent
             check_spec(spec, "Restore")
-        if not req.into:
-            self._check_fits(req, tag, specs)
         target = req.into or req.job
         what = f"restore of job '{req.job}'" + (f" as '{req.into}'" if req.into else "")
         self.buffers.check_room(target, specs, what)
@@ -199,6 +197,8 @@ class SnapshotCalls:
             slices = [self._restored(req, tag, manifest, layout, spec) for spec in specs]
         finally:
             self.buffers.budget.release(need, "snapshots")
+        if not req.into and self._own_ranks_restore(req):  # after the files' own checks
+            self._check_fits(req, tag, specs)
         if req.check_only:
             return pb.RestoreReply(tag=tag, version=manifest["version"], buffers=len(slices))
         # all read and checked: in one go (as a new job only, under another name)
@@ -245,9 +245,17 @@ class SnapshotCalls:
             spec, manifest["version"], read("params"), state, row["step_count"]
         )
 
+    def _own_ranks_restore(self, req: pb.RestoreRequest) -> bool:
+        """Whether a rank of the run that trains ``req.job`` here (its ranks hold leases)
+        restores it: its ``load_checkpoint`` or recovery, which needs the model it trains. A
+        tool's restore replaces whatever the job holds, as taken (``paramshard restore``)."""
+        runs = {b.run for b in self.buffers.jobs().get(req.job, []) if b.run}
+        return any(self.live_ranks(run) and run_root(req.run) == run for run in runs)
+
     def _check_fits(self, req: pb.RestoreRequest, tag: str, specs: list[Any]) -> None:
-        """A snapshot restored over a job this server holds is of that job's model: the same
-        buffers, each of the same size, parameters (names, shapes, places) and optimizer.
+        """A snapshot its own ranks restore over the job they train is of their model: each
+        buffer both have of the same size, parameters (names, shapes, places) and optimizer
+        (the buffers themselves may differ: a job's raw client may have made more since).
         Before, another model's snapshot was swapped in, and its ranks failed later and less
         clearly (a pull outside the slice; an optimizer's unknown hyper-parameter at the
         first step; a collective waiting out its deadline). The placement, the data-parallel
@@ -261,10 +269,6 @@ class SnapshotCalls:
 
         got = {spec.ref.buffer: spec for spec in specs}
         why = []
-        if set(got) != set(held):
-            why.append(
-                f"buffers {listed(sorted(got))} in the snapshot, {listed(sorted(held))} here"
-            )
         for name in sorted(set(got) & set(held)):
             new, old = got[name], held[name]
             if new.numel != old.numel or params(new) != params(old):
